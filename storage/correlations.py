@@ -1,0 +1,49 @@
+"""Durable correlation records: correlation id → session, in the object store.
+
+Written before the index is bound, kept after the wait closes. A flushed or lagging Redis
+therefore never turns a valid callback away (the ingress falls back to the record), and a
+late callback for a closed wait still finds its session, where it is recorded as an
+observation and answered with the session's real outcome instead of a 404.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from storage import keys
+from torpor.errors import ObjectNotFound
+from torpor.ports import ObjectStore, WaitBinding
+
+
+class ObjectCorrelations:
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    async def record(self, binding: WaitBinding) -> None:
+        data = binding.model_dump_json().encode()
+        # Single writer per correlation id (the session holding its lease), so a plain PUT
+        # is safe; rewriting the same record after a crash is harmless.
+        await self.store.put(keys.correlation(binding.correlation_id), data)
+        if binding.business_key:
+            await self.store.put(
+                keys.business_key(binding.tenant, binding.business_key),
+                binding.correlation_id.encode(),
+            )
+
+    async def lookup(self, correlation_id: str) -> WaitBinding | None:
+        try:
+            obj = await self.store.get(keys.correlation(keys.safe(correlation_id)))
+        except ObjectNotFound:
+            return None
+        try:
+            return WaitBinding.model_validate_json(obj.data)
+        except ValidationError:
+            return None
+
+    async def lookup_business_key(self, *, tenant: str, business_key: str) -> WaitBinding | None:
+        try:
+            obj = await self.store.get(keys.business_key(tenant, business_key))
+        except ObjectNotFound:
+            return None
+        binding = await self.lookup(obj.data.decode(errors="replace"))
+        return binding if binding is not None and binding.tenant == tenant else None

@@ -1,0 +1,65 @@
+"""Pick storage adapters by URL.
+
+``file://PATH`` and ``sqlite://PATH`` are the embedded defaults (one host);
+``s3://bucket/prefix`` and ``redis://…`` / ``rediss://…`` are for clusters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+from storage.local_store import LocalObjectStore
+from storage.redis_index import RedisIndex
+from storage.s3_store import S3ObjectStore
+from storage.sqlite_index import SqliteIndex
+from torpor.errors import ConfigError, EmbeddedBackendOnCluster
+from torpor.ports import Index, ObjectStore
+from torpor.settings import Settings, resolve_secret
+
+
+def _local_path(url: str, scheme: str) -> Path:
+    # file:///abs/path, file://relative/path and a bare path all mean a folder here.
+    rest = url[len(scheme) + 3 :] if url.startswith(f"{scheme}://") else url
+    if not rest:
+        raise ConfigError(f"{scheme} URL {url!r} names no path")
+    return Path(rest)
+
+
+def open_object_store(settings: Settings) -> ObjectStore:
+    url = settings.object_store_url
+    if url.startswith("s3://"):
+        parsed = urlparse(url)
+        s3 = settings.s3
+        secret = resolve_secret(s3.secret_access_key) if s3.secret_access_key else None
+        return S3ObjectStore(
+            parsed.netloc,
+            parsed.path,
+            endpoint_url=s3.endpoint_url,
+            region=s3.region,
+            access_key_id=s3.access_key_id,
+            secret_access_key=secret,
+        )
+    if url.startswith("file://") or "://" not in url:
+        return LocalObjectStore(_local_path(url, "file"))
+    raise ConfigError(f"object store URL {url!r}: use s3://bucket/prefix or file://path")
+
+
+def open_index(settings: Settings) -> Index:
+    url = settings.index_url
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisIndex(url, prefix=settings.redis_prefix)
+    if url.startswith("sqlite://"):
+        return SqliteIndex(_local_path(url, "sqlite"))
+    raise ConfigError(f"index URL {url!r}: use redis://host:port/db or sqlite://path")
+
+
+def check_embedded_allowed(settings: Settings, *, alive_nodes: int) -> None:
+    """The local folder and SQLite are only shared by processes on one host."""
+    if alive_nodes > 1 and settings.embedded:
+        raise EmbeddedBackendOnCluster(
+            f"this Ray cluster has {alive_nodes} nodes, but torpor is configured with "
+            f"embedded storage ({settings.object_store_url}, {settings.index_url}), which "
+            "only works on one host. Set TORPOR_OBJECT_STORE_URL=s3://bucket/prefix and "
+            "TORPOR_INDEX_URL=redis://host:6379/0 (see README, Configuration)."
+        )

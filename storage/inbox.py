@@ -1,0 +1,57 @@
+"""Each session's inbox: one create-only object per delivered event.
+
+The key is the session plus H(source, event id), so a redelivery by a sender, a retry by
+the ingress or a second poll that finds the same outcome all land on the same object and
+are no-ops. The inbox is written before any activation is attempted, so an event that
+arrives while its session is running, or before its wait is committed, is never lost: it
+waits here until an activation reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+
+from pydantic import ValidationError
+
+from storage import keys
+from torpor.errors import ObjectExists, ObjectNotFound
+from torpor.events import InboxEvent
+from torpor.ports import ObjectStore
+
+
+class ObjectInbox:
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    async def deliver(self, event: InboxEvent) -> bool:
+        key = keys.inbox_event(event.session_id, event.key)
+        try:
+            await self.store.put_if_absent(key, event.model_dump_json().encode())
+        except ObjectExists:
+            return False
+        return True
+
+    async def pending(self, session_id: str, *, processed: Collection[str]) -> list[InboxEvent]:
+        prefix = keys.inbox_prefix(session_id)
+        names: list[str] = []
+        token: str | None = None
+        while True:
+            page = await self.store.list(prefix, start_after=token)
+            names.extend(k for k in page.keys if k[len(prefix) :] not in processed)
+            if page.next_token is None:
+                break
+            token = page.next_token
+        events = await asyncio.gather(*(self._read(name) for name in names))
+        found = [e for e in events if e is not None]
+        return sorted(found, key=lambda e: (e.received_at, e.key))
+
+    async def _read(self, key: str) -> InboxEvent | None:
+        try:
+            obj = await self.store.get(key)
+        except ObjectNotFound:
+            return None
+        try:
+            return InboxEvent.model_validate_json(obj.data)
+        except ValidationError:
+            return None  # only torpor writes here; an unreadable object is not an event

@@ -1,0 +1,150 @@
+"""Every object path and Redis key torpor uses, built here and nowhere else.
+
+Identifiers that end up in paths are validated against a safe alphabet first, so no
+caller can smuggle ``..`` or a separator into a key.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torpor.errors import InvalidKey
+from torpor.ids import digest
+from torpor.lifecycle import SessionState
+from torpor.ports import TimerKind
+
+_SAFE = re.compile(r"^[A-Za-z0-9_\-.]{1,128}$")
+_KEY = re.compile(r"^[A-Za-z0-9_\-.=/]{1,1024}$")
+
+
+def safe(value: str, what: str = "identifier") -> str:
+    if not _SAFE.match(value) or value in {".", ".."}:
+        raise InvalidKey(f"{what} {value[:80]!r} is not a safe identifier ([A-Za-z0-9_-.], 1-128)")
+    return value
+
+
+def check_object_key(key: str) -> str:
+    """Refuse keys a local folder or S3 would interpret differently."""
+    parts = key.split("/")
+    if not _KEY.match(key) or any(p in {"", ".", ".."} for p in parts):
+        raise InvalidKey(f"object key {key[:120]!r} is not a valid relative key")
+    return key
+
+
+# --- object store paths --------------------------------------------------------------
+
+SNAPSHOTS = "snapshots/"
+
+
+def snapshot(session_id: str) -> str:
+    return SNAPSHOTS + safe(session_id, "session id")
+
+
+def session_id_of_snapshot(key: str) -> str:
+    return key.removeprefix(SNAPSHOTS)
+
+
+def inbox_prefix(session_id: str) -> str:
+    return f"inbox/{safe(session_id, 'session id')}/"
+
+
+def inbox_event(session_id: str, event_key: str) -> str:
+    return inbox_prefix(session_id) + safe(event_key, "event key")
+
+
+def correlation(correlation_id: str) -> str:
+    return "correlations/" + safe(correlation_id, "correlation id")
+
+
+def business_key(tenant: str, key: str) -> str:
+    return f"business-keys/{safe(tenant, 'tenant')}/{digest(key)}"
+
+
+def parked_prefix(tenant: str, key: str) -> str:
+    return f"parked/{safe(tenant, 'tenant')}/{digest(key)}/"
+
+
+def parked_event(tenant: str, key: str, event_key: str) -> str:
+    return parked_prefix(tenant, key) + safe(event_key, "event key")
+
+
+def audit_prefix(stream: str) -> str:
+    return f"audit/{safe(stream, 'audit stream')}/"
+
+
+def audit_record(stream: str, seq: int) -> str:
+    return f"{audit_prefix(stream)}{seq:012d}"
+
+
+def batch(batch_id: str) -> str:
+    return "batches/" + safe(batch_id, "batch id")
+
+
+def delivery_prefix(tenant: str) -> str:
+    return f"deliveries/{safe(tenant, 'tenant')}/"
+
+
+def delivery(tenant: str, delivery_id: str) -> str:
+    return delivery_prefix(tenant) + safe(delivery_id, "delivery id")
+
+
+def endpoint_state(tenant: str, url: str) -> str:
+    return f"endpoints/{safe(tenant, 'tenant')}/{digest(url)}"
+
+
+# --- Redis keys -----------------------------------------------------------------------
+
+
+class RedisKeys:
+    """Redis key names under one prefix (tests use a prefix of their own)."""
+
+    def __init__(self, prefix: str = "tp:") -> None:
+        self.prefix = prefix
+
+    def correlation(self, correlation_id: str) -> str:
+        return f"{self.prefix}c:{correlation_id}"
+
+    def business_key(self, tenant: str, key: str) -> str:
+        return f"{self.prefix}b:{tenant}:{digest(key, length=20)}"
+
+    @property
+    def deadlines(self) -> str:
+        return f"{self.prefix}dl"
+
+    def timers(self, kind: TimerKind) -> str:
+        return f"{self.prefix}t:{kind.value}"
+
+    def nonce(self, scope: str, nonce: str) -> str:
+        return f"{self.prefix}n:{scope}:{digest(nonce, length=24)}"
+
+    def idempotency(self, tenant: str, key: str) -> str:
+        return f"{self.prefix}i:{tenant}:{digest(key)}"
+
+    def lease(self, name: str) -> str:
+        return f"{self.prefix}l:{name}"
+
+    def fence(self, name: str) -> str:
+        return f"{self.prefix}lf:{name}"
+
+    @property
+    def lease_expiry(self) -> str:
+        return f"{self.prefix}le"
+
+    @property
+    def session_state(self) -> str:
+        return f"{self.prefix}st"
+
+    def sessions(self, tenant: str, state: SessionState | None) -> str:
+        return f"{self.prefix}ss:{tenant}:{state.value if state else '*'}"
+
+    @property
+    def counters(self) -> str:
+        return f"{self.prefix}m"
+
+    @property
+    def intact(self) -> str:
+        return f"{self.prefix}intact"
+
+    @property
+    def pattern(self) -> str:
+        return f"{self.prefix}*"

@@ -1,0 +1,203 @@
+"""``file:///path``: the embedded object store, one folder on one host.
+
+It gives the same create-only and compare-and-swap semantics as S3 to every process on
+the host:
+
+* ``put_if_absent`` writes a temporary file and ``os.link``s it into place: link fails
+  with EEXIST if the key exists, so exactly one creator wins without any lock.
+* ``put_if_match`` and ``delete`` take an exclusive ``flock`` on a per-key lock file,
+  compare the current etag and ``os.replace`` the new content in: readers never see a
+  half-written file, and two writers never both pass the etag check.
+
+Etags are the MD5 of the content, as S3 computes them for single-part uploads.
+Blocking file I/O runs in a worker thread so the caller's event loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+from storage.blocking import off_loop
+from storage.keys import check_object_key
+from torpor.errors import (
+    ConfigError,
+    EtagMismatch,
+    ObjectExists,
+    ObjectNotFound,
+    StorageUnavailable,
+)
+from torpor.ports import ListPage, StoredObject
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_LOCKS = ".locks"
+_TMP = ".tmp"
+
+
+def etag_of(data: bytes) -> str:
+    return '"' + hashlib.md5(data, usedforsecurity=False).hexdigest() + '"'
+
+
+def _normal(etag: str) -> str:
+    return etag.strip('"')
+
+
+class LocalObjectStore:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser().resolve()
+        try:
+            for sub in (_LOCKS, _TMP):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"local object store {self.root} is not writable: {exc}") from exc
+
+    @property
+    def url(self) -> str:
+        return f"file://{self.root}"
+
+    # -- paths ----------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        return self.root / "objects" / check_object_key(key)
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        name = hashlib.sha256(key.encode()).hexdigest()[:32]
+        fd = os.open(self.root / _LOCKS / name, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock
+
+    def _write_tmp(self, data: bytes) -> str:
+        fd, tmp = tempfile.mkstemp(dir=self.root / _TMP)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return tmp
+
+    # -- blocking implementations ---------------------------------------------------
+
+    def _get(self, key: str, max_bytes: int | None) -> StoredObject:
+        path = self._path(key)
+        try:
+            with path.open("rb") as fh:
+                data = fh.read() if max_bytes is None else fh.read(max_bytes)
+                if max_bytes is not None:
+                    # The etag always names the whole object, as S3's does on a ranged GET.
+                    rest = hashlib.md5(data, usedforsecurity=False)
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        rest.update(chunk)
+                    return StoredObject(data, '"' + rest.hexdigest() + '"')
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key) from None
+        return StoredObject(data, etag_of(data))
+
+    def _put(self, key: str, data: bytes) -> str:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._write_tmp(data)
+        with self._locked(key):
+            os.replace(tmp, path)
+        return etag_of(data)
+
+    def _put_if_absent(self, key: str, data: bytes) -> str:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._write_tmp(data)
+        try:
+            os.link(tmp, path)  # atomic create-only: EEXIST if anyone got there first
+        except FileExistsError:
+            raise ObjectExists(f"object {key!r} already exists", key=key) from None
+        finally:
+            os.unlink(tmp)
+        return etag_of(data)
+
+    def _put_if_match(self, key: str, data: bytes, etag: str) -> str:
+        path = self._path(key)
+        tmp = self._write_tmp(data)
+        try:
+            with self._locked(key):
+                try:
+                    current = etag_of(path.read_bytes())
+                except FileNotFoundError:
+                    raise EtagMismatch(f"object {key!r} no longer exists", key=key) from None
+                if _normal(current) != _normal(etag):
+                    raise EtagMismatch(f"object {key!r} changed since it was read", key=key)
+                os.replace(tmp, path)
+                tmp = ""
+        finally:
+            if tmp:
+                os.unlink(tmp)
+        return etag_of(data)
+
+    def _list(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
+        base = self.root / "objects"
+        # Walk only the deepest folder the prefix names, then filter by the full prefix.
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = base / folder if folder else base
+        keys: list[str] = []
+        for dirpath, _dirs, files in os.walk(top):
+            rel = Path(dirpath).relative_to(base).as_posix()
+            for name in files:
+                key = name if rel == "." else f"{rel}/{name}"
+                if key.startswith(prefix) and (start_after is None or key > start_after):
+                    keys.append(key)
+        keys.sort()
+        page = keys[:limit]
+        return ListPage(page, page[-1] if len(keys) > limit else None)
+
+    def _delete(self, key: str) -> None:
+        path = self._path(key)
+        with self._locked(key), contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    # -- async protocol -------------------------------------------------------------
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        return await _off_loop(self._get, key, max_bytes)
+
+    async def put(self, key: str, data: bytes) -> str:
+        return await _off_loop(self._put, key, data)
+
+    async def put_if_absent(self, key: str, data: bytes) -> str:
+        return await _off_loop(self._put_if_absent, key, data)
+
+    async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
+        return await _off_loop(self._put_if_match, key, data, etag)
+
+    async def list(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        return await _off_loop(self._list, prefix, start_after, limit)
+
+    async def delete(self, key: str) -> None:
+        await _off_loop(self._delete, key)
+
+    async def close(self) -> None:
+        return None
+
+
+async def _off_loop(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    try:
+        return await off_loop(fn, *args, **kwargs)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EIO):
+            raise StorageUnavailable(f"local object store I/O failed: {exc.strerror}") from exc
+        raise

@@ -1,0 +1,376 @@
+"""``redis://``: the index for clusters (redis-py asyncio).
+
+Every multi-key change is one MULTI/EXEC or one Lua script, so a reader never sees half
+of it. Logical time (lease expiry, deadlines) is passed in by the caller; Redis TTLs are
+used only to garbage-collect entries well after they stop mattering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from datetime import datetime, timedelta
+from functools import wraps
+from typing import Any, ParamSpec, TypeVar, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from storage.bindings import decode_binding, encode_binding
+from storage.keys import RedisKeys
+from torpor.clock import from_ms, to_ms
+from torpor.errors import IndexUnavailable
+from torpor.lifecycle import SessionState
+from torpor.ports import (
+    IdempotencyRecord,
+    IdempotencyStatus,
+    Lease,
+    SessionPage,
+    TimerKind,
+    WaitBinding,
+)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+LEASE_GC = 24 * 3600 * 1000  # keep an expired lease record a day, for post-mortems
+
+# Unbind removes the business-key pointer only if it still names this wait: a newer wait
+# with the same business key may have taken it over.
+_UNBIND = """
+redis.call('DEL', KEYS[1])
+if KEYS[2] ~= '' and redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+redis.call('ZREM', KEYS[3], ARGV[1])
+return 1
+"""
+
+_CLAIM_IDEMPOTENCY = """
+local cur = redis.call('HMGET', KEYS[1], 'sid', 'fp', 'st')
+if cur[1] then return {0, cur[1], cur[2], cur[3]} end
+redis.call('HSET', KEYS[1], 'sid', ARGV[1], 'fp', ARGV[2], 'st', 'in_progress')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {1, ARGV[1], ARGV[2], 'in_progress'}
+"""
+
+# A lease is free if absent or expired at the caller's ``now``. The fencing counter only
+# ever increases, so a stale holder's token is always smaller than the current one.
+_ACQUIRE = """
+local exp = tonumber(redis.call('HGET', KEYS[1], 'exp') or '0')
+local now = tonumber(ARGV[2])
+if exp > now then return nil end
+local token = redis.call('INCR', KEYS[2])
+local new_exp = now + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'exp', new_exp)
+redis.call('PEXPIREAT', KEYS[1], new_exp + tonumber(ARGV[5]))
+redis.call('ZADD', KEYS[3], new_exp, ARGV[4])
+return {token, new_exp}
+"""
+
+_RENEW = """
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'token', 'exp')
+local now = tonumber(ARGV[3])
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] or tonumber(cur[3]) <= now then return nil end
+local new_exp = now + tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], 'exp', new_exp)
+redis.call('PEXPIREAT', KEYS[1], new_exp + tonumber(ARGV[6]))
+redis.call('ZADD', KEYS[2], new_exp, ARGV[5])
+return new_exp
+"""
+
+_RELEASE = """
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[3])
+return 1
+"""
+
+_FORGET = """
+local exp = tonumber(redis.call('HGET', KEYS[1], 'exp') or '0')
+if exp <= tonumber(ARGV[2]) then redis.call('ZREM', KEYS[2], ARGV[1]) return 1 end
+return 0
+"""
+
+
+def _translate(
+    fn: Callable[P, Coroutine[Any, Any, T]],
+) -> Callable[P, Coroutine[Any, Any, T]]:
+    """Turn redis-py's connection errors into the domain's typed IndexUnavailable."""
+
+    @wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        self = cast("RedisIndex", args[0])
+        try:
+            return await fn(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise IndexUnavailable(
+                f"Redis index at {self.url} is not reachable ({type(exc).__name__})"
+            ) from exc
+        except RedisError as exc:
+            raise IndexUnavailable(f"Redis index at {self.url} failed: {exc}") from exc
+
+    return wrapper
+
+
+class RedisIndex:
+    def __init__(
+        self, url: str, *, prefix: str = "tp:", client: aioredis.Redis | None = None
+    ) -> None:
+        self._url = url
+        self.keys = RedisKeys(prefix)
+        self._redis: aioredis.Redis = client or aioredis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5
+        )
+        self._unbind = self._redis.register_script(_UNBIND)
+        self._claim_idem = self._redis.register_script(_CLAIM_IDEMPOTENCY)
+        self._acquire = self._redis.register_script(_ACQUIRE)
+        self._renew = self._redis.register_script(_RENEW)
+        self._release = self._redis.register_script(_RELEASE)
+        self._forget = self._redis.register_script(_FORGET)
+
+    @property
+    def url(self) -> str:
+        # Never show a password that may be in the URL.
+        scheme, _, rest = self._url.partition("://")
+        return f"{scheme}://{rest.rpartition('@')[2]}"
+
+    @property
+    def client(self) -> aioredis.Redis:
+        return self._redis
+
+    @_translate
+    async def ping(self) -> None:
+        await self._redis.ping()
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    # -- waits --------------------------------------------------------------------------
+
+    @_translate
+    async def bind_wait(self, binding: WaitBinding, *, grace: timedelta) -> None:
+        expire_at = to_ms(binding.deadline + grace)
+        cid = binding.correlation_id
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.correlation(cid), encode_binding(binding), pxat=expire_at)
+            if binding.business_key:
+                key = self.keys.business_key(binding.tenant, binding.business_key)
+                pipe.set(key, cid, pxat=expire_at)
+            pipe.zadd(self.keys.deadlines, {cid: to_ms(binding.deadline)})
+            await pipe.execute()
+
+    @_translate
+    async def resolve(
+        self, *, tenant: str, correlation_id: str | None = None, business_key: str | None = None
+    ) -> WaitBinding | None:
+        cid = correlation_id
+        if cid is None and business_key is not None:
+            cid = _opt(await self._redis.get(self.keys.business_key(tenant, business_key)))
+        if cid is None:
+            return None
+        raw = _opt(await self._redis.get(self.keys.correlation(cid)))
+        binding = decode_binding(cid, raw) if raw else None
+        return binding if binding and binding.tenant == tenant else None
+
+    @_translate
+    async def unbind(self, *, tenant: str, correlation_id: str) -> None:
+        raw = _opt(await self._redis.get(self.keys.correlation(correlation_id)))
+        binding = decode_binding(correlation_id, raw) if raw else None
+        if binding is not None and binding.tenant != tenant:
+            return
+        bk = (
+            self.keys.business_key(tenant, binding.business_key)
+            if binding and binding.business_key
+            else ""
+        )
+        keys = [self.keys.correlation(correlation_id), bk, self.keys.deadlines]
+        await self._unbind(keys=keys, args=[correlation_id])
+
+    @_translate
+    async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]:
+        cids = _strs(
+            await self._redis.zrangebyscore(
+                self.keys.deadlines, "-inf", to_ms(now), start=0, num=limit
+            )
+        )
+        if not cids:
+            return []
+        raws = [_opt(r) for r in await self._redis.mget([self.keys.correlation(c) for c in cids])]
+        out: list[WaitBinding] = []
+        orphans: list[str] = []
+        for cid, raw in zip(cids, raws, strict=True):
+            binding = decode_binding(cid, raw) if raw else None
+            if binding is None:
+                orphans.append(cid)
+            else:
+                out.append(binding)
+        if orphans:  # binding expired long ago: its deadline entry is garbage
+            await self._redis.zrem(self.keys.deadlines, *orphans)
+        return out
+
+    # -- timers -------------------------------------------------------------------------
+
+    @_translate
+    async def schedule(self, *, kind: TimerKind, member: str, at: datetime) -> None:
+        await self._redis.zadd(self.keys.timers(kind), {member: to_ms(at)})
+
+    @_translate
+    async def unschedule(self, *, kind: TimerKind, member: str) -> None:
+        await self._redis.zrem(self.keys.timers(kind), member)
+
+    @_translate
+    async def due(self, *, kind: TimerKind, now: datetime, limit: int) -> list[str]:
+        return _strs(
+            await self._redis.zrangebyscore(
+                self.keys.timers(kind), "-inf", to_ms(now), start=0, num=limit
+            )
+        )
+
+    # -- dedupe and idempotency ---------------------------------------------------------
+
+    @_translate
+    async def claim_nonce(self, *, scope: str, nonce: str, ttl: timedelta) -> bool:
+        ttl_ms = max(1, int(ttl.total_seconds() * 1000))
+        claimed = await self._redis.set(self.keys.nonce(scope, nonce), "1", nx=True, px=ttl_ms)
+        return bool(claimed)
+
+    @_translate
+    async def claim_idempotency(
+        self, *, tenant: str, key: str, fingerprint: str, session_id: str, ttl: timedelta
+    ) -> IdempotencyRecord:
+        ttl_ms = max(1, int(ttl.total_seconds() * 1000))
+        created, sid, fp, status = await self._claim_idem(
+            keys=[self.keys.idempotency(tenant, key)], args=[session_id, fingerprint, ttl_ms]
+        )
+        return IdempotencyRecord(key, sid, fp, IdempotencyStatus(status), bool(created))
+
+    @_translate
+    async def finish_idempotency(self, *, tenant: str, key: str, ttl: timedelta) -> None:
+        name = self.keys.idempotency(tenant, key)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(name, "st", IdempotencyStatus.DONE.value)
+            pipe.pexpire(name, max(1, int(ttl.total_seconds() * 1000)))
+            await pipe.execute()
+
+    @_translate
+    async def release_idempotency(self, *, tenant: str, key: str) -> None:
+        await self._redis.delete(self.keys.idempotency(tenant, key))
+
+    # -- leases -------------------------------------------------------------------------
+
+    @_translate
+    async def acquire_lease(
+        self, *, name: str, owner: str, ttl: timedelta, now: datetime
+    ) -> Lease | None:
+        got = await self._acquire(
+            keys=[self.keys.lease(name), self.keys.fence(name), self.keys.lease_expiry],
+            args=[owner, to_ms(now), _ms(ttl), name, LEASE_GC],
+        )
+        if got is None:
+            return None
+        token, expires = got
+        return Lease(name, owner, int(token), from_ms(int(expires)))
+
+    @_translate
+    async def renew_lease(self, lease: Lease, *, ttl: timedelta, now: datetime) -> Lease | None:
+        expires = await self._renew(
+            keys=[self.keys.lease(lease.name), self.keys.lease_expiry],
+            args=[lease.owner, lease.token, to_ms(now), _ms(ttl), lease.name, LEASE_GC],
+        )
+        if expires is None:
+            return None
+        return Lease(lease.name, lease.owner, lease.token, from_ms(int(expires)))
+
+    @_translate
+    async def release_lease(self, lease: Lease) -> bool:
+        released = await self._release(
+            keys=[self.keys.lease(lease.name), self.keys.lease_expiry],
+            args=[lease.owner, lease.token, lease.name],
+        )
+        return bool(released)
+
+    @_translate
+    async def expired_leases(self, *, now: datetime, limit: int) -> list[str]:
+        return _strs(
+            await self._redis.zrangebyscore(
+                self.keys.lease_expiry, "-inf", to_ms(now), start=0, num=limit
+            )
+        )
+
+    @_translate
+    async def forget_lease(self, *, name: str, now: datetime) -> None:
+        keys = [self.keys.lease(name), self.keys.lease_expiry]
+        await self._forget(keys=keys, args=[name, to_ms(now)])
+
+    # -- session registry ---------------------------------------------------------------
+
+    @_translate
+    async def record_session(self, *, tenant: str, session_id: str, state: SessionState) -> None:
+        # Score 0 everywhere: members then sort by session id, which starts with its
+        # creation time, so lexicographic ranges paginate newest-first for free.
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.session_state, session_id, state.value)
+            for other in SessionState:
+                if other is not state:
+                    pipe.zrem(self.keys.sessions(tenant, other), session_id)
+            pipe.zadd(self.keys.sessions(tenant, state), {session_id: 0})
+            pipe.zadd(self.keys.sessions(tenant, None), {session_id: 0})
+            await pipe.execute()
+
+    @_translate
+    async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]:
+        if not session_ids:
+            return {}
+        values = await self._redis.hmget(self.keys.session_state, session_ids)
+        return {sid: SessionState(_str(v)) for sid, v in zip(session_ids, values, strict=True) if v}
+
+    @_translate
+    async def list_sessions(
+        self, *, tenant: str, state: SessionState | None, cursor: str | None, limit: int
+    ) -> SessionPage:
+        upper = f"({cursor}" if cursor else "+"
+        ids = _strs(
+            await self._redis.zrevrangebylex(
+                self.keys.sessions(tenant, state), upper, "-", start=0, num=limit + 1
+            )
+        )
+        more = len(ids) > limit
+        ids = ids[:limit]
+        return SessionPage(ids, ids[-1] if more else None)
+
+    # -- counters and integrity ---------------------------------------------------------
+
+    @_translate
+    async def incr(self, name: str, by: int = 1) -> int:
+        return int(await self._redis.hincrby(self.keys.counters, name, by))
+
+    @_translate
+    async def counters(self) -> dict[str, int]:
+        raw = await self._redis.hgetall(self.keys.counters)
+        return {_str(k): int(v) for k, v in raw.items()}
+
+    @_translate
+    async def mark_intact(self) -> None:
+        await self._redis.set(self.keys.intact, "1")
+
+    @_translate
+    async def is_intact(self) -> bool:
+        return bool(await self._redis.exists(self.keys.intact))
+
+
+def _str(value: bytes | str) -> str:
+    # The client decodes responses; this only narrows redis-py's bytes | str annotations.
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _opt(value: bytes | str | None) -> str | None:
+    return None if value is None else _str(value)
+
+
+def _strs(values: Any) -> list[str]:
+    return [_str(v) for v in values]
+
+
+def _ms(delta: timedelta) -> int:
+    return max(1, int(delta.total_seconds() * 1000))

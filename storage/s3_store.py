@@ -1,0 +1,170 @@
+"""``s3://bucket/prefix``: the object store on any S3-compatible service (AWS, MinIO, …).
+
+Create-only and compare-and-swap are S3 conditional writes (``If-None-Match: *`` and
+``If-Match: <etag>``), which AWS S3, MinIO and the moto test server honour. boto3 is
+blocking, so every call runs in a worker thread; the client itself is thread-safe.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from storage.blocking import off_loop
+from storage.keys import check_object_key
+from torpor.errors import (
+    BucketNotFound,
+    ConfigError,
+    EtagMismatch,
+    ObjectExists,
+    ObjectNotFound,
+    StorageUnavailable,
+    TorporError,
+)
+from torpor.ports import ListPage, StoredObject
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+_LOST_RACE = {"PreconditionFailed", "ConditionalRequestConflict"}
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+_CREDENTIALS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}
+
+
+class S3ObjectStore:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        max_pool_connections: int = 32,
+        timeout_s: float = 10.0,
+    ) -> None:
+        if not bucket:
+            raise ConfigError("an s3:// URL needs a bucket name")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self._endpoint = endpoint_url
+        config = Config(
+            retries={"mode": "standard", "max_attempts": 4},
+            max_pool_connections=max_pool_connections,
+            connect_timeout=timeout_s,
+            read_timeout=timeout_s,
+        )
+        # Credentials from configuration when given, else boto3's usual chain (env, role).
+        self._client: S3Client = boto3.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region,
+            aws_access_key_id=access_key_id,
+            aws_secret_access_key=secret_access_key,
+            config=config,
+        )
+
+    @property
+    def url(self) -> str:
+        where = f" at {self._endpoint}" if self._endpoint else ""
+        return f"s3://{self.bucket}/{self.prefix}{where}"
+
+    def _full(self, key: str) -> str:
+        return self.prefix + check_object_key(key)
+
+    def _fail(self, exc: Exception, key: str, on_lost_race: type[TorporError]) -> TorporError:
+        if isinstance(exc, ClientError):
+            err: dict[str, Any] = dict(exc.response.get("Error", {}))
+            code = str(err.get("Code", ""))
+            if code == "NoSuchBucket":
+                return BucketNotFound(f"bucket {self.bucket!r} does not exist ({self.url})")
+            if code in _LOST_RACE:
+                return on_lost_race(f"conditional write on {key!r} lost", key=key)
+            if code in _MISSING:
+                if on_lost_race is EtagMismatch:
+                    return EtagMismatch(f"object {key!r} no longer exists", key=key)
+                return ObjectNotFound(f"no object {key!r} in {self.url}", key=key)
+            if code in _CREDENTIALS:
+                return ConfigError(f"S3 rejected the configured credentials for {self.url}")
+            return StorageUnavailable(f"S3 error {code or 'unknown'} on {key!r} ({self.url})")
+        return StorageUnavailable(f"S3 at {self.url} did not answer: {type(exc).__name__}")
+
+    # -- blocking implementations ---------------------------------------------------
+
+    def _get(self, key: str, max_bytes: int | None) -> StoredObject:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key)}
+        if max_bytes is not None:
+            args["Range"] = f"bytes=0-{max_bytes - 1}"
+        try:
+            response = self._client.get_object(**args)
+            return StoredObject(response["Body"].read(), response["ETag"])
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":  # empty object
+                return self._get(key, None)
+            raise self._fail(exc, key, ObjectExists) from exc
+        except BotoCoreError as exc:
+            raise self._fail(exc, key, ObjectExists) from exc
+
+    def _put(self, key: str, data: bytes, condition: dict[str, str]) -> str:
+        lost: type[TorporError] = ObjectExists if "IfNoneMatch" in condition else EtagMismatch
+        try:
+            response = self._client.put_object(
+                Bucket=self.bucket,
+                Key=self._full(key),
+                Body=data,
+                **condition,  # type: ignore[arg-type]
+            )
+            return response["ETag"]
+        except (ClientError, BotoCoreError) as exc:
+            raise self._fail(exc, key, lost) from exc
+
+    def _list(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
+        args: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Prefix": self.prefix + prefix,
+            "MaxKeys": limit,
+        }
+        if start_after:
+            args["StartAfter"] = self.prefix + start_after
+        try:
+            response = self._client.list_objects_v2(**args)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._fail(exc, prefix, ObjectExists) from exc
+        keys = [obj["Key"][len(self.prefix) :] for obj in response.get("Contents", [])]
+        more = bool(response.get("IsTruncated")) and bool(keys)
+        return ListPage(keys, keys[-1] if more else None)
+
+    def _delete(self, key: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self._full(key))
+        except (ClientError, BotoCoreError) as exc:
+            raise self._fail(exc, key, ObjectExists) from exc
+
+    # -- async protocol -------------------------------------------------------------
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        return await off_loop(self._get, key, max_bytes)
+
+    async def put(self, key: str, data: bytes) -> str:
+        return await off_loop(self._put, key, data, {})
+
+    async def put_if_absent(self, key: str, data: bytes) -> str:
+        return await off_loop(self._put, key, data, {"IfNoneMatch": "*"})
+
+    async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
+        return await off_loop(self._put, key, data, {"IfMatch": etag})
+
+    async def list(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        return await off_loop(self._list, prefix, start_after, limit)
+
+    async def delete(self, key: str) -> None:
+        await off_loop(self._delete, key)
+
+    async def close(self) -> None:
+        await off_loop(self._client.close)

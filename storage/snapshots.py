@@ -1,0 +1,129 @@
+"""Snapshots in the object store: create-only birth, compare-and-swap on every commit.
+
+One object per session (``snapshots/{session_id}``). ``save`` writes generation N+1 only
+if the stored object is still generation N, using the etag as the S3 ``If-Match``
+condition: the etag read together with generation N is remembered, so the common case
+is one conditional PUT; otherwise the current object is read first to learn its etag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Collection
+
+from storage import keys
+from storage.codec import HEADER_READ_BYTES, SnapshotCodec
+from torpor.errors import (
+    CommitConflict,
+    EtagMismatch,
+    ObjectExists,
+    ObjectNotFound,
+    SnapshotCorrupt,
+    SnapshotNotFound,
+)
+from torpor.lifecycle import SessionState
+from torpor.models import SessionHeader, SessionSnapshot
+from torpor.ports import ObjectStore
+
+ETAG_CACHE_SIZE = 4096
+
+
+class SnapshotStore:
+    def __init__(self, store: ObjectStore, codec: SnapshotCodec | None = None) -> None:
+        self.store = store
+        self.codec = codec or SnapshotCodec()
+        self._etags: OrderedDict[str, tuple[int, str]] = OrderedDict()
+
+    def _remember(self, session_id: str, generation: int, etag: str) -> None:
+        self._etags[session_id] = (generation, etag)
+        self._etags.move_to_end(session_id)
+        while len(self._etags) > ETAG_CACHE_SIZE:
+            self._etags.popitem(last=False)
+
+    async def create(self, snapshot: SessionSnapshot) -> SessionSnapshot:
+        first = snapshot.model_copy(update={"generation": 0})
+        etag = await self.store.put_if_absent(
+            keys.snapshot(first.session_id), self.codec.encode(first)
+        )
+        self._remember(first.session_id, 0, etag)
+        return first
+
+    async def load(self, session_id: str) -> SessionSnapshot:
+        key = keys.snapshot(session_id)
+        try:
+            obj = await self.store.get(key)
+        except ObjectNotFound:
+            raise SnapshotNotFound(f"no session {session_id}", session_id=session_id) from None
+        snapshot = self.codec.decode(obj.data, what=f"snapshot of {session_id}")
+        self._remember(session_id, snapshot.generation, obj.etag)
+        return snapshot
+
+    async def save(self, snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:
+        sid = snapshot.session_id
+        key = keys.snapshot(sid)
+        cached = self._etags.get(sid)
+        if cached is not None and cached[0] == expected_generation:
+            etag = cached[1]
+        else:
+            try:
+                current = await self.store.get(key)
+            except ObjectNotFound:
+                raise SnapshotNotFound(f"no session {sid}", session_id=sid) from None
+            header = self.codec.decode_header(current.data, what=f"snapshot of {sid}")
+            if header.generation != expected_generation:
+                raise CommitConflict(
+                    f"session {sid} is at generation {header.generation}, "
+                    f"not {expected_generation}",
+                    session_id=sid,
+                )
+            etag = current.etag
+        new = snapshot.model_copy(update={"generation": expected_generation + 1})
+        try:
+            new_etag = await self.store.put_if_match(key, self.codec.encode(new), etag=etag)
+        except EtagMismatch:
+            self._etags.pop(sid, None)
+            raise CommitConflict(
+                f"session {sid} changed since generation {expected_generation}", session_id=sid
+            ) from None
+        self._remember(sid, new.generation, new_etag)
+        return new
+
+    async def header(self, session_id: str) -> SessionHeader:
+        try:
+            obj = await self.store.get(keys.snapshot(session_id), max_bytes=HEADER_READ_BYTES)
+        except ObjectNotFound:
+            raise SnapshotNotFound(f"no session {session_id}", session_id=session_id) from None
+        return self.codec.decode_header(obj.data, what=f"snapshot of {session_id}")
+
+    async def session_ids(self, *, page_size: int = 1000) -> AsyncIterator[list[str]]:
+        token: str | None = None
+        while True:
+            page = await self.store.list(keys.SNAPSHOTS, start_after=token, limit=page_size)
+            if page.keys:
+                yield [keys.session_id_of_snapshot(k) for k in page.keys]
+            if page.next_token is None:
+                return
+            token = page.next_token
+
+    async def list_by_state(
+        self, states: Collection[SessionState] | None = None, *, concurrency: int = 16
+    ) -> AsyncIterator[SessionHeader]:
+        """Headers of every session (optionally only in ``states``), read with ranged
+        GETs. Unreadable snapshots are skipped here; ``load`` reports them loudly."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(sid: str) -> SessionHeader | None:
+            async with gate:
+                try:
+                    return await self.header(sid)
+                except (SnapshotNotFound, SnapshotCorrupt):
+                    return None
+
+        async for ids in self.session_ids():
+            for header in await asyncio.gather(*(one(sid) for sid in ids)):
+                if header is not None and (states is None or header.state in states):
+                    yield header
+
+
+__all__ = ["ObjectExists", "SnapshotStore"]

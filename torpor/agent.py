@@ -1,0 +1,90 @@
+"""The agent protocol: a step function over the message history.
+
+An agent looks at the conversation so far (OpenAI chat format) and answers with one
+assistant message. If that message carries ``tool_calls`` the runtime executes them and
+calls the agent again; if it does not, the session is finished and ``result`` (or the
+message content) is its result. Agents keep no state between steps except what they put
+in ``ctx.variables``, which is saved in the snapshot: that is what lets a session leave
+memory between any two steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import JsonValue
+
+from torpor.models import Message
+from torpor.tools import ToolSpec
+
+
+@dataclass
+class AgentContext:
+    session_id: str
+    tenant: str
+    step: int
+    input: JsonValue
+    metadata: dict[str, str]
+    tools: list[ToolSpec]
+    # Mutable on purpose: whatever the agent stores here is checkpointed with the session.
+    variables: dict[str, JsonValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AgentTurn:
+    message: Message  # an assistant message
+    result: JsonValue = None  # the session's result when ``message`` has no tool calls
+
+    @property
+    def final(self) -> bool:
+        return not self.message.tool_calls
+
+
+@runtime_checkable
+class Agent(Protocol):
+    name: str
+    version: str
+
+    async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn: ...
+
+    def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
+        """The conversation a new session starts with."""
+        ...
+
+
+StepFn = Callable[[Sequence[Message], AgentContext], "AgentTurn | Awaitable[AgentTurn]"]
+
+
+class FunctionAgent:
+    """Wrap a plain (sync or async) step function as an agent."""
+
+    def __init__(
+        self, fn: StepFn, *, name: str, version: str = "1", system_prompt: str | None = None
+    ) -> None:
+        self._fn = fn
+        self.name = name
+        self.version = version
+        self._system_prompt = system_prompt
+
+    async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
+        out: Any = self._fn(messages, ctx)
+        if inspect.isawaitable(out):
+            out = await out
+        if not isinstance(out, AgentTurn):
+            raise TypeError(f"agent {self.name} returned {type(out).__name__}, not AgentTurn")
+        return out
+
+    def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
+        return default_initial_messages(input, self._system_prompt)
+
+
+def default_initial_messages(input: JsonValue, system_prompt: str | None) -> list[Message]:
+    import json
+
+    content = input if isinstance(input, str) else json.dumps(input, ensure_ascii=False)
+    messages = [Message(role="system", content=system_prompt)] if system_prompt else []
+    messages.append(Message(role="user", content=content))
+    return messages

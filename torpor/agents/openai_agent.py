@@ -1,0 +1,293 @@
+"""An agent backed by any OpenAI-compatible ``POST /chat/completions`` endpoint.
+
+Works against OpenAI itself, vLLM and Ray Serve LLM: each step sends the whole history in
+OpenAI chat format with the session's tools, and turns ``choices[0].message`` back into a
+torpor ``Message``. The agent keeps no state between steps, so a session may sleep
+between any two of them.
+
+Only the stdlib does HTTP here (``torpor`` depends on nothing but pydantic), run off the
+event loop with ``asyncio.to_thread``. Transport trouble (429, 5xx, refused connections,
+timeouts) is retried with jittered backoff and then surfaces as ``AgentUnavailable``;
+anything a retry cannot fix (other 4xx, a malformed answer) is ``AgentError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import math
+import os
+import random
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from email.message import Message as HeaderMessage
+from typing import IO, Any
+
+from pydantic import JsonValue, SecretStr
+
+from torpor.agent import AgentContext, AgentTurn, default_initial_messages
+from torpor.errors import AgentError, AgentUnavailable, ConfigError
+from torpor.models import Message, ToolCall, ToolCallFunction
+
+ENV_BASE_URL = "TORPOR_LLM_BASE_URL"
+ENV_MODEL = "TORPOR_LLM_MODEL"
+ENV_API_KEY = "TORPOR_LLM_API_KEY"
+
+Sleep = Callable[[float], Awaitable[None]]
+
+_EXCERPT_CHARS = 300
+_MAX_RESPONSE_BYTES = 16 * 1024 * 1024  # a chat completion is kilobytes; refuse to buffer more
+_MAX_BACKOFF_S = 30.0
+# A server may ask for a long pause; holding an activation that long is worse than giving
+# up with a retryable error the runtime reschedules, so the honoured delay is capped.
+_MAX_RETRY_AFTER_S = 60.0
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    # urllib copies the Authorization header onto a redirect, even to another host. A chat
+    # endpoint has no business redirecting a POST, so the 3xx surfaces as an HTTP error.
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: IO[bytes],
+        code: int,
+        msg: str,
+        headers: HeaderMessage,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_RefuseRedirects)
+
+
+def _retryable(status: int) -> bool:
+    # 408 is a timeout by another name; every other 4xx will fail the same way again.
+    return status in (408, 429) or status >= 500
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header; the HTTP-date form falls back to backoff."""
+    try:
+        seconds = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    if not math.isfinite(seconds) or seconds < 0:
+        return None
+    return min(seconds, _MAX_RETRY_AFTER_S)
+
+
+class OpenAIAgent:
+    """An ``Agent`` that asks an OpenAI-compatible chat-completions endpoint each step."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        model: str,
+        api_key: str | SecretStr | None = None,
+        name: str = "openai",
+        version: str = "1",
+        system_prompt: str | None = None,
+        temperature: float = 0.0,
+        timeout_s: float = 60,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        extra_headers: Mapping[str, str] | None = None,
+        max_tokens: int | None = None,
+        sleep: Sleep | None = None,
+    ) -> None:
+        parsed = urllib.parse.urlsplit(base_url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ConfigError(f"base_url must be an http(s) URL, got {base_url!r}")
+        if not model:
+            raise ConfigError("model must not be empty")
+        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0:
+            raise ConfigError("timeout_s must be > 0, max_retries and backoff_s >= 0")
+        self.name = name
+        self.version = version
+        self.model = model
+        self.base_url = base_url.rstrip("/")
+        self._url = f"{self.base_url}/chat/completions"
+        key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
+        # Held as a SecretStr so vars(), debuggers and logged reprs of this object show stars.
+        self._api_key = SecretStr(key) if key else None
+        self._system_prompt = system_prompt
+        self._temperature = temperature
+        self._timeout_s = timeout_s
+        self._max_retries = max_retries
+        self._backoff_s = backoff_s
+        self._extra_headers = dict(extra_headers or {})
+        self._max_tokens = max_tokens
+        # Time is a parameter: tests pass a recorder instead of waiting out the backoff.
+        self._sleep = sleep
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> OpenAIAgent:
+        """Build from ``TORPOR_LLM_BASE_URL``, ``TORPOR_LLM_MODEL``, ``TORPOR_LLM_API_KEY``."""
+        env = os.environ if environ is None else environ
+        for var in (ENV_BASE_URL, ENV_MODEL):
+            if not env.get(var):
+                raise ConfigError(f"{var} is not set", variable=var)
+        return cls(
+            base_url=env[ENV_BASE_URL],
+            model=env[ENV_MODEL],
+            api_key=env.get(ENV_API_KEY) or None,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"OpenAIAgent(name={self.name!r}, version={self.version!r}, "
+            f"model={self.model!r}, base_url={self.base_url!r})"
+        )
+
+    def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
+        return default_initial_messages(input, self._system_prompt)
+
+    async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": [m.to_openai() for m in messages],
+            "temperature": self._temperature,
+        }
+        # OpenAI rejects an empty tools array and a tool_choice without tools.
+        if ctx.tools:
+            payload["tools"] = [spec.to_openai() for spec in ctx.tools]
+            payload["tool_choice"] = "auto"
+        if self._max_tokens is not None:
+            payload["max_tokens"] = self._max_tokens
+        body = await self._complete(json.dumps(payload, ensure_ascii=False).encode())
+        message = _parse_message(body, self._redact)
+        return AgentTurn(message, result=None if message.tool_calls else message.content)
+
+    # --- transport ---------------------------------------------------------------------
+
+    async def _complete(self, body: bytes) -> bytes:
+        attempts = self._max_retries + 1
+        last_error = ""
+        last_exc: BaseException | None = None
+        for attempt in range(attempts):
+            hint: float | None = None
+            try:
+                # A cancelled step leaves this thread running until timeout_s; harmless,
+                # since the request has no side effects the runtime relies on.
+                status, data, retry_after = await asyncio.to_thread(self._post, body)
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout
+                last_exc, last_error = exc, f"{type(exc).__name__}: {exc}"
+            else:
+                if 200 <= status < 300:
+                    return data
+                detail = f"HTTP {status}: {self._excerpt(data)}"
+                if not _retryable(status):
+                    raise AgentError(
+                        self._redact(f"LLM endpoint {self._url} answered {detail}"),
+                        status=status,
+                    )
+                last_exc, last_error = None, detail
+                if status in (429, 503):
+                    hint = _retry_after(retry_after)
+            if attempt + 1 < attempts:
+                await (self._sleep or asyncio.sleep)(
+                    hint if hint is not None else self._backoff(attempt)
+                )
+        raise AgentUnavailable(
+            self._redact(
+                f"LLM endpoint {self._url} failed {attempts} attempts; last: {last_error}"
+            ),
+            attempts=attempts,
+        ) from last_exc
+
+    def _post(self, body: bytes) -> tuple[int, bytes, str | None]:
+        """One blocking POST (runs in a worker thread): status, body, Retry-After."""
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        headers.update(self._extra_headers)
+        if self._api_key is not None:
+            headers["Authorization"] = f"Bearer {self._api_key.get_secret_value()}"
+        # The scheme was checked to be http(s) in __init__, so no file: or custom opener.
+        request = urllib.request.Request(self._url, data=body, headers=headers, method="POST")  # noqa: S310
+        try:
+            with _OPENER.open(request, timeout=self._timeout_s) as response:
+                return response.status, _read_capped(response), None
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, _read_capped(exc), exc.headers.get("Retry-After")
+
+    def _backoff(self, attempt: int) -> float:
+        # Full jitter: many sessions failing together must not retry in lockstep.
+        ceiling = min(_MAX_BACKOFF_S, self._backoff_s * 2**attempt)
+        return random.uniform(0, ceiling)  # noqa: S311 - jitter, not cryptography
+
+    def _excerpt(self, data: bytes) -> str:
+        # Redact before truncating: a cut could leave a key prefix the redaction misses.
+        text = self._redact(data.decode("utf-8", errors="replace"))
+        return text if len(text) <= _EXCERPT_CHARS else text[:_EXCERPT_CHARS] + "…"
+
+    def _redact(self, text: str) -> str:
+        # Some gateways echo request headers in error bodies; the key must never travel on.
+        if self._api_key is None:
+            return text
+        return text.replace(self._api_key.get_secret_value(), "***")
+
+
+def _read_capped(stream: IO[bytes]) -> bytes:
+    data = stream.read(_MAX_RESPONSE_BYTES + 1)
+    if len(data) > _MAX_RESPONSE_BYTES:
+        raise AgentError(f"LLM response exceeds {_MAX_RESPONSE_BYTES} bytes")
+    return data
+
+
+# --- response parsing (a trust boundary: every malformed answer becomes AgentError) --------
+
+
+def _parse_message(body: bytes, redact: Callable[[str], str]) -> Message:
+    def fail(why: str) -> AgentError:
+        excerpt = redact(body.decode("utf-8", errors="replace"))[:_EXCERPT_CHARS]
+        return AgentError(f"malformed chat completion: {why}; body: {excerpt}")
+
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
+        raise fail("not JSON") from None
+    choices = document.get("choices") if isinstance(document, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise fail("no choices")
+    choice = choices[0]
+    raw = choice.get("message")
+    if not isinstance(raw, dict):
+        raise fail("choices[0].message missing")
+    content = raw.get("content")
+    if content is not None and not isinstance(content, str):
+        raise fail("content is not a string")
+    raw_calls = raw.get("tool_calls")
+    if raw_calls is not None and not isinstance(raw_calls, list):
+        raise fail("tool_calls is not a list")
+    calls = [_parse_tool_call(item, fail) for item in raw_calls or []]
+    if len({c.id for c in calls}) != len(calls):
+        raise fail("duplicate tool call ids")
+    # A cut-off answer would otherwise pass as a final result (or half a JSON argument).
+    if choice.get("finish_reason") == "length":
+        raise fail("finish_reason is 'length' (raise max_tokens)")
+    # vLLM sends tool_calls: [] on plain answers; OpenAI rejects [] when it is sent back.
+    return Message(role="assistant", content=content, tool_calls=calls or None)
+
+
+def _parse_tool_call(item: object, fail: Callable[[str], AgentError]) -> ToolCall:
+    if not isinstance(item, dict):
+        raise fail("tool call is not an object")
+    call_id, function = item.get("id"), item.get("function")
+    if not isinstance(call_id, str) or not call_id:
+        raise fail("tool call without id")
+    if item.get("type", "function") != "function" or not isinstance(function, dict):
+        raise fail(f"tool call {call_id} is not a function call")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise fail(f"tool call {call_id} without function name")
+    # Missing arguments mean "no arguments"; a string that is not JSON passes through so
+    # the runtime can answer it with a tool error the model can correct.
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise fail(f"tool call {call_id} arguments is not a string")
+    return ToolCall(id=call_id, function=ToolCallFunction(name=name, arguments=arguments))

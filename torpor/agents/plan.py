@@ -1,0 +1,256 @@
+"""A deterministic, plan-driven agent: a declared sequence of tool calls with branches.
+
+It is what the demo and the tests run, and what a team uses when the workflow is known
+and no model is needed. The plan is data (from configuration)::
+
+    steps:
+      - id: extract
+        calls: [{tool: extract_fields, args: {doc: "${input.doc}"}}]
+      - id: approve
+        calls: [{tool: request_approval, args: {amount: "${results.extract.amount}"}}]
+        branches: [{when: {path: results.approve.status, value: drift}, goto: approve}]
+      - id: done
+        finish: {status: "${results.approve.status}"}
+
+``${path}`` alone in a string is replaced by the value (any JSON type); inside a longer
+string it is interpolated as text. Paths start at ``input``, ``results`` or ``vars``.
+Tool-call ids are derived from the step and its visit count, so a replay after a crash
+produces the very same calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
+
+from torpor.agent import AgentContext, AgentTurn, default_initial_messages
+from torpor.errors import AgentError, ConfigError
+from torpor.models import Message, ToolCall, ToolCallFunction
+
+_WHOLE = re.compile(r"^\$\{([A-Za-z0-9_.\-]+)\}$")
+_PART = re.compile(r"\$\{([A-Za-z0-9_.\-]+)\}")
+_MISSING = object()
+
+
+class _Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Condition(_Plan):
+    path: str
+    op: Literal["eq", "ne", "in", "not_in", "gt", "ge", "lt", "le", "exists", "missing"] = "eq"
+    value: JsonValue = None
+
+
+class Branch(_Plan):
+    when: list[Condition]
+    goto: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_or_many(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("when"), dict):
+            return {**data, "when": [data["when"]]}
+        return data
+
+
+class PlanCall(_Plan):
+    tool: str
+    args: dict[str, JsonValue] = Field(default_factory=dict)
+    name: str | None = Field(default=None, alias="as")  # where the result is stored
+
+
+class PlanStep(_Plan):
+    id: str
+    calls: list[PlanCall] = Field(default_factory=list)  # none: a finish step
+    branches: list[Branch] = Field(default_factory=list)
+    next: str | None = None  # default: the step that follows in the list
+    finish: JsonValue = None
+    max_visits: int = 5  # a loop (e.g. re-plan after drift) cannot spin forever
+
+
+class Plan(_Plan):
+    steps: list[PlanStep]
+
+    @model_validator(mode="after")
+    def _targets_exist(self) -> Plan:
+        ids = [s.id for s in self.steps]
+        if not ids or len(set(ids)) != len(ids):
+            raise ValueError("a plan needs at least one step and unique step ids")
+        for step in self.steps:
+            for target in [step.next, *(b.goto for b in step.branches)]:
+                if target is not None and target not in ids:
+                    raise ValueError(f"step {step.id!r} points to unknown step {target!r}")
+        return self
+
+
+def lookup(scope: dict[str, Any], path: str) -> Any:
+    node: Any = scope
+    for part in path.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+def render(template: Any, scope: dict[str, Any]) -> Any:
+    if isinstance(template, str):
+        whole = _WHOLE.match(template)
+        if whole:
+            value = lookup(scope, whole.group(1))
+            return None if value is _MISSING else value
+
+        def text(match: re.Match[str]) -> str:
+            value = lookup(scope, match.group(1))
+            if value is _MISSING or value is None:
+                return ""
+            return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+        return _PART.sub(text, template)
+    if isinstance(template, dict):
+        return {k: render(v, scope) for k, v in template.items()}
+    if isinstance(template, list):
+        return [render(v, scope) for v in template]
+    return template
+
+
+def holds(cond: Condition, scope: dict[str, Any]) -> bool:
+    value = lookup(scope, cond.path)
+    if cond.op == "exists":
+        return value is not _MISSING and value is not None
+    if cond.op == "missing":
+        return value is _MISSING or value is None
+    if value is _MISSING:
+        return False
+    try:
+        match cond.op:
+            case "eq":
+                return bool(value == cond.value)
+            case "ne":
+                return bool(value != cond.value)
+            case "in":
+                return isinstance(cond.value, list) and value in cond.value
+            case "not_in":
+                return isinstance(cond.value, list) and value not in cond.value
+            case "gt":
+                return bool(value > cond.value)
+            case "ge":
+                return bool(value >= cond.value)
+            case "lt":
+                return bool(value < cond.value)
+            case _:
+                return bool(value <= cond.value)
+    except TypeError:  # comparing a number with a string: the branch simply does not hold
+        return False
+
+
+def _parse_content(content: str | None) -> JsonValue:
+    if content is None:
+        return None
+    try:
+        parsed: JsonValue = json.loads(content)
+    except ValueError:
+        return content
+    return parsed
+
+
+class PlanAgent:
+    def __init__(
+        self,
+        *,
+        plan: dict[str, Any] | Plan,
+        name: str = "plan",
+        version: str = "1",
+        system_prompt: str | None = None,
+    ) -> None:
+        try:
+            self.plan = plan if isinstance(plan, Plan) else Plan.model_validate(plan)
+        except ValidationError as exc:
+            raise ConfigError(
+                f"plan of agent {name!r} is invalid: {exc.errors()[0]['msg']}"
+            ) from exc
+        self.name = name
+        self.version = version
+        self._system_prompt = system_prompt
+        self._steps = {s.id: s for s in self.plan.steps}
+        self._order = [s.id for s in self.plan.steps]
+
+    def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
+        return default_initial_messages(input, self._system_prompt)
+
+    async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
+        state = ctx.variables.get("plan")
+        if not isinstance(state, dict):
+            state = {"cursor": None, "visits": {}, "results": {}}
+        results: dict[str, Any] = dict(state.get("results") or {})  # type: ignore[arg-type]
+        visits: dict[str, Any] = dict(state.get("visits") or {})  # type: ignore[arg-type]
+        cursor = state.get("cursor")
+        scope = {"input": ctx.input, "results": results, "vars": ctx.variables}
+        if cursor is None:
+            target: str | None = self._order[0]
+        else:
+            current = self._steps[str(cursor)]
+            answers = self._answers(messages)
+            for i, call in enumerate(current.calls):
+                call_id = self._call_id(current.id, int(visits.get(current.id, 1)), i)
+                results[call.name or current.id] = answers.get(call_id)
+            target = self._next(current, scope)
+        turn = self._enter(target, visits, scope)
+        ctx.variables["plan"] = {"cursor": target, "visits": visits, "results": results}
+        return turn
+
+    # -- helpers ---------------------------------------------------------------------
+
+    @staticmethod
+    def _call_id(step_id: str, visit: int, index: int) -> str:
+        return f"call_{step_id}_{visit}_{index}"
+
+    @staticmethod
+    def _answers(messages: Sequence[Message]) -> dict[str, JsonValue]:
+        return {
+            m.tool_call_id: _parse_content(m.content)
+            for m in messages
+            if m.role == "tool" and m.tool_call_id
+        }
+
+    def _next(self, step: PlanStep, scope: dict[str, Any]) -> str | None:
+        for branch in step.branches:
+            if all(holds(c, scope) for c in branch.when):
+                return branch.goto
+        if step.next is not None:
+            return step.next
+        position = self._order.index(step.id) + 1
+        return self._order[position] if position < len(self._order) else None
+
+    def _enter(
+        self, target: str | None, visits: dict[str, Any], scope: dict[str, Any]
+    ) -> AgentTurn:
+        step = self._steps[target] if target is not None else None
+        if step is None or not step.calls:
+            result = render(step.finish, scope) if step and step.finish is not None else None
+            if result is None:
+                result = scope["results"]
+            text = json.dumps(result, ensure_ascii=False, sort_keys=True)
+            return AgentTurn(Message(role="assistant", content=text), result=result)
+        visit = int(visits.get(step.id, 0)) + 1
+        if visit > step.max_visits:
+            raise AgentError(f"plan step {step.id!r} visited more than {step.max_visits} times")
+        visits[step.id] = visit
+        calls = [
+            ToolCall(
+                id=self._call_id(step.id, visit, i),
+                function=ToolCallFunction(
+                    name=call.tool,
+                    arguments=json.dumps(render(call.args, scope), ensure_ascii=False),
+                ),
+            )
+            for i, call in enumerate(step.calls)
+        ]
+        return AgentTurn(Message(role="assistant", content=None, tool_calls=calls))

@@ -1,0 +1,69 @@
+"""Events delivered to a session's inbox.
+
+Whoever delivers an event (the webhook ingress, the reconciler's poll, the Python client,
+the runtime itself) writes it as one create-only object keyed by source + event id, so a
+redelivery is a no-op. The activation reads the inbox; nothing is applied until the gates
+say so.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, JsonValue
+
+from torpor.ids import event_key
+
+
+class EventKind(StrEnum):
+    CALLBACK = "callback"  # an external system answered a wait (webhook, capability URL)
+    POLL = "poll"  # the reconciler asked the external system and it had an answer
+    CANCEL = "cancel"  # a client asked to cancel the session
+    DISPATCH_FAILED = "dispatch_failed"  # the external request could never be sent
+
+
+class InboxEvent(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str
+    kind: EventKind
+    session_id: str
+    source: str
+    event_id: str
+    type: str
+    correlation_id: str | None = None
+    business_key: str | None = None
+    # Stamped by the deliverer from the binding or capability token it resolved; the
+    # epoch/step gate compares them with the wait the session is actually in.
+    epoch: int | None = None
+    step_id: str | None = None
+    data: JsonValue = None
+    received_at: datetime
+    trace_id: str | None = None
+    verified_by: str = "internal"
+
+    @classmethod
+    def new(
+        cls,
+        *,
+        kind: EventKind,
+        session_id: str,
+        source: str,
+        event_id: str,
+        type: str,
+        received_at: datetime,
+        **fields: object,
+    ) -> InboxEvent:
+        return cls.model_validate(
+            {
+                "key": event_key(source, event_id),
+                "kind": kind,
+                "session_id": session_id,
+                "source": source,
+                "event_id": event_id,
+                "type": type,
+                "received_at": received_at,
+                **fields,
+            }
+        )

@@ -1,0 +1,77 @@
+"""The gates an inbox event passes before it may change a session, in order.
+
+1. epoch/step gate — the event must name a wait the session is in *now*: same
+   correlation id, same epoch, same waiting step. Anything else is stale: recorded as an
+   observation, never applied. This is what stops a late step-2 callback from rewriting
+   a session that has moved on to step 4.
+2. delivery dedup — a (source, event id) already processed is dropped.
+3. admission — the wait may restrict event types and sources.
+4. SLA deadline — an event received after the wait's deadline does not resume it; the
+   session times out instead.
+
+The State Invalidation Guard (``torpor.guard``) comes after these, because it needs I/O.
+All of this is pure: the snapshot, the event and ``now`` in, a decision out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from torpor.events import EventKind, InboxEvent
+from torpor.models import ObservationReason, SessionSnapshot, Wait
+
+
+class Verdict(StrEnum):
+    APPLY = "apply"
+    OBSERVE = "observe"  # record, do not apply
+    EXPIRED = "expired"  # the wait's deadline passed before the event arrived
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    wait: Wait | None = None
+    reason: ObservationReason | None = None
+
+
+def find_wait(snapshot: SessionSnapshot, event: InboxEvent) -> Wait | None:
+    if event.correlation_id:
+        return snapshot.wait_for(event.correlation_id)
+    if event.business_key:
+        return next((w for w in snapshot.waits if w.business_key == event.business_key), None)
+    return None
+
+
+def classify(
+    snapshot: SessionSnapshot, event: InboxEvent, *, processed: Collection[str]
+) -> Decision:
+    """Decide what a callback-like event may do to ``snapshot``."""
+    if snapshot.terminal:
+        return Decision(Verdict.OBSERVE, reason=ObservationReason.LATE)
+    wait = find_wait(snapshot, event)
+    stale = (
+        wait is None
+        or (event.epoch is not None and event.epoch != wait.epoch)
+        or (event.step_id is not None and event.step_id != wait.waiting_step_id)
+        or wait.epoch != snapshot.epoch
+    )
+    if stale or wait is None:
+        return Decision(Verdict.OBSERVE, reason=ObservationReason.STALE)
+    if event.key in processed:
+        return Decision(Verdict.OBSERVE, wait, ObservationReason.DUPLICATE)
+    internal = event.kind in (EventKind.POLL, EventKind.DISPATCH_FAILED)
+    if not internal and (
+        (wait.expected_types and event.type not in wait.expected_types)
+        or (wait.allowed_sources and event.source not in wait.allowed_sources)
+    ):
+        return Decision(Verdict.OBSERVE, wait, ObservationReason.UNEXPECTED)
+    if event.received_at > wait.deadline:
+        return Decision(Verdict.EXPIRED, wait)
+    return Decision(Verdict.APPLY, wait)
+
+
+def expired_waits(snapshot: SessionSnapshot, *, now: datetime) -> list[Wait]:
+    return [w for w in snapshot.waits if w.deadline <= now]

@@ -1,0 +1,56 @@
+"""Keeps a session lease alive while an activation runs.
+
+The lease is renewed every ``period_s``; it is written with a TTL of three periods, so a
+holder that stops (crash, kill -9, a partition) is considered gone after three missed
+heartbeats and the reconciler re-activates the session from its last checkpoint. If a
+renewal says the lease is no longer ours, ``lost`` is set and the activation stops before
+its next commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import timedelta
+
+from torpor.clock import Clock
+from torpor.errors import IndexUnavailable
+from torpor.ports import Index, Lease
+
+
+class Heartbeat:
+    def __init__(
+        self, index: Index, lease: Lease, *, clock: Clock, period_s: float, ttl_s: float
+    ) -> None:
+        self._index = index
+        self.lease = lease
+        self._clock = clock
+        self._period = period_s
+        self._ttl = timedelta(seconds=ttl_s)
+        self.lost = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> Heartbeat:
+        self._task = asyncio.create_task(self._run(), name=f"heartbeat:{self.lease.name}")
+        return self
+
+    async def _run(self) -> None:
+        while not self.lost:
+            await asyncio.sleep(self._period)
+            try:
+                renewed = await self._index.renew_lease(
+                    self.lease, ttl=self._ttl, now=self._clock.now()
+                )
+            except IndexUnavailable:
+                continue  # try again next period; the TTL covers two more misses
+            if renewed is None:
+                self.lost = True
+            else:
+                self.lease = renewed
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,81 @@
+"""Identifiers and the idempotency keys derived from them.
+
+Random ids come from ``secrets`` so that correlation ids cannot be guessed: a correlation
+id is the only thing a callback needs to address a sleeping session, so it carries 128
+random bits (the bar is 96).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+
+CORRELATION_ID_BYTES = 16
+MIN_CORRELATION_ID_BITS = 96
+_B32 = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32, lower case
+
+
+def _time_prefix(now_ms: int) -> str:
+    """10 base32 chars of milliseconds: ids sort by creation time in listings."""
+    out = []
+    for _ in range(10):
+        out.append(_B32[now_ms & 31])
+        now_ms >>= 5
+    return "".join(reversed(out))
+
+
+def new_session_id(now_ms: int | None = None) -> str:
+    ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return "s_" + _time_prefix(ms) + secrets.token_hex(8)
+
+
+def new_batch_id(now_ms: int | None = None) -> str:
+    ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return "b_" + _time_prefix(ms) + secrets.token_hex(6)
+
+
+def new_correlation_id() -> str:
+    return secrets.token_urlsafe(CORRELATION_ID_BYTES)
+
+
+def correlation_id_bits(correlation_id: str) -> int:
+    """Entropy a url-safe base64 token of this length can carry (6 bits a character)."""
+    return len(correlation_id) * 6
+
+
+def new_trace_id() -> str:
+    """A W3C trace-context trace id (32 lowercase hex, not all zero)."""
+    return secrets.token_hex(16)
+
+
+def new_wait_id() -> str:
+    return "w_" + secrets.token_hex(8)
+
+
+def new_entry_id() -> str:
+    return "o_" + secrets.token_hex(8)
+
+
+def digest(*parts: str, length: int = 32) -> str:
+    """Stable hex digest of ``parts`` joined by ':' (the separator is part of the key)."""
+    return hashlib.sha256(":".join(parts).encode()).hexdigest()[:length]
+
+
+def tool_call_key(session_id: str, step: int, tool_call_id: str) -> str:
+    """``H(session_id:step:tool_call_id)``: the key a sync tool call is logged under.
+
+    The same call replayed after a crash maps to the same key, so it is answered from the
+    log instead of being run again; the tool also receives it to dedupe on its side.
+    """
+    return digest(session_id, str(step), tool_call_id)
+
+
+def business_idempotency_key(tenant: str, action_key: str, epoch: int) -> str:
+    """``tenant:action_key:epoch``: what an external system dedupes a dispatched action on."""
+    return f"{tenant}:{action_key}:{epoch}"
+
+
+def event_key(source: str, event_id: str) -> str:
+    """Inbox key of a delivery: one object per (source, event id) whatever the sender."""
+    return digest(source, event_id)

@@ -1,0 +1,98 @@
+"""The session lifecycle state machine.
+
+PENDING → RUNNING → SUSPENDED → RESUMING → RUNNING … → COMPLETED | FAILED | CANCELLED |
+TIMED_OUT. ``transition`` is the only way a snapshot's state changes: it refuses illegal
+moves with a typed error, treats terminal states as immutable, and bumps the epoch when a
+wait opens (RUNNING → SUSPENDED) or closes (leaving SUSPENDED/RESUMING for RUNNING or a
+terminal state). The epoch is what the stale-callback gate compares: a callback stamped
+with an older epoch belongs to a wait that is already closed.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from torpor.errors import IllegalTransition, TerminalStateImmutable
+
+if TYPE_CHECKING:
+    from torpor.models import SessionSnapshot
+
+
+class SessionState(StrEnum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUSPENDED = "SUSPENDED"
+    RESUMING = "RESUMING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMED_OUT = "TIMED_OUT"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+S = SessionState
+TERMINAL_STATES: frozenset[SessionState] = frozenset(
+    {S.COMPLETED, S.FAILED, S.CANCELLED, S.TIMED_OUT}
+)
+WAITING_STATES: frozenset[SessionState] = frozenset({S.SUSPENDED, S.RESUMING})
+
+ALLOWED: dict[SessionState, frozenset[SessionState]] = {
+    S.PENDING: frozenset({S.RUNNING, S.CANCELLED, S.FAILED}),
+    S.RUNNING: frozenset({S.SUSPENDED, S.COMPLETED, S.FAILED, S.CANCELLED}),
+    S.SUSPENDED: frozenset({S.RESUMING, S.CANCELLED, S.TIMED_OUT, S.FAILED}),
+    # RESUMING → SUSPENDED: the activation found nothing applicable (only stale events, or
+    # one of several parallel waits answered) and the session goes back to sleep.
+    S.RESUMING: frozenset({S.RUNNING, S.SUSPENDED, S.CANCELLED, S.TIMED_OUT, S.FAILED}),
+    S.COMPLETED: frozenset(),
+    S.FAILED: frozenset(),
+    S.CANCELLED: frozenset(),
+    S.TIMED_OUT: frozenset(),
+}
+
+
+def can_transition(source: SessionState, target: SessionState) -> bool:
+    return target in ALLOWED[source]
+
+
+def bumps_epoch(source: SessionState, target: SessionState) -> bool:
+    opens_wait = source is S.RUNNING and target is S.SUSPENDED
+    closes_wait = source in WAITING_STATES and target not in WAITING_STATES
+    return opens_wait or closes_wait
+
+
+def transition(
+    snapshot: SessionSnapshot, target: SessionState, *, now: datetime, reason: str = ""
+) -> SessionSnapshot:
+    """Return a copy of ``snapshot`` in state ``target``; raise if the move is illegal."""
+    source = snapshot.state
+    if source.terminal:
+        raise TerminalStateImmutable(
+            f"session {snapshot.session_id} is {source} and can no longer change state",
+            session_id=snapshot.session_id,
+            state=source,
+        )
+    if not can_transition(source, target):
+        raise IllegalTransition(
+            f"session {snapshot.session_id} cannot go from {source} to {target}",
+            session_id=snapshot.session_id,
+            source=source,
+            target=target,
+        )
+    from torpor.models import MAX_HISTORY, HistoryEntry
+
+    epoch = snapshot.epoch + 1 if bumps_epoch(source, target) else snapshot.epoch
+    seq = snapshot.history[-1].seq + 1 if snapshot.history else 1
+    entry = HistoryEntry(seq=seq, at=now, state=target, epoch=epoch, reason=reason)
+    return snapshot.model_copy(
+        update={
+            "state": target,
+            "epoch": epoch,
+            "updated_at": now,
+            "history": [*snapshot.history, entry][-MAX_HISTORY:],
+        }
+    )

@@ -1,0 +1,285 @@
+"""The session snapshot: everything a session is, so it can leave memory and come back.
+
+A snapshot is plain data (pydantic v2). It holds the conversation in OpenAI chat format,
+the agent's private variables, the log of completed sync tool calls, the waits the session
+is in, the outbox of external requests, and the bookkeeping the gates need (epoch,
+generation, processed deliveries). Nothing in here refers to a process or a connection.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+
+from torpor.ids import MIN_CORRELATION_ID_BITS, correlation_id_bits
+from torpor.lifecycle import SessionState
+
+SCHEMA_VERSION = 1
+MAX_HISTORY = 256
+MAX_OBSERVATIONS = 128
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+# --- conversation (OpenAI chat format) ---------------------------------------------
+
+
+class ToolCallFunction(_Model):
+    name: str
+    arguments: str = "{}"  # a JSON document as a string, exactly as the OpenAI API sends it
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class Message(_Model):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_message_names_its_call(self) -> Message:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message must carry the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def to_openai(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+# --- waits -------------------------------------------------------------------------
+
+
+class DriftPolicy(StrEnum):
+    """What the State Invalidation Guard does when the world changed during the wait."""
+
+    REPLAN = "replan"  # the agent gets a drift notice as the tool result and re-plans
+    COMPENSATE = "compensate"  # undo the external action and end the session
+    BLOCK = "block"  # write nothing more, raise a security alert, end the session
+
+
+class GuardBaseline(_Model):
+    """What the session relied on when it went to sleep, to be re-checked on wake."""
+
+    version_tag: str | None = None
+    fingerprint: str | None = None
+    captured_at: datetime
+    # How long the baseline may be trusted at all; past it the wake counts as drift even if
+    # the version tag matches (e.g. a quote valid for 24 h).
+    ttl_s: float | None = None
+    # Entities whose validity must still hold on wake (e.g. {"approver": "u-17"}).
+    entities: dict[str, str] = Field(default_factory=dict)
+
+
+class Wait(_Model):
+    wait_id: str
+    correlation_id: str
+    business_key: str | None = None
+    waiting_step_id: str
+    epoch: int
+    action_key: str
+    tool_name: str
+    tool_call_id: str
+    expected_types: list[str] = Field(default_factory=list)
+    allowed_sources: list[str] = Field(default_factory=list)
+    opened_at: datetime
+    deadline: datetime
+    expected_duration_s: float
+    guard: GuardBaseline | None = None
+    on_drift: DriftPolicy = DriftPolicy.REPLAN
+    request: dict[str, JsonValue] = Field(default_factory=dict)
+    polls: int = 0
+
+    @field_validator("correlation_id")
+    @classmethod
+    def _unguessable(cls, value: str) -> str:
+        if correlation_id_bits(value) < MIN_CORRELATION_ID_BITS:
+            raise ValueError(f"correlation_id must carry at least {MIN_CORRELATION_ID_BITS} bits")
+        return value
+
+    @property
+    def overdue_after(self) -> datetime:
+        """When a missing callback becomes suspicious enough to poll (2× expected)."""
+        return self.opened_at + timedelta(seconds=2 * self.expected_duration_s)
+
+
+# --- outbox ------------------------------------------------------------------------
+
+
+class OutboxKind(StrEnum):
+    START = "start"  # start a long-running tool's external work
+    COMPENSATE = "compensate"  # undo it (timeout, cancel, drift)
+    NOTIFY = "notify"  # tell the submitter about a state change
+
+
+class DispatchStatus(StrEnum):
+    PENDING = "pending"
+    DISPATCHED = "dispatched"
+    FAILED = "failed"  # gave up: permanent error or attempts exhausted
+
+
+class OutboxEntry(_Model):
+    entry_id: str
+    kind: OutboxKind
+    tool_name: str | None = None
+    tool_call_id: str | None = None
+    correlation_id: str | None = None
+    idempotency_key: str
+    payload: dict[str, JsonValue] = Field(default_factory=dict)
+    status: DispatchStatus = DispatchStatus.PENDING
+    attempts: int = 0
+    next_attempt_at: datetime | None = None
+    last_error: str | None = None
+    created_at: datetime
+    dispatched_at: datetime | None = None
+
+
+# --- the rest of the snapshot ------------------------------------------------------
+
+
+class AgentRef(_Model):
+    name: str
+    version: str
+
+
+class RetryQuota(_Model):
+    """How many times a failing tool call may be retried before the session fails."""
+
+    max_attempts: int = 3
+    used: int = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.used >= self.max_attempts
+
+
+class ToolLogEntry(_Model):
+    key: str
+    tool_name: str
+    tool_call_id: str
+    step: int
+    result: JsonValue
+    completed_at: datetime
+
+
+class ObservationReason(StrEnum):
+    STALE = "stale"  # older epoch, another step, or a wait that already closed
+    DUPLICATE = "duplicate"
+    LATE = "late"  # arrived after the session ended
+    UNEXPECTED = "unexpected"  # type or source the wait did not ask for
+    CROSS_TENANT = "cross_tenant"
+    UNKNOWN = "unknown_correlation"
+
+
+class Observation(_Model):
+    """An event that was recorded but not applied (observe-only)."""
+
+    event_key: str
+    source: str
+    type: str
+    reason: ObservationReason
+    at: datetime
+
+
+class HistoryEntry(_Model):
+    seq: int
+    at: datetime
+    state: SessionState
+    epoch: int
+    reason: str = ""
+
+
+class ErrorInfo(_Model):
+    code: str
+    message: str
+    detail: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class SessionSnapshot(_Model):
+    schema_version: int = SCHEMA_VERSION
+    session_id: str
+    tenant: str
+    agent: AgentRef
+    state: SessionState = SessionState.PENDING
+    epoch: int = 0
+    generation: int = 0
+    trace_id: str
+    step: int = 0
+    input: JsonValue = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    callback_url: str | None = None
+    batch_id: str | None = None
+    messages: list[Message] = Field(default_factory=list)
+    variables: dict[str, JsonValue] = Field(default_factory=dict)
+    retry: RetryQuota = Field(default_factory=RetryQuota)
+    tool_log: dict[str, ToolLogEntry] = Field(default_factory=dict)
+    waits: list[Wait] = Field(default_factory=list)
+    outbox: list[OutboxEntry] = Field(default_factory=list)
+    processed_events: list[str] = Field(default_factory=list)
+    observations: list[Observation] = Field(default_factory=list)
+    history: list[HistoryEntry] = Field(default_factory=list)
+    result: JsonValue = None
+    error: ErrorInfo | None = None
+    lease_fence: int = 0
+    created_at: datetime
+    updated_at: datetime
+
+    @field_validator("history")
+    @classmethod
+    def _bounded_history(cls, value: list[HistoryEntry]) -> list[HistoryEntry]:
+        return value[-MAX_HISTORY:]
+
+    @field_validator("observations")
+    @classmethod
+    def _bounded_observations(cls, value: list[Observation]) -> list[Observation]:
+        return value[-MAX_OBSERVATIONS:]
+
+    def wait_for(self, correlation_id: str) -> Wait | None:
+        return next((w for w in self.waits if w.correlation_id == correlation_id), None)
+
+    def pending_outbox(self) -> list[OutboxEntry]:
+        return [e for e in self.outbox if e.status is DispatchStatus.PENDING]
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+
+class SessionHeader(_Model):
+    """The few fields stored uncompressed in front of an encoded snapshot.
+
+    Listing sessions by state for repair reads only this header (a ranged read), not the
+    whole compressed body.
+    """
+
+    session_id: str
+    tenant: str
+    state: SessionState
+    generation: int
+    epoch: int
+    schema_version: int
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, snapshot: SessionSnapshot) -> SessionHeader:
+        return cls(
+            session_id=snapshot.session_id,
+            tenant=snapshot.tenant,
+            state=snapshot.state,
+            generation=snapshot.generation,
+            epoch=snapshot.epoch,
+            schema_version=snapshot.schema_version,
+            updated_at=snapshot.updated_at,
+        )

@@ -1,0 +1,220 @@
+"""The outbox: external requests recorded in the same commit as the state that needs them.
+
+A long-running tool's request, a compensation and a notification are each written into
+the snapshot as a PENDING entry by the commit that makes them necessary, and sent only
+after that commit. If the process dies in between, the entry is still there and the next
+activation (or the reconciler) sends it. Every send carries an idempotency key derived
+from the entry, so a resend after a crash is deduplicated by the far side:
+``tenant:action_key:epoch`` for a start, the same with ``:compensate`` for an undo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Protocol
+
+from torpor.backoff import backoff_s
+from torpor.errors import TorporError
+from torpor.ids import business_idempotency_key, new_entry_id
+from torpor.models import (
+    DispatchStatus,
+    OutboxEntry,
+    OutboxKind,
+    SessionSnapshot,
+    Wait,
+)
+from torpor.tools import CallbackRoute, DispatchRequest, LongRunningTool, ToolRegistry
+
+MAX_DISPATCH_ATTEMPTS = 8
+DISPATCH_BACKOFF_BASE_S = 2.0
+DISPATCH_BACKOFF_CAP_S = 600.0
+KEEP_SETTLED = 32  # settled entries kept in the snapshot for inspection
+
+
+class CallbackRouter(Protocol):
+    """Tells a long-running tool how the far side should answer."""
+
+    def route(self, snapshot: SessionSnapshot, wait: Wait) -> CallbackRoute: ...
+
+
+class Notifier(Protocol):
+    """Accepts a notification for durable, retried delivery to the submitter."""
+
+    async def enqueue(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None: ...
+
+
+class BareRouter:
+    """Correlation id only: for tools whose far side is given no URL or token."""
+
+    def route(self, snapshot: SessionSnapshot, wait: Wait) -> CallbackRoute:
+        return CallbackRoute(wait.correlation_id, None, None)
+
+
+def start_entry(snapshot: SessionSnapshot, wait: Wait, *, now: datetime) -> OutboxEntry:
+    return OutboxEntry(
+        entry_id=new_entry_id(),
+        kind=OutboxKind.START,
+        tool_name=wait.tool_name,
+        tool_call_id=wait.tool_call_id,
+        correlation_id=wait.correlation_id,
+        idempotency_key=business_idempotency_key(snapshot.tenant, wait.action_key, wait.epoch),
+        payload=wait.request,
+        created_at=now,
+    )
+
+
+def compensate_entry(
+    snapshot: SessionSnapshot, wait: Wait, *, reason: str, now: datetime
+) -> OutboxEntry:
+    key = business_idempotency_key(snapshot.tenant, wait.action_key, wait.epoch)
+    return OutboxEntry(
+        entry_id=new_entry_id(),
+        kind=OutboxKind.COMPENSATE,
+        tool_name=wait.tool_name,
+        tool_call_id=wait.tool_call_id,
+        correlation_id=wait.correlation_id,
+        idempotency_key=f"{key}:compensate",
+        # The wait is gone from the snapshot once the session ends; the entry keeps a copy
+        # so the undo can still be sent after a crash.
+        payload={"reason": reason, "wait": wait.model_dump(mode="json")},
+        created_at=now,
+    )
+
+
+def notify_entry(snapshot: SessionSnapshot, *, event: str, now: datetime) -> OutboxEntry:
+    return OutboxEntry(
+        entry_id=new_entry_id(),
+        kind=OutboxKind.NOTIFY,
+        idempotency_key=f"{snapshot.session_id}:{event}:{snapshot.epoch}",
+        payload={"event": event},
+        created_at=now,
+    )
+
+
+@dataclass(frozen=True)
+class Sent:
+    pass
+
+
+@dataclass(frozen=True)
+class RetryAt:
+    at: datetime
+    error: str
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    error: str
+
+
+Outcome = Sent | RetryAt | GaveUp
+
+
+def is_due(entry: OutboxEntry, now: datetime) -> bool:
+    return entry.status is DispatchStatus.PENDING and (
+        entry.next_attempt_at is None or entry.next_attempt_at <= now
+    )
+
+
+async def send(
+    entry: OutboxEntry,
+    snapshot: SessionSnapshot,
+    *,
+    tools: ToolRegistry,
+    router: CallbackRouter,
+    notifier: Notifier | None,
+    now: datetime,
+) -> Outcome:
+    try:
+        await _send(entry, snapshot, tools=tools, router=router, notifier=notifier)
+    except Exception as exc:  # a tool's failure is data here: it decides retry vs give up
+        error = f"{type(exc).__name__}: {exc}"[:500]
+        retryable = getattr(exc, "retryable_instance", None)
+        if retryable is None:
+            retryable = exc.retryable if isinstance(exc, TorporError) else True
+        if not retryable or entry.attempts + 1 >= MAX_DISPATCH_ATTEMPTS:
+            return GaveUp(error)
+        delay = backoff_s(
+            entry.attempts, base_s=DISPATCH_BACKOFF_BASE_S, cap_s=DISPATCH_BACKOFF_CAP_S
+        )
+        return RetryAt(now + timedelta(seconds=delay), error)
+    return Sent()
+
+
+async def _send(
+    entry: OutboxEntry,
+    snapshot: SessionSnapshot,
+    *,
+    tools: ToolRegistry,
+    router: CallbackRouter,
+    notifier: Notifier | None,
+) -> None:
+    if entry.kind is OutboxKind.NOTIFY:
+        if notifier is not None:
+            await notifier.enqueue(snapshot, entry)
+        return
+    tool = tools.get(entry.tool_name or "")
+    if not isinstance(tool, LongRunningTool):
+        raise _Permanent(f"tool {entry.tool_name!r} is not a long-running tool here")
+    if entry.kind is OutboxKind.COMPENSATE:
+        undone = Wait.model_validate(entry.payload["wait"])
+        reason = str(entry.payload.get("reason", ""))
+        if tool.can_compensate:
+            await tool.compensate(
+                undone, tenant=snapshot.tenant, reason=reason, idempotency_key=entry.idempotency_key
+            )
+        return
+    wait = snapshot.wait_for(entry.correlation_id or "")
+    if wait is None:
+        return  # the wait closed before its request went out: nothing left to ask
+    await tool.dispatch(
+        DispatchRequest(
+            session_id=snapshot.session_id,
+            tenant=snapshot.tenant,
+            tool_call_id=wait.tool_call_id,
+            action_key=wait.action_key,
+            idempotency_key=entry.idempotency_key,
+            business_key=wait.business_key,
+            request=wait.request,
+            callback=router.route(snapshot, wait),
+            deadline=wait.deadline,
+            trace_id=snapshot.trace_id,
+        )
+    )
+
+
+class _Permanent(TorporError):
+    code = "dispatch_impossible"
+
+
+def settle(entry: OutboxEntry, outcome: Outcome, *, now: datetime) -> OutboxEntry:
+    """The entry after one send attempt."""
+    attempts = entry.attempts + 1
+    match outcome:
+        case Sent():
+            return entry.model_copy(
+                update={
+                    "status": DispatchStatus.DISPATCHED,
+                    "attempts": attempts,
+                    "dispatched_at": now,
+                    "next_attempt_at": None,
+                }
+            )
+        case RetryAt(at=at, error=error):
+            return entry.model_copy(
+                update={"attempts": attempts, "next_attempt_at": at, "last_error": error}
+            )
+        case GaveUp(error=error):
+            return entry.model_copy(
+                update={"status": DispatchStatus.FAILED, "attempts": attempts, "last_error": error}
+            )
+
+
+def trim(outbox: list[OutboxEntry]) -> list[OutboxEntry]:
+    """Keep every pending entry and only the most recent settled ones."""
+    settled = [e for e in outbox if e.status is not DispatchStatus.PENDING]
+    if len(settled) <= KEEP_SETTLED:
+        return outbox
+    drop = {e.entry_id for e in settled[: len(settled) - KEEP_SETTLED]}
+    return [e for e in outbox if e.entry_id not in drop]

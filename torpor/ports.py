@@ -1,0 +1,266 @@
+"""The storage seams the domain sees: an object store and an index.
+
+Both are small async protocols with keyword-only options, one adapter per module in
+``storage/``, chosen by URL. The object store is the source of truth (snapshots, inbox,
+correlation records, audit log); the index is a fast, rebuildable lookup plus
+coordination (nonces, deadlines, idempotency keys, leases). Losing the index loses no
+session: the reconciler rebuilds it from the object store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from torpor.lifecycle import SessionState
+
+if TYPE_CHECKING:
+    from collections.abc import Collection
+
+    from torpor.events import InboxEvent
+    from torpor.models import SessionSnapshot
+
+# --- object store ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    data: bytes
+    etag: str
+
+
+@dataclass(frozen=True, slots=True)
+class ListPage:
+    keys: list[str]
+    next_token: str | None  # pass as ``start_after`` to get the next page; None at the end
+
+
+class ObjectStore(Protocol):
+    """Keys are '/'-separated relative paths of safe characters (see ``storage.keys``).
+
+    Conditional writes are the only way torpor changes shared state in the store:
+    ``put_if_absent`` is create-only (``If-None-Match: *``), ``put_if_match`` is a
+    compare-and-swap on the etag (``If-Match``). Each raises a ``PreconditionFailed``
+    subclass when it loses, and writes nothing.
+    """
+
+    @property
+    def url(self) -> str: ...
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        """Raise ``ObjectNotFound`` if absent. ``max_bytes`` reads only a prefix."""
+        ...
+
+    async def put(self, key: str, data: bytes) -> str:
+        """Unconditional write (for objects with a single writer); returns the etag."""
+        ...
+
+    async def put_if_absent(self, key: str, data: bytes) -> str:
+        """Create-only; raise ``ObjectExists`` if the key exists."""
+        ...
+
+    async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
+        """Replace only if the current etag is ``etag``; raise ``EtagMismatch`` otherwise
+        (also when the object no longer exists)."""
+        ...
+
+    async def list(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        """Keys under ``prefix`` in lexicographic order, one page at a time."""
+        ...
+
+    async def delete(self, key: str) -> None:
+        """Idempotent: deleting a missing key is not an error."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+# --- index -------------------------------------------------------------------------
+
+
+class WaitBinding(BaseModel):
+    """What the index knows about one open wait: enough to route a callback."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant: str
+    correlation_id: str
+    session_id: str
+    wait_id: str
+    epoch: int
+    step_id: str
+    deadline: datetime
+    business_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    name: str
+    owner: str
+    token: int  # fencing token: strictly increasing per lease name
+    expires_at: datetime
+
+
+class IdempotencyStatus(StrEnum):
+    IN_PROGRESS = "in_progress"
+    DONE = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyRecord:
+    key: str
+    session_id: str
+    fingerprint: str
+    status: IdempotencyStatus
+    created: bool  # True if this call claimed the key; False if it already existed
+
+
+class TimerKind(StrEnum):
+    WAKE = "wake"  # inbox holds an event that no activation has confirmed yet
+    POLL = "poll"  # a wait is overdue: ask the external system
+    RETRY = "retry"  # an outbox entry or a failed activation is due for another try
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPage:
+    session_ids: list[str]
+    next_cursor: str | None
+
+
+class Index(Protocol):
+    @property
+    def url(self) -> str: ...
+
+    async def ping(self) -> None:
+        """Raise ``IndexUnavailable`` if the index cannot be reached."""
+        ...
+
+    async def close(self) -> None: ...
+
+    # -- waits --
+    async def bind_wait(self, binding: WaitBinding, *, grace: timedelta) -> None:
+        """Atomically: correlation id → binding, business key → correlation id, deadline
+        into the SLA set. Entries expire at deadline + grace."""
+        ...
+
+    async def resolve(
+        self, *, tenant: str, correlation_id: str | None = None, business_key: str | None = None
+    ) -> WaitBinding | None:
+        """Find a bound wait by correlation id or business key, only within ``tenant``."""
+        ...
+
+    async def unbind(self, *, tenant: str, correlation_id: str) -> None: ...
+
+    async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]: ...
+
+    # -- timers (wake, poll, retry) --
+    async def schedule(self, *, kind: TimerKind, member: str, at: datetime) -> None: ...
+
+    async def unschedule(self, *, kind: TimerKind, member: str) -> None: ...
+
+    async def due(self, *, kind: TimerKind, now: datetime, limit: int) -> list[str]: ...
+
+    # -- dedupe and idempotency --
+    async def claim_nonce(self, *, scope: str, nonce: str, ttl: timedelta) -> bool:
+        """``SET NX EX``: True for the first claim of (scope, nonce) within ``ttl``."""
+        ...
+
+    async def claim_idempotency(
+        self, *, tenant: str, key: str, fingerprint: str, session_id: str, ttl: timedelta
+    ) -> IdempotencyRecord:
+        """Claim ``key`` for ``session_id`` or return who holds it."""
+        ...
+
+    async def finish_idempotency(self, *, tenant: str, key: str, ttl: timedelta) -> None: ...
+
+    async def release_idempotency(self, *, tenant: str, key: str) -> None:
+        """Forget a claim whose creation failed, so a retry can succeed."""
+        ...
+
+    # -- leases with fencing tokens --
+    async def acquire_lease(
+        self, *, name: str, owner: str, ttl: timedelta, now: datetime
+    ) -> Lease | None: ...
+
+    async def renew_lease(self, lease: Lease, *, ttl: timedelta, now: datetime) -> Lease | None:
+        """Extend a lease still held by ``lease.owner`` with ``lease.token``; None if lost."""
+        ...
+
+    async def release_lease(self, lease: Lease) -> bool: ...
+
+    async def expired_leases(self, *, now: datetime, limit: int) -> list[str]:
+        """Names of leases that expired without being released (their holder died)."""
+        ...
+
+    async def forget_lease(self, *, name: str, now: datetime) -> None:
+        """Drop a lease from the expiry set if it is still expired at ``now`` (its session
+        was dealt with and nobody re-acquired it)."""
+        ...
+
+    # -- session registry (for listings and batch progress; rebuildable) --
+    async def record_session(self, *, tenant: str, session_id: str, state: SessionState) -> None:
+        """Listings are newest first: session ids begin with their creation time."""
+        ...
+
+    async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]: ...
+
+    async def list_sessions(
+        self, *, tenant: str, state: SessionState | None, cursor: str | None, limit: int
+    ) -> SessionPage: ...
+
+    # -- metrics counters --
+    async def incr(self, name: str, by: int = 1) -> int: ...
+
+    async def counters(self) -> dict[str, int]: ...
+
+    # -- integrity: lets the reconciler notice a flushed or replaced index --
+    async def mark_intact(self) -> None: ...
+
+    async def is_intact(self) -> bool: ...
+
+
+# --- repositories the runtime works through (implemented in storage/) ---------------
+
+
+class SnapshotRepository(Protocol):
+    async def create(self, snapshot: SessionSnapshot) -> SessionSnapshot:
+        """Write generation 0, create-only; raise ``ObjectExists`` if the id is taken."""
+        ...
+
+    async def load(self, session_id: str) -> SessionSnapshot:
+        """Raise ``SnapshotNotFound`` if there is no such session."""
+        ...
+
+    async def save(self, snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:
+        """Compare-and-swap: write ``snapshot`` as generation ``expected_generation + 1``
+        only if the stored one is still ``expected_generation``; else ``CommitConflict``
+        and nothing is written. Returns the snapshot as stored."""
+        ...
+
+
+class InboxRepository(Protocol):
+    async def deliver(self, event: InboxEvent) -> bool:
+        """Create-only; False if this (source, event id) was already delivered."""
+        ...
+
+    async def pending(self, session_id: str, *, processed: Collection[str]) -> list[InboxEvent]:
+        """Delivered events not yet in ``processed``, oldest first."""
+        ...
+
+
+class CorrelationRepository(Protocol):
+    """Durable correlation records in the object store: the index's source of truth."""
+
+    async def record(self, binding: WaitBinding) -> None: ...
+
+    async def lookup(self, correlation_id: str) -> WaitBinding | None: ...
+
+    async def lookup_business_key(
+        self, *, tenant: str, business_key: str
+    ) -> WaitBinding | None: ...

@@ -1,0 +1,221 @@
+"""Tool protocols: sync tools run inline, long-running tools make the session sleep.
+
+A *sync* tool runs during the activation; its result is logged under
+``H(session_id:step:tool_call_id)`` and it receives that key so the external side can
+dedupe a call that happened just before a crash.
+
+A *long-running* tool never does its external work inline. ``begin`` only plans the wait
+(what to ask for, the business key, the SLA, the guard baseline); the runtime records the
+request in the outbox in the same commit that suspends the session, binds the callback
+route, and only then calls ``dispatch`` with the business idempotency key
+``tenant:action_key:epoch``. Optional hooks: ``poll`` (ask the external system when a
+callback is overdue), ``current_state`` (for the State Invalidation Guard) and
+``compensate`` (undo on timeout, cancel or drift).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from torpor.models import DriftPolicy, GuardBaseline, Wait
+
+
+class ToolSpec(BaseModel):
+    """How the tool is described to a model (OpenAI function-calling schema)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    session_id: str
+    tenant: str
+    step: int
+    tool_call_id: str
+    idempotency_key: str  # H(session_id:step:tool_call_id) for sync tools
+    trace_id: str
+    now: datetime
+    fence: int  # the session lease's fencing token: pass it on if the far side checks it
+    variables: dict[str, JsonValue]
+
+
+class WaitPlan(BaseModel):
+    """What a long-running tool wants to wait for; the runtime turns it into a Wait."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action_key: str
+    request: dict[str, JsonValue] = Field(default_factory=dict)
+    business_key: str | None = None
+    sla_s: float = 24 * 3600
+    expected_duration_s: float = 3600
+    expected_types: list[str] = Field(default_factory=list)
+    allowed_sources: list[str] = Field(default_factory=list)
+    guard: GuardBaseline | None = None
+    on_drift: DriftPolicy = DriftPolicy.REPLAN
+
+
+@dataclass(frozen=True)
+class CallbackRoute:
+    """Where and how the external system should answer."""
+
+    correlation_id: str
+    capability_token: str | None  # for senders that cannot hold a shared secret
+    callback_url: str | None
+
+
+@dataclass(frozen=True)
+class DispatchRequest:
+    session_id: str
+    tenant: str
+    tool_call_id: str
+    action_key: str
+    idempotency_key: str  # tenant:action_key:epoch
+    business_key: str | None
+    request: dict[str, JsonValue]
+    callback: CallbackRoute
+    deadline: datetime
+    trace_id: str
+
+
+class ExternalState(BaseModel):
+    """The external world as the guard sees it on wake."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version_tag: str | None = None
+    fingerprint: str | None = None
+    invalid_entities: dict[str, str] = Field(default_factory=dict)  # entity → why invalid
+
+
+class PollOutcome(BaseModel):
+    """A finished external action found by polling; delivered like a callback."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    event_id: str
+    type: str
+    data: JsonValue = None
+
+
+class Tool:
+    """Base for sync tools. Subclass and implement ``run``, or use ``@sync_tool``."""
+
+    long_running: ClassVar[bool] = False
+    spec: ToolSpec
+    version: str = "1"
+
+    async def run(self, args: dict[str, Any], ctx: ToolContext) -> JsonValue:
+        raise NotImplementedError
+
+
+class LongRunningTool:
+    """Base for long-running tools. ``begin`` and ``dispatch`` are required."""
+
+    long_running: ClassVar[bool] = True
+    spec: ToolSpec
+    version: str = "1"
+    can_poll: ClassVar[bool] = False
+    can_compensate: ClassVar[bool] = False
+    checks_state: ClassVar[bool] = False
+
+    async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
+        raise NotImplementedError
+
+    async def dispatch(self, request: DispatchRequest) -> None:
+        raise NotImplementedError
+
+    async def poll(self, wait: Wait, *, tenant: str) -> PollOutcome | None:
+        return None
+
+    async def current_state(self, wait: Wait, *, tenant: str) -> ExternalState | None:
+        return None
+
+    async def compensate(
+        self, wait: Wait, *, tenant: str, reason: str, idempotency_key: str
+    ) -> None:
+        return None
+
+
+AnyTool = Tool | LongRunningTool
+SyncFn = Callable[[dict[str, Any], ToolContext], "JsonValue | Awaitable[JsonValue]"]
+
+
+class FunctionTool(Tool):
+    def __init__(self, fn: SyncFn, spec: ToolSpec, version: str = "1") -> None:
+        self._fn = fn
+        self.spec = spec
+        self.version = version
+
+    async def run(self, args: dict[str, Any], ctx: ToolContext) -> JsonValue:
+        out: Any = self._fn(args, ctx)
+        if inspect.isawaitable(out):
+            out = await out
+        return out  # type: ignore[no-any-return]
+
+
+def sync_tool(
+    name: str,
+    *,
+    description: str = "",
+    parameters: dict[str, Any] | None = None,
+    version: str = "1",
+) -> Callable[[SyncFn], FunctionTool]:
+    """Decorator: turn ``fn(args, ctx)`` into a registered-ready sync tool."""
+
+    def wrap(fn: SyncFn) -> FunctionTool:
+        spec = ToolSpec(
+            name=name,
+            description=description or (fn.__doc__ or "").strip(),
+            parameters=parameters or {"type": "object", "properties": {}},
+        )
+        return FunctionTool(fn, spec, version)
+
+    return wrap
+
+
+class ToolRegistry:
+    """Tools by name, as one agent sees them."""
+
+    def __init__(self, tools: list[AnyTool] | None = None) -> None:
+        self._tools: dict[str, AnyTool] = {}
+        for tool in tools or []:
+            self.register(tool)
+
+    def register(self, tool: AnyTool) -> None:
+        name = tool.spec.name
+        if name in self._tools:
+            raise ValueError(f"tool {name!r} is registered twice")
+        self._tools[name] = tool
+
+    def get(self, name: str) -> AnyTool | None:
+        return self._tools.get(name)
+
+    def specs(self) -> list[ToolSpec]:
+        return [t.spec for t in self._tools.values()]
+
+    def versions(self) -> dict[str, str]:
+        return {name: t.version for name, t in self._tools.items()}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
