@@ -7,6 +7,7 @@ caller can smuggle ``..`` or a separator into a key.
 from __future__ import annotations
 
 import re
+import zlib
 
 from torpor.errors import InvalidKey
 from torpor.ids import digest
@@ -96,20 +97,42 @@ def endpoint_state(tenant: str, url: str) -> str:
 
 
 class RedisKeys:
-    """Redis key names under one prefix (tests use a prefix of their own)."""
+    """Redis key names under one prefix (tests use a prefix of their own).
 
-    def __init__(self, prefix: str = "tp:") -> None:
+    Bound waits are the index's most numerous entries, so they live as fields of
+    bucketed hashes and time-bucketed sorted sets: Redis stores small hashes and sorted
+    sets as compact listpacks, which costs a fraction of one top-level key per wait.
+    """
+
+    def __init__(
+        self, prefix: str = "tp:", *, buckets: int = 256, deadline_shards: int = 8
+    ) -> None:
         self.prefix = prefix
+        self.buckets = buckets
+        self.deadline_shards = deadline_shards
+
+    def _bucket(self, value: str) -> int:
+        return zlib.crc32(value.encode()) % self.buckets
 
     def correlation(self, correlation_id: str) -> str:
-        return f"{self.prefix}c:{correlation_id}"
+        return f"{self.prefix}c:{self._bucket(correlation_id)}"
 
-    def business_key(self, tenant: str, key: str) -> str:
-        return f"{self.prefix}b:{tenant}:{digest(key, length=20)}"
+    def business_key(self, tenant: str, key: str) -> tuple[str, str]:
+        """(hash key, field) of a business-key pointer."""
+        field = f"{tenant}:{digest(key, length=16)}"
+        return f"{self.prefix}b:{self._bucket(field)}", field
+
+    def deadline_slot(self, correlation_id: str, deadline_minute: int) -> str:
+        """Which deadline set holds a wait: its deadline's minute, sharded so that a burst
+        of waits due in the same minute still fits compact sets."""
+        return f"{deadline_minute}:{zlib.crc32(correlation_id.encode()) % self.deadline_shards}"
+
+    def deadline_bucket(self, slot: str) -> str:
+        return f"{self.prefix}dl:{slot}"
 
     @property
-    def deadlines(self) -> str:
-        return f"{self.prefix}dl"
+    def deadline_buckets(self) -> str:
+        return f"{self.prefix}dlb"
 
     def timers(self, kind: TimerKind) -> str:
         return f"{self.prefix}t:{kind.value}"

@@ -7,6 +7,7 @@ used only to garbage-collect entries well after they stop mattering.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Coroutine
 from datetime import datetime, timedelta
 from functools import wraps
@@ -17,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from storage.bindings import decode_binding, encode_binding
+from storage.bindings import StoredBinding, decode_binding, encode_binding
 from storage.keys import RedisKeys
 from torpor.clock import from_ms, to_ms
 from torpor.errors import IndexUnavailable
@@ -36,12 +37,36 @@ T = TypeVar("T")
 
 LEASE_GC = 24 * 3600 * 1000  # keep an expired lease record a day, for post-mortems
 
+# A wait is three entries: a field in a correlation hash bucket, a business-key pointer in
+# a hash bucket, and a member of its deadline minute's sorted set (whose minute is listed
+# in the bucket index). Buckets keep each structure small enough for Redis' compact
+# listpack encoding. Hash fields cannot carry a TTL before Redis 7.4, so each entry holds
+# its own expiry (deadline + grace) and each bucket key expires with its latest entry.
+_BIND = """
+local function extend(key, at)
+  if redis.call('PEXPIRETIME', key) < tonumber(at) then redis.call('PEXPIREAT', key, at) end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+extend(KEYS[1], ARGV[6])
+if KEYS[2] ~= '' then
+  redis.call('HSET', KEYS[2], ARGV[3], ARGV[1])
+  extend(KEYS[2], ARGV[6])
+end
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
+extend(KEYS[3], ARGV[6])
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[7])
+return 1
+"""
+
 # Unbind removes the business-key pointer only if it still names this wait: a newer wait
 # with the same business key may have taken it over.
 _UNBIND = """
-redis.call('DEL', KEYS[1])
-if KEYS[2] ~= '' and redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+redis.call('HDEL', KEYS[1], ARGV[1])
+if KEYS[2] ~= '' and redis.call('HGET', KEYS[2], ARGV[2]) == ARGV[1] then
+  redis.call('HDEL', KEYS[2], ARGV[2])
+end
 redis.call('ZREM', KEYS[3], ARGV[1])
+if redis.call('ZCARD', KEYS[3]) == 0 then redis.call('ZREM', KEYS[4], ARGV[3]) end
 return 1
 """
 
@@ -115,13 +140,19 @@ def _translate(
 
 class RedisIndex:
     def __init__(
-        self, url: str, *, prefix: str = "tp:", client: aioredis.Redis | None = None
+        self,
+        url: str,
+        *,
+        prefix: str = "tp:",
+        buckets: int = 256,
+        client: aioredis.Redis | None = None,
     ) -> None:
         self._url = url
-        self.keys = RedisKeys(prefix)
+        self.keys = RedisKeys(prefix, buckets=buckets)
         self._redis: aioredis.Redis = client or aioredis.Redis.from_url(
             url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5
         )
+        self._bind = self._redis.register_script(_BIND)
         self._unbind = self._redis.register_script(_UNBIND)
         self._claim_idem = self._redis.register_script(_CLAIM_IDEMPOTENCY)
         self._acquire = self._redis.register_script(_ACQUIRE)
@@ -148,17 +179,41 @@ class RedisIndex:
 
     # -- waits --------------------------------------------------------------------------
 
+    def _slot(self, binding: WaitBinding) -> tuple[str, int]:
+        minute = to_ms(binding.deadline) // 60_000
+        return self.keys.deadline_slot(binding.correlation_id, minute), minute
+
     @_translate
     async def bind_wait(self, binding: WaitBinding, *, grace: timedelta) -> None:
-        expire_at = to_ms(binding.deadline + grace)
+        expires = to_ms(binding.deadline + grace)
         cid = binding.correlation_id
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.correlation(cid), encode_binding(binding), pxat=expire_at)
-            if binding.business_key:
-                key = self.keys.business_key(binding.tenant, binding.business_key)
-                pipe.set(key, cid, pxat=expire_at)
-            pipe.zadd(self.keys.deadlines, {cid: to_ms(binding.deadline)})
-            await pipe.execute()
+        bk_key, bk_field = (
+            self.keys.business_key(binding.tenant, binding.business_key)
+            if binding.business_key
+            else ("", "")
+        )
+        slot, minute = self._slot(binding)
+        await self._bind(
+            keys=[
+                self.keys.correlation(cid),
+                bk_key,
+                self.keys.deadline_bucket(slot),
+                self.keys.deadline_buckets,
+            ],
+            args=[
+                cid,
+                encode_binding(binding, expires_ms=expires),
+                bk_field,
+                to_ms(binding.deadline),
+                minute,
+                expires,
+                slot,
+            ],
+        )
+
+    async def _stored(self, correlation_id: str) -> StoredBinding | None:
+        raw = _opt(await self._redis.hget(self.keys.correlation(correlation_id), correlation_id))
+        return decode_binding(correlation_id, raw) if raw else None
 
     @_translate
     async def resolve(
@@ -166,48 +221,69 @@ class RedisIndex:
     ) -> WaitBinding | None:
         cid = correlation_id
         if cid is None and business_key is not None:
-            cid = _opt(await self._redis.get(self.keys.business_key(tenant, business_key)))
+            key, field = self.keys.business_key(tenant, business_key)
+            cid = _opt(await self._redis.hget(key, field))
         if cid is None:
             return None
-        raw = _opt(await self._redis.get(self.keys.correlation(cid)))
-        binding = decode_binding(cid, raw) if raw else None
-        return binding if binding and binding.tenant == tenant else None
+        stored = await self._stored(cid)
+        if stored is None or stored.expires_ms <= wall_ms():
+            return None
+        return stored.binding if stored.binding.tenant == tenant else None
 
     @_translate
     async def unbind(self, *, tenant: str, correlation_id: str) -> None:
-        raw = _opt(await self._redis.get(self.keys.correlation(correlation_id)))
-        binding = decode_binding(correlation_id, raw) if raw else None
-        if binding is not None and binding.tenant != tenant:
+        stored = await self._stored(correlation_id)
+        if stored is None or stored.binding.tenant != tenant:
             return
-        bk = (
-            self.keys.business_key(tenant, binding.business_key)
-            if binding and binding.business_key
-            else ""
+        await self._remove(stored.binding)
+
+    async def _remove(self, binding: WaitBinding) -> None:
+        bk_key, bk_field = (
+            self.keys.business_key(binding.tenant, binding.business_key)
+            if binding.business_key
+            else ("", "")
         )
-        keys = [self.keys.correlation(correlation_id), bk, self.keys.deadlines]
-        await self._unbind(keys=keys, args=[correlation_id])
+        slot, _ = self._slot(binding)
+        await self._unbind(
+            keys=[
+                self.keys.correlation(binding.correlation_id),
+                bk_key,
+                self.keys.deadline_bucket(slot),
+                self.keys.deadline_buckets,
+            ],
+            args=[binding.correlation_id, bk_field, slot],
+        )
 
     @_translate
     async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]:
-        cids = _strs(
+        now_ms = to_ms(now)
+        slots = _strs(
             await self._redis.zrangebyscore(
-                self.keys.deadlines, "-inf", to_ms(now), start=0, num=limit
+                self.keys.deadline_buckets, "-inf", now_ms // 60_000, start=0, num=limit * 4
             )
         )
-        if not cids:
-            return []
-        raws = [_opt(r) for r in await self._redis.mget([self.keys.correlation(c) for c in cids])]
         out: list[WaitBinding] = []
-        orphans: list[str] = []
-        for cid, raw in zip(cids, raws, strict=True):
-            binding = decode_binding(cid, raw) if raw else None
-            if binding is None:
-                orphans.append(cid)
-            else:
-                out.append(binding)
-        if orphans:  # binding expired long ago: its deadline entry is garbage
-            await self._redis.zrem(self.keys.deadlines, *orphans)
-        return out
+        for slot in slots:
+            # Each slot is read up to ``limit`` and the union sorted: the earliest deadlines
+            # of a minute may sit in any of its shards.
+            cids = _strs(
+                await self._redis.zrangebyscore(
+                    self.keys.deadline_bucket(slot), "-inf", now_ms, start=0, num=limit
+                )
+            )
+            for cid in cids:
+                stored = await self._stored(cid)
+                if stored is None:
+                    # The binding is gone but its deadline entry is not: garbage.
+                    await self._redis.zrem(self.keys.deadline_bucket(slot), cid)
+                elif stored.expires_ms <= wall_ms():
+                    await self._remove(stored.binding)  # logical TTL passed: collect it
+                else:
+                    out.append(stored.binding)
+            if len(out) >= limit * 4:
+                break
+        out.sort(key=lambda b: b.deadline)
+        return out[:limit]
 
     # -- timers -------------------------------------------------------------------------
 
@@ -357,6 +433,11 @@ class RedisIndex:
     @_translate
     async def is_intact(self) -> bool:
         return bool(await self._redis.exists(self.keys.intact))
+
+
+def wall_ms() -> int:
+    """Wall-clock ms for the logical TTL of bound waits (as a Redis TTL would use)."""
+    return int(time.time() * 1000)
 
 
 def _str(value: bytes | str) -> str:

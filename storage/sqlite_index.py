@@ -86,8 +86,9 @@ class SqliteIndex:
         conn.execute("PRAGMA busy_timeout = 30000")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executescript(_SCHEMA + "COMMIT;")
+        # Several processes may open a fresh file at once: create the schema under the
+        # write lock, in one transaction.
+        conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
         return conn
 
     @property
@@ -124,7 +125,7 @@ class SqliteIndex:
 
     async def bind_wait(self, binding: WaitBinding, *, grace: timedelta) -> None:
         expires = to_ms(binding.deadline + grace)
-        encoded = encode_binding(binding)
+        encoded = encode_binding(binding, expires_ms=expires)
 
         def op(c: sqlite3.Connection) -> None:
             c.execute(
@@ -162,7 +163,8 @@ class SqliteIndex:
                 "SELECT encoded FROM bindings WHERE correlation_id=? AND tenant=? AND expires_ms>?",
                 (cid, tenant, now),
             ).fetchone()
-            return decode_binding(cid, row[0]) if row else None
+            stored = decode_binding(cid, row[0]) if row else None
+            return stored.binding if stored else None
 
         return await self._run(op, write=False)
 
@@ -186,7 +188,7 @@ class SqliteIndex:
                 "ORDER BY deadline_ms LIMIT ?",
                 (to_ms(now), limit),
             ).fetchall()
-            return [b for cid, raw in rows if (b := decode_binding(cid, raw)) is not None]
+            return [s.binding for cid, raw in rows if (s := decode_binding(cid, raw)) is not None]
 
         return await self._run(op, write=False)
 

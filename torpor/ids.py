@@ -50,7 +50,8 @@ def new_trace_id() -> str:
 
 
 def new_wait_id() -> str:
-    return "w_" + secrets.token_hex(8)
+    # Unique within its session is enough: it is always looked up with the session id.
+    return "w_" + secrets.token_hex(4)
 
 
 def new_entry_id() -> str:

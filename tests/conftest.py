@@ -1,0 +1,121 @@
+"""Shared fixtures: real Redis, a real S3 HTTP endpoint (moto's server), local folders.
+
+Nothing here is skipped: a missing Redis is a failed run, and ``.ci/run`` starts one.
+Each test gets a Redis key prefix of its own, deleted afterwards, and a wiped S3 server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+import redis
+
+from storage.local_store import LocalObjectStore
+from storage.redis_index import RedisIndex
+from storage.s3_store import S3ObjectStore
+from storage.sqlite_index import SqliteIndex
+from tests.support.s3_server import S3TestServer
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+BUCKET = "torpor-test"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.ConnectionError as exc:  # fail loudly: CI must provide Redis
+        raise RuntimeError(f"tests need Redis at {REDIS_URL} (set REDIS_URL)") from exc
+    finally:
+        client.close()
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    prefix = f"tptest:{secrets.token_hex(4)}:"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+async def redis_index(redis_url: str, redis_prefix: str) -> AsyncIterator[RedisIndex]:
+    index = RedisIndex(redis_url, prefix=redis_prefix)
+    yield index
+    await index.close()
+
+
+@pytest.fixture
+async def sqlite_index(tmp_path: Path) -> AsyncIterator[SqliteIndex]:
+    index = SqliteIndex(tmp_path / "index.db")
+    yield index
+    await index.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3TestServer]:
+    server = S3TestServer().start()
+    yield server
+    server.stop()
+
+
+def make_bucket(server: S3TestServer, bucket: str = BUCKET) -> None:
+    kwargs = server.boto_kwargs()
+    client = boto3.client(
+        "s3",
+        endpoint_url=kwargs["endpoint_url"],
+        region_name=kwargs["region"],
+        aws_access_key_id=kwargs["access_key_id"],
+        aws_secret_access_key=kwargs["secret_access_key"],
+    )
+    client.create_bucket(Bucket=bucket)
+    client.close()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3TestServer) -> str:
+    s3_server.reset()
+    make_bucket(s3_server)
+    return BUCKET
+
+
+@pytest.fixture
+async def s3_store(s3_server: S3TestServer, s3_bucket: str) -> AsyncIterator[S3ObjectStore]:
+    store = S3ObjectStore(s3_bucket, "t", **s3_server.boto_kwargs())
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+async def local_store(tmp_path: Path) -> AsyncIterator[LocalObjectStore]:
+    store = LocalObjectStore(tmp_path / "objects")
+    yield store
+    await store.close()
+
+
+async def eventually(
+    predicate: object, *, timeout_s: float = 20.0, interval_s: float = 0.05, what: str = ""
+) -> None:
+    """Wait for ``predicate()`` (sync or async) to be truthy, or fail after the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        value = predicate() if callable(predicate) else predicate
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s: {what}")
+        await asyncio.sleep(interval_s)

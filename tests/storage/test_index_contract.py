@@ -1,0 +1,266 @@
+"""One contract, both indexes: a real Redis and SQLite."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from storage.redis_index import RedisIndex
+from storage.sqlite_index import SqliteIndex
+from tests.support.race import race
+from torpor.errors import IndexUnavailable
+from torpor.ids import new_correlation_id
+from torpor.lifecycle import SessionState
+from torpor.ports import Index, TimerKind, WaitBinding
+
+NOW = datetime.now(UTC).replace(microsecond=0)
+GRACE = timedelta(days=1)
+
+
+def binding(
+    tenant: str = "acme",
+    *,
+    deadline_in: float = 3600,
+    bk: str | None = "PO-1",
+    session: str = "s_1",
+) -> WaitBinding:
+    return WaitBinding(
+        tenant=tenant,
+        correlation_id=new_correlation_id(),
+        session_id=session,
+        wait_id="w_1",
+        epoch=3,
+        step_id="step-2",
+        deadline=NOW + timedelta(seconds=deadline_in),
+        business_key=bk,
+    )
+
+
+class IndexContract:
+    @pytest.fixture
+    def index(self) -> Index:
+        raise NotImplementedError
+
+    # -- waits --
+
+    async def test_bind_then_resolve_by_correlation_and_business_key(self, index: Index) -> None:
+        b = binding(bk="PO-1|with|pipes")
+        await index.bind_wait(b, grace=GRACE)
+        assert await index.resolve(tenant="acme", correlation_id=b.correlation_id) == b
+        assert await index.resolve(tenant="acme", business_key="PO-1|with|pipes") == b
+
+    async def test_resolve_is_scoped_by_tenant(self, index: Index) -> None:
+        b = binding()
+        await index.bind_wait(b, grace=GRACE)
+        assert await index.resolve(tenant="other", correlation_id=b.correlation_id) is None
+        assert await index.resolve(tenant="other", business_key="PO-1") is None
+
+    async def test_unknown_ids_resolve_to_none(self, index: Index) -> None:
+        assert await index.resolve(tenant="acme", correlation_id=new_correlation_id()) is None
+        assert await index.resolve(tenant="acme", business_key="nope") is None
+
+    async def test_unbind_removes_everything(self, index: Index) -> None:
+        b = binding()
+        await index.bind_wait(b, grace=GRACE)
+        await index.unbind(tenant="acme", correlation_id=b.correlation_id)
+        assert await index.resolve(tenant="acme", correlation_id=b.correlation_id) is None
+        assert await index.resolve(tenant="acme", business_key="PO-1") is None
+        assert await index.due_deadlines(now=NOW + timedelta(days=2), limit=10) == []
+
+    async def test_unbind_keeps_a_newer_wait_on_the_same_business_key(self, index: Index) -> None:
+        old, new = binding(), binding()
+        await index.bind_wait(old, grace=GRACE)
+        await index.bind_wait(new, grace=GRACE)
+        await index.unbind(tenant="acme", correlation_id=old.correlation_id)
+        assert await index.resolve(tenant="acme", business_key="PO-1") == new
+
+    async def test_unbind_by_other_tenant_changes_nothing(self, index: Index) -> None:
+        b = binding()
+        await index.bind_wait(b, grace=GRACE)
+        await index.unbind(tenant="mallory", correlation_id=b.correlation_id)
+        assert await index.resolve(tenant="acme", correlation_id=b.correlation_id) == b
+
+    async def test_due_deadlines_in_order_and_limited(self, index: Index) -> None:
+        early = binding(deadline_in=10, bk=None)
+        late = binding(deadline_in=20, bk=None)
+        future = binding(deadline_in=10_000, bk=None)
+        for b in (late, future, early):
+            await index.bind_wait(b, grace=GRACE)
+        assert await index.due_deadlines(now=NOW, limit=10) == []
+        due = await index.due_deadlines(now=NOW + timedelta(seconds=30), limit=10)
+        assert [d.correlation_id for d in due] == [early.correlation_id, late.correlation_id]
+        assert len(await index.due_deadlines(now=NOW + timedelta(seconds=30), limit=1)) == 1
+
+    # -- timers --
+
+    async def test_timers(self, index: Index) -> None:
+        await index.schedule(kind=TimerKind.WAKE, member="s_a", at=NOW + timedelta(seconds=5))
+        await index.schedule(kind=TimerKind.WAKE, member="s_b", at=NOW + timedelta(seconds=1))
+        await index.schedule(kind=TimerKind.POLL, member="s_c", at=NOW)
+        assert await index.due(kind=TimerKind.WAKE, now=NOW, limit=10) == []
+        assert await index.due(kind=TimerKind.WAKE, now=NOW + timedelta(seconds=9), limit=10) == [
+            "s_b",
+            "s_a",
+        ]
+        # rescheduling moves, it does not duplicate
+        await index.schedule(kind=TimerKind.WAKE, member="s_b", at=NOW + timedelta(seconds=60))
+        assert await index.due(kind=TimerKind.WAKE, now=NOW + timedelta(seconds=9), limit=10) == [
+            "s_a"
+        ]
+        await index.unschedule(kind=TimerKind.WAKE, member="s_a")
+        assert await index.due(kind=TimerKind.WAKE, now=NOW + timedelta(seconds=9), limit=10) == []
+        assert await index.due(kind=TimerKind.POLL, now=NOW, limit=10) == ["s_c"]
+
+    # -- nonces and idempotency --
+
+    async def test_nonce_claims_once(self, index: Index) -> None:
+        assert await index.claim_nonce(scope="oa", nonce="n-1", ttl=timedelta(minutes=10))
+        assert not await index.claim_nonce(scope="oa", nonce="n-1", ttl=timedelta(minutes=10))
+        assert await index.claim_nonce(scope="erp", nonce="n-1", ttl=timedelta(minutes=10))
+
+    async def test_idempotency_claim_finish_release(self, index: Index) -> None:
+        ttl = timedelta(hours=24)
+        first = await index.claim_idempotency(
+            tenant="acme", key="k1", fingerprint="fp1", session_id="s_1", ttl=ttl
+        )
+        assert first.created and first.status == "in_progress"
+        again = await index.claim_idempotency(
+            tenant="acme", key="k1", fingerprint="fp2", session_id="s_2", ttl=ttl
+        )
+        assert not again.created
+        assert (again.session_id, again.fingerprint) == ("s_1", "fp1")
+        other_tenant = await index.claim_idempotency(
+            tenant="beta", key="k1", fingerprint="fp1", session_id="s_3", ttl=ttl
+        )
+        assert other_tenant.created
+        await index.finish_idempotency(tenant="acme", key="k1", ttl=ttl)
+        done = await index.claim_idempotency(
+            tenant="acme", key="k1", fingerprint="fp1", session_id="s_9", ttl=ttl
+        )
+        assert done.status == "done" and done.session_id == "s_1"
+        await index.release_idempotency(tenant="beta", key="k1")
+        assert (
+            await index.claim_idempotency(
+                tenant="beta", key="k1", fingerprint="x", session_id="s_4", ttl=ttl
+            )
+        ).created
+
+    # -- leases --
+
+    async def test_lease_exclusive_until_expiry_with_growing_fence(self, index: Index) -> None:
+        ttl = timedelta(seconds=45)
+        a = await index.acquire_lease(name="session:s1", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        assert await index.acquire_lease(name="session:s1", owner="b", ttl=ttl, now=NOW) is None
+        later = NOW + timedelta(seconds=46)
+        b = await index.acquire_lease(name="session:s1", owner="b", ttl=ttl, now=later)
+        assert b is not None and b.token > a.token
+        # the stale holder can neither renew nor release the new holder's lease
+        assert await index.renew_lease(a, ttl=ttl, now=later) is None
+        assert not await index.release_lease(a)
+        assert await index.release_lease(b)
+        c = await index.acquire_lease(name="session:s1", owner="c", ttl=ttl, now=later)
+        assert c is not None and c.token > b.token
+
+    async def test_renew_extends(self, index: Index) -> None:
+        ttl = timedelta(seconds=45)
+        a = await index.acquire_lease(name="session:s2", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        renewed = await index.renew_lease(a, ttl=ttl, now=NOW + timedelta(seconds=30))
+        assert renewed is not None and renewed.expires_at == NOW + timedelta(seconds=75)
+        at_60 = NOW + timedelta(seconds=60)
+        assert await index.acquire_lease(name="session:s2", owner="b", ttl=ttl, now=at_60) is None
+
+    async def test_expired_leases_are_listed_and_forgotten(self, index: Index) -> None:
+        ttl = timedelta(seconds=45)
+        dead = await index.acquire_lease(name="session:dead", owner="a", ttl=ttl, now=NOW)
+        gone = await index.acquire_lease(name="session:gone", owner="a", ttl=ttl, now=NOW)
+        assert dead and gone
+        await index.release_lease(gone)
+        later = NOW + timedelta(seconds=50)
+        assert await index.expired_leases(now=NOW, limit=10) == []
+        assert await index.expired_leases(now=later, limit=10) == ["session:dead"]
+        await index.forget_lease(name="session:dead", now=later)
+        assert await index.expired_leases(now=later, limit=10) == []
+
+    # -- session registry, counters, integrity --
+
+    async def test_session_registry_lists_newest_first_by_state(self, index: Index) -> None:
+        ids = [f"s_{i:04d}" for i in range(7)]
+        for sid in ids:
+            await index.record_session(tenant="acme", session_id=sid, state=SessionState.PENDING)
+        await index.record_session(tenant="beta", session_id="s_9999", state=SessionState.PENDING)
+        for sid in ids[:3]:
+            await index.record_session(tenant="acme", session_id=sid, state=SessionState.SUSPENDED)
+        page1 = await index.list_sessions(tenant="acme", state=None, cursor=None, limit=4)
+        assert page1.session_ids == list(reversed(ids))[:4]
+        page2 = await index.list_sessions(
+            tenant="acme", state=None, cursor=page1.next_cursor, limit=4
+        )
+        assert page2.session_ids == list(reversed(ids))[4:] and page2.next_cursor is None
+        suspended = await index.list_sessions(
+            tenant="acme", state=SessionState.SUSPENDED, cursor=None, limit=10
+        )
+        assert suspended.session_ids == list(reversed(ids[:3]))
+        pending = await index.list_sessions(
+            tenant="acme", state=SessionState.PENDING, cursor=None, limit=10
+        )
+        assert pending.session_ids == list(reversed(ids[3:]))
+        states = await index.session_states([*ids[:4], "s_missing"])
+        assert states == {
+            ids[0]: SessionState.SUSPENDED,
+            ids[1]: SessionState.SUSPENDED,
+            ids[2]: SessionState.SUSPENDED,
+            ids[3]: SessionState.PENDING,
+        }
+
+    async def test_counters_and_integrity_marker(self, index: Index) -> None:
+        assert await index.incr("webhooks.accepted") == 1
+        assert await index.incr("webhooks.accepted", 4) == 5
+        assert (await index.counters())["webhooks.accepted"] == 5
+        assert not await index.is_intact()
+        await index.mark_intact()
+        assert await index.is_intact()
+
+
+class TestRedisIndex(IndexContract):
+    @pytest.fixture
+    def index(self, redis_index: RedisIndex) -> Index:
+        return redis_index
+
+    @pytest.mark.parametrize("op", ["nonce", "lease", "idempotency"])
+    def test_races_have_exactly_one_winner(
+        self, op: str, redis_url: str, redis_prefix: str
+    ) -> None:
+        winners = race(
+            ("redis", {"url": redis_url, "prefix": redis_prefix}), op, workers=6, rounds=20
+        )
+        assert all(len(w) == 1 for w in winners.values()), winners
+
+    async def test_redis_down_is_a_typed_retryable_error(self) -> None:
+        index = RedisIndex("redis://127.0.0.1:9/0")
+        with pytest.raises(IndexUnavailable, match=r"127\.0\.0\.1:9") as info:
+            await index.claim_nonce(scope="s", nonce="n", ttl=timedelta(seconds=5))
+        assert info.value.retryable
+        await index.close()
+
+    async def test_password_never_shown(self) -> None:
+        index = RedisIndex("redis://:hunter2@127.0.0.1:9/0")
+        assert "hunter2" not in index.url
+        with pytest.raises(IndexUnavailable) as info:
+            await index.ping()
+        assert "hunter2" not in str(info.value)
+        await index.close()
+
+
+class TestSqliteIndex(IndexContract):
+    @pytest.fixture
+    def index(self, sqlite_index: SqliteIndex) -> Index:
+        return sqlite_index
+
+    @pytest.mark.parametrize("op", ["nonce", "lease", "idempotency"])
+    def test_races_have_exactly_one_winner(self, op: str, tmp_path: Path) -> None:
+        winners = race(("sqlite", {"path": str(tmp_path / "race.db")}), op, workers=6, rounds=20)
+        assert all(len(w) == 1 for w in winners.values()), winners

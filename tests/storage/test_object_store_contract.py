@@ -1,0 +1,179 @@
+"""One contract, every object store: the local folder and S3 over real HTTP (moto)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from storage.local_store import LocalObjectStore
+from storage.s3_store import S3ObjectStore
+from tests.support.race import race
+from tests.support.s3_server import S3TestServer
+from torpor.errors import (
+    BucketNotFound,
+    EtagMismatch,
+    InvalidKey,
+    ObjectExists,
+    ObjectNotFound,
+)
+from torpor.ports import ObjectStore
+
+
+class ObjectStoreContract:
+    @pytest.fixture
+    def store(self) -> ObjectStore:  # overridden per adapter
+        raise NotImplementedError
+
+    async def test_get_missing_raises_typed_error(self, store: ObjectStore) -> None:
+        with pytest.raises(ObjectNotFound):
+            await store.get("nothing/here")
+
+    async def test_create_only_then_read_back(self, store: ObjectStore) -> None:
+        etag = await store.put_if_absent("a/b/c", b"hello")
+        got = await store.get("a/b/c")
+        assert got.data == b"hello"
+        assert got.etag.strip('"') == etag.strip('"')
+
+    async def test_second_create_loses_and_writes_nothing(self, store: ObjectStore) -> None:
+        await store.put_if_absent("k", b"first")
+        with pytest.raises(ObjectExists):
+            await store.put_if_absent("k", b"second")
+        assert (await store.get("k")).data == b"first"
+
+    async def test_compare_and_swap(self, store: ObjectStore) -> None:
+        etag1 = await store.put_if_absent("cas", b"v1")
+        etag2 = await store.put_if_match("cas", b"v2", etag=etag1)
+        assert etag2 != etag1
+        with pytest.raises(EtagMismatch):
+            await store.put_if_match("cas", b"v3", etag=etag1)  # stale etag
+        assert (await store.get("cas")).data == b"v2"
+
+    async def test_cas_on_missing_object_is_a_mismatch(self, store: ObjectStore) -> None:
+        with pytest.raises(EtagMismatch):
+            await store.put_if_match("ghost", b"x", etag='"0123456789abcdef0123456789abcdef"')
+        with pytest.raises(ObjectNotFound):
+            await store.get("ghost")
+
+    async def test_unconditional_put_overwrites(self, store: ObjectStore) -> None:
+        await store.put("p", b"1")
+        await store.put("p", b"2")
+        assert (await store.get("p")).data == b"2"
+
+    async def test_list_is_sorted_paginated_and_prefix_exact(self, store: ObjectStore) -> None:
+        names = [f"inbox/s1/{i:03d}" for i in range(25)]
+        for name in reversed(names):
+            await store.put_if_absent(name, b"x")
+        await store.put_if_absent("inbox/s10/000", b"other session")
+        await store.put_if_absent("inbox-other/000", b"other prefix")
+        seen: list[str] = []
+        token = None
+        pages = 0
+        while True:
+            page = await store.list("inbox/s1/", start_after=token, limit=10)
+            seen.extend(page.keys)
+            pages += 1
+            if page.next_token is None:
+                break
+            token = page.next_token
+        assert seen == names
+        assert pages == 3
+
+    async def test_list_of_empty_prefix_is_empty(self, store: ObjectStore) -> None:
+        page = await store.list("nothing/")
+        assert page.keys == [] and page.next_token is None
+
+    async def test_delete_is_idempotent(self, store: ObjectStore) -> None:
+        await store.put_if_absent("d", b"x")
+        await store.delete("d")
+        await store.delete("d")
+        with pytest.raises(ObjectNotFound):
+            await store.get("d")
+        await store.put_if_absent("d", b"again")  # create-only works again after delete
+
+    async def test_prefix_read_keeps_whole_object_etag(self, store: ObjectStore) -> None:
+        etag = await store.put_if_absent("big", b"0123456789" * 100)
+        head = await store.get("big", max_bytes=16)
+        assert head.data == b"0123456789012345"
+        assert head.etag.strip('"') == etag.strip('"')
+
+    async def test_empty_object(self, store: ObjectStore) -> None:
+        await store.put_if_absent("empty", b"")
+        assert (await store.get("empty")).data == b""
+        assert (await store.get("empty", max_bytes=8)).data == b""
+
+    async def test_large_object_round_trip(self, store: ObjectStore) -> None:
+        blob = bytes(range(256)) * 20_000  # 5 MB
+        await store.put_if_absent("large", blob)
+        assert (await store.get("large")).data == blob
+
+    @pytest.mark.parametrize(
+        "bad", ["", "/abs", "../up", "a//b", "a/../b", "a/./b", "sp ace", "a/"]
+    )
+    async def test_unsafe_keys_are_refused(self, store: ObjectStore, bad: str) -> None:
+        with pytest.raises(InvalidKey):
+            await store.put_if_absent(bad, b"x")
+
+
+class TestLocalObjectStore(ObjectStoreContract):
+    @pytest.fixture
+    def store(self, local_store: LocalObjectStore) -> ObjectStore:
+        return local_store
+
+    def test_races_have_exactly_one_winner(self, tmp_path: Path) -> None:
+        spec = ("local", {"root": str(tmp_path / "race")})
+        winners = race(spec, "put_if_absent", workers=6, rounds=20)
+        assert all(len(w) == 1 for w in winners.values()), winners
+
+    async def test_cas_race_has_exactly_one_winner(self, tmp_path: Path) -> None:
+        root = tmp_path / "race"
+        store = LocalObjectStore(root)
+        etags = [await store.put_if_absent(f"race/round-{r}", b"base") for r in range(20)]
+        winners = race(
+            ("local", {"root": str(root)}), "put_if_match", workers=6, rounds=20, etags=list(etags)
+        )
+        assert all(len(w) == 1 for w in winners.values()), winners
+
+
+@pytest.mark.s3
+class TestS3ObjectStore(ObjectStoreContract):
+    @pytest.fixture
+    def store(self, s3_store: S3ObjectStore) -> ObjectStore:
+        return s3_store
+
+    def test_races_have_exactly_one_winner(self, s3_server: S3TestServer, s3_bucket: str) -> None:
+        spec = ("s3", {"bucket": s3_bucket, "prefix": "r", "boto": s3_server.boto_kwargs()})
+        winners = race(spec, "put_if_absent", workers=6, rounds=10)
+        assert all(len(w) == 1 for w in winners.values()), winners
+
+    async def test_cas_race_has_exactly_one_winner(
+        self, s3_server: S3TestServer, s3_bucket: str
+    ) -> None:
+        store = S3ObjectStore(s3_bucket, "r", **s3_server.boto_kwargs())
+        etags = [await store.put_if_absent(f"race/round-{r}", b"base") for r in range(10)]
+        spec = ("s3", {"bucket": s3_bucket, "prefix": "r", "boto": s3_server.boto_kwargs()})
+        winners = race(spec, "put_if_match", workers=6, rounds=10, etags=list(etags))
+        assert all(len(w) == 1 for w in winners.values()), winners
+        await store.close()
+
+    async def test_missing_bucket_is_named(self, s3_server: S3TestServer) -> None:
+        store = S3ObjectStore("no-such-bucket", **s3_server.boto_kwargs())
+        with pytest.raises(BucketNotFound, match="no-such-bucket"):
+            await store.put_if_absent("k", b"x")
+        await store.close()
+
+    async def test_unreachable_endpoint_is_retryable_storage_error(self) -> None:
+        from torpor.errors import StorageUnavailable
+
+        store = S3ObjectStore(
+            "b",
+            endpoint_url="http://127.0.0.1:9",
+            region="us-east-1",
+            access_key_id="x",
+            secret_access_key="y",
+            timeout_s=1,
+        )
+        with pytest.raises(StorageUnavailable) as info:
+            await store.get("k")
+        assert info.value.retryable
+        await store.close()

@@ -1,0 +1,156 @@
+"""Snapshot store, inbox and correlation records, on the local folder and on S3."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from storage import keys
+from storage.correlations import ObjectCorrelations
+from storage.inbox import ObjectInbox
+from storage.snapshots import SnapshotStore
+from tests.support.factories import NOW, busy_snapshot, snapshot
+from torpor.errors import CommitConflict, ObjectExists, SnapshotCorrupt, SnapshotNotFound
+from torpor.events import EventKind, InboxEvent
+from torpor.ids import new_correlation_id
+from torpor.lifecycle import SessionState, transition
+from torpor.ports import ObjectStore, WaitBinding
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest) -> ObjectStore:
+    name = "local_store" if request.param == "local" else "s3_store"
+    return request.getfixturevalue(name)  # type: ignore[no-any-return]
+
+
+async def test_create_load_save_round_trip(store: ObjectStore) -> None:
+    snapshots = SnapshotStore(store)
+    first = await snapshots.create(snapshot())
+    assert first.generation == 0
+    running = transition(first, SessionState.RUNNING, now=NOW)
+    saved = await snapshots.save(running, expected_generation=0)
+    assert saved.generation == 1
+    loaded = await SnapshotStore(store).load(first.session_id)  # a fresh store: no etag cache
+    assert loaded == saved
+
+
+async def test_create_is_create_only(store: ObjectStore) -> None:
+    snapshots = SnapshotStore(store)
+    snap = await snapshots.create(snapshot())
+    with pytest.raises(ObjectExists):
+        await snapshots.create(snap)
+
+
+async def test_lost_race_raises_conflict_and_writes_nothing(store: ObjectStore) -> None:
+    a, b = SnapshotStore(store), SnapshotStore(store)  # two activations, two processes
+    created = await a.create(snapshot())
+    base_a = await a.load(created.session_id)
+    base_b = await b.load(created.session_id)
+    winner = await a.save(transition(base_a, SessionState.RUNNING, now=NOW), expected_generation=0)
+    with pytest.raises(CommitConflict):
+        await b.save(transition(base_b, SessionState.CANCELLED, now=NOW), expected_generation=0)
+    assert await SnapshotStore(store).load(created.session_id) == winner
+
+
+async def test_ten_concurrent_commits_exactly_one_wins(store: ObjectStore) -> None:
+    created = await SnapshotStore(store).create(snapshot())
+    writers = [SnapshotStore(store) for _ in range(10)]
+    bases = [await w.load(created.session_id) for w in writers]
+
+    async def commit(i: int) -> bool:
+        draft = bases[i].model_copy(update={"variables": {"writer": i}})
+        try:
+            await writers[i].save(draft, expected_generation=0)
+        except CommitConflict:
+            return False
+        return True
+
+    results = await asyncio.gather(*(commit(i) for i in range(10)))
+    assert sum(results) == 1
+    final = await SnapshotStore(store).load(created.session_id)
+    assert final.generation == 1 and final.variables == {"writer": results.index(True)}
+
+
+async def test_save_with_stale_expectation_conflicts_without_cache(store: ObjectStore) -> None:
+    snapshots = SnapshotStore(store)
+    snap = await snapshots.create(snapshot())
+    await snapshots.save(snap, expected_generation=0)
+    with pytest.raises(CommitConflict, match="generation 1"):
+        await SnapshotStore(store).save(snap, expected_generation=0)
+
+
+async def test_missing_and_corrupt_snapshots_are_typed(store: ObjectStore) -> None:
+    snapshots = SnapshotStore(store)
+    with pytest.raises(SnapshotNotFound):
+        await snapshots.load("s_nobody")
+    await store.put(keys.snapshot("s_broken"), b"TPS1\x01\x00\x05{oops")
+    with pytest.raises(SnapshotCorrupt, match="s_broken"):
+        await snapshots.load("s_broken")
+
+
+async def test_list_by_state_reads_headers(store: ObjectStore) -> None:
+    snapshots = SnapshotStore(store)
+    ids = {}
+    for state in (SessionState.PENDING, SessionState.SUSPENDED, SessionState.SUSPENDED):
+        snap = await snapshots.create(snapshot().model_copy(update={"state": state}))
+        ids[snap.session_id] = state
+    await store.put(keys.snapshot("s_garbage"), b"not a snapshot")
+    found = [h async for h in snapshots.list_by_state({SessionState.SUSPENDED})]
+    assert sorted(h.session_id for h in found) == sorted(
+        sid for sid, st in ids.items() if st is SessionState.SUSPENDED
+    )
+    everything = [h async for h in snapshots.list_by_state()]
+    assert len(everything) == 3
+
+
+def event(session_id: str, event_id: str, *, seconds: float = 0) -> InboxEvent:
+    return InboxEvent.new(
+        kind=EventKind.CALLBACK,
+        session_id=session_id,
+        source="oa",
+        event_id=event_id,
+        type="oa.approval.decided",
+        received_at=NOW + timedelta(seconds=seconds),
+        data={"status": "approved"},
+    )
+
+
+async def test_inbox_dedupes_and_orders(store: ObjectStore) -> None:
+    inbox = ObjectInbox(store)
+    assert await inbox.deliver(event("s_1", "e-2", seconds=2))
+    assert await inbox.deliver(event("s_1", "e-1", seconds=1))
+    assert not await inbox.deliver(event("s_1", "e-1", seconds=9))  # redelivery
+    await inbox.deliver(event("s_2", "e-1"))
+    pending = await inbox.pending("s_1", processed=set())
+    assert [e.event_id for e in pending] == ["e-1", "e-2"]
+    assert pending[0].received_at == NOW + timedelta(seconds=1)  # the first delivery stands
+    rest = await inbox.pending("s_1", processed={pending[0].key})
+    assert [e.event_id for e in rest] == ["e-2"]
+
+
+async def test_correlation_records_survive_as_source_of_truth(store: ObjectStore) -> None:
+    records = ObjectCorrelations(store)
+    binding = WaitBinding(
+        tenant="acme",
+        correlation_id=new_correlation_id(),
+        session_id="s_1",
+        wait_id="w_1",
+        epoch=2,
+        step_id="step-1",
+        deadline=NOW + timedelta(hours=1),
+        business_key="PO-7",
+    )
+    await records.record(binding)
+    await records.record(binding)  # a re-bind after a crash is harmless
+    assert await records.lookup(binding.correlation_id) == binding
+    assert await records.lookup_business_key(tenant="acme", business_key="PO-7") == binding
+    assert await records.lookup_business_key(tenant="other", business_key="PO-7") is None
+    assert await records.lookup(new_correlation_id()) is None
+
+
+async def test_busy_snapshot_round_trips_through_storage(store: ObjectStore) -> None:
+    snapshots = SnapshotStore(store)
+    snap = await snapshots.create(busy_snapshot())
+    assert await SnapshotStore(store).load(snap.session_id) == snap

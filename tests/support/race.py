@@ -1,0 +1,114 @@
+"""Race several OS processes on one key, round after round, and report who won.
+
+Each worker builds its own adapter from a picklable spec, then for every round waits on a
+shared barrier (so the attempts really overlap) and makes one attempt. The parent checks
+that every round had exactly one winner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+Spec = tuple[str, dict[str, Any]]
+
+
+def _open(spec: Spec) -> Any:
+    kind, args = spec
+    if kind == "local":
+        from storage.local_store import LocalObjectStore
+
+        return LocalObjectStore(args["root"])
+    if kind == "s3":
+        from storage.s3_store import S3ObjectStore
+
+        return S3ObjectStore(args["bucket"], args.get("prefix", ""), **args["boto"])
+    if kind == "redis":
+        from storage.redis_index import RedisIndex
+
+        return RedisIndex(args["url"], prefix=args["prefix"])
+    if kind == "sqlite":
+        from storage.sqlite_index import SqliteIndex
+
+        return SqliteIndex(args["path"])
+    raise ValueError(kind)
+
+
+async def _attempt(target: Any, op: str, round_no: int, worker: int, etag: str | None) -> bool:
+    from torpor.errors import PreconditionFailed
+
+    key = f"race/round-{round_no}"
+    try:
+        if op == "put_if_absent":
+            await target.put_if_absent(key, f"worker {worker}".encode())
+        elif op == "put_if_match":
+            assert etag is not None
+            await target.put_if_match(key, f"worker {worker}".encode(), etag=etag)
+        elif op == "nonce":
+            return bool(await target.claim_nonce(scope="race", nonce=key, ttl=timedelta(minutes=5)))
+        elif op == "lease":
+            now = datetime.now(UTC)
+            lease = await target.acquire_lease(
+                name=key, owner=f"w{worker}", ttl=timedelta(minutes=5), now=now
+            )
+            return lease is not None
+        elif op == "idempotency":
+            record = await target.claim_idempotency(
+                tenant="t",
+                key=key,
+                fingerprint="fp",
+                session_id=f"s{worker}",
+                ttl=timedelta(minutes=5),
+            )
+            return bool(record.created)
+        else:
+            raise ValueError(op)
+    except PreconditionFailed:
+        return False
+    return True
+
+
+def _worker(
+    spec: Spec, op: str, rounds: int, worker: int, barrier: Any, etags: list[str | None], out: Any
+) -> None:
+    async def main() -> None:
+        target = _open(spec)
+        for r in range(rounds):
+            barrier.wait(timeout=60)
+            won = await _attempt(target, op, r, worker, etags[r])
+            out.put((r, worker, won))
+        await target.close()
+
+    asyncio.run(main())
+
+
+def race(
+    spec: Spec, op: str, *, workers: int, rounds: int, etags: list[str | None] | None = None
+) -> dict[int, list[int]]:
+    """Winners per round: {round: [worker, ...]}."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(workers)
+        out = manager.Queue()
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(spec, op, rounds, w, barrier, etags or [None] * rounds, out),
+            )
+            for w in range(workers)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        codes = [p.exitcode for p in procs]
+        if any(code != 0 for code in codes):
+            raise RuntimeError(f"race workers failed: exit codes {codes}")
+        winners: dict[int, list[int]] = {r: [] for r in range(rounds)}
+        while not out.empty():
+            r, w, won = out.get()
+            if won:
+                winners[r].append(w)
+        return winners

@@ -1,0 +1,140 @@
+"""The snapshot codec: compact, versioned, and loud about damage."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from storage.codec import _PREAMBLE, FLAG_ZLIB, MAGIC, SnapshotCodec
+from tests.support.factories import busy_snapshot, snapshot
+from torpor.errors import SnapshotCorrupt, SnapshotSchemaTooNew
+from torpor.models import SCHEMA_VERSION
+
+
+def test_round_trip_is_exact() -> None:
+    snap = busy_snapshot()
+    codec = SnapshotCodec()
+    assert codec.decode(codec.encode(snap)) == snap
+
+
+def test_header_is_readable_alone() -> None:
+    snap = busy_snapshot()
+    data = SnapshotCodec().encode(snap)
+    header = SnapshotCodec().decode_header(data[:1024])
+    assert (header.session_id, header.state, header.epoch) == (snap.session_id, snap.state, 9)
+
+
+def test_realistic_session_is_at_most_a_quarter_of_its_json() -> None:
+    snap = busy_snapshot(200)
+    raw = snap.model_dump_json().encode()
+    assert len(SnapshotCodec().encode(snap)) <= 0.25 * len(raw)
+
+
+def test_truncation_anywhere_is_detected() -> None:
+    data = SnapshotCodec().encode(busy_snapshot(20))
+    for cut in (0, 3, 7, 40, len(data) // 2, len(data) - 1):
+        with pytest.raises(SnapshotCorrupt):
+            SnapshotCodec().decode(data[:cut])
+
+
+def test_flipped_body_byte_is_detected() -> None:
+    data = bytearray(SnapshotCodec().encode(busy_snapshot(20)))
+    data[-10] ^= 0xFF
+    with pytest.raises(SnapshotCorrupt):
+        SnapshotCodec().decode(bytes(data))
+
+
+def test_not_a_snapshot() -> None:
+    with pytest.raises(SnapshotCorrupt, match="bad magic"):
+        SnapshotCodec().decode(b"<html>Access Denied</html>")
+
+
+def _encode_document(document: dict[str, Any], header: dict[str, Any]) -> bytes:
+    head = json.dumps(header).encode()
+    return (
+        _PREAMBLE.pack(MAGIC, FLAG_ZLIB, len(head))
+        + head
+        + zlib.compress(json.dumps(document).encode())
+    )
+
+
+def test_newer_schema_is_refused_by_name() -> None:
+    snap = snapshot()
+    doc = json.loads(snap.model_dump_json())
+    doc["schema_version"] = SCHEMA_VERSION + 1
+    header = json.loads(
+        SnapshotCodec().decode_header(SnapshotCodec().encode(snap)).model_dump_json()
+    )
+    header["schema_version"] = SCHEMA_VERSION + 1
+    with pytest.raises(SnapshotSchemaTooNew, match="upgrade torpor"):
+        SnapshotCodec().decode(_encode_document(doc, header))
+
+
+def test_older_schema_is_migrated_on_load() -> None:
+    """A v0 document (the single ``wait`` field of an imagined older format) is upgraded."""
+    snap = busy_snapshot(5)
+    doc = json.loads(snap.model_dump_json())
+    doc["schema_version"] = 0
+    doc["wait"] = doc.pop("waits")[0]
+    header = json.loads(
+        SnapshotCodec().decode_header(SnapshotCodec().encode(snap)).model_dump_json()
+    )
+    header["schema_version"] = 0
+
+    def v0_to_v1(d: dict[str, Any]) -> dict[str, Any]:
+        d["waits"] = [d.pop("wait")] if d.get("wait") else []
+        return d
+
+    codec = SnapshotCodec(current_version=1, migrations={0: v0_to_v1})
+    assert codec.decode(_encode_document(doc, header)) == snap
+
+
+def test_missing_migration_is_a_clear_error() -> None:
+    snap = snapshot()
+    doc = json.loads(snap.model_dump_json())
+    doc["schema_version"] = 0
+    header = json.loads(
+        SnapshotCodec().decode_header(SnapshotCodec().encode(snap)).model_dump_json()
+    )
+    header["schema_version"] = 0
+    with pytest.raises(SnapshotCorrupt, match="no migration from schema_version 0"):
+        SnapshotCodec(migrations={}).decode(_encode_document(doc, header))
+
+
+def test_invalid_document_names_the_field() -> None:
+    snap = snapshot()
+    doc = json.loads(snap.model_dump_json())
+    doc["state"] = "NAPPING"
+    header = json.loads(
+        SnapshotCodec().decode_header(SnapshotCodec().encode(snap)).model_dump_json()
+    )
+    with pytest.raises(SnapshotCorrupt, match="state"):
+        SnapshotCodec().decode(_encode_document(doc, header))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400))
+def test_garbage_never_escapes_as_anything_but_typed_errors(data: bytes) -> None:
+    with pytest.raises((SnapshotCorrupt, SnapshotSchemaTooNew)):
+        SnapshotCodec().decode(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(min_value=0, max_value=10_000), st.integers(min_value=0, max_value=255))
+def test_any_single_byte_damage_is_caught_or_harmless(position: int, value: int) -> None:
+    codec = SnapshotCodec()
+    snap = busy_snapshot(10)
+    data = bytearray(codec.encode(snap))
+    position %= len(data)
+    data[position] = value
+    try:
+        decoded = codec.decode(bytes(data))
+    except (SnapshotCorrupt, SnapshotSchemaTooNew):
+        return
+    # Damage the codec cannot see must at least not produce a different session.
+    assert decoded.session_id == snap.session_id and decoded.generation == snap.generation
