@@ -2,8 +2,9 @@
 
 A bound wait is the index's hottest and most numerous entry, so it is stored as one short
 ``|``-separated string rather than JSON (the target is ≤ 300 bytes of Redis memory per
-bound wait, everything included). Times are base-36 milliseconds. The business key goes
-last because it is the only field that may itself contain ``|``.
+bound wait, everything included), short enough (≤ 64 bytes for ids of usual length) for
+Redis to keep the hash buckets holding it in the compact listpack encoding. Times are
+base-36 milliseconds; the expiry is stored as seconds after the deadline.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torpor.clock import from_ms, to_ms
 from torpor.errors import InvalidKey
 from torpor.ports import WaitBinding
 
-_VERSION = "2"
+_VERSION = "3"
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
@@ -34,18 +35,19 @@ class StoredBinding:
 
 
 def encode_binding(binding: WaitBinding, *, expires_ms: int) -> str:
-    fixed = (binding.tenant, binding.session_id, binding.wait_id, binding.step_id)
+    fixed = (binding.tenant, binding.session_id, binding.step_id)
     if any("|" in part for part in fixed):
-        raise InvalidKey("tenant, session, wait and step ids may not contain '|'")
+        raise InvalidKey("tenant, session and step ids may not contain '|'")
+    deadline = to_ms(binding.deadline)
     return "|".join(
         (
             _VERSION,
-            *fixed[:3],
+            binding.tenant,
+            binding.session_id,
             str(binding.epoch),
             binding.step_id,
-            _b36(to_ms(binding.deadline)),
-            _b36(expires_ms),
-            binding.business_key or "",
+            _b36(deadline),
+            _b36(max(0, (expires_ms - deadline) // 1000)),
         )
     )
 
@@ -53,21 +55,20 @@ def encode_binding(binding: WaitBinding, *, expires_ms: int) -> str:
 def decode_binding(correlation_id: str, raw: str) -> StoredBinding | None:
     """None for anything unreadable: a damaged index entry is a miss, never a crash
     (the caller falls back to the durable correlation record)."""
-    parts = raw.split("|", 8)
-    if len(parts) != 9 or parts[0] != _VERSION:
+    parts = raw.split("|")
+    if len(parts) != 7 or parts[0] != _VERSION:
         return None
-    _, tenant, session_id, wait_id, epoch, step_id, deadline, expires, business_key = parts
+    _, tenant, session_id, epoch, step_id, deadline, grace = parts
     try:
+        deadline_ms = int(deadline, 36)
         binding = WaitBinding(
             tenant=tenant,
             correlation_id=correlation_id,
             session_id=session_id,
-            wait_id=wait_id,
             epoch=int(epoch),
             step_id=step_id,
-            deadline=from_ms(int(deadline, 36)),
-            business_key=business_key or None,
+            deadline=from_ms(deadline_ms),
         )
-        return StoredBinding(binding, int(expires, 36))
+        return StoredBinding(binding, deadline_ms + int(grace, 36) * 1000)
     except ValueError:
         return None

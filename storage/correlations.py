@@ -19,14 +19,14 @@ class ObjectCorrelations:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
 
-    async def record(self, binding: WaitBinding) -> None:
+    async def record(self, binding: WaitBinding, *, business_key: str | None) -> None:
         data = binding.model_dump_json().encode()
         # Single writer per correlation id (the session holding its lease), so a plain PUT
         # is safe; rewriting the same record after a crash is harmless.
         await self.store.put(keys.correlation(binding.correlation_id), data)
-        if binding.business_key:
+        if business_key:
             await self.store.put(
-                keys.business_key(binding.tenant, binding.business_key),
+                keys.business_key(binding.tenant, business_key),
                 binding.correlation_id.encode(),
             )
 

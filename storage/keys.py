@@ -105,34 +105,34 @@ class RedisKeys:
     """
 
     def __init__(
-        self, prefix: str = "tp:", *, buckets: int = 256, deadline_shards: int = 8
+        self, prefix: str = "tp:", *, buckets: int = 512, deadline_shards: int = 128
     ) -> None:
         self.prefix = prefix
         self.buckets = buckets
         self.deadline_shards = deadline_shards
 
-    def _bucket(self, value: str) -> int:
-        return zlib.crc32(value.encode()) % self.buckets
+    def _bucket(self, value: str, of: int) -> int:
+        return zlib.crc32(value.encode()) % of
 
     def correlation(self, correlation_id: str) -> str:
-        return f"{self.prefix}c:{self._bucket(correlation_id)}"
+        return f"{self.prefix}c:{self._bucket(correlation_id, self.buckets)}"
 
     def business_key(self, tenant: str, key: str) -> tuple[str, str]:
         """(hash key, field) of a business-key pointer."""
         field = f"{tenant}:{digest(key, length=16)}"
-        return f"{self.prefix}b:{self._bucket(field)}", field
+        return f"{self.prefix}b:{self._bucket(field, self.buckets)}", field
 
-    def deadline_slot(self, correlation_id: str, deadline_minute: int) -> str:
-        """Which deadline set holds a wait: its deadline's minute, sharded so that a burst
-        of waits due in the same minute still fits compact sets."""
-        return f"{deadline_minute}:{zlib.crc32(correlation_id.encode()) % self.deadline_shards}"
+    def deadline_set(self, correlation_id: str, hour: int) -> str:
+        """The sorted set holding a wait's deadline: its hour, sharded so that even a burst
+        of waits due in the same hour stays in small, compact sets."""
+        return self.deadline_shard(hour, self._bucket(correlation_id, self.deadline_shards))
 
-    def deadline_bucket(self, slot: str) -> str:
-        return f"{self.prefix}dl:{slot}"
+    def deadline_shard(self, hour: int, shard: int) -> str:
+        return f"{self.prefix}dl:{hour}:{shard}"
 
     @property
-    def deadline_buckets(self) -> str:
-        return f"{self.prefix}dlb"
+    def deadline_hours(self) -> str:
+        return f"{self.prefix}dlh"
 
     def timers(self, kind: TimerKind) -> str:
         return f"{self.prefix}t:{kind.value}"

@@ -38,8 +38,8 @@ T = TypeVar("T")
 LEASE_GC = 24 * 3600 * 1000  # keep an expired lease record a day, for post-mortems
 
 # A wait is three entries: a field in a correlation hash bucket, a business-key pointer in
-# a hash bucket, and a member of its deadline minute's sorted set (whose minute is listed
-# in the bucket index). Buckets keep each structure small enough for Redis' compact
+# a hash bucket, and a member of one shard of its deadline hour's sorted sets (the hour is
+# listed in an hour index). Buckets keep each structure small enough for Redis' compact
 # listpack encoding. Hash fields cannot carry a TTL before Redis 7.4, so each entry holds
 # its own expiry (deadline + grace) and each bucket key expires with its latest entry.
 _BIND = """
@@ -54,7 +54,7 @@ if KEYS[2] ~= '' then
 end
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
 extend(KEYS[3], ARGV[6])
-redis.call('ZADD', KEYS[4], ARGV[5], ARGV[7])
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[5])
 return 1
 """
 
@@ -66,7 +66,16 @@ if KEYS[2] ~= '' and redis.call('HGET', KEYS[2], ARGV[2]) == ARGV[1] then
   redis.call('HDEL', KEYS[2], ARGV[2])
 end
 redis.call('ZREM', KEYS[3], ARGV[1])
-if redis.call('ZCARD', KEYS[3]) == 0 then redis.call('ZREM', KEYS[4], ARGV[3]) end
+return 1
+"""
+
+# An hour leaves the hour index only when every one of its shards is empty, checked and
+# removed in one script so that a concurrent bind into that hour cannot be orphaned.
+_RETIRE_HOUR = """
+for i = 2, #KEYS do
+  if redis.call('ZCARD', KEYS[i]) > 0 then return 0 end
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
 """
 
@@ -144,16 +153,18 @@ class RedisIndex:
         url: str,
         *,
         prefix: str = "tp:",
-        buckets: int = 256,
+        buckets: int = 512,
+        deadline_shards: int = 128,
         client: aioredis.Redis | None = None,
     ) -> None:
         self._url = url
-        self.keys = RedisKeys(prefix, buckets=buckets)
+        self.keys = RedisKeys(prefix, buckets=buckets, deadline_shards=deadline_shards)
         self._redis: aioredis.Redis = client or aioredis.Redis.from_url(
             url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5
         )
         self._bind = self._redis.register_script(_BIND)
         self._unbind = self._redis.register_script(_UNBIND)
+        self._retire_hour = self._redis.register_script(_RETIRE_HOUR)
         self._claim_idem = self._redis.register_script(_CLAIM_IDEMPOTENCY)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._renew = self._redis.register_script(_RENEW)
@@ -179,35 +190,35 @@ class RedisIndex:
 
     # -- waits --------------------------------------------------------------------------
 
-    def _slot(self, binding: WaitBinding) -> tuple[str, int]:
-        minute = to_ms(binding.deadline) // 60_000
-        return self.keys.deadline_slot(binding.correlation_id, minute), minute
+    @staticmethod
+    def _hour(deadline: datetime) -> int:
+        return to_ms(deadline) // 3_600_000
+
+    def _bk(self, tenant: str, business_key: str | None) -> tuple[str, str]:
+        return self.keys.business_key(tenant, business_key) if business_key else ("", "")
 
     @_translate
-    async def bind_wait(self, binding: WaitBinding, *, grace: timedelta) -> None:
+    async def bind_wait(
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta
+    ) -> None:
         expires = to_ms(binding.deadline + grace)
         cid = binding.correlation_id
-        bk_key, bk_field = (
-            self.keys.business_key(binding.tenant, binding.business_key)
-            if binding.business_key
-            else ("", "")
-        )
-        slot, minute = self._slot(binding)
+        bk_key, bk_field = self._bk(binding.tenant, business_key)
+        hour = self._hour(binding.deadline)
         await self._bind(
             keys=[
                 self.keys.correlation(cid),
                 bk_key,
-                self.keys.deadline_bucket(slot),
-                self.keys.deadline_buckets,
+                self.keys.deadline_set(cid, hour),
+                self.keys.deadline_hours,
             ],
             args=[
                 cid,
                 encode_binding(binding, expires_ms=expires),
                 bk_field,
                 to_ms(binding.deadline),
-                minute,
+                hour,
                 expires,
-                slot,
             ],
         )
 
@@ -231,56 +242,51 @@ class RedisIndex:
         return stored.binding if stored.binding.tenant == tenant else None
 
     @_translate
-    async def unbind(self, *, tenant: str, correlation_id: str) -> None:
+    async def unbind(self, *, tenant: str, correlation_id: str, business_key: str | None) -> None:
         stored = await self._stored(correlation_id)
         if stored is None or stored.binding.tenant != tenant:
             return
-        await self._remove(stored.binding)
+        await self._remove(stored.binding, business_key)
 
-    async def _remove(self, binding: WaitBinding) -> None:
-        bk_key, bk_field = (
-            self.keys.business_key(binding.tenant, binding.business_key)
-            if binding.business_key
-            else ("", "")
-        )
-        slot, _ = self._slot(binding)
+    async def _remove(self, binding: WaitBinding, business_key: str | None) -> None:
+        bk_key, bk_field = self._bk(binding.tenant, business_key)
+        cid = binding.correlation_id
         await self._unbind(
             keys=[
-                self.keys.correlation(binding.correlation_id),
+                self.keys.correlation(cid),
                 bk_key,
-                self.keys.deadline_bucket(slot),
-                self.keys.deadline_buckets,
+                self.keys.deadline_set(cid, self._hour(binding.deadline)),
             ],
-            args=[binding.correlation_id, bk_field, slot],
+            args=[cid, bk_field],
         )
 
     @_translate
     async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]:
         now_ms = to_ms(now)
-        slots = _strs(
-            await self._redis.zrangebyscore(
-                self.keys.deadline_buckets, "-inf", now_ms // 60_000, start=0, num=limit * 4
-            )
-        )
+        now_hour = now_ms // 3_600_000
+        raw_hours = await self._redis.zrangebyscore(self.keys.deadline_hours, "-inf", now_hour)
         out: list[WaitBinding] = []
-        for slot in slots:
-            # Each slot is read up to ``limit`` and the union sorted: the earliest deadlines
-            # of a minute may sit in any of its shards.
-            cids = _strs(
-                await self._redis.zrangebyscore(
-                    self.keys.deadline_bucket(slot), "-inf", now_ms, start=0, num=limit
-                )
-            )
-            for cid in cids:
-                stored = await self._stored(cid)
-                if stored is None:
-                    # The binding is gone but its deadline entry is not: garbage.
-                    await self._redis.zrem(self.keys.deadline_bucket(slot), cid)
-                elif stored.expires_ms <= wall_ms():
-                    await self._remove(stored.binding)  # logical TTL passed: collect it
-                else:
-                    out.append(stored.binding)
-            if len(out) >= limit * 4:
+        for hour in (int(h) for h in _strs(raw_hours)):
+            shards = [self.keys.deadline_shard(hour, i) for i in range(self.keys.deadline_shards)]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in shards:
+                    pipe.zrangebyscore(key, "-inf", now_ms, start=0, num=limit)
+                found = await pipe.execute()
+            # The earliest deadlines of an hour may sit in any shard: read every shard up
+            # to ``limit`` and sort the union.
+            for key, cids in zip(shards, found, strict=True):
+                for cid in _strs(cids):
+                    stored = await self._stored(cid)
+                    if stored is None:
+                        # The binding is gone but its deadline entry is not: garbage.
+                        await self._redis.zrem(key, cid)
+                    elif stored.expires_ms <= wall_ms():
+                        await self._remove(stored.binding, None)  # logical TTL passed
+                    else:
+                        out.append(stored.binding)
+            if hour < now_hour and not any(found):
+                await self._retire_hour(keys=[self.keys.deadline_hours, *shards], args=[hour])
+            if len(out) >= limit:
                 break
         out.sort(key=lambda b: b.deadline)
         return out[:limit]

@@ -123,7 +123,9 @@ class SqliteIndex:
 
     # -- waits --------------------------------------------------------------------------
 
-    async def bind_wait(self, binding: WaitBinding, *, grace: timedelta) -> None:
+    async def bind_wait(
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta
+    ) -> None:
         expires = to_ms(binding.deadline + grace)
         encoded = encode_binding(binding, expires_ms=expires)
 
@@ -134,11 +136,11 @@ class SqliteIndex:
                 "deadline_ms=excluded.deadline_ms, expires_ms=excluded.expires_ms",
                 (binding.correlation_id, binding.tenant, encoded, to_ms(binding.deadline), expires),
             )
-            if binding.business_key:
+            if business_key:
                 c.execute(
                     "INSERT INTO business_keys VALUES (?,?,?,?) ON CONFLICT(tenant, bk) DO UPDATE "
                     "SET correlation_id=excluded.correlation_id, expires_ms=excluded.expires_ms",
-                    (binding.tenant, digest(binding.business_key), binding.correlation_id, expires),
+                    (binding.tenant, digest(business_key), binding.correlation_id, expires),
                 )
 
         await self._run(op)
@@ -168,7 +170,7 @@ class SqliteIndex:
 
         return await self._run(op, write=False)
 
-    async def unbind(self, *, tenant: str, correlation_id: str) -> None:
+    async def unbind(self, *, tenant: str, correlation_id: str, business_key: str | None) -> None:
         def op(c: sqlite3.Connection) -> None:
             c.execute(
                 "DELETE FROM bindings WHERE correlation_id=? AND tenant=?", (correlation_id, tenant)
@@ -182,7 +184,12 @@ class SqliteIndex:
         await self._run(op)
 
     async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]:
+        wall = _wall_ms()
+
         def op(c: sqlite3.Connection) -> list[WaitBinding]:
+            # Entries past deadline + grace are collected here, as Redis' TTL would.
+            c.execute("DELETE FROM bindings WHERE expires_ms<=?", (wall,))
+            c.execute("DELETE FROM business_keys WHERE expires_ms<=?", (wall,))
             rows = c.execute(
                 "SELECT correlation_id, encoded FROM bindings WHERE deadline_ms<=? "
                 "ORDER BY deadline_ms LIMIT ?",
@@ -190,7 +197,7 @@ class SqliteIndex:
             ).fetchall()
             return [s.binding for cid, raw in rows if (s := decode_binding(cid, raw)) is not None]
 
-        return await self._run(op, write=False)
+        return await self._run(op)
 
     # -- timers -------------------------------------------------------------------------
 

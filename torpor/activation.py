@@ -106,11 +106,9 @@ def binding_of(snapshot: SessionSnapshot, wait: Wait) -> WaitBinding:
         tenant=snapshot.tenant,
         correlation_id=wait.correlation_id,
         session_id=snapshot.session_id,
-        wait_id=wait.wait_id,
         epoch=wait.epoch,
         step_id=wait.waiting_step_id,
         deadline=wait.deadline,
-        business_key=wait.business_key,
     )
 
 
@@ -241,8 +239,8 @@ class Activation:
             if wait.correlation_id not in pending_starts:
                 continue
             binding = binding_of(self.snap, wait)
-            await self.deps.correlations.record(binding)
-            await self.deps.index.bind_wait(binding, grace=grace)
+            await self.deps.correlations.record(binding, business_key=wait.business_key)
+            await self.deps.index.bind_wait(binding, business_key=wait.business_key, grace=grace)
             tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
             if isinstance(tool, LongRunningTool) and tool.can_poll:
                 await self.deps.index.schedule(
@@ -254,7 +252,9 @@ class Activation:
     async def unbind(self, waits: list[Wait]) -> None:
         for wait in waits:
             await self.deps.index.unbind(
-                tenant=self.snap.tenant, correlation_id=wait.correlation_id
+                tenant=self.snap.tenant,
+                correlation_id=wait.correlation_id,
+                business_key=wait.business_key,
             )
 
     # -- ending -------------------------------------------------------------------------
@@ -608,7 +608,7 @@ class Activation:
                 wait_id=new_wait_id(),
                 correlation_id=new_correlation_id(),
                 business_key=plan.business_key,
-                waiting_step_id=f"step-{self.snap.step}",
+                waiting_step_id=str(self.snap.step),
                 epoch=epoch,
                 action_key=plan.action_key,
                 tool_name=tool.spec.name,

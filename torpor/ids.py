@@ -27,7 +27,9 @@ def _time_prefix(now_ms: int) -> str:
 
 def new_session_id(now_ms: int | None = None) -> str:
     ms = int(time.time() * 1000) if now_ms is None else now_ms
-    return "s_" + _time_prefix(ms) + secrets.token_hex(8)
+    # 10 chars of time + 32 random bits: unique in practice, and creation is create-only,
+    # so a collision would fail loudly rather than merge two sessions.
+    return "s_" + _time_prefix(ms) + secrets.token_hex(4)
 
 
 def new_batch_id(now_ms: int | None = None) -> str:

@@ -92,11 +92,9 @@ class WaitBinding(BaseModel):
     tenant: str
     correlation_id: str
     session_id: str
-    wait_id: str
     epoch: int
     step_id: str
     deadline: datetime
-    business_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +142,9 @@ class Index(Protocol):
     async def close(self) -> None: ...
 
     # -- waits --
-    async def bind_wait(self, binding: WaitBinding, *, grace: timedelta) -> None:
+    async def bind_wait(
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta
+    ) -> None:
         """Atomically: correlation id → binding, business key → correlation id, deadline
         into the SLA set. Entries expire at deadline + grace."""
         ...
@@ -155,7 +155,9 @@ class Index(Protocol):
         """Find a bound wait by correlation id or business key, only within ``tenant``."""
         ...
 
-    async def unbind(self, *, tenant: str, correlation_id: str) -> None: ...
+    async def unbind(self, *, tenant: str, correlation_id: str, business_key: str | None) -> None:
+        """Remove a wait; the business-key pointer only if it still names this wait."""
+        ...
 
     async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]: ...
 
@@ -257,7 +259,7 @@ class InboxRepository(Protocol):
 class CorrelationRepository(Protocol):
     """Durable correlation records in the object store: the index's source of truth."""
 
-    async def record(self, binding: WaitBinding) -> None: ...
+    async def record(self, binding: WaitBinding, *, business_key: str | None) -> None: ...
 
     async def lookup(self, correlation_id: str) -> WaitBinding | None: ...
 

@@ -20,21 +20,15 @@ GRACE = timedelta(days=1)
 
 
 def binding(
-    tenant: str = "acme",
-    *,
-    deadline_in: float = 3600,
-    bk: str | None = "PO-1",
-    session: str = "s_1",
+    tenant: str = "acme", *, deadline_in: float = 3600, session: str = "s_1"
 ) -> WaitBinding:
     return WaitBinding(
         tenant=tenant,
         correlation_id=new_correlation_id(),
         session_id=session,
-        wait_id="w_1",
         epoch=3,
-        step_id="step-2",
+        step_id="2",
         deadline=NOW + timedelta(seconds=deadline_in),
-        business_key=bk,
     )
 
 
@@ -46,14 +40,14 @@ class IndexContract:
     # -- waits --
 
     async def test_bind_then_resolve_by_correlation_and_business_key(self, index: Index) -> None:
-        b = binding(bk="PO-1|with|pipes")
-        await index.bind_wait(b, grace=GRACE)
+        b = binding()
+        await index.bind_wait(b, business_key="PO-1|with|pipes", grace=GRACE)
         assert await index.resolve(tenant="acme", correlation_id=b.correlation_id) == b
         assert await index.resolve(tenant="acme", business_key="PO-1|with|pipes") == b
 
     async def test_resolve_is_scoped_by_tenant(self, index: Index) -> None:
         b = binding()
-        await index.bind_wait(b, grace=GRACE)
+        await index.bind_wait(b, business_key="PO-1", grace=GRACE)
         assert await index.resolve(tenant="other", correlation_id=b.correlation_id) is None
         assert await index.resolve(tenant="other", business_key="PO-1") is None
 
@@ -63,35 +57,60 @@ class IndexContract:
 
     async def test_unbind_removes_everything(self, index: Index) -> None:
         b = binding()
-        await index.bind_wait(b, grace=GRACE)
-        await index.unbind(tenant="acme", correlation_id=b.correlation_id)
+        await index.bind_wait(b, business_key="PO-1", grace=GRACE)
+        await index.unbind(tenant="acme", correlation_id=b.correlation_id, business_key="PO-1")
         assert await index.resolve(tenant="acme", correlation_id=b.correlation_id) is None
         assert await index.resolve(tenant="acme", business_key="PO-1") is None
         assert await index.due_deadlines(now=NOW + timedelta(days=2), limit=10) == []
 
     async def test_unbind_keeps_a_newer_wait_on_the_same_business_key(self, index: Index) -> None:
         old, new = binding(), binding()
-        await index.bind_wait(old, grace=GRACE)
-        await index.bind_wait(new, grace=GRACE)
-        await index.unbind(tenant="acme", correlation_id=old.correlation_id)
+        await index.bind_wait(old, business_key="PO-1", grace=GRACE)
+        await index.bind_wait(new, business_key="PO-1", grace=GRACE)
+        await index.unbind(tenant="acme", correlation_id=old.correlation_id, business_key="PO-1")
         assert await index.resolve(tenant="acme", business_key="PO-1") == new
 
     async def test_unbind_by_other_tenant_changes_nothing(self, index: Index) -> None:
         b = binding()
-        await index.bind_wait(b, grace=GRACE)
-        await index.unbind(tenant="mallory", correlation_id=b.correlation_id)
+        await index.bind_wait(b, business_key="PO-1", grace=GRACE)
+        await index.unbind(tenant="mallory", correlation_id=b.correlation_id, business_key="PO-1")
         assert await index.resolve(tenant="acme", correlation_id=b.correlation_id) == b
 
     async def test_due_deadlines_in_order_and_limited(self, index: Index) -> None:
-        early = binding(deadline_in=10, bk=None)
-        late = binding(deadline_in=20, bk=None)
-        future = binding(deadline_in=10_000, bk=None)
+        early = binding(deadline_in=10)
+        late = binding(deadline_in=20)
+        future = binding(deadline_in=10_000)
         for b in (late, future, early):
-            await index.bind_wait(b, grace=GRACE)
+            await index.bind_wait(b, business_key=None, grace=GRACE)
         assert await index.due_deadlines(now=NOW, limit=10) == []
         due = await index.due_deadlines(now=NOW + timedelta(seconds=30), limit=10)
         assert [d.correlation_id for d in due] == [early.correlation_id, late.correlation_id]
         assert len(await index.due_deadlines(now=NOW + timedelta(seconds=30), limit=1)) == 1
+
+    async def test_entries_expire_at_deadline_plus_grace(self, index: Index) -> None:
+        gone = binding(deadline_in=-7200)  # deadline two hours ago, grace one hour
+        live = binding(deadline_in=-60)
+        await index.bind_wait(gone, business_key="PO-old", grace=timedelta(hours=1))
+        await index.bind_wait(live, business_key=None, grace=timedelta(hours=1))
+        assert await index.resolve(tenant="acme", correlation_id=gone.correlation_id) is None
+        assert await index.resolve(tenant="acme", business_key="PO-old") is None
+        due = await index.due_deadlines(now=NOW, limit=10)
+        assert [d.correlation_id for d in due] == [live.correlation_id]
+
+    async def test_due_deadlines_span_hours_in_deadline_order(self, index: Index) -> None:
+        waits = [binding(deadline_in=-s) for s in (30, 4000, 9000, 20)]
+        for b in waits:
+            await index.bind_wait(b, business_key=None, grace=GRACE)
+        due = await index.due_deadlines(now=NOW, limit=10)
+        assert [d.deadline for d in due] == sorted(b.deadline for b in waits)
+        for b in waits:
+            await index.unbind(tenant="acme", correlation_id=b.correlation_id, business_key=None)
+        assert await index.due_deadlines(now=NOW, limit=10) == []
+        late = binding(deadline_in=-5000)  # a bind into an hour already swept still counts
+        await index.bind_wait(late, business_key=None, grace=GRACE)
+        assert [d.correlation_id for d in await index.due_deadlines(now=NOW, limit=10)] == [
+            late.correlation_id
+        ]
 
     # -- timers --
 

@@ -136,14 +136,12 @@ async def test_correlation_records_survive_as_source_of_truth(store: ObjectStore
         tenant="acme",
         correlation_id=new_correlation_id(),
         session_id="s_1",
-        wait_id="w_1",
         epoch=2,
-        step_id="step-1",
+        step_id="1",
         deadline=NOW + timedelta(hours=1),
-        business_key="PO-7",
     )
-    await records.record(binding)
-    await records.record(binding)  # a re-bind after a crash is harmless
+    await records.record(binding, business_key="PO-7")
+    await records.record(binding, business_key="PO-7")  # a re-bind after a crash is harmless
     assert await records.lookup(binding.correlation_id) == binding
     assert await records.lookup_business_key(tenant="acme", business_key="PO-7") == binding
     assert await records.lookup_business_key(tenant="other", business_key="PO-7") is None
