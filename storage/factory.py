@@ -48,7 +48,12 @@ def open_object_store(settings: Settings) -> ObjectStore:
 def open_index(settings: Settings) -> Index:
     url = settings.index_url
     if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisIndex(url, prefix=settings.redis_prefix)
+        return RedisIndex(
+            url,
+            prefix=settings.redis_prefix,
+            buckets=settings.index_buckets,
+            deadline_shards=settings.index_deadline_shards,
+        )
     if url.startswith("sqlite://"):
         return SqliteIndex(_local_path(url, "sqlite"))
     raise ConfigError(f"index URL {url!r}: use redis://host:port/db or sqlite://path")

@@ -19,7 +19,7 @@ from pydantic import JsonValue
 
 from torpor import guard, outbox
 from torpor.agent import AgentContext, AgentTurn
-from torpor.clock import Clock
+from torpor.clock import Clock, trunc_ms
 from torpor.errors import (
     AgentUnavailable,
     LeaseLost,
@@ -616,7 +616,7 @@ class Activation:
                 expected_types=plan.expected_types,
                 allowed_sources=plan.allowed_sources,
                 opened_at=now,
-                deadline=now + timedelta(seconds=plan.sla_s),
+                deadline=trunc_ms(now + timedelta(seconds=plan.sla_s)),
                 expected_duration_s=plan.expected_duration_s,
                 guard=plan.guard,
                 on_drift=plan.on_drift,

@@ -19,7 +19,8 @@ class ManualClock:
     """A clock that moves only when told to."""
 
     def __init__(self, start: datetime | None = None) -> None:
-        self._now = start or datetime(2026, 1, 1, tzinfo=UTC)
+        # Defaults to the real now: TTL-style expiry in the indexes follows the wall clock.
+        self._now = start or datetime.now(UTC)
 
     def now(self) -> datetime:
         return self._now
@@ -38,3 +39,8 @@ def to_ms(value: datetime) -> int:
 
 def from_ms(value: int) -> datetime:
     return datetime.fromtimestamp(value / 1000, tz=UTC)
+
+
+def trunc_ms(value: datetime) -> datetime:
+    """Millisecond precision, as the indexes store times: a value read back compares equal."""
+    return value.replace(microsecond=value.microsecond // 1000 * 1000)

@@ -187,3 +187,22 @@ class WebhookSecretInvalid(ConfigError):
     """
 
     code = "webhook_secret_invalid"
+
+
+# --- client requests -----------------------------------------------------------------
+
+
+class IdempotencyMismatch(PermanentError):
+    """The Idempotency-Key was used before with a different request body."""
+
+    code = "idempotency_key_reused"
+
+
+class IdempotencyInProgress(RetryableError):
+    """The first request with this Idempotency-Key is still being processed."""
+
+    code = "idempotency_key_in_progress"
+
+
+class UnknownAgent(PermanentError):
+    code = "unknown_agent"

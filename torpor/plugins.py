@@ -86,3 +86,12 @@ class PluginResolver:
         loaded = LoadedAgent(name, agent, registry, config)
         self._cache[name] = loaded
         return loaded
+
+    async def close(self) -> None:
+        for loaded in self._cache.values():
+            for tool in loaded.tools.all():
+                await tool.close()
+            closer = getattr(loaded.agent, "close", None)
+            if closer is not None:
+                await closer()
+        self._cache.clear()

@@ -81,6 +81,12 @@ class Settings(_Settings):
     poll_backoff_cap_s: float = 6 * 3600.0
     wake_grace_s: float = 30.0  # inbox event with no confirmed activation after this → wake
     full_repair_interval_s: float = 3600.0
+    # Where webhook senders reach this deployment, for capability callback URLs.
+    public_url: str = "http://127.0.0.1:8000"
+    # Keys that sign capability callback tokens; the first signs, all verify (rotation).
+    capability_keys: list[SecretStr] = Field(default_factory=list)
+    index_buckets: int = 512
+    index_deadline_shards: int = 128
     pool_size: int = 2
     pool_max_concurrency: int = 64
     owner_tag: str = ""  # appended to lease owners, for debugging several clusters
@@ -122,6 +128,9 @@ class Settings(_Settings):
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise ConfigError(f"invalid setting {where}: {first['msg']}") from exc
+
+    def capability_key_bytes(self) -> list[bytes]:
+        return [resolve_secret(k).encode() for k in self.capability_keys]
 
     @property
     def embedded(self) -> bool:

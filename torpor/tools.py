@@ -128,6 +128,10 @@ class Tool:
     async def run(self, args: dict[str, Any], ctx: ToolContext) -> JsonValue:
         raise NotImplementedError
 
+    async def close(self) -> None:
+        """Release connections the tool holds (called when its process shuts down)."""
+        return None
+
 
 class LongRunningTool:
     """Base for long-running tools. ``begin`` and ``dispatch`` are required."""
@@ -154,6 +158,9 @@ class LongRunningTool:
     async def compensate(
         self, wait: Wait, *, tenant: str, reason: str, idempotency_key: str
     ) -> None:
+        return None
+
+    async def close(self) -> None:
         return None
 
 
@@ -213,6 +220,9 @@ class ToolRegistry:
 
     def specs(self) -> list[ToolSpec]:
         return [t.spec for t in self._tools.values()]
+
+    def all(self) -> list[AnyTool]:
+        return list(self._tools.values())
 
     def versions(self) -> dict[str, str]:
         return {name: t.version for name, t in self._tools.items()}

@@ -1,0 +1,296 @@
+"""The control plane: submit, inspect, cancel, deliver events, submit batches.
+
+One implementation serves the Python client, the HTTP task API and the CLI. It writes
+durable state first (snapshot, inbox event, batch manifest) and only then asks for an
+activation, so a lost activation request delays work but never loses it: the wake-up
+timer scheduled alongside brings the reconciler round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
+
+from actors.wiring import Services
+from storage import keys
+from torpor.errors import (
+    IdempotencyInProgress,
+    IdempotencyMismatch,
+    InvalidKey,
+    InvalidRequest,
+    ObjectExists,
+    ObjectNotFound,
+    PluginNotFound,
+    SnapshotNotFound,
+    UnknownAgent,
+)
+from torpor.events import EventKind, InboxEvent
+from torpor.ids import new_batch_id, new_session_id, new_trace_id
+from torpor.lifecycle import SessionState
+from torpor.models import AgentRef, SessionSnapshot
+from torpor.ports import IdempotencyStatus, TimerKind
+from torpor.runtime import Reason
+
+IDEMPOTENCY_TTL = timedelta(hours=24)
+
+
+class Activator(Protocol):
+    """Gets a session activated somewhere (in this process, or on a Ray actor)."""
+
+    async def request(self, session_id: str, *, reason: Reason) -> None: ...
+
+
+@dataclass(frozen=True)
+class Submitted:
+    session_id: str
+    created: bool  # False: an earlier request with the same Idempotency-Key made it
+
+
+class BatchManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    batch_id: str
+    tenant: str
+    agent: str
+    session_ids: list[str]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class BatchProgress:
+    batch_id: str
+    total: int
+    by_state: dict[str, int]
+
+    @property
+    def done(self) -> int:
+        return sum(n for s, n in self.by_state.items() if SessionState(s).terminal)
+
+    @property
+    def finished(self) -> bool:
+        return self.done == self.total
+
+
+def fingerprint(payload: dict[str, Any]) -> str:
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class ControlPlane:
+    def __init__(self, services: Services, activator: Activator) -> None:
+        self.services = services
+        self.activator = activator
+
+    @property
+    def _now(self) -> datetime:
+        return self.services.clock.now()
+
+    async def _wake_later(self, session_id: str) -> None:
+        grace = timedelta(seconds=self.services.settings.wake_grace_s)
+        await self.services.index.schedule(
+            kind=TimerKind.WAKE, member=session_id, at=self._now + grace
+        )
+
+    # -- submit ---------------------------------------------------------------------
+
+    async def submit(
+        self,
+        *,
+        tenant: str,
+        agent: str,
+        input: JsonValue,
+        metadata: dict[str, str] | None = None,
+        callback_url: str | None = None,
+        idempotency_key: str | None = None,
+        batch_id: str | None = None,
+    ) -> Submitted:
+        try:
+            loaded = self.services.plugins.agent(agent)
+        except PluginNotFound as exc:
+            raise UnknownAgent(f"no agent named {agent!r} is configured") from exc
+        metadata = dict(metadata or {})
+        session_id = new_session_id()
+        index = self.services.index
+        if idempotency_key is not None:
+            fp = fingerprint(
+                {"agent": agent, "input": input, "metadata": metadata, "callback": callback_url}
+            )
+            claim = await index.claim_idempotency(
+                tenant=tenant,
+                key=idempotency_key,
+                fingerprint=fp,
+                session_id=session_id,
+                ttl=IDEMPOTENCY_TTL,
+            )
+            if not claim.created:
+                if claim.fingerprint != fp:
+                    raise IdempotencyMismatch(
+                        "this Idempotency-Key was already used with a different request"
+                    )
+                if claim.status is IdempotencyStatus.IN_PROGRESS:
+                    raise IdempotencyInProgress(
+                        "the first request with this Idempotency-Key is still being processed"
+                    )
+                return Submitted(claim.session_id, created=False)
+        now = self._now
+        snapshot = SessionSnapshot(
+            session_id=session_id,
+            tenant=tenant,
+            agent=AgentRef(name=agent, version=loaded.agent.version),
+            trace_id=new_trace_id(),
+            input=input,
+            metadata=metadata,
+            callback_url=callback_url,
+            batch_id=batch_id,
+            variables={"tool_versions": dict(loaded.tools.versions())},
+            retry={"max_attempts": loaded.config.max_tool_retries},
+            created_at=now,
+            updated_at=now,
+        )
+        try:
+            await self.services.snapshots.create(snapshot)
+            await index.record_session(
+                tenant=tenant, session_id=session_id, state=SessionState.PENDING
+            )
+            await self._wake_later(session_id)
+        except BaseException:
+            if idempotency_key is not None:  # let a retry of this request start over
+                await index.release_idempotency(tenant=tenant, key=idempotency_key)
+            raise
+        if idempotency_key is not None:
+            await index.finish_idempotency(tenant=tenant, key=idempotency_key, ttl=IDEMPOTENCY_TTL)
+        await self.activator.request(session_id, reason=Reason.SUBMIT)
+        return Submitted(session_id, created=True)
+
+    # -- inspect ----------------------------------------------------------------------
+
+    async def get(self, session_id: str, *, tenant: str | None = None) -> SessionSnapshot:
+        """A tenant never sees another tenant's session: it is simply not found."""
+        try:
+            keys.safe(session_id, "session id")
+        except InvalidKey:
+            raise SnapshotNotFound(f"no session {session_id[:80]!r}") from None
+        snapshot = await self.services.snapshots.load(session_id)
+        if tenant is not None and snapshot.tenant != tenant:
+            raise SnapshotNotFound(f"no session {session_id}")
+        return snapshot
+
+    async def wait(
+        self, session_id: str, *, timeout_s: float = 300.0, tenant: str | None = None
+    ) -> SessionSnapshot:
+        """Poll until the session ends; raise TimeoutError with the last state otherwise."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        delay = 0.05
+        while True:
+            snapshot = await self.get(session_id, tenant=tenant)
+            if snapshot.terminal:
+                return snapshot
+            if loop.time() >= deadline:
+                raise TimeoutError(f"session {session_id} still {snapshot.state}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+
+    # -- change ---------------------------------------------------------------------
+
+    async def cancel(self, session_id: str, *, tenant: str | None = None) -> SessionSnapshot:
+        """Idempotent: the cancel request is one inbox event, whoever sends it how often."""
+        snapshot = await self.get(session_id, tenant=tenant)
+        if not snapshot.terminal:
+            await self.deliver(
+                InboxEvent.new(
+                    kind=EventKind.CANCEL,
+                    session_id=session_id,
+                    source="torpor",
+                    event_id="cancel",
+                    type="torpor.session.cancel",
+                    received_at=self._now,
+                )
+            )
+        return snapshot
+
+    async def deliver(self, event: InboxEvent) -> bool:
+        """Durably accept an event for a session, then wake it. False for a redelivery."""
+        new = await self.services.inbox.deliver(event)
+        if new:
+            await self._wake_later(event.session_id)
+            await self.activator.request(event.session_id, reason=Reason.EVENT)
+        return new
+
+    # -- batches --------------------------------------------------------------------
+
+    async def submit_batch(
+        self,
+        *,
+        tenant: str,
+        agent: str,
+        documents: list[JsonValue],
+        metadata: dict[str, str] | None = None,
+        callback_url: str | None = None,
+        batch_id: str | None = None,
+        concurrency: int = 16,
+    ) -> BatchManifest:
+        """One session per document. Each is submitted with the key ``batch:{id}:{n}``,
+        so re-submitting a batch after a crash creates nothing twice."""
+        if not documents:
+            raise InvalidRequest("a batch needs at least one document")
+        batch_id = batch_id or new_batch_id()
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, doc: JsonValue) -> str:
+            async with gate:
+                result = await self.submit(
+                    tenant=tenant,
+                    agent=agent,
+                    input=doc,
+                    metadata=metadata,
+                    callback_url=callback_url,
+                    idempotency_key=f"batch:{batch_id}:{i}",
+                    batch_id=batch_id,
+                )
+                return result.session_id
+
+        ids = await asyncio.gather(*(one(i, d) for i, d in enumerate(documents)))
+        manifest = BatchManifest(
+            batch_id=batch_id,
+            tenant=tenant,
+            agent=agent,
+            session_ids=list(ids),
+            created_at=self._now,
+        )
+        try:
+            await self.services.store.put_if_absent(
+                keys.batch(batch_id), manifest.model_dump_json().encode()
+            )
+        except ObjectExists:
+            return await self.batch(batch_id, tenant=tenant)
+        return manifest
+
+    async def batch(self, batch_id: str, *, tenant: str | None = None) -> BatchManifest:
+        try:
+            obj = await self.services.store.get(keys.batch(batch_id))
+            manifest = BatchManifest.model_validate_json(obj.data)
+        except (ObjectNotFound, ValidationError, InvalidKey):
+            raise SnapshotNotFound(f"no batch {batch_id[:80]!r}") from None
+        if tenant is not None and manifest.tenant != tenant:
+            raise SnapshotNotFound(f"no batch {batch_id[:80]!r}")
+        return manifest
+
+    async def progress(self, batch_id: str, *, tenant: str | None = None) -> BatchProgress:
+        manifest = await self.batch(batch_id, tenant=tenant)
+        states = await self.services.index.session_states(manifest.session_ids)
+        missing = [sid for sid in manifest.session_ids if sid not in states]
+        for sid in missing:  # the index lost them (e.g. flushed): ask the snapshots
+            try:
+                states[sid] = (await self.services.snapshots.header(sid)).state
+            except SnapshotNotFound:
+                continue
+        counts = Counter(state.value for state in states.values())
+        return BatchProgress(batch_id, len(manifest.session_ids), dict(counts))

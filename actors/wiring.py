@@ -1,0 +1,93 @@
+"""Build the runtime's collaborators from settings, once per process.
+
+This is the only place that turns URLs into adapters for the runtime. It imports no Ray,
+so the same wiring runs in a session actor, a pooled host, the reconciler, the Serve
+replica, the CLI and the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from storage.correlations import ObjectCorrelations
+from storage.factory import open_index, open_object_store
+from storage.inbox import ObjectInbox
+from storage.snapshots import SnapshotStore
+from torpor.activation import Collaborators, Observer
+from torpor.callbacks import CapabilityRouter
+from torpor.clock import Clock, SystemClock
+from torpor.outbox import BareRouter, CallbackRouter, Notifier
+from torpor.plugins import PluginResolver
+from torpor.ports import Index, ObjectStore
+from torpor.runtime import SessionRuntime
+from torpor.settings import Settings
+
+
+@dataclass
+class Services:
+    settings: Settings
+    store: ObjectStore
+    index: Index
+    snapshots: SnapshotStore
+    inbox: ObjectInbox
+    correlations: ObjectCorrelations
+    plugins: PluginResolver
+    clock: Clock
+    router: CallbackRouter
+    notifier: Notifier | None = None
+    observer: Observer = field(default_factory=Observer)
+
+    def collaborators(self) -> Collaborators:
+        return Collaborators(
+            snapshots=self.snapshots,
+            inbox=self.inbox,
+            correlations=self.correlations,
+            index=self.index,
+            settings=self.settings,
+            clock=self.clock,
+            router=self.router,
+            notifier=self.notifier,
+            observer=self.observer,
+        )
+
+    def runtime(self, owner: str | None = None) -> SessionRuntime:
+        return SessionRuntime(self.collaborators(), self.plugins, owner=owner or default_owner())
+
+    async def close(self) -> None:
+        await self.plugins.close()
+        await self.index.close()
+        await self.store.close()
+
+
+def default_owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def open_services(
+    settings: Settings,
+    *,
+    clock: Clock | None = None,
+    notifier: Notifier | None = None,
+    observer: Observer | None = None,
+) -> Services:
+    store = open_object_store(settings)
+    index = open_index(settings)
+    keys = settings.capability_key_bytes()
+    router: CallbackRouter = (
+        CapabilityRouter(keys=keys, public_url=settings.public_url) if keys else BareRouter()
+    )
+    return Services(
+        settings=settings,
+        store=store,
+        index=index,
+        snapshots=SnapshotStore(store),
+        inbox=ObjectInbox(store),
+        correlations=ObjectCorrelations(store),
+        plugins=PluginResolver(settings),
+        clock=clock or SystemClock(),
+        router=router,
+        notifier=notifier,
+        observer=observer or Observer(),
+    )

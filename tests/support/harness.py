@@ -1,0 +1,103 @@
+"""A torpor deployment in one process: real storage, real Redis, the runtime inline."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from actors.control import ControlPlane
+from actors.inline import InlineActivator
+from actors.wiring import Services, open_services
+from tests.support.tools import World, agent_config
+from torpor.clock import ManualClock
+from torpor.events import EventKind, InboxEvent
+from torpor.models import SessionSnapshot
+from torpor.settings import Settings
+
+CAPABILITY_KEY = "test-capability-key-0123456789abcdef"
+
+
+def settings_for(
+    tmp: Path, redis_url: str, prefix: str, *, index: str = "redis", **approval: Any
+) -> Settings:
+    return Settings.build(
+        {
+            "object_store_url": f"file://{tmp / 'objects'}",
+            "index_url": redis_url if index == "redis" else f"sqlite://{tmp / 'index.db'}",
+            "redis_prefix": prefix,
+            "agents": agent_config(redis_url, prefix, **approval),
+            "capability_keys": [CAPABILITY_KEY],
+            "heartbeat_s": 0.2,
+            "lease_ttl_s": 2.0,
+        }
+    )
+
+
+@dataclass
+class Env:
+    services: Services
+    control: ControlPlane
+    world: World
+    clock: ManualClock
+
+    async def submit(self, doc: str = "PR-1", amount: float = 100.0, **kw: Any) -> str:
+        result = await self.control.submit(
+            tenant="acme", agent="purchase", input={"doc": doc, "amount": amount}, **kw
+        )
+        return result.session_id
+
+    async def load(self, session_id: str) -> SessionSnapshot:
+        return await self.services.snapshots.load(session_id)
+
+    async def answer(
+        self,
+        session_id: str,
+        data: Any,
+        *,
+        event_id: str = "evt-1",
+        epoch: int | None = None,
+        type: str = "oa.approval.decided",
+        source: str = "oa",
+    ) -> bool:
+        """Deliver a callback for the session's (first) open wait, stamped as the ingress
+        would stamp it from the index binding."""
+        snap = await self.load(session_id)
+        wait = snap.waits[0]
+        binding = await self.services.index.resolve(
+            tenant=snap.tenant, correlation_id=wait.correlation_id
+        )
+        assert binding is not None
+        return await self.control.deliver(
+            InboxEvent.new(
+                kind=EventKind.CALLBACK,
+                session_id=session_id,
+                source=source,
+                event_id=event_id,
+                type=type,
+                received_at=self.clock.now(),
+                correlation_id=wait.correlation_id,
+                epoch=binding.epoch if epoch is None else epoch,
+                step_id=binding.step_id,
+                data=data,
+            )
+        )
+
+
+@asynccontextmanager
+async def local_env(tmp: Path, redis_url: str, prefix: str, **approval: Any) -> AsyncIterator[Env]:
+    settings = settings_for(tmp, redis_url, prefix, **approval)
+    clock = ManualClock()
+    services = open_services(settings, clock=clock)
+    control = ControlPlane(services, InlineActivator(services.runtime("test-runtime")))
+    world = World(redis_url, prefix)
+    try:
+        yield Env(services, control, world, clock)
+    finally:
+        await world.close()
+        await services.close()
+
+
+EnvFactory = Callable[..., Any]

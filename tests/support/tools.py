@@ -1,0 +1,225 @@
+"""Test tools that talk to a simulated OA/ERP world kept in Redis.
+
+Every process of a test (the driver, session actors, pooled hosts, the reconciler) sees
+the same world, so a test can count exactly how often each external side effect
+happened, keyed by the idempotency key the tool was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import redis.asyncio as aioredis
+from pydantic import JsonValue
+
+from torpor.models import DriftPolicy, GuardBaseline, Wait
+from torpor.tools import (
+    DispatchRequest,
+    ExternalState,
+    LongRunningTool,
+    PollOutcome,
+    Tool,
+    ToolContext,
+    ToolSpec,
+    WaitPlan,
+)
+
+
+class World:
+    def __init__(self, redis_url: str, prefix: str) -> None:
+        self._redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        self.p = prefix + "world:"
+
+    async def happened(self, kind: str, key: str, payload: dict[str, Any]) -> int:
+        """Count one side effect; remember the first payload. Returns the call count."""
+        await self._redis.hsetnx(f"{self.p}{kind}", key, json.dumps(payload, default=str))
+        return int(await self._redis.hincrby(f"{self.p}{kind}:count", key, 1))
+
+    async def counts(self, kind: str) -> dict[str, int]:
+        raw = await self._redis.hgetall(f"{self.p}{kind}:count")
+        return {k: int(v) for k, v in raw.items()}
+
+    async def entries(self, kind: str) -> dict[str, dict[str, Any]]:
+        raw = await self._redis.hgetall(f"{self.p}{kind}")
+        return {k: json.loads(v) for k, v in raw.items()}
+
+    async def version(self, doc: str) -> str:
+        return str(await self._redis.get(f"{self.p}version:{doc}") or "v1")
+
+    async def set_version(self, doc: str, version: str) -> None:
+        await self._redis.set(f"{self.p}version:{doc}", version)
+
+    async def decide(self, doc: str, decision: dict[str, Any]) -> None:
+        await self._redis.set(f"{self.p}decision:{doc}", json.dumps(decision))
+
+    async def decision(self, doc: str) -> dict[str, Any] | None:
+        raw = await self._redis.get(f"{self.p}decision:{doc}")
+        return json.loads(raw) if raw else None
+
+    async def gate(self, name: str) -> bool:
+        return bool(await self._redis.exists(f"{self.p}gate:{name}"))
+
+    async def open_gate(self, name: str) -> None:
+        await self._redis.set(f"{self.p}gate:{name}", "1")
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+class ExtractFields(Tool):
+    spec = ToolSpec(
+        name="extract_fields",
+        description="Extract vendor and amount from a purchase request.",
+        parameters={"type": "object", "properties": {"doc": {"type": "string"}}},
+    )
+
+    def __init__(self, redis_url: str, prefix: str, hold: str | None = None) -> None:
+        self.world = World(redis_url, prefix)
+        self.hold = hold  # wait until this gate opens after the side effect (crash window)
+
+    async def run(self, args: dict[str, Any], ctx: ToolContext) -> JsonValue:
+        doc = str(args.get("doc", ""))
+        await self.world.happened("extract", ctx.idempotency_key, {"doc": doc})
+        if self.hold:
+            await self.world.happened("held", doc, {})
+            while not await self.world.gate(self.hold):
+                await asyncio.sleep(0.05)
+        return {"doc": doc, "amount": args.get("amount", 100.0), "vendor": "Hengda Steel"}
+
+    async def close(self) -> None:
+        await self.world.close()
+
+
+class RequestApproval(LongRunningTool):
+    spec = ToolSpec(
+        name="request_approval",
+        description="Ask the OA system for a finance director's approval.",
+        parameters={"type": "object", "properties": {"doc": {"type": "string"}}},
+    )
+    can_poll = True
+    can_compensate = True
+    checks_state = True
+
+    def __init__(
+        self,
+        redis_url: str,
+        prefix: str,
+        sla_s: float = 3600,
+        expected_s: float = 600,
+        on_drift: str = "replan",
+        fail_dispatch: bool = False,
+    ) -> None:
+        self.world = World(redis_url, prefix)
+        self.sla_s = sla_s
+        self.expected_s = expected_s
+        self.on_drift = DriftPolicy(on_drift)
+        self.fail_dispatch = fail_dispatch
+
+    async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
+        doc = str(args["doc"])
+        return WaitPlan(
+            action_key=f"approve:{doc}",
+            request={"doc": doc, "amount": args.get("amount")},
+            business_key=doc,
+            sla_s=self.sla_s,
+            expected_duration_s=self.expected_s,
+            expected_types=["oa.approval.decided"],
+            guard=GuardBaseline(version_tag=await self.world.version(doc), captured_at=ctx.now),
+            on_drift=self.on_drift,
+        )
+
+    async def dispatch(self, request: DispatchRequest) -> None:
+        if self.fail_dispatch:
+            from torpor.errors import ToolError
+
+            raise ToolError("the OA system refused the request", retryable=False)
+        doc = str(request.request["doc"])
+        await self.world.happened(
+            "dispatch",
+            request.idempotency_key,
+            {
+                "doc": doc,
+                "session_id": request.session_id,
+                "correlation_id": request.callback.correlation_id,
+                "token": request.callback.capability_token,
+            },
+        )
+
+    async def poll(self, wait: Wait, *, tenant: str) -> PollOutcome | None:
+        doc = str(wait.request["doc"])
+        await self.world.happened("poll", wait.correlation_id, {"doc": doc})
+        decision = await self.world.decision(doc)
+        if decision is None:
+            return None
+        return PollOutcome(
+            event_id=f"poll:{wait.correlation_id}", type="oa.approval.decided", data=decision
+        )
+
+    async def current_state(self, wait: Wait, *, tenant: str) -> ExternalState | None:
+        return ExternalState(version_tag=await self.world.version(str(wait.request["doc"])))
+
+    async def compensate(
+        self, wait: Wait, *, tenant: str, reason: str, idempotency_key: str
+    ) -> None:
+        await self.world.happened(
+            "compensate", idempotency_key, {"doc": wait.request["doc"], "reason": reason}
+        )
+
+    async def close(self) -> None:
+        await self.world.close()
+
+
+PLAN: dict[str, Any] = {
+    "steps": [
+        {
+            "id": "extract",
+            "calls": [
+                {
+                    "tool": "extract_fields",
+                    "args": {"doc": "${input.doc}", "amount": "${input.amount}"},
+                }
+            ],
+        },
+        {
+            "id": "approve",
+            "calls": [
+                {
+                    "tool": "request_approval",
+                    "args": {"doc": "${input.doc}", "amount": "${results.extract.amount}"},
+                }
+            ],
+            "branches": [
+                {"when": {"path": "results.approve.status", "value": "drift"}, "goto": "approve"},
+                {
+                    "when": {"path": "results.approve.status", "value": "rejected"},
+                    "goto": "rejected",
+                },
+                {"when": {"path": "results.approve.error", "op": "exists"}, "goto": "failed"},
+            ],
+        },
+        {"id": "done", "finish": {"decision": "${results.approve.status}", "doc": "${input.doc}"}},
+        {"id": "rejected", "finish": {"decision": "rejected", "doc": "${input.doc}"}},
+        {"id": "failed", "finish": {"decision": "error", "doc": "${input.doc}"}},
+    ]
+}
+
+
+def agent_config(redis_url: str, prefix: str, **approval: Any) -> dict[str, Any]:
+    """Settings fragment for the test agent ``purchase``."""
+    common = {"redis_url": redis_url, "prefix": prefix}
+    extract_options = {**common, **({"hold": approval.pop("hold")} if "hold" in approval else {})}
+    placement = approval.pop("placement", "dedicated")
+    return {
+        "purchase": {
+            "factory": "torpor.agents.plan:PlanAgent",
+            "options": {"plan": PLAN, "name": "purchase", "version": "1"},
+            "tools": ["tests.support.tools:ExtractFields", "tests.support.tools:RequestApproval"],
+            "tool_options": {
+                "tests.support.tools:ExtractFields": extract_options,
+                "tests.support.tools:RequestApproval": {**common, **approval},
+            },
+            "placement": placement,
+        }
+    }
