@@ -130,7 +130,7 @@ class Tool:
 
     async def close(self) -> None:
         """Release connections the tool holds (called when its process shuts down)."""
-        return None
+        return
 
 
 class LongRunningTool:
