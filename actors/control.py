@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -39,12 +40,15 @@ from torpor.ports import IdempotencyStatus, TimerKind
 from torpor.runtime import Reason
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
+log = logging.getLogger(__name__)
 
 
 class Activator(Protocol):
     """Gets a session activated somewhere (in this process, or on a Ray actor)."""
 
-    async def request(self, session_id: str, *, reason: Reason) -> None: ...
+    async def request(
+        self, session_id: str, *, reason: Reason, agent: str | None = None
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,14 @@ def fingerprint(payload: dict[str, Any]) -> str:
 
 
 class ControlPlane:
-    def __init__(self, services: Services, activator: Activator) -> None:
+    def __init__(
+        self, services: Services, activator: Activator, *, background: bool = False
+    ) -> None:
         self.services = services
         self.activator = activator
+        # In an HTTP handler, answer first and let the activation request run behind.
+        self.background = background
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def _now(self) -> datetime:
@@ -166,7 +175,7 @@ class ControlPlane:
             raise
         if idempotency_key is not None:
             await index.finish_idempotency(tenant=tenant, key=idempotency_key, ttl=IDEMPOTENCY_TTL)
-        await self.activator.request(session_id, reason=Reason.SUBMIT)
+        await self.activate(session_id, reason=Reason.SUBMIT, agent=agent)
         return Submitted(session_id, created=True)
 
     # -- inspect ----------------------------------------------------------------------
@@ -221,8 +230,33 @@ class ControlPlane:
         new = await self.services.inbox.deliver(event)
         if new:
             await self._wake_later(event.session_id)
-            await self.activator.request(event.session_id, reason=Reason.EVENT)
+            await self.activate(event.session_id, reason=Reason.EVENT)
         return new
+
+    async def activate(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
+        """Ask for an activation. Failure here loses nothing: the state is already durable
+        and the wake-up timer brings the reconciler round."""
+        if self.background:
+            task = asyncio.create_task(self._activate(session_id, reason, agent))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            await self._activate(session_id, reason, agent)
+
+    async def _activate(self, session_id: str, reason: Reason, agent: str | None) -> None:
+        try:
+            await self.activator.request(session_id, reason=reason, agent=agent)
+        except Exception:
+            log.warning(
+                "activation request for %s failed; the reconciler will retry",
+                session_id,
+                exc_info=True,
+            )
+
+    async def drain(self) -> None:
+        """Wait for background activation requests (tests, orderly shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     # -- batches --------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ class InlineActivator:
         self.background = background
         self._tasks: set[asyncio.Task[object]] = set()
 
-    async def request(self, session_id: str, *, reason: Reason) -> None:
+    async def request(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
         if not self.background:
             await self.runtime.activate(session_id, reason=reason)
             return

@@ -41,6 +41,11 @@ class SnapshotStore:
         while len(self._etags) > ETAG_CACHE_SIZE:
             self._etags.popitem(last=False)
 
+    def release(self, session_id: str) -> None:
+        # Every activation starts with a load, which refills this: a sleeping session
+        # leaves nothing behind in a long-lived host.
+        self._etags.pop(session_id, None)
+
     async def create(self, snapshot: SessionSnapshot) -> SessionSnapshot:
         first = snapshot.model_copy(update={"generation": 0})
         etag = await self.store.put_if_absent(

@@ -82,6 +82,9 @@ class Observer:
     async def observed(self, snapshot: SessionSnapshot, event: InboxEvent, why: str) -> None:
         return None
 
+    async def applied(self, snapshot: SessionSnapshot, event: InboxEvent) -> None:
+        return None
+
     async def security_alert(
         self, snapshot: SessionSnapshot, wait: Wait, reasons: list[str]
     ) -> None:
@@ -110,6 +113,11 @@ def binding_of(snapshot: SessionSnapshot, wait: Wait) -> WaitBinding:
         step_id=wait.waiting_step_id,
         deadline=wait.deadline,
     )
+
+
+def poll_member(session_id: str, correlation_id: str, attempt: int) -> str:
+    """The POLL timer entry of a wait: who, which wait, how many polls so far."""
+    return f"{session_id}|{correlation_id}|{attempt}"
 
 
 def error_result(exc: Exception | str, code: str = "tool_error") -> JsonValue:
@@ -245,7 +253,7 @@ class Activation:
             if isinstance(tool, LongRunningTool) and tool.can_poll:
                 await self.deps.index.schedule(
                     kind=TimerKind.POLL,
-                    member=f"{self.snap.session_id}|{wait.correlation_id}|0",
+                    member=poll_member(self.snap.session_id, wait.correlation_id, 0),
                     at=wait.overdue_after,
                 )
 
@@ -414,6 +422,7 @@ class Activation:
         )
         self._closed = [*self._closed, wait]
         self.stats.applied += 1
+        await self.deps.observer.applied(self.snap, event)
         return True
 
     # -- running ------------------------------------------------------------------------

@@ -266,6 +266,7 @@ class SessionHeader(_Model):
 
     session_id: str
     tenant: str
+    agent: str  # lets an activator route the session without reading the whole snapshot
     state: SessionState
     generation: int
     epoch: int
@@ -277,6 +278,7 @@ class SessionHeader(_Model):
         return cls(
             session_id=snapshot.session_id,
             tenant=snapshot.tenant,
+            agent=snapshot.agent.name,
             state=snapshot.state,
             generation=snapshot.generation,
             epoch=snapshot.epoch,

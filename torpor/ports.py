@@ -245,6 +245,10 @@ class SnapshotRepository(Protocol):
         and nothing is written. Returns the snapshot as stored."""
         ...
 
+    def release(self, session_id: str) -> None:
+        """Forget anything cached about the session (its activation ended)."""
+        ...
+
 
 class InboxRepository(Protocol):
     async def deliver(self, event: InboxEvent) -> bool:

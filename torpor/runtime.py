@@ -140,6 +140,7 @@ class SessionRuntime:
                 )
             raise
         finally:
+            self.deps.snapshots.release(session_id)
             await heartbeat.stop()
             with contextlib.suppress(IndexUnavailable):  # it expires by itself anyway
                 await index.release_lease(heartbeat.lease)

@@ -33,7 +33,8 @@ class World:
         self.p = prefix + "world:"
 
     async def happened(self, kind: str, key: str, payload: dict[str, Any]) -> int:
-        """Count one side effect; remember the first payload. Returns the call count."""
+        """One call into the external system. Like a real one, it applies an effect once
+        per idempotency key (``entries``) however often it is called (``counts``)."""
         await self._redis.hsetnx(f"{self.p}{kind}", key, json.dumps(payload, default=str))
         return int(await self._redis.hincrby(f"{self.p}{kind}:count", key, 1))
 

@@ -1,0 +1,81 @@
+"""torpor's metrics, exported through Ray's metrics API next to Ray's own.
+
+Ray ships these to its Prometheus endpoint on every node, so an operator scrapes one
+place. Ratios (stale-callback drops, dedup hits, commit conflicts) are exported as their
+two counters; Prometheus divides. Each process creates its metric objects once, lazily,
+because they need a connected Ray worker.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+RESUME_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+LAG_BUCKETS = [0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120, 600, 3600]
+
+
+@cache
+def metrics() -> dict[str, Any]:
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    return {
+        "webhooks": Counter(
+            "torpor_webhooks_total",
+            description="Inbound webhooks by outcome (accepted, duplicate, rejected) and reason.",
+            tag_keys=("source", "outcome", "reason"),
+        ),
+        "events": Counter(
+            "torpor_events_total",
+            description="Inbox events by what the gates did with them (applied or observed).",
+            tag_keys=("verdict", "reason"),
+        ),
+        "transitions": Counter(
+            "torpor_session_transitions_total",
+            description="Committed lifecycle transitions by target state.",
+            tag_keys=("state",),
+        ),
+        "commits": Counter(
+            "torpor_commits_total",
+            description="Activation outcomes (ran, busy, conflict, lease_lost, ...).",
+            tag_keys=("outcome",),
+        ),
+        "alerts": Counter(
+            "torpor_security_alerts_total",
+            description="Waits the State Invalidation Guard blocked.",
+            tag_keys=("tool",),
+        ),
+        "resume": Histogram(
+            "torpor_resume_latency_seconds",
+            description="Activation requested to first agent step.",
+            boundaries=RESUME_BUCKETS,
+            tag_keys=("placement",),
+        ),
+        "outbox_lag": Histogram(
+            "torpor_outbox_lag_seconds",
+            description="Outbox entry recorded to dispatched.",
+            boundaries=LAG_BUCKETS,
+            tag_keys=("kind",),
+        ),
+        "suspended": Gauge(
+            "torpor_suspended_sessions",
+            description="Sessions suspended (waiting), as last counted by the reconciler.",
+        ),
+        "deliveries": Counter(
+            "torpor_notifications_total",
+            description="Outbound notification attempts by outcome.",
+            tag_keys=("outcome",),
+        ),
+    }
+
+
+def inc(name: str, tags: dict[str, str] | None = None, value: float = 1.0) -> None:
+    metrics()[name].inc(value, tags=tags or {})
+
+
+def observe(name: str, value: float, tags: dict[str, str] | None = None) -> None:
+    metrics()[name].observe(value, tags=tags or {})
+
+
+def gauge(name: str, value: float) -> None:
+    metrics()[name].set(value)

@@ -1,0 +1,41 @@
+"""Runtime observer that feeds Ray metrics."""
+
+from __future__ import annotations
+
+import logging
+
+from actors import metrics
+from torpor.activation import Observer
+from torpor.events import InboxEvent
+from torpor.lifecycle import SessionState
+from torpor.models import DispatchStatus, SessionSnapshot, Wait
+
+log = logging.getLogger("torpor.security")
+
+
+class RayObserver(Observer):
+    async def transitioned(self, snapshot: SessionSnapshot, previous: SessionState) -> None:
+        metrics.inc("transitions", {"state": snapshot.state.value})
+        for entry in snapshot.outbox:
+            if entry.status is DispatchStatus.DISPATCHED and entry.dispatched_at is not None:
+                lag = (entry.dispatched_at - entry.created_at).total_seconds()
+                if lag >= 0 and entry.dispatched_at >= snapshot.updated_at:
+                    metrics.observe("outbox_lag", lag, {"kind": entry.kind.value})
+
+    async def observed(self, snapshot: SessionSnapshot, event: InboxEvent, why: str) -> None:
+        metrics.inc("events", {"verdict": "observed", "reason": why})
+
+    async def applied(self, snapshot: SessionSnapshot, event: InboxEvent) -> None:
+        metrics.inc("events", {"verdict": "applied", "reason": event.kind.value})
+
+    async def security_alert(
+        self, snapshot: SessionSnapshot, wait: Wait, reasons: list[str]
+    ) -> None:
+        metrics.inc("alerts", {"tool": wait.tool_name})
+        log.warning(
+            "guard blocked session %s wait %s (%s): %s",
+            snapshot.session_id,
+            wait.wait_id,
+            wait.tool_name,
+            "; ".join(reasons),
+        )

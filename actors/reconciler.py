@@ -1,0 +1,86 @@
+"""The reconciler: a detached, named actor that sweeps on an interval.
+
+``lifetime="detached"`` keeps it alive after the driver that started it exits;
+``max_restarts=-1`` brings it back if its process dies; the explicit namespace lets every
+driver and the Serve app find the same one. ``ensure_reconciler`` is idempotent: call it
+from anywhere, as often as you like.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from actors import metrics
+from actors.control import ControlPlane
+from actors.observer import RayObserver
+from actors.ray_activator import RayActivator
+from actors.sweeper import Sweeper
+from actors.wiring import Services, open_services
+from torpor.settings import Settings
+
+log = logging.getLogger(__name__)
+
+NAME = "torpor-reconciler"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class Reconciler:
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._services: Services | None = None
+        self._sweeper: Sweeper | None = None
+        self._loop: asyncio.Task[None] | None = None
+        self._sweeps = 0
+        self._last: dict[str, Any] = {}
+
+    def _ensure(self) -> Sweeper:
+        if self._sweeper is None:
+            self._services = open_services(self._settings, observer=RayObserver())
+            control = ControlPlane(self._services, RayActivator(self._services), background=True)
+            self._sweeper = Sweeper(control)
+        return self._sweeper
+
+    async def start(self) -> bool:
+        """Start sweeping if not already; True if this call started it."""
+        self._ensure()
+        if self._loop is not None and not self._loop.done():
+            return False
+        self._loop = asyncio.create_task(self._run())
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.sweep_once()
+            await asyncio.sleep(self._settings.reconcile_interval_s)
+
+    async def sweep_once(self) -> dict[str, Any]:
+        sweeper = self._ensure()
+        report = await sweeper.sweep_once()
+        await sweeper.control.drain()
+        self._sweeps += 1
+        if report.suspended is not None:
+            metrics.gauge("suspended", report.suspended)
+        self._last = asdict(report)
+        return self._last
+
+    async def status(self) -> dict[str, Any]:
+        return {"sweeps": self._sweeps, "running": self._loop is not None, "last": self._last}
+
+
+def ensure_reconciler(settings: Settings, *, start: bool = True) -> Any:
+    handle = Reconciler.options(  # type: ignore[attr-defined]
+        name=NAME,
+        namespace=settings.namespace,
+        lifetime="detached",
+        get_if_exists=True,
+    ).remote(settings)
+    if start:
+        ray.get(handle.start.remote())
+    return handle

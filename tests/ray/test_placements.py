@@ -1,0 +1,281 @@
+"""The session runtime on a real local Ray, in both placements, same suite.
+
+Storage is the S3 test server over HTTP plus a real Redis. Each test gets a namespace of
+its own, so actors from one test are never confused with another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+import pytest
+import ray
+import redis
+
+from actors.pool import host_name
+from actors.ray_activator import pool_slot
+from actors.reconciler import NAME as RECONCILER
+from actors.reconciler import ensure_reconciler
+from tests.conftest import eventually
+from tests.ray.conftest import RayEnv, session_actors
+from torpor.events import EventKind, InboxEvent
+from torpor.lifecycle import SessionState
+from torpor.models import ObservationReason
+from torpor.runtime import Reason
+
+S = SessionState
+PLACEMENTS = ["dedicated", "pooled"]
+
+
+async def state_of(env: RayEnv, sid: str) -> SessionState:
+    return (await env.load(sid)).state
+
+
+async def reach(env: RayEnv, sid: str, state: SessionState, *, timeout_s: float = 30) -> None:
+    """The session is in ``state`` and no activation is still busy with it (a suspend
+    commits its state before it binds the wait and sends the request)."""
+
+    async def check() -> bool:
+        return await state_of(env, sid) is state and await idle(env)
+
+    await eventually(check, timeout_s=timeout_s, what=f"{sid} reaches {state}")
+
+
+async def no_session_actors(env: RayEnv) -> bool:
+    return not session_actors(env.settings.namespace)
+
+
+async def idle(env: RayEnv) -> bool:
+    """No activation is running anywhere: no session actor, no busy pool host."""
+    if session_actors(env.settings.namespace):
+        return False
+    for slot in range(env.settings.pool_size):
+        try:
+            host = ray.get_actor(host_name(slot), namespace=env.settings.namespace)
+        except ValueError:
+            continue
+        if (await host.stats.remote())["running"]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_sleeps_with_zero_actors_and_wakes_on_event(
+    make_ray_env: Any, placement: str
+) -> None:
+    async with make_ray_env(placement=placement) as env:
+        sids = [await env.submit(doc=f"PR-{i}") for i in range(3)]
+        for sid in sids:
+            await reach(env, sid, S.SUSPENDED)
+        await eventually(lambda: no_session_actors(env), what="every session actor exited")
+        for sid in sids:
+            await env.answer(sid, {"status": "approved"})
+        for sid in sids:
+            await reach(env, sid, S.COMPLETED)
+        await eventually(lambda: no_session_actors(env), what="actors exit after completing")
+        assert await env.world.counts("dispatch") == {f"acme:approve:PR-{i}:1": 1 for i in range(3)}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_kill_9_mid_run_recovers_without_repeating_effects(
+    make_ray_env: Any, placement: str
+) -> None:
+    async with make_ray_env(placement=placement, hold="extract") as env:
+        sid = await env.submit(doc="PR-K")
+
+        async def held() -> bool:
+            return "PR-K" in await env.world.entries("held")
+
+        await eventually(held, what="the sync tool ran its side effect and is held")
+        name = (
+            f"session:{sid}"
+            if placement == "dedicated"
+            else host_name(pool_slot(sid, env.settings.pool_size))
+        )
+        actor = ray.get_actor(name, namespace=env.settings.namespace)
+        where = await actor.where.remote()
+        os.kill(where["pid"], signal.SIGKILL)
+        await env.world.open_gate("extract")
+        assert (await env.load(sid)).state is S.RUNNING  # the crash lost the uncommitted step
+
+        async def recovered() -> bool:
+            await env.sweeper.sweep_once()
+            await env.control.drain()
+            return await state_of(env, sid) is S.SUSPENDED
+
+        await eventually(recovered, timeout_s=60, interval_s=0.5, what="recovered by the sweeper")
+        # The re-run used the same idempotency key: the external ledger has one effect.
+        extract_calls = await env.world.counts("extract")
+        assert len(extract_calls) == 1 and list(extract_calls.values()) == [2]
+        assert list(await env.world.counts("dispatch")) == ["acme:approve:PR-K:1"]
+        await env.answer(sid, {"status": "approved"})
+        await reach(env, sid, S.COMPLETED)
+        assert all(n == 1 for n in (await env.world.counts("dispatch")).values())
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_ten_concurrent_activations_commit_once(make_ray_env: Any, placement: str) -> None:
+    async with make_ray_env(placement=placement) as env:
+        sid = await env.submit(doc="PR-C")
+        await reach(env, sid, S.SUSPENDED)
+        wait = (await env.load(sid)).waits[0]
+        await env.services.inbox.deliver(
+            InboxEvent.new(
+                kind=EventKind.CALLBACK,
+                session_id=sid,
+                source="oa",
+                event_id="e1",
+                type="oa.approval.decided",
+                received_at=env.clock.now(),
+                correlation_id=wait.correlation_id,
+                epoch=wait.epoch,
+                data={"status": "approved"},
+            )
+        )
+        before = (await env.load(sid)).generation
+        await asyncio.gather(
+            *(env.control.activator.request(sid, reason=Reason.EVENT) for _ in range(10))
+        )
+        await reach(env, sid, S.COMPLETED)
+        await eventually(lambda: no_session_actors(env), what="all actors gone")
+        snap = await env.load(sid)
+        assert snap.generation == before + 2
+        assert [m.tool_call_id for m in snap.messages if m.role == "tool"] == [
+            "call_extract_1_0",
+            "call_approve_1_0",
+        ]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_stale_event_is_observe_only(make_ray_env: Any, placement: str) -> None:
+    async with make_ray_env(placement=placement) as env:
+        sid = await env.submit(doc="PR-S")
+        await reach(env, sid, S.SUSPENDED)
+        before = await env.load(sid)
+        await env.answer(sid, {"status": "rejected"}, event_id="late", epoch=before.epoch - 1)
+
+        async def observed() -> bool:
+            return len((await env.load(sid)).observations) == 1
+
+        await eventually(observed, what="the stale event was recorded")
+        after = await env.load(sid)
+        assert after.state is S.SUSPENDED and after.messages == before.messages
+        assert after.observations[0].reason is ObservationReason.STALE
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_sla_expiry_times_out_and_compensates_once(make_ray_env: Any, placement: str) -> None:
+    async with make_ray_env(placement=placement, sla_s=1.0) as env:
+        sid = await env.submit(doc="PR-T")
+        await reach(env, sid, S.SUSPENDED)
+
+        async def timed_out() -> bool:
+            await env.sweeper.sweep_once()
+            await env.control.drain()
+            return await state_of(env, sid) is S.TIMED_OUT
+
+        await eventually(timed_out, timeout_s=30, interval_s=0.3, what="timed out")
+        for _ in range(3):  # more sweeps, more activations: still one compensation
+            await env.sweeper.sweep_once()
+        await env.control.activator.request(sid, reason=Reason.TIMEOUT)
+        await eventually(lambda: no_session_actors(env), what="actors gone")
+        assert await env.world.counts("compensate") == {"acme:approve:PR-T:1:compensate": 1}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_drift_replans(make_ray_env: Any, placement: str) -> None:
+    async with make_ray_env(placement=placement) as env:
+        sid = await env.submit(doc="PR-D")
+        await reach(env, sid, S.SUSPENDED)
+        await env.world.set_version("PR-D", "v2")
+        await env.answer(sid, {"status": "approved"}, event_id="a1")
+
+        async def replanned() -> bool:
+            snap = await env.load(sid)
+            return snap.state is S.SUSPENDED and snap.epoch == 3 and await idle(env)
+
+        await eventually(replanned, what="a new approval wait after drift")
+        await env.answer(sid, {"status": "approved"}, event_id="a2")
+        await reach(env, sid, S.COMPLETED)
+        assert (await env.load(sid)).result == {"decision": "approved", "doc": "PR-D"}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_flushed_redis_is_rebuilt_and_sessions_still_resume(
+    make_ray_env: Any, placement: str, redis_url: str, redis_prefix: str
+) -> None:
+    async with make_ray_env(placement=placement) as env:
+        sids = [await env.submit(doc=f"PR-F{i}") for i in range(4)]
+        for sid in sids:
+            await reach(env, sid, S.SUSPENDED)
+        cids = {sid: (await env.load(sid)).waits[0].correlation_id for sid in sids}
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(match=redis_prefix + "*"):
+            if b"world:" not in key:  # keep the simulated OA/ERP world; lose the index
+                client.delete(key)
+        client.close()
+        assert await env.services.index.resolve(tenant="acme", correlation_id=cids[sids[0]]) is None
+        report = await env.sweeper.sweep_once()
+        assert report.repaired_waits == 4
+        for sid in sids:
+            assert await env.services.index.resolve(tenant="acme", correlation_id=cids[sid])
+            assert await env.services.index.resolve(
+                tenant="acme", business_key=f"PR-F{sids.index(sid)}"
+            )
+            await env.answer(sid, {"status": "approved"})
+        for sid in sids:
+            await reach(env, sid, S.COMPLETED)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_overdue_wait_is_polled(make_ray_env: Any, placement: str) -> None:
+    async with make_ray_env(placement=placement, expected_s=0.5) as env:
+        sid = await env.submit(doc="PR-P")
+        await reach(env, sid, S.SUSPENDED)
+        await env.world.decide("PR-P", {"status": "approved", "via": "poll"})
+
+        async def polled() -> bool:
+            await env.sweeper.sweep_once()
+            await env.control.drain()
+            return await state_of(env, sid) is S.COMPLETED
+
+        await eventually(polled, timeout_s=30, interval_s=0.3, what="completed through a poll")
+        assert len(await env.world.counts("poll")) == 1
+
+
+async def test_reconciler_is_a_detached_named_singleton(make_ray_env: Any) -> None:
+    async with make_ray_env() as env:
+        first = ensure_reconciler(env.settings)
+        second = ensure_reconciler(env.settings)
+        assert first._actor_id == second._actor_id
+        found = ray.get_actor(RECONCILER, namespace=env.settings.namespace)
+        assert found._actor_id == first._actor_id
+        status = ray.get(found.status.remote())
+        assert status["running"]
+        sid = await env.submit(doc="PR-R")
+        await reach(env, sid, S.SUSPENDED)
+
+        def swept() -> bool:
+            return ray.get(found.status.remote())["sweeps"] >= 2
+
+        await eventually(swept, what="the reconciler sweeps on its own")
+        ray.kill(found, no_restart=True)
+
+
+async def test_pool_hosts_are_named_in_the_namespace(make_ray_env: Any) -> None:
+    async with make_ray_env(placement="pooled") as env:
+        sid = await env.submit(doc="PR-H")
+        await reach(env, sid, S.SUSPENDED)
+        names = {host_name(0), host_name(1)}
+        from ray.util import list_named_actors
+
+        found = {
+            a["name"]
+            for a in list_named_actors(all_namespaces=True)
+            if a["namespace"] == env.settings.namespace
+        }
+        assert found & names
+        assert not session_actors(env.settings.namespace)
