@@ -279,3 +279,61 @@ async def test_pool_hosts_are_named_in_the_namespace(make_ray_env: Any) -> None:
         }
         assert found & names
         assert not session_actors(env.settings.namespace)
+
+
+async def test_python_client_end_to_end(make_ray_env: Any) -> None:
+    from torpor.client import Client
+
+    async with make_ray_env(placement="pooled") as env:
+        client = Client(env.settings, tenant="acme", start_reconciler=False)
+        try:
+            sid = client.submit("purchase", {"doc": "PR-CL", "amount": 10.0})
+
+            async def waiting() -> bool:
+                return client.get(sid).state is S.SUSPENDED and await idle(env)
+
+            await eventually(waiting, what="client session waits")
+            view = client.get(sid)
+            [wait] = view.waits
+            assert wait.tool == "request_approval" and wait.business_key == "PR-CL"
+            assert client.send_event(
+                sid,
+                event_id="human-1",
+                type="oa.approval.decided",
+                data={"status": "approved"},
+                business_key="PR-CL",
+            )
+            done = client.wait(sid, timeout_s=30)
+            assert done.state is S.COMPLETED and done.result == {
+                "decision": "approved",
+                "doc": "PR-CL",
+            }
+
+            other = client.submit("purchase", {"doc": "PR-CX"})
+            await eventually(lambda: client.get(other).state is S.SUSPENDED, what="second waits")
+            assert client.cancel(other).session_id == other
+            assert client.wait(other, timeout_s=30).state is S.CANCELLED
+
+            batch = client.submit_batch("purchase", [{"doc": f"PR-B{i}"} for i in range(4)])
+            seen: list[dict[str, Any]] = []
+
+            async def all_waiting() -> bool:
+                return client.progress(batch)["by_state"] == {"SUSPENDED": 4} and await idle(env)
+
+            await eventually(all_waiting, what="batch sessions wait")
+            for i, sid_b in enumerate(
+                env_batch_ids := (await env.control.batch(batch)).session_ids
+            ):
+                client.send_event(
+                    sid_b,
+                    event_id=f"d{i}",
+                    type="oa.approval.decided",
+                    data={"status": "approved"},
+                    business_key=f"PR-B{i}",
+                )
+            final = client.wait_batch(batch, timeout_s=60, on_progress=seen.append, interval_s=0.2)
+            assert final["done"] == final["total"] == len(env_batch_ids) == 4
+            assert final["by_state"] == {"COMPLETED": 4}
+            assert seen[-1] == final
+        finally:
+            client.close()

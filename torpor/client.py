@@ -1,0 +1,258 @@
+"""The Python client, for drivers on the cluster (notebooks, batch jobs, services).
+
+    from torpor.client import Client
+
+    with Client(tenant="acme") as client:
+        sid = client.submit("purchase", {"doc": "PR-1"})
+        view = client.wait(sid, timeout_s=3600)
+
+    batch = client.submit_batch("purchase", documents)
+    client.wait_batch(batch, on_progress=print)
+
+It connects to Ray (``address="auto"`` when a cluster is running, else a local Ray),
+makes sure the detached reconciler is running, and talks to storage directly, so nothing
+goes through HTTP. ``AsyncClient`` is the same for asyncio code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+from pydantic import JsonValue
+
+from torpor.events import EventKind, InboxEvent
+from torpor.lifecycle import SessionState
+from torpor.models import ErrorInfo, SessionSnapshot
+from torpor.settings import Settings
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WaitView:
+    wait_id: str
+    tool: str
+    correlation_id: str
+    business_key: str | None
+    deadline: datetime
+
+
+@dataclass(frozen=True)
+class SessionView:
+    session_id: str
+    state: SessionState
+    result: JsonValue
+    error: ErrorInfo | None
+    waits: list[WaitView]
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, snapshot: SessionSnapshot) -> SessionView:
+        return cls(
+            session_id=snapshot.session_id,
+            state=snapshot.state,
+            result=snapshot.result,
+            error=snapshot.error,
+            waits=[
+                WaitView(w.wait_id, w.tool_name, w.correlation_id, w.business_key, w.deadline)
+                for w in snapshot.waits
+            ],
+            updated_at=snapshot.updated_at,
+        )
+
+    @property
+    def done(self) -> bool:
+        return self.state.terminal
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        tenant: str = "default",
+        address: str | None = None,
+        start_reconciler: bool = True,
+    ) -> None:
+        import ray
+
+        from actors.control import ControlPlane
+        from actors.ray_activator import RayActivator
+        from actors.reconciler import ensure_reconciler
+        from actors.wiring import open_services
+
+        self.settings = settings or Settings.from_env()
+        self.tenant = tenant
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
+        self._services = open_services(self.settings)
+        self._control = ControlPlane(self._services, RayActivator(self._services))
+        if start_reconciler:
+            ensure_reconciler(self.settings)
+
+    async def submit(
+        self,
+        agent: str,
+        input: JsonValue,
+        *,
+        metadata: dict[str, str] | None = None,
+        callback_url: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> str:
+        submitted = await self._control.submit(
+            tenant=self.tenant,
+            agent=agent,
+            input=input,
+            metadata=metadata,
+            callback_url=callback_url,
+            idempotency_key=idempotency_key,
+        )
+        return submitted.session_id
+
+    async def get(self, session_id: str) -> SessionView:
+        return SessionView.of(await self._control.get(session_id, tenant=self.tenant))
+
+    async def wait(self, session_id: str, *, timeout_s: float = 3600) -> SessionView:
+        snapshot = await self._control.wait(session_id, timeout_s=timeout_s, tenant=self.tenant)
+        return SessionView.of(snapshot)
+
+    async def cancel(self, session_id: str) -> SessionView:
+        await self._control.cancel(session_id, tenant=self.tenant)
+        return await self.get(session_id)
+
+    async def send_event(
+        self,
+        session_id: str,
+        *,
+        event_id: str,
+        type: str,
+        data: JsonValue,
+        correlation_id: str | None = None,
+        business_key: str | None = None,
+        source: str = "client",
+    ) -> bool:
+        """Deliver an answer from the driver (e.g. a human decision taken in a notebook).
+        Same gates as a webhook; a redelivery of ``event_id`` is a no-op."""
+        snapshot = await self._control.get(session_id, tenant=self.tenant)
+        wait = next(
+            (
+                w
+                for w in snapshot.waits
+                if (correlation_id and w.correlation_id == correlation_id)
+                or (business_key and w.business_key == business_key)
+            ),
+            None,
+        )
+        return await self._control.deliver(
+            InboxEvent.new(
+                kind=EventKind.CALLBACK,
+                session_id=session_id,
+                source=source,
+                event_id=event_id,
+                type=type,
+                received_at=self._services.clock.now(),
+                correlation_id=correlation_id or (wait.correlation_id if wait else None),
+                business_key=business_key,
+                epoch=wait.epoch if wait else None,
+                step_id=wait.waiting_step_id if wait else None,
+                data=data,
+                verified_by="client",
+            )
+        )
+
+    async def submit_batch(
+        self, agent: str, documents: list[JsonValue], *, metadata: dict[str, str] | None = None
+    ) -> str:
+        manifest = await self._control.submit_batch(
+            tenant=self.tenant, agent=agent, documents=documents, metadata=metadata
+        )
+        return manifest.batch_id
+
+    async def progress(self, batch_id: str) -> dict[str, Any]:
+        p = await self._control.progress(batch_id, tenant=self.tenant)
+        return {"batch_id": p.batch_id, "total": p.total, "done": p.done, "by_state": p.by_state}
+
+    async def wait_batch(
+        self,
+        batch_id: str,
+        *,
+        timeout_s: float = 24 * 3600,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        interval_s: float = 1.0,
+    ) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        last: dict[str, Any] | None = None
+        while True:
+            progress = await self.progress(batch_id)
+            if on_progress is not None and progress != last:
+                on_progress(progress)
+            last = progress
+            if progress["done"] == progress["total"]:
+                return progress
+            if loop.time() >= deadline:
+                raise TimeoutError(f"batch {batch_id}: {progress['done']}/{progress['total']}")
+            await asyncio.sleep(interval_s)
+
+    async def close(self) -> None:
+        await self._control.drain()
+        await self._services.close()
+
+
+class Client:
+    """Blocking facade over ``AsyncClient``; its event loop runs in a private thread."""
+
+    def __init__(self, settings: Settings | None = None, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._async: AsyncClient = self._call(self._make(settings, kwargs))
+
+    async def _make(self, settings: Settings | None, kwargs: dict[str, Any]) -> AsyncClient:
+        return AsyncClient(settings, **kwargs)
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result()
+
+    def submit(self, agent: str, input: JsonValue, **kwargs: Any) -> str:
+        return self._call(self._async.submit(agent, input, **kwargs))
+
+    def get(self, session_id: str) -> SessionView:
+        return self._call(self._async.get(session_id))
+
+    def wait(self, session_id: str, *, timeout_s: float = 3600) -> SessionView:
+        return self._call(self._async.wait(session_id, timeout_s=timeout_s))
+
+    def cancel(self, session_id: str) -> SessionView:
+        return self._call(self._async.cancel(session_id))
+
+    def send_event(self, session_id: str, **kwargs: Any) -> bool:
+        return self._call(self._async.send_event(session_id, **kwargs))
+
+    def submit_batch(self, agent: str, documents: list[JsonValue], **kwargs: Any) -> str:
+        return self._call(self._async.submit_batch(agent, documents, **kwargs))
+
+    def progress(self, batch_id: str) -> dict[str, Any]:
+        return self._call(self._async.progress(batch_id))
+
+    def wait_batch(self, batch_id: str, **kwargs: Any) -> dict[str, Any]:
+        return self._call(self._async.wait_batch(batch_id, **kwargs))
+
+    def close(self) -> None:
+        self._call(self._async.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
