@@ -10,8 +10,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from storage.local_store import LocalObjectStore
-from storage.redis_index import RedisIndex
-from storage.s3_store import S3ObjectStore
 from storage.sqlite_index import SqliteIndex
 from torpor.errors import ConfigError, EmbeddedBackendOnCluster
 from torpor.ports import Index, ObjectStore
@@ -29,6 +27,9 @@ def _local_path(url: str, scheme: str) -> Path:
 def open_object_store(settings: Settings) -> ObjectStore:
     url = settings.object_store_url
     if url.startswith("s3://"):
+        # boto3 costs ~100 ms to import: only processes that use S3 pay for it.
+        from storage.s3_store import S3ObjectStore
+
         parsed = urlparse(url)
         s3 = settings.s3
         secret = resolve_secret(s3.secret_access_key) if s3.secret_access_key else None
@@ -48,6 +49,8 @@ def open_object_store(settings: Settings) -> ObjectStore:
 def open_index(settings: Settings) -> Index:
     url = settings.index_url
     if url.startswith(("redis://", "rediss://", "unix://")):
+        from storage.redis_index import RedisIndex
+
         return RedisIndex(
             url,
             prefix=settings.redis_prefix,
