@@ -38,6 +38,7 @@ from torpor.lifecycle import SessionState
 from torpor.models import AgentRef, SessionSnapshot
 from torpor.ports import IdempotencyStatus, TimerKind
 from torpor.runtime import Reason
+from torpor.ssrf import check_callback_url
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
 log = logging.getLogger(__name__)
@@ -125,6 +126,14 @@ class ControlPlane:
         except PluginNotFound as exc:
             raise UnknownAgent(f"no agent named {agent!r} is configured") from exc
         metadata = dict(metadata or {})
+        if callback_url is not None:
+            if self.services.settings.notify_key is None:
+                raise InvalidRequest("callback_url needs notifications set up (notify_key)")
+            await asyncio.to_thread(
+                check_callback_url,
+                callback_url,
+                allow_private=self.services.settings.allow_private_callbacks,
+            )
         session_id = new_session_id()
         index = self.services.index
         if idempotency_key is not None:
@@ -229,9 +238,13 @@ class ControlPlane:
         """Durably accept an event for a session, then wake it. False for a redelivery."""
         new = await self.services.inbox.deliver(event)
         if new:
-            await self._wake_later(event.session_id)
-            await self.activate(event.session_id, reason=Reason.EVENT)
+            await self.wake(event.session_id)
         return new
+
+    async def wake(self, session_id: str) -> None:
+        """After a durable inbox write: a timer as safety net, then an activation."""
+        await self._wake_later(session_id)
+        await self.activate(session_id, reason=Reason.EVENT)
 
     async def activate(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
         """Ask for an activation. Failure here loses nothing: the state is already durable

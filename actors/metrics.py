@@ -69,13 +69,24 @@ def metrics() -> dict[str, Any]:
     }
 
 
+def _enabled() -> bool:
+    # Metrics need a connected Ray worker; the CLI and unit tests run without one, and a
+    # metric must never fail the request it describes.
+    import ray
+
+    return bool(ray.is_initialized())
+
+
 def inc(name: str, tags: dict[str, str] | None = None, value: float = 1.0) -> None:
-    metrics()[name].inc(value, tags=tags or {})
+    if _enabled():
+        metrics()[name].inc(value, tags=tags or {})
 
 
 def observe(name: str, value: float, tags: dict[str, str] | None = None) -> None:
-    metrics()[name].observe(value, tags=tags or {})
+    if _enabled():
+        metrics()[name].observe(value, tags=tags or {})
 
 
 def gauge(name: str, value: float) -> None:
-    metrics()[name].set(value)
+    if _enabled():
+        metrics()[name].set(value)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from actors.control import ControlPlane
+from actors.notifier import DeliveryWorker
 from torpor.activation import binding_of, poll_member
 from torpor.backoff import backoff_s
 from torpor.errors import PluginNotFound, SnapshotNotFound, TorporError
@@ -47,6 +48,7 @@ class SweepReport:
     recovered: int = 0
     retried: int = 0
     woken: int = 0
+    deliveries: int = 0
     repaired_waits: int = 0
     repaired_sessions: int = 0
     suspended: int | None = None
@@ -58,12 +60,14 @@ class Sweeper:
         self.control = control
         self.services = control.services
         self._last_full_repair: datetime | None = None
+        self.deliveries = DeliveryWorker(self.services)
 
     async def sweep_once(self, now: datetime | None = None) -> SweepReport:
         now = now or self.services.clock.now()
         report = SweepReport()
         steps = (
             self._repair_if_needed,
+            self._deliveries,
             self._deadlines,
             self._leases,
             self._retries,
@@ -116,6 +120,9 @@ class Sweeper:
             await index.schedule(kind=TimerKind.WAKE, member=session_id, at=now + grace)
             await self._activate(session_id, Reason.EVENT)
             report.woken += 1
+
+    async def _deliveries(self, now: datetime, report: SweepReport) -> None:
+        report.deliveries = await self.deliveries.due(now, limit=BATCH)
 
     # -- polling -------------------------------------------------------------------------
 

@@ -78,7 +78,7 @@ def open_services(
     router: CallbackRouter = (
         CapabilityRouter(keys=keys, public_url=settings.public_url) if keys else BareRouter()
     )
-    return Services(
+    services = Services(
         settings=settings,
         store=store,
         index=index,
@@ -91,3 +91,8 @@ def open_services(
         notifier=notifier,
         observer=observer or Observer(),
     )
+    if notifier is None:
+        from actors.notifier import DeliveryNotifier  # it needs the services it serves
+
+        services.notifier = DeliveryNotifier(services)
+    return services

@@ -73,6 +73,10 @@ def audit_prefix(stream: str) -> str:
     return f"audit/{safe(stream, 'audit stream')}/"
 
 
+def audit_head(stream: str) -> str:
+    return f"{audit_prefix(stream)}HEAD"
+
+
 def audit_record(stream: str, seq: int) -> str:
     return f"{audit_prefix(stream)}{seq:012d}"
 

@@ -318,6 +318,10 @@ class RedisIndex:
         return bool(claimed)
 
     @_translate
+    async def release_nonce(self, *, scope: str, nonce: str) -> None:
+        await self._redis.delete(self.keys.nonce(scope, nonce))
+
+    @_translate
     async def claim_idempotency(
         self, *, tenant: str, key: str, fingerprint: str, session_id: str, ttl: timedelta
     ) -> IdempotencyRecord:

@@ -243,6 +243,10 @@ class SqliteIndex:
 
         return await self._run(op)
 
+    async def release_nonce(self, *, scope: str, nonce: str) -> None:
+        key = f"{scope}:{digest(nonce)}"
+        await self._run(lambda c: c.execute("DELETE FROM nonces WHERE key=?", (key,)))
+
     async def claim_idempotency(
         self, *, tenant: str, key: str, fingerprint: str, session_id: str, ttl: timedelta
     ) -> IdempotencyRecord:

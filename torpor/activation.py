@@ -37,6 +37,7 @@ from torpor.models import (
     Message,
     Observation,
     ObservationReason,
+    OutboxEntry,
     OutboxKind,
     SessionSnapshot,
     ToolCall,
@@ -284,7 +285,7 @@ class Activation:
         ]
         self.move(target, reason)
         self.update(waits=[], result=result, error=error, outbox=[*self.snap.outbox, *entries])
-        if self.snap.callback_url:
+        if "terminal" in self.deps.settings.notify_on and self.snap.callback_url:
             self.update(
                 outbox=[
                     *self.snap.outbox,
@@ -294,6 +295,12 @@ class Activation:
         await self.commit()
         await self.unbind(closing)
         await self.drain_outbox()
+
+    def notifications(self, event: str) -> list[OutboxEntry]:
+        """NOTIFY entries for a non-terminal event the deployment notifies on."""
+        if event not in self.deps.settings.notify_on or not self.snap.callback_url:
+            return []
+        return [outbox.notify_entry(self.snap, event=event, now=self.now)]
 
     def _can_compensate(self, wait: Wait) -> bool:
         tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
@@ -373,7 +380,11 @@ class Activation:
             return
         if self.snap.state is not SessionState.RESUMING:
             return
-        self.move(SessionState.RUNNING if not self.snap.waits else SessionState.SUSPENDED)
+        if self.snap.waits:
+            self.move(SessionState.SUSPENDED)
+        else:
+            self.move(SessionState.RUNNING)
+            self.update(outbox=[*self.snap.outbox, *self.notifications("resumed")])
         await self.commit()
         await self.unbind(self._closed)
         self._closed = []
@@ -636,6 +647,7 @@ class Activation:
         self.move(SessionState.SUSPENDED, "waiting for " + ", ".join(w.tool_name for w in waits))
         assert self.snap.epoch == epoch
         entries = [outbox.start_entry(self.snap, w, now=now) for w in waits]
+        entries += self.notifications("suspended")
         self.update(waits=waits, outbox=[*self.snap.outbox, *entries])
         await self.commit()
         await self.complete_suspend()

@@ -62,7 +62,12 @@ def classify(
         return Decision(Verdict.OBSERVE, reason=ObservationReason.STALE)
     if event.key in processed:
         return Decision(Verdict.OBSERVE, wait, ObservationReason.DUPLICATE)
-    internal = event.kind in (EventKind.POLL, EventKind.DISPATCH_FAILED)
+    # Polls and dispatch failures are torpor's own; a capability token already names the
+    # one wait it may answer, so type and source filters add nothing for those.
+    internal = (
+        event.kind in (EventKind.POLL, EventKind.DISPATCH_FAILED)
+        or event.verified_by == "capability"
+    )
     if not internal and (
         (wait.expected_types and event.type not in wait.expected_types)
         or (wait.allowed_sources and event.source not in wait.allowed_sources)

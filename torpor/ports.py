@@ -123,6 +123,7 @@ class TimerKind(StrEnum):
     WAKE = "wake"  # inbox holds an event that no activation has confirmed yet
     POLL = "poll"  # a wait is overdue: ask the external system
     RETRY = "retry"  # an outbox entry or a failed activation is due for another try
+    DELIVER = "deliver"  # an outbound notification is due for an attempt
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +172,10 @@ class Index(Protocol):
     # -- dedupe and idempotency --
     async def claim_nonce(self, *, scope: str, nonce: str, ttl: timedelta) -> bool:
         """``SET NX EX``: True for the first claim of (scope, nonce) within ``ttl``."""
+        ...
+
+    async def release_nonce(self, *, scope: str, nonce: str) -> None:
+        """Give a claim back (the request failed before anything was accepted)."""
         ...
 
     async def claim_idempotency(

@@ -21,6 +21,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from torpor.errors import ConfigError
+from torpor.webhooks.payloads import PayloadMapping
+from torpor.webhooks.signing import Scheme
 
 
 class Placement(StrEnum):
@@ -41,6 +43,30 @@ class AgentConfig(_Settings):
     tool_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     placement: Placement = Placement.DEDICATED
     max_tool_retries: int = 3
+
+
+class SourceConfig(_Settings):
+    """A webhook sender: whose tenant it speaks for, and how it proves who it is."""
+
+    tenant: str
+    scheme: Scheme = Scheme.TORPOR
+    # Every active secret; several during a rotation (the sender signs with either).
+    secrets: list[SecretStr] = Field(min_length=1)
+    tolerance_s: float = 300.0
+    max_body_bytes: int = 256 * 1024
+    # Non-CloudEvents JSON: where correlation id, business key, status, id and type are.
+    mapping: PayloadMapping | None = None
+    # CloudEvents webhook abuse-protection handshake (OPTIONS): origins that may send.
+    allowed_origins: list[str] = Field(default_factory=list)
+    allowed_rate: int | None = None
+
+    def secret_values(self) -> list[str]:
+        return [resolve_secret(s) for s in self.secrets]
+
+
+class TenantConfig(_Settings):
+    # Bearer API keys, stored hashed ("sha256:<hex>"); see ``torpor keys``.
+    api_keys: list[str] = Field(default_factory=list)
 
 
 class S3Settings(_Settings):
@@ -85,6 +111,20 @@ class Settings(_Settings):
     public_url: str = "http://127.0.0.1:8000"
     # Keys that sign capability callback tokens; the first signs, all verify (rotation).
     capability_keys: list[SecretStr] = Field(default_factory=list)
+    # webhook senders and API tenants
+    sources: dict[str, SourceConfig] = Field(default_factory=dict)
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    max_request_bytes: int = 1024 * 1024
+    # outbound notifications: per-endpoint secrets are derived from this key
+    notify_key: SecretStr | None = None
+    notify_on: list[str] = Field(default_factory=lambda: ["terminal"])
+    notify_timeout_s: float = 15.0
+    allow_private_callbacks: bool = False  # refuse private/loopback targets (SSRF) unless set
+    # Ray Serve
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    replicas: int = 1
+    max_ongoing_requests: int = 200
     index_buckets: int = 512
     index_deadline_shards: int = 128
     pool_size: int = 2

@@ -138,6 +138,8 @@ class IndexContract:
         assert await index.claim_nonce(scope="oa", nonce="n-1", ttl=timedelta(minutes=10))
         assert not await index.claim_nonce(scope="oa", nonce="n-1", ttl=timedelta(minutes=10))
         assert await index.claim_nonce(scope="erp", nonce="n-1", ttl=timedelta(minutes=10))
+        await index.release_nonce(scope="oa", nonce="n-1")
+        assert await index.claim_nonce(scope="oa", nonce="n-1", ttl=timedelta(minutes=10))
 
     async def test_idempotency_claim_finish_release(self, index: Index) -> None:
         ttl = timedelta(hours=24)

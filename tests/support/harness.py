@@ -20,11 +20,22 @@ from torpor.settings import Settings
 CAPABILITY_KEY = "test-capability-key-0123456789abcdef"
 
 
+NOTIFY_KEY = "test-notify-key-0123456789abcdef"
+
+
 def settings_for(
-    tmp: Path, redis_url: str, prefix: str, *, index: str = "redis", **approval: Any
+    tmp: Path,
+    redis_url: str,
+    prefix: str,
+    *,
+    index: str = "redis",
+    extra: dict[str, Any] | None = None,
+    **approval: Any,
 ) -> Settings:
     return Settings.build(
         {
+            "notify_key": NOTIFY_KEY,
+            "allow_private_callbacks": True,
             "object_store_url": f"file://{tmp / 'objects'}",
             "index_url": redis_url if index == "redis" else f"sqlite://{tmp / 'index.db'}",
             "redis_prefix": prefix,
@@ -32,6 +43,7 @@ def settings_for(
             "capability_keys": [CAPABILITY_KEY],
             "heartbeat_s": 0.2,
             "lease_ttl_s": 2.0,
+            **(extra or {}),
         }
     )
 
@@ -87,8 +99,10 @@ class Env:
 
 
 @asynccontextmanager
-async def local_env(tmp: Path, redis_url: str, prefix: str, **approval: Any) -> AsyncIterator[Env]:
-    settings = settings_for(tmp, redis_url, prefix, **approval)
+async def local_env(
+    tmp: Path, redis_url: str, prefix: str, *, extra: dict[str, Any] | None = None, **approval: Any
+) -> AsyncIterator[Env]:
+    settings = settings_for(tmp, redis_url, prefix, extra=extra, **approval)
     clock = ManualClock()
     services = open_services(settings, clock=clock)
     control = ControlPlane(services, InlineActivator(services.runtime("test-runtime")))

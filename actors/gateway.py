@@ -1,0 +1,316 @@
+"""The webhook gateway: verify, dedupe, route, accept durably, then wake.
+
+For ``POST /v1/hooks/{source}``, in order, on the raw bytes:
+
+1. the source exists and the body is within its size limit;
+2. the signature verifies with one of the source's active secrets, and the timestamp is
+   within the window in both directions (``torpor.webhooks.signing``);
+3. the exact signed content has not been seen before (``SET NX EX``), nor, for the torpor
+   scheme, the nonce: a replay is refused with 409 before anything is written;
+4. the body parses as CloudEvents (structured, binary or batched) or through the source's
+   payload mapping;
+5. each event resolves to a wait of the source's tenant, by correlation id or business key,
+   through the index or, on a miss, the durable correlation record (a flushed Redis must
+   not turn a valid callback away);
+6. the event is written into the session's inbox (create-only: a redelivery is answered
+   200 ``duplicate`` and wakes nothing) and appended to the audit chain;
+7. only then the answer (202) goes out, and the activation is requested behind it.
+
+Nothing before step 6 changes any state but the replay claim, which is given back if the
+request then fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from actors import metrics
+from actors.control import ControlPlane
+from storage.audit import AuditLog
+from torpor.errors import TorporError
+from torpor.events import EventKind, InboxEvent
+from torpor.ports import WaitBinding
+from torpor.settings import SourceConfig
+from torpor.webhooks.capability import open_token
+from torpor.webhooks.cloudevents import parse_http
+from torpor.webhooks.payloads import InboundEvent, loads_json
+from torpor.webhooks.rejections import RejectReason, WebhookRejected, ensure_body_size
+from torpor.webhooks.signing import Scheme, Verified, verify
+
+log = logging.getLogger(__name__)
+
+CAPABILITY_SOURCE = "capability"
+GITHUB_REPLAY_TTL = timedelta(hours=24)  # GitHub signs no timestamp: remember longer
+
+
+@dataclass(frozen=True)
+class Routed:
+    event_id: str
+    session_id: str | None
+    duplicate: bool
+    status: int  # per event: 202 accepted, 200 duplicate, 404 unknown
+
+
+@dataclass(frozen=True)
+class HookResult:
+    status: int
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+class UnknownCorrelation(TorporError):
+    code = "unknown_correlation"
+
+
+def _count(source: str, outcome: str, reason: str = "") -> None:
+    metrics.inc("webhooks", {"source": source, "outcome": outcome, "reason": reason})
+
+
+class WebhookGateway:
+    def __init__(self, control: ControlPlane, audit: AuditLog) -> None:
+        self.control = control
+        self.services = control.services
+        self.audit = audit
+
+    # -- shared-secret webhooks --------------------------------------------------------
+
+    def source(self, name: str) -> SourceConfig:
+        source = self.services.settings.sources.get(name)
+        if source is None:
+            raise WebhookRejected(RejectReason.UNKNOWN_SOURCE)
+        return source
+
+    async def receive(
+        self, source_name: str, body: bytes, headers: Mapping[str, str], *, now: datetime
+    ) -> HookResult:
+        try:
+            return await self._receive(source_name, body, headers, now)
+        except WebhookRejected as exc:
+            _count(source_name, "rejected", exc.reason.value)
+            raise
+
+    async def _receive(
+        self, source_name: str, body: bytes, headers: Mapping[str, str], now: datetime
+    ) -> HookResult:
+        source = self.source(source_name)
+        ensure_body_size(len(body), limit=source.max_body_bytes)
+        verified = verify(
+            source.scheme,
+            body,
+            headers,
+            source.secret_values(),
+            now=now,
+            tolerance_s=source.tolerance_s,
+        )
+        claims = await self._claim_replay(source_name, source, verified)
+        try:
+            events = parse_http(
+                body,
+                headers,
+                mapping=source.mapping,
+                source_name=source_name,
+                now=now,
+                max_body_bytes=source.max_body_bytes,
+            )
+            body_sha = hashlib.sha256(body).hexdigest()
+            trace = _trace_id(headers)
+            routed = [
+                await self._route(source_name, source.tenant, e, verified, body_sha, trace, now)
+                for e in events
+            ]
+        except BaseException:
+            for scope, nonce in claims:  # nothing was accepted: let a retry through
+                await self.services.index.release_nonce(scope=scope, nonce=nonce)
+            raise
+        return await self._answer(routed, batch=len(events) > 1, tenant=source.tenant)
+
+    async def _claim_replay(
+        self, source_name: str, source: SourceConfig, verified: Verified
+    ) -> list[tuple[str, str]]:
+        index = self.services.index
+        ttl = (
+            GITHUB_REPLAY_TTL
+            if source.scheme is Scheme.GITHUB
+            else timedelta(seconds=max(900.0, 3 * source.tolerance_s))
+        )
+        claims = [(f"hook:{source_name}", verified.content_digest)]
+        # The torpor nonce is not covered by the signature, so it cannot stand alone; but
+        # reusing one is itself a replay by the scheme's rules.
+        if source.scheme is Scheme.TORPOR and verified.delivery_id:
+            claims.append((f"nonce:{source_name}", verified.delivery_id))
+        taken: list[tuple[str, str]] = []
+        for scope, nonce in claims:
+            if not await index.claim_nonce(scope=scope, nonce=nonce, ttl=ttl):
+                for s, n in taken:
+                    await index.release_nonce(scope=s, nonce=n)
+                raise WebhookRejected(RejectReason.REPLAYED)
+            taken.append((scope, nonce))
+        return taken
+
+    async def _resolve(self, tenant: str, event: InboundEvent) -> WaitBinding | None:
+        index, records = self.services.index, self.services.correlations
+        if event.correlation_id:
+            found = await index.resolve(tenant=tenant, correlation_id=event.correlation_id)
+            if found is None:  # index miss: the durable record decides, never the miss
+                record = await records.lookup(event.correlation_id)
+                found = record if record is not None and record.tenant == tenant else None
+            return found
+        if event.business_key:
+            found = await index.resolve(tenant=tenant, business_key=event.business_key)
+            if found is None:
+                found = await records.lookup_business_key(
+                    tenant=tenant, business_key=event.business_key
+                )
+            return found
+        return None
+
+    async def _route(
+        self,
+        source_name: str,
+        tenant: str,
+        event: InboundEvent,
+        verified: Verified,
+        body_sha: str,
+        trace: str | None,
+        now: datetime,
+    ) -> Routed:
+        binding = await self._resolve(tenant, event)
+        audit = {
+            "source": source_name,
+            "at": now,
+            "event_id": event.event_id,
+            "correlation_id": event.correlation_id,
+            "body_sha256": body_sha,
+            "signature": verified.signature[:512],
+            "timestamp": verified.timestamp,
+            "trace_id": trace,
+        }
+        if binding is None:
+            # Unknown, or another tenant's: the same 404 either way, and on the record.
+            await self.audit.append(source_name, verdict="unknown", **audit)
+            _count(source_name, "unknown")
+            return Routed(event.event_id, None, False, 404)
+        data: Any = event.data
+        if event.status is not None and isinstance(data, dict) and "status" not in data:
+            data = {**data, "status": event.status}
+        new = await self.control.services.inbox.deliver(
+            InboxEvent.new(
+                kind=EventKind.CALLBACK,
+                session_id=binding.session_id,
+                source=source_name,
+                event_id=event.event_id,
+                type=event.type,
+                received_at=now,
+                correlation_id=binding.correlation_id,
+                business_key=event.business_key,
+                epoch=binding.epoch,
+                step_id=binding.step_id,
+                data=data,
+                trace_id=trace,
+                verified_by=verified.scheme.value,
+            )
+        )
+        await self.audit.append(
+            source_name,
+            verdict="accepted" if new else "duplicate",
+            session_id=binding.session_id,
+            **{**audit, "correlation_id": binding.correlation_id},
+        )
+        if new:
+            _count(source_name, "accepted")
+            await self.control.wake(binding.session_id)
+        else:
+            _count(source_name, "duplicate")
+        return Routed(event.event_id, binding.session_id, not new, 202 if new else 200)
+
+    async def _answer(self, routed: list[Routed], *, batch: bool, tenant: str) -> HookResult:
+        body: dict[str, Any]
+        if batch:
+            body = {
+                "events": [
+                    {"event_id": r.event_id, "status": r.status, "duplicate": r.duplicate}
+                    for r in routed
+                ]
+            }
+            return HookResult(202 if any(r.status == 202 for r in routed) else 200, body)
+        [one] = routed
+        if one.status == 404:
+            raise UnknownCorrelation("no open wait matches this event")
+        body = {"event_id": one.event_id, "duplicate": one.duplicate}
+        if one.duplicate and one.session_id:
+            body["session"] = await self.outcome(one.session_id, tenant)
+        return HookResult(one.status, body)
+
+    async def outcome(self, session_id: str, tenant: str) -> dict[str, Any]:
+        """What a late or duplicate sender is told: the session's real outcome."""
+        snapshot = await self.control.get(session_id, tenant=tenant)
+        return {"state": snapshot.state.value, "result": snapshot.result}
+
+    # -- capability callbacks --------------------------------------------------------
+
+    async def capability(
+        self, token: str, body: bytes, headers: Mapping[str, str], *, now: datetime
+    ) -> HookResult:
+        try:
+            return await self._capability(token, body, headers, now)
+        except WebhookRejected as exc:
+            _count(CAPABILITY_SOURCE, "rejected", exc.reason.value)
+            raise
+
+    async def _capability(
+        self, token: str, body: bytes, headers: Mapping[str, str], now: datetime
+    ) -> HookResult:
+        settings = self.services.settings
+        keys = settings.capability_key_bytes()
+        if not keys:
+            raise WebhookRejected(RejectReason.INVALID_TOKEN)
+        ensure_body_size(len(body), limit=settings.max_request_bytes)
+        claims = open_token(token, keys=keys, now=now)
+        content_type = {k.lower(): v for k, v in headers.items()}.get("content-type", "")
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            raise WebhookRejected(RejectReason.UNSUPPORTED_MEDIA_TYPE)
+        data = loads_json(body)
+        new = await self.services.inbox.deliver(
+            InboxEvent.new(
+                kind=EventKind.CALLBACK,
+                session_id=claims.session_id,
+                source=CAPABILITY_SOURCE,
+                event_id=claims.token_id,
+                type="torpor.capability.callback",
+                received_at=now,
+                correlation_id=claims.correlation_id,
+                epoch=claims.epoch,
+                data=data,
+                trace_id=_trace_id(headers),
+                verified_by="capability",
+            )
+        )
+        await self.audit.append(
+            CAPABILITY_SOURCE,
+            verdict="accepted" if new else "rejected:token_used",
+            at=now,
+            source=CAPABILITY_SOURCE,
+            event_id=claims.token_id,
+            session_id=claims.session_id,
+            correlation_id=claims.correlation_id,
+            body_sha256=hashlib.sha256(body).hexdigest(),
+            trace_id=_trace_id(headers),
+        )
+        if not new:  # the inbox object is the durable proof the token was used
+            raise WebhookRejected(RejectReason.TOKEN_USED)
+        _count(CAPABILITY_SOURCE, "accepted")
+        await self.control.wake(claims.session_id)
+        return HookResult(202, {"event_id": claims.token_id, "duplicate": False})
+
+
+def _trace_id(headers: Mapping[str, str]) -> str | None:
+    """The trace id of a W3C ``traceparent`` header, if the sender sent one."""
+    lowered = {k.lower(): v for k, v in headers.items()}
+    parts = lowered.get("traceparent", "").split("-")
+    if len(parts) == 4 and len(parts[1]) == 32 and all(c in "0123456789abcdef" for c in parts[1]):
+        return parts[1]
+    return None

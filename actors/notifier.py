@@ -1,0 +1,206 @@
+"""Delivering outbound notifications: enqueue from the outbox, attempt from the sweeper.
+
+The runtime's outbox hands a NOTIFY entry to ``DeliveryNotifier.enqueue``, which only
+writes a durable delivery and schedules it: a slow or dead receiver never holds up a
+session. ``DeliveryWorker.attempt`` makes one signed POST: 2xx delivers, 410 disables the
+endpoint, anything else (3xx included: redirects are not followed) schedules the next
+attempt per the retry schedule or a longer ``Retry-After``; after the last attempt the
+delivery is a dead letter until someone resends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from datetime import datetime, timedelta
+from typing import Any
+
+from actors import metrics
+from actors.wiring import Services
+from storage.deliveries import Delivery, DeliveryStatus, DeliveryStore, EndpointState
+from torpor.backoff import schedule_delay_s
+from torpor.errors import ConfigError
+from torpor.ids import digest
+from torpor.models import OutboxEntry, SessionSnapshot
+from torpor.notify import RETRY_SCHEDULE_S, endpoint_secret, payload, retry_after_s
+from torpor.ports import TimerKind
+from torpor.settings import Settings, resolve_secret
+from torpor.ssrf import UnsafeUrl, check_callback_url
+from torpor.webhooks.signing import Scheme, sign
+
+
+def timer_member(tenant: str, delivery_id: str) -> str:
+    return f"{tenant}|{delivery_id}"
+
+
+def secret_for(settings: Settings, tenant: str, url: str) -> str:
+    if settings.notify_key is None:
+        raise ConfigError("notifications need notify_key in the configuration")
+    return endpoint_secret(resolve_secret(settings.notify_key).encode(), tenant, url)
+
+
+class DeliveryNotifier:
+    """The runtime's ``Notifier``: durable enqueue, nothing sent inline."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.deliveries = DeliveryStore(services.store)
+
+    async def enqueue(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
+        if not snapshot.callback_url:
+            return
+        now = self.services.clock.now()
+        event = str(entry.payload.get("event", snapshot.state.value))
+        delivery = Delivery(
+            delivery_id="d_" + digest(entry.idempotency_key, length=24),
+            tenant=snapshot.tenant,
+            session_id=snapshot.session_id,
+            url=snapshot.callback_url,
+            event_type=f"session.{event.lower()}",
+            payload=payload(snapshot, event=event, now=now),
+            next_attempt_at=now,
+            created_at=now,
+        )
+        await self.deliveries.create(delivery)  # an outbox replay finds it already there
+        await self.services.index.schedule(
+            kind=TimerKind.DELIVER,
+            member=timer_member(snapshot.tenant, delivery.delivery_id),
+            at=now,
+        )
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # a 3xx is a failed attempt, never followed
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def _post(
+    url: str, body: bytes, headers: dict[str, str], timeout_s: float
+) -> tuple[int, str | None]:
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310 - http(s) checked by ssrf.check_url_shape
+    try:
+        with _OPENER.open(request, timeout=timeout_s) as response:
+            return int(response.status), response.headers.get("Retry-After")
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.headers.get("Retry-After") if exc.headers else None
+
+
+class DeliveryWorker:
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.deliveries = DeliveryStore(services.store)
+
+    async def due(self, now: datetime, limit: int = 100) -> int:
+        index = self.services.index
+        members = await index.due(kind=TimerKind.DELIVER, now=now, limit=limit)
+        for member in members:
+            tenant, _, delivery_id = member.partition("|")
+            await index.unschedule(kind=TimerKind.DELIVER, member=member)
+            await self.attempt(tenant, delivery_id, now=now)
+        return len(members)
+
+    async def attempt(self, tenant: str, delivery_id: str, *, now: datetime) -> Delivery:
+        settings = self.services.settings
+        delivery = await self.deliveries.get(tenant, delivery_id)
+        if delivery.status is not DeliveryStatus.PENDING:
+            return delivery
+        endpoint = await self.deliveries.endpoint(tenant, delivery.url)
+        if endpoint.disabled:
+            return await self._settle(
+                delivery, DeliveryStatus.DISABLED, None, "endpoint disabled", now
+            )
+        body = json.dumps(delivery.payload, separators=(",", ":")).encode()
+        error: str | None
+        try:
+            await asyncio.to_thread(
+                check_callback_url, delivery.url, allow_private=settings.allow_private_callbacks
+            )
+            headers = sign(
+                Scheme.STANDARD,
+                body,
+                secret_for(settings, tenant, delivery.url),
+                now=now,
+                msg_id=delivery.delivery_id,
+            )
+            headers["Content-Type"] = "application/json"
+            headers["User-Agent"] = "torpor-notifier/1"
+            status, retry_after = await asyncio.to_thread(
+                _post, delivery.url, body, headers, settings.notify_timeout_s
+            )
+        except UnsafeUrl as exc:
+            return await self._settle(delivery, DeliveryStatus.DEAD, None, str(exc), now)
+        except (OSError, TimeoutError) as exc:
+            status, retry_after = 0, None
+            error = f"{type(exc).__name__}: {exc}"[:300]
+        else:
+            error = None if 200 <= status < 300 else f"HTTP {status}"
+        if 200 <= status < 300:
+            return await self._settle(delivery, DeliveryStatus.DELIVERED, status, None, now)
+        if status == 410:
+            await self.deliveries.set_endpoint(
+                tenant,
+                EndpointState(url=delivery.url, disabled=True, disabled_at=now, reason="410 Gone"),
+            )
+            return await self._settle(delivery, DeliveryStatus.DISABLED, status, "410 Gone", now)
+        delay = schedule_delay_s(delivery.attempts, RETRY_SCHEDULE_S)
+        if delay is None:
+            return await self._settle(delivery, DeliveryStatus.DEAD, status, error, now)
+        asked = retry_after_s(retry_after, now=now)
+        if asked is not None:
+            delay = max(delay, asked)
+        at = now + timedelta(seconds=delay)
+        updated = await self._settle(delivery, DeliveryStatus.PENDING, status, error, now, at)
+        await self.services.index.schedule(
+            kind=TimerKind.DELIVER, member=timer_member(tenant, delivery_id), at=at
+        )
+        return updated
+
+    async def _settle(
+        self,
+        delivery: Delivery,
+        status: DeliveryStatus,
+        http_status: int | None,
+        error: str | None,
+        now: datetime,
+        next_at: datetime | None = None,
+    ) -> Delivery:
+        def change(d: Delivery) -> Delivery:
+            record = {"at": now.isoformat(), "status": http_status, "error": error}
+            return d.model_copy(
+                update={
+                    "status": status,
+                    "attempts": d.attempts + 1,
+                    "last_status": http_status,
+                    "last_error": error,
+                    "next_attempt_at": next_at,
+                    "delivered_at": now if status is DeliveryStatus.DELIVERED else None,
+                    "history": [*d.history, record][-20:],
+                }
+            )
+
+        updated = await self.deliveries.update(delivery.tenant, delivery.delivery_id, change)
+        metrics.inc("deliveries", {"outcome": status.value})
+        return updated
+
+    async def resend(self, tenant: str, delivery_id: str, *, now: datetime) -> Delivery:
+        """Operator action: give a dead or disabled delivery a fresh set of attempts."""
+        delivery = await self.deliveries.get(tenant, delivery_id)
+        endpoint = await self.deliveries.endpoint(tenant, delivery.url)
+        if endpoint.disabled:
+            await self.deliveries.set_endpoint(tenant, EndpointState(url=delivery.url))
+
+        def change(d: Delivery) -> Delivery:
+            return d.model_copy(
+                update={"status": DeliveryStatus.PENDING, "attempts": 0, "next_attempt_at": now}
+            )
+
+        updated = await self.deliveries.update(tenant, delivery_id, change)
+        await self.services.index.schedule(
+            kind=TimerKind.DELIVER, member=timer_member(tenant, delivery_id), at=now
+        )
+        return updated

@@ -1,0 +1,405 @@
+"""torpor's HTTP edge on Ray Serve: ``serve run serve_app:app``.
+
+Routes only. Submitting work answers in milliseconds with 202 and a status URL; webhooks
+are verified on the raw bytes, accepted durably, and answered before the agent runs.
+Every failure is ``application/problem+json`` from one handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from actors.control import ControlPlane
+from actors.gateway import WebhookGateway
+from actors.notifier import DeliveryWorker, secret_for
+from actors.observer import RayObserver
+from actors.ray_activator import RayActivator
+from actors.reconciler import ensure_reconciler
+from actors.wiring import open_services
+from storage.audit import AuditLog
+from storage.deliveries import DeliveryStatus
+from torpor import __version__
+from torpor.api import (
+    Accepted,
+    BatchCreate,
+    BatchOut,
+    SessionCreate,
+    SessionItem,
+    SessionList,
+    SessionOut,
+)
+from torpor.auth import tenant_for
+from torpor.errors import InvalidRequest, TorporError
+from torpor.ids import digest
+from torpor.lifecycle import SessionState
+from torpor.problems import ProblemSpec, problem, problem_for
+from torpor.settings import Settings
+from torpor.webhooks.cloudevents import handshake
+from torpor.webhooks.rejections import RejectReason, WebhookRejected
+
+log = logging.getLogger("torpor.ingress")
+PROBLEM = "application/problem+json"
+SSE_POLL_S = 0.5
+SSE_KEEPALIVE_S = 15.0
+
+api = FastAPI(
+    title="torpor",
+    version=__version__,
+    description="Agent sessions that sleep while they wait and wake once on a signed webhook.",
+)
+
+
+def _problem(spec: ProblemSpec, request: Request) -> JSONResponse:
+    headers = {"Retry-After": str(spec.retry_after)} if spec.retry_after else None
+    return JSONResponse(
+        spec.body(request.url.path), status_code=spec.status, media_type=PROBLEM, headers=headers
+    )
+
+
+@api.exception_handler(TorporError)
+async def _torpor_error(request: Request, exc: TorporError) -> JSONResponse:
+    spec = problem_for(exc)
+    if spec.status >= 500:
+        log.error("request failed: %s", exc, exc_info=exc)
+    return _problem(spec, request)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    detail = f"{where}: {first.get('msg', 'invalid')}" if where else "the request is invalid"
+    return _problem(problem(400, "invalid_request", "Invalid request", detail[:300]), request)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return _problem(problem(exc.status_code, code, str(exc.detail)), request)
+
+
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    return _problem(problem(500, "internal", "Internal error"), request)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused as soon as it passes ``limit`` (413), declared or not."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise WebhookRejected(RejectReason.BODY_TOO_LARGE)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise WebhookRejected(RejectReason.BODY_TOO_LARGE)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_body(raw: bytes, model: type[Any]) -> Any:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequest(f"{where}: {first['msg']}"[:300]) from None
+
+
+def require_idempotency_key(value: str | None) -> str:
+    if not value:
+        raise InvalidRequest("the Idempotency-Key header is required")
+    if len(value) > 255:
+        raise InvalidRequest("the Idempotency-Key header is longer than 255 characters")
+    return value
+
+
+@serve.deployment
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, settings: Settings, start_reconciler: bool = True) -> None:
+        self.settings = settings
+        self.services = open_services(settings, observer=RayObserver())
+        self.control = ControlPlane(self.services, RayActivator(self.services), background=True)
+        self.gateway = WebhookGateway(self.control, AuditLog(self.services.store))
+        self.deliveries = DeliveryWorker(self.services)
+        if start_reconciler:
+            ensure_reconciler(settings)
+
+    def _tenant(self, authorization: str | None) -> str:
+        return tenant_for(authorization, self.settings.tenants)
+
+    # -- health and baseline -------------------------------------------------------
+
+    @api.get("/healthz", tags=["ops"])
+    async def healthz(self) -> dict[str, Any]:
+        return {"ok": True, "version": __version__}
+
+    @api.post("/v1/noop", status_code=202, tags=["ops"])
+    async def noop(self) -> dict[str, Any]:
+        """A trivial endpoint: the baseline the webhook benchmark compares against."""
+        return {}
+
+    # -- sessions ------------------------------------------------------------------
+
+    @api.post("/v1/sessions", status_code=202, response_model=Accepted, tags=["sessions"])
+    async def create_session(
+        self,
+        request: Request,
+        authorization: Annotated[str | None, Header()] = None,
+        idempotency_key: Annotated[str | None, Header()] = None,
+    ) -> JSONResponse:
+        tenant = self._tenant(authorization)
+        key = require_idempotency_key(idempotency_key)
+        body: SessionCreate = parse_json_body(
+            await read_body(request, self.settings.max_request_bytes), SessionCreate
+        )
+        submitted = await self.control.submit(
+            tenant=tenant,
+            agent=body.agent,
+            input=body.input,
+            metadata=body.metadata,
+            callback_url=body.callback_url,
+            idempotency_key=key,
+        )
+        location = f"/v1/sessions/{submitted.session_id}"
+        state = await self._state(submitted.session_id)
+        accepted = Accepted(
+            session_id=submitted.session_id,
+            state=state,
+            created=submitted.created,
+            links={"self": location, "events": f"{location}/events"},
+            callback_secret=(
+                secret_for(self.settings, tenant, body.callback_url) if body.callback_url else None
+            ),
+        )
+        return JSONResponse(
+            accepted.model_dump(mode="json"),
+            status_code=202,
+            headers={"Location": location, "Retry-After": "1"},
+        )
+
+    async def _state(self, session_id: str) -> SessionState:
+        states = await self.services.index.session_states([session_id])
+        return states.get(session_id, SessionState.PENDING)
+
+    @api.get("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"])
+    async def get_session(
+        self, session_id: str, authorization: Annotated[str | None, Header()] = None
+    ) -> SessionOut:
+        tenant = self._tenant(authorization)
+        return SessionOut.of(await self.control.get(session_id, tenant=tenant))
+
+    @api.get("/v1/sessions", response_model=SessionList, tags=["sessions"])
+    async def list_sessions(
+        self,
+        authorization: Annotated[str | None, Header()] = None,
+        state: SessionState | None = None,
+        cursor: Annotated[str | None, Query(max_length=128)] = None,
+        limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    ) -> SessionList:
+        tenant = self._tenant(authorization)
+        page = await self.services.index.list_sessions(
+            tenant=tenant, state=state, cursor=cursor, limit=limit
+        )
+        states = await self.services.index.session_states(page.session_ids)
+        return SessionList(
+            items=[SessionItem(session_id=s, state=states.get(s)) for s in page.session_ids],
+            next_cursor=page.next_cursor,
+        )
+
+    @api.post("/v1/sessions/{session_id}/cancel", status_code=202, tags=["sessions"])
+    async def cancel_session(
+        self, session_id: str, authorization: Annotated[str | None, Header()] = None
+    ) -> JSONResponse:
+        tenant = self._tenant(authorization)
+        snapshot = await self.control.cancel(session_id, tenant=tenant)
+        body = {"session_id": session_id, "state": snapshot.state.value}
+        return JSONResponse(body, status_code=200 if snapshot.terminal else 202)
+
+    @api.get("/v1/sessions/{session_id}/events", tags=["sessions"])
+    async def session_events(
+        self,
+        session_id: str,
+        authorization: Annotated[str | None, Header()] = None,
+        last_event_id: Annotated[str | None, Header()] = None,
+    ) -> StreamingResponse:
+        tenant = self._tenant(authorization)
+        await self.control.get(session_id, tenant=tenant)  # 404 before the stream opens
+        after = int(last_event_id) if last_event_id and last_event_id.isdigit() else 0
+        return StreamingResponse(
+            self._events(session_id, tenant, after),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _events(self, session_id: str, tenant: str, after: int) -> AsyncIterator[str]:
+        """Transitions as Server-Sent Events; ``id`` is the history sequence number, so a
+        client that reconnects with ``Last-Event-ID`` gets exactly what it missed."""
+        quiet = 0.0
+        while True:
+            snapshot = await self.control.get(session_id, tenant=tenant)
+            for entry in snapshot.history:
+                if entry.seq > after:
+                    data = {
+                        "session_id": session_id,
+                        "state": entry.state.value,
+                        "epoch": entry.epoch,
+                        "at": entry.at.isoformat(),
+                        "reason": entry.reason,
+                    }
+                    yield f"id: {entry.seq}\nevent: transition\ndata: {json.dumps(data)}\n\n"
+                    after, quiet = entry.seq, 0.0
+            if snapshot.terminal:
+                return
+            await asyncio.sleep(SSE_POLL_S)
+            quiet += SSE_POLL_S
+            if quiet >= SSE_KEEPALIVE_S:
+                quiet = 0.0
+                yield ": keep-alive\n\n"
+
+    # -- batches ---------------------------------------------------------------------
+
+    @api.post("/v1/batches", status_code=202, response_model=BatchOut, tags=["batches"])
+    async def create_batch(
+        self,
+        request: Request,
+        authorization: Annotated[str | None, Header()] = None,
+        idempotency_key: Annotated[str | None, Header()] = None,
+    ) -> JSONResponse:
+        tenant = self._tenant(authorization)
+        key = require_idempotency_key(idempotency_key)
+        body: BatchCreate = parse_json_body(
+            await read_body(request, self.settings.max_request_bytes * 16), BatchCreate
+        )
+        # The batch id is a function of tenant and key: a retried request is the same batch.
+        batch_id = "b_" + digest(tenant, key, length=24)
+        manifest = await self.control.submit_batch(
+            tenant=tenant,
+            agent=body.agent,
+            documents=body.documents,
+            metadata=body.metadata,
+            callback_url=body.callback_url,
+            batch_id=batch_id,
+        )
+        out = await self._batch(manifest.batch_id, tenant)
+        return JSONResponse(
+            out.model_dump(mode="json"),
+            status_code=202,
+            headers={"Location": out.links["self"], "Retry-After": "5"},
+        )
+
+    @api.get("/v1/batches/{batch_id}", response_model=BatchOut, tags=["batches"])
+    async def get_batch(
+        self, batch_id: str, authorization: Annotated[str | None, Header()] = None
+    ) -> BatchOut:
+        return await self._batch(batch_id, self._tenant(authorization))
+
+    async def _batch(self, batch_id: str, tenant: str) -> BatchOut:
+        manifest = await self.control.batch(batch_id, tenant=tenant)
+        progress = await self.control.progress(batch_id, tenant=tenant)
+        return BatchOut(
+            batch_id=batch_id,
+            agent=manifest.agent,
+            total=progress.total,
+            done=progress.done,
+            finished=progress.finished,
+            by_state=progress.by_state,
+            links={"self": f"/v1/batches/{batch_id}"},
+        )
+
+    # -- webhooks ----------------------------------------------------------------------
+
+    @api.post("/v1/hooks/{source}", tags=["webhooks"])
+    async def hook(self, source: str, request: Request) -> JSONResponse:
+        config = self.gateway.source(source)
+        body = await read_body(request, config.max_body_bytes)
+        result = await self.gateway.receive(
+            source, body, dict(request.headers), now=self.services.clock.now()
+        )
+        return JSONResponse(result.body, status_code=result.status)
+
+    @api.options("/v1/hooks/{source}", tags=["webhooks"])
+    async def hook_handshake(self, source: str, request: Request) -> Response:
+        """CloudEvents webhook abuse protection: only registered origins may send."""
+        config = self.settings.sources.get(source)
+        headers = (
+            handshake(
+                dict(request.headers),
+                allowed_origins=config.allowed_origins,
+                allowed_rate=config.allowed_rate,
+            )
+            if config
+            else None
+        )
+        if headers is None:
+            return Response(status_code=405, headers={"Allow": "POST"})
+        return Response(status_code=200, headers=headers)
+
+    @api.post("/v1/callbacks/{token}", tags=["webhooks"])
+    async def capability_callback(self, token: str, request: Request) -> JSONResponse:
+        body = await read_body(request, self.settings.max_request_bytes)
+        result = await self.gateway.capability(
+            token, body, dict(request.headers), now=self.services.clock.now()
+        )
+        return JSONResponse(result.body, status_code=result.status)
+
+    # -- outbound notifications ------------------------------------------------------
+
+    @api.get("/v1/deliveries", tags=["notifications"])
+    async def list_deliveries(
+        self,
+        authorization: Annotated[str | None, Header()] = None,
+        status: DeliveryStatus | None = None,
+        cursor: Annotated[str | None, Query(max_length=128)] = None,
+        limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    ) -> dict[str, Any]:
+        tenant = self._tenant(authorization)
+        items, next_cursor = await self.deliveries.deliveries.list(
+            tenant, status=status, cursor=cursor, limit=limit
+        )
+        return {
+            "items": [d.model_dump(mode="json", exclude={"payload"}) for d in items],
+            "next_cursor": next_cursor,
+        }
+
+    @api.post("/v1/deliveries/{delivery_id}/resend", status_code=202, tags=["notifications"])
+    async def resend_delivery(
+        self, delivery_id: str, authorization: Annotated[str | None, Header()] = None
+    ) -> dict[str, Any]:
+        tenant = self._tenant(authorization)
+        delivery = await self.deliveries.resend(tenant, delivery_id, now=self.services.clock.now())
+        return delivery.model_dump(mode="json", exclude={"payload"})
+
+    @api.get("/v1/notifications/secret", tags=["notifications"])
+    async def notification_secret(
+        self,
+        url: Annotated[str, Query(max_length=2048)],
+        authorization: Annotated[str | None, Header()] = None,
+    ) -> dict[str, str]:
+        """The secret our notifications to ``url`` are signed with (Standard Webhooks)."""
+        return {"url": url, "secret": secret_for(self.settings, self._tenant(authorization), url)}
+
+
+def build_app(settings: Settings | None = None, *, start_reconciler: bool = True) -> Any:
+    settings = settings or Settings.from_env()
+    return Ingress.options(  # type: ignore[attr-defined]
+        num_replicas=settings.replicas,
+        max_ongoing_requests=settings.max_ongoing_requests,
+    ).bind(settings, start_reconciler)
+
+
+app = build_app()

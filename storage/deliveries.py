@@ -1,0 +1,132 @@
+"""Outbound notification deliveries and endpoint state, in the object store.
+
+One object per delivery (``deliveries/{tenant}/{id}``), updated by compare-and-swap so
+that the delivery worker and an operator's "resend" never overwrite each other. The
+delivery id is derived from the outbox entry, so it is also the ``webhook-id`` the
+receiver sees on every attempt: receivers dedupe retries on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from storage import keys
+from torpor.errors import EtagMismatch, ObjectExists, ObjectNotFound, SnapshotNotFound
+from torpor.ports import ObjectStore
+
+MAX_CAS_ATTEMPTS = 10
+
+
+class DeliveryStatus(StrEnum):
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    DEAD = "dead"  # every attempt failed: the dead letter, until someone resends it
+    DISABLED = "disabled"  # the endpoint answered 410 Gone
+
+
+class Delivery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    delivery_id: str
+    tenant: str
+    session_id: str
+    url: str
+    event_type: str
+    payload: dict[str, Any]
+    status: DeliveryStatus = DeliveryStatus.PENDING
+    attempts: int = 0
+    next_attempt_at: datetime | None = None
+    last_status: int | None = None
+    last_error: str | None = None
+    created_at: datetime
+    delivered_at: datetime | None = None
+    history: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class EndpointState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    disabled: bool = False
+    disabled_at: datetime | None = None
+    reason: str | None = None
+
+
+class DeliveryStore:
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    async def create(self, delivery: Delivery) -> bool:
+        """Create-only: False if this delivery already exists (an outbox replay)."""
+        try:
+            await self.store.put_if_absent(
+                keys.delivery(delivery.tenant, delivery.delivery_id),
+                delivery.model_dump_json().encode(),
+            )
+        except ObjectExists:
+            return False
+        return True
+
+    async def get(self, tenant: str, delivery_id: str) -> Delivery:
+        try:
+            obj = await self.store.get(keys.delivery(tenant, delivery_id))
+            return Delivery.model_validate_json(obj.data)
+        except (ObjectNotFound, ValidationError):
+            raise SnapshotNotFound(f"no delivery {delivery_id[:80]!r}") from None
+
+    async def update(
+        self, tenant: str, delivery_id: str, change: Callable[[Delivery], Delivery]
+    ) -> Delivery:
+        """Read, change, compare-and-swap; retried if someone else wrote in between."""
+        key = keys.delivery(tenant, delivery_id)
+        for _ in range(MAX_CAS_ATTEMPTS):
+            try:
+                obj = await self.store.get(key)
+            except ObjectNotFound:
+                raise SnapshotNotFound(f"no delivery {delivery_id[:80]!r}") from None
+            new = change(Delivery.model_validate_json(obj.data))
+            try:
+                await self.store.put_if_match(key, new.model_dump_json().encode(), etag=obj.etag)
+            except EtagMismatch:
+                continue
+            return new
+        raise EtagMismatch(f"delivery {delivery_id} is too contended to update")
+
+    async def list(
+        self, tenant: str, *, status: DeliveryStatus | None, cursor: str | None, limit: int
+    ) -> tuple[list[Delivery], str | None]:
+        out: list[Delivery] = []
+        token = keys.delivery(tenant, cursor) if cursor else None
+        prefix = keys.delivery_prefix(tenant)
+        while len(out) < limit:
+            page = await self.store.list(prefix, start_after=token, limit=200)
+            for key in page.keys:
+                try:
+                    delivery = Delivery.model_validate_json((await self.store.get(key)).data)
+                except (ObjectNotFound, ValidationError):
+                    continue
+                if status is None or delivery.status is status:
+                    out.append(delivery)
+                    if len(out) == limit:
+                        return out, delivery.delivery_id
+            if page.next_token is None:
+                return out, None
+            token = page.next_token
+        return out, None
+
+    async def endpoint(self, tenant: str, url: str) -> EndpointState:
+        try:
+            obj = await self.store.get(keys.endpoint_state(tenant, url))
+            return EndpointState.model_validate_json(obj.data)
+        except (ObjectNotFound, ValidationError):
+            return EndpointState(url=url)
+
+    async def set_endpoint(self, tenant: str, state: EndpointState) -> None:
+        await self.store.put(
+            keys.endpoint_state(tenant, state.url), state.model_dump_json().encode()
+        )

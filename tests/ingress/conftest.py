@@ -1,0 +1,180 @@
+"""A running Serve app on a local Ray, one per test module, reached over real HTTP."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+import redis
+from ray import serve
+
+from actors.wiring import Services, open_services
+from serve_app import build_app
+from tests.conftest import make_bucket
+from tests.support.harness import CAPABILITY_KEY, NOTIFY_KEY
+from tests.support.s3_server import S3TestServer, free_port
+from tests.support.tools import World, agent_config
+from torpor.auth import new_api_key
+from torpor.settings import Settings
+from torpor.webhooks.signing import Scheme, generate_secret
+
+ROOT = Path(__file__).resolve().parents[2]
+MAPPING = {
+    "event_id_path": "eventId",
+    "type_path": "eventType",
+    "correlation_id_path": "correlationId",
+    "business_key_path": "businessKey",
+    "status_path": "decision.status",
+    "data_path": "decision",
+}
+
+
+@dataclass
+class Deployment:
+    url: str
+    settings: Settings
+    secrets: dict[str, list[str]]
+    keys: dict[str, str]  # tenant → bearer API key
+    redis_url: str
+    prefix: str
+
+    def auth(self, tenant: str = "acme") -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[tenant]}"}
+
+
+@pytest.fixture(scope="module")
+def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
+    prefix = f"tpin:{secrets.token_hex(4)}:"
+    bucket = "in-" + secrets.token_hex(4)
+    make_bucket(s3_server, bucket)
+    kw = s3_server.boto_kwargs()
+    source_secrets = {
+        "oa": [generate_secret(Scheme.TORPOR), generate_secret(Scheme.TORPOR)],
+        "std": [generate_secret(Scheme.STANDARD)],
+        "gh": [generate_secret(Scheme.GITHUB)],
+        "stripe": [generate_secret(Scheme.STRIPE)],
+        "ce": [generate_secret(Scheme.STANDARD)],
+        "beta-erp": [generate_secret(Scheme.TORPOR)],
+    }
+    acme_key, acme_hash = new_api_key()
+    beta_key, beta_hash = new_api_key()
+    port = free_port()
+    settings = Settings.build(
+        {
+            "object_store_url": f"s3://{bucket}/in",
+            "s3": {
+                "endpoint_url": kw["endpoint_url"],
+                "region": kw["region"],
+                "access_key_id": kw["access_key_id"],
+                "secret_access_key": kw["secret_access_key"],
+            },
+            "index_url": redis_url,
+            "redis_prefix": prefix,
+            "namespace": "in" + secrets.token_hex(4),
+            "agents": agent_config(redis_url, prefix, placement="pooled"),
+            "capability_keys": [CAPABILITY_KEY],
+            "notify_key": NOTIFY_KEY,
+            "allow_private_callbacks": True,
+            "public_url": f"http://127.0.0.1:{port}",
+            "tenants": {"acme": {"api_keys": [acme_hash]}, "beta": {"api_keys": [beta_hash]}},
+            "sources": {
+                "oa": {
+                    "tenant": "acme",
+                    "scheme": "torpor",
+                    "secrets": source_secrets["oa"],
+                    "mapping": MAPPING,
+                },
+                "std": {
+                    "tenant": "acme",
+                    "scheme": "standard",
+                    "secrets": source_secrets["std"],
+                    "mapping": MAPPING,
+                },
+                "gh": {
+                    "tenant": "acme",
+                    "scheme": "github",
+                    "secrets": source_secrets["gh"],
+                    "mapping": MAPPING,
+                },
+                "stripe": {
+                    "tenant": "acme",
+                    "scheme": "stripe",
+                    "secrets": source_secrets["stripe"],
+                    "mapping": MAPPING,
+                },
+                "ce": {
+                    "tenant": "acme",
+                    "scheme": "standard",
+                    "secrets": source_secrets["ce"],
+                    "allowed_origins": ["erp.example.com"],
+                    "allowed_rate": 120,
+                    "max_body_bytes": 4096,
+                },
+                "beta-erp": {
+                    "tenant": "beta",
+                    "scheme": "torpor",
+                    "secrets": source_secrets["beta-erp"],
+                    "mapping": MAPPING,
+                },
+            },
+            "heartbeat_s": 0.5,
+            "lease_ttl_s": 3.0,
+            "wake_grace_s": 2.0,
+            "pool_size": 2,
+        }
+    )
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(settings, start_reconciler=False), name="torpor", route_prefix="/")
+    yield Deployment(
+        f"http://127.0.0.1:{port}",
+        settings,
+        source_secrets,
+        {"acme": acme_key, "beta": beta_key},
+        redis_url,
+        prefix,
+    )
+    serve.shutdown()
+    ray.shutdown()
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(match=prefix + "*", count=1000):
+        client.delete(key)
+    client.close()
+
+
+@pytest.fixture
+async def http(deployment: Deployment) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=deployment.url, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+async def services(deployment: Deployment) -> AsyncIterator[Services]:
+    svc = open_services(deployment.settings)
+    yield svc
+    await svc.close()
+
+
+@pytest.fixture
+async def world(deployment: Deployment) -> AsyncIterator[World]:
+    w = World(deployment.redis_url, deployment.prefix)
+    yield w
+    await w.close()
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(3)}"
+
+
+Json = dict[str, Any]

@@ -1,0 +1,158 @@
+"""Outbound notifications: signed, retried on schedule, dead-lettered, resent."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import standardwebhooks
+
+from actors.notifier import DeliveryWorker, secret_for
+from storage.deliveries import DeliveryStatus, DeliveryStore
+from tests.support.harness import Env, local_env
+from tests.support.receiver import Received, Receiver
+from torpor.lifecycle import SessionState
+from torpor.ssrf import UnsafeUrl
+
+
+@pytest.fixture
+def hook() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+async def finished_session(env: Env, url: str, doc: str = "PR-N") -> str:
+    sid = await env.submit(doc=doc, callback_url=url)
+    await env.answer(sid, {"status": "approved"})
+    assert (await env.load(sid)).state is SessionState.COMPLETED
+    return sid
+
+
+def verify_signed(env: Env, received: Received, url: str) -> dict[str, Any]:
+    """Check the notification with the reference Standard Webhooks library."""
+    secret = secret_for(env.services.settings, "acme", url)
+    payload: dict[str, Any] = standardwebhooks.Webhook(secret).verify(
+        received.body, received.headers
+    )
+    return payload
+
+
+async def test_terminal_state_is_notified_signed(
+    tmp_path: Path, redis_url: str, redis_prefix: str, hook: Receiver
+) -> None:
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        sid = await finished_session(env, hook.url)
+        worker = DeliveryWorker(env.services)
+        assert await worker.due(env.clock.now()) == 1
+        [got] = hook.received
+        payload = verify_signed(env, got, hook.url)
+        assert payload["type"] == "session.completed"
+        assert payload["data"]["session_id"] == sid
+        assert payload["data"]["result"] == {"decision": "approved", "doc": "PR-N"}
+        assert await worker.due(env.clock.now()) == 0  # delivered: nothing more to do
+
+
+async def test_failures_retry_on_schedule_honouring_retry_after(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    hook = Receiver(script=[500, 302, 503, 200])
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix) as env:
+            await finished_session(env, hook.url)
+            worker = DeliveryWorker(env.services)
+            await worker.due(env.clock.now())  # 500
+            assert await worker.due(env.clock.now()) == 0  # the next try is ~5 s away
+            env.clock.advance(7)
+            await worker.due(env.clock.now())  # 302: redirects are failures, not followed
+            hook.retry_after = "7200"
+            env.clock.advance(400)
+            await worker.due(env.clock.now())  # 503 asking for 2 h, more than the 30 min step
+            env.clock.advance(2200)
+            assert await worker.due(env.clock.now()) == 0
+            env.clock.advance(7200)
+            await worker.due(env.clock.now())  # 200
+            assert len(hook.received) == 4
+            ids = {r.headers["webhook-id"] for r in hook.received}
+            assert len(ids) == 1, "every attempt carries the same webhook-id"
+            [delivery], _ = await DeliveryStore(env.services.store).list(
+                "acme", status=None, cursor=None, limit=10
+            )
+            assert delivery.status is DeliveryStatus.DELIVERED and delivery.attempts == 4
+            assert [h["status"] for h in delivery.history] == [500, 302, 503, 200]
+    finally:
+        hook.close()
+
+
+async def test_gone_disables_the_endpoint(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    hook = Receiver(script=[410])
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix) as env:
+            await finished_session(env, hook.url)
+            worker = DeliveryWorker(env.services)
+            await worker.due(env.clock.now())
+            store = DeliveryStore(env.services.store)
+            assert (await store.endpoint("acme", hook.url)).disabled
+            await finished_session(env, hook.url, doc="PR-N2")
+            await worker.due(env.clock.now())
+            assert len(hook.received) == 1, "a disabled endpoint is not called again"
+            disabled, _ = await store.list(
+                "acme", status=DeliveryStatus.DISABLED, cursor=None, limit=10
+            )
+            assert len(disabled) == 2
+    finally:
+        hook.close()
+
+
+async def test_dead_letter_then_resend(tmp_path: Path, redis_url: str, redis_prefix: str) -> None:
+    hook = Receiver(script=[500])
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix) as env:
+            await finished_session(env, hook.url)
+            worker = DeliveryWorker(env.services)
+            for _ in range(12):
+                await worker.due(env.clock.now())
+                env.clock.advance(13 * 3600)
+            assert len(hook.received) == 8  # the first try and seven retries
+            store = DeliveryStore(env.services.store)
+            [dead], _ = await store.list("acme", status=DeliveryStatus.DEAD, cursor=None, limit=5)
+            hook.script = [200]
+            await worker.resend("acme", dead.delivery_id, now=env.clock.now())
+            await worker.due(env.clock.now())
+            assert (await store.get("acme", dead.delivery_id)).status is DeliveryStatus.DELIVERED
+    finally:
+        hook.close()
+
+
+async def test_private_callback_urls_are_refused_unless_allowed(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    extra = {"allow_private_callbacks": False}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+        for url in (
+            "http://127.0.0.1:9/x",
+            "http://169.254.169.254/latest",
+            "http://10.0.0.1/",
+            "http://[::1]/",
+            "ftp://example.com/",
+            "http://user:pw@example.com/",
+        ):
+            with pytest.raises(UnsafeUrl):
+                await env.submit(doc="PR-X", callback_url=url)
+
+
+async def test_suspend_and_resume_can_be_notified_too(
+    tmp_path: Path, redis_url: str, redis_prefix: str, hook: Receiver
+) -> None:
+    extra = {"notify_on": ["terminal", "suspended", "resumed"]}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+        sid = await finished_session(env, hook.url)
+        await DeliveryWorker(env.services).due(env.clock.now())
+        types = sorted(json.loads(r.body)["type"] for r in hook.received)
+        assert types == ["session.completed", "session.resumed", "session.suspended"]
+        assert all(json.loads(r.body)["data"]["session_id"] == sid for r in hook.received)

@@ -1,0 +1,126 @@
+"""Request and response bodies of the HTTP API (they are also its OpenAPI schema)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from torpor.lifecycle import SessionState
+from torpor.models import SessionSnapshot
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SessionCreate(_Body):
+    agent: str = Field(min_length=1, max_length=128)
+    input: JsonValue = None
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    callback_url: str | None = Field(default=None, max_length=2048)
+
+
+class BatchCreate(_Body):
+    agent: str = Field(min_length=1, max_length=128)
+    documents: list[JsonValue] = Field(min_length=1, max_length=10_000)
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    callback_url: str | None = Field(default=None, max_length=2048)
+
+
+class Accepted(BaseModel):
+    session_id: str
+    state: SessionState
+    created: bool
+    links: dict[str, str]
+    callback_secret: str | None = None  # verify our notifications to callback_url with it
+
+
+class WaitOut(BaseModel):
+    wait_id: str
+    tool: str
+    correlation_id: str
+    business_key: str | None
+    epoch: int
+    opened_at: datetime
+    deadline: datetime
+
+
+class SessionOut(BaseModel):
+    session_id: str
+    tenant: str
+    agent: str
+    agent_version: str
+    state: SessionState
+    epoch: int
+    generation: int
+    waits: list[WaitOut]
+    result: JsonValue = None
+    error: dict[str, Any] | None = None
+    batch_id: str | None = None
+    created_at: datetime
+    updated_at: datetime
+    observations: int
+    trace_id: str
+
+    @classmethod
+    def of(cls, s: SessionSnapshot) -> SessionOut:
+        return cls(
+            session_id=s.session_id,
+            tenant=s.tenant,
+            agent=s.agent.name,
+            agent_version=s.agent.version,
+            state=s.state,
+            epoch=s.epoch,
+            generation=s.generation,
+            waits=[
+                WaitOut(
+                    wait_id=w.wait_id,
+                    tool=w.tool_name,
+                    correlation_id=w.correlation_id,
+                    business_key=w.business_key,
+                    epoch=w.epoch,
+                    opened_at=w.opened_at,
+                    deadline=w.deadline,
+                )
+                for w in s.waits
+            ],
+            result=s.result,
+            error=s.error.model_dump(mode="json") if s.error else None,
+            batch_id=s.batch_id,
+            created_at=s.created_at,
+            updated_at=s.updated_at,
+            observations=len(s.observations),
+            trace_id=s.trace_id,
+        )
+
+
+class SessionItem(BaseModel):
+    session_id: str
+    state: SessionState | None
+
+
+class SessionList(BaseModel):
+    items: list[SessionItem]
+    next_cursor: str | None
+
+
+class BatchOut(BaseModel):
+    batch_id: str
+    agent: str
+    total: int
+    done: int
+    finished: bool
+    by_state: dict[str, int]
+    links: dict[str, str]
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details."""
+
+    type: str
+    title: str
+    status: int
+    detail: str | None = None
+    instance: str | None = None

@@ -1,0 +1,48 @@
+"""Tenant API keys: bearer tokens, stored only as hashes, compared in constant time."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Mapping
+
+from torpor.errors import PermanentError
+from torpor.settings import TenantConfig
+
+KEY_PREFIX = "tpk_"
+
+
+class Unauthenticated(PermanentError):
+    code = "unauthenticated"
+
+
+def new_api_key() -> tuple[str, str]:
+    """A fresh key and the hash to put in configuration."""
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    return key, hash_key(key)
+
+
+def hash_key(key: str) -> str:
+    # API keys are 256-bit random tokens, so a fast hash is enough: there is nothing to
+    # brute-force that a slow KDF would protect.
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def tenant_for(authorization: str | None, tenants: Mapping[str, TenantConfig]) -> str:
+    """The tenant whose key is presented as ``Authorization: Bearer <key>``."""
+    if not authorization:
+        raise Unauthenticated("an API key is required (Authorization: Bearer <key>)")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthenticated("use Authorization: Bearer <key>")
+    presented = hash_key(token.strip()).encode()
+    found: str | None = None
+    # Compare against every stored hash, without stopping early, in constant time each.
+    for tenant, config in tenants.items():
+        for stored in config.api_keys:
+            if hmac.compare_digest(presented, stored.encode()):
+                found = tenant
+    if found is None:
+        raise Unauthenticated("the API key is not valid")
+    return found
