@@ -5,8 +5,8 @@ are verified on the raw bytes, accepted durably, and answered before the agent r
 Every failure is ``application/problem+json`` from one handler.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: FastAPI reads these annotations at
+# runtime inside the Serve replica, where string annotations cannot be resolved.
 import asyncio
 import json
 import logging
@@ -52,6 +52,13 @@ log = logging.getLogger("torpor.ingress")
 PROBLEM = "application/problem+json"
 SSE_POLL_S = 0.5
 SSE_KEEPALIVE_S = 15.0
+
+
+def json_body(model: type[Any] | None = None) -> dict[str, Any]:
+    """Declare a request body in OpenAPI for routes that read (and limit) the raw bytes."""
+    schema = model.model_json_schema() if model is not None else {"type": "object"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
 
 api = FastAPI(
     title="torpor",
@@ -155,7 +162,13 @@ class Ingress:
 
     # -- sessions ------------------------------------------------------------------
 
-    @api.post("/v1/sessions", status_code=202, response_model=Accepted, tags=["sessions"])
+    @api.post(
+        "/v1/sessions",
+        status_code=202,
+        response_model=Accepted,
+        tags=["sessions"],
+        openapi_extra=json_body(SessionCreate),
+    )
     async def create_session(
         self,
         request: Request,
@@ -273,7 +286,13 @@ class Ingress:
 
     # -- batches ---------------------------------------------------------------------
 
-    @api.post("/v1/batches", status_code=202, response_model=BatchOut, tags=["batches"])
+    @api.post(
+        "/v1/batches",
+        status_code=202,
+        response_model=BatchOut,
+        tags=["batches"],
+        openapi_extra=json_body(BatchCreate),
+    )
     async def create_batch(
         self,
         request: Request,
@@ -323,7 +342,7 @@ class Ingress:
 
     # -- webhooks ----------------------------------------------------------------------
 
-    @api.post("/v1/hooks/{source}", tags=["webhooks"])
+    @api.post("/v1/hooks/{source}", tags=["webhooks"], openapi_extra=json_body())
     async def hook(self, source: str, request: Request) -> JSONResponse:
         config = self.gateway.source(source)
         body = await read_body(request, config.max_body_bytes)
@@ -346,10 +365,16 @@ class Ingress:
             else None
         )
         if headers is None:
-            return Response(status_code=405, headers={"Allow": "POST"})
+            spec = problem(405, "origin_not_allowed", "Origin not allowed to send here")
+            return JSONResponse(
+                spec.body(request.url.path),
+                status_code=405,
+                media_type=PROBLEM,
+                headers={"Allow": "POST"},
+            )
         return Response(status_code=200, headers=headers)
 
-    @api.post("/v1/callbacks/{token}", tags=["webhooks"])
+    @api.post("/v1/callbacks/{token}", tags=["webhooks"], openapi_extra=json_body())
     async def capability_callback(self, token: str, request: Request) -> JSONResponse:
         body = await read_body(request, self.settings.max_request_bytes)
         result = await self.gateway.capability(

@@ -21,6 +21,7 @@ KNOWN: dict[str, tuple[int, str]] = {
     "unknown_correlation": (404, "No matching wait"),
     "unknown_agent": (422, "Unknown agent"),
     "invalid_request": (400, "Invalid request"),
+    "invalid_object_key": (400, "Invalid identifier"),
     "unsafe_callback_url": (400, "Callback URL refused"),
     "idempotency_key_reused": (422, "Idempotency-Key reused with a different request"),
     "idempotency_key_in_progress": (409, "Request with this Idempotency-Key in progress"),

@@ -101,7 +101,9 @@ def assert_problem(response: httpx.Response, status: int) -> dict[str, Any]:
 
 
 async def test_openapi_is_served(http: httpx.AsyncClient) -> None:
-    spec = (await http.get("/openapi.json")).json()
+    response = await http.get("/openapi.json")
+    assert response.status_code == 200, response.text
+    spec = response.json()
     assert "/v1/sessions" in spec["paths"] and "/v1/hooks/{source}" in spec["paths"]
 
 
@@ -266,8 +268,12 @@ async def test_signed_webhook_resumes_once(
     accepted = await http.post("/v1/hooks/oa", content=body, headers=headers)
     assert accepted.status_code == 202 and accepted.json()["duplicate"] is False
     await reaches(http, deployment, sid, "COMPLETED")
-    # The sender retries the same event with a fresh signature: absorbed, original outcome.
-    retry = await http.post("/v1/hooks/oa", content=body, headers=signed(deployment, "oa", body))
+    # The sender retries the same event a little later, freshly signed: absorbed, and the
+    # sender is told the original outcome.
+    later = now() + timedelta(seconds=2)
+    retry = await http.post(
+        "/v1/hooks/oa", content=body, headers=signed(deployment, "oa", body, at=later)
+    )
     assert retry.status_code == 200 and retry.json()["duplicate"] is True
     assert retry.json()["session"]["state"] == "COMPLETED"
     # The exact same request again is a replay.
