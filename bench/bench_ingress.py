@@ -1,0 +1,247 @@
+"""Ingress benchmark: signed webhooks to 202 vs a trivial endpoint, same app, same run.
+
+    .venv/bin/python bench/bench_ingress.py            # both proxies, one after the other
+    .venv/bin/python bench/bench_ingress.py --proxy default
+
+Each webhook is unique and valid (fresh nonce, fresh event id) and goes the whole way:
+verify → replay claims → resolve → inbox write → audit append → 202, and then wakes its
+session (pooled placement) behind the answer. The load comes from wrk (2 threads, 32
+connections), fed pre-signed requests by a Lua script. Storage: local folder + Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+SECRET = "b" * 64
+
+WRK_LUA = r"""
+local requests = {}
+local counter = 0
+local threads = {}
+function setup(thread)
+  thread:set("id", counter)
+  table.insert(threads, thread)
+  counter = counter + 1
+end
+function init(args)
+  local file = args[1]
+  local nthreads = tonumber(args[2])
+  local i = 0
+  non2xx = 0
+  if file == nil then return end
+  for line in io.lines(file) do
+    if i % nthreads == id then
+      local sep = line:find("\t")
+      local headers = {}
+      for k, v in line:sub(1, sep - 1):gmatch("([^=;]+)=([^;]*)") do headers[k] = v end
+      table.insert(requests, wrk.format("POST", nil, headers, line:sub(sep + 1)))
+    end
+    i = i + 1
+  end
+  nxt = 1
+end
+function request()
+  if #requests == 0 then return wrk.format("POST", nil, {["Content-Type"]="application/json"}, "{}") end
+  local r = requests[nxt]
+  nxt = nxt % #requests + 1
+  return r
+end
+function response(status, headers, body)
+  if status < 200 or status >= 300 then non2xx = non2xx + 1 end
+end
+function done(summary, latency, requests)
+  local bad = 0
+  for _, t in ipairs(threads) do bad = bad + t:get("non2xx") end
+  io.write(string.format("RESULT %d %d %.3f %.3f %.3f %d\n", summary.requests,
+    summary.duration, latency:percentile(50) / 1000, latency:percentile(99) / 1000,
+    summary.requests / (summary.duration / 1e6), bad))
+end
+"""
+
+
+def wrk(url: str, lua: Path, duration_s: int, requests_file: Path | None) -> dict[str, float]:
+    args = ["wrk", "-t2", "-c32", f"-d{duration_s}s", "--latency", "-s", str(lua), url]
+    if requests_file is not None:
+        args += ["--", str(requests_file), "2"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    match = re.search(r"RESULT (\d+) (\d+) ([\d.]+) ([\d.]+) ([\d.]+) (\d+)", out)
+    if not match:
+        raise RuntimeError(f"unexpected wrk output:\n{out}")
+    n, _, p50, p99, rps, bad = match.groups()
+    return {
+        "requests": int(n),
+        "p50_ms": float(p50),
+        "p99_ms": float(p99),
+        "rps": float(rps),
+        "non_2xx": int(bad),
+    }
+
+
+async def child(proxy: str, duration_s: int, sessions: int, per_session: int) -> dict[str, Any]:
+    import ray
+    import redis
+    from ray import serve
+
+    from actors.control import ControlPlane
+    from actors.ray_activator import RayActivator
+    from actors.wiring import open_services
+    from serve_app import build_app
+    from tests.support.s3_server import free_port
+    from torpor.lifecycle import SessionState
+    from torpor.settings import Settings
+    from torpor.webhooks.signing import Scheme, sign
+
+    tmp = Path(tempfile.mkdtemp(prefix="torpor-bench-"))
+    prefix = f"tpbench-in:{secrets.token_hex(3)}:"
+    port = free_port()
+    settings = Settings.build(
+        {
+            "object_store_url": f"file://{tmp / 'objects'}",
+            "index_url": REDIS,
+            "redis_prefix": prefix,
+            "namespace": "benchin",
+            "public_url": f"http://127.0.0.1:{port}",
+            "pool_size": 2,
+            "sources": {
+                "bench": {
+                    "tenant": "bench",
+                    "scheme": "torpor",
+                    "secrets": [SECRET],
+                    "mapping": {
+                        "event_id_path": "id",
+                        "default_type": "bench.go",
+                        "correlation_id_path": "correlationId",
+                    },
+                }
+            },
+            "agents": {
+                "bench": {
+                    "factory": "bench.plugins:BenchAgent",
+                    "tools": ["bench.plugins:WaitForWorld"],
+                    "placement": "pooled",
+                }
+            },
+        }
+    )
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TORPOR_BENCH_REDIS": REDIS}},
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(settings, start_reconciler=False), name="torpor", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+
+    services = open_services(settings)
+    control = ControlPlane(services, RayActivator(services))
+    ids = [
+        (await control.submit(tenant="bench", agent="bench", input={"i": i})).session_id
+        for i in range(sessions)
+    ]
+    while True:
+        states = await services.index.session_states(ids)
+        if all(s is SessionState.SUSPENDED for s in states.values()) and len(states) == len(ids):
+            break
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1)  # let the last suspends bind their waits
+    cids = [(await services.snapshots.load(sid)).waits[0].correlation_id for sid in ids]
+
+    lua = tmp / "bench.lua"
+    lua.write_text(WRK_LUA)
+    noop = wrk(base + "/v1/noop", lua, duration_s, None)
+
+    requests_file = tmp / "requests.tsv"
+    now = datetime.now(UTC)
+    with requests_file.open("w") as fh:
+        for n in range(per_session):
+            for cid in cids:
+                body = json.dumps({"id": f"e-{n}-{cid}", "correlationId": cid}).encode()
+                headers = sign(Scheme.TORPOR, body, SECRET, now=now)
+                headers["Content-Type"] = "application/json"
+                fh.write(
+                    ";".join(f"{k}={v}" for k, v in headers.items()) + "\t" + body.decode() + "\n"
+                )
+    hooks = wrk(base + "/v1/hooks/bench", lua, duration_s, requests_file)
+    unique = per_session * sessions
+    await services.close()
+    serve.shutdown()
+    ray.shutdown()
+    client = redis.Redis.from_url(REDIS)
+    for key in client.scan_iter(match=prefix + "*", count=1000):
+        client.delete(key)
+    return {"proxy": proxy, "noop": noop, "webhook": hooks, "unique_webhooks": unique}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--proxy", choices=["default", "haproxy", "both"], default="both")
+    parser.add_argument("--duration", type=int, default=10)
+    parser.add_argument("--sessions", type=int, default=600)
+    parser.add_argument("--per-session", type=int, default=8)
+    parser.add_argument("--child", action="store_true")
+    args = parser.parse_args()
+    if args.child:
+        result = asyncio.run(child(args.proxy, args.duration, args.sessions, args.per_session))
+        print("JSON " + json.dumps(result), flush=True)
+        return
+    proxies = ["default", "haproxy"] if args.proxy == "both" else [args.proxy]
+    for proxy in proxies:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        if proxy == "haproxy":
+            env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+        started = time.perf_counter()
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                "--proxy",
+                proxy,
+                "--duration",
+                str(args.duration),
+                "--sessions",
+                str(args.sessions),
+                "--per-session",
+                str(args.per_session),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        line = next((x for x in out.stdout.splitlines() if x.startswith("JSON ")), None)
+        if line is None:
+            print(f"{proxy}: failed\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+            continue
+        r = json.loads(line[5:])
+        noop, hook = r["noop"], r["webhook"]
+        print(
+            f"{proxy:8s} trivial POST: {noop['rps']:.0f} req/s, p50 {noop['p50_ms']:.1f} ms, "
+            f"p99 {noop['p99_ms']:.1f} ms | signed webhook → 202: {hook['rps']:.0f} req/s, "
+            f"p50 {hook['p50_ms']:.1f} ms, p99 {hook['p99_ms']:.1f} ms, "
+            f"non-2xx {hook['non_2xx']}/{hook['requests']} | webhook/trivial "
+            f"{100 * hook['rps'] / noop['rps']:.0f}% ({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
