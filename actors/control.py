@@ -97,6 +97,8 @@ class ControlPlane:
         # In an HTTP handler, answer first and let the activation request run behind.
         self.background = background
         self._tasks: set[asyncio.Task[None]] = set()
+        self._inflight: set[str] = set()
+        self._again: set[str] = set()
 
     @property
     def _now(self) -> datetime:
@@ -249,12 +251,31 @@ class ControlPlane:
     async def activate(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
         """Ask for an activation. Failure here loses nothing: the state is already durable
         and the wake-up timer brings the reconciler round."""
-        if self.background:
-            task = asyncio.create_task(self._activate(session_id, reason, agent))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        else:
+        if not self.background:
             await self._activate(session_id, reason, agent)
+            return
+        if session_id in self._inflight:
+            # A burst for one session (duplicates, a batch of its events) costs one more
+            # request at most: the activation that runs next sees every event so far.
+            self._again.add(session_id)
+            return
+        if len(self._inflight) >= self.services.settings.max_inflight_activations:
+            # Backpressure: the event is durable and its wake-up timer is set, so the
+            # reconciler activates it; this replica keeps answering webhooks meanwhile.
+            return
+        self._inflight.add(session_id)
+        task = asyncio.create_task(self._activate_coalesced(session_id, reason, agent))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _activate_coalesced(self, session_id: str, reason: Reason, agent: str | None) -> None:
+        try:
+            await self._activate(session_id, reason, agent)
+            while session_id in self._again:
+                self._again.discard(session_id)
+                await self._activate(session_id, Reason.EVENT, agent)
+        finally:
+            self._inflight.discard(session_id)
 
     async def _activate(self, session_id: str, reason: Reason, agent: str | None) -> None:
         try:

@@ -191,7 +191,7 @@ class WebhookGateway:
         }
         if binding is None:
             # Unknown, or another tenant's: the same 404 either way, and on the record.
-            await self.audit.append(source_name, verdict="unknown", **audit)
+            await self.audit.append(verdict="unknown", **audit)
             _count(source_name, "unknown")
             return Routed(event.event_id, None, False, 404)
         data: Any = event.data
@@ -215,7 +215,6 @@ class WebhookGateway:
             )
         )
         await self.audit.append(
-            source_name,
             verdict="accepted" if new else "duplicate",
             session_id=binding.session_id,
             **{**audit, "correlation_id": binding.correlation_id},
@@ -290,7 +289,6 @@ class WebhookGateway:
             )
         )
         await self.audit.append(
-            CAPABILITY_SOURCE,
             verdict="accepted" if new else "rejected:token_used",
             at=now,
             source=CAPABILITY_SOURCE,

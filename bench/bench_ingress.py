@@ -58,7 +58,9 @@ function init(args)
   nxt = 1
 end
 function request()
-  if #requests == 0 then return wrk.format("POST", nil, {["Content-Type"]="application/json"}, "{}") end
+  if #requests == 0 then
+    return wrk.format("POST", nil, {["Content-Type"]="application/json"}, "{}")
+  end
   local r = requests[nxt]
   nxt = nxt % #requests + 1
   return r
@@ -94,7 +96,22 @@ def wrk(url: str, lua: Path, duration_s: int, requests_file: Path | None) -> dic
     }
 
 
-async def child(proxy: str, duration_s: int, sessions: int, per_session: int) -> dict[str, Any]:
+def write_requests(path: Path, cids: list[str]) -> None:
+    """One unique, freshly signed webhook per waiting session (signed now: the window
+    is five minutes)."""
+    from torpor.webhooks.signing import Scheme, sign
+
+    now = datetime.now(UTC)
+    with path.open("w") as fh:
+        for cid in cids:
+            body = json.dumps({"id": f"e-{cid}", "correlationId": cid}).encode()
+            headers = sign(Scheme.TORPOR, body, SECRET, now=now)
+            headers["Content-Type"] = "application/json"
+            fh.write(";".join(f"{k}={v}" for k, v in headers.items()) + "\t")
+            fh.write(body.decode() + "\n")
+
+
+async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
     import ray
     import redis
     from ray import serve
@@ -106,40 +123,38 @@ async def child(proxy: str, duration_s: int, sessions: int, per_session: int) ->
     from tests.support.s3_server import free_port
     from torpor.lifecycle import SessionState
     from torpor.settings import Settings
-    from torpor.webhooks.signing import Scheme, sign
 
     tmp = Path(tempfile.mkdtemp(prefix="torpor-bench-"))
     prefix = f"tpbench-in:{secrets.token_hex(3)}:"
     port = free_port()
-    settings = Settings.build(
-        {
-            "object_store_url": f"file://{tmp / 'objects'}",
-            "index_url": REDIS,
-            "redis_prefix": prefix,
-            "namespace": "benchin",
-            "public_url": f"http://127.0.0.1:{port}",
-            "pool_size": 2,
-            "sources": {
-                "bench": {
-                    "tenant": "bench",
-                    "scheme": "torpor",
-                    "secrets": [SECRET],
-                    "mapping": {
-                        "event_id_path": "id",
-                        "default_type": "bench.go",
-                        "correlation_id_path": "correlationId",
-                    },
-                }
-            },
-            "agents": {
-                "bench": {
-                    "factory": "bench.plugins:BenchAgent",
-                    "tools": ["bench.plugins:WaitForWorld"],
-                    "placement": "pooled",
-                }
-            },
-        }
-    )
+    config: dict[str, Any] = {
+        "object_store_url": f"file://{tmp / 'objects'}",
+        "index_url": REDIS,
+        "redis_prefix": prefix,
+        "namespace": "benchin",
+        "public_url": f"http://127.0.0.1:{port}",
+        "pool_size": 2,
+        "sources": {
+            "bench": {
+                "tenant": "bench",
+                "scheme": "torpor",
+                "secrets": [SECRET],
+                "mapping": {
+                    "event_id_path": "id",
+                    "default_type": "bench.go",
+                    "correlation_id_path": "correlationId",
+                },
+            }
+        },
+        "agents": {
+            "bench": {
+                "factory": "bench.plugins:BenchAgent",
+                "tools": ["bench.plugins:WaitForWorld"],
+                "placement": "pooled",
+            }
+        },
+    }
+    settings = Settings.build(config)
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -152,54 +167,72 @@ async def child(proxy: str, duration_s: int, sessions: int, per_session: int) ->
 
     services = open_services(settings)
     control = ControlPlane(services, RayActivator(services))
-    ids = [
-        (await control.submit(tenant="bench", agent="bench", input={"i": i})).session_id
-        for i in range(sessions)
-    ]
-    while True:
-        states = await services.index.session_states(ids)
-        if all(s is SessionState.SUSPENDED for s in states.values()) and len(states) == len(ids):
-            break
-        await asyncio.sleep(0.2)
-    await asyncio.sleep(1)  # let the last suspends bind their waits
+    gate = asyncio.Semaphore(32)
+
+    async def one(i: int) -> str:
+        async with gate:
+            return (await control.submit(tenant="bench", agent="bench", input={"i": i})).session_id
+
+    ids = list(await asyncio.gather(*(one(i) for i in range(2 * sessions))))
+
+    async def all_in(wanted: list[str], state: SessionState) -> None:
+        while True:
+            states = await services.index.session_states(wanted)
+            if len(states) == len(wanted) and all(s is state for s in states.values()):
+                return
+            await asyncio.sleep(0.2)
+
+    await all_in(ids, SessionState.SUSPENDED)
+    await asyncio.sleep(2)  # the last suspends bind their waits after committing
     cids = [(await services.snapshots.load(sid)).waits[0].correlation_id for sid in ids]
 
     lua = tmp / "bench.lua"
     lua.write_text(WRK_LUA)
     noop = wrk(base + "/v1/noop", lua, duration_s, None)
 
-    requests_file = tmp / "requests.tsv"
-    now = datetime.now(UTC)
-    with requests_file.open("w") as fh:
-        for n in range(per_session):
-            for cid in cids:
-                body = json.dumps({"id": f"e-{n}-{cid}", "correlationId": cid}).encode()
-                headers = sign(Scheme.TORPOR, body, SECRET, now=now)
-                headers["Content-Type"] = "application/json"
-                fh.write(
-                    ";".join(f"{k}={v}" for k, v in headers.items()) + "\t" + body.decode() + "\n"
-                )
-    hooks = wrk(base + "/v1/hooks/bench", lua, duration_s, requests_file)
-    unique = per_session * sessions
+    # Phase 1: every accepted webhook resumes its session right away, on this same
+    # 2-core machine (pool hosts share the CPUs with the proxy and the replica).
+    first = tmp / "first.tsv"
+    write_requests(first, cids[:sessions])
+    full = wrk(base + "/v1/hooks/bench", lua, duration_s, first)
+
+    # Phase 2: the same app with activation deferred to the reconciler's sweep (the
+    # backpressure setting at 0): what the verify → dedupe → inbox → 202 path costs alone.
+    serve.run(
+        build_app(
+            Settings.build({**config, "max_inflight_activations": 0}), start_reconciler=False
+        ),
+        name="torpor",
+        route_prefix="/",
+    )
+    second = tmp / "second.tsv"
+    write_requests(second, cids[sessions:])
+    accept_only = wrk(base + "/v1/hooks/bench", lua, duration_s, second)
+
     await services.close()
     serve.shutdown()
     ray.shutdown()
     client = redis.Redis.from_url(REDIS)
     for key in client.scan_iter(match=prefix + "*", count=1000):
         client.delete(key)
-    return {"proxy": proxy, "noop": noop, "webhook": hooks, "unique_webhooks": unique}
+    return {
+        "proxy": proxy,
+        "noop": noop,
+        "full": full,
+        "accept": accept_only,
+        "unique_per_phase": sessions,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--proxy", choices=["default", "haproxy", "both"], default="both")
     parser.add_argument("--duration", type=int, default=10)
-    parser.add_argument("--sessions", type=int, default=600)
-    parser.add_argument("--per-session", type=int, default=8)
+    parser.add_argument("--sessions", type=int, default=3000, help="unique webhooks per phase")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
-        result = asyncio.run(child(args.proxy, args.duration, args.sessions, args.per_session))
+        result = asyncio.run(child(args.proxy, args.duration, args.sessions))
         print("JSON " + json.dumps(result), flush=True)
         return
     proxies = ["default", "haproxy"] if args.proxy == "both" else [args.proxy]

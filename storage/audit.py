@@ -1,29 +1,37 @@
 """A tamper-evident audit log of every webhook decision, in the object store.
 
-Each record is a create-only object ``audit/{stream}/{seq:012d}`` holding the hash of the
-record before it, so deleting, reordering or editing any record breaks the chain at that
-point (``verify``). Several writers (Serve replicas) may append to one stream: each
-claims ``seq`` with a create-only write, and a writer that loses re-reads the head and
-tries the next number. A ``HEAD`` hint object spares a new writer from listing the whole
-stream; it is only a hint, the records themselves are the truth.
+Each writer process owns one stream ``audit/{writer}/`` and appends *blocks*: create-only
+objects ``{block:012d}`` holding consecutive records, every record carrying the hash of
+the record before it. Editing, removing or reordering any record or block breaks the
+chain at that point (``verify``).
+
+Blocks are group commits: while one block is being written, new records queue up and go
+into the next one, and each ``append`` returns only once its block is durable. A hash
+chain is inherently serial, so one object per record would cap a replica at one object
+store round trip per webhook; a block costs one round trip for everything that arrived
+meanwhile. Writers never share a stream, so they never contend.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
+import os
+import secrets
+import socket
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from storage import keys
-from torpor.errors import ObjectExists, ObjectNotFound, StorageUnavailable
 from torpor.ports import ObjectStore
 
 GENESIS = "0" * 64
-MAX_APPEND_ATTEMPTS = 50
+MAX_BLOCK_RECORDS = 512
 
 
 class AuditRecord(BaseModel):
@@ -57,82 +65,96 @@ class ChainCheck:
     why: str = ""
 
 
-class AuditLog:
-    def __init__(self, store: ObjectStore) -> None:
-        self.store = store
-        self._heads: dict[str, tuple[int, str]] = {}
+def new_writer_id() -> str:
+    host = "".join(c for c in socket.gethostname() if c.isalnum() or c == "-")[:24] or "host"
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    return f"{stamp}-{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
-    async def append(self, stream: str, **fields: Any) -> AuditRecord:
-        seq, prev = await self._head(stream)
-        for _ in range(MAX_APPEND_ATTEMPTS):
-            draft = AuditRecord(seq=seq + 1, prev_hash=prev, **fields)
-            record = draft.model_copy(update={"hash": draft.digest()})
+
+class AuditLog:
+    def __init__(self, store: ObjectStore, *, writer: str | None = None) -> None:
+        self.store = store
+        self.stream = writer or new_writer_id()
+        self._queue: list[tuple[dict[str, Any], asyncio.Future[AuditRecord]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._seq, self._block, self._prev = 0, 0, GENESIS
+
+    async def append(self, **fields: Any) -> AuditRecord:
+        """Returns once the record is durably in the store (its block is written)."""
+        future: asyncio.Future[AuditRecord] = asyncio.get_running_loop().create_future()
+        self._queue.append((fields, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue[:MAX_BLOCK_RECORDS], self._queue[MAX_BLOCK_RECORDS:]
+            seq, prev, records = self._seq, self._prev, []
+            for fields, _ in batch:
+                seq += 1
+                draft = AuditRecord(seq=seq, prev_hash=prev, **fields)
+                record = draft.model_copy(update={"hash": draft.digest()})
+                records.append(record)
+                prev = record.hash
+            data = "\n".join(r.model_dump_json() for r in records).encode()
             try:
                 await self.store.put_if_absent(
-                    keys.audit_record(stream, record.seq), record.model_dump_json().encode()
+                    keys.audit_record(self.stream, self._block + 1), data
                 )
-            except ObjectExists:
-                # Another writer took this number: move to the true head and try again.
-                seq, prev = await self._probe(stream, seq + 1)
+            except Exception as exc:  # the chain does not advance; every waiter learns why
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
                 continue
-            self._heads[stream] = (record.seq, record.hash)
-            if record.seq % 64 == 0:
-                await self.store.put(
-                    keys.audit_head(stream),
-                    json.dumps({"seq": record.seq, "hash": record.hash}).encode(),
-                )
-            return record
-        raise StorageUnavailable(f"audit stream {stream} is too contended to append to")
+            self._block, self._seq, self._prev = self._block + 1, seq, prev
+            for (_, future), record in zip(batch, records, strict=True):
+                if not future.done():
+                    future.set_result(record)
 
-    async def _head(self, stream: str) -> tuple[int, str]:
-        if stream in self._heads:
-            return self._heads[stream]
-        start, prev = 0, GENESIS
-        try:
-            hint = json.loads((await self.store.get(keys.audit_head(stream))).data)
-            start, prev = int(hint["seq"]), str(hint["hash"])
-        except (ObjectNotFound, ValueError, KeyError, TypeError):
-            pass
-        return await self._probe(stream, start + 1, fallback=(start, prev))
+    async def close(self) -> None:
+        if self._flusher is not None:
+            with contextlib.suppress(Exception):
+                await self._flusher
 
-    async def _probe(
-        self, stream: str, seq: int, fallback: tuple[int, str] | None = None
-    ) -> tuple[int, str]:
-        """Walk forward from ``seq`` to the last existing record."""
-        last = fallback
-        while True:
-            try:
-                obj = await self.store.get(keys.audit_record(stream, seq))
-            except ObjectNotFound:
-                break
-            record = AuditRecord.model_validate_json(obj.data)
-            last = (record.seq, record.hash)
-            seq += 1
-        if last is None:
-            previous = await self.store.get(keys.audit_record(stream, seq - 1))
-            record = AuditRecord.model_validate_json(previous.data)
-            last = (record.seq, record.hash)
-        self._heads[stream] = last
-        return last
-
-    async def verify(self, stream: str) -> ChainCheck:
-        """Walk the whole stream and check every link."""
-        prev, expected_seq, count = GENESIS, 1, 0
+    async def streams(self) -> list[str]:
+        """Every writer's stream in the store."""
+        found: set[str] = set()
         token: str | None = None
-        prefix = keys.audit_prefix(stream)
         while True:
-            page = await self.store.list(prefix, start_after=token)
+            page = await self.store.list(keys.AUDIT, start_after=token)
+            found.update(k.split("/")[1] for k in page.keys)
+            if page.next_token is None:
+                return sorted(found)
+            token = page.next_token
+
+    async def verify(self, stream: str | None = None) -> ChainCheck:
+        """Walk a stream (default: this writer's) and check every link."""
+        stream = stream or self.stream
+        prev, expected, count = GENESIS, 1, 0
+        token: str | None = None
+        block_no = 0
+        while True:
+            page = await self.store.list(keys.audit_prefix(stream), start_after=token)
             for key in page.keys:
-                if key.endswith("/HEAD"):
-                    continue
-                record = AuditRecord.model_validate_json((await self.store.get(key)).data)
-                if record.seq != expected_seq:
-                    return ChainCheck(False, count, expected_seq, "a record is missing")
-                if record.prev_hash != prev:
-                    return ChainCheck(False, count, record.seq, "the chain link does not match")
-                if record.digest() != record.hash:
-                    return ChainCheck(False, count, record.seq, "the record was altered")
-                prev, expected_seq, count = record.hash, expected_seq + 1, count + 1
+                block_no += 1
+                if key != keys.audit_record(stream, block_no):
+                    return ChainCheck(False, count, expected, "a block is missing")
+                for line in (await self.store.get(key)).data.decode(errors="replace").splitlines():
+                    try:
+                        record = AuditRecord.model_validate_json(line)
+                    except ValidationError:
+                        return ChainCheck(False, count, expected, "a record is unreadable")
+                    if record.seq != expected:
+                        return ChainCheck(False, count, expected, "a record is missing")
+                    if record.prev_hash != prev:
+                        return ChainCheck(False, count, record.seq, "the chain link does not match")
+                    if record.digest() != record.hash:
+                        return ChainCheck(False, count, record.seq, "the record was altered")
+                    prev, expected, count = record.hash, expected + 1, count + 1
             if page.next_token is None:
                 return ChainCheck(True, count)
             token = page.next_token
+
+    async def verify_all(self) -> dict[str, ChainCheck]:
+        return {stream: await self.verify(stream) for stream in await self.streams()}

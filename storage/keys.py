@@ -69,16 +69,15 @@ def parked_event(tenant: str, key: str, event_key: str) -> str:
     return parked_prefix(tenant, key) + safe(event_key, "event key")
 
 
+AUDIT = "audit/"
+
+
 def audit_prefix(stream: str) -> str:
-    return f"audit/{safe(stream, 'audit stream')}/"
+    return f"{AUDIT}{safe(stream, 'audit stream')}/"
 
 
-def audit_head(stream: str) -> str:
-    return f"{audit_prefix(stream)}HEAD"
-
-
-def audit_record(stream: str, seq: int) -> str:
-    return f"{audit_prefix(stream)}{seq:012d}"
+def audit_record(stream: str, block: int) -> str:
+    return f"{audit_prefix(stream)}{block:012d}"
 
 
 def batch(batch_id: str) -> str:

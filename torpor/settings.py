@@ -115,6 +115,9 @@ class Settings(_Settings):
     sources: dict[str, SourceConfig] = Field(default_factory=dict)
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     max_request_bytes: int = 1024 * 1024
+    # Activation requests a replica keeps in flight; past this, woken sessions wait for
+    # the reconciler's sweep (their events are durable and their wake-up timers set).
+    max_inflight_activations: int = 256
     # outbound notifications: per-endpoint secrets are derived from this key
     notify_key: SecretStr | None = None
     notify_on: list[str] = Field(default_factory=lambda: ["terminal"])
