@@ -337,6 +337,7 @@ class Ingress:
             done=progress.done,
             finished=progress.finished,
             by_state=progress.by_state,
+            session_ids=manifest.session_ids,
             links={"self": f"/v1/batches/{batch_id}"},
         )
 

@@ -113,6 +113,7 @@ class BatchOut(BaseModel):
     done: int
     finished: bool
     by_state: dict[str, int]
+    session_ids: list[str]  # one per document, in the order they were submitted
     links: dict[str, str]
 
 

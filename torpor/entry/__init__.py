@@ -1,0 +1,1 @@
+"""User-facing entry points that need the whole stack: the demo runner."""
