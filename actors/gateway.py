@@ -22,6 +22,7 @@ request then fails.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import Mapping
@@ -142,14 +143,9 @@ class WebhookGateway:
         # reusing one is itself a replay by the scheme's rules.
         if source.scheme is Scheme.TORPOR and verified.delivery_id:
             claims.append((f"nonce:{source_name}", verified.delivery_id))
-        taken: list[tuple[str, str]] = []
-        for scope, nonce in claims:
-            if not await index.claim_nonce(scope=scope, nonce=nonce, ttl=ttl):
-                for s, n in taken:
-                    await index.release_nonce(scope=s, nonce=n)
-                raise WebhookRejected(RejectReason.REPLAYED)
-            taken.append((scope, nonce))
-        return taken
+        if not await index.claim_nonces(claims, ttl=ttl):  # all or none, one round trip
+            raise WebhookRejected(RejectReason.REPLAYED)
+        return claims
 
     async def _resolve(self, tenant: str, event: InboundEvent) -> WaitBinding | None:
         index, records = self.services.index, self.services.correlations
@@ -214,16 +210,18 @@ class WebhookGateway:
                 verified_by=verified.scheme.value,
             )
         )
-        await self.audit.append(
+        record = self.audit.append(
             verdict="accepted" if new else "duplicate",
             session_id=binding.session_id,
             **{**audit, "correlation_id": binding.correlation_id},
         )
         if new:
             _count(source_name, "accepted")
-            await self.control.wake(binding.session_id)
+            # The event is durable already: the wake-up and the audit block go together.
+            await asyncio.gather(record, self.control.wake(binding.session_id))
         else:
             _count(source_name, "duplicate")
+            await record
         return Routed(event.event_id, binding.session_id, not new, 202 if new else 200)
 
     async def _answer(self, routed: list[Routed], *, batch: bool, tenant: str) -> HookResult:

@@ -79,6 +79,15 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
 """
 
+# All or none: a replay must not consume one claim of a pair and fail on the other.
+_CLAIM_ALL = """
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end
+end
+for i = 1, #KEYS do redis.call('SET', KEYS[i], '1', 'PX', ARGV[1]) end
+return 1
+"""
+
 _CLAIM_IDEMPOTENCY = """
 local cur = redis.call('HMGET', KEYS[1], 'sid', 'fp', 'st')
 if cur[1] then return {0, cur[1], cur[2], cur[3]} end
@@ -166,6 +175,7 @@ class RedisIndex:
         self._unbind = self._redis.register_script(_UNBIND)
         self._retire_hour = self._redis.register_script(_RETIRE_HOUR)
         self._claim_idem = self._redis.register_script(_CLAIM_IDEMPOTENCY)
+        self._claim_all = self._redis.register_script(_CLAIM_ALL)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._renew = self._redis.register_script(_RENEW)
         self._release = self._redis.register_script(_RELEASE)
@@ -316,6 +326,11 @@ class RedisIndex:
         ttl_ms = max(1, int(ttl.total_seconds() * 1000))
         claimed = await self._redis.set(self.keys.nonce(scope, nonce), "1", nx=True, px=ttl_ms)
         return bool(claimed)
+
+    @_translate
+    async def claim_nonces(self, claims: list[tuple[str, str]], *, ttl: timedelta) -> bool:
+        keys = [self.keys.nonce(scope, nonce) for scope, nonce in claims]
+        return bool(await self._claim_all(keys=keys, args=[_ms(ttl)]))
 
     @_translate
     async def release_nonce(self, *, scope: str, nonce: str) -> None:

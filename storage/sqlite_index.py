@@ -243,6 +243,22 @@ class SqliteIndex:
 
         return await self._run(op)
 
+    async def claim_nonces(self, claims: list[tuple[str, str]], *, ttl: timedelta) -> bool:
+        keys = [f"{scope}:{digest(nonce)}" for scope, nonce in claims]
+        now = _wall_ms()
+
+        def op(c: sqlite3.Connection) -> bool:
+            for key in keys:
+                c.execute("DELETE FROM nonces WHERE key=? AND expires_ms<=?", (key, now))
+                if c.execute("SELECT 1 FROM nonces WHERE key=?", (key,)).fetchone():
+                    return False
+            c.executemany(
+                "INSERT INTO nonces VALUES (?,?)", [(key, now + _ms(ttl)) for key in keys]
+            )
+            return True
+
+        return await self._run(op)
+
     async def release_nonce(self, *, scope: str, nonce: str) -> None:
         key = f"{scope}:{digest(nonce)}"
         await self._run(lambda c: c.execute("DELETE FROM nonces WHERE key=?", (key,)))

@@ -174,6 +174,10 @@ class Index(Protocol):
         """``SET NX EX``: True for the first claim of (scope, nonce) within ``ttl``."""
         ...
 
+    async def claim_nonces(self, claims: list[tuple[str, str]], *, ttl: timedelta) -> bool:
+        """Claim several (scope, nonce) pairs at once, all or none: one round trip."""
+        ...
+
     async def release_nonce(self, *, scope: str, nonce: str) -> None:
         """Give a claim back (the request failed before anything was accepted)."""
         ...

@@ -141,6 +141,13 @@ class IndexContract:
         await index.release_nonce(scope="oa", nonce="n-1")
         assert await index.claim_nonce(scope="oa", nonce="n-1", ttl=timedelta(minutes=10))
 
+    async def test_nonce_pairs_are_claimed_all_or_none(self, index: Index) -> None:
+        ttl = timedelta(minutes=10)
+        assert await index.claim_nonces([("a", "1"), ("b", "1")], ttl=ttl)
+        assert not await index.claim_nonces([("a", "2"), ("b", "1")], ttl=ttl)
+        # the failed pair took nothing: its free half is still free
+        assert await index.claim_nonce(scope="a", nonce="2", ttl=ttl)
+
     async def test_idempotency_claim_finish_release(self, index: Index) -> None:
         ttl = timedelta(hours=24)
         first = await index.claim_idempotency(
