@@ -32,6 +32,7 @@ from torpor.demo.scenario import DocPlan, Story, plan_documents
 from torpor.webhooks.signing import Scheme, sign
 
 HOLD_MAX_S = 90.0  # decisions are released when every document asked, or after this
+QUIET_S = 8.0  # … and then the director takes a while: every session is asleep meanwhile
 
 
 class Scheduler:
@@ -94,14 +95,12 @@ class World:
                 timer = threading.Timer(HOLD_MAX_S, self._release_anyway)
                 timer.daemon = True
                 timer.start()
-            release = not self.released and len(self.by_doc) == len(self.plans)
-            if release:
-                self.released = True
-            already = self.released and not release
-        if release:
-            for d, keys in list(self.by_doc.items()):
-                for k in keys:
-                    self._answer(d, k)
+            everyone = not self.released and len(self.by_doc) == len(self.plans)
+            already = self.released
+        if everyone:
+            timer = threading.Timer(QUIET_S, self._release_anyway)
+            timer.daemon = True
+            timer.start()
         elif already:
             self._answer(doc, key)
 

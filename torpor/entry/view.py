@@ -48,7 +48,7 @@ def render(frame: Frame, width: int = 30) -> list[str]:
         frame.title,
         f"  sessions  [{bar}] {done}/{frame.total}   {states}",
         f"  actors    live session actors {frame.live_actors}   "
-        f"(most while every session waited: {waited})   {phase}",
+        f"(fewest while every session slept: {waited})   {phase}",
         f"  webhooks  accepted {_count(r, 'decision', '202') + _count(r, 'capability', '202')}"
         f"   duplicates absorbed {_count(r, 'duplicate', '200')}"
         f"   late/stale absorbed {_count(r, 'late') + _count(r, 'stale')}"
