@@ -156,8 +156,10 @@ class Ingress:
         return {"ok": True, "version": __version__}
 
     @api.post("/v1/noop", status_code=202, tags=["ops"])
-    async def noop(self) -> dict[str, Any]:
-        """A trivial endpoint: the baseline the webhook benchmark compares against."""
+    async def noop(self, request: Request) -> dict[str, Any]:
+        """A trivial webhook-shaped endpoint (it receives the body and ignores it): the
+        baseline the webhook benchmark compares against."""
+        await read_body(request, self.settings.max_request_bytes)
         return {}
 
     # -- sessions ------------------------------------------------------------------
@@ -425,6 +427,7 @@ def build_app(settings: Settings | None = None, *, start_reconciler: bool = True
     return Ingress.options(  # type: ignore[attr-defined]
         num_replicas=settings.replicas,
         max_ongoing_requests=settings.max_ongoing_requests,
+        logging_config={"enable_access_log": settings.access_log},
     ).bind(settings, start_reconciler)
 
 

@@ -107,32 +107,48 @@ class WebhookGateway:
             now=now,
             tolerance_s=source.tolerance_s,
         )
-        claims = await self._claim_replay(source_name, source, verified)
+        events = parse_http(  # pure: a malformed body is refused before anything is claimed
+            body,
+            headers,
+            mapping=source.mapping,
+            source_name=source_name,
+            now=now,
+            max_body_bytes=source.max_body_bytes,
+        )
+        claims, ttl = self._replay_claims(source_name, source, verified)
+        first = events[0]
+        # The replay claims and the first event's routing share one index round trip.
+        admission = await self.services.index.admit(
+            claims=claims,
+            ttl=ttl,
+            tenant=source.tenant,
+            correlation_id=first.correlation_id,
+            business_key=None if first.correlation_id else first.business_key,
+        )
+        if not admission.fresh:
+            raise WebhookRejected(RejectReason.REPLAYED)
         try:
-            events = parse_http(
-                body,
-                headers,
-                mapping=source.mapping,
-                source_name=source_name,
-                now=now,
-                max_body_bytes=source.max_body_bytes,
-            )
             body_sha = hashlib.sha256(body).hexdigest()
             trace = _trace_id(headers)
-            routed = [
-                await self._route(source_name, source.tenant, e, verified, body_sha, trace, now)
-                for e in events
-            ]
+            routed = []
+            for i, event in enumerate(events):
+                binding = (
+                    admission.binding or await self._durable(source.tenant, event)
+                    if i == 0
+                    else await self._resolve(source.tenant, event)
+                )
+                routed.append(
+                    await self._route(source_name, binding, event, verified, body_sha, trace, now)
+                )
         except BaseException:
             for scope, nonce in claims:  # nothing was accepted: let a retry through
                 await self.services.index.release_nonce(scope=scope, nonce=nonce)
             raise
         return await self._answer(routed, batch=len(events) > 1, tenant=source.tenant)
 
-    async def _claim_replay(
+    def _replay_claims(
         self, source_name: str, source: SourceConfig, verified: Verified
-    ) -> list[tuple[str, str]]:
-        index = self.services.index
+    ) -> tuple[list[tuple[str, str]], timedelta]:
         ttl = (
             GITHUB_REPLAY_TTL
             if source.scheme is Scheme.GITHUB
@@ -143,38 +159,38 @@ class WebhookGateway:
         # reusing one is itself a replay by the scheme's rules.
         if source.scheme is Scheme.TORPOR and verified.delivery_id:
             claims.append((f"nonce:{source_name}", verified.delivery_id))
-        if not await index.claim_nonces(claims, ttl=ttl):  # all or none, one round trip
-            raise WebhookRejected(RejectReason.REPLAYED)
-        return claims
+        return claims, ttl
 
     async def _resolve(self, tenant: str, event: InboundEvent) -> WaitBinding | None:
-        index, records = self.services.index, self.services.correlations
+        index = self.services.index
+        found = None
         if event.correlation_id:
             found = await index.resolve(tenant=tenant, correlation_id=event.correlation_id)
-            if found is None:  # index miss: the durable record decides, never the miss
-                record = await records.lookup(event.correlation_id)
-                found = record if record is not None and record.tenant == tenant else None
-            return found
-        if event.business_key:
+        elif event.business_key:
             found = await index.resolve(tenant=tenant, business_key=event.business_key)
-            if found is None:
-                found = await records.lookup_business_key(
-                    tenant=tenant, business_key=event.business_key
-                )
-            return found
+        return found or await self._durable(tenant, event)
+
+    async def _durable(self, tenant: str, event: InboundEvent) -> WaitBinding | None:
+        """After an index miss the durable correlation record decides, never the miss: a
+        flushed Redis must not turn a valid callback away."""
+        records = self.services.correlations
+        if event.correlation_id:
+            record = await records.lookup(event.correlation_id)
+            return record if record is not None and record.tenant == tenant else None
+        if event.business_key:
+            return await records.lookup_business_key(tenant=tenant, business_key=event.business_key)
         return None
 
     async def _route(
         self,
         source_name: str,
-        tenant: str,
+        binding: WaitBinding | None,
         event: InboundEvent,
         verified: Verified,
         body_sha: str,
         trace: str | None,
         now: datetime,
     ) -> Routed:
-        binding = await self._resolve(tenant, event)
         audit = {
             "source": source_name,
             "at": now,

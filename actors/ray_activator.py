@@ -91,6 +91,9 @@ class RayActivator:
                     namespace=self.namespace,
                     get_if_exists=True,
                     lifetime="detached",
+                    # Spread sessions over the cluster: losing a node then costs a slice
+                    # of the running sessions, not all of them.
+                    scheduling_strategy="SPREAD",
                 ).remote(self.settings, session_id)
                 answer = await handle.poke.remote(reason.value, requested_at)
                 if answer == ACCEPTED:
@@ -108,6 +111,7 @@ class RayActivator:
                 namespace=self.namespace,
                 get_if_exists=True,
                 lifetime="detached",
+                scheduling_strategy="SPREAD",
             ).remote(self.settings, slot)
         return self._hosts[slot]
 

@@ -43,9 +43,10 @@ end
 function init(args)
   local file = args[1]
   local nthreads = tonumber(args[2])
+  method = args[3] or "POST"
   local i = 0
   non2xx = 0
-  if file == nil then return end
+  if file == nil or file == "-" then return end
   for line in io.lines(file) do
     if i % nthreads == id then
       local sep = line:find("\t")
@@ -58,6 +59,7 @@ function init(args)
   nxt = 1
 end
 function request()
+  if method == "GET" then return wrk.format("GET", nil, {}, nil) end
   if #requests == 0 then
     return wrk.format("POST", nil, {["Content-Type"]="application/json"}, "{}")
   end
@@ -78,10 +80,11 @@ end
 """
 
 
-def wrk(url: str, lua: Path, duration_s: int, requests_file: Path | None) -> dict[str, float]:
+def wrk(
+    url: str, lua: Path, duration_s: int, requests_file: Path | None, method: str = "POST"
+) -> dict[str, float]:
     args = ["wrk", "-t2", "-c32", f"-d{duration_s}s", "--latency", "-s", str(lua), url]
-    if requests_file is not None:
-        args += ["--", str(requests_file), "2"]
+    args += ["--", str(requests_file) if requests_file else "-", "2", method]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     match = re.search(r"RESULT (\d+) (\d+) ([\d.]+) ([\d.]+) ([\d.]+) (\d+)", out)
     if not match:
@@ -188,6 +191,7 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
 
     lua = tmp / "bench.lua"
     lua.write_text(WRK_LUA)
+    health = wrk(base + "/healthz", lua, duration_s, None, method="GET")
     noop = wrk(base + "/v1/noop", lua, duration_s, None)
 
     # Phase 1: every accepted webhook resumes its session right away, on this same
@@ -219,6 +223,7 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
     return {
         "proxy": proxy,
         "noop": noop,
+        "health": health,
         "full": full,
         "accept": accept_only,
         "unique": {"full": sessions, "accept": 6 * sessions},
@@ -264,10 +269,11 @@ def main() -> None:
             print(f"{proxy}: failed\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
             continue
         r = json.loads(line[5:])
-        noop = r["noop"]
+        noop, health = r["noop"], r["health"]
         print(
-            f"{proxy}: trivial POST {noop['rps']:.0f} req/s, p50 {noop['p50_ms']:.1f} ms, "
-            f"p99 {noop['p99_ms']:.1f} ms ({time.perf_counter() - started:.0f} s)"
+            f"{proxy}: trivial POST (body received, ignored) {noop['rps']:.0f} req/s, "
+            f"p50 {noop['p50_ms']:.1f} ms, p99 {noop['p99_ms']:.1f} ms; trivial GET "
+            f"{health['rps']:.0f} req/s ({time.perf_counter() - started:.0f} s)"
         )
         for phase, label in (
             ("accept", "webhook -> 202, activation deferred"),

@@ -24,6 +24,7 @@ from torpor.clock import from_ms, to_ms
 from torpor.errors import IndexUnavailable
 from torpor.lifecycle import SessionState
 from torpor.ports import (
+    Admission,
     IdempotencyRecord,
     IdempotencyStatus,
     Lease,
@@ -331,6 +332,36 @@ class RedisIndex:
     async def claim_nonces(self, claims: list[tuple[str, str]], *, ttl: timedelta) -> bool:
         keys = [self.keys.nonce(scope, nonce) for scope, nonce in claims]
         return bool(await self._claim_all(keys=keys, args=[_ms(ttl)]))
+
+    @_translate
+    async def admit(
+        self,
+        *,
+        claims: list[tuple[str, str]],
+        ttl: timedelta,
+        tenant: str,
+        correlation_id: str | None,
+        business_key: str | None,
+    ) -> Admission:
+        keys = [self.keys.nonce(scope, nonce) for scope, nonce in claims]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            await self._claim_all(keys=keys, args=[_ms(ttl)], client=pipe)
+            if correlation_id is not None:
+                pipe.hget(self.keys.correlation(correlation_id), correlation_id)
+            elif business_key is not None:
+                pipe.hget(*self.keys.business_key(tenant, business_key))
+            answers = await pipe.execute()
+        if not answers[0]:
+            return Admission(False, None)
+        found = _opt(answers[1]) if len(answers) > 1 else None
+        if found is None:
+            return Admission(True, None)
+        if correlation_id is None:  # a business key gave us the correlation id: one hop more
+            return Admission(True, await self.resolve(tenant=tenant, correlation_id=found))
+        stored = decode_binding(correlation_id, found)
+        live = stored is not None and stored.expires_ms > wall_ms()
+        binding = stored.binding if live and stored and stored.binding.tenant == tenant else None
+        return Admission(True, binding)
 
     @_translate
     async def release_nonce(self, *, scope: str, nonce: str) -> None:

@@ -26,6 +26,7 @@ from torpor.errors import ConfigError, IndexUnavailable
 from torpor.ids import digest
 from torpor.lifecycle import SessionState
 from torpor.ports import (
+    Admission,
     IdempotencyRecord,
     IdempotencyStatus,
     Lease,
@@ -258,6 +259,23 @@ class SqliteIndex:
             return True
 
         return await self._run(op)
+
+    async def admit(
+        self,
+        *,
+        claims: list[tuple[str, str]],
+        ttl: timedelta,
+        tenant: str,
+        correlation_id: str | None,
+        business_key: str | None,
+    ) -> Admission:
+        # One local transaction each: no round trips to save here.
+        if not await self.claim_nonces(claims, ttl=ttl):
+            return Admission(False, None)
+        binding = await self.resolve(
+            tenant=tenant, correlation_id=correlation_id, business_key=business_key
+        )
+        return Admission(True, binding)
 
     async def release_nonce(self, *, scope: str, nonce: str) -> None:
         key = f"{scope}:{digest(nonce)}"

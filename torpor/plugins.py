@@ -9,6 +9,7 @@ each snapshot, so an operator can tell which code a session slept under.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +35,24 @@ def load_object(path: str) -> Any:
     return obj
 
 
+def resolve_env(value: Any) -> Any:
+    """Options may name secrets as ``"env:NAME"``; read them when the plugin is built."""
+    if isinstance(value, str) and value.startswith("env:"):
+        name = value[4:]
+        if name not in os.environ:
+            raise ConfigError(f"option refers to environment variable {name}, which is not set")
+        return os.environ[name]
+    if isinstance(value, dict):
+        return {k: resolve_env(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_env(v) for v in value]
+    return value
+
+
 def _build(obj: Any, options: dict[str, Any], what: str) -> Any:
     if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "step")):
         try:
-            return obj(**options)
+            return obj(**resolve_env(options))
         except TypeError as exc:
             raise ConfigError(f"{what}: options do not fit its constructor: {exc}") from exc
     return obj

@@ -127,6 +127,12 @@ class TimerKind(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Admission:
+    fresh: bool  # False: one of the replay claims was already taken
+    binding: WaitBinding | None  # the wait the event resolves to (None if fresh is False)
+
+
+@dataclass(frozen=True, slots=True)
 class SessionPage:
     session_ids: list[str]
     next_cursor: str | None
@@ -176,6 +182,19 @@ class Index(Protocol):
 
     async def claim_nonces(self, claims: list[tuple[str, str]], *, ttl: timedelta) -> bool:
         """Claim several (scope, nonce) pairs at once, all or none: one round trip."""
+        ...
+
+    async def admit(
+        self,
+        *,
+        claims: list[tuple[str, str]],
+        ttl: timedelta,
+        tenant: str,
+        correlation_id: str | None,
+        business_key: str | None,
+    ) -> Admission:
+        """``claim_nonces`` and ``resolve`` together, in one round trip where the backend
+        can: the webhook hot path. A refused claim resolves nothing."""
         ...
 
     async def release_nonce(self, *, scope: str, nonce: str) -> None:

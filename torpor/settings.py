@@ -128,6 +128,7 @@ class Settings(_Settings):
     http_port: int = 8000
     replicas: int = 1
     max_ongoing_requests: int = 200
+    access_log: bool = False  # Serve's per-request access log (off: webhooks are high volume)
     index_buckets: int = 512
     index_deadline_shards: int = 128
     pool_size: int = 2
@@ -152,8 +153,12 @@ class Settings(_Settings):
             data = load_toml(Path(path))
         for name, field in cls.model_fields.items():
             value = env.get(f"TORPOR_{name.upper()}")
-            if value is not None and field.annotation in (str, float, int, "str", "float", "int"):
+            if value is None:
+                continue
+            if field.annotation in (str, float, int):
                 data[name] = value
+            elif field.annotation is bool:
+                data[name] = value.strip().lower() in {"1", "true", "yes", "on"}
         s3 = dict(data.get("s3", {}))
         for name in S3Settings.model_fields:
             value = env.get(f"TORPOR_S3_{name.upper()}")

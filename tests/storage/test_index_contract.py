@@ -141,6 +141,47 @@ class IndexContract:
         await index.release_nonce(scope="oa", nonce="n-1")
         assert await index.claim_nonce(scope="oa", nonce="n-1", ttl=timedelta(minutes=10))
 
+    async def test_admit_claims_and_resolves_together(self, index: Index) -> None:
+        ttl = timedelta(minutes=10)
+        b = binding()
+        await index.bind_wait(b, business_key="PO-9", grace=GRACE)
+        first = await index.admit(
+            claims=[("h", "d1")],
+            ttl=ttl,
+            tenant="acme",
+            correlation_id=b.correlation_id,
+            business_key=None,
+        )
+        assert first.fresh and first.binding == b
+        replay = await index.admit(
+            claims=[("h", "d1")],
+            ttl=ttl,
+            tenant="acme",
+            correlation_id=b.correlation_id,
+            business_key=None,
+        )
+        assert not replay.fresh and replay.binding is None
+        by_key = await index.admit(
+            claims=[("h", "d2")], ttl=ttl, tenant="acme", correlation_id=None, business_key="PO-9"
+        )
+        assert by_key.binding == b
+        other = await index.admit(
+            claims=[("h", "d3")],
+            ttl=ttl,
+            tenant="beta",
+            correlation_id=b.correlation_id,
+            business_key=None,
+        )
+        assert other.fresh and other.binding is None
+        unknown = await index.admit(
+            claims=[("h", "d4")],
+            ttl=ttl,
+            tenant="acme",
+            correlation_id=new_correlation_id(),
+            business_key=None,
+        )
+        assert unknown.fresh and unknown.binding is None
+
     async def test_nonce_pairs_are_claimed_all_or_none(self, index: Index) -> None:
         ttl = timedelta(minutes=10)
         assert await index.claim_nonces([("a", "1"), ("b", "1")], ttl=ttl)

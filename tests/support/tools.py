@@ -27,6 +27,13 @@ from torpor.tools import (
 )
 
 
+def _node() -> str | None:
+    """The Ray node this tool runs on, if any (multi-node tests check the spread)."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
+
+
 class World:
     def __init__(self, redis_url: str, prefix: str) -> None:
         self._redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
@@ -65,6 +72,9 @@ class World:
     async def open_gate(self, name: str) -> None:
         await self._redis.set(f"{self.p}gate:{name}", "1")
 
+    async def close_gate(self, name: str) -> None:
+        await self._redis.delete(f"{self.p}gate:{name}")
+
     async def close(self) -> None:
         await self._redis.aclose()
 
@@ -82,7 +92,7 @@ class ExtractFields(Tool):
 
     async def run(self, args: dict[str, Any], ctx: ToolContext) -> JsonValue:
         doc = str(args.get("doc", ""))
-        await self.world.happened("extract", ctx.idempotency_key, {"doc": doc})
+        await self.world.happened("extract", ctx.idempotency_key, {"doc": doc, "node": _node()})
         if self.hold:
             await self.world.happened("held", doc, {})
             while not await self.world.gate(self.hold):

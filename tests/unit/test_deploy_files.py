@@ -1,0 +1,65 @@
+"""The deployment files parse and point at the real app."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import yaml
+
+from torpor.settings import Placement, Settings, load_toml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _app_import(path: str) -> object:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def test_cluster_yaml_is_a_launcher_config_that_installs_torpor() -> None:
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    assert config["provider"]["type"] == "aws"
+    assert config["head_node_type"] in config["available_node_types"]
+    assert all("node_config" in t for t in config["available_node_types"].values())
+    setup = " ".join(config["setup_commands"])
+    assert "pip install" in setup and "/home/ubuntu/torpor" in setup
+    assert any("ray start --head" in c for c in config["head_start_ray_commands"])
+    assert any("RAY_SERVE_ENABLE_HA_PROXY=1" in c for c in config["head_start_ray_commands"])
+    assert any("ray start --address" in c for c in config["worker_start_ray_commands"])
+    assert "." in config["file_mounts"].values()
+
+
+def test_serve_config_names_the_app() -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    [app] = config["applications"]
+    assert app["import_path"] == "serve_app:app"
+    assert _app_import(app["import_path"]) is not None
+    assert app["deployments"][0]["name"] == "Ingress"
+
+
+def test_rayservice_manifest_embeds_a_valid_serve_config() -> None:
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "rayservice.yaml").read_text()))
+    kinds = {d["kind"] for d in docs}
+    assert kinds == {"ConfigMap", "RayService"}
+    service = next(d for d in docs if d["kind"] == "RayService")
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    assert serve_config["applications"][0]["import_path"] == "serve_app:app"
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    assert cluster["workerGroupSpecs"][0]["maxReplicas"] >= 1
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    import tomllib
+
+    settings = Settings.build(tomllib.loads(config_map["data"]["torpor.toml"]))
+    assert settings.object_store_url.startswith("s3://")
+
+
+def test_example_configuration_is_valid_settings() -> None:
+    settings = Settings.build(load_toml(ROOT / "deploy" / "torpor.example.toml"))
+    assert settings.index_url.startswith("redis://")
+    assert settings.agents["procurement"].placement is Placement.POOLED
+    assert settings.sources["oa"].mapping is not None
+    # secrets stay references until used, and never print
+    assert "env:" in settings.sources["oa"].secrets[0].get_secret_value()
+    assert "OA_WEBHOOK_SECRET" not in repr(settings)
