@@ -177,7 +177,7 @@ class ControlPlane:
         try:
             await self.services.snapshots.create(snapshot)
             await index.record_session(
-                tenant=tenant, session_id=session_id, state=SessionState.PENDING
+                tenant=tenant, session_id=session_id, state=SessionState.PENDING, generation=0
             )
             await self._wake_later(session_id)
         except BaseException:

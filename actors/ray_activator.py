@@ -27,6 +27,7 @@ from torpor.settings import Placement, Settings
 
 _RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)
 MAX_ATTEMPTS = 40
+POKE_TIMEOUT_S = 20.0
 
 
 class ActivationUnavailable(RetryableError):
@@ -95,7 +96,16 @@ class RayActivator:
                     # of the running sessions, not all of them.
                     scheduling_strategy="SPREAD",
                 ).remote(self.settings, session_id)
-                answer = await handle.poke.remote(reason.value, requested_at)
+                try:
+                    answer = await asyncio.wait_for(
+                        handle.poke.remote(reason.value, requested_at), timeout=POKE_TIMEOUT_S
+                    )
+                except TimeoutError:
+                    # A poke answers at once; silence means the actor's node is gone but
+                    # not yet declared dead. Free the name: the session is safe (its
+                    # lease and the generation CAS), and the next attempt starts afresh.
+                    ray.kill(handle, no_restart=True)
+                    continue
                 if answer == ACCEPTED:
                     return
             except _RETRYABLE:

@@ -214,7 +214,10 @@ class Sweeper:
         suspended = 0
         async for header in self.services.snapshots.list_by_state():
             await index.record_session(
-                tenant=header.tenant, session_id=header.session_id, state=header.state
+                tenant=header.tenant,
+                session_id=header.session_id,
+                state=header.state,
+                generation=header.generation,
             )
             if header.state not in live:
                 continue

@@ -89,6 +89,27 @@ for i = 1, #KEYS do redis.call('SET', KEYS[i], '1', 'PX', ARGV[1]) end
 return 1
 """
 
+# The registry is last-generation-wins: a repair that read an old header while the
+# session moved on must not put the old state back. Members score 0, so sets sort by
+# session id, which starts with the creation time: newest-first pagination for free.
+_RECORD = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then
+  local gen = tonumber(string.match(cur, '|(%d+)$') or '-1')
+  if gen > tonumber(ARGV[2]) then return 0 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. '|' .. ARGV[2])
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+for i = 4, #ARGV do
+  if ARGV[i] == ARGV[3] then
+    redis.call('ZADD', KEYS[i - 1], 0, ARGV[1])
+  else
+    redis.call('ZREM', KEYS[i - 1], ARGV[1])
+  end
+end
+return 1
+"""
+
 _CLAIM_IDEMPOTENCY = """
 local cur = redis.call('HMGET', KEYS[1], 'sid', 'fp', 'st')
 if cur[1] then return {0, cur[1], cur[2], cur[3]} end
@@ -111,10 +132,12 @@ redis.call('ZADD', KEYS[3], new_exp, ARGV[4])
 return {token, new_exp}
 """
 
+# Renewal needs only that the lease is still ours: a holder whose heartbeat came late but
+# whom nobody replaced may go on (anyone who took over changed owner and token).
 _RENEW = """
-local cur = redis.call('HMGET', KEYS[1], 'owner', 'token', 'exp')
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
 local now = tonumber(ARGV[3])
-if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] or tonumber(cur[3]) <= now then return nil end
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return nil end
 local new_exp = now + tonumber(ARGV[4])
 redis.call('HSET', KEYS[1], 'exp', new_exp)
 redis.call('PEXPIREAT', KEYS[1], new_exp + tonumber(ARGV[6]))
@@ -177,6 +200,7 @@ class RedisIndex:
         self._retire_hour = self._redis.register_script(_RETIRE_HOUR)
         self._claim_idem = self._redis.register_script(_CLAIM_IDEMPOTENCY)
         self._claim_all = self._redis.register_script(_CLAIM_ALL)
+        self._record = self._redis.register_script(_RECORD)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._renew = self._redis.register_script(_RENEW)
         self._release = self._redis.register_script(_RELEASE)
@@ -438,24 +462,30 @@ class RedisIndex:
     # -- session registry ---------------------------------------------------------------
 
     @_translate
-    async def record_session(self, *, tenant: str, session_id: str, state: SessionState) -> None:
-        # Score 0 everywhere: members then sort by session id, which starts with its
-        # creation time, so lexicographic ranges paginate newest-first for free.
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.session_state, session_id, state.value)
-            for other in SessionState:
-                if other is not state:
-                    pipe.zrem(self.keys.sessions(tenant, other), session_id)
-            pipe.zadd(self.keys.sessions(tenant, state), {session_id: 0})
-            pipe.zadd(self.keys.sessions(tenant, None), {session_id: 0})
-            await pipe.execute()
+    async def record_session(
+        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> None:
+        # KEYS: state hash, the all-sessions set, then one set per state in ARGV order.
+        keys = [
+            self.keys.session_state,
+            self.keys.sessions(tenant, None),
+            *(self.keys.sessions(tenant, s) for s in SessionState),
+        ]
+        await self._record(
+            keys=keys,
+            args=[session_id, generation, state.value, *(s.value for s in SessionState)],
+        )
 
     @_translate
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]:
         if not session_ids:
             return {}
         values = await self._redis.hmget(self.keys.session_state, session_ids)
-        return {sid: SessionState(_str(v)) for sid, v in zip(session_ids, values, strict=True) if v}
+        return {
+            sid: SessionState(_str(v).partition("|")[0])
+            for sid, v in zip(session_ids, values, strict=True)
+            if v
+        }
 
     @_translate
     async def list_sessions(

@@ -59,7 +59,8 @@ CREATE TABLE IF NOT EXISTS leases (
     expires_ms INTEGER NOT NULL, held INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS leases_expiry ON leases(held, expires_ms);
 CREATE TABLE IF NOT EXISTS sessions (
-    session_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, state TEXT NOT NULL);
+    session_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, state TEXT NOT NULL,
+    generation INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS sessions_by_state ON sessions(tenant, state, session_id);
 CREATE INDEX IF NOT EXISTS sessions_by_tenant ON sessions(tenant, session_id);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -352,9 +353,8 @@ class SqliteIndex:
         exp = to_ms(now) + _ms(ttl)
         cur = await self._run(
             lambda c: c.execute(
-                "UPDATE leases SET expires_ms=? WHERE name=? AND owner=? AND token=? AND held=1 "
-                "AND expires_ms>?",
-                (exp, lease.name, lease.owner, lease.token, to_ms(now)),
+                "UPDATE leases SET expires_ms=? WHERE name=? AND owner=? AND token=? AND held=1",
+                (exp, lease.name, lease.owner, lease.token),
             )
         )
         return Lease(lease.name, lease.owner, lease.token, from_ms(exp)) if cur.rowcount else None
@@ -389,12 +389,16 @@ class SqliteIndex:
 
     # -- session registry ---------------------------------------------------------------
 
-    async def record_session(self, *, tenant: str, session_id: str, state: SessionState) -> None:
+    async def record_session(
+        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> None:
+        # Last generation wins: an older snapshot's state never overwrites a newer one.
         await self._run(
             lambda c: c.execute(
-                "INSERT INTO sessions VALUES (?,?,?) ON CONFLICT(session_id) "
-                "DO UPDATE SET state=excluded.state",
-                (session_id, tenant, state.value),
+                "INSERT INTO sessions VALUES (?,?,?,?) ON CONFLICT(session_id) "
+                "DO UPDATE SET state=excluded.state, generation=excluded.generation "
+                "WHERE excluded.generation >= sessions.generation",
+                (session_id, tenant, state.value, generation),
             )
         )
 

@@ -174,7 +174,10 @@ class Activation:
         if self.snap.state is not self._committed_state:
             previous, self._committed_state = self._committed_state, self.snap.state
             await self.deps.index.record_session(
-                tenant=self.snap.tenant, session_id=self.snap.session_id, state=self.snap.state
+                tenant=self.snap.tenant,
+                session_id=self.snap.session_id,
+                state=self.snap.state,
+                generation=self.snap.generation,
             )
             await self.deps.observer.transitioned(self.snap, previous)
 

@@ -234,8 +234,12 @@ class Index(Protocol):
         ...
 
     # -- session registry (for listings and batch progress; rebuildable) --
-    async def record_session(self, *, tenant: str, session_id: str, state: SessionState) -> None:
-        """Listings are newest first: session ids begin with their creation time."""
+    async def record_session(
+        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> None:
+        """Record the state of snapshot ``generation``; an older generation never
+        overwrites a newer one (repair and live commits may race). Listings are newest
+        first: session ids begin with their creation time."""
         ...
 
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]: ...

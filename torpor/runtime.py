@@ -116,36 +116,46 @@ class SessionRuntime:
         ).start()
         activation: Activation | None = None
         outcome = Outcome.RAN
+        # Who brings the session back if this activation does not finish: a released lease
+        # needs a retry timer; a lease left alone expires and the reconciler recovers it.
+        release = False
         try:
             try:
                 snapshot = await self.deps.snapshots.load(session_id)
             except SnapshotNotFound:
+                release = True
                 return ActivationResult(session_id, Outcome.MISSING), None
             activation = Activation(self.deps, snapshot, heartbeat, self._agent(snapshot))
             await self._drive(activation, reason)
-        except CommitConflict:
-            outcome = Outcome.CONFLICT
-        except LeaseLost:
-            outcome = Outcome.LEASE_LOST
+            release = True
+        except (CommitConflict, LeaseLost) as exc:
+            # Someone else wrote or holds the session. If they finish its work, the retry
+            # finds nothing to do; if they vanished, the retry picks it up again.
+            outcome = Outcome.CONFLICT if isinstance(exc, CommitConflict) else Outcome.LEASE_LOST
+            await self._retry_soon(session_id)
+            release = True
         except StopActivation:
-            outcome = Outcome.STOPPED
+            outcome, release = Outcome.STOPPED, True
         except Exception:
-            # Storage trouble mid-run: the lease is released below, so lease expiry will
-            # not bring the session back; a retry timer does.
-            with contextlib.suppress(Exception):
-                await index.schedule(
-                    kind=TimerKind.RETRY,
-                    member=session_id,
-                    at=clock.now() + timedelta(seconds=settings.reconcile_interval_s),
-                )
+            # Storage trouble mid-run: schedule the retry, and only then let the lease go.
+            await self._retry_soon(session_id)
+            release = True
             raise
         finally:
+            # A BaseException (the process is being stopped, the task cancelled) keeps the
+            # lease: it expires after the TTL and the reconciler re-activates the session
+            # from its last checkpoint, which a released lease would never trigger.
             self.deps.snapshots.release(session_id)
             await heartbeat.stop()
-            with contextlib.suppress(IndexUnavailable):  # it expires by itself anyway
-                await index.release_lease(heartbeat.lease)
+            if release:
+                with contextlib.suppress(IndexUnavailable):  # it expires by itself anyway
+                    await index.release_lease(heartbeat.lease)
         assert activation is not None
         return self._result(activation, outcome, requested_at), activation.snap
+
+    async def _retry_soon(self, session_id: str) -> None:
+        at = self.deps.clock.now() + timedelta(seconds=self.deps.settings.reconcile_interval_s)
+        await self.deps.index.schedule(kind=TimerKind.RETRY, member=session_id, at=at)
 
     def _agent(self, snapshot: SessionSnapshot) -> LoadedAgent | None:
         try:

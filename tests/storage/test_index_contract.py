@@ -233,6 +233,15 @@ class IndexContract:
         c = await index.acquire_lease(name="session:s1", owner="c", ttl=ttl, now=later)
         assert c is not None and c.token > b.token
 
+    async def test_late_renewal_succeeds_only_if_nobody_took_over(self, index: Index) -> None:
+        ttl = timedelta(seconds=45)
+        a = await index.acquire_lease(name="session:late", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        late = NOW + timedelta(seconds=50)  # past expiry, but the lease is still a's
+        renewed = await index.renew_lease(a, ttl=ttl, now=late)
+        assert renewed is not None and renewed.expires_at == late + ttl
+        assert await index.acquire_lease(name="session:late", owner="b", ttl=ttl, now=late) is None
+
     async def test_renew_extends(self, index: Index) -> None:
         ttl = timedelta(seconds=45)
         a = await index.acquire_lease(name="session:s2", owner="a", ttl=ttl, now=NOW)
@@ -259,10 +268,16 @@ class IndexContract:
     async def test_session_registry_lists_newest_first_by_state(self, index: Index) -> None:
         ids = [f"s_{i:04d}" for i in range(7)]
         for sid in ids:
-            await index.record_session(tenant="acme", session_id=sid, state=SessionState.PENDING)
-        await index.record_session(tenant="beta", session_id="s_9999", state=SessionState.PENDING)
+            await index.record_session(
+                tenant="acme", session_id=sid, state=SessionState.PENDING, generation=0
+            )
+        await index.record_session(
+            tenant="beta", session_id="s_9999", state=SessionState.PENDING, generation=0
+        )
         for sid in ids[:3]:
-            await index.record_session(tenant="acme", session_id=sid, state=SessionState.SUSPENDED)
+            await index.record_session(
+                tenant="acme", session_id=sid, state=SessionState.SUSPENDED, generation=5
+            )
         page1 = await index.list_sessions(tenant="acme", state=None, cursor=None, limit=4)
         assert page1.session_ids == list(reversed(ids))[:4]
         page2 = await index.list_sessions(
@@ -284,6 +299,19 @@ class IndexContract:
             ids[2]: SessionState.SUSPENDED,
             ids[3]: SessionState.PENDING,
         }
+
+    async def test_an_older_generation_never_overwrites_a_newer_state(self, index: Index) -> None:
+        record = index.record_session
+        await record(tenant="acme", session_id="s_r", state=SessionState.SUSPENDED, generation=6)
+        # a repair that read generation 2 earlier arrives late
+        await record(tenant="acme", session_id="s_r", state=SessionState.RUNNING, generation=2)
+        assert await index.session_states(["s_r"]) == {"s_r": SessionState.SUSPENDED}
+        page = await index.list_sessions(
+            tenant="acme", state=SessionState.RUNNING, cursor=None, limit=5
+        )
+        assert page.session_ids == []
+        await record(tenant="acme", session_id="s_r", state=SessionState.COMPLETED, generation=9)
+        assert await index.session_states(["s_r"]) == {"s_r": SessionState.COMPLETED}
 
     async def test_counters_and_integrity_marker(self, index: Index) -> None:
         assert await index.incr("webhooks.accepted") == 1
