@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -34,4 +35,6 @@ def test_demo_runs_clean_on_embedded_defaults(
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
     assert "torpor demo passed" in out
-    assert "FAIL" not in out
+    verdicts = [line.split()[-1] for line in out.splitlines() if "  ok  " in line]
+    assert len(verdicts) >= 12, out[-2000:]
+    assert not re.search(r"\s{2}FAIL\s{2}", out), out[-3000:]

@@ -166,10 +166,11 @@ def run_demo(opts: DemoOptions) -> int:
             }
         )
     )
+    sim_log = (state / "simulator.log").open("w")
     simulator = subprocess.Popen(  # noqa: S603 - our own module, our own interpreter
         [sys.executable, "-m", "torpor.demo.simulator", "--config", str(sim_config)],
         stdout=subprocess.DEVNULL,
-        stderr=(state / "simulator.log").open("w"),
+        stderr=sim_log,
     )
     ok = False
     screen = Screen(sys.stdout)
@@ -262,6 +263,8 @@ def run_demo(opts: DemoOptions) -> int:
         return 0 if ok else 1
     finally:
         simulator.terminate()
+        simulator.wait(timeout=10)
+        sim_log.close()
         try:
             serve.shutdown()  # type: ignore[no-untyped-call]
         finally:
