@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 BIN    := $(VENV)/bin
 
-.PHONY: install test lint typecheck unit demo bench clean
+.PHONY: install test lint typecheck services unit demo bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,17 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: lint typecheck
+# The suite talks to a real Redis: start one if none answers (the machine's redis-server).
+services:
+	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || { \
+	  echo "starting redis-server on 127.0.0.1:6379"; \
+	  mkdir -p /tmp/torpor-redis; \
+	  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
+	    --dir /tmp/torpor-redis --logfile /tmp/torpor-redis/redis.log; \
+	  for i in $$(seq 1 50); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.2; done; \
+	  redis-cli -h 127.0.0.1 -p 6379 ping; }
+
+test: lint typecheck services
 	$(BIN)/pytest
 
 unit: install
@@ -31,8 +41,10 @@ unit: install
 demo: install
 	$(BIN)/torpor demo
 
-bench: install
+bench: install services
 	$(BIN)/python bench/bench_storage.py
+	$(BIN)/python bench/bench_runtime.py
+	$(BIN)/python bench/bench_ingress.py
 
 clean:
 	rm -rf $(VENV) .torpor .mypy_cache .ruff_cache .pytest_cache
