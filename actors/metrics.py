@@ -9,7 +9,10 @@ because they need a connected Ray worker.
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torpor.runtime import ActivationResult
 
 RESUME_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 LAG_BUCKETS = [0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120, 600, 3600]
@@ -90,3 +93,11 @@ def observe(name: str, value: float, tags: dict[str, str] | None = None) -> None
 def gauge(name: str, value: float) -> None:
     if _enabled():
         metrics()[name].set(value)
+
+
+def activation(result: ActivationResult, *, placement: str) -> None:
+    """Record one activation: its outcome (conflicts and busy leases included) and, when
+    the agent stepped, the resume latency from request to first step."""
+    inc("commits", {"outcome": result.outcome.value})
+    if result.resume_latency_s is not None:
+        observe("resume", result.resume_latency_s, {"placement": placement})

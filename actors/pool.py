@@ -16,6 +16,7 @@ import os
 
 import ray
 
+from actors import metrics
 from actors.observer import RayObserver
 from actors.wiring import Services, open_services
 from torpor.runtime import Reason, SessionRuntime
@@ -62,7 +63,10 @@ class PoolHost:
                 self._wanted[session_id] = []  # one activation serves every request so far
                 async with self._gate:
                     try:
-                        await runtime.activate(session_id, reason=reason, requested_at=requested_at)
+                        result = await runtime.activate(
+                            session_id, reason=reason, requested_at=requested_at
+                        )
+                        metrics.activation(result, placement="pooled")
                         self.activations += 1
                     except Exception:
                         log.exception("activation of %s failed", session_id)

@@ -21,6 +21,7 @@ import os
 import ray
 from ray.exceptions import AsyncioActorExit
 
+from actors import metrics
 from actors.observer import RayObserver
 from actors.wiring import open_services
 from torpor.runtime import Reason
@@ -71,9 +72,10 @@ class SessionActor:
                 reason, requested_at = self._wanted[0]
                 self._wanted.clear()  # one activation serves every request made so far
                 try:
-                    await runtime.activate(
+                    result = await runtime.activate(
                         self._session_id, reason=reason, requested_at=requested_at
                     )
+                    metrics.activation(result, placement="dedicated")
                 except Exception:
                     # Typed storage errors included: the runtime already scheduled a
                     # retry timer; log and go on to exit.

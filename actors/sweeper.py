@@ -160,16 +160,14 @@ class Sweeper:
         if outcome is not None:
             report.poll_hits += 1
             await self.control.deliver(
-                InboxEvent.new(
+                InboxEvent.answering(
+                    wait,
                     kind=EventKind.POLL,
                     session_id=session_id,
                     source=f"poll:{wait.tool_name}",
                     event_id=outcome.event_id,
                     type=outcome.type,
                     received_at=now,
-                    correlation_id=correlation_id,
-                    epoch=wait.epoch,
-                    step_id=wait.waiting_step_id,
                     data=outcome.data,
                 )
             )

@@ -224,16 +224,14 @@ class Activation:
                 # Nobody will ever answer this wait: answer it ourselves, through the inbox,
                 # so the agent sees the failure like any other result.
                 await self.deps.inbox.deliver(
-                    InboxEvent.new(
+                    InboxEvent.answering(
+                        wait,
                         kind=EventKind.DISPATCH_FAILED,
                         session_id=self.snap.session_id,
                         source="torpor",
                         event_id=f"dispatch-failed:{cid}",
                         type="torpor.dispatch.failed",
                         received_at=self.now,
-                        correlation_id=cid,
-                        epoch=wait.epoch,
-                        step_id=wait.waiting_step_id,
                         data={"status": "error", "error": "the request could not be sent"},
                     )
                 )

@@ -14,6 +14,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, JsonValue
 
 from torpor.ids import event_key
+from torpor.models import Wait
 
 
 class EventKind(StrEnum):
@@ -66,4 +67,33 @@ class InboxEvent(BaseModel):
                 "received_at": received_at,
                 **fields,
             }
+        )
+
+    @classmethod
+    def answering(
+        cls,
+        wait: Wait,
+        *,
+        kind: EventKind,
+        session_id: str,
+        source: str,
+        event_id: str,
+        type: str,
+        received_at: datetime,
+        data: JsonValue,
+        **fields: object,
+    ) -> InboxEvent:
+        """An event addressed to exactly this wait: its correlation id, epoch and step."""
+        return cls.new(
+            kind=kind,
+            session_id=session_id,
+            source=source,
+            event_id=event_id,
+            type=type,
+            received_at=received_at,
+            correlation_id=wait.correlation_id,
+            epoch=wait.epoch,
+            step_id=wait.waiting_step_id,
+            data=data,
+            **fields,
         )
