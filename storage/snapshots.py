@@ -17,7 +17,6 @@ from storage.codec import HEADER_READ_BYTES, SnapshotCodec
 from torpor.errors import (
     CommitConflict,
     EtagMismatch,
-    ObjectExists,
     ObjectNotFound,
     SnapshotCorrupt,
     SnapshotNotFound,
@@ -129,6 +128,3 @@ class SnapshotStore:
             for header in await asyncio.gather(*(one(sid) for sid in ids)):
                 if header is not None and (states is None or header.state in states):
                     yield header
-
-
-__all__ = ["ObjectExists", "SnapshotStore"]

@@ -11,7 +11,7 @@ safe.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -102,7 +102,6 @@ class Stats:
     agent_steps: int = 0
     first_step_at: datetime | None = None
     drifts: int = 0
-    unbind: list[WaitBinding] = field(default_factory=list)
 
 
 def binding_of(snapshot: SessionSnapshot, wait: Wait) -> WaitBinding:

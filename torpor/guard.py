@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 
 from pydantic import JsonValue
 
-from torpor.models import DriftPolicy, GuardBaseline, Wait
+from torpor.models import GuardBaseline, Wait
 from torpor.tools import ExternalState
 
 
@@ -72,6 +72,3 @@ def needs_state(wait: Wait) -> bool:
     return g is not None and (
         g.version_tag is not None or g.fingerprint is not None or bool(g.entities)
     )
-
-
-__all__ = ["OK", "DriftPolicy", "GuardVerdict", "evaluate", "needs_state"]

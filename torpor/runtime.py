@@ -14,9 +14,8 @@ is still applied.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from enum import StrEnum
 
 from torpor.activation import Activation, Collaborators, StopActivation
@@ -217,10 +216,3 @@ class SessionRuntime:
             drifts=act.stats.drifts,
             resume_latency_s=latency,
         )
-
-
-def wall_clock() -> float:
-    return time.time()
-
-
-__all__ = ["ActivationResult", "Outcome", "Reason", "SessionRuntime", "datetime", "lease_name"]

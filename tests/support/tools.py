@@ -14,6 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from pydantic import JsonValue
 
+from torpor.errors import ToolError
 from torpor.models import DriftPolicy, GuardBaseline, Wait
 from torpor.tools import (
     DispatchRequest,
@@ -32,6 +33,9 @@ def _node() -> str | None:
     import ray
 
     return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
+
+
+HOLD_LIMIT_S = 300.0
 
 
 class World:
@@ -94,8 +98,13 @@ class ExtractFields(Tool):
         doc = str(args.get("doc", ""))
         await self.world.happened("extract", ctx.idempotency_key, {"doc": doc, "node": _node()})
         if self.hold:
+            # Held here, between the side effect and the checkpoint, until the test opens
+            # the gate: the crash window the recovery tests aim at.
             await self.world.happened("held", doc, {})
+            deadline = asyncio.get_running_loop().time() + HOLD_LIMIT_S
             while not await self.world.gate(self.hold):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise ToolError(f"gate {self.hold!r} never opened")
                 await asyncio.sleep(0.05)
         return {"doc": doc, "amount": args.get("amount", 100.0), "vendor": "Hengda Steel"}
 
@@ -143,8 +152,6 @@ class RequestApproval(LongRunningTool):
 
     async def dispatch(self, request: DispatchRequest) -> None:
         if self.fail_dispatch:
-            from torpor.errors import ToolError
-
             raise ToolError("the OA system refused the request", retryable=False)
         doc = str(request.request["doc"])
         await self.world.happened(
