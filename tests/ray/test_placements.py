@@ -21,7 +21,7 @@ from actors.reconciler import NAME as RECONCILER
 from actors.reconciler import ensure_reconciler
 from tests.conftest import eventually
 from tests.ray.conftest import RayEnv, session_actors
-from torpor.events import EventKind, InboxEvent
+from tests.support.harness import callback
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
 from torpor.runtime import Reason
@@ -123,17 +123,7 @@ async def test_ten_concurrent_activations_commit_once(make_ray_env: Any, placeme
         await reach(env, sid, S.SUSPENDED)
         wait = (await env.load(sid)).waits[0]
         await env.services.inbox.deliver(
-            InboxEvent.new(
-                kind=EventKind.CALLBACK,
-                session_id=sid,
-                source="oa",
-                event_id="e1",
-                type="oa.approval.decided",
-                received_at=env.clock.now(),
-                correlation_id=wait.correlation_id,
-                epoch=wait.epoch,
-                data={"status": "approved"},
-            )
+            callback(sid, wait, event_id="e1", data={"status": "approved"}, at=env.clock.now())
         )
         before = (await env.load(sid)).generation
         await asyncio.gather(

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import Env, local_env
+from tests.support.harness import Env, callback, local_env
 from torpor.errors import IdempotencyInProgress, IdempotencyMismatch, UnknownAgent
-from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
 from torpor.runtime import Outcome, Reason
@@ -77,17 +76,7 @@ async def test_callback_resumes_and_completes(env: Env) -> None:
 async def test_duplicate_delivery_is_absorbed(env: Env) -> None:
     sid = await env.submit()
     wait = (await env.load(sid)).waits[0]
-    event = InboxEvent.new(
-        kind=EventKind.CALLBACK,
-        session_id=sid,
-        source="oa",
-        event_id="evt-1",
-        type="oa.approval.decided",
-        received_at=env.clock.now(),
-        correlation_id=wait.correlation_id,
-        epoch=wait.epoch,
-        data={"status": "approved"},
-    )
+    event = callback(sid, wait, event_id="evt-1", data={"status": "approved"}, at=env.clock.now())
     assert await env.control.deliver(event)
     done = await env.load(sid)
     assert done.state is S.COMPLETED
@@ -102,18 +91,7 @@ async def test_same_decision_delivered_twice_with_new_ids_applies_once(env: Env)
     done = await env.load(sid)
     # The sender retries with a new delivery id: the wait is closed, so it is stale.
     await env.control.deliver(
-        InboxEvent.new(
-            kind=EventKind.CALLBACK,
-            session_id=sid,
-            source="oa",
-            event_id="evt-2",
-            type="oa.approval.decided",
-            received_at=env.clock.now(),
-            correlation_id=wait.correlation_id,
-            epoch=wait.epoch,
-            step_id=wait.waiting_step_id,
-            data={"status": "rejected"},
-        )
+        callback(sid, wait, event_id="evt-2", data={"status": "rejected"}, at=env.clock.now())
     )
     after = await env.load(sid)
     assert after.state is S.COMPLETED and after.result == done.result
@@ -221,17 +199,7 @@ async def test_ten_concurrent_activations_commit_once(env: Env) -> None:
     sid = await env.submit()
     wait = (await env.load(sid)).waits[0]
     await env.services.inbox.deliver(
-        InboxEvent.new(
-            kind=EventKind.CALLBACK,
-            session_id=sid,
-            source="oa",
-            event_id="e",
-            type="oa.approval.decided",
-            received_at=env.clock.now(),
-            correlation_id=wait.correlation_id,
-            epoch=wait.epoch,
-            data={"status": "approved"},
-        )
+        callback(sid, wait, event_id="e", data={"status": "approved"}, at=env.clock.now())
     )
     before = (await env.load(sid)).generation
     runtimes = [env.services.runtime(f"host-{i}") for i in range(10)]
@@ -251,16 +219,8 @@ async def test_event_arriving_before_the_wait_is_applied_on_suspend(env: Env) ->
     # the plan open a second wait, and the early answer sits in the inbox until then.
     await env.world.set_version("PR-1", "v2")
     await env.control.deliver(
-        InboxEvent.new(
-            kind=EventKind.CALLBACK,
-            session_id=sid,
-            source="oa",
-            event_id="a1",
-            type="oa.approval.decided",
-            received_at=env.clock.now(),
-            correlation_id=first.waits[0].correlation_id,
-            epoch=first.epoch,
-            data={"status": "approved"},
+        callback(
+            sid, first.waits[0], event_id="a1", data={"status": "approved"}, at=env.clock.now()
         )
     )
     assert (await env.load(sid)).state is S.SUSPENDED

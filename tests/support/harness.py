@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from actors.wiring import Services, open_services
 from tests.support.tools import World, agent_config
 from torpor.clock import ManualClock
 from torpor.events import EventKind, InboxEvent
-from torpor.models import SessionSnapshot
+from torpor.models import SessionSnapshot, Wait
 from torpor.settings import Settings
 
 CAPABILITY_KEY = "test-capability-key-0123456789abcdef"
@@ -45,6 +46,29 @@ def settings_for(
             "lease_ttl_s": 2.0,
             **(extra or {}),
         }
+    )
+
+
+def callback(
+    session_id: str,
+    wait: Wait,
+    *,
+    event_id: str,
+    data: Any,
+    at: datetime,
+    source: str = "oa",
+    type: str = "oa.approval.decided",
+) -> InboxEvent:
+    """The OA system's answer to ``wait``, as the ingress would put it in the inbox."""
+    return InboxEvent.answering(
+        wait,
+        kind=EventKind.CALLBACK,
+        session_id=session_id,
+        source=source,
+        event_id=event_id,
+        type=type,
+        received_at=at,
+        data=data,
     )
 
 
