@@ -20,9 +20,6 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.control import ControlPlane
-from actors.gateway import WebhookGateway
-from actors.notifier import DeliveryWorker, secret_for
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.reconciler import ensure_reconciler
@@ -44,6 +41,9 @@ from torpor.errors import InvalidRequest, TorporError
 from torpor.ids import digest
 from torpor.lifecycle import SessionState
 from torpor.problems import ProblemSpec, problem, problem_for
+from torpor.service.deliveries import DeliveryWorker, secret_for
+from torpor.service.gateway import WebhookGateway
+from torpor.service.sessions import SessionService
 from torpor.settings import Settings
 from torpor.webhooks.cloudevents import handshake
 from torpor.webhooks.rejections import RejectReason, WebhookRejected
@@ -140,7 +140,7 @@ class Ingress:
     def __init__(self, settings: Settings, start_reconciler: bool = True) -> None:
         self.settings = settings
         self.services = open_services(settings, observer=RayObserver())
-        self.control = ControlPlane(self.services, RayActivator(self.services), background=True)
+        self.control = SessionService(self.services, RayActivator(self.services), background=True)
         self.gateway = WebhookGateway(self.control, AuditLog(self.services.store))
         self.deliveries = DeliveryWorker(self.services)
         if start_reconciler:

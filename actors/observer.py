@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 
 from actors import metrics
-from torpor.activation import Observer
 from torpor.events import InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus, SessionSnapshot, Wait
+from torpor.ports import Observer
 
 log = logging.getLogger("torpor.security")
 

@@ -19,7 +19,8 @@ import ray
 from actors import metrics
 from actors.observer import RayObserver
 from actors.wiring import Services, open_services
-from torpor.runtime import Reason, SessionRuntime
+from torpor.ports import Reason
+from torpor.runtime import SessionRuntime
 from torpor.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from actors.wiring import Services
 from storage.factory import check_embedded_allowed
 from torpor.errors import RetryableError, SnapshotNotFound
-from torpor.runtime import Reason
+from torpor.ports import Reason
 from torpor.settings import Placement, Settings
 
 _RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)

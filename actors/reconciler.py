@@ -17,11 +17,11 @@ from typing import Any
 import ray
 
 from actors import metrics
-from actors.control import ControlPlane
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
-from actors.sweeper import Sweeper
 from actors.wiring import Services, open_services
+from torpor.service.sessions import SessionService
+from torpor.service.sweeper import Sweeper
 from torpor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Reconciler:
     def _ensure(self) -> Sweeper:
         if self._sweeper is None:
             self._services = open_services(self._settings, observer=RayObserver())
-            control = ControlPlane(self._services, RayActivator(self._services), background=True)
+            control = SessionService(self._services, RayActivator(self._services), background=True)
             self._sweeper = Sweeper(control)
         return self._sweeper
 

@@ -24,7 +24,7 @@ from ray.exceptions import AsyncioActorExit
 from actors import metrics
 from actors.observer import RayObserver
 from actors.wiring import open_services
-from torpor.runtime import Reason
+from torpor.ports import Reason
 from torpor.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -15,12 +15,12 @@ from storage.correlations import ObjectCorrelations
 from storage.factory import open_index, open_object_store
 from storage.inbox import ObjectInbox
 from storage.snapshots import SnapshotStore
-from torpor.activation import Collaborators, Observer
+from torpor.activation import Collaborators
 from torpor.callbacks import CapabilityRouter
-from torpor.clock import Clock, SystemClock
-from torpor.outbox import BareRouter, CallbackRouter, Notifier
+from torpor.clock import SystemClock
+from torpor.outbox import BareRouter
 from torpor.plugins import PluginResolver
-from torpor.ports import Index, ObjectStore
+from torpor.ports import CallbackRouter, Clock, Index, Notifier, ObjectStore, Observer
 from torpor.runtime import SessionRuntime
 from torpor.settings import Settings
 
@@ -92,7 +92,7 @@ def open_services(
         observer=observer or Observer(),
     )
     if notifier is None:
-        from actors.notifier import DeliveryNotifier  # it needs the services it serves
+        from torpor.service.deliveries import DeliveryNotifier  # it needs the services it serves
 
         services.notifier = DeliveryNotifier(services)
     return services

@@ -119,12 +119,12 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
     import redis
     from ray import serve
 
-    from actors.control import ControlPlane
     from actors.ray_activator import RayActivator
     from actors.wiring import open_services
     from serve_app import build_app
     from tests.support.s3_server import free_port
     from torpor.lifecycle import SessionState
+    from torpor.service.sessions import SessionService
     from torpor.settings import Settings
 
     tmp = Path(tempfile.mkdtemp(prefix="torpor-bench-"))
@@ -169,7 +169,7 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
     base = f"http://127.0.0.1:{port}"
 
     services = open_services(settings)
-    control = ControlPlane(services, RayActivator(services))
+    control = SessionService(services, RayActivator(services))
     gate = asyncio.Semaphore(32)
 
     async def one(i: int) -> str:

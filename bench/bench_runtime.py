@@ -25,12 +25,12 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 import redis  # noqa: E402
 
-from actors.control import ControlPlane  # noqa: E402
 from actors.ray_activator import RayActivator  # noqa: E402
 from actors.wiring import Services, open_services  # noqa: E402
 from torpor.events import EventKind, InboxEvent  # noqa: E402
 from torpor.lifecycle import SessionState  # noqa: E402
 from torpor.runtime import Reason  # noqa: E402
+from torpor.service.sessions import SessionService  # noqa: E402
 from torpor.settings import Settings  # noqa: E402
 
 REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
@@ -74,7 +74,7 @@ async def wait_states(
         await asyncio.sleep(0.05)
 
 
-async def create_suspended(control: ControlPlane, n: int, concurrency: int = 32) -> list[str]:
+async def create_suspended(control: SessionService, n: int, concurrency: int = 32) -> list[str]:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> str:
@@ -87,7 +87,7 @@ async def create_suspended(control: ControlPlane, n: int, concurrency: int = 32)
     return ids
 
 
-async def deliver(control: ControlPlane, sid: str) -> None:
+async def deliver(control: SessionService, sid: str) -> None:
     await control.services.inbox.deliver(
         InboxEvent.new(
             kind=EventKind.CALLBACK,
@@ -102,7 +102,7 @@ async def deliver(control: ControlPlane, sid: str) -> None:
 
 
 async def resume_latency(
-    control: ControlPlane, activator: RayActivator, ids: list[str], rate: float
+    control: SessionService, activator: RayActivator, ids: list[str], rate: float
 ) -> list[float]:
     client = redis.Redis.from_url(REDIS)
     client.delete(PREFIX + "steps")
@@ -130,7 +130,7 @@ async def resume_latency(
     return latencies
 
 
-async def throughput(control: ControlPlane, activator: RayActivator, ids: list[str]) -> float:
+async def throughput(control: SessionService, activator: RayActivator, ids: list[str]) -> float:
     for sid in ids:
         await deliver(control, sid)
     gate = asyncio.Semaphore(64)
@@ -190,7 +190,7 @@ async def run(args: argparse.Namespace) -> None:
             settings = settings_for(Path(tmp) / placement, placement, f"bench{placement}")
             services = open_services(settings)
             activator = RayActivator(services)
-            control = ControlPlane(services, activator)
+            control = SessionService(services, activator)
             ids = await create_suspended(control, n_lat)
             lat = await resume_latency(control, activator, ids, rate)
             ids = await create_suspended(control, n_thr)
@@ -217,7 +217,7 @@ async def run(args: argparse.Namespace) -> None:
         if args.suspended:
             settings = settings_for(Path(tmp) / "many", "pooled", "benchmany")
             services = open_services(settings)
-            control = ControlPlane(services, RayActivator(services))
+            control = SessionService(services, RayActivator(services))
             rss_before, procs_before = ray_rss_mb()
             t0 = time.perf_counter()
             await create_suspended(control, args.suspended, concurrency=64)

@@ -19,7 +19,7 @@ from pydantic import JsonValue
 
 from torpor import guard, outbox
 from torpor.agent import AgentContext, AgentTurn
-from torpor.clock import Clock, trunc_ms
+from torpor.clock import trunc_ms
 from torpor.errors import (
     AgentUnavailable,
     LeaseLost,
@@ -46,9 +46,13 @@ from torpor.models import (
 )
 from torpor.plugins import LoadedAgent
 from torpor.ports import (
+    CallbackRouter,
+    Clock,
     CorrelationRepository,
     InboxRepository,
     Index,
+    Notifier,
+    Observer,
     SnapshotRepository,
     TimerKind,
     WaitBinding,
@@ -69,30 +73,9 @@ class Collaborators:
     index: Index
     settings: Settings
     clock: Clock
-    router: outbox.CallbackRouter
-    notifier: outbox.Notifier | None
+    router: CallbackRouter
+    notifier: Notifier | None
     observer: Observer
-
-
-class Observer:
-    """Hooks for metrics, event streams and alerts. The default does nothing."""
-
-    async def transitioned(self, snapshot: SessionSnapshot, previous: SessionState) -> None:
-        return None
-
-    async def observed(self, snapshot: SessionSnapshot, event: InboxEvent, why: str) -> None:
-        return None
-
-    async def applied(self, snapshot: SessionSnapshot, event: InboxEvent) -> None:
-        return None
-
-    async def security_alert(
-        self, snapshot: SessionSnapshot, wait: Wait, reasons: list[str]
-    ) -> None:
-        return None
-
-    async def agent_step(self, snapshot: SessionSnapshot) -> None:
-        return None
 
 
 @dataclass

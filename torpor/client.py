@@ -82,17 +82,17 @@ class AsyncClient:
     ) -> None:
         import ray
 
-        from actors.control import ControlPlane
         from actors.ray_activator import RayActivator
         from actors.reconciler import ensure_reconciler
         from actors.wiring import open_services
+        from torpor.service.sessions import SessionService
 
         self.settings = settings or Settings.from_env()
         self.tenant = tenant
         if not ray.is_initialized():
             ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
         self._services = open_services(self.settings)
-        self._control = ControlPlane(self._services, RayActivator(self._services))
+        self._control = SessionService(self._services, RayActivator(self._services))
         if start_reconciler:
             ensure_reconciler(self.settings)
 

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Protocol
-
-
-class Clock(Protocol):
-    def now(self) -> datetime: ...
 
 
 class SystemClock:

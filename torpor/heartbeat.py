@@ -13,9 +13,8 @@ import asyncio
 import contextlib
 from datetime import timedelta
 
-from torpor.clock import Clock
 from torpor.errors import IndexUnavailable
-from torpor.ports import Index, Lease
+from torpor.ports import Clock, Index, Lease
 
 
 class Heartbeat:

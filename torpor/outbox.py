@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Protocol
 
 from torpor.backoff import backoff_s
 from torpor.errors import TorporError
@@ -24,24 +23,13 @@ from torpor.models import (
     SessionSnapshot,
     Wait,
 )
+from torpor.ports import CallbackRouter, Notifier
 from torpor.tools import CallbackRoute, DispatchRequest, LongRunningTool, ToolRegistry
 
 MAX_DISPATCH_ATTEMPTS = 8
 DISPATCH_BACKOFF_BASE_S = 2.0
 DISPATCH_BACKOFF_CAP_S = 600.0
 KEEP_SETTLED = 32  # settled entries kept in the snapshot for inspection
-
-
-class CallbackRouter(Protocol):
-    """Tells a long-running tool how the far side should answer."""
-
-    def route(self, snapshot: SessionSnapshot, wait: Wait) -> CallbackRoute: ...
-
-
-class Notifier(Protocol):
-    """Accepts a notification for durable, retried delivery to the submitter."""
-
-    async def enqueue(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None: ...
 
 
 class BareRouter:

@@ -30,19 +30,9 @@ from torpor.heartbeat import Heartbeat
 from torpor.lifecycle import WAITING_STATES, SessionState
 from torpor.models import ErrorInfo, SessionSnapshot
 from torpor.plugins import LoadedAgent, PluginResolver
-from torpor.ports import TimerKind
+from torpor.ports import Reason, TimerKind
 
 MAX_ROUNDS = 8
-
-
-class Reason(StrEnum):
-    SUBMIT = "submit"
-    EVENT = "event"
-    TIMEOUT = "timeout"
-    RECOVER = "recover"
-    RETRY = "retry"
-    CANCEL = "cancel"
-    REPAIR = "repair"
 
 
 class Outcome(StrEnum):

@@ -11,9 +11,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from actors.control import ControlPlane
 from actors.ray_activator import RayActivator
-from actors.sweeper import Sweeper
 from actors.wiring import open_services
 from tests.conftest import eventually
 from tests.ray.conftest import ray_settings
@@ -23,6 +21,8 @@ from tests.support.tools import World
 from torpor.clock import SystemClock
 from torpor.errors import EmbeddedBackendOnCluster
 from torpor.lifecycle import SessionState
+from torpor.service.sessions import SessionService
+from torpor.service.sweeper import Sweeper
 from torpor.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ async def test_sessions_survive_losing_a_worker_node(
 ) -> None:
     settings = ray_settings(s3_server, redis_url, redis_prefix, hold="go")
     services = open_services(settings, clock=SystemClock())
-    control = ControlPlane(services, RayActivator(services))
+    control = SessionService(services, RayActivator(services))
     world = World(redis_url, redis_prefix)
     env = Env(services, control, world, SystemClock())  # type: ignore[arg-type]
     sweeper = Sweeper(control)

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 import ray
 
-from actors.control import ControlPlane
 from actors.ray_activator import RayActivator
-from actors.sweeper import Sweeper
 from actors.wiring import open_services
 from tests.conftest import make_bucket
 from tests.support.harness import CAPABILITY_KEY, Env
 from tests.support.s3_server import S3TestServer
 from tests.support.tools import World, agent_config
 from torpor.clock import SystemClock
+from torpor.service.sessions import SessionService
+from torpor.service.sweeper import Sweeper
 from torpor.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ def make_ray_env(
     async def make(**approval: Any) -> AsyncIterator[RayEnv]:
         settings = ray_settings(s3_server, redis_url, redis_prefix, **approval)
         services = open_services(settings, clock=SystemClock())
-        control = ControlPlane(services, RayActivator(services))
+        control = SessionService(services, RayActivator(services))
         world = World(redis_url, redis_prefix)
         env = RayEnv(services, control, world, SystemClock())  # type: ignore[arg-type]
         env.sweeper = Sweeper(control)

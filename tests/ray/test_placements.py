@@ -24,7 +24,7 @@ from tests.ray.conftest import RayEnv, session_actors
 from tests.support.harness import callback
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
-from torpor.runtime import Reason
+from torpor.ports import Reason
 
 S = SessionState
 PLACEMENTS = ["dedicated", "pooled"]

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import standardwebhooks
 
-from actors.notifier import DeliveryWorker, secret_for
 from storage.deliveries import DeliveryStatus, DeliveryStore
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Received, Receiver
 from torpor.lifecycle import SessionState
+from torpor.service.deliveries import DeliveryWorker, secret_for
 from torpor.ssrf import UnsafeUrl
 
 

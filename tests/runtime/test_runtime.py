@@ -14,7 +14,8 @@ from tests.support.harness import Env, callback, local_env
 from torpor.errors import IdempotencyInProgress, IdempotencyMismatch, UnknownAgent
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
-from torpor.runtime import Outcome, Reason
+from torpor.ports import Reason
+from torpor.runtime import Outcome
 
 S = SessionState
 MakeEnv = Callable[..., AbstractAsyncContextManager[Env]]
@@ -262,7 +263,7 @@ async def test_submission_in_progress_is_a_conflict(env: Env) -> None:
         session_id="s_x",
         ttl=__import__("datetime").timedelta(hours=1),
     )
-    from actors.control import fingerprint
+    from torpor.service.sessions import fingerprint
 
     fp = fingerprint({"agent": "purchase", "input": {"doc": "X"}, "metadata": {}, "callback": None})
     await env.services.index.release_idempotency(tenant="acme", key="k-2")

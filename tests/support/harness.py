@@ -9,13 +9,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from actors.control import ControlPlane
-from actors.inline import InlineActivator
 from actors.wiring import Services, open_services
 from tests.support.tools import World, agent_config
 from torpor.clock import ManualClock
 from torpor.events import EventKind, InboxEvent
 from torpor.models import SessionSnapshot, Wait
+from torpor.service.activator import InlineActivator
+from torpor.service.sessions import SessionService
 from torpor.settings import Settings
 
 CAPABILITY_KEY = "test-capability-key-0123456789abcdef"
@@ -75,7 +75,7 @@ def callback(
 @dataclass
 class Env:
     services: Services
-    control: ControlPlane
+    control: SessionService
     world: World
     clock: ManualClock
 
@@ -129,7 +129,7 @@ async def local_env(
     settings = settings_for(tmp, redis_url, prefix, extra=extra, **approval)
     clock = ManualClock()
     services = open_services(settings, clock=clock)
-    control = ControlPlane(services, InlineActivator(services.runtime("test-runtime")))
+    control = SessionService(services, InlineActivator(services.runtime("test-runtime")))
     world = World(redis_url, prefix)
     try:
         yield Env(services, control, world, clock)

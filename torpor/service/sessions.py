@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
@@ -36,20 +36,11 @@ from torpor.events import EventKind, InboxEvent
 from torpor.ids import new_batch_id, new_session_id, new_trace_id
 from torpor.lifecycle import SessionState
 from torpor.models import AgentRef, SessionSnapshot
-from torpor.ports import IdempotencyStatus, TimerKind
-from torpor.runtime import Reason
+from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
 from torpor.ssrf import check_callback_url
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
 log = logging.getLogger(__name__)
-
-
-class Activator(Protocol):
-    """Gets a session activated somewhere (in this process, or on a Ray actor)."""
-
-    async def request(
-        self, session_id: str, *, reason: Reason, agent: str | None = None
-    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -88,7 +79,7 @@ def fingerprint(payload: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-class ControlPlane:
+class SessionService:
     def __init__(
         self, services: Services, activator: Activator, *, background: bool = False
     ) -> None:

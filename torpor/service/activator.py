@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from torpor.runtime import Reason, SessionRuntime
+from torpor.ports import Reason
+from torpor.runtime import SessionRuntime
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from actors import metrics
-from actors.control import ControlPlane
 from storage.audit import AuditLog
 from torpor.errors import TorporError
 from torpor.events import EventKind, InboxEvent
 from torpor.ports import WaitBinding
+from torpor.service.sessions import SessionService
 from torpor.settings import SourceConfig
 from torpor.webhooks.capability import open_token
 from torpor.webhooks.cloudevents import parse_http
@@ -72,7 +72,7 @@ def _count(source: str, outcome: str, reason: str = "") -> None:
 
 
 class WebhookGateway:
-    def __init__(self, control: ControlPlane, audit: AuditLog) -> None:
+    def __init__(self, control: SessionService, audit: AuditLog) -> None:
         self.control = control
         self.services = control.services
         self.audit = audit

@@ -1,87 +1,17 @@
-"""The storage seams the domain sees: an object store and an index.
-
-Both are small async protocols with keyword-only options, one adapter per module in
-``storage/``, chosen by URL. The object store is the source of truth (snapshots, inbox,
-correlation records, audit log); the index is a fast, rebuildable lookup plus
-coordination (nonces, deadlines, idempotency keys, leases). Losing the index loses no
-session: the reconciler rebuilds it from the object store.
-"""
+"""The index port: a fast, rebuildable lookup plus coordination (nonces, deadlines,
+idempotency keys, leases). Losing the index loses no session: the reconciler rebuilds it
+from the object store."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from torpor.lifecycle import SessionState
-
-if TYPE_CHECKING:
-    from collections.abc import Collection
-
-    from torpor.events import InboxEvent
-    from torpor.models import SessionSnapshot
-
-# --- object store ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StoredObject:
-    data: bytes
-    etag: str
-
-
-@dataclass(frozen=True, slots=True)
-class ListPage:
-    keys: list[str]
-    next_token: str | None  # pass as ``start_after`` to get the next page; None at the end
-
-
-class ObjectStore(Protocol):
-    """Keys are '/'-separated relative paths of safe characters (see ``storage.keys``).
-
-    Conditional writes are the only way torpor changes shared state in the store:
-    ``put_if_absent`` is create-only (``If-None-Match: *``), ``put_if_match`` is a
-    compare-and-swap on the etag (``If-Match``). Each raises a ``PreconditionFailed``
-    subclass when it loses, and writes nothing.
-    """
-
-    @property
-    def url(self) -> str: ...
-
-    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
-        """Raise ``ObjectNotFound`` if absent. ``max_bytes`` reads only a prefix."""
-        ...
-
-    async def put(self, key: str, data: bytes) -> str:
-        """Unconditional write (for objects with a single writer); returns the etag."""
-        ...
-
-    async def put_if_absent(self, key: str, data: bytes) -> str:
-        """Create-only; raise ``ObjectExists`` if the key exists."""
-        ...
-
-    async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
-        """Replace only if the current etag is ``etag``; raise ``EtagMismatch`` otherwise
-        (also when the object no longer exists)."""
-        ...
-
-    async def list(
-        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
-    ) -> ListPage:
-        """Keys under ``prefix`` in lexicographic order, one page at a time."""
-        ...
-
-    async def delete(self, key: str) -> None:
-        """Idempotent: deleting a missing key is not an error."""
-        ...
-
-    async def close(self) -> None: ...
-
-
-# --- index -------------------------------------------------------------------------
 
 
 class WaitBinding(BaseModel):
@@ -257,48 +187,3 @@ class Index(Protocol):
     async def mark_intact(self) -> None: ...
 
     async def is_intact(self) -> bool: ...
-
-
-# --- repositories the runtime works through (implemented in storage/) ---------------
-
-
-class SnapshotRepository(Protocol):
-    async def create(self, snapshot: SessionSnapshot) -> SessionSnapshot:
-        """Write generation 0, create-only; raise ``ObjectExists`` if the id is taken."""
-        ...
-
-    async def load(self, session_id: str) -> SessionSnapshot:
-        """Raise ``SnapshotNotFound`` if there is no such session."""
-        ...
-
-    async def save(self, snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:
-        """Compare-and-swap: write ``snapshot`` as generation ``expected_generation + 1``
-        only if the stored one is still ``expected_generation``; else ``CommitConflict``
-        and nothing is written. Returns the snapshot as stored."""
-        ...
-
-    def release(self, session_id: str) -> None:
-        """Forget anything cached about the session (its activation ended)."""
-        ...
-
-
-class InboxRepository(Protocol):
-    async def deliver(self, event: InboxEvent) -> bool:
-        """Create-only; False if this (source, event id) was already delivered."""
-        ...
-
-    async def pending(self, session_id: str, *, processed: Collection[str]) -> list[InboxEvent]:
-        """Delivered events not yet in ``processed``, oldest first."""
-        ...
-
-
-class CorrelationRepository(Protocol):
-    """Durable correlation records in the object store: the index's source of truth."""
-
-    async def record(self, binding: WaitBinding, *, business_key: str | None) -> None: ...
-
-    async def lookup(self, correlation_id: str) -> WaitBinding | None: ...
-
-    async def lookup_business_key(
-        self, *, tenant: str, business_key: str
-    ) -> WaitBinding | None: ...

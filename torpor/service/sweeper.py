@@ -22,16 +22,15 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from actors.control import ControlPlane
-from actors.notifier import DeliveryWorker
 from torpor.activation import binding_of, poll_member
 from torpor.backoff import backoff_s
 from torpor.errors import PluginNotFound, SnapshotNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
-from torpor.ports import TimerKind
-from torpor.runtime import Reason
+from torpor.ports import Reason, TimerKind
+from torpor.service.deliveries import DeliveryWorker
+from torpor.service.sessions import SessionService
 from torpor.tools import LongRunningTool
 
 log = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ class SweepReport:
 
 
 class Sweeper:
-    def __init__(self, control: ControlPlane) -> None:
+    def __init__(self, control: SessionService) -> None:
         self.control = control
         self.services = control.services
         self._last_full_repair: datetime | None = None

@@ -1,0 +1,50 @@
+"""Every seam the core talks through, in one place.
+
+Storage protocols (object store, index, repositories), the observer, callback routing and
+notification, the activator and the clock. Adapters live in ``storage/`` and ``actors/``
+and are chosen by the composition root (``actors.wiring``).
+"""
+
+from torpor.ports.activation import Activator, Reason
+from torpor.ports.clock import Clock
+from torpor.ports.index import (
+    Admission,
+    IdempotencyRecord,
+    IdempotencyStatus,
+    Index,
+    Lease,
+    SessionPage,
+    TimerKind,
+    WaitBinding,
+)
+from torpor.ports.objects import ListPage, ObjectStore, StoredObject
+from torpor.ports.observer import Observer
+from torpor.ports.repositories import (
+    CorrelationRepository,
+    InboxRepository,
+    SnapshotRepository,
+)
+from torpor.ports.routing import CallbackRouter, Notifier
+
+__all__ = [
+    "Activator",
+    "Admission",
+    "CallbackRouter",
+    "Clock",
+    "CorrelationRepository",
+    "IdempotencyRecord",
+    "IdempotencyStatus",
+    "InboxRepository",
+    "Index",
+    "Lease",
+    "ListPage",
+    "Notifier",
+    "ObjectStore",
+    "Observer",
+    "Reason",
+    "SessionPage",
+    "SnapshotRepository",
+    "StoredObject",
+    "TimerKind",
+    "WaitBinding",
+]

@@ -1,0 +1,31 @@
+"""The observer port: metrics, event streams and alerts hang off these hooks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torpor.events import InboxEvent
+    from torpor.lifecycle import SessionState
+    from torpor.models import SessionSnapshot, Wait
+
+
+class Observer:
+    """Hooks for metrics, event streams and alerts. The default does nothing."""
+
+    async def transitioned(self, snapshot: SessionSnapshot, previous: SessionState) -> None:
+        return None
+
+    async def observed(self, snapshot: SessionSnapshot, event: InboxEvent, why: str) -> None:
+        return None
+
+    async def applied(self, snapshot: SessionSnapshot, event: InboxEvent) -> None:
+        return None
+
+    async def security_alert(
+        self, snapshot: SessionSnapshot, wait: Wait, reasons: list[str]
+    ) -> None:
+        return None
+
+    async def agent_step(self, snapshot: SessionSnapshot) -> None:
+        return None
