@@ -18,8 +18,9 @@ import ray
 
 from actors import metrics
 from actors.observer import RayObserver
-from actors.wiring import Services, open_services
+from actors.wiring import open_services, session_runtime
 from torpor.ports import Reason
+from torpor.ports.services import Services
 from torpor.runtime import SessionRuntime
 from torpor.settings import Settings
 
@@ -46,7 +47,7 @@ class PoolHost:
         if self._runtime is None:
             self._services = open_services(self._settings, observer=RayObserver())
             node = ray.get_runtime_context().get_node_id()[:8]
-            self._runtime = self._services.runtime(owner=f"pool:{node}:{self._slot}")
+            self._runtime = session_runtime(self._services, owner=f"pool:{node}:{self._slot}")
         return self._runtime
 
     async def poke(self, session_id: str, reason: str, requested_at: float | None = None) -> str:

@@ -19,10 +19,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 
 from actors.pool import PoolHost, host_name
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
-from actors.wiring import Services
 from storage.factory import check_embedded_allowed
 from torpor.errors import RetryableError, SnapshotNotFound
 from torpor.ports import Reason
+from torpor.ports.services import Services
 from torpor.settings import Placement, Settings
 
 _RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)

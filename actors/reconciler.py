@@ -19,7 +19,8 @@ import ray
 from actors import metrics
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
-from actors.wiring import Services, open_services
+from actors.wiring import open_services
+from torpor.ports.services import Services
 from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper
 from torpor.settings import Settings

@@ -23,7 +23,7 @@ from ray.exceptions import AsyncioActorExit
 
 from actors import metrics
 from actors.observer import RayObserver
-from actors.wiring import open_services
+from actors.wiring import open_services, session_runtime
 from torpor.ports import Reason
 from torpor.settings import Settings
 
@@ -61,7 +61,7 @@ class SessionActor:
     async def _run(self) -> None:
         services = open_services(self._settings, observer=RayObserver())
         node = ray.get_runtime_context().get_node_id()[:8]
-        runtime = services.runtime(owner=f"dedicated:{node}:{self._session_id}")
+        runtime = session_runtime(services, owner=f"dedicated:{node}:{self._session_id}")
         try:
             while True:
                 if not self._wanted:

@@ -9,56 +9,23 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
 
 from storage.correlations import ObjectCorrelations
 from storage.factory import open_index, open_object_store
 from storage.inbox import ObjectInbox
 from storage.snapshots import SnapshotStore
-from torpor.activation import Collaborators
 from torpor.callbacks import CapabilityRouter
 from torpor.clock import SystemClock
 from torpor.outbox import BareRouter
 from torpor.plugins import PluginResolver
-from torpor.ports import CallbackRouter, Clock, Index, Notifier, ObjectStore, Observer
+from torpor.ports import CallbackRouter, Clock, Notifier, Observer
+from torpor.ports.services import Services
 from torpor.runtime import SessionRuntime
 from torpor.settings import Settings
 
 
-@dataclass
-class Services:
-    settings: Settings
-    store: ObjectStore
-    index: Index
-    snapshots: SnapshotStore
-    inbox: ObjectInbox
-    correlations: ObjectCorrelations
-    plugins: PluginResolver
-    clock: Clock
-    router: CallbackRouter
-    notifier: Notifier | None = None
-    observer: Observer = field(default_factory=Observer)
-
-    def collaborators(self) -> Collaborators:
-        return Collaborators(
-            snapshots=self.snapshots,
-            inbox=self.inbox,
-            correlations=self.correlations,
-            index=self.index,
-            settings=self.settings,
-            clock=self.clock,
-            router=self.router,
-            notifier=self.notifier,
-            observer=self.observer,
-        )
-
-    def runtime(self, owner: str | None = None) -> SessionRuntime:
-        return SessionRuntime(self.collaborators(), self.plugins, owner=owner or default_owner())
-
-    async def close(self) -> None:
-        await self.plugins.close()
-        await self.index.close()
-        await self.store.close()
+def session_runtime(services: Services, owner: str | None = None) -> SessionRuntime:
+    return SessionRuntime(services, owner=owner or default_owner())
 
 
 def default_owner() -> str:

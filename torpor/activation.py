@@ -46,36 +46,13 @@ from torpor.models import (
 )
 from torpor.plugins import LoadedAgent
 from torpor.ports import (
-    CallbackRouter,
-    Clock,
-    CorrelationRepository,
-    InboxRepository,
-    Index,
-    Notifier,
-    Observer,
-    SnapshotRepository,
     TimerKind,
     WaitBinding,
 )
-from torpor.settings import Settings
+from torpor.ports.services import Services
 from torpor.tools import LongRunningTool, Tool, ToolContext, WaitPlan
 
 MAX_STEPS_PER_ACTIVATION = 200
-
-
-@dataclass
-class Collaborators:
-    """Everything an activation talks to, passed in so it can be tested without Ray."""
-
-    snapshots: SnapshotRepository
-    inbox: InboxRepository
-    correlations: CorrelationRepository
-    index: Index
-    settings: Settings
-    clock: Clock
-    router: CallbackRouter
-    notifier: Notifier | None
-    observer: Observer
 
 
 @dataclass
@@ -120,7 +97,7 @@ def _content(value: JsonValue) -> str:
 class Activation:
     def __init__(
         self,
-        deps: Collaborators,
+        deps: Services,
         snapshot: SessionSnapshot,
         heartbeat: Heartbeat,
         loaded: LoadedAgent | None,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 
-from torpor.activation import Activation, Collaborators, StopActivation
+from torpor.activation import Activation, StopActivation
 from torpor.errors import (
     CommitConflict,
     IndexUnavailable,
@@ -29,8 +29,9 @@ from torpor.errors import (
 from torpor.heartbeat import Heartbeat
 from torpor.lifecycle import WAITING_STATES, SessionState
 from torpor.models import ErrorInfo, SessionSnapshot
-from torpor.plugins import LoadedAgent, PluginResolver
+from torpor.plugins import LoadedAgent
 from torpor.ports import Reason, TimerKind
+from torpor.ports.services import Services
 
 MAX_ROUNDS = 8
 
@@ -63,9 +64,9 @@ def lease_name(session_id: str) -> str:
 
 
 class SessionRuntime:
-    def __init__(self, deps: Collaborators, plugins: PluginResolver, *, owner: str) -> None:
+    def __init__(self, deps: Services, *, owner: str) -> None:
         self.deps = deps
-        self.plugins = plugins
+        self.plugins = deps.plugins
         self.owner = owner
 
     async def activate(

@@ -14,13 +14,14 @@ import ray
 import redis
 from ray import serve
 
-from actors.wiring import Services, open_services
+from actors.wiring import open_services
 from serve_app import build_app
 from tests.conftest import make_bucket
 from tests.support.harness import CAPABILITY_KEY, NOTIFY_KEY
 from tests.support.s3_server import S3TestServer, free_port
 from tests.support.tools import World, agent_config
 from torpor.auth import new_api_key
+from torpor.ports.services import Services
 from torpor.settings import Settings
 from torpor.webhooks.signing import Scheme, generate_secret
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from actors.wiring import session_runtime
 from tests.support.harness import Env, callback, local_env
 from torpor.errors import IdempotencyInProgress, IdempotencyMismatch, UnknownAgent
 from torpor.lifecycle import SessionState
@@ -124,7 +125,7 @@ async def test_sla_expiry_times_out_and_compensates_once(make_env: MakeEnv) -> N
     async with make_env(sla_s=60) as env:
         sid = await env.submit()
         env.clock.advance(61)
-        runtime = env.services.runtime("sweeper")
+        runtime = session_runtime(env.services, "sweeper")
         await asyncio.gather(*(runtime.activate(sid, reason=Reason.TIMEOUT) for _ in range(3)))
         await runtime.activate(sid, reason=Reason.TIMEOUT)
         snap = await env.load(sid)
@@ -203,7 +204,7 @@ async def test_ten_concurrent_activations_commit_once(env: Env) -> None:
         callback(sid, wait, event_id="e", data={"status": "approved"}, at=env.clock.now())
     )
     before = (await env.load(sid)).generation
-    runtimes = [env.services.runtime(f"host-{i}") for i in range(10)]
+    runtimes = [session_runtime(env.services, f"host-{i}") for i in range(10)]
     results = await asyncio.gather(*(r.activate(sid) for r in runtimes))
     ran = [r for r in results if r.outcome is Outcome.RAN]
     assert len(ran) == 1 and all(r.outcome is Outcome.BUSY for r in results if r not in ran)

@@ -9,11 +9,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from actors.wiring import Services, open_services
+from actors.wiring import open_services, session_runtime
 from tests.support.tools import World, agent_config
 from torpor.clock import ManualClock
 from torpor.events import EventKind, InboxEvent
 from torpor.models import SessionSnapshot, Wait
+from torpor.ports.services import Services
 from torpor.service.activator import InlineActivator
 from torpor.service.sessions import SessionService
 from torpor.settings import Settings
@@ -129,7 +130,7 @@ async def local_env(
     settings = settings_for(tmp, redis_url, prefix, extra=extra, **approval)
     clock = ManualClock()
     services = open_services(settings, clock=clock)
-    control = SessionService(services, InlineActivator(services.runtime("test-runtime")))
+    control = SessionService(services, InlineActivator(session_runtime(services, "test-runtime")))
     world = World(redis_url, prefix)
     try:
         yield Env(services, control, world, clock)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Collection
+    from collections.abc import AsyncIterator, Collection
 
     from torpor.events import InboxEvent
-    from torpor.models import SessionSnapshot
+    from torpor.lifecycle import SessionState
+    from torpor.models import SessionHeader, SessionSnapshot
     from torpor.ports.index import WaitBinding
 
 
@@ -29,6 +30,17 @@ class SnapshotRepository(Protocol):
 
     def release(self, session_id: str) -> None:
         """Forget anything cached about the session (its activation ended)."""
+        ...
+
+    async def header(self, session_id: str) -> SessionHeader:
+        """The small plain header of the stored snapshot (a ranged read)."""
+        ...
+
+    def list_by_state(
+        self, states: Collection[SessionState] | None = None, *, concurrency: int = 16
+    ) -> AsyncIterator[SessionHeader]:
+        """Headers of every session (optionally only in ``states``); unreadable snapshots
+        are skipped here, ``load`` reports them loudly."""
         ...
 
 

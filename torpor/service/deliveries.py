@@ -18,7 +18,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from actors import metrics
-from actors.wiring import Services
 from storage.deliveries import Delivery, DeliveryStatus, DeliveryStore, EndpointState
 from torpor.backoff import schedule_delay_s
 from torpor.errors import ConfigError
@@ -26,6 +25,7 @@ from torpor.ids import digest
 from torpor.models import OutboxEntry, SessionSnapshot
 from torpor.notify import RETRY_SCHEDULE_S, endpoint_secret, payload, retry_after_s
 from torpor.ports import TimerKind
+from torpor.ports.services import Services
 from torpor.settings import Settings, resolve_secret
 from torpor.ssrf import UnsafeUrl, check_callback_url
 from torpor.webhooks.signing import Scheme, sign

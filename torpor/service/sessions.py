@@ -19,7 +19,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
-from actors.wiring import Services
 from storage import keys
 from torpor.errors import (
     IdempotencyInProgress,
@@ -37,6 +36,7 @@ from torpor.ids import new_batch_id, new_session_id, new_trace_id
 from torpor.lifecycle import SessionState
 from torpor.models import AgentRef, SessionSnapshot
 from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
+from torpor.ports.services import Services
 from torpor.ssrf import check_callback_url
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
