@@ -12,7 +12,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torpor.runtime import ActivationResult
+    from torpor.session import ActivationResult
 
 RESUME_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 LAG_BUCKETS = [0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120, 600, 3600]

@@ -21,7 +21,7 @@ from actors.observer import RayObserver
 from actors.wiring import open_services, session_runtime
 from torpor.ports import Reason
 from torpor.ports.services import Services
-from torpor.runtime import SessionRuntime
+from torpor.session import SessionRuntime
 from torpor.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from torpor.outbox import BareRouter
 from torpor.plugins import PluginResolver
 from torpor.ports import CallbackRouter, Clock, Notifier, Observer
 from torpor.ports.services import Services
-from torpor.runtime import SessionRuntime
+from torpor.session import SessionRuntime
 from torpor.settings import Settings
 
 

@@ -29,8 +29,8 @@ from actors.ray_activator import RayActivator  # noqa: E402
 from actors.wiring import open_services  # noqa: E402
 from torpor.events import EventKind, InboxEvent  # noqa: E402
 from torpor.lifecycle import SessionState  # noqa: E402
+from torpor.ports import Reason  # noqa: E402
 from torpor.ports.services import Services  # noqa: E402
-from torpor.runtime import Reason  # noqa: E402
 from torpor.service.sessions import SessionService  # noqa: E402
 from torpor.settings import Settings  # noqa: E402
 

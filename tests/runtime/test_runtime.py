@@ -16,7 +16,7 @@ from torpor.errors import IdempotencyInProgress, IdempotencyMismatch, UnknownAge
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
 from torpor.ports import Reason
-from torpor.runtime import Outcome
+from torpor.session import Outcome
 
 S = SessionState
 MakeEnv = Callable[..., AbstractAsyncContextManager[Env]]

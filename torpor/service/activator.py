@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 from torpor.ports import Reason
-from torpor.runtime import SessionRuntime
+from torpor.session import SessionRuntime
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from torpor.activation import binding_of, poll_member
 from torpor.backoff import backoff_s
 from torpor.errors import PluginNotFound, SnapshotNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
@@ -31,6 +30,7 @@ from torpor.models import SessionSnapshot
 from torpor.ports import Reason, TimerKind
 from torpor.service.deliveries import DeliveryWorker
 from torpor.service.sessions import SessionService
+from torpor.session.activation import binding_of, poll_member
 from torpor.tools import LongRunningTool
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 
-from torpor.activation import Activation, StopActivation
 from torpor.errors import (
     CommitConflict,
     IndexUnavailable,
@@ -26,12 +25,13 @@ from torpor.errors import (
     PluginNotFound,
     SnapshotNotFound,
 )
-from torpor.heartbeat import Heartbeat
 from torpor.lifecycle import WAITING_STATES, SessionState
 from torpor.models import ErrorInfo, SessionSnapshot
 from torpor.plugins import LoadedAgent
 from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
+from torpor.session.activation import Activation, StopActivation
+from torpor.session.heartbeat import Heartbeat
 
 MAX_ROUNDS = 8
 

@@ -27,7 +27,6 @@ from torpor.errors import (
 )
 from torpor.events import EventKind, InboxEvent
 from torpor.gates import Verdict, classify, expired_waits
-from torpor.heartbeat import Heartbeat
 from torpor.ids import new_correlation_id, new_wait_id, tool_call_key
 from torpor.lifecycle import SessionState, transition
 from torpor.models import (
@@ -50,6 +49,7 @@ from torpor.ports import (
     WaitBinding,
 )
 from torpor.ports.services import Services
+from torpor.session.heartbeat import Heartbeat
 from torpor.tools import LongRunningTool, Tool, ToolContext, WaitPlan
 
 MAX_STEPS_PER_ACTIVATION = 200
