@@ -30,7 +30,7 @@ from torpor.models import SessionSnapshot
 from torpor.ports import Reason, TimerKind
 from torpor.service.deliveries import DeliveryWorker
 from torpor.service.sessions import SessionService
-from torpor.session.activation import binding_of, poll_member
+from torpor.session.suspend import binding_of, poll_member
 from torpor.tools import LongRunningTool
 
 log = logging.getLogger(__name__)

@@ -25,13 +25,14 @@ from torpor.errors import (
     PluginNotFound,
     SnapshotNotFound,
 )
-from torpor.lifecycle import WAITING_STATES, SessionState
-from torpor.models import ErrorInfo, SessionSnapshot
+from torpor.lifecycle import SessionState
+from torpor.models import SessionSnapshot
 from torpor.plugins import LoadedAgent
 from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
-from torpor.session.activation import Activation, StopActivation
+from torpor.session.activation import Activation
 from torpor.session.heartbeat import Heartbeat
+from torpor.session.working import StopActivation
 
 MAX_ROUNDS = 8
 
@@ -116,7 +117,7 @@ class SessionRuntime:
                 release = True
                 return ActivationResult(session_id, Outcome.MISSING), None
             activation = Activation(self.deps, snapshot, heartbeat, self._agent(snapshot))
-            await self._drive(activation, reason)
+            await activation.drive(reason)
             release = True
         except (CommitConflict, LeaseLost) as exc:
             # Someone else wrote or holds the session. If they finish its work, the retry
@@ -152,43 +153,6 @@ class SessionRuntime:
             return self.plugins.agent(snapshot.agent.name)
         except PluginNotFound:
             return None
-
-    async def _drive(self, act: Activation, reason: Reason) -> None:
-        snap = act.snap
-        if snap.terminal:
-            await act.settle_terminal()
-            return
-        if act.loaded is None:
-            await act.finish(
-                SessionState.FAILED,
-                reason="agent not found",
-                error=ErrorInfo(
-                    code="plugin_not_found",
-                    message=f"agent {snap.agent.name!r} is not configured on this cluster",
-                ),
-            )
-            return
-        if snap.state is SessionState.PENDING:
-            ctx = act.agent_context()
-            act.update(
-                messages=act.loaded.agent.initial_messages(snap.input, ctx),
-                variables=ctx.variables,
-            )
-            act.move(SessionState.RUNNING, reason.value)
-            await act.commit()
-        if act.snap.state in WAITING_STATES:
-            if act.snap.pending_outbox():
-                await act.complete_suspend()  # finish what a crashed suspend started
-            await act.resume()
-        while act.state() is SessionState.RUNNING:
-            await act.run()
-            state = act.state()
-            if state is SessionState.RUNNING:
-                return  # the step budget ran out; a retry timer brings the session back
-            if state is SessionState.SUSPENDED:
-                # Events may have arrived before the wait was even committed (a fast far
-                # side, or a client delivery): apply them now rather than sleep on them.
-                await act.resume()
 
     @staticmethod
     def _result(act: Activation, outcome: Outcome, requested_at: float | None) -> ActivationResult:

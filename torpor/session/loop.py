@@ -1,0 +1,237 @@
+"""The agent loop: agent steps and sync tool calls, each one checkpointed.
+
+A sync tool runs inline and its result goes into the completed-call log under
+``H(session:step:call)``, so a replay after a crash never runs it twice. A long-running
+tool plans a wait instead; once every call of the turn is handled, the planned waits
+suspend the session (``torpor.session.suspend``).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+from pydantic import JsonValue
+
+from torpor.agent import AgentContext, AgentTurn
+from torpor.errors import AgentUnavailable, TorporError
+from torpor.events import EventKind
+from torpor.ids import tool_call_key
+from torpor.lifecycle import SessionState
+from torpor.models import ErrorInfo, Message, ToolCall, ToolLogEntry
+from torpor.plugins import LoadedAgent
+from torpor.ports import TimerKind
+from torpor.session.suspend import Suspender
+from torpor.session.working import StopActivation, WorkingCopy, error_result, message_content
+from torpor.tools import LongRunningTool, Tool, ToolContext, WaitPlan
+
+MAX_STEPS_PER_ACTIVATION = 200
+
+
+class AgentLoop:
+    """The running phase of one activation."""
+
+    def __init__(self, work: WorkingCopy, loaded: LoadedAgent | None, suspender: Suspender) -> None:
+        self.work = work
+        self.deps = work.deps
+        self.loaded = loaded
+        self.suspender = suspender
+
+    async def run(self) -> None:
+        """Drive the agent loop until the session suspends or ends."""
+        assert self.loaded is not None
+        for _ in range(MAX_STEPS_PER_ACTIVATION):
+            if self.work.snap.state is not SessionState.RUNNING:
+                return
+            calls = self.unanswered_calls()
+            if calls:
+                await self.run_calls(calls)
+                continue
+            if await self.cancel_requested():
+                return
+            await self.agent_step()
+        # A runaway agent: checkpointed; let the reconciler pick it up again later.
+        await self.deps.index.schedule(
+            kind=TimerKind.RETRY, member=self.work.snap.session_id, at=self.work.now
+        )
+
+    async def cancel_requested(self) -> bool:
+        work = self.work
+        events = await self.deps.inbox.pending(
+            work.snap.session_id, processed=set(work.snap.processed_events)
+        )
+        cancel = next((e for e in events if e.kind is EventKind.CANCEL), None)
+        if cancel is None:
+            return False
+        work.update(processed_events=[*work.snap.processed_events, cancel.key])
+        await self.suspender.finish(SessionState.CANCELLED, reason="cancelled")
+        return True
+
+    # -- agent steps --------------------------------------------------------------------
+
+    async def agent_step(self) -> None:
+        assert self.loaded is not None
+        work = self.work
+        if work.stats.first_step_at is None:
+            work.stats.first_step_at = work.now
+        await self.deps.observer.agent_step(work.snap)
+        ctx = self.agent_context()
+        try:
+            turn: AgentTurn = await self.loaded.agent.step(list(work.snap.messages), ctx)
+        except AgentUnavailable as exc:
+            await self.retry_later(exc)
+            return
+        except TorporError as exc:
+            await self.fail(exc.code, str(exc))
+            return
+        except Exception as exc:  # the agent's own bug: fail the session, keep the process
+            await self.fail("agent_crashed", f"{type(exc).__name__}: {exc}")
+            return
+        work.stats.agent_steps += 1
+        work.update(
+            step=work.snap.step + 1,
+            variables=ctx.variables,
+            messages=[*work.snap.messages, turn.message],
+        )
+        if turn.final:
+            result = turn.result if turn.result is not None else turn.message.content
+            await self.suspender.finish(
+                SessionState.COMPLETED, reason="agent finished", result=result
+            )
+        else:
+            await work.commit()
+
+    async def retry_later(self, exc: TorporError) -> None:
+        work = self.work
+        quota = work.snap.retry
+        if quota.exhausted:
+            await self.fail(exc.code, f"gave up after {quota.used} retries: {exc}")
+            return
+        work.update(retry=quota.model_copy(update={"used": quota.used + 1}))
+        await work.commit()
+        delay = 2.0 * (2**quota.used)
+        await self.deps.index.schedule(
+            kind=TimerKind.RETRY,
+            member=work.snap.session_id,
+            at=work.now + timedelta(seconds=delay),
+        )
+        # The session stays RUNNING; this activation ends and the timer brings it back.
+        raise StopActivation("retry scheduled")
+
+    async def fail(self, code: str, message: str) -> None:
+        await self.suspender.finish(
+            SessionState.FAILED, reason=code, error=ErrorInfo(code=code, message=message[:2000])
+        )
+
+    # -- tool calls ---------------------------------------------------------------------
+
+    def unanswered_calls(self) -> list[ToolCall]:
+        """The calls of the last assistant turn that have no tool message yet."""
+        messages = self.work.snap.messages
+        for i in range(len(messages) - 1, -1, -1):
+            message = messages[i]
+            if message.role == "assistant":
+                answered = {m.tool_call_id for m in messages[i + 1 :] if m.role == "tool"}
+                return [c for c in message.tool_calls or [] if c.id not in answered]
+        return []
+
+    async def run_calls(self, calls: list[ToolCall]) -> None:
+        assert self.loaded is not None
+        work = self.work
+        plans: list[tuple[ToolCall, LongRunningTool, WaitPlan]] = []
+        for call in calls:
+            tool = self.loaded.tools.get(call.function.name)
+            if isinstance(tool, LongRunningTool):
+                planned = await self.plan_wait(call, tool)
+                if planned is not None:
+                    plans.append((call, tool, planned))
+                continue
+            result = await self.run_sync(call, tool)
+            work.update(
+                messages=[
+                    *work.snap.messages,
+                    Message(role="tool", tool_call_id=call.id, content=message_content(result)),
+                ]
+            )
+            await work.commit()  # checkpoint at every tool boundary
+        if plans:
+            await self.suspender.suspend(plans)
+
+    async def run_sync(self, call: ToolCall, tool: Tool | None) -> JsonValue:
+        work = self.work
+        key = tool_call_key(work.snap.session_id, work.snap.step, call.id)
+        logged = work.snap.tool_log.get(key)
+        if logged is not None:
+            return logged.result  # replay after a crash: never run a completed call twice
+        if tool is None:
+            return {"error": {"code": "unknown_tool", "message": f"no tool {call.function.name!r}"}}
+        result: JsonValue
+        try:
+            args = json.loads(call.function.arguments or "{}")
+            if not isinstance(args, dict):
+                raise ValueError("arguments must be a JSON object")
+        except ValueError as exc:
+            result = {"error": {"code": "bad_arguments", "message": str(exc)}}
+        else:
+            try:
+                result = await tool.run(args, self.tool_context(call, key))
+            except Exception as exc:  # the tool's failure is the agent's information
+                result = error_result(exc)
+        entry = ToolLogEntry(
+            key=key,
+            tool_name=call.function.name,
+            tool_call_id=call.id,
+            step=work.snap.step,
+            result=result,
+            completed_at=work.now,
+        )
+        work.update(tool_log={**work.snap.tool_log, key: entry})
+        return result
+
+    async def plan_wait(self, call: ToolCall, tool: LongRunningTool) -> WaitPlan | None:
+        work = self.work
+        key = tool_call_key(work.snap.session_id, work.snap.step, call.id)
+        try:
+            args = json.loads(call.function.arguments or "{}")
+            if not isinstance(args, dict):
+                raise ValueError("arguments must be a JSON object")
+            return await tool.begin(args, self.tool_context(call, key))
+        except Exception as exc:
+            error = error_result(exc)
+            work.update(
+                messages=[
+                    *work.snap.messages,
+                    Message(role="tool", tool_call_id=call.id, content=message_content(error)),
+                ]
+            )
+            await work.commit()
+            return None
+
+    # -- contexts -----------------------------------------------------------------------
+
+    def agent_context(self) -> AgentContext:
+        assert self.loaded is not None
+        snap = self.work.snap
+        return AgentContext(
+            session_id=snap.session_id,
+            tenant=snap.tenant,
+            step=snap.step,
+            input=snap.input,
+            metadata=dict(snap.metadata),
+            tools=self.loaded.tools.specs(),
+            variables=json.loads(json.dumps(snap.variables)),
+        )
+
+    def tool_context(self, call: ToolCall, key: str) -> ToolContext:
+        snap = self.work.snap
+        return ToolContext(
+            session_id=snap.session_id,
+            tenant=snap.tenant,
+            step=snap.step,
+            tool_call_id=call.id,
+            idempotency_key=key,
+            trace_id=snap.trace_id,
+            now=self.work.now,
+            fence=self.work.heartbeat.lease.token,
+            variables=dict(snap.variables),
+        )

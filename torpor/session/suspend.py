@@ -1,0 +1,226 @@
+"""Leaving an activation: suspend (open waits, bind them, send their requests) or finish.
+
+Both end the same way: one commit records the new state together with the outbox entries
+it makes necessary, and only then does anything leave the process. On suspend the index is
+bound before the request is sent, so a callback can never arrive before the index knows
+its wait; on finish the waits are unbound after the commit that closed them.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from pydantic import JsonValue
+
+from torpor import outbox
+from torpor.clock import trunc_ms
+from torpor.events import EventKind, InboxEvent
+from torpor.ids import new_correlation_id, new_wait_id
+from torpor.lifecycle import SessionState
+from torpor.models import (
+    DispatchStatus,
+    ErrorInfo,
+    OutboxEntry,
+    OutboxKind,
+    SessionSnapshot,
+    ToolCall,
+    Wait,
+)
+from torpor.plugins import LoadedAgent
+from torpor.ports import TimerKind, WaitBinding
+from torpor.session.working import WorkingCopy
+from torpor.tools import LongRunningTool, WaitPlan
+
+
+def binding_of(snapshot: SessionSnapshot, wait: Wait) -> WaitBinding:
+    """What the index and the correlation record know about ``wait``."""
+    return WaitBinding(
+        tenant=snapshot.tenant,
+        correlation_id=wait.correlation_id,
+        session_id=snapshot.session_id,
+        epoch=wait.epoch,
+        step_id=wait.waiting_step_id,
+        deadline=wait.deadline,
+    )
+
+
+def poll_member(session_id: str, correlation_id: str, attempt: int) -> str:
+    """The POLL timer entry of a wait: who, which wait, how many polls so far."""
+    return f"{session_id}|{correlation_id}|{attempt}"
+
+
+class Suspender:
+    """Suspend, finish, and the index and outbox work both owe after their commit."""
+
+    def __init__(self, work: WorkingCopy, loaded: LoadedAgent | None) -> None:
+        self.work = work
+        self.deps = work.deps
+        self.loaded = loaded
+
+    # -- suspend ------------------------------------------------------------------------
+
+    async def suspend(self, plans: list[tuple[ToolCall, LongRunningTool, WaitPlan]]) -> None:
+        """One commit: SUSPENDED + the waits + their outbox entries. Then bind, then send."""
+        work = self.work
+        now = work.now
+        epoch = work.snap.epoch + 1  # RUNNING → SUSPENDED opens a wait: the epoch moves on
+        waits = [
+            Wait(
+                wait_id=new_wait_id(),
+                correlation_id=new_correlation_id(),
+                business_key=plan.business_key,
+                waiting_step_id=str(work.snap.step),
+                epoch=epoch,
+                action_key=plan.action_key,
+                tool_name=tool.spec.name,
+                tool_call_id=call.id,
+                expected_types=plan.expected_types,
+                allowed_sources=plan.allowed_sources,
+                opened_at=now,
+                deadline=trunc_ms(now + timedelta(seconds=plan.sla_s)),
+                expected_duration_s=plan.expected_duration_s,
+                guard=plan.guard,
+                on_drift=plan.on_drift,
+                request=plan.request,
+            )
+            for call, tool, plan in plans
+        ]
+        work.move(SessionState.SUSPENDED, "waiting for " + ", ".join(w.tool_name for w in waits))
+        assert work.snap.epoch == epoch
+        entries = [outbox.start_entry(work.snap, w, now=now) for w in waits]
+        entries += self.notifications("suspended")
+        work.update(waits=waits, outbox=[*work.snap.outbox, *entries])
+        await work.commit()
+        await self.complete_suspend()
+
+    async def complete_suspend(self) -> None:
+        """Bind, then send: also what finishes a suspend that crashed after its commit."""
+        await self.bind_waits()
+        await self.drain_outbox()
+
+    async def bind_waits(self) -> None:
+        """Durable correlation record first, then the index: a callback that races the
+        index still finds its session through the record."""
+        snap = self.work.snap
+        pending_starts = {
+            e.correlation_id
+            for e in snap.outbox
+            if e.kind is OutboxKind.START and e.status is DispatchStatus.PENDING
+        }
+        grace = timedelta(seconds=self.deps.settings.binding_grace_s)
+        for wait in snap.waits:
+            if wait.correlation_id not in pending_starts:
+                continue
+            binding = binding_of(snap, wait)
+            await self.deps.correlations.record(binding, business_key=wait.business_key)
+            await self.deps.index.bind_wait(binding, business_key=wait.business_key, grace=grace)
+            tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
+            if isinstance(tool, LongRunningTool) and tool.can_poll:
+                await self.deps.index.schedule(
+                    kind=TimerKind.POLL,
+                    member=poll_member(snap.session_id, wait.correlation_id, 0),
+                    at=wait.overdue_after,
+                )
+
+    async def unbind(self, waits: list[Wait]) -> None:
+        for wait in waits:
+            await self.deps.index.unbind(
+                tenant=self.work.snap.tenant,
+                correlation_id=wait.correlation_id,
+                business_key=wait.business_key,
+            )
+
+    # -- outbox -------------------------------------------------------------------------
+
+    async def drain_outbox(self) -> None:
+        """Send every due entry; commit the new statuses once."""
+        work = self.work
+        due = [e for e in work.snap.outbox if outbox.is_due(e, work.now)]
+        if not due:
+            return
+        tools = self.loaded.tools if self.loaded else None
+        settled: dict[str, Any] = {}
+        failed_starts: list[str] = []
+        for entry in due:
+            if tools is None:
+                break
+            result = await outbox.send(
+                entry,
+                work.snap,
+                tools=tools,
+                router=self.deps.router,
+                notifier=self.deps.notifier,
+                now=work.now,
+            )
+            new = outbox.settle(entry, result, now=work.now)
+            settled[entry.entry_id] = new
+            if isinstance(result, outbox.RetryAt):
+                await self.deps.index.schedule(
+                    kind=TimerKind.RETRY, member=work.snap.session_id, at=result.at
+                )
+            if isinstance(result, outbox.GaveUp) and entry.kind is OutboxKind.START:
+                failed_starts.append(entry.correlation_id or "")
+        work.update(outbox=[settled.get(e.entry_id, e) for e in work.snap.outbox])
+        await work.commit()
+        for cid in failed_starts:
+            wait = work.snap.wait_for(cid)
+            if wait is not None:
+                # Nobody will ever answer this wait: answer it ourselves, through the inbox,
+                # so the agent sees the failure like any other result.
+                await self.deps.inbox.deliver(
+                    InboxEvent.answering(
+                        wait,
+                        kind=EventKind.DISPATCH_FAILED,
+                        session_id=work.snap.session_id,
+                        source="torpor",
+                        event_id=f"dispatch-failed:{cid}",
+                        type="torpor.dispatch.failed",
+                        received_at=work.now,
+                        data={"status": "error", "error": "the request could not be sent"},
+                    )
+                )
+
+    # -- finish -------------------------------------------------------------------------
+
+    async def finish(
+        self,
+        target: SessionState,
+        *,
+        reason: str,
+        result: JsonValue = None,
+        error: ErrorInfo | None = None,
+        compensate: list[Wait] | None = None,
+    ) -> None:
+        """End the session: one commit with the compensations and the terminal notice,
+        then unbind the closed waits, then send."""
+        work = self.work
+        closing = list(work.snap.waits)
+        entries = [
+            outbox.compensate_entry(work.snap, w, reason=reason, now=work.now)
+            for w in (compensate or [])
+            if self._can_compensate(w)
+        ]
+        work.move(target, reason)
+        work.update(waits=[], result=result, error=error, outbox=[*work.snap.outbox, *entries])
+        if "terminal" in self.deps.settings.notify_on and work.snap.callback_url:
+            work.update(
+                outbox=[
+                    *work.snap.outbox,
+                    outbox.notify_entry(work.snap, event=target.value, now=work.now),
+                ]
+            )
+        await work.commit()
+        await self.unbind(closing)
+        await self.drain_outbox()
+
+    def notifications(self, event: str) -> list[OutboxEntry]:
+        """NOTIFY entries for a non-terminal event the deployment notifies on."""
+        snap = self.work.snap
+        if event not in self.deps.settings.notify_on or not snap.callback_url:
+            return []
+        return [outbox.notify_entry(snap, event=event, now=self.work.now)]
+
+    def _can_compensate(self, wait: Wait) -> bool:
+        tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
+        return isinstance(tool, LongRunningTool) and tool.can_compensate

@@ -1,0 +1,168 @@
+"""Waking up: apply what the inbox holds to the session's waits, through the gates.
+
+In order: a cancel wins over everything; then each event passes the gates
+(``torpor.gates``: epoch/step, dedup, admission, deadline) and either is observed (recorded,
+never applied) or reaches the State Invalidation Guard (``torpor.guard``) and is injected as
+the answer of its tool call. Waits whose deadline passed time the session out. A finished
+session still answers late events, as observations.
+"""
+
+from __future__ import annotations
+
+from pydantic import JsonValue
+
+from torpor import guard
+from torpor.events import EventKind, InboxEvent
+from torpor.gates import Verdict, classify, expired_waits
+from torpor.lifecycle import SessionState
+from torpor.models import DriftPolicy, ErrorInfo, Message, Observation, ObservationReason, Wait
+from torpor.plugins import LoadedAgent
+from torpor.session.suspend import Suspender
+from torpor.session.working import WorkingCopy, message_content
+from torpor.tools import LongRunningTool
+
+
+class Wake:
+    """The resume phase of one activation."""
+
+    def __init__(self, work: WorkingCopy, loaded: LoadedAgent | None, suspender: Suspender) -> None:
+        self.work = work
+        self.deps = work.deps
+        self.loaded = loaded
+        self.suspender = suspender
+        self._closed: list[Wait] = []  # waits answered by this activation, to unbind
+
+    async def resume(self) -> None:
+        """Apply what the inbox holds to the waits, through the gates, in order."""
+        work = self.work
+        events = await self.deps.inbox.pending(
+            work.snap.session_id, processed=set(work.snap.processed_events)
+        )
+        now = work.now
+        cancel = next((e for e in events if e.kind is EventKind.CANCEL), None)
+        if cancel is not None:
+            work.update(processed_events=[*work.snap.processed_events, cancel.key])
+            await self.suspender.finish(
+                SessionState.CANCELLED,
+                reason="cancelled",
+                compensate=list(work.snap.waits),
+                error=None,
+                result=None,
+            )
+            return
+        overdue = expired_waits(work.snap, now=now)
+        if not events and not overdue:
+            return
+        if work.snap.state is SessionState.SUSPENDED:
+            work.move(SessionState.RESUMING, "events" if events else "deadline")
+        for event in events:
+            decision = classify(work.snap, event, processed=set(work.snap.processed_events))
+            if decision.verdict is Verdict.OBSERVE:
+                await self.observe(event, decision.reason or ObservationReason.STALE)
+                continue
+            assert decision.wait is not None
+            if decision.verdict is Verdict.EXPIRED:
+                await self.observe(event, ObservationReason.LATE)
+                overdue.append(decision.wait)
+                continue
+            if not await self.apply(event, decision.wait):
+                return  # the guard ended the session
+        still_open = [w for w in overdue if work.snap.wait_for(w.correlation_id)]
+        if still_open:
+            await self.suspender.finish(
+                SessionState.TIMED_OUT,
+                reason="deadline passed",
+                compensate=list(work.snap.waits),
+                error=ErrorInfo(
+                    code="sla_expired",
+                    message="no answer before the deadline",
+                    detail={"waits": [w.wait_id for w in still_open]},
+                ),
+            )
+            return
+        if work.snap.state is not SessionState.RESUMING:
+            return
+        if work.snap.waits:
+            work.move(SessionState.SUSPENDED)
+        else:
+            work.move(SessionState.RUNNING)
+            work.update(outbox=[*work.snap.outbox, *self.suspender.notifications("resumed")])
+        await work.commit()
+        await self.suspender.unbind(self._closed)
+        self._closed = []
+
+    async def apply(self, event: InboxEvent, wait: Wait) -> bool:
+        """Run the guard, then inject the event as the tool's answer. False if the guard
+        ended the session."""
+        work = self.work
+        tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
+        current = None
+        if isinstance(tool, LongRunningTool) and tool.checks_state and guard.needs_state(wait):
+            current = await tool.current_state(wait, tenant=work.snap.tenant)
+        verdict = guard.evaluate(wait.guard, current, now=work.now)
+        content: JsonValue = event.data
+        if not verdict.ok:
+            work.stats.drifts += 1
+            if wait.on_drift is DriftPolicy.BLOCK:
+                await self.deps.observer.security_alert(work.snap, wait, verdict.reasons)
+                work.update(processed_events=[*work.snap.processed_events, event.key])
+                await self.suspender.finish(
+                    SessionState.FAILED,
+                    reason="guard blocked",
+                    error=ErrorInfo(code="guard_blocked", message="; ".join(verdict.reasons)),
+                )
+                return False
+            if wait.on_drift is DriftPolicy.COMPENSATE:
+                work.update(processed_events=[*work.snap.processed_events, event.key])
+                await self.suspender.finish(
+                    SessionState.FAILED,
+                    reason="state drift",
+                    compensate=list(work.snap.waits),
+                    error=ErrorInfo(
+                        code="state_drift",
+                        message="; ".join(verdict.reasons),
+                        detail={"compensated": True},
+                    ),
+                )
+                return False
+            content = {**verdict.notice(wait, current), "event": event.data}
+        work.update(
+            messages=[
+                *work.snap.messages,
+                Message(
+                    role="tool", tool_call_id=wait.tool_call_id, content=message_content(content)
+                ),
+            ],
+            waits=[w for w in work.snap.waits if w.wait_id != wait.wait_id],
+            processed_events=[*work.snap.processed_events, event.key],
+        )
+        self._closed = [*self._closed, wait]
+        work.stats.applied += 1
+        await self.deps.observer.applied(work.snap, event)
+        return True
+
+    async def observe(self, event: InboxEvent, reason: ObservationReason) -> None:
+        """Record ``event`` without applying it; it is processed all the same."""
+        work = self.work
+        record = Observation(
+            event_key=event.key, source=event.source, type=event.type, reason=reason, at=work.now
+        )
+        work.update(
+            observations=[*work.snap.observations, record],
+            processed_events=[*work.snap.processed_events, event.key],
+        )
+        work.stats.observed += 1
+        await self.deps.observer.observed(work.snap, event, reason.value)
+
+    async def settle_terminal(self) -> None:
+        """A finished session still owes its outbox, and still answers late events: they
+        are recorded as observations (the caller sees the original outcome)."""
+        work = self.work
+        events = await self.deps.inbox.pending(
+            work.snap.session_id, processed=set(work.snap.processed_events)
+        )
+        if events:
+            for event in events:
+                await self.observe(event, ObservationReason.LATE)
+            await work.commit()
+        await self.suspender.drain_outbox()

@@ -1,0 +1,104 @@
+"""The working copy of one session's snapshot, and its compare-and-swap commit.
+
+An activation owns a working copy while its runtime holds the session's lease. Every
+change reaches storage through ``commit``, a compare-and-swap on the generation: if anyone
+else committed meanwhile the activation stops with ``CommitConflict`` and changes nothing.
+Checkpoints happen at every tool boundary, so a crash loses at most the step in flight,
+and the step's idempotency key makes its replay safe.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic import JsonValue
+
+from torpor import outbox
+from torpor.errors import LeaseLost
+from torpor.lifecycle import SessionState, transition
+from torpor.models import SessionSnapshot
+from torpor.ports.services import Services
+from torpor.session.heartbeat import Heartbeat
+
+
+@dataclass
+class Stats:
+    """What one activation did, for its result and the metrics."""
+
+    applied: int = 0
+    observed: int = 0
+    agent_steps: int = 0
+    first_step_at: datetime | None = None
+    drifts: int = 0
+
+
+class StopActivation(BaseException):
+    """Ends an activation early after a checkpoint (e.g. a retry was scheduled).
+
+    A BaseException on purpose: an agent's or tool's ``except Exception`` must not swallow
+    it on its way out."""
+
+
+def error_result(exc: Exception | str, code: str = "tool_error") -> JsonValue:
+    """How a failed call is shown to the agent: as data it can branch or re-plan on."""
+    if isinstance(exc, Exception):
+        code = str(getattr(exc, "code", code))
+        message = f"{type(exc).__name__}: {exc}"
+    else:
+        message = exc
+    return {"error": {"code": code, "message": message[:1000]}}
+
+
+def message_content(value: JsonValue) -> str:
+    """A tool result as the text of a tool message."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+
+
+class WorkingCopy:
+    """The snapshot an activation changes in memory, committed only under its lease."""
+
+    def __init__(self, deps: Services, snapshot: SessionSnapshot, heartbeat: Heartbeat) -> None:
+        self.deps = deps
+        self.snap = snapshot
+        self.heartbeat = heartbeat
+        self.stats = Stats()
+        self._committed_state = snapshot.state
+
+    @property
+    def now(self) -> datetime:
+        return self.deps.clock.now()
+
+    def state(self) -> SessionState:
+        return self.snap.state
+
+    async def commit(self) -> None:
+        """Write the working copy if nobody else wrote since we loaded or last committed."""
+        if self.heartbeat.lost:
+            raise LeaseLost(f"lease on {self.snap.session_id} was lost; not committing")
+        draft = self.snap.model_copy(
+            update={
+                "lease_fence": self.heartbeat.lease.token,
+                "updated_at": self.now,
+                "outbox": outbox.trim(self.snap.outbox),
+            }
+        )
+        self.snap = await self.deps.snapshots.save(draft, expected_generation=self.snap.generation)
+        if self.snap.state is not self._committed_state:
+            previous, self._committed_state = self._committed_state, self.snap.state
+            await self.deps.index.record_session(
+                tenant=self.snap.tenant,
+                session_id=self.snap.session_id,
+                state=self.snap.state,
+                generation=self.snap.generation,
+            )
+            await self.deps.observer.transitioned(self.snap, previous)
+
+    def move(self, target: SessionState, reason: str = "") -> None:
+        """A lifecycle transition of the working copy (checked by the state machine)."""
+        self.snap = transition(self.snap, target, now=self.now, reason=reason)
+
+    def update(self, **fields: Any) -> None:
+        self.snap = self.snap.model_copy(update=fields)
