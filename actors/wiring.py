@@ -19,7 +19,7 @@ from torpor.clock import SystemClock
 from torpor.outbox import BareRouter
 from torpor.plugins import PluginResolver
 from torpor.ports import CallbackRouter, Clock, Notifier, Observer
-from torpor.ports.services import Services
+from torpor.ports.services import RuntimeConfig, Services
 from torpor.session import SessionRuntime
 from torpor.settings import Settings
 
@@ -47,6 +47,7 @@ def open_services(
     )
     services = Services(
         settings=settings,
+        config=RuntimeConfig.from_settings(settings),
         store=store,
         index=index,
         snapshots=SnapshotStore(store),

@@ -1,12 +1,14 @@
 """The one dependency bag: every port a process talks through, wired once.
 
 ``actors.wiring.open_services`` fills it from settings; tests fill it with memory
-adapters. The session core and the application services take this bag and nothing else.
+adapters. The session core and the application services take this bag and nothing else;
+the session core reads its settings from ``RuntimeConfig``, never from ``Settings``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from torpor.plugins import PluginResolver
 from torpor.ports.clock import Clock
@@ -22,9 +24,31 @@ from torpor.ports.routing import CallbackRouter, Notifier
 from torpor.settings import Settings
 
 
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The few settings the session core uses, typed for it."""
+
+    lease_ttl: timedelta  # a holder that stops renewing is gone after this
+    heartbeat_period: timedelta  # how often a running activation renews its lease
+    binding_grace: timedelta  # an index binding outlives its wait's deadline by this
+    retry_delay: timedelta  # a conflicted or failed activation is retried after this
+    notify_on: frozenset[str]  # session events sent to the submitter's callback URL
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RuntimeConfig:
+        return cls(
+            lease_ttl=timedelta(seconds=settings.lease_ttl_s),
+            heartbeat_period=timedelta(seconds=settings.heartbeat_s),
+            binding_grace=timedelta(seconds=settings.binding_grace_s),
+            retry_delay=timedelta(seconds=settings.reconcile_interval_s),
+            notify_on=frozenset(settings.notify_on),
+        )
+
+
 @dataclass
 class Services:
     settings: Settings
+    config: RuntimeConfig
     store: ObjectStore
     index: Index
     snapshots: SnapshotRepository

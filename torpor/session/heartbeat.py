@@ -1,6 +1,6 @@
 """Keeps a session lease alive while an activation runs.
 
-The lease is renewed every ``period_s``; it is written with a TTL of three periods, so a
+The lease is renewed every ``period``; it is written with a TTL of three periods, so a
 holder that stops (crash, kill -9, a partition) is considered gone after three missed
 heartbeats and the reconciler re-activates the session from its last checkpoint. If a
 renewal says the lease is no longer ours, ``lost`` is set and the activation stops before
@@ -19,13 +19,13 @@ from torpor.ports import Clock, Index, Lease
 
 class Heartbeat:
     def __init__(
-        self, index: Index, lease: Lease, *, clock: Clock, period_s: float, ttl_s: float
+        self, index: Index, lease: Lease, *, clock: Clock, period: timedelta, ttl: timedelta
     ) -> None:
         self._index = index
         self.lease = lease
         self._clock = clock
-        self._period = period_s
-        self._ttl = timedelta(seconds=ttl_s)
+        self._period = period.total_seconds()
+        self._ttl = ttl
         self.lost = False
         self._task: asyncio.Task[None] | None = None
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from datetime import timedelta
 from enum import StrEnum
 
 from torpor.errors import (
@@ -93,17 +92,14 @@ class SessionRuntime:
     async def _leased(
         self, session_id: str, reason: Reason, requested_at: float | None
     ) -> tuple[ActivationResult, SessionSnapshot | None]:
-        settings, clock, index = self.deps.settings, self.deps.clock, self.deps.index
+        config, clock, index = self.deps.config, self.deps.clock, self.deps.index
         lease = await index.acquire_lease(
-            name=lease_name(session_id),
-            owner=self.owner,
-            ttl=timedelta(seconds=settings.lease_ttl_s),
-            now=clock.now(),
+            name=lease_name(session_id), owner=self.owner, ttl=config.lease_ttl, now=clock.now()
         )
         if lease is None:
             return ActivationResult(session_id, Outcome.BUSY), None
         heartbeat = Heartbeat(
-            index, lease, clock=clock, period_s=settings.heartbeat_s, ttl_s=settings.lease_ttl_s
+            index, lease, clock=clock, period=config.heartbeat_period, ttl=config.lease_ttl
         ).start()
         activation: Activation | None = None
         outcome = Outcome.RAN
@@ -145,7 +141,7 @@ class SessionRuntime:
         return self._result(activation, outcome, requested_at), activation.snap
 
     async def _retry_soon(self, session_id: str) -> None:
-        at = self.deps.clock.now() + timedelta(seconds=self.deps.settings.reconcile_interval_s)
+        at = self.deps.clock.now() + self.deps.config.retry_delay
         await self.deps.index.schedule(kind=TimerKind.RETRY, member=session_id, at=at)
 
     def _agent(self, snapshot: SessionSnapshot) -> LoadedAgent | None:

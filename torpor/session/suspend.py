@@ -108,7 +108,7 @@ class Suspender:
             for e in snap.outbox
             if e.kind is OutboxKind.START and e.status is DispatchStatus.PENDING
         }
-        grace = timedelta(seconds=self.deps.settings.binding_grace_s)
+        grace = self.deps.config.binding_grace
         for wait in snap.waits:
             if wait.correlation_id not in pending_starts:
                 continue
@@ -203,7 +203,7 @@ class Suspender:
         ]
         work.move(target, reason)
         work.update(waits=[], result=result, error=error, outbox=[*work.snap.outbox, *entries])
-        if "terminal" in self.deps.settings.notify_on and work.snap.callback_url:
+        if "terminal" in self.deps.config.notify_on and work.snap.callback_url:
             work.update(
                 outbox=[
                     *work.snap.outbox,
@@ -217,7 +217,7 @@ class Suspender:
     def notifications(self, event: str) -> list[OutboxEntry]:
         """NOTIFY entries for a non-terminal event the deployment notifies on."""
         snap = self.work.snap
-        if event not in self.deps.settings.notify_on or not snap.callback_url:
+        if event not in self.deps.config.notify_on or not snap.callback_url:
             return []
         return [outbox.notify_entry(snap, event=event, now=self.work.now)]
 
