@@ -96,7 +96,7 @@ class GaveUp:
     error: str
 
 
-Outcome = Sent | RetryAt | GaveUp
+SendResult = Sent | RetryAt | GaveUp  # what one send attempt of an entry came to
 
 
 def is_due(entry: OutboxEntry, now: datetime) -> bool:
@@ -113,7 +113,7 @@ async def send(
     router: CallbackRouter,
     notifier: Notifier | None,
     now: datetime,
-) -> Outcome:
+) -> SendResult:
     try:
         await _send(entry, snapshot, tools=tools, router=router, notifier=notifier)
     except Exception as exc:  # a tool's failure is data here: it decides retry vs give up
@@ -176,10 +176,10 @@ class _Permanent(TorporError):
     code = "dispatch_impossible"
 
 
-def settle(entry: OutboxEntry, outcome: Outcome, *, now: datetime) -> OutboxEntry:
+def settle(entry: OutboxEntry, result: SendResult, *, now: datetime) -> OutboxEntry:
     """The entry after one send attempt."""
     attempts = entry.attempts + 1
-    match outcome:
+    match result:
         case Sent():
             return entry.model_copy(
                 update={

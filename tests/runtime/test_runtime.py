@@ -16,7 +16,7 @@ from torpor.errors import IdempotencyInProgress, IdempotencyMismatch, UnknownAge
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
 from torpor.ports import Reason
-from torpor.session import Outcome
+from torpor.session import ActivationOutcome
 
 S = SessionState
 MakeEnv = Callable[..., AbstractAsyncContextManager[Env]]
@@ -206,8 +206,10 @@ async def test_ten_concurrent_activations_commit_once(env: Env) -> None:
     before = (await env.load(sid)).generation
     runtimes = [session_runtime(env.services, f"host-{i}") for i in range(10)]
     results = await asyncio.gather(*(r.activate(sid) for r in runtimes))
-    ran = [r for r in results if r.outcome is Outcome.RAN]
-    assert len(ran) == 1 and all(r.outcome is Outcome.BUSY for r in results if r not in ran)
+    ran = [r for r in results if r.outcome is ActivationOutcome.RAN]
+    assert len(ran) == 1 and all(
+        r.outcome is ActivationOutcome.BUSY for r in results if r not in ran
+    )
     snap = await env.load(sid)
     assert snap.state is S.COMPLETED
     assert snap.generation == before + 2  # exactly one activation's two commits

@@ -6,6 +6,6 @@ agent loop with its sync tool calls, then suspend or finish (bind, outbox drain)
 change reaches storage through the working copy's compare-and-swap commit.
 """
 
-from torpor.session.runtime import ActivationResult, Outcome, SessionRuntime
+from torpor.session.runtime import ActivationOutcome, ActivationResult, SessionRuntime
 
-__all__ = ["ActivationResult", "Outcome", "SessionRuntime"]
+__all__ = ["ActivationOutcome", "ActivationResult", "SessionRuntime"]

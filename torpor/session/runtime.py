@@ -36,7 +36,9 @@ from torpor.session.working import StopActivation
 MAX_ROUNDS = 8
 
 
-class Outcome(StrEnum):
+class ActivationOutcome(StrEnum):
+    """How one activation attempt ended, as the runtime reports it."""
+
     RAN = "ran"  # the activation ran and committed what it did
     BUSY = "busy"  # another activation holds the lease; it will see our events
     CONFLICT = "conflict"  # someone else committed first; nothing was written
@@ -47,8 +49,10 @@ class Outcome(StrEnum):
 
 @dataclass(frozen=True)
 class ActivationResult:
+    """The outcome of ``SessionRuntime.activate`` and what the activation did."""
+
     session_id: str
-    outcome: Outcome
+    outcome: ActivationOutcome
     state: SessionState | None = None
     generation: int | None = None
     applied: int = 0
@@ -64,6 +68,8 @@ def lease_name(session_id: str) -> str:
 
 
 class SessionRuntime:
+    """Runs activations of any session under its lease; one per process and owner."""
+
     def __init__(self, deps: Services, *, owner: str) -> None:
         self.deps = deps
         self.plugins = deps.plugins
@@ -72,11 +78,12 @@ class SessionRuntime:
     async def activate(
         self, session_id: str, *, reason: Reason = Reason.EVENT, requested_at: float | None = None
     ) -> ActivationResult:
-        result = ActivationResult(session_id, Outcome.BUSY)
+        """Activate until the inbox holds nothing this session has not seen."""
+        result = ActivationResult(session_id, ActivationOutcome.BUSY)
         for _ in range(MAX_ROUNDS):
             result, snapshot = await self._leased(session_id, reason, requested_at)
             requested_at = None
-            if result.outcome is not Outcome.RAN or snapshot is None:
+            if result.outcome is not ActivationOutcome.RAN or snapshot is None:
                 return result
             # Unschedule the wake-up first, then look: an event written after our look
             # schedules its own wake-up after our unschedule, so none is ever orphaned.
@@ -97,12 +104,12 @@ class SessionRuntime:
             name=lease_name(session_id), owner=self.owner, ttl=config.lease_ttl, now=clock.now()
         )
         if lease is None:
-            return ActivationResult(session_id, Outcome.BUSY), None
+            return ActivationResult(session_id, ActivationOutcome.BUSY), None
         heartbeat = Heartbeat(
             index, lease, clock=clock, period=config.heartbeat_period, ttl=config.lease_ttl
         ).start()
         activation: Activation | None = None
-        outcome = Outcome.RAN
+        outcome = ActivationOutcome.RAN
         # Who brings the session back if this activation does not finish: a released lease
         # needs a retry timer; a lease left alone expires and the reconciler recovers it.
         release = False
@@ -111,18 +118,22 @@ class SessionRuntime:
                 snapshot = await self.deps.snapshots.load(session_id)
             except SnapshotNotFound:
                 release = True
-                return ActivationResult(session_id, Outcome.MISSING), None
+                return ActivationResult(session_id, ActivationOutcome.MISSING), None
             activation = Activation(self.deps, snapshot, heartbeat, self._agent(snapshot))
             await activation.drive(reason)
             release = True
         except (CommitConflict, LeaseLost) as exc:
             # Someone else wrote or holds the session. If they finish its work, the retry
             # finds nothing to do; if they vanished, the retry picks it up again.
-            outcome = Outcome.CONFLICT if isinstance(exc, CommitConflict) else Outcome.LEASE_LOST
+            outcome = (
+                ActivationOutcome.CONFLICT
+                if isinstance(exc, CommitConflict)
+                else ActivationOutcome.LEASE_LOST
+            )
             await self._retry_soon(session_id)
             release = True
         except StopActivation:
-            outcome, release = Outcome.STOPPED, True
+            outcome, release = ActivationOutcome.STOPPED, True
         except Exception:
             # Storage trouble mid-run: schedule the retry, and only then let the lease go.
             await self._retry_soon(session_id)
@@ -151,7 +162,9 @@ class SessionRuntime:
             return None
 
     @staticmethod
-    def _result(act: Activation, outcome: Outcome, requested_at: float | None) -> ActivationResult:
+    def _result(
+        act: Activation, outcome: ActivationOutcome, requested_at: float | None
+    ) -> ActivationResult:
         latency = None
         first = act.stats.first_step_at
         if requested_at is not None and first is not None:
