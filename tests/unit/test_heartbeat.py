@@ -1,0 +1,131 @@
+"""The lease heartbeat: renews with the clock's now, notices a lost lease, stops cleanly.
+
+It runs against the embedded SQLite index (a real adapter, no Redis) with a ManualClock,
+so lease expiry follows the test's time, not the wall clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from storage.sqlite_index import SqliteIndex
+from tests.support.factories import NOW
+from torpor.clock import ManualClock
+from torpor.errors import IndexUnavailable
+from torpor.ports import Lease
+from torpor.session.heartbeat import Heartbeat
+
+PERIOD = timedelta(milliseconds=5)
+TTL = timedelta(seconds=45)
+NAME = "session:s_1"
+
+
+async def until(condition: Callable[[], bool], *, timeout_s: float = 5.0) -> None:
+    """Wait for ``condition`` to hold, failing after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+def beats(lease: Lease) -> list[asyncio.Task[object]]:
+    return [t for t in asyncio.all_tasks() if t.get_name() == f"heartbeat:{lease.name}"]
+
+
+async def take(index: SqliteIndex, clock: ManualClock, owner: str = "host-a") -> Lease:
+    lease = await index.acquire_lease(name=NAME, owner=owner, ttl=TTL, now=clock.now())
+    assert lease is not None
+    return lease
+
+
+async def test_renews_the_lease_from_the_clocks_now(sqlite_index: SqliteIndex) -> None:
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    clock.advance(30)
+    heartbeat = Heartbeat(sqlite_index, lease, clock=clock, period=PERIOD, ttl=TTL).start()
+    try:
+        await until(lambda: heartbeat.lease.expires_at == NOW + timedelta(seconds=30) + TTL)
+        assert not heartbeat.lost and heartbeat.lease.token == lease.token
+        # The index holds the renewed expiry: past the first TTL the lease is still live.
+        assert await sqlite_index.expired_leases(now=NOW + TTL, limit=10) == []
+        after = NOW + timedelta(seconds=30) + TTL
+        assert await sqlite_index.expired_leases(now=after, limit=10) == [NAME]
+    finally:
+        await heartbeat.stop()
+
+
+async def test_a_lease_taken_over_is_noticed_as_lost(sqlite_index: SqliteIndex) -> None:
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    clock.advance(TTL.total_seconds() + 1)  # the holder missed its heartbeats
+    thief = await take(sqlite_index, clock, owner="host-b")
+    heartbeat = Heartbeat(sqlite_index, lease, clock=clock, period=PERIOD, ttl=TTL).start()
+    try:
+        await until(lambda: heartbeat.lost)
+        await until(lambda: not beats(lease))  # it stops renewing once lost
+        assert heartbeat.lease == lease  # never adopts someone else's lease
+        # The new holder's lease is untouched by the old holder's attempts.
+        assert await sqlite_index.renew_lease(thief, ttl=TTL, now=clock.now()) is not None
+    finally:
+        await heartbeat.stop()
+
+
+async def test_a_released_lease_is_noticed_as_lost(sqlite_index: SqliteIndex) -> None:
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    assert await sqlite_index.release_lease(lease)
+    heartbeat = Heartbeat(sqlite_index, lease, clock=clock, period=PERIOD, ttl=TTL).start()
+    try:
+        await until(lambda: heartbeat.lost)
+    finally:
+        await heartbeat.stop()
+
+
+class FlakyIndex:
+    """The SQLite index, unreachable for its first ``failures`` renewals."""
+
+    def __init__(self, index: SqliteIndex, failures: int) -> None:
+        self.index = index
+        self.failures = failures
+        self.calls = 0
+
+    async def renew_lease(self, lease: Lease, *, ttl: timedelta, now: datetime) -> Lease | None:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise IndexUnavailable("index down")
+        return await self.index.renew_lease(lease, ttl=ttl, now=now)
+
+
+async def test_an_unreachable_index_is_retried_not_taken_as_loss(
+    sqlite_index: SqliteIndex,
+) -> None:
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    clock.advance(10)
+    flaky = FlakyIndex(sqlite_index, failures=2)
+    heartbeat = Heartbeat(flaky, lease, clock=clock, period=PERIOD, ttl=TTL).start()  # type: ignore[arg-type]
+    try:
+        await until(lambda: heartbeat.lease.expires_at == NOW + timedelta(seconds=10) + TTL)
+        assert flaky.calls == 3 and not heartbeat.lost
+    finally:
+        await heartbeat.stop()
+
+
+async def test_stop_ends_the_renewals(sqlite_index: SqliteIndex) -> None:
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    heartbeat = Heartbeat(sqlite_index, lease, clock=clock, period=PERIOD, ttl=TTL).start()
+    assert len(beats(lease)) == 1
+    await heartbeat.stop()
+    assert beats(lease) == []
+    await heartbeat.stop()  # stopping twice is harmless
+    assert not heartbeat.lost
+
+
+async def test_stop_before_start_is_harmless(sqlite_index: SqliteIndex) -> None:
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    await Heartbeat(sqlite_index, lease, clock=clock, period=PERIOD, ttl=TTL).stop()
