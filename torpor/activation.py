@@ -209,7 +209,9 @@ class Activation:
                 continue
             binding = binding_of(self.snap, wait)
             await self.deps.correlations.record(binding, business_key=wait.business_key)
-            await self.deps.index.bind_wait(binding, business_key=wait.business_key, grace=grace)
+            await self.deps.index.bind_wait(
+                binding, business_key=wait.business_key, grace=grace, now=self.now
+            )
             tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
             if isinstance(tool, LongRunningTool) and tool.can_poll:
                 await self.deps.index.schedule(
