@@ -17,6 +17,8 @@ import pytest
 import redis
 
 from storage.local_store import LocalObjectStore
+from storage.memory_index import MemoryIndex
+from storage.memory_store import MemoryObjectStore
 from storage.redis_index import RedisIndex
 from storage.s3_store import S3ObjectStore
 from storage.sqlite_index import SqliteIndex
@@ -63,6 +65,13 @@ async def sqlite_index(tmp_path: Path) -> AsyncIterator[SqliteIndex]:
     await index.close()
 
 
+@pytest.fixture
+async def memory_index() -> AsyncIterator[MemoryIndex]:
+    index = MemoryIndex()
+    yield index
+    await index.close()
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3TestServer]:
     server = S3TestServer().start()
@@ -100,6 +109,13 @@ async def s3_store(s3_server: S3TestServer, s3_bucket: str) -> AsyncIterator[S3O
 @pytest.fixture
 async def local_store(tmp_path: Path) -> AsyncIterator[LocalObjectStore]:
     store = LocalObjectStore(tmp_path / "objects")
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+async def memory_store() -> AsyncIterator[MemoryObjectStore]:
+    store = MemoryObjectStore()
     yield store
     await store.close()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from storage.memory_index import MemoryIndex
 from storage.redis_index import RedisIndex
 from storage.sqlite_index import SqliteIndex
 from tests.support.race import race
@@ -387,3 +388,9 @@ class TestSqliteIndex(IndexContract):
     def test_races_have_exactly_one_winner(self, op: str, tmp_path: Path) -> None:
         winners = race(("sqlite", {"path": str(tmp_path / "race.db")}), op, workers=6, rounds=20)
         assert all(len(w) == 1 for w in winners.values()), winners
+
+
+class TestMemoryIndex(IndexContract):
+    @pytest.fixture
+    def index(self, memory_index: MemoryIndex) -> Index:
+        return memory_index
