@@ -75,6 +75,7 @@ async def bytes_per_wait(url: str, waits: int, *, spread_s: float) -> float:
             ),
             business_key=f"PR-{i:06d}",
             grace=timedelta(days=7),
+            now=now,
         )
     after = int(client.info("memory")["used_memory"])
     for key in client.scan_iter(match=prefix + "*", count=1000):

@@ -2,6 +2,8 @@
 
 ``file://PATH`` and ``sqlite://PATH`` are the embedded defaults (one host);
 ``s3://bucket/prefix`` and ``redis://…`` / ``rediss://…`` are for clusters.
+``memory://`` keeps everything in the opening process (each call opens an empty one):
+for unit tests that need neither a folder nor a service.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from storage.local_store import LocalObjectStore
+from storage.memory_index import MemoryIndex
+from storage.memory_store import MemoryObjectStore
 from storage.sqlite_index import SqliteIndex
 from torpor.errors import ConfigError, EmbeddedBackendOnCluster
 from torpor.ports import Index, ObjectStore
@@ -43,6 +47,8 @@ def open_object_store(settings: Settings) -> ObjectStore:
         )
     if url.startswith("file://") or "://" not in url:
         return LocalObjectStore(_local_path(url, "file"))
+    if url.startswith("memory://"):
+        return MemoryObjectStore()
     raise ConfigError(f"object store URL {url!r}: use s3://bucket/prefix or file://path")
 
 
@@ -59,11 +65,22 @@ def open_index(settings: Settings) -> Index:
         )
     if url.startswith("sqlite://"):
         return SqliteIndex(_local_path(url, "sqlite"))
+    if url.startswith("memory://"):
+        return MemoryIndex()
     raise ConfigError(f"index URL {url!r}: use redis://host:port/db or sqlite://path")
 
 
 def check_embedded_allowed(settings: Settings, *, alive_nodes: int) -> None:
-    """The local folder and SQLite are only shared by processes on one host."""
+    """The local folder and SQLite are only shared by processes on one host; memory
+    storage by nobody, so never under Ray, which runs torpor in several processes."""
+    in_memory = [
+        u for u in (settings.object_store_url, settings.index_url) if u.startswith("memory:")
+    ]
+    if in_memory:
+        raise ConfigError(
+            f"{in_memory[0]} storage lives in one process and Ray runs several: "
+            "use it only in tests that run torpor in-process"
+        )
     if alive_nodes > 1 and settings.embedded:
         raise EmbeddedBackendOnCluster(
             f"this Ray cluster has {alive_nodes} nodes, but torpor is configured with "

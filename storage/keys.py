@@ -164,10 +164,6 @@ class RedisKeys:
         return f"{self.prefix}ss:{tenant}:{state.value if state else '*'}"
 
     @property
-    def counters(self) -> str:
-        return f"{self.prefix}m"
-
-    @property
     def intact(self) -> str:
         return f"{self.prefix}intact"
 

@@ -17,6 +17,8 @@ import pytest
 import redis
 
 from storage.local_store import LocalObjectStore
+from storage.memory_index import MemoryIndex
+from storage.memory_store import MemoryObjectStore
 from storage.redis_index import RedisIndex
 from storage.s3_store import S3ObjectStore
 from storage.sqlite_index import SqliteIndex
@@ -24,6 +26,41 @@ from tests.support.s3_server import S3TestServer
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 BUCKET = "torpor-test"
+
+# The declared markers, applied here so nobody has to remember them: by the service
+# fixtures a test uses (directly or through other fixtures), and for Ray by folder or by a
+# module that starts Ray itself. ``-m "not ray and not redis and not s3"`` then needs no
+# service at all, and ``-m "not ray"`` is the fast inner loop.
+_MARK_BY_FIXTURE = {
+    "redis_url": "redis",
+    "redis_index": "redis",
+    "redis_prefix": "redis",
+    "s3_server": "s3",
+    "s3_store": "s3",
+    "s3_bucket": "s3",
+}
+_RAY_FOLDERS = {"ray", "ingress", "multinode", "e2e"}
+_TESTS = Path(__file__).parent
+
+
+def _starts_ray(path: Path, cache: dict[Path, bool]) -> bool:
+    if path not in cache:
+        cache[path] = "ray.init(" in path.read_text(encoding="utf-8")
+    return cache[path]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    starts_ray: dict[Path, bool] = {}
+    for item in items:
+        marks = {
+            _MARK_BY_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in _MARK_BY_FIXTURE
+        }
+        path = Path(item.path)
+        folder = path.relative_to(_TESTS).parts[0] if path.is_relative_to(_TESTS) else ""
+        if folder in _RAY_FOLDERS or _starts_ray(path, starts_ray):
+            marks.add("ray")
+        for name in sorted(marks):
+            item.add_marker(name)
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +96,13 @@ async def redis_index(redis_url: str, redis_prefix: str) -> AsyncIterator[RedisI
 @pytest.fixture
 async def sqlite_index(tmp_path: Path) -> AsyncIterator[SqliteIndex]:
     index = SqliteIndex(tmp_path / "index.db")
+    yield index
+    await index.close()
+
+
+@pytest.fixture
+async def memory_index() -> AsyncIterator[MemoryIndex]:
+    index = MemoryIndex()
     yield index
     await index.close()
 
@@ -100,6 +144,13 @@ async def s3_store(s3_server: S3TestServer, s3_bucket: str) -> AsyncIterator[S3O
 @pytest.fixture
 async def local_store(tmp_path: Path) -> AsyncIterator[LocalObjectStore]:
     store = LocalObjectStore(tmp_path / "objects")
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+async def memory_store() -> AsyncIterator[MemoryObjectStore]:
+    store = MemoryObjectStore()
     yield store
     await store.close()
 

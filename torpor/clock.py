@@ -14,7 +14,9 @@ class ManualClock:
     """A clock that moves only when told to."""
 
     def __init__(self, start: datetime | None = None) -> None:
-        # Defaults to the real now: TTL-style expiry in the indexes follows the wall clock.
+        # The indexes decide expiry by the ``now`` they are given, so any start works for
+        # them; the default is the real now only because tests check outbound signatures
+        # with third-party verifiers that read the wall clock.
         self._now = start or datetime.now(UTC)
 
     def now(self) -> datetime:

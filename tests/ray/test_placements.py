@@ -207,13 +207,20 @@ async def test_flushed_redis_is_rebuilt_and_sessions_still_resume(
             if b"world:" not in key:  # keep the simulated OA/ERP world; lose the index
                 client.delete(key)
         client.close()
-        assert await env.services.index.resolve(tenant="acme", correlation_id=cids[sids[0]]) is None
+        assert (
+            await env.services.index.resolve(
+                tenant="acme", now=env.clock.now(), correlation_id=cids[sids[0]]
+            )
+            is None
+        )
         report = await env.sweeper.sweep_once()
         assert report.repaired_waits == 4
         for sid in sids:
-            assert await env.services.index.resolve(tenant="acme", correlation_id=cids[sid])
             assert await env.services.index.resolve(
-                tenant="acme", business_key=f"PR-F{sids.index(sid)}"
+                tenant="acme", now=env.clock.now(), correlation_id=cids[sid]
+            )
+            assert await env.services.index.resolve(
+                tenant="acme", now=env.clock.now(), business_key=f"PR-F{sids.index(sid)}"
             )
             await env.answer(sid, {"status": "approved"})
         for sid in sids:

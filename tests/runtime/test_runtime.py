@@ -42,9 +42,13 @@ async def test_suspends_on_long_running_tool_and_binds_the_callback(env: Env) ->
     assert snap.state is S.SUSPENDED
     [wait] = snap.waits
     assert wait.tool_name == "request_approval" and wait.epoch == snap.epoch == 1
-    binding = await env.services.index.resolve(tenant="acme", correlation_id=wait.correlation_id)
+    binding = await env.services.index.resolve(
+        tenant="acme", now=env.clock.now(), correlation_id=wait.correlation_id
+    )
     assert binding is not None and binding.session_id == sid
-    by_key = await env.services.index.resolve(tenant="acme", business_key="PR-1")
+    by_key = await env.services.index.resolve(
+        tenant="acme", now=env.clock.now(), business_key="PR-1"
+    )
     assert by_key == binding
     assert await env.services.correlations.lookup(wait.correlation_id) == binding
     # dispatched once, with the business idempotency key tenant:action_key:epoch
@@ -63,7 +67,10 @@ async def test_callback_resumes_and_completes(env: Env) -> None:
     assert snap.state is S.COMPLETED
     assert snap.result == {"decision": "approved", "doc": "PR-1"}
     assert snap.epoch == 2 and snap.waits == []
-    assert await env.services.index.resolve(tenant="acme", correlation_id=cid) is None
+    assert (
+        await env.services.index.resolve(tenant="acme", now=env.clock.now(), correlation_id=cid)
+        is None
+    )
     tool_messages = [m for m in snap.messages if m.role == "tool"]
     assert tool_messages[-1].tool_call_id == "call_approve_1_0"
     assert [h.state for h in snap.history] == [
@@ -132,7 +139,12 @@ async def test_sla_expiry_times_out_and_compensates_once(make_env: MakeEnv) -> N
         assert snap.state is S.TIMED_OUT and snap.error and snap.error.code == "sla_expired"
         assert await env.world.counts("compensate") == {"acme:approve:PR-1:1:compensate": 1}
         # a callback that comes after the deadline cannot revive it
-        assert await env.services.index.resolve(tenant="acme", business_key="PR-1") is None
+        assert (
+            await env.services.index.resolve(
+                tenant="acme", now=env.clock.now(), business_key="PR-1"
+            )
+            is None
+        )
 
 
 async def test_callback_received_after_deadline_times_out(make_env: MakeEnv) -> None:
@@ -265,6 +277,7 @@ async def test_submission_in_progress_is_a_conflict(env: Env) -> None:
         fingerprint="whatever",
         session_id="s_x",
         ttl=__import__("datetime").timedelta(hours=1),
+        now=env.clock.now(),
     )
     from torpor.service.sessions import fingerprint
 
@@ -276,6 +289,7 @@ async def test_submission_in_progress_is_a_conflict(env: Env) -> None:
         fingerprint=fp,
         session_id="s_x",
         ttl=__import__("datetime").timedelta(hours=1),
+        now=env.clock.now(),
     )
     with pytest.raises(IdempotencyInProgress):
         await env.control.submit(

@@ -1,4 +1,4 @@
-"""One contract, every object store: the local folder and S3 over real HTTP (moto)."""
+"""One contract, every object store: the local folder, memory, and S3 over real HTTP (moto)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from storage.local_store import LocalObjectStore
+from storage.memory_store import MemoryObjectStore
 from storage.s3_store import S3ObjectStore
 from tests.support.race import race
 from tests.support.s3_server import S3TestServer
@@ -133,6 +134,12 @@ class TestLocalObjectStore(ObjectStoreContract):
             ("local", {"root": str(root)}), "put_if_match", workers=6, rounds=20, etags=list(etags)
         )
         assert all(len(w) == 1 for w in winners.values()), winners
+
+
+class TestMemoryObjectStore(ObjectStoreContract):
+    @pytest.fixture
+    def store(self, memory_store: MemoryObjectStore) -> ObjectStore:
+        return memory_store
 
 
 @pytest.mark.s3

@@ -104,7 +104,7 @@ class Env:
         snap = await self.load(session_id)
         wait = snap.waits[0]
         binding = await self.services.index.resolve(
-            tenant=snap.tenant, correlation_id=wait.correlation_id
+            tenant=snap.tenant, now=self.clock.now(), correlation_id=wait.correlation_id
         )
         assert binding is not None
         return await self.control.deliver(

@@ -47,7 +47,15 @@ async def _attempt(target: Any, op: str, round_no: int, worker: int, etag: str |
             assert etag is not None
             await target.put_if_match(key, f"worker {worker}".encode(), etag=etag)
         elif op == "nonce":
-            return bool(await target.claim_nonce(scope="race", nonce=key, ttl=timedelta(minutes=5)))
+            admission = await target.admit(
+                claims=[("race", key)],
+                ttl=timedelta(minutes=5),
+                now=datetime.now(UTC),
+                tenant="t",
+                correlation_id=None,
+                business_key=None,
+            )
+            return bool(admission.fresh)
         elif op == "lease":
             now = datetime.now(UTC)
             lease = await target.acquire_lease(
@@ -61,6 +69,7 @@ async def _attempt(target: Any, op: str, round_no: int, worker: int, etag: str |
                 fingerprint="fp",
                 session_id=f"s{worker}",
                 ttl=timedelta(minutes=5),
+                now=datetime.now(UTC),
             )
             return bool(record.created)
         else:

@@ -1,6 +1,11 @@
 """The index port: a fast, rebuildable lookup plus coordination (nonces, deadlines,
 idempotency keys, leases). Losing the index loses no session: the reconciler rebuilds it
-from the object store."""
+from the object store.
+
+The port is split by role (waits, timers, claims, leases, session registry, health) so
+code can ask for only the role it uses; ``Index`` is all of them, as adapters provide it.
+Every method that decides whether something has expired takes the caller's ``now``:
+no adapter reads the wall clock, so a manual clock drives them all."""
 
 from __future__ import annotations
 
@@ -68,63 +73,64 @@ class SessionPage:
     next_cursor: str | None
 
 
-class Index(Protocol):
-    @property
-    def url(self) -> str: ...
+class WaitIndex(Protocol):
+    """Open waits: route a callback to its session, and find the overdue ones."""
 
-    async def ping(self) -> None:
-        """Raise ``IndexUnavailable`` if the index cannot be reached."""
-        ...
-
-    async def close(self) -> None: ...
-
-    # -- waits --
     async def bind_wait(
-        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
     ) -> None:
         """Atomically: correlation id → binding, business key → correlation id, deadline
         into the SLA set. Entries expire at deadline + grace."""
         ...
 
     async def resolve(
-        self, *, tenant: str, correlation_id: str | None = None, business_key: str | None = None
+        self,
+        *,
+        tenant: str,
+        now: datetime,
+        correlation_id: str | None = None,
+        business_key: str | None = None,
     ) -> WaitBinding | None:
-        """Find a bound wait by correlation id or business key, only within ``tenant``."""
+        """Find a wait bound and unexpired at ``now`` by correlation id or business key,
+        only within ``tenant``."""
         ...
 
     async def unbind(self, *, tenant: str, correlation_id: str, business_key: str | None) -> None:
         """Remove a wait; the business-key pointer only if it still names this wait."""
         ...
 
-    async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]: ...
+    async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]:
+        """Waits whose deadline passed by ``now`` (earliest first); entries past deadline
+        + grace are dropped instead."""
+        ...
 
-    # -- timers (wake, poll, retry) --
+
+class TimerIndex(Protocol):
+    """Timers by kind (wake, poll, retry, deliver): one entry per member, rescheduling moves it."""
+
     async def schedule(self, *, kind: TimerKind, member: str, at: datetime) -> None: ...
 
     async def unschedule(self, *, kind: TimerKind, member: str) -> None: ...
 
     async def due(self, *, kind: TimerKind, now: datetime, limit: int) -> list[str]: ...
 
-    # -- dedupe and idempotency --
-    async def claim_nonce(self, *, scope: str, nonce: str, ttl: timedelta) -> bool:
-        """``SET NX EX``: True for the first claim of (scope, nonce) within ``ttl``."""
-        ...
 
-    async def claim_nonces(self, claims: list[tuple[str, str]], *, ttl: timedelta) -> bool:
-        """Claim several (scope, nonce) pairs at once, all or none: one round trip."""
-        ...
+class ClaimIndex(Protocol):
+    """First-claim-wins keys: webhook replay nonces and request idempotency keys."""
 
     async def admit(
         self,
         *,
         claims: list[tuple[str, str]],
         ttl: timedelta,
+        now: datetime,
         tenant: str,
         correlation_id: str | None,
         business_key: str | None,
     ) -> Admission:
-        """``claim_nonces`` and ``resolve`` together, in one round trip where the backend
-        can: the webhook hot path. A refused claim resolves nothing."""
+        """Claim every (scope, nonce) pair for ``ttl``, all or none, and resolve the wait
+        together, in one round trip where the backend can: the webhook hot path. A refused
+        claim resolves nothing."""
         ...
 
     async def release_nonce(self, *, scope: str, nonce: str) -> None:
@@ -132,18 +138,30 @@ class Index(Protocol):
         ...
 
     async def claim_idempotency(
-        self, *, tenant: str, key: str, fingerprint: str, session_id: str, ttl: timedelta
+        self,
+        *,
+        tenant: str,
+        key: str,
+        fingerprint: str,
+        session_id: str,
+        ttl: timedelta,
+        now: datetime,
     ) -> IdempotencyRecord:
         """Claim ``key`` for ``session_id`` or return who holds it."""
         ...
 
-    async def finish_idempotency(self, *, tenant: str, key: str, ttl: timedelta) -> None: ...
+    async def finish_idempotency(
+        self, *, tenant: str, key: str, ttl: timedelta, now: datetime
+    ) -> None: ...
 
     async def release_idempotency(self, *, tenant: str, key: str) -> None:
         """Forget a claim whose creation failed, so a retry can succeed."""
         ...
 
-    # -- leases with fencing tokens --
+
+class LeaseIndex(Protocol):
+    """Leases with fencing tokens: who runs a session, and whose holder died."""
+
     async def acquire_lease(
         self, *, name: str, owner: str, ttl: timedelta, now: datetime
     ) -> Lease | None: ...
@@ -163,7 +181,10 @@ class Index(Protocol):
         was dealt with and nobody re-acquired it)."""
         ...
 
-    # -- session registry (for listings and batch progress; rebuildable) --
+
+class SessionRegistry(Protocol):
+    """Session states for listings and batch progress; rebuildable from the snapshots."""
+
     async def record_session(
         self, *, tenant: str, session_id: str, state: SessionState, generation: int
     ) -> None:
@@ -178,12 +199,24 @@ class Index(Protocol):
         self, *, tenant: str, state: SessionState | None, cursor: str | None, limit: int
     ) -> SessionPage: ...
 
-    # -- metrics counters --
-    async def incr(self, name: str, by: int = 1) -> int: ...
 
-    async def counters(self) -> dict[str, int]: ...
+class IndexHealth(Protocol):
+    """Reachability, shutdown, and the marker that lets the reconciler notice a flushed
+    or replaced index."""
 
-    # -- integrity: lets the reconciler notice a flushed or replaced index --
+    @property
+    def url(self) -> str: ...
+
+    async def ping(self) -> None:
+        """Raise ``IndexUnavailable`` if the index cannot be reached."""
+        ...
+
+    async def close(self) -> None: ...
+
     async def mark_intact(self) -> None: ...
 
     async def is_intact(self) -> bool: ...
+
+
+class Index(WaitIndex, TimerIndex, ClaimIndex, LeaseIndex, SessionRegistry, IndexHealth, Protocol):
+    """Every role at once: what an adapter provides and the dependency bag carries."""

@@ -121,6 +121,7 @@ class WebhookGateway:
         admission = await self.services.index.admit(
             claims=claims,
             ttl=ttl,
+            now=now,
             tenant=source.tenant,
             correlation_id=first.correlation_id,
             business_key=None if first.correlation_id else first.business_key,
@@ -135,7 +136,7 @@ class WebhookGateway:
                 binding = (
                     admission.binding or await self._durable(source.tenant, event)
                     if i == 0
-                    else await self._resolve(source.tenant, event)
+                    else await self._resolve(source.tenant, event, now)
                 )
                 routed.append(
                     await self._route(source_name, binding, event, verified, body_sha, trace, now)
@@ -161,13 +162,13 @@ class WebhookGateway:
             claims.append((f"nonce:{source_name}", verified.delivery_id))
         return claims, ttl
 
-    async def _resolve(self, tenant: str, event: InboundEvent) -> WaitBinding | None:
+    async def _resolve(self, tenant: str, event: InboundEvent, now: datetime) -> WaitBinding | None:
         index = self.services.index
         found = None
         if event.correlation_id:
-            found = await index.resolve(tenant=tenant, correlation_id=event.correlation_id)
+            found = await index.resolve(tenant=tenant, now=now, correlation_id=event.correlation_id)
         elif event.business_key:
-            found = await index.resolve(tenant=tenant, business_key=event.business_key)
+            found = await index.resolve(tenant=tenant, now=now, business_key=event.business_key)
         return found or await self._durable(tenant, event)
 
     async def _durable(self, tenant: str, event: InboundEvent) -> WaitBinding | None:

@@ -139,6 +139,7 @@ class SessionService:
                 fingerprint=fp,
                 session_id=session_id,
                 ttl=IDEMPOTENCY_TTL,
+                now=self._now,
             )
             if not claim.created:
                 if claim.fingerprint != fp:
@@ -176,7 +177,9 @@ class SessionService:
                 await index.release_idempotency(tenant=tenant, key=idempotency_key)
             raise
         if idempotency_key is not None:
-            await index.finish_idempotency(tenant=tenant, key=idempotency_key, ttl=IDEMPOTENCY_TTL)
+            await index.finish_idempotency(
+                tenant=tenant, key=idempotency_key, ttl=IDEMPOTENCY_TTL, now=self._now
+            )
         await self.activate(session_id, reason=Reason.SUBMIT, agent=agent)
         return Submitted(session_id, created=True)
 

@@ -232,11 +232,13 @@ class Sweeper:
                 report.errors.append(f"repair {header.session_id}: {exc}")
                 continue
             for wait in snapshot.waits:
-                if await index.resolve(tenant=snapshot.tenant, correlation_id=wait.correlation_id):
+                if await index.resolve(
+                    tenant=snapshot.tenant, now=now, correlation_id=wait.correlation_id
+                ):
                     continue
                 binding = binding_of(snapshot, wait)
                 await self.services.correlations.record(binding, business_key=wait.business_key)
-                await index.bind_wait(binding, business_key=wait.business_key, grace=grace)
+                await index.bind_wait(binding, business_key=wait.business_key, grace=grace, now=now)
                 if self._tool(snapshot, wait.tool_name) is not None:
                     await index.schedule(
                         kind=TimerKind.POLL,

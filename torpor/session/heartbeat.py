@@ -14,12 +14,12 @@ import contextlib
 from datetime import timedelta
 
 from torpor.errors import IndexUnavailable
-from torpor.ports import Clock, Index, Lease
+from torpor.ports import Clock, Lease, LeaseIndex
 
 
 class Heartbeat:
     def __init__(
-        self, index: Index, lease: Lease, *, clock: Clock, period: timedelta, ttl: timedelta
+        self, index: LeaseIndex, lease: Lease, *, clock: Clock, period: timedelta, ttl: timedelta
     ) -> None:
         self._index = index
         self.lease = lease

@@ -114,7 +114,9 @@ class Suspender:
                 continue
             binding = binding_of(snap, wait)
             await self.deps.correlations.record(binding, business_key=wait.business_key)
-            await self.deps.index.bind_wait(binding, business_key=wait.business_key, grace=grace)
+            await self.deps.index.bind_wait(
+                binding, business_key=wait.business_key, grace=grace, now=self.work.now
+            )
             tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
             if isinstance(tool, LongRunningTool) and tool.can_poll:
                 await self.deps.index.schedule(

@@ -1,0 +1,25 @@
+"""Reachability, shutdown and the integrity marker of the in-memory index."""
+
+from __future__ import annotations
+
+
+class MemoryHealth:
+    def __init__(self) -> None:
+        self._intact = False
+        super().__init__()
+
+    @property
+    def url(self) -> str:
+        return "memory://"
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def mark_intact(self) -> None:
+        self._intact = True
+
+    async def is_intact(self) -> bool:
+        return self._intact

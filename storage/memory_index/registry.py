@@ -1,0 +1,37 @@
+"""The session registry in memory: last generation wins, listings newest first."""
+
+from __future__ import annotations
+
+from torpor.lifecycle import SessionState
+from torpor.ports import SessionPage
+
+
+class MemorySessionRegistry:
+    def __init__(self) -> None:
+        self._sessions: dict[str, tuple[str, SessionState, int]] = {}  # id → tenant, state, gen
+        super().__init__()
+
+    async def record_session(
+        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> None:
+        current = self._sessions.get(session_id)
+        if current is not None and current[2] > generation:
+            return  # last generation wins: a late repair never puts an old state back
+        self._sessions[session_id] = (tenant, state, generation)
+
+    async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]:
+        return {sid: self._sessions[sid][1] for sid in session_ids if sid in self._sessions}
+
+    async def list_sessions(
+        self, *, tenant: str, state: SessionState | None, cursor: str | None, limit: int
+    ) -> SessionPage:
+        ids = sorted(
+            (
+                sid
+                for sid, (t, s, _) in self._sessions.items()
+                if t == tenant and state in (None, s) and (cursor is None or sid < cursor)
+            ),
+            reverse=True,
+        )
+        page = ids[:limit]
+        return SessionPage(page, page[-1] if len(ids) > limit else None)

@@ -1,0 +1,95 @@
+"""Replay nonces and idempotency keys in Redis: first claim wins, Redis TTLs forget them.
+
+Both expire by a relative Redis TTL (server-side), so the caller's ``now`` is not needed
+to decide their expiry here; it only decides whether the resolved wait is still live.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from storage.redis_index.connection import RedisConnection, ms, opt_text, translate
+from storage.redis_index.waits import live
+from torpor.ports import Admission, IdempotencyRecord, IdempotencyStatus
+
+# All or none: a replay must not consume one claim of a pair and fail on the other.
+_CLAIM_ALL = """
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end
+end
+for i = 1, #KEYS do redis.call('SET', KEYS[i], '1', 'PX', ARGV[1]) end
+return 1
+"""
+
+_CLAIM_IDEMPOTENCY = """
+local cur = redis.call('HMGET', KEYS[1], 'sid', 'fp', 'st')
+if cur[1] then return {0, cur[1], cur[2], cur[3]} end
+redis.call('HSET', KEYS[1], 'sid', ARGV[1], 'fp', ARGV[2], 'st', 'in_progress')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {1, ARGV[1], ARGV[2], 'in_progress'}
+"""
+
+
+class RedisClaims(RedisConnection):
+    @translate
+    async def admit(
+        self,
+        *,
+        claims: list[tuple[str, str]],
+        ttl: timedelta,
+        now: datetime,
+        tenant: str,
+        correlation_id: str | None,
+        business_key: str | None,
+    ) -> Admission:
+        keys = [self.keys.nonce(scope, nonce) for scope, nonce in claims]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            await self.script(_CLAIM_ALL)(keys=keys, args=[ms(ttl)], client=pipe)
+            if correlation_id is not None:
+                pipe.hget(self.keys.correlation(correlation_id), correlation_id)
+            elif business_key is not None:
+                pipe.hget(*self.keys.business_key(tenant, business_key))
+            answers = await pipe.execute()
+        if not answers[0]:
+            return Admission(False, None)
+        found = opt_text(answers[1]) if len(answers) > 1 else None
+        if found is None:
+            return Admission(True, None)
+        if correlation_id is None:  # a business key gave us the correlation id: one hop more
+            raw = opt_text(await self._redis.hget(self.keys.correlation(found), found))
+            return Admission(True, live(found, raw, tenant=tenant, now=now))
+        return Admission(True, live(correlation_id, found, tenant=tenant, now=now))
+
+    @translate
+    async def release_nonce(self, *, scope: str, nonce: str) -> None:
+        await self._redis.delete(self.keys.nonce(scope, nonce))
+
+    @translate
+    async def claim_idempotency(
+        self,
+        *,
+        tenant: str,
+        key: str,
+        fingerprint: str,
+        session_id: str,
+        ttl: timedelta,
+        now: datetime,
+    ) -> IdempotencyRecord:
+        created, sid, fp, status = await self.script(_CLAIM_IDEMPOTENCY)(
+            keys=[self.keys.idempotency(tenant, key)], args=[session_id, fingerprint, ms(ttl)]
+        )
+        return IdempotencyRecord(key, sid, fp, IdempotencyStatus(status), bool(created))
+
+    @translate
+    async def finish_idempotency(
+        self, *, tenant: str, key: str, ttl: timedelta, now: datetime
+    ) -> None:
+        name = self.keys.idempotency(tenant, key)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(name, "st", IdempotencyStatus.DONE.value)
+            pipe.pexpire(name, ms(ttl))
+            await pipe.execute()
+
+    @translate
+    async def release_idempotency(self, *, tenant: str, key: str) -> None:
+        await self._redis.delete(self.keys.idempotency(tenant, key))

@@ -1,0 +1,100 @@
+"""What every role of the Redis index shares: one client, the key builder, typed errors.
+
+Every multi-key change is one MULTI/EXEC or one Lua script, so a reader never sees half
+of it. Logical time (lease expiry, deadlines, a wait's deadline + grace) is passed in by
+the caller; Redis TTLs, always relative, only garbage-collect entries well after they stop
+mattering, so a caller's clock may differ from the server's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from datetime import timedelta
+from functools import wraps
+from typing import Any, ParamSpec, TypeVar, cast
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from storage.keys import RedisKeys
+from torpor.errors import IndexUnavailable
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def translate(
+    fn: Callable[P, Coroutine[Any, Any, T]],
+) -> Callable[P, Coroutine[Any, Any, T]]:
+    """Turn redis-py's connection errors into the domain's typed IndexUnavailable."""
+
+    @wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        self = cast("RedisConnection", args[0])
+        try:
+            return await fn(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise IndexUnavailable(
+                f"Redis index at {self.url} is not reachable ({type(exc).__name__})"
+            ) from exc
+        except RedisError as exc:
+            raise IndexUnavailable(f"Redis index at {self.url} failed: {exc}") from exc
+
+    return wrapper
+
+
+class RedisConnection:
+    """The state the role mixins share; ``RedisIndex`` composes them over one of these."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "tp:",
+        buckets: int = 512,
+        deadline_shards: int = 128,
+        client: aioredis.Redis | None = None,
+    ) -> None:
+        self._url = url
+        self.keys = RedisKeys(prefix, buckets=buckets, deadline_shards=deadline_shards)
+        self._redis: aioredis.Redis = client or aioredis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5
+        )
+        self._scripts: dict[str, AsyncScript] = {}
+
+    @property
+    def url(self) -> str:
+        # Never show a password that may be in the URL.
+        scheme, _, rest = self._url.partition("://")
+        return f"{scheme}://{rest.rpartition('@')[2]}"
+
+    @property
+    def client(self) -> aioredis.Redis:
+        return self._redis
+
+    def script(self, source: str) -> AsyncScript:
+        """The Lua script ``source``, registered on this client once (it runs by SHA)."""
+        found = self._scripts.get(source)
+        if found is None:
+            found = self._scripts[source] = self._redis.register_script(source)
+        return found
+
+
+def text(value: bytes | str) -> str:
+    # The client decodes responses; this only narrows redis-py's bytes | str annotations.
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def opt_text(value: bytes | str | None) -> str | None:
+    return None if value is None else text(value)
+
+
+def texts(values: Any) -> list[str]:
+    return [text(v) for v in values]
+
+
+def ms(delta: timedelta) -> int:
+    return max(1, int(delta.total_seconds() * 1000))

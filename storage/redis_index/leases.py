@@ -1,0 +1,102 @@
+"""Leases with fencing tokens in Redis: a hash per lease, a counter per name, one expiry set.
+
+Expiry is decided against the caller's ``now``; the relative Redis TTL on a lease hash
+only collects the record a day after it stops mattering.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from storage.redis_index.connection import RedisConnection, ms, texts, translate
+from torpor.clock import from_ms, to_ms
+from torpor.ports import Lease
+
+LEASE_GC = 24 * 3600 * 1000  # keep an expired lease record a day, for post-mortems
+
+# A lease is free if absent or expired at the caller's ``now``. The fencing counter only
+# ever increases, so a stale holder's token is always smaller than the current one.
+_ACQUIRE = """
+local exp = tonumber(redis.call('HGET', KEYS[1], 'exp') or '0')
+local now = tonumber(ARGV[2])
+if exp > now then return nil end
+local token = redis.call('INCR', KEYS[2])
+local new_exp = now + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'exp', new_exp)
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[5]))
+redis.call('ZADD', KEYS[3], new_exp, ARGV[4])
+return {token, new_exp}
+"""
+
+# Renewal needs only that the lease is still ours: a holder whose heartbeat came late but
+# whom nobody replaced may go on (anyone who took over changed owner and token).
+_RENEW = """
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
+local now = tonumber(ARGV[3])
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return nil end
+local new_exp = now + tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], 'exp', new_exp)
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]) + tonumber(ARGV[6]))
+redis.call('ZADD', KEYS[2], new_exp, ARGV[5])
+return new_exp
+"""
+
+_RELEASE = """
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[3])
+return 1
+"""
+
+_FORGET = """
+local exp = tonumber(redis.call('HGET', KEYS[1], 'exp') or '0')
+if exp <= tonumber(ARGV[2]) then redis.call('ZREM', KEYS[2], ARGV[1]) return 1 end
+return 0
+"""
+
+
+class RedisLeases(RedisConnection):
+    @translate
+    async def acquire_lease(
+        self, *, name: str, owner: str, ttl: timedelta, now: datetime
+    ) -> Lease | None:
+        got = await self.script(_ACQUIRE)(
+            keys=[self.keys.lease(name), self.keys.fence(name), self.keys.lease_expiry],
+            args=[owner, to_ms(now), ms(ttl), name, LEASE_GC],
+        )
+        if got is None:
+            return None
+        token, expires = got
+        return Lease(name, owner, int(token), from_ms(int(expires)))
+
+    @translate
+    async def renew_lease(self, lease: Lease, *, ttl: timedelta, now: datetime) -> Lease | None:
+        expires = await self.script(_RENEW)(
+            keys=[self.keys.lease(lease.name), self.keys.lease_expiry],
+            args=[lease.owner, lease.token, to_ms(now), ms(ttl), lease.name, LEASE_GC],
+        )
+        if expires is None:
+            return None
+        return Lease(lease.name, lease.owner, lease.token, from_ms(int(expires)))
+
+    @translate
+    async def release_lease(self, lease: Lease) -> bool:
+        released = await self.script(_RELEASE)(
+            keys=[self.keys.lease(lease.name), self.keys.lease_expiry],
+            args=[lease.owner, lease.token, lease.name],
+        )
+        return bool(released)
+
+    @translate
+    async def expired_leases(self, *, now: datetime, limit: int) -> list[str]:
+        return texts(
+            await self._redis.zrangebyscore(
+                self.keys.lease_expiry, "-inf", to_ms(now), start=0, num=limit
+            )
+        )
+
+    @translate
+    async def forget_lease(self, *, name: str, now: datetime) -> None:
+        keys = [self.keys.lease(name), self.keys.lease_expiry]
+        await self.script(_FORGET)(keys=keys, args=[name, to_ms(now)])

@@ -1,0 +1,70 @@
+"""The session registry in Redis: one state hash, sorted sets per tenant and state."""
+
+from __future__ import annotations
+
+from storage.redis_index.connection import RedisConnection, text, texts, translate
+from torpor.lifecycle import SessionState
+from torpor.ports import SessionPage
+
+# The registry is last-generation-wins: a repair that read an old header while the
+# session moved on must not put the old state back. Members score 0, so sets sort by
+# session id, which starts with the creation time: newest-first pagination for free.
+_RECORD = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then
+  local gen = tonumber(string.match(cur, '|(%d+)$') or '-1')
+  if gen > tonumber(ARGV[2]) then return 0 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. '|' .. ARGV[2])
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+for i = 4, #ARGV do
+  if ARGV[i] == ARGV[3] then
+    redis.call('ZADD', KEYS[i - 1], 0, ARGV[1])
+  else
+    redis.call('ZREM', KEYS[i - 1], ARGV[1])
+  end
+end
+return 1
+"""
+
+
+class RedisSessionRegistry(RedisConnection):
+    @translate
+    async def record_session(
+        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> None:
+        # KEYS: state hash, the all-sessions set, then one set per state in ARGV order.
+        keys = [
+            self.keys.session_state,
+            self.keys.sessions(tenant, None),
+            *(self.keys.sessions(tenant, s) for s in SessionState),
+        ]
+        await self.script(_RECORD)(
+            keys=keys,
+            args=[session_id, generation, state.value, *(s.value for s in SessionState)],
+        )
+
+    @translate
+    async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]:
+        if not session_ids:
+            return {}
+        values = await self._redis.hmget(self.keys.session_state, session_ids)
+        return {
+            sid: SessionState(text(v).partition("|")[0])
+            for sid, v in zip(session_ids, values, strict=True)
+            if v
+        }
+
+    @translate
+    async def list_sessions(
+        self, *, tenant: str, state: SessionState | None, cursor: str | None, limit: int
+    ) -> SessionPage:
+        upper = f"({cursor}" if cursor else "+"
+        ids = texts(
+            await self._redis.zrevrangebylex(
+                self.keys.sessions(tenant, state), upper, "-", start=0, num=limit + 1
+            )
+        )
+        more = len(ids) > limit
+        ids = ids[:limit]
+        return SessionPage(ids, ids[-1] if more else None)

@@ -1,0 +1,174 @@
+"""Open waits in Redis: correlation and business-key buckets, deadline shards by hour.
+
+A wait is three entries: a field in a correlation hash bucket, a business-key pointer in
+a hash bucket, and a member of one shard of its deadline hour's sorted sets (the hour is
+listed in an hour index). Buckets keep each structure small enough for Redis' compact
+listpack encoding. Hash fields cannot carry a TTL before Redis 7.4, so each entry holds
+its own expiry (deadline + grace), checked against the caller's ``now``, and each bucket
+key lives at least as long as its latest entry.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from storage.bindings import StoredBinding, decode_binding, encode_binding
+from storage.redis_index.connection import RedisConnection, opt_text, texts, translate
+from torpor.clock import to_ms
+from torpor.ports import WaitBinding
+
+# ARGV[6] is the time to live of the new entry: a bucket's TTL only ever grows.
+_BIND = """
+local function extend(key, ttl)
+  if redis.call('PTTL', key) < tonumber(ttl) then redis.call('PEXPIRE', key, ttl) end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+extend(KEYS[1], ARGV[6])
+if KEYS[2] ~= '' then
+  redis.call('HSET', KEYS[2], ARGV[3], ARGV[1])
+  extend(KEYS[2], ARGV[6])
+end
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
+extend(KEYS[3], ARGV[6])
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[5])
+return 1
+"""
+
+# Unbind removes the business-key pointer only if it still names this wait: a newer wait
+# with the same business key may have taken it over.
+_UNBIND = """
+redis.call('HDEL', KEYS[1], ARGV[1])
+if KEYS[2] ~= '' and redis.call('HGET', KEYS[2], ARGV[2]) == ARGV[1] then
+  redis.call('HDEL', KEYS[2], ARGV[2])
+end
+redis.call('ZREM', KEYS[3], ARGV[1])
+return 1
+"""
+
+# An hour leaves the hour index only when every one of its shards is empty, checked and
+# removed in one script so that a concurrent bind into that hour cannot be orphaned.
+_RETIRE_HOUR = """
+for i = 2, #KEYS do
+  if redis.call('ZCARD', KEYS[i]) > 0 then return 0 end
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+def _hour(deadline: datetime) -> int:
+    return to_ms(deadline) // 3_600_000
+
+
+def live(correlation_id: str, raw: str | None, *, tenant: str, now: datetime) -> WaitBinding | None:
+    """The binding an encoded entry holds if it belongs to ``tenant`` and is unexpired."""
+    stored = decode_binding(correlation_id, raw) if raw else None
+    if stored is None or stored.expires_ms <= to_ms(now):
+        return None
+    return stored.binding if stored.binding.tenant == tenant else None
+
+
+class RedisWaits(RedisConnection):
+    def _bk(self, tenant: str, business_key: str | None) -> tuple[str, str]:
+        return self.keys.business_key(tenant, business_key) if business_key else ("", "")
+
+    @translate
+    async def bind_wait(
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
+    ) -> None:
+        expires = to_ms(binding.deadline + grace)
+        cid = binding.correlation_id
+        bk_key, bk_field = self._bk(binding.tenant, business_key)
+        hour = _hour(binding.deadline)
+        await self.script(_BIND)(
+            keys=[
+                self.keys.correlation(cid),
+                bk_key,
+                self.keys.deadline_set(cid, hour),
+                self.keys.deadline_hours,
+            ],
+            args=[
+                cid,
+                encode_binding(binding, expires_ms=expires),
+                bk_field,
+                to_ms(binding.deadline),
+                hour,
+                max(1, expires - to_ms(now)),
+            ],
+        )
+
+    async def _stored(self, correlation_id: str) -> StoredBinding | None:
+        raw = opt_text(
+            await self._redis.hget(self.keys.correlation(correlation_id), correlation_id)
+        )
+        return decode_binding(correlation_id, raw) if raw else None
+
+    @translate
+    async def resolve(
+        self,
+        *,
+        tenant: str,
+        now: datetime,
+        correlation_id: str | None = None,
+        business_key: str | None = None,
+    ) -> WaitBinding | None:
+        cid = correlation_id
+        if cid is None and business_key is not None:
+            key, field = self.keys.business_key(tenant, business_key)
+            cid = opt_text(await self._redis.hget(key, field))
+        if cid is None:
+            return None
+        raw = opt_text(await self._redis.hget(self.keys.correlation(cid), cid))
+        return live(cid, raw, tenant=tenant, now=now)
+
+    @translate
+    async def unbind(self, *, tenant: str, correlation_id: str, business_key: str | None) -> None:
+        stored = await self._stored(correlation_id)
+        if stored is None or stored.binding.tenant != tenant:
+            return
+        await self._remove(stored.binding, business_key)
+
+    async def _remove(self, binding: WaitBinding, business_key: str | None) -> None:
+        bk_key, bk_field = self._bk(binding.tenant, business_key)
+        cid = binding.correlation_id
+        await self.script(_UNBIND)(
+            keys=[
+                self.keys.correlation(cid),
+                bk_key,
+                self.keys.deadline_set(cid, _hour(binding.deadline)),
+            ],
+            args=[cid, bk_field],
+        )
+
+    @translate
+    async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]:
+        now_ms = to_ms(now)
+        now_hour = now_ms // 3_600_000
+        raw_hours = await self._redis.zrangebyscore(self.keys.deadline_hours, "-inf", now_hour)
+        out: list[WaitBinding] = []
+        for hour in (int(h) for h in texts(raw_hours)):
+            shards = [self.keys.deadline_shard(hour, i) for i in range(self.keys.deadline_shards)]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in shards:
+                    pipe.zrangebyscore(key, "-inf", now_ms, start=0, num=limit)
+                found = await pipe.execute()
+            # The earliest deadlines of an hour may sit in any shard: read every shard up
+            # to ``limit`` and sort the union.
+            for key, cids in zip(shards, found, strict=True):
+                for cid in texts(cids):
+                    stored = await self._stored(cid)
+                    if stored is None:
+                        # The binding is gone but its deadline entry is not: garbage.
+                        await self._redis.zrem(key, cid)
+                    elif stored.expires_ms <= now_ms:
+                        await self._remove(stored.binding, None)  # logical TTL passed
+                    else:
+                        out.append(stored.binding)
+            if hour < now_hour and not any(found):
+                await self.script(_RETIRE_HOUR)(
+                    keys=[self.keys.deadline_hours, *shards], args=[hour]
+                )
+            if len(out) >= limit:
+                break
+        out.sort(key=lambda b: b.deadline)
+        return out[:limit]

@@ -1,0 +1,104 @@
+"""What every role of the SQLite index shares: one connection, one worker thread, the schema.
+
+WAL mode lets readers run beside one writer; every change is one ``BEGIN IMMEDIATE``
+transaction, so it takes the database's write lock up front and processes on the same
+host serialise on it (``busy_timeout`` makes them wait instead of failing). A conditional
+change decides by the row count of its ``INSERT … ON CONFLICT`` or ``UPDATE … WHERE``,
+never by a read followed by a separate write.
+
+sqlite3 blocks, so each index owns one connection used from one worker thread. Expiry is
+always decided against the caller's ``now``, never the wall clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+from torpor.errors import ConfigError, IndexUnavailable
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS bindings (
+    correlation_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, encoded TEXT NOT NULL,
+    deadline_ms INTEGER NOT NULL, expires_ms INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS bindings_deadline ON bindings(deadline_ms);
+CREATE TABLE IF NOT EXISTS business_keys (
+    tenant TEXT NOT NULL, bk TEXT NOT NULL, correlation_id TEXT NOT NULL,
+    expires_ms INTEGER NOT NULL, PRIMARY KEY (tenant, bk));
+CREATE TABLE IF NOT EXISTS timers (
+    kind TEXT NOT NULL, member TEXT NOT NULL, at_ms INTEGER NOT NULL,
+    PRIMARY KEY (kind, member));
+CREATE INDEX IF NOT EXISTS timers_due ON timers(kind, at_ms);
+CREATE TABLE IF NOT EXISTS nonces (key TEXT PRIMARY KEY, expires_ms INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS idempotency (
+    tenant TEXT NOT NULL, key TEXT NOT NULL, session_id TEXT NOT NULL,
+    fingerprint TEXT NOT NULL, status TEXT NOT NULL, expires_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, key));
+CREATE TABLE IF NOT EXISTS leases (
+    name TEXT PRIMARY KEY, owner TEXT NOT NULL, token INTEGER NOT NULL,
+    expires_ms INTEGER NOT NULL, held INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS leases_expiry ON leases(held, expires_ms);
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, state TEXT NOT NULL,
+    generation INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS sessions_by_state ON sessions(tenant, state, session_id);
+CREATE INDEX IF NOT EXISTS sessions_by_tenant ON sessions(tenant, session_id);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class SqliteConnection:
+    """The state the role mixins share; ``SqliteIndex`` composes them over one of these."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser().resolve()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torpor-sqlite")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = self._executor.submit(self._connect).result()
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(f"SQLite index at {self.path} cannot be opened: {exc}") from exc
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA busy_timeout = 30000")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        # Several processes may open a fresh file at once: create the schema under the
+        # write lock, in one transaction.
+        conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
+        return conn
+
+    @property
+    def url(self) -> str:
+        return f"sqlite://{self.path}"
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T], *, write: bool = True) -> T:
+        def call() -> T:
+            conn = self._conn
+            if not write:
+                return fn(conn)
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                out = fn(conn)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return out
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        except sqlite3.OperationalError as exc:
+            raise IndexUnavailable(f"SQLite index at {self.path} failed: {exc}") from exc
+
+
+def ms(delta: timedelta) -> int:
+    return max(1, int(delta.total_seconds() * 1000))

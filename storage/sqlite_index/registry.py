@@ -1,0 +1,56 @@
+"""The session registry in SQLite: one row per session, indexed by tenant and state."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from storage.sqlite_index.connection import SqliteConnection
+from torpor.lifecycle import SessionState
+from torpor.ports import SessionPage
+
+
+class SqliteSessionRegistry(SqliteConnection):
+    async def record_session(
+        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> None:
+        # Last generation wins: an older snapshot's state never overwrites a newer one.
+        await self._run(
+            lambda c: c.execute(
+                "INSERT INTO sessions VALUES (?,?,?,?) ON CONFLICT(session_id) "
+                "DO UPDATE SET state=excluded.state, generation=excluded.generation "
+                "WHERE excluded.generation >= sessions.generation",
+                (session_id, tenant, state.value, generation),
+            )
+        )
+
+    async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]:
+        def op(c: sqlite3.Connection) -> dict[str, SessionState]:
+            out: dict[str, SessionState] = {}
+            for start in range(0, len(session_ids), 500):  # stay under SQLite's variable limit
+                chunk = session_ids[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                query = f"SELECT session_id, state FROM sessions WHERE session_id IN ({marks})"  # noqa: S608
+                out.update({sid: SessionState(st) for sid, st in c.execute(query, chunk)})
+            return out
+
+        return await self._run(op, write=False)
+
+    async def list_sessions(
+        self, *, tenant: str, state: SessionState | None, cursor: str | None, limit: int
+    ) -> SessionPage:
+        clauses, args = ["tenant=?"], [tenant]
+        if state is not None:
+            clauses.append("state=?")
+            args.append(state.value)
+        if cursor:
+            clauses.append("session_id<?")
+            args.append(cursor)
+        query = (
+            f"SELECT session_id FROM sessions WHERE {' AND '.join(clauses)} "  # noqa: S608
+            "ORDER BY session_id DESC LIMIT ?"
+        )
+        params: list[Any] = [*args, limit + 1]
+        rows = await self._run(lambda c: c.execute(query, params).fetchall(), write=False)
+        ids = [r[0] for r in rows[:limit]]
+        return SessionPage(ids, ids[-1] if len(rows) > limit else None)

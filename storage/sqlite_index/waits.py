@@ -1,0 +1,111 @@
+"""Open waits in SQLite: a bindings table and a business-key table, both with an expiry."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import datetime, timedelta
+
+from storage.bindings import decode_binding, encode_binding
+from storage.sqlite_index.connection import SqliteConnection
+from torpor.clock import to_ms
+from torpor.ids import digest
+from torpor.ports import WaitBinding
+
+
+def lookup(
+    c: sqlite3.Connection,
+    *,
+    tenant: str,
+    correlation_id: str | None,
+    business_key: str | None,
+    now_ms: int,
+) -> WaitBinding | None:
+    """The wait bound and unexpired at ``now_ms``, inside the caller's transaction."""
+    cid = correlation_id
+    if cid is None and business_key is not None:
+        row = c.execute(
+            "SELECT correlation_id FROM business_keys WHERE tenant=? AND bk=? AND expires_ms>?",
+            (tenant, digest(business_key), now_ms),
+        ).fetchone()
+        cid = row[0] if row else None
+    if cid is None:
+        return None
+    row = c.execute(
+        "SELECT encoded FROM bindings WHERE correlation_id=? AND tenant=? AND expires_ms>?",
+        (cid, tenant, now_ms),
+    ).fetchone()
+    stored = decode_binding(cid, row[0]) if row else None
+    return stored.binding if stored else None
+
+
+class SqliteWaits(SqliteConnection):
+    async def bind_wait(
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
+    ) -> None:
+        # Expiry is absolute (deadline + grace): ``now`` matters only to the Redis buckets.
+        expires = to_ms(binding.deadline + grace)
+        encoded = encode_binding(binding, expires_ms=expires)
+
+        def op(c: sqlite3.Connection) -> None:
+            c.execute(
+                "INSERT INTO bindings VALUES (?,?,?,?,?) ON CONFLICT(correlation_id) DO UPDATE "
+                "SET tenant=excluded.tenant, encoded=excluded.encoded, "
+                "deadline_ms=excluded.deadline_ms, expires_ms=excluded.expires_ms",
+                (binding.correlation_id, binding.tenant, encoded, to_ms(binding.deadline), expires),
+            )
+            if business_key:
+                c.execute(
+                    "INSERT INTO business_keys VALUES (?,?,?,?) ON CONFLICT(tenant, bk) DO UPDATE "
+                    "SET correlation_id=excluded.correlation_id, expires_ms=excluded.expires_ms",
+                    (binding.tenant, digest(business_key), binding.correlation_id, expires),
+                )
+
+        await self._run(op)
+
+    async def resolve(
+        self,
+        *,
+        tenant: str,
+        now: datetime,
+        correlation_id: str | None = None,
+        business_key: str | None = None,
+    ) -> WaitBinding | None:
+        return await self._run(
+            lambda c: lookup(
+                c,
+                tenant=tenant,
+                correlation_id=correlation_id,
+                business_key=business_key,
+                now_ms=to_ms(now),
+            ),
+            write=False,
+        )
+
+    async def unbind(self, *, tenant: str, correlation_id: str, business_key: str | None) -> None:
+        def op(c: sqlite3.Connection) -> None:
+            c.execute(
+                "DELETE FROM bindings WHERE correlation_id=? AND tenant=?", (correlation_id, tenant)
+            )
+            # Only the pointer that still names this wait: a newer wait may own the key.
+            c.execute(
+                "DELETE FROM business_keys WHERE tenant=? AND correlation_id=?",
+                (tenant, correlation_id),
+            )
+
+        await self._run(op)
+
+    async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]:
+        now_ms = to_ms(now)
+
+        def op(c: sqlite3.Connection) -> list[WaitBinding]:
+            # Entries past deadline + grace are collected here, as Redis' TTL would.
+            c.execute("DELETE FROM bindings WHERE expires_ms<=?", (now_ms,))
+            c.execute("DELETE FROM business_keys WHERE expires_ms<=?", (now_ms,))
+            rows = c.execute(
+                "SELECT correlation_id, encoded FROM bindings WHERE deadline_ms<=? "
+                "ORDER BY deadline_ms LIMIT ?",
+                (now_ms, limit),
+            ).fetchall()
+            return [s.binding for cid, raw in rows if (s := decode_binding(cid, raw)) is not None]
+
+        return await self._run(op)

@@ -1,0 +1,32 @@
+"""Adapters are chosen by URL; ``memory://`` gives each opener its own empty storage."""
+
+from __future__ import annotations
+
+import pytest
+
+from storage.factory import check_embedded_allowed, open_index, open_object_store
+from storage.memory_index import MemoryIndex
+from storage.memory_store import MemoryObjectStore
+from torpor.errors import ConfigError, ObjectNotFound
+from torpor.settings import Settings
+
+MEMORY = Settings(object_store_url="memory://", index_url="memory://")
+
+
+async def test_memory_urls_open_memory_adapters_each_empty() -> None:
+    first, second = open_object_store(MEMORY), open_object_store(MEMORY)
+    assert isinstance(first, MemoryObjectStore) and isinstance(second, MemoryObjectStore)
+    await first.put_if_absent("k", b"x")
+    with pytest.raises(ObjectNotFound):
+        await second.get("k")
+    index = open_index(MEMORY)
+    assert isinstance(index, MemoryIndex)
+    assert not await index.is_intact()
+
+
+def test_memory_storage_is_refused_under_ray() -> None:
+    with pytest.raises(ConfigError, match="one process"):
+        check_embedded_allowed(MEMORY, alive_nodes=1)
+    index_only = Settings(object_store_url="s3://b/p", index_url="memory://")
+    with pytest.raises(ConfigError, match="memory://"):
+        check_embedded_allowed(index_only, alive_nodes=1)
