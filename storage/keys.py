@@ -69,6 +69,14 @@ def parked_event(tenant: str, key: str, event_key: str) -> str:
     return parked_prefix(tenant, key) + safe(event_key, "event key")
 
 
+PROBES = "probe/"
+
+
+def probe(token: str) -> str:
+    """A scratch object for the start-up check of conditional writes."""
+    return f"{PROBES}{safe(token)}"
+
+
 AUDIT = "audit/"
 
 

@@ -7,6 +7,7 @@ blocking, so every call runs in a worker thread; the client itself is thread-saf
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import boto3
@@ -15,6 +16,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from storage.blocking import off_loop
 from storage.keys import check_object_key
+from torpor.backoff import backoff_s
 from torpor.errors import (
     BucketNotFound,
     ConfigError,
@@ -29,7 +31,10 @@ from torpor.ports import ListPage, StoredObject
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
-_LOST_RACE = {"PreconditionFailed", "ConditionalRequestConflict"}
+_LOST_RACE = {"PreconditionFailed"}
+# 409: another conditional write to the key was in flight. Nothing is decided yet: ask again.
+_IN_FLIGHT = "ConditionalRequestConflict"
+CONFLICT_ATTEMPTS = 5
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _CREDENTIALS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}
 
@@ -111,16 +116,39 @@ class S3ObjectStore:
 
     def _put(self, key: str, data: bytes, condition: dict[str, str]) -> str:
         lost: type[TorporError] = ObjectExists if "IfNoneMatch" in condition else EtagMismatch
+        for attempt in range(CONFLICT_ATTEMPTS):
+            try:
+                response = self._client.put_object(
+                    Bucket=self.bucket,
+                    Key=self._full(key),
+                    Body=data,
+                    **condition,  # type: ignore[arg-type]
+                )
+                return response["ETag"]
+            except ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                if code == _IN_FLIGHT and attempt + 1 < CONFLICT_ATTEMPTS:
+                    time.sleep(backoff_s(attempt, base_s=0.05, cap_s=1.0))  # a worker thread
+                    continue
+                if code in _LOST_RACE and condition and _was_retried(exc):
+                    # Ambiguous write: an earlier attempt of this very call may have committed
+                    # and lost its answer (a reset connection), so the retry met our own
+                    # object. Identical bytes mean it is ours: report the success it was.
+                    etag = self._landed(key, data)
+                    if etag is not None:
+                        return etag
+                raise self._fail(exc, key, lost) from exc
+            except BotoCoreError as exc:
+                raise self._fail(exc, key, lost) from exc
+        raise StorageUnavailable(f"conditional write on {key!r} kept conflicting ({self.url})")
+
+    def _landed(self, key: str, data: bytes) -> str | None:
+        """The etag of the stored object if it holds exactly ``data``, else None."""
         try:
-            response = self._client.put_object(
-                Bucket=self.bucket,
-                Key=self._full(key),
-                Body=data,
-                **condition,  # type: ignore[arg-type]
-            )
-            return response["ETag"]
-        except (ClientError, BotoCoreError) as exc:
-            raise self._fail(exc, key, lost) from exc
+            stored = self._get(key, None)
+        except ObjectNotFound:
+            return None
+        return stored.etag if stored.data == data else None
 
     def _list(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
         args: dict[str, Any] = {
@@ -168,3 +196,9 @@ class S3ObjectStore:
 
     async def close(self) -> None:
         await off_loop(self._client.close)
+
+
+def _was_retried(exc: ClientError) -> bool:
+    """Whether botocore sent this request more than once (after a reset or a timeout)."""
+    meta: dict[str, Any] = dict(exc.response.get("ResponseMetadata", {}))
+    return int(meta.get("RetryAttempts", 0) or 0) > 0

@@ -1,0 +1,107 @@
+"""The S3 adapter under injected faults: every conditional write has exactly one outcome.
+
+A fault proxy sits between boto3 and the S3 test server. The worst case is the ambiguous
+write: the PUT commits upstream, its answer is lost, boto3 retries and meets its own
+object (412). That must read as success, not as "someone else got there first".
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from storage.probe import verify_conditional_writes
+from storage.s3_store import S3ObjectStore
+from tests.support.fault_proxy import FaultProxy
+from torpor.errors import ConfigError, EtagMismatch, ObjectExists, StorageUnavailable
+
+pytestmark = pytest.mark.s3
+
+
+async def test_create_only_whose_answer_was_lost_is_our_success(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    s3_proxy.reset_after_commit()
+    etag = await faulty_s3.put_if_absent("a/ours", b"payload-1")
+    assert s3_proxy.stats.reset == 1
+    stored = await faulty_s3.get("a/ours")
+    assert stored.data == b"payload-1" and stored.etag == etag
+
+
+async def test_create_only_still_refuses_someone_elses_object(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    await faulty_s3.put_if_absent("a/theirs", b"theirs")
+    s3_proxy.reset_after_commit()
+    # Our write never lands (theirs is there), the answer is lost anyway, the retry sees 412.
+    with pytest.raises(ObjectExists):
+        await faulty_s3.put_if_absent("a/theirs", b"ours")
+    assert (await faulty_s3.get("a/theirs")).data == b"theirs"
+
+
+async def test_compare_and_swap_whose_answer_was_lost_is_our_success(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    first = await faulty_s3.put_if_absent("a/cas", b"gen-0")
+    s3_proxy.reset_after_commit()
+    etag = await faulty_s3.put_if_match("a/cas", b"gen-1", etag=first)
+    assert s3_proxy.stats.reset == 1
+    stored = await faulty_s3.get("a/cas")
+    assert stored.data == b"gen-1" and stored.etag == etag
+
+
+async def test_compare_and_swap_lost_to_another_writer_is_refused(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    first = await faulty_s3.put_if_absent("a/race", b"gen-0")
+    await faulty_s3.put_if_match("a/race", b"theirs", etag=first)
+    with pytest.raises(EtagMismatch):
+        await faulty_s3.put_if_match("a/race", b"ours", etag=first)
+
+
+async def test_a_burst_of_503_is_retried(faulty_s3: S3ObjectStore, s3_proxy: FaultProxy) -> None:
+    s3_proxy.fail(503, "SlowDown", times=2)
+    await faulty_s3.put_if_absent("a/slow", b"x")
+    assert s3_proxy.stats.failed == 2
+    assert (await faulty_s3.get("a/slow")).data == b"x"
+
+
+async def test_a_503_that_does_not_stop_is_storage_unavailable(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    s3_proxy.fail(503, "SlowDown", times=1000)
+    with pytest.raises(StorageUnavailable):
+        await faulty_s3.put_if_absent("a/down", b"x")
+
+
+async def test_conditional_request_conflict_is_retried_not_a_lost_race(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    # 409 ConditionalRequestConflict: another conditional write to the key was in flight.
+    # The outcome is unknown, so it is asked again; it is not "the key exists".
+    s3_proxy.fail(409, "ConditionalRequestConflict", times=1)
+    await faulty_s3.put_if_absent("a/conflict", b"x")
+    assert s3_proxy.stats.failed == 1
+    assert (await faulty_s3.get("a/conflict")).data == b"x"
+
+
+async def test_start_up_probe_accepts_a_store_that_honours_conditions(
+    faulty_s3: S3ObjectStore,
+) -> None:
+    await verify_conditional_writes(faulty_s3)
+    assert (await faulty_s3.list("probe/")).keys == []  # the scratch object is gone
+
+
+async def test_start_up_probe_refuses_a_store_that_ignores_conditions(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    s3_proxy.strip_conditions()
+    with pytest.raises(ConfigError, match="ignores If-None-Match"):
+        await verify_conditional_writes(faulty_s3)
+
+
+async def test_start_up_probe_refuses_a_store_that_ignores_if_match(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    s3_proxy.strip_conditions(match=lambda method, path, headers: "if-match" in headers)
+    with pytest.raises(ConfigError, match="ignores If-Match"):
+        await verify_conditional_writes(faulty_s3)
