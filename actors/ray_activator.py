@@ -137,6 +137,3 @@ class RayActivator:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
         raise ActivationUnavailable(f"pool host {slot} did not take {session_id}")
-
-    def pool_hosts(self) -> list[Any]:
-        return [self._host(i) for i in range(self.settings.pool_size)]

@@ -152,18 +152,8 @@ class ToolError(TorporError):
         self.retryable_instance = retryable
 
 
-class UnknownTool(PermanentError):
-    code = "unknown_tool"
-
-
 class AgentError(PermanentError):
     code = "agent_error"
-
-
-class SessionBusy(RetryableError):
-    """Another activation holds this session's lease."""
-
-    code = "session_busy"
 
 
 class InvalidRequest(PermanentError):
