@@ -20,7 +20,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from actors.pool import PoolHost, host_name
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from storage.factory import check_embedded_allowed
-from torpor.errors import RetryableError, SnapshotNotFound
+from torpor.errors import RetryableError, SessionNotFound
 from torpor.ports import Reason
 from torpor.ports.services import Services
 from torpor.settings import Placement, Settings
@@ -74,7 +74,7 @@ class RayActivator:
         if agent is None:
             try:
                 agent = (await self.services.snapshots.header(session_id)).agent
-            except SnapshotNotFound:
+            except SessionNotFound:
                 agent = ""
         config = self.settings.agents.get(agent)
         placement = config.placement if config else Placement.DEDICATED

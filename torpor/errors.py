@@ -110,7 +110,16 @@ class SnapshotSchemaTooNew(SnapshotError):
     code = "snapshot_schema_too_new"
 
 
-class SnapshotNotFound(SnapshotError):
+class NotFound(PermanentError):
+    """Something that is not a session (a batch, a delivery) does not exist, or belongs
+    to another tenant: the caller cannot tell which."""
+
+    code = "not_found"
+
+
+class SessionNotFound(NotFound):
+    """No such session, or another tenant's."""
+
     code = "session_not_found"
 
 
@@ -196,3 +205,9 @@ class IdempotencyInProgress(RetryableError):
 
 class UnknownAgent(PermanentError):
     code = "unknown_agent"
+
+
+class UnknownCorrelation(PermanentError):
+    """A webhook event matches no open wait of the source's tenant."""
+
+    code = "unknown_correlation"

@@ -18,6 +18,7 @@ TYPE_BASE = "https://torpor.dev/problems/"
 KNOWN: dict[str, tuple[int, str]] = {
     "unauthenticated": (401, "Unauthenticated"),
     "session_not_found": (404, "Not found"),
+    "not_found": (404, "Not found"),
     "unknown_correlation": (404, "No matching wait"),
     "unknown_agent": (422, "Unknown agent"),
     "invalid_request": (400, "Invalid request"),
@@ -35,6 +36,7 @@ KNOWN: dict[str, tuple[int, str]] = {
 PUBLIC_MESSAGES = {
     "unauthenticated",
     "session_not_found",
+    "not_found",
     "unknown_agent",
     "invalid_request",
     "unsafe_callback_url",

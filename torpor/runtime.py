@@ -24,7 +24,7 @@ from torpor.errors import (
     IndexUnavailable,
     LeaseLost,
     PluginNotFound,
-    SnapshotNotFound,
+    SessionNotFound,
 )
 from torpor.heartbeat import Heartbeat
 from torpor.lifecycle import WAITING_STATES, SessionState
@@ -112,7 +112,7 @@ class SessionRuntime:
         try:
             try:
                 snapshot = await self.deps.snapshots.load(session_id)
-            except SnapshotNotFound:
+            except SessionNotFound:
                 release = True
                 return ActivationResult(session_id, Outcome.MISSING), None
             activation = Activation(self.deps, snapshot, heartbeat, self._agent(snapshot))

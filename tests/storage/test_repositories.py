@@ -10,9 +10,9 @@ import pytest
 from storage import keys
 from storage.correlations import ObjectCorrelations
 from storage.inbox import ObjectInbox
-from storage.snapshots import SnapshotStore
+from storage.snapshots import ObjectSnapshots
 from tests.support.factories import NOW, busy_snapshot, snapshot
-from torpor.errors import CommitConflict, ObjectExists, SnapshotCorrupt, SnapshotNotFound
+from torpor.errors import CommitConflict, ObjectExists, SessionNotFound, SnapshotCorrupt
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import new_correlation_id
 from torpor.lifecycle import SessionState, transition
@@ -26,37 +26,37 @@ def store(request: pytest.FixtureRequest) -> ObjectStore:
 
 
 async def test_create_load_save_round_trip(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     first = await snapshots.create(snapshot())
     assert first.generation == 0
     running = transition(first, SessionState.RUNNING, now=NOW)
     saved = await snapshots.save(running, expected_generation=0)
     assert saved.generation == 1
-    loaded = await SnapshotStore(store).load(first.session_id)  # a fresh store: no etag cache
+    loaded = await ObjectSnapshots(store).load(first.session_id)  # a fresh store: no etag cache
     assert loaded == saved
 
 
 async def test_create_is_create_only(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     snap = await snapshots.create(snapshot())
     with pytest.raises(ObjectExists):
         await snapshots.create(snap)
 
 
 async def test_lost_race_raises_conflict_and_writes_nothing(store: ObjectStore) -> None:
-    a, b = SnapshotStore(store), SnapshotStore(store)  # two activations, two processes
+    a, b = ObjectSnapshots(store), ObjectSnapshots(store)  # two activations, two processes
     created = await a.create(snapshot())
     base_a = await a.load(created.session_id)
     base_b = await b.load(created.session_id)
     winner = await a.save(transition(base_a, SessionState.RUNNING, now=NOW), expected_generation=0)
     with pytest.raises(CommitConflict):
         await b.save(transition(base_b, SessionState.CANCELLED, now=NOW), expected_generation=0)
-    assert await SnapshotStore(store).load(created.session_id) == winner
+    assert await ObjectSnapshots(store).load(created.session_id) == winner
 
 
 async def test_ten_concurrent_commits_exactly_one_wins(store: ObjectStore) -> None:
-    created = await SnapshotStore(store).create(snapshot())
-    writers = [SnapshotStore(store) for _ in range(10)]
+    created = await ObjectSnapshots(store).create(snapshot())
+    writers = [ObjectSnapshots(store) for _ in range(10)]
     bases = [await w.load(created.session_id) for w in writers]
 
     async def commit(i: int) -> bool:
@@ -69,21 +69,21 @@ async def test_ten_concurrent_commits_exactly_one_wins(store: ObjectStore) -> No
 
     results = await asyncio.gather(*(commit(i) for i in range(10)))
     assert sum(results) == 1
-    final = await SnapshotStore(store).load(created.session_id)
+    final = await ObjectSnapshots(store).load(created.session_id)
     assert final.generation == 1 and final.variables == {"writer": results.index(True)}
 
 
 async def test_save_with_stale_expectation_conflicts_without_cache(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     snap = await snapshots.create(snapshot())
     await snapshots.save(snap, expected_generation=0)
     with pytest.raises(CommitConflict, match="generation 1"):
-        await SnapshotStore(store).save(snap, expected_generation=0)
+        await ObjectSnapshots(store).save(snap, expected_generation=0)
 
 
 async def test_missing_and_corrupt_snapshots_are_typed(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
-    with pytest.raises(SnapshotNotFound):
+    snapshots = ObjectSnapshots(store)
+    with pytest.raises(SessionNotFound):
         await snapshots.load("s_nobody")
     await store.put(keys.snapshot("s_broken"), b"TPS1\x01\x00\x05{oops")
     with pytest.raises(SnapshotCorrupt, match="s_broken"):
@@ -91,7 +91,7 @@ async def test_missing_and_corrupt_snapshots_are_typed(store: ObjectStore) -> No
 
 
 async def test_list_by_state_reads_headers(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     ids = {}
     for state in (SessionState.PENDING, SessionState.SUSPENDED, SessionState.SUSPENDED):
         snap = await snapshots.create(snapshot().model_copy(update={"state": state}))
@@ -149,6 +149,6 @@ async def test_correlation_records_survive_as_source_of_truth(store: ObjectStore
 
 
 async def test_busy_snapshot_round_trips_through_storage(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     snap = await snapshots.create(busy_snapshot())
-    assert await SnapshotStore(store).load(snap.session_id) == snap
+    assert await ObjectSnapshots(store).load(snap.session_id) == snap

@@ -288,11 +288,11 @@ def _wait_http(url: str, timeout_s: float = 30) -> None:
 
 async def _verify_audit(settings: Settings) -> tuple[bool, int]:
     from actors.wiring import open_services
-    from storage.audit import AuditLog
+    from storage.audit import ObjectAudit
 
     services = open_services(settings)
     try:
-        checks = await AuditLog(services.store).verify_all()
+        checks = await ObjectAudit(services.store).verify_all()
     finally:
         await services.close()
     return all(c.ok for c in checks.values()), sum(c.records for c in checks.values())

@@ -20,7 +20,10 @@ from torpor.ports.index import (
 from torpor.ports.objects import ListPage, ObjectStore, StoredObject
 from torpor.ports.observer import Observer
 from torpor.ports.repositories import (
+    AuditRepository,
+    BatchRepository,
     CorrelationRepository,
+    DeliveryRepository,
     InboxRepository,
     SnapshotRepository,
 )
@@ -29,9 +32,12 @@ from torpor.ports.routing import CallbackRouter, Notifier
 __all__ = [
     "Activator",
     "Admission",
+    "AuditRepository",
+    "BatchRepository",
     "CallbackRouter",
     "Clock",
     "CorrelationRepository",
+    "DeliveryRepository",
     "IdempotencyRecord",
     "IdempotencyStatus",
     "InboxRepository",

@@ -17,9 +17,8 @@ import urllib.request
 from datetime import datetime, timedelta
 from typing import Any
 
-from actors import metrics
-from storage.deliveries import Delivery, DeliveryStatus, DeliveryStore, EndpointState
 from torpor.backoff import schedule_delay_s
+from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
 from torpor.errors import ConfigError
 from torpor.ids import digest
 from torpor.models import OutboxEntry, SessionSnapshot
@@ -46,7 +45,7 @@ class DeliveryNotifier:
 
     def __init__(self, services: Services) -> None:
         self.services = services
-        self.deliveries = DeliveryStore(services.store)
+        self.deliveries = services.deliveries
 
     async def enqueue(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
         if not snapshot.callback_url:
@@ -93,7 +92,7 @@ def _post(
 class DeliveryWorker:
     def __init__(self, services: Services) -> None:
         self.services = services
-        self.deliveries = DeliveryStore(services.store)
+        self.deliveries = services.deliveries
 
     async def due(self, now: datetime, limit: int = 100) -> int:
         index = self.services.index
@@ -184,7 +183,7 @@ class DeliveryWorker:
             )
 
         updated = await self.deliveries.update(delivery.tenant, delivery.delivery_id, change)
-        metrics.inc("deliveries", {"outcome": status.value})
+        await self.services.observer.delivery_settled(updated)
         return updated
 
     async def resend(self, tenant: str, delivery_id: str, *, now: datetime) -> Delivery:

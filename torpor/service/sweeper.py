@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 
 from torpor.activation import binding_of, poll_member
 from torpor.backoff import backoff_s
-from torpor.errors import PluginNotFound, SnapshotNotFound, TorporError
+from torpor.errors import PluginNotFound, SessionNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
@@ -139,7 +139,7 @@ class Sweeper:
             return
         try:
             snapshot = await self.services.snapshots.load(session_id)
-        except SnapshotNotFound:
+        except SessionNotFound:
             await index.unschedule(kind=TimerKind.POLL, member=member)
             return
         wait = snapshot.wait_for(correlation_id)
