@@ -207,6 +207,21 @@ class UnknownAgent(PermanentError):
     code = "unknown_agent"
 
 
+class UnsafeUrl(InvalidRequest):
+    """An outbound URL torpor will not call (a private address, another scheme)."""
+
+    code = "unsafe_callback_url"
+
+
+# --- calls out -----------------------------------------------------------------------
+
+
+class ResponseTooLarge(PermanentError):
+    """An HTTP answer longer than the caller's cap: refused rather than buffered."""
+
+    code = "response_too_large"
+
+
 class UnknownCorrelation(PermanentError):
     """A webhook event matches no open wait of the source's tenant."""
 

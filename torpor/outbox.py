@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from torpor.backoff import backoff_s
+from torpor.backoff import Backoff
 from torpor.errors import TorporError
 from torpor.ids import business_idempotency_key, new_entry_id
 from torpor.models import (
@@ -123,9 +123,8 @@ async def send(
             retryable = exc.retryable if isinstance(exc, TorporError) else True
         if not retryable or entry.attempts + 1 >= MAX_DISPATCH_ATTEMPTS:
             return GaveUp(error)
-        delay = backoff_s(
-            entry.attempts, base_s=DISPATCH_BACKOFF_BASE_S, cap_s=DISPATCH_BACKOFF_CAP_S
-        )
+        backoff = Backoff(base_s=DISPATCH_BACKOFF_BASE_S, cap_s=DISPATCH_BACKOFF_CAP_S, jitter=0.2)
+        delay = backoff.delay_s(entry.attempts)
         return RetryAt(now + timedelta(seconds=delay), error)
     return Sent()
 

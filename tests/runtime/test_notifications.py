@@ -13,9 +13,9 @@ import standardwebhooks
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Received, Receiver
 from torpor.deliveries import DeliveryStatus
+from torpor.errors import UnsafeUrl
 from torpor.lifecycle import SessionState
 from torpor.service.deliveries import DeliveryWorker, secret_for
-from torpor.ssrf import UnsafeUrl
 
 
 @pytest.fixture

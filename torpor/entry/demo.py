@@ -18,12 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torpor import outbound
 from torpor.auth import new_api_key
 from torpor.demo.scenario import DocPlan, Story, documents, plan_documents
 from torpor.entry.view import Frame, Screen, render
@@ -60,17 +59,17 @@ def _free_port() -> int:
 
 def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(  # noqa: S310 - local demo endpoints
+    response = outbound.request(
+        method,
         url,
-        data=data,
-        method=method,
+        body=data,
         headers={"Content-Type": "application/json", **(headers or {})},
+        timeout_s=30,
+        max_body_bytes=16 * 1024 * 1024,
     )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
-            return json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"{method} {url} answered {exc.code}: {exc.read()[:300]!r}") from exc
+    if not response.ok:
+        raise RuntimeError(f"{method} {url} answered {response.status}: {response.body[:300]!r}")
+    return response.json()
 
 
 def build_settings(

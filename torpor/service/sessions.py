@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import JsonValue
 
+from torpor.backoff import Backoff
 from torpor.errors import (
     IdempotencyInProgress,
     IdempotencyMismatch,
@@ -37,6 +38,8 @@ from torpor.service.coalescing import Coalescer, request_activation
 from torpor.ssrf import check_callback_url
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
+# Polling for the end: often at first, then once a second.
+WAIT_POLL = Backoff(base_s=0.05, cap_s=1.0, factor=1.5, jitter=0)
 
 
 @dataclass(frozen=True)
@@ -171,15 +174,15 @@ class SessionService:
         """Poll until the session ends; raise TimeoutError with the last state otherwise."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        delay = 0.05
+        attempt = 0
         while True:
             snapshot = await self.get(session_id, tenant=tenant)
             if snapshot.terminal:
                 return snapshot
             if loop.time() >= deadline:
                 raise TimeoutError(f"session {session_id} still {snapshot.state}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
+            await asyncio.sleep(WAIT_POLL.delay_s(attempt))
+            attempt += 1
 
     # -- change ---------------------------------------------------------------------
 

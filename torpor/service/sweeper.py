@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from torpor.activation import binding_of, poll_member
-from torpor.backoff import backoff_s
+from torpor.backoff import Backoff
 from torpor.errors import PluginNotFound, SessionNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
@@ -171,9 +171,10 @@ class Sweeper:
                 )
             )
             return
-        delay = backoff_s(
-            attempt, base_s=settings.poll_backoff_base_s, cap_s=settings.poll_backoff_cap_s
+        backoff = Backoff(
+            base_s=settings.poll_backoff_base_s, cap_s=settings.poll_backoff_cap_s, jitter=0.2
         )
+        delay = backoff.delay_s(attempt)
         await index.schedule(
             kind=TimerKind.POLL,
             member=poll_member(session_id, correlation_id, attempt + 1),
