@@ -36,7 +36,7 @@ from torpor.api import (
 )
 from torpor.auth import tenant_for
 from torpor.deliveries import DeliveryStatus
-from torpor.errors import InvalidRequest, TorporError
+from torpor.errors import InvalidRequest, RejectReason, TorporError, WebhookRejected
 from torpor.ids import digest
 from torpor.lifecycle import SessionState
 from torpor.problems import ProblemSpec, problem, problem_for
@@ -46,7 +46,6 @@ from torpor.service.gateway import WebhookGateway
 from torpor.service.sessions import SessionService
 from torpor.settings import Settings
 from torpor.webhooks.cloudevents import handshake
-from torpor.webhooks.rejections import RejectReason, WebhookRejected
 
 log = logging.getLogger("torpor.ingress")
 PROBLEM = "application/problem+json"

@@ -21,7 +21,7 @@ from actors.pool import PoolHost, host_name
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from storage.factory import check_embedded_allowed
 from torpor.backoff import Backoff
-from torpor.errors import RetryableError, SessionNotFound
+from torpor.errors import ActivationUnavailable, SessionNotFound
 from torpor.ports import Reason
 from torpor.ports.services import Services
 from torpor.settings import Placement, Settings
@@ -33,10 +33,6 @@ MAX_ATTEMPTS = 40
 DEDICATED_BACKOFF = Backoff(base_s=0.02, cap_s=0.5, jitter=0)
 POOLED_BACKOFF = Backoff(base_s=0.05, cap_s=1.0, jitter=0)
 POKE_TIMEOUT_S = 20.0
-
-
-class ActivationUnavailable(RetryableError):
-    code = "activation_unavailable"
 
 
 def alive_nodes() -> int:

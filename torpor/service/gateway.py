@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from torpor.errors import UnknownCorrelation
+from torpor.errors import RejectReason, UnknownCorrelation, WebhookRejected
 from torpor.events import EventKind, InboxEvent
 from torpor.ports import WaitBinding
 from torpor.service.sessions import SessionService
@@ -38,7 +38,7 @@ from torpor.settings import SourceConfig
 from torpor.webhooks.capability import open_token
 from torpor.webhooks.cloudevents import parse_http
 from torpor.webhooks.payloads import InboundEvent, loads_json
-from torpor.webhooks.rejections import RejectReason, WebhookRejected, ensure_body_size
+from torpor.webhooks.rejections import ensure_body_size
 from torpor.webhooks.signing import Scheme, Verified, verify
 
 log = logging.getLogger(__name__)
