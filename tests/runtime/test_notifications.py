@@ -12,9 +12,10 @@ import standardwebhooks
 
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Received, Receiver
-from torpor.deliveries import DeliveryStatus
+from torpor.deliveries import Delivery, DeliveryStatus
 from torpor.errors import UnsafeUrl
 from torpor.lifecycle import SessionState
+from torpor.ports import Observer
 from torpor.service.deliveries import DeliveryWorker, secret_for
 
 
@@ -156,3 +157,29 @@ async def test_suspend_and_resume_can_be_notified_too(
         types = sorted(json.loads(r.body)["type"] for r in hook.received)
         assert types == ["session.completed", "session.resumed", "session.suspended"]
         assert all(json.loads(r.body)["data"]["session_id"] == sid for r in hook.received)
+
+
+class Settled(Observer):
+    def __init__(self) -> None:
+        self.statuses: list[DeliveryStatus] = []
+
+    async def delivery_settled(self, delivery: Delivery) -> None:
+        self.statuses.append(delivery.status)
+
+
+async def test_each_attempt_is_reported_to_the_observer(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    hook = Receiver(script=[500, 200])
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix) as env:
+            await finished_session(env, hook.url)
+            observer = Settled()
+            env.services.observer = observer
+            worker = DeliveryWorker(env.services)
+            await worker.due(env.clock.now())
+            env.clock.advance(7)
+            await worker.due(env.clock.now())
+            assert observer.statuses == [DeliveryStatus.PENDING, DeliveryStatus.DELIVERED]
+    finally:
+        hook.close()

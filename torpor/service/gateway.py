@@ -62,11 +62,11 @@ class HookResult:
 
 
 class WebhookGateway:
-    def __init__(self, control: SessionService) -> None:
-        self.control = control
-        self.services = control.services
-        self.audit = control.services.audit
-        self._handled = control.services.observer.webhook_handled
+    def __init__(self, sessions: SessionService) -> None:
+        self.sessions = sessions
+        self.services = sessions.services
+        self.audit = sessions.services.audit
+        self._handled = sessions.services.observer.webhook_handled
 
     # -- shared-secret webhooks --------------------------------------------------------
 
@@ -200,7 +200,7 @@ class WebhookGateway:
         data: Any = event.data
         if event.status is not None and isinstance(data, dict) and "status" not in data:
             data = {**data, "status": event.status}
-        new = await self.control.services.inbox.deliver(
+        new = await self.sessions.services.inbox.deliver(
             InboxEvent.new(
                 kind=EventKind.CALLBACK,
                 session_id=binding.session_id,
@@ -225,7 +225,7 @@ class WebhookGateway:
         if new:
             await self._handled(source_name, "accepted")
             # The event is durable already: the activation and the audit block go together.
-            await asyncio.gather(record, self.control.activate_for_event(binding.session_id))
+            await asyncio.gather(record, self.sessions.activate_for_event(binding.session_id))
         else:
             await self._handled(source_name, "duplicate")
             await record
@@ -251,7 +251,7 @@ class WebhookGateway:
 
     async def outcome(self, session_id: str, tenant: str) -> dict[str, Any]:
         """What a late or duplicate sender is told: the session's real outcome."""
-        snapshot = await self.control.get(session_id, tenant=tenant)
+        snapshot = await self.sessions.get(session_id, tenant=tenant)
         return {"state": snapshot.state.value, "result": snapshot.result}
 
     # -- capability callbacks --------------------------------------------------------
@@ -306,7 +306,7 @@ class WebhookGateway:
         if not new:  # the inbox object is the durable proof the token was used
             raise WebhookRejected(RejectReason.TOKEN_USED)
         await self._handled(CAPABILITY_SOURCE, "accepted")
-        await self.control.activate_for_event(claims.session_id)
+        await self.sessions.activate_for_event(claims.session_id)
         return HookResult(202, {"event_id": claims.token_id, "duplicate": False})
 
 
