@@ -19,6 +19,8 @@ from torpor.service.sessions import SessionService
 
 
 class BatchService:
+    """Submit a batch of documents and follow its progress, through a ``SessionService``."""
+
     def __init__(self, sessions: SessionService) -> None:
         self.sessions = sessions
         self.services = sessions.services

@@ -69,6 +69,8 @@ class DeliveryNotifier:
 
 
 class DeliveryWorker:
+    """Attempts due deliveries (from the sweeper) and resends dead ones (an operator)."""
+
     def __init__(self, services: Services) -> None:
         self.services = services
         self.deliveries = services.deliveries

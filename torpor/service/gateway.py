@@ -62,6 +62,8 @@ class HookResult:
 
 
 class WebhookGateway:
+    """Inbound webhooks and capability callbacks, in the order the module describes."""
+
     def __init__(self, sessions: SessionService) -> None:
         self.sessions = sessions
         self.services = sessions.services

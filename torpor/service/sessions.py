@@ -54,6 +54,12 @@ def fingerprint(payload: dict[str, Any]) -> str:
 
 
 class SessionService:
+    """Submit, inspect, wait for, cancel and deliver events to sessions of any tenant.
+
+    ``background=True`` (an HTTP handler, the reconciler) lets activation requests run
+    behind the caller, coalesced per session; otherwise each is awaited in turn.
+    """
+
     def __init__(
         self, services: Services, activator: Activator, *, background: bool = False
     ) -> None:
