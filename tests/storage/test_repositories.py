@@ -1,4 +1,5 @@
-"""Snapshot store, inbox and correlation records, on the local folder and on S3."""
+"""Snapshots, inbox, correlation records, batches and deliveries, on the local folder
+and on S3."""
 
 from __future__ import annotations
 
@@ -8,11 +9,21 @@ from datetime import timedelta
 import pytest
 
 from storage import keys
+from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
+from storage.deliveries import ObjectDeliveries
 from storage.inbox import ObjectInbox
 from storage.snapshots import ObjectSnapshots
 from tests.support.factories import NOW, busy_snapshot, snapshot
-from torpor.errors import CommitConflict, ObjectExists, SessionNotFound, SnapshotCorrupt
+from torpor.batches import BatchManifest
+from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
+from torpor.errors import (
+    CommitConflict,
+    NotFound,
+    ObjectExists,
+    SessionNotFound,
+    SnapshotCorrupt,
+)
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import new_correlation_id
 from torpor.lifecycle import SessionState, transition
@@ -152,3 +163,48 @@ async def test_busy_snapshot_round_trips_through_storage(store: ObjectStore) -> 
     snapshots = ObjectSnapshots(store)
     snap = await snapshots.create(busy_snapshot())
     assert await ObjectSnapshots(store).load(snap.session_id) == snap
+
+
+async def test_batch_manifests_are_create_only(store: ObjectStore) -> None:
+    batches = ObjectBatches(store)
+    manifest = BatchManifest(
+        batch_id="b_1", tenant="acme", agent="purchase", session_ids=["s_1"], created_at=NOW
+    )
+    assert await batches.create(manifest)
+    assert not await batches.create(manifest.model_copy(update={"session_ids": ["s_2"]}))
+    assert await batches.get("b_1") == manifest
+    await store.put(keys.batch("b_2"), b"not a manifest")
+    for missing in ("b_404", "b_2", "../etc"):
+        with pytest.raises(NotFound) as info:
+            await batches.get(missing)
+        assert not isinstance(info.value, SessionNotFound)
+
+
+async def test_deliveries_update_by_compare_and_swap(store: ObjectStore) -> None:
+    deliveries = ObjectDeliveries(store)
+    delivery = Delivery(
+        delivery_id="d_1",
+        tenant="acme",
+        session_id="s_1",
+        url="https://example.com/hook",
+        event_type="session.completed",
+        payload={"type": "session.completed"},
+        created_at=NOW,
+    )
+    assert await deliveries.create(delivery)
+    assert not await deliveries.create(delivery)  # an outbox replay
+
+    def attempt(d: Delivery) -> Delivery:
+        return d.model_copy(update={"attempts": d.attempts + 1})
+
+    await asyncio.gather(*(deliveries.update("acme", "d_1", attempt) for _ in range(5)))
+    assert (await deliveries.get("acme", "d_1")).attempts == 5, "no update was lost"
+    page, cursor = await deliveries.list(
+        "acme", status=DeliveryStatus.PENDING, cursor=None, limit=5
+    )
+    assert [d.delivery_id for d in page] == ["d_1"] and cursor is None
+    with pytest.raises(NotFound):
+        await deliveries.get("acme", "d_404")
+    assert not (await deliveries.endpoint("acme", delivery.url)).disabled
+    await deliveries.set_endpoint("acme", EndpointState(url=delivery.url, disabled=True))
+    assert (await deliveries.endpoint("acme", delivery.url)).disabled
