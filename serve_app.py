@@ -24,8 +24,6 @@ from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.reconciler import ensure_reconciler
 from actors.wiring import open_services
-from storage.audit import AuditLog
-from storage.deliveries import DeliveryStatus
 from torpor import __version__
 from torpor.api import (
     Accepted,
@@ -37,16 +35,17 @@ from torpor.api import (
     SessionOut,
 )
 from torpor.auth import tenant_for
-from torpor.errors import InvalidRequest, TorporError
+from torpor.deliveries import DeliveryStatus
+from torpor.errors import InvalidRequest, RejectReason, TorporError, WebhookRejected
 from torpor.ids import digest
 from torpor.lifecycle import SessionState
 from torpor.problems import ProblemSpec, problem, problem_for
+from torpor.service.batches import BatchService
 from torpor.service.deliveries import DeliveryWorker, secret_for
 from torpor.service.gateway import WebhookGateway
 from torpor.service.sessions import SessionService
 from torpor.settings import Settings
 from torpor.webhooks.cloudevents import handshake
-from torpor.webhooks.rejections import RejectReason, WebhookRejected
 
 log = logging.getLogger("torpor.ingress")
 PROBLEM = "application/problem+json"
@@ -141,7 +140,8 @@ class Ingress:
         self.settings = settings
         self.services = open_services(settings, observer=RayObserver())
         self.control = SessionService(self.services, RayActivator(self.services), background=True)
-        self.gateway = WebhookGateway(self.control, AuditLog(self.services.store))
+        self.batches = BatchService(self.control)
+        self.gateway = WebhookGateway(self.control)
         self.deliveries = DeliveryWorker(self.services)
         if start_reconciler:
             ensure_reconciler(settings)
@@ -308,7 +308,7 @@ class Ingress:
         )
         # The batch id is a function of tenant and key: a retried request is the same batch.
         batch_id = "b_" + digest(tenant, key, length=24)
-        manifest = await self.control.submit_batch(
+        manifest = await self.batches.submit(
             tenant=tenant,
             agent=body.agent,
             documents=body.documents,
@@ -330,8 +330,8 @@ class Ingress:
         return await self._batch(batch_id, self._tenant(authorization))
 
     async def _batch(self, batch_id: str, tenant: str) -> BatchOut:
-        manifest = await self.control.batch(batch_id, tenant=tenant)
-        progress = await self.control.progress(batch_id, tenant=tenant)
+        manifest = await self.batches.get(batch_id, tenant=tenant)
+        progress = await self.batches.progress(batch_id, tenant=tenant)
         return BatchOut(
             batch_id=batch_id,
             agent=manifest.agent,
@@ -396,7 +396,7 @@ class Ingress:
         limit: Annotated[int, Query(ge=1, le=200)] = 50,
     ) -> dict[str, Any]:
         tenant = self._tenant(authorization)
-        items, next_cursor = await self.deliveries.deliveries.list(
+        items, next_cursor = await self.services.deliveries.list(
             tenant, status=status, cursor=cursor, limit=limit
         )
         return {

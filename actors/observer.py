@@ -1,10 +1,11 @@
-"""Runtime observer that feeds Ray metrics."""
+"""The observer that feeds Ray metrics (and logs guard alerts)."""
 
 from __future__ import annotations
 
 import logging
 
 from actors import metrics
+from torpor.deliveries import Delivery
 from torpor.events import InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus, SessionSnapshot, Wait
@@ -39,3 +40,9 @@ class RayObserver(Observer):
             wait.tool_name,
             "; ".join(reasons),
         )
+
+    async def webhook_handled(self, source: str, outcome: str, reason: str = "") -> None:
+        metrics.inc("webhooks", {"source": source, "outcome": outcome, "reason": reason})
+
+    async def delivery_settled(self, delivery: Delivery) -> None:
+        metrics.inc("deliveries", {"outcome": delivery.status.value})

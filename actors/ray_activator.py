@@ -20,18 +20,19 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from actors.pool import PoolHost, host_name
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from storage.factory import check_embedded_allowed
-from torpor.errors import RetryableError, SnapshotNotFound
+from torpor.backoff import Backoff
+from torpor.errors import ActivationUnavailable, SessionNotFound
 from torpor.ports import Reason
 from torpor.ports.services import Services
 from torpor.settings import Placement, Settings
 
 _RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)
 MAX_ATTEMPTS = 40
+# Ray needs a moment to settle a dying actor or a restarting host: retry soon, then less
+# often. No jitter: one caller retries one actor, there is no fleet to spread out.
+DEDICATED_BACKOFF = Backoff(base_s=0.02, cap_s=0.5, jitter=0)
+POOLED_BACKOFF = Backoff(base_s=0.05, cap_s=1.0, jitter=0)
 POKE_TIMEOUT_S = 20.0
-
-
-class ActivationUnavailable(RetryableError):
-    code = "activation_unavailable"
 
 
 def alive_nodes() -> int:
@@ -74,7 +75,7 @@ class RayActivator:
         if agent is None:
             try:
                 agent = (await self.services.snapshots.header(session_id)).agent
-            except SnapshotNotFound:
+            except SessionNotFound:
                 agent = ""
         config = self.settings.agents.get(agent)
         placement = config.placement if config else Placement.DEDICATED
@@ -84,8 +85,7 @@ class RayActivator:
         return placement
 
     async def _dedicated(self, session_id: str, reason: Reason, requested_at: float) -> None:
-        delay = 0.02
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
             try:
                 handle = SessionActor.options(  # type: ignore[attr-defined]
                     name=actor_name(session_id),
@@ -110,8 +110,7 @@ class RayActivator:
                     return
             except _RETRYABLE:
                 pass  # the actor died between lookup and call: make a new one
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            await asyncio.sleep(DEDICATED_BACKOFF.delay_s(attempt))
         raise ActivationUnavailable(f"no session actor for {session_id} took the request")
 
     def _host(self, slot: int) -> Any:
@@ -127,16 +126,11 @@ class RayActivator:
 
     async def _pooled(self, session_id: str, reason: Reason, requested_at: float) -> None:
         slot = pool_slot(session_id, self.settings.pool_size)
-        delay = 0.05
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
             try:
                 await self._host(slot).poke.remote(session_id, reason.value, requested_at)
                 return
             except _RETRYABLE:
                 self._hosts.pop(slot, None)  # restarting: look it up again
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
         raise ActivationUnavailable(f"pool host {slot} did not take {session_id}")
-
-    def pool_hosts(self) -> list[Any]:
-        return [self._host(i) for i in range(self.settings.pool_size)]

@@ -64,7 +64,7 @@ class Reconciler:
     async def sweep_once(self) -> dict[str, Any]:
         sweeper = self._ensure()
         report = await sweeper.sweep_once()
-        await sweeper.control.drain()
+        await sweeper.sessions.drain()
         self._sweeps += 1
         if report.suspended is not None:
             metrics.gauge("suspended", report.suspended)

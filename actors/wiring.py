@@ -1,4 +1,4 @@
-"""Build the runtime's collaborators from settings, once per process.
+"""The composition root: build the dependency bag from settings, once per process.
 
 This is the only place that turns URLs into adapters for the runtime. It imports no Ray,
 so the same wiring runs in a session actor, a pooled host, the reconciler, the Serve
@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 import socket
 
+from storage.audit import ObjectAudit
+from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
+from storage.deliveries import ObjectDeliveries
 from storage.factory import open_index, open_object_store
 from storage.inbox import ObjectInbox
-from storage.snapshots import SnapshotStore
+from storage.snapshots import ObjectSnapshots
 from torpor.callbacks import CapabilityRouter
 from torpor.clock import SystemClock
 from torpor.outbox import BareRouter
@@ -50,9 +53,12 @@ def open_services(
         config=RuntimeConfig.from_settings(settings),
         store=store,
         index=index,
-        snapshots=SnapshotStore(store),
+        snapshots=ObjectSnapshots(store),
         inbox=ObjectInbox(store),
         correlations=ObjectCorrelations(store),
+        batches=ObjectBatches(store),
+        deliveries=ObjectDeliveries(store),
+        audit=ObjectAudit(store),
         plugins=PluginResolver(settings),
         clock=clock or SystemClock(),
         router=router,

@@ -25,7 +25,7 @@ from storage.codec import SnapshotCodec  # noqa: E402
 from storage.local_store import LocalObjectStore  # noqa: E402
 from storage.redis_index import RedisIndex  # noqa: E402
 from storage.s3_store import S3ObjectStore  # noqa: E402
-from storage.snapshots import SnapshotStore  # noqa: E402
+from storage.snapshots import ObjectSnapshots  # noqa: E402
 from tests.support.factories import busy_snapshot  # noqa: E402
 from tests.support.s3_server import S3TestServer  # noqa: E402
 from torpor.ids import new_correlation_id, new_session_id  # noqa: E402
@@ -41,7 +41,7 @@ def size_figures() -> tuple[int, int, int]:
 
 
 async def round_trip_ms(store: ObjectStore, rounds: int) -> float:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     snap = await snapshots.create(busy_snapshot(200))
     times = []
     for i in range(rounds):

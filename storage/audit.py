@@ -71,7 +71,7 @@ def new_writer_id() -> str:
     return f"{stamp}-{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-class AuditLog:
+class ObjectAudit:
     def __init__(self, store: ObjectStore, *, writer: str | None = None) -> None:
         self.store = store
         self.stream = writer or new_writer_id()
@@ -79,8 +79,33 @@ class AuditLog:
         self._flusher: asyncio.Task[None] | None = None
         self._seq, self._block, self._prev = 0, 0, GENESIS
 
-    async def append(self, **fields: Any) -> AuditRecord:
+    async def append(
+        self,
+        *,
+        verdict: str,
+        at: datetime,
+        source: str,
+        body_sha256: str,
+        event_id: str | None = None,
+        session_id: str | None = None,
+        correlation_id: str | None = None,
+        signature: str | None = None,
+        timestamp: datetime | None = None,
+        trace_id: str | None = None,
+    ) -> AuditRecord:
         """Returns once the record is durably in the store (its block is written)."""
+        fields = {
+            "verdict": verdict,
+            "at": at,
+            "source": source,
+            "body_sha256": body_sha256,
+            "event_id": event_id,
+            "session_id": session_id,
+            "correlation_id": correlation_id,
+            "signature": signature,
+            "timestamp": timestamp,
+            "trace_id": trace_id,
+        }
         future: asyncio.Future[AuditRecord] = asyncio.get_running_loop().create_future()
         self._queue.append((fields, future))
         if self._flusher is None or self._flusher.done():

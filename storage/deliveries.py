@@ -1,63 +1,24 @@
-"""Outbound notification deliveries and endpoint state, in the object store.
+"""Delivery records of outbound notifications, and endpoint state, in the object store.
 
 One object per delivery (``deliveries/{tenant}/{id}``), updated by compare-and-swap so
-that the delivery worker and an operator's "resend" never overwrite each other. The
-delivery id is derived from the outbox entry, so it is also the ``webhook-id`` the
-receiver sees on every attempt: receivers dedupe retries on it.
+that the delivery worker and an operator's "resend" never overwrite each other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
-from enum import StrEnum
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from storage import keys
-from torpor.errors import EtagMismatch, ObjectExists, ObjectNotFound, SnapshotNotFound
+from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
+from torpor.errors import EtagMismatch, NotFound, ObjectExists, ObjectNotFound
 from torpor.ports import ObjectStore
 
 MAX_CAS_ATTEMPTS = 10
 
 
-class DeliveryStatus(StrEnum):
-    PENDING = "pending"
-    DELIVERED = "delivered"
-    DEAD = "dead"  # every attempt failed: the dead letter, until someone resends it
-    DISABLED = "disabled"  # the endpoint answered 410 Gone
-
-
-class Delivery(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    delivery_id: str
-    tenant: str
-    session_id: str
-    url: str
-    event_type: str
-    payload: dict[str, Any]
-    status: DeliveryStatus = DeliveryStatus.PENDING
-    attempts: int = 0
-    next_attempt_at: datetime | None = None
-    last_status: int | None = None
-    last_error: str | None = None
-    created_at: datetime
-    delivered_at: datetime | None = None
-    history: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class EndpointState(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    url: str
-    disabled: bool = False
-    disabled_at: datetime | None = None
-    reason: str | None = None
-
-
-class DeliveryStore:
+class ObjectDeliveries:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
 
@@ -77,7 +38,7 @@ class DeliveryStore:
             obj = await self.store.get(keys.delivery(tenant, delivery_id))
             return Delivery.model_validate_json(obj.data)
         except (ObjectNotFound, ValidationError):
-            raise SnapshotNotFound(f"no delivery {delivery_id[:80]!r}") from None
+            raise NotFound(f"no delivery {delivery_id[:80]!r}") from None
 
     async def update(
         self, tenant: str, delivery_id: str, change: Callable[[Delivery], Delivery]
@@ -88,7 +49,7 @@ class DeliveryStore:
             try:
                 obj = await self.store.get(key)
             except ObjectNotFound:
-                raise SnapshotNotFound(f"no delivery {delivery_id[:80]!r}") from None
+                raise NotFound(f"no delivery {delivery_id[:80]!r}") from None
             new = change(Delivery.model_validate_json(obj.data))
             try:
                 await self.store.put_if_match(key, new.model_dump_json().encode(), etag=obj.etag)

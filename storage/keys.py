@@ -61,14 +61,6 @@ def business_key(tenant: str, key: str) -> str:
     return f"business-keys/{safe(tenant, 'tenant')}/{digest(key)}"
 
 
-def parked_prefix(tenant: str, key: str) -> str:
-    return f"parked/{safe(tenant, 'tenant')}/{digest(key)}/"
-
-
-def parked_event(tenant: str, key: str, event_key: str) -> str:
-    return parked_prefix(tenant, key) + safe(event_key, "event key")
-
-
 PROBES = "probe/"
 
 

@@ -16,7 +16,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from storage.blocking import off_loop
 from storage.keys import check_object_key
-from torpor.backoff import backoff_s
+from torpor.backoff import Backoff
 from torpor.errors import (
     BucketNotFound,
     ConfigError,
@@ -35,6 +35,7 @@ _LOST_RACE = {"PreconditionFailed"}
 # 409: another conditional write to the key was in flight. Nothing is decided yet: ask again.
 _IN_FLIGHT = "ConditionalRequestConflict"
 CONFLICT_ATTEMPTS = 5
+CONFLICT_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _CREDENTIALS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}
 
@@ -128,7 +129,7 @@ class S3ObjectStore:
             except ClientError as exc:
                 code = str(exc.response.get("Error", {}).get("Code", ""))
                 if code == _IN_FLIGHT and attempt + 1 < CONFLICT_ATTEMPTS:
-                    time.sleep(backoff_s(attempt, base_s=0.05, cap_s=1.0))  # a worker thread
+                    time.sleep(CONFLICT_BACKOFF.delay_s(attempt))  # a worker thread
                     continue
                 if code in _LOST_RACE and condition and _was_retried(exc):
                     # Ambiguous write: an earlier attempt of this very call may have committed

@@ -18,8 +18,8 @@ from torpor.errors import (
     CommitConflict,
     EtagMismatch,
     ObjectNotFound,
+    SessionNotFound,
     SnapshotCorrupt,
-    SnapshotNotFound,
 )
 from torpor.lifecycle import SessionState
 from torpor.models import SessionHeader, SessionSnapshot
@@ -28,7 +28,7 @@ from torpor.ports import ObjectStore
 ETAG_CACHE_SIZE = 4096
 
 
-class SnapshotStore:
+class ObjectSnapshots:
     def __init__(self, store: ObjectStore, codec: SnapshotCodec | None = None) -> None:
         self.store = store
         self.codec = codec or SnapshotCodec()
@@ -58,7 +58,7 @@ class SnapshotStore:
         try:
             obj = await self.store.get(key)
         except ObjectNotFound:
-            raise SnapshotNotFound(f"no session {session_id}", session_id=session_id) from None
+            raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
         snapshot = self.codec.decode(obj.data, what=f"snapshot of {session_id}")
         self._remember(session_id, snapshot.generation, obj.etag)
         return snapshot
@@ -73,7 +73,7 @@ class SnapshotStore:
             try:
                 current = await self.store.get(key)
             except ObjectNotFound:
-                raise SnapshotNotFound(f"no session {sid}", session_id=sid) from None
+                raise SessionNotFound(f"no session {sid}", session_id=sid) from None
             header = self.codec.decode_header(current.data, what=f"snapshot of {sid}")
             if header.generation != expected_generation:
                 raise CommitConflict(
@@ -97,7 +97,7 @@ class SnapshotStore:
         try:
             obj = await self.store.get(keys.snapshot(session_id), max_bytes=HEADER_READ_BYTES)
         except ObjectNotFound:
-            raise SnapshotNotFound(f"no session {session_id}", session_id=session_id) from None
+            raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
         return self.codec.decode_header(obj.data, what=f"snapshot of {session_id}")
 
     async def session_ids(self, *, page_size: int = 1000) -> AsyncIterator[list[str]]:
@@ -121,7 +121,7 @@ class SnapshotStore:
             async with gate:
                 try:
                     return await self.header(sid)
-                except (SnapshotNotFound, SnapshotCorrupt):
+                except (SessionNotFound, SnapshotCorrupt):
                     return None
 
         async for ids in self.session_ids():

@@ -10,10 +10,9 @@ memory between any two steps.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from pydantic import JsonValue
 
@@ -53,32 +52,6 @@ class Agent(Protocol):
     def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
         """The conversation a new session starts with."""
         ...
-
-
-StepFn = Callable[[Sequence[Message], AgentContext], "AgentTurn | Awaitable[AgentTurn]"]
-
-
-class FunctionAgent:
-    """Wrap a plain (sync or async) step function as an agent."""
-
-    def __init__(
-        self, fn: StepFn, *, name: str, version: str = "1", system_prompt: str | None = None
-    ) -> None:
-        self._fn = fn
-        self.name = name
-        self.version = version
-        self._system_prompt = system_prompt
-
-    async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
-        out: Any = self._fn(messages, ctx)
-        if inspect.isawaitable(out):
-            out = await out
-        if not isinstance(out, AgentTurn):
-            raise TypeError(f"agent {self.name} returned {type(out).__name__}, not AgentTurn")
-        return out
-
-    def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
-        return default_initial_messages(input, self._system_prompt)
 
 
 def default_initial_messages(input: JsonValue, system_prompt: str | None) -> list[Message]:

@@ -115,13 +115,3 @@ class BatchOut(BaseModel):
     by_state: dict[str, int]
     session_ids: list[str]  # one per document, in the order they were submitted
     links: dict[str, str]
-
-
-class Problem(BaseModel):
-    """RFC 9457 problem details."""
-
-    type: str
-    title: str
-    status: int
-    detail: str | None = None
-    instance: str | None = None

@@ -7,14 +7,10 @@ import hmac
 import secrets
 from collections.abc import Mapping
 
-from torpor.errors import PermanentError
+from torpor.errors import Unauthenticated
 from torpor.settings import TenantConfig
 
 KEY_PREFIX = "tpk_"
-
-
-class Unauthenticated(PermanentError):
-    code = "unauthenticated"
 
 
 def new_api_key() -> tuple[str, str]:

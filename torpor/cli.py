@@ -16,19 +16,25 @@ with ``--api-key`` (default: ``$TORPOR_API_KEY``). Errors are one line, never a 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from torpor import outbound
 from torpor.errors import TorporError
+
+TIMEOUT_S = 30.0
+# The SSE stream sends a keep-alive every 15 s; this much silence means it is gone.
+STREAM_TIMEOUT_S = 60.0
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 
 
 class CliError(Exception):
@@ -72,19 +78,31 @@ def _request(
     if key:
         all_headers["Authorization"] = f"Bearer {key}"
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(base + path, data=data, method=method, headers=all_headers)  # noqa: S310
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
-            return int(response.status), json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        try:
-            problem = json.loads(exc.read() or b"{}")
-        except ValueError:
-            problem = {}
-        detail = problem.get("detail") or problem.get("title") or exc.reason
-        raise CliError(f"{method} {path}: {exc.code} {detail}") from None
-    except OSError as exc:
+        response = outbound.request(
+            method,
+            base + path,
+            body=data,
+            headers=all_headers,
+            timeout_s=TIMEOUT_S,
+            max_body_bytes=MAX_ANSWER_BYTES,
+        )
+    except TRANSPORT_ERRORS as exc:
         raise CliError(f"cannot reach torpor at {base}: {exc}") from None
+    if response.ok:
+        return response.status, response.json()
+    try:
+        problem = response.json() or {}
+    except ValueError:
+        problem = {}
+    if not isinstance(problem, dict):
+        problem = {}
+    detail = (
+        problem.get("detail")
+        or problem.get("title")
+        or http.client.responses.get(response.status, "")
+    )
+    raise CliError(f"{method} {path}: {response.status} {detail}")
 
 
 def _print(value: Any) -> None:
@@ -166,16 +184,19 @@ def cmd_events(args: argparse.Namespace) -> int:
         headers["Authorization"] = f"Bearer {key}"
     url = f"{base}/v1/sessions/{urllib.parse.quote(args.session)}/events"
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers)) as stream:  # noqa: S310
-            for raw in stream:
+        with outbound.stream_lines(url, headers=headers, timeout_s=STREAM_TIMEOUT_S) as (
+            status,
+            lines,
+        ):
+            if not 200 <= status < 300:
+                raise CliError(f"GET events: {status}")
+            for raw in lines:
                 line = raw.decode().rstrip("\n")
                 if line.startswith("data: "):
                     event = json.loads(line[6:])
                     at, state = event["at"], event["state"]
                     print(f"{at}  {state:<10} epoch {event['epoch']}  {event['reason']}")
-    except urllib.error.HTTPError as exc:
-        raise CliError(f"GET events: {exc.code}") from None
-    except OSError as exc:
+    except TRANSPORT_ERRORS as exc:
         raise CliError(f"cannot reach torpor at {base}: {exc}") from None
     return 0
 
@@ -204,16 +225,19 @@ def cmd_sign(args: argparse.Namespace) -> int:
 
 def cmd_send(args: argparse.Namespace) -> int:
     body, headers = _signed(args)
-    request = urllib.request.Request(args.target, data=body, headers=headers, method="POST")  # noqa: S310
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
-            print(f"{response.status} {response.read().decode(errors='replace')}")
-            return 0
-    except urllib.error.HTTPError as exc:
-        print(f"{exc.code} {exc.read().decode(errors='replace')}")
-        return 1
-    except OSError as exc:
+        response = outbound.request(
+            "POST",
+            args.target,
+            body=body,
+            headers=headers,
+            timeout_s=TIMEOUT_S,
+            max_body_bytes=MAX_ANSWER_BYTES,
+        )
+    except TRANSPORT_ERRORS as exc:
         raise CliError(f"cannot reach {args.target}: {exc}") from None
+    print(f"{response.status} {response.body.decode(errors='replace')}")
+    return 0 if response.ok else 1
 
 
 def cmd_deliveries(args: argparse.Namespace) -> int:

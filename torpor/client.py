@@ -85,6 +85,7 @@ class AsyncClient:
         from actors.ray_activator import RayActivator
         from actors.reconciler import ensure_reconciler
         from actors.wiring import open_services
+        from torpor.service.batches import BatchService
         from torpor.service.sessions import SessionService
 
         self.settings = settings or Settings.from_env()
@@ -93,6 +94,7 @@ class AsyncClient:
             ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
         self._services = open_services(self.settings)
         self._control = SessionService(self._services, RayActivator(self._services))
+        self._batches = BatchService(self._control)
         if start_reconciler:
             ensure_reconciler(self.settings)
 
@@ -169,13 +171,13 @@ class AsyncClient:
     async def submit_batch(
         self, agent: str, documents: list[JsonValue], *, metadata: dict[str, str] | None = None
     ) -> str:
-        manifest = await self._control.submit_batch(
+        manifest = await self._batches.submit(
             tenant=self.tenant, agent=agent, documents=documents, metadata=metadata
         )
         return manifest.batch_id
 
     async def progress(self, batch_id: str) -> dict[str, Any]:
-        p = await self._control.progress(batch_id, tenant=self.tenant)
+        p = await self._batches.progress(batch_id, tenant=self.tenant)
         return {"batch_id": p.batch_id, "total": p.total, "done": p.done, "by_state": p.by_state}
 
     async def wait_batch(

@@ -1,30 +1,60 @@
-"""One error hierarchy for torpor.
+"""One error hierarchy for torpor: every error class it raises on purpose is here.
 
-Every error has a stable ``code`` (used in logs, metrics and problem+json ``type``) and a
-``retryable`` flag: a retryable error means "the same call may succeed later" (a store
-that is down), a permanent one means "this input or this race is final" (a corrupt
-snapshot, a lost compare-and-swap). Mapping to HTTP happens in exactly one place, the
-ingress' exception handler.
+Every error has a stable ``code`` (used in logs, metrics and the problem+json ``type``),
+the HTTP ``status`` and ``title`` the edge answers it with (500 "Internal error" unless a
+class says otherwise), and a ``retryable`` flag: a retryable error means "the same call
+may succeed later" (a store that is down), a permanent one "this input or this race is
+final" (a corrupt snapshot, a lost compare-and-swap). ``retryable`` and ``retry_after``
+are class defaults that one instance may override, as Temporal's ``ApplicationError``
+does with ``non_retryable`` and ``next_retry_delay``. ``torpor.problems`` turns an error
+into its HTTP answer by reading these attributes, and nothing else.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from enum import StrEnum
+from typing import Any, ClassVar, Final
 
 
 class TorporError(Exception):
     """Root of every error torpor raises on purpose."""
 
     code: ClassVar[str] = "torpor_error"
-    retryable: ClassVar[bool] = False
+    status: int = 500
+    title: str = "Internal error"
+    # The message is phrased for the caller and reveals nothing internal: it becomes the
+    # problem's ``detail``. Otherwise the detail stays empty.
+    public: ClassVar[bool] = False
+    retryable: bool = False
+    retry_after: float | None = None  # seconds the caller should wait before trying again
 
-    def __init__(self, message: str, **context: Any) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool | None = None,
+        retry_after: float | None = None,
+        **context: Any,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.context = context
+        if retryable is not None:
+            self.retryable = retryable
+        if retry_after is not None:
+            self.retry_after = retry_after
 
     def __str__(self) -> str:
         return self.message
+
+    @property
+    def problem_type(self) -> str:
+        """The last segment of the problem+json ``type``."""
+        return self.code
+
+    @property
+    def problem_detail(self) -> str | None:
+        return self.message if self.public else None
 
 
 class RetryableError(TorporError):
@@ -66,10 +96,12 @@ class StorageUnavailable(RetryableError):
     """The object store or index did not answer (network, server down, throttled)."""
 
     code = "storage_unavailable"
+    status, title = 503, "Storage unavailable"
 
 
 class IndexUnavailable(StorageUnavailable):
     code = "index_unavailable"
+    title = "Index unavailable"
 
 
 class BucketNotFound(PermanentError):
@@ -78,6 +110,7 @@ class BucketNotFound(PermanentError):
 
 class InvalidKey(PermanentError):
     code = "invalid_object_key"
+    status, title = 400, "Invalid identifier"
 
 
 class ObjectNotFound(PermanentError):
@@ -110,7 +143,17 @@ class SnapshotSchemaTooNew(SnapshotError):
     code = "snapshot_schema_too_new"
 
 
-class SnapshotNotFound(SnapshotError):
+class NotFound(PermanentError):
+    """Something that is not a session (a batch, a delivery) does not exist, or belongs
+    to another tenant: the caller cannot tell which."""
+
+    code = "not_found"
+    status, title, public = 404, "Not found", True
+
+
+class SessionNotFound(NotFound):
+    """No such session, or another tenant's."""
+
     code = "session_not_found"
 
 
@@ -118,6 +161,7 @@ class CommitConflict(PermanentError):
     """Another writer committed this session first; this writer must stop and reload."""
 
     code = "commit_conflict"
+    status, title = 409, "Conflict"
 
 
 class LeaseLost(PermanentError):
@@ -143,31 +187,24 @@ class TerminalStateImmutable(LifecycleError):
 
 
 class ToolError(TorporError):
-    """A tool failed. ``retryable`` is decided per instance by the tool."""
+    """A tool failed. ``retryable`` is decided per instance by the tool (default: no)."""
 
     code = "tool_error"
 
-    def __init__(self, message: str, *, retryable: bool = False, **context: Any) -> None:
-        super().__init__(message, **context)
-        self.retryable_instance = retryable
 
+class DispatchImpossible(PermanentError):
+    """An outbox entry names no long-running tool that could send it."""
 
-class UnknownTool(PermanentError):
-    code = "unknown_tool"
+    code = "dispatch_impossible"
 
 
 class AgentError(PermanentError):
     code = "agent_error"
 
 
-class SessionBusy(RetryableError):
-    """Another activation holds this session's lease."""
-
-    code = "session_busy"
-
-
 class InvalidRequest(PermanentError):
     code = "invalid_request"
+    status, title, public = 400, "Invalid request", True
 
 
 class AgentUnavailable(RetryableError):
@@ -176,8 +213,127 @@ class AgentUnavailable(RetryableError):
     code = "agent_unavailable"
 
 
+class ActivationUnavailable(RetryableError):
+    """No activator took the request (its actor or host did not answer in time)."""
+
+    code = "activation_unavailable"
+    status, title = 503, "Activation unavailable"
+
+
 # --- webhooks ------------------------------------------------------------------------
-# ``WebhookRejected`` (an attacker-facing PermanentError) lives in torpor.webhooks.rejections.
+
+
+class RejectReason(StrEnum):
+    MISSING_SIGNATURE = "missing_signature"
+    MALFORMED_SIGNATURE = "malformed_signature"
+    BAD_SIGNATURE = "bad_signature"
+    MISSING_TIMESTAMP = "missing_timestamp"
+    MALFORMED_TIMESTAMP = "malformed_timestamp"
+    TIMESTAMP_TOO_OLD = "timestamp_too_old"
+    TIMESTAMP_IN_FUTURE = "timestamp_in_future"
+    MISSING_NONCE = "missing_nonce"
+    MALFORMED_NONCE = "malformed_nonce"
+    REPLAYED = "replayed"
+    BODY_TOO_LARGE = "body_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    MALFORMED_BODY = "malformed_body"
+    INVALID_CLOUDEVENT = "invalid_cloudevent"
+    UNKNOWN_SOURCE = "unknown_source"
+    # S105: these are reason names, not credentials.
+    INVALID_TOKEN = "invalid_token"  # noqa: S105
+    TOKEN_EXPIRED = "token_expired"  # noqa: S105
+    TOKEN_USED = "token_used"  # noqa: S105
+
+
+_R = RejectReason
+
+# The only place a rejection reason becomes an HTTP status. Authentication problems are all 401
+# so that a prober learns nothing from the status beyond "not authenticated".
+REJECTION_STATUS: Final[dict[RejectReason, int]] = {
+    _R.MISSING_SIGNATURE: 401,
+    _R.MALFORMED_SIGNATURE: 401,
+    _R.BAD_SIGNATURE: 401,
+    _R.MISSING_TIMESTAMP: 401,
+    _R.MALFORMED_TIMESTAMP: 401,
+    _R.TIMESTAMP_TOO_OLD: 401,
+    _R.TIMESTAMP_IN_FUTURE: 401,
+    _R.MISSING_NONCE: 401,
+    _R.MALFORMED_NONCE: 401,
+    _R.INVALID_TOKEN: 401,
+    _R.REPLAYED: 409,
+    _R.TOKEN_USED: 409,
+    _R.BODY_TOO_LARGE: 413,
+    _R.UNSUPPORTED_MEDIA_TYPE: 415,
+    _R.MALFORMED_BODY: 400,
+    _R.INVALID_CLOUDEVENT: 400,
+    _R.UNKNOWN_SOURCE: 404,
+    _R.TOKEN_EXPIRED: 410,
+}
+
+# Fixed texts: none of them depends on which secret was tried or on the expected value,
+# and "wrong secret" and "tampered body" read the same (both are BAD_SIGNATURE).
+_DEFAULT_DETAIL: Final[dict[RejectReason, str]] = {
+    _R.MISSING_SIGNATURE: "the signature header is missing",
+    _R.MALFORMED_SIGNATURE: "the signature header is malformed",
+    _R.BAD_SIGNATURE: "no signature matches",
+    _R.MISSING_TIMESTAMP: "the timestamp header is missing",
+    _R.MALFORMED_TIMESTAMP: "the timestamp header is malformed",
+    _R.TIMESTAMP_TOO_OLD: "the timestamp is outside the accepted window",
+    _R.TIMESTAMP_IN_FUTURE: "the timestamp is outside the accepted window",
+    _R.MISSING_NONCE: "the delivery id header is missing",
+    _R.MALFORMED_NONCE: "the delivery id header is malformed",
+    _R.REPLAYED: "this delivery was already received",
+    _R.BODY_TOO_LARGE: "the request body is too large",
+    _R.UNSUPPORTED_MEDIA_TYPE: "the content type is not supported",
+    _R.MALFORMED_BODY: "the request body is malformed",
+    _R.INVALID_CLOUDEVENT: "the request is not a valid CloudEvent",
+    _R.UNKNOWN_SOURCE: "unknown webhook source",
+    _R.INVALID_TOKEN: "the callback token is invalid",
+    _R.TOKEN_EXPIRED: "the callback token has expired",
+    _R.TOKEN_USED: "the callback token was already used",
+}
+
+
+class WebhookRejected(PermanentError):
+    """An inbound webhook, CloudEvent or callback token was refused.
+
+    Every malformed header, body or token at the webhook trust boundary becomes one of
+    these; nothing else escapes. The reason decides the status (``REJECTION_STATUS``) and
+    a fixed public detail that is safe to send back to whoever made the request, who may
+    be an attacker probing for an oracle; ``context`` is for the audit log and must never
+    hold secrets either.
+    """
+
+    code = "webhook_rejected"
+
+    def __init__(
+        self, reason: RejectReason, public_detail: str | None = None, **context: Any
+    ) -> None:
+        self.reason = RejectReason(reason)
+        self.status = REJECTION_STATUS[self.reason]
+        self.title = self.reason.value.replace("_", " ").capitalize()
+        self.public_detail: str = public_detail or _DEFAULT_DETAIL[self.reason]
+        super().__init__(f"{self.reason}: {self.public_detail}", **context)
+
+    @property
+    def problem_type(self) -> str:
+        return self.reason.value
+
+    @property
+    def problem_detail(self) -> str | None:
+        return self.public_detail
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The default pickling calls cls(*self.args) with the message string; rejections
+        # cross Ray process boundaries, so rebuild from the reason instead.
+        return (_rebuild, (self.reason, self.public_detail, self.context))
+
+    def __repr__(self) -> str:
+        return f"WebhookRejected({self.reason.value!r}, {self.public_detail!r})"
+
+
+def _rebuild(reason: RejectReason, public_detail: str, context: dict[str, Any]) -> WebhookRejected:
+    return WebhookRejected(reason, public_detail, **context)
 
 
 class WebhookSecretInvalid(ConfigError):
@@ -192,17 +348,50 @@ class WebhookSecretInvalid(ConfigError):
 # --- client requests -----------------------------------------------------------------
 
 
+class Unauthenticated(PermanentError):
+    code = "unauthenticated"
+    status, title, public = 401, "Unauthenticated", True
+
+
 class IdempotencyMismatch(PermanentError):
     """The Idempotency-Key was used before with a different request body."""
 
     code = "idempotency_key_reused"
+    status, title = 422, "Idempotency-Key reused with a different request"
+    public = True
 
 
 class IdempotencyInProgress(RetryableError):
     """The first request with this Idempotency-Key is still being processed."""
 
     code = "idempotency_key_in_progress"
+    status, title = 409, "Request with this Idempotency-Key in progress"
+    public = True
 
 
 class UnknownAgent(PermanentError):
     code = "unknown_agent"
+    status, title, public = 422, "Unknown agent", True
+
+
+class UnsafeUrl(InvalidRequest):
+    """An outbound URL torpor will not call (a private address, another scheme)."""
+
+    code = "unsafe_callback_url"
+    title = "Callback URL refused"
+
+
+# --- calls out -----------------------------------------------------------------------
+
+
+class ResponseTooLarge(PermanentError):
+    """An HTTP answer longer than the caller's cap: refused rather than buffered."""
+
+    code = "response_too_large"
+
+
+class UnknownCorrelation(PermanentError):
+    """A webhook event matches no open wait of the source's tenant."""
+
+    code = "unknown_correlation"
+    status, title, public = 404, "No matching wait", True

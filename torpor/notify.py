@@ -1,4 +1,4 @@
-"""Outbound notifications, the pure part: payloads, signing secrets, retry timing.
+"""Outbound notifications, the pure part: payloads, signing secrets, retry schedule.
 
 Notifications follow Standard Webhooks: ``webhook-id`` (stable across retries),
 ``webhook-timestamp`` and ``webhook-signature`` signed with a per-endpoint secret. The
@@ -12,14 +12,15 @@ import base64
 import hashlib
 import hmac
 from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any
 
+from torpor.backoff import Backoff
 from torpor.models import SessionSnapshot
 
 # Svix's schedule (seconds after the previous attempt), used with ±20 % jitter.
 RETRY_SCHEDULE_S: list[float] = [5, 300, 1800, 7200, 18000, 36000, 36000]
-MAX_RETRY_AFTER_S = 24 * 3600.0
+RETRY_BACKOFF = Backoff(schedule=RETRY_SCHEDULE_S, jitter=0.2)
+MAX_RETRY_AFTER_S = 24 * 3600.0  # a receiver asking for more is not waited for longer
 
 
 def endpoint_secret(notify_key: bytes, tenant: str, url: str) -> str:
@@ -46,19 +47,3 @@ def payload(snapshot: SessionSnapshot, *, event: str, now: datetime) -> dict[str
             "metadata": snapshot.metadata,
         },
     }
-
-
-def retry_after_s(value: str | None, *, now: datetime) -> float | None:
-    """Seconds a ``Retry-After`` header asks for (delta-seconds or an HTTP date)."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return min(float(value), MAX_RETRY_AFTER_S)
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, min((when - now).total_seconds(), MAX_RETRY_AFTER_S))

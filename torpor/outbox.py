@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from torpor.backoff import backoff_s
-from torpor.errors import TorporError
+from torpor.backoff import Backoff
+from torpor.errors import DispatchImpossible, TorporError
 from torpor.ids import business_idempotency_key, new_entry_id
 from torpor.models import (
     DispatchStatus,
@@ -118,14 +118,11 @@ async def send(
         await _send(entry, snapshot, tools=tools, router=router, notifier=notifier)
     except Exception as exc:  # a tool's failure is data here: it decides retry vs give up
         error = f"{type(exc).__name__}: {exc}"[:500]
-        retryable = getattr(exc, "retryable_instance", None)
-        if retryable is None:
-            retryable = exc.retryable if isinstance(exc, TorporError) else True
+        retryable = exc.retryable if isinstance(exc, TorporError) else True
         if not retryable or entry.attempts + 1 >= MAX_DISPATCH_ATTEMPTS:
             return GaveUp(error)
-        delay = backoff_s(
-            entry.attempts, base_s=DISPATCH_BACKOFF_BASE_S, cap_s=DISPATCH_BACKOFF_CAP_S
-        )
+        backoff = Backoff(base_s=DISPATCH_BACKOFF_BASE_S, cap_s=DISPATCH_BACKOFF_CAP_S, jitter=0.2)
+        delay = backoff.delay_s(entry.attempts)
         return RetryAt(now + timedelta(seconds=delay), error)
     return Sent()
 
@@ -144,7 +141,7 @@ async def _send(
         return
     tool = tools.get(entry.tool_name or "")
     if not isinstance(tool, LongRunningTool):
-        raise _Permanent(f"tool {entry.tool_name!r} is not a long-running tool here")
+        raise DispatchImpossible(f"tool {entry.tool_name!r} is not a long-running tool here")
     if entry.kind is OutboxKind.COMPENSATE:
         undone = Wait.model_validate(entry.payload["wait"])
         reason = str(entry.payload.get("reason", ""))
@@ -170,10 +167,6 @@ async def _send(
             trace_id=snapshot.trace_id,
         )
     )
-
-
-class _Permanent(TorporError):
-    code = "dispatch_impossible"
 
 
 def settle(entry: OutboxEntry, result: SendResult, *, now: datetime) -> OutboxEntry:

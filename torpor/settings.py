@@ -133,7 +133,6 @@ class Settings(_Settings):
     index_deadline_shards: int = 128
     pool_size: int = 2
     pool_max_concurrency: int = 64
-    owner_tag: str = ""  # appended to lease owners, for debugging several clusters
 
     @field_validator("lease_ttl_s")
     @classmethod

@@ -11,11 +11,7 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-from torpor.errors import InvalidRequest
-
-
-class UnsafeUrl(InvalidRequest):
-    code = "unsafe_callback_url"
+from torpor.errors import UnsafeUrl
 
 
 def check_url_shape(url: str) -> tuple[str, int]:

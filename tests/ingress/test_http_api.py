@@ -515,11 +515,11 @@ async def test_a_flushed_index_does_not_turn_a_valid_callback_away(
 async def test_unknown_correlation_is_404_and_audited(
     http: httpx.AsyncClient, deployment: Deployment, services: Any
 ) -> None:
-    from storage.audit import AuditLog
+    from storage.audit import ObjectAudit
 
     body = oa_body("Q" * 22)
     response = await http.post("/v1/hooks/oa", content=body, headers=signed(deployment, "oa", body))
     assert_problem(response, 404)
-    checks = await AuditLog(services.store).verify_all()
+    checks = await ObjectAudit(services.store).verify_all()
     assert checks and all(check.ok for check in checks.values())
     assert sum(check.records for check in checks.values()) >= 1

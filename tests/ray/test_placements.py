@@ -25,6 +25,7 @@ from tests.support.harness import callback
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
 from torpor.ports import Reason
+from torpor.service.batches import BatchService
 
 S = SessionState
 PLACEMENTS = ["dedicated", "pooled"]
@@ -319,7 +320,7 @@ async def test_python_client_end_to_end(make_ray_env: Any) -> None:
 
             await eventually(all_waiting, what="batch sessions wait")
             for i, sid_b in enumerate(
-                env_batch_ids := (await env.control.batch(batch)).session_ids
+                env_batch_ids := (await BatchService(env.control).get(batch)).session_ids
             ):
                 client.send_event(
                     sid_b,

@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 import standardwebhooks
 
-from storage.deliveries import DeliveryStatus, DeliveryStore
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Received, Receiver
+from torpor.deliveries import Delivery, DeliveryStatus
+from torpor.errors import UnsafeUrl
 from torpor.lifecycle import SessionState
+from torpor.ports import Observer
 from torpor.service.deliveries import DeliveryWorker, secret_for
-from torpor.ssrf import UnsafeUrl
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ async def test_failures_retry_on_schedule_honouring_retry_after(
             assert len(hook.received) == 4
             ids = {r.headers["webhook-id"] for r in hook.received}
             assert len(ids) == 1, "every attempt carries the same webhook-id"
-            [delivery], _ = await DeliveryStore(env.services.store).list(
+            [delivery], _ = await env.services.deliveries.list(
                 "acme", status=None, cursor=None, limit=10
             )
             assert delivery.status is DeliveryStatus.DELIVERED and delivery.attempts == 4
@@ -96,7 +97,7 @@ async def test_gone_disables_the_endpoint(
             await finished_session(env, hook.url)
             worker = DeliveryWorker(env.services)
             await worker.due(env.clock.now())
-            store = DeliveryStore(env.services.store)
+            store = env.services.deliveries
             assert (await store.endpoint("acme", hook.url)).disabled
             await finished_session(env, hook.url, doc="PR-N2")
             await worker.due(env.clock.now())
@@ -119,7 +120,7 @@ async def test_dead_letter_then_resend(tmp_path: Path, redis_url: str, redis_pre
                 await worker.due(env.clock.now())
                 env.clock.advance(13 * 3600)
             assert len(hook.received) == 8  # the first try and seven retries
-            store = DeliveryStore(env.services.store)
+            store = env.services.deliveries
             [dead], _ = await store.list("acme", status=DeliveryStatus.DEAD, cursor=None, limit=5)
             hook.script = [200]
             await worker.resend("acme", dead.delivery_id, now=env.clock.now())
@@ -156,3 +157,29 @@ async def test_suspend_and_resume_can_be_notified_too(
         types = sorted(json.loads(r.body)["type"] for r in hook.received)
         assert types == ["session.completed", "session.resumed", "session.suspended"]
         assert all(json.loads(r.body)["data"]["session_id"] == sid for r in hook.received)
+
+
+class Settled(Observer):
+    def __init__(self) -> None:
+        self.statuses: list[DeliveryStatus] = []
+
+    async def delivery_settled(self, delivery: Delivery) -> None:
+        self.statuses.append(delivery.status)
+
+
+async def test_each_attempt_is_reported_to_the_observer(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    hook = Receiver(script=[500, 200])
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix) as env:
+            await finished_session(env, hook.url)
+            observer = Settled()
+            env.services.observer = observer
+            worker = DeliveryWorker(env.services)
+            await worker.due(env.clock.now())
+            env.clock.advance(7)
+            await worker.due(env.clock.now())
+            assert observer.statuses == [DeliveryStatus.PENDING, DeliveryStatus.DELIVERED]
+    finally:
+        hook.close()

@@ -16,6 +16,7 @@ from torpor.errors import IdempotencyInProgress, IdempotencyMismatch, UnknownAge
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
 from torpor.ports import Reason
+from torpor.service.batches import BatchService
 from torpor.session import ActivationOutcome
 
 S = SessionState
@@ -311,12 +312,13 @@ async def test_dispatch_failure_reaches_the_agent(make_env: MakeEnv) -> None:
 
 
 async def test_batch_progress(env: Env) -> None:
-    manifest = await env.control.submit_batch(
+    batches = BatchService(env.control)
+    manifest = await batches.submit(
         tenant="acme", agent="purchase", documents=[{"doc": f"PR-{i}"} for i in range(5)]
     )
-    progress = await env.control.progress(manifest.batch_id)
+    progress = await batches.progress(manifest.batch_id)
     assert progress.total == 5 and progress.by_state == {"SUSPENDED": 5}
-    again = await env.control.submit_batch(
+    again = await batches.submit(
         tenant="acme",
         agent="purchase",
         documents=[{"doc": f"PR-{i}"} for i in range(5)],
@@ -325,5 +327,5 @@ async def test_batch_progress(env: Env) -> None:
     assert again.session_ids == manifest.session_ids  # resubmitting creates nothing twice
     for sid in manifest.session_ids[:2]:
         await env.answer(sid, {"status": "approved"})
-    progress = await env.control.progress(manifest.batch_id)
+    progress = await batches.progress(manifest.batch_id)
     assert progress.by_state == {"COMPLETED": 2, "SUSPENDED": 3} and not progress.finished

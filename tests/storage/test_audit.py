@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from storage import keys
-from storage.audit import AuditLog
+from storage.audit import ObjectAudit
 from torpor.errors import ObjectExists
 from torpor.ports import ObjectStore
 
@@ -32,7 +32,7 @@ def fields(i: int) -> dict[str, object]:
 
 
 async def test_concurrent_appends_form_one_valid_chain(store: ObjectStore) -> None:
-    log = AuditLog(store, writer="w1")
+    log = ObjectAudit(store, writer="w1")
     records = await asyncio.gather(*(log.append(**fields(i)) for i in range(300)))
     records += [await log.append(**fields(i)) for i in range(300, 305)]
     assert sorted(r.seq for r in records) == list(range(1, 306))
@@ -43,7 +43,7 @@ async def test_concurrent_appends_form_one_valid_chain(store: ObjectStore) -> No
 
 
 async def test_editing_a_record_breaks_the_chain(store: ObjectStore) -> None:
-    log = AuditLog(store, writer="w2")
+    log = ObjectAudit(store, writer="w2")
     for i in range(5):
         await log.append(**fields(i))
     key = keys.audit_record("w2", 3)
@@ -56,7 +56,7 @@ async def test_editing_a_record_breaks_the_chain(store: ObjectStore) -> None:
 
 
 async def test_removing_a_block_breaks_the_chain(store: ObjectStore) -> None:
-    log = AuditLog(store, writer="w3")
+    log = ObjectAudit(store, writer="w3")
     for i in range(4):
         await log.append(**fields(i))
     await store.delete(keys.audit_record("w3", 2))
@@ -65,7 +65,7 @@ async def test_removing_a_block_breaks_the_chain(store: ObjectStore) -> None:
 
 
 async def test_writers_keep_separate_streams(store: ObjectStore) -> None:
-    a, b = AuditLog(store), AuditLog(store)
+    a, b = ObjectAudit(store), ObjectAudit(store)
     await asyncio.gather(*(a.append(**fields(i)) for i in range(10)))
     await asyncio.gather(*(b.append(**fields(i)) for i in range(7)))
     checks = await a.verify_all()
@@ -74,7 +74,7 @@ async def test_writers_keep_separate_streams(store: ObjectStore) -> None:
 
 
 async def test_failed_write_fails_the_waiters_and_keeps_the_chain(store: ObjectStore) -> None:
-    log = AuditLog(store, writer="w4")
+    log = ObjectAudit(store, writer="w4")
     await log.append(**fields(0))
     await store.put(keys.audit_record("w4", 2), b"squatter")  # the next block is taken
     with pytest.raises(ObjectExists):

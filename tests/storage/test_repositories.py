@@ -1,4 +1,5 @@
-"""Snapshot store, inbox and correlation records, on the local folder and on S3."""
+"""Snapshots, inbox, correlation records, batches and deliveries, on the local folder
+and on S3."""
 
 from __future__ import annotations
 
@@ -8,11 +9,21 @@ from datetime import timedelta
 import pytest
 
 from storage import keys
+from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
+from storage.deliveries import ObjectDeliveries
 from storage.inbox import ObjectInbox
-from storage.snapshots import SnapshotStore
+from storage.snapshots import ObjectSnapshots
 from tests.support.factories import NOW, busy_snapshot, snapshot
-from torpor.errors import CommitConflict, ObjectExists, SnapshotCorrupt, SnapshotNotFound
+from torpor.batches import BatchManifest
+from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
+from torpor.errors import (
+    CommitConflict,
+    NotFound,
+    ObjectExists,
+    SessionNotFound,
+    SnapshotCorrupt,
+)
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import new_correlation_id
 from torpor.lifecycle import SessionState, transition
@@ -26,37 +37,37 @@ def store(request: pytest.FixtureRequest) -> ObjectStore:
 
 
 async def test_create_load_save_round_trip(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     first = await snapshots.create(snapshot())
     assert first.generation == 0
     running = transition(first, SessionState.RUNNING, now=NOW)
     saved = await snapshots.save(running, expected_generation=0)
     assert saved.generation == 1
-    loaded = await SnapshotStore(store).load(first.session_id)  # a fresh store: no etag cache
+    loaded = await ObjectSnapshots(store).load(first.session_id)  # a fresh store: no etag cache
     assert loaded == saved
 
 
 async def test_create_is_create_only(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     snap = await snapshots.create(snapshot())
     with pytest.raises(ObjectExists):
         await snapshots.create(snap)
 
 
 async def test_lost_race_raises_conflict_and_writes_nothing(store: ObjectStore) -> None:
-    a, b = SnapshotStore(store), SnapshotStore(store)  # two activations, two processes
+    a, b = ObjectSnapshots(store), ObjectSnapshots(store)  # two activations, two processes
     created = await a.create(snapshot())
     base_a = await a.load(created.session_id)
     base_b = await b.load(created.session_id)
     winner = await a.save(transition(base_a, SessionState.RUNNING, now=NOW), expected_generation=0)
     with pytest.raises(CommitConflict):
         await b.save(transition(base_b, SessionState.CANCELLED, now=NOW), expected_generation=0)
-    assert await SnapshotStore(store).load(created.session_id) == winner
+    assert await ObjectSnapshots(store).load(created.session_id) == winner
 
 
 async def test_ten_concurrent_commits_exactly_one_wins(store: ObjectStore) -> None:
-    created = await SnapshotStore(store).create(snapshot())
-    writers = [SnapshotStore(store) for _ in range(10)]
+    created = await ObjectSnapshots(store).create(snapshot())
+    writers = [ObjectSnapshots(store) for _ in range(10)]
     bases = [await w.load(created.session_id) for w in writers]
 
     async def commit(i: int) -> bool:
@@ -69,21 +80,21 @@ async def test_ten_concurrent_commits_exactly_one_wins(store: ObjectStore) -> No
 
     results = await asyncio.gather(*(commit(i) for i in range(10)))
     assert sum(results) == 1
-    final = await SnapshotStore(store).load(created.session_id)
+    final = await ObjectSnapshots(store).load(created.session_id)
     assert final.generation == 1 and final.variables == {"writer": results.index(True)}
 
 
 async def test_save_with_stale_expectation_conflicts_without_cache(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     snap = await snapshots.create(snapshot())
     await snapshots.save(snap, expected_generation=0)
     with pytest.raises(CommitConflict, match="generation 1"):
-        await SnapshotStore(store).save(snap, expected_generation=0)
+        await ObjectSnapshots(store).save(snap, expected_generation=0)
 
 
 async def test_missing_and_corrupt_snapshots_are_typed(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
-    with pytest.raises(SnapshotNotFound):
+    snapshots = ObjectSnapshots(store)
+    with pytest.raises(SessionNotFound):
         await snapshots.load("s_nobody")
     await store.put(keys.snapshot("s_broken"), b"TPS1\x01\x00\x05{oops")
     with pytest.raises(SnapshotCorrupt, match="s_broken"):
@@ -91,7 +102,7 @@ async def test_missing_and_corrupt_snapshots_are_typed(store: ObjectStore) -> No
 
 
 async def test_list_by_state_reads_headers(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     ids = {}
     for state in (SessionState.PENDING, SessionState.SUSPENDED, SessionState.SUSPENDED):
         snap = await snapshots.create(snapshot().model_copy(update={"state": state}))
@@ -149,6 +160,51 @@ async def test_correlation_records_survive_as_source_of_truth(store: ObjectStore
 
 
 async def test_busy_snapshot_round_trips_through_storage(store: ObjectStore) -> None:
-    snapshots = SnapshotStore(store)
+    snapshots = ObjectSnapshots(store)
     snap = await snapshots.create(busy_snapshot())
-    assert await SnapshotStore(store).load(snap.session_id) == snap
+    assert await ObjectSnapshots(store).load(snap.session_id) == snap
+
+
+async def test_batch_manifests_are_create_only(store: ObjectStore) -> None:
+    batches = ObjectBatches(store)
+    manifest = BatchManifest(
+        batch_id="b_1", tenant="acme", agent="purchase", session_ids=["s_1"], created_at=NOW
+    )
+    assert await batches.create(manifest)
+    assert not await batches.create(manifest.model_copy(update={"session_ids": ["s_2"]}))
+    assert await batches.get("b_1") == manifest
+    await store.put(keys.batch("b_2"), b"not a manifest")
+    for missing in ("b_404", "b_2", "../etc"):
+        with pytest.raises(NotFound) as info:
+            await batches.get(missing)
+        assert not isinstance(info.value, SessionNotFound)
+
+
+async def test_deliveries_update_by_compare_and_swap(store: ObjectStore) -> None:
+    deliveries = ObjectDeliveries(store)
+    delivery = Delivery(
+        delivery_id="d_1",
+        tenant="acme",
+        session_id="s_1",
+        url="https://example.com/hook",
+        event_type="session.completed",
+        payload={"type": "session.completed"},
+        created_at=NOW,
+    )
+    assert await deliveries.create(delivery)
+    assert not await deliveries.create(delivery)  # an outbox replay
+
+    def attempt(d: Delivery) -> Delivery:
+        return d.model_copy(update={"attempts": d.attempts + 1})
+
+    await asyncio.gather(*(deliveries.update("acme", "d_1", attempt) for _ in range(5)))
+    assert (await deliveries.get("acme", "d_1")).attempts == 5, "no update was lost"
+    page, cursor = await deliveries.list(
+        "acme", status=DeliveryStatus.PENDING, cursor=None, limit=5
+    )
+    assert [d.delivery_id for d in page] == ["d_1"] and cursor is None
+    with pytest.raises(NotFound):
+        await deliveries.get("acme", "d_404")
+    assert not (await deliveries.endpoint("acme", delivery.url)).disabled
+    await deliveries.set_endpoint("acme", EndpointState(url=delivery.url, disabled=True))
+    assert (await deliveries.endpoint("acme", delivery.url)).disabled

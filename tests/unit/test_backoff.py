@@ -1,60 +1,57 @@
-"""Retry delays: exponential and capped, or from a fixed schedule; jittered both ways."""
+"""The one retry-delay policy: exponential, capped, jittered; exact when tests ask."""
 
 from __future__ import annotations
 
 import random
 
-from torpor.backoff import backoff_s, schedule_delay_s
+from torpor import backoff
+from torpor.backoff import Backoff
 
 
-def test_the_delay_doubles_with_each_attempt() -> None:
-    delays = [backoff_s(n, base_s=2.0, cap_s=1000.0, jitter=0) for n in range(5)]
-    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0]
+def test_full_jitter_stays_within_the_capped_exponential() -> None:
+    policy = Backoff(base_s=1.0, cap_s=10.0, rng=random.Random(7))
+    ceilings = [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert [policy.ceiling_s(n) for n in range(6)] == ceilings
+    for attempt, ceiling in enumerate(ceilings):
+        delays = [policy.delay_s(attempt) for _ in range(200)]
+        assert all(0.0 <= d <= ceiling for d in delays)
+        assert min(delays) < ceiling / 4 and max(delays) > ceiling * 3 / 4, "spread over [0, c]"
 
 
-def test_the_delay_stops_growing_at_the_cap() -> None:
-    assert backoff_s(9, base_s=2.0, cap_s=600.0, jitter=0) == 600.0
-    assert backoff_s(10_000, base_s=2.0, cap_s=600.0, jitter=0) == 600.0  # no overflow
+def test_the_random_source_is_injectable() -> None:
+    a = Backoff(base_s=1.0, cap_s=60.0, rng=random.Random(42))
+    b = Backoff(base_s=1.0, cap_s=60.0, rng=random.Random(42))
+    assert [a.delay_s(n) for n in range(8)] == [b.delay_s(n) for n in range(8)]
 
 
-def test_jitter_spreads_delays_within_its_band() -> None:
-    rng = random.Random(1)
-    delays = [backoff_s(3, base_s=1.0, cap_s=100.0, jitter=0.2, rng=rng) for _ in range(200)]
-    assert all(6.4 <= d <= 9.6 for d in delays)
-    assert len(set(delays)) > 100  # a fleet does not retry in step
-    assert min(delays) < 7.0 and max(delays) > 9.0  # both sides of the band are used
+def test_proportional_jitter_and_no_jitter() -> None:
+    spread = Backoff(base_s=60.0, cap_s=600.0, jitter=0.2, rng=random.Random(1))
+    delays = [spread.delay_s(0) for _ in range(200)]
+    assert all(48.0 <= d <= 72.0 for d in delays)
+    exact = Backoff(base_s=0.05, cap_s=1.0, factor=1.5, jitter=0)
+    assert [round(exact.delay_s(n), 4) for n in range(4)] == [0.05, 0.075, 0.1125, 0.1688]
+    assert exact.delay_s(50) == 1.0
 
 
-def test_the_same_seed_gives_the_same_delays() -> None:
-    first = backoff_s(2, base_s=1.0, cap_s=10.0, rng=random.Random(5))
-    again = backoff_s(2, base_s=1.0, cap_s=10.0, rng=random.Random(5))
-    assert first == again
+def test_a_huge_attempt_number_is_the_cap() -> None:
+    policy = Backoff(base_s=2.0, cap_s=30.0, jitter=0)
+    assert policy.delay_s(10_000) == 30.0
+    assert Backoff(base_s=2.0, jitter=0).delay_s(10_000) == float("inf")
 
 
-class Lowest(random.Random):
-    """Always draws the bottom of the jitter band."""
-
-    def uniform(self, a: float, b: float) -> float:
-        return a
-
-
-def test_a_delay_is_never_negative() -> None:
-    assert backoff_s(0, base_s=1.0, cap_s=10.0, jitter=5.0, rng=Lowest()) == 0.0
-    assert schedule_delay_s(0, [1.0], jitter=5.0, rng=Lowest()) == 0.0
+def test_a_schedule_runs_out() -> None:
+    policy = Backoff(schedule=[5, 300, 1800], jitter=0)
+    assert [policy.delay_s(n) for n in range(3)] == [5.0, 300.0, 1800.0]
+    assert not policy.exhausted(2) and policy.exhausted(3)
+    assert not Backoff(base_s=1.0).exhausted(10_000)
 
 
-def test_a_schedule_gives_its_delays_in_order_then_none() -> None:
-    schedule = [5.0, 300.0, 1800.0]
-    assert [schedule_delay_s(n, schedule, jitter=0) for n in range(4)] == [
-        5.0,
-        300.0,
-        1800.0,
-        None,
-    ]
-
-
-def test_a_schedule_is_jittered_within_its_band() -> None:
-    rng = random.Random(2)
-    delays = [schedule_delay_s(1, [5.0, 300.0], rng=rng) for _ in range(100)]
-    assert all(d is not None and 240.0 <= d <= 360.0 for d in delays)
-    assert len(set(delays)) > 50
+def test_fixed_makes_every_delay_exact_or_zero_and_restores() -> None:
+    policy = Backoff(base_s=1.0, cap_s=10.0)
+    with backoff.fixed():
+        assert [policy.delay_s(n) for n in range(5)] == [1.0, 2.0, 4.0, 8.0, 10.0]
+        with backoff.fixed(0):
+            assert policy.delay_s(3) == 0.0
+        assert policy.delay_s(3) == 8.0
+    jittered = {policy.delay_s(3) for _ in range(20)}
+    assert len(jittered) > 1, "outside the block the jitter is back"

@@ -11,9 +11,11 @@ from tests.support.factories import NOW, snapshot
 from torpor import notify
 from torpor.lifecycle import SessionState
 from torpor.models import ErrorInfo
+from torpor.outbound import retry_after_s
 
 KEY = b"k" * 32
 URL = "https://hooks.example.com/torpor"
+CAP = notify.MAX_RETRY_AFTER_S
 
 
 def test_the_payload_describes_the_session_as_it_ended() -> None:
@@ -80,26 +82,26 @@ def test_the_secret_is_one_a_standard_webhooks_library_signs_with() -> None:
 
 
 def test_retry_after_in_seconds() -> None:
-    assert notify.retry_after_s("120", now=NOW) == 120.0
-    assert notify.retry_after_s(" 7 ", now=NOW) == 7.0
+    assert retry_after_s("120", now=NOW, cap_s=CAP) == 120.0
+    assert retry_after_s(" 7 ", now=NOW, cap_s=CAP) == 7.0
 
 
 def test_retry_after_is_capped_at_a_day() -> None:
-    assert notify.retry_after_s("999999", now=NOW) == notify.MAX_RETRY_AFTER_S
+    assert retry_after_s("999999", now=NOW, cap_s=CAP) == CAP
     far = "Tue, 29 Dec 2026 12:00:00 GMT"
-    assert notify.retry_after_s(far, now=NOW) == notify.MAX_RETRY_AFTER_S
+    assert retry_after_s(far, now=NOW, cap_s=CAP) == CAP
 
 
 def test_retry_after_as_an_http_date_counts_from_now() -> None:
-    assert notify.retry_after_s("Sun, 29 Nov 2026 12:00:30 GMT", now=NOW) == 30.0
+    assert retry_after_s("Sun, 29 Nov 2026 12:00:30 GMT", now=NOW, cap_s=CAP) == 30.0
     # a date without a zone is read as UTC
-    assert notify.retry_after_s("Sun, 29 Nov 2026 12:01:00 -0000", now=NOW) == 60.0
+    assert retry_after_s("Sun, 29 Nov 2026 12:01:00 -0000", now=NOW, cap_s=CAP) == 60.0
 
 
 def test_retry_after_in_the_past_means_now() -> None:
-    assert notify.retry_after_s("Sun, 29 Nov 2026 11:00:00 GMT", now=NOW) == 0.0
+    assert retry_after_s("Sun, 29 Nov 2026 11:00:00 GMT", now=NOW, cap_s=CAP) == 0.0
 
 
 def test_a_missing_or_malformed_retry_after_is_ignored() -> None:
     for value in (None, "", "soon", "-5", "1.5", "Sun, 99 Nov 2026 12:00:00 GMT"):
-        assert notify.retry_after_s(value, now=NOW) is None, value
+        assert retry_after_s(value, now=NOW, cap_s=CAP) is None, value

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import pickle
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 from typing import Any
 
 import pytest
@@ -229,6 +231,17 @@ async def test_429_with_retry_after_is_retried_after_that_delay(
     assert not turn.final
     assert len(llm.requests) == 2
     assert sleeps.delays == [2.0]
+
+
+async def test_retry_after_as_an_http_date_is_honoured(llm: FakeLLM, sleeps: Sleeps) -> None:
+    when = format_datetime(datetime.now(UTC) + timedelta(seconds=3), usegmt=True)
+    llm.responder = reply_once(FakeReply(503, "busy", headers={"Retry-After": when}))
+
+    turn = await make_agent(llm, sleeps).step(user("doc"), ctx())
+
+    assert not turn.final and len(llm.requests) == 2
+    [delay] = sleeps.delays
+    assert 1.0 < delay <= 3.0  # the date has one-second resolution
 
 
 async def test_500_forever_gives_agent_unavailable_after_all_attempts(

@@ -16,6 +16,7 @@ import standardwebhooks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torpor.errors import REJECTION_STATUS as STATUS
 from torpor.errors import PermanentError, WebhookSecretInvalid
 from torpor.webhooks import (
     RejectReason,
@@ -26,7 +27,6 @@ from torpor.webhooks import (
     sign,
     verify,
 )
-from torpor.webhooks.rejections import STATUS
 
 R = RejectReason
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)

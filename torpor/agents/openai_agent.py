@@ -5,8 +5,8 @@ OpenAI chat format with the session's tools, and turns ``choices[0].message`` ba
 torpor ``Message``. The agent keeps no state between steps, so a session may sleep
 between any two of them.
 
-Only the stdlib does HTTP here (``torpor`` depends on nothing but pydantic), run off the
-event loop with ``asyncio.to_thread``. Transport trouble (429, 5xx, refused connections,
+HTTP goes through ``torpor.outbound`` (stdlib, off the event loop, redirects refused,
+the answer capped). Transport trouble (429, 5xx, refused connections,
 timeouts) is retried with jittered backoff and then surfaces as ``AgentUnavailable``;
 anything a retry cannot fix (other 4xx, a malformed answer) is ``AgentError``.
 """
@@ -16,21 +16,19 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import math
 import os
-import random
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from email.message import Message as HeaderMessage
-from typing import IO, Any
+from datetime import UTC, datetime
+from typing import Any
 
 from pydantic import JsonValue, SecretStr
 
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
-from torpor.errors import AgentError, AgentUnavailable, ConfigError
+from torpor.backoff import Backoff
+from torpor.errors import AgentError, AgentUnavailable, ConfigError, ResponseTooLarge
 from torpor.models import Message, ToolCall, ToolCallFunction
+from torpor.outbound import request_async, retry_after_s
 
 ENV_BASE_URL = "TORPOR_LLM_BASE_URL"
 ENV_MODEL = "TORPOR_LLM_MODEL"
@@ -46,38 +44,9 @@ _MAX_BACKOFF_S = 30.0
 _MAX_RETRY_AFTER_S = 60.0
 
 
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    # urllib copies the Authorization header onto a redirect, even to another host. A chat
-    # endpoint has no business redirecting a POST, so the 3xx surfaces as an HTTP error.
-    def redirect_request(
-        self,
-        req: urllib.request.Request,
-        fp: IO[bytes],
-        code: int,
-        msg: str,
-        headers: HeaderMessage,
-        newurl: str,
-    ) -> urllib.request.Request | None:
-        return None
-
-
-_OPENER = urllib.request.build_opener(_RefuseRedirects)
-
-
 def _retryable(status: int) -> bool:
     # 408 is a timeout by another name; every other 4xx will fail the same way again.
     return status in (408, 429) or status >= 500
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds from a ``Retry-After`` header; the HTTP-date form falls back to backoff."""
-    try:
-        seconds = float(value) if value is not None else math.nan
-    except ValueError:
-        return None
-    if not math.isfinite(seconds) or seconds < 0:
-        return None
-    return min(seconds, _MAX_RETRY_AFTER_S)
 
 
 class OpenAIAgent:
@@ -119,7 +88,8 @@ class OpenAIAgent:
         self._temperature = temperature
         self._timeout_s = timeout_s
         self._max_retries = max_retries
-        self._backoff_s = backoff_s
+        # Full jitter: many sessions failing together must not retry in lockstep.
+        self._backoff = Backoff(base_s=backoff_s, cap_s=_MAX_BACKOFF_S)
         self._extra_headers = dict(extra_headers or {})
         self._max_tokens = max_tokens
         # Time is a parameter: tests pass a recorder instead of waiting out the backoff.
@@ -174,7 +144,7 @@ class OpenAIAgent:
             try:
                 # A cancelled step leaves this thread running until timeout_s; harmless,
                 # since the request has no side effects the runtime relies on.
-                status, data, retry_after = await asyncio.to_thread(self._post, body)
+                status, data, retry_after = await self._post(body)
             except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout
                 last_exc, last_error = exc, f"{type(exc).__name__}: {exc}"
             else:
@@ -188,10 +158,12 @@ class OpenAIAgent:
                     )
                 last_exc, last_error = None, detail
                 if status in (429, 503):
-                    hint = _retry_after(retry_after)
+                    hint = retry_after_s(
+                        retry_after, now=datetime.now(UTC), cap_s=_MAX_RETRY_AFTER_S
+                    )
             if attempt + 1 < attempts:
                 await (self._sleep or asyncio.sleep)(
-                    hint if hint is not None else self._backoff(attempt)
+                    hint if hint is not None else self._backoff.delay_s(attempt)
                 )
         raise AgentUnavailable(
             self._redact(
@@ -200,25 +172,27 @@ class OpenAIAgent:
             attempts=attempts,
         ) from last_exc
 
-    def _post(self, body: bytes) -> tuple[int, bytes, str | None]:
-        """One blocking POST (runs in a worker thread): status, body, Retry-After."""
+    async def _post(self, body: bytes) -> tuple[int, bytes, str | None]:
+        """One POST: status, body, Retry-After. A chat endpoint has no business
+        redirecting a POST (urllib would carry the Authorization header along to another
+        host): the helper answers a 3xx as it is, an HTTP error here."""
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         headers.update(self._extra_headers)
         if self._api_key is not None:
             headers["Authorization"] = f"Bearer {self._api_key.get_secret_value()}"
-        # The scheme was checked to be http(s) in __init__, so no file: or custom opener.
-        request = urllib.request.Request(self._url, data=body, headers=headers, method="POST")  # noqa: S310
         try:
-            with _OPENER.open(request, timeout=self._timeout_s) as response:
-                return response.status, _read_capped(response), None
-        except urllib.error.HTTPError as exc:
-            with exc:
-                return exc.code, _read_capped(exc), exc.headers.get("Retry-After")
-
-    def _backoff(self, attempt: int) -> float:
-        # Full jitter: many sessions failing together must not retry in lockstep.
-        ceiling = min(_MAX_BACKOFF_S, self._backoff_s * 2**attempt)
-        return random.uniform(0, ceiling)  # noqa: S311 - jitter, not cryptography
+            response = await request_async(
+                "POST",
+                self._url,
+                body=body,
+                headers=headers,
+                timeout_s=self._timeout_s,
+                max_body_bytes=_MAX_RESPONSE_BYTES,
+            )
+        except ResponseTooLarge:
+            raise AgentError(f"LLM response exceeds {_MAX_RESPONSE_BYTES} bytes") from None
+        retry_after = None if response.ok else response.header("Retry-After")
+        return response.status, response.body, retry_after
 
     def _excerpt(self, data: bytes) -> str:
         # Redact before truncating: a cut could leave a key prefix the redaction misses.
@@ -230,13 +204,6 @@ class OpenAIAgent:
         if self._api_key is None:
             return text
         return text.replace(self._api_key.get_secret_value(), "***")
-
-
-def _read_capped(stream: IO[bytes]) -> bytes:
-    data = stream.read(_MAX_RESPONSE_BYTES + 1)
-    if len(data) > _MAX_RESPONSE_BYTES:
-        raise AgentError(f"LLM response exceeds {_MAX_RESPONSE_BYTES} bytes")
-    return data
 
 
 # --- response parsing (a trust boundary: every malformed answer becomes AgentError) --------

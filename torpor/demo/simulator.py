@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import http.client
 import itertools
 import json
 import secrets
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from torpor import outbound
 from torpor.demo.scenario import DocPlan, Story, plan_documents
 from torpor.webhooks.signing import Scheme, sign
 
@@ -214,15 +214,12 @@ class World:
     def _post(
         self, kind: str, body: bytes, headers: dict[str, str], *, url: str | None = None
     ) -> None:
-        request = urllib.request.Request(  # noqa: S310 - the demo's own endpoint
-            url or self.hook_url, data=body, headers=headers, method="POST"
-        )
         try:
-            with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
-                status = int(response.status)
-        except urllib.error.HTTPError as exc:
-            status = int(exc.code)
-        except OSError:
+            response = outbound.request(
+                "POST", url or self.hook_url, body=body, headers=headers, timeout_s=30
+            )
+            status = response.status
+        except (OSError, http.client.HTTPException):
             status = 0
         with self.lock:
             self.responses[kind][status] += 1

@@ -7,17 +7,16 @@ tools talk HTTP to the simulated OA/ERP process (stdlib only, run off the event 
 
 from __future__ import annotations
 
-import asyncio
+import http.client
 import json
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
 from pydantic import JsonValue
 
 from torpor.errors import ToolError
 from torpor.models import DriftPolicy, GuardBaseline, Wait
+from torpor.outbound import request_async
 from torpor.tools import (
     DispatchRequest,
     ExternalState,
@@ -85,20 +84,25 @@ PLAN: dict[str, Any] = {
 }
 
 
-def _call(method: str, url: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
+async def _call(method: str, url: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(  # noqa: S310 - the simulator URL comes from configuration
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310
-            return json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404:
-            return None
-        raise ToolError(f"{method} {url} answered {exc.code}", retryable=exc.code >= 500) from exc
-    except OSError as exc:
+        response = await request_async(
+            method,
+            url,
+            body=data,
+            headers={"Content-Type": "application/json"},
+            timeout_s=timeout_s,
+        )
+    except (OSError, http.client.HTTPException) as exc:
         raise ToolError(f"{method} {url} failed: {exc}", retryable=True) from exc
+    if response.status == 404:
+        return None
+    if not response.ok:
+        raise ToolError(
+            f"{method} {url} answered {response.status}", retryable=response.status >= 500
+        )
+    return response.json()
 
 
 class _Client:
@@ -108,10 +112,10 @@ class _Client:
 
     async def get(self, path: str, **query: str) -> Any:
         url = f"{self.base}{path}?{urllib.parse.urlencode(query)}"
-        return await asyncio.to_thread(_call, "GET", url, None, self.timeout_s)
+        return await _call("GET", url, None, self.timeout_s)
 
     async def post(self, path: str, body: dict[str, Any]) -> Any:
-        return await asyncio.to_thread(_call, "POST", self.base + path, body, self.timeout_s)
+        return await _call("POST", self.base + path, body, self.timeout_s)
 
 
 class ExtractFields(Tool):

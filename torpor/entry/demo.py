@@ -18,12 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torpor import outbound
 from torpor.auth import new_api_key
 from torpor.demo.scenario import DocPlan, Story, documents, plan_documents
 from torpor.entry.view import Frame, Screen, render
@@ -60,17 +59,17 @@ def _free_port() -> int:
 
 def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(  # noqa: S310 - local demo endpoints
+    response = outbound.request(
+        method,
         url,
-        data=data,
-        method=method,
+        body=data,
         headers={"Content-Type": "application/json", **(headers or {})},
+        timeout_s=30,
+        max_body_bytes=16 * 1024 * 1024,
     )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
-            return json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"{method} {url} answered {exc.code}: {exc.read()[:300]!r}") from exc
+    if not response.ok:
+        raise RuntimeError(f"{method} {url} answered {response.status}: {response.body[:300]!r}")
+    return response.json()
 
 
 def build_settings(
@@ -288,11 +287,11 @@ def _wait_http(url: str, timeout_s: float = 30) -> None:
 
 async def _verify_audit(settings: Settings) -> tuple[bool, int]:
     from actors.wiring import open_services
-    from storage.audit import AuditLog
+    from storage.audit import ObjectAudit
 
     services = open_services(settings)
     try:
-        checks = await AuditLog(services.store).verify_all()
+        checks = await ObjectAudit(services.store).verify_all()
     finally:
         await services.close()
     return all(c.ok for c in checks.values()), sum(c.records for c in checks.values())

@@ -26,7 +26,10 @@ from torpor.ports.index import (
 from torpor.ports.objects import ListPage, ObjectStore, StoredObject
 from torpor.ports.observer import Observer
 from torpor.ports.repositories import (
+    AuditRepository,
+    BatchRepository,
     CorrelationRepository,
+    DeliveryRepository,
     InboxRepository,
     SnapshotRepository,
 )
@@ -35,10 +38,13 @@ from torpor.ports.routing import CallbackRouter, Notifier
 __all__ = [
     "Activator",
     "Admission",
+    "AuditRepository",
+    "BatchRepository",
     "CallbackRouter",
     "ClaimIndex",
     "Clock",
     "CorrelationRepository",
+    "DeliveryRepository",
     "IdempotencyRecord",
     "IdempotencyStatus",
     "InboxRepository",

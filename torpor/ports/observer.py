@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torpor.deliveries import Delivery
     from torpor.events import InboxEvent
     from torpor.lifecycle import SessionState
     from torpor.models import SessionSnapshot, Wait
@@ -29,3 +30,11 @@ class Observer:
 
     async def agent_step(self, snapshot: SessionSnapshot) -> None:
         return None
+
+    async def webhook_handled(self, source: str, outcome: str, reason: str = "") -> None:
+        """An inbound webhook was accepted, a duplicate, unknown or rejected (``reason``)."""
+        return
+
+    async def delivery_settled(self, delivery: Delivery) -> None:
+        """One attempt at an outbound notification ended with ``delivery.status``."""
+        return

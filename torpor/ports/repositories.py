@@ -1,12 +1,16 @@
-"""Repositories the session runtime works through (implemented in ``storage/``)."""
+"""Repositories the core and the application services work through (implemented in
+``storage/``, one ``Object<Noun>`` adapter per ``<Noun>Repository`` port)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Collection
+    from collections.abc import AsyncIterator, Callable, Collection
+    from datetime import datetime
 
+    from torpor.batches import BatchManifest
+    from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
     from torpor.events import InboxEvent
     from torpor.lifecycle import SessionState
     from torpor.models import SessionHeader, SessionSnapshot
@@ -19,7 +23,7 @@ class SnapshotRepository(Protocol):
         ...
 
     async def load(self, session_id: str) -> SessionSnapshot:
-        """Raise ``SnapshotNotFound`` if there is no such session."""
+        """Raise ``SessionNotFound`` if there is no such session."""
         ...
 
     async def save(self, snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:
@@ -64,3 +68,68 @@ class CorrelationRepository(Protocol):
     async def lookup_business_key(
         self, *, tenant: str, business_key: str
     ) -> WaitBinding | None: ...
+
+
+class BatchRepository(Protocol):
+    """Batch manifests: written once, after every session of the batch exists."""
+
+    async def create(self, manifest: BatchManifest) -> bool:
+        """Create-only: False if a manifest with this batch id already exists."""
+        ...
+
+    async def get(self, batch_id: str) -> BatchManifest:
+        """Raise ``NotFound`` if there is no such (readable) batch."""
+        ...
+
+
+class DeliveryRepository(Protocol):
+    """Delivery records of outbound notifications, and the state of their endpoints."""
+
+    async def create(self, delivery: Delivery) -> bool:
+        """Create-only: False if this delivery already exists (an outbox replay)."""
+        ...
+
+    async def get(self, tenant: str, delivery_id: str) -> Delivery:
+        """Raise ``NotFound`` if there is no such delivery."""
+        ...
+
+    async def update(
+        self, tenant: str, delivery_id: str, change: Callable[[Delivery], Delivery]
+    ) -> Delivery:
+        """Read, apply ``change``, compare-and-swap; retried if another writer won."""
+        ...
+
+    async def list(
+        self, tenant: str, *, status: DeliveryStatus | None, cursor: str | None, limit: int
+    ) -> tuple[list[Delivery], str | None]:
+        """One page of a tenant's deliveries and the cursor of the next (None at the end)."""
+        ...
+
+    async def endpoint(self, tenant: str, url: str) -> EndpointState: ...
+
+    async def set_endpoint(self, tenant: str, state: EndpointState) -> None: ...
+
+
+class AuditRepository(Protocol):
+    """The tamper-evident record of every webhook decision."""
+
+    async def append(
+        self,
+        *,
+        verdict: str,
+        at: datetime,
+        source: str,
+        body_sha256: str,
+        event_id: str | None = None,
+        session_id: str | None = None,
+        correlation_id: str | None = None,
+        signature: str | None = None,
+        timestamp: datetime | None = None,
+        trace_id: str | None = None,
+    ) -> object:
+        """Returns once the record is durable."""
+        ...
+
+    async def close(self) -> None:
+        """Wait for appends still being written."""
+        ...

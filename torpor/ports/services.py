@@ -16,7 +16,10 @@ from torpor.ports.index import Index
 from torpor.ports.objects import ObjectStore
 from torpor.ports.observer import Observer
 from torpor.ports.repositories import (
+    AuditRepository,
+    BatchRepository,
     CorrelationRepository,
+    DeliveryRepository,
     InboxRepository,
     SnapshotRepository,
 )
@@ -54,6 +57,9 @@ class Services:
     snapshots: SnapshotRepository
     inbox: InboxRepository
     correlations: CorrelationRepository
+    batches: BatchRepository
+    deliveries: DeliveryRepository
+    audit: AuditRepository
     plugins: PluginResolver
     clock: Clock
     router: CallbackRouter
@@ -61,6 +67,7 @@ class Services:
     observer: Observer = field(default_factory=Observer)
 
     async def close(self) -> None:
+        await self.audit.close()
         await self.plugins.close()
         await self.index.close()
         await self.store.close()

@@ -11,23 +11,20 @@ delivery is a dead letter until someone resends it.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
-import urllib.error
-import urllib.request
 from datetime import datetime, timedelta
-from typing import Any
 
-from actors import metrics
-from storage.deliveries import Delivery, DeliveryStatus, DeliveryStore, EndpointState
-from torpor.backoff import schedule_delay_s
-from torpor.errors import ConfigError
+from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
+from torpor.errors import ConfigError, UnsafeUrl
 from torpor.ids import digest
 from torpor.models import OutboxEntry, SessionSnapshot
-from torpor.notify import RETRY_SCHEDULE_S, endpoint_secret, payload, retry_after_s
+from torpor.notify import MAX_RETRY_AFTER_S, RETRY_BACKOFF, endpoint_secret, payload
+from torpor.outbound import request_async, retry_after_s
 from torpor.ports import TimerKind
 from torpor.ports.services import Services
 from torpor.settings import Settings, resolve_secret
-from torpor.ssrf import UnsafeUrl, check_callback_url
+from torpor.ssrf import check_callback_url
 from torpor.webhooks.signing import Scheme, sign
 
 
@@ -46,7 +43,7 @@ class DeliveryNotifier:
 
     def __init__(self, services: Services) -> None:
         self.services = services
-        self.deliveries = DeliveryStore(services.store)
+        self.deliveries = services.deliveries
 
     async def enqueue(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
         if not snapshot.callback_url:
@@ -71,29 +68,12 @@ class DeliveryNotifier:
         )
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None  # a 3xx is a failed attempt, never followed
-
-
-_OPENER = urllib.request.build_opener(_NoRedirect)
-
-
-def _post(
-    url: str, body: bytes, headers: dict[str, str], timeout_s: float
-) -> tuple[int, str | None]:
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310 - http(s) checked by ssrf.check_url_shape
-    try:
-        with _OPENER.open(request, timeout=timeout_s) as response:
-            return int(response.status), response.headers.get("Retry-After")
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), exc.headers.get("Retry-After") if exc.headers else None
-
-
 class DeliveryWorker:
+    """Attempts due deliveries (from the sweeper) and resends dead ones (an operator)."""
+
     def __init__(self, services: Services) -> None:
         self.services = services
-        self.deliveries = DeliveryStore(services.store)
+        self.deliveries = services.deliveries
 
     async def due(self, now: datetime, limit: int = 100) -> int:
         index = self.services.index
@@ -129,12 +109,20 @@ class DeliveryWorker:
             )
             headers["Content-Type"] = "application/json"
             headers["User-Agent"] = "torpor-notifier/1"
-            status, retry_after = await asyncio.to_thread(
-                _post, delivery.url, body, headers, settings.notify_timeout_s
+            # A 3xx is a failed attempt: the helper never follows it. The answer's body
+            # is of no interest, so it is not read.
+            response = await request_async(
+                "POST",
+                delivery.url,
+                body=body,
+                headers=headers,
+                timeout_s=settings.notify_timeout_s,
+                max_body_bytes=0,
             )
+            status, retry_after = response.status, response.header("Retry-After")
         except UnsafeUrl as exc:
             return await self._settle(delivery, DeliveryStatus.DEAD, None, str(exc), now)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, garbled
             status, retry_after = 0, None
             error = f"{type(exc).__name__}: {exc}"[:300]
         else:
@@ -147,10 +135,10 @@ class DeliveryWorker:
                 EndpointState(url=delivery.url, disabled=True, disabled_at=now, reason="410 Gone"),
             )
             return await self._settle(delivery, DeliveryStatus.DISABLED, status, "410 Gone", now)
-        delay = schedule_delay_s(delivery.attempts, RETRY_SCHEDULE_S)
-        if delay is None:
+        if RETRY_BACKOFF.exhausted(delivery.attempts):
             return await self._settle(delivery, DeliveryStatus.DEAD, status, error, now)
-        asked = retry_after_s(retry_after, now=now)
+        delay = RETRY_BACKOFF.delay_s(delivery.attempts)
+        asked = retry_after_s(retry_after, now=now, cap_s=MAX_RETRY_AFTER_S)
         if asked is not None:
             delay = max(delay, asked)
         at = now + timedelta(seconds=delay)
@@ -184,7 +172,7 @@ class DeliveryWorker:
             )
 
         updated = await self.deliveries.update(delivery.tenant, delivery.delivery_id, change)
-        metrics.inc("deliveries", {"outcome": status.value})
+        await self.services.observer.delivery_settled(updated)
         return updated
 
     async def resend(self, tenant: str, delivery_id: str, *, now: datetime) -> Delivery:

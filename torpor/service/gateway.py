@@ -1,4 +1,4 @@
-"""The webhook gateway: verify, dedupe, route, accept durably, then wake.
+"""The webhook gateway: verify, dedupe, route, accept durably, then activate.
 
 For ``POST /v1/hooks/{source}``, in order, on the raw bytes:
 
@@ -13,7 +13,7 @@ For ``POST /v1/hooks/{source}``, in order, on the raw bytes:
    through the index or, on a miss, the durable correlation record (a flushed Redis must
    not turn a valid callback away);
 6. the event is written into the session's inbox (create-only: a redelivery is answered
-   200 ``duplicate`` and wakes nothing) and appended to the audit chain;
+   200 ``duplicate`` and activates nothing) and appended to the audit chain;
 7. only then the answer (202) goes out, and the activation is requested behind it.
 
 Nothing before step 6 changes any state but the replay claim, which is given back if the
@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from actors import metrics
-from storage.audit import AuditLog
-from torpor.errors import TorporError
+from torpor.errors import RejectReason, UnknownCorrelation, WebhookRejected
 from torpor.events import EventKind, InboxEvent
 from torpor.ports import WaitBinding
 from torpor.service.sessions import SessionService
@@ -40,7 +38,7 @@ from torpor.settings import SourceConfig
 from torpor.webhooks.capability import open_token
 from torpor.webhooks.cloudevents import parse_http
 from torpor.webhooks.payloads import InboundEvent, loads_json
-from torpor.webhooks.rejections import RejectReason, WebhookRejected, ensure_body_size
+from torpor.webhooks.rejections import ensure_body_size
 from torpor.webhooks.signing import Scheme, Verified, verify
 
 log = logging.getLogger(__name__)
@@ -63,19 +61,14 @@ class HookResult:
     body: dict[str, Any] = field(default_factory=dict)
 
 
-class UnknownCorrelation(TorporError):
-    code = "unknown_correlation"
-
-
-def _count(source: str, outcome: str, reason: str = "") -> None:
-    metrics.inc("webhooks", {"source": source, "outcome": outcome, "reason": reason})
-
-
 class WebhookGateway:
-    def __init__(self, control: SessionService, audit: AuditLog) -> None:
-        self.control = control
-        self.services = control.services
-        self.audit = audit
+    """Inbound webhooks and capability callbacks, in the order the module describes."""
+
+    def __init__(self, sessions: SessionService) -> None:
+        self.sessions = sessions
+        self.services = sessions.services
+        self.audit = sessions.services.audit
+        self._handled = sessions.services.observer.webhook_handled
 
     # -- shared-secret webhooks --------------------------------------------------------
 
@@ -91,7 +84,7 @@ class WebhookGateway:
         try:
             return await self._receive(source_name, body, headers, now)
         except WebhookRejected as exc:
-            _count(source_name, "rejected", exc.reason.value)
+            await self._handled(source_name, "rejected", exc.reason.value)
             raise
 
     async def _receive(
@@ -192,7 +185,7 @@ class WebhookGateway:
         trace: str | None,
         now: datetime,
     ) -> Routed:
-        audit = {
+        audit: dict[str, Any] = {
             "source": source_name,
             "at": now,
             "event_id": event.event_id,
@@ -205,12 +198,12 @@ class WebhookGateway:
         if binding is None:
             # Unknown, or another tenant's: the same 404 either way, and on the record.
             await self.audit.append(verdict="unknown", **audit)
-            _count(source_name, "unknown")
+            await self._handled(source_name, "unknown")
             return Routed(event.event_id, None, False, 404)
         data: Any = event.data
         if event.status is not None and isinstance(data, dict) and "status" not in data:
             data = {**data, "status": event.status}
-        new = await self.control.services.inbox.deliver(
+        new = await self.sessions.services.inbox.deliver(
             InboxEvent.new(
                 kind=EventKind.CALLBACK,
                 session_id=binding.session_id,
@@ -233,11 +226,11 @@ class WebhookGateway:
             **{**audit, "correlation_id": binding.correlation_id},
         )
         if new:
-            _count(source_name, "accepted")
-            # The event is durable already: the wake-up and the audit block go together.
-            await asyncio.gather(record, self.control.wake(binding.session_id))
+            await self._handled(source_name, "accepted")
+            # The event is durable already: the activation and the audit block go together.
+            await asyncio.gather(record, self.sessions.activate_for_event(binding.session_id))
         else:
-            _count(source_name, "duplicate")
+            await self._handled(source_name, "duplicate")
             await record
         return Routed(event.event_id, binding.session_id, not new, 202 if new else 200)
 
@@ -261,7 +254,7 @@ class WebhookGateway:
 
     async def outcome(self, session_id: str, tenant: str) -> dict[str, Any]:
         """What a late or duplicate sender is told: the session's real outcome."""
-        snapshot = await self.control.get(session_id, tenant=tenant)
+        snapshot = await self.sessions.get(session_id, tenant=tenant)
         return {"state": snapshot.state.value, "result": snapshot.result}
 
     # -- capability callbacks --------------------------------------------------------
@@ -272,7 +265,7 @@ class WebhookGateway:
         try:
             return await self._capability(token, body, headers, now)
         except WebhookRejected as exc:
-            _count(CAPABILITY_SOURCE, "rejected", exc.reason.value)
+            await self._handled(CAPABILITY_SOURCE, "rejected", exc.reason.value)
             raise
 
     async def _capability(
@@ -315,8 +308,8 @@ class WebhookGateway:
         )
         if not new:  # the inbox object is the durable proof the token was used
             raise WebhookRejected(RejectReason.TOKEN_USED)
-        _count(CAPABILITY_SOURCE, "accepted")
-        await self.control.wake(claims.session_id)
+        await self._handled(CAPABILITY_SOURCE, "accepted")
+        await self.sessions.activate_for_event(claims.session_id)
         return HookResult(202, {"event_id": claims.token_id, "duplicate": False})
 
 

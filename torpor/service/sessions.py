@@ -1,9 +1,10 @@
-"""The control plane: submit, inspect, cancel, deliver events, submit batches.
+"""The session service: submit, inspect, wait for, cancel, deliver events.
 
 One implementation serves the Python client, the HTTP task API and the CLI. It writes
-durable state first (snapshot, inbox event, batch manifest) and only then asks for an
-activation, so a lost activation request delays work but never loses it: the wake-up
-timer scheduled alongside brings the reconciler round.
+durable state first (snapshot, inbox event) and only then asks for an activation, so a
+lost activation request delays work but never loses it: the activation timer scheduled
+alongside brings the reconciler round. Batches are in ``torpor.service.batches``, the
+background coalescing of activation requests in ``torpor.service.coalescing``.
 """
 
 from __future__ import annotations
@@ -11,36 +12,34 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import logging
-from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
+from pydantic import JsonValue
 
-from storage import keys
+from torpor.backoff import Backoff
 from torpor.errors import (
     IdempotencyInProgress,
     IdempotencyMismatch,
     InvalidKey,
     InvalidRequest,
-    ObjectExists,
-    ObjectNotFound,
     PluginNotFound,
-    SnapshotNotFound,
+    SessionNotFound,
     UnknownAgent,
 )
 from torpor.events import EventKind, InboxEvent
-from torpor.ids import new_batch_id, new_session_id, new_trace_id
+from torpor.ids import new_session_id, new_trace_id
 from torpor.lifecycle import SessionState
 from torpor.models import AgentRef, SessionSnapshot
 from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
 from torpor.ports.services import Services
+from torpor.service.coalescing import Coalescer, request_activation
 from torpor.ssrf import check_callback_url
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
-log = logging.getLogger(__name__)
+# Polling for the end: often at first, then once a second.
+WAIT_POLL = Backoff(base_s=0.05, cap_s=1.0, factor=1.5, jitter=0)
 
 
 @dataclass(frozen=True)
@@ -49,37 +48,18 @@ class Submitted:
     created: bool  # False: an earlier request with the same Idempotency-Key made it
 
 
-class BatchManifest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    batch_id: str
-    tenant: str
-    agent: str
-    session_ids: list[str]
-    created_at: datetime
-
-
-@dataclass(frozen=True)
-class BatchProgress:
-    batch_id: str
-    total: int
-    by_state: dict[str, int]
-
-    @property
-    def done(self) -> int:
-        return sum(n for s, n in self.by_state.items() if SessionState(s).terminal)
-
-    @property
-    def finished(self) -> bool:
-        return self.done == self.total
-
-
 def fingerprint(payload: dict[str, Any]) -> str:
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class SessionService:
+    """Submit, inspect, wait for, cancel and deliver events to sessions of any tenant.
+
+    ``background=True`` (an HTTP handler, the reconciler) lets activation requests run
+    behind the caller, coalesced per session; otherwise each is awaited in turn.
+    """
+
     def __init__(
         self, services: Services, activator: Activator, *, background: bool = False
     ) -> None:
@@ -87,15 +67,17 @@ class SessionService:
         self.activator = activator
         # In an HTTP handler, answer first and let the activation request run behind.
         self.background = background
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._inflight: set[str] = set()
-        self._again: set[str] = set()
+        self._coalescer = Coalescer(
+            activator, max_inflight=services.settings.max_inflight_activations
+        )
 
     @property
     def _now(self) -> datetime:
         return self.services.clock.now()
 
-    async def _wake_later(self, session_id: str) -> None:
+    async def _activation_timer(self, session_id: str) -> None:
+        """The safety net under every activation request: if no activation confirms the
+        session's inbox within the grace period, the reconciler activates it."""
         grace = timedelta(seconds=self.services.settings.wake_grace_s)
         await self.services.index.schedule(
             kind=TimerKind.WAKE, member=session_id, at=self._now + grace
@@ -171,7 +153,7 @@ class SessionService:
             await index.record_session(
                 tenant=tenant, session_id=session_id, state=SessionState.PENDING, generation=0
             )
-            await self._wake_later(session_id)
+            await self._activation_timer(session_id)
         except BaseException:
             if idempotency_key is not None:  # let a retry of this request start over
                 await index.release_idempotency(tenant=tenant, key=idempotency_key)
@@ -188,12 +170,11 @@ class SessionService:
     async def get(self, session_id: str, *, tenant: str | None = None) -> SessionSnapshot:
         """A tenant never sees another tenant's session: it is simply not found."""
         try:
-            keys.safe(session_id, "session id")
-        except InvalidKey:
-            raise SnapshotNotFound(f"no session {session_id[:80]!r}") from None
-        snapshot = await self.services.snapshots.load(session_id)
+            snapshot = await self.services.snapshots.load(session_id)
+        except InvalidKey:  # not a session id at all: as not found as any other
+            raise SessionNotFound(f"no session {session_id[:80]!r}") from None
         if tenant is not None and snapshot.tenant != tenant:
-            raise SnapshotNotFound(f"no session {session_id}")
+            raise SessionNotFound(f"no session {session_id}")
         return snapshot
 
     async def wait(
@@ -202,15 +183,15 @@ class SessionService:
         """Poll until the session ends; raise TimeoutError with the last state otherwise."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        delay = 0.05
+        attempt = 0
         while True:
             snapshot = await self.get(session_id, tenant=tenant)
             if snapshot.terminal:
                 return snapshot
             if loop.time() >= deadline:
                 raise TimeoutError(f"session {session_id} still {snapshot.state}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
+            await asyncio.sleep(WAIT_POLL.delay_s(attempt))
+            attempt += 1
 
     # -- change ---------------------------------------------------------------------
 
@@ -231,128 +212,25 @@ class SessionService:
         return snapshot
 
     async def deliver(self, event: InboxEvent) -> bool:
-        """Durably accept an event for a session, then wake it. False for a redelivery."""
+        """Durably accept an event for a session, then activate it. False for a redelivery."""
         new = await self.services.inbox.deliver(event)
         if new:
-            await self.wake(event.session_id)
+            await self.activate_for_event(event.session_id)
         return new
 
-    async def wake(self, session_id: str) -> None:
+    async def activate_for_event(self, session_id: str) -> None:
         """After a durable inbox write: a timer as safety net, then an activation."""
-        await self._wake_later(session_id)
+        await self._activation_timer(session_id)
         await self.activate(session_id, reason=Reason.EVENT)
 
     async def activate(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
         """Ask for an activation. Failure here loses nothing: the state is already durable
-        and the wake-up timer brings the reconciler round."""
-        if not self.background:
-            await self._activate(session_id, reason, agent)
-            return
-        if session_id in self._inflight:
-            # A burst for one session (duplicates, a batch of its events) costs one more
-            # request at most: the activation that runs next sees every event so far.
-            self._again.add(session_id)
-            return
-        if len(self._inflight) >= self.services.settings.max_inflight_activations:
-            # Backpressure: the event is durable and its wake-up timer is set, so the
-            # reconciler activates it; this replica keeps answering webhooks meanwhile.
-            return
-        self._inflight.add(session_id)
-        task = asyncio.create_task(self._activate_coalesced(session_id, reason, agent))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _activate_coalesced(self, session_id: str, reason: Reason, agent: str | None) -> None:
-        try:
-            await self._activate(session_id, reason, agent)
-            while session_id in self._again:
-                self._again.discard(session_id)
-                await self._activate(session_id, Reason.EVENT, agent)
-        finally:
-            self._inflight.discard(session_id)
-
-    async def _activate(self, session_id: str, reason: Reason, agent: str | None) -> None:
-        try:
-            await self.activator.request(session_id, reason=reason, agent=agent)
-        except Exception:
-            log.warning(
-                "activation request for %s failed; the reconciler will retry",
-                session_id,
-                exc_info=True,
-            )
+        and the activation timer brings the reconciler round."""
+        if self.background:
+            self._coalescer.request(session_id, reason, agent)
+        else:
+            await request_activation(self.activator, session_id, reason, agent)
 
     async def drain(self) -> None:
         """Wait for background activation requests (tests, orderly shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
-    # -- batches --------------------------------------------------------------------
-
-    async def submit_batch(
-        self,
-        *,
-        tenant: str,
-        agent: str,
-        documents: list[JsonValue],
-        metadata: dict[str, str] | None = None,
-        callback_url: str | None = None,
-        batch_id: str | None = None,
-        concurrency: int = 16,
-    ) -> BatchManifest:
-        """One session per document. Each is submitted with the key ``batch:{id}:{n}``,
-        so re-submitting a batch after a crash creates nothing twice."""
-        if not documents:
-            raise InvalidRequest("a batch needs at least one document")
-        batch_id = batch_id or new_batch_id()
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(i: int, doc: JsonValue) -> str:
-            async with gate:
-                result = await self.submit(
-                    tenant=tenant,
-                    agent=agent,
-                    input=doc,
-                    metadata=metadata,
-                    callback_url=callback_url,
-                    idempotency_key=f"batch:{batch_id}:{i}",
-                    batch_id=batch_id,
-                )
-                return result.session_id
-
-        ids = await asyncio.gather(*(one(i, d) for i, d in enumerate(documents)))
-        manifest = BatchManifest(
-            batch_id=batch_id,
-            tenant=tenant,
-            agent=agent,
-            session_ids=list(ids),
-            created_at=self._now,
-        )
-        try:
-            await self.services.store.put_if_absent(
-                keys.batch(batch_id), manifest.model_dump_json().encode()
-            )
-        except ObjectExists:
-            return await self.batch(batch_id, tenant=tenant)
-        return manifest
-
-    async def batch(self, batch_id: str, *, tenant: str | None = None) -> BatchManifest:
-        try:
-            obj = await self.services.store.get(keys.batch(batch_id))
-            manifest = BatchManifest.model_validate_json(obj.data)
-        except (ObjectNotFound, ValidationError, InvalidKey):
-            raise SnapshotNotFound(f"no batch {batch_id[:80]!r}") from None
-        if tenant is not None and manifest.tenant != tenant:
-            raise SnapshotNotFound(f"no batch {batch_id[:80]!r}")
-        return manifest
-
-    async def progress(self, batch_id: str, *, tenant: str | None = None) -> BatchProgress:
-        manifest = await self.batch(batch_id, tenant=tenant)
-        states = await self.services.index.session_states(manifest.session_ids)
-        missing = [sid for sid in manifest.session_ids if sid not in states]
-        for sid in missing:  # the index lost them (e.g. flushed): ask the snapshots
-            try:
-                states[sid] = (await self.services.snapshots.header(sid)).state
-            except SnapshotNotFound:
-                continue
-        counts = Counter(state.value for state in states.values())
-        return BatchProgress(batch_id, len(manifest.session_ids), dict(counts))
+        await self._coalescer.drain()

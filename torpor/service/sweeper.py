@@ -7,7 +7,7 @@
 * leases that expired without release (a holder died, e.g. ``kill -9``) → re-activate
   from the last checkpoint;
 * retry timers (outbox entries not yet dispatched, agents that asked to retry) and
-  wake-up timers (inbox events no activation confirmed) → activate;
+  activation timers (``TimerKind.WAKE``: inbox events no activation confirmed) → activate;
 * a lost or flushed index → rebuilt from the snapshots, so every waiting session can
   still be resumed.
 
@@ -22,8 +22,8 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from torpor.backoff import backoff_s
-from torpor.errors import PluginNotFound, SnapshotNotFound, TorporError
+from torpor.backoff import Backoff
+from torpor.errors import PluginNotFound, SessionNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
@@ -46,7 +46,7 @@ class SweepReport:
     poll_hits: int = 0
     recovered: int = 0
     retried: int = 0
-    woken: int = 0
+    woken: int = 0  # activation timers that fired (the name is part of the report's output)
     deliveries: int = 0
     repaired_waits: int = 0
     repaired_sessions: int = 0
@@ -55,9 +55,9 @@ class SweepReport:
 
 
 class Sweeper:
-    def __init__(self, control: SessionService) -> None:
-        self.control = control
-        self.services = control.services
+    def __init__(self, sessions: SessionService) -> None:
+        self.sessions = sessions
+        self.services = sessions.services
         self._last_full_repair: datetime | None = None
         self.deliveries = DeliveryWorker(self.services)
 
@@ -70,7 +70,7 @@ class Sweeper:
             self._deadlines,
             self._leases,
             self._retries,
-            self._wakes,
+            self._activation_timers,
             self._polls,
         )
         for step in steps:
@@ -82,7 +82,7 @@ class Sweeper:
         return report
 
     async def _activate(self, session_id: str, reason: Reason) -> None:
-        await self.control.activate(session_id, reason=reason)
+        await self.sessions.activate(session_id, reason=reason)
 
     # -- deadlines, leases, timers -------------------------------------------------------
 
@@ -110,7 +110,7 @@ class Sweeper:
             await self._activate(session_id, Reason.RETRY)
             report.retried += 1
 
-    async def _wakes(self, now: datetime, report: SweepReport) -> None:
+    async def _activation_timers(self, now: datetime, report: SweepReport) -> None:
         index = self.services.index
         grace = timedelta(seconds=self.services.settings.wake_grace_s)
         for session_id in await index.due(kind=TimerKind.WAKE, now=now, limit=BATCH):
@@ -139,7 +139,7 @@ class Sweeper:
             return
         try:
             snapshot = await self.services.snapshots.load(session_id)
-        except SnapshotNotFound:
+        except SessionNotFound:
             await index.unschedule(kind=TimerKind.POLL, member=member)
             return
         wait = snapshot.wait_for(correlation_id)
@@ -158,7 +158,7 @@ class Sweeper:
         await index.unschedule(kind=TimerKind.POLL, member=member)
         if outcome is not None:
             report.poll_hits += 1
-            await self.control.deliver(
+            await self.sessions.deliver(
                 InboxEvent.answering(
                     wait,
                     kind=EventKind.POLL,
@@ -171,9 +171,10 @@ class Sweeper:
                 )
             )
             return
-        delay = backoff_s(
-            attempt, base_s=settings.poll_backoff_base_s, cap_s=settings.poll_backoff_cap_s
+        backoff = Backoff(
+            base_s=settings.poll_backoff_base_s, cap_s=settings.poll_backoff_cap_s, jitter=0.2
         )
+        delay = backoff.delay_s(attempt)
         await index.schedule(
             kind=TimerKind.POLL,
             member=poll_member(session_id, correlation_id, attempt + 1),

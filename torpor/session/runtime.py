@@ -22,7 +22,7 @@ from torpor.errors import (
     IndexUnavailable,
     LeaseLost,
     PluginNotFound,
-    SnapshotNotFound,
+    SessionNotFound,
 )
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
@@ -116,7 +116,7 @@ class SessionRuntime:
         try:
             try:
                 snapshot = await self.deps.snapshots.load(session_id)
-            except SnapshotNotFound:
+            except SessionNotFound:
                 release = True
                 return ActivationResult(session_id, ActivationOutcome.MISSING), None
             activation = Activation(self.deps, snapshot, heartbeat, self._agent(snapshot))

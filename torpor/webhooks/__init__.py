@@ -5,9 +5,10 @@ the returned delivery/token id once in Redis, then calls ``parse_http``; every r
 a ``WebhookRejected`` whose ``status`` and ``public_detail`` become the problem+json reply.
 """
 
+from torpor.errors import RejectReason, WebhookRejected
 from torpor.webhooks.capability import CapabilityClaims, mint, open_token
 from torpor.webhooks.cloudevents import InboundEvent, PayloadMapping, handshake, parse_http
-from torpor.webhooks.rejections import RejectReason, WebhookRejected, ensure_body_size
+from torpor.webhooks.rejections import ensure_body_size
 from torpor.webhooks.signing import Scheme, Verified, generate_secret, sign, verify
 
 __all__ = [

@@ -25,8 +25,7 @@ from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from torpor.errors import WebhookSecretInvalid
-from torpor.webhooks.rejections import RejectReason, WebhookRejected
+from torpor.errors import RejectReason, WebhookRejected, WebhookSecretInvalid
 
 _VERSION: Final = "v1"
 _MIN_KEY_BYTES: Final = 16

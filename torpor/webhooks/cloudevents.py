@@ -20,6 +20,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 
 from pydantic import JsonValue
 
+from torpor.errors import RejectReason, WebhookRejected
 from torpor.webhooks.payloads import (
     MAX_TEXT_CHARS,
     InboundEvent,
@@ -31,7 +32,7 @@ from torpor.webhooks.payloads import (
     parse_rfc3339,
     text_value,
 )
-from torpor.webhooks.rejections import RejectReason, WebhookRejected, ensure_body_size
+from torpor.webhooks.rejections import ensure_body_size
 
 __all__ = ["InboundEvent", "PayloadMapping", "handshake", "parse_http"]
 

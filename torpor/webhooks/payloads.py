@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
-from torpor.webhooks.rejections import RejectReason, WebhookRejected
+from torpor.errors import RejectReason, WebhookRejected
 
 _MAX_JSON_DEPTH: Final = 64
 # Ids and attributes end up in storage keys and logs; nothing legitimate is this long.

@@ -33,8 +33,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Final, NamedTuple
 
-from torpor.errors import WebhookSecretInvalid
-from torpor.webhooks.rejections import RejectReason, WebhookRejected
+from torpor.errors import RejectReason, WebhookRejected, WebhookSecretInvalid
 
 _R = RejectReason
 

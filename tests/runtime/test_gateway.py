@@ -1,0 +1,89 @@
+"""The webhook gateway in one process: every outcome reaches the observer and the audit."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from storage.audit import ObjectAudit
+from tests.support.harness import local_env
+from torpor.errors import UnknownCorrelation, WebhookRejected
+from torpor.lifecycle import SessionState
+from torpor.ports import Observer
+from torpor.service.gateway import WebhookGateway
+from torpor.webhooks.signing import Scheme, generate_secret, sign
+
+SECRET = generate_secret(Scheme.TORPOR)
+JSON = "application/json"
+SOURCES = {
+    "oa": {
+        "tenant": "acme",
+        "scheme": "torpor",
+        "secrets": [SECRET],
+        "mapping": {
+            "event_id_path": "eventId",
+            "type_path": "eventType",
+            "correlation_id_path": "correlationId",
+            "status_path": "decision.status",
+            "data_path": "decision",
+        },
+    }
+}
+
+
+class Handled(Observer):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, str]] = []
+
+    async def webhook_handled(self, source: str, outcome: str, reason: str = "") -> None:
+        self.seen.append((source, outcome, reason))
+
+
+def body(correlation_id: str, event_id: str) -> bytes:
+    return json.dumps(
+        {
+            "eventId": event_id,
+            "eventType": "oa.approval.decided",
+            "correlationId": correlation_id,
+            "decision": {"status": "approved"},
+        }
+    ).encode()
+
+
+async def test_outcomes_are_observed_and_audited(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        observer = Handled()
+        env.services.observer = observer
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit()
+        wait = (await env.load(sid)).waits[0]
+        now = env.clock.now()
+
+        async def post(raw: bytes, *, later_s: int = 0) -> int:
+            at = now + timedelta(seconds=later_s)  # a retry is signed afresh
+            headers = {**sign(Scheme.TORPOR, raw, SECRET, now=at), "Content-Type": JSON}
+            return (await gateway.receive("oa", raw, headers, now=now)).status
+
+        assert await post(body(wait.correlation_id, "e1")) == 202
+        assert (await env.load(sid)).state is SessionState.COMPLETED
+        assert await post(body(wait.correlation_id, "e1"), later_s=1) == 200  # a retry
+        with pytest.raises(UnknownCorrelation):
+            await post(body("Q" * 22, "e2"))
+        with pytest.raises(WebhookRejected):
+            bad = body(wait.correlation_id, "e3")
+            await gateway.receive("oa", bad, {"Content-Type": JSON}, now=now)
+
+        assert observer.seen == [
+            ("oa", "accepted", ""),
+            ("oa", "duplicate", ""),
+            ("oa", "unknown", ""),
+            ("oa", "rejected", "missing_signature"),
+        ]
+        await env.services.audit.close()
+        checks = await ObjectAudit(env.services.store).verify_all()
+        assert [c.records for c in checks.values()] == [3] and all(c.ok for c in checks.values())

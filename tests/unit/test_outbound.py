@@ -1,0 +1,178 @@
+"""The outbound HTTP helper against a real local HTTP server."""
+
+from __future__ import annotations
+
+import threading
+import urllib.error
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from torpor import outbound
+from torpor.errors import ResponseTooLarge, UnsafeUrl
+from torpor.outbound import request, request_async, retry_after_s, stream_lines
+
+BIG = 64 * 1024
+
+
+@dataclass
+class Server:
+    """Routes: /ok, /slow (answers once released), /redirect, /big, /throttle, /events."""
+
+    paths: list[str] = field(default_factory=list)
+    release: threading.Event = field(default_factory=threading.Event)
+    retry_after: str = "120"
+
+    def __post_init__(self) -> None:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, status: int, body: bytes, **headers: str) -> None:
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name.replace("_", "-"), value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                server.paths.append(self.path)
+                if self.path == "/slow":
+                    server.release.wait(timeout=10)  # held until the test lets go
+                    self._answer(200, b"late")
+                elif self.path == "/redirect":
+                    self._answer(302, b"", Location="/ok")
+                elif self.path == "/big":
+                    self._answer(200, b"x" * BIG)
+                elif self.path == "/throttle":
+                    self._answer(429, b'{"error": "slow down"}', Retry_After=server.retry_after)
+                elif self.path == "/events":
+                    self._answer(200, b"id: 1\ndata: one\n\nid: 2\ndata: two\n\n")
+                else:
+                    self._answer(200, b'{"ok": true}', X_Trace="abc")
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("content-length", "0"))
+                server.paths.append(f"POST {self.path} {self.rfile.read(length).decode()}")
+                self._answer(404, b'{"title": "Not found"}')
+
+            def log_message(self, *args: object) -> None:
+                return
+
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+        self._thread.start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self._http.server_address[1]}{path}"
+
+    def close(self) -> None:
+        self.release.set()
+        self._http.shutdown()
+        self._http.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server()
+    yield s
+    s.close()
+
+
+def test_a_2xx_answer_carries_status_body_and_lower_case_headers(server: Server) -> None:
+    response = request("GET", server.url("/ok"), timeout_s=5)
+    assert response.ok and response.status == 200
+    assert response.json() == {"ok": True}
+    assert response.header("X-Trace") == "abc" and response.headers["x-trace"] == "abc"
+
+
+def test_an_error_status_is_an_answer_not_an_exception(server: Server) -> None:
+    response = request("POST", server.url("/hook"), body=b"hello", timeout_s=5)
+    assert response.status == 404 and not response.ok
+    assert response.json() == {"title": "Not found"}
+    assert server.paths == ["POST /hook hello"]
+
+
+def test_a_silent_server_times_out(server: Server) -> None:
+    with pytest.raises((TimeoutError, urllib.error.URLError)):
+        request("GET", server.url("/slow"), timeout_s=0.2)
+    server.release.set()
+
+
+def test_a_redirect_is_answered_not_followed(server: Server) -> None:
+    response = request("GET", server.url("/redirect"), timeout_s=5)
+    assert response.status == 302 and response.header("Location") == "/ok"
+    assert server.paths == ["/redirect"], "the Location was never requested"
+
+
+def test_a_body_past_the_cap_is_refused(server: Server) -> None:
+    with pytest.raises(ResponseTooLarge):
+        request("GET", server.url("/big"), timeout_s=5, max_body_bytes=BIG - 1)
+    assert len(request("GET", server.url("/big"), timeout_s=5, max_body_bytes=BIG).body) == BIG
+
+
+def test_a_zero_cap_leaves_the_body_unread(server: Server) -> None:
+    response = request("GET", server.url("/big"), timeout_s=5, max_body_bytes=0)
+    assert response.status == 200 and response.body == b""
+
+
+def test_only_http_urls_are_called() -> None:
+    with pytest.raises(UnsafeUrl):
+        request("GET", "file:///etc/passwd", timeout_s=5)
+
+
+async def test_the_async_form_runs_the_same_request(server: Server) -> None:
+    response = await request_async("GET", server.url("/redirect"), timeout_s=5)
+    assert response.status == 302 and server.paths == ["/redirect"]
+
+
+def test_retry_after_in_seconds_from_the_server(server: Server) -> None:
+    response = request("GET", server.url("/throttle"), timeout_s=5)
+    assert response.status == 429
+    now = datetime.now(UTC)
+    assert retry_after_s(response.header("Retry-After"), now=now) == 120.0
+    assert retry_after_s(response.header("Retry-After"), now=now, cap_s=60) == 60.0
+
+
+def test_retry_after_as_an_http_date_from_the_server(server: Server) -> None:
+    now = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+    server.retry_after = format_datetime(now + timedelta(seconds=90), usegmt=True)
+    response = request("GET", server.url("/throttle"), timeout_s=5)
+    assert response.header("Retry-After") == "Sun, 01 Mar 2026 12:01:30 GMT"
+    assert retry_after_s(response.header("Retry-After"), now=now) == 90.0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None),
+        ("", None),
+        ("soon", None),
+        ("-5", None),
+        ("nan", None),
+        ("1.5", None),  # delay-seconds is 1*DIGIT (RFC 9110)
+        (" 7 ", 7.0),
+        ("Sun, 01 Mar 2026 11:00:00 GMT", 0.0),  # a date in the past: no wait
+    ],
+)
+def test_retry_after_values(value: str | None, expected: float | None) -> None:
+    now = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+    assert retry_after_s(value, now=now) == expected
+
+
+def test_a_stream_is_read_line_by_line(server: Server) -> None:
+    with stream_lines(server.url("/events"), timeout_s=5) as (status, lines):
+        data = [line for line in lines if line.startswith(b"data: ")]
+    assert status == 200 and data == [b"data: one\n", b"data: two\n"]
+
+
+def test_there_is_one_retry_after_parser() -> None:
+    import torpor.agents.openai_agent as openai_agent
+    import torpor.notify as notify
+
+    assert not hasattr(notify, "retry_after_s") and not hasattr(openai_agent, "_retry_after")
+    assert openai_agent.retry_after_s is outbound.retry_after_s

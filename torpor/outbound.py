@@ -1,0 +1,154 @@
+"""Every HTTP request torpor makes goes through here: one deadline, no redirects, a
+capped response body.
+
+stdlib only (``torpor`` depends on nothing but pydantic), blocking: async callers run it
+with ``asyncio.to_thread`` (``request_async``). A 3xx is answered as it is, never
+followed: urllib would otherwise replay the request, ``Authorization`` header included,
+against wherever the ``Location`` points. Non-2xx statuses are answers, not exceptions;
+transport failures raise ``OSError`` (a refused connection, a timeout as ``TimeoutError``
+or ``URLError``) or ``http.client.HTTPException`` (a garbled answer), unchanged.
+
+``retry_after_s`` reads a ``Retry-After`` header in both of its forms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.message import Message
+from email.utils import parsedate_to_datetime
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+from torpor.errors import ResponseTooLarge, UnsafeUrl
+
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: IO[bytes],
+        code: int,
+        msg: str,
+        headers: Message,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        return None  # urllib then surfaces the 3xx as the answer
+
+
+_OPENER = urllib.request.build_opener(_RefuseRedirects)
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes = b""
+    headers: Mapping[str, str] = field(default_factory=dict)  # names in lower case
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+    def json(self) -> Any:
+        """The body as JSON (``None`` for an empty body); ``ValueError`` if it is not."""
+        return json.loads(self.body or b"null")
+
+
+def _open(
+    method: str, url: str, body: bytes | None, headers: Mapping[str, str] | None, timeout_s: float
+) -> Any:
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise UnsafeUrl("only http(s) URLs are called")
+    request = urllib.request.Request(url, data=body, headers=dict(headers or {}), method=method)  # noqa: S310 - http(s) checked above
+    try:
+        return _OPENER.open(request, timeout=timeout_s)
+    except urllib.error.HTTPError as exc:
+        return exc  # an answer (4xx, 5xx, or a 3xx not followed), with its body and headers
+
+
+def _read(stream: IO[bytes], limit: int) -> bytes:
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise ResponseTooLarge(f"the response exceeds {limit} bytes", limit=limit)
+    return data
+
+
+def request(
+    method: str,
+    url: str,
+    *,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout_s: float,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> Response:
+    """One blocking request. ``timeout_s`` bounds the connect and every read; a body past
+    ``max_body_bytes`` raises ``ResponseTooLarge``; ``max_body_bytes=0`` leaves the body
+    unread (the status is all the caller wants)."""
+    with _open(method, url, body, headers, timeout_s) as response:
+        data = _read(response, max_body_bytes) if max_body_bytes > 0 else b""
+        found = {k.lower(): v for k, v in (response.headers or {}).items()}
+        return Response(int(response.status or response.code), data, found)
+
+
+async def request_async(
+    method: str,
+    url: str,
+    *,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout_s: float,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> Response:
+    """``request`` in a worker thread. A cancelled caller leaves the thread to finish
+    within ``timeout_s``."""
+    return await asyncio.to_thread(
+        request,
+        method,
+        url,
+        body=body,
+        headers=headers,
+        timeout_s=timeout_s,
+        max_body_bytes=max_body_bytes,
+    )
+
+
+@contextmanager
+def stream_lines(
+    url: str, *, headers: Mapping[str, str] | None = None, timeout_s: float
+) -> Iterator[tuple[int, Iterator[bytes]]]:
+    """A GET whose body is read line by line as it arrives (Server-Sent Events):
+    ``timeout_s`` bounds each read, so a server gone silent ends the stream."""
+    with _open("GET", url, None, headers, timeout_s) as response:
+        status = int(response.status or response.code)
+        yield status, iter(response.readline, b"")
+
+
+def retry_after_s(value: str | None, *, now: datetime, cap_s: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for: delta-seconds or an HTTP date (a date in
+    the past is 0); None if absent or unreadable. Capped at ``cap_s`` when given."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():  # RFC 9110 delay-seconds: 1*DIGIT, nothing else
+        seconds = float(value)
+    else:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = max(0.0, (when - now).total_seconds())
+    return seconds if cap_s is None else min(seconds, cap_s)
