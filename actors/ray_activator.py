@@ -126,7 +126,7 @@ class RayActivator:
         return self._hosts[slot]
 
     async def _pooled(self, session_id: str, reason: Reason, requested_at: float) -> None:
-        slot = pool_slot(session_id, self.settings.pool_size)
+        slot = pool_slot(session_id, self.settings.pool.size)
         delay = 0.05
         for _ in range(MAX_ATTEMPTS):
             try:
@@ -139,4 +139,4 @@ class RayActivator:
         raise ActivationUnavailable(f"pool host {slot} did not take {session_id}")
 
     def pool_hosts(self) -> list[Any]:
-        return [self._host(i) for i in range(self.settings.pool_size)]
+        return [self._host(i) for i in range(self.settings.pool.size)]

@@ -59,7 +59,7 @@ class Reconciler:
         while True:
             with contextlib.suppress(Exception):
                 await self.sweep_once()
-            await asyncio.sleep(self._settings.reconcile_interval_s)
+            await asyncio.sleep(self._settings.reconciler.interval_s)
 
     async def sweep_once(self) -> dict[str, Any]:
         sweeper = self._ensure()

@@ -203,7 +203,7 @@ class Activation:
             for e in self.snap.outbox
             if e.kind is OutboxKind.START and e.status is DispatchStatus.PENDING
         }
-        grace = timedelta(seconds=self.deps.settings.binding_grace_s)
+        grace = timedelta(seconds=self.deps.settings.storage.binding_grace_s)
         for wait in self.snap.waits:
             if wait.correlation_id not in pending_starts:
                 continue
@@ -245,7 +245,7 @@ class Activation:
         ]
         self.move(target, reason)
         self.update(waits=[], result=result, error=error, outbox=[*self.snap.outbox, *entries])
-        if "terminal" in self.deps.settings.notify_on and self.snap.callback_url:
+        if "terminal" in self.deps.settings.notifications.on and self.snap.callback_url:
             self.update(
                 outbox=[
                     *self.snap.outbox,
@@ -258,7 +258,7 @@ class Activation:
 
     def notifications(self, event: str) -> list[OutboxEntry]:
         """NOTIFY entries for a non-terminal event the deployment notifies on."""
-        if event not in self.deps.settings.notify_on or not self.snap.callback_url:
+        if event not in self.deps.settings.notifications.on or not self.snap.callback_url:
             return []
         return [outbox.notify_entry(self.snap, event=event, now=self.now)]
 

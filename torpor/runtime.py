@@ -96,13 +96,17 @@ class SessionRuntime:
         lease = await index.acquire_lease(
             name=lease_name(session_id),
             owner=self.owner,
-            ttl=timedelta(seconds=settings.lease_ttl_s),
+            ttl=timedelta(seconds=settings.lease.ttl_s),
             now=clock.now(),
         )
         if lease is None:
             return ActivationResult(session_id, Outcome.BUSY), None
         heartbeat = Heartbeat(
-            index, lease, clock=clock, period_s=settings.heartbeat_s, ttl_s=settings.lease_ttl_s
+            index,
+            lease,
+            clock=clock,
+            period_s=settings.lease.heartbeat_s,
+            ttl_s=settings.lease.ttl_s,
         ).start()
         activation: Activation | None = None
         outcome = Outcome.RAN
@@ -144,7 +148,7 @@ class SessionRuntime:
         return self._result(activation, outcome, requested_at), activation.snap
 
     async def _retry_soon(self, session_id: str) -> None:
-        at = self.deps.clock.now() + timedelta(seconds=self.deps.settings.reconcile_interval_s)
+        at = self.deps.clock.now() + timedelta(seconds=self.deps.settings.reconciler.interval_s)
         await self.deps.index.schedule(kind=TimerKind.RETRY, member=session_id, at=at)
 
     def _agent(self, snapshot: SessionSnapshot) -> LoadedAgent | None:

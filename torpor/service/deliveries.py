@@ -36,9 +36,9 @@ def timer_member(tenant: str, delivery_id: str) -> str:
 
 
 def secret_for(settings: Settings, tenant: str, url: str) -> str:
-    if settings.notify_key is None:
+    if settings.notifications.key is None:
         raise ConfigError("notifications need notify_key in the configuration")
-    return endpoint_secret(resolve_secret(settings.notify_key).encode(), tenant, url)
+    return endpoint_secret(resolve_secret(settings.notifications.key).encode(), tenant, url)
 
 
 class DeliveryNotifier:
@@ -118,7 +118,9 @@ class DeliveryWorker:
         error: str | None
         try:
             await asyncio.to_thread(
-                check_callback_url, delivery.url, allow_private=settings.allow_private_callbacks
+                check_callback_url,
+                delivery.url,
+                allow_private=settings.notifications.allow_private_callbacks,
             )
             headers = sign(
                 Scheme.STANDARD,
@@ -130,7 +132,7 @@ class DeliveryWorker:
             headers["Content-Type"] = "application/json"
             headers["User-Agent"] = "torpor-notifier/1"
             status, retry_after = await asyncio.to_thread(
-                _post, delivery.url, body, headers, settings.notify_timeout_s
+                _post, delivery.url, body, headers, settings.notifications.timeout_s
             )
         except UnsafeUrl as exc:
             return await self._settle(delivery, DeliveryStatus.DEAD, None, str(exc), now)
