@@ -47,3 +47,20 @@ def test_importing_serve_app_starts_nothing_and_reads_no_configuration() -> None
     )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.decode().strip().endswith("clean")
+
+
+def test_the_app_starts_the_reconciler_from_one_singleton_deployment() -> None:
+    # Serve's own graph walk (no Ray needed): which deployments the app would run.
+    from ray.serve._private.build_app import build_app
+
+    from serve_app import application
+    from torpor.settings import Settings
+
+    settings = Settings.build({})
+    built = build_app(application(settings), name="torpor")
+    assert {d.name: d.num_replicas for d in built.deployments} == {
+        "ReconcilerStarter": 1,
+        "Ingress": 1,
+    }
+    quiet = build_app(application(settings, start_reconciler=False), name="torpor")
+    assert [d.name for d in quiet.deployments] == ["Ingress"]
