@@ -1,10 +1,8 @@
 """torpor's HTTP edge on Ray Serve: ``serve run serve_app:build_app config=torpor.toml``.
 
-Importing this module builds nothing and reads no configuration: Serve calls the
-application builder :func:`build_app` with validated :class:`AppArgs`, and programs that
-already hold :class:`Settings` call :func:`application`. Deployment options (replicas,
-``max_ongoing_requests``, HTTP host and port, access log) belong to the Serve config; the
-decorator below carries their defaults.
+Importing it builds nothing and reads no configuration: Serve calls :func:`build_app`;
+programs holding :class:`Settings` call :func:`application`. Deployment options live in
+the Serve config; the decorator below carries their defaults.
 
 Routes only. Submitting work answers in milliseconds with 202 and a status URL; webhooks
 are verified on the raw bytes, accepted durably, and answered before the agent runs.
@@ -30,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
-from actors.reconciler import ensure_reconciler
+from actors.reconciler import ReconcilerStarter
 from actors.wiring import open_services
 from storage.audit import AuditLog
 from storage.deliveries import DeliveryStatus
@@ -140,18 +138,6 @@ def require_idempotency_key(value: str | None) -> str:
     if len(value) > 255:
         raise InvalidRequest("the Idempotency-Key header is longer than 255 characters")
     return value
-
-
-@serve.deployment(num_replicas=1, max_ongoing_requests=1, ray_actor_options={"num_cpus": 0})
-class ReconcilerStarter:
-    """Starts the detached reconciler once per application, not once per ingress replica.
-
-    Serve keeps exactly one replica of it (and replaces it if it dies); starting is
-    idempotent, so a replacement finds the running reconciler and leaves it be.
-    """
-
-    def __init__(self, settings: Settings) -> None:
-        ensure_reconciler(settings)
 
 
 @serve.deployment(
@@ -445,13 +431,10 @@ class Ingress:
 
 
 class AppArgs(BaseModel):
-    """Arguments of the application builder (``args:`` in the Serve config)."""
+    """Arguments of :func:`build_app` (``args:`` in the Serve config)."""
 
     model_config = ConfigDict(extra="forbid")
-
-    config: str | None = Field(
-        None, description="path to the TOML configuration; else $TORPOR_CONFIG, if set"
-    )
+    config: str | None = Field(None, description="TOML configuration; else $TORPOR_CONFIG")
 
 
 def application(settings: Settings, *, start_reconciler: bool = True) -> Application:
