@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 BIN    := $(VENV)/bin
 
-.PHONY: install test lint typecheck services unit demo bench clean
+.PHONY: install test lint typecheck services unit demo bench clean settings-table
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,7 @@ install: $(VENV)/.installed
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: install
 	$(BIN)/mypy
@@ -34,6 +35,10 @@ services:
 
 test: lint typecheck services
 	$(BIN)/pytest
+
+# The README's settings table, from the Field descriptions in torpor/settings.py.
+settings-table: install
+	$(BIN)/python -m tests.unit.test_settings_table
 
 unit: install
 	$(BIN)/pytest tests/unit

@@ -1,4 +1,8 @@
-"""torpor's HTTP edge on Ray Serve: ``serve run serve_app:app``.
+"""torpor's HTTP edge on Ray Serve: ``serve run serve_app:build_app config=torpor.toml``.
+
+Importing it builds nothing and reads no configuration: Serve calls :func:`build_app`;
+programs holding :class:`Settings` call :func:`application`. Deployment options live in
+the Serve config; the decorator below carries their defaults.
 
 Routes only. Submitting work answers in milliseconds with 202 and a status URL; webhooks
 are verified on the raw bytes, accepted durably, and answered before the agent runs.
@@ -16,13 +20,15 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
-from actors.reconciler import ensure_reconciler
+from actors.reconciler import ReconcilerStarter
 from actors.wiring import open_services
 from torpor import __version__
 from torpor.api import (
@@ -133,18 +139,20 @@ def require_idempotency_key(value: str | None) -> str:
     return value
 
 
-@serve.deployment
+@serve.deployment(
+    num_replicas=1, max_ongoing_requests=200, logging_config={"enable_access_log": False}
+)
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, settings: Settings, start_reconciler: bool = True) -> None:
+    def __init__(self, settings: Settings, reconciler: DeploymentHandle[Any] | None = None) -> None:
         self.settings = settings
         self.services = open_services(settings, observer=RayObserver())
         self.control = SessionService(self.services, RayActivator(self.services), background=True)
         self.batches = BatchService(self.control)
         self.gateway = WebhookGateway(self.control)
         self.deliveries = DeliveryWorker(self.services)
-        if start_reconciler:
-            ensure_reconciler(settings)
+        # Held only so Serve deploys the starter with the app.
+        self.reconciler = reconciler
 
     def _tenant(self, authorization: str | None) -> str:
         return tenant_for(authorization, self.settings.tenants)
@@ -159,7 +167,7 @@ class Ingress:
     async def noop(self, request: Request) -> dict[str, Any]:
         """A trivial webhook-shaped endpoint (it receives the body and ignores it): the
         baseline the webhook benchmark compares against."""
-        await read_body(request, self.settings.max_request_bytes)
+        await read_body(request, self.settings.security.max_request_bytes)
         return {}
 
     # -- sessions ------------------------------------------------------------------
@@ -180,7 +188,7 @@ class Ingress:
         tenant = self._tenant(authorization)
         key = require_idempotency_key(idempotency_key)
         body: SessionCreate = parse_json_body(
-            await read_body(request, self.settings.max_request_bytes), SessionCreate
+            await read_body(request, self.settings.security.max_request_bytes), SessionCreate
         )
         submitted = await self.control.submit(
             tenant=tenant,
@@ -304,7 +312,7 @@ class Ingress:
         tenant = self._tenant(authorization)
         key = require_idempotency_key(idempotency_key)
         body: BatchCreate = parse_json_body(
-            await read_body(request, self.settings.max_request_bytes * 16), BatchCreate
+            await read_body(request, self.settings.security.max_request_bytes * 16), BatchCreate
         )
         # The batch id is a function of tenant and key: a retried request is the same batch.
         batch_id = "b_" + digest(tenant, key, length=24)
@@ -379,7 +387,7 @@ class Ingress:
 
     @api.post("/v1/callbacks/{token}", tags=["webhooks"], openapi_extra=json_body())
     async def capability_callback(self, token: str, request: Request) -> JSONResponse:
-        body = await read_body(request, self.settings.max_request_bytes)
+        body = await read_body(request, self.settings.security.max_request_bytes)
         result = await self.gateway.capability(
             token, body, dict(request.headers), now=self.services.clock.now()
         )
@@ -422,13 +430,20 @@ class Ingress:
         return {"url": url, "secret": secret_for(self.settings, self._tenant(authorization), url)}
 
 
-def build_app(settings: Settings | None = None, *, start_reconciler: bool = True) -> Any:
-    settings = settings or Settings.from_env()
-    return Ingress.options(  # type: ignore[attr-defined]
-        num_replicas=settings.replicas,
-        max_ongoing_requests=settings.max_ongoing_requests,
-        logging_config={"enable_access_log": settings.access_log},
-    ).bind(settings, start_reconciler)
+class AppArgs(BaseModel):
+    """Arguments of :func:`build_app` (``args:`` in the Serve config)."""
+
+    model_config = ConfigDict(extra="forbid")
+    config: str | None = Field(None, description="TOML configuration; else $TORPOR_CONFIG")
 
 
-app = build_app()
+def application(settings: Settings, *, start_reconciler: bool = True) -> Application:
+    """The app for ``settings``; ``start_reconciler=False`` when a test drives sweeps."""
+    starter = ReconcilerStarter.bind(settings) if start_reconciler else None  # type: ignore[attr-defined]
+    app: Application = Ingress.bind(settings, starter)  # type: ignore[attr-defined]
+    return app
+
+
+def build_app(args: AppArgs) -> Application:
+    """Serve's application builder: ``serve run serve_app:build_app config=torpor.toml``."""
+    return application(Settings.from_env(config_path=args.config))

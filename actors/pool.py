@@ -40,7 +40,7 @@ class PoolHost:
         self._runtime: SessionRuntime | None = None
         self._wanted: dict[str, list[tuple[Reason, float | None]]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._gate = asyncio.Semaphore(settings.pool_max_concurrency)
+        self._gate = asyncio.Semaphore(settings.pool.max_concurrency)
         self.activations = 0
 
     def _ensure(self) -> SessionRuntime:

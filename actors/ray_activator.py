@@ -125,7 +125,7 @@ class RayActivator:
         return self._hosts[slot]
 
     async def _pooled(self, session_id: str, reason: Reason, requested_at: float) -> None:
-        slot = pool_slot(session_id, self.settings.pool_size)
+        slot = pool_slot(session_id, self.settings.pool.size)
         for attempt in range(MAX_ATTEMPTS):
             try:
                 await self._host(slot).poke.remote(session_id, reason.value, requested_at)

@@ -3,7 +3,7 @@
 ``lifetime="detached"`` keeps it alive after the driver that started it exits;
 ``max_restarts=-1`` brings it back if its process dies; the explicit namespace lets every
 driver and the Serve app find the same one. ``ensure_reconciler`` is idempotent: call it
-from anywhere, as often as you like.
+from anywhere, as often as you like; the Serve app calls it from ``ReconcilerStarter``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 import ray
+from ray import serve
 
 from actors import metrics
 from actors.observer import RayObserver
@@ -59,7 +60,7 @@ class Reconciler:
         while True:
             with contextlib.suppress(Exception):
                 await self.sweep_once()
-            await asyncio.sleep(self._settings.reconcile_interval_s)
+            await asyncio.sleep(self._settings.reconciler.interval_s)
 
     async def sweep_once(self) -> dict[str, Any]:
         sweeper = self._ensure()
@@ -85,3 +86,15 @@ def ensure_reconciler(settings: Settings, *, start: bool = True) -> Any:
     if start:
         ray.get(handle.start.remote())
     return handle
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1, ray_actor_options={"num_cpus": 0})
+class ReconcilerStarter:
+    """Starts the reconciler once per Serve application, not once per ingress replica.
+
+    Serve keeps exactly one replica of it (and replaces it if it dies); starting is
+    idempotent, so a replacement finds the running reconciler and leaves it be.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        ensure_reconciler(settings)

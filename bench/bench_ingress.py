@@ -121,7 +121,7 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
 
     from actors.ray_activator import RayActivator
     from actors.wiring import open_services
-    from serve_app import build_app
+    from serve_app import application
     from tests.support.s3_server import free_port
     from torpor.lifecycle import SessionState
     from torpor.service.sessions import SessionService
@@ -131,12 +131,14 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
     prefix = f"tpbench-in:{secrets.token_hex(3)}:"
     port = free_port()
     config: dict[str, Any] = {
-        "object_store_url": f"file://{tmp / 'objects'}",
-        "index_url": REDIS,
-        "redis_prefix": prefix,
+        "storage": {
+            "object_store_url": f"file://{tmp / 'objects'}",
+            "index_url": REDIS,
+            "redis_prefix": prefix,
+        },
         "namespace": "benchin",
         "public_url": f"http://127.0.0.1:{port}",
-        "pool_size": 2,
+        "pool": {"size": 2},
         "sources": {
             "bench": {
                 "tenant": "bench",
@@ -165,7 +167,7 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
         runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TORPOR_BENCH_REDIS": REDIS}},
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(settings, start_reconciler=False), name="torpor", route_prefix="/")
+    serve.run(application(settings, start_reconciler=False), name="torpor", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
 
     services = open_services(settings)
@@ -204,7 +206,7 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
     # backpressure setting at 0): what the verify → dedupe → inbox → 202 path costs alone.
     # Several distinct events per session, so a fast proxy cannot run out of unique ones.
     serve.run(
-        build_app(
+        application(
             Settings.build({**config, "max_inflight_activations": 0}), start_reconciler=False
         ),
         name="torpor",

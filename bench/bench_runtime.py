@@ -41,11 +41,13 @@ PREFIX = "torpor-bench:"
 def settings_for(tmp: Path, placement: str, namespace: str) -> Settings:
     return Settings.build(
         {
-            "object_store_url": f"file://{tmp / 'objects'}",
-            "index_url": REDIS,
-            "redis_prefix": PREFIX + namespace + ":",
+            "storage": {
+                "object_store_url": f"file://{tmp / 'objects'}",
+                "index_url": REDIS,
+                "redis_prefix": PREFIX + namespace + ":",
+            },
             "namespace": namespace,
-            "pool_size": 2,
+            "pool": {"size": 2},
             "agents": {
                 "bench": {
                     "factory": "bench.plugins:BenchAgent",

@@ -29,13 +29,13 @@ def _local_path(url: str, scheme: str) -> Path:
 
 
 def open_object_store(settings: Settings) -> ObjectStore:
-    url = settings.object_store_url
+    url = settings.storage.object_store_url
     if url.startswith("s3://"):
         # boto3 costs ~100 ms to import: only processes that use S3 pay for it.
         from storage.s3_store import S3ObjectStore
 
         parsed = urlparse(url)
-        s3 = settings.s3
+        s3 = settings.storage.s3
         secret = resolve_secret(s3.secret_access_key) if s3.secret_access_key else None
         return S3ObjectStore(
             parsed.netloc,
@@ -53,15 +53,15 @@ def open_object_store(settings: Settings) -> ObjectStore:
 
 
 def open_index(settings: Settings) -> Index:
-    url = settings.index_url
+    url = settings.storage.index_url
     if url.startswith(("redis://", "rediss://", "unix://")):
         from storage.redis_index import RedisIndex
 
         return RedisIndex(
             url,
-            prefix=settings.redis_prefix,
-            buckets=settings.index_buckets,
-            deadline_shards=settings.index_deadline_shards,
+            prefix=settings.storage.redis_prefix,
+            buckets=settings.storage.index_buckets,
+            deadline_shards=settings.storage.index_deadline_shards,
         )
     if url.startswith("sqlite://"):
         return SqliteIndex(_local_path(url, "sqlite"))
@@ -74,7 +74,9 @@ def check_embedded_allowed(settings: Settings, *, alive_nodes: int) -> None:
     """The local folder and SQLite are only shared by processes on one host; memory
     storage by nobody, so never under Ray, which runs torpor in several processes."""
     in_memory = [
-        u for u in (settings.object_store_url, settings.index_url) if u.startswith("memory:")
+        u
+        for u in (settings.storage.object_store_url, settings.storage.index_url)
+        if u.startswith("memory:")
     ]
     if in_memory:
         raise ConfigError(
@@ -84,7 +86,8 @@ def check_embedded_allowed(settings: Settings, *, alive_nodes: int) -> None:
     if alive_nodes > 1 and settings.embedded:
         raise EmbeddedBackendOnCluster(
             f"this Ray cluster has {alive_nodes} nodes, but torpor is configured with "
-            f"embedded storage ({settings.object_store_url}, {settings.index_url}), which "
-            "only works on one host. Set TORPOR_OBJECT_STORE_URL=s3://bucket/prefix and "
-            "TORPOR_INDEX_URL=redis://host:6379/0 (see README, Configuration)."
+            f"embedded storage ({settings.storage.object_store_url}, "
+            f"{settings.storage.index_url}), which only works on one host. Set "
+            "TORPOR_STORAGE__OBJECT_STORE_URL=s3://bucket/prefix and "
+            "TORPOR_STORAGE__INDEX_URL=redis://host:6379/0 (see README, Configuration)."
         )

@@ -135,12 +135,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from serve_app import build_app
+    from serve_app import application
 
     settings = _settings()
     ray.init(address=args.address, namespace=settings.namespace)
-    serve.start(http_options={"host": settings.http_host, "port": settings.http_port})
-    serve.run(build_app(settings), name="torpor", route_prefix="/", blocking=True)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(application(settings), name="torpor", route_prefix="/", blocking=True)
     return 0
 
 
@@ -317,6 +317,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start the Serve app and the reconciler")
     s.add_argument("--address", help="Ray address (default: start a local Ray)")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     s.set_defaults(fn=cmd_serve)
 
     s = api("submit", cmd_submit, "submit a session")

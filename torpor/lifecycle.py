@@ -10,14 +10,16 @@ with an older epoch belongs to a wait that is already closed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict
 
 from torpor.errors import IllegalTransition, TerminalStateImmutable
 
-if TYPE_CHECKING:
-    from torpor.models import SessionSnapshot
+MAX_HISTORY = 256
 
 
 class SessionState(StrEnum):
@@ -55,6 +57,35 @@ ALLOWED: dict[SessionState, frozenset[SessionState]] = {
 }
 
 
+class HistoryEntry(BaseModel):
+    """One transition, as the session's history and its event stream show it."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    seq: int
+    at: datetime
+    state: SessionState
+    epoch: int
+    reason: str = ""
+
+
+class Stateful(Protocol):
+    """What the state machine reads and copies: the session snapshot, seen from here
+    without importing the models (which import this module)."""
+
+    session_id: str
+    state: SessionState
+    epoch: int
+    history: list[HistoryEntry]
+
+    def model_copy(
+        self, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> Self: ...
+
+
+SnapshotT = TypeVar("SnapshotT", bound=Stateful)
+
+
 def can_transition(source: SessionState, target: SessionState) -> bool:
     return target in ALLOWED[source]
 
@@ -66,8 +97,8 @@ def bumps_epoch(source: SessionState, target: SessionState) -> bool:
 
 
 def transition(
-    snapshot: SessionSnapshot, target: SessionState, *, now: datetime, reason: str = ""
-) -> SessionSnapshot:
+    snapshot: SnapshotT, target: SessionState, *, now: datetime, reason: str = ""
+) -> SnapshotT:
     """Return a copy of ``snapshot`` in state ``target``; raise if the move is illegal."""
     source = snapshot.state
     if source.terminal:
@@ -83,8 +114,6 @@ def transition(
             source=source,
             target=target,
         )
-    from torpor.models import MAX_HISTORY, HistoryEntry
-
     epoch = snapshot.epoch + 1 if bumps_epoch(source, target) else snapshot.epoch
     seq = snapshot.history[-1].seq + 1 if snapshot.history else 1
     entry = HistoryEntry(seq=seq, at=now, state=target, epoch=epoch, reason=reason)

@@ -15,10 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from torpor.ids import MIN_CORRELATION_ID_BITS, correlation_id_bits
-from torpor.lifecycle import SessionState
+from torpor.lifecycle import MAX_HISTORY, HistoryEntry, SessionState
 
 SCHEMA_VERSION = 1
-MAX_HISTORY = 256
 MAX_OBSERVATIONS = 128
 
 
@@ -191,14 +190,6 @@ class Observation(_Model):
     type: str
     reason: ObservationReason
     at: datetime
-
-
-class HistoryEntry(_Model):
-    seq: int
-    at: datetime
-    state: SessionState
-    epoch: int
-    reason: str = ""
 
 
 class ErrorInfo(_Model):

@@ -9,13 +9,12 @@ each snapshot, so an operator can tell which code a session slept under.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from torpor.agent import Agent
 from torpor.errors import ConfigError, PluginNotFound
-from torpor.settings import AgentConfig, Settings
+from torpor.settings import AgentConfig, Settings, resolve_secret
 from torpor.tools import AnyTool, LongRunningTool, Tool, ToolRegistry
 
 
@@ -37,11 +36,8 @@ def load_object(path: str) -> Any:
 
 def resolve_env(value: Any) -> Any:
     """Options may name secrets as ``"env:NAME"``; read them when the plugin is built."""
-    if isinstance(value, str) and value.startswith("env:"):
-        name = value[4:]
-        if name not in os.environ:
-            raise ConfigError(f"option refers to environment variable {name}, which is not set")
-        return os.environ[name]
+    if isinstance(value, str):
+        return resolve_secret(value)
     if isinstance(value, dict):
         return {k: resolve_env(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -1,28 +1,66 @@
 """Typed settings, read once, secrets hidden.
 
-Settings come from an optional TOML file (``TORPOR_CONFIG``) with environment variables
-on top (``TORPOR_OBJECT_STORE_URL`` …). Secrets are ``SecretStr``: they never print. A
-secret in the file may be written ``"env:NAME"`` to take it from the environment, so
-configuration files can be committed without the secrets themselves.
+Settings come from an optional TOML file (``TORPOR_CONFIG`` or an explicit path) with
+environment variables on top: ``TORPOR_`` prefix, ``__`` between a section and its key
+(``TORPOR_LEASE__TTL_S=30`` sets ``[lease] ttl_s``). Secrets are ``SecretStr``: they
+never print. A secret may be written ``"env:NAME"`` to take it from the environment at
+use time (:func:`resolve_secret`), so configuration files can be committed without them.
 
 With nothing configured, torpor runs on embedded defaults: a local folder for objects and
 SQLite for the index, under ``.torpor/`` in the working directory.
+
+Files and variables written for 0.1 (flat keys such as ``lease_ttl_s`` or
+``TORPOR_LEASE_TTL_S``) still load: :mod:`torpor.settings_compat` moves them into their
+section with a one-line deprecation warning naming the new key. Serve deployment options
+(replicas, HTTP host and port, access log) belong to the Serve config, not here.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
+from pydantic_settings.sources.utils import parse_env_vars
 
 from torpor.errors import ConfigError
+from torpor.settings_compat import legacy_environment, upgrade_flat_keys
 from torpor.webhooks.payloads import PayloadMapping
 from torpor.webhooks.signing import Scheme
+
+ENV_PREFIX = "TORPOR_"
+ENV_NESTING = "__"
+
+
+def resolve_secret(value: SecretStr | str, environ: Mapping[str, str] | None = None) -> str:
+    """The value itself, or for ``"env:NAME"`` the environment variable NAME, read now.
+
+    The one place the ``env:`` indirection is resolved: settings secrets and plugin
+    options both go through it.
+    """
+    raw = value.get_secret_value() if isinstance(value, SecretStr) else value
+    if not raw.startswith("env:"):
+        return raw
+    name = raw[4:]
+    env = os.environ if environ is None else environ
+    if name not in env:
+        raise ConfigError(f"env:{name} refers to environment variable {name}, which is not set")
+    return env[name]
 
 
 class Placement(StrEnum):
@@ -30,158 +68,298 @@ class Placement(StrEnum):
     POOLED = "pooled"  # a few long-lived hosts run activations routed by session id
 
 
-class _Settings(BaseModel):
+class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class AgentConfig(_Settings):
+class AgentConfig(_Section):
     """An agent as configuration names it: where to import it and its tools from."""
 
-    factory: str  # "package.module:callable" returning an Agent
-    options: dict[str, Any] = Field(default_factory=dict)
-    tools: list[str] = Field(default_factory=list)  # "package.module:callable" → tool(s)
-    tool_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    placement: Placement = Placement.DEDICATED
-    max_tool_retries: int = 3
+    factory: str = Field(description='`"package.module:callable"` returning the Agent')
+    options: dict[str, Any] = Field(
+        default_factory=dict, description='keyword arguments for the factory (`"env:NAME"` ok)'
+    )
+    tools: list[str] = Field(
+        default_factory=list, description='`"package.module:callable"` returning tool(s)'
+    )
+    tool_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="keyword arguments per entry of `tools`"
+    )
+    placement: Placement = Field(
+        Placement.DEDICATED, description="`dedicated` (one actor per session) or `pooled`"
+    )
+    max_tool_retries: int = Field(3, description="attempts of a failing sync tool call")
 
 
-class SourceConfig(_Settings):
+class SourceConfig(_Section):
     """A webhook sender: whose tenant it speaks for, and how it proves who it is."""
 
-    tenant: str
-    scheme: Scheme = Scheme.TORPOR
-    # Every active secret; several during a rotation (the sender signs with either).
-    secrets: list[SecretStr] = Field(min_length=1)
-    tolerance_s: float = 300.0
-    max_body_bytes: int = 256 * 1024
-    # Non-CloudEvents JSON: where correlation id, business key, status, id and type are.
-    mapping: PayloadMapping | None = None
-    # CloudEvents webhook abuse-protection handshake (OPTIONS): origins that may send.
-    allowed_origins: list[str] = Field(default_factory=list)
-    allowed_rate: int | None = None
+    tenant: str = Field(description="the tenant this sender speaks for")
+    scheme: Scheme = Field(
+        Scheme.TORPOR, description="signature scheme: `torpor`, `standard`, `github`, `stripe`"
+    )
+    secrets: list[SecretStr] = Field(
+        min_length=1, description="every active secret; several during a rotation"
+    )
+    tolerance_s: float = Field(300.0, description="accepted clock skew of the timestamp, both ways")
+    max_body_bytes: int = Field(256 * 1024, description="larger webhook bodies are refused (413)")
+    mapping: PayloadMapping | None = Field(
+        None, description="for non-CloudEvents JSON: where id, type, correlation id, … are"
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list, description="origins allowed by the CloudEvents OPTIONS handshake"
+    )
+    allowed_rate: int | None = Field(None, description="`WebHook-Allowed-Rate` in the handshake")
 
     def secret_values(self) -> list[str]:
         return [resolve_secret(s) for s in self.secrets]
 
 
-class TenantConfig(_Settings):
-    # Bearer API keys, stored hashed ("sha256:<hex>"); see ``torpor keys``.
-    api_keys: list[str] = Field(default_factory=list)
+class TenantConfig(_Section):
+    api_keys: list[str] = Field(
+        default_factory=list, description="bearer API keys as `sha256:` hashes (`torpor keys api`)"
+    )
 
 
-class S3Settings(_Settings):
-    endpoint_url: str | None = None
-    region: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: SecretStr | None = None
+class S3Settings(_Section):
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO)")
+    region: str | None = Field(None, description="S3 region")
+    access_key_id: str | None = Field(None, description="S3 access key id")
+    secret_access_key: SecretStr | None = Field(None, description="S3 secret key")
 
 
-def resolve_secret(value: SecretStr, environ: Mapping[str, str] | None = None) -> str:
-    """The secret's value; ``env:NAME`` reads it from the environment at use time."""
-    raw = value.get_secret_value()
-    if raw.startswith("env:"):
-        name = raw[4:]
-        env = os.environ if environ is None else environ
-        if name not in env:
-            raise ConfigError(f"secret refers to environment variable {name}, which is not set")
-        return env[name]
-    return raw
+class StorageSettings(_Section):
+    """Where sessions live (object store) and the rebuildable index beside them."""
+
+    object_store_url: str = Field(
+        "file://.torpor/objects", description="`s3://bucket/prefix` for clusters"
+    )
+    index_url: str = Field(
+        "sqlite://.torpor/index.db", description="`redis://host:6379/0` for clusters"
+    )
+    s3: S3Settings = Field(default_factory=S3Settings, description="S3 client options")
+    redis_prefix: str = Field("tp:", description="Redis key prefix (a `{tag}` on Redis Cluster)")
+    index_buckets: int = Field(512, description="hash buckets of the wait index; raise past ~60k")
+    index_deadline_shards: int = Field(128, description="shards of the SLA deadline set")
+    binding_grace_s: float = Field(
+        7 * 24 * 3600, description="index entries outlive their deadline by this much"
+    )
 
 
-class Settings(_Settings):
-    object_store_url: str = "file://.torpor/objects"
-    index_url: str = "sqlite://.torpor/index.db"
-    s3: S3Settings = Field(default_factory=S3Settings)
-    redis_prefix: str = "tp:"
-    namespace: str = "torpor"
-    agents: dict[str, AgentConfig] = Field(default_factory=dict)
+class LeaseSettings(_Section):
+    """The single-writer lease a running activation holds."""
 
-    # single writer
-    lease_ttl_s: float = 45.0  # 3 missed heartbeats
-    heartbeat_s: float = 15.0
-    # index entries outlive their deadline by this much, so a late callback still resolves
-    binding_grace_s: float = 7 * 24 * 3600
-    # reconciler
-    reconcile_interval_s: float = 5.0
-    poll_backoff_base_s: float = 60.0
-    poll_backoff_cap_s: float = 6 * 3600.0
-    wake_grace_s: float = 30.0  # inbox event with no confirmed activation after this → wake
-    full_repair_interval_s: float = 3600.0
-    # Where webhook senders reach this deployment, for capability callback URLs.
-    public_url: str = "http://127.0.0.1:8000"
-    # Keys that sign capability callback tokens; the first signs, all verify (rotation).
-    capability_keys: list[SecretStr] = Field(default_factory=list)
-    # webhook senders and API tenants
-    sources: dict[str, SourceConfig] = Field(default_factory=dict)
-    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
-    max_request_bytes: int = 1024 * 1024
-    # Activation requests a replica keeps in flight; past this, woken sessions wait for
-    # the reconciler's sweep (their events are durable and their wake-up timers set).
-    max_inflight_activations: int = 256
-    # outbound notifications: per-endpoint secrets are derived from this key
-    notify_key: SecretStr | None = None
-    notify_on: list[str] = Field(default_factory=lambda: ["terminal"])
-    notify_timeout_s: float = 15.0
-    allow_private_callbacks: bool = False  # refuse private/loopback targets (SSRF) unless set
-    # Ray Serve
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
-    replicas: int = 1
-    max_ongoing_requests: int = 200
-    access_log: bool = False  # Serve's per-request access log (off: webhooks are high volume)
-    index_buckets: int = 512
-    index_deadline_shards: int = 128
-    pool_size: int = 2
-    pool_max_concurrency: int = 64
+    ttl_s: float = Field(45.0, description="lease lifetime (three missed heartbeats)")
+    heartbeat_s: float = Field(15.0, description="lease renewal period")
 
-    @field_validator("lease_ttl_s")
+    @field_validator("ttl_s")
     @classmethod
-    def _ttl_covers_heartbeats(cls, value: float) -> float:
+    def _ttl_is_positive(cls, value: float) -> float:
         if value <= 0:
-            raise ValueError("lease_ttl_s must be positive")
+            raise ValueError("ttl_s must be positive")
         return value
+
+
+class ReconcilerSettings(_Section):
+    """The detached sweeper: timeouts, polls, lost leases, repairs."""
+
+    interval_s: float = Field(5.0, description="sweep period")
+    poll_backoff_base_s: float = Field(60.0, description="first poll of an overdue wait")
+    poll_backoff_cap_s: float = Field(6 * 3600.0, description="longest gap between polls")
+    wake_grace_s: float = Field(30.0, description="an event with no activation after this wakes")
+    full_repair_interval_s: float = Field(3600.0, description="index rebuild from object storage")
+
+
+class NotificationSettings(_Section):
+    """Signed outbound webhooks to submitters."""
+
+    key: SecretStr | None = Field(None, description="per-endpoint secrets are derived from it")
+    on: list[str] = Field(
+        default_factory=lambda: ["terminal"], description="`terminal`, `suspended`, `resumed`"
+    )
+    timeout_s: float = Field(15.0, description="deadline of one delivery attempt")
+    allow_private_callbacks: bool = Field(
+        False, description="permit private/loopback callback URLs (SSRF guard off)"
+    )
+
+
+class SecuritySettings(_Section):
+    """Keys and limits at the HTTP edge."""
+
+    capability_keys: list[SecretStr] = Field(
+        default_factory=list, description="sign capability links; the first signs, all verify"
+    )
+    max_request_bytes: int = Field(1024 * 1024, description="larger API bodies are refused")
+
+
+class PoolSettings(_Section):
+    """The `pooled` placement's long-lived host actors."""
+
+    size: int = Field(2, description="pooled host actors")
+    max_concurrency: int = Field(64, description="activations one host runs at once")
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    environ: Mapping[str, str]
+    toml: Path | None
+
+
+# Which environment and file the next Settings() reads; set by from_env/build, so the
+# source hooks (class methods, no arguments) see the caller's choice.
+_INPUTS: ContextVar[_Inputs | None] = ContextVar("torpor_settings_inputs", default=None)
+
+
+class Settings(BaseSettings):
+    """Everything torpor reads from configuration; build with :meth:`from_env`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTING, extra="forbid", frozen=True
+    )
+
+    namespace: str = Field("torpor", description="Ray namespace of torpor's named actors")
+    public_url: str = Field(
+        "http://127.0.0.1:8000", description="where webhook senders reach this deployment"
+    )
+    max_inflight_activations: int = Field(
+        256, description="per ingress replica; beyond it the reconciler activates"
+    )
+    agents: dict[str, AgentConfig] = Field(default_factory=dict, description="agents by name")
+    sources: dict[str, SourceConfig] = Field(
+        default_factory=dict, description="webhook senders by name"
+    )
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="API tenants")
+    storage: StorageSettings = Field(default_factory=StorageSettings, description="storage")
+    lease: LeaseSettings = Field(default_factory=LeaseSettings, description="single writer")
+    reconciler: ReconcilerSettings = Field(
+        default_factory=ReconcilerSettings, description="reconciler"
+    )
+    notifications: NotificationSettings = Field(
+        default_factory=NotificationSettings, description="outbound notifications"
+    )
+    security: SecuritySettings = Field(default_factory=SecuritySettings, description="security")
+    pool: PoolSettings = Field(default_factory=PoolSettings, description="pooled placement")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        inputs = _INPUTS.get() or _Inputs(os.environ, _config_path(None, os.environ))
+        sources: list[PydanticBaseSettingsSource] = [
+            _FlatKeys(settings_cls, init_settings),
+            _Environment(settings_cls, inputs.environ),
+            _LegacyEnvironment(settings_cls, inputs.environ),
+        ]
+        if inputs.toml is not None:
+            sources.append(_TomlFile(settings_cls, inputs.toml))
+        return tuple(sources)
 
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, *, config_path: str | Path | None = None
     ) -> Settings:
+        """Settings from the TOML file (``config_path`` or ``TORPOR_CONFIG``) and ``environ``."""
         env = os.environ if environ is None else environ
-        data: dict[str, Any] = {}
-        path = config_path or env.get("TORPOR_CONFIG")
-        if path:
-            data = load_toml(Path(path))
-        for name, field in cls.model_fields.items():
-            value = env.get(f"TORPOR_{name.upper()}")
-            if value is None:
-                continue
-            if field.annotation in (str, float, int):
-                data[name] = value
-            elif field.annotation is bool:
-                data[name] = value.strip().lower() in {"1", "true", "yes", "on"}
-        s3 = dict(data.get("s3", {}))
-        for name in S3Settings.model_fields:
-            value = env.get(f"TORPOR_S3_{name.upper()}")
-            if value is not None:
-                s3[name] = value
-        if s3:
-            data["s3"] = s3
-        return cls.build(data)
+        with _reading(_Inputs(env, _config_path(config_path, env))):
+            return cls._validated({})
 
     @classmethod
     def build(cls, data: Mapping[str, Any]) -> Settings:
+        """Settings from ``data`` alone (no environment, no file): for tests and tools."""
+        with _reading(_Inputs({}, None)):
+            return cls._validated(data)
+
+    @classmethod
+    def _validated(cls, data: Mapping[str, Any]) -> Settings:
         try:
-            return cls.model_validate(dict(data))
+            return cls(**dict(data))
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise ConfigError(f"invalid setting {where}: {first['msg']}") from exc
+        except SettingsError as exc:
+            raise ConfigError(f"invalid setting: {exc}") from exc
 
     def capability_key_bytes(self) -> list[bytes]:
-        return [resolve_secret(k).encode() for k in self.capability_keys]
+        return [resolve_secret(k).encode() for k in self.security.capability_keys]
 
     @property
     def embedded(self) -> bool:
-        return self.object_store_url.startswith("file:") or self.index_url.startswith("sqlite:")
+        return self.storage.object_store_url.startswith(
+            "file:"
+        ) or self.storage.index_url.startswith("sqlite:")
+
+
+@contextmanager
+def _reading(inputs: _Inputs) -> Iterator[None]:
+    token = _INPUTS.set(inputs)
+    try:
+        yield
+    finally:
+        _INPUTS.reset(token)
+
+
+def _config_path(explicit: str | Path | None, environ: Mapping[str, str]) -> Path | None:
+    path = explicit or environ.get("TORPOR_CONFIG")
+    return Path(path) if path else None
+
+
+class _FlatKeys(PydanticBaseSettingsSource):
+    """Keyword arguments, with 0.1's flat keys moved into their sections."""
+
+    def __init__(self, settings_cls: type[BaseSettings], init: PydanticBaseSettingsSource):
+        super().__init__(settings_cls)
+        self._init = init
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # __call__ answers for every field at once
+
+    def __call__(self) -> dict[str, Any]:
+        return upgrade_flat_keys(self._init(), where="keyword")
+
+
+class _Environment(EnvSettingsSource):
+    """``TORPOR_*`` variables from a given mapping (``os.environ`` unless told otherwise)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(
+            self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str
+        )
+
+
+class _LegacyEnvironment(PydanticBaseSettingsSource):
+    """0.1's flat variables (``TORPOR_LEASE_TTL_S``), below the sectioned ones."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        super().__init__(settings_cls)
+        self._environ = environ
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return legacy_environment(self._environ, s3_keys=list(S3Settings.model_fields))
+
+
+class _TomlFile(TomlConfigSettingsSource):
+    """The TOML file, which must exist; 0.1's flat keys move into their sections."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        super().__init__(settings_cls, toml_file=path)
+
+    def _read_file(self, file_path: Any) -> dict[str, Any]:
+        return upgrade_flat_keys(load_toml(Path(file_path)), where="file")
 
 
 def load_toml(path: Path) -> dict[str, Any]:

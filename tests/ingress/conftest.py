@@ -15,7 +15,7 @@ import redis
 from ray import serve
 
 from actors.wiring import open_services
-from serve_app import build_app
+from serve_app import application
 from tests.conftest import make_bucket
 from tests.support.harness import CAPABILITY_KEY, NOTIFY_KEY
 from tests.support.s3_server import S3TestServer, free_port
@@ -68,20 +68,21 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
     port = free_port()
     settings = Settings.build(
         {
-            "object_store_url": f"s3://{bucket}/in",
-            "s3": {
-                "endpoint_url": kw["endpoint_url"],
-                "region": kw["region"],
-                "access_key_id": kw["access_key_id"],
-                "secret_access_key": kw["secret_access_key"],
+            "storage": {
+                "object_store_url": f"s3://{bucket}/in",
+                "s3": {
+                    "endpoint_url": kw["endpoint_url"],
+                    "region": kw["region"],
+                    "access_key_id": kw["access_key_id"],
+                    "secret_access_key": kw["secret_access_key"],
+                },
+                "index_url": redis_url,
+                "redis_prefix": prefix,
             },
-            "index_url": redis_url,
-            "redis_prefix": prefix,
             "namespace": "in" + secrets.token_hex(4),
             "agents": agent_config(redis_url, prefix, placement="pooled"),
-            "capability_keys": [CAPABILITY_KEY],
-            "notify_key": NOTIFY_KEY,
-            "allow_private_callbacks": True,
+            "security": {"capability_keys": [CAPABILITY_KEY]},
+            "notifications": {"key": NOTIFY_KEY, "allow_private_callbacks": True},
             "public_url": f"http://127.0.0.1:{port}",
             "tenants": {"acme": {"api_keys": [acme_hash]}, "beta": {"api_keys": [beta_hash]}},
             "sources": {
@@ -124,10 +125,9 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
                     "mapping": MAPPING,
                 },
             },
-            "heartbeat_s": 0.5,
-            "lease_ttl_s": 3.0,
-            "wake_grace_s": 2.0,
-            "pool_size": 2,
+            "lease": {"heartbeat_s": 0.5, "ttl_s": 3.0},
+            "reconciler": {"wake_grace_s": 2.0},
+            "pool": {"size": 2},
         }
     )
     ray.init(
@@ -137,7 +137,7 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
         runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(settings, start_reconciler=False), name="torpor", route_prefix="/")
+    serve.run(application(settings, start_reconciler=False), name="torpor", route_prefix="/")
     yield Deployment(
         f"http://127.0.0.1:{port}",
         settings,

@@ -47,7 +47,12 @@ def cluster() -> Iterator[Cluster]:
 
 async def test_embedded_storage_is_refused_on_a_cluster(cluster: Cluster, tmp_path: Path) -> None:
     settings = Settings.build(
-        {"object_store_url": f"file://{tmp_path}/o", "index_url": f"sqlite://{tmp_path}/i.db"}
+        {
+            "storage": {
+                "object_store_url": f"file://{tmp_path}/o",
+                "index_url": f"sqlite://{tmp_path}/i.db",
+            }
+        }
     )
     services = open_services(settings)
     with pytest.raises(EmbeddedBackendOnCluster, match="3 nodes"):

@@ -43,25 +43,28 @@ def ray_settings(s3_server: S3TestServer, redis_url: str, prefix: str, **approva
     kw = s3_server.boto_kwargs()
     return Settings.build(
         {
-            "object_store_url": f"s3://{bucket}/t",
-            "s3": {
-                "endpoint_url": kw["endpoint_url"],
-                "region": kw["region"],
-                "access_key_id": kw["access_key_id"],
-                "secret_access_key": kw["secret_access_key"],
+            "storage": {
+                "object_store_url": f"s3://{bucket}/t",
+                "s3": {
+                    "endpoint_url": kw["endpoint_url"],
+                    "region": kw["region"],
+                    "access_key_id": kw["access_key_id"],
+                    "secret_access_key": kw["secret_access_key"],
+                },
+                "index_url": redis_url,
+                "redis_prefix": prefix,
             },
-            "index_url": redis_url,
-            "redis_prefix": prefix,
             "namespace": "t" + secrets.token_hex(4),
             "agents": agent_config(redis_url, prefix, **approval),
-            "capability_keys": [CAPABILITY_KEY],
-            "heartbeat_s": 0.5,
-            "lease_ttl_s": 2.0,
-            "wake_grace_s": 2.0,
-            "poll_backoff_base_s": 0.5,
-            "poll_backoff_cap_s": 2.0,
-            "reconcile_interval_s": 0.5,
-            "pool_size": 2,
+            "security": {"capability_keys": [CAPABILITY_KEY]},
+            "lease": {"heartbeat_s": 0.5, "ttl_s": 2.0},
+            "reconciler": {
+                "wake_grace_s": 2.0,
+                "poll_backoff_base_s": 0.5,
+                "poll_backoff_cap_s": 2.0,
+                "interval_s": 0.5,
+            },
+            "pool": {"size": 2},
         }
     )
 

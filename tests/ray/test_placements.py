@@ -53,7 +53,7 @@ async def idle(env: RayEnv) -> bool:
     """No activation is running anywhere: no session actor, no busy pool host."""
     if session_actors(env.settings.namespace):
         return False
-    for slot in range(env.settings.pool_size):
+    for slot in range(env.settings.pool.size):
         try:
             host = ray.get_actor(host_name(slot), namespace=env.settings.namespace)
         except ValueError:
@@ -94,7 +94,7 @@ async def test_kill_9_mid_run_recovers_without_repeating_effects(
         name = (
             f"session:{sid}"
             if placement == "dedicated"
-            else host_name(pool_slot(sid, env.settings.pool_size))
+            else host_name(pool_slot(sid, env.settings.pool.size))
         )
         actor = ray.get_actor(name, namespace=env.settings.namespace)
         where = await actor.where.remote()

@@ -133,7 +133,7 @@ async def test_dead_letter_then_resend(tmp_path: Path, redis_url: str, redis_pre
 async def test_private_callback_urls_are_refused_unless_allowed(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
-    extra = {"allow_private_callbacks": False}
+    extra = {"notifications": {"allow_private_callbacks": False}}
     async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
         for url in (
             "http://127.0.0.1:9/x",
@@ -150,7 +150,7 @@ async def test_private_callback_urls_are_refused_unless_allowed(
 async def test_suspend_and_resume_can_be_notified_too(
     tmp_path: Path, redis_url: str, redis_prefix: str, hook: Receiver
 ) -> None:
-    extra = {"notify_on": ["terminal", "suspended", "resumed"]}
+    extra = {"notifications": {"on": ["terminal", "suspended", "resumed"]}}
     async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
         sid = await finished_session(env, hook.url)
         await DeliveryWorker(env.services).due(env.clock.now())

@@ -10,7 +10,7 @@ from storage.memory_store import MemoryObjectStore
 from torpor.errors import ConfigError, ObjectNotFound
 from torpor.settings import Settings
 
-MEMORY = Settings(object_store_url="memory://", index_url="memory://")
+MEMORY = Settings.build({"storage": {"object_store_url": "memory://", "index_url": "memory://"}})
 
 
 async def test_memory_urls_open_memory_adapters_each_empty() -> None:
@@ -27,6 +27,8 @@ async def test_memory_urls_open_memory_adapters_each_empty() -> None:
 def test_memory_storage_is_refused_under_ray() -> None:
     with pytest.raises(ConfigError, match="one process"):
         check_embedded_allowed(MEMORY, alive_nodes=1)
-    index_only = Settings(object_store_url="s3://b/p", index_url="memory://")
+    index_only = Settings.build(
+        {"storage": {"object_store_url": "s3://b/p", "index_url": "memory://"}}
+    )
     with pytest.raises(ConfigError, match="memory://"):
         check_embedded_allowed(index_only, alive_nodes=1)

@@ -34,20 +34,22 @@ def settings_for(
     extra: dict[str, Any] | None = None,
     **approval: Any,
 ) -> Settings:
-    return Settings.build(
-        {
-            "notify_key": NOTIFY_KEY,
-            "allow_private_callbacks": True,
+    base: dict[str, Any] = {
+        "notifications": {"key": NOTIFY_KEY, "allow_private_callbacks": True},
+        "storage": {
             "object_store_url": f"file://{tmp / 'objects'}",
             "index_url": redis_url if index == "redis" else f"sqlite://{tmp / 'index.db'}",
             "redis_prefix": prefix,
-            "agents": agent_config(redis_url, prefix, **approval),
-            "capability_keys": [CAPABILITY_KEY],
-            "heartbeat_s": 0.2,
-            "lease_ttl_s": 2.0,
-            **(extra or {}),
-        }
-    )
+        },
+        "agents": agent_config(redis_url, prefix, **approval),
+        "security": {"capability_keys": [CAPABILITY_KEY]},
+        "lease": {"heartbeat_s": 0.2, "ttl_s": 2.0},
+    }
+    # A section in ``extra`` overrides single keys of the base section, not all of it.
+    for key, value in (extra or {}).items():
+        section = base.get(key)
+        base[key] = {**section, **value} if isinstance(section, dict) and key != "agents" else value
+    return Settings.build(base)
 
 
 def callback(

@@ -13,47 +13,110 @@ from torpor.settings import Settings, resolve_secret
 
 
 def test_defaults_are_embedded() -> None:
-    settings = Settings()
+    settings = Settings.build({})
     assert settings.embedded
     check_embedded_allowed(settings, alive_nodes=1)
     with pytest.raises(EmbeddedBackendOnCluster, match="3 nodes"):
         check_embedded_allowed(settings, alive_nodes=3)
-    remote = Settings(object_store_url="s3://b/p", index_url="redis://r:6379/0")
+    remote = Settings.build(
+        {"storage": {"object_store_url": "s3://b/p", "index_url": "redis://r:6379/0"}}
+    )
     check_embedded_allowed(remote, alive_nodes=3)
 
 
 def test_environment_overrides_file(tmp_path: Path) -> None:
     config = tmp_path / "torpor.toml"
-    config.write_text('index_url = "sqlite://x.db"\nlease_ttl_s = 30\n[s3]\nregion = "eu"\n')
+    config.write_text(
+        '[storage]\nindex_url = "sqlite://x.db"\n[storage.s3]\nregion = "eu"\n'
+        "[lease]\nttl_s = 30\nheartbeat_s = 10\n"
+    )
+    env = {
+        "TORPOR_CONFIG": str(config),
+        "TORPOR_STORAGE__INDEX_URL": "redis://h:1/0",
+        "TORPOR_NOTIFICATIONS__ALLOW_PRIVATE_CALLBACKS": "true",
+        "TORPOR_STORAGE__S3__ENDPOINT_URL": "http://minio:9000",
+        "TORPOR_LEASE__HEARTBEAT_S": "5",
+        "TORPOR_NAMESPACE": "prod",
+    }
+    settings = Settings.from_env(env)
+    assert settings.storage.index_url == "redis://h:1/0"
+    assert settings.lease.ttl_s == 30 and settings.notifications.allow_private_callbacks
+    assert settings.lease.heartbeat_s == 5 and settings.namespace == "prod"
+    assert (
+        settings.storage.s3.region == "eu"
+        and settings.storage.s3.endpoint_url == "http://minio:9000"
+    )
+
+
+def test_an_explicit_path_replaces_torpor_config(tmp_path: Path) -> None:
+    chosen, other = tmp_path / "chosen.toml", tmp_path / "other.toml"
+    chosen.write_text('namespace = "chosen"\n')
+    other.write_text('namespace = "other"\n')
+    settings = Settings.from_env({"TORPOR_CONFIG": str(other)}, config_path=chosen)
+    assert settings.namespace == "chosen"
+
+
+def test_configuration_written_for_0_1_still_loads_with_a_warning(tmp_path: Path) -> None:
+    """The 0.1 test of file + environment, unchanged input: flat keys land in sections."""
+    config = tmp_path / "torpor.toml"
+    config.write_text(
+        'index_url = "sqlite://x.db"\nlease_ttl_s = 30\nreplicas = 2\n[s3]\nregion = "eu"\n'
+    )
     env = {
         "TORPOR_CONFIG": str(config),
         "TORPOR_INDEX_URL": "redis://h:1/0",
         "TORPOR_ALLOW_PRIVATE_CALLBACKS": "true",
         "TORPOR_S3_ENDPOINT_URL": "http://minio:9000",
     }
-    settings = Settings.from_env(env)
-    assert settings.index_url == "redis://h:1/0"
-    assert settings.lease_ttl_s == 30 and settings.allow_private_callbacks
-    assert settings.s3.region == "eu" and settings.s3.endpoint_url == "http://minio:9000"
+    with pytest.warns(DeprecationWarning) as caught:
+        settings = Settings.from_env(env)
+    assert settings.storage.index_url == "redis://h:1/0"
+    assert settings.lease.ttl_s == 30 and settings.notifications.allow_private_callbacks
+    assert (
+        settings.storage.s3.region == "eu"
+        and settings.storage.s3.endpoint_url == "http://minio:9000"
+    )
+    messages = {str(w.message) for w in caught}
+    assert "torpor setting lease_ttl_s is deprecated; use lease.ttl_s" in messages
+    assert "torpor setting s3 is deprecated; use storage.s3" in messages
+    assert (
+        "torpor environment variable TORPOR_INDEX_URL is deprecated; "
+        "use TORPOR_STORAGE__INDEX_URL" in messages
+    )
+    assert any("replicas is ignored" in m and "Serve config" in m for m in messages)
+    assert all("\n" not in m for m in messages)
+
+
+def test_a_sectioned_key_wins_over_its_0_1_name() -> None:
+    with pytest.warns(DeprecationWarning, match="heartbeat_s"):
+        settings = Settings.build({"heartbeat_s": 1, "lease": {"heartbeat_s": 2}})
+    assert settings.lease.heartbeat_s == 2
 
 
 def test_bad_configuration_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         Settings.from_env({"TORPOR_CONFIG": str(tmp_path / "missing.toml")})
     bad = tmp_path / "bad.toml"
-    bad.write_text("lease_ttl_s = [")
+    bad.write_text("[lease]\nttl_s = [")
     with pytest.raises(ConfigError, match="not valid TOML"):
         Settings.from_env({"TORPOR_CONFIG": str(bad)})
-    with pytest.raises(ConfigError, match="lease_ttl_s"):
-        Settings.build({"lease_ttl_s": -1})
+    with pytest.raises(ConfigError, match=r"lease\.ttl_s") as caught:
+        Settings.build({"lease": {"ttl_s": -1}})
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match=r"pool\.size"):
+        Settings.from_env({"TORPOR_POOL__SIZE": "many"})
+    with pytest.raises(ConfigError, match="nope"):
+        Settings.build({"storage": {"nope": 1}})
 
 
 def test_secrets_resolve_from_the_environment_and_never_print() -> None:
-    settings = Settings.build({"capability_keys": ["env:CAP"], "notify_key": "literal-secret"})
+    settings = Settings.build(
+        {"security": {"capability_keys": ["env:CAP"]}, "notifications": {"key": "literal-secret"}}
+    )
     assert "literal-secret" not in repr(settings) and "literal-secret" not in str(settings)
-    assert resolve_secret(settings.capability_keys[0], {"CAP": "k"}) == "k"
+    assert resolve_secret(settings.security.capability_keys[0], {"CAP": "k"}) == "k"
     with pytest.raises(ConfigError, match="CAP"):
-        resolve_secret(settings.capability_keys[0], {})
+        resolve_secret(settings.security.capability_keys[0], {})
 
 
 def test_plugin_options_resolve_env_references(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -75,15 +75,19 @@ def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | Non
 def build_settings(
     opts: DemoOptions, state: Path, port: int, sim_port: int, api_hash: str, secret: str
 ) -> Settings:
-    config: dict[str, Any] = {
+    storage: dict[str, Any] = {
         "object_store_url": opts.s3_url or f"file://{state / 'objects'}",
         "index_url": opts.redis_url or f"sqlite://{state / 'index.db'}",
         "redis_prefix": f"tpdemo:{secrets.token_hex(3)}:",
+    }
+    if opts.s3_endpoint:
+        storage["s3"] = {"endpoint_url": opts.s3_endpoint}
+    config: dict[str, Any] = {
+        "storage": storage,
         "namespace": f"torpor-demo-{secrets.token_hex(3)}",
         "public_url": f"http://127.0.0.1:{port}",
-        "capability_keys": [secrets.token_hex(32)],
-        "notify_key": secrets.token_hex(32),
-        "allow_private_callbacks": True,
+        "security": {"capability_keys": [secrets.token_hex(32)]},
+        "notifications": {"key": secrets.token_hex(32), "allow_private_callbacks": True},
         "tenants": {TENANT: {"api_keys": [api_hash]}},
         "sources": {
             SOURCE: {
@@ -115,14 +119,10 @@ def build_settings(
                 "placement": opts.placement,
             }
         },
-        "reconcile_interval_s": 1.0,
-        "wake_grace_s": 5.0,
-        "heartbeat_s": 2.0,
-        "lease_ttl_s": 6.0,
-        "pool_size": 2,
+        "reconciler": {"interval_s": 1.0, "wake_grace_s": 5.0},
+        "lease": {"heartbeat_s": 2.0, "ttl_s": 6.0},
+        "pool": {"size": 2},
     }
-    if opts.s3_endpoint:
-        config["s3"] = {"endpoint_url": opts.s3_endpoint}
     return Settings.build(config)
 
 
@@ -137,7 +137,7 @@ def run_demo(opts: DemoOptions) -> int:
     from ray import serve
     from ray.util import list_named_actors
 
-    from serve_app import build_app
+    from serve_app import application
 
     state = Path(opts.state_dir or tempfile.mkdtemp(prefix="torpor-demo-"))
     state.mkdir(parents=True, exist_ok=True)
@@ -181,7 +181,7 @@ def run_demo(opts: DemoOptions) -> int:
     sys.stdout = sys.stderr = chatter
     title = (
         f"torpor demo: {len(docs)} documents, {opts.placement} placement, storage "
-        f"{settings.object_store_url} + {settings.index_url.split('@')[-1]}"
+        f"{settings.storage.object_store_url} + {settings.storage.index_url.split('@')[-1]}"
     )
     try:
         ray.init(
@@ -191,7 +191,7 @@ def run_demo(opts: DemoOptions) -> int:
             configure_logging=False,
         )
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(settings), name="torpor", route_prefix="/")
+        serve.run(application(settings), name="torpor", route_prefix="/")
         _wait_http(f"http://127.0.0.1:{sim_port}/stats")
         batch = _http(
             "POST",

@@ -40,11 +40,11 @@ class RuntimeConfig:
     @classmethod
     def from_settings(cls, settings: Settings) -> RuntimeConfig:
         return cls(
-            lease_ttl=timedelta(seconds=settings.lease_ttl_s),
-            heartbeat_period=timedelta(seconds=settings.heartbeat_s),
-            binding_grace=timedelta(seconds=settings.binding_grace_s),
-            retry_delay=timedelta(seconds=settings.reconcile_interval_s),
-            notify_on=frozenset(settings.notify_on),
+            lease_ttl=timedelta(seconds=settings.lease.ttl_s),
+            heartbeat_period=timedelta(seconds=settings.lease.heartbeat_s),
+            binding_grace=timedelta(seconds=settings.storage.binding_grace_s),
+            retry_delay=timedelta(seconds=settings.reconciler.interval_s),
+            notify_on=frozenset(settings.notifications.on),
         )
 
 

@@ -33,9 +33,9 @@ def timer_member(tenant: str, delivery_id: str) -> str:
 
 
 def secret_for(settings: Settings, tenant: str, url: str) -> str:
-    if settings.notify_key is None:
+    if settings.notifications.key is None:
         raise ConfigError("notifications need notify_key in the configuration")
-    return endpoint_secret(resolve_secret(settings.notify_key).encode(), tenant, url)
+    return endpoint_secret(resolve_secret(settings.notifications.key).encode(), tenant, url)
 
 
 class DeliveryNotifier:
@@ -98,7 +98,9 @@ class DeliveryWorker:
         error: str | None
         try:
             await asyncio.to_thread(
-                check_callback_url, delivery.url, allow_private=settings.allow_private_callbacks
+                check_callback_url,
+                delivery.url,
+                allow_private=settings.notifications.allow_private_callbacks,
             )
             headers = sign(
                 Scheme.STANDARD,
@@ -116,7 +118,7 @@ class DeliveryWorker:
                 delivery.url,
                 body=body,
                 headers=headers,
-                timeout_s=settings.notify_timeout_s,
+                timeout_s=settings.notifications.timeout_s,
                 max_body_bytes=0,
             )
             status, retry_after = response.status, response.header("Retry-After")

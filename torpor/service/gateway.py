@@ -275,7 +275,7 @@ class WebhookGateway:
         keys = settings.capability_key_bytes()
         if not keys:
             raise WebhookRejected(RejectReason.INVALID_TOKEN)
-        ensure_body_size(len(body), limit=settings.max_request_bytes)
+        ensure_body_size(len(body), limit=settings.security.max_request_bytes)
         claims = open_token(token, keys=keys, now=now)
         content_type = {k.lower(): v for k, v in headers.items()}.get("content-type", "")
         if content_type.split(";")[0].strip().lower() != "application/json":

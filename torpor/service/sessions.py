@@ -78,7 +78,7 @@ class SessionService:
     async def _activation_timer(self, session_id: str) -> None:
         """The safety net under every activation request: if no activation confirms the
         session's inbox within the grace period, the reconciler activates it."""
-        grace = timedelta(seconds=self.services.settings.wake_grace_s)
+        grace = timedelta(seconds=self.services.settings.reconciler.wake_grace_s)
         await self.services.index.schedule(
             kind=TimerKind.WAKE, member=session_id, at=self._now + grace
         )
@@ -102,12 +102,12 @@ class SessionService:
             raise UnknownAgent(f"no agent named {agent!r} is configured") from exc
         metadata = dict(metadata or {})
         if callback_url is not None:
-            if self.services.settings.notify_key is None:
+            if self.services.settings.notifications.key is None:
                 raise InvalidRequest("callback_url needs notifications set up (notify_key)")
             await asyncio.to_thread(
                 check_callback_url,
                 callback_url,
-                allow_private=self.services.settings.allow_private_callbacks,
+                allow_private=self.services.settings.notifications.allow_private_callbacks,
             )
         session_id = new_session_id()
         index = self.services.index

@@ -112,7 +112,7 @@ class Sweeper:
 
     async def _activation_timers(self, now: datetime, report: SweepReport) -> None:
         index = self.services.index
-        grace = timedelta(seconds=self.services.settings.wake_grace_s)
+        grace = timedelta(seconds=self.services.settings.reconciler.wake_grace_s)
         for session_id in await index.due(kind=TimerKind.WAKE, now=now, limit=BATCH):
             # Push the timer out rather than drop it: only a finished activation that saw
             # an empty inbox removes it.
@@ -172,7 +172,9 @@ class Sweeper:
             )
             return
         backoff = Backoff(
-            base_s=settings.poll_backoff_base_s, cap_s=settings.poll_backoff_cap_s, jitter=0.2
+            base_s=settings.reconciler.poll_backoff_base_s,
+            cap_s=settings.reconciler.poll_backoff_cap_s,
+            jitter=0.2,
         )
         delay = backoff.delay_s(attempt)
         await index.schedule(
@@ -192,7 +194,7 @@ class Sweeper:
 
     async def _repair_if_needed(self, now: datetime, report: SweepReport) -> None:
         index = self.services.index
-        interval = timedelta(seconds=self.services.settings.full_repair_interval_s)
+        interval = timedelta(seconds=self.services.settings.reconciler.full_repair_interval_s)
         periodic = self._last_full_repair is None or now - self._last_full_repair >= interval
         if await index.is_intact() and not periodic:
             return
@@ -202,7 +204,7 @@ class Sweeper:
     async def repair(self, now: datetime, report: SweepReport) -> None:
         """Rebuild every index entry a live session needs, from the snapshots."""
         index = self.services.index
-        grace = timedelta(seconds=self.services.settings.binding_grace_s)
+        grace = timedelta(seconds=self.services.settings.storage.binding_grace_s)
         live = {
             SessionState.PENDING,
             SessionState.RUNNING,
