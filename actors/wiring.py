@@ -23,6 +23,7 @@ from torpor.outbox import BareRouter
 from torpor.plugins import PluginResolver
 from torpor.ports import CallbackRouter, Clock, Notifier, Observer
 from torpor.ports.services import RuntimeConfig, Services
+from torpor.service.deliveries import DeliveryNotifier
 from torpor.session import SessionRuntime
 from torpor.settings import Settings
 
@@ -65,8 +66,6 @@ def open_services(
         notifier=notifier,
         observer=observer or Observer(),
     )
-    if notifier is None:
-        from torpor.service.deliveries import DeliveryNotifier  # it needs the services it serves
-
+    if notifier is None:  # the notifier needs the very services it serves: set it after
         services.notifier = DeliveryNotifier(services)
     return services
