@@ -41,6 +41,23 @@ redis.call('ZADD', KEYS[2], new_exp, ARGV[5])
 return new_exp
 """
 
+# Like a renewal, but the lease is re-issued under a token above both the counter and the
+# fence the snapshot recorded (ARGV[3]): the counter is raised with it, so it never again
+# hands out a token at or below a fence that committed.
+_RAISE = """
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
+local now = tonumber(ARGV[4])
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return nil end
+local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
+local token = math.max(counter, tonumber(ARGV[3])) + 1
+redis.call('SET', KEYS[2], token)
+local new_exp = now + tonumber(ARGV[5])
+redis.call('HSET', KEYS[1], 'token', token, 'exp', new_exp)
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[5]) + tonumber(ARGV[7]))
+redis.call('ZADD', KEYS[3], new_exp, ARGV[6])
+return {token, new_exp}
+"""
+
 _RELEASE = """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
 if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return 0 end
@@ -79,6 +96,20 @@ class RedisLeases(RedisConnection):
         if expires is None:
             return None
         return Lease(lease.name, lease.owner, lease.token, from_ms(int(expires)))
+
+    @translate
+    async def raise_fence(
+        self, lease: Lease, *, floor: int, ttl: timedelta, now: datetime
+    ) -> Lease | None:
+        name = lease.name
+        got = await self.script(_RAISE)(
+            keys=[self.keys.lease(name), self.keys.fence(name), self.keys.lease_expiry],
+            args=[lease.owner, lease.token, floor, to_ms(now), ms(ttl), name, LEASE_GC],
+        )
+        if got is None:
+            return None
+        token, expires = got
+        return Lease(name, lease.owner, int(token), from_ms(int(expires)))
 
     @translate
     async def release_lease(self, lease: Lease) -> bool:

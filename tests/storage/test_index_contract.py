@@ -293,6 +293,24 @@ class IndexContract:
         await index.forget_lease(name="session:dead", now=later)
         assert await index.expired_leases(now=later, limit=10) == []
 
+    async def test_raise_fence_reissues_the_lease_above_the_floor(self, index: Index) -> None:
+        ttl = timedelta(seconds=45)
+        a = await index.acquire_lease(name="session:f", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        raised = await index.raise_fence(a, floor=a.token + 10, ttl=ttl, now=NOW)
+        assert raised is not None and (raised.owner, raised.token) == ("a", a.token + 11)
+        # the old token is no longer the lease: it can neither renew nor release it
+        assert await index.renew_lease(a, ttl=ttl, now=NOW) is None
+        assert not await index.release_lease(a)
+        # a floor below the counter still moves the token up
+        again = await index.raise_fence(raised, floor=0, ttl=ttl, now=NOW)
+        assert again is not None and again.token == raised.token + 1
+        assert await index.release_lease(again)
+        # a lease no longer ours is not raised, and the counter kept every raise
+        assert await index.raise_fence(again, floor=100, ttl=ttl, now=NOW) is None
+        b = await index.acquire_lease(name="session:f", owner="b", ttl=ttl, now=NOW)
+        assert b is not None and b.token == again.token + 1
+
     # -- session registry, integrity --
 
     async def test_session_registry_lists_newest_first_by_state(self, index: Index) -> None:

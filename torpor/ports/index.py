@@ -170,6 +170,16 @@ class LeaseIndex(Protocol):
         """Extend a lease still held by ``lease.owner`` with ``lease.token``; None if lost."""
         ...
 
+    async def raise_fence(
+        self, lease: Lease, *, floor: int, ttl: timedelta, now: datetime
+    ) -> Lease | None:
+        """Re-issue a lease still held by ``lease.owner`` with ``lease.token`` under a new
+        token above both the name's counter and ``floor``, and extend it; None if the lease
+        is no longer ours. ``floor`` is the fence the session's snapshot recorded: after an
+        index lost its counter (a flush), this puts the fence back above every token that
+        ever committed, so a holder with an older token is refused at commit."""
+        ...
+
     async def release_lease(self, lease: Lease) -> bool: ...
 
     async def expired_leases(self, *, now: datetime, limit: int) -> list[str]:
