@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torpor.events import InboxEvent
     from torpor.lifecycle import SessionState
-    from torpor.models import SessionSnapshot, Wait
+    from torpor.models import OutboxEntry, SessionSnapshot, Wait
 
 
 class Observer:
@@ -29,3 +29,7 @@ class Observer:
 
     async def agent_step(self, snapshot: SessionSnapshot) -> None:
         return None
+
+    async def dead_letter(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
+        """An outbox entry gave up for good (a compensation or notice nobody received):
+        alert an operator, who can resend it (``SessionService.resend_outbox``)."""
