@@ -64,6 +64,11 @@ def metrics() -> dict[str, Any]:
             "torpor_suspended_sessions",
             description="Sessions suspended (waiting), as last counted by the reconciler.",
         ),
+        "dead_letters": Counter(
+            "torpor_dead_letters_total",
+            description="Outbox entries that gave up for good (resend with resend_outbox).",
+            tag_keys=("kind",),
+        ),
         "deliveries": Counter(
             "torpor_notifications_total",
             description="Outbound notification attempts by outcome.",

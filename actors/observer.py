@@ -8,10 +8,11 @@ from actors import metrics
 from torpor.deliveries import Delivery
 from torpor.events import InboxEvent
 from torpor.lifecycle import SessionState
-from torpor.models import DispatchStatus, SessionSnapshot, Wait
+from torpor.models import DispatchStatus, OutboxEntry, SessionSnapshot, Wait
 from torpor.ports import Observer
 
 log = logging.getLogger("torpor.security")
+dead_log = logging.getLogger("torpor.dead_letters")
 
 
 class RayObserver(Observer):
@@ -46,3 +47,15 @@ class RayObserver(Observer):
 
     async def delivery_settled(self, delivery: Delivery) -> None:
         metrics.inc("deliveries", {"outcome": delivery.status.value})
+
+    async def dead_letter(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
+        metrics.inc("dead_letters", {"kind": entry.kind.value})
+        dead_log.error(
+            "dead letter in session %s: %s entry %s (%s) gave up after %d attempts: %s",
+            snapshot.session_id,
+            entry.kind.value,
+            entry.entry_id,
+            entry.idempotency_key,
+            entry.attempts,
+            entry.last_error,
+        )

@@ -168,6 +168,13 @@ class LeaseLost(PermanentError):
     code = "lease_lost"
 
 
+class SessionBusy(RetryableError):
+    """An activation holds the session's lease; an operator action must wait for it."""
+
+    code = "session_busy"
+    status, title = 409, "Session busy"
+
+
 # --- lifecycle -----------------------------------------------------------------------
 
 

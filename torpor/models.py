@@ -126,7 +126,8 @@ class OutboxKind(StrEnum):
 class DispatchStatus(StrEnum):
     PENDING = "pending"
     DISPATCHED = "dispatched"
-    FAILED = "failed"  # gave up: permanent error or attempts exhausted
+    FAILED = "failed"  # a start gave up (permanent error or attempts exhausted); its wait is told
+    DEAD = "dead"  # any other entry gave up: a dead letter, kept until an operator resends it
 
 
 class OutboxEntry(_Model):

@@ -187,14 +187,27 @@ def settle(entry: OutboxEntry, result: SendResult, *, now: datetime) -> OutboxEn
                 update={"attempts": attempts, "next_attempt_at": at, "last_error": error}
             )
         case GaveUp(error=error):
+            # A start that gives up is answered to its wait (the agent decides what next);
+            # anything else (an undo, a notice) has nobody to tell: a dead letter.
+            status = (
+                DispatchStatus.FAILED if entry.kind is OutboxKind.START else DispatchStatus.DEAD
+            )
             return entry.model_copy(
-                update={"status": DispatchStatus.FAILED, "attempts": attempts, "last_error": error}
+                update={"status": status, "attempts": attempts, "last_error": error}
             )
 
 
+def revive(entry: OutboxEntry) -> OutboxEntry:
+    """A dead letter put back to PENDING for a fresh round of attempts (an operator's
+    resend). Its idempotency key is unchanged, so the far side still dedups."""
+    return entry.model_copy(
+        update={"status": DispatchStatus.PENDING, "attempts": 0, "next_attempt_at": None}
+    )
+
+
 def trim(outbox: list[OutboxEntry]) -> list[OutboxEntry]:
-    """Keep every pending entry and only the most recent settled ones."""
-    settled = [e for e in outbox if e.status is not DispatchStatus.PENDING]
+    """Keep every pending entry and dead letter, and only the most recent settled ones."""
+    settled = [e for e in outbox if e.status in (DispatchStatus.DISPATCHED, DispatchStatus.FAILED)]
     if len(settled) <= KEEP_SETTLED:
         return outbox
     drop = {e.entry_id for e in settled[: len(settled) - KEEP_SETTLED]}

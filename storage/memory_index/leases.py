@@ -38,6 +38,15 @@ class MemoryLeases:
             return None
         return self._grant(lease.name, lease.owner, lease.token, to_ms(now) + ms(ttl))
 
+    async def raise_fence(
+        self, lease: Lease, *, floor: int, ttl: timedelta, now: datetime
+    ) -> Lease | None:
+        current = self._leases.get(lease.name)
+        if current is None or (current.owner, current.token) != (lease.owner, lease.token):
+            return None
+        token = self._fences[lease.name] = max(self._fences.get(lease.name, 0), floor) + 1
+        return self._grant(lease.name, lease.owner, token, to_ms(now) + ms(ttl))
+
     async def release_lease(self, lease: Lease) -> bool:
         current = self._leases.get(lease.name)
         if current is None or (current.owner, current.token) != (lease.owner, lease.token):

@@ -1,9 +1,10 @@
 """What every role of the Redis index shares: one client, the key builder, typed errors.
 
 Every multi-key change is one MULTI/EXEC or one Lua script, so a reader never sees half
-of it. Logical time (lease expiry, deadlines, a wait's deadline + grace) is passed in by
-the caller; Redis TTLs, always relative, only garbage-collect entries well after they stop
-mattering, so a caller's clock may differ from the server's.
+of it. Logical time (deadlines, a wait's deadline + grace) is passed in by the caller;
+Redis TTLs, always relative, only garbage-collect entries well after they stop mattering,
+so a caller's clock may differ from the server's. Leases are the exception: who holds a
+session is decided by the server's clock alone (``leases.py`` says why).
 """
 
 from __future__ import annotations

@@ -1,7 +1,16 @@
 """Leases with fencing tokens in Redis: a hash per lease, a counter per name, one expiry set.
 
-Expiry is decided against the caller's ``now``; the relative Redis TTL on a lease hash
-only collects the record a day after it stops mattering.
+One clock decides every lease: the Redis server's (``TIME`` inside each script). The
+holders, the sweepers and the replicas that take, renew and recover leases run on many
+hosts whose clocks disagree; if each compared expiry times with its own ``now``, a host
+whose clock ran ahead would see a live lease as expired and take it over while its holder
+still works (and one whose clock lags would keep a dead holder's session waiting). With
+the server's clock, "expired" means the same thing to everyone. The ``now`` the port
+passes is therefore ignored here; the embedded SQLite and in-memory indexes serve one
+process (one clock) and keep using it. ``Lease.expires_at`` is in server time.
+
+The relative Redis TTL on a lease hash only collects the record a day after it stops
+mattering.
 """
 
 from __future__ import annotations
@@ -9,37 +18,68 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from storage.redis_index.connection import RedisConnection, ms, texts, translate
-from torpor.clock import from_ms, to_ms
+from torpor.clock import from_ms
 from torpor.ports import Lease
 
 LEASE_GC = 24 * 3600 * 1000  # keep an expired lease record a day, for post-mortems
 
-# A lease is free if absent or expired at the caller's ``now``. The fencing counter only
-# ever increases, so a stale holder's token is always smaller than the current one.
-_ACQUIRE = """
+# The server's clock in milliseconds, for every script below. Since Redis 5 scripts are
+# replicated by their effects, so reading TIME before writing is allowed and replicas see
+# the same values.
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# A lease is free if absent or expired. The fencing counter only ever increases, so a
+# stale holder's token is always smaller than the current one.
+_ACQUIRE = (
+    _NOW
+    + """
 local exp = tonumber(redis.call('HGET', KEYS[1], 'exp') or '0')
-local now = tonumber(ARGV[2])
 if exp > now then return nil end
 local token = redis.call('INCR', KEYS[2])
-local new_exp = now + tonumber(ARGV[3])
+local new_exp = now + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'exp', new_exp)
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[5]))
-redis.call('ZADD', KEYS[3], new_exp, ARGV[4])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[4]))
+redis.call('ZADD', KEYS[3], new_exp, ARGV[3])
 return {token, new_exp}
 """
+)
 
 # Renewal needs only that the lease is still ours: a holder whose heartbeat came late but
 # whom nobody replaced may go on (anyone who took over changed owner and token).
-_RENEW = """
+_RENEW = (
+    _NOW
+    + """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
-local now = tonumber(ARGV[3])
 if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return nil end
-local new_exp = now + tonumber(ARGV[4])
+local new_exp = now + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'exp', new_exp)
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]) + tonumber(ARGV[6]))
-redis.call('ZADD', KEYS[2], new_exp, ARGV[5])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[5]))
+redis.call('ZADD', KEYS[2], new_exp, ARGV[4])
 return new_exp
 """
+)
+
+# Like a renewal, but the lease is re-issued under a token above both the counter and the
+# fence the snapshot recorded (ARGV[3]): the counter is raised with it, so it never again
+# hands out a token at or below a fence that committed.
+_RAISE = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return nil end
+local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
+local token = math.max(counter, tonumber(ARGV[3])) + 1
+redis.call('SET', KEYS[2], token)
+local new_exp = now + tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], 'token', token, 'exp', new_exp)
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]) + tonumber(ARGV[6]))
+redis.call('ZADD', KEYS[3], new_exp, ARGV[5])
+return {token, new_exp}
+"""
+)
 
 _RELEASE = """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
@@ -49,11 +89,21 @@ redis.call('ZREM', KEYS[2], ARGV[3])
 return 1
 """
 
-_FORGET = """
+_EXPIRED = (
+    _NOW
+    + """
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+"""
+)
+
+_FORGET = (
+    _NOW
+    + """
 local exp = tonumber(redis.call('HGET', KEYS[1], 'exp') or '0')
-if exp <= tonumber(ARGV[2]) then redis.call('ZREM', KEYS[2], ARGV[1]) return 1 end
+if exp <= now then redis.call('ZREM', KEYS[2], ARGV[1]) return 1 end
 return 0
 """
+)
 
 
 class RedisLeases(RedisConnection):
@@ -63,7 +113,7 @@ class RedisLeases(RedisConnection):
     ) -> Lease | None:
         got = await self.script(_ACQUIRE)(
             keys=[self.keys.lease(name), self.keys.fence(name), self.keys.lease_expiry],
-            args=[owner, to_ms(now), ms(ttl), name, LEASE_GC],
+            args=[owner, ms(ttl), name, LEASE_GC],
         )
         if got is None:
             return None
@@ -74,11 +124,25 @@ class RedisLeases(RedisConnection):
     async def renew_lease(self, lease: Lease, *, ttl: timedelta, now: datetime) -> Lease | None:
         expires = await self.script(_RENEW)(
             keys=[self.keys.lease(lease.name), self.keys.lease_expiry],
-            args=[lease.owner, lease.token, to_ms(now), ms(ttl), lease.name, LEASE_GC],
+            args=[lease.owner, lease.token, ms(ttl), lease.name, LEASE_GC],
         )
         if expires is None:
             return None
         return Lease(lease.name, lease.owner, lease.token, from_ms(int(expires)))
+
+    @translate
+    async def raise_fence(
+        self, lease: Lease, *, floor: int, ttl: timedelta, now: datetime
+    ) -> Lease | None:
+        name = lease.name
+        got = await self.script(_RAISE)(
+            keys=[self.keys.lease(name), self.keys.fence(name), self.keys.lease_expiry],
+            args=[lease.owner, lease.token, floor, ms(ttl), name, LEASE_GC],
+        )
+        if got is None:
+            return None
+        token, expires = got
+        return Lease(name, lease.owner, int(token), from_ms(int(expires)))
 
     @translate
     async def release_lease(self, lease: Lease) -> bool:
@@ -90,13 +154,9 @@ class RedisLeases(RedisConnection):
 
     @translate
     async def expired_leases(self, *, now: datetime, limit: int) -> list[str]:
-        return texts(
-            await self._redis.zrangebyscore(
-                self.keys.lease_expiry, "-inf", to_ms(now), start=0, num=limit
-            )
-        )
+        return texts(await self.script(_EXPIRED)(keys=[self.keys.lease_expiry], args=[limit]))
 
     @translate
     async def forget_lease(self, *, name: str, now: datetime) -> None:
         keys = [self.keys.lease(name), self.keys.lease_expiry]
-        await self.script(_FORGET)(keys=keys, args=[name, to_ms(now)])
+        await self.script(_FORGET)(keys=keys, args=[name])

@@ -43,6 +43,21 @@ class SqliteLeases(SqliteConnection):
         )
         return Lease(lease.name, lease.owner, lease.token, from_ms(exp)) if cur.rowcount else None
 
+    async def raise_fence(
+        self, lease: Lease, *, floor: int, ttl: timedelta, now: datetime
+    ) -> Lease | None:
+        # The row's token is the name's counter (it survives release); while the lease is
+        # ours it equals ``lease.token``, so the new token is max(ours, floor) + 1.
+        token, exp = max(lease.token, floor) + 1, to_ms(now) + ms(ttl)
+        cur = await self._run(
+            lambda c: c.execute(
+                "UPDATE leases SET token=?, expires_ms=? "
+                "WHERE name=? AND owner=? AND token=? AND held=1",
+                (token, exp, lease.name, lease.owner, lease.token),
+            )
+        )
+        return Lease(lease.name, lease.owner, token, from_ms(exp)) if cur.rowcount else None
+
     async def release_lease(self, lease: Lease) -> bool:
         cur = await self._run(
             lambda c: c.execute(

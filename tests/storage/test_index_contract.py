@@ -1,11 +1,14 @@
 """One contract, every index: a real Redis, SQLite and the in-memory index.
 
 The suite runs at a fixed date in the past: an adapter that read the wall clock instead of
-the ``now`` it is given would see every entry here as long expired.
+the ``now`` it is given would see every entry here as long expired. Lease expiry is the
+one exception for Redis, which decides it by the server's clock (``ServerClockLeases``);
+the single-process indexes decide it by the caller's ``now`` (``CallerClockLeases``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -248,50 +251,23 @@ class IndexContract:
 
     # -- leases --
 
-    async def test_lease_exclusive_until_expiry_with_growing_fence(self, index: Index) -> None:
+    async def test_raise_fence_reissues_the_lease_above_the_floor(self, index: Index) -> None:
         ttl = timedelta(seconds=45)
-        a = await index.acquire_lease(name="session:s1", owner="a", ttl=ttl, now=NOW)
+        a = await index.acquire_lease(name="session:f", owner="a", ttl=ttl, now=NOW)
         assert a is not None
-        assert await index.acquire_lease(name="session:s1", owner="b", ttl=ttl, now=NOW) is None
-        later = NOW + timedelta(seconds=46)
-        b = await index.acquire_lease(name="session:s1", owner="b", ttl=ttl, now=later)
-        assert b is not None and b.token > a.token
-        # the stale holder can neither renew nor release the new holder's lease
-        assert await index.renew_lease(a, ttl=ttl, now=later) is None
+        raised = await index.raise_fence(a, floor=a.token + 10, ttl=ttl, now=NOW)
+        assert raised is not None and (raised.owner, raised.token) == ("a", a.token + 11)
+        # the old token is no longer the lease: it can neither renew nor release it
+        assert await index.renew_lease(a, ttl=ttl, now=NOW) is None
         assert not await index.release_lease(a)
-        assert await index.release_lease(b)
-        c = await index.acquire_lease(name="session:s1", owner="c", ttl=ttl, now=later)
-        assert c is not None and c.token > b.token
-
-    async def test_late_renewal_succeeds_only_if_nobody_took_over(self, index: Index) -> None:
-        ttl = timedelta(seconds=45)
-        a = await index.acquire_lease(name="session:late", owner="a", ttl=ttl, now=NOW)
-        assert a is not None
-        late = NOW + timedelta(seconds=50)  # past expiry, but the lease is still a's
-        renewed = await index.renew_lease(a, ttl=ttl, now=late)
-        assert renewed is not None and renewed.expires_at == late + ttl
-        assert await index.acquire_lease(name="session:late", owner="b", ttl=ttl, now=late) is None
-
-    async def test_renew_extends(self, index: Index) -> None:
-        ttl = timedelta(seconds=45)
-        a = await index.acquire_lease(name="session:s2", owner="a", ttl=ttl, now=NOW)
-        assert a is not None
-        renewed = await index.renew_lease(a, ttl=ttl, now=NOW + timedelta(seconds=30))
-        assert renewed is not None and renewed.expires_at == NOW + timedelta(seconds=75)
-        at_60 = NOW + timedelta(seconds=60)
-        assert await index.acquire_lease(name="session:s2", owner="b", ttl=ttl, now=at_60) is None
-
-    async def test_expired_leases_are_listed_and_forgotten(self, index: Index) -> None:
-        ttl = timedelta(seconds=45)
-        dead = await index.acquire_lease(name="session:dead", owner="a", ttl=ttl, now=NOW)
-        gone = await index.acquire_lease(name="session:gone", owner="a", ttl=ttl, now=NOW)
-        assert dead and gone
-        await index.release_lease(gone)
-        later = NOW + timedelta(seconds=50)
-        assert await index.expired_leases(now=NOW, limit=10) == []
-        assert await index.expired_leases(now=later, limit=10) == ["session:dead"]
-        await index.forget_lease(name="session:dead", now=later)
-        assert await index.expired_leases(now=later, limit=10) == []
+        # a floor below the counter still moves the token up
+        again = await index.raise_fence(raised, floor=0, ttl=ttl, now=NOW)
+        assert again is not None and again.token == raised.token + 1
+        assert await index.release_lease(again)
+        # a lease no longer ours is not raised, and the counter kept every raise
+        assert await index.raise_fence(again, floor=100, ttl=ttl, now=NOW) is None
+        b = await index.acquire_lease(name="session:f", owner="b", ttl=ttl, now=NOW)
+        assert b is not None and b.token == again.token + 1
 
     # -- session registry, integrity --
 
@@ -349,7 +325,130 @@ class IndexContract:
         assert await index.is_intact()
 
 
-class TestRedisIndex(IndexContract):
+class CallerClockLeases:
+    """Lease expiry by the caller's ``now``: the single-process indexes (one clock)."""
+
+    async def test_lease_exclusive_until_expiry_with_growing_fence(self, index: Index) -> None:
+        ttl = timedelta(seconds=45)
+        a = await index.acquire_lease(name="session:s1", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        assert await index.acquire_lease(name="session:s1", owner="b", ttl=ttl, now=NOW) is None
+        later = NOW + timedelta(seconds=46)
+        b = await index.acquire_lease(name="session:s1", owner="b", ttl=ttl, now=later)
+        assert b is not None and b.token > a.token
+        # the stale holder can neither renew nor release the new holder's lease
+        assert await index.renew_lease(a, ttl=ttl, now=later) is None
+        assert not await index.release_lease(a)
+        assert await index.release_lease(b)
+        c = await index.acquire_lease(name="session:s1", owner="c", ttl=ttl, now=later)
+        assert c is not None and c.token > b.token
+
+    async def test_late_renewal_succeeds_only_if_nobody_took_over(self, index: Index) -> None:
+        ttl = timedelta(seconds=45)
+        a = await index.acquire_lease(name="session:late", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        late = NOW + timedelta(seconds=50)  # past expiry, but the lease is still a's
+        renewed = await index.renew_lease(a, ttl=ttl, now=late)
+        assert renewed is not None and renewed.expires_at == late + ttl
+        assert await index.acquire_lease(name="session:late", owner="b", ttl=ttl, now=late) is None
+
+    async def test_renew_extends(self, index: Index) -> None:
+        ttl = timedelta(seconds=45)
+        a = await index.acquire_lease(name="session:s2", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        renewed = await index.renew_lease(a, ttl=ttl, now=NOW + timedelta(seconds=30))
+        assert renewed is not None and renewed.expires_at == NOW + timedelta(seconds=75)
+        at_60 = NOW + timedelta(seconds=60)
+        assert await index.acquire_lease(name="session:s2", owner="b", ttl=ttl, now=at_60) is None
+
+    async def test_expired_leases_are_listed_and_forgotten(self, index: Index) -> None:
+        ttl = timedelta(seconds=45)
+        dead = await index.acquire_lease(name="session:dead", owner="a", ttl=ttl, now=NOW)
+        gone = await index.acquire_lease(name="session:gone", owner="a", ttl=ttl, now=NOW)
+        assert dead and gone
+        await index.release_lease(gone)
+        later = NOW + timedelta(seconds=50)
+        assert await index.expired_leases(now=NOW, limit=10) == []
+        assert await index.expired_leases(now=later, limit=10) == ["session:dead"]
+        await index.forget_lease(name="session:dead", now=later)
+        assert await index.expired_leases(now=later, limit=10) == []
+
+
+async def server_now(index: RedisIndex) -> datetime:
+    seconds, micros = await index.client.time()
+    return datetime.fromtimestamp(seconds + micros / 1e6, UTC)
+
+
+async def until_server_time(index: RedisIndex, at: datetime, *, limit_s: float = 10) -> None:
+    """Wait until the Redis server's clock reaches ``at`` (a condition with a deadline)."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while await server_now(index) < at:
+        assert asyncio.get_running_loop().time() < deadline, "the server clock stood still"
+        await asyncio.sleep(0.01)
+
+
+class ServerClockLeases:
+    """Lease expiry by the Redis server's clock: the caller's ``now`` (here a date long
+    past, or far ahead) changes nothing, only the server's time passing does."""
+
+    async def test_lease_exclusive_until_expiry_with_growing_fence(
+        self, redis_index: RedisIndex
+    ) -> None:
+        index, ttl = redis_index, timedelta(milliseconds=300)
+        a = await index.acquire_lease(name="session:s1", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        ahead = NOW + timedelta(days=3650)  # a caller whose clock runs far ahead
+        assert await index.acquire_lease(name="session:s1", owner="b", ttl=ttl, now=ahead) is None
+        await until_server_time(index, a.expires_at + timedelta(milliseconds=1))
+        b = await index.acquire_lease(name="session:s1", owner="b", ttl=ttl, now=NOW)
+        assert b is not None and b.token > a.token
+        # the stale holder can neither renew nor release the new holder's lease
+        assert await index.renew_lease(a, ttl=ttl, now=NOW) is None
+        assert not await index.release_lease(a)
+        assert await index.release_lease(b)
+        c = await index.acquire_lease(name="session:s1", owner="c", ttl=ttl, now=NOW)
+        assert c is not None and c.token > b.token
+
+    async def test_late_renewal_succeeds_only_if_nobody_took_over(
+        self, redis_index: RedisIndex
+    ) -> None:
+        index, ttl = redis_index, timedelta(milliseconds=200)
+        a = await index.acquire_lease(name="session:late", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        await until_server_time(index, a.expires_at + timedelta(milliseconds=50))
+        before = await server_now(index)
+        renewed = await index.renew_lease(a, ttl=timedelta(seconds=30), now=NOW)
+        assert renewed is not None and renewed.expires_at >= before + timedelta(seconds=29)
+        assert await index.acquire_lease(name="session:late", owner="b", ttl=ttl, now=NOW) is None
+
+    async def test_renew_extends(self, redis_index: RedisIndex) -> None:
+        index = redis_index
+        a = await index.acquire_lease(
+            name="session:s2", owner="a", ttl=timedelta(milliseconds=200), now=NOW
+        )
+        assert a is not None
+        renewed = await index.renew_lease(a, ttl=timedelta(seconds=30), now=NOW)
+        assert renewed is not None and renewed.expires_at > a.expires_at
+        await until_server_time(index, a.expires_at + timedelta(milliseconds=50))
+        ttl = timedelta(seconds=1)
+        assert await index.acquire_lease(name="session:s2", owner="b", ttl=ttl, now=NOW) is None
+
+    async def test_expired_leases_are_listed_and_forgotten(self, redis_index: RedisIndex) -> None:
+        index, ttl = redis_index, timedelta(milliseconds=200)
+        dead = await index.acquire_lease(name="session:dead", owner="a", ttl=ttl, now=NOW)
+        gone = await index.acquire_lease(name="session:gone", owner="a", ttl=ttl, now=NOW)
+        assert dead and gone
+        await index.release_lease(gone)
+        ahead = NOW + timedelta(days=3650)
+        assert await index.expired_leases(now=ahead, limit=10) == []
+        await index.forget_lease(name="session:dead", now=ahead)  # still live: kept
+        await until_server_time(index, dead.expires_at + timedelta(milliseconds=1))
+        assert await index.expired_leases(now=NOW, limit=10) == ["session:dead"]
+        await index.forget_lease(name="session:dead", now=NOW)
+        assert await index.expired_leases(now=NOW, limit=10) == []
+
+
+class TestRedisIndex(IndexContract, ServerClockLeases):
     @pytest.fixture
     def index(self, redis_index: RedisIndex) -> Index:
         return redis_index
@@ -379,7 +478,7 @@ class TestRedisIndex(IndexContract):
         await index.close()
 
 
-class TestSqliteIndex(IndexContract):
+class TestSqliteIndex(IndexContract, CallerClockLeases):
     @pytest.fixture
     def index(self, sqlite_index: SqliteIndex) -> Index:
         return sqlite_index
@@ -390,7 +489,7 @@ class TestSqliteIndex(IndexContract):
         assert all(len(w) == 1 for w in winners.values()), winners
 
 
-class TestMemoryIndex(IndexContract):
+class TestMemoryIndex(IndexContract, CallerClockLeases):
     @pytest.fixture
     def index(self, memory_index: MemoryIndex) -> Index:
         return memory_index

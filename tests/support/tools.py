@@ -130,12 +130,14 @@ class RequestApproval(LongRunningTool):
         expected_s: float = 600,
         on_drift: str = "replan",
         fail_dispatch: bool = False,
+        compensate_gate: str | None = None,
     ) -> None:
         self.world = World(redis_url, prefix)
         self.sla_s = sla_s
         self.expected_s = expected_s
         self.on_drift = DriftPolicy(on_drift)
         self.fail_dispatch = fail_dispatch
+        self.compensate_gate = compensate_gate  # undo fails (retryable) until this opens
 
     async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
         doc = str(args["doc"])
@@ -181,6 +183,8 @@ class RequestApproval(LongRunningTool):
     async def compensate(
         self, wait: Wait, *, tenant: str, reason: str, idempotency_key: str
     ) -> None:
+        if self.compensate_gate and not await self.world.gate(self.compensate_gate):
+            raise ToolError("the OA system is down for maintenance", retryable=True)
         await self.world.happened(
             "compensate", idempotency_key, {"doc": wait.request["doc"], "reason": reason}
         )

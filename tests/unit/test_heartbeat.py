@@ -10,10 +10,12 @@ import asyncio
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
+import pytest
+
 from storage.sqlite_index import SqliteIndex
 from tests.support.factories import NOW
 from torpor.clock import ManualClock
-from torpor.errors import IndexUnavailable
+from torpor.errors import IndexUnavailable, LeaseLost
 from torpor.ports import Lease
 from torpor.session.heartbeat import Heartbeat
 
@@ -129,3 +131,35 @@ async def test_stop_before_start_is_harmless(sqlite_index: SqliteIndex) -> None:
     clock = ManualClock(NOW)
     lease = await take(sqlite_index, clock)
     await Heartbeat(sqlite_index, lease, clock=clock, period=PERIOD, ttl=TTL).stop()
+
+
+async def test_refence_moves_the_token_above_the_floor_and_keeps_renewing(
+    sqlite_index: SqliteIndex,
+) -> None:
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    heartbeat = Heartbeat(sqlite_index, lease, clock=clock, period=PERIOD, ttl=TTL).start()
+    try:
+        await heartbeat.refence(lease.token + 5)  # the snapshot's fence, after a flush
+        assert heartbeat.lease.token == lease.token + 6 and not heartbeat.lost
+        assert len(beats(lease)) == 1  # one renewal task, not two
+        clock.advance(10)
+        await until(lambda: heartbeat.lease.expires_at == NOW + timedelta(seconds=10) + TTL)
+        assert not heartbeat.lost and heartbeat.lease.token == lease.token + 6
+    finally:
+        await heartbeat.stop()
+
+
+async def test_refence_of_a_lease_taken_over_is_lease_lost(sqlite_index: SqliteIndex) -> None:
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    clock.advance(TTL.total_seconds() + 1)
+    thief = await take(sqlite_index, clock, owner="host-b")
+    heartbeat = Heartbeat(sqlite_index, lease, clock=clock, period=PERIOD, ttl=TTL).start()
+    try:
+        with pytest.raises(LeaseLost):
+            await heartbeat.refence(thief.token)
+        assert heartbeat.lost and beats(lease) == []
+        assert await sqlite_index.renew_lease(thief, ttl=TTL, now=clock.now()) is not None
+    finally:
+        await heartbeat.stop()

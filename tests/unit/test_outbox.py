@@ -141,6 +141,35 @@ def test_settle_after_giving_up_marks_the_entry_failed() -> None:
     assert failed.last_error == "nope"
 
 
+def test_an_undo_or_notice_that_gives_up_is_a_dead_letter() -> None:
+    snap, wait = sleeping()
+    for entry in (
+        outbox.compensate_entry(snap, wait, reason="timeout", now=NOW),
+        outbox.notify_entry(snap, event="completed", now=NOW),
+    ):
+        dead = outbox.settle(entry, outbox.GaveUp("down"), now=NOW)
+        assert dead.status is DispatchStatus.DEAD and dead.last_error == "down"
+        assert not outbox.is_due(dead, NOW)
+        revived = outbox.revive(dead)
+        assert revived.status is DispatchStatus.PENDING and revived.attempts == 0
+        assert revived.idempotency_key == entry.idempotency_key and outbox.is_due(revived, NOW)
+
+
+def test_trim_never_drops_a_dead_letter() -> None:
+    snap, wait = sleeping()
+    dead = outbox.compensate_entry(snap, wait, reason="timeout", now=NOW).model_copy(
+        update={"status": DispatchStatus.DEAD}
+    )
+    settled = [
+        outbox.notify_entry(snap, event=f"e{i}", now=NOW).model_copy(
+            update={"status": DispatchStatus.DISPATCHED}
+        )
+        for i in range(outbox.KEEP_SETTLED + 5)
+    ]
+    kept = outbox.trim([dead, *settled])
+    assert kept[0] == dead and kept[1:] == settled[5:]
+
+
 def test_trim_keeps_every_pending_entry_and_the_newest_settled_ones() -> None:
     snap, wait = sleeping()
     settled = [

@@ -5,7 +5,10 @@ from the object store.
 The port is split by role (waits, timers, claims, leases, session registry, health) so
 code can ask for only the role it uses; ``Index`` is all of them, as adapters provide it.
 Every method that decides whether something has expired takes the caller's ``now``:
-no adapter reads the wall clock, so a manual clock drives them all."""
+no adapter reads the wall clock, so a manual clock drives them all. The one exception is
+lease expiry in an index shared by many hosts (Redis): there the index server's clock
+decides, so hosts whose clocks disagree still agree on who holds a session; the ``now``
+the lease methods take serves the single-process adapters."""
 
 from __future__ import annotations
 
@@ -160,7 +163,10 @@ class ClaimIndex(Protocol):
 
 
 class LeaseIndex(Protocol):
-    """Leases with fencing tokens: who runs a session, and whose holder died."""
+    """Leases with fencing tokens: who runs a session, and whose holder died.
+
+    A shared index decides expiry with its own server clock and ignores ``now``; only a
+    single-process index (SQLite, memory) decides with the caller's ``now``."""
 
     async def acquire_lease(
         self, *, name: str, owner: str, ttl: timedelta, now: datetime
@@ -168,6 +174,16 @@ class LeaseIndex(Protocol):
 
     async def renew_lease(self, lease: Lease, *, ttl: timedelta, now: datetime) -> Lease | None:
         """Extend a lease still held by ``lease.owner`` with ``lease.token``; None if lost."""
+        ...
+
+    async def raise_fence(
+        self, lease: Lease, *, floor: int, ttl: timedelta, now: datetime
+    ) -> Lease | None:
+        """Re-issue a lease still held by ``lease.owner`` with ``lease.token`` under a new
+        token above both the name's counter and ``floor``, and extend it; None if the lease
+        is no longer ours. ``floor`` is the fence the session's snapshot recorded: after an
+        index lost its counter (a flush), this puts the fence back above every token that
+        ever committed, so a holder with an older token is refused at commit."""
         ...
 
     async def release_lease(self, lease: Lease) -> bool: ...

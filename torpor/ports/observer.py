@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from torpor.deliveries import Delivery
     from torpor.events import InboxEvent
     from torpor.lifecycle import SessionState
-    from torpor.models import SessionSnapshot, Wait
+    from torpor.models import OutboxEntry, SessionSnapshot, Wait
 
 
 class Observer:
@@ -37,4 +37,9 @@ class Observer:
 
     async def delivery_settled(self, delivery: Delivery) -> None:
         """One attempt at an outbound notification ended with ``delivery.status``."""
+        return
+
+    async def dead_letter(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
+        """An outbox entry gave up for good (a compensation or notice nobody received):
+        alert an operator, who can resend it (``SessionService.resend_outbox``)."""
         return

@@ -31,10 +31,11 @@ from torpor.errors import (
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import new_session_id, new_trace_id
 from torpor.lifecycle import SessionState
-from torpor.models import AgentRef, SessionSnapshot
+from torpor.models import AgentRef, OutboxEntry, SessionSnapshot
 from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.service.coalescing import Coalescer, request_activation
+from torpor.session import dead_letters
 from torpor.ssrf import check_callback_url
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
@@ -210,6 +211,20 @@ class SessionService:
                 )
             )
         return snapshot
+
+    async def resend_outbox(
+        self, session_id: str, entry_id: str, *, tenant: str | None = None
+    ) -> OutboxEntry:
+        """An operator's resend of a dead letter (a compensation or notice that gave up):
+        back to PENDING under the session's lease, a retry timer as safety net, then an
+        activation sends it under its unchanged idempotency key."""
+        await self.get(session_id, tenant=tenant)  # a tenant resends only its own
+        entry = await dead_letters.resend(
+            self.services, session_id, entry_id, owner=f"operator:{new_trace_id()}"
+        )
+        await self.services.index.schedule(kind=TimerKind.RETRY, member=session_id, at=self._now)
+        await self.activate(session_id, reason=Reason.RETRY)
+        return entry
 
     async def deliver(self, event: InboxEvent) -> bool:
         """Durably accept an event for a session, then activate it. False for a redelivery."""

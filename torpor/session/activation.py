@@ -72,6 +72,7 @@ class Activation:
         if work.snap.state in WAITING_STATES:
             if work.snap.pending_outbox():
                 await self.suspender.complete_suspend()  # finish what a crashed suspend started
+            await self.suspender.report_failed_starts()  # ...or a crashed failed dispatch
             await self.wake.resume()
         while work.state() is SessionState.RUNNING:
             await self.loop.run()

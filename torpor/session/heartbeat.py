@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from datetime import timedelta
 
-from torpor.errors import IndexUnavailable
+from torpor.errors import IndexUnavailable, LeaseLost
 from torpor.ports import Clock, Lease, LeaseIndex
 
 
@@ -46,6 +46,23 @@ class Heartbeat:
                 self.lost = True
             else:
                 self.lease = renewed
+
+    async def refence(self, floor: int) -> None:
+        """Re-take the lease under a token above ``floor`` (the fence the snapshot
+        recorded): the index lost its counter, so our token may be one a holder before us
+        already committed with. Raise ``LeaseLost`` if the lease is no longer ours.
+
+        The renewals pause meanwhile: a renewal in flight with the old token would find
+        the lease re-issued and take it for lost."""
+        await self.stop()
+        raised = await self._index.raise_fence(
+            self.lease, floor=floor, ttl=self._ttl, now=self._clock.now()
+        )
+        if raised is None:
+            self.lost = True
+            raise LeaseLost(f"lease {self.lease.name} was taken over before it was re-fenced")
+        self.lease = raised
+        self.start()
 
     async def stop(self) -> None:
         if self._task is not None:

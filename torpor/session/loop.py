@@ -16,6 +16,7 @@ from pydantic import JsonValue
 from torpor.agent import AgentContext, AgentTurn
 from torpor.errors import AgentUnavailable, TorporError
 from torpor.events import EventKind
+from torpor.faults import CrashPoint, crash_point
 from torpor.ids import tool_call_key
 from torpor.lifecycle import SessionState
 from torpor.models import ErrorInfo, Message, ToolCall, ToolLogEntry
@@ -147,6 +148,7 @@ class AgentLoop:
                     plans.append((call, tool, planned))
                 continue
             result = await self.run_sync(call, tool)
+            crash_point(CrashPoint.SYNC_TOOL_RAN)
             work.update(
                 messages=[
                     *work.snap.messages,

@@ -1,7 +1,10 @@
 """SessionRuntime: activate a session under its lease, the same code on every host.
 
 ``activate`` takes the session's lease (with a fencing token), loads the snapshot, runs
-one ``Activation`` and releases the lease. Two activations of one session can never both
+one ``Activation`` and releases the lease. The snapshot records the fence of every commit
+and a commit below it is refused, so the fence is seeded from the snapshot whenever the
+index's counter is behind it (the index was flushed): tokens keep growing across index
+loss. Two activations of one session can never both
 commit: the lease keeps a second one out while the first is healthy, and the generation
 compare-and-swap stops a stale holder whose lease expired behind its back (also across
 two Ray clusters sharing one store).
@@ -119,6 +122,10 @@ class SessionRuntime:
             except SessionNotFound:
                 release = True
                 return ActivationResult(session_id, ActivationOutcome.MISSING), None
+            if snapshot.lease_fence >= heartbeat.lease.token:
+                # The index handed out a token some holder already committed with: it lost
+                # its fencing counter (flushed). Seed it from the snapshot, which survives.
+                await heartbeat.refence(snapshot.lease_fence)
             activation = Activation(self.deps, snapshot, heartbeat, self._agent(snapshot))
             await activation.drive(reason)
             release = True

@@ -9,13 +9,13 @@ its wait; on finish the waits are unbound after the commit that closed them.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 from pydantic import JsonValue
 
 from torpor import outbox
 from torpor.clock import trunc_ms
 from torpor.events import EventKind, InboxEvent
+from torpor.faults import CrashPoint, crash_point
 from torpor.ids import new_correlation_id, new_wait_id
 from torpor.lifecycle import SessionState
 from torpor.models import (
@@ -92,11 +92,13 @@ class Suspender:
         entries += self.notifications("suspended")
         work.update(waits=waits, outbox=[*work.snap.outbox, *entries])
         await work.commit()
+        crash_point(CrashPoint.SUSPEND_COMMITTED)
         await self.complete_suspend()
 
     async def complete_suspend(self) -> None:
         """Bind, then send: also what finishes a suspend that crashed after its commit."""
         await self.bind_waits()
+        crash_point(CrashPoint.WAITS_BOUND)
         await self.drain_outbox()
 
     async def bind_waits(self) -> None:
@@ -136,14 +138,14 @@ class Suspender:
     # -- outbox -------------------------------------------------------------------------
 
     async def drain_outbox(self) -> None:
-        """Send every due entry; commit the new statuses once."""
+        """Send every due entry; commit the new statuses once; then raise what gave up:
+        dead letters to the observer, failed requests to their waits."""
         work = self.work
         due = [e for e in work.snap.outbox if outbox.is_due(e, work.now)]
         if not due:
             return
         tools = self.loaded.tools if self.loaded else None
-        settled: dict[str, Any] = {}
-        failed_starts: list[str] = []
+        settled: dict[str, OutboxEntry] = {}
         for entry in due:
             if tools is None:
                 break
@@ -155,33 +157,53 @@ class Suspender:
                 notifier=self.deps.notifier,
                 now=work.now,
             )
+            if isinstance(result, outbox.Sent):
+                crash_point(f"outbox.sent.{entry.kind.value}")
             new = outbox.settle(entry, result, now=work.now)
             settled[entry.entry_id] = new
             if isinstance(result, outbox.RetryAt):
                 await self.deps.index.schedule(
                     kind=TimerKind.RETRY, member=work.snap.session_id, at=result.at
                 )
-            if isinstance(result, outbox.GaveUp) and entry.kind is OutboxKind.START:
-                failed_starts.append(entry.correlation_id or "")
         work.update(outbox=[settled.get(e.entry_id, e) for e in work.snap.outbox])
         await work.commit()
-        for cid in failed_starts:
-            wait = work.snap.wait_for(cid)
-            if wait is not None:
-                # Nobody will ever answer this wait: answer it ourselves, through the inbox,
-                # so the agent sees the failure like any other result.
-                await self.deps.inbox.deliver(
-                    InboxEvent.answering(
-                        wait,
-                        kind=EventKind.DISPATCH_FAILED,
-                        session_id=work.snap.session_id,
-                        source="torpor",
-                        event_id=f"dispatch-failed:{cid}",
-                        type="torpor.dispatch.failed",
-                        received_at=work.now,
-                        data={"status": "error", "error": "the request could not be sent"},
-                    )
-                )
+        for entry in settled.values():
+            if entry.status is DispatchStatus.DEAD:
+                # The entry itself is the durable record (it stays in the outbox until an
+                # operator resends it); this hook is the alert and the metric.
+                await self.deps.observer.dead_letter(work.snap, entry)
+        if any(e.status is DispatchStatus.FAILED for e in settled.values()):
+            crash_point(CrashPoint.START_FAILED)
+        await self.report_failed_starts()
+
+    async def report_failed_starts(self) -> None:
+        """Answer every open wait whose request could never be sent, through the inbox,
+        so the agent sees the failure like any other result.
+
+        Derived from the snapshot alone (a FAILED start whose wait is still open and whose
+        answer was never processed), and the inbox write is create-only by event id: if
+        the process dies between the commit that settled the start and this write, the
+        next activation (or the reconciler's) writes it, once."""
+        snap = self.work.snap
+        processed = set(snap.processed_events)
+        for entry in snap.outbox:
+            if entry.kind is not OutboxKind.START or entry.status is not DispatchStatus.FAILED:
+                continue
+            wait = snap.wait_for(entry.correlation_id or "")
+            if wait is None:
+                continue
+            event = InboxEvent.answering(
+                wait,
+                kind=EventKind.DISPATCH_FAILED,
+                session_id=snap.session_id,
+                source="torpor",
+                event_id=f"dispatch-failed:{wait.correlation_id}",
+                type="torpor.dispatch.failed",
+                received_at=self.work.now,
+                data={"status": "error", "error": "the request could not be sent"},
+            )
+            if event.key not in processed:
+                await self.deps.inbox.deliver(event)
 
     # -- finish -------------------------------------------------------------------------
 

@@ -78,9 +78,19 @@ class WorkingCopy:
         """Write the working copy if nobody else wrote since we loaded or last committed."""
         if self.heartbeat.lost:
             raise LeaseLost(f"lease on {self.snap.session_id} was lost; not committing")
+        token = self.heartbeat.lease.token
+        if token < self.snap.lease_fence:
+            # Fencing: a holder after us committed with a higher token, so ours is stale
+            # (its lease expired, or the index lost its counter and issued it again). The
+            # generation compare-and-swap below makes the stored fence the one we compare
+            # against: a snapshot saved since we loaded fails the swap anyway.
+            raise LeaseLost(
+                f"fenced out of {self.snap.session_id}: token {token} is below the stored "
+                f"fence {self.snap.lease_fence}; not committing"
+            )
         draft = self.snap.model_copy(
             update={
-                "lease_fence": self.heartbeat.lease.token,
+                "lease_fence": token,
                 "updated_at": self.now,
                 "outbox": outbox.trim(self.snap.outbox),
             }

@@ -1,0 +1,262 @@
+"""kill -9 of the session process at each named crash point, then recovery.
+
+Each test starts a real session process (``tests/faults/session_driver.py``) with
+``TORPOR_CRASH_AT`` naming one point of ``torpor.faults.CrashPoint``, and checks that it
+died by SIGKILL there. The test process then plays the reconciler: it sweeps until the
+dead holder's lease expires (by the Redis server's clock) and the session is recovered
+from its last checkpoint. After each, the invariants: the session ends terminal or waiting
+as it should, at most one side effect per idempotency key (the far side applies a key
+once; the calls are counted too), no accepted event lost, one request per action key,
+and every commit after the crash carries a fence above the dead holder's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.wiring import open_services, session_runtime
+from tests.support.harness import settings_for
+from tests.support.tools import World
+from torpor.clock import SystemClock
+from torpor.faults import ENV, CrashPoint
+from torpor.ids import event_key
+from torpor.lifecycle import SessionState
+from torpor.models import DispatchStatus, OutboxKind, SessionSnapshot
+from torpor.ports.services import Services
+from torpor.service.activator import InlineActivator
+from torpor.service.sessions import SessionService
+from torpor.service.sweeper import Sweeper
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+# A short lease, so the dead holder's expires quickly (decided by the Redis server's clock).
+FAST = {"lease": {"ttl_s": 1.0, "heartbeat_s": 0.2}, "reconciler": {"interval_s": 0.2}}
+START_KEY = "acme:approve:PR-1:1"
+UNDO_KEY = START_KEY + ":compensate"
+S = SessionState
+
+
+@dataclass
+class Crash:
+    tmp: Path
+    redis_url: str
+    prefix: str
+    approval: dict[str, Any]
+    services: Services
+    control: SessionService
+    sweeper: Sweeper
+    world: World
+
+    async def kill_at(self, point: str, action: str, **spec: Any) -> str:
+        """Run the driver with ``point`` armed; it must die by SIGKILL there. Returns the
+        session id (the only session in this test's store)."""
+        code, out = await self.drive(action, crash_at=point, **spec)
+        assert code == -signal.SIGKILL, f"the driver did not die at {point}: {code}\n{out}"
+        return await self.only_session()
+
+    async def drive(self, action: str, *, crash_at: str = "", **spec: Any) -> tuple[int, str]:
+        payload = {
+            "tmp": str(self.tmp),
+            "redis_url": self.redis_url,
+            "prefix": self.prefix,
+            "action": action,
+            "approval": self.approval,
+            "extra": FAST,
+            **spec,
+        }
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.faults.session_driver",
+            json.dumps(payload),
+            cwd=ROOT,
+            env={**os.environ, ENV: crash_at},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(errors="replace")
+
+    async def only_session(self) -> str:
+        ids = [sid async for page in self.services.snapshots.session_ids() for sid in page]
+        assert len(ids) == 1, ids
+        return ids[0]
+
+    async def load(self, sid: str) -> SessionSnapshot:
+        return await self.services.snapshots.load(sid)
+
+    async def recover(
+        self, sid: str, done: Callable[[SessionSnapshot], bool], *, timeout_s: float = 30
+    ) -> SessionSnapshot:
+        """Sweep as the reconciler does until ``done(snapshot)``: the dead holder's lease
+        must expire first, so nothing recovers the session before that."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            await self.sweeper.sweep_once()
+            snap = await self.load(sid)
+            if done(snap):
+                return snap
+            assert loop.time() < deadline, f"not recovered: {snap.state} {snap.outbox}"
+            await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+async def make_crash(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> AsyncIterator[Callable[..., Awaitable[Crash]]]:
+    opened: list[Crash] = []
+
+    async def make(**approval: Any) -> Crash:
+        settings = settings_for(tmp_path, redis_url, redis_prefix, extra=FAST, **approval)
+        services = open_services(settings, clock=SystemClock())
+        control = SessionService(services, InlineActivator(session_runtime(services, "rescuer")))
+        crash = Crash(
+            tmp_path,
+            redis_url,
+            redis_prefix,
+            approval,
+            services,
+            control,
+            Sweeper(control),
+            World(redis_url, redis_prefix),
+        )
+        opened.append(crash)
+        return crash
+
+    yield make
+    for crash in opened:
+        await crash.world.close()
+        await crash.services.close()
+
+
+async def assert_one_request_per_key(world: World, kind: str, key: str, calls: int) -> None:
+    """The far side applied the key once (one entry) and was called ``calls`` times."""
+    assert list(await world.entries(kind)) == [key]
+    assert await world.counts(kind) == {key: calls}
+
+
+async def assert_resolvable(crash: Crash, snap: SessionSnapshot) -> None:
+    [wait] = snap.waits
+    binding = await crash.services.index.resolve(
+        tenant="acme", now=crash.services.clock.now(), correlation_id=wait.correlation_id
+    )
+    assert binding is not None and binding.session_id == snap.session_id
+
+
+def waiting_and_sent(snap: SessionSnapshot) -> bool:
+    return snap.state is S.SUSPENDED and not snap.pending_outbox()
+
+
+async def test_kill_mid_sync_tool_reruns_it_under_the_same_key(make_crash: Any) -> None:
+    crash: Crash = await make_crash()
+    sid = await crash.kill_at(CrashPoint.SYNC_TOOL_RAN, "submit")
+    dead = await crash.load(sid)
+    assert dead.state is S.RUNNING and dead.tool_log == {}, "the tool's result was not saved"
+    [extract_key] = await crash.world.entries("extract")
+    snap = await crash.recover(sid, waiting_and_sent)
+    assert snap.lease_fence > dead.lease_fence
+    # The tool ran again with the same key: one effect, two calls; then one request.
+    await assert_one_request_per_key(crash.world, "extract", extract_key, 2)
+    await assert_one_request_per_key(crash.world, "dispatch", START_KEY, 1)
+    await assert_resolvable(crash, snap)
+
+
+async def test_kill_between_the_suspend_commit_and_the_dispatch(make_crash: Any) -> None:
+    crash: Crash = await make_crash()
+    sid = await crash.kill_at(CrashPoint.SUSPEND_COMMITTED, "submit")
+    dead = await crash.load(sid)
+    assert dead.state is S.SUSPENDED and [e.kind for e in dead.pending_outbox()] == ["start"]
+    [wait] = dead.waits
+    assert (
+        await crash.services.index.resolve(
+            tenant="acme", now=crash.services.clock.now(), correlation_id=wait.correlation_id
+        )
+        is None
+    ), "died before binding"
+    assert await crash.world.counts("dispatch") == {}
+    snap = await crash.recover(sid, waiting_and_sent)
+    assert snap.lease_fence > dead.lease_fence and snap.waits == dead.waits
+    await assert_one_request_per_key(crash.world, "dispatch", START_KEY, 1)
+    await assert_resolvable(crash, snap)
+
+
+async def test_kill_after_bind_before_dispatch(make_crash: Any) -> None:
+    crash: Crash = await make_crash()
+    sid = await crash.kill_at(CrashPoint.WAITS_BOUND, "submit")
+    dead = await crash.load(sid)
+    assert dead.state is S.SUSPENDED and dead.pending_outbox()
+    await assert_resolvable(crash, dead)
+    assert await crash.world.counts("dispatch") == {}
+    snap = await crash.recover(sid, waiting_and_sent)
+    assert snap.lease_fence > dead.lease_fence
+    await assert_one_request_per_key(crash.world, "dispatch", START_KEY, 1)
+
+
+async def test_kill_after_dispatch_before_its_status_commit(make_crash: Any) -> None:
+    crash: Crash = await make_crash()
+    sid = await crash.kill_at(CrashPoint.START_SENT, "submit")
+    dead = await crash.load(sid)
+    assert dead.state is S.SUSPENDED and dead.pending_outbox(), "the send was not recorded"
+    await assert_one_request_per_key(crash.world, "dispatch", START_KEY, 1)
+    snap = await crash.recover(sid, waiting_and_sent)
+    assert snap.lease_fence > dead.lease_fence
+    [start] = snap.outbox
+    assert start.status is DispatchStatus.DISPATCHED
+    # Sent again under the same key: the far side applied it once.
+    await assert_one_request_per_key(crash.world, "dispatch", START_KEY, 2)
+
+
+async def test_kill_after_the_terminal_commit_mid_compensation(make_crash: Any) -> None:
+    crash: Crash = await make_crash()
+    code, out = await crash.drive("submit")  # no crash: suspended, request sent
+    assert code == 0, out
+    sid = await crash.only_session()
+    assert (await crash.load(sid)).state is S.SUSPENDED
+    await crash.kill_at(CrashPoint.COMPENSATE_SENT, "cancel", session_id=sid)
+    dead = await crash.load(sid)
+    assert dead.state is S.CANCELLED and dead.waits == []
+    [undo] = dead.pending_outbox()
+    assert undo.kind is OutboxKind.COMPENSATE
+    cancel_key = event_key("torpor", "cancel")
+    assert cancel_key in dead.processed_events
+    await assert_one_request_per_key(crash.world, "compensate", UNDO_KEY, 1)
+
+    def compensated(snap: SessionSnapshot) -> bool:
+        return not snap.pending_outbox()
+
+    snap = await crash.recover(sid, compensated)
+    assert snap.state is S.CANCELLED and cancel_key in snap.processed_events
+    assert snap.lease_fence > dead.lease_fence
+    await assert_one_request_per_key(crash.world, "compensate", UNDO_KEY, 2)
+    await assert_one_request_per_key(crash.world, "dispatch", START_KEY, 1)
+
+
+async def test_kill_after_a_failed_start_is_committed_still_tells_the_agent(
+    make_crash: Any,
+) -> None:
+    crash: Crash = await make_crash(fail_dispatch=True)
+    sid = await crash.kill_at(CrashPoint.START_FAILED, "submit")
+    dead = await crash.load(sid)
+    [start] = dead.outbox
+    assert dead.state is S.SUSPENDED and start.status is DispatchStatus.FAILED
+    assert await crash.services.inbox.pending(sid, processed=set()) == [], "nobody told it"
+    snap = await crash.recover(sid, lambda s: s.terminal)
+    # The agent saw the failure as the tool's answer and took its error branch.
+    assert snap.state is S.COMPLETED and snap.result == {"decision": "error", "doc": "PR-1"}
+    [wait] = dead.waits
+    failed_key = event_key("torpor", f"dispatch-failed:{wait.correlation_id}")
+    assert snap.waits == [] and failed_key in snap.processed_events
+    assert await crash.world.counts("dispatch") == {}

@@ -1,0 +1,45 @@
+"""Named crash points, for the fault-injection tests only.
+
+``crash_point(name)`` kills the current process with SIGKILL when the environment
+variable ``TORPOR_CRASH_AT`` names that point (a comma-separated list of names). The
+variable is read once, at the first crash point the process reaches (never at import:
+importing torpor reads no configuration), so afterwards a process that does not set it
+pays one set lookup per point and nothing else. The tests in ``tests/faults/`` start
+a real session process with the variable set, watch it die at the exact step named, and
+check that the next holder finishes the work from durable state: no mock stands in for
+the crash, and no cleanup (``finally``, ``atexit``, buffered writes) runs, exactly as
+with a ``kill -9`` or a lost host.
+
+Never set ``TORPOR_CRASH_AT`` in a deployment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from enum import StrEnum
+from functools import cache
+
+ENV = "TORPOR_CRASH_AT"
+
+
+class CrashPoint(StrEnum):
+    """Where a session process can be told to die (the durable step it dies after)."""
+
+    SYNC_TOOL_RAN = "sync_tool.ran"  # a sync tool ran; its log entry is not committed
+    SUSPEND_COMMITTED = "suspend.committed"  # SUSPENDED + waits committed; nothing bound
+    WAITS_BOUND = "suspend.bound"  # waits bound in the index; no request sent
+    START_SENT = "outbox.sent.start"  # a request went out; its status is not committed
+    COMPENSATE_SENT = "outbox.sent.compensate"  # an undo went out (after a terminal commit)
+    START_FAILED = "outbox.start_failed"  # a start settled FAILED; its wait not yet told
+
+
+@cache
+def _armed() -> frozenset[str]:
+    return frozenset(name.strip() for name in os.environ.get(ENV, "").split(",") if name.strip())
+
+
+def crash_point(name: str) -> None:
+    """Die here, at once and without cleanup, if this process was told to."""
+    if name in _armed():
+        os.kill(os.getpid(), signal.SIGKILL)
