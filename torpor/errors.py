@@ -206,3 +206,41 @@ class IdempotencyInProgress(RetryableError):
 
 class UnknownAgent(PermanentError):
     code = "unknown_agent"
+
+
+# --- deadlines and quarantine ----------------------------------------------------------
+
+
+class CallTimedOut(RetryableError):
+    """A call out (a tool, the agent, a dispatch) did not finish before its deadline.
+
+    Its outcome is unknown: it may have happened on the far side. It is retried under the
+    same idempotency key, never run twice at once."""
+
+    code = "call_timed_out"
+
+
+class ActivationTimeLimit(RetryableError):
+    """An activation ran past its wall-time cap; it checkpoints and a retry comes later."""
+
+    code = "activation_time_limit"
+
+
+class SessionQuarantined(PermanentError):
+    """The session is set aside (a poison snapshot, retries exhausted) until an operator
+    retries or cancels it."""
+
+    code = "session_quarantined"
+
+
+class ActionKeyIncomplete(PermanentError):
+    """A wait's action key was built from missing values (``None``, ``null``, empty)."""
+
+    code = "action_key_incomplete"
+
+
+class UnhandledToolError(AgentError):
+    """A tool call failed and the plan has no branch for it: the session fails with the
+    cause rather than run the next step on missing values."""
+
+    code = "unhandled_tool_error"

@@ -165,6 +165,16 @@ class RetryQuota(_Model):
         return self.used >= self.max_attempts
 
 
+class Quarantine(_Model):
+    """Why a session was set aside, and where an operator's retry takes it back to."""
+
+    reason: str
+    code: str
+    at: datetime
+    attempts: int = 0  # retries spent before it was set aside
+    resume_to: SessionState = SessionState.RUNNING
+
+
 class ToolLogEntry(_Model):
     key: str
     tool_name: str
@@ -232,6 +242,7 @@ class SessionSnapshot(_Model):
     history: list[HistoryEntry] = Field(default_factory=list)
     result: JsonValue = None
     error: ErrorInfo | None = None
+    quarantine: Quarantine | None = None  # set while the state is QUARANTINED
     lease_fence: int = 0
     created_at: datetime
     updated_at: datetime

@@ -101,6 +101,13 @@ class Settings(_Settings):
     heartbeat_s: float = 15.0
     # index entries outlive their deadline by this much, so a late callback still resolves
     binding_grace_s: float = 7 * 24 * 3600
+    # deadlines: a tool call (unless the tool sets its own), one agent step, one activation
+    tool_timeout_s: float = 60.0
+    agent_step_timeout_s: float = 300.0
+    activation_max_s: float = 15 * 60.0
+    # the session core's retries: capped exponential backoff with jitter
+    retry_backoff_base_s: float = 2.0
+    retry_backoff_cap_s: float = 600.0
     # reconciler
     reconcile_interval_s: float = 5.0
     poll_backoff_base_s: float = 60.0
@@ -133,6 +140,9 @@ class Settings(_Settings):
     index_deadline_shards: int = 128
     pool_size: int = 2
     pool_max_concurrency: int = 64
+    # Dedicated session actors alive at once, per activator; past it, activation requests
+    # wait for their WAKE/RETRY timer (durable) instead of starting another process.
+    max_live_session_actors: int = 256
     owner_tag: str = ""  # appended to lease owners, for debugging several clusters
 
     @field_validator("lease_ttl_s")

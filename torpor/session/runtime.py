@@ -13,7 +13,9 @@ is still applied.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -22,7 +24,10 @@ from torpor.errors import (
     IndexUnavailable,
     LeaseLost,
     PluginNotFound,
+    SnapshotCorrupt,
+    SnapshotError,
     SnapshotNotFound,
+    SnapshotSchemaTooNew,
 )
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
@@ -34,6 +39,7 @@ from torpor.session.heartbeat import Heartbeat
 from torpor.session.working import StopActivation
 
 MAX_ROUNDS = 8
+log = logging.getLogger(__name__)
 
 
 class ActivationOutcome(StrEnum):
@@ -45,6 +51,7 @@ class ActivationOutcome(StrEnum):
     LEASE_LOST = "lease_lost"
     MISSING = "missing"  # no such session
     STOPPED = "stopped"  # ended early after a checkpoint (a retry is scheduled)
+    QUARANTINED = "quarantined"  # the snapshot cannot be read: set aside for an operator
 
 
 @dataclass(frozen=True)
@@ -119,8 +126,11 @@ class SessionRuntime:
             except SnapshotNotFound:
                 release = True
                 return ActivationResult(session_id, ActivationOutcome.MISSING), None
+            except (SnapshotCorrupt, SnapshotSchemaTooNew) as exc:
+                release = True
+                return await self._quarantine_poison(session_id, exc), None
             activation = Activation(self.deps, snapshot, heartbeat, self._agent(snapshot))
-            await activation.drive(reason)
+            await self._drive_capped(activation, reason)
             release = True
         except (CommitConflict, LeaseLost) as exc:
             # Someone else wrote or holds the session. If they finish its work, the retry
@@ -150,6 +160,50 @@ class SessionRuntime:
                     await index.release_lease(heartbeat.lease)
         assert activation is not None
         return self._result(activation, outcome, requested_at), activation.snap
+
+    async def _drive_capped(self, activation: Activation, reason: Reason) -> None:
+        """Drive within the activation wall-time cap. A hung call would otherwise keep the
+        heartbeat renewing the lease for ever: past the cap the drive is cancelled (the
+        last tool-boundary checkpoint stands), a retry is scheduled and the lease let go."""
+        cap = asyncio.timeout(self.deps.config.activation_cap.total_seconds())
+        try:
+            async with cap:
+                await activation.drive(reason)
+        except TimeoutError:
+            if not cap.expired():
+                raise  # someone else's timeout, not the cap
+            session_id = activation.snap.session_id
+            log.warning("activation of %s ran past its wall-time cap; retrying later", session_id)
+            await self._retry_soon(session_id)
+            raise StopActivation("activation wall-time cap") from None
+
+    async def _quarantine_poison(
+        self, session_id: str, exc: SnapshotCorrupt | SnapshotSchemaTooNew
+    ) -> ActivationResult:
+        """A snapshot that cannot be decoded cannot be rewritten either: the quarantine is
+        recorded in the index's session registry (state QUARANTINED, which repair and the
+        timers leave alone), and its reason is the decode error, found again on every read.
+        No retry timer: retrying a permanent error changes nothing until an operator acts
+        (``SessionService.retry``, e.g. after an upgrade that reads the newer schema)."""
+        log.error("session %s is quarantined: %s", session_id, exc)
+        try:
+            header = await self.deps.snapshots.header(session_id)
+            tenant, generation = header.tenant, header.generation
+        except SnapshotError:
+            tenant, generation = "", 0  # not even the header reads: listed under no tenant
+        await self.deps.index.record_session(
+            tenant=tenant,
+            session_id=session_id,
+            state=SessionState.QUARANTINED,
+            generation=generation,
+        )
+        await self.deps.index.unschedule(kind=TimerKind.RETRY, member=session_id)
+        return ActivationResult(
+            session_id,
+            ActivationOutcome.QUARANTINED,
+            state=SessionState.QUARANTINED,
+            generation=generation,
+        )
 
     async def _retry_soon(self, session_id: str) -> None:
         at = self.deps.clock.now() + self.deps.config.retry_delay
