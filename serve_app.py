@@ -251,8 +251,8 @@ class Ingress:
     ) -> JSONResponse:
         """Operator action: take a QUARANTINED session back, with a fresh retry quota."""
         tenant = self._tenant(authorization)
-        await self.control.retry(session_id, tenant=tenant)
-        return JSONResponse({"session_id": session_id, "state": "QUARANTINED"}, status_code=202)
+        snapshot = await self.control.retry(session_id, tenant=tenant)
+        return JSONResponse({"session_id": session_id, "state": snapshot.state.value}, 202)
 
     @api.get("/v1/sessions/{session_id}/events", tags=["sessions"])
     async def session_events(

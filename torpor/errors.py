@@ -208,7 +208,7 @@ class UnknownAgent(PermanentError):
     code = "unknown_agent"
 
 
-# --- deadlines and quarantine ----------------------------------------------------------
+# --- deadlines and bad input ----------------------------------------------------------
 
 
 class CallTimedOut(RetryableError):
@@ -220,17 +220,10 @@ class CallTimedOut(RetryableError):
     code = "call_timed_out"
 
 
-class ActivationTimeLimit(RetryableError):
-    """An activation ran past its wall-time cap; it checkpoints and a retry comes later."""
+class GuardUnavailable(RetryableError):
+    """The external state the guard needs could not be read (an error or a timeout)."""
 
-    code = "activation_time_limit"
-
-
-class SessionQuarantined(PermanentError):
-    """The session is set aside (a poison snapshot, retries exhausted) until an operator
-    retries or cancels it."""
-
-    code = "session_quarantined"
+    code = "guard_unavailable"
 
 
 class ActionKeyIncomplete(PermanentError):

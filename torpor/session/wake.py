@@ -17,7 +17,7 @@ from pydantic import JsonValue
 
 from torpor import guard
 from torpor.deadlines import call_out
-from torpor.errors import RetryableError
+from torpor.errors import GuardUnavailable
 from torpor.events import EventKind, InboxEvent
 from torpor.gates import Verdict, classify, expired_waits
 from torpor.lifecycle import SessionState
@@ -27,12 +27,6 @@ from torpor.session.retry import Retrier
 from torpor.session.suspend import Suspender
 from torpor.session.working import WorkingCopy, message_content
 from torpor.tools import LongRunningTool
-
-
-class GuardUnavailable(RetryableError):
-    """The external state the guard needs could not be read (an error or a timeout)."""
-
-    code = "guard_unavailable"
 
 
 class Wake:
