@@ -163,8 +163,11 @@ async def test_a_hung_agent_step_backs_off_then_is_quarantined_and_an_operator_r
         states = await env.services.index.session_states([sid])
         assert states[sid] is S.QUARANTINED
         # Set aside: a wake does nothing, and no timer brings it back.
-        await env.runtime.activate(sid, reason=Reason.RETRY)
+        await env.control.wake(sid)
         assert (await env.load(sid)).state is S.QUARANTINED
+        far = env.clock.now() + timedelta(days=1)
+        for kind in (TimerKind.WAKE, TimerKind.RETRY):
+            assert await env.services.index.due(kind=kind, now=far, limit=9) == []
         probe.agent_hangs = False
         await asyncio.wait_for(env.control.retry(sid), LIMIT_S)
         done = await env.load(sid)

@@ -92,6 +92,12 @@ class SessionRuntime:
             requested_at = None
             if result.outcome is not ActivationOutcome.RAN or snapshot is None:
                 return result
+            if snapshot.state is SessionState.QUARANTINED:
+                # Set aside: events wait in the inbox for the operator's retry, and no
+                # re-check, wake-up or retry timer brings the session round meanwhile.
+                for kind in (TimerKind.WAKE, TimerKind.RETRY):
+                    await self.deps.index.unschedule(kind=kind, member=session_id)
+                return result
             # Unschedule the wake-up first, then look: an event written after our look
             # schedules its own wake-up after our unschedule, so none is ever orphaned.
             await self.deps.index.unschedule(kind=TimerKind.WAKE, member=session_id)
@@ -197,7 +203,8 @@ class SessionRuntime:
             state=SessionState.QUARANTINED,
             generation=generation,
         )
-        await self.deps.index.unschedule(kind=TimerKind.RETRY, member=session_id)
+        for kind in (TimerKind.RETRY, TimerKind.WAKE):  # nothing but an operator brings it back
+            await self.deps.index.unschedule(kind=kind, member=session_id)
         return ActivationResult(
             session_id,
             ActivationOutcome.QUARANTINED,
