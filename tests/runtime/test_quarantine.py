@@ -1,10 +1,13 @@
-"""A snapshot that cannot be decoded is quarantined, visibly, and retried by an operator."""
+"""A snapshot that cannot be decoded is quarantined, visibly, and retried by an operator;
+one written by a newer torpor is left for it, retried at the backoff's cap."""
 
 from __future__ import annotations
 
 from storage import keys
+from storage.codec import SnapshotCodec
 from tests.runtime.memory_env import MemEnv, memory_env, plan_agent, reset
 from torpor.lifecycle import SessionState
+from torpor.models import SCHEMA_VERSION
 from torpor.ports import Reason, TimerKind
 from torpor.session import ActivationOutcome
 
@@ -47,3 +50,21 @@ async def test_a_corrupt_snapshot_is_quarantined_not_retried_for_ever() -> None:
         await env.control.retry(sid, tenant="acme")
         assert (await index.session_states([sid]))[sid] is S.SUSPENDED
         assert (await env.control.get(sid)).state is S.SUSPENDED
+
+
+async def test_a_snapshot_from_a_newer_torpor_is_left_for_it_at_the_backoff_cap() -> None:
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        newer = (await env.load(sid)).model_copy(update={"schema_version": SCHEMA_VERSION + 1})
+        await env.services.store.put(keys.snapshot(sid), SnapshotCodec().encode(newer))
+        result = await env.runtime.activate(sid, reason=Reason.EVENT)
+        assert result.outcome is ActivationOutcome.STOPPED
+        # Not every sweep: at the cap of the one backoff (± its jitter).
+        index, cap = env.services.index, env.services.config.retry_cap
+        assert sid not in await index.due(
+            kind=TimerKind.RETRY, now=env.clock.now() + cap * 0.7, limit=9
+        )
+        assert sid in await index.due(
+            kind=TimerKind.RETRY, now=env.clock.now() + cap * 1.3, limit=9
+        )

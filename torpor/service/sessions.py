@@ -31,7 +31,6 @@ from torpor.errors import (
     SnapshotCorrupt,
     SnapshotError,
     SnapshotNotFound,
-    SnapshotSchemaTooNew,
     UnknownAgent,
 )
 from torpor.events import EventKind, InboxEvent
@@ -43,7 +42,7 @@ from torpor.ports.services import Services
 from torpor.ssrf import check_callback_url
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
-POISON = frozenset({SnapshotCorrupt.code, SnapshotSchemaTooNew.code})
+POISON = frozenset({SnapshotCorrupt.code})
 log = logging.getLogger(__name__)
 
 
@@ -197,15 +196,13 @@ class SessionService:
             raise SnapshotNotFound(f"no session {session_id[:80]!r}") from None
         try:
             snapshot = await self.services.snapshots.load(session_id)
-        except (SnapshotCorrupt, SnapshotSchemaTooNew) as exc:
+        except SnapshotCorrupt as exc:
             snapshot = await self._poison(session_id, exc)
         if tenant is not None and snapshot.tenant != tenant:
             raise SnapshotNotFound(f"no session {session_id}")
         return snapshot
 
-    async def _poison(
-        self, session_id: str, exc: SnapshotCorrupt | SnapshotSchemaTooNew
-    ) -> SessionSnapshot:
+    async def _poison(self, session_id: str, exc: SnapshotCorrupt) -> SessionSnapshot:
         """A snapshot that does not decode, shown as what it is: QUARANTINED, with the
         decode error as the reason, built from its header (which reads on its own). If not
         even the header reads, the error itself is the answer."""
@@ -265,8 +262,8 @@ class SessionService:
     async def retry(self, session_id: str, *, tenant: str | None = None) -> SessionSnapshot:
         """Operator action: take a QUARANTINED session back where it was set aside, with a
         fresh retry quota. Idempotent per quarantine: the request is one inbox event named
-        for it. A poison snapshot is simply activated again (it may read now, e.g. after
-        an upgrade); if it still does not, it is quarantined again."""
+        for it. A poison snapshot is simply activated again (it may read now, e.g. once
+        restored); if it still does not, it is quarantined again."""
         snapshot = await self.get(session_id, tenant=tenant)
         aside = snapshot.quarantine
         poison = aside is not None and aside.code in POISON  # a stand-in: it does not decode

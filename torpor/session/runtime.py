@@ -36,9 +36,11 @@ from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.session.activation import Activation
 from torpor.session.heartbeat import Heartbeat
+from torpor.session.retry import retry_delay
 from torpor.session.working import StopActivation
 
 MAX_ROUNDS = 8
+RETRY_AT_CAP = 62  # a backoff attempt far past any cap: the capped delay, with jitter
 log = logging.getLogger(__name__)
 
 
@@ -132,7 +134,10 @@ class SessionRuntime:
             except SnapshotNotFound:
                 release = True
                 return ActivationResult(session_id, ActivationOutcome.MISSING), None
-            except (SnapshotCorrupt, SnapshotSchemaTooNew) as exc:
+            except SnapshotSchemaTooNew as exc:
+                release = True
+                return await self._leave_to_newer(session_id, exc), None
+            except SnapshotCorrupt as exc:
                 release = True
                 return await self._quarantine_poison(session_id, exc), None
             activation = Activation(self.deps, snapshot, heartbeat, self._agent(snapshot))
@@ -183,20 +188,30 @@ class SessionRuntime:
             await self._retry_soon(session_id)
             raise StopActivation("activation wall-time cap") from None
 
-    async def _quarantine_poison(
-        self, session_id: str, exc: SnapshotCorrupt | SnapshotSchemaTooNew
-    ) -> ActivationResult:
+    async def _leave_to_newer(self, session_id: str, exc: SnapshotSchemaTooNew) -> ActivationResult:
+        """A newer torpor wrote this snapshot (a rolling upgrade): it is not poison, only
+        not ours to read. Retry at the backoff's cap, not every sweep, so a newer process,
+        or this one once upgraded, takes it; its header does not read either, so nothing
+        here could record a quarantine that a later commit would not contradict."""
+        log.warning("session %s waits for a newer torpor: %s", session_id, exc)
+        at = self.deps.clock.now() + retry_delay(self.deps.config, RETRY_AT_CAP)
+        await self.deps.index.schedule(kind=TimerKind.RETRY, member=session_id, at=at)
+        return ActivationResult(session_id, ActivationOutcome.STOPPED)
+
+    async def _quarantine_poison(self, session_id: str, exc: SnapshotCorrupt) -> ActivationResult:
         """A snapshot that cannot be decoded cannot be rewritten either: the quarantine is
         recorded in the index's session registry (state QUARANTINED, which repair and the
         timers leave alone), and its reason is the decode error, found again on every read.
         No retry timer: retrying a permanent error changes nothing until an operator acts
-        (``SessionService.retry``, e.g. after an upgrade that reads the newer schema)."""
+        (``SessionService.retry``, e.g. after restoring the object)."""
         log.error("session %s is quarantined: %s", session_id, exc)
         try:
             header = await self.deps.snapshots.header(session_id)
             tenant, generation = header.tenant, header.generation
         except SnapshotError:
-            tenant, generation = "", 0  # not even the header reads: listed under no tenant
+            # Not even the header reads: recorded under no tenant, and only if the index
+            # holds no later generation of it (the decode error still answers every read).
+            tenant, generation = "", 0
         await self.deps.index.record_session(
             tenant=tenant,
             session_id=session_id,
