@@ -29,20 +29,19 @@ from torpor.errors import (
     ObjectNotFound,
     PluginNotFound,
     SnapshotCorrupt,
-    SnapshotError,
     SnapshotNotFound,
     UnknownAgent,
 )
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import new_batch_id, new_session_id, new_trace_id
 from torpor.lifecycle import SessionState
-from torpor.models import AgentRef, Quarantine, SessionSnapshot
+from torpor.models import AgentRef, SessionSnapshot
 from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
 from torpor.ports.services import Services
+from torpor.service import quarantine
 from torpor.ssrf import check_callback_url
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
-POISON = frozenset({SnapshotCorrupt.code})
 log = logging.getLogger(__name__)
 
 
@@ -197,33 +196,10 @@ class SessionService:
         try:
             snapshot = await self.services.snapshots.load(session_id)
         except SnapshotCorrupt as exc:
-            snapshot = await self._poison(session_id, exc)
+            snapshot = await quarantine.stand_in(self.services, session_id, exc)
         if tenant is not None and snapshot.tenant != tenant:
             raise SnapshotNotFound(f"no session {session_id}")
         return snapshot
-
-    async def _poison(self, session_id: str, exc: SnapshotCorrupt) -> SessionSnapshot:
-        """A snapshot that does not decode, shown as what it is: QUARANTINED, with the
-        decode error as the reason, built from its header (which reads on its own). If not
-        even the header reads, the error itself is the answer."""
-        try:
-            header = await self.services.snapshots.header(session_id)
-        except SnapshotError:
-            raise exc from None
-        return SessionSnapshot(
-            session_id=session_id,
-            tenant=header.tenant,
-            agent=AgentRef(name=header.agent, version=""),
-            state=SessionState.QUARANTINED,
-            epoch=header.epoch,
-            generation=header.generation,
-            trace_id="",
-            quarantine=Quarantine(
-                reason=str(exc), code=exc.code, at=header.updated_at, resume_to=header.state
-            ),
-            created_at=header.updated_at,
-            updated_at=header.updated_at,
-        )
 
     async def wait(
         self, session_id: str, *, timeout_s: float = 300.0, tenant: str | None = None
@@ -260,39 +236,8 @@ class SessionService:
         return snapshot
 
     async def retry(self, session_id: str, *, tenant: str | None = None) -> SessionSnapshot:
-        """Operator action: take a QUARANTINED session back where it was set aside, with a
-        fresh retry quota. Idempotent per quarantine: the request is one inbox event named
-        for it. A poison snapshot is simply activated again (it may read now, e.g. once
-        restored); if it still does not, it is quarantined again."""
-        snapshot = await self.get(session_id, tenant=tenant)
-        aside = snapshot.quarantine
-        poison = aside is not None and aside.code in POISON  # a stand-in: it does not decode
-        if poison or snapshot.state is not SessionState.QUARANTINED:
-            indexed = (await self.services.index.session_states([session_id])).get(session_id)
-            if indexed is not SessionState.QUARANTINED:
-                raise InvalidRequest(f"session {session_id} is {snapshot.state}, not QUARANTINED")
-            # Quarantined in the index only (its snapshot did not decode): put the state
-            # the snapshot holds back in the index, and let an activation try again.
-            await self.services.index.record_session(
-                tenant=snapshot.tenant,
-                session_id=session_id,
-                state=aside.resume_to if poison and aside else snapshot.state,
-                generation=snapshot.generation,
-            )
-            await self.activate(session_id, reason=Reason.RETRY)
-            return snapshot
-        assert aside is not None
-        await self.deliver(
-            InboxEvent.new(
-                kind=EventKind.RETRY,
-                session_id=session_id,
-                source="torpor",
-                event_id=f"retry:{aside.at.isoformat()}",
-                type="torpor.session.retry",
-                received_at=self._now,
-            )
-        )
-        return snapshot
+        """Operator action: take a QUARANTINED session back (``torpor.service.quarantine``)."""
+        return await quarantine.retry(self, session_id, tenant=tenant)
 
     async def deliver(self, event: InboxEvent) -> bool:
         """Durably accept an event for a session, then wake it. False for a redelivery."""
