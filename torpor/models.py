@@ -155,7 +155,8 @@ class AgentRef(_Model):
 
 
 class RetryQuota(_Model):
-    """How many times a failing tool call may be retried before the session fails."""
+    """Retries of the session core (agent step, timed-out call, guard) before the session
+    is QUARANTINED; a success starts the count afresh."""
 
     max_attempts: int = 3
     used: int = 0
