@@ -253,6 +253,15 @@ class Ingress:
         body = {"session_id": session_id, "state": snapshot.state.value}
         return JSONResponse(body, status_code=200 if snapshot.terminal else 202)
 
+    @api.post("/v1/sessions/{session_id}/retry", status_code=202, tags=["sessions"])
+    async def retry_session(
+        self, session_id: str, authorization: Annotated[str | None, Header()] = None
+    ) -> JSONResponse:
+        """Operator action: take a QUARANTINED session back, with a fresh retry quota."""
+        tenant = self._tenant(authorization)
+        snapshot = await self.control.retry(session_id, tenant=tenant)
+        return JSONResponse({"session_id": session_id, "state": snapshot.state.value}, 202)
+
     @api.get("/v1/sessions/{session_id}/events", tags=["sessions"])
     async def session_events(
         self,

@@ -4,6 +4,10 @@ Dedicated: race-safe get-or-create of the session's named actor, then a poke. Ra
 hand back an actor that has just decided to exit (ray#44083); it answers ``closing`` or
 dies under the call, and we retry until a fresh one takes the request. Pooled: a poke to
 the host that ``hash(session_id)`` selects.
+
+Dedicated actors cost a process each (``num_cpus=0`` puts no bound on them), so an
+activator admits at most ``max_live_session_actors`` live ones it started. A request past
+the cap is deferred, never dropped: it leaves a RETRY timer, and the reconciler asks again.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import asyncio
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import ray
@@ -22,7 +28,7 @@ from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from storage.factory import check_embedded_allowed
 from torpor.backoff import Backoff
 from torpor.errors import ActivationUnavailable, SessionNotFound
-from torpor.ports import Reason
+from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.settings import Placement, Settings
 
@@ -45,6 +51,45 @@ def pool_slot(session_id: str, size: int) -> int:
     return int.from_bytes(digest[:8], "big") % size
 
 
+class Admission:
+    """How many dedicated session actors this activator has alive, against a cap.
+
+    Actors exit on their own when their session sleeps, so once the cap is reached the
+    count is checked against Ray (``alive``: the session ids with a live actor, one call),
+    at most every ``refresh_s`` seconds."""
+
+    def __init__(
+        self,
+        cap: int,
+        *,
+        alive: Callable[[], set[str]],
+        refresh_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cap = cap
+        self._alive = alive
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._live: set[str] = set()
+        self._checked_at = float("-inf")
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    def admit(self, session_id: str) -> bool:
+        """May ``session_id`` have an actor now? One that is live already always may."""
+        if session_id in self._live:
+            return True
+        if len(self._live) >= self.cap and self._clock() - self._checked_at >= self._refresh_s:
+            self._checked_at = self._clock()
+            self._live &= self._alive()
+        if len(self._live) >= self.cap:
+            return False
+        self._live.add(session_id)
+        return True
+
+
 class RayActivator:
     def __init__(self, services: Services) -> None:
         self.services = services
@@ -53,6 +98,9 @@ class RayActivator:
         check_embedded_allowed(self.settings, alive_nodes=alive_nodes())
         self._placements: OrderedDict[str, Placement] = OrderedDict()
         self._hosts: dict[int, Any] = {}
+        self.admission = Admission(
+            self.settings.runtime.max_live_session_actors, alive=self._live_sessions
+        )
 
     async def request(
         self,
@@ -66,8 +114,29 @@ class RayActivator:
         placement = await self._placement(session_id, agent)
         if placement is Placement.POOLED:
             await self._pooled(session_id, reason, requested_at)
-        else:
+        elif self.admission.admit(session_id):
             await self._dedicated(session_id, reason, requested_at)
+        else:
+            await self._defer(session_id)
+
+    async def _defer(self, session_id: str) -> None:
+        """Past the cap: the request waits durably as a RETRY timer (jittered, so a
+        backlog comes back spread out), and the reconciler asks again."""
+        config = self.services.config
+        delay = Backoff(
+            base_s=config.retry_delay.total_seconds(), cap_s=3600.0, jitter=0.2
+        ).delay_s(0)
+        at = self.services.clock.now() + timedelta(seconds=delay)
+        await self.services.index.schedule(kind=TimerKind.RETRY, member=session_id, at=at)
+
+    def _live_sessions(self) -> set[str]:
+        prefix = actor_name("")
+        named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
+        return {
+            a["name"].removeprefix(prefix)
+            for a in named
+            if a.get("namespace") == self.namespace and a["name"].startswith(prefix)
+        }
 
     async def _placement(self, session_id: str, agent: str | None) -> Placement:
         if agent is None and session_id in self._placements:

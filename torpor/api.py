@@ -63,6 +63,7 @@ class SessionOut(BaseModel):
     updated_at: datetime
     observations: int
     trace_id: str
+    quarantine: dict[str, Any] | None = None  # why it is set aside, while QUARANTINED
 
     @classmethod
     def of(cls, s: SessionSnapshot) -> SessionOut:
@@ -93,6 +94,7 @@ class SessionOut(BaseModel):
             updated_at=s.updated_at,
             observations=len(s.observations),
             trace_id=s.trace_id,
+            quarantine=s.quarantine.model_dump(mode="json") if s.quarantine else None,
         )
 
 

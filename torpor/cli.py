@@ -3,7 +3,7 @@
     torpor demo                      the main job, on embedded defaults
     torpor serve                     start the HTTP app (Ray Serve) and the reconciler
     torpor submit AGENT INPUT        submit a session through the API
-    torpor status ID | ls | events ID | cancel ID
+    torpor status ID | ls | events ID | cancel ID | retry ID
     torpor sign / send               sign a payload, or POST it signed, as a sender would
     torpor deliveries [resend ID]    failed outbound notifications
     torpor reconcile                 one reconciler sweep, now
@@ -176,6 +176,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retry(args: argparse.Namespace) -> int:
+    _print(_request(args, "POST", f"/v1/sessions/{urllib.parse.quote(args.session)}/retry")[1])
+    return 0
+
+
 def cmd_events(args: argparse.Namespace) -> int:
     base = (args.url or _settings().public_url).rstrip("/")
     key = args.api_key or os.environ.get("TORPOR_API_KEY")
@@ -332,6 +337,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=50)
     api("events", cmd_events, "follow a session's transitions").add_argument("session")
     api("cancel", cmd_cancel, "cancel a session").add_argument("session")
+    api("retry", cmd_retry, "retry a QUARANTINED session").add_argument("session")
 
     for name, fn, text in (
         ("sign", cmd_sign, "print signature headers for a payload"),

@@ -402,3 +402,34 @@ class UnknownCorrelation(PermanentError):
 
     code = "unknown_correlation"
     status, title, public = 404, "No matching wait", True
+
+
+# --- deadlines and bad input ----------------------------------------------------------
+
+
+class CallTimedOut(RetryableError):
+    """A call out (a tool, the agent, a dispatch) did not finish before its deadline.
+
+    Its outcome is unknown: it may have happened on the far side. It is retried under the
+    same idempotency key, never run twice at once."""
+
+    code = "call_timed_out"
+
+
+class GuardUnavailable(RetryableError):
+    """The external state the guard needs could not be read (an error or a timeout)."""
+
+    code = "guard_unavailable"
+
+
+class ActionKeyIncomplete(PermanentError):
+    """A wait's action key was built from missing values (``None``, ``null``, empty)."""
+
+    code = "action_key_incomplete"
+
+
+class UnhandledToolError(AgentError):
+    """A tool call failed and the plan has no branch for it: the session fails with the
+    cause rather than run the next step on missing values."""
+
+    code = "unhandled_tool_error"

@@ -22,6 +22,7 @@ class EventKind(StrEnum):
     POLL = "poll"  # the reconciler asked the external system and it had an answer
     CANCEL = "cancel"  # a client asked to cancel the session
     DISPATCH_FAILED = "dispatch_failed"  # the external request could never be sent
+    RETRY = "retry"  # an operator asked to take a quarantined session back
 
 
 class InboxEvent(BaseModel):

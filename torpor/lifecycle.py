@@ -1,7 +1,9 @@
 """The session lifecycle state machine.
 
 PENDING → RUNNING → SUSPENDED → RESUMING → RUNNING … → COMPLETED | FAILED | CANCELLED |
-TIMED_OUT. ``transition`` is the only way a snapshot's state changes: it refuses illegal
+TIMED_OUT, and QUARANTINED aside: a session whose snapshot cannot be read or whose retries
+are exhausted waits there for an operator, who retries (→ RUNNING) or cancels it.
+``transition`` is the only way a snapshot's state changes: it refuses illegal
 moves with a typed error, treats terminal states as immutable, and bumps the epoch when a
 wait opens (RUNNING → SUSPENDED) or closes (leaving SUSPENDED/RESUMING for RUNNING or a
 terminal state). The epoch is what the stale-callback gate compares: a callback stamped
@@ -31,6 +33,7 @@ class SessionState(StrEnum):
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
     TIMED_OUT = "TIMED_OUT"
+    QUARANTINED = "QUARANTINED"  # set aside until an operator retries or cancels
 
     @property
     def terminal(self) -> bool:
@@ -44,12 +47,17 @@ TERMINAL_STATES: frozenset[SessionState] = frozenset(
 WAITING_STATES: frozenset[SessionState] = frozenset({S.SUSPENDED, S.RESUMING})
 
 ALLOWED: dict[SessionState, frozenset[SessionState]] = {
-    S.PENDING: frozenset({S.RUNNING, S.CANCELLED, S.FAILED}),
-    S.RUNNING: frozenset({S.SUSPENDED, S.COMPLETED, S.FAILED, S.CANCELLED}),
-    S.SUSPENDED: frozenset({S.RESUMING, S.CANCELLED, S.TIMED_OUT, S.FAILED}),
+    S.PENDING: frozenset({S.RUNNING, S.CANCELLED, S.FAILED, S.QUARANTINED}),
+    S.RUNNING: frozenset({S.SUSPENDED, S.COMPLETED, S.FAILED, S.CANCELLED, S.QUARANTINED}),
+    S.SUSPENDED: frozenset({S.RESUMING, S.CANCELLED, S.TIMED_OUT, S.FAILED, S.QUARANTINED}),
     # RESUMING → SUSPENDED: the activation found nothing applicable (only stale events, or
     # one of several parallel waits answered) and the session goes back to sleep.
-    S.RESUMING: frozenset({S.RUNNING, S.SUSPENDED, S.CANCELLED, S.TIMED_OUT, S.FAILED}),
+    S.RESUMING: frozenset(
+        {S.RUNNING, S.SUSPENDED, S.CANCELLED, S.TIMED_OUT, S.FAILED, S.QUARANTINED}
+    ),
+    # Only an operator moves a session out of quarantine: retry (RUNNING) or cancel.
+    # SUSPENDED too: a session set aside while waiting goes back to its open waits.
+    S.QUARANTINED: frozenset({S.RUNNING, S.SUSPENDED, S.CANCELLED}),
     S.COMPLETED: frozenset(),
     S.FAILED: frozenset(),
     S.CANCELLED: frozenset(),
@@ -92,7 +100,10 @@ def can_transition(source: SessionState, target: SessionState) -> bool:
 
 def bumps_epoch(source: SessionState, target: SessionState) -> bool:
     opens_wait = source is S.RUNNING and target is S.SUSPENDED
-    closes_wait = source in WAITING_STATES and target not in WAITING_STATES
+    # Quarantine only sets a session aside: its waits stay open, and so does their epoch.
+    closes_wait = (
+        source in WAITING_STATES and target not in WAITING_STATES and target is not S.QUARANTINED
+    )
     return opens_wait or closes_wait
 
 

@@ -155,7 +155,8 @@ class AgentRef(_Model):
 
 
 class RetryQuota(_Model):
-    """How many times a failing tool call may be retried before the session fails."""
+    """Retries of the session core (agent step, timed-out call, guard) before the session
+    is QUARANTINED; a success starts the count afresh."""
 
     max_attempts: int = 3
     used: int = 0
@@ -163,6 +164,16 @@ class RetryQuota(_Model):
     @property
     def exhausted(self) -> bool:
         return self.used >= self.max_attempts
+
+
+class Quarantine(_Model):
+    """Why a session was set aside, and where an operator's retry takes it back to."""
+
+    reason: str
+    code: str
+    at: datetime
+    attempts: int = 0  # retries spent before it was set aside
+    resume_to: SessionState = SessionState.RUNNING
 
 
 class ToolLogEntry(_Model):
@@ -224,6 +235,7 @@ class SessionSnapshot(_Model):
     history: list[HistoryEntry] = Field(default_factory=list)
     result: JsonValue = None
     error: ErrorInfo | None = None
+    quarantine: Quarantine | None = None  # set while the state is QUARANTINED
     lease_fence: int = 0
     created_at: datetime
     updated_at: datetime

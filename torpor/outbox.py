@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from torpor.backoff import Backoff
+from torpor.deadlines import call_out
 from torpor.errors import DispatchImpossible, TorporError
 from torpor.ids import business_idempotency_key, new_entry_id
 from torpor.models import (
@@ -29,6 +30,7 @@ from torpor.tools import CallbackRoute, DispatchRequest, LongRunningTool, ToolRe
 MAX_DISPATCH_ATTEMPTS = 8
 DISPATCH_BACKOFF_BASE_S = 2.0
 DISPATCH_BACKOFF_CAP_S = 600.0
+CALL_TIMEOUT_S = 60.0  # a dispatch or compensation whose tool sets no timeout_s
 KEEP_SETTLED = 32  # settled entries kept in the snapshot for inspection
 
 
@@ -146,14 +148,23 @@ async def _send(
         undone = Wait.model_validate(entry.payload["wait"])
         reason = str(entry.payload.get("reason", ""))
         if tool.can_compensate:
-            await tool.compensate(
-                undone, tenant=snapshot.tenant, reason=reason, idempotency_key=entry.idempotency_key
+            await call_out(
+                tool.compensate,
+                undone,
+                tenant=snapshot.tenant,
+                reason=reason,
+                idempotency_key=entry.idempotency_key,
+                timeout_s=tool.timeout_s or CALL_TIMEOUT_S,
+                what=f"{tool.spec.name}.compensate",
             )
         return
     wait = snapshot.wait_for(entry.correlation_id or "")
     if wait is None:
         return  # the wait closed before its request went out: nothing left to ask
-    await tool.dispatch(
+    # A dispatch that overruns raises CallTimedOut (retryable): the entry stays PENDING and
+    # is resent under the same business idempotency key, so the far side dedups it.
+    await call_out(
+        tool.dispatch,
         DispatchRequest(
             session_id=snapshot.session_id,
             tenant=snapshot.tenant,
@@ -165,7 +176,9 @@ async def _send(
             callback=router.route(snapshot, wait),
             deadline=wait.deadline,
             trace_id=snapshot.trace_id,
-        )
+        ),
+        timeout_s=tool.timeout_s or CALL_TIMEOUT_S,
+        what=f"{tool.spec.name}.dispatch",
     )
 
 

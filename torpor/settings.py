@@ -192,6 +192,25 @@ class SecuritySettings(_Section):
     max_request_bytes: int = Field(1024 * 1024, description="larger API bodies are refused")
 
 
+class RuntimeSettings(_Section):
+    """Deadlines and retries of the session core."""
+
+    tool_timeout_s: float = Field(
+        60.0, description="deadline of a tool call (a tool's `timeout_s` wins)"
+    )
+    agent_step_timeout_s: float = Field(300.0, description="deadline of one agent step")
+    activation_max_s: float = Field(
+        900.0, description="wall-time cap of one activation; past it the session is retried later"
+    )
+    retry_backoff_base_s: float = Field(2.0, description="first retry delay of the session core")
+    retry_backoff_cap_s: float = Field(
+        600.0, description="longest retry delay; `max_tool_retries` per agent, then QUARANTINED"
+    )
+    max_live_session_actors: int = Field(
+        256, description="dedicated session actors one activator keeps alive; more wait as timers"
+    )
+
+
 class PoolSettings(_Section):
     """The `pooled` placement's long-lived host actors."""
 
@@ -239,6 +258,9 @@ class Settings(BaseSettings):
     )
     security: SecuritySettings = Field(default_factory=SecuritySettings, description="security")
     pool: PoolSettings = Field(default_factory=PoolSettings, description="pooled placement")
+    runtime: RuntimeSettings = Field(
+        default_factory=RuntimeSettings, description="session core deadlines and retries"
+    )
 
     @classmethod
     def settings_customise_sources(

@@ -11,18 +11,23 @@ route, and only then calls ``dispatch`` with the business idempotency key
 ``tenant:action_key:epoch``. Optional hooks: ``poll`` (ask the external system when a
 callback is overdue), ``current_state`` (for the State Invalidation Guard) and
 ``compensate`` (undo on timeout, cancel or drift).
+
+Every call into a tool has a deadline: the tool's ``timeout_s``, or the deployment's
+default when it is None. A plain ``def`` (a ``@sync_tool`` function, or a hook written
+without ``async``) runs in a worker thread so it never stops the lease heartbeat.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
+from torpor.deadlines import call_out
+from torpor.errors import ActionKeyIncomplete
 from torpor.models import DriftPolicy, GuardBaseline, Wait
 
 
@@ -59,6 +64,10 @@ class ToolContext:
     variables: dict[str, JsonValue]
 
 
+# What a segment of an action key reads like when the value behind it was missing.
+MISSING_MARKERS = frozenset({"", "none", "null", "undefined", "nan"})
+
+
 class WaitPlan(BaseModel):
     """What a long-running tool wants to wait for; the runtime turns it into a Wait."""
 
@@ -73,6 +82,18 @@ class WaitPlan(BaseModel):
     allowed_sources: list[str] = Field(default_factory=list)
     guard: GuardBaseline | None = None
     on_drift: DriftPolicy = DriftPolicy.REPLAN
+
+    @field_validator("action_key")
+    @classmethod
+    def _complete(cls, value: str) -> str:
+        # The action key becomes the far side's idempotency key: one built from a missing
+        # value (``approve:None``) would make unrelated sessions collide on one action.
+        # A typed error, not a ValueError: it fails the tool call with its own code.
+        if any(part.strip().lower() in MISSING_MARKERS for part in value.split(":")):
+            raise ActionKeyIncomplete(
+                f"action key {value[:200]!r} has a missing segment", action_key=value[:200]
+            )
+        return value
 
 
 @dataclass(frozen=True)
@@ -124,6 +145,7 @@ class Tool:
     long_running: ClassVar[bool] = False
     spec: ToolSpec
     version: str = "1"
+    timeout_s: float | None = None  # per call; None: the deployment's tool_timeout_s
 
     async def run(self, args: dict[str, Any], ctx: ToolContext) -> JsonValue:
         raise NotImplementedError
@@ -139,6 +161,7 @@ class LongRunningTool:
     long_running: ClassVar[bool] = True
     spec: ToolSpec
     version: str = "1"
+    timeout_s: float | None = None  # per hook call; None: the deployment's tool_timeout_s
     can_poll: ClassVar[bool] = False
     can_compensate: ClassVar[bool] = False
     checks_state: ClassVar[bool] = False
@@ -175,9 +198,12 @@ class FunctionTool(Tool):
         self.version = version
 
     async def run(self, args: dict[str, Any], ctx: ToolContext) -> JsonValue:
-        out: Any = self._fn(args, ctx)
-        if inspect.isawaitable(out):
-            out = await out
+        # A plain def may block (a socket, a file, a CPU-bound parse): ``call_out`` runs
+        # it off the loop, so the heartbeat that keeps the session's lease keeps running,
+        # and joins a call under the same key that an earlier deadline abandoned.
+        out: Any = await call_out(
+            self._fn, args, ctx, timeout_s=None, what=self.spec.name, key=ctx.idempotency_key
+        )
         return out  # type: ignore[no-any-return]
 
 

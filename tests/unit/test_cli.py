@@ -53,3 +53,34 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
     )
     assert result.returncode == 1 and "cannot read" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_retry_posts_the_operator_action(capsys: pytest.CaptureFixture[str]) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    seen: list[tuple[str, str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append((self.command, self.path))
+            body = b'{"session_id": "s_1", "state": "QUARANTINED"}'
+            self.send_response(202)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.handle_request, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert main(["retry", "s_1", "--url", url]) == 0
+    finally:
+        thread.join(timeout=5)
+        server.server_close()
+    assert seen == [("POST", "/v1/sessions/s_1/retry")]
+    assert '"QUARANTINED"' in capsys.readouterr().out

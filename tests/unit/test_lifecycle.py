@@ -91,3 +91,21 @@ def test_random_sequences_obey_the_table(targets: list[SessionState]) -> None:
 @given(st.sampled_from([s for s in S if s not in TERMINAL_STATES]))
 def test_every_live_state_can_end(state: SessionState) -> None:
     assert ALLOWED[state] & TERMINAL_STATES
+
+
+def test_quarantine_sets_a_waiting_session_aside_with_its_epoch() -> None:
+    snap = snapshot()
+    for target in (S.RUNNING, S.SUSPENDED, S.RESUMING):
+        snap = transition(snap, target, now=NOW)
+    epoch = snap.epoch
+    aside = transition(snap, S.QUARANTINED, now=NOW)
+    assert aside.epoch == epoch, "its waits stay open, so their epoch stays current"
+    assert transition(aside, S.SUSPENDED, now=NOW).epoch == epoch  # operator retry
+    assert transition(aside, S.CANCELLED, now=NOW).state is S.CANCELLED  # operator cancel
+
+
+def test_only_an_operator_takes_a_session_out_of_quarantine() -> None:
+    assert ALLOWED[S.QUARANTINED] == {S.RUNNING, S.SUSPENDED, S.CANCELLED}
+    for source in (S.PENDING, S.RUNNING, S.SUSPENDED, S.RESUMING):
+        assert S.QUARANTINED in ALLOWED[source]
+    assert not S.QUARANTINED.terminal

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
@@ -265,3 +266,31 @@ async def test_a_tool_missing_here_is_a_permanent_failure() -> None:
     entry = outbox.start_entry(snap, wait, now=NOW).model_copy(update={"tool_name": "gone"})
     result = await send(entry, snap, Approvals())
     assert isinstance(result, outbox.GaveUp) and "gone" in result.error
+
+
+class Hanging(Approvals):
+    """A far side that never answers: every call to it hangs."""
+
+    timeout_s = 0.01
+
+    async def dispatch(self, request: DispatchRequest) -> None:
+        await asyncio.Event().wait()
+
+    async def compensate(
+        self, wait: Wait, *, tenant: str, reason: str, idempotency_key: str
+    ) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_hung_dispatch_or_compensation_is_retried_under_the_same_key() -> None:
+    snap, wait = sleeping()
+    for entry in (
+        outbox.start_entry(snap, wait, now=NOW),
+        outbox.compensate_entry(snap, wait, reason="cancelled", now=NOW),
+    ):
+        result = await asyncio.wait_for(send(entry, snap, Hanging()), 5.0)
+        assert isinstance(result, outbox.RetryAt), "bounded, and its outcome unknown: resent"
+        assert "CallTimedOut" in result.error
+        settled = outbox.settle(entry, result, now=NOW)
+        assert settled.status is DispatchStatus.PENDING
+        assert settled.idempotency_key == entry.idempotency_key

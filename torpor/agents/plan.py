@@ -12,6 +12,8 @@ and no model is needed. The plan is data (from configuration)::
       - id: done
         finish: {status: "${results.approve.status}"}
 
+A call whose result is a tool error (``{"error": ...}``) goes where a branch that matches
+it says, else to the step's ``on_error``; with neither, the session fails with the cause.
 ``${path}`` alone in a string is replaced by the value (any JSON type); inside a longer
 string it is interpolated as text. Paths start at ``input``, ``results`` or ``vars``.
 Tool-call ids are derived from the step and its visit count, so a replay after a crash
@@ -28,7 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
-from torpor.errors import AgentError, ConfigError
+from torpor.errors import AgentError, ConfigError, UnhandledToolError
 from torpor.models import Message, ToolCall, ToolCallFunction
 
 _WHOLE = re.compile(r"^\$\{([A-Za-z0-9_.\-]+)\}$")
@@ -70,6 +72,8 @@ class PlanStep(_Plan):
     branches: list[Branch] = Field(default_factory=list)
     next: str | None = None  # default: the step that follows in the list
     finish: JsonValue = None
+    # Where a failed call goes when no branch matched; none: the session fails with it.
+    on_error: str | None = None
     max_visits: int = 5  # a loop (e.g. re-plan after drift) cannot spin forever
 
 
@@ -82,7 +86,7 @@ class Plan(_Plan):
         if not ids or len(set(ids)) != len(ids):
             raise ValueError("a plan needs at least one step and unique step ids")
         for step in self.steps:
-            for target in [step.next, *(b.goto for b in step.branches)]:
+            for target in [step.next, step.on_error, *(b.goto for b in step.branches)]:
                 if target is not None and target not in ids:
                     raise ValueError(f"step {step.id!r} points to unknown step {target!r}")
         return self
@@ -149,6 +153,11 @@ def holds(cond: Condition, scope: dict[str, Any]) -> bool:
                 return bool(value <= cond.value)
     except TypeError:  # comparing a number with a string: the branch simply does not hold
         return False
+
+
+def _is_error(result: Any) -> bool:
+    """A tool's failure as the runtime reports it: ``{"error": {...}}``."""
+    return isinstance(result, dict) and result.get("error") is not None
 
 
 def _parse_content(content: str | None) -> JsonValue:
@@ -224,6 +233,23 @@ class PlanAgent:
         for branch in step.branches:
             if all(holds(c, scope) for c in branch.when):
                 return branch.goto
+        # A failed call that no branch took must not flow on: the next step would run on
+        # the missing values (an approval asked for ``doc_id: null``).
+        failed = [
+            (call.name or step.id, result)
+            for call in step.calls
+            if _is_error(result := scope["results"].get(call.name or step.id))
+        ]
+        if failed:
+            if step.on_error is not None:
+                return step.on_error
+            name, result = failed[0]
+            raise UnhandledToolError(
+                f"plan step {step.id!r}: call {name!r} failed and no branch handles it: "
+                f"{json.dumps(result['error'], ensure_ascii=False, default=str)[:500]}",
+                step=step.id,
+                call=name,
+            )
         if step.next is not None:
             return step.next
         position = self._order.index(step.id) + 1

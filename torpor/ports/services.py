@@ -36,6 +36,13 @@ class RuntimeConfig:
     binding_grace: timedelta  # an index binding outlives its wait's deadline by this
     retry_delay: timedelta  # a conflicted or failed activation is retried after this
     notify_on: frozenset[str]  # session events sent to the submitter's callback URL
+    # Deadlines: every call out is bounded, and so is one activation as a whole.
+    tool_timeout: timedelta = timedelta(seconds=60)  # a tool call whose tool sets none
+    agent_step_timeout: timedelta = timedelta(seconds=300)  # one agent.step
+    activation_cap: timedelta = timedelta(minutes=15)  # then checkpoint, retry later
+    # The one backoff of the session core's retries (agent, guard, failed activations).
+    retry_base: timedelta = timedelta(seconds=2)
+    retry_cap: timedelta = timedelta(minutes=10)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RuntimeConfig:
@@ -45,6 +52,11 @@ class RuntimeConfig:
             binding_grace=timedelta(seconds=settings.storage.binding_grace_s),
             retry_delay=timedelta(seconds=settings.reconciler.interval_s),
             notify_on=frozenset(settings.notifications.on),
+            tool_timeout=timedelta(seconds=settings.runtime.tool_timeout_s),
+            agent_step_timeout=timedelta(seconds=settings.runtime.agent_step_timeout_s),
+            activation_cap=timedelta(seconds=settings.runtime.activation_max_s),
+            retry_base=timedelta(seconds=settings.runtime.retry_backoff_base_s),
+            retry_cap=timedelta(seconds=settings.runtime.retry_backoff_cap_s),
         )
 
 

@@ -26,6 +26,7 @@ from torpor.errors import (
     InvalidRequest,
     PluginNotFound,
     SessionNotFound,
+    SnapshotCorrupt,
     UnknownAgent,
 )
 from torpor.events import EventKind, InboxEvent
@@ -34,6 +35,7 @@ from torpor.lifecycle import SessionState
 from torpor.models import AgentRef, OutboxEntry, SessionSnapshot
 from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
 from torpor.ports.services import Services
+from torpor.service import quarantine
 from torpor.service.coalescing import Coalescer, request_activation
 from torpor.session import dead_letters
 from torpor.ssrf import check_callback_url
@@ -174,6 +176,8 @@ class SessionService:
             snapshot = await self.services.snapshots.load(session_id)
         except InvalidKey:  # not a session id at all: as not found as any other
             raise SessionNotFound(f"no session {session_id[:80]!r}") from None
+        except SnapshotCorrupt as exc:
+            snapshot = await quarantine.stand_in(self.services, session_id, exc)
         if tenant is not None and snapshot.tenant != tenant:
             raise SessionNotFound(f"no session {session_id}")
         return snapshot
@@ -225,6 +229,10 @@ class SessionService:
         await self.services.index.schedule(kind=TimerKind.RETRY, member=session_id, at=self._now)
         await self.activate(session_id, reason=Reason.RETRY)
         return entry
+
+    async def retry(self, session_id: str, *, tenant: str | None = None) -> SessionSnapshot:
+        """Operator action: take a QUARANTINED session back (``torpor.service.quarantine``)."""
+        return await quarantine.retry(self, session_id, tenant=tenant)
 
     async def deliver(self, event: InboxEvent) -> bool:
         """Durably accept an event for a session, then activate it. False for a redelivery."""

@@ -8,6 +8,7 @@ it drives them.
 
 from __future__ import annotations
 
+from torpor.events import EventKind
 from torpor.lifecycle import WAITING_STATES, SessionState
 from torpor.models import ErrorInfo, SessionSnapshot
 from torpor.plugins import LoadedAgent
@@ -31,6 +32,7 @@ class Activation:
         loaded: LoadedAgent | None,
     ) -> None:
         self.loaded = loaded
+        self.deps = deps
         self.work = WorkingCopy(deps, snapshot, heartbeat)
         self.suspender = Suspender(self.work, loaded)
         self.wake = Wake(self.work, loaded, self.suspender)
@@ -51,6 +53,8 @@ class Activation:
         if snap.terminal:
             await self.wake.settle_terminal()
             return
+        if snap.state is SessionState.QUARANTINED and not await self.leave_quarantine():
+            return
         if loaded is None:
             await self.suspender.finish(
                 SessionState.FAILED,
@@ -61,7 +65,7 @@ class Activation:
                 ),
             )
             return
-        if snap.state is SessionState.PENDING:
+        if work.snap.state is SessionState.PENDING:
             ctx = self.loop.agent_context()
             work.update(
                 messages=loaded.agent.initial_messages(snap.input, ctx),
@@ -83,3 +87,30 @@ class Activation:
                 # Events may have arrived before the wait was even committed (a fast far
                 # side, or a client delivery): apply them now rather than sleep on them.
                 await self.wake.resume()
+
+    async def leave_quarantine(self) -> bool:
+        """Only an operator takes a session out of quarantine: a cancel ends it, a retry
+        puts it back where it was set aside, with a fresh retry quota. True if it runs on."""
+        work = self.work
+        events = await self.deps.inbox.pending(
+            work.snap.session_id, processed=set(work.snap.processed_events)
+        )
+        cancel = next((e for e in events if e.kind is EventKind.CANCEL), None)
+        if cancel is not None:
+            work.update(processed_events=[*work.snap.processed_events, cancel.key])
+            await self.suspender.finish(
+                SessionState.CANCELLED, reason="cancelled", compensate=list(work.snap.waits)
+            )
+            return False
+        retry = next((e for e in events if e.kind is EventKind.RETRY), None)
+        if retry is None:
+            return False  # set aside: nothing brings it back but an operator
+        aside = work.snap.quarantine
+        work.update(
+            processed_events=[*work.snap.processed_events, retry.key],
+            quarantine=None,
+            retry=work.snap.retry.model_copy(update={"used": 0}),
+        )
+        work.move(aside.resume_to if aside else SessionState.RUNNING, "operator retry")
+        await work.commit()
+        return True

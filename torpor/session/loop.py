@@ -1,7 +1,9 @@
 """The agent loop: agent steps and sync tool calls, each one checkpointed.
 
-A sync tool runs inline and its result goes into the completed-call log under
-``H(session:step:call)``, so a replay after a crash never runs it twice. A long-running
+A sync tool runs inline (a plain ``def`` in a worker thread), under a deadline, and its
+result goes into the completed-call log under ``H(session:step:call)``, so a replay after
+a crash never runs it twice. A call that times out is not logged: its outcome is unknown,
+so it is retried with backoff under the same key. A long-running
 tool plans a wait instead; once every call of the turn is handled, the planned waits
 suspend the session (``torpor.session.suspend``).
 """
@@ -9,12 +11,12 @@ suspend the session (``torpor.session.suspend``).
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 
 from pydantic import JsonValue
 
 from torpor.agent import AgentContext, AgentTurn
-from torpor.errors import AgentUnavailable, TorporError
+from torpor.deadlines import call_out
+from torpor.errors import AgentUnavailable, CallTimedOut, TorporError
 from torpor.events import EventKind
 from torpor.faults import CrashPoint, crash_point
 from torpor.ids import tool_call_key
@@ -22,8 +24,9 @@ from torpor.lifecycle import SessionState
 from torpor.models import ErrorInfo, Message, ToolCall, ToolLogEntry
 from torpor.plugins import LoadedAgent
 from torpor.ports import TimerKind
+from torpor.session.retry import Retrier
 from torpor.session.suspend import Suspender
-from torpor.session.working import StopActivation, WorkingCopy, error_result, message_content
+from torpor.session.working import WorkingCopy, error_result, message_content
 from torpor.tools import LongRunningTool, Tool, ToolContext, WaitPlan
 
 MAX_STEPS_PER_ACTIVATION = 200
@@ -37,6 +40,7 @@ class AgentLoop:
         self.deps = work.deps
         self.loaded = loaded
         self.suspender = suspender
+        self.retrier = Retrier(work)
 
     async def run(self) -> None:
         """Drive the agent loop until the session suspends or ends."""
@@ -78,8 +82,14 @@ class AgentLoop:
         await self.deps.observer.agent_step(work.snap)
         ctx = self.agent_context()
         try:
-            turn: AgentTurn = await self.loaded.agent.step(list(work.snap.messages), ctx)
-        except AgentUnavailable as exc:
+            turn: AgentTurn = await call_out(
+                self.loaded.agent.step,
+                list(work.snap.messages),
+                ctx,
+                timeout_s=self.deps.config.agent_step_timeout.total_seconds(),
+                what="agent.step",
+            )
+        except (AgentUnavailable, CallTimedOut) as exc:
             await self.retry_later(exc)
             return
         except TorporError as exc:
@@ -89,6 +99,7 @@ class AgentLoop:
             await self.fail("agent_crashed", f"{type(exc).__name__}: {exc}")
             return
         work.stats.agent_steps += 1
+        self.retrier.succeeded()
         work.update(
             step=work.snap.step + 1,
             variables=ctx.variables,
@@ -103,21 +114,8 @@ class AgentLoop:
             await work.commit()
 
     async def retry_later(self, exc: TorporError) -> None:
-        work = self.work
-        quota = work.snap.retry
-        if quota.exhausted:
-            await self.fail(exc.code, f"gave up after {quota.used} retries: {exc}")
-            return
-        work.update(retry=quota.model_copy(update={"used": quota.used + 1}))
-        await work.commit()
-        delay = 2.0 * (2**quota.used)
-        await self.deps.index.schedule(
-            kind=TimerKind.RETRY,
-            member=work.snap.session_id,
-            at=work.now + timedelta(seconds=delay),
-        )
-        # The session stays RUNNING; this activation ends and the timer brings it back.
-        raise StopActivation("retry scheduled")
+        """Back off and retry (``torpor.session.retry``); quarantine once the quota is spent."""
+        await self.retrier.later(exc.code, str(exc))
 
     async def fail(self, code: str, message: str) -> None:
         await self.suspender.finish(
@@ -176,9 +174,24 @@ class AgentLoop:
             result = {"error": {"code": "bad_arguments", "message": str(exc)}}
         else:
             try:
-                result = await tool.run(args, self.tool_context(call, key))
+                result = await call_out(
+                    tool.run,
+                    args,
+                    self.tool_context(call, key),
+                    timeout_s=self.timeout_s(tool),
+                    what=call.function.name,
+                    key=key,
+                )
+            except CallTimedOut as exc:
+                if not self.retrier.exhausted:
+                    # Its outcome is unknown: not logged, so the retry runs it again under
+                    # the same key (joining it if it is still running in this process).
+                    await self.retrier.later(exc.code, str(exc))
+                result = error_result(exc)  # retries spent: the agent decides
             except Exception as exc:  # the tool's failure is the agent's information
                 result = error_result(exc)
+            else:
+                self.retrier.succeeded()
         entry = ToolLogEntry(
             key=key,
             tool_name=call.function.name,
@@ -197,7 +210,14 @@ class AgentLoop:
             args = json.loads(call.function.arguments or "{}")
             if not isinstance(args, dict):
                 raise ValueError("arguments must be a JSON object")
-            return await tool.begin(args, self.tool_context(call, key))
+            plan: WaitPlan = await call_out(
+                tool.begin,
+                args,
+                self.tool_context(call, key),
+                timeout_s=self.timeout_s(tool),
+                what=f"{call.function.name}.begin",
+            )
+            return plan
         except Exception as exc:
             error = error_result(exc)
             work.update(
@@ -208,6 +228,9 @@ class AgentLoop:
             )
             await work.commit()
             return None
+
+    def timeout_s(self, tool: Tool | LongRunningTool) -> float:
+        return tool.timeout_s or self.deps.config.tool_timeout.total_seconds()
 
     # -- contexts -----------------------------------------------------------------------
 

@@ -16,7 +16,9 @@ is still applied.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -26,6 +28,9 @@ from torpor.errors import (
     LeaseLost,
     PluginNotFound,
     SessionNotFound,
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotSchemaTooNew,
 )
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
@@ -34,9 +39,12 @@ from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.session.activation import Activation
 from torpor.session.heartbeat import Heartbeat
+from torpor.session.retry import retry_delay
 from torpor.session.working import StopActivation
 
 MAX_ROUNDS = 8
+RETRY_AT_CAP = 62  # a backoff attempt far past any cap: the capped delay, with jitter
+log = logging.getLogger(__name__)
 
 
 class ActivationOutcome(StrEnum):
@@ -48,6 +56,7 @@ class ActivationOutcome(StrEnum):
     LEASE_LOST = "lease_lost"
     MISSING = "missing"  # no such session
     STOPPED = "stopped"  # ended early after a checkpoint (a retry is scheduled)
+    QUARANTINED = "quarantined"  # the snapshot cannot be read: set aside for an operator
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,12 @@ class SessionRuntime:
             requested_at = None
             if result.outcome is not ActivationOutcome.RAN or snapshot is None:
                 return result
+            if snapshot.state is SessionState.QUARANTINED:
+                # Set aside: events wait in the inbox for the operator's retry, and no
+                # re-check, wake-up or retry timer brings the session round meanwhile.
+                for kind in (TimerKind.WAKE, TimerKind.RETRY):
+                    await self.deps.index.unschedule(kind=kind, member=session_id)
+                return result
             # Unschedule the wake-up first, then look: an event written after our look
             # schedules its own wake-up after our unschedule, so none is ever orphaned.
             await self.deps.index.unschedule(kind=TimerKind.WAKE, member=session_id)
@@ -122,12 +137,18 @@ class SessionRuntime:
             except SessionNotFound:
                 release = True
                 return ActivationResult(session_id, ActivationOutcome.MISSING), None
+            except SnapshotSchemaTooNew as exc:
+                release = True
+                return await self._leave_to_newer(session_id, exc), None
+            except SnapshotCorrupt as exc:
+                release = True
+                return await self._quarantine_poison(session_id, exc), None
             if snapshot.lease_fence >= heartbeat.lease.token:
                 # The index handed out a token some holder already committed with: it lost
                 # its fencing counter (flushed). Seed it from the snapshot, which survives.
                 await heartbeat.refence(snapshot.lease_fence)
             activation = Activation(self.deps, snapshot, heartbeat, self._agent(snapshot))
-            await activation.drive(reason)
+            await self._drive_capped(activation, reason)
             release = True
         except (CommitConflict, LeaseLost) as exc:
             # Someone else wrote or holds the session. If they finish its work, the retry
@@ -157,6 +178,61 @@ class SessionRuntime:
                     await index.release_lease(heartbeat.lease)
         assert activation is not None
         return self._result(activation, outcome, requested_at), activation.snap
+
+    async def _drive_capped(self, activation: Activation, reason: Reason) -> None:
+        """Drive within the activation wall-time cap. A hung call would otherwise keep the
+        heartbeat renewing the lease for ever: past the cap the drive is cancelled (the
+        last tool-boundary checkpoint stands), a retry is scheduled and the lease let go."""
+        cap = asyncio.timeout(self.deps.config.activation_cap.total_seconds())
+        try:
+            async with cap:
+                await activation.drive(reason)
+        except TimeoutError:
+            if not cap.expired():
+                raise  # someone else's timeout, not the cap
+            session_id = activation.snap.session_id
+            log.warning("activation of %s ran past its wall-time cap; retrying later", session_id)
+            await self._retry_soon(session_id)
+            raise StopActivation("activation wall-time cap") from None
+
+    async def _leave_to_newer(self, session_id: str, exc: SnapshotSchemaTooNew) -> ActivationResult:
+        """A newer torpor wrote this snapshot (a rolling upgrade): it is not poison, only
+        not ours to read. Retry at the backoff's cap, not every sweep, so a newer process,
+        or this one once upgraded, takes it; its header does not read either, so nothing
+        here could record a quarantine that a later commit would not contradict."""
+        log.warning("session %s waits for a newer torpor: %s", session_id, exc)
+        at = self.deps.clock.now() + retry_delay(self.deps.config, RETRY_AT_CAP)
+        await self.deps.index.schedule(kind=TimerKind.RETRY, member=session_id, at=at)
+        return ActivationResult(session_id, ActivationOutcome.STOPPED)
+
+    async def _quarantine_poison(self, session_id: str, exc: SnapshotCorrupt) -> ActivationResult:
+        """A snapshot that cannot be decoded cannot be rewritten either: the quarantine is
+        recorded in the index's session registry (state QUARANTINED, which repair and the
+        timers leave alone), and its reason is the decode error, found again on every read.
+        No retry timer: retrying a permanent error changes nothing until an operator acts
+        (``SessionService.retry``, e.g. after restoring the object)."""
+        log.error("session %s is quarantined: %s", session_id, exc)
+        try:
+            header = await self.deps.snapshots.header(session_id)
+            tenant, generation = header.tenant, header.generation
+        except SnapshotError:
+            # Not even the header reads: recorded under no tenant, and only if the index
+            # holds no later generation of it (the decode error still answers every read).
+            tenant, generation = "", 0
+        await self.deps.index.record_session(
+            tenant=tenant,
+            session_id=session_id,
+            state=SessionState.QUARANTINED,
+            generation=generation,
+        )
+        for kind in (TimerKind.RETRY, TimerKind.WAKE):  # nothing but an operator brings it back
+            await self.deps.index.unschedule(kind=kind, member=session_id)
+        return ActivationResult(
+            session_id,
+            ActivationOutcome.QUARANTINED,
+            state=SessionState.QUARANTINED,
+            generation=generation,
+        )
 
     async def _retry_soon(self, session_id: str) -> None:
         at = self.deps.clock.now() + self.deps.config.retry_delay

@@ -5,6 +5,10 @@ In order: a cancel wins over everything; then each event passes the gates
 never applied) or reaches the State Invalidation Guard (``torpor.guard``) and is injected as
 the answer of its tool call. Waits whose deadline passed time the session out. A finished
 session still answers late events, as observations.
+
+A guard whose ``current_state`` fails or times out is retried with the session core's
+backoff (``torpor.session.retry``) until the retry quota is spent; once the wait's
+deadline has passed it times out instead, so a failing guard can never outlive the SLA.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ from __future__ import annotations
 from pydantic import JsonValue
 
 from torpor import guard
+from torpor.deadlines import call_out
+from torpor.errors import GuardUnavailable
 from torpor.events import EventKind, InboxEvent
 from torpor.gates import Verdict, classify, expired_waits
 from torpor.lifecycle import SessionState
 from torpor.models import DriftPolicy, ErrorInfo, Message, Observation, ObservationReason, Wait
 from torpor.plugins import LoadedAgent
+from torpor.session.retry import Retrier
 from torpor.session.suspend import Suspender
 from torpor.session.working import WorkingCopy, message_content
 from torpor.tools import LongRunningTool
@@ -30,6 +37,7 @@ class Wake:
         self.deps = work.deps
         self.loaded = loaded
         self.suspender = suspender
+        self.retrier = Retrier(work)
         self._closed: list[Wait] = []  # waits answered by this activation, to unbind
 
     async def resume(self) -> None:
@@ -65,7 +73,17 @@ class Wake:
                 await self.observe(event, ObservationReason.LATE)
                 overdue.append(decision.wait)
                 continue
-            if not await self.apply(event, decision.wait):
+            try:
+                applied = await self.apply(event, decision.wait)
+            except GuardUnavailable as exc:
+                if decision.wait.deadline <= now:
+                    # The guard cannot be checked and the time is up: the SLA still
+                    # holds, so the wait times out instead of retrying past its deadline.
+                    await self.observe(event, ObservationReason.LATE)
+                    overdue.append(decision.wait)
+                    continue
+                await self.retrier.later(exc.code, str(exc))
+            if not applied:
                 return  # the guard ended the session
         still_open = [w for w in overdue if work.snap.wait_for(w.correlation_id)]
         if still_open:
@@ -98,7 +116,18 @@ class Wake:
         tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
         current = None
         if isinstance(tool, LongRunningTool) and tool.checks_state and guard.needs_state(wait):
-            current = await tool.current_state(wait, tenant=work.snap.tenant)
+            timeout_s = tool.timeout_s or self.deps.config.tool_timeout.total_seconds()
+            try:
+                current = await call_out(
+                    tool.current_state,
+                    wait,
+                    tenant=work.snap.tenant,
+                    timeout_s=timeout_s,
+                    what=f"{tool.spec.name}.current_state",
+                )
+            except Exception as exc:
+                raise GuardUnavailable(f"{type(exc).__name__}: {exc}") from exc
+            self.retrier.succeeded()
         verdict = guard.evaluate(wait.guard, current, now=work.now)
         content: JsonValue = event.data
         if not verdict.ok:

@@ -1,0 +1,59 @@
+"""The cap on live dedicated session actors: admission, and a deferred request that waits
+durably as a RETRY timer instead of being dropped (pure code, no Ray started)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from actors.ray_activator import Admission, RayActivator
+from storage.memory_index import MemoryIndex
+from torpor.clock import ManualClock
+from torpor.ports import Reason, TimerKind
+from torpor.settings import Placement
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_admits_up_to_the_cap_then_refuses_until_an_actor_is_gone() -> None:
+    alive = {"a", "b"}
+    clock = Clock()
+    admission = Admission(2, alive=lambda: set(alive), refresh_s=1.0, clock=clock)
+    assert admission.admit("a") and admission.admit("b")
+    assert admission.admit("a"), "a live actor takes more requests"
+    assert not admission.admit("c")
+    alive.discard("a")  # its session went to sleep and the actor exited
+    assert not admission.admit("c"), "Ray is asked at most once per refresh_s"
+    clock.t = 1.0
+    assert admission.admit("c") and admission.live == 2
+
+
+async def test_a_request_past_the_cap_leaves_a_retry_timer() -> None:
+    index, clock = MemoryIndex(), ManualClock()
+    activator: Any = RayActivator.__new__(RayActivator)  # no Ray: only the admission path
+    activator.services = type(
+        "S",
+        (),
+        {
+            "index": index,
+            "clock": clock,
+            "config": type("C", (), {"retry_delay": timedelta(seconds=5)})(),
+        },
+    )()
+    activator.admission = Admission(0, alive=set)
+    activator._placements = {"s_1": Placement.DEDICATED}
+
+    async def never(*_: object) -> None:
+        raise AssertionError("no actor may be started past the cap")
+
+    activator._dedicated = never
+    await activator.request("s_1", reason=Reason.EVENT)
+    later = clock.now() + timedelta(seconds=7)
+    assert await index.due(kind=TimerKind.RETRY, now=later, limit=10) == ["s_1"]
+    assert await index.due(kind=TimerKind.RETRY, now=clock.now(), limit=10) == []

@@ -1,0 +1,68 @@
+"""PlanAgent: a failed call goes to a branch that takes it, else ``on_error``, else the
+session fails with the cause; WaitPlan refuses an action key with a missing segment."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from torpor.agent import AgentContext
+from torpor.agents.plan import PlanAgent
+from torpor.errors import ActionKeyIncomplete, UnhandledToolError
+from torpor.models import Message
+from torpor.tools import WaitPlan
+
+STEPS: list[dict[str, Any]] = [
+    {"id": "extract", "calls": [{"tool": "extract_fields"}]},
+    {"id": "approve", "calls": [{"tool": "request_approval"}]},
+]
+
+
+def ctx(variables: dict[str, Any]) -> AgentContext:
+    return AgentContext(
+        session_id="s", tenant="t", step=0, input=None, metadata={}, tools=[], variables=variables
+    )
+
+
+async def after_failed_extract(steps: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+    agent = PlanAgent(plan={"steps": steps})
+    context = ctx({})
+    first = await agent.step([], context)
+    [call] = first.message.tool_calls or []
+    answer = Message(
+        role="tool",
+        tool_call_id=call.id,
+        content=json.dumps({"error": {"code": "tool_error", "message": "not a document"}}),
+    )
+    turn = await agent.step([first.message, answer], context)
+    return turn, context.variables
+
+
+async def test_an_unhandled_tool_error_fails_with_its_cause() -> None:
+    with pytest.raises(UnhandledToolError, match="not a document"):
+        await after_failed_extract(STEPS)
+
+
+async def test_on_error_takes_a_failed_call() -> None:
+    steps = [{**STEPS[0], "on_error": "failed"}, STEPS[1], {"id": "failed", "finish": "bad"}]
+    turn, _ = await after_failed_extract(steps)
+    assert turn.final and turn.result == "bad"
+
+
+async def test_a_branch_on_the_error_takes_it() -> None:
+    branch = {"when": {"path": "results.extract.error", "op": "exists"}, "goto": "failed"}
+    steps = [{**STEPS[0], "branches": [branch]}, STEPS[1], {"id": "failed", "finish": "x"}]
+    turn, _ = await after_failed_extract(steps)
+    assert turn.result == "x"
+
+
+@pytest.mark.parametrize("key", ["approve:None", "approve:null", "approve:", ":x", "a::b", ""])
+def test_an_action_key_with_a_missing_segment_is_refused(key: str) -> None:
+    with pytest.raises(ActionKeyIncomplete):
+        WaitPlan(action_key=key)
+
+
+def test_a_complete_action_key_is_kept() -> None:
+    assert WaitPlan(action_key="approve:PR-1:v2").action_key == "approve:PR-1:v2"

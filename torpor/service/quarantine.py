@@ -1,0 +1,96 @@
+"""Quarantine, as the control plane sees it: a poison snapshot shown for what it is, and
+the operator's retry.
+
+A session is set aside (QUARANTINED) by its runtime when its retries are spent, with the
+reason in its snapshot; or, when its snapshot does not decode, in the index's session
+registry only, since such a snapshot cannot be rewritten: then the decode error is the
+reason, found again on every read. Cancel works on both through the usual inbox event.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torpor.errors import InvalidRequest, SnapshotCorrupt, SnapshotError
+from torpor.events import EventKind, InboxEvent
+from torpor.lifecycle import SessionState
+from torpor.models import AgentRef, Quarantine, SessionSnapshot
+from torpor.ports import Reason
+from torpor.ports.services import Services
+
+
+class _Sessions(Protocol):
+    """What the retry needs of the session service (which calls it: no import back)."""
+
+    services: Services
+
+    async def get(self, session_id: str, *, tenant: str | None = None) -> SessionSnapshot: ...
+
+    async def activate(
+        self, session_id: str, *, reason: Reason, agent: str | None = None
+    ) -> None: ...
+
+    async def deliver(self, event: InboxEvent) -> bool: ...
+
+
+POISON = frozenset({SnapshotCorrupt.code})
+
+
+async def stand_in(services: Services, session_id: str, exc: SnapshotCorrupt) -> SessionSnapshot:
+    """A snapshot that does not decode, shown as what it is: QUARANTINED, with the
+    decode error as the reason, built from its header (which reads on its own). If not
+    even the header reads, the error itself is the answer."""
+    try:
+        header = await services.snapshots.header(session_id)
+    except SnapshotError:
+        raise exc from None
+    return SessionSnapshot(
+        session_id=session_id,
+        tenant=header.tenant,
+        agent=AgentRef(name=header.agent, version=""),
+        state=SessionState.QUARANTINED,
+        epoch=header.epoch,
+        generation=header.generation,
+        trace_id="",
+        quarantine=Quarantine(
+            reason=str(exc), code=exc.code, at=header.updated_at, resume_to=header.state
+        ),
+        created_at=header.updated_at,
+        updated_at=header.updated_at,
+    )
+
+
+async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> SessionSnapshot:
+    """Operator action: take a QUARANTINED session back where it was set aside, with a
+    fresh retry quota. Idempotent per quarantine: the request is one inbox event named
+    for it. A poison snapshot is simply activated again (it may read now, e.g. once
+    restored); if it still does not, it is quarantined again."""
+    snapshot = await control.get(session_id, tenant=tenant)
+    aside = snapshot.quarantine
+    poison = aside is not None and aside.code in POISON  # a stand-in: it does not decode
+    if poison or snapshot.state is not SessionState.QUARANTINED:
+        indexed = (await control.services.index.session_states([session_id])).get(session_id)
+        if indexed is not SessionState.QUARANTINED:
+            raise InvalidRequest(f"session {session_id} is {snapshot.state}, not QUARANTINED")
+        # Quarantined in the index only (its snapshot did not decode): put the state
+        # the snapshot holds back in the index, and let an activation try again.
+        await control.services.index.record_session(
+            tenant=snapshot.tenant,
+            session_id=session_id,
+            state=aside.resume_to if poison and aside else snapshot.state,
+            generation=snapshot.generation,
+        )
+        await control.activate(session_id, reason=Reason.RETRY)
+        return snapshot
+    assert aside is not None
+    await control.deliver(
+        InboxEvent.new(
+            kind=EventKind.RETRY,
+            session_id=session_id,
+            source="torpor",
+            event_id=f"retry:{aside.at.isoformat()}",
+            type="torpor.session.retry",
+            received_at=control.services.clock.now(),
+        )
+    )
+    return snapshot

@@ -1,0 +1,84 @@
+"""Retries of the session core: one capped exponential backoff, one quota, then quarantine.
+
+A retryable failure (the agent's backend, a call that timed out, a guard whose external
+state cannot be read) checkpoints, schedules a RETRY timer ``retry_delay(used)`` ahead and
+ends the activation; the timer brings the session back. The quota is the snapshot's
+``retry``, so it survives crashes; a success resets it. Once it is spent the session is
+QUARANTINED with the reason, and stays there until an operator retries or cancels it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import NoReturn
+
+from torpor.backoff import Backoff
+from torpor.lifecycle import WAITING_STATES, SessionState
+from torpor.models import Quarantine
+from torpor.ports import TimerKind
+from torpor.ports.services import RuntimeConfig
+from torpor.session.working import StopActivation, WorkingCopy
+
+
+def retry_delay(config: RuntimeConfig, attempt: int) -> timedelta:
+    """The session core's backoff before retry number ``attempt`` (0-based)."""
+    policy = Backoff(
+        base_s=config.retry_base.total_seconds(),
+        cap_s=config.retry_cap.total_seconds(),
+        jitter=0.2,
+    )
+    seconds = policy.delay_s(attempt)
+    return timedelta(seconds=seconds)
+
+
+class Retrier:
+    """Retry later with backoff, or set the session aside when the quota is spent."""
+
+    def __init__(self, work: WorkingCopy) -> None:
+        self.work = work
+        self.deps = work.deps
+
+    @property
+    def exhausted(self) -> bool:
+        return self.work.snap.retry.exhausted
+
+    async def later(self, code: str, message: str) -> NoReturn:
+        """Checkpoint, schedule the retry and end this activation (or quarantine)."""
+        work = self.work
+        quota = work.snap.retry
+        if quota.exhausted:
+            await self.quarantine(code, f"gave up after {quota.used} retries: {message}")
+        work.update(retry=quota.model_copy(update={"used": quota.used + 1}))
+        await work.commit()
+        await self.deps.index.schedule(
+            kind=TimerKind.RETRY,
+            member=work.snap.session_id,
+            at=work.now + retry_delay(self.deps.config, quota.used),
+        )
+        # The session keeps its state; this activation ends and the timer brings it back.
+        raise StopActivation("retry scheduled")
+
+    def succeeded(self) -> None:
+        """A call that had been failing went through: the quota starts afresh (committed
+        with the next checkpoint)."""
+        quota = self.work.snap.retry
+        if quota.used:
+            self.work.update(retry=quota.model_copy(update={"used": 0}))
+
+    async def quarantine(self, code: str, reason: str) -> NoReturn:
+        """Set the session aside with ``reason``; no timer brings it back."""
+        work = self.work
+        state = work.snap.state
+        resume_to = SessionState.SUSPENDED if state in WAITING_STATES else SessionState.RUNNING
+        work.update(
+            quarantine=Quarantine(
+                reason=reason[:2000],
+                code=code,
+                at=work.now,
+                attempts=work.snap.retry.used,
+                resume_to=resume_to,
+            )
+        )
+        work.move(SessionState.QUARANTINED, code)
+        await work.commit()
+        raise StopActivation("quarantined")
