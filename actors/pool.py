@@ -50,7 +50,9 @@ class PoolHost:
             self._runtime = session_runtime(self._services, owner=f"pool:{node}:{self._slot}")
         return self._runtime
 
-    async def poke(self, session_id: str, reason: str, requested_at: float | None = None) -> str:
+    async def activate(
+        self, session_id: str, reason: str, requested_at: float | None = None
+    ) -> str:
         self._ensure()
         self._wanted.setdefault(session_id, []).append((Reason(reason), requested_at))
         if session_id not in self._tasks:
@@ -73,7 +75,7 @@ class PoolHost:
                     except Exception:
                         log.exception("activation of %s failed", session_id)
         finally:
-            # No await between the loop's last check and here: a poke either saw this
+            # No await between the loop's last check and here: a request either saw this
             # task running (and its request was taken) or starts a new one.
             self._wanted.pop(session_id, None)
             self._tasks.pop(session_id, None)

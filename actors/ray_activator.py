@@ -1,9 +1,9 @@
 """Get a session activated on Ray, in its agent's placement.
 
-Dedicated: race-safe get-or-create of the session's named actor, then a poke. Ray may
-hand back an actor that has just decided to exit (ray#44083); it answers ``closing`` or
-dies under the call, and we retry until a fresh one takes the request. Pooled: a poke to
-the host that ``hash(session_id)`` selects.
+Dedicated: race-safe get-or-create of the session's named actor, then an activation
+request. Ray may hand back an actor that has just decided to exit (ray#44083); it answers
+``closing`` or dies under the call, and we retry until a fresh one takes the request.
+Pooled: an activation request to the host that ``hash(session_id)`` selects.
 
 Dedicated actors cost a process each (``num_cpus=0`` puts no bound on them), so an
 activator admits at most ``max_live_session_actors`` live ones it started. A request past
@@ -38,7 +38,7 @@ MAX_ATTEMPTS = 40
 # often. No jitter: one caller retries one actor, there is no fleet to spread out.
 DEDICATED_BACKOFF = Backoff(base_s=0.02, cap_s=0.5, jitter=0)
 POOLED_BACKOFF = Backoff(base_s=0.05, cap_s=1.0, jitter=0)
-POKE_TIMEOUT_S = 20.0
+ACTIVATE_TIMEOUT_S = 20.0
 
 
 def alive_nodes() -> int:
@@ -167,12 +167,14 @@ class RayActivator:
                 ).remote(self.settings, session_id)
                 try:
                     answer = await asyncio.wait_for(
-                        handle.poke.remote(reason.value, requested_at), timeout=POKE_TIMEOUT_S
+                        handle.activate.remote(reason.value, requested_at),
+                        timeout=ACTIVATE_TIMEOUT_S,
                     )
                 except TimeoutError:
-                    # A poke answers at once; silence means the actor's node is gone but
-                    # not yet declared dead. Free the name: the session is safe (its
-                    # lease and the generation CAS), and the next attempt starts afresh.
+                    # An activation request answers at once; silence means the actor's
+                    # node is gone but not yet declared dead. Free the name: the session is
+                    # safe (its lease and the generation CAS), and the next attempt starts
+                    # afresh.
                     ray.kill(handle, no_restart=True)
                     continue
                 if answer == ACCEPTED:
@@ -197,7 +199,7 @@ class RayActivator:
         slot = pool_slot(session_id, self.settings.pool.size)
         for attempt in range(MAX_ATTEMPTS):
             try:
-                await self._host(slot).poke.remote(session_id, reason.value, requested_at)
+                await self._host(slot).activate.remote(session_id, reason.value, requested_at)
                 return
             except _RETRYABLE:
                 self._hosts.pop(slot, None)  # restarting: look it up again

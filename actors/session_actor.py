@@ -4,7 +4,7 @@ The actor runs activations for its session until nothing more is asked of it, th
 every reference and exits with ``ray.actor.exit_actor()``. While a session waits, no actor
 of it exists: its whole state is the snapshot in object storage.
 
-Requests are coalesced: a poke while an activation runs only marks "run once more".
+Requests are coalesced: a request while an activation runs only marks "run once more".
 Once the actor has decided to exit it answers ``closing``, and the requester retries
 until Ray hands it a fresh actor of the same name (ray#44083: a lookup right after an
 exit can still return the dying one).
@@ -46,7 +46,7 @@ class SessionActor:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
-    async def poke(self, reason: str, requested_at: float | None = None) -> str:
+    async def activate(self, reason: str, requested_at: float | None = None) -> str:
         if self._closing:
             return CLOSING
         self._wanted.append((Reason(reason), requested_at))
@@ -65,7 +65,7 @@ class SessionActor:
         try:
             while True:
                 if not self._wanted:
-                    # Decided synchronously, with no await in between: a poke that comes
+                    # Decided synchronously, with no await in between: a request that comes
                     # after this line is told "closing" and retries on a fresh actor.
                     self._closing = True
                     break
