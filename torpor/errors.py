@@ -395,3 +395,12 @@ class UnknownCorrelation(PermanentError):
 
     code = "unknown_correlation"
     status, title, public = 404, "No matching wait", True
+
+
+class AmbiguousEvent(PermanentError):
+    """A webhook event addressed only by business key that could answer a request the
+    session has since re-planned: it is recorded, never applied, and the sender is asked
+    to echo the correlation id (or the epoch, or the request's idempotency key)."""
+
+    code = "ambiguous_event"
+    status, title, public = 409, "Ambiguous event", True
