@@ -126,6 +126,10 @@ class DeliveryRepository(Protocol):
 class AuditRepository(Protocol):
     """The tamper-evident record of every webhook decision."""
 
+    # False while the last write failed: every webhook then fails too, so the health
+    # route reports it instead of staying green.
+    healthy: bool
+
     async def append(
         self,
         *,
