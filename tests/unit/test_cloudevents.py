@@ -669,3 +669,13 @@ def test_a_mapping_reads_the_epoch_the_sender_echoes() -> None:
     for bad in (b'{"epoch": "one"}', b'{"epoch": 1, "request": {"key": "acme:a:2"}}'):
         with pytest.raises(WebhookRejected):
             from_mapping(bad, mapping, "oa", now)
+
+
+def test_a_cloudevent_may_name_the_epoch_it_answers() -> None:
+    [parsed] = parse(event(data={}, idempotencykey="acme:approve:PR-1:1"))
+    assert parsed.epoch == 1
+    [parsed] = parse(event(data={}, epoch="3"))
+    assert parsed.epoch == 3
+    assert parse(event(data={}))[0].epoch is None
+    with pytest.raises(WebhookRejected):
+        parse(event(data={}, epoch="3", idempotencykey="acme:approve:PR-1:1"))
