@@ -12,7 +12,7 @@ For ``POST /v1/hooks/{source}``, in order, on the raw bytes:
    may have died before storing anything. The durable replay memory decides (a marker per
    accepted request, written last), so a byte-identical retry of a request that stored
    nothing is processed, and a replay of an accepted one is refused with 409 even after
-   the index was flushed;
+   the index was flushed (``torpor.service.replay``);
 5. each event resolves to a wait of the source's tenant, by correlation id or business key,
    through the index or, on a miss, the durable correlation record (a flushed Redis must
    not turn a valid callback away). The event is stamped with the epoch the *sender*
@@ -37,7 +37,7 @@ import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -46,18 +46,18 @@ from torpor.events import EventKind, InboxEvent
 from torpor.faults import crash_point
 from torpor.ids import event_key
 from torpor.ports import WaitBinding
+from torpor.service.replay import ReplayClaims, ReplayGuard, replay_claims
 from torpor.service.sessions import SessionService
 from torpor.settings import SourceConfig
 from torpor.webhooks.capability import open_token
 from torpor.webhooks.cloudevents import parse_http
 from torpor.webhooks.payloads import InboundEvent, loads_json
 from torpor.webhooks.rejections import ensure_body_size
-from torpor.webhooks.signing import Scheme, Verified, verify
+from torpor.webhooks.signing import Verified, verify
 
 log = logging.getLogger(__name__)
 
 CAPABILITY_SOURCE = "capability"
-GITHUB_REPLAY_TTL = timedelta(hours=24)  # GitHub signs no timestamp: remember longer
 
 
 class Outcome(StrEnum):
@@ -105,6 +105,7 @@ class WebhookGateway:
         self.services = sessions.services
         self.audit = sessions.services.audit
         self._handled = sessions.services.observer.webhook_handled
+        self.replays = ReplayGuard(sessions.services)
 
     # -- shared-secret webhooks --------------------------------------------------------
 
@@ -144,15 +145,14 @@ class WebhookGateway:
             now=now,
             max_body_bytes=source.max_body_bytes,
         )
-        claims, ttl = self._replay_claims(source_name, source, verified)
+        claims = replay_claims(source_name, source, verified)
         first = events[0]
-        index = self.services.index
         owned = True  # whether the claims are this request's, to give back on failure
         try:
             # The replay claims and the first event's routing share one index round trip.
-            admission = await index.admit(
-                claims=claims,
-                ttl=ttl,
+            admission = await self.services.index.admit(
+                claims=claims.pairs,
+                ttl=claims.ttl,
                 now=now,
                 tenant=source.tenant,
                 correlation_id=first.correlation_id,
@@ -160,7 +160,7 @@ class WebhookGateway:
             )
             if not admission.fresh:
                 owned = False
-                await self._held(source_name, claims, ttl, now, verified.content_digest)
+                await self.replays.held(claims, now=now)
             crash_point("gateway.after_claim")
             trace = _trace_id(headers)
             body_sha = hashlib.sha256(body).hexdigest()
@@ -175,63 +175,22 @@ class WebhookGateway:
                 else:
                     resolved = await self._resolve(source.tenant, event, now)
                 routed.append(
-                    await self._route(source_name, resolved, event, verified, body_sha, trace, now)
+                    await self._route(
+                        source_name, resolved, event, verified, claims, body_sha, trace, now
+                    )
                 )
             if any(r.replayed for r in routed):  # woken if need be; still a replay
                 raise WebhookRejected(RejectReason.REPLAYED)
             result = await self._answer(routed, batch=len(events) > 1, tenant=source.tenant)
             if result.status < 300:  # remembered last: only a request that did all of it
-                await self.services.inbox.remember_accepted(
-                    source=source_name, content_digest=verified.content_digest
-                )
+                await self.replays.remember(claims)
             return result
         except BaseException:
             # Nothing this request stored is lost by letting a retry through: the inbox
             # dedups it, and a duplicate wakes what was not woken.
-            for scope, nonce in claims if owned else []:
-                await index.release_nonce(scope=scope, nonce=nonce)
+            if owned:
+                await self.replays.release(claims)
             raise
-
-    def _replay_claims(
-        self, source_name: str, source: SourceConfig, verified: Verified
-    ) -> tuple[list[tuple[str, str]], timedelta]:
-        ttl = (
-            GITHUB_REPLAY_TTL
-            if source.scheme is Scheme.GITHUB
-            else timedelta(seconds=max(900.0, 3 * source.tolerance_s))
-        )
-        claims = [(f"hook:{source_name}", verified.content_digest)]
-        # The torpor nonce is not covered by the signature, so it cannot stand alone; but
-        # reusing one is itself a replay by the scheme's rules.
-        if source.scheme is Scheme.TORPOR and verified.delivery_id:
-            claims.append((f"nonce:{source_name}", verified.delivery_id))
-        return claims, ttl
-
-    async def _held(
-        self,
-        source_name: str,
-        claims: list[tuple[str, str]],
-        ttl: timedelta,
-        now: datetime,
-        content_digest: str,
-    ) -> None:
-        """A replay claim was already held. Refuse if this exact request was accepted, or if
-        only the nonce is held (another request used it); otherwise the holder never
-        finished (it died, or is still at it) and this request goes on: the inbox is
-        create-only, so both cannot store the event twice."""
-        if await self.services.inbox.was_accepted(
-            source=source_name, content_digest=content_digest
-        ):
-            raise WebhookRejected(RejectReason.REPLAYED)
-        if len(claims) == 1:
-            return
-        content = claims[:1]
-        alone = await self.services.index.admit(
-            claims=content, ttl=ttl, now=now, tenant="", correlation_id=None, business_key=None
-        )
-        if alone.fresh:  # the content was free, so the nonce is what is taken
-            await self.services.index.release_nonce(scope=content[0][0], nonce=content[0][1])
-            raise WebhookRejected(RejectReason.REPLAYED)
 
     async def _resolve(self, tenant: str, event: InboundEvent, now: datetime) -> _Resolved:
         index = self.services.index
@@ -281,6 +240,7 @@ class WebhookGateway:
         resolved: _Resolved,
         event: InboundEvent,
         verified: Verified,
+        claims: ReplayClaims,
         body_sha: str,
         trace: str | None,
         now: datetime,
@@ -339,9 +299,7 @@ class WebhookGateway:
         await asyncio.gather(
             record, self._wake_if_pending(binding.session_id, source_name, event.event_id)
         )
-        replayed = await self.services.inbox.was_accepted(
-            source=source_name, content_digest=verified.content_digest
-        )
+        replayed = await self.replays.was_accepted(claims)
         return Routed(event.event_id, binding.session_id, Outcome.DUPLICATE, True, replayed)
 
     async def _wake(self, session_id: str) -> None:
