@@ -2,8 +2,8 @@
 
 Run as ``python -m tests.faults.replica REQUEST.json``: it wires the real services (Redis
 and the local object store of the test, as ``tests.support.harness`` configures them),
-takes one webhook through ``WebhookGateway`` and prints the answer as JSON. With
-``TORPOR_CRASH_AT`` set it dies at that crash point, SIGKILLed mid-accept, as a Serve
+takes one webhook or capability callback through ``WebhookGateway`` and prints the answer
+as JSON. With ``TORPOR_CRASH_AT`` set it dies at that crash point, SIGKILLed mid-accept, as a Serve
 replica would. Activation requests go to the session actors in production; here they
 are lost with the process, so only durable state (the inbox, the wake timer) survives.
 """
@@ -40,9 +40,11 @@ async def main(request: dict[str, Any]) -> dict[str, Any]:
     services = open_services(settings, clock=ManualClock(now))
     try:
         gateway = WebhookGateway(SessionService(services, LostActivator()))
-        result = await gateway.receive(
-            request["source"], request["body"].encode(), request["headers"], now=now
-        )
+        raw, headers = request["body"].encode(), request["headers"]
+        if "token" in request:  # a capability link instead of a signed webhook
+            result = await gateway.capability(request["token"], raw, headers, now=now)
+        else:
+            result = await gateway.receive(request["source"], raw, headers, now=now)
         return {"status": result.status, "body": result.body}
     finally:
         await services.close()

@@ -22,12 +22,13 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import Env, local_env
+from tests.support.harness import CAPABILITY_KEY, Env, local_env
 from torpor.errors import RejectReason, WebhookRejected
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.ports import TimerKind
 from torpor.service.gateway import WebhookGateway
+from torpor.webhooks.capability import mint
 from torpor.webhooks.signing import Scheme, generate_secret, sign
 
 pytestmark = pytest.mark.slow
@@ -63,8 +64,10 @@ def kill_replica_at(
     prefix: str,
     raw: bytes,
     headers: dict[str, str],
+    **more: str,
 ) -> subprocess.CompletedProcess[bytes]:
     request = {
+        **more,
         "tmp": str(tmp),
         "redis_url": redis_url,
         "prefix": prefix,
@@ -145,3 +148,30 @@ async def test_a_replica_killed_mid_accept_loses_nothing(
     with pytest.raises(WebhookRejected) as replay:
         await gateway.receive("oa", raw, again, now=env.clock.now())
     assert replay.value.reason is RejectReason.REPLAYED
+
+
+@pytest.mark.parametrize("point", ["gateway.after_inbox", "gateway.after_wake"])
+async def test_a_replica_killed_mid_capability_callback_loses_nothing(
+    env: Env, tmp_path: Path, redis_url: str, redis_prefix: str, point: str
+) -> None:
+    sid = await env.submit()
+    wait = (await env.load(sid)).waits[0]
+    token = mint(
+        key=CAPABILITY_KEY.encode(),
+        tenant="acme",
+        session_id=sid,
+        wait_id=wait.wait_id,
+        correlation_id=wait.correlation_id,
+        epoch=wait.epoch,
+        expires_at=wait.deadline,
+    )
+    raw, headers = b'{"status": "approved"}', {"Content-Type": JSON}
+    done = kill_replica_at(point, env, tmp_path, redis_url, redis_prefix, raw, headers, token=token)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    assert (await env.load(sid)).state is SessionState.SUSPENDED
+    # The link's holder retries the same answer: settled and woken, not "token used".
+    result = await WebhookGateway(env.control).capability(token, raw, headers, now=env.clock.now())
+    assert result.status == 200 and result.body["duplicate"] is True
+    snap = await env.load(sid)
+    assert snap.state is SessionState.COMPLETED
+    assert [h.state for h in snap.history].count(SessionState.RESUMING) == 1
