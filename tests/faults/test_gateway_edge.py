@@ -169,6 +169,28 @@ async def test_a_replay_after_the_index_was_flushed_is_still_refused(
     assert refused.value.reason is RejectReason.REPLAYED and refused.value.status == 409
 
 
+async def test_a_nonce_reused_by_another_request_is_still_a_replay(env: Env) -> None:
+    # The content claim of a request that died is no proof of a replay; a nonce taken by
+    # another, accepted request is.
+    gateway = WebhookGateway(env.control)
+    first, second = await env.submit(doc="PR-1"), await env.submit(doc="PR-2")
+    cids = [(await env.load(s)).waits[0].correlation_id for s in (first, second)]
+    raws = [body(f"e-nonce-{i}", correlationId=cid) for i, cid in enumerate(cids)]
+    nonce = "nonce-0123456789abcdef"
+    at = env.clock.now()
+    headers = [
+        {**sign(Scheme.TORPOR, r, SECRET, now=at, nonce=nonce), "Content-Type": JSON} for r in raws
+    ]
+    assert (await gateway.receive("oa", raws[0], headers[0], now=at)).status == 202
+    with pytest.raises(WebhookRejected) as refused:
+        await gateway.receive("oa", raws[1], headers[1], now=at)
+    assert refused.value.reason is RejectReason.REPLAYED
+    assert await state(env, second) is SessionState.SUSPENDED
+    # and the refusal took no claim of its own: the content of the second is still free
+    fresh = {**sign(Scheme.TORPOR, raws[1], SECRET, now=at), "Content-Type": JSON}
+    assert (await gateway.receive("oa", raws[1], fresh, now=at)).status == 202
+
+
 # -- stale answers by business key (seed 004) -----------------------------------------------
 
 
