@@ -161,7 +161,8 @@ class Ingress:
 
     @api.get("/healthz", tags=["ops"])
     async def healthz(self) -> dict[str, Any]:
-        return {"ok": True, "version": __version__}
+        # audit_ok: whether the last audit block landed (a failed one failed its webhooks).
+        return {"ok": True, "audit_ok": self.services.audit.healthy, "version": __version__}
 
     @api.post("/v1/noop", status_code=202, tags=["ops"])
     async def noop(self, request: Request) -> dict[str, Any]:

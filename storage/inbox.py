@@ -46,6 +46,24 @@ class ObjectInbox:
         found = [e for e in events if e is not None]
         return sorted(found, key=lambda e: (e.received_at, e.key))
 
+    async def find(self, session_id: str, event_key: str) -> InboxEvent | None:
+        return await self._read(keys.inbox_event(session_id, event_key))
+
+    async def remember_accepted(self, *, source: str, content_digest: str) -> None:
+        try:
+            await self.store.put_if_absent(
+                keys.accepted_content(source, content_digest), b"accepted"
+            )
+        except ObjectExists:  # remembered already (a retry after a lost answer)
+            return
+
+    async def was_accepted(self, *, source: str, content_digest: str) -> bool:
+        try:
+            await self.store.get(keys.accepted_content(source, content_digest))
+        except ObjectNotFound:
+            return False
+        return True
+
     async def _read(self, key: str) -> InboxEvent | None:
         try:
             obj = await self.store.get(key)

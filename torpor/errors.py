@@ -433,3 +433,12 @@ class UnhandledToolError(AgentError):
     cause rather than run the next step on missing values."""
 
     code = "unhandled_tool_error"
+
+
+class AmbiguousEvent(PermanentError):
+    """A webhook event addressed only by business key that could answer a request the
+    session has since re-planned: it is recorded, never applied, and the sender is asked
+    to echo the correlation id (or the epoch, or the request's idempotency key)."""
+
+    code = "ambiguous_event"
+    status, title, public = 409, "Ambiguous event", True

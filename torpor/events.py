@@ -44,6 +44,9 @@ class InboxEvent(BaseModel):
     received_at: datetime
     trace_id: str | None = None
     verified_by: str = "internal"
+    # SHA-256 of the signed content that carried the event (webhooks and capability
+    # callbacks): kept with the event, so replay memory survives the loss of the index.
+    content_digest: str | None = None
 
     @classmethod
     def new(

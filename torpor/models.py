@@ -100,6 +100,9 @@ class Wait(_Model):
     on_drift: DriftPolicy = DriftPolicy.REPLAN
     request: dict[str, JsonValue] = Field(default_factory=dict)
     polls: int = 0
+    # An earlier wait of this session used the same business key (a re-plan): an answer
+    # addressed by that key alone could be a late answer to the superseded request.
+    replanned: bool = False
 
     @field_validator("correlation_id")
     @classmethod
@@ -236,6 +239,8 @@ class SessionSnapshot(_Model):
     result: JsonValue = None
     error: ErrorInfo | None = None
     quarantine: Quarantine | None = None  # set while the state is QUARANTINED
+    # business key → the last epoch whose wait used it (how a re-plan is recognised)
+    business_keys: dict[str, int] = Field(default_factory=dict)
     lease_fence: int = 0
     created_at: datetime
     updated_at: datetime

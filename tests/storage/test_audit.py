@@ -11,7 +11,7 @@ import pytest
 
 from storage import keys
 from storage.audit import ObjectAudit
-from torpor.errors import ObjectExists
+from torpor.errors import ObjectExists, StorageUnavailable
 from torpor.ports import ObjectStore
 
 
@@ -81,3 +81,58 @@ async def test_failed_write_fails_the_waiters_and_keeps_the_chain(store: ObjectS
         await log.append(**fields(1))
     check = await log.verify()
     assert not check.ok and check.records == 1  # the squatter is visible as a break
+
+
+class LosesOneAnswer:
+    """A store whose next create-only write of ``key`` lands, but whose answer is lost."""
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store, self.key = store, key
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    async def put_if_absent(self, key: str, data: bytes) -> str:
+        etag = await self.store.put_if_absent(key, data)
+        if key == self.key:
+            self.key = ""
+            raise StorageUnavailable("injected: the answer was lost")
+        return etag
+
+
+async def test_a_block_whose_answer_was_lost_does_not_wedge_the_writer(
+    store: ObjectStore,
+) -> None:
+    lossy = LosesOneAnswer(store, keys.audit_record("w5", 2))
+    log = ObjectAudit(lossy, writer="w5")  # type: ignore[arg-type]
+    await log.append(**fields(0))
+    with pytest.raises(StorageUnavailable):
+        await log.append(**fields(1))  # landed as block 2; nobody was told
+    assert not log.healthy and log.last_error and "answer was lost" in log.last_error
+    # Re-batched: the next records differ from block 2, so a blind retry would meet 412.
+    records = await asyncio.gather(*(log.append(**fields(i)) for i in range(2, 5)))
+    assert [r.seq for r in records] == [3, 4, 5] and log.healthy
+    check = await log.verify()
+    assert check.ok and check.records == 5
+
+
+async def test_a_foreign_block_is_left_visible_and_the_writer_moves_past_it(
+    store: ObjectStore,
+) -> None:
+    log = ObjectAudit(store, writer="w6")
+    await log.append(**fields(0))
+    await store.put(keys.audit_record("w6", 2), b"squatter")
+    with pytest.raises(ObjectExists):
+        await log.append(**fields(1))
+    assert not log.healthy
+    assert (await log.append(**fields(2))).seq == 2  # written after the squatter
+    assert log.healthy
+    check = await log.verify()
+    assert not check.ok and check.broken_at == 2  # the squatter is still a visible break
+
+
+async def test_the_stream_is_named_by_the_callers_clock(store: ObjectStore) -> None:
+    log = ObjectAudit(store)
+    assert (await log.verify()).records == 0
+    await log.append(**{**fields(0), "at": datetime(2031, 5, 4, 3, 2, 1, tzinfo=UTC)})
+    assert log.stream.startswith("20310504T030201-")

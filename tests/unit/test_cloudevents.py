@@ -653,3 +653,29 @@ def test_parse_http_on_random_bytes_only_raises_rejections(
         parse(body, headers, PayloadMapping(event_id_path="id", type_path="t"))
     except WebhookRejected as error:
         assert error.status in {400, 415}
+
+
+def test_a_mapping_reads_the_epoch_the_sender_echoes() -> None:
+    from torpor.webhooks.payloads import PayloadMapping, from_mapping
+
+    mapping = PayloadMapping(
+        default_type="t", epoch_path="epoch", idempotency_key_path="request.key"
+    )
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    key = b'{"request": {"key": "acme:approve:PR-1:3"}}'
+    assert from_mapping(key, mapping, "oa", now).epoch == 3
+    assert from_mapping(b'{"epoch": 1}', mapping, "oa", now).epoch == 1
+    assert from_mapping(b"{}", mapping, "oa", now).epoch is None
+    for bad in (b'{"epoch": "one"}', b'{"epoch": 1, "request": {"key": "acme:a:2"}}'):
+        with pytest.raises(WebhookRejected):
+            from_mapping(bad, mapping, "oa", now)
+
+
+def test_a_cloudevent_may_name_the_epoch_it_answers() -> None:
+    [parsed] = parse(event(data={}, idempotencykey="acme:approve:PR-1:1"))
+    assert parsed.epoch == 1
+    [parsed] = parse(event(data={}, epoch="3"))
+    assert parsed.epoch == 3
+    assert parse(event(data={}))[0].epoch is None
+    with pytest.raises(WebhookRejected):
+        parse(event(data={}, epoch="3", idempotencykey="acme:approve:PR-1:1"))

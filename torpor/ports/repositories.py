@@ -57,6 +57,19 @@ class InboxRepository(Protocol):
         """Delivered events not yet in ``processed``, oldest first."""
         ...
 
+    async def find(self, session_id: str, event_key: str) -> InboxEvent | None:
+        """The delivered event with this key, if any."""
+        ...
+
+    async def remember_accepted(self, *, source: str, content_digest: str) -> None:
+        """Durably record that the request with this signed content was accepted (the
+        replay memory that outlives the index). Idempotent."""
+        ...
+
+    async def was_accepted(self, *, source: str, content_digest: str) -> bool:
+        """Whether ``remember_accepted`` recorded this content: one lookup."""
+        ...
+
 
 class CorrelationRepository(Protocol):
     """Durable correlation records in the object store: the index's source of truth."""
@@ -112,6 +125,10 @@ class DeliveryRepository(Protocol):
 
 class AuditRepository(Protocol):
     """The tamper-evident record of every webhook decision."""
+
+    # False while the last write failed: every webhook then fails too, so the health
+    # route reports it instead of staying green.
+    healthy: bool
 
     async def append(
         self,

@@ -5,19 +5,29 @@ For ``POST /v1/hooks/{source}``, in order, on the raw bytes:
 1. the source exists and the body is within its size limit;
 2. the signature verifies with one of the source's active secrets, and the timestamp is
    within the window in both directions (``torpor.webhooks.signing``);
-3. the exact signed content has not been seen before (``SET NX EX``), nor, for the torpor
-   scheme, the nonce: a replay is refused with 409 before anything is written;
-4. the body parses as CloudEvents (structured, binary or batched) or through the source's
+3. the body parses as CloudEvents (structured, binary or batched) or through the source's
    payload mapping;
+4. the signed content (and, for the torpor scheme, the nonce) is claimed in the index
+   (``SET NX EX``). A claim that is already held is not yet proof of a replay: its holder
+   may have died before storing anything. The durable replay memory decides (a marker per
+   accepted request, written last), so a byte-identical retry of a request that stored
+   nothing is processed, and a replay of an accepted one is refused with 409 even after
+   the index was flushed (``torpor.service.replay``);
 5. each event resolves to a wait of the source's tenant, by correlation id or business key,
    through the index or, on a miss, the durable correlation record (a flushed Redis must
-   not turn a valid callback away);
-6. the event is written into the session's inbox (create-only: a redelivery is answered
-   200 ``duplicate`` and activates nothing) and appended to the audit chain;
-7. only then the answer (202) goes out, and the activation is requested behind it.
+   not turn a valid callback away). The event is stamped with the epoch the *sender*
+   names, if it names one, so the epoch gate sees an answer to a superseded request for
+   what it is; an event that names nothing and could answer a re-planned request is
+   ``AmbiguousEvent`` (recorded, not applied);
+6. the event is written into the session's inbox (create-only) and appended to the audit
+   chain. A redelivery is answered 200 ``duplicate`` and, if the session has not processed
+   the event yet (the first request died before its wake), wakes it;
+7. the wake timer is armed and the activation requested, then the request is remembered as
+   accepted, and only then the answer goes out: 202 accepted, or 200 with the ``outcome``
+   (``stale``, ``late``, ``closed``) when the event cannot change the session.
 
-Nothing before step 6 changes any state but the replay claim, which is given back if the
-request then fails.
+Nothing before step 6 changes any state but the replay claims, which are given back if
+the request then fails.
 """
 
 from __future__ import annotations
@@ -27,38 +37,64 @@ import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
-from torpor.errors import RejectReason, UnknownCorrelation, WebhookRejected
+from torpor.errors import AmbiguousEvent, RejectReason, UnknownCorrelation, WebhookRejected
 from torpor.events import EventKind, InboxEvent
+from torpor.faults import CrashPoint, crash_point
+from torpor.ids import event_key
 from torpor.ports import WaitBinding
+from torpor.service.replay import ReplayClaims, ReplayGuard, replay_claims
 from torpor.service.sessions import SessionService
 from torpor.settings import SourceConfig
 from torpor.webhooks.capability import open_token
 from torpor.webhooks.cloudevents import parse_http
 from torpor.webhooks.payloads import InboundEvent, loads_json
 from torpor.webhooks.rejections import ensure_body_size
-from torpor.webhooks.signing import Scheme, Verified, verify
+from torpor.webhooks.signing import Verified, verify
 
 log = logging.getLogger(__name__)
 
 CAPABILITY_SOURCE = "capability"
-GITHUB_REPLAY_TTL = timedelta(hours=24)  # GitHub signs no timestamp: remember longer
+
+
+class Outcome(StrEnum):
+    """What one event did, as the sender is told."""
+
+    ACCEPTED = "accepted"  # 202: stored, the session will apply it
+    DUPLICATE = "duplicate"  # 200: stored before
+    STALE = "stale"  # 200: names an older request (epoch) than the one open: observed only
+    LATE = "late"  # 200: after the wait's deadline: observed, the session times out
+    CLOSED = "closed"  # 200: the wait it answers is closed already: observed only
+    AMBIGUOUS = "ambiguous"  # 409: could answer a re-planned request: recorded, not applied
+    UNKNOWN = "unknown"  # 404: no wait of this tenant matches
+
+    @property
+    def status(self) -> int:
+        return {Outcome.ACCEPTED: 202, Outcome.AMBIGUOUS: 409, Outcome.UNKNOWN: 404}.get(self, 200)
 
 
 @dataclass(frozen=True)
 class Routed:
     event_id: str
     session_id: str | None
-    duplicate: bool
-    status: int  # per event: 202 accepted, 200 duplicate, 404 unknown
+    outcome: Outcome
+    duplicate: bool = False
+    replayed: bool = False  # a duplicate whose exact request was accepted before
 
 
 @dataclass(frozen=True)
 class HookResult:
     status: int
     body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    binding: WaitBinding | None
+    from_record: bool  # the index missed: the wait may be closed (or the index flushed)
 
 
 class WebhookGateway:
@@ -69,6 +105,7 @@ class WebhookGateway:
         self.services = sessions.services
         self.audit = sessions.services.audit
         self._handled = sessions.services.observer.webhook_handled
+        self.replays = ReplayGuard(sessions.services)
 
     # -- shared-secret webhooks --------------------------------------------------------
 
@@ -108,61 +145,63 @@ class WebhookGateway:
             now=now,
             max_body_bytes=source.max_body_bytes,
         )
-        claims, ttl = self._replay_claims(source_name, source, verified)
+        claims = replay_claims(source_name, source, verified)
         first = events[0]
-        # The replay claims and the first event's routing share one index round trip.
-        admission = await self.services.index.admit(
-            claims=claims,
-            ttl=ttl,
-            now=now,
-            tenant=source.tenant,
-            correlation_id=first.correlation_id,
-            business_key=None if first.correlation_id else first.business_key,
-        )
-        if not admission.fresh:
-            raise WebhookRejected(RejectReason.REPLAYED)
+        owned = True  # whether the claims are this request's, to give back on failure
         try:
-            body_sha = hashlib.sha256(body).hexdigest()
+            # The replay claims and the first event's routing share one index round trip.
+            admission = await self.services.index.admit(
+                claims=claims.pairs,
+                ttl=claims.ttl,
+                now=now,
+                tenant=source.tenant,
+                correlation_id=first.correlation_id,
+                business_key=None if first.correlation_id else first.business_key,
+            )
+            if not admission.fresh:
+                owned = False
+                await self.replays.held(claims, now=now)
+            crash_point(CrashPoint.GATEWAY_AFTER_CLAIM)
             trace = _trace_id(headers)
+            body_sha = hashlib.sha256(body).hexdigest()
             routed = []
             for i, event in enumerate(events):
-                binding = (
-                    admission.binding or await self._durable(source.tenant, event)
-                    if i == 0
-                    else await self._resolve(source.tenant, event, now)
-                )
+                if i == 0 and admission.fresh:  # the admission resolved it in the index
+                    resolved = (
+                        _Resolved(admission.binding, from_record=False)
+                        if admission.binding
+                        else _Resolved(await self._durable(source.tenant, event), True)
+                    )
+                else:
+                    resolved = await self._resolve(source.tenant, event, now)
                 routed.append(
-                    await self._route(source_name, binding, event, verified, body_sha, trace, now)
+                    await self._route(
+                        source_name, resolved, event, verified, claims, body_sha, trace, now
+                    )
                 )
+            if any(r.replayed for r in routed):  # woken if need be; still a replay
+                raise WebhookRejected(RejectReason.REPLAYED)
+            result = await self._answer(routed, batch=len(events) > 1, tenant=source.tenant)
+            if result.status < 300:  # remembered last: only a request that did all of it
+                await self.replays.remember(claims)
+            return result
         except BaseException:
-            for scope, nonce in claims:  # nothing was accepted: let a retry through
-                await self.services.index.release_nonce(scope=scope, nonce=nonce)
+            # Nothing this request stored is lost by letting a retry through: the inbox
+            # dedups it, and a duplicate wakes what was not woken.
+            if owned:
+                await self.replays.release(claims)
             raise
-        return await self._answer(routed, batch=len(events) > 1, tenant=source.tenant)
 
-    def _replay_claims(
-        self, source_name: str, source: SourceConfig, verified: Verified
-    ) -> tuple[list[tuple[str, str]], timedelta]:
-        ttl = (
-            GITHUB_REPLAY_TTL
-            if source.scheme is Scheme.GITHUB
-            else timedelta(seconds=max(900.0, 3 * source.tolerance_s))
-        )
-        claims = [(f"hook:{source_name}", verified.content_digest)]
-        # The torpor nonce is not covered by the signature, so it cannot stand alone; but
-        # reusing one is itself a replay by the scheme's rules.
-        if source.scheme is Scheme.TORPOR and verified.delivery_id:
-            claims.append((f"nonce:{source_name}", verified.delivery_id))
-        return claims, ttl
-
-    async def _resolve(self, tenant: str, event: InboundEvent, now: datetime) -> WaitBinding | None:
+    async def _resolve(self, tenant: str, event: InboundEvent, now: datetime) -> _Resolved:
         index = self.services.index
         found = None
         if event.correlation_id:
             found = await index.resolve(tenant=tenant, now=now, correlation_id=event.correlation_id)
         elif event.business_key:
             found = await index.resolve(tenant=tenant, now=now, business_key=event.business_key)
-        return found or await self._durable(tenant, event)
+        if found is not None:
+            return _Resolved(found, from_record=False)
+        return _Resolved(await self._durable(tenant, event), from_record=True)
 
     async def _durable(self, tenant: str, event: InboundEvent) -> WaitBinding | None:
         """After an index miss the durable correlation record decides, never the miss: a
@@ -175,12 +214,39 @@ class WebhookGateway:
             return await records.lookup_business_key(tenant=tenant, business_key=event.business_key)
         return None
 
+    async def _classify(self, resolved: _Resolved, event: InboundEvent, now: datetime) -> Outcome:
+        """What the event can do to its wait, as far as the edge can tell."""
+        binding = resolved.binding
+        if binding is None:
+            return Outcome.UNKNOWN
+        if event.epoch is None and event.correlation_id is None and binding.epoch > 1:
+            # Found by business key alone, and the session has waited before. If an earlier
+            # wait used the same key (a re-plan), the key now names the new wait and a late
+            # answer to the superseded request would be applied to it: only the sender can
+            # say which it answers. (One snapshot read, on this path only.)
+            snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
+            wait = snapshot.wait_for(binding.correlation_id)
+            if wait is None:
+                return Outcome.CLOSED
+            if wait.replanned:
+                return Outcome.AMBIGUOUS
+        if event.epoch is not None and event.epoch != binding.epoch:
+            return Outcome.STALE
+        if resolved.from_record:  # the index no longer binds it: closed, or index lost
+            snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
+            if snapshot.terminal or snapshot.wait_for(binding.correlation_id) is None:
+                return Outcome.CLOSED
+        if now > binding.deadline:
+            return Outcome.LATE
+        return Outcome.ACCEPTED
+
     async def _route(
         self,
         source_name: str,
-        binding: WaitBinding | None,
+        resolved: _Resolved,
         event: InboundEvent,
         verified: Verified,
+        claims: ReplayClaims,
         body_sha: str,
         trace: str | None,
         now: datetime,
@@ -195,15 +261,19 @@ class WebhookGateway:
             "timestamp": verified.timestamp,
             "trace_id": trace,
         }
-        if binding is None:
-            # Unknown, or another tenant's: the same 404 either way, and on the record.
-            await self.audit.append(verdict="unknown", **audit)
-            await self._handled(source_name, "unknown")
-            return Routed(event.event_id, None, False, 404)
+        outcome = await self._classify(resolved, event, now)
+        binding = resolved.binding
+        if binding is None or outcome is Outcome.AMBIGUOUS:
+            # Unknown, another tenant's, or ambiguous: nothing stored, and on the record.
+            sid = binding.session_id if binding else None
+            await self.audit.append(verdict=outcome.value, session_id=sid, **audit)
+            await self._handled(source_name, outcome.value)
+            return Routed(event.event_id, sid, outcome)
         data: Any = event.data
         if event.status is not None and isinstance(data, dict) and "status" not in data:
             data = {**data, "status": event.status}
-        new = await self.sessions.services.inbox.deliver(
+        addressed = event.epoch is None or event.epoch == binding.epoch
+        new = await self.services.inbox.deliver(
             InboxEvent.new(
                 kind=EventKind.CALLBACK,
                 session_id=binding.session_id,
@@ -213,44 +283,71 @@ class WebhookGateway:
                 received_at=now,
                 correlation_id=binding.correlation_id,
                 business_key=event.business_key,
-                epoch=binding.epoch,
-                step_id=binding.step_id,
+                # The sender's own word on which request it answers wins over the wait the
+                # index resolved now: that is what lets the epoch gate see a stale answer.
+                epoch=binding.epoch if event.epoch is None else event.epoch,
+                step_id=binding.step_id if addressed else None,
                 data=data,
                 trace_id=trace,
                 verified_by=verified.scheme.value,
+                content_digest=verified.content_digest,
             )
         )
-        record = self.audit.append(
-            verdict="accepted" if new else "duplicate",
-            session_id=binding.session_id,
-            **{**audit, "correlation_id": binding.correlation_id},
-        )
+        crash_point(CrashPoint.GATEWAY_AFTER_INBOX)
+        verdict = outcome.value if new else Outcome.DUPLICATE.value
+        audit["correlation_id"] = binding.correlation_id
+        await self._handled(source_name, verdict)
+        record = self.audit.append(verdict=verdict, session_id=binding.session_id, **audit)
         if new:
-            await self._handled(source_name, "accepted")
             # The event is durable already: the activation and the audit block go together.
-            await asyncio.gather(record, self.sessions.activate_for_event(binding.session_id))
-        else:
-            await self._handled(source_name, "duplicate")
-            await record
-        return Routed(event.event_id, binding.session_id, not new, 202 if new else 200)
+            await asyncio.gather(record, self._wake(binding.session_id))
+            return Routed(event.event_id, binding.session_id, outcome)
+        await asyncio.gather(
+            record, self._wake_if_pending(binding.session_id, source_name, event.event_id)
+        )
+        replayed = await self.replays.was_accepted(claims)
+        return Routed(event.event_id, binding.session_id, Outcome.DUPLICATE, True, replayed)
+
+    async def _wake(self, session_id: str) -> None:
+        await self.sessions.activate_for_event(session_id)  # the wake timer, then a request
+        crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
+
+    async def _wake_if_pending(self, session_id: str, source: str, event_id: str) -> None:
+        """A redelivered event the session has not processed yet: its first delivery may
+        have died between the inbox write and the wake timer, so arm it (again)."""
+        snapshot = await self.services.snapshots.load(session_id)
+        if event_key(source, event_id) not in snapshot.processed_events:
+            await self._wake(session_id)
 
     async def _answer(self, routed: list[Routed], *, batch: bool, tenant: str) -> HookResult:
         body: dict[str, Any]
         if batch:
             body = {
                 "events": [
-                    {"event_id": r.event_id, "status": r.status, "duplicate": r.duplicate}
+                    {
+                        "event_id": r.event_id,
+                        "status": r.outcome.status,
+                        "duplicate": r.duplicate,
+                        "outcome": r.outcome.value,
+                    }
                     for r in routed
                 ]
             }
-            return HookResult(202 if any(r.status == 202 for r in routed) else 200, body)
+            accepted = any(r.outcome is Outcome.ACCEPTED for r in routed)
+            return HookResult(202 if accepted else 200, body)
         [one] = routed
-        if one.status == 404:
+        if one.outcome is Outcome.UNKNOWN:
             raise UnknownCorrelation("no open wait matches this event")
-        body = {"event_id": one.event_id, "duplicate": one.duplicate}
-        if one.duplicate and one.session_id:
+        if one.outcome is Outcome.AMBIGUOUS:
+            raise AmbiguousEvent(
+                "this event names its request only by business key, and that request was"
+                " re-planned: echo the correlation id (or the epoch, or the idempotency key"
+                " the request was sent with) so it can be matched"
+            )
+        body = {"event_id": one.event_id, "duplicate": one.duplicate, "outcome": one.outcome}
+        if one.outcome is not Outcome.ACCEPTED and one.session_id:
             body["session"] = await self.outcome(one.session_id, tenant)
-        return HookResult(one.status, body)
+        return HookResult(one.outcome.status, body)
 
     async def outcome(self, session_id: str, tenant: str) -> dict[str, Any]:
         """What a late or duplicate sender is told: the session's real outcome."""
@@ -281,36 +378,47 @@ class WebhookGateway:
         if content_type.split(";")[0].strip().lower() != "application/json":
             raise WebhookRejected(RejectReason.UNSUPPORTED_MEDIA_TYPE)
         data = loads_json(body)
-        new = await self.services.inbox.deliver(
-            InboxEvent.new(
-                kind=EventKind.CALLBACK,
-                session_id=claims.session_id,
-                source=CAPABILITY_SOURCE,
-                event_id=claims.token_id,
-                type="torpor.capability.callback",
-                received_at=now,
-                correlation_id=claims.correlation_id,
-                epoch=claims.epoch,
-                data=data,
-                trace_id=_trace_id(headers),
-                verified_by="capability",
-            )
+        digest = hashlib.sha256(body).hexdigest()
+        event = InboxEvent.new(
+            kind=EventKind.CALLBACK,
+            session_id=claims.session_id,
+            source=CAPABILITY_SOURCE,
+            event_id=claims.token_id,
+            type="torpor.capability.callback",
+            received_at=now,
+            correlation_id=claims.correlation_id,
+            epoch=claims.epoch,
+            data=data,
+            trace_id=_trace_id(headers),
+            verified_by="capability",
+            content_digest=digest,
         )
+        new = await self.services.inbox.deliver(event)
+        crash_point(CrashPoint.GATEWAY_AFTER_INBOX)
+        # The inbox object is the durable proof the token was used. The same answer again
+        # is the sender retrying (its first request may have died before the wake): it is
+        # settled, not refused; only a different answer through a used link is.
+        retried = False
+        if not new:
+            stored = await self.services.inbox.find(claims.session_id, event.key)
+            retried = stored is not None and stored.content_digest == digest
+            await self._wake_if_pending(claims.session_id, CAPABILITY_SOURCE, claims.token_id)
+        else:
+            await self._wake(claims.session_id)
         await self.audit.append(
-            verdict="accepted" if new else "rejected:token_used",
+            verdict="accepted" if new else "duplicate" if retried else "rejected:token_used",
             at=now,
             source=CAPABILITY_SOURCE,
             event_id=claims.token_id,
             session_id=claims.session_id,
             correlation_id=claims.correlation_id,
-            body_sha256=hashlib.sha256(body).hexdigest(),
+            body_sha256=digest,
             trace_id=_trace_id(headers),
         )
-        if not new:  # the inbox object is the durable proof the token was used
+        if not new and not retried:
             raise WebhookRejected(RejectReason.TOKEN_USED)
-        await self._handled(CAPABILITY_SOURCE, "accepted")
-        await self.sessions.activate_for_event(claims.session_id)
-        return HookResult(202, {"event_id": claims.token_id, "duplicate": False})
+        await self._handled(CAPABILITY_SOURCE, "accepted" if new else "duplicate")
+        return HookResult(202 if new else 200, {"event_id": claims.token_id, "duplicate": not new})
 
 
 def _trace_id(headers: Mapping[str, str]) -> str | None:

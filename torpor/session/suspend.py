@@ -83,14 +83,21 @@ class Suspender:
                 guard=plan.guard,
                 on_drift=plan.on_drift,
                 request=plan.request,
+                replanned=plan.business_key is not None
+                and plan.business_key in work.snap.business_keys,
             )
             for call, tool, plan in plans
         ]
+        used = {w.business_key: epoch for w in waits if w.business_key is not None}
         work.move(SessionState.SUSPENDED, "waiting for " + ", ".join(w.tool_name for w in waits))
         assert work.snap.epoch == epoch
         entries = [outbox.start_entry(work.snap, w, now=now) for w in waits]
         entries += self.notifications("suspended")
-        work.update(waits=waits, outbox=[*work.snap.outbox, *entries])
+        work.update(
+            waits=waits,
+            outbox=[*work.snap.outbox, *entries],
+            business_keys={**work.snap.business_keys, **used},
+        )
         await work.commit()
         crash_point(CrashPoint.SUSPEND_COMMITTED)
         await self.complete_suspend()

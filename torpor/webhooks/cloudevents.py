@@ -25,6 +25,7 @@ from torpor.webhooks.payloads import (
     MAX_TEXT_CHARS,
     InboundEvent,
     PayloadMapping,
+    echoed_epoch,
     from_mapping,
     loads_json,
     loads_object,
@@ -144,6 +145,8 @@ def _build(attrs: dict[str, str], data: JsonValue, now: datetime) -> InboundEven
         correlation_id=correlation,
         business_key=business_key,
         status=text_value(payload.get("status")),
+        # Which request the event answers, if the sender says: stale answers are observed.
+        epoch=echoed_epoch(extensions.get("epoch"), extensions.get("idempotencykey")),
         data=data,
         datacontenttype=attrs.get("datacontenttype"),
         dataschema=attrs.get("dataschema"),

@@ -40,6 +40,9 @@ class InboundEvent(BaseModel):
     correlation_id: str | None = None
     business_key: str | None = None
     status: str | None = None
+    # The epoch of the request this event answers, when the sender echoes it (directly or
+    # as the last part of the request's idempotency key ``tenant:action_key:epoch``).
+    epoch: int | None = None
     # Non-JSON, non-text payloads are carried as base64 text; datacontenttype says so.
     data: JsonValue = None
     datacontenttype: str | None = None
@@ -54,6 +57,10 @@ class PayloadMapping(BaseModel):
     Paths are dotted (``order.approval.id``); a segment of digits indexes a list. Keys that
     themselves contain dots cannot be addressed. Without ``event_id_path`` the event id is
     the SHA-256 of the body, so identical redeliveries deduplicate.
+
+    ``epoch_path`` or ``idempotency_key_path`` name where the sender echoes which request
+    it answers (the epoch, or the idempotency key ``tenant:action_key:epoch`` it was sent
+    with): an answer to a request that was since re-planned is then recognised as stale.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -65,6 +72,8 @@ class PayloadMapping(BaseModel):
     time_path: str | None = None
     correlation_id_path: str | None = None
     business_key_path: str | None = None
+    epoch_path: str | None = None
+    idempotency_key_path: str | None = None
     status_path: str | None = None
     data_path: str | None = None
 
@@ -75,6 +84,8 @@ class PayloadMapping(BaseModel):
         "time_path",
         "correlation_id_path",
         "business_key_path",
+        "epoch_path",
+        "idempotency_key_path",
         "status_path",
         "data_path",
     )
@@ -215,6 +226,21 @@ def _mapped_text(document: Any, path: str | None, field: str) -> str | None:
     return text
 
 
+def echoed_epoch(epoch: str | None, idempotency_key: str | None) -> int | None:
+    """The epoch a sender names, from an echoed epoch or idempotency key; both must agree."""
+    named: set[int] = set()
+    for text, what in ((epoch, "epoch"), (idempotency_key, "idempotency key")):
+        if text is None:
+            continue
+        tail = text.rsplit(":", 1)[-1] if what == "idempotency key" else text
+        if not (tail.isascii() and tail.isdigit()) or len(tail) > 12:
+            raise malformed(f"the payload's {what} does not name an epoch")
+        named.add(int(tail))
+    if len(named) > 1:
+        raise malformed("the payload's epoch and idempotency key disagree")
+    return named.pop() if named else None
+
+
 def from_mapping(
     body: bytes, mapping: PayloadMapping, source_name: str, now: datetime
 ) -> InboundEvent:
@@ -246,6 +272,10 @@ def from_mapping(
         correlation_id=_mapped_text(document, mapping.correlation_id_path, "correlation id"),
         business_key=_mapped_text(document, mapping.business_key_path, "business key"),
         status=_mapped_text(document, mapping.status_path, "status"),
+        epoch=echoed_epoch(
+            _mapped_text(document, mapping.epoch_path, "epoch"),
+            _mapped_text(document, mapping.idempotency_key_path, "idempotency key"),
+        ),
         data=data,
         datacontenttype="application/json",
         received_at=now,

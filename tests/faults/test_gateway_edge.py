@@ -1,0 +1,286 @@
+"""The webhook gateway at the edge of failure: nothing accepted is lost or left asleep,
+nothing that stored nothing is refused as a replay, and a stale answer never applies.
+
+Each test breaks one step of one request (the index answer lost after the claim, the
+activation lost after the inbox write, the index flushed) and then plays the sender's
+retry, byte-identical or freshly signed, through the real gateway over real Redis and a
+local object store, with the session runtime inline.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.support.harness import CAPABILITY_KEY, Env, local_env
+from torpor.errors import AmbiguousEvent, IndexUnavailable, RejectReason, WebhookRejected
+from torpor.lifecycle import SessionState
+from torpor.service.gateway import WebhookGateway
+from torpor.webhooks.capability import mint
+from torpor.webhooks.signing import Scheme, generate_secret, sign
+
+SECRET = generate_secret(Scheme.TORPOR)
+JSON = "application/json"
+MAPPING = {
+    "event_id_path": "eventId",
+    "type_path": "eventType",
+    "correlation_id_path": "correlationId",
+    "business_key_path": "businessKey",
+    "epoch_path": "epoch",
+    "idempotency_key_path": "idempotencyKey",
+    "status_path": "decision.status",
+    "data_path": "decision",
+}
+SOURCES = {"oa": {"tenant": "acme", "scheme": "torpor", "secrets": [SECRET], "mapping": MAPPING}}
+
+
+def body(event_id: str, status: str = "approved", **fields: Any) -> bytes:
+    return json.dumps(
+        {
+            "eventId": event_id,
+            "eventType": "oa.approval.decided",
+            "decision": {"status": status},
+            **fields,
+        }
+    ).encode()
+
+
+@pytest.fixture
+async def env(tmp_path: Path, redis_url: str, redis_prefix: str) -> AsyncIterator[Env]:
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as e:
+        yield e
+
+
+def signed(env: Env, raw: bytes, *, later_s: float = 0) -> dict[str, str]:
+    at = env.clock.now() + timedelta(seconds=later_s)
+    return {**sign(Scheme.TORPOR, raw, SECRET, now=at), "Content-Type": JSON}
+
+
+async def state(env: Env, sid: str) -> SessionState:
+    return (await env.load(sid)).state
+
+
+def fail_once(
+    target: object, name: str, *, after: bool, error: BaseException | None = None
+) -> list[int]:
+    """Make ``target.name`` fail on its next call: before it runs, or after it ran (the
+    answer lost). Returns a list that counts the failures."""
+    original: Callable[..., Awaitable[Any]] = getattr(target, name)
+    fired: list[int] = []
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        if fired:
+            return await original(*args, **kwargs)
+        fired.append(1)
+        if after:
+            await original(*args, **kwargs)
+        raise error or IndexUnavailable("injected: the answer was lost")
+
+    setattr(target, name, broken)
+    return fired
+
+
+async def test_a_claim_whose_answer_was_lost_does_not_refuse_the_retry(env: Env) -> None:
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-claim", correlationId=cid)
+    headers = signed(env, raw)
+    fired = fail_once(env.services.index, "admit", after=True)
+    with pytest.raises(IndexUnavailable):
+        await gateway.receive("oa", raw, headers, now=env.clock.now())
+    assert fired and await state(env, sid) is SessionState.SUSPENDED  # nothing stored
+    result = await gateway.receive("oa", raw, headers, now=env.clock.now())  # byte-identical
+    assert result.status == 202
+    assert await state(env, sid) is SessionState.COMPLETED
+
+
+@pytest.mark.parametrize("retry", ["byte_identical", "freshly_signed"])
+async def test_a_stored_event_whose_wake_was_lost_is_woken_by_the_retry(
+    env: Env, retry: str
+) -> None:
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-wake", correlationId=cid)
+    headers = signed(env, raw)
+    fail_once(env.control, "activate_for_event", after=False)
+    with pytest.raises(IndexUnavailable):
+        await gateway.receive("oa", raw, headers, now=env.clock.now())
+    assert await state(env, sid) is SessionState.SUSPENDED  # stored, never woken
+    again = headers if retry == "byte_identical" else signed(env, raw, later_s=1)
+    result = await gateway.receive("oa", raw, again, now=env.clock.now())
+    assert result.status == 200 and result.body["duplicate"] is True
+    assert await state(env, sid) is SessionState.COMPLETED
+
+
+async def test_a_used_capability_link_whose_wake_was_lost_is_woken_by_the_retry(
+    env: Env,
+) -> None:
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    wait = (await env.load(sid)).waits[0]
+    token = mint(
+        key=CAPABILITY_KEY.encode(),
+        tenant="acme",
+        session_id=sid,
+        wait_id=wait.wait_id,
+        correlation_id=wait.correlation_id,
+        epoch=wait.epoch,
+        expires_at=wait.deadline,
+    )
+    raw = json.dumps({"status": "approved"}).encode()
+    headers = {"Content-Type": JSON}
+    fail_once(env.control, "activate_for_event", after=False)
+    with pytest.raises(IndexUnavailable):
+        await gateway.capability(token, raw, headers, now=env.clock.now())
+    assert await state(env, sid) is SessionState.SUSPENDED
+    result = await gateway.capability(token, raw, headers, now=env.clock.now())
+    assert result.status == 200 and result.body["duplicate"] is True
+    assert await state(env, sid) is SessionState.COMPLETED
+    # Another answer through the same link is still refused: the token was used.
+    other = json.dumps({"status": "rejected"}).encode()
+    with pytest.raises(WebhookRejected) as refused:
+        await gateway.capability(token, other, headers, now=env.clock.now())
+    assert refused.value.reason is RejectReason.TOKEN_USED
+
+
+async def test_a_replay_after_the_index_was_flushed_is_still_refused(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-replay", correlationId=cid)
+    headers = signed(env, raw)
+    assert (await gateway.receive("oa", raw, headers, now=env.clock.now())).status == 202
+    client = aioredis.Redis.from_url(redis_url)
+    async for key in client.scan_iter(match=redis_prefix + "*"):
+        await client.delete(key)
+    await client.aclose()
+    with pytest.raises(WebhookRejected) as refused:
+        await gateway.receive("oa", raw, headers, now=env.clock.now())
+    assert refused.value.reason is RejectReason.REPLAYED and refused.value.status == 409
+
+
+async def test_a_nonce_reused_by_another_request_is_still_a_replay(env: Env) -> None:
+    # The content claim of a request that died is no proof of a replay; a nonce taken by
+    # another, accepted request is.
+    gateway = WebhookGateway(env.control)
+    first, second = await env.submit(doc="PR-1"), await env.submit(doc="PR-2")
+    cids = [(await env.load(s)).waits[0].correlation_id for s in (first, second)]
+    raws = [body(f"e-nonce-{i}", correlationId=cid) for i, cid in enumerate(cids)]
+    nonce = "nonce-0123456789abcdef"
+    at = env.clock.now()
+    headers = [
+        {**sign(Scheme.TORPOR, r, SECRET, now=at, nonce=nonce), "Content-Type": JSON} for r in raws
+    ]
+    assert (await gateway.receive("oa", raws[0], headers[0], now=at)).status == 202
+    with pytest.raises(WebhookRejected) as refused:
+        await gateway.receive("oa", raws[1], headers[1], now=at)
+    assert refused.value.reason is RejectReason.REPLAYED
+    assert await state(env, second) is SessionState.SUSPENDED
+    # and the refusal took no claim of its own: the content of the second is still free
+    fresh = {**sign(Scheme.TORPOR, raws[1], SECRET, now=at), "Content-Type": JSON}
+    assert (await gateway.receive("oa", raws[1], fresh, now=at)).status == 202
+
+
+# -- stale answers by business key (seed 004) -----------------------------------------------
+
+
+async def replanned(env: Env) -> tuple[str, str]:
+    """A session whose approval was re-planned: epoch 1 superseded by epoch 3, same
+    business key. Returns (session id, the first wait's correlation id)."""
+    sid = await env.submit()
+    first = (await env.load(sid)).waits[0]
+    await env.world.set_version("PR-1", "v2")  # the budget moved: the answer is a drift
+    await env.answer(sid, {"status": "approved"}, event_id="a1")
+    [second] = (await env.load(sid)).waits
+    assert second.epoch == 3 and second.business_key == first.business_key == "PR-1"
+    return sid, first.correlation_id
+
+
+async def test_a_late_business_key_answer_is_not_applied_to_the_new_wait(env: Env) -> None:
+    gateway = WebhookGateway(env.control)
+    sid, _ = await replanned(env)
+    raw = body("late-1", status="rejected", businessKey="PR-1")
+    with pytest.raises(AmbiguousEvent) as refused:
+        await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
+    assert refused.value.status == 409 and "correlation" in (refused.value.problem_detail or "")
+    assert refused.value.problem_type == "ambiguous_event"
+    snap = await env.load(sid)
+    assert snap.state is SessionState.SUSPENDED and snap.waits[0].epoch == 3
+
+
+@pytest.mark.parametrize("echo", ["epoch", "idempotency_key"])
+async def test_an_answer_naming_an_older_epoch_is_observed_and_answered_stale(
+    env: Env, echo: str
+) -> None:
+    gateway = WebhookGateway(env.control)
+    sid, _ = await replanned(env)
+    named = {"epoch": 1} if echo == "epoch" else {"idempotencyKey": "acme:approve:PR-1:1"}
+    raw = body("late-2", status="rejected", businessKey="PR-1", **named)
+    result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
+    assert result.status == 200 and result.body["outcome"] == "stale"
+    snap = await env.load(sid)
+    assert snap.state is SessionState.SUSPENDED and snap.waits[0].epoch == 3
+    assert snap.observations[-1].reason.value == "stale"
+    # The answer to the current request, naming its epoch, is applied.
+    raw = body("now-3", businessKey="PR-1", epoch=3)
+    assert (await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())).status == 202
+    assert (await env.load(sid)).state is SessionState.COMPLETED
+
+
+def two_stage_agent(env_agents: dict[str, Any]) -> dict[str, Any]:
+    """The test agent with a second approval for another business key (``PR-1/cfo``)."""
+    purchase = env_agents["purchase"]
+    plan = json.loads(json.dumps(purchase["options"]["plan"]))
+    steps = plan["steps"]
+    second = json.loads(json.dumps(next(s for s in steps if s["id"] == "approve")))
+    second["id"] = "cfo"
+    second["calls"][0]["args"]["doc"] = "${input.cfo_doc}"
+    second["branches"] = []
+    steps.insert(steps.index(next(s for s in steps if s["id"] == "done")), second)
+    return {**purchase, "options": {**purchase["options"], "plan": plan, "name": "two"}}
+
+
+async def test_a_business_key_answer_to_a_later_wait_that_is_no_replan_is_applied(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    # Only a re-plan (an earlier wait with the same business key) makes a business-key
+    # answer ambiguous; a later wait for another key is answered by its key as usual.
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        agents = {"two": two_stage_agent(env.services.settings.model_dump()["agents"])}
+        async with local_env(
+            tmp_path / "two", redis_url, redis_prefix, extra={"sources": SOURCES, "agents": agents}
+        ) as two:
+            gateway = WebhookGateway(two.control)
+            submitted = await two.control.submit(
+                tenant="acme", agent="two", input={"doc": "PR-1", "amount": 5, "cfo_doc": "CFO-1"}
+            )
+            sid = submitted.session_id
+            raw = body("first", businessKey="PR-1")
+            assert (
+                await gateway.receive("oa", raw, signed(two, raw), now=two.clock.now())
+            ).status == 202
+            [cfo] = (await two.load(sid)).waits
+            assert cfo.epoch > 1 and cfo.business_key == "CFO-1" and not cfo.replanned
+            raw = body("second", businessKey="CFO-1")
+            result = await gateway.receive("oa", raw, signed(two, raw), now=two.clock.now())
+            assert result.status == 202
+            assert (await two.load(sid)).state is SessionState.COMPLETED
+
+
+async def test_an_answer_to_a_closed_wait_says_so(env: Env) -> None:
+    gateway = WebhookGateway(env.control)
+    sid, first_cid = await replanned(env)
+    raw = body("late-4", status="rejected", correlationId=first_cid)
+    result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
+    assert result.status == 200 and result.body["outcome"] == "closed"
+    assert (await env.load(sid)).state is SessionState.SUSPENDED
