@@ -38,3 +38,17 @@ class Observer:
     async def delivery_settled(self, delivery: Delivery) -> None:
         """One attempt at an outbound notification ended with ``delivery.status``."""
         return
+
+    async def sweep_step_failed(self, step: str) -> None:
+        """One step of a reconciler sweep raised (it is logged with its traceback; the
+        other steps still ran)."""
+        return
+
+    async def sweep_completed(self, *, started_at: float, duration_s: float) -> None:
+        """A reconciler sweep ran every step (``started_at``: seconds since the epoch)."""
+        return
+
+    async def activation_deferred(self, reason: str) -> None:
+        """An activation request was not sent now (backpressure, or it failed): a timer
+        brings the reconciler round instead."""
+        return

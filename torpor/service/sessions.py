@@ -34,7 +34,7 @@ from torpor.lifecycle import SessionState
 from torpor.models import AgentRef, SessionSnapshot
 from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
 from torpor.ports.services import Services
-from torpor.service.coalescing import Coalescer, request_activation
+from torpor.service.coalescing import Coalescer, Fallback, request_activation
 from torpor.ssrf import check_callback_url
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
@@ -68,7 +68,9 @@ class SessionService:
         # In an HTTP handler, answer first and let the activation request run behind.
         self.background = background
         self._coalescer = Coalescer(
-            activator, max_inflight=services.settings.max_inflight_activations
+            activator,
+            max_inflight=services.settings.max_inflight_activations,
+            fallback=Fallback.of(services),
         )
 
     @property
