@@ -49,6 +49,7 @@ from torpor.problems import ProblemSpec, problem, problem_for
 from torpor.service.batches import BatchService
 from torpor.service.deliveries import DeliveryWorker, secret_for
 from torpor.service.gateway import WebhookGateway
+from torpor.service.health import health_answer
 from torpor.service.sessions import SessionService
 from torpor.settings import Settings
 from torpor.webhooks.cloudevents import handshake
@@ -159,9 +160,9 @@ class Ingress:
 
     # -- health and baseline -------------------------------------------------------
 
-    @api.get("/healthz", tags=["ops"])
-    async def healthz(self) -> dict[str, Any]:
-        return {"ok": True, "version": __version__}
+    @api.get("/healthz", tags=["ops"])  # 503 problem+json if the index, store or sweeps fail
+    async def healthz(self) -> JSONResponse:
+        return JSONResponse(**await health_answer(self.services, self.reconciler, api.version))
 
     @api.post("/v1/noop", status_code=202, tags=["ops"])
     async def noop(self, request: Request) -> dict[str, Any]:
