@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 
 from torpor.deliveries import DeliveryStatus
 from torpor.errors import TorporError
-from torpor.lifecycle import SessionState
+from torpor.lifecycle import WAITING_STATES, SessionState
 from torpor.models import SessionHeader, SessionSnapshot
 from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
@@ -61,7 +61,7 @@ class IndexRepair:
             if header.state is SessionState.RUNNING:
                 wanted.append((header.session_id, Reason.RECOVER))
                 continue
-            if header.state is SessionState.SUSPENDED:
+            if header.state in WAITING_STATES:
                 suspended += 1
             elif not self._may_owe_work(header, now):
                 continue
