@@ -13,18 +13,15 @@ Every failure is ``application/problem+json`` from one handler.
 # runtime inside the Serve replica, where string annotations cannot be resolved.
 import asyncio
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
@@ -42,101 +39,34 @@ from torpor.api import (
 )
 from torpor.auth import tenant_for
 from torpor.deliveries import DeliveryStatus
-from torpor.errors import InvalidRequest, RejectReason, TorporError, WebhookRejected
+from torpor.entry.http import (
+    PROBLEM,
+    install_problem_handlers,
+    json_body,
+    parse_json_body,
+    read_body,
+    require_idempotency_key,
+)
 from torpor.ids import digest
 from torpor.lifecycle import SessionState
-from torpor.problems import ProblemSpec, problem, problem_for
+from torpor.problems import problem
 from torpor.service.batches import BatchService
 from torpor.service.deliveries import DeliveryWorker, secret_for
 from torpor.service.gateway import WebhookGateway
+from torpor.service.health import health_answer
 from torpor.service.sessions import SessionService
 from torpor.settings import Settings
 from torpor.webhooks.cloudevents import handshake
 
-log = logging.getLogger("torpor.ingress")
-PROBLEM = "application/problem+json"
 SSE_POLL_S = 0.5
 SSE_KEEPALIVE_S = 15.0
-
-
-def json_body(model: type[Any] | None = None) -> dict[str, Any]:
-    """Declare a request body in OpenAPI for routes that read (and limit) the raw bytes."""
-    schema = model.model_json_schema() if model is not None else {"type": "object"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
 
 api = FastAPI(
     title="torpor",
     version=__version__,
     description="Agent sessions that sleep while they wait and wake once on a signed webhook.",
 )
-
-
-def _problem(spec: ProblemSpec, request: Request) -> JSONResponse:
-    headers = {"Retry-After": str(spec.retry_after)} if spec.retry_after else None
-    return JSONResponse(
-        spec.body(request.url.path), status_code=spec.status, media_type=PROBLEM, headers=headers
-    )
-
-
-@api.exception_handler(TorporError)
-async def _torpor_error(request: Request, exc: TorporError) -> JSONResponse:
-    spec = problem_for(exc)
-    if spec.status >= 500:
-        log.error("request failed: %s", exc, exc_info=exc)
-    return _problem(spec, request)
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    where = ".".join(str(p) for p in first.get("loc", ()))
-    detail = f"{where}: {first.get('msg', 'invalid')}" if where else "the request is invalid"
-    return _problem(problem(400, "invalid_request", "Invalid request", detail[:300]), request)
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return _problem(problem(exc.status_code, code, str(exc.detail)), request)
-
-
-@api.exception_handler(Exception)
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s", request.url.path)
-    return _problem(problem(500, "internal", "Internal error"), request)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused as soon as it passes ``limit`` (413), declared or not."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise WebhookRejected(RejectReason.BODY_TOO_LARGE)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise WebhookRejected(RejectReason.BODY_TOO_LARGE)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse_json_body(raw: bytes, model: type[Any]) -> Any:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise InvalidRequest(f"{where}: {first['msg']}"[:300]) from None
-
-
-def require_idempotency_key(value: str | None) -> str:
-    if not value:
-        raise InvalidRequest("the Idempotency-Key header is required")
-    if len(value) > 255:
-        raise InvalidRequest("the Idempotency-Key header is longer than 255 characters")
-    return value
+install_problem_handlers(api)
 
 
 @serve.deployment(
@@ -159,10 +89,9 @@ class Ingress:
 
     # -- health and baseline -------------------------------------------------------
 
-    @api.get("/healthz", tags=["ops"])
-    async def healthz(self) -> dict[str, Any]:
-        # audit_ok: whether the last audit block landed (a failed one failed its webhooks).
-        return {"ok": True, "audit_ok": self.services.audit.healthy, "version": __version__}
+    @api.get("/healthz", tags=["ops"])  # 503 problem+json if the index, store or sweeps fail
+    async def healthz(self) -> JSONResponse:
+        return JSONResponse(**await health_answer(self.services, self.reconciler, api.version))
 
     @api.post("/v1/noop", status_code=202, tags=["ops"])
     async def noop(self, request: Request) -> dict[str, Any]:

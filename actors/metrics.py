@@ -69,6 +69,25 @@ def metrics() -> dict[str, Any]:
             description="Outbox entries that gave up for good (resend with resend_outbox).",
             tag_keys=("kind",),
         ),
+        "sweep_failures": Counter(
+            "torpor_sweep_step_failures_total",
+            description="Reconciler sweep steps that raised (the other steps still ran).",
+            tag_keys=("step",),
+        ),
+        "last_sweep": Gauge(
+            "torpor_reconciler_last_sweep_timestamp_seconds",
+            description="Start of the last complete sweep; its age is time() minus this.",
+        ),
+        "sweep_duration": Histogram(
+            "torpor_reconciler_sweep_seconds",
+            description="Duration of complete reconciler sweeps.",
+            boundaries=LAG_BUCKETS,
+        ),
+        "activations_deferred": Counter(
+            "torpor_activations_deferred_total",
+            description="Activation requests left to a timer (backpressure or failure).",
+            tag_keys=("reason",),
+        ),
         "deliveries": Counter(
             "torpor_notifications_total",
             description="Outbound notification attempts by outcome.",

@@ -59,3 +59,13 @@ class RayObserver(Observer):
             entry.attempts,
             entry.last_error,
         )
+
+    async def sweep_step_failed(self, step: str) -> None:
+        metrics.inc("sweep_failures", {"step": step})
+
+    async def sweep_completed(self, *, started_at: float, duration_s: float) -> None:
+        metrics.gauge("last_sweep", started_at)
+        metrics.observe("sweep_duration", duration_s)
+
+    async def activation_deferred(self, reason: str) -> None:
+        metrics.inc("activations_deferred", {"reason": reason})

@@ -4,13 +4,18 @@
 ``max_restarts=-1`` brings it back if its process dies; the explicit namespace lets every
 driver and the Serve app find the same one. ``ensure_reconciler`` is idempotent: call it
 from anywhere, as often as you like; the Serve app calls it from ``ReconcilerStarter``.
+
+Ray re-runs only ``__init__`` when it restarts the actor, so the sweep loop is started
+from there (a call the actor makes to itself): a reconciler whose process or node died
+sweeps again as soon as Ray has brought it back, without anyone calling ``start``. A
+sweep that raises is logged with its traceback and the loop goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import os
 from dataclasses import asdict
 from typing import Any
 
@@ -39,7 +44,11 @@ class Reconciler:
         self._sweeper: Sweeper | None = None
         self._loop: asyncio.Task[None] | None = None
         self._sweeps = 0
+        self._failures = 0
         self._last: dict[str, Any] = {}
+        # __init__ runs outside the actor's event loop: the loop is started by a call to
+        # ourselves, which Ray runs right after __init__, on every (re)start.
+        ray.get_runtime_context().current_actor.start.remote()
 
     def _ensure(self) -> Sweeper:
         if self._sweeper is None:
@@ -58,8 +67,11 @@ class Reconciler:
 
     async def _run(self) -> None:
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 await self.sweep_once()
+            except Exception:  # the index or store is down: say so, and sweep again later
+                self._failures += 1
+                log.exception("sweep failed")
             await asyncio.sleep(self._settings.reconciler.interval_s)
 
     async def sweep_once(self) -> dict[str, Any]:
@@ -73,7 +85,17 @@ class Reconciler:
         return self._last
 
     async def status(self) -> dict[str, Any]:
-        return {"sweeps": self._sweeps, "running": self._loop is not None, "last": self._last}
+        running = self._loop is not None and not self._loop.done()
+        return {
+            "sweeps": self._sweeps,
+            "failures": self._failures,
+            "running": running,
+            "last": self._last,
+        }
+
+    async def pid(self) -> int:
+        """The process this incarnation runs in (for operators, and for crash tests)."""
+        return os.getpid()
 
 
 def ensure_reconciler(settings: Settings, *, start: bool = True) -> Any:

@@ -173,5 +173,9 @@ class RedisKeys:
         return f"{self.prefix}intact"
 
     @property
+    def last_sweep(self) -> str:
+        return f"{self.prefix}last-sweep"
+
+    @property
     def pattern(self) -> str:
         return f"{self.prefix}*"

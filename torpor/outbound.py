@@ -8,17 +8,26 @@ against wherever the ``Location`` points. Non-2xx statuses are answers, not exce
 transport failures raise ``OSError`` (a refused connection, a timeout as ``TimeoutError``
 or ``URLError``) or ``http.client.HTTPException`` (a garbled answer), unchanged.
 
+``timeout_s`` of ``request`` is an *overall* deadline, not a per-socket one: a watchdog
+shuts the connection's socket down when it passes, so a server that drips one byte every
+few seconds is cut at the deadline (``TimeoutError``) instead of holding the caller and
+its worker thread for as long as it likes.
+
 ``retry_after_s`` reads a ``Retry-After`` header in both of its forms.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.message import Message
@@ -47,6 +56,83 @@ class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_RefuseRedirects)
 
 
+class _Deadline:
+    """Shuts down every socket of one request when its deadline passes."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._at = time.monotonic() + seconds
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self.expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def remaining(self) -> float:
+        left = self._at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no complete answer within {self.seconds:g} s")
+        return left
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self.expired
+        if expired:
+            self._shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            self._shut(sock)
+
+    @staticmethod
+    def _shut(sock: socket.socket) -> None:
+        # Wakes a read blocked in another thread; the request then fails and the caller
+        # sees TimeoutError.
+        with suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _deadline_connection(
+    base: type[http.client.HTTPConnection], deadline: _Deadline
+) -> type[http.client.HTTPConnection]:
+    class Connection(base):  # type: ignore[valid-type, misc]
+        def connect(self) -> None:
+            self.timeout = deadline.remaining()  # no single read outlasts the deadline
+            super().connect()
+            deadline.watch(self.sock)
+
+    return Connection
+
+
+class _DeadlineHTTP(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._connection = _deadline_connection(http.client.HTTPConnection, deadline)
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(self._connection, req)
+
+
+class _DeadlineHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._connection = _deadline_connection(http.client.HTTPSConnection, deadline)
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(self._connection, req)
+
+
 @dataclass(frozen=True)
 class Response:
     status: int
@@ -66,13 +152,23 @@ class Response:
 
 
 def _open(
-    method: str, url: str, body: bytes | None, headers: Mapping[str, str] | None, timeout_s: float
+    method: str,
+    url: str,
+    body: bytes | None,
+    headers: Mapping[str, str] | None,
+    timeout_s: float,
+    deadline: _Deadline | None = None,
 ) -> Any:
     if urlsplit(url).scheme not in ("http", "https"):
         raise UnsafeUrl("only http(s) URLs are called")
     request = urllib.request.Request(url, data=body, headers=dict(headers or {}), method=method)  # noqa: S310 - http(s) checked above
+    opener = _OPENER
+    if deadline is not None:
+        opener = urllib.request.build_opener(
+            _RefuseRedirects, _DeadlineHTTP(deadline), _DeadlineHTTPS(deadline)
+        )
     try:
-        return _OPENER.open(request, timeout=timeout_s)
+        return opener.open(request, timeout=timeout_s)
     except urllib.error.HTTPError as exc:
         return exc  # an answer (4xx, 5xx, or a 3xx not followed), with its body and headers
 
@@ -93,13 +189,20 @@ def request(
     timeout_s: float,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Response:
-    """One blocking request. ``timeout_s`` bounds the connect and every read; a body past
-    ``max_body_bytes`` raises ``ResponseTooLarge``; ``max_body_bytes=0`` leaves the body
-    unread (the status is all the caller wants)."""
-    with _open(method, url, body, headers, timeout_s) as response:
-        data = _read(response, max_body_bytes) if max_body_bytes > 0 else b""
-        found = {k.lower(): v for k, v in (response.headers or {}).items()}
-        return Response(int(response.status or response.code), data, found)
+    """One blocking request. ``timeout_s`` is its overall deadline, from connect to the
+    last byte read (``TimeoutError`` past it); a body past ``max_body_bytes`` raises
+    ``ResponseTooLarge``; ``max_body_bytes=0`` leaves the body unread (the status is all
+    the caller wants)."""
+    with _Deadline(timeout_s) as deadline:
+        try:
+            with _open(method, url, body, headers, timeout_s, deadline) as response:
+                data = _read(response, max_body_bytes) if max_body_bytes > 0 else b""
+                found = {k.lower(): v for k, v in (response.headers or {}).items()}
+                return Response(int(response.status or response.code), data, found)
+        except (OSError, http.client.HTTPException) as exc:
+            if deadline.expired:  # whatever the cut socket raised, the cause is the deadline
+                raise TimeoutError(f"no complete answer within {timeout_s:g} s") from exc
+            raise
 
 
 async def request_async(
@@ -112,7 +215,7 @@ async def request_async(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Response:
     """``request`` in a worker thread. A cancelled caller leaves the thread to finish
-    within ``timeout_s``."""
+    within ``timeout_s`` (the deadline cuts it there)."""
     return await asyncio.to_thread(
         request,
         method,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 
 class MemoryHealth:
     def __init__(self) -> None:
         self._intact = False
+        self._last_sweep: datetime | None = None
         super().__init__()
 
     @property
@@ -23,3 +26,9 @@ class MemoryHealth:
 
     async def is_intact(self) -> bool:
         return self._intact
+
+    async def record_sweep(self, *, at: datetime) -> None:
+        self._last_sweep = at
+
+    async def last_sweep(self) -> datetime | None:
+        return self._last_sweep

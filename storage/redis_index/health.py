@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from storage.redis_index.connection import RedisConnection, translate
+from datetime import datetime
+
+from storage.redis_index.connection import RedisConnection, opt_text, translate
+from torpor.clock import from_ms, to_ms
 
 
 class RedisHealth(RedisConnection):
@@ -21,3 +24,12 @@ class RedisHealth(RedisConnection):
     @translate
     async def is_intact(self) -> bool:
         return bool(await self._redis.exists(self.keys.intact))
+
+    @translate
+    async def record_sweep(self, *, at: datetime) -> None:
+        await self._redis.set(self.keys.last_sweep, to_ms(at))
+
+    @translate
+    async def last_sweep(self) -> datetime | None:
+        found = opt_text(await self._redis.get(self.keys.last_sweep))
+        return None if found is None else from_ms(int(found))

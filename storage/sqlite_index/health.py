@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
 
 from storage.sqlite_index.connection import SqliteConnection
+from torpor.clock import from_ms, to_ms
 
 
 class SqliteHealth(SqliteConnection):
@@ -23,3 +25,16 @@ class SqliteHealth(SqliteConnection):
             lambda c: c.execute("SELECT 1 FROM meta WHERE key='intact'").fetchone(), write=False
         )
         return row is not None
+
+    async def record_sweep(self, *, at: datetime) -> None:
+        value = str(to_ms(at))
+        await self._run(
+            lambda c: c.execute("INSERT OR REPLACE INTO meta VALUES ('last_sweep', ?)", (value,))
+        )
+
+    async def last_sweep(self) -> datetime | None:
+        row = await self._run(
+            lambda c: c.execute("SELECT value FROM meta WHERE key='last_sweep'").fetchone(),
+            write=False,
+        )
+        return None if row is None else from_ms(int(row[0]))

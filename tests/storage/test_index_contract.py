@@ -157,6 +157,37 @@ class IndexContract:
         assert await index.due(kind=TimerKind.WAKE, now=NOW + timedelta(seconds=9), limit=10) == []
         assert await index.due(kind=TimerKind.POLL, now=NOW, limit=10) == ["s_c"]
 
+    async def test_a_leased_timer_is_taken_not_removed(self, index: Index) -> None:
+        later = NOW + timedelta(seconds=30)
+        await index.schedule(kind=TimerKind.RETRY, member="s_a", at=NOW)
+        await index.schedule(kind=TimerKind.RETRY, member="s_b", at=NOW + timedelta(seconds=60))
+        taken = await index.lease_due(kind=TimerKind.RETRY, now=NOW, limit=10, until=later)
+        assert taken == ["s_a"]
+        assert await index.due(kind=TimerKind.RETRY, now=NOW, limit=10) == [], "leased"
+        # Its taker never confirmed: it comes due again when the lease runs out.
+        assert await index.due(kind=TimerKind.RETRY, now=later, limit=10) == ["s_a"]
+
+    async def test_a_leased_timer_is_removed_only_if_nobody_moved_it(self, index: Index) -> None:
+        later = NOW + timedelta(seconds=30)
+        for member in ("s_a", "s_b"):
+            await index.schedule(kind=TimerKind.RETRY, member=member, at=NOW)
+        await index.lease_due(kind=TimerKind.RETRY, now=NOW, limit=10, until=later)
+        moved = NOW + timedelta(seconds=5)  # the work itself asked for another try
+        await index.schedule(kind=TimerKind.RETRY, member="s_b", at=moved)
+        for member in ("s_a", "s_b"):
+            await index.unschedule(kind=TimerKind.RETRY, member=member, if_at=later)
+        assert await index.due(kind=TimerKind.RETRY, now=later, limit=10) == ["s_b"]
+
+    async def test_keep_earlier_never_delays_a_timer(self, index: Index) -> None:
+        soon, late = NOW + timedelta(seconds=1), NOW + timedelta(seconds=60)
+        await index.schedule(kind=TimerKind.RETRY, member="s_a", at=soon)
+        await index.schedule(kind=TimerKind.RETRY, member="s_a", at=late, keep_earlier=True)
+        await index.schedule(kind=TimerKind.RETRY, member="s_b", at=late, keep_earlier=True)
+        assert await index.due(kind=TimerKind.RETRY, now=soon, limit=10) == ["s_a"]
+        assert await index.due(kind=TimerKind.RETRY, now=late, limit=10) == ["s_a", "s_b"]
+        await index.schedule(kind=TimerKind.RETRY, member="s_b", at=soon, keep_earlier=True)
+        assert await index.due(kind=TimerKind.RETRY, now=soon, limit=10) == ["s_a", "s_b"]
+
     # -- nonces and idempotency --
 
     async def test_nonce_claims_once(self, index: Index) -> None:
@@ -323,6 +354,12 @@ class IndexContract:
         assert not await index.is_intact()
         await index.mark_intact()
         assert await index.is_intact()
+
+    async def test_the_last_complete_sweep_is_remembered(self, index: Index) -> None:
+        assert await index.last_sweep() is None
+        await index.record_sweep(at=NOW)
+        await index.record_sweep(at=NOW + timedelta(seconds=5))
+        assert await index.last_sweep() == NOW + timedelta(seconds=5)
 
 
 class CallerClockLeases:

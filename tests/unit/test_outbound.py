@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
 import threading
+import time
 import urllib.error
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.support.hostile import HostileServer
 from torpor import outbound
 from torpor.errors import ResponseTooLarge, UnsafeUrl
 from torpor.outbound import request, request_async, retry_after_s, stream_lines
@@ -101,6 +104,33 @@ def test_a_silent_server_times_out(server: Server) -> None:
     with pytest.raises((TimeoutError, urllib.error.URLError)):
         request("GET", server.url("/slow"), timeout_s=0.2)
     server.release.set()
+
+
+@pytest.fixture
+def hostile() -> Iterator[HostileServer]:
+    s = HostileServer()
+    yield s
+    s.close()
+
+
+def test_a_dripping_server_is_cut_at_the_overall_deadline(hostile: HostileServer) -> None:
+    # Each byte comes well within the deadline, so a per-read timeout never fires.
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        request("POST", hostile.url("/drip"), body=b"{}", timeout_s=1.0)
+    assert time.monotonic() - started < 4.0
+
+
+async def test_a_dripping_server_cuts_the_async_form_too(hostile: HostileServer) -> None:
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await request_async("POST", hostile.url("/drip"), body=b"{}", timeout_s=1.0)
+    assert time.monotonic() - started < 4.0
+
+
+def test_a_garbage_status_line_is_a_protocol_error(hostile: HostileServer) -> None:
+    with pytest.raises(http.client.HTTPException):
+        request("POST", hostile.url("/garbage"), body=b"{}", timeout_s=5)
 
 
 def test_a_redirect_is_answered_not_followed(server: Server) -> None:

@@ -109,13 +109,36 @@ class WaitIndex(Protocol):
 
 
 class TimerIndex(Protocol):
-    """Timers by kind (wake, poll, retry, deliver): one entry per member, rescheduling moves it."""
+    """Timers by kind (wake, poll, retry, deliver): one entry per member, rescheduling moves it.
 
-    async def schedule(self, *, kind: TimerKind, member: str, at: datetime) -> None: ...
+    A timer stands for work not yet done, so it is removed only once that work is
+    confirmed: a taker *leases* due timers (``lease_due`` pushes them to a later due time
+    in the same step) and removes one with ``unschedule(if_at=...)`` when its work is
+    confirmed. A taker that dies, or whose work is dropped, leaves the timer to come due
+    again."""
 
-    async def unschedule(self, *, kind: TimerKind, member: str) -> None: ...
+    async def schedule(
+        self, *, kind: TimerKind, member: str, at: datetime, keep_earlier: bool = False
+    ) -> None:
+        """Set the member's due time to ``at``; with ``keep_earlier`` an existing earlier
+        due time stays (make sure a timer exists without delaying one)."""
+        ...
+
+    async def unschedule(
+        self, *, kind: TimerKind, member: str, if_at: datetime | None = None
+    ) -> None:
+        """Remove the member; with ``if_at`` only if it is still due at exactly that time
+        (nobody rescheduled it since it was leased)."""
+        ...
 
     async def due(self, *, kind: TimerKind, now: datetime, limit: int) -> list[str]: ...
+
+    async def lease_due(
+        self, *, kind: TimerKind, now: datetime, limit: int, until: datetime
+    ) -> list[str]:
+        """Members due at ``now`` (earliest first), each moved to ``until`` atomically:
+        taken, not removed."""
+        ...
 
 
 class ClaimIndex(Protocol):
@@ -232,6 +255,14 @@ class IndexHealth(Protocol):
     async def mark_intact(self) -> None: ...
 
     async def is_intact(self) -> bool: ...
+
+    async def record_sweep(self, *, at: datetime) -> None:
+        """Remember when the reconciler last completed a sweep (``/healthz`` reads it)."""
+        ...
+
+    async def last_sweep(self) -> datetime | None:
+        """When a sweep last completed; None if never (or since the index was lost)."""
+        ...
 
 
 class Index(WaitIndex, TimerIndex, ClaimIndex, LeaseIndex, SessionRegistry, IndexHealth, Protocol):

@@ -43,3 +43,17 @@ class Observer:
         """An outbox entry gave up for good (a compensation or notice nobody received):
         alert an operator, who can resend it (``SessionService.resend_outbox``)."""
         return
+
+    async def sweep_step_failed(self, step: str) -> None:
+        """One step of a reconciler sweep raised (it is logged with its traceback; the
+        other steps still ran)."""
+        return
+
+    async def sweep_completed(self, *, started_at: float, duration_s: float) -> None:
+        """A reconciler sweep ran every step (``started_at``: seconds since the epoch)."""
+        return
+
+    async def activation_deferred(self, reason: str) -> None:
+        """An activation request was not sent now (backpressure, or it failed): a timer
+        brings the reconciler round instead."""
+        return

@@ -1,11 +1,14 @@
-"""Delivering outbound notifications: enqueue from the outbox, attempt from the sweeper.
+"""Delivering outbound notifications: enqueue from the outbox, attempt in a worker.
 
 The runtime's outbox hands a NOTIFY entry to ``DeliveryNotifier.enqueue``, which only
 writes a durable delivery and schedules it: a slow or dead receiver never holds up a
-session. ``DeliveryWorker.attempt`` makes one signed POST: 2xx delivers, 410 disables the
-endpoint, anything else (3xx included: redirects are not followed) schedules the next
-attempt per the retry schedule or a longer ``Retry-After``; after the last attempt the
-delivery is a dead letter until someone resends it.
+session. ``DeliveryWorker`` attempts due deliveries in the background, a bounded number
+at once, so a slow receiver never holds up the sweep either. One attempt is one signed
+POST under an overall deadline: 2xx delivers, 410 disables the endpoint, anything else
+(3xx included: redirects are never followed, wherever they point; a timeout; a garbage
+answer) is a failed attempt with its ``Failure`` category and schedules the next one per
+the retry schedule or a longer ``Retry-After``; after the last attempt the delivery is a
+dead letter until someone resends it.
 """
 
 from __future__ import annotations
@@ -13,19 +16,27 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
+import urllib.error
 from datetime import datetime, timedelta
+from enum import StrEnum
+from functools import partial
 
 from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
-from torpor.errors import ConfigError, UnsafeUrl
+from torpor.errors import ConfigError, NotFound, ResponseTooLarge, UnsafeUrl
 from torpor.ids import digest
 from torpor.models import OutboxEntry, SessionSnapshot
 from torpor.notify import MAX_RETRY_AFTER_S, RETRY_BACKOFF, endpoint_secret, payload
-from torpor.outbound import request_async, retry_after_s
+from torpor.outbound import Response, request_async, retry_after_s
 from torpor.ports import TimerKind
 from torpor.ports.services import Services
 from torpor.settings import Settings, resolve_secret
 from torpor.ssrf import check_callback_url
 from torpor.webhooks.signing import Scheme, sign
+
+log = logging.getLogger(__name__)
+
+CONCURRENT_ATTEMPTS = 8
 
 
 def timer_member(tenant: str, delivery_id: str) -> str:
@@ -68,24 +79,101 @@ class DeliveryNotifier:
         )
 
 
-class DeliveryWorker:
-    """Attempts due deliveries (from the sweeper) and resends dead ones (an operator)."""
+class Failure(StrEnum):
+    """Why one delivery attempt failed: every failure is an attempt, never an exception."""
 
-    def __init__(self, services: Services) -> None:
+    TIMEOUT = "timeout"  # no complete answer within the attempt's deadline
+    CONNECTION = "connection"  # refused, reset, unreachable
+    PROTOCOL = "protocol"  # not HTTP: a garbage status line, a truncated answer
+    REDIRECT = "redirect"  # a 3xx: never followed (it may point anywhere, inside too)
+    STATUS = "status"  # any other answer that is not 2xx
+    INTERNAL = "internal"  # our own side failed (signing, configuration)
+
+
+def classify(exc: BaseException) -> Failure:
+    if isinstance(exc, TimeoutError) or (
+        isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, TimeoutError)
+    ):
+        return Failure.TIMEOUT
+    if isinstance(exc, (http.client.HTTPException, ResponseTooLarge)):
+        return Failure.PROTOCOL
+    if isinstance(exc, OSError):
+        return Failure.CONNECTION
+    return Failure.INTERNAL
+
+
+class DeliveryWorker:
+    """Attempts due deliveries and resends dead ones (an operator).
+
+    The sweeper hands it due deliveries with ``start_due``, which returns at once: the
+    attempts run in this worker, ``concurrency`` at once, each under an overall deadline
+    (``notifications.timeout_s``). A delivery timer is leased while its attempt runs and
+    removed only once the attempt settled the delivery, so an attempt cut short by a
+    crash is made again.
+    """
+
+    def __init__(self, services: Services, *, concurrency: int = CONCURRENT_ATTEMPTS) -> None:
         self.services = services
         self.deliveries = services.deliveries
+        self._gate = asyncio.Semaphore(concurrency)
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def lease(self) -> timedelta:
+        """How long a taken delivery timer waits for its attempt before it is due again."""
+        settings = self.services.settings
+        return timedelta(
+            seconds=settings.notifications.timeout_s + settings.reconciler.wake_grace_s
+        )
+
+    async def start_due(self, now: datetime, limit: int = 100) -> int:
+        """Take the due deliveries and attempt them in the background; returns how many
+        were started."""
+        until = now + self.lease
+        members = await self.services.index.lease_due(
+            kind=TimerKind.DELIVER, now=now, limit=limit, until=until
+        )
+        started = 0
+        for member in members:
+            if member in self._inflight:  # still being attempted here: its lease ran out
+                continue
+            task = asyncio.create_task(self._attempt_member(member, until))
+            self._inflight[member] = task
+            task.add_done_callback(partial(self._settled, member))
+            started += 1
+        return started
+
+    def _settled(self, member: str, _: asyncio.Task[None]) -> None:
+        self._inflight.pop(member, None)
 
     async def due(self, now: datetime, limit: int = 100) -> int:
-        index = self.services.index
-        members = await index.due(kind=TimerKind.DELIVER, now=now, limit=limit)
-        for member in members:
-            tenant, _, delivery_id = member.partition("|")
-            await index.unschedule(kind=TimerKind.DELIVER, member=member)
-            await self.attempt(tenant, delivery_id, now=now)
-        return len(members)
+        """Attempt every due delivery and wait for the attempts (the CLI, tests)."""
+        started = await self.start_due(now, limit)
+        await self.drain()
+        return started
+
+    async def drain(self) -> None:
+        """Wait for the attempts under way."""
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight.values()), return_exceptions=True)
+
+    async def _attempt_member(self, member: str, leased_until: datetime) -> None:
+        tenant, _, delivery_id = member.partition("|")
+        try:
+            async with self._gate:
+                delivery = await self.attempt(tenant, delivery_id, now=self.services.clock.now())
+            if delivery.status is not DeliveryStatus.PENDING:
+                await self.services.index.unschedule(
+                    kind=TimerKind.DELIVER, member=member, if_at=leased_until
+                )
+        except NotFound:  # nothing left to deliver
+            await self.services.index.unschedule(kind=TimerKind.DELIVER, member=member)
+        except Exception:  # storage trouble: the leased timer brings the attempt back
+            log.exception("delivery %s could not be attempted", member)
 
     async def attempt(self, tenant: str, delivery_id: str, *, now: datetime) -> Delivery:
-        settings = self.services.settings
+        """One attempt of a pending delivery, settled as delivered, failed (with a retry
+        or as a dead letter) or disabled. Only storage failures raise."""
         delivery = await self.deliveries.get(tenant, delivery_id)
         if delivery.status is not DeliveryStatus.PENDING:
             return delivery
@@ -94,41 +182,17 @@ class DeliveryWorker:
             return await self._settle(
                 delivery, DeliveryStatus.DISABLED, None, "endpoint disabled", now
             )
-        body = json.dumps(delivery.payload, separators=(",", ":")).encode()
-        error: str | None
         try:
-            await asyncio.to_thread(
-                check_callback_url,
-                delivery.url,
-                allow_private=settings.notifications.allow_private_callbacks,
-            )
-            headers = sign(
-                Scheme.STANDARD,
-                body,
-                secret_for(settings, tenant, delivery.url),
-                now=now,
-                msg_id=delivery.delivery_id,
-            )
-            headers["Content-Type"] = "application/json"
-            headers["User-Agent"] = "torpor-notifier/1"
-            # A 3xx is a failed attempt: the helper never follows it. The answer's body
-            # is of no interest, so it is not read.
-            response = await request_async(
-                "POST",
-                delivery.url,
-                body=body,
-                headers=headers,
-                timeout_s=settings.notifications.timeout_s,
-                max_body_bytes=0,
-            )
-            status, retry_after = response.status, response.header("Retry-After")
+            response = await self._post(delivery, now)
         except UnsafeUrl as exc:
             return await self._settle(delivery, DeliveryStatus.DEAD, None, str(exc), now)
-        except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, garbled
-            status, retry_after = 0, None
-            error = f"{type(exc).__name__}: {exc}"[:300]
+        except Exception as exc:  # every failure of the attempt is a failed attempt
+            status, retry_after, failure = 0, None, classify(exc)
+            error: str | None = f"{failure}: {type(exc).__name__}: {exc}"[:300]
         else:
-            error = None if 200 <= status < 300 else f"HTTP {status}"
+            status, retry_after = response.status, response.header("Retry-After")
+            failure = Failure.REDIRECT if 300 <= status < 400 else Failure.STATUS
+            error = None if response.ok else f"{failure}: HTTP {status}"
         if 200 <= status < 300:
             return await self._settle(delivery, DeliveryStatus.DELIVERED, status, None, now)
         if status == 410:
@@ -149,6 +213,34 @@ class DeliveryWorker:
             kind=TimerKind.DELIVER, member=timer_member(tenant, delivery_id), at=at
         )
         return updated
+
+    async def _post(self, delivery: Delivery, now: datetime) -> Response:
+        settings = self.services.settings
+        body = json.dumps(delivery.payload, separators=(",", ":")).encode()
+        await asyncio.to_thread(
+            check_callback_url,
+            delivery.url,
+            allow_private=settings.notifications.allow_private_callbacks,
+        )
+        headers = sign(
+            Scheme.STANDARD,
+            body,
+            secret_for(settings, delivery.tenant, delivery.url),
+            now=now,
+            msg_id=delivery.delivery_id,
+        )
+        headers["Content-Type"] = "application/json"
+        headers["User-Agent"] = "torpor-notifier/1"
+        # A 3xx is a failed attempt: the helper never follows it. The answer's body is of
+        # no interest, so it is not read. ``timeout_s`` is the attempt's overall deadline.
+        return await request_async(
+            "POST",
+            delivery.url,
+            body=body,
+            headers=headers,
+            timeout_s=settings.notifications.timeout_s,
+            max_body_bytes=0,
+        )
 
     async def _settle(
         self,

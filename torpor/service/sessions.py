@@ -36,7 +36,7 @@ from torpor.models import AgentRef, OutboxEntry, SessionSnapshot
 from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.service import quarantine
-from torpor.service.coalescing import Coalescer, request_activation
+from torpor.service.coalescing import Coalescer, Fallback, request_activation
 from torpor.session import dead_letters
 from torpor.ssrf import check_callback_url
 
@@ -71,7 +71,9 @@ class SessionService:
         # In an HTTP handler, answer first and let the activation request run behind.
         self.background = background
         self._coalescer = Coalescer(
-            activator, max_inflight=services.settings.max_inflight_activations
+            activator,
+            max_inflight=services.settings.max_inflight_activations,
+            fallback=Fallback.of(services),
         )
 
     @property

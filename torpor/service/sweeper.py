@@ -6,10 +6,17 @@
   external system, then exponential backoff with jitter, capped;
 * leases that expired without release (a holder died, e.g. ``kill -9``) → re-activate
   from the last checkpoint;
-* retry timers (outbox entries not yet dispatched, agents that asked to retry) and
-  activation timers (``TimerKind.WAKE``: inbox events no activation confirmed) → activate;
-* a lost or flushed index → rebuilt from the snapshots, so every waiting session can
-  still be resumed.
+* retry timers (outbox entries not yet dispatched, agents that asked to retry, requests
+  left out under backpressure) and activation timers (``TimerKind.WAKE``: inbox events no
+  activation confirmed) → activate;
+* due deliveries → handed to the delivery worker, which attempts them in the background;
+* a lost or flushed index → rebuilt from the snapshots (``torpor.service.repair``).
+
+Nothing is consumed before its work is confirmed: a timer is *leased* (pushed out by the
+timer lease) when taken and removed only once its activation request was taken; an
+expired lease entry is forgotten only then. Each step is isolated: one that raises is
+logged with its traceback and counted, and the others still run. A sweep in which every
+step ran is recorded in the index (``/healthz`` reports its age).
 
 The sweep is plain asyncio over the storage protocols and an activator: it runs in the
 detached reconciler actor, from ``torpor reconcile``, and in tests with a manual clock.
@@ -19,24 +26,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from torpor.backoff import Backoff
-from torpor.errors import PluginNotFound, SessionNotFound, TorporError
+from torpor.errors import PluginNotFound, SessionNotFound
 from torpor.events import EventKind, InboxEvent
-from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
 from torpor.ports import Reason, TimerKind
+from torpor.service.coalescing import Fallback, request_activation
 from torpor.service.deliveries import DeliveryWorker
+from torpor.service.repair import IndexRepair
 from torpor.service.sessions import SessionService
-from torpor.session.suspend import binding_of, poll_member
+from torpor.session.suspend import poll_member
 from torpor.tools import LongRunningTool
 
 log = logging.getLogger(__name__)
 
 BATCH = 500
 POLL_TIMEOUT_S = 30.0
+REQUESTS_AT_ONCE = 32  # activation requests a sweep has in flight
 
 
 @dataclass
@@ -54,17 +65,26 @@ class SweepReport:
     errors: list[str] = field(default_factory=list)
 
 
+Step = Callable[[datetime, SweepReport], Awaitable[None]]
+
+
 class Sweeper:
-    def __init__(self, sessions: SessionService) -> None:
+    def __init__(self, sessions: SessionService, deliveries: DeliveryWorker | None = None) -> None:
         self.sessions = sessions
         self.services = sessions.services
         self._last_full_repair: datetime | None = None
-        self.deliveries = DeliveryWorker(self.services)
+        self.deliveries = deliveries or DeliveryWorker(self.services)
+        self._fallback = Fallback.of(self.services)
+        self._repair = IndexRepair(self.services, self._request_all, self._tool)
 
-    async def sweep_once(self, now: datetime | None = None) -> SweepReport:
-        now = now or self.services.clock.now()
-        report = SweepReport()
-        steps = (
+    @property
+    def timer_lease(self) -> timedelta:
+        """How long a taken timer waits for its work to be confirmed before it is due
+        again."""
+        return timedelta(seconds=self.services.settings.reconciler.wake_grace_s)
+
+    def steps(self) -> list[Step]:
+        return [
             self._repair_if_needed,
             self._deliveries,
             self._deadlines,
@@ -72,56 +92,87 @@ class Sweeper:
             self._retries,
             self._activation_timers,
             self._polls,
-        )
-        for step in steps:
+        ]
+
+    async def sweep_once(self, now: datetime | None = None) -> SweepReport:
+        now = now or self.services.clock.now()
+        started, report = time.time(), SweepReport()
+        failed = False
+        for step in self.steps():
+            name = step.__name__.strip("_")
             try:
                 await step(now, report)
-            except TorporError as exc:  # one failing step must not starve the others
-                report.errors.append(f"{step.__name__}: {exc}")
-                log.warning("sweep step %s failed: %s", step.__name__, exc)
+            except Exception as exc:  # one failing step must not starve the others
+                failed = True
+                report.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                log.exception("sweep step %s failed", name)
+                await self.services.observer.sweep_step_failed(name)
+        if not failed:
+            await self.services.index.record_sweep(at=now)
+            await self.services.observer.sweep_completed(
+                started_at=started, duration_s=time.time() - started
+            )
         return report
 
-    async def _activate(self, session_id: str, reason: Reason) -> None:
-        await self.sessions.activate(session_id, reason=reason)
+    # -- activation requests --------------------------------------------------------------
+
+    async def _request_all(self, wanted: list[tuple[str, Reason]]) -> list[bool]:
+        """Ask for these activations, a bounded number at once; True where one was taken.
+        One not taken leaves a retry timer behind (the caller may also keep its own)."""
+        gate = asyncio.Semaphore(REQUESTS_AT_ONCE)
+        activator = self.sessions.activator
+
+        async def one(session_id: str, reason: Reason) -> bool:
+            async with gate:
+                taken = await request_activation(activator, session_id, reason, None)
+            if not taken:
+                await self._fallback.arm(session_id, "request_failed")
+            return taken
+
+        return list(await asyncio.gather(*(one(sid, why) for sid, why in wanted)))
 
     # -- deadlines, leases, timers -------------------------------------------------------
 
     async def _deadlines(self, now: datetime, report: SweepReport) -> None:
+        # A deadline stays in the SLA set until the timed-out session unbinds its wait: a
+        # request that is not taken is simply made again by the next sweep.
         due = await self.services.index.due_deadlines(now=now, limit=BATCH)
-        for session_id in dict.fromkeys(b.session_id for b in due):
-            await self._activate(session_id, Reason.TIMEOUT)
-            report.timeouts += 1
+        sessions = list(dict.fromkeys(b.session_id for b in due))
+        await self._request_all([(sid, Reason.TIMEOUT) for sid in sessions])
+        report.timeouts += len(sessions)
 
     async def _leases(self, now: datetime, report: SweepReport) -> None:
         index = self.services.index
-        for name in await index.expired_leases(now=now, limit=BATCH):
-            session_id = name.removeprefix("session:")
-            await self._activate(session_id, Reason.RECOVER)
-            # If the recovery acquired the lease its expiry moved past ``now`` and this
-            # does nothing; otherwise the dead holder's entry is dropped (full repair
-            # still finds a RUNNING session nobody holds).
-            await index.forget_lease(name=name, now=now)
-            report.recovered += 1
+        names = await index.expired_leases(now=now, limit=BATCH)
+        wanted = [(name.removeprefix("session:"), Reason.RECOVER) for name in names]
+        for name, taken in zip(names, await self._request_all(wanted), strict=True):
+            # Forgotten only once a recovery was taken: one that was not finds the entry
+            # again next sweep. If the recovery took the lease, its expiry moved past
+            # ``now`` and this does nothing.
+            if taken:
+                await index.forget_lease(name=name, now=now)
+        report.recovered += len(names)
 
     async def _retries(self, now: datetime, report: SweepReport) -> None:
-        index = self.services.index
-        for session_id in await index.due(kind=TimerKind.RETRY, now=now, limit=BATCH):
-            await index.unschedule(kind=TimerKind.RETRY, member=session_id)
-            await self._activate(session_id, Reason.RETRY)
-            report.retried += 1
+        index, until = self.services.index, now + self.timer_lease
+        due = await index.lease_due(kind=TimerKind.RETRY, now=now, limit=BATCH, until=until)
+        taken = await self._request_all([(sid, Reason.RETRY) for sid in due])
+        for session_id, ok in zip(due, taken, strict=True):
+            if ok:  # an activation the session asked for meanwhile moved the timer: kept
+                await index.unschedule(kind=TimerKind.RETRY, member=session_id, if_at=until)
+        report.retried += len(due)
 
     async def _activation_timers(self, now: datetime, report: SweepReport) -> None:
-        index = self.services.index
-        grace = timedelta(seconds=self.services.settings.reconciler.wake_grace_s)
-        for session_id in await index.due(kind=TimerKind.WAKE, now=now, limit=BATCH):
-            # Push the timer out rather than drop it: only a finished activation that saw
-            # an empty inbox removes it.
-            await index.schedule(kind=TimerKind.WAKE, member=session_id, at=now + grace)
-            await self._activate(session_id, Reason.EVENT)
-            report.woken += 1
+        # Leased, never removed here: only a finished activation that saw an empty inbox
+        # removes an activation timer.
+        index, until = self.services.index, now + self.timer_lease
+        due = await index.lease_due(kind=TimerKind.WAKE, now=now, limit=BATCH, until=until)
+        await self._request_all([(sid, Reason.EVENT) for sid in due])
+        report.woken += len(due)
 
     async def _deliveries(self, now: datetime, report: SweepReport) -> None:
-        report.deliveries = await self.deliveries.due(now, limit=BATCH)
+        # Started, not awaited: a slow receiver never holds up the sweep.
+        report.deliveries = await self.deliveries.start_due(now, limit=BATCH)
 
     # -- polling -------------------------------------------------------------------------
 
@@ -155,7 +206,6 @@ class Sweeper:
         except Exception as exc:  # the far side is down: that is what backoff is for
             log.info("poll of %s failed: %s", member, exc)
             outcome = None
-        await index.unschedule(kind=TimerKind.POLL, member=member)
         if outcome is not None:
             report.poll_hits += 1
             await self.sessions.deliver(
@@ -170,6 +220,7 @@ class Sweeper:
                     data=outcome.data,
                 )
             )
+            await index.unschedule(kind=TimerKind.POLL, member=member)  # the answer is durable
             return
         backoff = Backoff(
             base_s=settings.reconciler.poll_backoff_base_s,
@@ -177,11 +228,14 @@ class Sweeper:
             jitter=0.2,
         )
         delay = backoff.delay_s(attempt)
+        # The next poll is scheduled before this one is dropped: a crash between them
+        # polls twice rather than never.
         await index.schedule(
             kind=TimerKind.POLL,
             member=poll_member(session_id, correlation_id, attempt + 1),
             at=now + timedelta(seconds=delay),
         )
+        await index.unschedule(kind=TimerKind.POLL, member=member)
 
     def _tool(self, snapshot: SessionSnapshot, name: str) -> LongRunningTool | None:
         try:
@@ -202,57 +256,8 @@ class Sweeper:
         self._last_full_repair = now
 
     async def repair(self, now: datetime, report: SweepReport) -> None:
-        """Rebuild every index entry a live session needs, from the snapshots."""
-        index = self.services.index
-        grace = timedelta(seconds=self.services.settings.storage.binding_grace_s)
-        live = {
-            SessionState.PENDING,
-            SessionState.RUNNING,
-            SessionState.SUSPENDED,
-            SessionState.RESUMING,
-        }
-        suspended = 0
-        async for header in self.services.snapshots.list_by_state():
-            await index.record_session(
-                tenant=header.tenant,
-                session_id=header.session_id,
-                state=header.state,
-                generation=header.generation,
-            )
-            if header.state not in live:
-                continue
-            report.repaired_sessions += 1
-            if header.state is SessionState.PENDING:
-                await self._activate(header.session_id, Reason.SUBMIT)
-                continue
-            if header.state is SessionState.RUNNING:
-                await self._activate(header.session_id, Reason.RECOVER)
-                continue
-            suspended += 1
-            try:
-                snapshot = await self.services.snapshots.load(header.session_id)
-            except TorporError as exc:
-                report.errors.append(f"repair {header.session_id}: {exc}")
-                continue
-            for wait in snapshot.waits:
-                if await index.resolve(
-                    tenant=snapshot.tenant, now=now, correlation_id=wait.correlation_id
-                ):
-                    continue
-                binding = binding_of(snapshot, wait)
-                await self.services.correlations.record(binding, business_key=wait.business_key)
-                await index.bind_wait(binding, business_key=wait.business_key, grace=grace, now=now)
-                if self._tool(snapshot, wait.tool_name) is not None:
-                    await index.schedule(
-                        kind=TimerKind.POLL,
-                        member=poll_member(snapshot.session_id, wait.correlation_id, 0),
-                        at=max(now, wait.overdue_after),
-                    )
-                report.repaired_waits += 1
-            pending = await self.services.inbox.pending(
-                snapshot.session_id, processed=set(snapshot.processed_events)
-            )
-            if pending or snapshot.pending_outbox():
-                await self._activate(snapshot.session_id, Reason.REPAIR)
+        """Rebuild every index entry and timer a session needs, from object storage."""
+        sessions, waits, suspended = await self._repair.run(now, report.errors)
+        report.repaired_sessions += sessions
+        report.repaired_waits += waits
         report.suspended = suspended
-        await index.mark_intact()

@@ -1,0 +1,233 @@
+"""The reconciler's sweep consumes nothing before its work is confirmed.
+
+Each test takes one kind of due work (a retry timer, an expired lease, a delivery timer,
+a finished session's outbox, a pending delivery after index loss), makes the work fail
+or vanish the way it does in production (an activation request nobody takes, storage
+failing mid-attempt, a flushed index), and checks the work comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.support.harness import Env, local_env
+from tests.support.receiver import Receiver
+from torpor.deliveries import DeliveryStatus
+from torpor.errors import ActivationUnavailable, StorageUnavailable
+from torpor.lifecycle import SessionState
+from torpor.models import DispatchStatus
+from torpor.ports import Observer, Reason, TimerKind
+from torpor.service.sessions import SessionService
+from torpor.service.sweeper import Sweeper
+
+FAR = timedelta(days=365)
+
+
+class Unavailable:
+    """An activator whose every request fails (no actor could be started)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, Reason]] = []
+
+    async def request(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
+        self.requests.append((session_id, reason))
+        raise ActivationUnavailable(f"no actor for {session_id}")
+
+
+class Recording(Unavailable):
+    async def request(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
+        self.requests.append((session_id, reason))
+
+
+class Steps(Observer):
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+        self.completed = 0
+
+    async def sweep_step_failed(self, step: str) -> None:
+        self.failed.append(step)
+
+    async def sweep_completed(self, *, started_at: float, duration_s: float) -> None:
+        self.completed += 1
+
+
+@pytest.fixture
+async def env(tmp_path: Path, redis_url: str, redis_prefix: str) -> AsyncIterator[Env]:
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        yield env
+
+
+def sweeper(env: Env, activator: object | None = None) -> Sweeper:
+    if activator is None:
+        return Sweeper(env.control)
+    return Sweeper(SessionService(env.services, activator))  # type: ignore[arg-type]
+
+
+async def due(env: Env, kind: TimerKind, after: timedelta = timedelta(0)) -> list[str]:
+    return await env.services.index.due(kind=kind, now=env.clock.now() + after, limit=100)
+
+
+async def flush_index(redis_url: str, prefix: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    keys = [key async for key in client.scan_iter(match=prefix + "*", count=1000)]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def finished(env: Env, url: str) -> str:
+    sid = await env.submit(doc="PR-N", callback_url=url)
+    await env.answer(sid, {"status": "approved"})
+    assert (await env.load(sid)).state is SessionState.COMPLETED
+    return sid
+
+
+# -- step isolation ---------------------------------------------------------------------
+
+
+async def test_a_failing_step_is_logged_and_counted_and_the_others_still_run(
+    env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    steps = env.services.observer = Steps()
+    sid = await env.submit()
+    await env.services.index.schedule(kind=TimerKind.RETRY, member=sid, at=env.clock.now())
+
+    async def broken(**_: object) -> list[object]:
+        raise RuntimeError("a bug in one step")
+
+    monkeypatch.setattr(env.services.index, "due_deadlines", broken)
+    report = await sweeper(env).sweep_once()
+    assert report.retried == 1, "the steps after the failing one still ran"
+    assert steps.failed == ["deadlines"] and report.errors[0].startswith("deadlines: ")
+    assert any(r.exc_info for r in caplog.records), "logged with its traceback"
+    assert steps.completed == 0 and await env.services.index.last_sweep() is None
+    monkeypatch.undo()
+    await sweeper(env).sweep_once()
+    last = await env.services.index.last_sweep()
+    assert steps.completed == 1 and last is not None
+    assert abs(last - env.clock.now()) < timedelta(milliseconds=1)
+
+
+# -- retry timers -----------------------------------------------------------------------
+
+
+async def test_a_retry_timer_stays_until_an_activation_request_is_taken(env: Env) -> None:
+    sid = await env.submit()
+    index = env.services.index
+    await index.schedule(kind=TimerKind.RETRY, member=sid, at=env.clock.now())
+    gone = sweeper(env, Unavailable())
+    await gone.sweep_once()
+    assert await due(env, TimerKind.RETRY) == [], "leased while the request is tried"
+    assert await due(env, TimerKind.RETRY, gone.timer_lease) == [sid], "not consumed"
+    env.clock.advance(gone.timer_lease.total_seconds())
+    report = await sweeper(env).sweep_once()
+    assert report.retried == 1
+    assert await due(env, TimerKind.RETRY, FAR) == [], "removed once the request was taken"
+
+
+async def test_a_retry_the_session_asks_for_meanwhile_is_kept(env: Env) -> None:
+    index, later = env.services.index, env.clock.now() + timedelta(seconds=100)
+
+    class AsksAgain(Recording):
+        async def request(
+            self, session_id: str, *, reason: Reason, agent: str | None = None
+        ) -> None:
+            await index.schedule(kind=TimerKind.RETRY, member=session_id, at=later)
+
+    await index.schedule(kind=TimerKind.RETRY, member="s_x", at=env.clock.now())
+    await sweeper(env, AsksAgain()).sweep_once()
+    assert await due(env, TimerKind.RETRY, timedelta(seconds=100)) == ["s_x"]
+
+
+# -- lease entries ----------------------------------------------------------------------
+
+
+async def test_an_expired_lease_is_forgotten_only_once_its_recovery_was_taken(env: Env) -> None:
+    sid, index = await env.submit(), env.services.index
+    name = f"session:{sid}"
+    lease = await index.acquire_lease(
+        name=name, owner="dead-host", ttl=timedelta(seconds=2), now=env.clock.now()
+    )
+    assert lease is not None
+    env.clock.advance(3)  # its holder died: the lease expired unreleased
+    await sweeper(env, Unavailable()).sweep_once()
+    assert await index.expired_leases(now=env.clock.now(), limit=10) == [name]
+    report = await sweeper(env).sweep_once()
+    assert report.recovered == 1
+    assert await index.expired_leases(now=env.clock.now(), limit=10) == []
+
+
+# -- delivery timers --------------------------------------------------------------------
+
+
+async def test_a_delivery_timer_stays_until_its_attempt_settled(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hook = Receiver()
+    try:
+        sid = await finished(env, hook.url)
+        store = env.services.deliveries
+        real_update = store.update
+
+        async def failing_update(*args: object, **kwargs: object) -> object:
+            raise StorageUnavailable("object store unreachable mid-attempt")
+
+        monkeypatch.setattr(store, "update", failing_update)
+        first = sweeper(env)
+        await first.sweep_once()
+        await first.deliveries.drain()
+        lease = first.deliveries.lease
+        assert await due(env, TimerKind.DELIVER) == []
+        assert len(await due(env, TimerKind.DELIVER, lease)) == 1, "not consumed"
+        monkeypatch.setattr(store, "update", real_update)
+        env.clock.advance(lease.total_seconds())
+        second = sweeper(env)
+        await second.sweep_once()
+        await second.deliveries.drain()
+        [delivery], _ = await store.list("acme", status=None, cursor=None, limit=5)
+        assert delivery.session_id == sid and delivery.status is DeliveryStatus.DELIVERED
+        assert await due(env, TimerKind.DELIVER, FAR) == [], "removed once settled"
+    finally:
+        hook.close()
+
+
+# -- repair -----------------------------------------------------------------------------
+
+
+async def test_repair_brings_back_a_finished_sessions_pending_outbox(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    hook = Receiver()
+    try:
+        sid = await finished(env, hook.url)
+        snap = await env.load(sid)
+        owed = [e.model_copy(update={"status": DispatchStatus.PENDING}) for e in snap.outbox]
+        await env.services.snapshots.save(
+            snap.model_copy(update={"outbox": owed, "generation": snap.generation + 1}),
+            expected_generation=snap.generation,
+        )
+        await flush_index(redis_url, redis_prefix)  # its retry timer went with the index
+        activator = Recording()
+        await sweeper(env, activator).sweep_once()
+        assert (sid, Reason.REPAIR) in activator.requests
+    finally:
+        hook.close()
+
+
+async def test_repair_rebuilds_delivery_timers(env: Env, redis_url: str, redis_prefix: str) -> None:
+    hook = Receiver()
+    try:
+        await finished(env, hook.url)
+        assert len(await due(env, TimerKind.DELIVER)) == 1
+        await flush_index(redis_url, redis_prefix)
+        swept = sweeper(env)
+        await swept.sweep_once()
+        await swept.deliveries.drain()
+        assert len(hook.received) == 1, "the pending delivery was found and attempted"
+    finally:
+        hook.close()

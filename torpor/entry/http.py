@@ -1,0 +1,101 @@
+"""The HTTP edge's plumbing: problem+json answers, bounded body reads, request parsing.
+
+FastAPI-specific, so it lives at the edge (beside the CLI and the client), not in the
+services; ``serve_app`` registers :func:`install_problem_handlers` on its app and keeps
+only routes.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads annotations at run time.
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from torpor.errors import InvalidRequest, RejectReason, TorporError, WebhookRejected
+from torpor.problems import ProblemSpec, problem, problem_for
+
+log = logging.getLogger("torpor.ingress")
+PROBLEM = "application/problem+json"
+
+
+def json_body(model: type[Any] | None = None) -> dict[str, Any]:
+    """Declare a request body in OpenAPI for routes that read (and limit) the raw bytes."""
+    schema = model.model_json_schema() if model is not None else {"type": "object"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def problem_response(spec: ProblemSpec, request: Request) -> JSONResponse:
+    headers = {"Retry-After": str(spec.retry_after)} if spec.retry_after else None
+    return JSONResponse(
+        spec.body(request.url.path), status_code=spec.status, media_type=PROBLEM, headers=headers
+    )
+
+
+async def _torpor_error(request: Request, exc: TorporError) -> JSONResponse:
+    spec = problem_for(exc)
+    if spec.status >= 500:
+        log.error("request failed: %s", exc, exc_info=exc)
+    return problem_response(spec, request)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    detail = f"{where}: {first.get('msg', 'invalid')}" if where else "the request is invalid"
+    return problem_response(
+        problem(400, "invalid_request", "Invalid request", detail[:300]), request
+    )
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return problem_response(problem(exc.status_code, code, str(exc.detail)), request)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    return problem_response(problem(500, "internal", "Internal error"), request)
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    """Every failure of every route becomes problem+json here, and nowhere else."""
+    app.add_exception_handler(TorporError, _torpor_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused as soon as it passes ``limit`` (413), declared or not."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise WebhookRejected(RejectReason.BODY_TOO_LARGE)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise WebhookRejected(RejectReason.BODY_TOO_LARGE)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_body(raw: bytes, model: type[Any]) -> Any:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequest(f"{where}: {first['msg']}"[:300]) from None
+
+
+def require_idempotency_key(value: str | None) -> str:
+    if not value:
+        raise InvalidRequest("the Idempotency-Key header is required")
+    if len(value) > 255:
+        raise InvalidRequest("the Idempotency-Key header is longer than 255 characters")
+    return value

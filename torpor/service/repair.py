@@ -1,0 +1,137 @@
+"""Index repair: rebuild every index entry and timer the sessions need, from object storage.
+
+Runs after the index was lost (its integrity marker is gone) and periodically. Object
+storage is the source of truth, so repair walks the snapshots and the delivery records:
+
+* every session's state goes back into the registry;
+* PENDING and RUNNING sessions are activated (nobody may hold them any more);
+* a SUSPENDED session's waits are bound again (with their poll timers), and it is
+  activated if its inbox or outbox holds work;
+* a terminal session that still owes outbox work (a compensation, a notification) is
+  activated too: the runtime settles a finished session's outbox;
+* every pending delivery gets its delivery timer back.
+
+Activation requests go through ``request``, which reports whether one was taken and
+leaves a timer behind when not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+
+from torpor.deliveries import DeliveryStatus
+from torpor.errors import TorporError
+from torpor.lifecycle import WAITING_STATES, SessionState
+from torpor.models import SessionHeader, SessionSnapshot
+from torpor.ports import Reason, TimerKind
+from torpor.ports.services import Services
+from torpor.service.deliveries import timer_member
+from torpor.session.suspend import binding_of, poll_member
+from torpor.tools import LongRunningTool
+
+Request = Callable[[list[tuple[str, Reason]]], Awaitable[object]]
+PollTool = Callable[[SessionSnapshot, str], LongRunningTool | None]
+PAGE = 200
+
+
+class IndexRepair:
+    def __init__(self, services: Services, request: Request, poll_tool: PollTool) -> None:
+        self.services = services
+        self.request = request
+        self.poll_tool = poll_tool
+
+    async def run(self, now: datetime, errors: list[str]) -> tuple[int, int, int]:
+        """Repair everything; returns (sessions to activate, waits rebound, suspended)."""
+        index = self.services.index
+        wanted: list[tuple[str, Reason]] = []
+        tenants: set[str] = set()
+        rebound = suspended = 0
+        async for header in self.services.snapshots.list_by_state():
+            tenants.add(header.tenant)
+            await index.record_session(
+                tenant=header.tenant,
+                session_id=header.session_id,
+                state=header.state,
+                generation=header.generation,
+            )
+            if header.state is SessionState.PENDING:
+                wanted.append((header.session_id, Reason.SUBMIT))
+                continue
+            if header.state is SessionState.RUNNING:
+                wanted.append((header.session_id, Reason.RECOVER))
+                continue
+            if header.state in WAITING_STATES:
+                suspended += 1
+            elif not self._may_owe_work(header, now):
+                continue
+            try:
+                snapshot = await self.services.snapshots.load(header.session_id)
+            except TorporError as exc:
+                errors.append(f"repair {header.session_id}: {exc}")
+                continue
+            if not snapshot.terminal:
+                rebound += await self._rebind(snapshot, now)
+            if await self._owes_work(snapshot):
+                wanted.append((snapshot.session_id, Reason.REPAIR))
+        for tenant in sorted(tenants):
+            await self._delivery_timers(tenant, now)
+        await self.request(wanted)
+        await index.mark_intact()
+        return len(wanted), rebound, suspended
+
+    def _may_owe_work(self, header: SessionHeader, now: datetime) -> bool:
+        """A waiting session always may; a finished one only if it ended recently:
+        its outbox work (compensations, notifications) gives up within hours, so older
+        ones are not worth reading every snapshot for."""
+        if not header.state.terminal:
+            return True
+        horizon = timedelta(seconds=self.services.settings.storage.binding_grace_s)
+        return header.updated_at >= now - horizon
+
+    async def _owes_work(self, snapshot: SessionSnapshot) -> bool:
+        if snapshot.pending_outbox():
+            return True
+        pending = await self.services.inbox.pending(
+            snapshot.session_id, processed=set(snapshot.processed_events)
+        )
+        return bool(pending)
+
+    async def _rebind(self, snapshot: SessionSnapshot, now: datetime) -> int:
+        index = self.services.index
+        grace = timedelta(seconds=self.services.settings.storage.binding_grace_s)
+        rebound = 0
+        for wait in snapshot.waits:
+            if await index.resolve(
+                tenant=snapshot.tenant, now=now, correlation_id=wait.correlation_id
+            ):
+                continue
+            binding = binding_of(snapshot, wait)
+            await self.services.correlations.record(binding, business_key=wait.business_key)
+            await index.bind_wait(binding, business_key=wait.business_key, grace=grace, now=now)
+            if self.poll_tool(snapshot, wait.tool_name) is not None:
+                await index.schedule(
+                    kind=TimerKind.POLL,
+                    member=poll_member(snapshot.session_id, wait.correlation_id, 0),
+                    at=max(now, wait.overdue_after),
+                )
+            rebound += 1
+        return rebound
+
+    async def _delivery_timers(self, tenant: str, now: datetime) -> None:
+        """Every pending delivery gets its timer back; an earlier one (or a leased one
+        whose attempt is under way) is never pushed later."""
+        cursor: str | None = None
+        while True:
+            page, cursor = await self.services.deliveries.list(
+                tenant, status=DeliveryStatus.PENDING, cursor=cursor, limit=PAGE
+            )
+            for delivery in page:
+                await self.services.index.schedule(
+                    kind=TimerKind.DELIVER,
+                    member=timer_member(tenant, delivery.delivery_id),
+                    at=delivery.next_attempt_at or now,
+                    keep_earlier=True,
+                )
+            if cursor is None:
+                return
