@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.reconciler import ReconcilerStarter
-from actors.wiring import open_services
+from actors.wiring import ensure_conditional_writes, open_services
 from torpor import __version__
 from torpor.api import (
     Accepted,
@@ -120,6 +120,7 @@ class Ingress:
         body: SessionCreate = parse_json_body(
             await read_body(request, self.settings.security.max_request_bytes), SessionCreate
         )
+        await ensure_conditional_writes(self.services)
         submitted = await self.control.submit(
             tenant=tenant,
             agent=body.agent,
@@ -255,6 +256,7 @@ class Ingress:
         )
         # The batch id is a function of tenant and key: a retried request is the same batch.
         batch_id = "b_" + digest(tenant, key, length=24)
+        await ensure_conditional_writes(self.services)
         manifest = await self.batches.submit(
             tenant=tenant,
             agent=body.agent,
@@ -296,6 +298,7 @@ class Ingress:
     async def hook(self, source: str, request: Request) -> JSONResponse:
         config = self.gateway.source(source)
         body = await read_body(request, config.max_body_bytes)
+        await ensure_conditional_writes(self.services)
         result = await self.gateway.receive(
             source, body, dict(request.headers), now=self.services.clock.now()
         )
@@ -327,6 +330,7 @@ class Ingress:
     @api.post("/v1/callbacks/{token}", tags=["webhooks"], openapi_extra=json_body())
     async def capability_callback(self, token: str, request: Request) -> JSONResponse:
         body = await read_body(request, self.settings.security.max_request_bytes)
+        await ensure_conditional_writes(self.services)
         result = await self.gateway.capability(
             token, body, dict(request.headers), now=self.services.clock.now()
         )

@@ -25,7 +25,7 @@ from ray import serve
 from actors import metrics
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
-from actors.wiring import open_services
+from actors.wiring import ensure_conditional_writes, open_services
 from torpor.ports.services import Services
 from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper
@@ -76,6 +76,9 @@ class Reconciler:
 
     async def sweep_once(self) -> dict[str, Any]:
         sweeper = self._ensure()
+        assert self._services is not None
+        # Never sweep (rewrite snapshots, bind, time out) on a store that overwrites blindly.
+        await ensure_conditional_writes(self._services)
         report = await sweeper.sweep_once()
         await sweeper.sessions.drain()
         self._sweeps += 1

@@ -16,6 +16,7 @@ from storage.correlations import ObjectCorrelations
 from storage.deliveries import ObjectDeliveries
 from storage.factory import open_index, open_object_store
 from storage.inbox import ObjectInbox
+from storage.probe import verify_conditional_writes
 from storage.snapshots import ObjectSnapshots
 from torpor.callbacks import CapabilityRouter
 from torpor.clock import SystemClock
@@ -69,3 +70,17 @@ def open_services(
     if notifier is None:  # the notifier needs the very services it serves: set it after
         services.notifier = DeliveryNotifier(services)
     return services
+
+
+_VERIFIED_STORES: set[str] = set()
+
+
+async def ensure_conditional_writes(services: Services) -> None:
+    """Once per process and store, before the first write that relies on them: refuse an
+    object store that ignores conditional writes (``ConditionalWritesIgnored``). A failed
+    check is asked again next time, so a store that gets fixed is taken back."""
+    url = services.store.url
+    if url in _VERIFIED_STORES:
+        return
+    await verify_conditional_writes(services.store)
+    _VERIFIED_STORES.add(url)

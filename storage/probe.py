@@ -12,12 +12,13 @@ from __future__ import annotations
 import secrets
 
 from storage import keys
-from torpor.errors import ConfigError, EtagMismatch, ObjectExists
+from torpor.errors import ConditionalWritesIgnored, EtagMismatch, ObjectExists
 from torpor.ports import ObjectStore
 
 
 async def verify_conditional_writes(store: ObjectStore) -> None:
-    """Raise ``ConfigError`` naming the store if it does not honour conditional writes."""
+    """Raise ``ConditionalWritesIgnored`` (naming the store) unless it honours conditional
+    writes."""
     key = keys.probe(secrets.token_hex(8))
     try:
         etag = await store.put_if_absent(key, b"probe-0")
@@ -26,7 +27,7 @@ async def verify_conditional_writes(store: ObjectStore) -> None:
         except ObjectExists:
             pass
         else:
-            raise ConfigError(
+            raise ConditionalWritesIgnored(
                 f"the object store at {store.url} ignores If-None-Match: create-only writes "
                 "would overwrite; use a store that supports conditional writes"
             )
@@ -36,7 +37,7 @@ async def verify_conditional_writes(store: ObjectStore) -> None:
         except EtagMismatch:
             pass
         else:
-            raise ConfigError(
+            raise ConditionalWritesIgnored(
                 f"the object store at {store.url} ignores If-Match: compare-and-swap would "
                 "overwrite; use a store that supports conditional writes"
             )

@@ -77,6 +77,14 @@ class ConfigError(PermanentError):
     code = "config_invalid"
 
 
+class ConditionalWritesIgnored(ConfigError):
+    """The object store ignores ``If-None-Match``/``If-Match``: create-only and
+    compare-and-swap would silently overwrite, so torpor refuses to write to it."""
+
+    code = "conditional_writes_ignored"
+    status, title = 503, "Object store unsafe"
+
+
 class EmbeddedBackendOnCluster(ConfigError):
     """The local-folder store or SQLite index was chosen on a multi-node Ray cluster."""
 

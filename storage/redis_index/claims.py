@@ -6,7 +6,7 @@ to decide their expiry here; it only decides whether the resolved wait is still 
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from storage.redis_index.connection import RedisConnection, ms, opt_text, translate
 from storage.redis_index.waits import live
@@ -44,21 +44,24 @@ class RedisClaims(RedisConnection):
     ) -> Admission:
         keys = [self.keys.nonce(scope, nonce) for scope, nonce in claims]
         async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.time()  # the server's clock, shared by every replica, in the same round trip
             await self.script(_CLAIM_ALL)(keys=keys, args=[ms(ttl)], client=pipe)
             if correlation_id is not None:
                 pipe.hget(self.keys.correlation(correlation_id), correlation_id)
             elif business_key is not None:
                 pipe.hget(*self.keys.business_key(tenant, business_key))
             answers = await pipe.execute()
-        if not answers[0]:
-            return Admission(False, None)
-        found = opt_text(answers[1]) if len(answers) > 1 else None
+        seconds, micros = answers[0]
+        at = datetime.fromtimestamp(int(seconds) + int(micros) / 1e6, tz=UTC)
+        if not answers[1]:
+            return Admission(False, None, at)
+        found = opt_text(answers[2]) if len(answers) > 2 else None
         if found is None:
-            return Admission(True, None)
+            return Admission(True, None, at)
         if correlation_id is None:  # a business key gave us the correlation id: one hop more
             raw = opt_text(await self._redis.hget(self.keys.correlation(found), found))
-            return Admission(True, live(found, raw, tenant=tenant, now=now))
-        return Admission(True, live(correlation_id, found, tenant=tenant, now=now))
+            return Admission(True, live(found, raw, tenant=tenant, now=now), at)
+        return Admission(True, live(correlation_id, found, tenant=tenant, now=now), at)
 
     @translate
     async def release_nonce(self, *, scope: str, nonce: str) -> None:

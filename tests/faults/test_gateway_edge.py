@@ -284,3 +284,22 @@ async def test_an_answer_to_a_closed_wait_says_so(env: Env) -> None:
     result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
     assert result.status == 200 and result.body["outcome"] == "closed"
     assert (await env.load(sid)).state is SessionState.SUSPENDED
+
+
+async def test_a_replica_whose_clock_runs_ahead_does_not_make_an_answer_late(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    # received_at comes from the index's clock (Redis TIME), shared by every replica: a
+    # replica an hour ahead must not judge a punctual answer later than its 30 min SLA.
+    async with local_env(
+        tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}, sla_s=1800
+    ) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit()
+        cid = (await env.load(sid)).waits[0].correlation_id
+        ahead = env.clock.now() + timedelta(hours=1)
+        raw = body("e-skew", correlationId=cid)
+        headers = {**sign(Scheme.TORPOR, raw, SECRET, now=ahead), "Content-Type": JSON}
+        result = await gateway.receive("oa", raw, headers, now=ahead)
+        assert result.status == 202
+        assert await state(env, sid) is SessionState.COMPLETED

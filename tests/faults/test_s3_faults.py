@@ -7,12 +7,25 @@ object (412). That must read as success, not as "someone else got there first".
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from actors.wiring import ensure_conditional_writes, open_services
 from storage.probe import verify_conditional_writes
 from storage.s3_store import S3ObjectStore
+from tests.conftest import eventually
 from tests.support.fault_proxy import FaultProxy
-from torpor.errors import ConfigError, EtagMismatch, ObjectExists, StorageUnavailable
+from tests.support.s3_server import S3TestServer
+from torpor.errors import (
+    ConditionalWritesIgnored,
+    ConfigError,
+    EtagMismatch,
+    ObjectExists,
+    StorageUnavailable,
+)
+from torpor.problems import problem_for
+from torpor.settings import Settings
 
 pytestmark = pytest.mark.s3
 
@@ -105,3 +118,54 @@ async def test_start_up_probe_refuses_a_store_that_ignores_if_match(
     s3_proxy.strip_conditions(match=lambda method, path, headers: "if-match" in headers)
     with pytest.raises(ConfigError, match="ignores If-Match"):
         await verify_conditional_writes(faulty_s3)
+
+
+async def test_the_edge_refuses_to_write_to_a_store_that_ignores_conditions(
+    s3_server: S3TestServer, s3_proxy: FaultProxy, s3_bucket: str, tmp_path: Path
+) -> None:
+    # What the ingress and the reconciler run before their first write, once per process.
+    kw = s3_server.boto_kwargs()
+    settings = Settings.build(
+        {
+            "storage": {
+                "object_store_url": f"s3://{s3_bucket}/edge",
+                "index_url": f"sqlite://{tmp_path / 'index.db'}",
+                "s3": {**kw, "endpoint_url": s3_proxy.endpoint},
+            }
+        }
+    )
+    services = open_services(settings)
+    try:
+        s3_proxy.strip_conditions()
+        with pytest.raises(ConditionalWritesIgnored) as refused:
+            await ensure_conditional_writes(services)
+        assert problem_for(refused.value).status == 503
+        s3_proxy.clear()  # the store is fixed: the next request checks again and goes on
+        await ensure_conditional_writes(services)
+        s3_proxy.strip_conditions()  # verified once per process: no second probe
+        await ensure_conditional_writes(services)
+    finally:
+        await services.close()
+
+
+async def test_a_slow_write_is_retried_and_its_late_original_changes_nothing(
+    s3_server: S3TestServer, s3_proxy: FaultProxy, s3_bucket: str
+) -> None:
+    # The first PUT stalls past the client's deadline; boto3 retries, and the retry lands.
+    # The stalled original reaches S3 later with the same condition and is refused there.
+    kwargs = {**s3_server.boto_kwargs(), "endpoint_url": s3_proxy.endpoint}
+    store = S3ObjectStore(s3_bucket, "slow", timeout_s=0.5, **kwargs)
+    try:
+        first = await store.put_if_absent("a/cas", b"gen-0")
+        stalled = s3_proxy.delay(1.5, match=lambda method, path, headers: method == "PUT")
+        etag = await store.put_if_match("a/cas", b"gen-1", etag=first)
+        assert stalled.fired == 1
+        await eventually(
+            lambda: any(what.startswith("forwarded 412") for _, _, what in s3_proxy.stats.log),
+            timeout_s=10,
+            what="the stalled original reached S3 and was refused",
+        )
+        stored = await store.get("a/cas")
+        assert stored.data == b"gen-1" and stored.etag == etag
+    finally:
+        await store.close()

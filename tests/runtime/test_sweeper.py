@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from tests.conftest import eventually
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Receiver
 from torpor.deliveries import DeliveryStatus
@@ -151,10 +152,17 @@ async def test_an_expired_lease_is_forgotten_only_once_its_recovery_was_taken(en
     sid, index = await env.submit(), env.services.index
     name = f"session:{sid}"
     lease = await index.acquire_lease(
-        name=name, owner="dead-host", ttl=timedelta(seconds=2), now=env.clock.now()
+        name=name, owner="dead-host", ttl=timedelta(milliseconds=200), now=env.clock.now()
     )
     assert lease is not None
-    env.clock.advance(3)  # its holder died: the lease expired unreleased
+    # Its holder died: the lease expires unreleased, by the Redis server's clock (leases
+    # follow it, not the caller's), so wait for that clock rather than advance ours.
+    await eventually(
+        lambda: index.expired_leases(now=env.clock.now(), limit=10),
+        timeout_s=10,
+        what="the lease expired on the server's clock",
+    )
+    env.clock.advance(3)
     await sweeper(env, Unavailable()).sweep_once()
     assert await index.expired_leases(now=env.clock.now(), limit=10) == [name]
     report = await sweeper(env).sweep_once()

@@ -68,6 +68,9 @@ class TimerKind(StrEnum):
 class Admission:
     fresh: bool  # False: one of the replay claims was already taken
     binding: WaitBinding | None  # the wait the event resolves to (None if fresh is False)
+    # The index's own clock at admission, where it has one shared by every replica (Redis
+    # TIME): the event's received_at, so lateness does not depend on which replica took it.
+    at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,6 +158,10 @@ class WebhookGateway:
                 correlation_id=first.correlation_id,
                 business_key=None if first.correlation_id else first.business_key,
             )
+            if admission.at is not None:
+                # One clock for every replica (the index's): received_at, lateness and the
+                # audit record no longer depend on which replica took the request.
+                now = admission.at
             if not admission.fresh:
                 owned = False
                 await self.replays.held(claims, now=now)
