@@ -99,7 +99,9 @@ def head() -> Iterator[str]:
 def _config(tmp: Path) -> Path:
     config = tmp / "torpor.toml"
     config.write_text(
-        f'namespace = "serverun{os.getpid()}"\n'
+        # One namespace per app: the detached reconciler of a namespace outlives its app
+        # and sweeps the storage it was started with.
+        f'namespace = "serverun{os.getpid()}{tmp.name[-12:].replace("_", "")}"\n'
         "[storage]\n"
         f'object_store_url = "file://{tmp / "objects"}"\n'
         f'index_url = "sqlite://{tmp / "index.db"}"\n'

@@ -201,7 +201,10 @@ class World:
         body = json.dumps({"status": "approved", "approver": "mail.link"}).encode()
         headers = {"Content-Type": "application/json"}
         self._post("capability", body, headers, url=url)
-        self.scheduler.at(1.0, lambda: self._post("capability_reuse", body, headers, url=url))
+        # Someone who saw the link tries to change the answer with it: a used link takes no
+        # other body (409). The very same body again would be the sender's own retry (200).
+        reuse = json.dumps({"status": "rejected", "approver": "forwarded.mail"}).encode()
+        self.scheduler.at(1.0, lambda: self._post("capability_reuse", reuse, headers, url=url))
         with self.lock:
             self.decisions[str(request["idempotency_key"])] = {"status": "approved"}
 
