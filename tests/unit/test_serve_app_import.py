@@ -15,7 +15,8 @@ import os, sys
 class Spy(dict):
     reads = []
     def _note(self, key):
-        if str(key).startswith("TORPOR_"):
+        # TORPOR_CRASH_AT arms the fault suite's crash points (torpor.faults), not a setting.
+        if str(key).startswith("TORPOR_") and key != "TORPOR_CRASH_AT":
             Spy.reads.append(key)
     def __getitem__(self, key):
         self._note(key)
