@@ -81,6 +81,7 @@ asyncio.run(main())
 class Tally:
     sent: Counter[str] = field(default_factory=Counter)  # deliveries by kind
     statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)  # 5xx answers by error class
     retries: int = 0
     accepted_bad: int = 0  # forged or replayed answered 202
     absorbed_replays: int = 0  # replays answered 200 duplicate (absorbed, not applied)
@@ -199,10 +200,12 @@ class Chaos:
             except WebhookRejected as exc:
                 status = exc.status
             except (TorporError, OSError) as exc:
-                if not getattr(exc, "retryable", True) and not isinstance(exc, OSError):
-                    status = getattr(exc, "status", 500)
-                else:
-                    # A real sender retries a 5xx later, freshly signed (same event id).
+                self.tally.errors[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
+                retryable = isinstance(exc, OSError) or getattr(exc, "retryable", True)
+                status = getattr(exc, "status", 500)
+                if retryable or attempt < 2:
+                    # A real sender retries a 5xx later, freshly signed (same event id);
+                    # a plain 500 only a few times.
                     self.tally.retries += 1
                     await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
                     if kind not in {"forged", "replay"}:
@@ -458,6 +461,7 @@ class Chaos:
             ),
             "statuses": {f"{k} {s}": c for (k, s), c in sorted(self.tally.statuses.items())},
             "sender_retries": self.tally.retries,
+            "errors": dict(self.tally.errors.most_common(5)),
             "proxy": {"failed": proxy.stats.failed, "reset_after_commit": proxy.stats.reset},
             "decisions": dict(decisions),
             "compensations": compensations,
