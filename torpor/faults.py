@@ -32,6 +32,9 @@ class CrashPoint(StrEnum):
     START_SENT = "outbox.sent.start"  # a request went out; its status is not committed
     COMPENSATE_SENT = "outbox.sent.compensate"  # an undo went out (after a terminal commit)
     START_FAILED = "outbox.start_failed"  # a start settled FAILED; its wait not yet told
+    # submit (the session service)
+    SUBMIT_AFTER_CLAIM = "submit.after_claim"  # Idempotency-Key claimed; no snapshot yet
+    SUBMIT_AFTER_CREATE = "submit.after_create"  # snapshot created; the key not finished
     # the webhook edge (a Serve replica)
     GATEWAY_AFTER_CLAIM = "gateway.after_claim"  # replay claims taken; nothing stored
     GATEWAY_AFTER_INBOX = "gateway.after_inbox"  # the event is in the inbox; no wake timer

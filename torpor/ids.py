@@ -32,6 +32,20 @@ def new_session_id(now_ms: int | None = None) -> str:
     return "s_" + _time_prefix(ms) + secrets.token_hex(4)
 
 
+def session_id_ms(session_id: str) -> int | None:
+    """The creation time (ms) encoded in a session id; None if it is not one of ours."""
+    prefix = session_id[2:12]
+    if not session_id.startswith("s_") or len(prefix) != 10:
+        return None
+    ms = 0
+    for char in prefix:
+        value = _B32.find(char)
+        if value < 0:
+            return None
+        ms = (ms << 5) | value
+    return ms
+
+
 def new_batch_id(now_ms: int | None = None) -> str:
     ms = int(time.time() * 1000) if now_ms is None else now_ms
     return "b_" + _time_prefix(ms) + secrets.token_hex(6)

@@ -23,6 +23,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from storage.keys import RedisKeys
 from torpor.errors import IndexUnavailable
 
+# Every call is bounded: a paused or unreachable Redis raises IndexUnavailable after this
+# long instead of hanging an activation (and its pool slot), a webhook or a sweep.
+REDIS_TIMEOUT_S = 5.0
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -62,7 +66,10 @@ class RedisConnection:
         self._url = url
         self.keys = RedisKeys(prefix, buckets=buckets, deadline_shards=deadline_shards)
         self._redis: aioredis.Redis = client or aioredis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5
+            url,
+            decode_responses=True,
+            socket_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_TIMEOUT_S,
         )
         self._scripts: dict[str, AsyncScript] = {}
 

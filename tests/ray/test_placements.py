@@ -7,8 +7,13 @@ its own, so actors from one test are never confused with another's.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
+import pickle
 import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +32,7 @@ from torpor.models import ObservationReason
 from torpor.ports import Reason
 from torpor.service.batches import BatchService
 
+ROOT = Path(__file__).resolve().parents[2]
 S = SessionState
 PLACEMENTS = ["dedicated", "pooled"]
 
@@ -244,22 +250,48 @@ async def test_overdue_wait_is_polled(make_ray_env: Any, placement: str) -> None
         assert len(await env.world.counts("poll")) == 1
 
 
+START_RECONCILER_AND_EXIT = """
+import base64, pickle, sys
+import ray
+from actors.reconciler import ensure_reconciler
+
+settings = pickle.loads(base64.b64decode(sys.argv[2]))
+ray.init(address=sys.argv[1], namespace=settings.namespace, log_to_driver=False,
+         runtime_env={"env_vars": {"PYTHONPATH": sys.argv[3]}})
+print(ensure_reconciler(settings)._actor_id.hex())
+"""
+
+
 async def test_reconciler_is_a_detached_named_singleton(make_ray_env: Any) -> None:
     async with make_ray_env() as env:
-        first = ensure_reconciler(env.settings)
-        second = ensure_reconciler(env.settings)
-        assert first._actor_id == second._actor_id
+        # Started by a driver that then exits: a detached actor outlives its creator.
+        settings = base64.b64encode(pickle.dumps(env.settings)).decode()
+        address = ray.get_runtime_context().gcs_address
+        child = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", START_RECONCILER_AND_EXIT, address, settings, str(ROOT)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert child.returncode == 0, child.stderr[-2000:]
+        created = child.stdout.strip().splitlines()[-1]
         found = ray.get_actor(RECONCILER, namespace=env.settings.namespace)
-        assert found._actor_id == first._actor_id
+        assert found._actor_id.hex() == created
+        second = ensure_reconciler(env.settings)
+        assert second._actor_id == found._actor_id
         status = ray.get(found.status.remote())
         assert status["running"]
+        sweeps = status["sweeps"]
         sid = await env.submit(doc="PR-R")
         await reach(env, sid, S.SUSPENDED)
 
         def swept() -> bool:
-            return ray.get(found.status.remote())["sweeps"] >= 2
+            return ray.get(found.status.remote())["sweeps"] >= sweeps + 2
 
-        await eventually(swept, what="the reconciler sweeps on its own")
+        await eventually(swept, what="the reconciler sweeps on after its creator exited")
         ray.kill(found, no_restart=True)
 
 

@@ -13,10 +13,12 @@ import pytest
 from actors.wiring import session_runtime
 from tests.support.harness import Env, callback, local_env
 from torpor.errors import IdempotencyInProgress, IdempotencyMismatch, UnknownAgent
+from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
 from torpor.ports import Reason
 from torpor.service.batches import BatchService
+from torpor.service.sessions import SessionService
 from torpor.session import ActivationOutcome
 
 S = SessionState
@@ -229,11 +231,42 @@ async def test_ten_concurrent_activations_commit_once(env: Env) -> None:
     assert len([m for m in snap.messages if m.role == "tool"]) == 2
 
 
+class NoActivation:
+    """An activator that activates nothing: the test runs the activation itself, later."""
+
+    async def request(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
+        return None
+
+
 async def test_event_arriving_before_the_wait_is_applied_on_suspend(env: Env) -> None:
+    # The far side answers by business key before the session has even started, so before
+    # its wait exists: no binding in the index, nothing in the snapshot to answer.
+    idle = SessionService(env.services, NoActivation())
+    sid = (await idle.submit(tenant="acme", agent="purchase", input={"doc": "PR-E"})).session_id
+    assert (await env.load(sid)).waits == []
+    early = InboxEvent.new(
+        kind=EventKind.CALLBACK,
+        session_id=sid,
+        source="oa",
+        event_id="early-1",
+        type="oa.approval.decided",
+        received_at=env.clock.now(),
+        business_key="PR-E",
+        data={"status": "approved"},
+    )
+    assert await env.services.inbox.deliver(early)
+    # Now the session runs: extract, ask for approval, suspend, and find the answer waiting.
+    await session_runtime(env.services, "host-early").activate(sid)
+    snap = await env.load(sid)
+    assert snap.state is S.COMPLETED
+    assert snap.result == {"decision": "approved", "doc": "PR-E"}
+    assert await env.world.counts("dispatch") == {"acme:approve:PR-E:1": 1}
+
+
+async def test_an_answer_to_the_first_wait_does_not_close_the_replanned_one(env: Env) -> None:
     sid = await env.submit()
     first = await env.load(sid)
-    # The far side answers by business key before its next wait even exists: drift makes
-    # the plan open a second wait, and the early answer sits in the inbox until then.
+    # Drift makes the plan open a second wait; the answer to the first one is not its answer.
     await env.world.set_version("PR-1", "v2")
     await env.control.deliver(
         callback(

@@ -24,14 +24,15 @@ from torpor.errors import (
     IdempotencyMismatch,
     InvalidKey,
     InvalidRequest,
+    ObjectExists,
     PluginNotFound,
     SessionNotFound,
     SnapshotCorrupt,
     UnknownAgent,
 )
 from torpor.events import EventKind, InboxEvent
-from torpor.ids import new_session_id, new_trace_id
-from torpor.lifecycle import SessionState
+from torpor.faults import CrashPoint, crash_point
+from torpor.ids import new_session_id, new_trace_id, session_id_ms
 from torpor.models import AgentRef, OutboxEntry, SessionSnapshot
 from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
 from torpor.ports.services import Services
@@ -41,6 +42,9 @@ from torpor.session import dead_letters
 from torpor.ssrf import check_callback_url
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
+# How long a claim's request has to create the session it names before a retry of the
+# same request takes the claim over (creating that session itself).
+SUBMIT_CLAIM_GRACE = timedelta(seconds=10)
 # Polling for the end: often at first, then once a second.
 WAIT_POLL = Backoff(base_s=0.05, cap_s=1.0, factor=1.5, jitter=0)
 
@@ -114,31 +118,40 @@ class SessionService:
                 callback_url,
                 allow_private=self.services.settings.notifications.allow_private_callbacks,
             )
-        session_id = new_session_id()
-        index = self.services.index
+        now = self._now
+        session_id = new_session_id(int(now.timestamp() * 1000))
         if idempotency_key is not None:
             fp = fingerprint(
                 {"agent": agent, "input": input, "metadata": metadata, "callback": callback_url}
             )
-            claim = await index.claim_idempotency(
+            claim = await self.services.index.claim_idempotency(
                 tenant=tenant,
                 key=idempotency_key,
                 fingerprint=fp,
                 session_id=session_id,
                 ttl=IDEMPOTENCY_TTL,
-                now=self._now,
+                now=now,
             )
             if not claim.created:
                 if claim.fingerprint != fp:
                     raise IdempotencyMismatch(
                         "this Idempotency-Key was already used with a different request"
                     )
-                if claim.status is IdempotencyStatus.IN_PROGRESS:
+                if claim.status is IdempotencyStatus.DONE:
+                    return Submitted(claim.session_id, created=False)
+                # In progress, or its request died: the claim names the session it creates.
+                session_id = claim.session_id
+                existing = await self._created(session_id)
+                if existing is not None:
+                    await self._finish_submit(existing, idempotency_key, agent)
+                    return Submitted(session_id, created=False)
+                if not self._claim_stale(session_id, now):
                     raise IdempotencyInProgress(
                         "the first request with this Idempotency-Key is still being processed"
                     )
-                return Submitted(claim.session_id, created=False)
-        now = self._now
+                # Take the claim over by creating the very session it names: creation is
+                # create-only, so if the first request is alive after all, one of us wins.
+        crash_point(CrashPoint.SUBMIT_AFTER_CLAIM)
         snapshot = SessionSnapshot(
             session_id=session_id,
             tenant=tenant,
@@ -153,22 +166,53 @@ class SessionService:
             created_at=now,
             updated_at=now,
         )
+        # The claim is never released from here on: once ``create`` may have run, a retry
+        # must find this session (``_created``), not make a second one.
         try:
-            await self.services.snapshots.create(snapshot)
-            await index.record_session(
-                tenant=tenant, session_id=session_id, state=SessionState.PENDING, generation=0
-            )
-            await self._activation_timer(session_id)
-        except BaseException:
-            if idempotency_key is not None:  # let a retry of this request start over
-                await index.release_idempotency(tenant=tenant, key=idempotency_key)
-            raise
+            snapshot = await self.services.snapshots.create(snapshot)
+        except ObjectExists:
+            if idempotency_key is None:
+                raise  # a fresh id taken: fail loudly rather than merge two sessions
+            existing = await self._created(session_id)
+            if existing is None:
+                raise
+            await self._finish_submit(existing, idempotency_key, agent)
+            return Submitted(session_id, created=False)
+        crash_point(CrashPoint.SUBMIT_AFTER_CREATE)
+        await self._finish_submit(snapshot, idempotency_key, agent)
+        return Submitted(session_id, created=True)
+
+    def _claim_stale(self, session_id: str, now: datetime) -> bool:
+        """Whether a claim's request has had time to create its session and did not."""
+        claimed_ms = session_id_ms(session_id)
+        if claimed_ms is None:  # not an id submit made: its age is unknown, leave it be
+            return False
+        claimed_at = datetime.fromtimestamp(claimed_ms / 1000, tz=now.tzinfo)
+        return now - claimed_at >= SUBMIT_CLAIM_GRACE
+
+    async def _created(self, session_id: str) -> SessionSnapshot | None:
+        try:
+            return await self.services.snapshots.load(session_id)
+        except SessionNotFound:
+            return None
+
+    async def _finish_submit(
+        self, snapshot: SessionSnapshot, idempotency_key: str | None, agent: str
+    ) -> None:
+        """Everything after the snapshot exists; idempotent, so a retry may run it again."""
+        index, tenant, session_id = self.services.index, snapshot.tenant, snapshot.session_id
+        await index.record_session(
+            tenant=tenant,
+            session_id=session_id,
+            state=snapshot.state,
+            generation=snapshot.generation,
+        )
+        await self._activation_timer(session_id)
         if idempotency_key is not None:
             await index.finish_idempotency(
                 tenant=tenant, key=idempotency_key, ttl=IDEMPOTENCY_TTL, now=self._now
             )
         await self.activate(session_id, reason=Reason.SUBMIT, agent=agent)
-        return Submitted(session_id, created=True)
 
     # -- inspect ----------------------------------------------------------------------
 

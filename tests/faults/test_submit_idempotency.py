@@ -1,0 +1,107 @@
+"""One session per Idempotency-Key, whatever happens between the claim and the answer.
+
+The submitting process is killed -9 right after its claim, or right after it created the
+session; or the object store commits the snapshot but its answer is lost on every try.
+The client's retry of the same request must answer with the one session the claim names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from storage.s3_store import S3ObjectStore
+from storage.snapshots import ObjectSnapshots
+from tests.support.crash import run_killed_at
+from tests.support.fault_proxy import FaultProxy, path_contains
+from tests.support.harness import Env, local_env
+from torpor.errors import IdempotencyInProgress, StorageUnavailable
+from torpor.service.sessions import SUBMIT_CLAIM_GRACE, SessionService
+
+pytestmark = pytest.mark.redis
+
+KEY = "order-7"
+REQUEST = {"tenant": "acme", "agent": "purchase", "input": {"doc": "PR-1", "amount": 100.0}}
+
+SUBMIT_IN_CHILD = """
+import asyncio, sys
+from pathlib import Path
+from tests.support.harness import local_env
+
+async def main() -> None:
+    async with local_env(Path(sys.argv[1]), sys.argv[2], sys.argv[3]) as env:
+        await env.control.submit(
+            tenant="acme", agent="purchase", input={"doc": "PR-1", "amount": 100.0},
+            idempotency_key=sys.argv[4],
+        )
+
+asyncio.run(main())
+"""
+
+
+async def session_ids(env: Env) -> list[str]:
+    page = await env.services.store.list("snapshots/")
+    return [key.rpartition("/")[2] for key in page.keys]
+
+
+async def test_a_retry_after_a_crash_past_create_answers_with_that_session(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    run_killed_at(
+        "submit.after_create", SUBMIT_IN_CHILD, str(tmp_path), redis_url, redis_prefix, KEY
+    )
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        [orphan] = await session_ids(env)
+        retried = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert (retried.session_id, retried.created) == (orphan, False)
+        assert await session_ids(env) == [orphan]
+        # The retry finished what the dead request started: the session ran.
+        assert (await env.load(orphan)).state.value != "pending"
+        again = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert again.session_id == orphan
+
+
+async def test_a_claim_whose_request_died_before_create_is_taken_over_after_a_grace(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    run_killed_at(
+        "submit.after_claim", SUBMIT_IN_CHILD, str(tmp_path), redis_url, redis_prefix, KEY
+    )
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        assert await session_ids(env) == []
+        with pytest.raises(IdempotencyInProgress):  # the first request may still be alive
+            await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        env.clock.advance(SUBMIT_CLAIM_GRACE.total_seconds() + 1)
+        taken = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert taken.created
+        assert await session_ids(env) == [taken.session_id]
+        again = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert (again.session_id, again.created) == (taken.session_id, False)
+
+
+@pytest.mark.s3
+async def test_a_create_that_landed_but_failed_is_not_made_twice(
+    tmp_path: Path,
+    redis_url: str,
+    redis_prefix: str,
+    faulty_s3: S3ObjectStore,
+    s3_proxy: FaultProxy,
+) -> None:
+    async with local_env(tmp_path, redis_url, redis_prefix) as base:
+        services = dataclasses.replace(
+            base.services, store=faulty_s3, snapshots=ObjectSnapshots(faulty_s3)
+        )
+        env = dataclasses.replace(base, services=services)
+        env.control = SessionService(services, base.control.activator)
+        # Every try of the snapshot's PUT commits upstream and loses its answer.
+        s3_proxy.reset_after_commit(times=1000, match=path_contains("snapshots/", "PUT"))
+        with pytest.raises(StorageUnavailable):
+            await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert s3_proxy.stats.reset >= 1
+        s3_proxy.clear()
+        [landed] = await session_ids(env)
+        retried = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert retried.session_id == landed
+        assert await session_ids(env) == [landed]
