@@ -21,6 +21,7 @@ from __future__ import annotations
 import http.client
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,14 @@ def method_is(*methods: str) -> Match:
 def path_contains(fragment: str, *methods: str) -> Match:
     wanted = {m.upper() for m in methods}
     return lambda method, path, headers: fragment in path and (not wanted or method in wanted)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client that vanished mid-request (a killed process: the point of the faults)
+        # is expected here; anything else is still printed.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -78,7 +87,7 @@ class FaultProxy:
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self.stats = ProxyStats()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = _QuietServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
         self.endpoint = f"http://127.0.0.1:{self.port}"
