@@ -51,7 +51,7 @@ from torpor.ids import digest
 from torpor.lifecycle import SessionState
 from torpor.problems import problem
 from torpor.service.batches import BatchService
-from torpor.service.deliveries import DeliveryWorker, secret_for
+from torpor.service.deliveries import DeliveryWorker, secret_for, tenant_view
 from torpor.service.gateway import WebhookGateway
 from torpor.service.health import health_answer
 from torpor.service.sessions import SessionService
@@ -351,7 +351,7 @@ class Ingress:
             tenant, status=status, cursor=cursor, limit=limit
         )
         return {
-            "items": [d.model_dump(mode="json", exclude={"payload"}) for d in items],
+            "items": [tenant_view(d) for d in items],
             "next_cursor": next_cursor,
         }
 
@@ -361,7 +361,7 @@ class Ingress:
     ) -> dict[str, Any]:
         tenant = self._tenant(authorization)
         delivery = await self.deliveries.resend(tenant, delivery_id, now=self.services.clock.now())
-        return delivery.model_dump(mode="json", exclude={"payload"})
+        return tenant_view(delivery)
 
     @api.get("/v1/notifications/secret", tags=["notifications"])
     async def notification_secret(

@@ -255,7 +255,7 @@ def cmd_deliveries(args: argparse.Namespace) -> int:
     for d in page["items"]:
         print(
             f"{d['delivery_id']}  {d['status']:<9} attempts {d['attempts']}  "
-            f"last {d['last_status'] or d['last_error']}  {d['url']}"
+            f"last {d['last_category']}  {d['url']}"
         )
     return 0
 

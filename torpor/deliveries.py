@@ -35,7 +35,8 @@ class Delivery(BaseModel):
     attempts: int = 0
     next_attempt_at: datetime | None = None
     last_status: int | None = None
-    last_error: str | None = None
+    last_error: str | None = None  # the detail, for operators only
+    last_category: str | None = None  # what the tenant sees (a ``Failure`` value)
     created_at: datetime
     delivered_at: datetime | None = None
     history: list[dict[str, Any]] = Field(default_factory=list)

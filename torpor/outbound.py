@@ -13,6 +13,10 @@ shuts the connection's socket down when it passes, so a server that drips one by
 few seconds is cut at the deadline (``TimeoutError``) instead of holding the caller and
 its worker thread for as long as it likes.
 
+``connect_to`` pins the connection to an address vetted beforehand (``torpor.ssrf``):
+the socket dials that address instead of resolving the URL's host again, while the
+``Host`` header, TLS SNI and the certificate check keep the URL's host name.
+
 ``retry_after_s`` reads a ``Retry-After`` header in both of its forms.
 """
 
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.message import Message
 from email.utils import parsedate_to_datetime
+from functools import partial
 from typing import IO, Any
 from urllib.parse import urlsplit
 
@@ -104,30 +109,44 @@ class _Deadline:
 
 
 def _deadline_connection(
-    base: type[http.client.HTTPConnection], deadline: _Deadline
+    base: type[http.client.HTTPConnection], deadline: _Deadline, connect_to: str | None
 ) -> type[http.client.HTTPConnection]:
     class Connection(base):  # type: ignore[valid-type, misc]
         def connect(self) -> None:
             self.timeout = deadline.remaining()  # no single read outlasts the deadline
+            if connect_to is not None:
+                # http.client dials through this hook; self.host stays the URL's host, so
+                # the Host header and (HTTPS) server_hostname for SNI and the certificate
+                # check are unchanged. Only the address dialled is the vetted one.
+                self._create_connection = partial(_dial, connect_to)
             super().connect()
             deadline.watch(self.sock)
 
     return Connection
 
 
+def _dial(
+    address: str,
+    host_port: tuple[str, int],
+    timeout: float | None = None,
+    source_address: tuple[str, int] | None = None,
+) -> socket.socket:
+    return socket.create_connection((address, host_port[1]), timeout, source_address)
+
+
 class _DeadlineHTTP(urllib.request.HTTPHandler):
-    def __init__(self, deadline: _Deadline) -> None:
+    def __init__(self, deadline: _Deadline, connect_to: str | None) -> None:
         super().__init__()
-        self._connection = _deadline_connection(http.client.HTTPConnection, deadline)
+        self._connection = _deadline_connection(http.client.HTTPConnection, deadline, connect_to)
 
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(self._connection, req)
 
 
 class _DeadlineHTTPS(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: _Deadline) -> None:
+    def __init__(self, deadline: _Deadline, connect_to: str | None) -> None:
         super().__init__()
-        self._connection = _deadline_connection(http.client.HTTPSConnection, deadline)
+        self._connection = _deadline_connection(http.client.HTTPSConnection, deadline, connect_to)
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(self._connection, req)
@@ -158,6 +177,7 @@ def _open(
     headers: Mapping[str, str] | None,
     timeout_s: float,
     deadline: _Deadline | None = None,
+    connect_to: str | None = None,
 ) -> Any:
     if urlsplit(url).scheme not in ("http", "https"):
         raise UnsafeUrl("only http(s) URLs are called")
@@ -165,7 +185,9 @@ def _open(
     opener = _OPENER
     if deadline is not None:
         opener = urllib.request.build_opener(
-            _RefuseRedirects, _DeadlineHTTP(deadline), _DeadlineHTTPS(deadline)
+            _RefuseRedirects,
+            _DeadlineHTTP(deadline, connect_to),
+            _DeadlineHTTPS(deadline, connect_to),
         )
     try:
         return opener.open(request, timeout=timeout_s)
@@ -188,14 +210,15 @@ def request(
     headers: Mapping[str, str] | None = None,
     timeout_s: float,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    connect_to: str | None = None,
 ) -> Response:
     """One blocking request. ``timeout_s`` is its overall deadline, from connect to the
     last byte read (``TimeoutError`` past it); a body past ``max_body_bytes`` raises
     ``ResponseTooLarge``; ``max_body_bytes=0`` leaves the body unread (the status is all
-    the caller wants)."""
+    the caller wants); ``connect_to`` dials that address instead of resolving the host."""
     with _Deadline(timeout_s) as deadline:
         try:
-            with _open(method, url, body, headers, timeout_s, deadline) as response:
+            with _open(method, url, body, headers, timeout_s, deadline, connect_to) as response:
                 data = _read(response, max_body_bytes) if max_body_bytes > 0 else b""
                 found = {k.lower(): v for k, v in (response.headers or {}).items()}
                 return Response(int(response.status or response.code), data, found)
@@ -213,6 +236,7 @@ async def request_async(
     headers: Mapping[str, str] | None = None,
     timeout_s: float,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    connect_to: str | None = None,
 ) -> Response:
     """``request`` in a worker thread. A cancelled caller leaves the thread to finish
     within ``timeout_s`` (the deadline cuts it there)."""
@@ -224,6 +248,7 @@ async def request_async(
         headers=headers,
         timeout_s=timeout_s,
         max_body_bytes=max_body_bytes,
+        connect_to=connect_to,
     )
 
 

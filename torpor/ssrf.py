@@ -2,16 +2,30 @@
 
 A callback URL is chosen by a client; without this check a tenant could make torpor POST
 to the metadata service or an internal admin port. The check runs at submission and
-again at delivery on the addresses the name resolves to then (DNS can change).
+again at delivery on the addresses the name resolves to then (DNS can change). At
+delivery, ``vet_callback_url`` returns the address it vetted and the request dials that
+address (``torpor.outbound``'s ``connect_to``): resolving the name a second time to
+connect would let a name with a zero TTL answer a public address to the check and
+127.0.0.1 to the connection (DNS rebinding).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 from torpor.errors import UnsafeUrl
+
+# socket.getaddrinfo's shape; tests inject a resolver that changes its answer.
+Resolver = Callable[..., Sequence[tuple[Any, ...]]]
+
+# Prefixes that carry an IPv4 address in their low 32 bits: a relay or translator on the
+# path turns them into that IPv4 address, private or not.
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_V4_COMPATIBLE = ipaddress.ip_network("::/96")
 
 
 def check_url_shape(url: str) -> tuple[str, int]:
@@ -27,22 +41,52 @@ def check_url_shape(url: str) -> tuple[str, int]:
     return parts.hostname, port
 
 
+def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]  # the client's address
+    if ip in _NAT64 or (ip in _V4_COMPATIBLE and int(ip) > 1):  # ::/96 but not :: or ::1
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def is_public(address: str) -> bool:
+    """True if ``address`` (and any IPv4 address embedded in it) is globally routable."""
     ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = _embedded_v4(ip)
+        if embedded is not None:  # reached through that IPv4 address: judge it instead
+            return embedded.is_global and not embedded.is_multicast
     return ip.is_global and not ip.is_multicast
 
 
-def check_callback_url(url: str, *, allow_private: bool) -> None:
-    """Raise ``UnsafeUrl`` unless every address ``url`` resolves to may be called."""
+def vet_callback_url(
+    url: str, *, allow_private: bool, resolve: Resolver | None = None
+) -> str | None:
+    """The address to connect to for ``url``: the first it resolves to, once every
+    address it resolves to may be called (``UnsafeUrl`` otherwise). None when private
+    addresses are allowed (nothing to pin). A failed resolution raises ``OSError``
+    (``socket.gaierror``) unchanged: it may pass, so the caller retries it."""
     host, port = check_url_shape(url)
     if allow_private:
-        return
+        return None
+    infos = (resolve or socket.getaddrinfo)(host, port, proto=socket.IPPROTO_TCP)
+    addresses = [str(info[4][0]) for info in infos]
+    if not addresses:
+        raise socket.gaierror(socket.EAI_NONAME, f"{host!r} has no address")
+    for address in addresses:
+        if not is_public(address):
+            raise UnsafeUrl("callback_url points to a private or reserved address")
+    return addresses[0]
+
+
+def check_callback_url(url: str, *, allow_private: bool, resolve: Resolver | None = None) -> None:
+    """Raise ``UnsafeUrl`` unless every address ``url`` resolves to may be called."""
+    host, _ = check_url_shape(url)
     try:
-        infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+        vet_callback_url(url, allow_private=allow_private, resolve=resolve)
     except OSError as exc:
         raise UnsafeUrl(f"callback_url host {host!r} does not resolve") from exc
-    for info in infos:
-        if not is_public(str(info[4][0])):
-            raise UnsafeUrl("callback_url points to a private or reserved address")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from torpor.deliveries import Delivery, DeliveryStatus
 from torpor.errors import UnsafeUrl
 from torpor.lifecycle import SessionState
 from torpor.ports import Observer
-from torpor.service.deliveries import DeliveryWorker, secret_for
+from torpor.service.deliveries import DeliveryWorker, secret_for, tenant_view
 
 
 @pytest.fixture
@@ -181,5 +182,137 @@ async def test_each_attempt_is_reported_to_the_observer(
             env.clock.advance(7)
             await worker.due(env.clock.now())
             assert observer.statuses == [DeliveryStatus.PENDING, DeliveryStatus.DELIVERED]
+    finally:
+        hook.close()
+
+
+PUBLIC = "93.184.216.34"
+
+
+class Rebinding:
+    """A resolver for ``rebind.test``: ``public_answers`` public answers, then 127.0.0.1
+    (a zero-TTL name that changes its answer between the check and the connection).
+    Other names resolve for real."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.public_answers = 1
+
+    def __call__(self, host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "rebind.test":
+            return self.real(host, port, *args, **kwargs)
+        address = PUBLIC if self.public_answers > 0 else "127.0.0.1"
+        self.public_answers -= 1
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, int(port)))]
+
+
+async def test_a_rebinding_name_never_reaches_the_address_it_switches_to(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hook = Receiver()  # on 127.0.0.1: what the name answers once it was vetted
+    dialled: list[str] = []
+    real_connect = socket.create_connection
+
+    def connect(address: Any, *args: Any, **kwargs: Any) -> socket.socket:
+        dialled.append(str(address[0]))
+        if address[0] == PUBLIC:  # no real network in tests: that host refuses
+            raise ConnectionRefusedError(f"{PUBLIC} refused")
+        return real_connect(address, *args, **kwargs)
+
+    resolver = Rebinding(socket.getaddrinfo)
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    monkeypatch.setattr(socket, "create_connection", connect)
+    url = hook.url.replace("127.0.0.1", "rebind.test")
+    extra = {"notifications": {"allow_private_callbacks": False}}
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+            await finished_session(env, url)
+            resolver.public_answers = 1  # the delivery's check sees the public address
+            await DeliveryWorker(env.services).due(env.clock.now())
+            assert hook.received == [], "the connection went to the re-resolved address"
+            assert dialled == [PUBLIC]
+            [delivery], _ = await env.services.deliveries.list(
+                "acme", status=None, cursor=None, limit=5
+            )
+            assert delivery.status is DeliveryStatus.PENDING
+            assert delivery.last_category == "connection_refused"
+    finally:
+        hook.close()
+
+
+async def test_a_transient_dns_failure_is_retried_on_schedule(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hook = Receiver()  # stands for the public host PUBLIC (the test has no network)
+    real, real_connect = socket.getaddrinfo, socket.create_connection
+    failing = [False]
+
+    def resolve(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "flaky.test":
+            return real(host, port, *args, **kwargs)
+        if failing[0]:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (PUBLIC, int(port)))]
+
+    def connect(address: Any, *args: Any, **kwargs: Any) -> socket.socket:
+        host = "127.0.0.1" if address[0] in (PUBLIC, "flaky.test") else address[0]
+        return real_connect((host, address[1]), *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(socket, "create_connection", connect)
+    url = hook.url.replace("127.0.0.1", "flaky.test")
+    extra = {"notifications": {"allow_private_callbacks": False}}
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+            await finished_session(env, url)
+            failing[0] = True  # the name resolved at submission, not at delivery
+            worker = DeliveryWorker(env.services)
+            await worker.due(env.clock.now())
+            [delivery], _ = await env.services.deliveries.list(
+                "acme", status=None, cursor=None, limit=5
+            )
+            assert delivery.status is DeliveryStatus.PENDING, "not a dead letter"
+            assert delivery.last_category == "dns" and delivery.next_attempt_at is not None
+            failing[0] = False
+            env.clock.advance((delivery.next_attempt_at - env.clock.now()).total_seconds())
+            await worker.due(env.clock.now())
+            delivered = await env.services.deliveries.get("acme", delivery.delivery_id)
+            assert delivered.status is DeliveryStatus.DELIVERED and len(hook.received) == 1
+    finally:
+        hook.close()
+
+
+async def test_a_private_address_at_delivery_is_a_dead_letter_at_once(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    resolver = Rebinding(socket.getaddrinfo)  # public at submission, private at delivery
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    extra = {"notifications": {"allow_private_callbacks": False}}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+        await finished_session(env, "http://rebind.test:9/hook")
+        await DeliveryWorker(env.services).due(env.clock.now())
+        [dead], _ = await env.services.deliveries.list(
+            "acme", status=DeliveryStatus.DEAD, cursor=None, limit=5
+        )
+        assert dead.attempts == 1 and dead.last_category == "refused_by_policy"
+
+
+async def test_tenants_see_a_category_operators_the_detail(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    hook = Receiver(script=[404])
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix) as env:
+            await finished_session(env, hook.url)
+            await DeliveryWorker(env.services).due(env.clock.now())
+            [delivery], _ = await env.services.deliveries.list(
+                "acme", status=None, cursor=None, limit=5
+            )
+            assert delivery.last_status == 404 and delivery.last_error == "http_4xx: HTTP 404"
+            assert delivery.history[0]["error"] == "http_4xx: HTTP 404"
+            view = tenant_view(delivery)
+            assert view["last_category"] == "http_4xx"
+            assert "404" not in json.dumps(view), "no raw status or error text for tenants"
+            assert view["history"] == [{"at": delivery.history[0]["at"], "category": "http_4xx"}]
     finally:
         hook.close()

@@ -8,7 +8,13 @@ POST under an overall deadline: 2xx delivers, 410 disables the endpoint, anythin
 (3xx included: redirects are never followed, wherever they point; a timeout; a garbage
 answer) is a failed attempt with its ``Failure`` category and schedules the next one per
 the retry schedule or a longer ``Retry-After``; after the last attempt the delivery is a
-dead letter until someone resends it.
+dead letter until someone resends it. A resolution failure of the callback's host is a
+failed attempt too (DNS trouble passes); only a policy refusal (the host resolves to a
+private address) makes a dead letter at once.
+
+What a tenant sees of an attempt is its ``Failure`` category only (``tenant_view``): the
+raw status and error text would let a tenant probe what answers behind a callback URL.
+Both are stored for operators (``last_error``, each history record's ``error``).
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ import asyncio
 import http.client
 import json
 import logging
+import socket
+import ssl
 import urllib.error
 from datetime import datetime, timedelta
 from enum import StrEnum
 from functools import partial
+from typing import Any
 
 from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
 from torpor.errors import ConfigError, NotFound, ResponseTooLarge, UnsafeUrl
@@ -31,7 +40,7 @@ from torpor.outbound import Response, request_async, retry_after_s
 from torpor.ports import TimerKind
 from torpor.ports.services import Services
 from torpor.settings import Settings, resolve_secret
-from torpor.ssrf import check_callback_url
+from torpor.ssrf import vet_callback_url
 from torpor.webhooks.signing import Scheme, sign
 
 log = logging.getLogger(__name__)
@@ -80,26 +89,60 @@ class DeliveryNotifier:
 
 
 class Failure(StrEnum):
-    """Why one delivery attempt failed: every failure is an attempt, never an exception."""
+    """Why one delivery attempt failed: every failure is an attempt, never an exception.
+    This category is all a tenant sees of a failed attempt."""
 
     TIMEOUT = "timeout"  # no complete answer within the attempt's deadline
-    CONNECTION = "connection"  # refused, reset, unreachable
+    DNS = "dns"  # the host did not resolve (retried: DNS trouble passes)
+    CONNECTION_REFUSED = "connection_refused"
+    CONNECTION = "connection"  # reset, unreachable
+    TLS = "tls"  # handshake or certificate check failed
     PROTOCOL = "protocol"  # not HTTP: a garbage status line, a truncated answer
     REDIRECT = "redirect"  # a 3xx: never followed (it may point anywhere, inside too)
-    STATUS = "status"  # any other answer that is not 2xx
+    HTTP_4XX = "http_4xx"
+    HTTP_5XX = "http_5xx"
+    POLICY = "refused_by_policy"  # the callback resolves to a private address
+    DISABLED = "endpoint_disabled"
     INTERNAL = "internal"  # our own side failed (signing, configuration)
 
 
 def classify(exc: BaseException) -> Failure:
-    if isinstance(exc, TimeoutError) or (
-        isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, TimeoutError)
-    ):
+    if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
+        exc = exc.reason  # urllib wraps the transport's own exception
+    if isinstance(exc, UnsafeUrl):
+        return Failure.POLICY
+    if isinstance(exc, TimeoutError):
         return Failure.TIMEOUT
     if isinstance(exc, (http.client.HTTPException, ResponseTooLarge)):
         return Failure.PROTOCOL
+    if isinstance(exc, socket.gaierror):
+        return Failure.DNS
+    if isinstance(exc, ssl.SSLError):
+        return Failure.TLS
+    if isinstance(exc, ConnectionRefusedError):
+        return Failure.CONNECTION_REFUSED
     if isinstance(exc, OSError):
         return Failure.CONNECTION
     return Failure.INTERNAL
+
+
+def answer_category(status: int) -> Failure:
+    """The category of a non-2xx answer."""
+    if 300 <= status < 400:
+        return Failure.REDIRECT
+    return Failure.HTTP_4XX if status < 500 else Failure.HTTP_5XX
+
+
+def tenant_view(delivery: Delivery) -> dict[str, Any]:
+    """A delivery as its tenant sees it: each attempt's category, never its raw status
+    or error text (operators read those from the stored delivery)."""
+    view = delivery.model_dump(
+        mode="json", exclude={"payload", "last_status", "last_error", "history"}
+    )
+    view["history"] = [
+        {"at": record.get("at"), "category": record.get("category")} for record in delivery.history
+    ]
+    return view
 
 
 class DeliveryWorker:
@@ -180,35 +223,43 @@ class DeliveryWorker:
         endpoint = await self.deliveries.endpoint(tenant, delivery.url)
         if endpoint.disabled:
             return await self._settle(
-                delivery, DeliveryStatus.DISABLED, None, "endpoint disabled", now
+                delivery, DeliveryStatus.DISABLED, None, Failure.DISABLED, "endpoint disabled", now
             )
+        failure: Failure | None
         try:
             response = await self._post(delivery, now)
-        except UnsafeUrl as exc:
-            return await self._settle(delivery, DeliveryStatus.DEAD, None, str(exc), now)
+        except UnsafeUrl as exc:  # policy: no later attempt can be allowed either
+            refusal = f"{Failure.POLICY}: {exc}"[:300]
+            return await self._settle(
+                delivery, DeliveryStatus.DEAD, None, Failure.POLICY, refusal, now
+            )
         except Exception as exc:  # every failure of the attempt is a failed attempt
             status, retry_after, failure = 0, None, classify(exc)
             error: str | None = f"{failure}: {type(exc).__name__}: {exc}"[:300]
         else:
             status, retry_after = response.status, response.header("Retry-After")
-            failure = Failure.REDIRECT if 300 <= status < 400 else Failure.STATUS
-            error = None if response.ok else f"{failure}: HTTP {status}"
+            failure = None if response.ok else answer_category(status)
+            error = None if failure is None else f"{failure}: HTTP {status}"
         if 200 <= status < 300:
-            return await self._settle(delivery, DeliveryStatus.DELIVERED, status, None, now)
+            return await self._settle(delivery, DeliveryStatus.DELIVERED, status, None, None, now)
         if status == 410:
             await self.deliveries.set_endpoint(
                 tenant,
                 EndpointState(url=delivery.url, disabled=True, disabled_at=now, reason="410 Gone"),
             )
-            return await self._settle(delivery, DeliveryStatus.DISABLED, status, "410 Gone", now)
+            return await self._settle(
+                delivery, DeliveryStatus.DISABLED, status, failure, "410 Gone", now
+            )
         if RETRY_BACKOFF.exhausted(delivery.attempts):
-            return await self._settle(delivery, DeliveryStatus.DEAD, status, error, now)
+            return await self._settle(delivery, DeliveryStatus.DEAD, status, failure, error, now)
         delay = RETRY_BACKOFF.delay_s(delivery.attempts)
         asked = retry_after_s(retry_after, now=now, cap_s=MAX_RETRY_AFTER_S)
         if asked is not None:
             delay = max(delay, asked)
         at = now + timedelta(seconds=delay)
-        updated = await self._settle(delivery, DeliveryStatus.PENDING, status, error, now, at)
+        updated = await self._settle(
+            delivery, DeliveryStatus.PENDING, status, failure, error, now, at
+        )
         await self.services.index.schedule(
             kind=TimerKind.DELIVER, member=timer_member(tenant, delivery_id), at=at
         )
@@ -217,8 +268,10 @@ class DeliveryWorker:
     async def _post(self, delivery: Delivery, now: datetime) -> Response:
         settings = self.services.settings
         body = json.dumps(delivery.payload, separators=(",", ":")).encode()
-        await asyncio.to_thread(
-            check_callback_url,
+        # The address vetted here is the one dialled: resolving again to connect would
+        # let a rebinding name swap in a private address after the check.
+        address = await asyncio.to_thread(
+            vet_callback_url,
             delivery.url,
             allow_private=settings.notifications.allow_private_callbacks,
         )
@@ -240,6 +293,7 @@ class DeliveryWorker:
             headers=headers,
             timeout_s=settings.notifications.timeout_s,
             max_body_bytes=0,
+            connect_to=address,
         )
 
     async def _settle(
@@ -247,18 +301,26 @@ class DeliveryWorker:
         delivery: Delivery,
         status: DeliveryStatus,
         http_status: int | None,
+        failure: Failure | None,
         error: str | None,
         now: datetime,
         next_at: datetime | None = None,
     ) -> Delivery:
         def change(d: Delivery) -> Delivery:
-            record = {"at": now.isoformat(), "status": http_status, "error": error}
+            category = None if failure is None else failure.value
+            record = {
+                "at": now.isoformat(),
+                "status": http_status,
+                "category": category,
+                "error": error,
+            }
             return d.model_copy(
                 update={
                     "status": status,
                     "attempts": d.attempts + 1,
                     "last_status": http_status,
                     "last_error": error,
+                    "last_category": category,
                     "next_attempt_at": next_at,
                     "delivered_at": now if status is DeliveryStatus.DELIVERED else None,
                     "history": [*d.history, record][-20:],

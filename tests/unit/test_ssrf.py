@@ -1,0 +1,98 @@
+"""The SSRF guard: which addresses may be called, and pinning the vetted address."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from torpor.errors import UnsafeUrl
+from torpor.outbound import request
+from torpor.ssrf import check_callback_url, is_public, vet_callback_url
+
+EMBEDDING_PRIVATE = [
+    "64:ff9b::7f00:1",  # NAT64 of 127.0.0.1
+    "64:ff9b::a9fe:a9fe",  # NAT64 of 169.254.169.254
+    "64:ff9b::a00:1",  # NAT64 of 10.0.0.1
+    "2002:7f00:1::1",  # 6to4 of 127.0.0.1
+    "2002:a9fe:a9fe::",  # 6to4 of 169.254.169.254
+    "2002:c0a8:101::1",  # 6to4 of 192.168.1.1
+    "::7f00:1",  # IPv4-compatible 127.0.0.1
+    "::a00:1",  # IPv4-compatible 10.0.0.1
+    "::ffff:127.0.0.1",  # IPv4-mapped
+    "::ffff:169.254.169.254",
+    "::1",
+    "::",
+]
+
+
+@pytest.mark.parametrize("address", EMBEDDING_PRIVATE)
+def test_ipv6_forms_embedding_a_private_ipv4_are_refused(address: str) -> None:
+    assert not is_public(address)
+
+
+@pytest.mark.parametrize("address", ["64:ff9b::808:808", "2002:808:808::1", "::ffff:8.8.8.8"])
+def test_ipv6_forms_embedding_a_public_ipv4_are_public(address: str) -> None:
+    assert is_public(address)
+
+
+def answering(*addresses: str) -> Any:
+    def resolve(host: str, port: int, *args: Any, **kwargs: Any) -> list[tuple[Any, ...]]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in addresses]
+
+    return resolve
+
+
+def test_vetting_returns_the_address_it_checked() -> None:
+    url = "https://hooks.example/x"
+    assert vet_callback_url(url, allow_private=False, resolve=answering("8.8.8.8")) == "8.8.8.8"
+    with pytest.raises(UnsafeUrl):
+        vet_callback_url(url, allow_private=False, resolve=answering("8.8.8.8", "127.0.0.1"))
+    assert vet_callback_url(url, allow_private=True, resolve=answering("127.0.0.1")) is None
+
+
+def test_a_failed_resolution_is_not_a_policy_refusal() -> None:
+    def again(*args: Any, **kwargs: Any) -> list[tuple[Any, ...]]:
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    with pytest.raises(socket.gaierror):  # the delivery retries it
+        vet_callback_url("http://hooks.example/", allow_private=False, resolve=again)
+    with pytest.raises(UnsafeUrl):  # a submission is refused
+        check_callback_url("http://hooks.example/", allow_private=False, resolve=again)
+
+
+@pytest.fixture
+def hosts() -> Iterator[tuple[int, list[str]]]:
+    """A local server recording the Host header of each request."""
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Host", ""))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1], seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_pinned_request_dials_the_address_and_keeps_the_host(
+    hosts: tuple[int, list[str]],
+) -> None:
+    port, seen = hosts
+    # .invalid never resolves: the request can only arrive through the pinned address.
+    url = f"http://callback.invalid:{port}/ok"
+    assert request("GET", url, timeout_s=5, connect_to="127.0.0.1").status == 200
+    assert seen == [f"callback.invalid:{port}"]
