@@ -2,6 +2,13 @@
 
 One object per delivery (``deliveries/{tenant}/{id}``), updated by compare-and-swap so
 that the delivery worker and an operator's "resend" never overwrite each other.
+
+Dead letters are indexed: an empty marker ``dead-letters/{tenant}/{id}`` exists while a
+delivery is dead, so ``list(status=DEAD)`` reads one page of markers and their
+deliveries instead of every delivery of the tenant. The marker is written *before* the
+delivery turns dead and removed *after* it leaves that state, so a crash in between
+leaves at worst a stale marker (the listing checks each delivery's status and skips it),
+never a dead letter the listing cannot find.
 """
 
 from __future__ import annotations
@@ -50,17 +57,47 @@ class ObjectDeliveries:
                 obj = await self.store.get(key)
             except ObjectNotFound:
                 raise NotFound(f"no delivery {delivery_id[:80]!r}") from None
-            new = change(Delivery.model_validate_json(obj.data))
+            old = Delivery.model_validate_json(obj.data)
+            new = change(old)
+            dead = keys.dead_letter(tenant, delivery_id)
+            if new.status is DeliveryStatus.DEAD and old.status is not DeliveryStatus.DEAD:
+                await self.store.put(dead, b"")
             try:
                 await self.store.put_if_match(key, new.model_dump_json().encode(), etag=obj.etag)
             except EtagMismatch:
                 continue
+            if old.status is DeliveryStatus.DEAD and new.status is not DeliveryStatus.DEAD:
+                await self.store.delete(dead)
             return new
         raise EtagMismatch(f"delivery {delivery_id} is too contended to update")
+
+    async def _dead(
+        self, tenant: str, *, cursor: str | None, limit: int
+    ) -> tuple[list[Delivery], str | None]:
+        """Dead letters through their markers: reads ``limit`` markers and deliveries
+        (plus any stale marker met on the way)."""
+        out: list[Delivery] = []
+        prefix = keys.dead_letter_prefix(tenant)
+        token = keys.dead_letter(tenant, cursor) if cursor else None
+        while len(out) < limit:
+            page = await self.store.list(prefix, start_after=token, limit=limit - len(out))
+            for key in page.keys:
+                try:
+                    delivery = await self.get(tenant, key[len(prefix) :])
+                except NotFound:
+                    continue
+                if delivery.status is DeliveryStatus.DEAD:
+                    out.append(delivery)
+            if page.next_token is None or not page.keys:
+                return out, None
+            token = page.keys[-1]
+        return out, out[-1].delivery_id
 
     async def list(
         self, tenant: str, *, status: DeliveryStatus | None, cursor: str | None, limit: int
     ) -> tuple[list[Delivery], str | None]:
+        if status is DeliveryStatus.DEAD:
+            return await self._dead(tenant, cursor=cursor, limit=limit)
         out: list[Delivery] = []
         token = keys.delivery(tenant, cursor) if cursor else None
         prefix = keys.delivery_prefix(tenant)

@@ -97,6 +97,15 @@ def delivery(tenant: str, delivery_id: str) -> str:
     return delivery_prefix(tenant) + safe(delivery_id, "delivery id")
 
 
+def dead_letter_prefix(tenant: str) -> str:
+    """Empty marker objects, one per dead delivery, so listing dead letters is O(page)."""
+    return f"dead-letters/{safe(tenant, 'tenant')}/"
+
+
+def dead_letter(tenant: str, delivery_id: str) -> str:
+    return dead_letter_prefix(tenant) + safe(delivery_id, "delivery id")
+
+
 def endpoint_state(tenant: str, url: str) -> str:
     return f"endpoints/{safe(tenant, 'tenant')}/{digest(url)}"
 
