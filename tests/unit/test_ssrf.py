@@ -96,3 +96,27 @@ def test_a_pinned_request_dials_the_address_and_keeps_the_host(
     url = f"http://callback.invalid:{port}/ok"
     assert request("GET", url, timeout_s=5, connect_to="127.0.0.1").status == 200
     assert seen == [f"callback.invalid:{port}"]
+
+
+def test_a_pinned_https_request_sends_the_url_host_as_sni() -> None:
+    """The TLS handshake names the URL's host (SNI, and the certificate is checked against
+    it) while the socket goes to the pinned address."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    hello: list[bytes] = []
+
+    def accept() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(5)
+            hello.append(conn.recv(4096))  # the ClientHello; then hang up
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    try:
+        with pytest.raises(OSError):  # no TLS server there: the handshake fails
+            request("GET", f"https://callback.invalid:{port}/", timeout_s=5, connect_to="127.0.0.1")
+        thread.join(timeout=5)
+    finally:
+        listener.close()
+    assert hello and b"callback.invalid" in hello[0]
