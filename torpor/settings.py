@@ -190,6 +190,10 @@ class SecuritySettings(_Section):
         default_factory=list, description="sign capability links; the first signs, all verify"
     )
     max_request_bytes: int = Field(1024 * 1024, description="larger API bodies are refused")
+    audit_key: SecretStr | None = Field(
+        None,
+        description="signs the audit log's checkpoints (HMAC-SHA256); without it they are unsigned",
+    )
 
 
 class RuntimeSettings(_Section):
