@@ -23,6 +23,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
+from actors.config_ref import ConfigRef
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.reconciler import ReconcilerStarter
@@ -74,10 +75,12 @@ install_problem_handlers(api)
 )
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, settings: Settings, reconciler: DeploymentHandle[Any] | None = None) -> None:
-        self.settings = settings
+    def __init__(self, config: ConfigRef, reconciler: DeploymentHandle[Any] | None = None) -> None:
+        # Read here, in the replica: Serve persists constructor arguments (config_ref).
+        self.settings = settings = config.load()
         self.services = open_services(settings, observer=RayObserver())
-        self.control = SessionService(self.services, RayActivator(self.services), background=True)
+        activator = RayActivator(self.services, config)
+        self.control = SessionService(self.services, activator, background=True)
         self.batches = BatchService(self.control)
         self.gateway = WebhookGateway(self.control)
         self.deliveries = DeliveryWorker(self.services)
@@ -380,13 +383,17 @@ class AppArgs(BaseModel):
     config: str | None = Field(None, description="TOML configuration; else $TORPOR_CONFIG")
 
 
-def application(settings: Settings, *, start_reconciler: bool = True) -> Application:
-    """The app for ``settings``; ``start_reconciler=False`` when a test drives sweeps."""
-    starter = ReconcilerStarter.bind(settings) if start_reconciler else None  # type: ignore[attr-defined]
-    app: Application = Ingress.bind(settings, starter)  # type: ignore[attr-defined]
+def application(settings: Settings | ConfigRef, *, start_reconciler: bool = True) -> Application:
+    """The app for ``settings``; ``start_reconciler=False`` when a test drives sweeps.
+
+    Replicas get a :class:`ConfigRef`, never secrets: ConfigError for inline ones."""
+    config = ConfigRef.of(settings)
+    starter = ReconcilerStarter.bind(config) if start_reconciler else None  # type: ignore[attr-defined]
+    app: Application = Ingress.bind(config, starter)  # type: ignore[attr-defined]
     return app
 
 
 def build_app(args: AppArgs) -> Application:
     """Serve's application builder: ``serve run serve_app:build_app config=torpor.toml``."""
-    return application(Settings.from_env(config_path=args.config))
+    Settings.from_env(config_path=args.config)  # fail here on a bad file, not in a replica
+    return application(ConfigRef.from_file(args.config))
