@@ -195,6 +195,9 @@ class SecuritySettings(_Section):
         None,
         description="signs the audit log's checkpoints (HMAC-SHA256); without it they are unsigned",
     )
+    max_streams_per_tenant: int = Field(
+        16, description="event streams (SSE) one tenant may hold open on one replica; then 429"
+    )
     inline_secrets_in_ray: bool = Field(
         False,
         description="let inline secrets into Ray actor arguments (tests, demos: Ray stores them)",
