@@ -12,6 +12,7 @@ through (their secrets then persist in Ray's control store).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -47,6 +48,16 @@ class ConfigRef:
                     "settings from a file the actors read (serve_app:build_app config=...)"
                 )
         return cls(data=_raw(settings))
+
+    @classmethod
+    def of_loaded(cls, settings: Settings, config_path: str | None = None) -> ConfigRef:
+        """For settings the caller read with ``Settings.from_env(config_path=...)``: as
+        data when nothing secret is inline (every receiver then sees the same settings),
+        else as the path, which each receiver reads with its own environment (so
+        ``TORPOR_*`` variables must be set where the actors run, not only here)."""
+        if inline_secrets(settings) and not settings.security.inline_secrets_in_ray:
+            return cls.from_file(config_path or os.environ.get("TORPOR_CONFIG"))
+        return cls.of(settings)
 
     def load(self) -> Settings:
         """The settings, built in the process that calls this (``env:`` left unresolved)."""

@@ -83,3 +83,16 @@ def test_tests_may_opt_in_to_inline_secrets() -> None:
         {"security": {"capability_keys": [SECRET], "inline_secrets_in_ray": True}}
     )
     assert ConfigRef.of(settings).load() == settings
+
+
+def test_settings_read_from_a_file_with_inline_secrets_travel_as_the_path(
+    tmp_path: Path,
+) -> None:
+    toml = tmp_path / "torpor.toml"
+    toml.write_text(f'[security]\ncapability_keys = ["{SECRET}"]\n')
+    settings = Settings.from_env({}, config_path=toml)
+    ref = ConfigRef.of_loaded(settings, str(toml))
+    assert SECRET.encode() not in persisted(ref)
+    assert ref.load().capability_key_bytes() == [SECRET.encode()]
+    plain = Settings.from_env({"TORPOR_NAMESPACE": "n1"})  # nothing secret: as data
+    assert ConfigRef.of_loaded(plain).load().namespace == "n1"
