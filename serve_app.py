@@ -11,9 +11,6 @@ Every failure is ``application/problem+json`` from one handler.
 
 # No ``from __future__ import annotations`` here: FastAPI reads these annotations at
 # runtime inside the Serve replica, where string annotations cannot be resolved.
-import asyncio
-import json
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Query, Request
@@ -23,6 +20,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
+from actors.config_ref import ConfigRef
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.reconciler import ReconcilerStarter
@@ -55,11 +53,9 @@ from torpor.service.deliveries import DeliveryWorker, secret_for, tenant_view
 from torpor.service.gateway import WebhookGateway
 from torpor.service.health import health_answer
 from torpor.service.sessions import SessionService
+from torpor.service.streams import SessionStreams
 from torpor.settings import Settings
 from torpor.webhooks.cloudevents import handshake
-
-SSE_POLL_S = 0.5
-SSE_KEEPALIVE_S = 15.0
 
 api = FastAPI(
     title="torpor",
@@ -74,12 +70,17 @@ install_problem_handlers(api)
 )
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, settings: Settings, reconciler: DeploymentHandle[Any] | None = None) -> None:
-        self.settings = settings
+    def __init__(self, config: ConfigRef, reconciler: DeploymentHandle[Any] | None = None) -> None:
+        # Read here, in the replica: Serve persists constructor arguments (config_ref).
+        self.settings = settings = config.load()
         self.services = open_services(settings, observer=RayObserver())
-        self.control = SessionService(self.services, RayActivator(self.services), background=True)
+        activator = RayActivator(self.services, config)
+        self.control = SessionService(self.services, activator, background=True)
         self.batches = BatchService(self.control)
         self.gateway = WebhookGateway(self.control)
+        self.streams = SessionStreams(
+            self.control, max_per_tenant=settings.security.max_streams_per_tenant
+        )
         self.deliveries = DeliveryWorker(self.services)
         # Held only so Serve deploys the starter with the app.
         self.reconciler = reconciler
@@ -204,35 +205,10 @@ class Ingress:
         await self.control.get(session_id, tenant=tenant)  # 404 before the stream opens
         after = int(last_event_id) if last_event_id and last_event_id.isdigit() else 0
         return StreamingResponse(
-            self._events(session_id, tenant, after),
+            self.streams.open(session_id, tenant, after),  # 429 past the tenant's cap
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-
-    async def _events(self, session_id: str, tenant: str, after: int) -> AsyncIterator[str]:
-        """Transitions as Server-Sent Events; ``id`` is the history sequence number, so a
-        client that reconnects with ``Last-Event-ID`` gets exactly what it missed."""
-        quiet = 0.0
-        while True:
-            snapshot = await self.control.get(session_id, tenant=tenant)
-            for entry in snapshot.history:
-                if entry.seq > after:
-                    data = {
-                        "session_id": session_id,
-                        "state": entry.state.value,
-                        "epoch": entry.epoch,
-                        "at": entry.at.isoformat(),
-                        "reason": entry.reason,
-                    }
-                    yield f"id: {entry.seq}\nevent: transition\ndata: {json.dumps(data)}\n\n"
-                    after, quiet = entry.seq, 0.0
-            if snapshot.terminal:
-                return
-            await asyncio.sleep(SSE_POLL_S)
-            quiet += SSE_POLL_S
-            if quiet >= SSE_KEEPALIVE_S:
-                quiet = 0.0
-                yield ": keep-alive\n\n"
 
     # -- batches ---------------------------------------------------------------------
 
@@ -380,13 +356,17 @@ class AppArgs(BaseModel):
     config: str | None = Field(None, description="TOML configuration; else $TORPOR_CONFIG")
 
 
-def application(settings: Settings, *, start_reconciler: bool = True) -> Application:
-    """The app for ``settings``; ``start_reconciler=False`` when a test drives sweeps."""
-    starter = ReconcilerStarter.bind(settings) if start_reconciler else None  # type: ignore[attr-defined]
-    app: Application = Ingress.bind(settings, starter)  # type: ignore[attr-defined]
+def application(settings: Settings | ConfigRef, *, start_reconciler: bool = True) -> Application:
+    """The app for ``settings``; ``start_reconciler=False`` when a test drives sweeps.
+
+    Replicas get a :class:`ConfigRef`, never secrets: ConfigError for inline ones."""
+    config = ConfigRef.of(settings)
+    starter = ReconcilerStarter.bind(config) if start_reconciler else None  # type: ignore[attr-defined]
+    app: Application = Ingress.bind(config, starter)  # type: ignore[attr-defined]
     return app
 
 
 def build_app(args: AppArgs) -> Application:
     """Serve's application builder: ``serve run serve_app:build_app config=torpor.toml``."""
-    return application(Settings.from_env(config_path=args.config))
+    Settings.from_env(config_path=args.config)  # fail here on a bad file, not in a replica
+    return application(ConfigRef.from_file(args.config))

@@ -17,12 +17,12 @@ import os
 import ray
 
 from actors import metrics
+from actors.config_ref import ConfigRef
 from actors.observer import RayObserver
 from actors.wiring import open_services, session_runtime
 from torpor.ports import Reason
 from torpor.ports.services import Services
 from torpor.session import SessionRuntime
-from torpor.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ def host_name(slot: int) -> str:
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class PoolHost:
-    def __init__(self, settings: Settings, slot: int) -> None:
-        self._settings = settings
+    def __init__(self, config: ConfigRef, slot: int) -> None:
+        self._settings = settings = config.load()  # here: no secret in the arguments
         self._slot = slot
         self._services: Services | None = None
         self._runtime: SessionRuntime | None = None

@@ -23,6 +23,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
+from actors.config_ref import ConfigRef
 from actors.pool import PoolHost, host_name
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from storage.factory import check_embedded_allowed
@@ -91,9 +92,11 @@ class Admission:
 
 
 class RayActivator:
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services, config: ConfigRef | None = None) -> None:
         self.services = services
         self.settings: Settings = services.settings
+        # What the session actors are handed: never the resolved settings (see config_ref).
+        self.config = config or ConfigRef.of(services.settings)
         self.namespace = self.settings.namespace
         check_embedded_allowed(self.settings, alive_nodes=alive_nodes())
         self._placements: OrderedDict[str, Placement] = OrderedDict()
@@ -164,7 +167,7 @@ class RayActivator:
                     # Spread sessions over the cluster: losing a node then costs a slice
                     # of the running sessions, not all of them.
                     scheduling_strategy="SPREAD",
-                ).remote(self.settings, session_id)
+                ).remote(self.config, session_id)
                 try:
                     answer = await asyncio.wait_for(
                         handle.activate.remote(reason.value, requested_at),
@@ -192,7 +195,7 @@ class RayActivator:
                 get_if_exists=True,
                 lifetime="detached",
                 scheduling_strategy="SPREAD",
-            ).remote(self.settings, slot)
+            ).remote(self.config, slot)
         return self._hosts[slot]
 
     async def _pooled(self, session_id: str, reason: Reason, requested_at: float) -> None:

@@ -23,6 +23,7 @@ import ray
 from ray import serve
 
 from actors import metrics
+from actors.config_ref import ConfigRef
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.wiring import ensure_conditional_writes, open_services
@@ -38,8 +39,9 @@ NAME = "torpor-reconciler"
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class Reconciler:
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
+    def __init__(self, config: ConfigRef) -> None:
+        self._config = config
+        self._settings = config.load()  # here: no secret in the arguments
         self._services: Services | None = None
         self._sweeper: Sweeper | None = None
         self._loop: asyncio.Task[None] | None = None
@@ -53,7 +55,9 @@ class Reconciler:
     def _ensure(self) -> Sweeper:
         if self._sweeper is None:
             self._services = open_services(self._settings, observer=RayObserver())
-            control = SessionService(self._services, RayActivator(self._services), background=True)
+            control = SessionService(
+                self._services, RayActivator(self._services, self._config), background=True
+            )
             self._sweeper = Sweeper(control)
         return self._sweeper
 
@@ -101,13 +105,15 @@ class Reconciler:
         return os.getpid()
 
 
-def ensure_reconciler(settings: Settings, *, start: bool = True) -> Any:
+def ensure_reconciler(settings: Settings | ConfigRef, *, start: bool = True) -> Any:
+    config = ConfigRef.of(settings)
+    namespace = (settings if isinstance(settings, Settings) else config.load()).namespace
     handle = Reconciler.options(  # type: ignore[attr-defined]
         name=NAME,
-        namespace=settings.namespace,
+        namespace=namespace,
         lifetime="detached",
         get_if_exists=True,
-    ).remote(settings)
+    ).remote(config)
     if start:
         ray.get(handle.start.remote())
     return handle
@@ -121,5 +127,5 @@ class ReconcilerStarter:
     idempotent, so a replacement finds the running reconciler and leaves it be.
     """
 
-    def __init__(self, settings: Settings) -> None:
-        ensure_reconciler(settings)
+    def __init__(self, config: ConfigRef) -> None:
+        ensure_reconciler(config)

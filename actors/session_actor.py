@@ -22,10 +22,10 @@ import ray
 from ray.exceptions import AsyncioActorExit
 
 from actors import metrics
+from actors.config_ref import ConfigRef
 from actors.observer import RayObserver
 from actors.wiring import open_services, session_runtime
 from torpor.ports import Reason
-from torpor.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ def actor_name(session_id: str) -> str:
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class SessionActor:
-    def __init__(self, settings: Settings, session_id: str) -> None:
-        self._settings = settings
+    def __init__(self, config: ConfigRef, session_id: str) -> None:
+        self._settings = config.load()  # here, not in the caller: no secret in the arguments
         self._session_id = session_id
         self._wanted: list[tuple[Reason, float | None]] = []
         self._task: asyncio.Task[None] | None = None

@@ -26,7 +26,7 @@ from torpor.ports import CallbackRouter, Clock, Notifier, Observer
 from torpor.ports.services import RuntimeConfig, Services
 from torpor.service.deliveries import DeliveryNotifier
 from torpor.session import SessionRuntime
-from torpor.settings import Settings
+from torpor.settings import Settings, resolve_secret
 
 
 def session_runtime(services: Services, owner: str | None = None) -> SessionRuntime:
@@ -50,6 +50,7 @@ def open_services(
     router: CallbackRouter = (
         CapabilityRouter(keys=keys, public_url=settings.public_url) if keys else BareRouter()
     )
+    audit_key = resolve_secret(settings.security.audit_key) if settings.security.audit_key else None
     services = Services(
         settings=settings,
         config=RuntimeConfig.from_settings(settings),
@@ -60,7 +61,7 @@ def open_services(
         correlations=ObjectCorrelations(store),
         batches=ObjectBatches(store),
         deliveries=ObjectDeliveries(store),
-        audit=ObjectAudit(store),
+        audit=ObjectAudit(store, key=audit_key),
         plugins=PluginResolver(settings),
         clock=clock or SystemClock(),
         router=router,

@@ -110,6 +110,7 @@ class Chaos:
         agents = agent_config(REDIS, self.prefix, placement="pooled", expected_s=86400)
         return {
             "namespace": f"chaos{secrets.token_hex(2)}",
+            "security": {"inline_secrets_in_ray": True},  # a benchmark: Ray may store them
             "storage": {
                 "object_store_url": f"s3://{BUCKET}/run",
                 "index_url": REDIS,

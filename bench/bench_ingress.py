@@ -137,6 +137,7 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
             "redis_prefix": prefix,
         },
         "namespace": "benchin",
+        "security": {"inline_secrets_in_ray": True},  # a benchmark: Ray may store them
         "public_url": f"http://127.0.0.1:{port}",
         "pool": {"size": 2},
         "sources": {

@@ -18,6 +18,16 @@ that did land), it adopts it and writes on after it; if it is anything else, the
 is broken at that block for all to see (``verify``), the waiters of that batch learn why,
 and the writer moves past it. ``healthy`` says whether the last block write succeeded,
 for the health route.
+
+Hash chains show edits but not a cut at the end: deleting the last block, or a whole
+stream, leaves a shorter chain that is still valid. Two more kinds of object close that
+gap. A create-only *manifest* marker ``audit-manifest/{writer}`` is written before a
+stream's first block, so a stream deleted whole is still named. Every
+``checkpoint_every`` blocks (and on ``close``) a create-only *checkpoint*
+``audit-checkpoints/{writer}/{block}`` records the stream's head (block, seq, hash),
+signed with HMAC-SHA256 under the configured audit key; ``verify`` then demands that
+block and head. Without a key a checkpoint carries a plain SHA-256 (it catches deletion,
+not a forger who rewrites the checkpoint too) and ``verify`` says so.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -41,6 +52,21 @@ from torpor.ports import ObjectStore
 
 GENESIS = "0" * 64
 MAX_BLOCK_RECORDS = 512
+MANIFEST = "audit-manifest/"
+CHECKPOINTS = "audit-checkpoints/"
+CHECKPOINT_EVERY = 16
+
+
+def manifest_key(stream: str) -> str:
+    return f"{MANIFEST}{keys.safe(stream, 'audit stream')}"
+
+
+def checkpoints_prefix(stream: str) -> str:
+    return f"{CHECKPOINTS}{keys.safe(stream, 'audit stream')}/"
+
+
+def checkpoint_key(stream: str, block: int) -> str:
+    return f"{checkpoints_prefix(stream)}{block:012d}"
 
 
 class AuditRecord(BaseModel):
@@ -72,6 +98,44 @@ class ChainCheck:
     records: int
     broken_at: int | None = None
     why: str = ""
+    # How the head was vouched for: "signed", "unsigned (no audit key)",
+    # "signed, not checked (no audit key here)" or "none" (no checkpoint yet).
+    checkpoints: str = "none"
+
+
+class Checkpoint(BaseModel):
+    """A stream's head at one block: what a later truncation would have to remove."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stream: str
+    block: int
+    seq: int
+    head: str
+    mac: str | None = None  # HMAC-SHA256 under the audit key
+    sha256: str | None = None  # without a key: a plain digest (catches loss, not forgery)
+
+    def payload(self) -> bytes:
+        return f"{self.stream}\n{self.block}\n{self.seq}\n{self.head}".encode()
+
+    @classmethod
+    def make(cls, stream: str, block: int, seq: int, head: str, key: bytes | None) -> Checkpoint:
+        draft = cls(stream=stream, block=block, seq=seq, head=head)
+        if key is None:
+            return draft.model_copy(update={"sha256": hashlib.sha256(draft.payload()).hexdigest()})
+        mac = hmac.new(key, draft.payload(), hashlib.sha256).hexdigest()
+        return draft.model_copy(update={"mac": mac})
+
+    def vouched(self, key: bytes | None) -> str | None:
+        """How this checkpoint is vouched for, or None if it does not check out."""
+        if self.mac is not None:
+            if key is None:
+                return "signed, not checked (no audit key here)"
+            good = hmac.new(key, self.payload(), hashlib.sha256).hexdigest()
+            return "signed" if hmac.compare_digest(good, self.mac) else None
+        if self.sha256 != hashlib.sha256(self.payload()).hexdigest():
+            return None
+        return "unsigned (no audit key)"
 
 
 def new_writer_id(now: datetime) -> str:
@@ -82,8 +146,19 @@ def new_writer_id(now: datetime) -> str:
 
 
 class ObjectAudit:
-    def __init__(self, store: ObjectStore, *, writer: str | None = None) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        writer: str | None = None,
+        key: str | None = None,
+        checkpoint_every: int = CHECKPOINT_EVERY,
+    ) -> None:
         self.store = store
+        self._key = key.encode() if key else None
+        self._checkpoint_every = max(1, checkpoint_every)
+        self._manifested = False
+        self._checkpointed = 0  # the last block a checkpoint vouches for
         # Without a given name the stream is named at the first append, from its ``at``:
         # the caller's clock, not this module's.
         self._stream = writer
@@ -147,6 +222,7 @@ class ObjectAudit:
             data = "\n".join(r.model_dump_json() for r in records).encode()
             key = keys.audit_record(self.stream, self._block + 1)
             try:
+                await self._manifest()
                 await self.store.put_if_absent(key, data)
             except ObjectExists as exc:
                 found = await self._adopt(key)
@@ -165,6 +241,31 @@ class ObjectAudit:
             for (_, future), record in zip(batch, records, strict=True):
                 if not future.done():
                     future.set_result(record)
+            if self._block - self._checkpointed >= self._checkpoint_every:
+                await self._checkpoint()
+
+    async def _manifest(self) -> None:
+        """Name the stream before its first block, so deleting it whole shows."""
+        if self._manifested:
+            return
+        with contextlib.suppress(ObjectExists):  # an earlier attempt of ours landed
+            await self.store.put_if_absent(manifest_key(self.stream), b"")
+        self._manifested = True
+
+    async def _checkpoint(self) -> None:
+        """Vouch for the head; records are already durable, so a failure only delays it."""
+        if self._block <= self._checkpointed:
+            return
+        mark = Checkpoint.make(self.stream, self._block, self._seq, self._prev, self._key)
+        try:
+            await self.store.put_if_absent(
+                checkpoint_key(self.stream, self._block), mark.model_dump_json().encode()
+            )
+        except ObjectExists:
+            pass  # our own earlier write whose answer was lost
+        except Exception:
+            return  # the next block tries again
+        self._checkpointed = self._block
 
     def _failed(
         self, batch: list[tuple[dict[str, Any], asyncio.Future[AuditRecord]]], exc: Exception
@@ -199,23 +300,64 @@ class ObjectAudit:
         if self._flusher is not None:
             with contextlib.suppress(Exception):
                 await self._flusher
+        if self._stream is not None:
+            await self._checkpoint()
 
-    async def streams(self) -> list[str]:
-        """Every writer's stream in the store."""
-        found: set[str] = set()
+    async def _keys(self, prefix: str) -> list[str]:
+        found: list[str] = []
         token: str | None = None
         while True:
-            page = await self.store.list(keys.AUDIT, start_after=token)
-            found.update(k.split("/")[1] for k in page.keys)
+            page = await self.store.list(prefix, start_after=token)
+            found += page.keys
             if page.next_token is None:
-                return sorted(found)
+                return found
             token = page.next_token
+
+    async def streams(self) -> list[str]:
+        """Every writer's stream in the store, and every one the manifest names."""
+        found = {k.split("/")[1] for k in await self._keys(keys.AUDIT)}
+        found.update(k.removeprefix(MANIFEST) for k in await self._keys(MANIFEST))
+        return sorted(found)
 
     async def verify(self, stream: str | None = None) -> ChainCheck:
         """Walk a stream (default: this writer's) and check every link."""
         if stream is None and self._stream is None:
             return ChainCheck(True, 0)  # nothing written yet
         stream = stream or self.stream
+        heads: dict[int, tuple[int, str]] = {}
+        check = await self._walk(stream, heads)
+        if not check.ok:
+            return check
+        return await self._against_checkpoints(stream, check, heads)
+
+    async def _against_checkpoints(
+        self, stream: str, check: ChainCheck, heads: dict[int, tuple[int, str]]
+    ) -> ChainCheck:
+        """A valid chain may still be cut short: hold it to the manifest and checkpoints."""
+        if not heads and manifest_key(stream) in await self._keys(manifest_key(stream)):
+            why = "truncated: the manifest names this stream, it has no block"
+            return ChainCheck(False, 0, 1, why)
+        vouched = "none"
+        for key in await self._keys(checkpoints_prefix(stream)):
+            try:
+                mark = Checkpoint.model_validate_json((await self.store.get(key)).data)
+            except ValidationError:
+                return ChainCheck(False, check.records, None, "a checkpoint is unreadable")
+            how = mark.vouched(self._key)
+            if how is None or mark.stream != stream or key != checkpoint_key(stream, mark.block):
+                why = "a checkpoint was forged or altered"
+                return ChainCheck(False, check.records, mark.seq, why)
+            if mark.block not in heads:
+                why = f"truncated: block {mark.block} is missing after a checkpoint"
+                return ChainCheck(False, check.records, mark.seq, why, how)
+            if heads[mark.block] != (mark.seq, mark.head):
+                why = "a checkpoint does not match the chain"
+                return ChainCheck(False, check.records, mark.seq, why, how)
+            vouched = how
+        return ChainCheck(True, check.records, checkpoints=vouched)
+
+    async def _walk(self, stream: str, heads: dict[int, tuple[int, str]]) -> ChainCheck:
+        """Check every link of ``stream``; ``heads`` gets each block's last (seq, hash)."""
         prev, expected, count = GENESIS, 1, 0
         token: str | None = None
         block_no = 0
@@ -237,6 +379,7 @@ class ObjectAudit:
                     if record.digest() != record.hash:
                         return ChainCheck(False, count, record.seq, "the record was altered")
                     prev, expected, count = record.hash, expected + 1, count + 1
+                heads[block_no] = (expected - 1, prev)
             if page.next_token is None:
                 return ChainCheck(True, count)
             token = page.next_token

@@ -54,6 +54,8 @@ def open_object_store(settings: Settings) -> ObjectStore:
 
 def open_index(settings: Settings) -> Index:
     url = settings.storage.index_url
+    if url.startswith("env:"):  # a URL with a password: resolved only where it is used
+        url = resolve_secret(url)
     if url.startswith(("redis://", "rediss://", "unix://")):
         from storage.redis_index import RedisIndex
 

@@ -135,12 +135,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from actors.config_ref import ConfigRef
     from serve_app import application
 
     settings = _settings()
     ray.init(address=args.address, namespace=settings.namespace)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(application(settings), name="torpor", route_prefix="/", blocking=True)
+    config = ConfigRef.of_loaded(settings)  # replicas read secrets themselves
+    serve.run(application(config), name="torpor", route_prefix="/", blocking=True)
     return 0
 
 
@@ -263,11 +265,12 @@ def cmd_deliveries(args: argparse.Namespace) -> int:
 def cmd_reconcile(args: argparse.Namespace) -> int:
     import ray
 
+    from actors.config_ref import ConfigRef
     from actors.reconciler import ensure_reconciler
 
     settings = _settings()
     ray.init(address=args.address or "auto", namespace=settings.namespace, log_to_driver=False)
-    handle = ensure_reconciler(settings, start=False)
+    handle = ensure_reconciler(ConfigRef.of_loaded(settings), start=False)
     _print(ray.get(handle.sweep_once.remote()))
     return 0
 

@@ -82,21 +82,25 @@ class AsyncClient:
     ) -> None:
         import ray
 
+        from actors.config_ref import ConfigRef
         from actors.ray_activator import RayActivator
         from actors.reconciler import ensure_reconciler
         from actors.wiring import open_services
         from torpor.service.batches import BatchService
         from torpor.service.sessions import SessionService
 
+        # Settings read here from the environment may hold inline secrets: the actors are
+        # then pointed at the file to read them themselves (actors/config_ref.py).
         self.settings = settings or Settings.from_env()
+        config = ConfigRef.of(settings) if settings else ConfigRef.of_loaded(self.settings)
         self.tenant = tenant
         if not ray.is_initialized():
             ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
         self._services = open_services(self.settings)
-        self._control = SessionService(self._services, RayActivator(self._services))
+        self._control = SessionService(self._services, RayActivator(self._services, config))
         self._batches = BatchService(self._control)
         if start_reconciler:
-            ensure_reconciler(self.settings)
+            ensure_reconciler(config)
 
     async def submit(
         self,

@@ -46,6 +46,9 @@ def problem_for(exc: BaseException) -> ProblemSpec:
         return ProblemSpec(503, exc.problem_type, exc.title, "try again shortly", retry_after)
     if exc.status >= 500:  # internal: say nothing about it
         return INTERNAL
+    if exc.status == 429 and exc.retry_after is not None:  # say when to come back
+        wait_s = max(1, math.ceil(exc.retry_after))
+        return ProblemSpec(429, exc.problem_type, exc.title, exc.problem_detail, wait_s)
     return ProblemSpec(exc.status, exc.problem_type, exc.title, exc.problem_detail)
 
 

@@ -135,7 +135,8 @@ class StorageSettings(_Section):
         "file://.torpor/objects", description="`s3://bucket/prefix` for clusters"
     )
     index_url: str = Field(
-        "sqlite://.torpor/index.db", description="`redis://host:6379/0` for clusters"
+        "sqlite://.torpor/index.db",
+        description="`redis://host:6379/0` for clusters; `env:NAME` when it holds a password",
     )
     s3: S3Settings = Field(default_factory=S3Settings, description="S3 client options")
     redis_prefix: str = Field("tp:", description="Redis key prefix (a `{tag}` on Redis Cluster)")
@@ -190,6 +191,17 @@ class SecuritySettings(_Section):
         default_factory=list, description="sign capability links; the first signs, all verify"
     )
     max_request_bytes: int = Field(1024 * 1024, description="larger API bodies are refused")
+    audit_key: SecretStr | None = Field(
+        None,
+        description="signs the audit log's checkpoints (HMAC-SHA256); without it they are unsigned",
+    )
+    max_streams_per_tenant: int = Field(
+        16, description="event streams (SSE) one tenant may hold open on one replica; then 429"
+    )
+    inline_secrets_in_ray: bool = Field(
+        False,
+        description="let inline secrets into Ray actor arguments (tests, demos: Ray stores them)",
+    )
 
 
 class RuntimeSettings(_Section):

@@ -22,6 +22,10 @@ class MemorySessionRegistry:
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]:
         return {sid: self._sessions[sid][1] for sid in session_ids if sid in self._sessions}
 
+    async def session_generation(self, session_id: str) -> int | None:
+        current = self._sessions.get(session_id)
+        return None if current is None else current[2]
+
     async def list_sessions(
         self, *, tenant: str, state: SessionState | None, cursor: str | None, limit: int
     ) -> SessionPage:

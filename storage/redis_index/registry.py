@@ -56,6 +56,12 @@ class RedisSessionRegistry(RedisConnection):
         }
 
     @translate
+    async def session_generation(self, session_id: str) -> int | None:
+        value = await self._redis.hget(self.keys.session_state, session_id)
+        generation = text(value).rpartition("|")[2] if value else ""
+        return int(generation) if generation.isdigit() else None
+
+    @translate
     async def list_sessions(
         self, *, tenant: str, state: SessionState | None, cursor: str | None, limit: int
     ) -> SessionPage:

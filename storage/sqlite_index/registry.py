@@ -36,6 +36,14 @@ class SqliteSessionRegistry(SqliteConnection):
 
         return await self._run(op, write=False)
 
+    async def session_generation(self, session_id: str) -> int | None:
+        def op(c: sqlite3.Connection) -> int | None:
+            query = "SELECT generation FROM sessions WHERE session_id = ?"
+            row = c.execute(query, (session_id,)).fetchone()
+            return None if row is None else int(row[0])
+
+        return await self._run(op, write=False)
+
     async def list_sessions(
         self, *, tenant: str, state: SessionState | None, cursor: str | None, limit: int
     ) -> SessionPage:

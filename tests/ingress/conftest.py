@@ -81,7 +81,7 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
             },
             "namespace": "in" + secrets.token_hex(4),
             "agents": agent_config(redis_url, prefix, placement="pooled"),
-            "security": {"capability_keys": [CAPABILITY_KEY]},
+            "security": {"capability_keys": [CAPABILITY_KEY], "inline_secrets_in_ray": True},
             "notifications": {"key": NOTIFY_KEY, "allow_private_callbacks": True},
             "public_url": f"http://127.0.0.1:{port}",
             "tenants": {"acme": {"api_keys": [acme_hash]}, "beta": {"api_keys": [beta_hash]}},

@@ -56,7 +56,7 @@ def ray_settings(s3_server: S3TestServer, redis_url: str, prefix: str, **approva
             },
             "namespace": "t" + secrets.token_hex(4),
             "agents": agent_config(redis_url, prefix, **approval),
-            "security": {"capability_keys": [CAPABILITY_KEY]},
+            "security": {"capability_keys": [CAPABILITY_KEY], "inline_secrets_in_ray": True},
             "lease": {"heartbeat_s": 0.5, "ttl_s": 2.0},
             "reconciler": {
                 "wake_grace_s": 2.0,

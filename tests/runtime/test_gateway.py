@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -86,4 +87,37 @@ async def test_outcomes_are_observed_and_audited(
         ]
         await env.services.audit.close()
         checks = await ObjectAudit(env.services.store).verify_all()
-        assert [c.records for c in checks.values()] == [3] and all(c.ok for c in checks.values())
+        assert [c.records for c in checks.values()] == [4] and all(c.ok for c in checks.values())
+
+
+async def test_rejected_requests_are_audited_by_digest_never_by_body(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    sources = {"oa": {**SOURCES["oa"], "max_body_bytes": 4096}}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
+        gateway = WebhookGateway(env.control)
+        now = env.clock.now()
+        secret_body = body("C" * 22, "e-secret-payload")
+        traced = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01", "Content-Type": JSON}
+        refusals = [
+            ("oa", secret_body, traced),  # unsigned: 401
+            ("nobody", secret_body, {"Content-Type": JSON}),  # unknown source
+            ("oa", b"x" * 5000, {"Content-Type": JSON}),  # too large: 413
+        ]
+        for source, raw, headers in refusals:
+            with pytest.raises(WebhookRejected):
+                await gateway.receive(source, raw, headers, now=now)
+        await env.services.audit.close()
+        blocks = (await env.services.store.list("audit/")).keys
+        stored = b"\n".join([(await env.services.store.get(k)).data for k in blocks])
+        assert b"e-secret-payload" not in stored and b"xxxxx" not in stored
+        records = [json.loads(line) for line in stored.decode().splitlines()]
+        assert [(r["source"], r["verdict"]) for r in records] == [
+            ("oa", "rejected:missing_signature"),
+            ("nobody", "rejected:unknown_source"),
+            ("oa", "rejected:body_too_large"),
+        ]
+        assert records[0]["body_sha256"] == hashlib.sha256(secret_body).hexdigest()
+        assert records[0]["trace_id"] == "ab" * 16
+        checks = await ObjectAudit(env.services.store).verify_all()
+        assert all(c.ok for c in checks.values())

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from storage import keys
-from storage.audit import ObjectAudit
+from storage.audit import Checkpoint, ObjectAudit, checkpoint_key
 from torpor.errors import ObjectExists, StorageUnavailable
 from torpor.ports import ObjectStore
 
@@ -136,3 +136,45 @@ async def test_the_stream_is_named_by_the_callers_clock(store: ObjectStore) -> N
     assert (await log.verify()).records == 0
     await log.append(**{**fields(0), "at": datetime(2031, 5, 4, 3, 2, 1, tzinfo=UTC)})
     assert log.stream.startswith("20310504T030201-")
+
+
+async def test_deleting_the_last_block_after_a_checkpoint_shows(store: ObjectStore) -> None:
+    log = ObjectAudit(store, writer="w7", key="k" * 32, checkpoint_every=1)
+    for i in range(3):
+        await log.append(**fields(i))
+    assert (await log.verify()).checkpoints == "signed"
+    await store.delete(keys.audit_record("w7", 3))
+    check = await log.verify()
+    assert not check.ok and "truncated" in check.why and "block 3" in check.why
+
+
+async def test_deleting_a_whole_stream_shows(store: ObjectStore) -> None:
+    log = ObjectAudit(store, writer="w8")
+    for i in range(3):
+        await log.append(**fields(i))
+    for key in (await store.list(keys.audit_prefix("w8"))).keys:
+        await store.delete(key)
+    checks = await ObjectAudit(store).verify_all()
+    assert "w8" in checks and not checks["w8"].ok and "truncated" in checks["w8"].why
+
+
+async def test_a_checkpoint_rewritten_without_the_key_is_refused(store: ObjectStore) -> None:
+    log = ObjectAudit(store, writer="w9", key="k" * 32, checkpoint_every=1)
+    for i in range(2):
+        await log.append(**fields(i))
+    await store.delete(keys.audit_record("w9", 2))
+    forged = Checkpoint.make("w9", 2, 1, "0" * 64, b"guess")
+    await store.delete(checkpoint_key("w9", 2))
+    await store.put(checkpoint_key("w9", 2), forged.model_dump_json().encode())
+    check = await log.verify()
+    assert not check.ok and "forged" in check.why
+
+
+async def test_without_a_key_checkpoints_say_they_are_unsigned(store: ObjectStore) -> None:
+    log = ObjectAudit(store, writer="w10")
+    await log.append(**fields(0))
+    await log.close()  # closing vouches for the head
+    check = await log.verify()
+    assert check.ok and check.checkpoints == "unsigned (no audit key)"
+    await store.delete(keys.audit_record("w10", 1))
+    assert not (await log.verify()).ok

@@ -302,6 +302,14 @@ class IndexContract:
 
     # -- session registry, integrity --
 
+    async def test_session_generation_is_the_last_recorded(self, index: Index) -> None:
+        assert await index.session_generation("s_none") is None
+        for generation in (3, 7, 5):  # an older generation never overwrites a newer one
+            await index.record_session(
+                tenant="acme", session_id="s_gen", state=SessionState.RUNNING, generation=generation
+            )
+        assert await index.session_generation("s_gen") == 7
+
     async def test_session_registry_lists_newest_first_by_state(self, index: Index) -> None:
         ids = [f"s_{i:04d}" for i in range(7)]
         for sid in ids:

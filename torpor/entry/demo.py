@@ -86,7 +86,7 @@ def build_settings(
         "storage": storage,
         "namespace": f"torpor-demo-{secrets.token_hex(3)}",
         "public_url": f"http://127.0.0.1:{port}",
-        "security": {"capability_keys": [secrets.token_hex(32)]},
+        "security": {"capability_keys": [secrets.token_hex(32)], "inline_secrets_in_ray": True},
         "notifications": {"key": secrets.token_hex(32), "allow_private_callbacks": True},
         "tenants": {TENANT: {"api_keys": [api_hash]}},
         "sources": {

@@ -237,6 +237,11 @@ class SessionRegistry(Protocol):
 
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]: ...
 
+    async def session_generation(self, session_id: str) -> int | None:
+        """The last recorded snapshot generation (None if unknown): one cheap index read
+        that tells an event stream whether the snapshot changed at all."""
+        ...
+
     async def list_sessions(
         self, *, tenant: str, state: SessionState | None, cursor: str | None, limit: int
     ) -> SessionPage: ...

@@ -122,6 +122,7 @@ class WebhookGateway:
             return await self._receive(source_name, body, headers, now)
         except WebhookRejected as exc:
             await self._handled(source_name, "rejected", exc.reason.value)
+            await self._audit_rejection(source_name, exc.reason, body, headers, now)
             raise
 
     async def _receive(
@@ -367,7 +368,31 @@ class WebhookGateway:
             return await self._capability(token, body, headers, now)
         except WebhookRejected as exc:
             await self._handled(CAPABILITY_SOURCE, "rejected", exc.reason.value)
+            if exc.reason is not RejectReason.TOKEN_USED:  # that one is on the record already
+                await self._audit_rejection(CAPABILITY_SOURCE, exc.reason, body, headers, now)
             raise
+
+    async def _audit_rejection(
+        self,
+        source: str,
+        reason: RejectReason,
+        body: bytes,
+        headers: Mapping[str, str],
+        now: datetime,
+    ) -> None:
+        """A refused request on the record: who, why and the body's digest, never the body
+        (nor a capability token). A failing audit store must not turn a 4xx into a 500: the
+        failure shows on the health route (``audit.healthy``) instead."""
+        try:
+            await self.audit.append(
+                verdict=f"rejected:{reason.value}",
+                at=now,
+                source=source[:128],  # the sender names it: bounded
+                body_sha256=hashlib.sha256(body).hexdigest(),
+                trace_id=_trace_id(headers),
+            )
+        except Exception:
+            log.warning("audit of a rejected %s request failed", source[:128], exc_info=True)
 
     async def _capability(
         self, token: str, body: bytes, headers: Mapping[str, str], now: datetime

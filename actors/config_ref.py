@@ -1,0 +1,110 @@
+"""How a Ray actor or Serve replica gets its settings without secrets in its arguments.
+
+Whatever is passed to ``.remote(...)`` or ``.bind(...)`` is pickled into Ray's control
+store and stays there. So actors are handed a :class:`ConfigRef`, not resolved
+:class:`Settings`: either the TOML path to read in their own process
+(``Settings.from_env``, with that process's environment), or the settings as data whose
+secrets are ``env:NAME`` references, resolved only where they are used. An inline
+secret, or a storage URL with a password in it, is refused here with a message that says
+how to write it instead; ``security.inline_secrets_in_ray`` lets tests and throwaway demos
+through (their secrets then persist in Ray's control store).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, SecretStr
+
+from torpor.errors import ConfigError
+from torpor.settings import Settings
+
+
+@dataclass(frozen=True)
+class ConfigRef:
+    """A TOML path to read (None: ``$TORPOR_CONFIG``), or settings data without secrets."""
+
+    config_path: str | None = None
+    data: dict[str, Any] | None = None
+
+    @classmethod
+    def from_file(cls, config_path: str | None) -> ConfigRef:
+        """The receiving process reads the file and its own environment itself."""
+        return cls(config_path=config_path)
+
+    @classmethod
+    def of(cls, settings: Settings | ConfigRef) -> ConfigRef:
+        """``settings`` as data; ConfigError if a secret would travel with it."""
+        if isinstance(settings, ConfigRef):
+            return settings
+        if not settings.security.inline_secrets_in_ray:
+            for where in inline_secrets(settings):
+                raise ConfigError(
+                    f"{where} holds a secret that Ray would store with the actor's arguments: "
+                    'write it as "env:NAME" (set NAME where the actors run) or load the '
+                    "settings from a file the actors read (serve_app:build_app config=...)"
+                )
+        return cls(data=_raw(settings))
+
+    @classmethod
+    def of_loaded(cls, settings: Settings, config_path: str | None = None) -> ConfigRef:
+        """For settings the caller read with ``Settings.from_env(config_path=...)``: as
+        data when nothing secret is inline (every receiver then sees the same settings),
+        else as the path, which each receiver reads with its own environment (so
+        ``TORPOR_*`` variables must be set where the actors run, not only here)."""
+        if inline_secrets(settings) and not settings.security.inline_secrets_in_ray:
+            return cls.from_file(config_path or os.environ.get("TORPOR_CONFIG"))
+        return cls.of(settings)
+
+    def load(self) -> Settings:
+        """The settings, built in the process that calls this (``env:`` left unresolved)."""
+        if self.data is None:
+            return Settings.from_env(config_path=self.config_path)
+        return Settings.build(self.data)
+
+
+def inline_secrets(settings: Settings) -> list[str]:
+    """Where ``settings`` holds a secret value itself: a SecretStr that is not ``env:``,
+    or a storage URL with a password."""
+    found = [where for where, raw in _secrets(settings, "") if not raw.startswith("env:")]
+    for name in ("index_url", "object_store_url"):
+        url = getattr(settings.storage, name)
+        if not url.startswith("env:") and urlsplit(url).password:
+            found.append(f"storage.{name}")
+    return found
+
+
+def _secrets(value: object, where: str) -> list[tuple[str, str]]:
+    if isinstance(value, SecretStr):
+        return [(where, value.get_secret_value())]
+    if isinstance(value, BaseModel):
+        return [
+            found
+            for name in type(value).model_fields
+            for found in _secrets(getattr(value, name), f"{where}.{name}".lstrip("."))
+        ]
+    if isinstance(value, dict):
+        return [f for k, v in value.items() for f in _secrets(v, f"{where}.{k}")]
+    if isinstance(value, list | tuple):
+        return [f for i, v in enumerate(value) for f in _secrets(v, f"{where}[{i}]")]
+    return []
+
+
+def _raw(value: Any) -> Any:
+    """A model dump that keeps secrets as written (``env:NAME``), not masked."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, BaseModel):
+        return {
+            name: _raw(getattr(value, name))
+            for name in type(value).model_fields
+            if name in value.model_fields_set or isinstance(getattr(value, name), BaseModel)
+        }
+    if isinstance(value, dict):
+        return {k: _raw(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_raw(v) for v in value]
+    return value
