@@ -89,6 +89,10 @@ class AgentConfig(_Section):
         Placement.DEDICATED, description="`dedicated` (one actor per session) or `pooled`"
     )
     max_tool_retries: int = Field(3, description="attempts of a failing sync tool call")
+    answer_sources: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="webhook sources that may answer each long-running tool's waits, by tool",
+    )
 
 
 class SourceConfig(_Section):

@@ -41,7 +41,13 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from torpor.errors import AmbiguousEvent, RejectReason, UnknownCorrelation, WebhookRejected
+from torpor.errors import (
+    AmbiguousEvent,
+    RejectReason,
+    SourceNotAllowed,
+    UnknownCorrelation,
+    WebhookRejected,
+)
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.ids import event_key
@@ -69,11 +75,17 @@ class Outcome(StrEnum):
     LATE = "late"  # 200: after the wait's deadline: observed, the session times out
     CLOSED = "closed"  # 200: the wait it answers is closed already: observed only
     AMBIGUOUS = "ambiguous"  # 409: could answer a re-planned request: recorded, not applied
+    UNEXPECTED = "unexpected"  # 403: the wait does not name this source: recorded, not applied
     UNKNOWN = "unknown"  # 404: no wait of this tenant matches
 
     @property
     def status(self) -> int:
-        return {Outcome.ACCEPTED: 202, Outcome.AMBIGUOUS: 409, Outcome.UNKNOWN: 404}.get(self, 200)
+        return {
+            Outcome.ACCEPTED: 202,
+            Outcome.AMBIGUOUS: 409,
+            Outcome.UNEXPECTED: 403,
+            Outcome.UNKNOWN: 404,
+        }.get(self, 200)
 
 
 @dataclass(frozen=True)
@@ -218,28 +230,34 @@ class WebhookGateway:
             return await records.lookup_business_key(tenant=tenant, business_key=event.business_key)
         return None
 
-    async def _classify(self, resolved: _Resolved, event: InboundEvent, now: datetime) -> Outcome:
+    async def _classify(
+        self, source_name: str, resolved: _Resolved, event: InboundEvent, now: datetime
+    ) -> Outcome:
         """What the event can do to its wait, as far as the edge can tell."""
         binding = resolved.binding
         if binding is None:
             return Outcome.UNKNOWN
+        # The index binds no sources, so the snapshot says who may answer (one read).
+        snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
+        wait = snapshot.wait_for(binding.correlation_id)
+        if wait is not None and source_name not in wait.allowed_sources:
+            # Knowing the correlation id or business key is not enough: only the sources
+            # the wait names may answer it (the gate observes anything else as UNEXPECTED).
+            return Outcome.UNEXPECTED
         if event.epoch is None and event.correlation_id is None and binding.epoch > 1:
             # Found by business key alone, and the session has waited before. If an earlier
             # wait used the same key (a re-plan), the key now names the new wait and a late
             # answer to the superseded request would be applied to it: only the sender can
-            # say which it answers. (One snapshot read, on this path only.)
-            snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
-            wait = snapshot.wait_for(binding.correlation_id)
+            # say which it answers.
             if wait is None:
                 return Outcome.CLOSED
             if wait.replanned:
                 return Outcome.AMBIGUOUS
         if event.epoch is not None and event.epoch != binding.epoch:
             return Outcome.STALE
-        if resolved.from_record:  # the index no longer binds it: closed, or index lost
-            snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
-            if snapshot.terminal or snapshot.wait_for(binding.correlation_id) is None:
-                return Outcome.CLOSED
+        # From the record alone, the index no longer binds it: closed, or the index lost.
+        if resolved.from_record and (snapshot.terminal or wait is None):
+            return Outcome.CLOSED
         if now > binding.deadline:
             return Outcome.LATE
         return Outcome.ACCEPTED
@@ -265,10 +283,11 @@ class WebhookGateway:
             "timestamp": verified.timestamp,
             "trace_id": trace,
         }
-        outcome = await self._classify(resolved, event, now)
+        outcome = await self._classify(source_name, resolved, event, now)
         binding = resolved.binding
-        if binding is None or outcome is Outcome.AMBIGUOUS:
-            # Unknown, another tenant's, or ambiguous: nothing stored, and on the record.
+        if binding is None or outcome in (Outcome.AMBIGUOUS, Outcome.UNEXPECTED):
+            # Unknown, another tenant's, ambiguous, or from a source the wait does not
+            # name: nothing stored, and on the record.
             sid = binding.session_id if binding else None
             await self.audit.append(verdict=outcome.value, session_id=sid, **audit)
             await self._handled(source_name, outcome.value)
@@ -342,6 +361,8 @@ class WebhookGateway:
         [one] = routed
         if one.outcome is Outcome.UNKNOWN:
             raise UnknownCorrelation("no open wait matches this event")
+        if one.outcome is Outcome.UNEXPECTED:
+            raise SourceNotAllowed("this source may not answer the wait the event names")
         if one.outcome is Outcome.AMBIGUOUS:
             raise AmbiguousEvent(
                 "this event names its request only by business key, and that request was"
