@@ -156,6 +156,10 @@ class WebhookGateway:
             source_name=source_name,
             now=now,
             max_body_bytes=source.max_body_bytes,
+            # Every scheme signs the body (Standard Webhooks also its id and timestamp),
+            # never the ce-* headers: binary mode would let an on-path party re-target a
+            # captured signed body (another ce-id, correlation id or type). Refused.
+            binary=False,
         )
         claims = replay_claims(source_name, source, verified)
         first = events[0]
@@ -197,7 +201,7 @@ class WebhookGateway:
                 )
             if any(r.replayed for r in routed):  # woken if need be; still a replay
                 raise WebhookRejected(RejectReason.REPLAYED)
-            result = await self._answer(routed, batch=len(events) > 1, tenant=source.tenant)
+            result = await self._answer(routed, batch=len(events) > 1, source=source)
             if result.status < 300:  # remembered last: only a request that did all of it
                 await self.replays.remember(claims)
             return result
@@ -342,7 +346,9 @@ class WebhookGateway:
         if event_key(source, event_id) not in snapshot.processed_events:
             await self._wake(session_id)
 
-    async def _answer(self, routed: list[Routed], *, batch: bool, tenant: str) -> HookResult:
+    async def _answer(
+        self, routed: list[Routed], *, batch: bool, source: SourceConfig
+    ) -> HookResult:
         body: dict[str, Any]
         if batch:
             body = {
@@ -371,13 +377,18 @@ class WebhookGateway:
             )
         body = {"event_id": one.event_id, "duplicate": one.duplicate, "outcome": one.outcome}
         if one.outcome is not Outcome.ACCEPTED and one.session_id:
-            body["session"] = await self.outcome(one.session_id, tenant)
+            body["session"] = await self.outcome(one.session_id, source)
         return HookResult(one.outcome.status, body)
 
-    async def outcome(self, session_id: str, tenant: str) -> dict[str, Any]:
-        """What a late or duplicate sender is told: the session's real outcome."""
-        snapshot = await self.sessions.get(session_id, tenant=tenant)
-        return {"state": snapshot.state.value, "result": snapshot.result}
+    async def outcome(self, session_id: str, source: SourceConfig) -> dict[str, Any]:
+        """What a late or duplicate sender is told: the session's state, and its result
+        only to a source configured to receive it (the result is the submitter's, and a
+        sender answering one wait need not learn it)."""
+        snapshot = await self.sessions.get(session_id, tenant=source.tenant)
+        told: dict[str, Any] = {"state": snapshot.state.value}
+        if source.receives_result:
+            told["result"] = snapshot.result
+        return told
 
     # -- capability callbacks --------------------------------------------------------
 
