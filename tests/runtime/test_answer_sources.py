@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from torpor.errors import RejectReason, SourceNotAllowed, WebhookRejected
 from torpor.lifecycle import SessionState
 from torpor.service.gateway import WebhookGateway
 from torpor.webhooks.signing import Scheme, sign
+
+MAPPING = {**SOURCES["oa"]["mapping"], "business_key_path": "businessKey"}  # type: ignore[dict-item]
 
 # Another sender of the same tenant, which the test tool does not name.
 WITH_ERP = {**SOURCES, "erp": {**SOURCES["oa"]}}
@@ -78,3 +81,26 @@ async def test_a_duplicate_answer_carries_the_result_only_where_configured(
         told = answer.body["session"]
         assert told["state"] == SessionState.COMPLETED.value
         assert ("result" in told) is receives_result
+
+
+async def test_a_github_delivery_must_name_the_correlation_id(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    github = {"tenant": "acme", "scheme": "github", "secrets": [SECRET], "mapping": MAPPING}
+    async with local_env(
+        tmp_path, redis_url, redis_prefix, extra={"sources": {"gh": github}}
+    ) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit()
+        wait = (await env.load(sid)).waits[0]
+        assert wait.business_key is not None
+        now = env.clock.now()
+        # Replayable forever (no timestamp), so the business key alone must not route it.
+        raw = json.dumps(
+            {"eventId": "e1", "eventType": "oa.approval.decided", "businessKey": wait.business_key}
+        ).encode()
+        headers = {**sign(Scheme.GITHUB, raw, SECRET, now=now), "Content-Type": JSON}
+        with pytest.raises(WebhookRejected) as refused:
+            await gateway.receive("gh", raw, headers, now=now)
+        assert refused.value.reason is RejectReason.MALFORMED_BODY
+        assert (await env.load(sid)).state is SessionState.SUSPENDED

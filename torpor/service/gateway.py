@@ -59,7 +59,7 @@ from torpor.webhooks.capability import open_token
 from torpor.webhooks.cloudevents import parse_http
 from torpor.webhooks.payloads import InboundEvent, loads_json
 from torpor.webhooks.rejections import ensure_body_size
-from torpor.webhooks.signing import Verified, verify
+from torpor.webhooks.signing import Scheme, Verified, verify
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,15 @@ class WebhookGateway:
             # captured signed body (another ce-id, correlation id or type). Refused.
             binary=False,
         )
+        if source.scheme is Scheme.GITHUB and any(e.correlation_id is None for e in events):
+            # GitHub signs no timestamp: a captured delivery verifies forever, and outlives
+            # its 24 h replay claim. Addressed by business key it would answer whichever
+            # later wait took the key; a correlation id names one wait only.
+            raise WebhookRejected(
+                RejectReason.MALFORMED_BODY,
+                "github-scheme deliveries must name the correlation id (business key alone"
+                " is not accepted)",
+            )
         claims = replay_claims(source_name, source, verified)
         first = events[0]
         owned = True  # whether the claims are this request's, to give back on failure
