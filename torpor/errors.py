@@ -443,6 +443,15 @@ class UnhandledToolError(AgentError):
     code = "unhandled_tool_error"
 
 
+class SourceNotAllowed(PermanentError):
+    """A signed webhook from a source the wait does not name as one that may answer it:
+    recorded, never applied (the wait's ``allowed_sources``, declared by its tool or its
+    agent's ``answer_sources``)."""
+
+    code = "source_not_allowed"
+    status, title, public = 403, "Source not allowed", True
+
+
 class AmbiguousEvent(PermanentError):
     """A webhook event addressed only by business key that could answer a request the
     session has since re-planned: it is recorded, never applied, and the sender is asked

@@ -5,7 +5,8 @@
    observation, never applied. This is what stops a late step-2 callback from rewriting
    a session that has moved on to step 4.
 2. delivery dedup — a (source, event id) already processed is dropped.
-3. admission — the wait may restrict event types and sources.
+3. admission — the wait names the sources that may answer it (none: torpor's own
+   events and its capability link only), and may restrict event types.
 4. SLA deadline — an event received after the wait's deadline does not resume it; the
    session times out instead.
 
@@ -62,15 +63,17 @@ def classify(
         return Decision(Verdict.OBSERVE, reason=ObservationReason.STALE)
     if event.key in processed:
         return Decision(Verdict.OBSERVE, wait, ObservationReason.DUPLICATE)
-    # Polls and dispatch failures are torpor's own; a capability token already names the
-    # one wait it may answer, so type and source filters add nothing for those.
-    internal = (
-        event.kind in (EventKind.POLL, EventKind.DISPATCH_FAILED)
-        or event.verified_by == "capability"
+    # Polls and dispatch failures are torpor's own, the driver's deliveries come through
+    # the control plane, and a capability token already names the one wait it may answer:
+    # type and source filters add nothing for those. Every other event must come from a
+    # source the wait names; a wait that names none is answered by those alone.
+    internal = event.kind in (EventKind.POLL, EventKind.DISPATCH_FAILED) or event.verified_by in (
+        "capability",
+        "client",
     )
     if not internal and (
         (wait.expected_types and event.type not in wait.expected_types)
-        or (wait.allowed_sources and event.source not in wait.allowed_sources)
+        or event.source not in wait.allowed_sources
     ):
         return Decision(Verdict.OBSERVE, wait, ObservationReason.UNEXPECTED)
     if event.received_at > wait.deadline:

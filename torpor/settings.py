@@ -45,6 +45,9 @@ from torpor.webhooks.signing import Scheme
 
 ENV_PREFIX = "TORPOR_"
 ENV_NESTING = "__"
+# Sources torpor's own inbox events carry (cancel, retry, dispatch failures; capability
+# callbacks): a configured webhook source may not take these names.
+RESERVED_SOURCE_NAMES = frozenset({"torpor", "capability"})
 
 
 def resolve_secret(value: SecretStr | str, environ: Mapping[str, str] | None = None) -> str:
@@ -89,6 +92,10 @@ class AgentConfig(_Section):
         Placement.DEDICATED, description="`dedicated` (one actor per session) or `pooled`"
     )
     max_tool_retries: int = Field(3, description="attempts of a failing sync tool call")
+    answer_sources: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="webhook sources that may answer each long-running tool's waits, by tool",
+    )
 
 
 class SourceConfig(_Section):
@@ -110,6 +117,9 @@ class SourceConfig(_Section):
         default_factory=list, description="origins allowed by the CloudEvents OPTIONS handshake"
     )
     allowed_rate: int | None = Field(None, description="`WebHook-Allowed-Rate` in the handshake")
+    receives_result: bool = Field(
+        False, description="late and duplicate answers carry the session's result, not only state"
+    )
 
     def secret_values(self) -> list[str]:
         return [resolve_secret(s) for s in self.secrets]
@@ -273,6 +283,16 @@ class Settings(BaseSettings):
     runtime: RuntimeSettings = Field(
         default_factory=RuntimeSettings, description="session core deadlines and retries"
     )
+
+    @field_validator("sources")
+    @classmethod
+    def _no_reserved_source_names(cls, value: dict[str, SourceConfig]) -> dict[str, SourceConfig]:
+        # Inbox event keys are source + event id: a source named like torpor's own events
+        # (cancel, dispatch failures) or capability callbacks would share their slots.
+        taken = sorted(set(value) & RESERVED_SOURCE_NAMES)
+        if taken:
+            raise ValueError(f"source name {taken[0]!r} is reserved for torpor's own events")
+        return value
 
     @classmethod
     def settings_customise_sources(

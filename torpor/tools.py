@@ -162,6 +162,10 @@ class LongRunningTool:
     spec: ToolSpec
     version: str = "1"
     timeout_s: float | None = None  # per hook call; None: the deployment's tool_timeout_s
+    # The webhook sources that may answer this tool's waits (``WaitPlan.allowed_sources``
+    # and the agent's ``answer_sources`` take precedence). None declared anywhere: only
+    # torpor's own events and the wait's capability link answer it.
+    answered_by: tuple[str, ...] = ()
     can_poll: ClassVar[bool] = False
     can_compensate: ClassVar[bool] = False
     checks_state: ClassVar[bool] = False

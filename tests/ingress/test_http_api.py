@@ -411,8 +411,10 @@ async def test_cloudevents_library_as_sender(
 
     structured = to_structured_event(event(cids[0]))
     assert (await post(dict(structured.headers), structured.body)).status_code == 202
-    binary = to_binary_event(event(cids[1]))
-    assert (await post(dict(binary.headers), binary.body)).status_code == 202
+    binary = to_binary_event(event(cids[1]))  # ce- headers are unsigned: refused (issue 10)
+    assert_problem(await post(dict(binary.headers), binary.body), 415)
+    structured = to_structured_event(event(cids[1]))
+    assert (await post(dict(structured.headers), structured.body)).status_code == 202
     batch_body = json.dumps(
         [
             {

@@ -104,6 +104,7 @@ class Approve(LongRunningTool):
     """A long-running tool with a guard; its ``current_state`` can be made to fail."""
 
     spec = ToolSpec(name="approve")
+    answered_by = ("oa",)
     checks_state = True
 
     def __init__(self, timeout_s: float | None = None, sla_s: float = 3600) -> None:

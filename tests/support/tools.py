@@ -118,6 +118,8 @@ class RequestApproval(LongRunningTool):
         description="Ask the OA system for a finance director's approval.",
         parameters={"type": "object", "properties": {"doc": {"type": "string"}}},
     )
+    # Every source the tests configure as the OA system, in any signing scheme.
+    answered_by = ("oa", "std", "ce", "gh", "stripe", "beta-erp")
     can_poll = True
     can_compensate = True
     checks_state = True

@@ -112,6 +112,17 @@ def test_an_event_from_a_source_the_wait_does_not_allow_is_unexpected() -> None:
     assert decision.reason is ObservationReason.UNEXPECTED
 
 
+def test_a_wait_that_names_no_source_is_answered_by_torpor_events_alone() -> None:
+    snap, wait = sleeping()
+    unnamed = wait.model_copy(update={"allowed_sources": []})
+    snap = snap.model_copy(update={"waits": [unnamed]})
+    decision = classify(snap, answer(unnamed), processed=set())
+    assert decision.verdict is Verdict.OBSERVE
+    assert decision.reason is ObservationReason.UNEXPECTED
+    link = answer(unnamed, source="capability", verified_by="capability")
+    assert classify(snap, link, processed=set()).verdict is Verdict.APPLY
+
+
 def test_polls_dispatch_failures_and_capability_calls_skip_the_type_and_source_filters() -> None:
     snap, wait = sleeping()
     for event in (

@@ -163,3 +163,11 @@ def test_plugins_load_by_import_path_with_clear_errors() -> None:
     )
     with pytest.raises(ConfigError):
         PluginResolver(broken).agent("x")
+
+
+@pytest.mark.parametrize("name", ["torpor", "capability"])
+def test_a_source_may_not_take_a_reserved_event_source_name(name: str) -> None:
+    source = {"tenant": "acme", "secrets": ["s" * 32]}
+    with pytest.raises(ConfigError, match="reserved") as refused:
+        Settings.build({"sources": {name: source}})
+    assert "\n" not in str(refused.value)

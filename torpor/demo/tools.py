@@ -148,6 +148,7 @@ class RequestApproval(LongRunningTool):
         parameters={"type": "object", "properties": {"doc_id": {"type": "string"}}},
     )
     version = "3"
+    answered_by = ("oa",)  # the OA system's webhooks; its capability links need no entry
     can_poll = True
     can_compensate = True
     checks_state = True

@@ -41,7 +41,13 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from torpor.errors import AmbiguousEvent, RejectReason, UnknownCorrelation, WebhookRejected
+from torpor.errors import (
+    AmbiguousEvent,
+    RejectReason,
+    SourceNotAllowed,
+    UnknownCorrelation,
+    WebhookRejected,
+)
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.ids import event_key
@@ -53,7 +59,7 @@ from torpor.webhooks.capability import open_token
 from torpor.webhooks.cloudevents import parse_http
 from torpor.webhooks.payloads import InboundEvent, loads_json
 from torpor.webhooks.rejections import ensure_body_size
-from torpor.webhooks.signing import Verified, verify
+from torpor.webhooks.signing import Scheme, Verified, verify
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +75,17 @@ class Outcome(StrEnum):
     LATE = "late"  # 200: after the wait's deadline: observed, the session times out
     CLOSED = "closed"  # 200: the wait it answers is closed already: observed only
     AMBIGUOUS = "ambiguous"  # 409: could answer a re-planned request: recorded, not applied
+    UNEXPECTED = "unexpected"  # 403: the wait does not name this source: recorded, not applied
     UNKNOWN = "unknown"  # 404: no wait of this tenant matches
 
     @property
     def status(self) -> int:
-        return {Outcome.ACCEPTED: 202, Outcome.AMBIGUOUS: 409, Outcome.UNKNOWN: 404}.get(self, 200)
+        return {
+            Outcome.ACCEPTED: 202,
+            Outcome.AMBIGUOUS: 409,
+            Outcome.UNEXPECTED: 403,
+            Outcome.UNKNOWN: 404,
+        }.get(self, 200)
 
 
 @dataclass(frozen=True)
@@ -145,7 +157,20 @@ class WebhookGateway:
             source_name=source_name,
             now=now,
             max_body_bytes=source.max_body_bytes,
+            # Every scheme signs the body (Standard Webhooks also its id and timestamp),
+            # never the ce-* headers: binary mode would let an on-path party re-target a
+            # captured signed body (another ce-id, correlation id or type). Refused.
+            binary=False,
         )
+        if source.scheme is Scheme.GITHUB and any(e.correlation_id is None for e in events):
+            # GitHub signs no timestamp: a captured delivery verifies forever, and outlives
+            # its 24 h replay claim. Addressed by business key it would answer whichever
+            # later wait took the key; a correlation id names one wait only.
+            raise WebhookRejected(
+                RejectReason.MALFORMED_BODY,
+                "github-scheme deliveries must name the correlation id (business key alone"
+                " is not accepted)",
+            )
         claims = replay_claims(source_name, source, verified)
         first = events[0]
         owned = True  # whether the claims are this request's, to give back on failure
@@ -186,7 +211,7 @@ class WebhookGateway:
                 )
             if any(r.replayed for r in routed):  # woken if need be; still a replay
                 raise WebhookRejected(RejectReason.REPLAYED)
-            result = await self._answer(routed, batch=len(events) > 1, tenant=source.tenant)
+            result = await self._answer(routed, batch=len(events) > 1, source=source)
             if result.status < 300:  # remembered last: only a request that did all of it
                 await self.replays.remember(claims)
             return result
@@ -219,28 +244,34 @@ class WebhookGateway:
             return await records.lookup_business_key(tenant=tenant, business_key=event.business_key)
         return None
 
-    async def _classify(self, resolved: _Resolved, event: InboundEvent, now: datetime) -> Outcome:
+    async def _classify(
+        self, source_name: str, resolved: _Resolved, event: InboundEvent, now: datetime
+    ) -> Outcome:
         """What the event can do to its wait, as far as the edge can tell."""
         binding = resolved.binding
         if binding is None:
             return Outcome.UNKNOWN
+        # The index binds no sources, so the snapshot says who may answer (one read).
+        snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
+        wait = snapshot.wait_for(binding.correlation_id)
+        if wait is not None and source_name not in wait.allowed_sources:
+            # Knowing the correlation id or business key is not enough: only the sources
+            # the wait names may answer it (the gate observes anything else as UNEXPECTED).
+            return Outcome.UNEXPECTED
         if event.epoch is None and event.correlation_id is None and binding.epoch > 1:
             # Found by business key alone, and the session has waited before. If an earlier
             # wait used the same key (a re-plan), the key now names the new wait and a late
             # answer to the superseded request would be applied to it: only the sender can
-            # say which it answers. (One snapshot read, on this path only.)
-            snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
-            wait = snapshot.wait_for(binding.correlation_id)
+            # say which it answers.
             if wait is None:
                 return Outcome.CLOSED
             if wait.replanned:
                 return Outcome.AMBIGUOUS
         if event.epoch is not None and event.epoch != binding.epoch:
             return Outcome.STALE
-        if resolved.from_record:  # the index no longer binds it: closed, or index lost
-            snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
-            if snapshot.terminal or snapshot.wait_for(binding.correlation_id) is None:
-                return Outcome.CLOSED
+        # From the record alone, the index no longer binds it: closed, or the index lost.
+        if resolved.from_record and (snapshot.terminal or wait is None):
+            return Outcome.CLOSED
         if now > binding.deadline:
             return Outcome.LATE
         return Outcome.ACCEPTED
@@ -266,10 +297,11 @@ class WebhookGateway:
             "timestamp": verified.timestamp,
             "trace_id": trace,
         }
-        outcome = await self._classify(resolved, event, now)
+        outcome = await self._classify(source_name, resolved, event, now)
         binding = resolved.binding
-        if binding is None or outcome is Outcome.AMBIGUOUS:
-            # Unknown, another tenant's, or ambiguous: nothing stored, and on the record.
+        if binding is None or outcome in (Outcome.AMBIGUOUS, Outcome.UNEXPECTED):
+            # Unknown, another tenant's, ambiguous, or from a source the wait does not
+            # name: nothing stored, and on the record.
             sid = binding.session_id if binding else None
             await self.audit.append(verdict=outcome.value, session_id=sid, **audit)
             await self._handled(source_name, outcome.value)
@@ -324,7 +356,9 @@ class WebhookGateway:
         if event_key(source, event_id) not in snapshot.processed_events:
             await self._wake(session_id)
 
-    async def _answer(self, routed: list[Routed], *, batch: bool, tenant: str) -> HookResult:
+    async def _answer(
+        self, routed: list[Routed], *, batch: bool, source: SourceConfig
+    ) -> HookResult:
         body: dict[str, Any]
         if batch:
             body = {
@@ -343,6 +377,8 @@ class WebhookGateway:
         [one] = routed
         if one.outcome is Outcome.UNKNOWN:
             raise UnknownCorrelation("no open wait matches this event")
+        if one.outcome is Outcome.UNEXPECTED:
+            raise SourceNotAllowed("this source may not answer the wait the event names")
         if one.outcome is Outcome.AMBIGUOUS:
             raise AmbiguousEvent(
                 "this event names its request only by business key, and that request was"
@@ -351,13 +387,18 @@ class WebhookGateway:
             )
         body = {"event_id": one.event_id, "duplicate": one.duplicate, "outcome": one.outcome}
         if one.outcome is not Outcome.ACCEPTED and one.session_id:
-            body["session"] = await self.outcome(one.session_id, tenant)
+            body["session"] = await self.outcome(one.session_id, source)
         return HookResult(one.outcome.status, body)
 
-    async def outcome(self, session_id: str, tenant: str) -> dict[str, Any]:
-        """What a late or duplicate sender is told: the session's real outcome."""
-        snapshot = await self.sessions.get(session_id, tenant=tenant)
-        return {"state": snapshot.state.value, "result": snapshot.result}
+    async def outcome(self, session_id: str, source: SourceConfig) -> dict[str, Any]:
+        """What a late or duplicate sender is told: the session's state, and its result
+        only to a source configured to receive it (the result is the submitter's, and a
+        sender answering one wait need not learn it)."""
+        snapshot = await self.sessions.get(session_id, tenant=source.tenant)
+        told: dict[str, Any] = {"state": snapshot.state.value}
+        if source.receives_result:
+            told["result"] = snapshot.result
+        return told
 
     # -- capability callbacks --------------------------------------------------------
 

@@ -76,7 +76,7 @@ class Suspender:
                 tool_name=tool.spec.name,
                 tool_call_id=call.id,
                 expected_types=plan.expected_types,
-                allowed_sources=plan.allowed_sources,
+                allowed_sources=self.answer_sources(tool, plan),
                 opened_at=now,
                 deadline=trunc_ms(now + timedelta(seconds=plan.sla_s)),
                 expected_duration_s=plan.expected_duration_s,
@@ -101,6 +101,14 @@ class Suspender:
         await work.commit()
         crash_point(CrashPoint.SUSPEND_COMMITTED)
         await self.complete_suspend()
+
+    def answer_sources(self, tool: LongRunningTool, plan: WaitPlan) -> list[str]:
+        """Who may answer the wait: the plan's sources, else the agent's configuration for
+        the tool, else the tool's ``answered_by``. Empty: torpor's own events only."""
+        if plan.allowed_sources:
+            return plan.allowed_sources
+        configured = self.loaded.config.answer_sources if self.loaded else {}
+        return list(configured.get(tool.spec.name) or tool.answered_by)
 
     async def complete_suspend(self) -> None:
         """Bind, then send: also what finishes a suspend that crashed after its commit."""

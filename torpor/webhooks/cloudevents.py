@@ -269,8 +269,12 @@ def parse_http(
     source_name: str,
     now: datetime,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    binary: bool = True,
 ) -> list[InboundEvent]:
-    """Parse a verified HTTP request into one or more events (a batch gives several)."""
+    """Parse a verified HTTP request into one or more events (a batch gives several).
+
+    ``binary=False`` refuses binary mode (415): its attributes travel in ``ce-*`` headers,
+    which a signature over the body alone does not cover."""
     if now.tzinfo is None or now.utcoffset() is None:
         raise ValueError("now must be a timezone-aware datetime")
     ensure_body_size(len(body), limit=max_body_bytes)
@@ -283,6 +287,12 @@ def parse_http(
     if media == BATCH_MEDIA_TYPE:
         return _from_batch(body, now)
     if any(name.startswith("ce-") for name in normalised):
+        if not binary:
+            raise WebhookRejected(
+                _R.UNSUPPORTED_MEDIA_TYPE,
+                "CloudEvents binary mode is not accepted: its ce- headers are not signed;"
+                " send structured mode (application/cloudevents+json)",
+            )
         return [_from_binary(body, normalised, now)]
     if _JSON_MEDIA_TYPE.fullmatch(media):
         if mapping is None:
