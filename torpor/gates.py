@@ -73,7 +73,7 @@ def classify(
     )
     if not internal and (
         (wait.expected_types and event.type not in wait.expected_types)
-        or event.source not in wait.allowed_sources
+        or (may_restrict(wait) and event.source not in wait.allowed_sources)
     ):
         return Decision(Verdict.OBSERVE, wait, ObservationReason.UNEXPECTED)
     if event.received_at > wait.deadline:
@@ -83,3 +83,9 @@ def classify(
 
 def expired_waits(snapshot: SessionSnapshot, *, now: datetime) -> list[Wait]:
     return [w for w in snapshot.waits if w.deadline <= now]
+
+
+def may_restrict(wait: Wait) -> bool:
+    """Whether the wait's source list is the whole answer to "who may answer": always for
+    waits opened since 0.2; for a 0.1 wait only when it named sources."""
+    return wait.sources_declared or bool(wait.allowed_sources)

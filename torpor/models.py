@@ -93,6 +93,11 @@ class Wait(_Model):
     tool_call_id: str
     expected_types: list[str] = Field(default_factory=list)
     allowed_sources: list[str] = Field(default_factory=list)
+    # True for every wait opened since 0.2: ``allowed_sources`` is then the whole list of
+    # who may answer (empty: torpor's own events and the capability link only). A wait
+    # stored by 0.1 lacks the field and keeps 0.1's rule (empty: any source of the tenant),
+    # so waits already open across the upgrade can still be answered.
+    sources_declared: bool = False
     opened_at: datetime
     deadline: datetime
     expected_duration_s: float

@@ -114,13 +114,28 @@ def test_an_event_from_a_source_the_wait_does_not_allow_is_unexpected() -> None:
 
 def test_a_wait_that_names_no_source_is_answered_by_torpor_events_alone() -> None:
     snap, wait = sleeping()
-    unnamed = wait.model_copy(update={"allowed_sources": []})
+    unnamed = wait.model_copy(update={"allowed_sources": [], "sources_declared": True})
     snap = snap.model_copy(update={"waits": [unnamed]})
     decision = classify(snap, answer(unnamed), processed=set())
     assert decision.verdict is Verdict.OBSERVE
     assert decision.reason is ObservationReason.UNEXPECTED
     link = answer(unnamed, source="capability", verified_by="capability")
     assert classify(snap, link, processed=set()).verdict is Verdict.APPLY
+
+
+def test_a_wait_stored_by_0_1_keeps_its_rule_across_the_upgrade() -> None:
+    # A 0.1 snapshot has no ``sources_declared``: an empty list meant "any source of the
+    # tenant" then, and a wait already open when torpor is upgraded must stay answerable.
+    snap, wait = sleeping()
+    stored = wait.model_dump(mode="json")
+    stored.pop("sources_declared", None)
+    stored["allowed_sources"] = []
+    legacy = Wait.model_validate(stored)
+    snap = snap.model_copy(update={"waits": [legacy]})
+    assert classify(snap, answer(legacy), processed=set()).verdict is Verdict.APPLY
+    named = legacy.model_copy(update={"allowed_sources": ["erp"]})
+    snap = snap.model_copy(update={"waits": [named]})
+    assert classify(snap, answer(named), processed=set()).verdict is Verdict.OBSERVE
 
 
 def test_polls_dispatch_failures_and_capability_calls_skip_the_type_and_source_filters() -> None:

@@ -50,6 +50,7 @@ from torpor.errors import (
 )
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
+from torpor.gates import may_restrict
 from torpor.ids import event_key
 from torpor.ports import WaitBinding
 from torpor.service.replay import ReplayClaims, ReplayGuard, replay_claims
@@ -254,7 +255,7 @@ class WebhookGateway:
         # The index binds no sources, so the snapshot says who may answer (one read).
         snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
         wait = snapshot.wait_for(binding.correlation_id)
-        if wait is not None and source_name not in wait.allowed_sources:
+        if wait is not None and may_restrict(wait) and source_name not in wait.allowed_sources:
             # Knowing the correlation id or business key is not enough: only the sources
             # the wait names may answer it (the gate observes anything else as UNEXPECTED).
             return Outcome.UNEXPECTED

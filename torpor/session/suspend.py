@@ -77,6 +77,7 @@ class Suspender:
                 tool_call_id=call.id,
                 expected_types=plan.expected_types,
                 allowed_sources=self.answer_sources(tool, plan),
+                sources_declared=True,
                 opened_at=now,
                 deadline=trunc_ms(now + timedelta(seconds=plan.sla_s)),
                 expected_duration_s=plan.expected_duration_s,
