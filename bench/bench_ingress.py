@@ -139,6 +139,8 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
         "namespace": "benchin",
         "public_url": f"http://127.0.0.1:{port}",
         "pool": {"size": 2},
+        # The trivial POST baseline is off by default (it is unauthenticated).
+        "security": {"benchmark_noop": True},
         "sources": {
             "bench": {
                 "tenant": "bench",

@@ -190,6 +190,10 @@ class SecuritySettings(_Section):
         default_factory=list, description="sign capability links; the first signs, all verify"
     )
     max_request_bytes: int = Field(1024 * 1024, description="larger API bodies are refused")
+    benchmark_noop: bool = Field(
+        False,
+        description="serve the unauthenticated `POST /v1/noop` benchmark baseline (404 when off)",
+    )
 
 
 class RuntimeSettings(_Section):
