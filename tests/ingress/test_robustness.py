@@ -3,6 +3,7 @@ refused before anything is claimed or stored, and capability tokens stay out of 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -110,7 +111,10 @@ async def test_a_malformed_last_event_id_is_400(
 ) -> None:
     sid = await submit(http, deployment, unique("PR"))
     headers: dict[str, str | bytes] = {**deployment.auth(), "Last-Event-ID": value}
-    response = await http.get(f"/v1/sessions/{sid}/events", headers=headers)
+    # Bounded: a value read as "no id" would open a stream that never ends (keep-alives).
+    response = await asyncio.wait_for(
+        http.get(f"/v1/sessions/{sid}/events", headers=headers), timeout=20
+    )
     assert_problem(response, 400)
 
 
