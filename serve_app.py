@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.config_ref import ConfigRef
 from actors.observer import RayObserver
@@ -42,9 +43,12 @@ from torpor.entry.http import (
     install_problem_handlers,
     json_body,
     parse_json_body,
+    parse_last_event_id,
     read_body,
+    redact_path,
     require_idempotency_key,
 )
+from torpor.errors import RejectReason, WebhookRejected
 from torpor.ids import digest
 from torpor.lifecycle import SessionState
 from torpor.problems import problem
@@ -55,7 +59,11 @@ from torpor.service.health import health_answer
 from torpor.service.sessions import SessionService
 from torpor.service.streams import SessionStreams
 from torpor.settings import Settings
+from torpor.webhooks.capability import open_token
 from torpor.webhooks.cloudevents import handshake
+
+# A capability answer is a small JSON decision; the token is checked before it is read.
+CAPABILITY_MAX_BYTES = 64 * 1024
 
 api = FastAPI(
     title="torpor",
@@ -97,7 +105,10 @@ class Ingress:
     @api.post("/v1/noop", status_code=202, tags=["ops"])
     async def noop(self, request: Request) -> dict[str, Any]:
         """A trivial webhook-shaped endpoint (it receives the body and ignores it): the
-        baseline the webhook benchmark compares against."""
+        baseline the webhook benchmark compares against. Unauthenticated, so it exists
+        only with ``security.benchmark_noop`` (404 otherwise)."""
+        if not self.settings.security.benchmark_noop:
+            raise StarletteHTTPException(404, "Not Found")
         await read_body(request, self.settings.security.max_request_bytes)
         return {}
 
@@ -203,7 +214,7 @@ class Ingress:
     ) -> StreamingResponse:
         tenant = self._tenant(authorization)
         await self.control.get(session_id, tenant=tenant)  # 404 before the stream opens
-        after = int(last_event_id) if last_event_id and last_event_id.isdigit() else 0
+        after = parse_last_event_id(last_event_id)
         return StreamingResponse(
             self.streams.open(session_id, tenant, after),  # 429 past the tenant's cap
             media_type="text/event-stream",
@@ -275,8 +286,10 @@ class Ingress:
         config = self.gateway.source(source)
         body = await read_body(request, config.max_body_bytes)
         await ensure_conditional_writes(self.services)
+        # request.headers, not a dict of it: its items() keeps every duplicate, so the
+        # verifier can refuse two conflicting signature headers instead of seeing one.
         result = await self.gateway.receive(
-            source, body, dict(request.headers), now=self.services.clock.now()
+            source, body, request.headers, now=self.services.clock.now()
         )
         return JSONResponse(result.body, status_code=result.status)
 
@@ -286,7 +299,7 @@ class Ingress:
         config = self.settings.sources.get(source)
         headers = (
             handshake(
-                dict(request.headers),
+                request.headers,
                 allowed_origins=config.allowed_origins,
                 allowed_rate=config.allowed_rate,
             )
@@ -296,7 +309,7 @@ class Ingress:
         if headers is None:
             spec = problem(405, "origin_not_allowed", "Origin not allowed to send here")
             return JSONResponse(
-                spec.body(request.url.path),
+                spec.body(redact_path(request.url.path)),
                 status_code=405,
                 media_type=PROBLEM,
                 headers={"Allow": "POST"},
@@ -305,11 +318,16 @@ class Ingress:
 
     @api.post("/v1/callbacks/{token}", tags=["webhooks"], openapi_extra=json_body())
     async def capability_callback(self, token: str, request: Request) -> JSONResponse:
-        body = await read_body(request, self.settings.security.max_request_bytes)
+        now = self.services.clock.now()
+        # The token (signature, expiry) before the body: an unauthenticated sender must
+        # not make the replica read and buffer anything. The gateway checks it again.
+        keys = self.settings.capability_key_bytes()
+        if not keys:
+            raise WebhookRejected(RejectReason.INVALID_TOKEN)
+        open_token(token, keys=keys, now=now)
+        body = await read_body(request, CAPABILITY_MAX_BYTES)
         await ensure_conditional_writes(self.services)
-        result = await self.gateway.capability(
-            token, body, dict(request.headers), now=self.services.clock.now()
-        )
+        result = await self.gateway.capability(token, body, request.headers, now=now)
         return JSONResponse(result.body, status_code=result.status)
 
     # -- outbound notifications ------------------------------------------------------

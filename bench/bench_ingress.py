@@ -137,7 +137,9 @@ async def child(proxy: str, duration_s: int, sessions: int) -> dict[str, Any]:
             "redis_prefix": prefix,
         },
         "namespace": "benchin",
-        "security": {"inline_secrets_in_ray": True},  # a benchmark: Ray may store them
+        # A benchmark: Ray may store its secrets. The trivial POST baseline is off by
+        # default (it is unauthenticated).
+        "security": {"inline_secrets_in_ray": True, "benchmark_noop": True},
         "public_url": f"http://127.0.0.1:{port}",
         "pool": {"size": 2},
         "sources": {

@@ -212,6 +212,10 @@ class SecuritySettings(_Section):
         False,
         description="let inline secrets into Ray actor arguments (tests, demos: Ray stores them)",
     )
+    benchmark_noop: bool = Field(
+        False,
+        description="serve the unauthenticated `POST /v1/noop` benchmark baseline (404 when off)",
+    )
 
 
 class RuntimeSettings(_Section):

@@ -7,7 +7,8 @@ only routes.
 
 # No ``from __future__ import annotations``: FastAPI reads annotations at run time.
 import logging
-from typing import Any
+import re
+from typing import Any, Final
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +21,24 @@ from torpor.problems import ProblemSpec, problem, problem_for
 
 log = logging.getLogger("torpor.ingress")
 PROBLEM = "application/problem+json"
+# A capability token is the whole credential and travels in the path: never log it.
+_CAPABILITY_PATH: Final = re.compile(r"(/v1/callbacks/)[^/]*")
+# Explicit [0-9]: str.isdigit() accepts "²", which int() then refuses.
+_EVENT_ID: Final = re.compile(r"[0-9]{1,18}")
+
+
+def redact_path(path: str) -> str:
+    """``path`` safe to log or echo: ``/v1/callbacks/<token>`` → ``/v1/callbacks/[redacted]``."""
+    return _CAPABILITY_PATH.sub(r"\1[redacted]", path)
+
+
+def parse_last_event_id(value: str | None) -> int:
+    """The history sequence a reconnecting SSE client names (0 if none); 400 if malformed."""
+    if value is None or value == "":
+        return 0
+    if not _EVENT_ID.fullmatch(value):
+        raise InvalidRequest("Last-Event-ID is 1-18 ASCII digits")
+    return int(value)
 
 
 def json_body(model: type[Any] | None = None) -> dict[str, Any]:
@@ -31,7 +50,10 @@ def json_body(model: type[Any] | None = None) -> dict[str, Any]:
 def problem_response(spec: ProblemSpec, request: Request) -> JSONResponse:
     headers = {"Retry-After": str(spec.retry_after)} if spec.retry_after else None
     return JSONResponse(
-        spec.body(request.url.path), status_code=spec.status, media_type=PROBLEM, headers=headers
+        spec.body(redact_path(request.url.path)),
+        status_code=spec.status,
+        media_type=PROBLEM,
+        headers=headers,
     )
 
 
@@ -57,7 +79,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s", request.url.path)
+    log.exception("unhandled error on %s", redact_path(request.url.path))
     return problem_response(problem(500, "internal", "Internal error"), request)
 
 
@@ -72,7 +94,12 @@ def install_problem_handlers(app: FastAPI) -> None:
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, refused as soon as it passes ``limit`` (413), declared or not."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if (
+        declared is not None
+        and declared.isascii()
+        and declared.isdigit()
+        and (len(declared) > 18 or int(declared) > limit)
+    ):
         raise WebhookRejected(RejectReason.BODY_TOO_LARGE)
     chunks: list[bytes] = []
     size = 0

@@ -21,6 +21,7 @@ from torpor.errors import RejectReason, WebhookRejected
 _MAX_JSON_DEPTH: Final = 64
 # Ids and attributes end up in storage keys and logs; nothing legitimate is this long.
 MAX_TEXT_CHARS: Final = 2048
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
 _RFC3339: Final = re.compile(
     r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})"
     r"(?:\.([0-9]{1,18}))?([Zz]|[+-][0-9]{2}:[0-9]{2})"
@@ -121,16 +122,28 @@ def _reject_constant(_: str) -> Any:
     raise ValueError("NaN and Infinity are not JSON")
 
 
-def _too_deep(value: Any) -> bool:
+def _has_surrogate(text: str) -> bool:
+    return _SURROGATE.search(text) is not None
+
+
+def _tree_problem(value: Any) -> str | None:
+    """Why a parsed document is refused (too deep, a lone surrogate), or None."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict | list):
+        if isinstance(item, str):
+            # ``"\ud800"`` is valid JSON but no Unicode text: it would pass here and fail
+            # later when hashed or stored, after the replay claim. Refuse it up front.
+            if _has_surrogate(item):
+                return "the JSON document holds a lone UTF-16 surrogate"
+        elif isinstance(item, dict | list):
             if depth > _MAX_JSON_DEPTH:
-                return True
+                return "the JSON document is nested too deeply"
+            if isinstance(item, dict):
+                stack.extend((key, depth) for key in item)
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children)
-    return False
+    return None
 
 
 def loads_json(raw: bytes) -> Any:
@@ -143,8 +156,9 @@ def loads_json(raw: bytes) -> Any:
         )
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise malformed() from None
-    if _too_deep(value):
-        raise malformed("the JSON document is nested too deeply")
+    why = _tree_problem(value)
+    if why is not None:
+        raise malformed(why)
     return value
 
 
