@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import eventually as shared_eventually
 from tests.runtime import memory_env
 from tests.runtime.memory_env import MemEnv, plan_agent, reset
 from tests.runtime.memory_env import memory_env as open_env
@@ -49,12 +50,9 @@ BLOCK = {"tests.runtime.memory_env:block": {}}
 SLOW_AGENT = {"factory": "tests.runtime.memory_env:SlowAgent", "max_tool_retries": 2}
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await check():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
+async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
+    """The shared helper with this module's bound (5 s) and a fast poll."""
+    await shared_eventually(check, timeout_s=5.0, interval_s=0.005)
 
 
 async def retry_due(env: MemEnv, sid: str, at: datetime) -> bool:

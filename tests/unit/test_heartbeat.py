@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 import pytest
 
 from storage.sqlite_index import SqliteIndex
+from tests.conftest import eventually
 from tests.support.factories import NOW
 from torpor.clock import ManualClock
 from torpor.errors import IndexUnavailable, LeaseLost
@@ -24,13 +25,9 @@ TTL = timedelta(seconds=45)
 NAME = "session:s_1"
 
 
-async def until(condition: Callable[[], bool], *, timeout_s: float = 5.0) -> None:
-    """Wait for ``condition`` to hold, failing after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.001)
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait for ``condition`` to hold, failing after 5 s (the shared helper, polled fast)."""
+    await eventually(condition, timeout_s=5.0, interval_s=0.001)
 
 
 def beats(lease: Lease) -> list[asyncio.Task[object]]:
