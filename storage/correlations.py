@@ -25,10 +25,12 @@ class ObjectCorrelations:
         # is safe; rewriting the same record after a crash is harmless.
         await self.store.put(keys.correlation(binding.correlation_id), data)
         if business_key:
-            await self.store.put(
-                keys.business_key(binding.tenant, business_key),
-                binding.correlation_id.encode(),
-            )
+            await self.record_business_key(binding, business_key=business_key)
+
+    async def record_business_key(self, binding: WaitBinding, *, business_key: str) -> None:
+        await self.store.put(
+            keys.business_key(binding.tenant, business_key), binding.correlation_id.encode()
+        )
 
     async def lookup(self, correlation_id: str) -> WaitBinding | None:
         try:

@@ -459,3 +459,13 @@ class AmbiguousEvent(PermanentError):
 
     code = "ambiguous_event"
     status, title, public = 409, "Ambiguous event", True
+
+
+class BusinessKeyInUse(PermanentError):
+    """A long-running tool asked to wait on a business key that another session's open
+    wait in the same tenant already holds: the call fails (the agent sees a tool error)
+    and the session does not suspend on it, so a business-key-only webhook can never be
+    routed to the wrong session."""
+
+    code = "business_key_in_use"
+    status, title, public = 409, "Business key in use", True

@@ -20,11 +20,20 @@ class MemoryWaits:
 
     async def bind_wait(
         self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
-    ) -> None:
+    ) -> bool:
         stored = binding.model_copy(update={"deadline": from_ms(to_ms(binding.deadline))})
         self._waits[binding.correlation_id] = (stored, to_ms(binding.deadline + grace))
-        if business_key:
-            self._business_keys[(binding.tenant, business_key)] = binding.correlation_id
+        if not business_key:
+            return True
+        held = self._live(
+            self._business_keys.get((binding.tenant, business_key)),
+            tenant=binding.tenant,
+            now=now,
+        )
+        if held is not None and held.session_id != binding.session_id:
+            return False  # another session's open wait keeps the key
+        self._business_keys[(binding.tenant, business_key)] = binding.correlation_id
+        return True
 
     def _live(self, cid: str | None, *, tenant: str, now: datetime) -> WaitBinding | None:
         found = self._waits.get(cid) if cid is not None else None

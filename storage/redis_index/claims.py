@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from storage.redis_index.connection import RedisConnection, ms, opt_text, translate
-from storage.redis_index.waits import live
+from storage.redis_index.waits import live, pointed
 from torpor.ports import Admission, IdempotencyRecord, IdempotencyStatus
 
 # All or none: a replay must not consume one claim of a pair and fail on the other.
@@ -56,6 +56,8 @@ class RedisClaims(RedisConnection):
         if not answers[1]:
             return Admission(False, None, at)
         found = opt_text(answers[2]) if len(answers) > 2 else None
+        if correlation_id is None:
+            found = pointed(found)
         if found is None:
             return Admission(True, None, at)
         if correlation_id is None:  # a business key gave us the correlation id: one hop more

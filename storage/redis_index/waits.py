@@ -18,19 +18,35 @@ from torpor.clock import to_ms
 from torpor.ports import WaitBinding
 
 # ARGV[6] is the time to live of the new entry: a bucket's TTL only ever grows.
+# The business-key pointer is "correlation id|session id|expiry ms", so the script can
+# tell, without another key, whether another session's unexpired wait holds the key: then
+# it keeps it (checked and written in one script, so two sessions binding at once cannot
+# both take it) and the script returns 0. A pointer written before it named its session
+# (a bare correlation id) is taken over, as it always was.
 _BIND = """
 local function extend(key, ttl)
   if redis.call('PTTL', key) < tonumber(ttl) then redis.call('PEXPIRE', key, ttl) end
 end
+local taken = false
+if KEYS[2] ~= '' then
+  local held = redis.call('HGET', KEYS[2], ARGV[3])
+  if held then
+    local cid, sid, exp = string.match(held, '^([^|]*)|([^|]*)|(%d+)$')
+    if cid and cid ~= ARGV[1] and sid ~= ARGV[8] and tonumber(exp) > tonumber(ARGV[7]) then
+      taken = true
+    end
+  end
+end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 extend(KEYS[1], ARGV[6])
-if KEYS[2] ~= '' then
-  redis.call('HSET', KEYS[2], ARGV[3], ARGV[1])
+if KEYS[2] ~= '' and not taken then
+  redis.call('HSET', KEYS[2], ARGV[3], ARGV[1] .. '|' .. ARGV[8] .. '|' .. ARGV[9])
   extend(KEYS[2], ARGV[6])
 end
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
 extend(KEYS[3], ARGV[6])
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[5])
+if taken then return 0 end
 return 1
 """
 
@@ -38,8 +54,11 @@ return 1
 # with the same business key may have taken it over.
 _UNBIND = """
 redis.call('HDEL', KEYS[1], ARGV[1])
-if KEYS[2] ~= '' and redis.call('HGET', KEYS[2], ARGV[2]) == ARGV[1] then
-  redis.call('HDEL', KEYS[2], ARGV[2])
+if KEYS[2] ~= '' then
+  local held = redis.call('HGET', KEYS[2], ARGV[2])
+  if held and (held == ARGV[1] or string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. '|') then
+    redis.call('HDEL', KEYS[2], ARGV[2])
+  end
 end
 redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
@@ -60,6 +79,11 @@ def _hour(deadline: datetime) -> int:
     return to_ms(deadline) // 3_600_000
 
 
+def pointed(raw: str | None) -> str | None:
+    """The correlation id a business-key pointer names (with or without its owner)."""
+    return raw.split("|", 1)[0] if raw else None
+
+
 def live(correlation_id: str, raw: str | None, *, tenant: str, now: datetime) -> WaitBinding | None:
     """The binding an encoded entry holds if it belongs to ``tenant`` and is unexpired."""
     stored = decode_binding(correlation_id, raw) if raw else None
@@ -75,12 +99,12 @@ class RedisWaits(RedisConnection):
     @translate
     async def bind_wait(
         self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
-    ) -> None:
+    ) -> bool:
         expires = to_ms(binding.deadline + grace)
         cid = binding.correlation_id
         bk_key, bk_field = self._bk(binding.tenant, business_key)
         hour = _hour(binding.deadline)
-        await self.script(_BIND)(
+        bound = await self.script(_BIND)(
             keys=[
                 self.keys.correlation(cid),
                 bk_key,
@@ -94,8 +118,12 @@ class RedisWaits(RedisConnection):
                 to_ms(binding.deadline),
                 hour,
                 max(1, expires - to_ms(now)),
+                to_ms(now),
+                binding.session_id,
+                expires,
             ],
         )
+        return bool(int(bound))
 
     async def _stored(self, correlation_id: str) -> StoredBinding | None:
         raw = opt_text(
@@ -115,7 +143,7 @@ class RedisWaits(RedisConnection):
         cid = correlation_id
         if cid is None and business_key is not None:
             key, field = self.keys.business_key(tenant, business_key)
-            cid = opt_text(await self._redis.hget(key, field))
+            cid = pointed(opt_text(await self._redis.hget(key, field)))
         if cid is None:
             return None
         raw = opt_text(await self._redis.hget(self.keys.correlation(cid), cid))

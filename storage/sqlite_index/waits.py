@@ -41,26 +41,40 @@ def lookup(
 class SqliteWaits(SqliteConnection):
     async def bind_wait(
         self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
-    ) -> None:
-        # Expiry is absolute (deadline + grace): ``now`` matters only to the Redis buckets.
+    ) -> bool:
+        # Expiry is absolute (deadline + grace); ``now`` decides whether a business key's
+        # holder is still open.
         expires = to_ms(binding.deadline + grace)
         encoded = encode_binding(binding, expires_ms=expires)
 
-        def op(c: sqlite3.Connection) -> None:
+        def op(c: sqlite3.Connection) -> bool:
             c.execute(
                 "INSERT INTO bindings VALUES (?,?,?,?,?) ON CONFLICT(correlation_id) DO UPDATE "
                 "SET tenant=excluded.tenant, encoded=excluded.encoded, "
                 "deadline_ms=excluded.deadline_ms, expires_ms=excluded.expires_ms",
                 (binding.correlation_id, binding.tenant, encoded, to_ms(binding.deadline), expires),
             )
-            if business_key:
-                c.execute(
-                    "INSERT INTO business_keys VALUES (?,?,?,?) ON CONFLICT(tenant, bk) DO UPDATE "
-                    "SET correlation_id=excluded.correlation_id, expires_ms=excluded.expires_ms",
-                    (binding.tenant, digest(business_key), binding.correlation_id, expires),
-                )
+            if not business_key:
+                return True
+            # Checked and written in one write transaction: two sessions binding the same
+            # key at once cannot both take it.
+            held = lookup(
+                c,
+                tenant=binding.tenant,
+                correlation_id=None,
+                business_key=business_key,
+                now_ms=to_ms(now),
+            )
+            if held is not None and held.session_id != binding.session_id:
+                return False  # another session's open wait keeps the key
+            c.execute(
+                "INSERT INTO business_keys VALUES (?,?,?,?) ON CONFLICT(tenant, bk) DO UPDATE "
+                "SET correlation_id=excluded.correlation_id, expires_ms=excluded.expires_ms",
+                (binding.tenant, digest(business_key), binding.correlation_id, expires),
+            )
+            return True
 
-        await self._run(op)
+        return await self._run(op)
 
     async def resolve(
         self,

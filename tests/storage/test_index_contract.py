@@ -93,6 +93,47 @@ class IndexContract:
         await index.unbind(tenant="acme", correlation_id=old.correlation_id, business_key="PO-1")
         assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") == new
 
+    async def test_a_business_key_held_by_another_sessions_wait_is_refused(
+        self, index: Index
+    ) -> None:
+        first, second = binding(session="s_1"), binding(session="s_2")
+        assert await index.bind_wait(first, business_key="PO-1", grace=GRACE, now=NOW)
+        assert not await index.bind_wait(second, business_key="PO-1", grace=GRACE, now=NOW)
+        # The first binder keeps the key; the loser is still answerable by correlation id.
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") == first
+        assert (
+            await index.resolve(now=NOW, tenant="acme", correlation_id=second.correlation_id)
+            == second
+        )
+        # Unbinding the loser leaves the holder's key alone.
+        await index.unbind(tenant="acme", correlation_id=second.correlation_id, business_key="PO-1")
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") == first
+
+    async def test_the_same_session_takes_its_business_key_over(self, index: Index) -> None:
+        old, new = binding(session="s_1"), binding(session="s_1")
+        assert await index.bind_wait(old, business_key="PO-1", grace=GRACE, now=NOW)
+        assert await index.bind_wait(new, business_key="PO-1", grace=GRACE, now=NOW)
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") == new
+
+    async def test_a_business_key_is_free_again_once_its_holder_expired_or_left(
+        self, index: Index
+    ) -> None:
+        expired, left = binding(session="s_1", deadline_in=10), binding(session="s_2")
+        await index.bind_wait(expired, business_key="PO-1", grace=GRACE, now=NOW)
+        later = NOW + GRACE + timedelta(seconds=11)
+        taker = binding(session="s_3", deadline_in=GRACE.total_seconds() + 3600)
+        assert await index.bind_wait(taker, business_key="PO-1", grace=GRACE, now=later)
+        assert await index.resolve(now=later, tenant="acme", business_key="PO-1") == taker
+        await index.bind_wait(left, business_key="PO-2", grace=GRACE, now=NOW)
+        await index.unbind(tenant="acme", correlation_id=left.correlation_id, business_key="PO-2")
+        other = binding(session="s_4")
+        assert await index.bind_wait(other, business_key="PO-2", grace=GRACE, now=NOW)
+
+    async def test_a_business_key_is_per_tenant(self, index: Index) -> None:
+        assert await index.bind_wait(binding(), business_key="PO-1", grace=GRACE, now=NOW)
+        theirs = binding("other", session="s_2")
+        assert await index.bind_wait(theirs, business_key="PO-1", grace=GRACE, now=NOW)
+
     async def test_unbind_by_other_tenant_changes_nothing(self, index: Index) -> None:
         b = binding()
         await index.bind_wait(b, business_key="PO-1", grace=GRACE, now=NOW)
@@ -498,7 +539,7 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
     def index(self, redis_index: RedisIndex) -> Index:
         return redis_index
 
-    @pytest.mark.parametrize("op", ["nonce", "lease", "idempotency"])
+    @pytest.mark.parametrize("op", ["nonce", "lease", "idempotency", "business_key"])
     def test_races_have_exactly_one_winner(
         self, op: str, redis_url: str, redis_prefix: str
     ) -> None:
@@ -528,7 +569,7 @@ class TestSqliteIndex(IndexContract, CallerClockLeases):
     def index(self, sqlite_index: SqliteIndex) -> Index:
         return sqlite_index
 
-    @pytest.mark.parametrize("op", ["nonce", "lease", "idempotency"])
+    @pytest.mark.parametrize("op", ["nonce", "lease", "idempotency", "business_key"])
     def test_races_have_exactly_one_winner(self, op: str, tmp_path: Path) -> None:
         winners = race(("sqlite", {"path": str(tmp_path / "race.db")}), op, workers=6, rounds=20)
         assert all(len(w) == 1 for w in winners.values()), winners

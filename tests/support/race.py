@@ -72,6 +72,24 @@ async def _attempt(target: Any, op: str, round_no: int, worker: int, etag: str |
                 now=datetime.now(UTC),
             )
             return bool(record.created)
+        elif op == "business_key":
+            from torpor.ids import new_correlation_id
+            from torpor.ports import WaitBinding
+
+            now = datetime.now(UTC)
+            binding = WaitBinding(
+                tenant="t",
+                correlation_id=new_correlation_id(),
+                session_id=f"s{worker}",
+                epoch=1,
+                step_id="1",
+                deadline=now + timedelta(hours=1),
+            )
+            return bool(
+                await target.bind_wait(
+                    binding, business_key=key, grace=timedelta(minutes=5), now=now
+                )
+            )
         else:
             raise ValueError(op)
     except PreconditionFailed:

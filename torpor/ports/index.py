@@ -84,9 +84,14 @@ class WaitIndex(Protocol):
 
     async def bind_wait(
         self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
-    ) -> None:
+    ) -> bool:
         """Atomically: correlation id → binding, business key → correlation id, deadline
-        into the SLA set. Entries expire at deadline + grace."""
+        into the SLA set. Entries expire at deadline + grace.
+
+        The business key is taken only if no other session's wait holds it unexpired at
+        ``now`` (the same session may take it over: a re-plan opens a new epoch of its own
+        wait). False: another session holds it and keeps it; the wait is bound by its
+        correlation id all the same."""
         ...
 
     async def resolve(
@@ -98,7 +103,8 @@ class WaitIndex(Protocol):
         business_key: str | None = None,
     ) -> WaitBinding | None:
         """Find a wait bound and unexpired at ``now`` by correlation id or business key,
-        only within ``tenant``."""
+        only within ``tenant``. By business key it is also the lookup of the key's owner
+        (the binding names its session)."""
         ...
 
     async def unbind(self, *, tenant: str, correlation_id: str, business_key: str | None) -> None:

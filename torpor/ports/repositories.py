@@ -76,6 +76,10 @@ class CorrelationRepository(Protocol):
 
     async def record(self, binding: WaitBinding, *, business_key: str | None) -> None: ...
 
+    async def record_business_key(self, binding: WaitBinding, *, business_key: str) -> None:
+        """Point ``business_key`` at the binding's wait (after the index gave it the key)."""
+        ...
+
     async def lookup(self, correlation_id: str) -> WaitBinding | None: ...
 
     async def lookup_business_key(

@@ -107,8 +107,14 @@ class IndexRepair:
             ):
                 continue
             binding = binding_of(snapshot, wait)
-            await self.services.correlations.record(binding, business_key=wait.business_key)
-            await index.bind_wait(binding, business_key=wait.business_key, grace=grace, now=now)
+            await self.services.correlations.record(binding, business_key=None)
+            took_key = await index.bind_wait(
+                binding, business_key=wait.business_key, grace=grace, now=now
+            )
+            if wait.business_key is not None and took_key:  # as the suspend did
+                await self.services.correlations.record_business_key(
+                    binding, business_key=wait.business_key
+                )
             if self.poll_tool(snapshot, wait.tool_name) is not None:
                 await index.schedule(
                     kind=TimerKind.POLL,

@@ -8,12 +8,14 @@ its wait; on finish the waits are unbound after the commit that closed them.
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 from pydantic import JsonValue
 
 from torpor import outbox
 from torpor.clock import trunc_ms
+from torpor.errors import BusinessKeyInUse, SessionNotFound
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.ids import new_correlation_id, new_wait_id
@@ -21,6 +23,7 @@ from torpor.lifecycle import SessionState
 from torpor.models import (
     DispatchStatus,
     ErrorInfo,
+    Message,
     OutboxEntry,
     OutboxKind,
     SessionSnapshot,
@@ -29,8 +32,10 @@ from torpor.models import (
 )
 from torpor.plugins import LoadedAgent
 from torpor.ports import TimerKind, WaitBinding
-from torpor.session.working import WorkingCopy
+from torpor.session.working import WorkingCopy, error_result, message_content
 from torpor.tools import LongRunningTool, WaitPlan
+
+log = logging.getLogger(__name__)
 
 
 def binding_of(snapshot: SessionSnapshot, wait: Wait) -> WaitBinding:
@@ -63,6 +68,10 @@ class Suspender:
     async def suspend(self, plans: list[tuple[ToolCall, LongRunningTool, WaitPlan]]) -> None:
         """One commit: SUSPENDED + the waits + their outbox entries. Then bind, then send."""
         work = self.work
+        plans = await self.refuse_taken_keys(plans)
+        if not plans:
+            await work.commit()  # the refusals are the calls' answers: the agent goes on
+            return
         now = work.now
         epoch = work.snap.epoch + 1  # RUNNING → SUSPENDED opens a wait: the epoch moves on
         waits = [
@@ -103,6 +112,60 @@ class Suspender:
         crash_point(CrashPoint.SUSPEND_COMMITTED)
         await self.complete_suspend()
 
+    async def refuse_taken_keys(
+        self, plans: list[tuple[ToolCall, LongRunningTool, WaitPlan]]
+    ) -> list[tuple[ToolCall, LongRunningTool, WaitPlan]]:
+        """Fail each call whose business key another session's open wait in the tenant
+        holds (a business-key-only webhook could not tell the two apart); keep the rest.
+        The refusal is the call's tool message, committed with whatever the turn does
+        next. A key this session holds itself is a re-plan: a new epoch of its own wait."""
+        work = self.work
+        kept: list[tuple[ToolCall, LongRunningTool, WaitPlan]] = []
+        for call, tool, plan in plans:
+            holder = await self.key_holder(plan.business_key)
+            if holder is None:
+                kept.append((call, tool, plan))
+                continue
+            error = BusinessKeyInUse(
+                f"business key {plan.business_key!r} is held by an open wait of another "
+                "session in this tenant"
+            )
+            work.update(
+                messages=[
+                    *work.snap.messages,
+                    Message(
+                        role="tool",
+                        tool_call_id=call.id,
+                        content=message_content(error_result(error)),
+                    ),
+                ]
+            )
+        return kept
+
+    async def key_holder(self, business_key: str | None) -> str | None:
+        """The other session whose open wait holds ``business_key``, if any."""
+        snap = self.work.snap
+        if business_key is None:
+            return None
+        found = await self.deps.index.resolve(
+            tenant=snap.tenant, now=self.work.now, business_key=business_key
+        )
+        if found is None or found.session_id == snap.session_id:
+            return None
+        # The index may keep a pointer its session never removed (it died between the
+        # commit that closed the wait and the unbind): the holder's snapshot decides, and
+        # a pointer to a closed wait is dropped rather than refusing a valid call.
+        try:
+            holder = await self.deps.snapshots.load(found.session_id)
+        except SessionNotFound:
+            holder = None
+        if holder is None or holder.wait_for(found.correlation_id) is None:
+            await self.deps.index.unbind(
+                tenant=snap.tenant, correlation_id=found.correlation_id, business_key=business_key
+            )
+            return None
+        return found.session_id
+
     def answer_sources(self, tool: LongRunningTool, plan: WaitPlan) -> list[str]:
         """Who may answer the wait: the plan's sources, else the agent's configuration for
         the tool, else the tool's ``answered_by``. Empty: torpor's own events only."""
@@ -131,10 +194,24 @@ class Suspender:
             if wait.correlation_id not in pending_starts:
                 continue
             binding = binding_of(snap, wait)
-            await self.deps.correlations.record(binding, business_key=wait.business_key)
-            await self.deps.index.bind_wait(
+            await self.deps.correlations.record(binding, business_key=None)
+            took_key = await self.deps.index.bind_wait(
                 binding, business_key=wait.business_key, grace=grace, now=self.work.now
             )
+            if wait.business_key is not None and took_key:
+                # The durable pointer follows the index's decision, so a fallback lookup
+                # after a Redis miss routes where the index did.
+                await self.deps.correlations.record_business_key(
+                    binding, business_key=wait.business_key
+                )
+            elif wait.business_key is not None:
+                # Another session bound the same key between our check and our bind: it
+                # keeps the key, and this wait is answered by its correlation id only.
+                log.warning(
+                    "business key of wait %s is held by another session: it routes by "
+                    "correlation id only",
+                    wait.correlation_id,
+                )
             tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
             if isinstance(tool, LongRunningTool) and tool.can_poll:
                 await self.deps.index.schedule(
