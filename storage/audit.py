@@ -83,11 +83,16 @@ class AuditRecord(BaseModel):
     body_sha256: str
     signature: str | None = None
     timestamp: datetime | None = None
-    trace_id: str | None = None
+    trace_id: str | None = None  # the sender's (its ``traceparent``)
+    # The trace of the session the webhook was routed to: what links it to the reasoning
+    # it caused. Left out of the digest while unset, so records written before it existed
+    # still verify.
+    session_trace_id: str | None = None
     hash: str = ""
 
     def digest(self) -> str:
-        body = self.model_dump(mode="json", exclude={"hash"})
+        unset = {"session_trace_id"} if self.session_trace_id is None else set()
+        body = self.model_dump(mode="json", exclude={"hash", *unset})
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -187,6 +192,7 @@ class ObjectAudit:
         signature: str | None = None,
         timestamp: datetime | None = None,
         trace_id: str | None = None,
+        session_trace_id: str | None = None,
     ) -> AuditRecord:
         """Returns once the record is durably in the store (its block is written)."""
         fields = {
@@ -200,6 +206,7 @@ class ObjectAudit:
             "signature": signature,
             "timestamp": timestamp,
             "trace_id": trace_id,
+            "session_trace_id": session_trace_id,
         }
         if self._stream is None:
             self._stream = new_writer_id(at)

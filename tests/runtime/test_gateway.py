@@ -121,3 +121,31 @@ async def test_rejected_requests_are_audited_by_digest_never_by_body(
         assert records[0]["trace_id"] == "ab" * 16
         checks = await ObjectAudit(env.services.store).verify_all()
         assert all(c.ok for c in checks.values())
+
+
+async def test_the_audit_record_carries_the_sessions_trace_id(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit()
+        snap = await env.load(sid)
+        now = env.clock.now()
+        raw = body(snap.waits[0].correlation_id, "e1")
+        sender = "ab" * 16
+        headers = {
+            **sign(Scheme.TORPOR, raw, SECRET, now=now),
+            "Content-Type": JSON,
+            "traceparent": f"00-{sender}-{'cd' * 8}-01",
+        }
+        assert (await gateway.receive("oa", raw, headers, now=now)).status == 202
+        await env.services.audit.close()
+        [key] = (await env.services.store.list("audit/")).keys
+        [record] = [json.loads(x) for x in (await env.services.store.get(key)).data.splitlines()]
+        assert record["session_id"] == sid
+        # The webhook links to the reasoning it caused: the session's trace, beside the
+        # sender's own.
+        assert record["session_trace_id"] == snap.trace_id != sender
+        assert record["trace_id"] == sender
+        checks = await ObjectAudit(env.services.store).verify_all()
+        assert all(c.ok for c in checks.values())

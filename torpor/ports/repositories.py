@@ -147,8 +147,10 @@ class AuditRepository(Protocol):
         signature: str | None = None,
         timestamp: datetime | None = None,
         trace_id: str | None = None,
+        session_trace_id: str | None = None,
     ) -> object:
-        """Returns once the record is durable."""
+        """Returns once the record is durable. ``trace_id`` is the sender's,
+        ``session_trace_id`` the trace of the session the request was routed to."""
         ...
 
     async def close(self) -> None:

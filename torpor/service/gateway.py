@@ -52,6 +52,7 @@ from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.gates import may_restrict
 from torpor.ids import event_key
+from torpor.models import SessionSnapshot
 from torpor.ports import WaitBinding
 from torpor.service.replay import ReplayClaims, ReplayGuard, replay_claims
 from torpor.service.sessions import SessionService
@@ -247,13 +248,27 @@ class WebhookGateway:
 
     async def _classify(
         self, source_name: str, resolved: _Resolved, event: InboundEvent, now: datetime
-    ) -> Outcome:
-        """What the event can do to its wait, as far as the edge can tell."""
+    ) -> tuple[Outcome, str | None]:
+        """What the event can do to its wait, as far as the edge can tell, and the trace id
+        of the session it names (for the audit record: the webhook links to the reasoning
+        it caused)."""
         binding = resolved.binding
         if binding is None:
-            return Outcome.UNKNOWN
+            return Outcome.UNKNOWN, None
         # The index binds no sources, so the snapshot says who may answer (one read).
         snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
+        return self._verdict(source_name, resolved, event, now, snapshot), snapshot.trace_id
+
+    @staticmethod
+    def _verdict(
+        source_name: str,
+        resolved: _Resolved,
+        event: InboundEvent,
+        now: datetime,
+        snapshot: SessionSnapshot,
+    ) -> Outcome:
+        binding = resolved.binding
+        assert binding is not None
         wait = snapshot.wait_for(binding.correlation_id)
         if wait is not None and may_restrict(wait) and source_name not in wait.allowed_sources:
             # Knowing the correlation id or business key is not enough: only the sources
@@ -298,7 +313,7 @@ class WebhookGateway:
             "timestamp": verified.timestamp,
             "trace_id": trace,
         }
-        outcome = await self._classify(source_name, resolved, event, now)
+        outcome, audit["session_trace_id"] = await self._classify(source_name, resolved, event, now)
         binding = resolved.binding
         if binding is None or outcome in (Outcome.AMBIGUOUS, Outcome.UNEXPECTED):
             # Unknown, another tenant's, ambiguous, or from a source the wait does not
