@@ -44,6 +44,7 @@ from torpor.entry.http import (
     json_body,
     parse_json_body,
     parse_last_event_id,
+    read_audited_body,
     read_body,
     redact_path,
     require_idempotency_key,
@@ -54,7 +55,7 @@ from torpor.lifecycle import SessionState
 from torpor.problems import problem
 from torpor.service.batches import BatchService
 from torpor.service.deliveries import DeliveryWorker, secret_for, tenant_view
-from torpor.service.gateway import WebhookGateway
+from torpor.service.gateway import CAPABILITY_SOURCE, WebhookGateway
 from torpor.service.health import health_answer
 from torpor.service.sessions import SessionService
 from torpor.service.streams import SessionStreams
@@ -284,13 +285,14 @@ class Ingress:
     @api.post("/v1/hooks/{source}", tags=["webhooks"], openapi_extra=json_body())
     async def hook(self, source: str, request: Request) -> JSONResponse:
         config = self.gateway.source(source)
-        body = await read_body(request, config.max_body_bytes)
+        now = self.services.clock.now()
+        body = await read_audited_body(
+            request, config.max_body_bytes, gateway=self.gateway, source=source, now=now
+        )
         await ensure_conditional_writes(self.services)
         # request.headers, not a dict of it: its items() keeps every duplicate, so the
         # verifier can refuse two conflicting signature headers instead of seeing one.
-        result = await self.gateway.receive(
-            source, body, request.headers, now=self.services.clock.now()
-        )
+        result = await self.gateway.receive(source, body, request.headers, now=now)
         return JSONResponse(result.body, status_code=result.status)
 
     @api.options("/v1/hooks/{source}", tags=["webhooks"])
@@ -325,7 +327,9 @@ class Ingress:
         if not keys:
             raise WebhookRejected(RejectReason.INVALID_TOKEN)
         open_token(token, keys=keys, now=now)
-        body = await read_body(request, CAPABILITY_MAX_BYTES)
+        body = await read_audited_body(
+            request, CAPABILITY_MAX_BYTES, gateway=self.gateway, source=CAPABILITY_SOURCE, now=now
+        )
         await ensure_conditional_writes(self.services)
         result = await self.gateway.capability(token, body, request.headers, now=now)
         return JSONResponse(result.body, status_code=result.status)

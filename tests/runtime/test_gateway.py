@@ -8,9 +8,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from starlette.requests import Request
 
 from storage.audit import ObjectAudit
 from tests.support.harness import local_env
+from torpor.entry.http import read_audited_body
 from torpor.errors import UnknownCorrelation, WebhookRejected
 from torpor.lifecycle import SessionState
 from torpor.ports import Observer
@@ -149,3 +151,35 @@ async def test_the_audit_record_carries_the_sessions_trace_id(
         assert record["trace_id"] == sender
         checks = await ObjectAudit(env.services.store).verify_all()
         assert all(c.ok for c in checks.values())
+
+
+@pytest.mark.parametrize("declared", [False, True])
+async def test_a_body_refused_while_streamed_is_audited_without_a_digest(
+    tmp_path: Path, redis_url: str, redis_prefix: str, declared: bool
+) -> None:
+    sources = {"oa": {**SOURCES["oa"], "max_body_bytes": 4096}}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
+        observer = Handled()
+        env.services.observer = observer
+        gateway = WebhookGateway(env.control)
+        chunks = [b"x" * 3000, b"x" * 3000, b""]  # no Content-Length: refused mid-stream
+
+        async def receive() -> dict[str, object]:
+            chunk = chunks.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+        headers = [(b"content-type", b"application/json")]
+        if declared:
+            headers.append((b"content-length", b"6000"))
+        scope = {"type": "http", "method": "POST", "path": "/v1/hooks/oa", "headers": headers}
+        with pytest.raises(WebhookRejected) as refused:
+            await read_audited_body(
+                Request(scope, receive), 4096, gateway=gateway, source="oa", now=env.clock.now()
+            )
+        assert refused.value.status == 413
+        assert observer.seen == [("oa", "rejected", "body_too_large")]
+        await env.services.audit.close()
+        [key] = (await env.services.store.list("audit/")).keys
+        [record] = [json.loads(x) for x in (await env.services.store.get(key)).data.splitlines()]
+        assert (record["source"], record["verdict"]) == ("oa", "rejected:body_too_large")
+        assert record["body_sha256"] == ""  # never read in full: no digest

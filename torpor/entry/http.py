@@ -8,6 +8,7 @@ only routes.
 # No ``from __future__ import annotations``: FastAPI reads annotations at run time.
 import logging
 import re
+from datetime import datetime
 from typing import Any, Final
 
 from fastapi import FastAPI, Request
@@ -18,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from torpor.errors import InvalidRequest, RejectReason, TorporError, WebhookRejected
 from torpor.problems import ProblemSpec, problem, problem_for
+from torpor.service.gateway import WebhookGateway
 
 log = logging.getLogger("torpor.ingress")
 PROBLEM = "application/problem+json"
@@ -109,6 +111,19 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise WebhookRejected(RejectReason.BODY_TOO_LARGE)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_audited_body(
+    request: Request, limit: int, *, gateway: WebhookGateway, source: str, now: datetime
+) -> bytes:
+    """``read_body`` for the webhook routes: a body refused while it is read (413) is on
+    the audit record like every other rejection, by source and reason, without a body
+    digest (it was never read in full)."""
+    try:
+        return await read_body(request, limit)
+    except WebhookRejected as exc:
+        await gateway.refused_unread(source, exc.reason, request.headers, now=now)
+        raise
 
 
 def parse_json_body(raw: bytes, model: type[Any]) -> Any:

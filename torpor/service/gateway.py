@@ -429,23 +429,33 @@ class WebhookGateway:
                 await self._audit_rejection(CAPABILITY_SOURCE, exc.reason, body, headers, now)
             raise
 
+    async def refused_unread(
+        self, source: str, reason: RejectReason, headers: Mapping[str, str], *, now: datetime
+    ) -> None:
+        """A request the edge refused before it had read the whole body (too large while
+        streaming it): observed and audited like any rejection, with an empty body digest,
+        since the body was never read in full."""
+        await self._handled(source, "rejected", reason.value)
+        await self._audit_rejection(source, reason, None, headers, now)
+
     async def _audit_rejection(
         self,
         source: str,
         reason: RejectReason,
-        body: bytes,
+        body: bytes | None,
         headers: Mapping[str, str],
         now: datetime,
     ) -> None:
         """A refused request on the record: who, why and the body's digest, never the body
-        (nor a capability token). A failing audit store must not turn a 4xx into a 500: the
-        failure shows on the health route (``audit.healthy``) instead."""
+        (nor a capability token); no digest (empty) for a body that was not read in full.
+        A failing audit store must not turn a 4xx into a 500: the failure shows on the
+        health route (``audit.healthy``) instead."""
         try:
             await self.audit.append(
                 verdict=f"rejected:{reason.value}",
                 at=now,
                 source=source[:128],  # the sender names it: bounded
-                body_sha256=hashlib.sha256(body).hexdigest(),
+                body_sha256="" if body is None else hashlib.sha256(body).hexdigest(),
                 trace_id=_trace_id(headers),
             )
         except Exception:
