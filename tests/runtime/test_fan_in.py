@@ -308,3 +308,40 @@ async def test_answers_in_one_activation_resolve_the_group_once() -> None:
         # a's answer arrived but was never applied: a was still open when c met the
         # condition, so it is closed (and undone) like b
         assert sorted(a for a, _, _ in record.compensated) == ["quote:a", "quote:b"]
+
+
+async def test_closed_members_are_undone_when_the_group_resolves_not_when_the_session_runs() -> (
+    None
+):
+    """A resolved group whose session still waits on another call: the compensations go
+    out at once, not whenever the session next runs."""
+    plan = {
+        "steps": [
+            {
+                "id": "q",
+                "calls": [
+                    {
+                        "tool": "quotes",
+                        "args": {"vendors": VENDORS, "fan_in": {"condition": "any"}},
+                    },
+                    {"tool": "quote", "args": {"vendor": "z"}, "as": "z"},
+                ],
+            },
+            {"id": "done", "finish": {"q": "${results.q}", "z": "${results.z}"}},
+        ]
+    }
+    async with open_env({"t": plan_agent(plan, {QUOTES: {}, QUOTE: {}})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        assert len(snap.waits) == 4 and len(snap.fan_ins) == 1
+        await answer(env, sid, member(snap, "a"), 10)
+        mid = await env.load(sid)
+        assert mid.state is S.SUSPENDED and [w.request["vendor"] for w in mid.waits] == ["z"]
+        assert sorted(a for a, _, _ in record.compensated) == ["quote:b", "quote:c"]
+        assert [m.tool_call_id for m in mid.messages if m.role == "tool"] == ["call_q_1_0"]
+        await answer(env, sid, member(snap, "z"), 99)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED and done.result is not None
+        assert done.result["z"] == {"price": 99}  # type: ignore[index,call-overload]
+        assert len(record.compensated) == 2
