@@ -19,6 +19,7 @@ from torpor import guard
 from torpor.deadlines import call_out
 from torpor.errors import GuardUnavailable
 from torpor.events import EventKind, InboxEvent
+from torpor.faults import CrashPoint, crash_point
 from torpor.gates import Verdict, classify, expired_waits
 from torpor.lifecycle import SessionState
 from torpor.models import DriftPolicy, ErrorInfo, Message, Observation, ObservationReason, Wait
@@ -113,6 +114,7 @@ class Wake:
             work.move(SessionState.RUNNING)
             work.update(outbox=[*work.snap.outbox, *self.suspender.notifications("resumed")])
         await work.commit()
+        crash_point(CrashPoint.WAKE_COMMITTED)
         await self.suspender.unbind(self._closed)
         self._closed = []
         if work.snap.pending_outbox():
