@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from torpor.errors import ToolError
 from torpor.models import FanInSpec, Wait
 from torpor.tools import (
     DispatchRequest,
@@ -72,8 +73,16 @@ class Quotes(_Recording):
 
     spec = ToolSpec(name="quotes")
 
-    def __init__(self, sla: dict[str, float] | None = None) -> None:
+    def __init__(
+        self, sla: dict[str, float] | None = None, refuse: list[str] | None = None
+    ) -> None:
         self.sla = sla or {}
+        self.refuse = refuse or []  # vendors whose request is refused for good
+
+    async def dispatch(self, request: DispatchRequest) -> None:
+        if request.request["vendor"] in self.refuse:
+            raise ToolError("the vendor portal refused the request", retryable=False)
+        await super().dispatch(request)
 
     async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
         return WaitPlan(

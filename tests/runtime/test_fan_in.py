@@ -345,3 +345,28 @@ async def test_closed_members_are_undone_when_the_group_resolves_not_when_the_se
         assert done.state is S.COMPLETED and done.result is not None
         assert done.result["z"] == {"price": 99}  # type: ignore[index,call-overload]
         assert len(record.compensated) == 2
+
+
+async def test_a_member_whose_request_fails_counts_as_failed_not_as_an_answer() -> None:
+    agents = {
+        "any": tool_agent({"condition": "any"}, refuse=["b"]),
+        "all": tool_agent({"condition": "all"}, refuse=["b"]),
+    }
+    async with open_env(agents) as env:
+        record = fanin_tools.reset()
+        waiting = await env.submit("any")
+        snap = await env.load(waiting)
+        assert snap.state is S.SUSPENDED and len(snap.waits) == 2, "a and c may still answer"
+        [group] = snap.fan_ins
+        assert [m.status.value for m in group.members] == ["open", "failed", "open"]
+        await answer(env, waiting, member(snap, "c"), 30)
+        done = await env.load(waiting)
+        assert done.result is not None and list(done.result["failed"]) == ["b"]  # type: ignore[call-overload]
+        assert done.result["answers"] == {"c": {"price": 30}}  # type: ignore[index,call-overload]
+        # all: one refused member makes the condition unmeetable at once
+        record.compensated.clear()
+        failed = await env.load(await env.submit("all"))
+        assert failed.state is S.COMPLETED and failed.result is not None
+        assert failed.result["met"] is False  # type: ignore[index,call-overload]
+        assert failed.result["cancelled"] == ["a", "c"]  # type: ignore[index,call-overload]
+        assert sorted(a for a, _, _ in record.compensated) == ["quote:a", "quote:c"]
