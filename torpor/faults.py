@@ -32,6 +32,9 @@ class CrashPoint(StrEnum):
     START_SENT = "outbox.sent.start"  # a request went out; its status is not committed
     COMPENSATE_SENT = "outbox.sent.compensate"  # an undo went out (after a terminal commit)
     START_FAILED = "outbox.start_failed"  # a start settled FAILED; its wait not yet told
+    # answers applied (a fan-in group may have resolved) and committed; the closed waits
+    # are still bound and the compensations of the members it closed not yet sent
+    WAKE_COMMITTED = "wake.committed"
     # submit (the session service)
     SUBMIT_AFTER_CLAIM = "submit.after_claim"  # Idempotency-Key claimed; no snapshot yet
     SUBMIT_AFTER_CREATE = "submit.after_create"  # snapshot created; the key not finished

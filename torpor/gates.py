@@ -22,7 +22,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from torpor.events import EventKind, InboxEvent
-from torpor.models import ObservationReason, SessionSnapshot, Wait
+from torpor.models import MemberStatus, ObservationReason, SessionSnapshot, Wait
 
 
 class Verdict(StrEnum):
@@ -59,6 +59,9 @@ def classify(
         or (event.step_id is not None and event.step_id != wait.waiting_step_id)
         or wait.epoch != snapshot.epoch
     )
+    if wait is None and answered_member(snapshot, event.correlation_id):
+        # A fan-in member that already answered: its wait closed, its group is still open.
+        return Decision(Verdict.OBSERVE, reason=ObservationReason.DUPLICATE)
     if stale or wait is None:
         return Decision(Verdict.OBSERVE, reason=ObservationReason.STALE)
     if event.key in processed:
@@ -79,6 +82,15 @@ def classify(
     if event.received_at > wait.deadline:
         return Decision(Verdict.EXPIRED, wait)
     return Decision(Verdict.APPLY, wait)
+
+
+def answered_member(snapshot: SessionSnapshot, correlation_id: str | None) -> bool:
+    """Whether ``correlation_id`` is a member of an open fan-in group that has answered."""
+    return correlation_id is not None and any(
+        m.correlation_id == correlation_id and m.status is not MemberStatus.OPEN
+        for g in snapshot.fan_ins
+        for m in g.members
+    )
 
 
 def expired_waits(snapshot: SessionSnapshot, *, now: datetime) -> list[Wait]:

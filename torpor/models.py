@@ -108,6 +108,9 @@ class Wait(_Model):
     # An earlier wait of this session used the same business key (a re-plan): an answer
     # addressed by that key alone could be a late answer to the superseded request.
     replanned: bool = False
+    # The fan-in group this wait is a member of (``SessionSnapshot.fan_ins``); None: a
+    # single wait, answered and applied on its own as before fan-in existed.
+    group_id: str | None = None
 
     @field_validator("correlation_id")
     @classmethod
@@ -120,6 +123,68 @@ class Wait(_Model):
     def overdue_after(self) -> datetime:
         """When a missing callback becomes suspicious enough to poll (2× expected)."""
         return self.opened_at + timedelta(seconds=2 * self.expected_duration_s)
+
+
+# --- fan-in groups ------------------------------------------------------------------
+
+
+class FanInCondition(StrEnum):
+    """How many members of a fan-in group must answer before the session wakes."""
+
+    ALL = "all"
+    ANY = "any"
+    N_OF_M = "n_of_m"
+
+
+class ExpiryPolicy(StrEnum):
+    """What one member whose deadline passed does to its group."""
+
+    FAIL_ALL = "fail_all"  # the whole wait times out (the session ends TIMED_OUT)
+    PROCEED_WITH_ARRIVED = "proceed_with_arrived"  # the member counts as missing
+
+
+class FanInSpec(_Model):
+    """The condition of a fan-in group, as a tool or an agent's configuration asks for it."""
+
+    condition: FanInCondition = FanInCondition.ALL
+    n: int | None = Field(default=None, ge=1)  # only for ``n_of_m``
+    on_expiry: ExpiryPolicy = ExpiryPolicy.FAIL_ALL
+
+    @model_validator(mode="after")
+    def _n_for_quorum(self) -> FanInSpec:
+        if (self.condition is FanInCondition.N_OF_M) != (self.n is not None):
+            raise ValueError("n is given exactly when the condition is n_of_m")
+        return self
+
+
+class MemberStatus(StrEnum):
+    OPEN = "open"
+    ANSWERED = "answered"
+    FAILED = "failed"  # its request could not be sent: answered, but it does not count
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"  # closed because the group resolved without it
+
+
+class FanInMember(_Model):
+    wait_id: str
+    correlation_id: str
+    tool_call_id: str
+    label: str
+    status: MemberStatus = MemberStatus.OPEN
+    answer: JsonValue = None
+
+
+class FanIn(_Model):
+    """A set of member waits and the condition that wakes the session.
+
+    ``aggregate_call_id`` set: one tool planned every member and gets one aggregated
+    result for that call; None: each member is its own tool call (several long-running
+    calls in one agent turn) and gets its own tool result."""
+
+    group_id: str
+    spec: FanInSpec = Field(default_factory=FanInSpec)
+    aggregate_call_id: str | None = None
+    members: list[FanInMember]
 
 
 # --- outbox ------------------------------------------------------------------------
@@ -247,6 +312,7 @@ class SessionSnapshot(_Model):
     # business key → the last epoch whose wait used it (how a re-plan is recognised)
     business_keys: dict[str, int] = Field(default_factory=dict)
     lease_fence: int = 0
+    fan_ins: list[FanIn] = Field(default_factory=list)  # open fan-in groups
     created_at: datetime
     updated_at: datetime
 

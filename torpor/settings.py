@@ -39,6 +39,7 @@ from pydantic_settings import (
 from pydantic_settings.sources.utils import parse_env_vars
 
 from torpor.errors import ConfigError
+from torpor.models import FanInSpec
 from torpor.settings_compat import legacy_environment, upgrade_flat_keys
 from torpor.webhooks.payloads import PayloadMapping
 from torpor.webhooks.signing import Scheme
@@ -95,6 +96,11 @@ class AgentConfig(_Section):
     answer_sources: dict[str, list[str]] = Field(
         default_factory=dict,
         description="webhook sources that may answer each long-running tool's waits, by tool",
+    )
+    fan_in: FanInSpec = Field(
+        default_factory=FanInSpec,
+        description="several long-running calls in one turn: one fan-in group with this "
+        "condition (`all`, `any`, `n_of_m` with `n`) and expiry policy",
     )
 
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from torpor.deadlines import call_out
 from torpor.errors import ActionKeyIncomplete
-from torpor.models import DriftPolicy, GuardBaseline, Wait
+from torpor.models import DriftPolicy, FanInCondition, FanInSpec, GuardBaseline, Wait
 
 
 class ToolSpec(BaseModel):
@@ -68,8 +68,42 @@ class ToolContext:
 MISSING_MARKERS = frozenset({"", "none", "null", "undefined", "nan"})
 
 
+def _complete_action_key(value: str) -> str:
+    # The action key becomes the far side's idempotency key: one built from a missing
+    # value (``approve:None``) would make unrelated sessions collide on one action.
+    # A typed error, not a ValueError: it fails the tool call with its own code.
+    if any(part.strip().lower() in MISSING_MARKERS for part in value.split(":")):
+        raise ActionKeyIncomplete(
+            f"action key {value[:200]!r} has a missing segment", action_key=value[:200]
+        )
+    return value
+
+
+class MemberPlan(BaseModel):
+    """One member of a fan-in wait: its own request, action key and route; what it leaves
+    unset (sources, SLA, guard) it takes from the ``WaitPlan`` it belongs to."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: str = Field(min_length=1, max_length=200)  # names the member in the result
+    action_key: str
+    request: dict[str, JsonValue] = Field(default_factory=dict)
+    business_key: str | None = None
+    allowed_sources: list[str] = Field(default_factory=list)
+    sla_s: float | None = None
+    guard: GuardBaseline | None = None
+
+    @field_validator("action_key")
+    @classmethod
+    def _complete(cls, value: str) -> str:
+        return _complete_action_key(value)
+
+
 class WaitPlan(BaseModel):
-    """What a long-running tool wants to wait for; the runtime turns it into a Wait."""
+    """What a long-running tool wants to wait for; the runtime turns it into a Wait.
+
+    With ``members``, one wait per member (a fan-in group): the session wakes when
+    ``fan_in``'s condition is met, and the tool call gets one aggregated result."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -82,18 +116,29 @@ class WaitPlan(BaseModel):
     allowed_sources: list[str] = Field(default_factory=list)
     guard: GuardBaseline | None = None
     on_drift: DriftPolicy = DriftPolicy.REPLAN
+    members: list[MemberPlan] = Field(default_factory=list)
+    fan_in: FanInSpec | None = None  # with members; None: all of them, fail_all
 
     @field_validator("action_key")
     @classmethod
     def _complete(cls, value: str) -> str:
-        # The action key becomes the far side's idempotency key: one built from a missing
-        # value (``approve:None``) would make unrelated sessions collide on one action.
-        # A typed error, not a ValueError: it fails the tool call with its own code.
-        if any(part.strip().lower() in MISSING_MARKERS for part in value.split(":")):
-            raise ActionKeyIncomplete(
-                f"action key {value[:200]!r} has a missing segment", action_key=value[:200]
-            )
-        return value
+        return _complete_action_key(value)
+
+    @model_validator(mode="after")
+    def _members_fit(self) -> WaitPlan:
+        if self.fan_in is not None and not self.members:
+            raise ValueError("fan_in needs members")
+        labels = [m.label for m in self.members]
+        keys = [m.action_key for m in self.members]
+        # Each member's request goes out under its own key tenant:action_key:epoch: two
+        # members with one key would be deduplicated into one request by the far side.
+        if len(set(labels)) != len(labels) or len(set(keys)) != len(keys):
+            raise ValueError("fan-in members need distinct labels and distinct action keys")
+        spec = self.fan_in
+        quorum = spec.n if spec is not None and spec.condition is FanInCondition.N_OF_M else 0
+        if (quorum or 0) > len(self.members):
+            raise ValueError(f"a quorum of {quorum} needs at least {quorum} members")
+        return self
 
 
 @dataclass(frozen=True)

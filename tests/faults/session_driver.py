@@ -6,9 +6,10 @@ index, a local-folder object store under the test's tmp path, the test tools fro
 it across processes), runs one action through ``SessionService`` with the runtime inline,
 and exits 0. With ``TORPOR_CRASH_AT`` set it dies by SIGKILL at that point instead.
 
-SPEC is JSON: ``tmp``, ``redis_url``, ``prefix``, ``action`` ("submit" or "cancel"),
-``session_id`` (for "cancel"), and optionally ``approval`` (options of the approval tool)
-and ``extra`` (more settings).
+SPEC is JSON: ``tmp``, ``redis_url``, ``prefix``, ``action`` ("submit", "deliver" or
+"cancel"), ``session_id`` (for "cancel"), ``event`` (an ``InboxEvent`` as JSON, for
+"deliver"), and optionally ``approval`` (options of the approval tool) and ``extra``
+(more settings).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from actors.wiring import open_services, session_runtime
 from tests.support.harness import settings_for
+from torpor.events import InboxEvent
 from torpor.service.activator import InlineActivator
 from torpor.service.sessions import SessionService
 
@@ -43,6 +45,8 @@ async def run(spec: dict[str, Any]) -> None:
                 tenant="acme", agent="purchase", input={"doc": "PR-1", "amount": 100.0}
             )
             print(submitted.session_id)
+        elif spec["action"] == "deliver":
+            await control.deliver(InboxEvent.model_validate(spec["event"]))
         elif spec["action"] == "cancel":
             await control.cancel(spec["session_id"])
         else:

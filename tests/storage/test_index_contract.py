@@ -178,6 +178,32 @@ class IndexContract:
             late.correlation_id
         ]
 
+    async def test_several_waits_of_one_session_route_and_unbind_independently(
+        self, index: Index
+    ) -> None:
+        """A fan-in group: one binding per member, all to the same session, each with its
+        own deadline and business key; closing one member leaves the others routable."""
+        members = [binding(deadline_in=d, session="s_fan") for d in (60, 120, 180)]
+        for i, b in enumerate(members):
+            await index.bind_wait(b, business_key=f"RFQ-1:{i}", grace=GRACE, now=NOW)
+        for i, b in enumerate(members):
+            assert await index.resolve(now=NOW, tenant="acme", correlation_id=b.correlation_id) == b
+            assert await index.resolve(now=NOW, tenant="acme", business_key=f"RFQ-1:{i}") == b
+        due = await index.due_deadlines(now=NOW + timedelta(seconds=150), limit=10)
+        assert [d.correlation_id for d in due] == [b.correlation_id for b in members[:2]]
+        first = members[0]
+        await index.unbind(
+            tenant="acme", correlation_id=first.correlation_id, business_key="RFQ-1:0"
+        )
+        assert (
+            await index.resolve(now=NOW, tenant="acme", correlation_id=first.correlation_id) is None
+        )
+        for i, b in enumerate(members[1:], start=1):
+            assert await index.resolve(now=NOW, tenant="acme", correlation_id=b.correlation_id) == b
+            assert await index.resolve(now=NOW, tenant="acme", business_key=f"RFQ-1:{i}") == b
+        due = await index.due_deadlines(now=NOW + timedelta(seconds=150), limit=10)
+        assert [d.correlation_id for d in due] == [members[1].correlation_id]
+
     # -- timers --
 
     async def test_timers(self, index: Index) -> None:

@@ -15,11 +15,12 @@ import redis.asyncio as aioredis
 from pydantic import JsonValue
 
 from torpor.errors import ToolError
-from torpor.models import DriftPolicy, GuardBaseline, Wait
+from torpor.models import DriftPolicy, FanInSpec, GuardBaseline, Wait
 from torpor.tools import (
     DispatchRequest,
     ExternalState,
     LongRunningTool,
+    MemberPlan,
     PollOutcome,
     Tool,
     ToolContext,
@@ -245,5 +246,66 @@ def agent_config(redis_url: str, prefix: str, **approval: Any) -> dict[str, Any]
                 "tests.support.tools:RequestApproval": {**common, **approval},
             },
             "placement": placement,
+        }
+    }
+
+
+class RequestQuotes(LongRunningTool):
+    """Asks every vendor in ``args["vendors"]`` at once (a fan-in group under
+    ``args["fan_in"]``); each request and each undo is recorded in the World, so the crash
+    tests count them across processes."""
+
+    spec = ToolSpec(name="request_quotes")
+    answered_by = ("vendor",)
+    can_compensate = True
+
+    def __init__(self, redis_url: str, prefix: str) -> None:
+        self.world = World(redis_url, prefix)
+
+    async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
+        return WaitPlan(
+            action_key="quotes:rfq-1",
+            members=[
+                MemberPlan(label=v, action_key=f"quote:{v}", request={"vendor": v})
+                for v in args["vendors"]
+            ],
+            fan_in=FanInSpec.model_validate(args.get("fan_in") or {}),
+        )
+
+    async def dispatch(self, request: DispatchRequest) -> None:
+        await self.world.happened("dispatch", request.idempotency_key, dict(request.request))
+
+    async def compensate(
+        self, wait: Wait, *, tenant: str, reason: str, idempotency_key: str
+    ) -> None:
+        await self.world.happened("compensate", idempotency_key, {"reason": reason})
+
+    async def close(self) -> None:
+        await self.world.close()
+
+
+def quotes_agent(redis_url: str, prefix: str, fan_in: dict[str, Any]) -> dict[str, Any]:
+    """Settings fragment for the test agent ``quotes``: one call of ``request_quotes``."""
+    plan = {
+        "steps": [
+            {
+                "id": "q",
+                "calls": [
+                    {
+                        "tool": "request_quotes",
+                        "args": {"vendors": ["a", "b", "c"], "fan_in": fan_in},
+                    }
+                ],
+            },
+            {"id": "done", "finish": "${results.q}"},
+        ]
+    }
+    path = "tests.support.tools:RequestQuotes"
+    return {
+        "quotes": {
+            "factory": "torpor.agents.plan:PlanAgent",
+            "options": {"plan": plan, "name": "quotes", "version": "1"},
+            "tools": [path],
+            "tool_options": {path: {"redis_url": redis_url, "prefix": prefix}},
         }
     }

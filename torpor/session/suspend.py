@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from pydantic import JsonValue
 
-from torpor import outbox
+from torpor import fanin, outbox
 from torpor.clock import trunc_ms
 from torpor.errors import BusinessKeyInUse, SessionNotFound
 from torpor.events import EventKind, InboxEvent
@@ -23,6 +23,8 @@ from torpor.lifecycle import SessionState
 from torpor.models import (
     DispatchStatus,
     ErrorInfo,
+    FanIn,
+    FanInSpec,
     Message,
     OutboxEntry,
     OutboxKind,
@@ -33,7 +35,7 @@ from torpor.models import (
 from torpor.plugins import LoadedAgent
 from torpor.ports import TimerKind, WaitBinding
 from torpor.session.working import WorkingCopy, error_result, message_content
-from torpor.tools import LongRunningTool, WaitPlan
+from torpor.tools import LongRunningTool, MemberPlan, WaitPlan
 
 log = logging.getLogger(__name__)
 
@@ -74,30 +76,30 @@ class Suspender:
             return
         now = work.now
         epoch = work.snap.epoch + 1  # RUNNING → SUSPENDED opens a wait: the epoch moves on
-        waits = [
-            Wait(
-                wait_id=new_wait_id(),
-                correlation_id=new_correlation_id(),
-                business_key=plan.business_key,
-                waiting_step_id=str(work.snap.step),
-                epoch=epoch,
-                action_key=plan.action_key,
-                tool_name=tool.spec.name,
-                tool_call_id=call.id,
-                expected_types=plan.expected_types,
-                allowed_sources=self.answer_sources(tool, plan),
-                sources_declared=True,
-                opened_at=now,
-                deadline=trunc_ms(now + timedelta(seconds=plan.sla_s)),
-                expected_duration_s=plan.expected_duration_s,
-                guard=plan.guard,
-                on_drift=plan.on_drift,
-                request=plan.request,
-                replanned=plan.business_key is not None
-                and plan.business_key in work.snap.business_keys,
+        waits: list[Wait] = []
+        groups: list[FanIn] = []
+        single: list[Wait] = []
+        for call, tool, plan in plans:
+            if not plan.members:
+                single.append(self.open_wait(call, tool, plan, epoch))
+                continue
+            # One tool asked for several answers: one wait per member, one group, one
+            # aggregated result for the call.
+            group, members = fanin.form(
+                plan.fan_in or FanInSpec(),
+                [self.open_wait(call, tool, plan, epoch, member=m) for m in plan.members],
+                labels=[m.label for m in plan.members],
+                aggregate_call_id=call.id,
             )
-            for call, tool, plan in plans
-        ]
+            groups.append(group)
+            waits += members
+        if len(single) > 1:
+            # Several long-running calls in one turn: the session sleeps once, until the
+            # agent's fan-in condition over them is met.
+            spec = self.loaded.config.fan_in if self.loaded else FanInSpec()
+            group, single = fanin.form(spec, single)
+            groups.append(group)
+        waits = single + waits
         used = {w.business_key: epoch for w in waits if w.business_key is not None}
         work.move(SessionState.SUSPENDED, "waiting for " + ", ".join(w.tool_name for w in waits))
         assert work.snap.epoch == epoch
@@ -105,6 +107,7 @@ class Suspender:
         entries += self.notifications("suspended")
         work.update(
             waits=waits,
+            fan_ins=groups,
             outbox=[*work.snap.outbox, *entries],
             business_keys={**work.snap.business_keys, **used},
         )
@@ -122,12 +125,14 @@ class Suspender:
         work = self.work
         kept: list[tuple[ToolCall, LongRunningTool, WaitPlan]] = []
         for call, tool, plan in plans:
-            holder = await self.key_holder(plan.business_key)
-            if holder is None:
+            # A fan-in plan routes by each member's key as well as the plan's own.
+            keys = [plan.business_key, *(m.business_key for m in plan.members)]
+            taken = [k for k in keys if k is not None and await self.key_holder(k) is not None]
+            if not taken:
                 kept.append((call, tool, plan))
                 continue
             error = BusinessKeyInUse(
-                f"business key {plan.business_key!r} is held by an open wait of another "
+                f"business key {taken[0]!r} is held by an open wait of another "
                 "session in this tenant"
             )
             work.update(
@@ -165,6 +170,42 @@ class Suspender:
             )
             return None
         return found.session_id
+
+    def open_wait(
+        self,
+        call: ToolCall,
+        tool: LongRunningTool,
+        plan: WaitPlan,
+        epoch: int,
+        *,
+        member: MemberPlan | None = None,
+    ) -> Wait:
+        """The wait ``plan`` asks for, or the one of its fan-in ``member``: the member's
+        own request and route, the plan's settings where the member leaves them unset."""
+        work, now = self.work, self.work.now
+        business_key = member.business_key if member else plan.business_key
+        sla_s = member.sla_s if member and member.sla_s is not None else plan.sla_s
+        return Wait(
+            wait_id=new_wait_id(),
+            correlation_id=new_correlation_id(),
+            business_key=business_key,
+            waiting_step_id=str(work.snap.step),
+            epoch=epoch,
+            action_key=member.action_key if member else plan.action_key,
+            tool_name=tool.spec.name,
+            tool_call_id=call.id,
+            expected_types=plan.expected_types,
+            allowed_sources=(member.allowed_sources if member else [])
+            or self.answer_sources(tool, plan),
+            sources_declared=True,
+            opened_at=now,
+            deadline=trunc_ms(now + timedelta(seconds=sla_s)),
+            expected_duration_s=plan.expected_duration_s,
+            guard=(member.guard if member else None) or plan.guard,
+            on_drift=plan.on_drift,
+            request=member.request if member else plan.request,
+            replanned=business_key is not None and business_key in work.snap.business_keys,
+        )
 
     def answer_sources(self, tool: LongRunningTool, plan: WaitPlan) -> list[str]:
         """Who may answer the wait: the plan's sources, else the agent's configuration for
@@ -319,7 +360,9 @@ class Suspender:
             if self._can_compensate(w)
         ]
         work.move(target, reason)
-        work.update(waits=[], result=result, error=error, outbox=[*work.snap.outbox, *entries])
+        work.update(
+            waits=[], fan_ins=[], result=result, error=error, outbox=[*work.snap.outbox, *entries]
+        )
         if "terminal" in self.deps.config.notify_on and work.snap.callback_url:
             work.update(
                 outbox=[

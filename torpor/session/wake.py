@@ -19,10 +19,12 @@ from torpor import guard
 from torpor.deadlines import call_out
 from torpor.errors import GuardUnavailable
 from torpor.events import EventKind, InboxEvent
+from torpor.faults import CrashPoint, crash_point
 from torpor.gates import Verdict, classify, expired_waits
 from torpor.lifecycle import SessionState
 from torpor.models import DriftPolicy, ErrorInfo, Message, Observation, ObservationReason, Wait
 from torpor.plugins import LoadedAgent
+from torpor.session.fan_in import FanInWake
 from torpor.session.retry import Retrier
 from torpor.session.suspend import Suspender
 from torpor.session.working import WorkingCopy, message_content
@@ -39,6 +41,7 @@ class Wake:
         self.suspender = suspender
         self.retrier = Retrier(work)
         self._closed: list[Wait] = []  # waits answered by this activation, to unbind
+        self.fan_in = FanInWake(work, loaded)
 
     async def resume(self) -> None:
         """Apply what the inbox holds to the waits, through the gates, in order."""
@@ -85,6 +88,11 @@ class Wake:
                 await self.retrier.later(exc.code, str(exc))
             if not applied:
                 return  # the guard ended the session
+        for wait in overdue:
+            # A fan-in member under proceed_with_arrived counts as missing; its group
+            # resolves once too few members are left (which may close other overdue ones).
+            if work.snap.wait_for(wait.correlation_id) and self.fan_in.proceeds_on_expiry(wait):
+                self._closed = [*self._closed, *self.fan_in.expired(wait)]
         still_open = [w for w in overdue if work.snap.wait_for(w.correlation_id)]
         if still_open:
             await self.suspender.finish(
@@ -106,8 +114,11 @@ class Wake:
             work.move(SessionState.RUNNING)
             work.update(outbox=[*work.snap.outbox, *self.suspender.notifications("resumed")])
         await work.commit()
+        crash_point(CrashPoint.WAKE_COMMITTED)
         await self.suspender.unbind(self._closed)
         self._closed = []
+        if work.snap.pending_outbox():
+            await self.suspender.drain_outbox()  # compensations of closed fan-in members
 
     async def apply(self, event: InboxEvent, wait: Wait) -> bool:
         """Run the guard, then inject the event as the tool's answer. False if the guard
@@ -155,6 +166,15 @@ class Wake:
                 )
                 return False
             content = {**verdict.notice(wait, current), "event": event.data}
+        if wait.group_id is not None and self.fan_in.group_of(wait) is not None:
+            # A fan-in member: its answer waits in the group until the condition is met.
+            failed = event.kind is EventKind.DISPATCH_FAILED
+            closed = self.fan_in.answered(wait, content, failed=failed)
+            work.update(processed_events=[*work.snap.processed_events, event.key])
+            self._closed = [*self._closed, *closed]
+            work.stats.applied += 1
+            await self.deps.observer.applied(work.snap, event)
+            return True
         work.update(
             messages=[
                 *work.snap.messages,

@@ -1,0 +1,372 @@
+"""Fan-in waits end to end on the in-memory adapters: all, any and n of m; answers out of
+order and duplicated; one member expired under each policy; the rest closed and
+compensated once; every member gated on its own."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.runtime import fanin_tools
+from tests.runtime.memory_env import MemEnv, plan_agent
+from tests.runtime.memory_env import memory_env as open_env
+from torpor.events import EventKind, InboxEvent
+from torpor.lifecycle import SessionState
+from torpor.models import ObservationReason, SessionSnapshot, Wait
+from torpor.ports import Reason
+
+S = SessionState
+VENDORS = ["a", "b", "c"]
+QUOTE = "tests.runtime.fanin_tools:Quote"
+QUOTES = "tests.runtime.fanin_tools:Quotes"
+
+
+def turn_agent(fan_in: dict[str, Any] | None = None, **tool: Any) -> dict[str, Any]:
+    """Three ``quote`` calls in one turn; the result names each call's answer."""
+    plan = {
+        "steps": [
+            {
+                "id": "q",
+                "calls": [{"tool": "quote", "args": {"vendor": v}, "as": v} for v in VENDORS],
+            },
+            {"id": "done", "finish": {v: f"${{results.{v}}}" for v in VENDORS}},
+        ]
+    }
+    agent = plan_agent(plan, {QUOTE: tool})
+    return {**agent, "fan_in": fan_in} if fan_in else agent
+
+
+def tool_agent(fan_in: dict[str, Any], **tool: Any) -> dict[str, Any]:
+    """One ``quotes`` call asking the three vendors; the result is its aggregated answer."""
+    plan = {
+        "steps": [
+            {
+                "id": "q",
+                "calls": [{"tool": "quotes", "args": {"vendors": VENDORS, "fan_in": fan_in}}],
+            },
+            {"id": "done", "finish": "${results.q}"},
+        ]
+    }
+    return plan_agent(plan, {QUOTES: tool})
+
+
+def member(snap: SessionSnapshot, vendor: str) -> Wait:
+    return next(w for w in snap.waits if w.request["vendor"] == vendor)
+
+
+async def answer(
+    env: MemEnv, sid: str, wait: Wait, price: int, *, event_id: str | None = None, **fields: Any
+) -> bool:
+    return await env.control.deliver(
+        InboxEvent.answering(
+            wait,
+            kind=EventKind.CALLBACK,
+            session_id=sid,
+            source="vendor",
+            event_id=event_id or f"evt-{wait.request['vendor']}-{price}",
+            type="vendor.quote",
+            received_at=env.clock.now(),
+            data={"price": price},
+            **fields,
+        )
+    )
+
+
+async def bound(env: MemEnv, wait: Wait) -> bool:
+    found = await env.services.index.resolve(
+        tenant="acme", now=env.clock.now(), correlation_id=wait.correlation_id
+    )
+    return found is not None
+
+
+def tool_messages(snap: SessionSnapshot) -> list[tuple[str, Any]]:
+    return [
+        (m.tool_call_id or "", json.loads(m.content or "null"))
+        for m in snap.messages
+        if m.role == "tool"
+    ]
+
+
+async def test_a_turn_of_several_long_running_calls_sleeps_once_until_all_answered() -> None:
+    async with open_env({"t": turn_agent()}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        assert snap.state is S.SUSPENDED and len(snap.waits) == 3
+        [group] = snap.fan_ins
+        assert {w.group_id for w in snap.waits} == {group.group_id}
+        assert len({w.correlation_id for w in snap.waits}) == 3
+        assert {w.epoch for w in snap.waits} == {snap.epoch}
+        assert sorted(record.dispatched) == [f"acme:quote:{v}:1" for v in VENDORS]
+        for w in snap.waits:
+            assert await bound(env, w), "every member routes to the session"
+        # out of order: c, a, then b
+        for vendor, price in (("c", 30), ("a", 10)):
+            await answer(env, sid, member(snap, vendor), price)
+            mid = await env.load(sid)
+            assert mid.state is S.SUSPENDED and tool_messages(mid) == []
+            assert not await bound(env, member(snap, vendor))
+        await answer(env, sid, member(snap, "b"), 20)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED
+        assert done.result == {"a": {"price": 10}, "b": {"price": 20}, "c": {"price": 30}}
+        # one tool result per call, in the order of the calls, not of the answers
+        assert [c for c, _ in tool_messages(done)] == ["call_q_1_0", "call_q_1_1", "call_q_1_2"]
+        assert done.fan_ins == [] and done.waits == []
+        assert record.compensated == [], "nothing left open to undo"
+
+
+async def test_any_takes_the_first_quote_and_compensates_the_others_once() -> None:
+    async with open_env({"t": tool_agent({"condition": "any"})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        assert snap.state is S.SUSPENDED and len(snap.waits) == 3
+        await answer(env, sid, member(snap, "b"), 20)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED
+        assert done.result == {
+            "condition": "any",
+            "needed": 1,
+            "met": True,
+            "answers": {"b": {"price": 20}},
+            "failed": {},
+            "expired": [],
+            "cancelled": ["a", "c"],
+        }
+        [(call_id, _)] = tool_messages(done)
+        assert call_id == "call_q_1_0", "one aggregated result for the one call"
+        assert sorted(a for a, _, _ in record.compensated) == ["quote:a", "quote:c"]
+        assert {k for _, _, k in record.compensated} == {
+            "acme:quote:a:1:compensate",
+            "acme:quote:c:1:compensate",
+        }
+        for vendor in VENDORS:
+            assert not await bound(env, member(snap, vendor))
+        # a late answer to a closed member is observed, never applied, never undone again
+        await answer(env, sid, member(snap, "a"), 5)
+        await env.runtime.activate(sid, reason=Reason.RETRY)
+        after = await env.load(sid)
+        assert after.result == done.result
+        assert after.observations[-1].reason is ObservationReason.LATE
+        assert len(record.compensated) == 2
+
+
+async def test_n_of_m_waits_for_the_quorum_and_dedups_a_member() -> None:
+    async with open_env({"t": tool_agent({"condition": "n_of_m", "n": 2})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        assert await answer(env, sid, member(snap, "c"), 30, event_id="c-1")
+        # the same delivery again: absorbed by the inbox
+        assert not await answer(env, sid, member(snap, "c"), 30, event_id="c-1")
+        # the same member again under a new id: observed as a duplicate, not counted
+        await answer(env, sid, member(snap, "c"), 31, event_id="c-2")
+        mid = await env.load(sid)
+        assert mid.state is S.SUSPENDED
+        assert mid.observations[-1].reason is ObservationReason.DUPLICATE
+        [group] = mid.fan_ins
+        assert [m.status.value for m in group.members] == ["open", "open", "answered"]
+        await answer(env, sid, member(snap, "a"), 10)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED
+        assert done.result is not None and done.result["answers"] == {  # type: ignore[index,call-overload]
+            "a": {"price": 10},
+            "c": {"price": 30},
+        }
+        assert [a for a, _, _ in record.compensated] == ["quote:b"]
+
+
+async def test_each_member_answer_is_gated_on_its_own() -> None:
+    async with open_env({"t": tool_agent({"condition": "any"})}) as env:
+        fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        a = member(snap, "a")
+        old = a.model_copy(update={"epoch": a.epoch - 1})
+        await answer(env, sid, old, 1, event_id="old-epoch")
+        await env.control.deliver(
+            InboxEvent.answering(
+                a,
+                kind=EventKind.CALLBACK,
+                session_id=sid,
+                source="stranger",
+                event_id="wrong-source",
+                type="vendor.quote",
+                received_at=env.clock.now(),
+                data={"price": 0},
+            )
+        )
+        mid = await env.load(sid)
+        assert mid.state is S.SUSPENDED and len(mid.waits) == 3
+        assert [o.reason for o in mid.observations] == [
+            ObservationReason.STALE,
+            ObservationReason.UNEXPECTED,
+        ]
+        await answer(env, sid, a, 10)
+        assert (await env.load(sid)).state is S.COMPLETED
+
+
+async def test_an_expired_member_under_fail_all_times_the_whole_wait_out() -> None:
+    agents = {"t": tool_agent({"condition": "any"}, sla={"b": 60})}
+    async with open_env(agents) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        env.clock.advance(61)
+        await env.runtime.activate(sid, reason=Reason.TIMEOUT)
+        done = await env.load(sid)
+        assert done.state is S.TIMED_OUT
+        assert done.error is not None and done.error.code == "sla_expired"
+        assert done.fan_ins == []
+        assert sorted(a for a, _, _ in record.compensated) == [f"quote:{v}" for v in VENDORS]
+        for vendor in VENDORS:
+            assert not await bound(env, member(snap, vendor))
+
+
+async def test_an_expired_member_under_proceed_resolves_all_with_what_arrived() -> None:
+    fan_in = {"condition": "all", "on_expiry": "proceed_with_arrived"}
+    async with open_env({"t": tool_agent(fan_in, sla={"b": 60})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        await answer(env, sid, member(snap, "a"), 10)
+        env.clock.advance(61)
+        await env.runtime.activate(sid, reason=Reason.TIMEOUT)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED
+        assert done.result == {
+            "condition": "all",
+            "needed": 3,
+            "met": False,
+            "answers": {"a": {"price": 10}},
+            "failed": {},
+            "expired": ["b"],
+            "cancelled": ["c"],
+        }
+        assert [a for a, _, _ in record.compensated] == ["quote:c"]
+        assert not await bound(env, member(snap, "b"))
+
+
+async def test_an_expired_member_under_proceed_leaves_any_waiting_for_the_others() -> None:
+    fan_in = {"condition": "any", "on_expiry": "proceed_with_arrived"}
+    async with open_env({"t": tool_agent(fan_in, sla={"a": 60})}) as env:
+        fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        env.clock.advance(61)
+        await env.runtime.activate(sid, reason=Reason.TIMEOUT)
+        mid = await env.load(sid)
+        assert mid.state is S.SUSPENDED and len(mid.waits) == 2
+        assert not await bound(env, member(snap, "a")), "its SLA entry is gone"
+        await answer(env, sid, member(snap, "c"), 30)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED
+        assert done.result is not None
+        assert done.result["expired"] == ["a"]  # type: ignore[index,call-overload]
+        assert done.result["answers"] == {"c": {"price": 30}}  # type: ignore[index,call-overload]
+
+
+async def test_turn_level_fan_in_is_configured_per_agent() -> None:
+    async with open_env({"t": turn_agent({"condition": "any"})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        await answer(env, sid, member(snap, "b"), 20)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED
+        cancelled = {"fan_in": {"outcome": "cancelled", "reason": "condition resolved"}}
+        assert done.result == {"a": cancelled, "b": {"price": 20}, "c": cancelled}
+        assert sorted(a for a, _, _ in record.compensated) == ["quote:a", "quote:c"]
+
+
+async def test_answers_in_one_activation_resolve_the_group_once() -> None:
+    """Two answers land before the session wakes: the first meets ``any``, the second is
+    a late answer to a closed member."""
+    async with open_env({"t": tool_agent({"condition": "any"})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        for vendor, price in (("c", 30), ("a", 10)):
+            event = InboxEvent.answering(
+                member(snap, vendor),
+                kind=EventKind.CALLBACK,
+                session_id=sid,
+                source="vendor",
+                event_id=f"evt-{vendor}",
+                type="vendor.quote",
+                received_at=env.clock.now(),
+                data={"price": price},
+            )
+            assert await env.services.inbox.deliver(event)  # durable, no activation yet
+        await env.runtime.activate(sid, reason=Reason.EVENT)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED
+        assert done.result is not None
+        assert list(done.result["answers"]) == ["c"]  # type: ignore[call-overload]
+        assert done.observations[-1].reason is ObservationReason.STALE
+        # a's answer arrived but was never applied: a was still open when c met the
+        # condition, so it is closed (and undone) like b
+        assert sorted(a for a, _, _ in record.compensated) == ["quote:a", "quote:b"]
+
+
+async def test_closed_members_are_undone_when_the_group_resolves_not_when_the_session_runs() -> (
+    None
+):
+    """A resolved group whose session still waits on another call: the compensations go
+    out at once, not whenever the session next runs."""
+    plan = {
+        "steps": [
+            {
+                "id": "q",
+                "calls": [
+                    {
+                        "tool": "quotes",
+                        "args": {"vendors": VENDORS, "fan_in": {"condition": "any"}},
+                    },
+                    {"tool": "quote", "args": {"vendor": "z"}, "as": "z"},
+                ],
+            },
+            {"id": "done", "finish": {"q": "${results.q}", "z": "${results.z}"}},
+        ]
+    }
+    async with open_env({"t": plan_agent(plan, {QUOTES: {}, QUOTE: {}})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        assert len(snap.waits) == 4 and len(snap.fan_ins) == 1
+        await answer(env, sid, member(snap, "a"), 10)
+        mid = await env.load(sid)
+        assert mid.state is S.SUSPENDED and [w.request["vendor"] for w in mid.waits] == ["z"]
+        assert sorted(a for a, _, _ in record.compensated) == ["quote:b", "quote:c"]
+        assert [m.tool_call_id for m in mid.messages if m.role == "tool"] == ["call_q_1_0"]
+        await answer(env, sid, member(snap, "z"), 99)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED and done.result is not None
+        assert done.result["z"] == {"price": 99}  # type: ignore[index,call-overload]
+        assert len(record.compensated) == 2
+
+
+async def test_a_member_whose_request_fails_counts_as_failed_not_as_an_answer() -> None:
+    agents = {
+        "any": tool_agent({"condition": "any"}, refuse=["b"]),
+        "all": tool_agent({"condition": "all"}, refuse=["b"]),
+    }
+    async with open_env(agents) as env:
+        record = fanin_tools.reset()
+        waiting = await env.submit("any")
+        snap = await env.load(waiting)
+        assert snap.state is S.SUSPENDED and len(snap.waits) == 2, "a and c may still answer"
+        [group] = snap.fan_ins
+        assert [m.status.value for m in group.members] == ["open", "failed", "open"]
+        await answer(env, waiting, member(snap, "c"), 30)
+        done = await env.load(waiting)
+        assert done.result is not None and list(done.result["failed"]) == ["b"]  # type: ignore[call-overload]
+        assert done.result["answers"] == {"c": {"price": 30}}  # type: ignore[index,call-overload]
+        # all: one refused member makes the condition unmeetable at once
+        record.compensated.clear()
+        failed = await env.load(await env.submit("all"))
+        assert failed.state is S.COMPLETED and failed.result is not None
+        assert failed.result["met"] is False  # type: ignore[index,call-overload]
+        assert failed.result["cancelled"] == ["a", "c"]  # type: ignore[index,call-overload]
+        assert sorted(a for a, _, _ in record.compensated) == ["quote:a", "quote:c"]

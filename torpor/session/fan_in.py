@@ -1,0 +1,103 @@
+"""Fan-in groups on wake: a member's gated answer is recorded, not yet delivered; once the
+group's condition is decided, every member's result is delivered at once and the members
+still open are closed.
+
+All of it happens on the working copy, inside the activation's one commit: the answer,
+the resolution, the closed waits and their compensations are durable together or not at
+all. After the commit the caller unbinds the closed waits (a late answer to one then
+finds no wait: observed as stale, never applied) and sends the compensations; each is an
+outbox entry with its own idempotency key, so a crash before or after the send leads to
+one undo on the far side, not two.
+"""
+
+from __future__ import annotations
+
+from pydantic import JsonValue
+
+from torpor import fanin, outbox
+from torpor.fanin import Outcome
+from torpor.models import ExpiryPolicy, FanIn, MemberStatus, Message, Wait
+from torpor.plugins import LoadedAgent
+from torpor.session.working import WorkingCopy, message_content
+from torpor.tools import LongRunningTool
+
+RESOLVED = "fan-in resolved"  # the reason a closed member's compensation carries
+
+
+class FanInWake:
+    """Member answers and member expiry of the session's fan-in groups."""
+
+    def __init__(self, work: WorkingCopy, loaded: LoadedAgent | None) -> None:
+        self.work = work
+        self.loaded = loaded
+
+    def group_of(self, wait: Wait) -> FanIn | None:
+        if wait.group_id is None:
+            return None
+        return next((g for g in self.work.snap.fan_ins if g.group_id == wait.group_id), None)
+
+    def proceeds_on_expiry(self, wait: Wait) -> bool:
+        """Whether ``wait``'s deadline passing leaves its group waiting for the others
+        (else the whole wait times out, as a single wait does)."""
+        group = self.group_of(wait)
+        return group is not None and group.spec.on_expiry is ExpiryPolicy.PROCEED_WITH_ARRIVED
+
+    def answered(self, wait: Wait, content: JsonValue, *, failed: bool) -> list[Wait]:
+        """Record ``content`` as the answer of member ``wait`` (it passed every gate);
+        resolve the group if that decides it. Returns the waits this closed."""
+        status = MemberStatus.FAILED if failed else MemberStatus.ANSWERED
+        return self._close(wait, status, content)
+
+    def expired(self, wait: Wait) -> list[Wait]:
+        """Member ``wait``'s deadline passed under ``proceed_with_arrived``: it counts as
+        missing; the group resolves if too few are left to meet its condition."""
+        return self._close(wait, MemberStatus.EXPIRED, None)
+
+    def _close(self, wait: Wait, status: MemberStatus, answer: JsonValue) -> list[Wait]:
+        work = self.work
+        group = self.group_of(wait)
+        if group is None:  # its group is gone (resolved): nothing left to record
+            return []
+        group = fanin.record(group, wait.wait_id, status, answer)
+        closed = [wait]
+        work.update(waits=[w for w in work.snap.waits if w.wait_id != wait.wait_id])
+        result = fanin.outcome(group)
+        if result is Outcome.PENDING:
+            self._replace(group)
+            return closed
+        return closed + self._resolve(group, result)
+
+    def _resolve(self, group: FanIn, result: Outcome) -> list[Wait]:
+        """Deliver the group's results, close its open members (compensating those whose
+        tool can undo), and drop the group."""
+        work = self.work
+        open_ids = {m.wait_id for m in fanin.open_members(group)}
+        closing = [w for w in work.snap.waits if w.wait_id in open_ids]
+        group = fanin.close_rest(group)
+        # The request of a member still PENDING in the outbox is never sent (its wait is
+        # gone); one that may have gone out is undone by the tool's compensate hook.
+        undo = [
+            outbox.compensate_entry(work.snap, w, reason=RESOLVED, now=work.now)
+            for w in closing
+            if self._can_compensate(w)
+        ]
+        results = [
+            Message(role="tool", tool_call_id=call_id, content=message_content(content))
+            for call_id, content in fanin.tool_results(group, result)
+        ]
+        work.update(
+            waits=[w for w in work.snap.waits if w.wait_id not in open_ids],
+            fan_ins=[g for g in work.snap.fan_ins if g.group_id != group.group_id],
+            messages=[*work.snap.messages, *results],
+            outbox=[*work.snap.outbox, *undo],
+        )
+        return closing
+
+    def _replace(self, group: FanIn) -> None:
+        self.work.update(
+            fan_ins=[group if g.group_id == group.group_id else g for g in self.work.snap.fan_ins]
+        )
+
+    def _can_compensate(self, wait: Wait) -> bool:
+        tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
+        return isinstance(tool, LongRunningTool) and tool.can_compensate
