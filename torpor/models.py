@@ -108,6 +108,9 @@ class Wait(_Model):
     # An earlier wait of this session used the same business key (a re-plan): an answer
     # addressed by that key alone could be a late answer to the superseded request.
     replanned: bool = False
+    # State the wait's tool keeps while the wait is open (an approval tool: the approvals
+    # collected so far), committed with the snapshot like everything else.
+    progress: dict[str, JsonValue] = Field(default_factory=dict)
 
     @field_validator("correlation_id")
     @classmethod
@@ -200,6 +203,12 @@ class ObservationReason(StrEnum):
     UNEXPECTED = "unexpected"  # type or source the wait did not ask for
     CROSS_TENANT = "cross_tenant"
     UNKNOWN = "unknown_correlation"
+    # Reviewed by the wait's tool (``LongRunningTool.review``), never applied as the answer:
+    UNAUTHORIZED = "unauthorized"  # the answer's approver has no authority for the request
+    COUNTED = "counted"  # an approval recorded towards a quorum; the wait stays open
+    REMINDER = "reminder"  # a reminder was sent for the wait
+    ESCALATED = "escalated"  # the request went to the next approver (a new epoch)
+    REASSIGNED = "reassigned"  # an operator gave the request to other approvers
 
 
 class Observation(_Model):
