@@ -16,9 +16,9 @@ from tests.support.harness import Env, callback, local_env
 from tests.support.receiver import Receiver
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason, SessionSnapshot, Wait
-from torpor.ports import Observer
+from torpor.ports import Observer, TimerKind
 from torpor.service.deliveries import DeliveryWorker, secret_for
-from torpor.service.sweeper import Sweeper
+from torpor.service.sweeper import Sweeper, SweepReport
 from torpor.webhooks.signing import Scheme, verify
 
 S, R = SessionState, ObservationReason
@@ -225,3 +225,21 @@ async def test_an_operator_reassigns_an_approval(make: Any) -> None:
         assert [(f"acme:{old.action_key}:{old.epoch}:compensate", "reassigned")] == WITHDRAWN
         assert (await vote(env, sid, "fd")).state is S.SUSPENDED  # no longer asked
         assert (await vote(env, sid, "bob")).state is S.COMPLETED
+
+
+async def test_a_rebuilt_index_gets_the_approvals_timers_back(make: Any) -> None:
+    async with make(
+        stages=[{"approvers": ["fd"]}], escalation=["cfo"], escalate_after_s=1200
+    ) as env:
+        sid = await submit(env)
+        wait = (await env.load(sid)).waits[0]
+        index = env.services.index
+        # The index lost the wait and its timers (a flushed Redis).
+        await index.unbind(tenant="acme", correlation_id=wait.correlation_id, business_key="PR-1")
+        member = f"{sid}|{wait.correlation_id}|escalate-1"
+        await index.unschedule(kind=TimerKind.TOOL, member=member)
+        sweeper = Sweeper(env.control)
+        await sweeper.repair(env.clock.now(), SweepReport())
+        env.clock.advance(1201)
+        await sweeper.sweep_once(env.clock.now())
+        assert (await env.load(sid)).waits[0].request["approvers"] == ["cfo"]
