@@ -131,7 +131,7 @@ class ApprovalTool(LongRunningTool):
         return [s for s in self.stages if s.above is None or amount > s.above]
 
     async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
-        subject = str(args.get("subject") or args.get("doc") or "")
+        subject = str(args.get("subject") or args.get("doc_id") or args.get("doc") or "")
         try:
             amount = float(args.get("amount") or 0)
         except (TypeError, ValueError):
@@ -186,8 +186,8 @@ class ApprovalTool(LongRunningTool):
             return self._timer(wait, str(_dict(event.data).get("timer", "")))
         if event.kind is EventKind.OPERATOR:
             return self._reassign(wait, event)
-        if event.kind is not EventKind.CALLBACK:
-            return None  # a failed dispatch, a poll: the answer as it is
+        if event.kind not in (EventKind.CALLBACK, EventKind.POLL):
+            return None  # a request that could not be sent: the error as it is
         return self._vote(wait, event, now)
 
     def _timer(self, wait: Wait, name: str) -> Review:
