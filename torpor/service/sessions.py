@@ -304,7 +304,7 @@ class SessionService:
                 wait,
                 kind=EventKind.OPERATOR,
                 session_id=session_id,
-                source="operator",
+                source="torpor",  # reserved: no webhook source can write under it
                 event_id=event_id,
                 type=REASSIGN,
                 received_at=self._now,
