@@ -29,6 +29,7 @@ from actors.wiring import ensure_conditional_writes, open_services
 from torpor import __version__
 from torpor.api import (
     Accepted,
+    ApprovalReassign,
     BatchCreate,
     BatchOut,
     SessionCreate,
@@ -36,7 +37,7 @@ from torpor.api import (
     SessionList,
     SessionOut,
 )
-from torpor.auth import tenant_for
+from torpor.auth import operator_for, tenant_for
 from torpor.deliveries import DeliveryStatus
 from torpor.entry.http import (
     PROBLEM,
@@ -205,6 +206,30 @@ class Ingress:
         tenant = self._tenant(authorization)
         snapshot = await self.control.retry(session_id, tenant=tenant)
         return JSONResponse({"session_id": session_id, "state": snapshot.state.value}, 202)
+
+    @api.post(
+        "/v1/operator/sessions/{session_id}/waits/{correlation_id}/reassign",
+        status_code=202,
+        tags=["operator"],
+        openapi_extra=json_body(ApprovalReassign),
+    )
+    async def reassign_approval(
+        self,
+        session_id: str,
+        correlation_id: str,
+        request: Request,
+        authorization: Annotated[str | None, Header()] = None,
+    ) -> JSONResponse:
+        """Operator action (operator key): give an open approval to other approvers; the
+        old request is withdrawn and a new epoch opens."""
+        operator = operator_for(authorization, self.settings.security.operator_keys)
+        body = parse_json_body(
+            await read_body(request, self.settings.security.max_request_bytes), ApprovalReassign
+        )
+        event_id = await self.control.reassign_approval(
+            session_id, correlation_id, approvers=body.approvers, by=operator, why=body.reason
+        )
+        return JSONResponse({"session_id": session_id, "event_id": event_id}, 202)
 
     @api.get("/v1/sessions/{session_id}/events", tags=["sessions"])
     async def session_events(

@@ -33,6 +33,9 @@ _EXPORTS: dict[str, str] = {
     "WaitPlan": "torpor.tools",
     "ExternalState": "torpor.tools",
     "GuardBaseline": "torpor.models",
+    # human approvals
+    "ApprovalTool": "torpor.approval",
+    "AuthorityPolicy": "torpor.approval",
     # errors
     "TorporError": "torpor.errors",
     "RetryableError": "torpor.errors",
@@ -49,7 +52,9 @@ __all__ = [
     "AgentContext",
     "AgentError",
     "AgentTurn",
+    "ApprovalTool",
     "AsyncClient",
+    "AuthorityPolicy",
     "Client",
     "ConfigError",
     "ExternalState",
@@ -73,6 +78,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on demand
     from torpor.agent import Agent, AgentContext, AgentTurn
+    from torpor.approval import ApprovalTool, AuthorityPolicy
     from torpor.client import AsyncClient, Client, SessionView
     from torpor.errors import (
         AgentError,

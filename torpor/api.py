@@ -117,3 +117,10 @@ class BatchOut(BaseModel):
     by_state: dict[str, int]
     session_ids: list[str]  # one per document, in the order they were submitted
     links: dict[str, str]
+
+
+class ApprovalReassign(_Body):
+    """An operator's reassignment of an open approval."""
+
+    approvers: list[str] = Field(min_length=1, max_length=32)
+    reason: str = Field(default="", max_length=1000)

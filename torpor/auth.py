@@ -42,3 +42,21 @@ def tenant_for(authorization: str | None, tenants: Mapping[str, TenantConfig]) -
     if found is None:
         raise Unauthenticated("the API key is not valid")
     return found
+
+
+def operator_for(authorization: str | None, operator_keys: list[str]) -> str:
+    """The operator presenting ``Authorization: Bearer <key>``, named by a prefix of the
+    key's hash (what the audit and the session's record show, never the key)."""
+    if not authorization:
+        raise Unauthenticated("an operator key is required (Authorization: Bearer <key>)")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthenticated("use Authorization: Bearer <key>")
+    presented = hash_key(token.strip()).encode()
+    found: str | None = None
+    for stored in operator_keys:  # every one, in constant time each
+        if hmac.compare_digest(presented, stored.encode()):
+            found = stored
+    if found is None:
+        raise Unauthenticated("the operator key is not valid")
+    return "operator:" + found.removeprefix("sha256:")[:12]

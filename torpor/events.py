@@ -23,6 +23,8 @@ class EventKind(StrEnum):
     CANCEL = "cancel"  # a client asked to cancel the session
     DISPATCH_FAILED = "dispatch_failed"  # the external request could never be sent
     RETRY = "retry"  # an operator asked to take a quarantined session back
+    TOOL_TIMER = "tool_timer"  # a timer a wait's tool set came due (a reminder, an escalation)
+    OPERATOR = "operator"  # an operator's instruction for a wait (reassign an approval)
 
 
 class InboxEvent(BaseModel):

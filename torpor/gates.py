@@ -24,6 +24,11 @@ from enum import StrEnum
 from torpor.events import EventKind, InboxEvent
 from torpor.models import MemberStatus, ObservationReason, SessionSnapshot, Wait
 
+# Events only torpor itself writes (never a webhook): no source or type filter applies.
+TORPOR_KINDS = frozenset(
+    {EventKind.POLL, EventKind.DISPATCH_FAILED, EventKind.TOOL_TIMER, EventKind.OPERATOR}
+)
+
 
 class Verdict(StrEnum):
     APPLY = "apply"
@@ -70,7 +75,7 @@ def classify(
     # the control plane, and a capability token already names the one wait it may answer:
     # type and source filters add nothing for those. Every other event must come from a
     # source the wait names; a wait that names none is answered by those alone.
-    internal = event.kind in (EventKind.POLL, EventKind.DISPATCH_FAILED) or event.verified_by in (
+    internal = event.kind in TORPOR_KINDS or event.verified_by in (
         "capability",
         "client",
     )

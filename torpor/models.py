@@ -111,6 +111,9 @@ class Wait(_Model):
     # The fan-in group this wait is a member of (``SessionSnapshot.fan_ins``); None: a
     # single wait, answered and applied on its own as before fan-in existed.
     group_id: str | None = None
+    # State the wait's tool keeps while the wait is open (an approval tool: the approvals
+    # collected so far), committed with the snapshot like everything else.
+    progress: dict[str, JsonValue] = Field(default_factory=dict)
 
     @field_validator("correlation_id")
     @classmethod
@@ -265,6 +268,12 @@ class ObservationReason(StrEnum):
     UNEXPECTED = "unexpected"  # type or source the wait did not ask for
     CROSS_TENANT = "cross_tenant"
     UNKNOWN = "unknown_correlation"
+    # Reviewed by the wait's tool (``LongRunningTool.review``), never applied as the answer:
+    UNAUTHORIZED = "unauthorized"  # the answer's approver has no authority for the request
+    COUNTED = "counted"  # an approval recorded towards a quorum; the wait stays open
+    REMINDER = "reminder"  # a reminder was sent for the wait
+    ESCALATED = "escalated"  # the request went to the next approver (a new epoch)
+    REASSIGNED = "reassigned"  # an operator gave the request to other approvers
 
 
 class Observation(_Model):

@@ -25,7 +25,13 @@ from torpor.models import (
     Wait,
 )
 from torpor.ports import CallbackRouter, Notifier
-from torpor.tools import CallbackRoute, DispatchRequest, LongRunningTool, ToolRegistry
+from torpor.tools import (
+    CallbackRoute,
+    DispatchRequest,
+    LongRunningTool,
+    ToolNotice,
+    ToolRegistry,
+)
 
 MAX_DISPATCH_ATTEMPTS = 8
 DISPATCH_BACKOFF_BASE_S = 2.0
@@ -78,6 +84,18 @@ def notify_entry(snapshot: SessionSnapshot, *, event: str, now: datetime) -> Out
         kind=OutboxKind.NOTIFY,
         idempotency_key=f"{snapshot.session_id}:{event}:{snapshot.epoch}",
         payload={"event": event},
+        created_at=now,
+    )
+
+
+def notice_entry(snapshot: SessionSnapshot, notice: ToolNotice, *, now: datetime) -> OutboxEntry:
+    """A tool's own signed notification (an approval reminder to the OA): a NOTIFY entry
+    that names its receiver, sent through the deliveries like the submitter's notices."""
+    return OutboxEntry(
+        entry_id=new_entry_id(),
+        kind=OutboxKind.NOTIFY,
+        idempotency_key=f"{snapshot.session_id}:{notice.key}",
+        payload={"event": notice.event, "url": notice.url, "data": notice.data},
         created_at=now,
     )
 

@@ -222,6 +222,10 @@ class SecuritySettings(_Section):
         False,
         description="serve the unauthenticated `POST /v1/noop` benchmark baseline (404 when off)",
     )
+    operator_keys: list[str] = Field(
+        default_factory=list,
+        description="hashes (`sha256:…`) of operator API keys: the operator role, across tenants",
+    )
 
 
 class RuntimeSettings(_Section):

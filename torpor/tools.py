@@ -20,15 +20,26 @@ without ``async``) runs in a worker thread so it never stops the lease heartbeat
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, ClassVar
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from torpor.deadlines import call_out
 from torpor.errors import ActionKeyIncomplete
-from torpor.models import DriftPolicy, FanInCondition, FanInSpec, GuardBaseline, Wait
+from torpor.models import (
+    DriftPolicy,
+    FanInCondition,
+    FanInSpec,
+    GuardBaseline,
+    ObservationReason,
+    Wait,
+)
+
+if TYPE_CHECKING:
+    from torpor.events import InboxEvent
 
 
 class ToolSpec(BaseModel):
@@ -118,6 +129,7 @@ class WaitPlan(BaseModel):
     on_drift: DriftPolicy = DriftPolicy.REPLAN
     members: list[MemberPlan] = Field(default_factory=list)
     fan_in: FanInSpec | None = None  # with members; None: all of them, fail_all
+    progress: dict[str, JsonValue] = Field(default_factory=dict)  # the wait's tool state
 
     @field_validator("action_key")
     @classmethod
@@ -184,6 +196,43 @@ class PollOutcome(BaseModel):
     data: JsonValue = None
 
 
+class ReviewAction(StrEnum):
+    APPLY = "apply"  # the event answers the wait (with ``Review.answer``)
+    OBSERVE = "observe"  # recorded with ``Review.reason``, never applied; the wait stays open
+    REISSUE = "reissue"  # withdraw the request and send ``Review.request`` in a new epoch
+
+
+@dataclass(frozen=True)
+class ToolNotice:
+    """A signed outbound notification the tool wants sent (through the deliveries)."""
+
+    key: str  # unique per notice: a replay sends it once
+    url: str
+    event: str
+    data: dict[str, JsonValue]
+
+
+@dataclass(frozen=True)
+class Review:
+    """What a tool makes of an event that passed the gates (``LongRunningTool.review``)."""
+
+    action: ReviewAction
+    answer: JsonValue = None
+    reason: ObservationReason | None = None
+    progress: dict[str, JsonValue] | None = None  # the wait's new tool state, if it changed
+    alert: list[str] = field(default_factory=list)  # security alert reasons
+    notices: list[ToolNotice] = field(default_factory=list)
+    request: dict[str, JsonValue] | None = None  # REISSUE: the new request
+
+
+@dataclass(frozen=True)
+class ToolTimer:
+    """A point in time at which the tool wants to review its open wait again."""
+
+    name: str
+    at: datetime
+
+
 class Tool:
     """Base for sync tools. Subclass and implement ``run``, or use ``@sync_tool``."""
 
@@ -231,6 +280,16 @@ class LongRunningTool:
         self, wait: Wait, *, tenant: str, reason: str, idempotency_key: str
     ) -> None:
         return None
+
+    def review(self, wait: Wait, event: InboxEvent, *, now: datetime) -> Review | None:
+        """Decide what an event that passed the gates does to ``wait`` (pure: no I/O).
+        None: it answers the wait as it is (every tool but a reviewing one)."""
+        return None
+
+    def timers(self, wait: Wait) -> list[ToolTimer]:
+        """Timers to set when ``wait`` is bound; each comes back to ``review`` as a
+        ``tool_timer`` event named after it, if the wait is still open then."""
+        return []
 
     async def close(self) -> None:
         return None

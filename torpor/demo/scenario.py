@@ -22,6 +22,7 @@ class Story(StrEnum):
     CAPABILITY = "capability"  # approved through the capability link, no shared secret
     TIMEOUT = "timeout"  # nobody ever answers: the SLA ends it and the request is withdrawn
     CANCEL = "cancel"  # an operator cancels while it waits
+    ESCALATE = "escalate"  # the director never answers: escalated to the CFO, who approves
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class DocPlan:
 
     @property
     def decision(self) -> str | None:
-        if self.story in (Story.APPROVE, Story.DRIFT, Story.CAPABILITY):
+        if self.story in (Story.APPROVE, Story.DRIFT, Story.CAPABILITY, Story.ESCALATE):
             return "approved"
         return "rejected" if self.story is Story.REJECT else None
 
@@ -50,7 +51,13 @@ class DocPlan:
 
     @property
     def expects_compensation(self) -> bool:
-        return self.story in (Story.TIMEOUT, Story.CANCEL)
+        return self.story in (Story.TIMEOUT, Story.CANCEL, Story.ESCALATE)
+
+    @property
+    def expected_withdrawals(self) -> int:
+        """An escalation withdraws the director's request; a timeout (after its own
+        escalation) withdraws the CFO's too; a cancel withdraws the one open request."""
+        return {Story.TIMEOUT: 2, Story.CANCEL: 1, Story.ESCALATE: 1}.get(self.story, 0)
 
 
 def plan_documents(doc_ids: list[str], *, seed: int) -> dict[str, DocPlan]:
@@ -61,6 +68,7 @@ def plan_documents(doc_ids: list[str], *, seed: int) -> dict[str, DocPlan]:
         Story.DRIFT: max(1, n // 8),
         Story.REJECT: max(1, n // 6),
         Story.CAPABILITY: max(1, n // 8),
+        Story.ESCALATE: max(1, n // 12),
     }
     stories = [s for s, k in counts.items() for _ in range(k)]
     stories += [Story.APPROVE] * max(0, n - len(stories))

@@ -77,6 +77,8 @@ class World:
         self.withdrawn: dict[str, str] = {}
         self.withdraw_docs: Counter[str] = Counter()
         self.responses: dict[str, Counter[int]] = defaultdict(Counter)
+        self.followups: Counter[str] = Counter()  # second-stage and escalated requests
+        self.reminders: Counter[str] = Counter()  # signed reminders torpor sent, per doc
         self.released = False
         self.first_request_at: float | None = None
 
@@ -84,6 +86,10 @@ class World:
 
     def request(self, body: dict[str, Any]) -> None:
         key, doc = str(body["idempotency_key"]), str(body["doc_id"])
+        approvers = body.get("approvers") or ["finance.director"]
+        if int(body.get("stage") or 1) > 1 or approvers[0] != "finance.director":
+            self._followup(doc, key, body)  # the CFO's: a second stage or an escalation
+            return
         with self.lock:
             if key in self.requests:  # a redispatch after a crash: same key, same request
                 return
@@ -103,6 +109,32 @@ class World:
             timer.start()
         elif already:
             self._answer(doc, key)
+
+    def _followup(self, doc: str, key: str, body: dict[str, Any]) -> None:
+        """The CFO answers at once what reaches them (a stage or an escalation)."""
+        with self.lock:
+            if key in self.requests:
+                return
+            self.requests[key] = body
+            self.followups[doc] += 1
+        plan = self.plans.get(doc)
+        if plan is None or plan.story in (Story.TIMEOUT, Story.CANCEL):
+            return
+        if plan.story is Story.CAPABILITY:
+            self.scheduler.at(0.5, lambda: self._capability(body))
+            return
+        status = "rejected" if plan.story is Story.REJECT else "approved"
+        self.scheduler.at(0.5, lambda: self._send_decision(key, status))
+
+    def _send_decision(self, key: str, status: str) -> None:
+        body = self._decision_body(key, status)
+        self._post("decision", body, self._headers(body))
+
+    def reminder(self, body: dict[str, Any], signed: bool) -> None:
+        data = body.get("data") or {}
+        with self.lock:
+            if signed and isinstance(data, dict):
+                self.reminders[str(data.get("subject"))] += 1
 
     def _release_anyway(self) -> None:
         with self.lock:
@@ -132,8 +164,8 @@ class World:
 
     def _answer(self, doc: str, key: str) -> None:
         plan = self.plans.get(doc)
-        if plan is None or plan.story in (Story.TIMEOUT, Story.CANCEL):
-            return
+        if plan is None or plan.story in (Story.TIMEOUT, Story.CANCEL, Story.ESCALATE):
+            return  # nobody answers (escalated: the director is away)
         nth = self.by_doc[doc].index(key) + 1
         request = self.requests[key]
         if plan.story is Story.CAPABILITY:
@@ -155,7 +187,8 @@ class World:
 
     def _decision_body(self, key: str, status: str, event_id: str | None = None) -> bytes:
         request = self.requests[key]
-        decision = {"status": status, "approver": "finance.director", "comment": "ok"}
+        approver = (request.get("approvers") or ["finance.director"])[0]
+        decision = {"status": status, "approver": approver, "comment": "ok"}
         with self.lock:
             self.decisions[key] = decision
         return json.dumps(
@@ -198,7 +231,8 @@ class World:
         url = request.get("capability_url")
         if not url:
             return
-        body = json.dumps({"status": "approved", "approver": "mail.link"}).encode()
+        approver = (request.get("approvers") or ["finance.director"])[0]
+        body = json.dumps({"status": "approved", "approver": approver}).encode()
         headers = {"Content-Type": "application/json"}
         self._post("capability", body, headers, url=url)
         # Someone who saw the link tries to change the answer with it: a used link takes no
@@ -238,6 +272,8 @@ class World:
                 "replans": sum(1 for keys in self.by_doc.values() if len(keys) > 1),
                 "orders": dict(self.order_docs),
                 "withdrawals": dict(self.withdraw_docs),
+                "followups": dict(self.followups),
+                "reminders": dict(self.reminders),
                 "responses": {
                     k: {str(s): n for s, n in v.items()} for k, v in self.responses.items()
                 },
@@ -280,6 +316,9 @@ def handler(world: World) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/oa/withdraw":
                 world.withdraw(body)
                 self._json(200, {"withdrawn": True})
+            elif self.path == "/oa/reminders":
+                world.reminder(body, signed=bool(self.headers.get("webhook-signature")))
+                self._json(200, {"ok": True})
             elif self.path == "/erp/orders":
                 self._json(200, world.order(body))
             else:

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import JsonValue
 
+from torpor.approval import ApprovalTool
 from torpor.errors import ToolError
 from torpor.models import DriftPolicy, GuardBaseline, Wait
 from torpor.outbound import request_async
@@ -141,22 +142,36 @@ class ExtractFields(Tool):
         }
 
 
-class RequestApproval(LongRunningTool):
-    spec = ToolSpec(
-        name="request_approval",
-        description="Ask the finance director, in the OA system, to approve a purchase.",
-        parameters={"type": "object", "properties": {"doc_id": {"type": "string"}}},
-    )
-    version = "3"
-    answered_by = ("oa",)  # the OA system's webhooks; its capability links need no entry
+SECOND_STAGE_ABOVE = 50_000.0  # amounts above this need the CFO too
+
+
+class RequestApproval(ApprovalTool):
+    """The built-in approval tool, talking to the simulated OA: the finance director
+    approves; above 50,000 the CFO approves in a second stage; a reminder goes to the OA
+    before the SLA; a director who does not answer is escalated to the CFO."""
+
+    version = "4"
     can_poll = True
-    can_compensate = True
     checks_state = True
 
     def __init__(self, simulator_url: str, sla_s: float = 75.0, expected_s: float = 30.0) -> None:
+        super().__init__(
+            name="request_approval",
+            description="Ask the finance director, in the OA system, to approve a purchase.",
+            stages=[
+                {"approvers": ["finance.director"]},
+                {"approvers": ["cfo"], "above": SECOND_STAGE_ABOVE},
+            ],
+            policy={"tiers": [{"approvers": ["finance.director", "cfo"]}]},
+            escalation=["cfo"],
+            escalate_after_s=0.75 * sla_s,
+            remind_before_s=[0.15 * sla_s],
+            notify_url=simulator_url.rstrip("/") + "/oa/reminders",
+            sla_s=sla_s,
+            expected_duration_s=expected_s,
+            answered_by=["oa"],  # the OA's webhooks; its capability links need no entry
+        )
         self.oa = _Client(simulator_url)
-        self.sla_s = sla_s
-        self.expected_s = expected_s
 
     async def _budget(self, doc_id: str, cost_centre: str) -> str:
         state = await self.oa.get("/erp/budget", doc=doc_id, cost_centre=cost_centre)
@@ -164,22 +179,22 @@ class RequestApproval(LongRunningTool):
 
     async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
         doc_id, cost_centre = str(args["doc_id"]), str(args["cost_centre"])
-        return WaitPlan(
-            action_key=f"approve:{doc_id}",
-            request={k: args.get(k) for k in ("doc_id", "amount", "currency", "cost_centre")},
-            business_key=doc_id,
-            sla_s=self.sla_s,
-            expected_duration_s=self.expected_s,
-            expected_types=["oa.approval.decided"],
-            guard=GuardBaseline(
-                version_tag=await self._budget(doc_id, cost_centre),
-                captured_at=ctx.now,
-                entities={"budget_owner": cost_centre},
-            ),
-            on_drift=DriftPolicy.REPLAN,
+        plan = await super().begin(
+            {k: args.get(k) for k in ("doc_id", "amount", "currency", "cost_centre")}, ctx
+        )
+        return plan.model_copy(
+            update={
+                "expected_types": ["oa.approval.decided"],
+                "guard": GuardBaseline(
+                    version_tag=await self._budget(doc_id, cost_centre),
+                    captured_at=ctx.now,
+                    entities={"budget_owner": cost_centre},
+                ),
+                "on_drift": DriftPolicy.REPLAN,
+            }
         )
 
-    async def dispatch(self, request: DispatchRequest) -> None:
+    async def send(self, request: DispatchRequest) -> None:
         await self.oa.post(
             "/oa/requests",
             {
@@ -204,9 +219,7 @@ class RequestApproval(LongRunningTool):
         version = await self._budget(str(request["doc_id"]), str(request["cost_centre"]))
         return ExternalState(version_tag=version)
 
-    async def compensate(
-        self, wait: Wait, *, tenant: str, reason: str, idempotency_key: str
-    ) -> None:
+    async def withdraw(self, wait: Wait, *, tenant: str, reason: str, idempotency_key: str) -> None:
         await self.oa.post(
             "/oa/withdraw",
             {

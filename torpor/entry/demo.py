@@ -319,9 +319,10 @@ def verdict(
     order_errors = [
         d for d, p in plans.items() if orders.get(d, 0) != (1 if p.expects_order else 0)
     ]
-    comp_errors = [
-        d for d, p in plans.items() if withdrawals.get(d, 0) != (1 if p.expects_compensation else 0)
-    ]
+    comp_errors = [d for d, p in plans.items() if withdrawals.get(d, 0) != p.expected_withdrawals]
+    reminders, followups = stats.get("reminders", {}), stats.get("followups", {})
+    unreminded = [d for d, p in plans.items() if p.story is Story.TIMEOUT and not reminders.get(d)]
+    escalated = [d for d, p in plans.items() if p.story is Story.ESCALATE]
     r: dict[str, dict[str, int]] = stats["responses"]
 
     def only(kind: str, *codes: str) -> tuple[bool, str]:
@@ -343,8 +344,18 @@ def verdict(
         ),
         "compensations": (
             not comp_errors,
-            "exactly one per timed-out or cancelled session"
+            "the open request withdrawn once per cancel, escalation and timeout"
             + (f"; off: {comp_errors[:5]}" if comp_errors else ""),
+        ),
+        "approval reminders": (
+            not unreminded,
+            f"{sum(reminders.values())} signed reminders sent to the OA before the SLA"
+            + (f"; none for {unreminded[:5]}" if unreminded else ""),
+        ),
+        "escalation and second stage": (
+            all(followups.get(d) for d in escalated),
+            f"{len(escalated)} escalated to the CFO; "
+            f"{sum(followups.values())} requests reached the CFO (escalations and 2nd stages)",
         ),
         "decisions": only("decision", "202"),
         "capability links": only("capability", "202"),

@@ -60,6 +60,7 @@ class IdempotencyRecord:
 class TimerKind(StrEnum):
     WAKE = "wake"  # inbox holds an event that no activation has confirmed yet
     POLL = "poll"  # a wait is overdue: ask the external system
+    TOOL = "tool"  # a timer a wait's tool asked for (an approval's reminder or escalation)
     RETRY = "retry"  # an outbox entry or a failed activation is due for another try
     DELIVER = "deliver"  # an outbound notification is due for an attempt
 

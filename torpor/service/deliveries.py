@@ -66,17 +66,24 @@ class DeliveryNotifier:
         self.deliveries = services.deliveries
 
     async def enqueue(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
-        if not snapshot.callback_url:
+        # A tool's notice names its receiver (configured with the tool, e.g. the OA's
+        # reminder endpoint); the session's own notices go to the submitter's callback.
+        url = entry.payload.get("url") or snapshot.callback_url
+        if not isinstance(url, str) or not url:
             return
         now = self.services.clock.now()
         event = str(entry.payload.get("event", snapshot.state.value))
+        body = payload(snapshot, event=event, now=now)
+        tool_data = entry.payload.get("data")
+        if "url" in entry.payload and isinstance(tool_data, dict):
+            body = {"type": event, "timestamp": body["timestamp"], "data": tool_data}
         delivery = Delivery(
             delivery_id="d_" + digest(entry.idempotency_key, length=24),
             tenant=snapshot.tenant,
             session_id=snapshot.session_id,
-            url=snapshot.callback_url,
-            event_type=f"session.{event.lower()}",
-            payload=payload(snapshot, event=event, now=now),
+            url=url,
+            event_type=event if "url" in entry.payload else f"session.{event.lower()}",
+            payload=body,
             next_attempt_at=now,
             created_at=now,
         )

@@ -21,13 +21,13 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 from torpor.deliveries import DeliveryStatus
-from torpor.errors import TorporError
+from torpor.errors import PluginNotFound, TorporError
 from torpor.lifecycle import WAITING_STATES, SessionState
 from torpor.models import SessionHeader, SessionSnapshot
 from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.service.deliveries import timer_member
-from torpor.session.suspend import binding_of, poll_member
+from torpor.session.suspend import binding_of, poll_member, schedule_tool_timers
 from torpor.tools import LongRunningTool
 
 Request = Callable[[list[tuple[str, Reason]]], Awaitable[object]]
@@ -97,6 +97,13 @@ class IndexRepair:
         )
         return bool(pending)
 
+    def _long_running(self, snapshot: SessionSnapshot, name: str) -> LongRunningTool | None:
+        try:
+            tool = self.services.plugins.agent(snapshot.agent.name).tools.get(name)
+        except PluginNotFound:
+            return None
+        return tool if isinstance(tool, LongRunningTool) else None
+
     async def _rebind(self, snapshot: SessionSnapshot, now: datetime) -> int:
         index = self.services.index
         grace = timedelta(seconds=self.services.settings.storage.binding_grace_s)
@@ -115,6 +122,9 @@ class IndexRepair:
                 await self.services.correlations.record_business_key(
                     binding, business_key=wait.business_key
                 )
+            tool = self._long_running(snapshot, wait.tool_name)
+            if tool is not None:  # a timer that fired already delivers nothing twice
+                await schedule_tool_timers(index, snapshot.session_id, wait, tool)
             if self.poll_tool(snapshot, wait.tool_name) is not None:
                 await index.schedule(
                     kind=TimerKind.POLL,

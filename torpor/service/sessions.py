@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import JsonValue
 
+from torpor.approval.tool import REASSIGN
 from torpor.backoff import Backoff
 from torpor.errors import (
     IdempotencyInProgress,
@@ -29,6 +30,7 @@ from torpor.errors import (
     SessionNotFound,
     SnapshotCorrupt,
     UnknownAgent,
+    UnknownCorrelation,
 )
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
@@ -275,6 +277,41 @@ class SessionService:
         await self.services.index.schedule(kind=TimerKind.RETRY, member=session_id, at=self._now)
         await self.activate(session_id, reason=Reason.RETRY)
         return entry
+
+    async def reassign_approval(
+        self,
+        session_id: str,
+        correlation_id: str,
+        *,
+        approvers: list[str],
+        by: str,
+        why: str = "",
+        tenant: str | None = None,
+    ) -> str:
+        """Operator action: give an open approval to other approvers. An instruction in the
+        session's inbox (who and why on the record), which the approval tool turns into a
+        new request in a new epoch under the session's lease, withdrawing the old one.
+        Returns the instruction's event id."""
+        snapshot = await self.get(session_id, tenant=tenant)
+        wait = snapshot.wait_for(correlation_id)
+        if wait is None or snapshot.terminal:
+            raise UnknownCorrelation("the session has no such open wait")
+        if not approvers or not all(isinstance(a, str) and 0 < len(a) <= 256 for a in approvers):
+            raise InvalidRequest("approvers: one or more names of at most 256 characters")
+        event_id = f"reassign:{new_trace_id()}"
+        await self.deliver(
+            InboxEvent.answering(
+                wait,
+                kind=EventKind.OPERATOR,
+                session_id=session_id,
+                source="torpor",  # reserved: no webhook source can write under it
+                event_id=event_id,
+                type=REASSIGN,
+                received_at=self._now,
+                data={"approvers": list(approvers), "by": by[:256], "why": why[:1000]},
+            )
+        )
+        return event_id
 
     async def retry(self, session_id: str, *, tenant: str | None = None) -> SessionSnapshot:
         """Operator action: take a QUARANTINED session back (``torpor.service.quarantine``)."""

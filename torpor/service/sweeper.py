@@ -92,6 +92,7 @@ class Sweeper:
             self._retries,
             self._activation_timers,
             self._polls,
+            self._tool_timers,
         ]
 
     async def sweep_once(self, now: datetime | None = None) -> SweepReport:
@@ -236,6 +237,41 @@ class Sweeper:
             at=now + timedelta(seconds=delay),
         )
         await index.unschedule(kind=TimerKind.POLL, member=member)
+
+    # -- tool timers (an approval's reminders and escalations) -----------------------------
+
+    async def _tool_timers(self, now: datetime, report: SweepReport) -> None:
+        index, until = self.services.index, now + self.timer_lease
+        due = await index.lease_due(kind=TimerKind.TOOL, now=now, limit=BATCH, until=until)
+        for member in due:
+            await self._tool_timer(member, now, until)
+
+    async def _tool_timer(self, member: str, now: datetime, until: datetime) -> None:
+        """The timer becomes an inbox event addressed to its wait (create-only by its name,
+        so a sweep that dies after the write and takes the timer again delivers it once),
+        and the wait's tool reviews it in the session, under the session's lease. It is
+        removed only once the event is durable."""
+        index = self.services.index
+        session_id, correlation_id, name = [*member.split("|", 2), "", ""][:3]
+        try:
+            snapshot = await self.services.snapshots.load(session_id)
+        except SessionNotFound:
+            snapshot = None
+        wait = snapshot.wait_for(correlation_id) if snapshot is not None else None
+        if snapshot is not None and wait is not None and not snapshot.terminal and name:
+            await self.sessions.deliver(
+                InboxEvent.answering(
+                    wait,
+                    kind=EventKind.TOOL_TIMER,
+                    session_id=session_id,
+                    source="torpor",
+                    event_id=f"timer:{name}:{correlation_id}",
+                    type=f"torpor.timer.{name}",
+                    received_at=now,
+                    data={"timer": name},
+                )
+            )
+        await index.unschedule(kind=TimerKind.TOOL, member=member, if_at=until)
 
     def _tool(self, snapshot: SessionSnapshot, name: str) -> LongRunningTool | None:
         try:

@@ -30,10 +30,11 @@ from torpor.models import (
     OutboxKind,
     SessionSnapshot,
     ToolCall,
+    ToolCallFunction,
     Wait,
 )
 from torpor.plugins import LoadedAgent
-from torpor.ports import TimerKind, WaitBinding
+from torpor.ports import TimerIndex, TimerKind, WaitBinding
 from torpor.session.working import WorkingCopy, error_result, message_content
 from torpor.tools import LongRunningTool, MemberPlan, WaitPlan
 
@@ -50,6 +51,19 @@ def binding_of(snapshot: SessionSnapshot, wait: Wait) -> WaitBinding:
         step_id=wait.waiting_step_id,
         deadline=wait.deadline,
     )
+
+
+def tool_timer_member(session_id: str, correlation_id: str, name: str) -> str:
+    """The TOOL timer entry of a wait: who, which wait, which of its tool's timers."""
+    return f"{session_id}|{correlation_id}|{name}"
+
+
+async def schedule_tool_timers(
+    index: TimerIndex, session_id: str, wait: Wait, tool: LongRunningTool
+) -> None:
+    for timer in tool.timers(wait):
+        member = tool_timer_member(session_id, wait.correlation_id, timer.name)
+        await index.schedule(kind=TimerKind.TOOL, member=member, at=timer.at)
 
 
 def poll_member(session_id: str, correlation_id: str, attempt: int) -> str:
@@ -205,7 +219,43 @@ class Suspender:
             on_drift=plan.on_drift,
             request=member.request if member else plan.request,
             replanned=business_key is not None and business_key in work.snap.business_keys,
+            progress=plan.progress,
         )
+
+    async def reissue(
+        self, wait: Wait, tool: LongRunningTool, request: dict[str, JsonValue], *, reason: str
+    ) -> None:
+        """Withdraw ``wait``'s request and send ``request`` in its place, in a new epoch:
+        the old wait closes (RUNNING, its compensation withdraws the request under its own
+        idempotency key), the new one opens (SUSPENDED, a new correlation id) in the same
+        commit, so an answer to the old request is stale from then on. The SLA deadline
+        stays the wait's."""
+        work = self.work
+        withdraw = (
+            [outbox.compensate_entry(work.snap, wait, reason=reason, now=work.now)]
+            if tool.can_compensate
+            else []
+        )
+        work.update(
+            waits=[w for w in work.snap.waits if w.wait_id != wait.wait_id],
+            outbox=[*work.snap.outbox, *withdraw],
+        )
+        work.move(SessionState.RUNNING, reason)
+        plan = WaitPlan(
+            action_key=wait.action_key,
+            request=request,
+            business_key=wait.business_key,
+            sla_s=max(0.001, (wait.deadline - work.now).total_seconds()),
+            expected_duration_s=wait.expected_duration_s,
+            expected_types=wait.expected_types,
+            allowed_sources=wait.allowed_sources,
+            guard=wait.guard,
+            on_drift=wait.on_drift,
+            progress=wait.progress,
+        )
+        call = ToolCall(id=wait.tool_call_id, function=ToolCallFunction(name=wait.tool_name))
+        await self.suspend([(call, tool, plan)])
+        await self.unbind([wait])
 
     def answer_sources(self, tool: LongRunningTool, plan: WaitPlan) -> list[str]:
         """Who may answer the wait: the plan's sources, else the agent's configuration for
@@ -260,6 +310,8 @@ class Suspender:
                     member=poll_member(snap.session_id, wait.correlation_id, 0),
                     at=wait.overdue_after,
                 )
+            if isinstance(tool, LongRunningTool):
+                await schedule_tool_timers(self.deps.index, snap.session_id, wait, tool)
 
     async def unbind(self, waits: list[Wait]) -> None:
         for wait in waits:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pydantic import JsonValue
 
-from torpor import guard
+from torpor import guard, outbox
 from torpor.deadlines import call_out
 from torpor.errors import GuardUnavailable
 from torpor.events import EventKind, InboxEvent
@@ -28,7 +28,7 @@ from torpor.session.fan_in import FanInWake
 from torpor.session.retry import Retrier
 from torpor.session.suspend import Suspender
 from torpor.session.working import WorkingCopy, message_content
-from torpor.tools import LongRunningTool
+from torpor.tools import LongRunningTool, Review, ReviewAction
 
 
 class Wake:
@@ -42,6 +42,7 @@ class Wake:
         self.retrier = Retrier(work)
         self._closed: list[Wait] = []  # waits answered by this activation, to unbind
         self.fan_in = FanInWake(work, loaded)
+        self._reissue: tuple[Wait, dict[str, JsonValue], ObservationReason] | None = None
 
     async def resume(self) -> None:
         """Apply what the inbox holds to the waits, through the gates, in order."""
@@ -76,8 +77,12 @@ class Wake:
                 await self.observe(event, ObservationReason.LATE)
                 overdue.append(decision.wait)
                 continue
+            review = self.review(event, decision.wait)
+            if review is not None and review.action is not ReviewAction.APPLY:
+                await self.settle_review(event, decision.wait, review)
+                continue
             try:
-                applied = await self.apply(event, decision.wait)
+                applied = await self.apply(event, decision.wait, review)
             except GuardUnavailable as exc:
                 if decision.wait.deadline <= now:
                     # The guard cannot be checked and the time is up: the SLA still
@@ -94,6 +99,10 @@ class Wake:
             if work.snap.wait_for(wait.correlation_id) and self.fan_in.proceeds_on_expiry(wait):
                 self._closed = [*self._closed, *self.fan_in.expired(wait)]
         still_open = [w for w in overdue if work.snap.wait_for(w.correlation_id)]
+        reissue = self._reissue
+        self._reissue = None
+        if reissue is not None and not still_open and await self.reissue(*reissue):
+            return
         if still_open:
             await self.suspender.finish(
                 SessionState.TIMED_OUT,
@@ -118,11 +127,61 @@ class Wake:
         await self.suspender.unbind(self._closed)
         self._closed = []
         if work.snap.pending_outbox():
-            await self.suspender.drain_outbox()  # compensations of closed fan-in members
+            # compensations of closed fan-in members, a tool's notices (reminders): now
+            await self.suspender.drain_outbox()
 
-    async def apply(self, event: InboxEvent, wait: Wait) -> bool:
-        """Run the guard, then inject the event as the tool's answer. False if the guard
-        ended the session."""
+    def tool_of(self, wait: Wait) -> LongRunningTool | None:
+        tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
+        return tool if isinstance(tool, LongRunningTool) else None
+
+    def review(self, event: InboxEvent, wait: Wait) -> Review | None:
+        """The wait's tool's word on an event that passed the gates. An instruction only
+        torpor writes (a tool timer, an operator's) for a tool that does not review is
+        unexpected: it must never become a tool's answer."""
+        tool = self.tool_of(wait)
+        review = tool.review(wait, event, now=self.work.now) if tool is not None else None
+        if review is None and event.kind in (EventKind.TOOL_TIMER, EventKind.OPERATOR):
+            return Review(ReviewAction.OBSERVE, reason=ObservationReason.UNEXPECTED)
+        return review
+
+    async def settle_review(self, event: InboxEvent, wait: Wait, review: Review) -> None:
+        """Record a reviewed event that does not answer the wait: its observation, the
+        wait's new tool state, the tool's notices, an alert; a reissue comes after the
+        other events of this activation."""
+        work = self.work
+        await self.observe(event, review.reason or ObservationReason.UNEXPECTED)
+        if review.progress is not None:
+            current = work.snap.wait_for(wait.correlation_id) or wait
+            updated = current.model_copy(update={"progress": review.progress})
+            work.update(
+                waits=[updated if w.wait_id == wait.wait_id else w for w in work.snap.waits]
+            )
+        if review.notices:
+            entries = [outbox.notice_entry(work.snap, n, now=work.now) for n in review.notices]
+            work.update(outbox=[*work.snap.outbox, *entries])
+        if review.alert:
+            await self.deps.observer.security_alert(work.snap, wait, review.alert)
+        if review.action is ReviewAction.REISSUE and review.request is not None:
+            self._reissue = (wait, review.request, review.reason or ObservationReason.ESCALATED)
+
+    async def reissue(
+        self, wait: Wait, request: dict[str, JsonValue], reason: ObservationReason
+    ) -> bool:
+        """Send the wait's request anew (a new epoch). Only for a session waiting on this
+        one wait: a reissue closes the session's epoch, which would strand its others."""
+        work = self.work
+        tool = self.tool_of(wait)
+        current = work.snap.wait_for(wait.correlation_id)
+        if tool is None or current is None or len(work.snap.waits) != 1:
+            return False
+        await self.suspender.unbind(self._closed)
+        self._closed = []
+        await self.suspender.reissue(current, tool, request, reason=reason.value)
+        return True
+
+    async def apply(self, event: InboxEvent, wait: Wait, review: Review | None = None) -> bool:
+        """Run the guard, then inject the event (or the answer its tool's review made of
+        it) as the tool's answer. False if the guard ended the session."""
         work = self.work
         tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
         current = None
@@ -140,7 +199,7 @@ class Wake:
                 raise GuardUnavailable(f"{type(exc).__name__}: {exc}") from exc
             self.retrier.succeeded()
         verdict = guard.evaluate(wait.guard, current, now=work.now)
-        content: JsonValue = event.data
+        content: JsonValue = review.answer if review is not None else event.data
         if not verdict.ok:
             work.stats.drifts += 1
             if wait.on_drift is DriftPolicy.BLOCK:

@@ -1,0 +1,245 @@
+"""The built-in ApprovalTool in one process: authority, quorum, stages, reminders,
+escalation and reassignment, on the real runtime (Redis index, local object store)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.runtime import approval_tools
+from tests.runtime.approval_tools import SENT, WITHDRAWN, approval_agent
+from tests.support.harness import Env, callback, local_env
+from tests.support.receiver import Receiver
+from torpor.lifecycle import SessionState
+from torpor.models import ObservationReason, SessionSnapshot, Wait
+from torpor.ports import Observer, TimerKind
+from torpor.service.deliveries import DeliveryWorker, secret_for
+from torpor.service.sweeper import Sweeper, SweepReport
+from torpor.webhooks.signing import Scheme, verify
+
+S, R = SessionState, ObservationReason
+POLICY = {
+    "tiers": [{"up_to": 1000, "approvers": ["clerk"]}, {"approvers": ["fd", "cfo", "bob"]}],
+    "delegations": [{"delegate": "deputy", "for": "fd"}],
+}
+
+
+class Alerts(Observer):
+    def __init__(self) -> None:
+        self.alerts: list[list[str]] = []
+
+    async def security_alert(
+        self, snapshot: SessionSnapshot, wait: Wait, reasons: list[str]
+    ) -> None:
+        self.alerts.append(reasons)
+
+
+@pytest.fixture(autouse=True)
+def oa() -> Iterator[None]:
+    approval_tools.reset()
+    yield
+    approval_tools.reset()
+
+
+@pytest.fixture
+def make(tmp_path: Path, redis_url: str, redis_prefix: str) -> Any:
+    def make(**options: Any) -> Any:
+        agents = {"approval": approval_agent(**{"policy": POLICY, **options})}
+        return local_env(tmp_path, redis_url, redis_prefix, extra={"agents": agents})
+
+    return make
+
+
+async def submit(env: Env, amount: float = 5000, doc: str = "PR-1") -> str:
+    result = await env.control.submit(
+        tenant="acme", agent="approval", input={"doc": doc, "amount": amount, "cc": "CC-7"}
+    )
+    return result.session_id
+
+
+count = iter(range(10_000))
+
+
+async def vote(env: Env, sid: str, approver: str, status: str = "approved") -> SessionSnapshot:
+    await env.answer(sid, {"status": status, "approver": approver}, event_id=f"e{next(count)}")
+    return await env.load(sid)
+
+
+def reasons(snap: SessionSnapshot) -> list[ObservationReason]:
+    return [o.reason for o in snap.observations]
+
+
+@pytest.fixture
+async def fd_or_clerk(make: Any) -> AsyncIterator[tuple[Env, Alerts]]:
+    async with make(stages=[{"approvers": ["fd", "clerk"]}]) as env:
+        alerts = Alerts()
+        env.services.observer = alerts
+        yield env, alerts
+
+
+async def test_an_answer_without_authority_is_observed_alerted_and_never_applied(
+    fd_or_clerk: tuple[Env, Alerts],
+) -> None:
+    env, alerts = fd_or_clerk
+    sid = await submit(env, amount=5000)
+    before = await env.load(sid)
+    snap = await vote(env, sid, "clerk")  # asked, but may approve up to 1000 only
+    assert snap.state is S.SUSPENDED and snap.waits == before.waits
+    snap = await vote(env, sid, "mallory")  # never asked
+    assert snap.state is S.SUSPENDED and snap.waits == before.waits
+    assert reasons(snap) == [R.UNAUTHORIZED, R.UNAUTHORIZED]
+    assert len(alerts.alerts) == 2 and "no authority for 5000" in alerts.alerts[0][0]
+    snap = await vote(env, sid, "fd")
+    assert snap.state is S.COMPLETED and snap.result is not None
+    assert snap.result["decision"] == "approved"  # type: ignore[index,call-overload]
+
+
+async def test_a_delegate_approves_for_whom_they_act_for(fd_or_clerk: tuple[Env, Alerts]) -> None:
+    env, alerts = fd_or_clerk
+    sid = await submit(env, amount=5000)
+    snap = await vote(env, sid, "deputy")
+    assert snap.state is S.COMPLETED and not alerts.alerts
+    [stage] = snap.result["stages"]  # type: ignore[index,call-overload]
+    assert stage["by"] == {"fd": "deputy"}
+
+
+@pytest.mark.parametrize(
+    ("quorum", "votes", "decided_at", "decision"),
+    [
+        # all of: out of order, a duplicate from one approver counted once
+        ({"mode": "all"}, ["cfo", "fd", "fd", "bob"], 3, "approved"),
+        ({"mode": "all"}, ["cfo", "bob:rejected"], 1, "rejected"),
+        ({"mode": "any"}, ["bob", "fd"], 0, "approved"),
+        # N of M: the second approval of the same person does not make two
+        ({"mode": "n_of_m", "required": 2}, ["bob", "bob", "cfo"], 2, "approved"),
+        ({"mode": "n_of_m", "required": 2}, ["bob:rejected", "cfo:rejected"], 1, "rejected"),
+    ],
+)
+async def test_multi_approver_modes(
+    make: Any, quorum: dict[str, Any], votes: list[str], decided_at: int, decision: str
+) -> None:
+    async with make(stages=[{"approvers": ["fd", "cfo", "bob"], "quorum": quorum}]) as env:
+        sid = await submit(env)
+        for i, cast in enumerate(votes):
+            approver, _, status = cast.partition(":")
+            snap = await vote(env, sid, approver, status or "approved")
+            assert (snap.state is S.COMPLETED) is (i >= decided_at), (i, snap.state)
+            if snap.state is S.COMPLETED:
+                break
+        assert snap.result["decision"] == decision  # type: ignore[index,call-overload]
+        duplicates = votes[: decided_at + 1].count("fd") > 1 or votes.count("bob") > 1
+        assert (R.DUPLICATE in reasons(snap)) is duplicates
+        assert len(SENT) == 1  # one request, one epoch: collected inside the tool
+
+
+async def test_a_second_stage_above_the_threshold_is_a_new_request(make: Any) -> None:
+    stages = [{"approvers": ["bob"]}, {"approvers": ["cfo"], "above": 10_000}]
+    async with make(stages=stages) as env:
+        small = await submit(env, amount=500, doc="PR-S")
+        assert (await vote(env, small, "bob")).state is S.COMPLETED
+        big = await submit(env, amount=20_000, doc="PR-B")
+        first = (await env.load(big)).waits[0]
+        snap = await vote(env, big, "bob")
+        [second] = snap.waits
+        assert snap.state is S.SUSPENDED and second.epoch > first.epoch
+        assert second.request["approvers"] == ["cfo"] and second.request["stage"] == 2
+        snap = await vote(env, big, "cfo")
+        assert snap.state is S.COMPLETED
+        assert [s["stage"] for s in snap.result["stages"]] == [1, 2]  # type: ignore[index,call-overload]
+
+
+async def test_a_reminder_is_sent_signed_and_recorded_on_the_session(make: Any) -> None:
+    hook = Receiver()
+    try:
+        async with make(
+            stages=[{"approvers": ["fd"]}], sla_s=3600, remind_before_s=[600], notify_url=hook.url
+        ) as env:
+            sid = await submit(env)
+            sweeper = Sweeper(env.control)
+            await sweeper.sweep_once(env.clock.now())
+            assert reasons(await env.load(sid)) == []  # not yet
+            env.clock.advance(3001)
+            await sweeper.sweep_once(env.clock.now())
+            snap = await env.load(sid)
+            assert snap.state is S.SUSPENDED and reasons(snap) == [R.REMINDER]
+            assert await DeliveryWorker(env.services).due(env.clock.now()) == 1
+            [got] = hook.received
+            secret = secret_for(env.services.settings, "acme", hook.url)
+            # Signed as every notification is (Standard Webhooks), at the manual clock's time.
+            verify(Scheme.STANDARD, got.body, got.headers, [secret], now=env.clock.now())
+            payload = json.loads(got.body)
+            assert payload["type"] == "approval.reminder"
+            assert payload["data"]["correlation_id"] == snap.waits[0].correlation_id
+            await sweeper.sweep_once(env.clock.now())  # the timer is gone: one reminder
+            assert reasons(await env.load(sid)) == [R.REMINDER]
+    finally:
+        hook.close()
+
+
+async def test_escalation_opens_a_new_epoch_and_the_old_answer_is_stale(make: Any) -> None:
+    async with make(
+        stages=[{"approvers": ["fd"]}], escalation=["cfo"], escalate_after_s=1200
+    ) as env:
+        sid = await submit(env)
+        old = (await env.load(sid)).waits[0]
+        env.clock.advance(1201)
+        await Sweeper(env.control).sweep_once(env.clock.now())
+        snap = await env.load(sid)
+        [new] = snap.waits
+        assert new.epoch > old.epoch and new.correlation_id != old.correlation_id
+        assert new.request["approvers"] == ["cfo"] and R.ESCALATED in reasons(snap)
+        assert [r.idempotency_key for r in SENT] == [
+            f"acme:{old.action_key}:{old.epoch}",
+            f"acme:{new.action_key}:{new.epoch}",
+        ]
+        assert [(f"acme:{old.action_key}:{old.epoch}:compensate", "escalated")] == WITHDRAWN
+        # The first approver answers the withdrawn request: stale, never applied.
+        late = callback(
+            sid,
+            old,
+            event_id="late",
+            data={"status": "approved", "approver": "fd"},
+            at=env.clock.now(),
+        )
+        await env.control.deliver(late)
+        snap = await env.load(sid)
+        assert snap.state is S.SUSPENDED and reasons(snap)[-1] is R.STALE
+        assert (await vote(env, sid, "cfo")).state is S.COMPLETED
+
+
+async def test_an_operator_reassigns_an_approval(make: Any) -> None:
+    async with make(stages=[{"approvers": ["fd"]}]) as env:
+        sid = await submit(env)
+        old = (await env.load(sid)).waits[0]
+        await env.control.reassign_approval(
+            sid, old.correlation_id, approvers=["bob"], by="operator:abc", why="fd on leave"
+        )
+        snap = await env.load(sid)
+        [new] = snap.waits
+        assert new.epoch > old.epoch and new.request["approvers"] == ["bob"]
+        assert reasons(snap) == [R.REASSIGNED]
+        assert [(f"acme:{old.action_key}:{old.epoch}:compensate", "reassigned")] == WITHDRAWN
+        assert (await vote(env, sid, "fd")).state is S.SUSPENDED  # no longer asked
+        assert (await vote(env, sid, "bob")).state is S.COMPLETED
+
+
+async def test_a_rebuilt_index_gets_the_approvals_timers_back(make: Any) -> None:
+    async with make(
+        stages=[{"approvers": ["fd"]}], escalation=["cfo"], escalate_after_s=1200
+    ) as env:
+        sid = await submit(env)
+        wait = (await env.load(sid)).waits[0]
+        index = env.services.index
+        # The index lost the wait and its timers (a flushed Redis).
+        await index.unbind(tenant="acme", correlation_id=wait.correlation_id, business_key="PR-1")
+        member = f"{sid}|{wait.correlation_id}|escalate-1"
+        await index.unschedule(kind=TimerKind.TOOL, member=member)
+        sweeper = Sweeper(env.control)
+        await sweeper.repair(env.clock.now(), SweepReport())
+        env.clock.advance(1201)
+        await sweeper.sweep_once(env.clock.now())
+        assert (await env.load(sid)).waits[0].request["approvers"] == ["cfo"]

@@ -1,0 +1,89 @@
+"""The approval rules, pure: who may approve, and when enough have."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from torpor.approval.policy import AuthorityPolicy, Mode, Outcome, Quorum
+from torpor.auth import hash_key, operator_for
+from torpor.errors import Unauthenticated
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+POLICY = AuthorityPolicy.model_validate(
+    {
+        "tiers": [{"up_to": 1000, "approvers": ["clerk"]}, {"approvers": ["fd"]}],
+        "cost_centre_owners": {"CC-7": ["owner"]},
+        "cost_centre_limit": 5000,
+        "delegations": [
+            {"delegate": "deputy", "for": "fd", "until": NOW + timedelta(days=1)},
+        ],
+    }
+)
+
+
+def authority(approver: str, amount: float, *, asked: list[str], at: datetime = NOW) -> bool:
+    return POLICY.authority(approver, asked=asked, amount=amount, cost_centre="CC-7", now=at).ok
+
+
+def test_amount_tiers() -> None:
+    assert authority("clerk", 1000, asked=["clerk"])
+    assert not authority("clerk", 1000.01, asked=["clerk"])
+    assert authority("fd", 1_000_000, asked=["fd"])
+
+
+def test_cost_centre_owners_up_to_their_limit() -> None:
+    assert authority("owner", 5000, asked=["owner"])
+    assert not authority("owner", 5001, asked=["owner"])
+    other = POLICY.authority("owner", asked=["owner"], amount=10, cost_centre="CC-8", now=NOW)
+    assert not other.ok
+
+
+def test_a_delegation_counts_for_its_principal_until_it_ends() -> None:
+    acting = POLICY.authority("deputy", asked=["fd"], amount=9000, cost_centre=None, now=NOW)
+    assert acting.ok and acting.principal == "fd"
+    assert not authority("deputy", 9000, asked=["fd"], at=NOW + timedelta(days=2))
+
+
+def test_someone_not_asked_has_no_say() -> None:
+    refused = POLICY.authority("fd", asked=["clerk"], amount=1, cost_centre=None, now=NOW)
+    assert not refused.ok and "not an approver" in refused.why
+
+
+@pytest.mark.parametrize(
+    ("quorum", "votes", "outcome"),
+    [
+        (Quorum(mode=Mode.ALL), {"a": "approved", "b": "approved"}, Outcome.OPEN),
+        (
+            Quorum(mode=Mode.ALL),
+            {"c": "approved", "a": "approved", "b": "approved"},
+            Outcome.APPROVED,
+        ),
+        (Quorum(mode=Mode.ALL), {"b": "rejected"}, Outcome.REJECTED),
+        (Quorum(mode=Mode.ANY), {"c": "approved"}, Outcome.APPROVED),
+        (Quorum(mode=Mode.ANY), {"a": "rejected", "b": "rejected"}, Outcome.OPEN),
+        (Quorum(mode=Mode.N_OF_M, required=2), {"x": "approved", "a": "approved"}, Outcome.OPEN),
+        (
+            Quorum(mode=Mode.N_OF_M, required=2),
+            {"b": "approved", "a": "approved"},
+            Outcome.APPROVED,
+        ),
+        (
+            Quorum(mode=Mode.N_OF_M, required=2),
+            {"a": "rejected", "b": "rejected"},
+            Outcome.REJECTED,
+        ),
+    ],
+)
+def test_quorum(quorum: Quorum, votes: dict[str, str], outcome: Outcome) -> None:
+    assert quorum.tally(["a", "b", "c"], votes) is outcome
+
+
+def test_operator_keys_are_checked_and_never_named() -> None:
+    key = "tpk_operator-key-0123456789"
+    who = operator_for(f"Bearer {key}", [hash_key("tpk_other"), hash_key(key)])
+    assert who.startswith("operator:") and key not in who
+    for bad in (None, "Bearer tpk_wrong", "Basic abc", f"bearer{key}"):
+        with pytest.raises(Unauthenticated):
+            operator_for(bad, [hash_key(key)])
