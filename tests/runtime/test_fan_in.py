@@ -370,3 +370,17 @@ async def test_a_member_whose_request_fails_counts_as_failed_not_as_an_answer() 
         assert failed.result["met"] is False  # type: ignore[index,call-overload]
         assert failed.result["cancelled"] == ["a", "c"]  # type: ignore[index,call-overload]
         assert sorted(a for a, _, _ in record.compensated) == ["quote:a", "quote:c"]
+
+
+async def test_cancelling_the_session_undoes_every_open_member_once() -> None:
+    async with open_env({"t": tool_agent({"condition": "n_of_m", "n": 2})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        await answer(env, sid, member(snap, "a"), 10)
+        await env.control.cancel(sid)
+        done = await env.load(sid)
+        assert done.state is S.CANCELLED and done.fan_ins == [] and done.waits == []
+        assert sorted(a for a, _, _ in record.compensated) == ["quote:b", "quote:c"]
+        for vendor in VENDORS:
+            assert not await bound(env, member(snap, vendor))
