@@ -45,6 +45,7 @@ class WaitOut(BaseModel):
     epoch: int
     opened_at: datetime
     deadline: datetime
+    group_id: str | None = None  # the fan-in group the wait is a member of
 
 
 class SessionOut(BaseModel):
@@ -84,6 +85,7 @@ class SessionOut(BaseModel):
                     epoch=w.epoch,
                     opened_at=w.opened_at,
                     deadline=w.deadline,
+                    group_id=w.group_id,
                 )
                 for w in s.waits
             ],

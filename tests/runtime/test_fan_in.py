@@ -14,6 +14,8 @@ from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason, SessionSnapshot, Wait
 from torpor.ports import Reason
+from torpor.service.sweeper import Sweeper
+from torpor.session.suspend import binding_of
 
 S = SessionState
 VENDORS = ["a", "b", "c"]
@@ -370,3 +372,42 @@ async def test_a_member_whose_request_fails_counts_as_failed_not_as_an_answer() 
         assert failed.result["met"] is False  # type: ignore[index,call-overload]
         assert failed.result["cancelled"] == ["a", "c"]  # type: ignore[index,call-overload]
         assert sorted(a for a, _, _ in record.compensated) == ["quote:a", "quote:c"]
+
+
+async def test_cancelling_the_session_undoes_every_open_member_once() -> None:
+    async with open_env({"t": tool_agent({"condition": "n_of_m", "n": 2})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        await answer(env, sid, member(snap, "a"), 10)
+        await env.control.cancel(sid)
+        done = await env.load(sid)
+        assert done.state is S.CANCELLED and done.fan_ins == [] and done.waits == []
+        assert sorted(a for a, _, _ in record.compensated) == ["quote:b", "quote:c"]
+        for vendor in VENDORS:
+            assert not await bound(env, member(snap, vendor))
+
+
+async def test_a_left_over_binding_of_a_closed_member_is_unbound_without_waking_the_session() -> (
+    None
+):
+    """The process died between the commit that closed a member and its unbind: at the
+    member's deadline the sweep removes the binding instead of waking the session."""
+    agents = {"t": tool_agent({"condition": "n_of_m", "n": 2}, sla={"a": 60})}
+    async with open_env(agents) as env:
+        fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        a = member(snap, "a")
+        await answer(env, sid, a, 10)
+        mid = await env.load(sid)
+        grace = env.services.config.binding_grace
+        await env.services.index.bind_wait(
+            binding_of(mid, a), business_key=None, grace=grace, now=env.clock.now()
+        )
+        env.clock.advance(61)
+        report = await Sweeper(env.control).sweep_once()
+        assert report.timeouts == 0 and not await bound(env, a)
+        after = await env.load(sid)
+        assert after.generation == mid.generation and after.state is S.SUSPENDED
+        assert await bound(env, member(snap, "b")), "the open members stay bound"

@@ -178,3 +178,12 @@ def test_snapshot_without_fan_in_fields_still_loads() -> None:
     ]
     loaded = SessionSnapshot.model_validate(stored)
     assert loaded.fan_ins == [] and all(w.group_id is None for w in loaded.waits)
+
+
+def test_the_session_view_names_each_members_group() -> None:
+    from tests.support.factories import snapshot
+    from torpor.api import SessionOut
+
+    group, members = fanin.form(ANY, waits(2))
+    view = SessionOut.of(snapshot().model_copy(update={"waits": members, "fan_ins": [group]}))
+    assert [w.group_id for w in view.waits] == [group.group_id] * 2

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from torpor.backoff import Backoff
-from torpor.errors import PluginNotFound, SessionNotFound
+from torpor.errors import PluginNotFound, SessionNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
 from torpor.models import SessionSnapshot
-from torpor.ports import Reason, TimerKind
+from torpor.ports import Reason, TimerKind, WaitBinding
 from torpor.service.coalescing import Fallback, request_activation
 from torpor.service.deliveries import DeliveryWorker
 from torpor.service.repair import IndexRepair
@@ -138,9 +138,39 @@ class Sweeper:
         # A deadline stays in the SLA set until the timed-out session unbinds its wait: a
         # request that is not taken is simply made again by the next sweep.
         due = await self.services.index.due_deadlines(now=now, limit=BATCH)
-        sessions = list(dict.fromkeys(b.session_id for b in due))
+        by_session: dict[str, list[WaitBinding]] = {}
+        for binding in due:
+            by_session.setdefault(binding.session_id, []).append(binding)
+        gate = asyncio.Semaphore(REQUESTS_AT_ONCE)
+
+        async def waiting(session_id: str) -> bool:
+            async with gate:
+                return await self._still_waiting(session_id, by_session[session_id])
+
+        checks = await asyncio.gather(*(waiting(sid) for sid in by_session))
+        sessions = [sid for sid, live in zip(by_session, checks, strict=True) if live]
         await self._request_all([(sid, Reason.TIMEOUT) for sid in sessions])
         report.timeouts += len(sessions)
+
+    async def _still_waiting(self, session_id: str, due: list[WaitBinding]) -> bool:
+        """Whether a due binding of the session still names one of its open waits.
+
+        One that does not is left over: its wait was closed by a commit (answered, or a
+        fan-in member closed with its group) and the process died before it unbound it.
+        It is unbound here; otherwise it would wake the session for nothing at every sweep
+        until its grace ran out. Safe because a wait is bound only after the commit that
+        opened it, and a correlation id never names a wait again once it closed."""
+        try:
+            snapshot = await self.services.snapshots.load(session_id)
+        except TorporError:
+            return True  # cannot tell: the activation decides, as it always did
+        open_ids = {w.correlation_id for w in snapshot.waits}
+        left_over = [b for b in due if b.correlation_id not in open_ids]
+        for binding in left_over:
+            await self.services.index.unbind(
+                tenant=binding.tenant, correlation_id=binding.correlation_id, business_key=None
+            )
+        return len(left_over) < len(due)
 
     async def _leases(self, now: datetime, report: SweepReport) -> None:
         index = self.services.index
