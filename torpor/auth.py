@@ -42,3 +42,19 @@ def tenant_for(authorization: str | None, tenants: Mapping[str, TenantConfig]) -
     if found is None:
         raise Unauthenticated("the API key is not valid")
     return found
+
+
+def key_id(stored_hash: str) -> str:
+    """A short, non-secret name for a configured key: who did it, in the audit log."""
+    return stored_hash.removeprefix("sha256:")[:12]
+
+
+def match_key(token: str, stored: list[str]) -> str | None:
+    """The configured hash that ``token`` is the key of, or None; every hash is compared
+    in constant time and none stops the loop early."""
+    presented = hash_key(token.strip()).encode()
+    found: str | None = None
+    for candidate in stored:
+        if hmac.compare_digest(presented, candidate.encode()):
+            found = candidate
+    return found

@@ -216,6 +216,14 @@ class SecuritySettings(_Section):
         False,
         description="serve the unauthenticated `POST /v1/noop` benchmark baseline (404 when off)",
     )
+    operator_keys: list[str] = Field(
+        default_factory=list,
+        description="operator console keys as `sha256:` hashes (`torpor keys api`): every tenant",
+    )
+    console_key: SecretStr | None = Field(
+        None,
+        description="signs console login cookies; unset: a random key per replica (re-login)",
+    )
 
 
 class RuntimeSettings(_Section):
