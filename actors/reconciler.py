@@ -105,6 +105,17 @@ class Reconciler:
         return os.getpid()
 
 
+async def reconciler_status(namespace: str) -> dict[str, Any] | None:
+    """The running reconciler's counters and last sweep report (None if there is none);
+    the operator console shows each step's last error from it. The caller bounds it."""
+    try:
+        handle = await asyncio.to_thread(ray.get_actor, NAME, namespace=namespace)
+    except ValueError:  # no such actor
+        return None
+    status: dict[str, Any] = await handle.status.remote()
+    return status
+
+
 def ensure_reconciler(settings: Settings | ConfigRef, *, start: bool = True) -> Any:
     config = ConfigRef.of(settings)
     namespace = (settings if isinstance(settings, Settings) else config.load()).namespace

@@ -10,6 +10,7 @@ import httpx
 from playwright.async_api import Page, expect
 
 from tests.browser.conftest import ROOT, Console, sign_in
+from torpor.deliveries import Delivery, DeliveryStatus
 from torpor.lifecycle import SessionState
 from torpor.ports.services import Services
 from torpor.service.sessions import SessionService
@@ -140,3 +141,71 @@ async def test_actions_need_the_csrf_token_and_a_login(
 
 def test_screenshot_is_a_png() -> None:
     assert Path(SCREENSHOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def dead_delivery(services: Services, session_id: str) -> Delivery:
+    """A notification that gave up, as the delivery worker leaves one."""
+    delivery = Delivery(
+        delivery_id=f"d_{secrets.token_hex(6)}",
+        tenant="acme",
+        session_id=session_id,
+        url="https://hooks.example.com/torpor",
+        event_type="session.completed",
+        payload={"session_id": session_id},
+        created_at=services.clock.now(),
+    )
+    assert await services.deliveries.create(delivery)
+    return await services.deliveries.update(
+        "acme",
+        delivery.delivery_id,
+        lambda d: d.model_copy(
+            update={"status": DeliveryStatus.DEAD, "attempts": 8, "last_error": "HTTP 503"}
+        ),
+    )
+
+
+async def test_operator_resends_a_dead_letter(
+    console: Console, control: SessionService, services: Services, page: Page
+) -> None:
+    sid = await submit(control)
+    dead = await dead_delivery(services, sid)
+    await sign_in(page, console, console.operator_key)
+    row = page.locator(f"#dead tr[data-delivery='{dead.delivery_id}']")
+    await expect(row).to_contain_text("HTTP 503")
+    await row.locator("input[name=reason]").fill("receiver fixed their TLS certificate")
+    await row.locator("button").click()
+
+    await expect(page.locator(f"#dead tr[data-delivery='{dead.delivery_id}']")).to_have_count(0)
+    resent = await services.deliveries.get("acme", dead.delivery_id)
+    assert resent.status is DeliveryStatus.PENDING
+    assert resent.attempts == 0
+    # Who and why: the audit record names the operator's key, its action record the reason.
+    await page.goto(f"{console.url}/sessions/{sid}")
+    await expect(page.locator("#audit-records")).to_contain_text("operator:resend_delivery")
+
+
+async def test_operator_cancels_with_a_reason(
+    console: Console, control: SessionService, page: Page
+) -> None:
+    sid = await submit(control)
+    await sign_in(page, console, console.operator_key)
+    await page.goto(f"{console.url}/sessions/{sid}")
+    form = page.locator("form.danger")
+    await form.locator("button").click()  # no reason: the browser refuses to send it
+    await expect(page.locator("#session-state")).to_have_text("SUSPENDED")
+    await form.locator("input[name=reason]").fill("duplicate purchase request")
+    await form.locator("button").click()
+    await expect(page.locator("#session-state")).to_have_text("CANCELLED", timeout=20_000)
+    assert (await control.get(sid)).state is SessionState.CANCELLED
+
+
+async def test_counts_update_without_reload(
+    console: Console, control: SessionService, page: Page
+) -> None:
+    await sign_in(page, console, console.operator_key)
+    suspended = page.locator("[data-count=SUSPENDED]")
+    before = int(await suspended.inner_text())
+    await expect(page.locator("body[data-live='1']")).to_have_count(1)  # stream is open
+    await submit(control)
+    await submit(control, tenant="beta")
+    await expect(suspended).to_have_text(str(before + 2), timeout=20_000)
