@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 import uvicorn
@@ -25,6 +26,7 @@ from playwright.async_api import Browser, Page, async_playwright
 
 from actors.wiring import open_services, session_runtime
 from storage.audit import ObjectAudit
+from tests.runtime.test_gateway import SOURCES
 from tests.support.harness import settings_for
 from tests.support.s3_server import free_port
 from torpor.auth import new_api_key
@@ -93,6 +95,7 @@ def console(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterato
         extra={
             "security": {"operator_keys": [operator_hash]},
             "tenants": {"acme": {"api_keys": [acme_hash]}, "beta": {"api_keys": [beta_hash]}},
+            "sources": SOURCES,
         },
     )
     port = free_port()
@@ -143,6 +146,21 @@ async def page(browser: Browser) -> AsyncIterator[Page]:
     page.on("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
     yield page
     await context.close()
+
+
+@pytest.fixture
+async def operator(console: Console) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client signed in with the operator key (no browser: pages as text)."""
+    async with httpx.AsyncClient(base_url=console.url, timeout=30) as client:
+        answer = await client.post("/login", data={"key": console.operator_key})
+        assert answer.status_code == 303
+        yield client
+
+
+def csrf_of(html: str) -> str:
+    marker = 'name="csrf" value="'
+    start = html.index(marker) + len(marker)
+    return html[start : html.index('"', start)]
 
 
 async def sign_in(page: Page, console: Console, key: str) -> None:

@@ -205,11 +205,11 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
         due: Annotated[str | None, Query(max_length=16)] = None,
         cursor: Annotated[str | None, Query(max_length=128)] = None,
         verify: Annotated[str | None, Query(max_length=4)] = None,
+        limit: Annotated[int, Query(ge=1, le=200)] = 50,
     ) -> Response:
         async def page(p: Principal) -> Response:
-            return await _index(
-                request, p, _filters(tenant, agent, batch, state, due), cursor, verify
-            )
+            filters = _filters(tenant, agent, batch, state, due)
+            return await _index(request, p, filters, cursor, verify, limit=limit)
 
         return await guarded(request, page)
 
@@ -222,12 +222,13 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
         *,
         search: str = "",
         missed: bool = False,
+        limit: int = 50,
     ) -> Response:
         tenants = p.tenants(c.settings)
         now = c.services.clock.now()
         listed, counts, soon, dead, health = await asyncio.gather(
             reads.list_sessions(
-                c.services, tenants=tenants, filters=filters, cursor=cursor, limit=50, now=now
+                c.services, tenants=tenants, filters=filters, cursor=cursor, limit=limit, now=now
             ),
             reads.counts(c.services, tenants),
             reads.waits_due_soon(c.services, tenants, now=now, within=SOON),
