@@ -47,10 +47,21 @@ class Console:
     settings: Settings
     operator_key: str
     keys: dict[str, str]  # tenant -> API key
+    # What the reconciler actor's ``status()`` answers (no Ray here): tests set it.
+    reconciler: dict[str, Any]
 
 
-def _serve(settings: Settings, port: int, ready: threading.Event, stop: list[Any]) -> None:
+def _serve(
+    settings: Settings,
+    port: int,
+    ready: threading.Event,
+    stop: list[Any],
+    reconciler: dict[str, Any],
+) -> None:
     mount = ConsoleMount()
+
+    async def status() -> dict[str, Any]:
+        return reconciler
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -60,7 +71,10 @@ def _serve(settings: Settings, port: int, ready: threading.Event, stop: list[Any
             services, InlineActivator(runtime, background=True), background=True
         )
         audit = services.audit if isinstance(services.audit, ObjectAudit) else None
-        mount.bind(ConsoleDeps(control, DeliveryWorker(services), audit=audit, live_tick_s=0.3))
+        deps = ConsoleDeps(
+            control, DeliveryWorker(services), audit, reconciler_status=status, live_tick_s=0.3
+        )
+        mount.bind(deps)
         yield
         await control.drain()
         await services.close()
@@ -99,8 +113,10 @@ def console(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterato
         },
     )
     port = free_port()
-    ready, stop = threading.Event(), []
-    thread = threading.Thread(target=_serve, args=(settings, port, ready, stop), daemon=True)
+    ready, stop, reconciler = threading.Event(), [], {}
+    thread = threading.Thread(
+        target=_serve, args=(settings, port, ready, stop, reconciler), daemon=True
+    )
     thread.start()
     assert ready.wait(30), "the console server did not start"
     yield Console(
@@ -108,6 +124,7 @@ def console(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterato
         settings,
         operator_key,
         {"acme": acme_key, "beta": beta_key},
+        reconciler,
     )
     stop[0].should_exit = True
     thread.join(30)

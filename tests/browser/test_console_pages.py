@@ -18,6 +18,7 @@ from torpor.lifecycle import SessionState
 from torpor.ports.services import Services
 from torpor.service.gateway import WebhookGateway
 from torpor.service.sessions import SessionService
+from torpor.service.sweeper import Sweeper
 from torpor.webhooks.signing import Scheme, sign
 
 
@@ -118,3 +119,19 @@ async def test_retry_now_is_audited(
     records = after[after.index('id="audit-records"') :]
     assert "operator:retry" in records
     assert (await control.get(sid)).state is SessionState.SUSPENDED  # still waiting, intact
+
+
+async def test_reconciler_health_shows_sweep_age_and_step_errors(
+    console: Console, control: SessionService, operator: httpx.AsyncClient
+) -> None:
+    await Sweeper(control).sweep_once()  # a complete sweep, recorded in the index
+    console.reconciler["step_errors"] = {
+        "polls": {"at": "2026-11-30T22:00:00+00:00", "error": "ToolError: OA down"}
+    }
+    try:
+        front = (await operator.get("/")).text
+    finally:
+        console.reconciler.clear()
+    health = front[front.index('id="health"') :]
+    assert re.search(r"Last complete sweep: \d+ s ago", health)
+    assert "<td>polls</td><td>2026-11-30T22:00:00+00:00: ToolError: OA down</td>" in health

@@ -102,9 +102,8 @@ class _Console:
                 status = await asyncio.wait_for(self.deps.reconciler_status(), timeout=2.0)
             except Exception as exc:  # the console still renders; the health line says why
                 status, steps["reconciler"] = None, f"status unavailable: {type(exc).__name__}"
-            for line in ((status or {}).get("last") or {}).get("errors") or []:
-                step, _, error = str(line).partition(": ")
-                steps[step] = error
+            for step, last in ((status or {}).get("step_errors") or {}).items():
+                steps[str(step)] = f"{last.get('at', '?')}: {last.get('error', '')}"
         return {
             "problems": checked.problems,
             "last_sweep_age_s": checked.last_sweep_age_s,
