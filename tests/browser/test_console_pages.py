@@ -4,12 +4,16 @@ the due-within filter, cursor paging, retry now."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import secrets
 
 import httpx
 import pytest
 
+from storage import keys
+from storage.audit import ObjectAudit
 from tests.browser.conftest import Console, csrf_of
 from tests.runtime.test_gateway import JSON, SECRET, body
 from torpor.errors import WebhookRejected
@@ -103,8 +107,8 @@ async def test_due_within_filter_and_cursor_paging(
     assert seen == sorted(seen, reverse=True)  # newest first
 
 
-async def test_retry_now_is_audited(
-    control: SessionService, services: Services, operator: httpx.AsyncClient
+async def test_retry_now_is_audited_with_who_and_why(
+    console: Console, control: SessionService, services: Services, operator: httpx.AsyncClient
 ) -> None:
     sid = await submit(control)
     page = (await operator.get(f"/sessions/{sid}")).text
@@ -119,6 +123,23 @@ async def test_retry_now_is_audited(
     records = after[after.index('id="audit-records"') :]
     assert "operator:retry" in records
     assert (await control.get(sid)).state is SessionState.SUSPENDED  # still waiting, intact
+
+    # Who and why: the action record names the operator's key and the reason, and the
+    # audit chain holds its hash (so the reason cannot be edited afterwards unseen).
+    assert isinstance(services.audit, ObjectAudit)
+    audited = [
+        r
+        for r in await services.audit.recent()
+        if r.session_id == sid and r.verdict == "operator:retry"
+    ]
+    assert len(audited) == 1
+    stored = (await services.store.get(keys.operator_action(audited[0].event_id))).data
+    assert hashlib.sha256(stored).hexdigest() == audited[0].body_sha256
+    action = json.loads(stored)
+    key_id = console.settings.security.operator_keys[0].removeprefix("sha256:")[:12]
+    assert action["who"] == f"operator:{key_id}"
+    assert audited[0].source == f"operator:{key_id}"
+    assert action["reason"] == "OA back online"
 
 
 async def test_reconciler_health_shows_sweep_age_and_step_errors(
