@@ -156,3 +156,15 @@ async def test_reconciler_health_shows_sweep_age_and_step_errors(
     health = front[front.index('id="health"') :]
     assert re.search(r"Last complete sweep: \d+ s ago", health)
     assert "<td>polls</td><td>2026-11-30T22:00:00+00:00: ToolError: OA down</td>" in health
+
+
+async def test_values_from_outside_are_escaped(
+    control: SessionService, operator: httpx.AsyncClient
+) -> None:
+    hostile = '<img src=x onerror="alert(1)">'
+    result = await control.submit(tenant="acme", agent="purchase", input={"doc": hostile})
+    page = (await operator.get(f"/sessions/{result.session_id}")).text
+    assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in page  # the business key
+    assert hostile not in page
+    found = await operator.get("/search", params={"q": hostile})
+    assert hostile not in found.text
