@@ -19,6 +19,7 @@ from tests.runtime.test_gateway import JSON, SECRET, body
 from torpor.errors import WebhookRejected
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
+from torpor.ports import Reason
 from torpor.ports.services import Services
 from torpor.service.gateway import WebhookGateway
 from torpor.service.sessions import SessionService
@@ -168,3 +169,28 @@ async def test_values_from_outside_are_escaped(
     assert hostile not in page
     found = await operator.get("/search", params={"q": hostile})
     assert hostile not in found.text
+
+
+async def test_a_quarantined_session_is_listed_and_taken_back_by_retry_now(
+    control: SessionService, services: Services, operator: httpx.AsyncClient
+) -> None:
+    sid = await submit(control)
+    key = keys.snapshot(sid)
+    good = (await services.store.get(key)).data
+    # Spoil the compressed body, keep the header: the snapshot no longer decodes.
+    await services.store.put(key, good[:-16] + b"\x00" * 16)
+    await control.activate(sid, reason=Reason.EVENT)
+    assert (await services.index.session_states([sid]))[sid] is SessionState.QUARANTINED
+
+    listed = (await operator.get("/", params={"state": "QUARANTINED"})).text
+    assert sid in session_ids(listed)
+    page = (await operator.get(f"/sessions/{sid}")).text
+    assert "Quarantined:" in page and "snapshot_corrupt" in page
+
+    await services.store.put(key, good)  # restored from a backup
+    answer = await operator.post(
+        f"/sessions/{sid}/retry", data={"csrf": csrf_of(page), "reason": "snapshot restored"}
+    )
+    assert answer.status_code == 303
+    assert "quarantined%20session%20taken%20back" in answer.headers["location"]
+    assert (await services.index.session_states([sid]))[sid] is SessionState.SUSPENDED

@@ -16,11 +16,12 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from torpor.deliveries import Delivery, DeliveryStatus
-from torpor.errors import NotFound, SessionNotFound, TorporError
+from torpor.errors import NotFound, SessionNotFound, SnapshotCorrupt, TorporError
 from torpor.events import InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot, Wait
 from torpor.ports.services import Services
+from torpor.service import quarantine
 
 SCAN_CAP = 500  # ids one listing page may read while filtering
 COUNT_CAP = 10_000  # per tenant and state; the console shows "10000+" past it
@@ -72,7 +73,14 @@ def next_deadline(snapshot: SessionSnapshot) -> datetime | None:
 async def _load(services: Services, session_id: str) -> SessionSnapshot | None:
     try:
         return await services.snapshots.load(session_id)
-    except TorporError:  # unreadable or gone: the registry shows it, the timeline says why
+    except SnapshotCorrupt as exc:
+        # A poison snapshot is shown for what it is (QUARANTINED, the decode error as the
+        # reason), as the session API shows it, so an operator can find and retry it.
+        try:
+            return await quarantine.stand_in(services, session_id, exc)
+        except TorporError:
+            return None
+    except TorporError:  # gone, or not a session id
         return None
 
 
