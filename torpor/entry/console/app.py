@@ -9,8 +9,7 @@ actions need an operator login (403 otherwise).
 
 # No ``from __future__ import annotations``: FastAPI reads annotations at run time.
 import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +22,7 @@ from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from torpor.entry.console import pages, reads
 from torpor.entry.console.actions import OperatorActions
+from torpor.entry.console.live import LiveCounts
 from torpor.entry.console.login import COOKIE, LIFETIME, CookieSigner, Principal, authenticate
 from torpor.entry.http import install_problem_handlers, read_body
 from torpor.errors import InvalidRequest, TorporError, Unauthenticated
@@ -35,7 +35,6 @@ from torpor.service.sessions import SessionService
 STATIC = Path(__file__).parent / "static"
 FORM_MAX_BYTES = 64 * 1024
 LIVE_TICK_S = 2.0
-LIVE_KEEPALIVE_S = 15.0
 SOON = timedelta(hours=1)
 _JSON = TypeAdapter(JsonValue)
 
@@ -59,7 +58,11 @@ class _Console:
         self.signer = CookieSigner(self.settings)
         self.actions = OperatorActions(deps.control, deps.deliveries)
         self.base = deps.base
-        self._live: dict[str, int] = {}
+        self.live = LiveCounts(
+            self.services,
+            max_per_key=self.settings.security.max_streams_per_tenant,
+            tick_s=deps.live_tick_s,
+        )
 
     def principal(self, request: Request) -> Principal | None:
         return self.signer.open(request.cookies.get(COOKIE), now=self.services.clock.now())
@@ -400,57 +403,10 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
         tenants = p.tenants(c.settings)
         if session is not None:
             await reads.get_snapshot(c.services, session, tenants=tenants)  # 404 first
-        cap = c.settings.security.max_streams_per_tenant
-        if c._live.get(p.key_id, 0) >= cap:
-            return Response(status_code=429, headers={"Retry-After": "5"})
-        c._live[p.key_id] = c._live.get(p.key_id, 0) + 1
         return StreamingResponse(
-            _live_stream(p.key_id, tenants, session),
+            c.live.open(p.key_id, tenants, session),  # 429 past the key's share
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _live_stream(
-        key: str, tenants: list[str], session_id: str | None
-    ) -> AsyncIterator[str]:
-        """Counts (and one session's state) as they change; a comment now and then."""
-        last: str | None = None
-        quiet = 0.0
-        try:
-            while True:
-                data: dict[str, Any] = {"counts": await reads.counts(c.services, tenants)}
-                if session_id is not None:
-                    states = await c.services.index.session_states([session_id])
-                    state = states.get(session_id)
-                    data["session"] = {"id": session_id, "state": state.value if state else None}
-                encoded = json.dumps(data, sort_keys=True)
-                if encoded != last:
-                    last, quiet = encoded, 0.0
-                    yield f"event: counts\ndata: {encoded}\n\n"
-                elif quiet >= LIVE_KEEPALIVE_S:
-                    quiet = 0.0
-                    yield ": keep-alive\n\n"
-                await asyncio.sleep(c.deps.live_tick_s)
-                quiet += c.deps.live_tick_s
-        finally:
-            c._live[key] -= 1
-
     return app
-
-
-class ConsoleMount:
-    """An ASGI app to mount before the services exist (at import time, as the Serve app
-    does), bound to them later: answers 503 until :meth:`bind`."""
-
-    def __init__(self) -> None:
-        self._app: FastAPI | None = None
-
-    def bind(self, deps: ConsoleDeps) -> None:
-        self._app = console_app(deps)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if self._app is None:
-            response = Response("the console is starting", status_code=503)
-            await response(scope, receive, send)
-            return
-        await self._app(scope, receive, send)
