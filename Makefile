@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 BIN    := $(VENV)/bin
 
-.PHONY: install test lint typecheck services unit demo bench clean settings-table
+.PHONY: install test lint typecheck services browser unit demo bench clean settings-table
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,15 @@ services:
 	  for i in $$(seq 1 50); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.2; done; \
 	  redis-cli -h 127.0.0.1 -p 6379 ping; }
 
-test: lint typecheck services
+# The console's browser tests drive Debian's headless Chromium (never Playwright's own).
+browser:
+	@test -x /usr/bin/chromium || { \
+	  echo "installing chromium (apt-get)"; \
+	  apt-get install -y chromium >/dev/null 2>&1 || \
+	    { apt-get update >/dev/null && apt-get install -y chromium >/dev/null; }; }
+	@test -x /usr/bin/chromium
+
+test: lint typecheck services browser
 	$(BIN)/pytest
 
 # The README's settings table, from the Field descriptions in torpor/settings.py.

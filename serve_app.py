@@ -24,8 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.config_ref import ConfigRef
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
-from actors.reconciler import ReconcilerStarter
+from actors.reconciler import ReconcilerStarter, reconciler_status
 from actors.wiring import ensure_conditional_writes, open_services
+from storage.audit import ObjectAudit
 from torpor import __version__
 from torpor.api import (
     Accepted,
@@ -39,6 +40,7 @@ from torpor.api import (
 )
 from torpor.auth import operator_for, tenant_for
 from torpor.deliveries import DeliveryStatus
+from torpor.entry.console import ConsoleDeps, ConsoleMount
 from torpor.entry.http import (
     PROBLEM,
     install_problem_handlers,
@@ -73,6 +75,9 @@ api = FastAPI(
     description="Agent sessions that sleep while they wait and wake once on a signed webhook.",
 )
 install_problem_handlers(api)
+# The operator console (server-rendered pages); bound to the services in the replica.
+CONSOLE = ConsoleMount()
+api.mount("/console", CONSOLE)
 
 
 @serve.deployment(
@@ -94,6 +99,17 @@ class Ingress:
         self.deliveries = DeliveryWorker(self.services)
         # Held only so Serve deploys the starter with the app.
         self.reconciler = reconciler
+        namespace = settings.namespace
+        CONSOLE.bind(
+            ConsoleDeps(
+                self.control,
+                self.deliveries,
+                audit=self.services.audit if isinstance(self.services.audit, ObjectAudit) else None,
+                reconciler_status=(lambda: reconciler_status(namespace))
+                if reconciler is not None
+                else None,
+            )
+        )
 
     def _tenant(self, authorization: str | None) -> str:
         return tenant_for(authorization, self.settings.tenants)

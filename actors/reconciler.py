@@ -48,6 +48,9 @@ class Reconciler:
         self._sweeps = 0
         self._failures = 0
         self._last: dict[str, Any] = {}
+        # Each step's last error and when (the console shows it), kept across sweeps
+        # that succeed: an operator wants to see the failure that just went away too.
+        self._step_errors: dict[str, dict[str, str]] = {}
         # __init__ runs outside the actor's event loop: the loop is started by a call to
         # ourselves, which Ray runs right after __init__, on every (re)start.
         ray.get_runtime_context().current_actor.start.remote()
@@ -83,7 +86,11 @@ class Reconciler:
         assert self._services is not None
         # Never sweep (rewrite snapshots, bind, time out) on a store that overwrites blindly.
         await ensure_conditional_writes(self._services)
+        at = self._services.clock.now().isoformat()
         report = await sweeper.sweep_once()
+        for line in report.errors:
+            step, _, error = line.partition(": ")
+            self._step_errors[step] = {"at": at, "error": error}
         await sweeper.sessions.drain()
         self._sweeps += 1
         if report.suspended is not None:
@@ -98,11 +105,23 @@ class Reconciler:
             "failures": self._failures,
             "running": running,
             "last": self._last,
+            "step_errors": self._step_errors,
         }
 
     async def pid(self) -> int:
         """The process this incarnation runs in (for operators, and for crash tests)."""
         return os.getpid()
+
+
+async def reconciler_status(namespace: str) -> dict[str, Any] | None:
+    """The running reconciler's counters and last sweep report (None if there is none);
+    the operator console shows each step's last error from it. The caller bounds it."""
+    try:
+        handle = await asyncio.to_thread(ray.get_actor, NAME, namespace=namespace)
+    except ValueError:  # no such actor
+        return None
+    status: dict[str, Any] = await handle.status.remote()
+    return status
 
 
 def ensure_reconciler(settings: Settings | ConfigRef, *, start: bool = True) -> Any:

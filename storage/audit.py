@@ -391,5 +391,17 @@ class ObjectAudit:
                 return ChainCheck(True, count)
             token = page.next_token
 
+    async def recent(self, *, blocks: int = 8) -> list[AuditRecord]:
+        """The records of the last ``blocks`` blocks of every stream, oldest first: what
+        the operator console shows (it reads, it does not verify: ``verify`` does)."""
+        found: list[AuditRecord] = []
+        for stream in await self.streams():
+            for key in (await self._keys(keys.audit_prefix(stream)))[-blocks:]:
+                data = (await self.store.get(key)).data
+                for line in data.decode(errors="replace").splitlines():
+                    with contextlib.suppress(ValidationError):
+                        found.append(AuditRecord.model_validate_json(line))
+        return sorted(found, key=lambda r: r.at)
+
     async def verify_all(self) -> dict[str, ChainCheck]:
         return {stream: await self.verify(stream) for stream in await self.streams()}

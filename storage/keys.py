@@ -110,6 +110,11 @@ def endpoint_state(tenant: str, url: str) -> str:
     return f"endpoints/{safe(tenant, 'tenant')}/{digest(url)}"
 
 
+def operator_action(action_id: str) -> str:
+    """An operator's console action (who, why, what): the audit record holds its hash."""
+    return "operator-actions/" + safe(action_id, "action id")
+
+
 # --- Redis keys -----------------------------------------------------------------------
 
 

@@ -59,6 +59,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         folder = path.relative_to(_TESTS).parts[0] if path.is_relative_to(_TESTS) else ""
         if folder in _RAY_FOLDERS or _starts_ray(path, starts_ray):
             marks.add("ray")
+        if folder == "browser":
+            marks.add("browser")
         for name in sorted(marks):
             item.add_marker(name)
 

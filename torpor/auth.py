@@ -44,6 +44,22 @@ def tenant_for(authorization: str | None, tenants: Mapping[str, TenantConfig]) -
     return found
 
 
+def key_id(stored_hash: str) -> str:
+    """A short, non-secret name for a configured key: who did it, in the audit log."""
+    return stored_hash.removeprefix("sha256:")[:12]
+
+
+def match_key(token: str, stored: list[str]) -> str | None:
+    """The configured hash that ``token`` is the key of, or None; every hash is compared
+    in constant time and none stops the loop early."""
+    presented = hash_key(token.strip()).encode()
+    found: str | None = None
+    for candidate in stored:
+        if hmac.compare_digest(presented, candidate.encode()):
+            found = candidate
+    return found
+
+
 def operator_for(authorization: str | None, operator_keys: list[str]) -> str:
     """The operator presenting ``Authorization: Bearer <key>``, named by a prefix of the
     key's hash (what the audit and the session's record show, never the key)."""
@@ -52,11 +68,7 @@ def operator_for(authorization: str | None, operator_keys: list[str]) -> str:
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthenticated("use Authorization: Bearer <key>")
-    presented = hash_key(token.strip()).encode()
-    found: str | None = None
-    for stored in operator_keys:  # every one, in constant time each
-        if hmac.compare_digest(presented, stored.encode()):
-            found = stored
+    found = match_key(token, operator_keys)
     if found is None:
         raise Unauthenticated("the operator key is not valid")
-    return "operator:" + found.removeprefix("sha256:")[:12]
+    return "operator:" + key_id(found)

@@ -72,12 +72,14 @@ def classify(
     if event.key in processed:
         return Decision(Verdict.OBSERVE, wait, ObservationReason.DUPLICATE)
     # Polls and dispatch failures are torpor's own, the driver's deliveries come through
-    # the control plane, and a capability token already names the one wait it may answer:
-    # type and source filters add nothing for those. Every other event must come from a
-    # source the wait names; a wait that names none is answered by those alone.
+    # the control plane (the client's, the operator console's), and a capability token
+    # already names the one wait it may answer: type and source filters add nothing for
+    # those. Every other event must come from a source the wait names; a wait that names
+    # none is answered by those alone.
     internal = event.kind in TORPOR_KINDS or event.verified_by in (
         "capability",
         "client",
+        "operator",  # an operator's takeover from the console (authenticated, audited)
     )
     if not internal and (
         (wait.expected_types and event.type not in wait.expected_types)

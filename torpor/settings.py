@@ -224,7 +224,11 @@ class SecuritySettings(_Section):
     )
     operator_keys: list[str] = Field(
         default_factory=list,
-        description="hashes (`sha256:…`) of operator API keys: the operator role, across tenants",
+        description="hashes (`sha256:…`) of operator keys: console, operator routes, all tenants",
+    )
+    console_key: SecretStr | None = Field(
+        None,
+        description="signs console login cookies; unset: a random key per replica (re-login)",
     )
 
 

@@ -551,3 +551,15 @@ async def audit_records(store: Any) -> list[Any]:
         if page.next_token is None:
             return records
         token = page.next_token
+
+
+async def test_console_is_served_by_the_serve_app(http: httpx.AsyncClient) -> None:
+    login = await http.get("/console/login")
+    assert login.status_code == 200
+    assert login.headers["content-type"].startswith("text/html")
+    assert 'name="key"' in login.text
+    # Every other page needs a login first.
+    page = await http.get("/console/", follow_redirects=False)
+    assert page.status_code == 303
+    assert page.headers["location"] == "/console/login"
+    assert (await http.get("/console/static/console.js")).status_code == 200

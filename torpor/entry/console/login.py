@@ -1,0 +1,125 @@
+"""Who is looking at the console: keys to principals, principals to signed cookies.
+
+An operator key (``security.operator_keys``) sees and steers every tenant; a tenant's API
+key sees that tenant only, read-only. The key itself never leaves the login request: the
+cookie carries the role, the tenant and a short key id, signed with HMAC-SHA256 under
+``security.console_key`` (or a per-process random key), with an expiry and a per-login
+nonce from which the CSRF token of that login is derived.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+from torpor.auth import key_id, match_key
+from torpor.settings import Settings, resolve_secret
+
+COOKIE = "torpor_console"
+LIFETIME = timedelta(hours=8)
+
+
+class Role(StrEnum):
+    OPERATOR = "operator"
+    TENANT = "tenant"  # read-only, one tenant
+
+
+@dataclass(frozen=True)
+class Principal:
+    role: Role
+    tenant: str | None  # None: every tenant (operators)
+    key_id: str
+    nonce: str
+    expires: int  # unix seconds
+
+    @property
+    def operator(self) -> bool:
+        return self.role is Role.OPERATOR
+
+    @property
+    def who(self) -> str:
+        return f"{self.role.value}:{self.key_id}"
+
+    def tenants(self, settings: Settings) -> list[str]:
+        """The tenants this principal may see."""
+        return sorted(settings.tenants) if self.tenant is None else [self.tenant]
+
+
+def authenticate(settings: Settings, token: str, *, now: datetime) -> Principal | None:
+    """The principal a presented key names, or None. Operator keys first: a key that is
+    configured as both is treated as the operator's."""
+    if not token.strip():
+        return None
+    expires = int((now + LIFETIME).timestamp())
+    nonce = secrets.token_urlsafe(16)
+    stored = match_key(token, settings.security.operator_keys)
+    if stored is not None:
+        return Principal(Role.OPERATOR, None, key_id(stored), nonce, expires)
+    for tenant, config in sorted(settings.tenants.items()):
+        stored = match_key(token, config.api_keys)
+        if stored is not None:
+            return Principal(Role.TENANT, tenant, key_id(stored), nonce, expires)
+    return None
+
+
+def _still_configured(settings: Settings, principal: Principal) -> bool:
+    """A removed key ends its logins at once, not when their cookies expire."""
+    if principal.operator:
+        hashes = settings.security.operator_keys
+    else:
+        config = settings.tenants.get(principal.tenant or "")
+        hashes = config.api_keys if config else []
+    return any(hmac.compare_digest(key_id(h), principal.key_id) for h in hashes)
+
+
+class CookieSigner:
+    def __init__(self, settings: Settings) -> None:
+        configured = settings.security.console_key
+        # Without a configured key, logins last as long as this process (one replica).
+        self._key = resolve_secret(configured).encode() if configured else secrets.token_bytes(32)
+        self.settings = settings
+
+    def _mac(self, purpose: str, payload: bytes) -> str:
+        return hmac.new(self._key, purpose.encode() + b"\n" + payload, hashlib.sha256).hexdigest()
+
+    def issue(self, principal: Principal) -> str:
+        body = {
+            "r": principal.role.value,
+            "t": principal.tenant,
+            "k": principal.key_id,
+            "n": principal.nonce,
+            "e": principal.expires,
+        }
+        payload = base64.urlsafe_b64encode(json.dumps(body, separators=(",", ":")).encode())
+        return payload.decode() + "." + self._mac("cookie", payload)
+
+    def open(self, value: str | None, *, now: datetime) -> Principal | None:
+        """The principal of a cookie that is intact, unexpired and still configured."""
+        if not value or "." not in value or len(value) > 1024:
+            return None
+        payload, _, mac = value.rpartition(".")
+        if not hmac.compare_digest(self._mac("cookie", payload.encode()), mac):
+            return None
+        try:
+            body = json.loads(base64.urlsafe_b64decode(payload.encode()))
+            principal = Principal(
+                Role(body["r"]), body["t"], str(body["k"]), str(body["n"]), int(body["e"])
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+        if principal.expires <= now.timestamp() or not _still_configured(self.settings, principal):
+            return None
+        return principal
+
+    def csrf(self, principal: Principal) -> str:
+        """The token every form of this login carries: bound to its nonce."""
+        return self._mac("csrf", principal.nonce.encode())
+
+    def csrf_ok(self, principal: Principal, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(self.csrf(principal), token)
