@@ -86,8 +86,7 @@ class Reconciler:
         report = await sweeper.sweep_once()
         await sweeper.sessions.drain()
         self._sweeps += 1
-        if report.suspended is not None:
-            metrics.gauge("suspended", report.suspended)
+        metrics.sweep(report)
         self._last = asdict(report)
         return self._last
 
