@@ -21,7 +21,7 @@ from tests.faults.test_dead_letters import exhaust_the_compensation
 from tests.runtime.test_notifications import finished_session
 from tests.support.harness import Env, callback, local_env
 from tests.support.receiver import Receiver
-from torpor.errors import WebhookRejected
+from torpor.errors import StorageUnavailable, WebhookRejected
 from torpor.lifecycle import SessionState
 from torpor.ports import Reason
 from torpor.service.coalescing import Coalescer, Fallback
@@ -110,6 +110,25 @@ async def test_a_webhook_that_completes_a_session(env: Env) -> None:
         "torpor_session_transitions_total",
         "torpor_outbox_lag_seconds",
     )
+
+
+async def test_a_webhook_answered_5xx_is_counted_as_an_error(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    wait = (await env.load(sid)).waits[0]
+    raw = hook(wait.correlation_id, "e1")
+    headers = {**sign(Scheme.TORPOR, raw, SECRET, now=env.clock.now())}
+    headers["Content-Type"] = "application/json"
+
+    async def down(*_: object, **__: object) -> None:
+        raise StorageUnavailable("the object store does not answer")
+
+    monkeypatch.setattr(env.services.inbox, "deliver", down)  # the inbox write fails: 503
+    with metrics.tap() as read, pytest.raises(StorageUnavailable):
+        await gateway.receive("oa", raw, headers, now=env.clock.now())
+    assert read.counter("torpor_webhooks_total", outcome="error", reason="StorageUnavailable") == 1
 
 
 async def test_an_answer_to_a_replaced_wait_is_observed_as_stale(env: Env) -> None:
