@@ -8,92 +8,186 @@ because they need a connected Ray worker.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torpor.service.sweeper import SweepReport
     from torpor.session import ActivationResult
 
 RESUME_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 LAG_BUCKETS = [0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120, 600, 3600]
 
 
+@dataclass(frozen=True)
+class Spec:
+    """One metric: its exported name, type, help text, labels and (histograms) buckets."""
+
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    description: str
+    tags: tuple[str, ...] = ()
+    boundaries: tuple[float, ...] = ()
+
+
+# Every metric torpor exports, by the short key the code uses. deploy/ (dashboard, alert
+# and recording rules) may reference only these names (a test checks).
+SPECS: dict[str, Spec] = {
+    "webhooks": Spec(
+        "torpor_webhooks_total",
+        "counter",
+        "Inbound webhooks by outcome (accepted, duplicate, rejected) and reason.",
+        ("source", "outcome", "reason"),
+    ),
+    "events": Spec(
+        "torpor_events_total",
+        "counter",
+        "Inbox events by what the gates did with them (applied or observed).",
+        ("verdict", "reason"),
+    ),
+    "transitions": Spec(
+        "torpor_session_transitions_total",
+        "counter",
+        "Committed lifecycle transitions by target state.",
+        ("state",),
+    ),
+    "commits": Spec(
+        "torpor_commits_total",
+        "counter",
+        "Activation outcomes (ran, busy, conflict, lease_lost, ...).",
+        ("outcome",),
+    ),
+    "alerts": Spec(
+        "torpor_security_alerts_total",
+        "counter",
+        "Waits the State Invalidation Guard blocked.",
+        ("tool",),
+    ),
+    "resume": Spec(
+        "torpor_resume_latency_seconds",
+        "histogram",
+        "Activation requested to first agent step.",
+        ("placement",),
+        tuple(RESUME_BUCKETS),
+    ),
+    "outbox_lag": Spec(
+        "torpor_outbox_lag_seconds",
+        "histogram",
+        "Outbox entry recorded to dispatched.",
+        ("kind",),
+        tuple(LAG_BUCKETS),
+    ),
+    "suspended": Spec(
+        "torpor_suspended_sessions",
+        "gauge",
+        "Sessions suspended (waiting), as last counted by the reconciler.",
+    ),
+    "dead_letters": Spec(
+        "torpor_dead_letters_total",
+        "counter",
+        "Outbox entries that gave up for good (resend with resend_outbox).",
+        ("kind",),
+    ),
+    "sweep_failures": Spec(
+        "torpor_sweep_step_failures_total",
+        "counter",
+        "Reconciler sweep steps that raised (the other steps still ran).",
+        ("step",),
+    ),
+    "last_sweep": Spec(
+        "torpor_reconciler_last_sweep_timestamp_seconds",
+        "gauge",
+        "Start of the last complete sweep; its age is time() minus this.",
+    ),
+    "sweep_duration": Spec(
+        "torpor_reconciler_sweep_seconds",
+        "histogram",
+        "Duration of complete reconciler sweeps.",
+        (),
+        tuple(LAG_BUCKETS),
+    ),
+    "activations_deferred": Spec(
+        "torpor_activations_deferred_total",
+        "counter",
+        "Activation requests left to a timer (backpressure or failure).",
+        ("reason",),
+    ),
+    "deliveries": Spec(
+        "torpor_notifications_total",
+        "counter",
+        "Outbound notification attempts by outcome.",
+        ("outcome",),
+    ),
+}
+
+
 @cache
 def metrics() -> dict[str, Any]:
     from ray.util.metrics import Counter, Gauge, Histogram
 
-    return {
-        "webhooks": Counter(
-            "torpor_webhooks_total",
-            description="Inbound webhooks by outcome (accepted, duplicate, rejected) and reason.",
-            tag_keys=("source", "outcome", "reason"),
-        ),
-        "events": Counter(
-            "torpor_events_total",
-            description="Inbox events by what the gates did with them (applied or observed).",
-            tag_keys=("verdict", "reason"),
-        ),
-        "transitions": Counter(
-            "torpor_session_transitions_total",
-            description="Committed lifecycle transitions by target state.",
-            tag_keys=("state",),
-        ),
-        "commits": Counter(
-            "torpor_commits_total",
-            description="Activation outcomes (ran, busy, conflict, lease_lost, ...).",
-            tag_keys=("outcome",),
-        ),
-        "alerts": Counter(
-            "torpor_security_alerts_total",
-            description="Waits the State Invalidation Guard blocked.",
-            tag_keys=("tool",),
-        ),
-        "resume": Histogram(
-            "torpor_resume_latency_seconds",
-            description="Activation requested to first agent step.",
-            boundaries=RESUME_BUCKETS,
-            tag_keys=("placement",),
-        ),
-        "outbox_lag": Histogram(
-            "torpor_outbox_lag_seconds",
-            description="Outbox entry recorded to dispatched.",
-            boundaries=LAG_BUCKETS,
-            tag_keys=("kind",),
-        ),
-        "suspended": Gauge(
-            "torpor_suspended_sessions",
-            description="Sessions suspended (waiting), as last counted by the reconciler.",
-        ),
-        "dead_letters": Counter(
-            "torpor_dead_letters_total",
-            description="Outbox entries that gave up for good (resend with resend_outbox).",
-            tag_keys=("kind",),
-        ),
-        "sweep_failures": Counter(
-            "torpor_sweep_step_failures_total",
-            description="Reconciler sweep steps that raised (the other steps still ran).",
-            tag_keys=("step",),
-        ),
-        "last_sweep": Gauge(
-            "torpor_reconciler_last_sweep_timestamp_seconds",
-            description="Start of the last complete sweep; its age is time() minus this.",
-        ),
-        "sweep_duration": Histogram(
-            "torpor_reconciler_sweep_seconds",
-            description="Duration of complete reconciler sweeps.",
-            boundaries=LAG_BUCKETS,
-        ),
-        "activations_deferred": Counter(
-            "torpor_activations_deferred_total",
-            description="Activation requests left to a timer (backpressure or failure).",
-            tag_keys=("reason",),
-        ),
-        "deliveries": Counter(
-            "torpor_notifications_total",
-            description="Outbound notification attempts by outcome.",
-            tag_keys=("outcome",),
-        ),
-    }
+    made: dict[str, Any] = {}
+    for key, spec in SPECS.items():
+        if spec.kind == "counter":
+            made[key] = Counter(spec.name, description=spec.description, tag_keys=spec.tags)
+        elif spec.kind == "gauge":
+            made[key] = Gauge(spec.name, description=spec.description, tag_keys=spec.tags)
+        else:
+            made[key] = Histogram(
+                spec.name,
+                description=spec.description,
+                boundaries=list(spec.boundaries),
+                tag_keys=spec.tags,
+            )
+    return made
+
+
+@dataclass
+class Readings:
+    """What the code recorded while a :func:`tap` was open: (name, value, tags) by kind.
+    Tests read metric values here, by their exported names."""
+
+    records: list[tuple[str, str, float, dict[str, str]]] = field(default_factory=list)
+
+    def _matching(self, name: str, kind: str, tags: dict[str, str]) -> list[float]:
+        return [
+            value
+            for n, k, value, t in self.records
+            if n == name and k == kind and all(t.get(key) == v for key, v in tags.items())
+        ]
+
+    def counter(self, name: str, **tags: str) -> float:
+        """The sum of increments of counter ``name`` whose tags include ``tags``."""
+        return sum(self._matching(name, "counter", tags))
+
+    def observations(self, name: str, **tags: str) -> list[float]:
+        return self._matching(name, "histogram", tags)
+
+    def gauge(self, name: str) -> float | None:
+        values = self._matching(name, "gauge", {})
+        return values[-1] if values else None
+
+
+_TAPS: list[Readings] = []
+
+
+@contextmanager
+def tap() -> Iterator[Readings]:
+    """Record every metric this process writes while open (with or without Ray)."""
+    readings = Readings()
+    _TAPS.append(readings)
+    try:
+        yield readings
+    finally:
+        _TAPS.remove(readings)
+
+
+def _record(key: str, value: float, tags: dict[str, str] | None) -> None:
+    spec = SPECS[key]
+    for readings in _TAPS:
+        readings.records.append((spec.name, spec.kind, value, dict(tags or {})))
 
 
 def _enabled() -> bool:
@@ -105,16 +199,19 @@ def _enabled() -> bool:
 
 
 def inc(name: str, tags: dict[str, str] | None = None, value: float = 1.0) -> None:
+    _record(name, value, tags)
     if _enabled():
         metrics()[name].inc(value, tags=tags or {})
 
 
 def observe(name: str, value: float, tags: dict[str, str] | None = None) -> None:
+    _record(name, value, tags)
     if _enabled():
         metrics()[name].observe(value, tags=tags or {})
 
 
 def gauge(name: str, value: float) -> None:
+    _record(name, value, None)
     if _enabled():
         metrics()[name].set(value)
 
@@ -125,3 +222,9 @@ def activation(result: ActivationResult, *, placement: str) -> None:
     inc("commits", {"outcome": result.outcome.value})
     if result.resume_latency_s is not None:
         observe("resume", result.resume_latency_s, {"placement": placement})
+
+
+def sweep(report: SweepReport) -> None:
+    """Record what one reconciler sweep counted (the suspended sessions)."""
+    if report.suspended is not None:
+        gauge("suspended", report.suspended)

@@ -8,7 +8,7 @@ from actors import metrics
 from torpor.deliveries import Delivery
 from torpor.events import InboxEvent
 from torpor.lifecycle import SessionState
-from torpor.models import DispatchStatus, OutboxEntry, SessionSnapshot, Wait
+from torpor.models import OutboxEntry, SessionSnapshot, Wait
 from torpor.ports import Observer
 
 log = logging.getLogger("torpor.security")
@@ -18,11 +18,11 @@ dead_log = logging.getLogger("torpor.dead_letters")
 class RayObserver(Observer):
     async def transitioned(self, snapshot: SessionSnapshot, previous: SessionState) -> None:
         metrics.inc("transitions", {"state": snapshot.state.value})
-        for entry in snapshot.outbox:
-            if entry.status is DispatchStatus.DISPATCHED and entry.dispatched_at is not None:
-                lag = (entry.dispatched_at - entry.created_at).total_seconds()
-                if lag >= 0 and entry.dispatched_at >= snapshot.updated_at:
-                    metrics.observe("outbox_lag", lag, {"kind": entry.kind.value})
+
+    async def outbox_dispatched(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
+        if entry.dispatched_at is not None:
+            lag = max(0.0, (entry.dispatched_at - entry.created_at).total_seconds())
+            metrics.observe("outbox_lag", lag, {"kind": entry.kind.value})
 
     async def observed(self, snapshot: SessionSnapshot, event: InboxEvent, why: str) -> None:
         metrics.inc("events", {"verdict": "observed", "reason": why})

@@ -93,8 +93,7 @@ class Reconciler:
             self._step_errors[step] = {"at": at, "error": error}
         await sweeper.sessions.drain()
         self._sweeps += 1
-        if report.suspended is not None:
-            metrics.gauge("suspended", report.suspended)
+        metrics.sweep(report)
         self._last = asdict(report)
         return self._last
 

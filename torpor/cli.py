@@ -8,9 +8,12 @@
     torpor deliveries [resend ID]    failed outbound notifications
     torpor reconcile                 one reconciler sweep, now
     torpor keys api|source|capability
+    torpor console                   print the operator console's URL and a login link
 
 API commands talk HTTP to ``--url`` (default: ``public_url`` from the configuration)
-with ``--api-key`` (default: ``$TORPOR_API_KEY``). Errors are one line, never a traceback.
+with ``--api-key`` (default: ``$TORPOR_API_KEY``). ``--json`` prints JSON (one object a
+line for ``events``, ``ls`` and ``deliveries``). Errors are one line on stderr, never a
+traceback, and the exit code says which kind of failure it was (:data:`EXIT_CODES`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor import outbound
-from torpor.errors import TorporError
+from torpor.errors import ConfigError, StorageUnavailable, TorporError
 
 TIMEOUT_S = 30.0
 # The SSE stream sends a keep-alive every 15 s; this much silence means it is gone.
@@ -37,8 +40,40 @@ MAX_ANSWER_BYTES = 16 * 1024 * 1024
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 
 
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_CONFIG = 4
+EXIT_INTERNAL = 5
+EXIT_INTERRUPTED = 130
+
+# The documented exit codes (README "Exit codes"; a test keeps the two in step).
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "success",
+    EXIT_FAILED: "the command failed: the API refused it (its problem detail is printed), "
+    "or a signed `send` got a non-2xx answer",
+    EXIT_USAGE: "bad command line (unknown command, missing argument)",
+    EXIT_UNREACHABLE: "torpor's API, Ray or another service could not be reached",
+    EXIT_CONFIG: "the configuration (TORPOR_CONFIG, TORPOR_* variables) is invalid",
+    EXIT_INTERNAL: "an unexpected error (a bug: the line names the exception)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
 class CliError(Exception):
-    """A failure worth one line to the user."""
+    """A failure worth one line to the user; ``code`` is its exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Unreachable(CliError):
+    """A service the command needs did not answer."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, EXIT_UNREACHABLE)
 
 
 def _payload(value: str) -> bytes:
@@ -62,7 +97,41 @@ def _json_arg(value: str) -> Any:
 def _settings() -> Any:
     from torpor.settings import Settings
 
-    return Settings.from_env()
+    try:
+        return Settings.from_env()
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_CONFIG) from None
+    except OSError as exc:
+        raise CliError(f"cannot read the configuration: {exc}", EXIT_CONFIG) from None
+
+
+RAY_PROBE_TIMEOUT_S = 5.0
+
+
+def _probe(address: str) -> None:
+    """Fail fast, in one line, when a ``host:port`` Ray address does not answer: Ray
+    itself retries for minutes and logs each attempt."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return  # "auto", "local", ray://…: Ray resolves those itself
+    try:
+        socket.create_connection((host, int(port)), timeout=RAY_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise Unreachable(f"cannot connect to Ray at {address}: {exc}") from None
+
+
+def _ray_init(**kwargs: Any) -> None:
+    import ray
+
+    if kwargs.get("address"):
+        _probe(kwargs["address"])
+    try:
+        ray.init(**kwargs)
+    except (ConnectionError, TimeoutError) as exc:
+        where = kwargs.get("address") or "a local Ray"
+        raise Unreachable(f"cannot connect to Ray at {where}: {exc}") from None
 
 
 def _request(
@@ -88,7 +157,7 @@ def _request(
             max_body_bytes=MAX_ANSWER_BYTES,
         )
     except TRANSPORT_ERRORS as exc:
-        raise CliError(f"cannot reach torpor at {base}: {exc}") from None
+        raise Unreachable(f"cannot reach torpor at {base}: {exc}") from None
     if response.ok:
         return response.status, response.json()
     try:
@@ -105,8 +174,11 @@ def _request(
     raise CliError(f"{method} {path}: {response.status} {detail}")
 
 
-def _print(value: Any) -> None:
-    print(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+def _print(value: Any, args: argparse.Namespace | None = None) -> None:
+    if args is not None and args.json:
+        print(json.dumps(value, ensure_ascii=False, default=str))
+    else:
+        print(json.dumps(value, indent=2, ensure_ascii=False, default=str))
 
 
 # -- commands -------------------------------------------------------------------------
@@ -132,14 +204,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import ray
     from ray import serve
 
     from actors.config_ref import ConfigRef
     from serve_app import application
 
     settings = _settings()
-    ray.init(address=args.address, namespace=settings.namespace)
+    _ray_init(address=args.address, namespace=settings.namespace)
     serve.start(http_options={"host": args.host, "port": args.port})
     config = ConfigRef.of_loaded(settings)  # replicas read secrets themselves
     serve.run(application(config), name="torpor", route_prefix="/", blocking=True)
@@ -152,12 +223,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         body["callback_url"] = args.callback_url
     key = args.idempotency_key or str(uuid.uuid4())
     _, answer = _request(args, "POST", "/v1/sessions", body, {"Idempotency-Key": key})
-    _print(answer)
+    _print(answer, args)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    _print(_request(args, "GET", f"/v1/sessions/{urllib.parse.quote(args.session)}")[1])
+    _print(_request(args, "GET", f"/v1/sessions/{urllib.parse.quote(args.session)}")[1], args)
     return 0
 
 
@@ -166,6 +237,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         {k: v for k, v in {"state": args.state, "limit": args.limit}.items() if v}
     )
     _, page = _request(args, "GET", f"/v1/sessions?{query}")
+    if args.json:
+        for item in page["items"]:
+            _print(item, args)
+        if page.get("next_cursor"):
+            _print({"next_cursor": page["next_cursor"]}, args)
+        return 0
     for item in page["items"]:
         print(f"{item['session_id']}  {item['state']}")
     if page.get("next_cursor"):
@@ -174,12 +251,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    _print(_request(args, "POST", f"/v1/sessions/{urllib.parse.quote(args.session)}/cancel")[1])
+    _print(
+        _request(args, "POST", f"/v1/sessions/{urllib.parse.quote(args.session)}/cancel")[1], args
+    )
     return 0
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
-    _print(_request(args, "POST", f"/v1/sessions/{urllib.parse.quote(args.session)}/retry")[1])
+    _print(
+        _request(args, "POST", f"/v1/sessions/{urllib.parse.quote(args.session)}/retry")[1], args
+    )
     return 0
 
 
@@ -201,10 +282,13 @@ def cmd_events(args: argparse.Namespace) -> int:
                 line = raw.decode().rstrip("\n")
                 if line.startswith("data: "):
                     event = json.loads(line[6:])
+                    if args.json:
+                        print(json.dumps(event, ensure_ascii=False), flush=True)
+                        continue
                     at, state = event["at"], event["state"]
                     print(f"{at}  {state:<10} epoch {event['epoch']}  {event['reason']}")
     except TRANSPORT_ERRORS as exc:
-        raise CliError(f"cannot reach torpor at {base}: {exc}") from None
+        raise Unreachable(f"cannot reach torpor at {base}: {exc}") from None
     return 0
 
 
@@ -242,18 +326,27 @@ def cmd_send(args: argparse.Namespace) -> int:
             max_body_bytes=MAX_ANSWER_BYTES,
         )
     except TRANSPORT_ERRORS as exc:
-        raise CliError(f"cannot reach {args.target}: {exc}") from None
-    print(f"{response.status} {response.body.decode(errors='replace')}")
-    return 0 if response.ok else 1
+        raise Unreachable(f"cannot reach {args.target}: {exc}") from None
+    if args.json:
+        text = response.body.decode(errors="replace")
+        _print({"status": response.status, "body": text}, args)
+    else:
+        print(f"{response.status} {response.body.decode(errors='replace')}")
+    return EXIT_OK if response.ok else EXIT_FAILED
 
 
 def cmd_deliveries(args: argparse.Namespace) -> int:
     if args.resend:
         _print(
-            _request(args, "POST", f"/v1/deliveries/{urllib.parse.quote(args.resend)}/resend")[1]
+            _request(args, "POST", f"/v1/deliveries/{urllib.parse.quote(args.resend)}/resend")[1],
+            args,
         )
         return 0
     _, page = _request(args, "GET", f"/v1/deliveries?status={args.status}")
+    if args.json:
+        for d in page["items"]:
+            _print(d, args)
+        return 0
     for d in page["items"]:
         print(
             f"{d['delivery_id']}  {d['status']:<9} attempts {d['attempts']}  "
@@ -269,9 +362,9 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     from actors.reconciler import ensure_reconciler
 
     settings = _settings()
-    ray.init(address=args.address or "auto", namespace=settings.namespace, log_to_driver=False)
+    _ray_init(address=args.address or "auto", namespace=settings.namespace, log_to_driver=False)
     handle = ensure_reconciler(ConfigRef.of_loaded(settings), start=False)
-    _print(ray.get(handle.sweep_once.remote()))
+    _print(ray.get(handle.sweep_once.remote()), args)
     return 0
 
 
@@ -292,25 +385,57 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_console(args: argparse.Namespace) -> int:
+    base = (args.url or _settings().public_url).rstrip("/")
+    url = f"{base}/console"
+    key = args.operator_key or os.environ.get("TORPOR_OPERATOR_KEY")
+    # The key rides in the fragment: browsers never send it, so it is in no access log;
+    # the login page reads it, exchanges it for a session cookie and clears the address.
+    login = f"{url}/login#key={urllib.parse.quote(key, safe='')}" if key else None
+    if args.json:
+        _print({"url": url, "login_url": login}, args)
+        return EXIT_OK
+    print(f"console: {url}")
+    if login:
+        print(f"login:   {login}")
+    else:
+        print("login:   give --operator-key or set TORPOR_OPERATOR_KEY for a login link")
+    return EXIT_OK
+
+
 # -- parser ---------------------------------------------------------------------------
 
 
 def parser() -> argparse.ArgumentParser:
+    from torpor import __version__
+
     p = argparse.ArgumentParser(
-        prog="torpor", description="Agent sessions that sleep while they wait."
+        prog="torpor",
+        description="Agent sessions that sleep while they wait.",
+        epilog="exit codes: "
+        + "; ".join(f"{code} {text.split(':')[0]}" for code, text in EXIT_CODES.items()),
     )
+    p.add_argument("--version", action="version", version=f"torpor {__version__}")
+    p.add_argument("--json", action="store_true", help="print JSON (one object a line)")
+    # --json also after the command (`torpor events ID --json`); SUPPRESS keeps the
+    # top-level value when it is not repeated there.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON")
     sub = p.add_subparsers(dest="command", required=True)
+
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kwargs)
 
     def api(
         name: str, fn: Callable[[argparse.Namespace], int], help: str
     ) -> argparse.ArgumentParser:
-        s = sub.add_parser(name, help=help)
+        s = command(name, help=help)
         s.add_argument("--url", help="torpor's base URL (default: public_url)")
         s.add_argument("--api-key", help="bearer API key (default: $TORPOR_API_KEY)")
         s.set_defaults(fn=fn)
         return s
 
-    d = sub.add_parser("demo", help="run the document-batch demo on this machine")
+    d = command("demo", help="run the document-batch demo on this machine")
     d.add_argument("--documents", type=int, default=50)
     d.add_argument("--placement", choices=["dedicated", "pooled"], default="dedicated")
     d.add_argument("--redis", help="use this Redis instead of the embedded SQLite index")
@@ -323,7 +448,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", action="store_true", help="keep the temporary storage")
     d.set_defaults(fn=cmd_demo)
 
-    s = sub.add_parser("serve", help="start the Serve app and the reconciler")
+    s = command("serve", help="start the Serve app and the reconciler")
     s.add_argument("--address", help="Ray address (default: start a local Ray)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
@@ -346,7 +471,7 @@ def parser() -> argparse.ArgumentParser:
         ("sign", cmd_sign, "print signature headers for a payload"),
         ("send", cmd_send, "POST a payload, signed"),
     ):
-        s = sub.add_parser(name, help=text)
+        s = command(name, help=text)
         if name == "send":
             s.add_argument("target", help="e.g. http://127.0.0.1:8000/v1/hooks/oa")
         s.add_argument("--body", required=True, help="payload, @file or - for stdin")
@@ -361,26 +486,51 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--status", default="dead", choices=["pending", "delivered", "dead", "disabled"])
     s.add_argument("--resend", metavar="DELIVERY_ID")
 
-    s = sub.add_parser("reconcile", help="run one reconciler sweep now")
-    s.add_argument("--address")
+    s = command("reconcile", help="run one reconciler sweep now")
+    s.add_argument("--address", help="Ray address (default: auto, the running cluster)")
     s.set_defaults(fn=cmd_reconcile)
 
-    s = sub.add_parser("keys", help="generate an API key, a source secret or a capability key")
+    s = command("keys", help="generate an API key, a source secret or a capability key")
     s.add_argument("kind", choices=["api", "source", "capability"])
     s.add_argument("--scheme", default="torpor", choices=["torpor", "standard", "github", "stripe"])
     s.set_defaults(fn=cmd_keys)
+
+    s = command("console", help="print the operator console's URL and a login link")
+    s.add_argument("--url", help="torpor's base URL (default: public_url)")
+    s.add_argument("--operator-key", help="operator key (default: $TORPOR_OPERATOR_KEY)")
+    s.set_defaults(fn=cmd_console)
     return p
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split()) or "(no message)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_args(argv)  # usage errors exit 2 (argparse)
     try:
         code: int = args.fn(args)
-    except (CliError, TorporError) as exc:
-        print(f"torpor: error: {exc}", file=sys.stderr)
-        return 1
+    except CliError as exc:
+        print(f"torpor: error: {_one_line(str(exc))}", file=sys.stderr)
+        return exc.code
+    except ConfigError as exc:
+        print(f"torpor: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG
+    except StorageUnavailable as exc:
+        print(f"torpor: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except TorporError as exc:
+        print(f"torpor: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except (ConnectionError, TimeoutError) as exc:
+        print(f"torpor: error: cannot connect: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except Exception as exc:  # the top level: a bug still gets one line, not a traceback
+        name = type(exc).__name__
+        print(f"torpor: error: internal: {name}: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_INTERNAL
     return code
 
 

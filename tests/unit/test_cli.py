@@ -40,7 +40,7 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
         cwd=ROOT,
         check=False,
     )
-    assert result.returncode == 1
+    assert result.returncode == 3  # EXIT_UNREACHABLE
     assert result.stderr.startswith("torpor: error: cannot reach torpor")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     result = subprocess.run(

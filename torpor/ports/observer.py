@@ -39,6 +39,11 @@ class Observer:
         """One attempt at an outbound notification ended with ``delivery.status``."""
         return
 
+    async def outbox_dispatched(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
+        """An outbox entry was sent and its DISPATCHED status committed: ``created_at`` to
+        ``dispatched_at`` is the outbox lag."""
+        return
+
     async def dead_letter(self, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
         """An outbox entry gave up for good (a compensation or notice nobody received):
         alert an operator, who can resend it (``SessionService.resend_outbox``)."""

@@ -33,6 +33,7 @@ the request then fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections.abc import Mapping
@@ -45,6 +46,7 @@ from torpor.errors import (
     AmbiguousEvent,
     RejectReason,
     SourceNotAllowed,
+    TorporError,
     UnknownCorrelation,
     WebhookRejected,
 )
@@ -137,6 +139,9 @@ class WebhookGateway:
         except WebhookRejected as exc:
             await self._handled(source_name, "rejected", exc.reason.value)
             await self._audit_rejection(source_name, exc.reason, body, headers, now)
+            raise
+        except Exception as exc:
+            await self._failed(source_name, exc)
             raise
 
     async def _receive(
@@ -428,6 +433,17 @@ class WebhookGateway:
             if exc.reason is not RejectReason.TOKEN_USED:  # that one is on the record already
                 await self._audit_rejection(CAPABILITY_SOURCE, exc.reason, body, headers, now)
             raise
+        except Exception as exc:
+            await self._failed(CAPABILITY_SOURCE, exc)
+            raise
+
+    async def _failed(self, source: str, exc: Exception) -> None:
+        """A webhook the edge answers 5xx (storage down, a bug) is counted as ``error``,
+        so an alert sees senders being turned away; 4xx answers are counted where raised."""
+        status = exc.status if isinstance(exc, TorporError) else 500
+        if status >= 500:
+            with contextlib.suppress(Exception):  # the original error is what the caller gets
+                await self._handled(source, "error", type(exc).__name__)
 
     async def refused_unread(
         self, source: str, reason: RejectReason, headers: Mapping[str, str], *, now: datetime

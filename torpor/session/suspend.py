@@ -354,6 +354,8 @@ class Suspender:
         work.update(outbox=[settled.get(e.entry_id, e) for e in work.snap.outbox])
         await work.commit()
         for entry in settled.values():
+            if entry.status is DispatchStatus.DISPATCHED:
+                await self.deps.observer.outbox_dispatched(work.snap, entry)
             if entry.status is DispatchStatus.DEAD:
                 # The entry itself is the durable record (it stays in the outbox until an
                 # operator resends it); this hook is the alert and the metric.

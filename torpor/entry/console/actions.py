@@ -194,7 +194,7 @@ class OperatorActions:
         return await self.control.resend_outbox(session_id, entry_id)
 
     def can_reassign(self) -> bool:
-        # HOOK(h1): the approval tool's service method; the button shows once it exists.
+        # A control plane without approvals (a stand-in) hides the button.
         return callable(getattr(self.control, "reassign_approval", None))
 
     async def reassign(
@@ -209,9 +209,9 @@ class OperatorActions:
             session_id=session_id,
             detail={"correlation_id": correlation_id, "approver": approver},
         )
-        # HOOK(h1): the integrator aligns these arguments with SessionService.reassign_approval.
-        method = self.control.reassign_approval  # type: ignore[attr-defined]
-        result: object = await method(
-            session_id, correlation_id=correlation_id, approver=approver, reason=reason
+        # The form takes one name or a comma-separated list: the new approvers.
+        approvers = [a.strip() for a in approver.split(",") if a.strip()]
+        result: object = await self.control.reassign_approval(
+            session_id, correlation_id, approvers=approvers, by=principal.who, why=reason
         )
         return result

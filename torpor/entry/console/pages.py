@@ -276,7 +276,7 @@ def session_page(
                 "</textarea>",
                 "resolve",
             )
-            if can_reassign:  # HOOK(h1): approval reassignment
+            if can_reassign:
                 actions += _form(
                     base,
                     f"/sessions/{sid}/reassign",

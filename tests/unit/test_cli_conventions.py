@@ -1,0 +1,149 @@
+"""CLI conventions, run as a user runs them: ``python -m torpor`` in a subprocess.
+
+--version, a global --json (JSON lines for ``events``), documented exit codes, one-line
+errors for every failure class, and ``torpor console``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+import torpor
+from torpor import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORPOR_")}
+    return subprocess.run(
+        [sys.executable, "-m", "torpor", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=120,
+        env={**base, **(env or {})},
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("torpor: error: ") and "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def sse_server() -> Iterator[str]:
+    """An events endpoint that streams two transitions and closes."""
+    events = [
+        {"at": "2026-01-01T00:00:00Z", "state": "RUNNING", "epoch": 1, "reason": "start"},
+        {"at": "2026-01-01T00:00:01Z", "state": "COMPLETED", "epoch": 1, "reason": "done"},
+    ]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"".join(
+                f"id: {i}\ndata: {json.dumps(e)}\n\n".encode() for i, e in enumerate(events)
+            )
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_python_m_torpor_prints_the_version() -> None:
+    result = run("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"torpor {torpor.__version__}"
+
+
+def test_events_json_prints_one_json_object_a_line(sse_server: str) -> None:
+    for argv in (("--json", "events", "s_1"), ("events", "s_1", "--json")):
+        result = run(*argv, "--url", sse_server)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.strip().splitlines()
+        assert [json.loads(line)["state"] for line in lines] == ["RUNNING", "COMPLETED"]
+    plain = run("events", "s_1", "--url", sse_server)
+    assert "COMPLETED" in plain.stdout and not plain.stdout.startswith("{")
+
+
+def test_exit_codes_are_the_ones_the_readme_documents() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Exit codes", 1)[1].split("\n#", 1)[0]
+    documented = {int(code) for code in re.findall(r"^\| `(\d+)` \|", section, re.M)}
+    assert documented == set(cli.EXIT_CODES)
+
+
+def test_unreachable_api_is_one_line_and_exit_code_3() -> None:
+    result = run("status", "s_x", "--url", "http://127.0.0.1:9")
+    assert result.returncode == cli.EXIT_UNREACHABLE
+    assert "cannot reach torpor at http://127.0.0.1:9" in one_line_error(result)
+
+
+def test_unreachable_ray_in_reconcile_is_one_line_and_exit_code_3() -> None:
+    result = run("reconcile", "--address", "127.0.0.1:9")
+    assert result.returncode == cli.EXIT_UNREACHABLE
+    assert "cannot connect to Ray at 127.0.0.1:9" in one_line_error(result)
+
+
+def test_invalid_configuration_is_one_line_and_exit_code_4(tmp_path: Path) -> None:
+    result = run("console", env={"TORPOR_RUNTIME__TOOL_TIMEOUT_S": "soon"})
+    assert result.returncode == cli.EXIT_CONFIG
+    assert "runtime.tool_timeout_s" in one_line_error(result)
+    result = run("console", env={"TORPOR_CONFIG": str(tmp_path / "missing.toml")})
+    assert result.returncode == cli.EXIT_CONFIG
+    assert "missing.toml" in one_line_error(result)
+
+
+def test_usage_error_is_exit_code_2() -> None:
+    assert run("no-such-command").returncode == cli.EXIT_USAGE
+
+
+def test_an_unexpected_exception_is_one_line_and_exit_code_5(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(args: object) -> int:
+        raise KeyError("boom\nsecond line")
+
+    monkeypatch.setattr(cli, "cmd_keys", broken)
+    assert cli.main(["keys", "api"]) == cli.EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert err.startswith("torpor: error: internal: KeyError:") and err.count("\n") == 1
+
+
+def test_console_prints_the_url_and_an_operator_login_link() -> None:
+    result = run(
+        "console",
+        env={"TORPOR_PUBLIC_URL": "https://torpor.example.com/", "TORPOR_OPERATOR_KEY": "op/k y"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "console: https://torpor.example.com/console" in result.stdout
+    # the key rides in the fragment (never sent to a server, so in no access log)
+    assert "login:   https://torpor.example.com/console/login#key=op%2Fk%20y" in result.stdout
+    answer = json.loads(run("--json", "console", "--url", "http://h:1").stdout)
+    assert answer == {"url": "http://h:1/console", "login_url": None}
