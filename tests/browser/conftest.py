@@ -29,6 +29,7 @@ from storage.audit import ObjectAudit
 from tests.runtime.test_gateway import SOURCES
 from tests.support.harness import settings_for
 from tests.support.s3_server import free_port
+from tests.support.tools import agent_config
 from torpor.auth import new_api_key
 from torpor.entry.console import ConsoleDeps, ConsoleMount
 from torpor.ports.services import Services
@@ -110,6 +111,13 @@ def console(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterato
             "security": {"operator_keys": [operator_hash]},
             "tenants": {"acme": {"api_keys": [acme_hash]}, "beta": {"api_keys": [beta_hash]}},
             "sources": SOURCES,
+            "agents": {
+                **agent_config(redis_url, prefix),
+                # Its OA undo endpoint is down until the "undo-up" gate opens: dead letters.
+                "undo": agent_config(redis_url, prefix, sla_s=60, compensate_gate="undo-up")[
+                    "purchase"
+                ],
+            },
         },
     )
     port = free_port()

@@ -12,15 +12,22 @@ import secrets
 import httpx
 import pytest
 
+from actors.wiring import open_services, session_runtime
 from storage import keys
 from storage.audit import ObjectAudit
 from tests.browser.conftest import Console, csrf_of
+from tests.conftest import eventually
 from tests.runtime.test_gateway import JSON, SECRET, body
+from tests.support.tools import World
+from torpor import outbox
+from torpor.clock import ManualClock
 from torpor.errors import WebhookRejected
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
+from torpor.models import DispatchStatus, OutboxKind
 from torpor.ports import Reason
 from torpor.ports.services import Services
+from torpor.service.activator import InlineActivator
 from torpor.service.gateway import WebhookGateway
 from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper
@@ -194,3 +201,50 @@ async def test_a_quarantined_session_is_listed_and_taken_back_by_retry_now(
     assert answer.status_code == 303
     assert "quarantined%20session%20taken%20back" in answer.headers["location"]
     assert (await services.index.session_states([sid]))[sid] is SessionState.SUSPENDED
+
+
+async def test_a_dead_outbox_entry_is_resent_from_the_timeline(
+    console: Console, operator: httpx.AsyncClient
+) -> None:
+    # The session times out; its compensation (the OA undo) gives up: a dead letter.
+    clock = ManualClock()
+    driver = open_services(console.settings, clock=clock)
+    world = World(console.settings.storage.index_url, console.settings.storage.redis_prefix)
+    try:
+        runtime = session_runtime(driver, "driver")
+        control = SessionService(driver, InlineActivator(runtime))
+        sid = (
+            await control.submit(
+                tenant="acme", agent="undo", input={"doc": f"PR-{secrets.token_hex(3)}"}
+            )
+        ).session_id
+        clock.advance(61)
+        await runtime.activate(sid, reason=Reason.TIMEOUT)
+        for _ in range(outbox.MAX_DISPATCH_ATTEMPTS):
+            [undo] = [e for e in (await control.get(sid)).outbox if e.kind is OutboxKind.COMPENSATE]
+            if undo.status is not DispatchStatus.PENDING:
+                break
+            assert undo.next_attempt_at is not None
+            clock.set(undo.next_attempt_at)
+            await runtime.activate(sid, reason=Reason.RETRY)
+        assert undo.status is DispatchStatus.DEAD
+        assert await world.counts("compensate") == {}
+
+        page = (await operator.get(f"/sessions/{sid}")).text
+        action = f"/sessions/{sid}/outbox/{undo.entry_id}/resend"
+        assert action in page
+        await world.open_gate("undo-up")  # the OA system is back
+        answer = await operator.post(
+            action, data={"csrf": csrf_of(page), "reason": "OA undo endpoint restored"}
+        )
+        assert answer.status_code == 303
+
+        async def sent() -> bool:
+            return await world.counts("compensate") == {undo.idempotency_key: 1}
+
+        await eventually(sent, what="the resent compensation reached the OA system")
+        timeline = (await operator.get(f"/sessions/{sid}")).text
+        assert "operator:resend_outbox" in timeline
+    finally:
+        await world.close()
+        await driver.close()
