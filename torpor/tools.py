@@ -223,6 +223,9 @@ class Review:
     alert: list[str] = field(default_factory=list)  # security alert reasons
     notices: list[ToolNotice] = field(default_factory=list)
     request: dict[str, JsonValue] | None = None  # REISSUE: the new request
+    # REISSUE: withdraw the old request (``compensate``): yes when it goes to someone else,
+    # no when it was decided and the next stage follows.
+    withdraw: bool = True
 
 
 @dataclass(frozen=True)

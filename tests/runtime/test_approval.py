@@ -147,6 +147,7 @@ async def test_a_second_stage_above_the_threshold_is_a_new_request(make: Any) ->
         [second] = snap.waits
         assert snap.state is S.SUSPENDED and second.epoch > first.epoch
         assert second.request["approvers"] == ["cfo"] and second.request["stage"] == 2
+        assert WITHDRAWN == []  # the first stage was decided, not abandoned
         snap = await vote(env, big, "cfo")
         assert snap.state is S.COMPLETED
         assert [s["stage"] for s in snap.result["stages"]] == [1, 2]  # type: ignore[index,call-overload]

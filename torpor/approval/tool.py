@@ -283,6 +283,7 @@ class ApprovalTool(LongRunningTool):
                 reason=ObservationReason.COUNTED,
                 progress=progress,
                 request=request,
+                withdraw=False,  # decided, not abandoned: nothing to withdraw
             )
         answer: dict[str, JsonValue] = {
             "status": outcome.value,

@@ -223,7 +223,13 @@ class Suspender:
         )
 
     async def reissue(
-        self, wait: Wait, tool: LongRunningTool, request: dict[str, JsonValue], *, reason: str
+        self,
+        wait: Wait,
+        tool: LongRunningTool,
+        request: dict[str, JsonValue],
+        *,
+        reason: str,
+        withdraw: bool = True,
     ) -> None:
         """Withdraw ``wait``'s request and send ``request`` in its place, in a new epoch:
         the old wait closes (RUNNING, its compensation withdraws the request under its own
@@ -231,14 +237,14 @@ class Suspender:
         commit, so an answer to the old request is stale from then on. The SLA deadline
         stays the wait's."""
         work = self.work
-        withdraw = (
+        withdrawal = (
             [outbox.compensate_entry(work.snap, wait, reason=reason, now=work.now)]
-            if tool.can_compensate
+            if withdraw and tool.can_compensate
             else []
         )
         work.update(
             waits=[w for w in work.snap.waits if w.wait_id != wait.wait_id],
-            outbox=[*work.snap.outbox, *withdraw],
+            outbox=[*work.snap.outbox, *withdrawal],
         )
         work.move(SessionState.RUNNING, reason)
         plan = WaitPlan(

@@ -42,7 +42,8 @@ class Wake:
         self.retrier = Retrier(work)
         self._closed: list[Wait] = []  # waits answered by this activation, to unbind
         self.fan_in = FanInWake(work, loaded)
-        self._reissue: tuple[Wait, dict[str, JsonValue], ObservationReason] | None = None
+        self._reissue: Review | None = None
+        self._reissued: Wait | None = None
 
     async def resume(self) -> None:
         """Apply what the inbox holds to the waits, through the gates, in order."""
@@ -99,9 +100,14 @@ class Wake:
             if work.snap.wait_for(wait.correlation_id) and self.fan_in.proceeds_on_expiry(wait):
                 self._closed = [*self._closed, *self.fan_in.expired(wait)]
         still_open = [w for w in overdue if work.snap.wait_for(w.correlation_id)]
-        reissue = self._reissue
-        self._reissue = None
-        if reissue is not None and not still_open and await self.reissue(*reissue):
+        reissue, reissued = self._reissue, self._reissued
+        self._reissue = self._reissued = None
+        if (
+            reissue is not None
+            and reissued is not None
+            and not still_open
+            and await self.reissue(reissued, reissue)
+        ):
             return
         if still_open:
             await self.suspender.finish(
@@ -162,21 +168,22 @@ class Wake:
         if review.alert:
             await self.deps.observer.security_alert(work.snap, wait, review.alert)
         if review.action is ReviewAction.REISSUE and review.request is not None:
-            self._reissue = (wait, review.request, review.reason or ObservationReason.ESCALATED)
+            self._reissue, self._reissued = review, wait
 
-    async def reissue(
-        self, wait: Wait, request: dict[str, JsonValue], reason: ObservationReason
-    ) -> bool:
+    async def reissue(self, wait: Wait, review: Review) -> bool:
         """Send the wait's request anew (a new epoch). Only for a session waiting on this
         one wait: a reissue closes the session's epoch, which would strand its others."""
         work = self.work
         tool = self.tool_of(wait)
         current = work.snap.wait_for(wait.correlation_id)
-        if tool is None or current is None or len(work.snap.waits) != 1:
+        if tool is None or current is None or len(work.snap.waits) != 1 or review.request is None:
             return False
         await self.suspender.unbind(self._closed)
         self._closed = []
-        await self.suspender.reissue(current, tool, request, reason=reason.value)
+        reason = (review.reason or ObservationReason.ESCALATED).value
+        await self.suspender.reissue(
+            current, tool, review.request, reason=reason, withdraw=review.withdraw
+        )
         return True
 
     async def apply(self, event: InboxEvent, wait: Wait, review: Review | None = None) -> bool:
