@@ -12,7 +12,16 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from torpor.ids import MIN_CORRELATION_ID_BITS, correlation_id_bits
 from torpor.lifecycle import MAX_HISTORY, HistoryEntry, SessionState
@@ -114,6 +123,15 @@ class Wait(_Model):
     # State the wait's tool keeps while the wait is open (an approval tool: the approvals
     # collected so far), committed with the snapshot like everything else.
     progress: dict[str, JsonValue] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _single_wait_as_before(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # A wait outside any group is written byte for byte as before fan-in existed, so
+        # a node still on the earlier version (extra="forbid") can read it mid-upgrade.
+        data = handler(self)
+        if self.group_id is None and isinstance(data, dict):
+            data.pop("group_id", None)
+        return data
 
     @field_validator("correlation_id")
     @classmethod
@@ -324,6 +342,14 @@ class SessionSnapshot(_Model):
     fan_ins: list[FanIn] = Field(default_factory=list)  # open fan-in groups
     created_at: datetime
     updated_at: datetime
+
+    @model_serializer(mode="wrap")
+    def _without_groups_as_before(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # No fan-in group open: written as before fan-in existed (see ``Wait``).
+        data = handler(self)
+        if not self.fan_ins and isinstance(data, dict):
+            data.pop("fan_ins", None)
+        return data
 
     @field_validator("history")
     @classmethod

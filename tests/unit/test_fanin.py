@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -172,7 +174,7 @@ def test_snapshot_without_fan_in_fields_still_loads() -> None:
     from tests.support.factories import snapshot
 
     stored = snapshot().model_dump(mode="json")
-    stored.pop("fan_ins")
+    stored.pop("fan_ins", None)
     stored["waits"] = [
         {k: v for k, v in w.model_dump(mode="json").items() if k != "group_id"} for w in waits(2)
     ]
@@ -187,3 +189,18 @@ def test_the_session_view_names_each_members_group() -> None:
     group, members = fanin.form(ANY, waits(2))
     view = SessionOut.of(snapshot().model_copy(update={"waits": members, "fan_ins": [group]}))
     assert [w.group_id for w in view.waits] == [group.group_id] * 2
+
+
+def test_a_session_without_groups_is_written_as_before_fan_in() -> None:
+    """Byte-compatible single waits: no ``fan_ins``, no ``group_id`` in the stored JSON,
+    so a node on the earlier version (which forbids unknown fields) still reads it."""
+    from tests.support.factories import snapshot
+
+    single = snapshot().model_copy(update={"waits": waits(1)})
+    stored = json.loads(single.model_dump_json())
+    assert "fan_ins" not in stored and "group_id" not in stored["waits"][0]
+    assert SessionSnapshot.model_validate_json(single.model_dump_json()) == single
+    group, members = fanin.form(ANY, waits(2))
+    grouped = single.model_copy(update={"waits": members, "fan_ins": [group]})
+    again = SessionSnapshot.model_validate_json(grouped.model_dump_json())
+    assert again == grouped and again.waits[0].group_id == group.group_id
