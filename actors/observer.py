@@ -40,6 +40,8 @@ class RayObserver(Observer):
             wait.wait_id,
             wait.tool_name,
             "; ".join(reasons),
+            # the session and trace ids come from the activation's log context
+            extra={"correlation_id": wait.correlation_id},
         )
 
     async def webhook_handled(self, source: str, outcome: str, reason: str = "") -> None:

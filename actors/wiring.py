@@ -18,6 +18,7 @@ from storage.factory import open_index, open_object_store
 from storage.inbox import ObjectInbox
 from storage.probe import verify_conditional_writes
 from storage.snapshots import ObjectSnapshots
+from torpor import logs
 from torpor.callbacks import CapabilityRouter
 from torpor.clock import SystemClock
 from torpor.outbox import BareRouter
@@ -44,6 +45,8 @@ def open_services(
     notifier: Notifier | None = None,
     observer: Observer | None = None,
 ) -> Services:
+    if settings.runtime.log_format == "json":  # every torpor process opens its services
+        logs.configure("json")
     store = open_object_store(settings)
     index = open_index(settings)
     keys = settings.capability_key_bytes()

@@ -25,7 +25,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
@@ -248,6 +248,11 @@ class RuntimeSettings(_Section):
     )
     max_live_session_actors: int = Field(
         256, description="dedicated session actors one activator keeps alive; more wait as timers"
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="torpor's log lines: `text`, or `json` (one object a line with session, "
+        "correlation and trace ids)",
     )
 
 

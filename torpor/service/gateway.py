@@ -42,6 +42,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
+from torpor import logs
 from torpor.errors import (
     AmbiguousEvent,
     RejectReason,
@@ -135,7 +136,8 @@ class WebhookGateway:
         self, source_name: str, body: bytes, headers: Mapping[str, str], *, now: datetime
     ) -> HookResult:
         try:
-            return await self._receive(source_name, body, headers, now)
+            with logs.bind(trace_id=_trace_id(headers)):  # lines logged inside carry the ids
+                return await self._receive(source_name, body, headers, now)
         except WebhookRejected as exc:
             await self._handled(source_name, "rejected", exc.reason.value)
             await self._audit_rejection(source_name, exc.reason, body, headers, now)
@@ -331,6 +333,7 @@ class WebhookGateway:
         if event.status is not None and isinstance(data, dict) and "status" not in data:
             data = {**data, "status": event.status}
         addressed = event.epoch is None or event.epoch == binding.epoch
+        logs.update(session_id=binding.session_id, correlation_id=binding.correlation_id)
         new = await self.services.inbox.deliver(
             InboxEvent.new(
                 kind=EventKind.CALLBACK,

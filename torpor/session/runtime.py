@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from enum import StrEnum
 
+from torpor import logs
 from torpor.errors import (
     CommitConflict,
     IndexUnavailable,
@@ -91,6 +92,12 @@ class SessionRuntime:
         self, session_id: str, *, reason: Reason = Reason.EVENT, requested_at: float | None = None
     ) -> ActivationResult:
         """Activate until the inbox holds nothing this session has not seen."""
+        with logs.bind(session_id=session_id):
+            return await self._activate(session_id, reason, requested_at)
+
+    async def _activate(
+        self, session_id: str, reason: Reason, requested_at: float | None
+    ) -> ActivationResult:
         result = ActivationResult(session_id, ActivationOutcome.BUSY)
         for _ in range(MAX_ROUNDS):
             result, snapshot = await self._leased(session_id, reason, requested_at)
@@ -143,6 +150,7 @@ class SessionRuntime:
             except SnapshotCorrupt as exc:
                 release = True
                 return await self._quarantine_poison(session_id, exc), None
+            logs.update(trace_id=snapshot.trace_id)
             if snapshot.lease_fence >= heartbeat.lease.token:
                 # The index handed out a token some holder already committed with: it lost
                 # its fencing counter (flushed). Seed it from the snapshot, which survives.
