@@ -45,6 +45,16 @@ def session_id_of_snapshot(key: str) -> str:
     return key.removeprefix(SNAPSHOTS)
 
 
+def chunk_prefix(session_id: str) -> str:
+    return f"chunks/{safe(session_id, 'session id')}/"
+
+
+def chunk(session_id: str, kind: str, seq: int, content_digest: str) -> str:
+    """One immutable chunk of a session's history: named by its position and content, so
+    a retry after a crash writes the very same object (create-only finds it there)."""
+    return f"{chunk_prefix(session_id)}{safe(kind, 'chunk kind')}/{seq:06d}-{safe(content_digest)}"
+
+
 def inbox_prefix(session_id: str) -> str:
     return f"inbox/{safe(session_id, 'session id')}/"
 

@@ -4,6 +4,10 @@ One object per session (``snapshots/{session_id}``). ``save`` writes generation 
 if the stored object is still generation N, using the etag as the S3 ``If-Match``
 condition: the etag read together with generation N is remembered, so the common case
 is one conditional PUT; otherwise the current object is read first to learn its etag.
+
+A long session's oldest messages, tool-log entries and processed event ids are sealed
+into immutable chunk objects first (``storage/chunks.py``), so what a commit writes stays
+bounded however old the session is; ``load`` puts them back in front.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection
 
-from storage import keys
+from storage import chunks, keys
 from storage.codec import HEADER_READ_BYTES, SnapshotCodec
 from torpor.errors import (
     CommitConflict,
@@ -46,9 +50,10 @@ class ObjectSnapshots:
         self._etags.pop(session_id, None)
 
     async def create(self, snapshot: SessionSnapshot) -> SessionSnapshot:
-        first = snapshot.model_copy(update={"generation": 0})
+        first, stored, sealed = chunks.seal(snapshot.model_copy(update={"generation": 0}))
+        await chunks.write(self.store, sealed)
         etag = await self.store.put_if_absent(
-            keys.snapshot(first.session_id), self.codec.encode(first)
+            keys.snapshot(first.session_id), self.codec.encode(stored)
         )
         self._remember(first.session_id, 0, etag)
         return first
@@ -59,7 +64,9 @@ class ObjectSnapshots:
             obj = await self.store.get(key)
         except ObjectNotFound:
             raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
-        snapshot = self.codec.decode(obj.data, what=f"snapshot of {session_id}")
+        snapshot = await chunks.restore(
+            self.store, self.codec.decode(obj.data, what=f"snapshot of {session_id}")
+        )
         self._remember(session_id, snapshot.generation, obj.etag)
         return snapshot
 
@@ -82,9 +89,14 @@ class ObjectSnapshots:
                     session_id=sid,
                 )
             etag = current.etag
-        new = snapshot.model_copy(update={"generation": expected_generation + 1})
+        new, stored, sealed = chunks.seal(
+            snapshot.model_copy(update={"generation": expected_generation + 1})
+        )
+        # Chunks before the snapshot that names them: a crash in between leaves only an
+        # orphan chunk nobody reads, never a snapshot naming a chunk that is not there.
+        await chunks.write(self.store, sealed)
         try:
-            new_etag = await self.store.put_if_match(key, self.codec.encode(new), etag=etag)
+            new_etag = await self.store.put_if_match(key, self.codec.encode(stored), etag=etag)
         except EtagMismatch:
             self._etags.pop(sid, None)
             raise CommitConflict(
