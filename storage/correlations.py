@@ -8,6 +8,8 @@ observation and answered with the session's real outcome instead of a 404.
 
 from __future__ import annotations
 
+import asyncio
+
 from pydantic import ValidationError
 
 from storage import keys
@@ -21,14 +23,19 @@ class ObjectCorrelations:
 
     async def record(self, binding: WaitBinding, *, business_key: str | None) -> None:
         data = binding.model_dump_json().encode()
+        bk_key = keys.business_key(binding.tenant, business_key) if business_key else ""
         # Single writer per correlation id (the session holding its lease), so a plain PUT
-        # is safe; rewriting the same record after a crash is harmless.
-        await self.store.put(keys.correlation(binding.correlation_id), data)
-        if business_key:
-            await self.store.put(
-                keys.business_key(binding.tenant, business_key),
-                binding.correlation_id.encode(),
-            )
+        # is safe; rewriting the same record after a crash is harmless. The session's ref
+        # (naming both records, for retention) goes in the same round trip.
+        await asyncio.gather(
+            self.store.put(keys.correlation(binding.correlation_id), data),
+            self.store.put(
+                keys.correlation_ref(binding.session_id, binding.correlation_id),
+                bk_key.encode(),
+            ),
+        )
+        if bk_key:
+            await self.store.put(bk_key, binding.correlation_id.encode())
 
     async def lookup(self, correlation_id: str) -> WaitBinding | None:
         try:

@@ -45,6 +45,36 @@ def session_id_of_snapshot(key: str) -> str:
     return key.removeprefix(SNAPSHOTS)
 
 
+LIVE = "live/"
+ENDED = "ended/"
+
+
+def live(session_id: str) -> str:
+    """An empty marker per session that has not ended: what repair walks, so its cost
+    follows the live sessions, not every session ever created."""
+    return LIVE + safe(session_id, "session id")
+
+
+def ended(day: str, session_id: str) -> str:
+    """An empty marker per ended session, under the day it ended (``YYYYMMDD``): what
+    retention walks, oldest day first."""
+    return f"{ENDED}{safe(day, 'day')}/{safe(session_id, 'session id')}"
+
+
+def refs_prefix(session_id: str) -> str:
+    """Markers naming a session's records that live under other keys (correlation
+    records, deliveries), so retention finds them without listing those folders."""
+    return f"refs/{safe(session_id, 'session id')}/"
+
+
+def correlation_ref(session_id: str, correlation_id: str) -> str:
+    return f"{refs_prefix(session_id)}c/{safe(correlation_id, 'correlation id')}"
+
+
+def delivery_ref(session_id: str, tenant: str, delivery_id: str) -> str:
+    return f"{refs_prefix(session_id)}d/{safe(tenant, 'tenant')}/{safe(delivery_id, 'delivery id')}"
+
+
 def chunk_prefix(session_id: str) -> str:
     return f"chunks/{safe(session_id, 'session id')}/"
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection
+from datetime import UTC, datetime
 
 from storage import chunks, keys
 from storage.codec import HEADER_READ_BYTES, SnapshotCodec
@@ -32,14 +33,20 @@ from torpor.ports import ObjectStore
 ETAG_CACHE_SIZE = 4096
 
 
+def ended_day(at: datetime) -> str:
+    """The day an ended marker is filed under (``YYYYMMDD``, UTC)."""
+    return at.astimezone(UTC).strftime("%Y%m%d")
+
+
 class ObjectSnapshots:
     def __init__(self, store: ObjectStore, codec: SnapshotCodec | None = None) -> None:
         self.store = store
         self.codec = codec or SnapshotCodec()
-        self._etags: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        # session id → (generation, etag, state) of the last object read or written
+        self._etags: OrderedDict[str, tuple[int, str, SessionState]] = OrderedDict()
 
-    def _remember(self, session_id: str, generation: int, etag: str) -> None:
-        self._etags[session_id] = (generation, etag)
+    def _remember(self, session_id: str, generation: int, etag: str, state: SessionState) -> None:
+        self._etags[session_id] = (generation, etag, state)
         self._etags.move_to_end(session_id)
         while len(self._etags) > ETAG_CACHE_SIZE:
             self._etags.popitem(last=False)
@@ -51,11 +58,14 @@ class ObjectSnapshots:
 
     async def create(self, snapshot: SessionSnapshot) -> SessionSnapshot:
         first, stored, sealed = chunks.seal(snapshot.model_copy(update={"generation": 0}))
+        # The live marker before the snapshot: a session repair cannot find never exists.
+        # One left by a create that failed names no snapshot; repair drops it.
+        await self.store.put(keys.live(first.session_id), b"")
         await chunks.write(self.store, sealed)
         etag = await self.store.put_if_absent(
             keys.snapshot(first.session_id), self.codec.encode(stored)
         )
-        self._remember(first.session_id, 0, etag)
+        self._remember(first.session_id, 0, etag, first.state)
         return first
 
     async def load(self, session_id: str) -> SessionSnapshot:
@@ -67,7 +77,7 @@ class ObjectSnapshots:
         snapshot = await chunks.restore(
             self.store, self.codec.decode(obj.data, what=f"snapshot of {session_id}")
         )
-        self._remember(session_id, snapshot.generation, obj.etag)
+        self._remember(session_id, snapshot.generation, obj.etag, snapshot.state)
         return snapshot
 
     async def save(self, snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:
@@ -75,7 +85,7 @@ class ObjectSnapshots:
         key = keys.snapshot(sid)
         cached = self._etags.get(sid)
         if cached is not None and cached[0] == expected_generation:
-            etag = cached[1]
+            etag, before = cached[1], cached[2]
         else:
             try:
                 current = await self.store.get(key)
@@ -88,7 +98,7 @@ class ObjectSnapshots:
                     f"not {expected_generation}",
                     session_id=sid,
                 )
-            etag = current.etag
+            etag, before = current.etag, header.state
         new, stored, sealed = chunks.seal(
             snapshot.model_copy(update={"generation": expected_generation + 1})
         )
@@ -102,8 +112,31 @@ class ObjectSnapshots:
             raise CommitConflict(
                 f"session {sid} changed since generation {expected_generation}", session_id=sid
             ) from None
-        self._remember(sid, new.generation, new_etag)
+        self._remember(sid, new.generation, new_etag, new.state)
+        if new.state.terminal and not before.terminal:
+            await self.mark_ended(new.session_id, new.updated_at)
         return new
+
+    async def mark_ended(self, session_id: str, at: datetime) -> None:
+        """Move the session from the live markers to the ended ones (idempotent). A crash
+        before it leaves a live marker on an ended session: repair finishes the move."""
+        await self.store.put(keys.ended(ended_day(at), session_id), b"")
+        await self.store.delete(keys.live(session_id))
+
+    async def live_ids(self, *, page_size: int = 1000) -> AsyncIterator[list[str]]:
+        """Ids of the sessions not known to have ended, a page at a time."""
+        async for page in self._pages(keys.LIVE, page_size):
+            yield [k.removeprefix(keys.LIVE) for k in page]
+
+    async def _pages(self, prefix: str, page_size: int) -> AsyncIterator[list[str]]:
+        token: str | None = None
+        while True:
+            page = await self.store.list(prefix, start_after=token, limit=page_size)
+            if page.keys:
+                yield page.keys
+            if page.next_token is None:
+                return
+            token = page.next_token
 
     async def header(self, session_id: str) -> SessionHeader:
         try:

@@ -155,6 +155,19 @@ class StorageSettings(_Section):
     binding_grace_s: float = Field(
         7 * 24 * 3600, description="index entries outlive their deadline by this much"
     )
+    retention_s: float = Field(
+        30 * 24 * 3600,
+        description="ended sessions and all their records are deleted this long after they end",
+    )
+    retention_per_sweep: int = Field(100, description="sessions one sweep deletes at most")
+
+    @field_validator("retention_s")
+    @classmethod
+    def _retention_outlives_the_windows(cls, value: float) -> float:
+        # The idempotency and replay windows (24 h) look records up: they must outlive them.
+        if value < 24 * 3600:
+            raise ValueError("retention_s must be at least 86400 (the 24 h windows)")
+        return value
 
 
 class LeaseSettings(_Section):

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Collection
-    from datetime import datetime
+    from datetime import datetime, timedelta
 
     from torpor.batches import BatchManifest
     from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
@@ -45,6 +46,27 @@ class SnapshotRepository(Protocol):
     ) -> AsyncIterator[SessionHeader]:
         """Headers of every session (optionally only in ``states``); unreadable snapshots
         are skipped here, ``load`` reports them loudly."""
+        ...
+
+
+@dataclass
+class RetentionReport:
+    """What one retention pass did."""
+
+    purged: list[tuple[str, str]] = field(default_factory=list)  # (tenant, session id)
+    kept: int = 0  # due, but something of theirs is still needed
+    objects: int = 0  # objects deleted
+    archived: int = 0  # audit blocks compacted into archives
+
+
+class RetentionRepository(Protocol):
+    """Deletes ended sessions, and every record of theirs, after the retention period."""
+
+    async def sweep(
+        self, *, now: datetime, keep: timedelta, windows: timedelta, limit: int
+    ) -> RetentionReport:
+        """Delete up to ``limit`` sessions that ended more than ``keep`` before ``now``,
+        keeping any whose records a window of ``windows`` still needs."""
         ...
 
 
