@@ -47,6 +47,9 @@ def session_id_of_snapshot(key: str) -> str:
 
 LIVE = "live/"
 ENDED = "ended/"
+# Written once the live and ended markers cover every session in the store (after a
+# one-time backfill of sessions stored before markers existed).
+MARKERS_COMPLETE = "markers/complete"
 
 
 def live(session_id: str) -> str:

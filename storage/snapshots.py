@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from storage import chunks, keys
 from storage.codec import HEADER_READ_BYTES, SnapshotCodec
@@ -26,11 +26,15 @@ from torpor.errors import (
     SessionNotFound,
     SnapshotCorrupt,
 )
+from torpor.ids import session_id_ms
 from torpor.lifecycle import SessionState
 from torpor.models import SessionHeader, SessionSnapshot
 from torpor.ports import ObjectStore
 
 ETAG_CACHE_SIZE = 4096
+# A live marker with no snapshot this long after its session id was made is a create
+# that failed, not one still under way.
+STALE_MARKER = timedelta(hours=1)
 
 
 def ended_day(at: datetime) -> str:
@@ -44,6 +48,7 @@ class ObjectSnapshots:
         self.codec = codec or SnapshotCodec()
         # session id → (generation, etag, state) of the last object read or written
         self._etags: OrderedDict[str, tuple[int, str, SessionState]] = OrderedDict()
+        self._markers_complete = False
 
     def _remember(self, session_id: str, generation: int, etag: str, state: SessionState) -> None:
         self._etags[session_id] = (generation, etag, state)
@@ -123,10 +128,69 @@ class ObjectSnapshots:
         await self.store.put(keys.ended(ended_day(at), session_id), b"")
         await self.store.delete(keys.live(session_id))
 
-    async def live_ids(self, *, page_size: int = 1000) -> AsyncIterator[list[str]]:
-        """Ids of the sessions not known to have ended, a page at a time."""
-        async for page in self._pages(keys.LIVE, page_size):
-            yield [k.removeprefix(keys.LIVE) for k in page]
+    async def list_live(
+        self, *, now: datetime, concurrency: int = 16
+    ) -> AsyncIterator[SessionHeader]:
+        """Headers of the sessions that have not ended, read through the live markers:
+        the cost follows the live sessions, not every session the store ever held.
+
+        Markers are tidied on the way: one whose session ended gets its move finished,
+        one whose snapshot never came (a create that failed) is dropped once the create
+        is long over. The first call on a store written before markers existed lists
+        every snapshot once to write them."""
+        await self._backfill_markers()
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(sid: str) -> SessionHeader | None:
+            async with gate:
+                try:
+                    header = await self.header(sid)
+                except SessionNotFound:
+                    born = session_id_ms(sid)
+                    if born is None or born < (now - STALE_MARKER).timestamp() * 1000:
+                        await self.store.delete(keys.live(sid))
+                    return None
+                except SnapshotCorrupt:
+                    return None  # ``load`` reports it loudly
+            if header.state.terminal:
+                await self.mark_ended(sid, header.updated_at)
+                return None
+            return header
+
+        async for page in self._pages(keys.LIVE, 1000):
+            ids = [k.removeprefix(keys.LIVE) for k in page]
+            for header in await asyncio.gather(*(one(sid) for sid in ids)):
+                if header is not None:
+                    yield header
+
+    async def list_ended(self, *, since: datetime, now: datetime) -> AsyncIterator[SessionHeader]:
+        """Headers of the sessions that ended on the days from ``since`` to ``now``."""
+        await self._backfill_markers()
+        day = since
+        while ended_day(day) <= ended_day(now):
+            async for page in self._pages(f"{keys.ENDED}{ended_day(day)}/", 1000):
+                for key in page:
+                    try:
+                        yield await self.header(key.rsplit("/", 1)[-1])
+                    except (SessionNotFound, SnapshotCorrupt):
+                        continue
+            day += timedelta(days=1)
+
+    async def _backfill_markers(self) -> None:
+        if self._markers_complete:
+            return
+        try:
+            await self.store.get(keys.MARKERS_COMPLETE, max_bytes=1)
+        except ObjectNotFound:
+            async for header in self.list_by_state():
+                if header.state.terminal:
+                    await self.store.put(
+                        keys.ended(ended_day(header.updated_at), header.session_id), b""
+                    )
+                else:
+                    await self.store.put(keys.live(header.session_id), b"")
+            await self.store.put(keys.MARKERS_COMPLETE, b"")
+        self._markers_complete = True
 
     async def _pages(self, prefix: str, page_size: int) -> AsyncIterator[list[str]]:
         token: str | None = None

@@ -192,6 +192,9 @@ class ReconcilerSettings(_Section):
     poll_backoff_cap_s: float = Field(6 * 3600.0, description="longest gap between polls")
     wake_grace_s: float = Field(30.0, description="an event with no activation after this wakes")
     full_repair_interval_s: float = Field(3600.0, description="index rebuild from object storage")
+    deadline_interval_s: float = Field(
+        0.5, description="due SLA deadlines are also looked up this often between sweeps"
+    )
 
 
 class NotificationSettings(_Section):

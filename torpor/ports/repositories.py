@@ -41,6 +41,15 @@ class SnapshotRepository(Protocol):
         """The small plain header of the stored snapshot (a ranged read)."""
         ...
 
+    def list_live(self, *, now: datetime) -> AsyncIterator[SessionHeader]:
+        """Headers of the sessions that have not ended, at a cost that follows them and
+        not every session ever stored."""
+        ...
+
+    def list_ended(self, *, since: datetime, now: datetime) -> AsyncIterator[SessionHeader]:
+        """Headers of the sessions that ended between ``since`` and ``now`` (by day)."""
+        ...
+
     def list_by_state(
         self, states: Collection[SessionState] | None = None, *, concurrency: int = 16
     ) -> AsyncIterator[SessionHeader]:
