@@ -45,6 +45,7 @@ class Reconciler:
         self._services: Services | None = None
         self._sweeper: Sweeper | None = None
         self._loop: asyncio.Task[None] | None = None
+        self._deadline_loop: asyncio.Task[None] | None = None
         self._sweeps = 0
         self._failures = 0
         self._last: dict[str, Any] = {}
@@ -70,6 +71,7 @@ class Reconciler:
         if self._loop is not None and not self._loop.done():
             return False
         self._loop = asyncio.create_task(self._run())
+        self._deadline_loop = asyncio.create_task(self._run_deadlines())
         return True
 
     async def _run(self) -> None:
@@ -80,6 +82,15 @@ class Reconciler:
                 self._failures += 1
                 log.exception("sweep failed")
             await asyncio.sleep(self._settings.reconciler.interval_s)
+
+    async def _run_deadlines(self) -> None:
+        sweeper = self._ensure()
+        while True:
+            await asyncio.sleep(self._settings.reconciler.deadline_interval_s)
+            try:
+                await sweeper.deadlines_once()
+            except Exception:  # the whole sweep reports failures; this loop just goes on
+                log.debug("deadline lookup failed", exc_info=True)
 
     async def sweep_once(self) -> dict[str, Any]:
         sweeper = self._ensure()

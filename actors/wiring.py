@@ -17,6 +17,7 @@ from storage.deliveries import ObjectDeliveries
 from storage.factory import open_index, open_object_store
 from storage.inbox import ObjectInbox
 from storage.probe import verify_conditional_writes
+from storage.retention import ObjectRetention
 from storage.snapshots import ObjectSnapshots
 from torpor import logs
 from torpor.callbacks import CapabilityRouter
@@ -70,6 +71,7 @@ def open_services(
         router=router,
         notifier=notifier,
         observer=observer or Observer(),
+        retention=ObjectRetention(store),
     )
     if notifier is None:  # the notifier needs the very services it serves: set it after
         services.notifier = DeliveryNotifier(services)

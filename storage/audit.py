@@ -46,7 +46,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from storage import keys
+from storage import audit_archive, keys
 from torpor.errors import ObjectExists
 from torpor.ports import ObjectStore
 
@@ -148,6 +148,35 @@ def new_writer_id(now: datetime) -> str:
     host = "".join(c for c in socket.gethostname() if c.isalnum() or c == "-")[:24] or "host"
     stamp = now.astimezone(UTC).strftime("%Y%m%dT%H%M%S")
     return f"{stamp}-{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class _Chain:
+    """The walk along one stream's records, block after block."""
+
+    def __init__(self, heads: dict[int, tuple[int, str]]) -> None:
+        self.heads = heads
+        self.prev, self.expected, self.count, self.block = GENESIS, 1, 0, 0
+
+    def broken(self, why: str, at: int | None = None) -> ChainCheck:
+        return ChainCheck(False, self.count, self.expected if at is None else at, why)
+
+    def take(self, data: bytes) -> ChainCheck | None:
+        """Check one block's records; a ``ChainCheck`` saying where it broke, or None."""
+        for line in data.decode(errors="replace").splitlines():
+            try:
+                record = AuditRecord.model_validate_json(line)
+            except ValidationError:
+                return self.broken("a record is unreadable")
+            if record.seq != self.expected:
+                return self.broken("a record is missing")
+            if record.prev_hash != self.prev:
+                return self.broken("the chain link does not match", record.seq)
+            if record.digest() != record.hash:
+                return self.broken("the record was altered", record.seq)
+            self.prev, self.expected, self.count = record.hash, self.expected + 1, self.count + 1
+        self.block += 1
+        self.heads[self.block] = (self.expected - 1, self.prev)
+        return None
 
 
 class ObjectAudit:
@@ -323,6 +352,7 @@ class ObjectAudit:
     async def streams(self) -> list[str]:
         """Every writer's stream in the store, and every one the manifest names."""
         found = {k.split("/")[1] for k in await self._keys(keys.AUDIT)}
+        found.update(k.split("/")[1] for k in await self._keys(audit_archive.ARCHIVES))
         found.update(k.removeprefix(MANIFEST) for k in await self._keys(MANIFEST))
         return sorted(found)
 
@@ -364,31 +394,29 @@ class ObjectAudit:
         return ChainCheck(True, check.records, checkpoints=vouched)
 
     async def _walk(self, stream: str, heads: dict[int, tuple[int, str]]) -> ChainCheck:
-        """Check every link of ``stream``; ``heads`` gets each block's last (seq, hash)."""
-        prev, expected, count = GENESIS, 1, 0
-        token: str | None = None
-        block_no = 0
+        """Check every link of ``stream``, its archives first, then its blocks; ``heads``
+        gets each block's last (seq, hash)."""
+        chain = _Chain(heads)
+        for archive in await audit_archive.archives(self.store, stream):
+            if archive.first != chain.block + 1:
+                return chain.broken("a block is missing")
+            blocks = audit_archive.decode((await self.store.get(archive.key)).data)
+            if blocks is None or len(blocks) != archive.last - archive.first + 1:
+                return chain.broken("an archive is unreadable")
+            for data in blocks:
+                if (broken := chain.take(data)) is not None:
+                    return broken
+        # Blocks an archive already holds (a compaction that stopped short) are skipped.
+        token = keys.audit_record(stream, chain.block) if chain.block else None
         while True:
             page = await self.store.list(keys.audit_prefix(stream), start_after=token)
             for key in page.keys:
-                block_no += 1
-                if key != keys.audit_record(stream, block_no):
-                    return ChainCheck(False, count, expected, "a block is missing")
-                for line in (await self.store.get(key)).data.decode(errors="replace").splitlines():
-                    try:
-                        record = AuditRecord.model_validate_json(line)
-                    except ValidationError:
-                        return ChainCheck(False, count, expected, "a record is unreadable")
-                    if record.seq != expected:
-                        return ChainCheck(False, count, expected, "a record is missing")
-                    if record.prev_hash != prev:
-                        return ChainCheck(False, count, record.seq, "the chain link does not match")
-                    if record.digest() != record.hash:
-                        return ChainCheck(False, count, record.seq, "the record was altered")
-                    prev, expected, count = record.hash, expected + 1, count + 1
-                heads[block_no] = (expected - 1, prev)
+                if key != keys.audit_record(stream, chain.block + 1):
+                    return chain.broken("a block is missing")
+                if (broken := chain.take((await self.store.get(key)).data)) is not None:
+                    return broken
             if page.next_token is None:
-                return ChainCheck(True, count)
+                return ChainCheck(True, chain.count)
             token = page.next_token
 
     async def recent(self, *, blocks: int = 8) -> list[AuditRecord]:

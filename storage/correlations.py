@@ -8,6 +8,8 @@ observation and answered with the session's real outcome instead of a 404.
 
 from __future__ import annotations
 
+import asyncio
+
 from pydantic import ValidationError
 
 from storage import keys
@@ -22,14 +24,25 @@ class ObjectCorrelations:
     async def record(self, binding: WaitBinding, *, business_key: str | None) -> None:
         data = binding.model_dump_json().encode()
         # Single writer per correlation id (the session holding its lease), so a plain PUT
-        # is safe; rewriting the same record after a crash is harmless.
-        await self.store.put(keys.correlation(binding.correlation_id), data)
+        # is safe; rewriting the same record after a crash is harmless. The session's ref
+        # (naming both records, for retention) goes in the same round trip.
+        await asyncio.gather(
+            self.store.put(keys.correlation(binding.correlation_id), data),
+            self.store.put(keys.correlation_ref(binding.session_id, binding.correlation_id), b""),
+        )
         if business_key:
             await self.record_business_key(binding, business_key=business_key)
 
     async def record_business_key(self, binding: WaitBinding, *, business_key: str) -> None:
-        await self.store.put(
-            keys.business_key(binding.tenant, business_key), binding.correlation_id.encode()
+        # The session's ref names the pointer too, so retention can delete it (only while
+        # it still names this correlation id).
+        bk_key = keys.business_key(binding.tenant, business_key)
+        await asyncio.gather(
+            self.store.put(bk_key, binding.correlation_id.encode()),
+            self.store.put(
+                keys.correlation_ref(binding.session_id, binding.correlation_id),
+                bk_key.encode(),
+            ),
         )
 
     async def lookup(self, correlation_id: str) -> WaitBinding | None:

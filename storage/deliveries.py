@@ -31,6 +31,11 @@ class ObjectDeliveries:
 
     async def create(self, delivery: Delivery) -> bool:
         """Create-only: False if this delivery already exists (an outbox replay)."""
+        # The session's ref first (for retention): a crash after it leaves an empty ref
+        # that retention skips, never a delivery retention cannot find.
+        await self.store.put(
+            keys.delivery_ref(delivery.session_id, delivery.tenant, delivery.delivery_id), b""
+        )
         try:
             await self.store.put_if_absent(
                 keys.delivery(delivery.tenant, delivery.delivery_id),

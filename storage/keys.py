@@ -45,6 +45,49 @@ def session_id_of_snapshot(key: str) -> str:
     return key.removeprefix(SNAPSHOTS)
 
 
+LIVE = "live/"
+ENDED = "ended/"
+# Written once the live and ended markers cover every session in the store (after a
+# one-time backfill of sessions stored before markers existed).
+MARKERS_COMPLETE = "markers/complete"
+
+
+def live(session_id: str) -> str:
+    """An empty marker per session that has not ended: what repair walks, so its cost
+    follows the live sessions, not every session ever created."""
+    return LIVE + safe(session_id, "session id")
+
+
+def ended(day: str, session_id: str) -> str:
+    """An empty marker per ended session, under the day it ended (``YYYYMMDD``): what
+    retention walks, oldest day first."""
+    return f"{ENDED}{safe(day, 'day')}/{safe(session_id, 'session id')}"
+
+
+def refs_prefix(session_id: str) -> str:
+    """Markers naming a session's records that live under other keys (correlation
+    records, deliveries), so retention finds them without listing those folders."""
+    return f"refs/{safe(session_id, 'session id')}/"
+
+
+def correlation_ref(session_id: str, correlation_id: str) -> str:
+    return f"{refs_prefix(session_id)}c/{safe(correlation_id, 'correlation id')}"
+
+
+def delivery_ref(session_id: str, tenant: str, delivery_id: str) -> str:
+    return f"{refs_prefix(session_id)}d/{safe(tenant, 'tenant')}/{safe(delivery_id, 'delivery id')}"
+
+
+def chunk_prefix(session_id: str) -> str:
+    return f"chunks/{safe(session_id, 'session id')}/"
+
+
+def chunk(session_id: str, kind: str, seq: int, content_digest: str) -> str:
+    """One immutable chunk of a session's history: named by its position and content, so
+    a retry after a crash writes the very same object (create-only finds it there)."""
+    return f"{chunk_prefix(session_id)}{safe(kind, 'chunk kind')}/{seq:06d}-{safe(content_digest)}"
+
+
 def inbox_prefix(session_id: str) -> str:
     return f"inbox/{safe(session_id, 'session id')}/"
 

@@ -4,6 +4,10 @@ One object per session (``snapshots/{session_id}``). ``save`` writes generation 
 if the stored object is still generation N, using the etag as the S3 ``If-Match``
 condition: the etag read together with generation N is remembered, so the common case
 is one conditional PUT; otherwise the current object is read first to learn its etag.
+
+A long session's oldest messages, tool-log entries and processed event ids are sealed
+into immutable chunk objects first (``storage/chunks.py``), so what a commit writes stays
+bounded however old the session is; ``load`` puts them back in front.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection
+from datetime import UTC, datetime, timedelta
 
-from storage import keys
+from storage import chunks, keys
 from storage.codec import HEADER_READ_BYTES, SnapshotCodec
 from torpor.errors import (
     CommitConflict,
@@ -21,21 +26,32 @@ from torpor.errors import (
     SessionNotFound,
     SnapshotCorrupt,
 )
+from torpor.ids import session_id_ms
 from torpor.lifecycle import SessionState
 from torpor.models import SessionHeader, SessionSnapshot
 from torpor.ports import ObjectStore
 
 ETAG_CACHE_SIZE = 4096
+# A live marker with no snapshot this long after its session id was made is a create
+# that failed, not one still under way.
+STALE_MARKER = timedelta(hours=1)
+
+
+def ended_day(at: datetime) -> str:
+    """The day an ended marker is filed under (``YYYYMMDD``, UTC)."""
+    return at.astimezone(UTC).strftime("%Y%m%d")
 
 
 class ObjectSnapshots:
     def __init__(self, store: ObjectStore, codec: SnapshotCodec | None = None) -> None:
         self.store = store
         self.codec = codec or SnapshotCodec()
-        self._etags: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        # session id → (generation, etag, state) of the last object read or written
+        self._etags: OrderedDict[str, tuple[int, str, SessionState]] = OrderedDict()
+        self._markers_complete = False
 
-    def _remember(self, session_id: str, generation: int, etag: str) -> None:
-        self._etags[session_id] = (generation, etag)
+    def _remember(self, session_id: str, generation: int, etag: str, state: SessionState) -> None:
+        self._etags[session_id] = (generation, etag, state)
         self._etags.move_to_end(session_id)
         while len(self._etags) > ETAG_CACHE_SIZE:
             self._etags.popitem(last=False)
@@ -46,11 +62,15 @@ class ObjectSnapshots:
         self._etags.pop(session_id, None)
 
     async def create(self, snapshot: SessionSnapshot) -> SessionSnapshot:
-        first = snapshot.model_copy(update={"generation": 0})
+        first, stored, sealed = chunks.seal(snapshot.model_copy(update={"generation": 0}))
+        # The live marker before the snapshot: a session repair cannot find never exists.
+        # One left by a create that failed names no snapshot; repair drops it.
+        await self.store.put(keys.live(first.session_id), b"")
+        await chunks.write(self.store, sealed)
         etag = await self.store.put_if_absent(
-            keys.snapshot(first.session_id), self.codec.encode(first)
+            keys.snapshot(first.session_id), self.codec.encode(stored)
         )
-        self._remember(first.session_id, 0, etag)
+        self._remember(first.session_id, 0, etag, first.state)
         return first
 
     async def load(self, session_id: str) -> SessionSnapshot:
@@ -59,8 +79,10 @@ class ObjectSnapshots:
             obj = await self.store.get(key)
         except ObjectNotFound:
             raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
-        snapshot = self.codec.decode(obj.data, what=f"snapshot of {session_id}")
-        self._remember(session_id, snapshot.generation, obj.etag)
+        snapshot = await chunks.restore(
+            self.store, self.codec.decode(obj.data, what=f"snapshot of {session_id}")
+        )
+        self._remember(session_id, snapshot.generation, obj.etag, snapshot.state)
         return snapshot
 
     async def save(self, snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:
@@ -68,7 +90,7 @@ class ObjectSnapshots:
         key = keys.snapshot(sid)
         cached = self._etags.get(sid)
         if cached is not None and cached[0] == expected_generation:
-            etag = cached[1]
+            etag, before = cached[1], cached[2]
         else:
             try:
                 current = await self.store.get(key)
@@ -81,17 +103,104 @@ class ObjectSnapshots:
                     f"not {expected_generation}",
                     session_id=sid,
                 )
-            etag = current.etag
-        new = snapshot.model_copy(update={"generation": expected_generation + 1})
+            etag, before = current.etag, header.state
+        new, stored, sealed = chunks.seal(
+            snapshot.model_copy(update={"generation": expected_generation + 1})
+        )
+        # Chunks before the snapshot that names them: a crash in between leaves only an
+        # orphan chunk nobody reads, never a snapshot naming a chunk that is not there.
+        await chunks.write(self.store, sealed)
         try:
-            new_etag = await self.store.put_if_match(key, self.codec.encode(new), etag=etag)
+            new_etag = await self.store.put_if_match(key, self.codec.encode(stored), etag=etag)
         except EtagMismatch:
             self._etags.pop(sid, None)
             raise CommitConflict(
                 f"session {sid} changed since generation {expected_generation}", session_id=sid
             ) from None
-        self._remember(sid, new.generation, new_etag)
+        self._remember(sid, new.generation, new_etag, new.state)
+        if new.state.terminal and not before.terminal:
+            await self.mark_ended(new.session_id, new.updated_at)
         return new
+
+    async def mark_ended(self, session_id: str, at: datetime) -> None:
+        """Move the session from the live markers to the ended ones (idempotent). A crash
+        before it leaves a live marker on an ended session: repair finishes the move."""
+        await self.store.put(keys.ended(ended_day(at), session_id), b"")
+        await self.store.delete(keys.live(session_id))
+
+    async def list_live(
+        self, *, now: datetime, concurrency: int = 16
+    ) -> AsyncIterator[SessionHeader]:
+        """Headers of the sessions that have not ended, read through the live markers:
+        the cost follows the live sessions, not every session the store ever held.
+
+        Markers are tidied on the way: one whose session ended gets its move finished,
+        one whose snapshot never came (a create that failed) is dropped once the create
+        is long over. The first call on a store written before markers existed lists
+        every snapshot once to write them."""
+        await self._backfill_markers()
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(sid: str) -> SessionHeader | None:
+            async with gate:
+                try:
+                    header = await self.header(sid)
+                except SessionNotFound:
+                    born = session_id_ms(sid)
+                    if born is None or born < (now - STALE_MARKER).timestamp() * 1000:
+                        await self.store.delete(keys.live(sid))
+                    return None
+                except SnapshotCorrupt:
+                    return None  # ``load`` reports it loudly
+            if header.state.terminal:
+                await self.mark_ended(sid, header.updated_at)
+                return None
+            return header
+
+        async for page in self._pages(keys.LIVE, 1000):
+            ids = [k.removeprefix(keys.LIVE) for k in page]
+            for header in await asyncio.gather(*(one(sid) for sid in ids)):
+                if header is not None:
+                    yield header
+
+    async def list_ended(self, *, since: datetime, now: datetime) -> AsyncIterator[SessionHeader]:
+        """Headers of the sessions that ended on the days from ``since`` to ``now``."""
+        await self._backfill_markers()
+        day = since
+        while ended_day(day) <= ended_day(now):
+            async for page in self._pages(f"{keys.ENDED}{ended_day(day)}/", 1000):
+                for key in page:
+                    try:
+                        yield await self.header(key.rsplit("/", 1)[-1])
+                    except (SessionNotFound, SnapshotCorrupt):
+                        continue
+            day += timedelta(days=1)
+
+    async def _backfill_markers(self) -> None:
+        if self._markers_complete:
+            return
+        try:
+            await self.store.get(keys.MARKERS_COMPLETE, max_bytes=1)
+        except ObjectNotFound:
+            async for header in self.list_by_state():
+                if header.state.terminal:
+                    await self.store.put(
+                        keys.ended(ended_day(header.updated_at), header.session_id), b""
+                    )
+                else:
+                    await self.store.put(keys.live(header.session_id), b"")
+            await self.store.put(keys.MARKERS_COMPLETE, b"")
+        self._markers_complete = True
+
+    async def _pages(self, prefix: str, page_size: int) -> AsyncIterator[list[str]]:
+        token: str | None = None
+        while True:
+            page = await self.store.list(prefix, start_after=token, limit=page_size)
+            if page.keys:
+                yield page.keys
+            if page.next_token is None:
+                return
+            token = page.next_token
 
     async def header(self, session_id: str) -> SessionHeader:
         try:

@@ -310,6 +310,22 @@ class ErrorInfo(_Model):
     detail: dict[str, JsonValue] = Field(default_factory=dict)
 
 
+class HistoryChunks(_Model):
+    """Where the oldest part of a session's append-only lists lives once sealed.
+
+    A long session's messages, tool log and processed event ids are sealed, ``size``
+    items at a time, into immutable chunk objects beside the snapshot
+    (``storage/chunks.py``); each list here names its chunks by content digest, oldest
+    first. The snapshot in memory still holds every item: only what a commit writes is
+    bounded. A snapshot stored before chunks existed has none, which is this default.
+    """
+
+    size: int = 64
+    messages: list[str] = Field(default_factory=list)
+    tool_log: list[str] = Field(default_factory=list)
+    processed_events: list[str] = Field(default_factory=list)
+
+
 class SessionSnapshot(_Model):
     schema_version: int = SCHEMA_VERSION
     session_id: str
@@ -340,6 +356,7 @@ class SessionSnapshot(_Model):
     business_keys: dict[str, int] = Field(default_factory=dict)
     lease_fence: int = 0
     fan_ins: list[FanIn] = Field(default_factory=list)  # open fan-in groups
+    chunks: HistoryChunks = Field(default_factory=HistoryChunks)
     created_at: datetime
     updated_at: datetime
 

@@ -161,6 +161,19 @@ class StorageSettings(_Section):
     binding_grace_s: float = Field(
         7 * 24 * 3600, description="index entries outlive their deadline by this much"
     )
+    retention_s: float = Field(
+        30 * 24 * 3600,
+        description="ended sessions and all their records are deleted this long after they end",
+    )
+    retention_per_sweep: int = Field(100, description="sessions one sweep deletes at most")
+
+    @field_validator("retention_s")
+    @classmethod
+    def _retention_outlives_the_windows(cls, value: float) -> float:
+        # The idempotency and replay windows (24 h) look records up: they must outlive them.
+        if value < 24 * 3600:
+            raise ValueError("retention_s must be at least 86400 (the 24 h windows)")
+        return value
 
 
 class LeaseSettings(_Section):
@@ -185,6 +198,9 @@ class ReconcilerSettings(_Section):
     poll_backoff_cap_s: float = Field(6 * 3600.0, description="longest gap between polls")
     wake_grace_s: float = Field(30.0, description="an event with no activation after this wakes")
     full_repair_interval_s: float = Field(3600.0, description="index rebuild from object storage")
+    deadline_interval_s: float = Field(
+        0.5, description="due SLA deadlines are also looked up this often between sweeps"
+    )
 
 
 class NotificationSettings(_Section):

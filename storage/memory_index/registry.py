@@ -19,6 +19,9 @@ class MemorySessionRegistry:
             return  # last generation wins: a late repair never puts an old state back
         self._sessions[session_id] = (tenant, state, generation)
 
+    async def forget_session(self, *, tenant: str, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]:
         return {sid: self._sessions[sid][1] for sid in session_ids if sid in self._sessions}
 

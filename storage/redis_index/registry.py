@@ -45,6 +45,15 @@ class RedisSessionRegistry(RedisConnection):
         )
 
     @translate
+    async def forget_session(self, *, tenant: str, session_id: str) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hdel(self.keys.session_state, session_id)
+        pipe.zrem(self.keys.sessions(tenant, None), session_id)
+        for state in SessionState:
+            pipe.zrem(self.keys.sessions(tenant, state), session_id)
+        await pipe.execute()
+
+    @translate
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]:
         if not session_ids:
             return {}

@@ -182,16 +182,23 @@ class RedisWaits(RedisConnection):
                 found = await pipe.execute()
             # The earliest deadlines of an hour may sit in any shard: read every shard up
             # to ``limit`` and sort the union.
-            for key, cids in zip(shards, found, strict=True):
-                for cid in texts(cids):
-                    stored = await self._stored(cid)
-                    if stored is None:
-                        # The binding is gone but its deadline entry is not: garbage.
-                        await self._redis.zrem(key, cid)
-                    elif stored.expires_ms <= now_ms:
-                        await self._remove(stored.binding, None)  # logical TTL passed
-                    else:
-                        out.append(stored.binding)
+            due = [(k, cid) for k, cids in zip(shards, found, strict=True) for cid in texts(cids)]
+            # One round trip for every due entry's binding, not one each: at a thousand
+            # deadlines a second the lookups are most of a sweep's time.
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for _, cid in due:
+                    pipe.hget(self.keys.correlation(cid), cid)
+                raws = await pipe.execute() if due else []
+            for (key, cid), raw in zip(due, raws, strict=True):
+                entry = opt_text(raw)
+                stored = decode_binding(cid, entry) if entry else None
+                if stored is None:
+                    # The binding is gone but its deadline entry is not: garbage.
+                    await self._redis.zrem(key, cid)
+                elif stored.expires_ms <= now_ms:
+                    await self._remove(stored.binding, None)  # logical TTL passed
+                else:
+                    out.append(stored.binding)
             if hour < now_hour and not any(found):
                 await self.script(_RETIRE_HOUR)(
                     keys=[self.keys.deadline_hours, *shards], args=[hour]

@@ -24,6 +24,13 @@ class SqliteSessionRegistry(SqliteConnection):
             )
         )
 
+    async def forget_session(self, *, tenant: str, session_id: str) -> None:
+        await self._run(
+            lambda c: c.execute(
+                "DELETE FROM sessions WHERE session_id=? AND tenant=?", (session_id, tenant)
+            )
+        )
+
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]:
         def op(c: sqlite3.Connection) -> dict[str, SessionState]:
             out: dict[str, SessionState] = {}

@@ -412,6 +412,21 @@ class IndexContract:
             ids[3]: SessionState.PENDING,
         }
 
+    async def test_a_forgotten_session_leaves_every_listing(self, index: Index) -> None:
+        for sid in ("s_keep", "s_gone"):
+            await index.record_session(
+                tenant="acme", session_id=sid, state=SessionState.COMPLETED, generation=4
+            )
+        await index.forget_session(tenant="acme", session_id="s_gone")
+        await index.forget_session(tenant="acme", session_id="s_gone")  # idempotent
+        assert await index.session_states(["s_keep", "s_gone"]) == {
+            "s_keep": SessionState.COMPLETED
+        }
+        assert await index.session_generation("s_gone") is None
+        for state in (None, SessionState.COMPLETED):
+            page = await index.list_sessions(tenant="acme", state=state, cursor=None, limit=5)
+            assert page.session_ids == ["s_keep"]
+
     async def test_an_older_generation_never_overwrites_a_newer_state(self, index: Index) -> None:
         record = index.record_session
         await record(tenant="acme", session_id="s_r", state=SessionState.SUSPENDED, generation=6)

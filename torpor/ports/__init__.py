@@ -31,6 +31,8 @@ from torpor.ports.repositories import (
     CorrelationRepository,
     DeliveryRepository,
     InboxRepository,
+    RetentionReport,
+    RetentionRepository,
     SnapshotRepository,
 )
 from torpor.ports.routing import CallbackRouter, Notifier
@@ -57,6 +59,8 @@ __all__ = [
     "ObjectStore",
     "Observer",
     "Reason",
+    "RetentionReport",
+    "RetentionRepository",
     "SessionPage",
     "SessionRegistry",
     "SnapshotRepository",

@@ -244,6 +244,10 @@ class SessionRegistry(Protocol):
 
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]: ...
 
+    async def forget_session(self, *, tenant: str, session_id: str) -> None:
+        """Drop the session from the registry (retention deleted it). Idempotent."""
+        ...
+
     async def session_generation(self, session_id: str) -> int | None:
         """The last recorded snapshot generation (None if unknown): one cheap index read
         that tells an event stream whether the snapshot changed at all."""

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Collection
-    from datetime import datetime
+    from datetime import datetime, timedelta
 
     from torpor.batches import BatchManifest
     from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
@@ -40,11 +41,41 @@ class SnapshotRepository(Protocol):
         """The small plain header of the stored snapshot (a ranged read)."""
         ...
 
+    def list_live(self, *, now: datetime) -> AsyncIterator[SessionHeader]:
+        """Headers of the sessions that have not ended, at a cost that follows them and
+        not every session ever stored."""
+        ...
+
+    def list_ended(self, *, since: datetime, now: datetime) -> AsyncIterator[SessionHeader]:
+        """Headers of the sessions that ended between ``since`` and ``now`` (by day)."""
+        ...
+
     def list_by_state(
         self, states: Collection[SessionState] | None = None, *, concurrency: int = 16
     ) -> AsyncIterator[SessionHeader]:
         """Headers of every session (optionally only in ``states``); unreadable snapshots
         are skipped here, ``load`` reports them loudly."""
+        ...
+
+
+@dataclass
+class RetentionReport:
+    """What one retention pass did."""
+
+    purged: list[tuple[str, str]] = field(default_factory=list)  # (tenant, session id)
+    kept: int = 0  # due, but something of theirs is still needed
+    objects: int = 0  # objects deleted
+    archived: int = 0  # audit blocks compacted into archives
+
+
+class RetentionRepository(Protocol):
+    """Deletes ended sessions, and every record of theirs, after the retention period."""
+
+    async def sweep(
+        self, *, now: datetime, keep: timedelta, windows: timedelta, limit: int
+    ) -> RetentionReport:
+        """Delete up to ``limit`` sessions that ended more than ``keep`` before ``now``,
+        keeping any whose records a window of ``windows`` still needs."""
         ...
 
 

@@ -21,6 +21,7 @@ from torpor.ports.repositories import (
     CorrelationRepository,
     DeliveryRepository,
     InboxRepository,
+    RetentionRepository,
     SnapshotRepository,
 )
 from torpor.ports.routing import CallbackRouter, Notifier
@@ -77,6 +78,7 @@ class Services:
     router: CallbackRouter
     notifier: Notifier | None = None
     observer: Observer = field(default_factory=Observer)
+    retention: RetentionRepository | None = None  # None: nothing is ever deleted
 
     async def close(self) -> None:
         await self.audit.close()

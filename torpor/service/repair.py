@@ -1,7 +1,9 @@
 """Index repair: rebuild every index entry and timer the sessions need, from object storage.
 
 Runs after the index was lost (its integrity marker is gone) and periodically. Object
-storage is the source of truth, so repair walks the snapshots and the delivery records:
+storage is the source of truth, so repair walks the snapshots of the live sessions (and
+of those that ended within the binding grace), found through their markers rather than
+by listing every snapshot, and the delivery records:
 
 * every session's state goes back into the registry;
 * PENDING and RUNNING sessions are activated (nobody may hold them any more);
@@ -17,7 +19,7 @@ leaves a timer behind when not.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta
 
 from torpor.deliveries import DeliveryStatus
@@ -47,7 +49,7 @@ class IndexRepair:
         wanted: list[tuple[str, Reason]] = []
         tenants: set[str] = set()
         rebound = suspended = 0
-        async for header in self.services.snapshots.list_by_state():
+        async for header in self._headers(now):
             tenants.add(header.tenant)
             await index.record_session(
                 tenant=header.tenant,
@@ -79,6 +81,17 @@ class IndexRepair:
         await self.request(wanted)
         await index.mark_intact()
         return len(wanted), rebound, suspended
+
+    async def _headers(self, now: datetime) -> AsyncIterator[SessionHeader]:
+        """The live sessions, then those that ended within the binding grace: the cost
+        follows them, never every session the store ever held. (Sessions that ended
+        before are not put back in the registry; their snapshots still answer reads.)"""
+        snapshots = self.services.snapshots
+        async for header in snapshots.list_live(now=now):
+            yield header
+        horizon = timedelta(seconds=self.services.settings.storage.binding_grace_s)
+        async for header in snapshots.list_ended(since=now - horizon, now=now):
+            yield header
 
     def _may_owe_work(self, header: SessionHeader, now: datetime) -> bool:
         """A waiting session always may; a finished one only if it ended recently:

@@ -10,7 +10,10 @@
   left out under backpressure) and activation timers (``TimerKind.WAKE``: inbox events no
   activation confirmed) → activate;
 * due deliveries → handed to the delivery worker, which attempts them in the background;
-* a lost or flushed index → rebuilt from the snapshots (``torpor.service.repair``).
+* a lost or flushed index → rebuilt from the snapshots (``torpor.service.repair``);
+* sessions that ended longer ago than ``storage.retention_s`` → deleted with all their
+  records, a bounded number per sweep (``RetentionRepository``), and dropped from the
+  registry after their objects are gone.
 
 Nothing is consumed before its work is confirmed: a timer is *leased* (pushed out by the
 timer lease) when taken and removed only once its activation request was taken; an
@@ -39,8 +42,10 @@ from torpor.ports import Reason, TimerKind, WaitBinding
 from torpor.service.coalescing import Fallback, request_activation
 from torpor.service.deliveries import DeliveryWorker
 from torpor.service.repair import IndexRepair
-from torpor.service.sessions import SessionService
+from torpor.service.replay import GITHUB_REPLAY_TTL
+from torpor.service.sessions import IDEMPOTENCY_TTL, SessionService
 from torpor.session.suspend import poll_member
+from torpor.settings import Settings
 from torpor.tools import LongRunningTool
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,7 @@ log = logging.getLogger(__name__)
 BATCH = 500
 POLL_TIMEOUT_S = 30.0
 REQUESTS_AT_ONCE = 32  # activation requests a sweep has in flight
+DEADLINE_ROUNDS = 8  # batches of due deadlines one ``deadlines_once`` takes at most
 
 
 @dataclass
@@ -62,7 +68,15 @@ class SweepReport:
     repaired_waits: int = 0
     repaired_sessions: int = 0
     suspended: int | None = None
+    purged: int = 0
     errors: list[str] = field(default_factory=list)
+
+
+def lookup_windows(settings: Settings) -> timedelta:
+    """How long records stay needed by a lookup that has a window: the submit idempotency
+    key, and the replay claims of every webhook source. Retention never deletes inside it."""
+    replay = max((3 * s.tolerance_s for s in settings.sources.values()), default=0.0)
+    return max(IDEMPOTENCY_TTL, GITHUB_REPLAY_TTL, timedelta(seconds=max(900.0, replay)))
 
 
 Step = Callable[[datetime, SweepReport], Awaitable[None]]
@@ -93,6 +107,7 @@ class Sweeper:
             self._activation_timers,
             self._polls,
             self._tool_timers,
+            self._retention,
         ]
 
     async def sweep_once(self, now: datetime | None = None) -> SweepReport:
@@ -114,6 +129,21 @@ class Sweeper:
                 started_at=started, duration_s=time.time() - started
             )
         return report
+
+    async def deadlines_once(self, now: datetime | None = None) -> int:
+        """Only the due SLA deadlines: run far more often than a whole sweep, so a
+        deadline is acted on within a fraction of a second (a sweep's other steps can
+        wait for the next one). Returns how many sessions were asked to time out."""
+        now = now or self.services.clock.now()
+        asked: set[str] = set()
+        for _ in range(DEADLINE_ROUNDS):  # a full batch may hide more due behind it
+            due = await self.services.index.due_deadlines(now=now, limit=BATCH)
+            fresh = [sid for sid in dict.fromkeys(b.session_id for b in due) if sid not in asked]
+            await self._request_all([(sid, Reason.TIMEOUT) for sid in fresh])
+            asked.update(fresh)
+            if len(due) < BATCH or not fresh:
+                break
+        return len(asked)
 
     # -- activation requests --------------------------------------------------------------
 
@@ -309,6 +339,22 @@ class Sweeper:
         except PluginNotFound:
             return None
         return tool if isinstance(tool, LongRunningTool) and tool.can_poll else None
+
+    # -- retention -----------------------------------------------------------------------
+
+    async def _retention(self, now: datetime, report: SweepReport) -> None:
+        retention, storage = self.services.retention, self.services.settings.storage
+        if retention is None:
+            return
+        done = await retention.sweep(
+            now=now,
+            keep=timedelta(seconds=storage.retention_s),
+            windows=lookup_windows(self.services.settings),
+            limit=storage.retention_per_sweep,
+        )
+        for tenant, session_id in done.purged:  # after the objects: repair cannot undo it
+            await self.services.index.forget_session(tenant=tenant, session_id=session_id)
+        report.purged += len(done.purged)
 
     # -- index repair --------------------------------------------------------------------
 

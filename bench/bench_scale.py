@@ -1,0 +1,377 @@
+"""One million sleeping sessions (issue 13, target 4), measured piece by piece.
+
+    .venv/bin/python bench/bench_scale.py [--sessions 100000] [--object-sessions 20000]
+        [--ended 20000] [--rate 1000] [--seconds 10]
+
+1. Redis bytes per bound wait with ``--sessions`` waits in the index (deadlines spread
+   over 30 days), from ``INFO memory`` before and after. Waits are bound through
+   ``RedisIndex.bind_wait`` (the production script), many in flight at once.
+2. Object-store bytes per sleeping session, and repair cost: ``--object-sessions``
+   sleeping sessions and ``--ended`` ended ones are written through the storage layer
+   (``ObjectSnapshots``, ``ObjectCorrelations``) into a local folder (the S3 test server
+   is too slow for this many objects on this machine); then the index is flushed and the
+   reconciler's repair runs, counting the snapshot headers it reads.
+3. Reconciler lag: ``--rate`` deadlines fall due per second for ``--seconds``; the
+   reconciler's deadline loop (``Sweeper.deadlines_once`` every
+   ``reconciler.deadline_interval_s``) asks for the timeout activations. The activator here
+   unbinds the wait at once (what the timeout activation does) and records how late each
+   request came: the lag of the reconciler itself, not of the activation after it.
+
+Each figure is printed beside its target; one run, on this shared 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from actors.wiring import open_services  # noqa: E402
+from storage.bindings import encode_binding  # noqa: E402
+from storage.correlations import ObjectCorrelations  # noqa: E402
+from storage.local_store import LocalObjectStore  # noqa: E402
+from storage.redis_index import RedisIndex  # noqa: E402
+from storage.redis_index.waits import _BIND  # noqa: E402
+from storage.snapshots import ObjectSnapshots  # noqa: E402
+from tests.support.factories import busy_snapshot  # noqa: E402
+from torpor.clock import to_ms  # noqa: E402
+from torpor.ids import new_correlation_id, new_session_id  # noqa: E402
+from torpor.lifecycle import SessionState  # noqa: E402
+from torpor.ports import ListPage, Reason, StoredObject, WaitBinding  # noqa: E402
+from torpor.service.sessions import SessionService  # noqa: E402
+from torpor.service.sweeper import Sweeper, SweepReport  # noqa: E402
+from torpor.session.suspend import binding_of  # noqa: E402
+from torpor.settings import Settings  # noqa: E402
+
+REDIS = "redis://127.0.0.1:6379/0"
+PREFIX = "tpscale:"
+TARGET_BYTES_PER_WAIT = 250
+TARGET_LAG_S = 1.0
+IN_FLIGHT = 32  # below the index's connection pool
+
+
+def clear(client: redis.Redis) -> None:
+    batch = []
+    for key in client.scan_iter(match=PREFIX + "*", count=5000):
+        batch.append(key)
+        if len(batch) >= 5000:
+            client.delete(*batch)
+            batch = []
+    if batch:
+        client.delete(*batch)
+
+
+def buckets_for(n: int) -> int:
+    """Hash buckets that keep every bucket in Redis' compact listpack encoding (<= 128
+    fields each): the ``storage.index_buckets`` setting an operator picks for ``n``."""
+    want = max(512, n // 100)
+    return 1 << (want - 1).bit_length()
+
+
+async def gather_bounded(coros: Any, limit: int = IN_FLIGHT) -> None:
+    gate = asyncio.Semaphore(limit)
+
+    async def one(coro: Any) -> None:
+        async with gate:
+            await coro
+
+    await asyncio.gather(*(one(c) for c in coros))
+
+
+# -- 1. Redis bytes per wait -------------------------------------------------------------
+
+
+def bind_pipelined(index: RedisIndex, bindings: list[WaitBinding], *, now: datetime) -> None:
+    """The synthetic writer: the index's own bind script and keys, pipelined a thousand
+    at a time (one ``bind_wait`` call per wait costs a round trip each)."""
+    client = redis.Redis.from_url(REDIS)
+    script = client.register_script(_BIND)
+    grace = timedelta(days=7)
+    for start in range(0, len(bindings), 1000):
+        pipe = client.pipeline(transaction=False)
+        for i, b in enumerate(bindings[start : start + 1000], start):
+            expires = to_ms(b.deadline + grace)
+            cid = b.correlation_id
+            hour = to_ms(b.deadline) // 3_600_000
+            bk_key, bk_field = index.keys.business_key(b.tenant, f"PR-{i:07d}")
+            script(
+                keys=[
+                    index.keys.correlation(cid),
+                    bk_key,
+                    index.keys.deadline_set(cid, hour),
+                    index.keys.deadline_hours,
+                ],
+                args=[
+                    cid,
+                    encode_binding(b, expires_ms=expires),
+                    bk_field,
+                    to_ms(b.deadline),
+                    hour,
+                    max(1, expires - to_ms(now)),
+                ],
+                client=pipe,
+            )
+        pipe.execute()
+    client.close()
+
+
+def waits(n: int, start: datetime, spread_s: float) -> list[WaitBinding]:
+    return [
+        WaitBinding(
+            tenant="acme",
+            correlation_id=new_correlation_id(),
+            session_id=new_session_id(),
+            epoch=3,
+            step_id="2",
+            deadline=start + timedelta(seconds=spread_s * i / n),
+        )
+        for i in range(n)
+    ]
+
+
+async def redis_bytes_per_wait(n: int) -> tuple[float, int, float]:
+    client = redis.Redis.from_url(REDIS)
+    clear(client)
+    buckets = buckets_for(n)
+    index = RedisIndex(REDIS, prefix=PREFIX, buckets=buckets)
+    now = datetime.now(UTC)
+    before = int(client.info("memory")["used_memory"])
+    started = time.perf_counter()
+    for part in range(0, n, 100_000):
+        count = min(100_000, n - part)
+        batch = waits(count, now + timedelta(hours=1, days=30 * part / n), 30 * 86400 * count / n)
+        bind_pipelined(index, batch, now=now)
+    elapsed = time.perf_counter() - started
+    after = int(client.info("memory")["used_memory"])
+    # A sample through the real lookup path: the synthetic writer wrote what bind_wait does.
+    assert await index.resolve(tenant="acme", now=now, correlation_id=batch[-1].correlation_id)
+    await index.close()
+    clear(client)
+    client.close()
+    return (after - before) / n, buckets, n / elapsed
+
+
+# -- 2. object store per session, repair ---------------------------------------------------
+
+
+class CountingStore(LocalObjectStore):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.header_reads = 0
+        self.listed = 0
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        if key.startswith("snapshots/"):
+            self.header_reads += 1
+        return await super().get(key, max_bytes=max_bytes)
+
+    async def list(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        page = await super().list(prefix, start_after=start_after, limit=limit)
+        self.listed += len(page.keys)
+        return page
+
+
+def folder_bytes(root: Path) -> tuple[int, int]:
+    size = files = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            size += os.path.getsize(os.path.join(dirpath, name))
+            files += 1
+    return size, files
+
+
+class Recording:
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, Reason]] = []
+
+    async def request(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
+        self.requests.append((session_id, reason))
+
+
+async def objects_and_repair(sleeping: int, ended: int) -> dict[str, float]:
+    client = redis.Redis.from_url(REDIS)
+    clear(client)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "objects"
+        settings = Settings.build(
+            {
+                "storage": {
+                    "object_store_url": f"file://{root}",
+                    "index_url": REDIS,
+                    "redis_prefix": PREFIX,
+                    "index_buckets": buckets_for(sleeping),
+                }
+            }
+        )
+        store = CountingStore(root)
+        snapshots = ObjectSnapshots(store)
+        correlations = ObjectCorrelations(store)
+        template = busy_snapshot(12)  # a short conversation, a tool log, one open wait
+
+        async def one_sleeping() -> None:
+            sid = new_session_id()
+            wait = template.waits[0].model_copy(update={"correlation_id": new_correlation_id()})
+            snap = template.model_copy(update={"session_id": sid, "waits": [wait]})
+            await snapshots.create(snap)
+            await correlations.record(binding_of(snap, wait), business_key=wait.business_key)
+
+        async def one_ended() -> None:
+            snap = template.model_copy(
+                update={"session_id": new_session_id(), "state": SessionState.RUNNING, "waits": []}
+            )
+            created = await snapshots.create(snap)
+            ended_at = datetime.now(UTC) - timedelta(days=20)  # past the binding grace
+            await snapshots.save(
+                created.model_copy(
+                    update={"state": SessionState.COMPLETED, "updated_at": ended_at}
+                ),
+                expected_generation=0,
+            )
+
+        started = time.perf_counter()
+        await gather_bounded((one_sleeping() for _ in range(sleeping)), 64)
+        write_rate = sleeping / (time.perf_counter() - started)
+        size, files = folder_bytes(root)
+        await gather_bounded((one_ended() for _ in range(ended)), 64)
+
+        services = open_services(settings)
+        services.snapshots = ObjectSnapshots(store)
+        sweeper = Sweeper(SessionService(services, Recording()))  # type: ignore[arg-type]
+        now = datetime.now(UTC)
+        await sweeper.repair(now, SweepReport())  # first run: writes the completeness flag
+        clear(client)  # the index is lost
+        store.header_reads = store.listed = 0
+        report = SweepReport()
+        started = time.perf_counter()
+        await sweeper.repair(now, report)
+        repair_s = time.perf_counter() - started
+        await services.close()
+    clear(client)
+    client.close()
+    return {
+        "bytes": size / sleeping,
+        "objects": files / sleeping,
+        "write_rate": write_rate,
+        "repair_s": repair_s,
+        "header_reads": store.header_reads,
+        "listed": store.listed,
+        "rebound": report.repaired_waits,
+    }
+
+
+# -- 3. reconciler lag ---------------------------------------------------------------------
+
+
+class Unbinding:
+    """Stands in for the timeout activation: unbinds the wait, records the lag."""
+
+    def __init__(self, services: Any, bindings: dict[str, WaitBinding]) -> None:
+        self.services = services
+        self.bindings = bindings
+        self.lags: list[float] = []
+
+    async def request(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
+        binding = self.bindings.pop(session_id, None)
+        if binding is None:
+            return  # asked twice: the first request already counted
+        self.lags.append((datetime.now(UTC) - binding.deadline).total_seconds())
+        await self.services.index.unbind(
+            tenant=binding.tenant, correlation_id=binding.correlation_id, business_key=None
+        )
+
+
+async def deadline_lag(rate: int, seconds: int) -> tuple[list[float], float]:
+    client = redis.Redis.from_url(REDIS)
+    clear(client)
+    settings = Settings.build(
+        {"storage": {"object_store_url": "memory://", "index_url": REDIS, "redis_prefix": PREFIX}}
+    )
+    services = open_services(settings)
+    start = datetime.now(UTC) + timedelta(seconds=3 + rate * seconds / 5000)
+    batch = waits(rate * seconds, start, seconds)
+    assert isinstance(services.index, RedisIndex)
+    bind_pipelined(services.index, batch, now=datetime.now(UTC))
+    bindings = {b.session_id: b for b in batch}
+    activator = Unbinding(services, bindings)
+    sweeper = Sweeper(SessionService(services, activator))  # type: ignore[arg-type]
+    interval = settings.reconciler.deadline_interval_s
+    await asyncio.sleep(max(0.0, (start - datetime.now(UTC)).total_seconds()))
+    stop = time.monotonic() + seconds + 10
+    while bindings and time.monotonic() < stop:
+        await sweeper.deadlines_once(datetime.now(UTC))
+        await asyncio.sleep(interval)
+    await services.close()
+    clear(client)
+    client.close()
+    return activator.lags, interval
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sessions", type=int, default=100_000, help="waits in Redis")
+    parser.add_argument("--object-sessions", type=int, default=20_000)
+    parser.add_argument("--ended", type=int, default=20_000)
+    parser.add_argument("--rate", type=int, default=1000, help="deadlines due per second")
+    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: redis,objects,lag")
+    args = parser.parse_args()
+    skip = set(args.skip.split(","))
+
+    if "redis" not in skip:
+        per_wait, buckets, rate = await redis_bytes_per_wait(args.sessions)
+        print(
+            f"Redis bytes per wait, {args.sessions:,} waits ({buckets} buckets, bound at "
+            f"{rate:,.0f}/s): {per_wait:.0f} B (target <= {TARGET_BYTES_PER_WAIT} B) -> "
+            f"{verdict(per_wait <= TARGET_BYTES_PER_WAIT)}"
+        )
+    if "objects" not in skip:
+        o = await objects_and_repair(args.object_sessions, args.ended)
+        total = args.object_sessions + args.ended
+        print(
+            f"object store per sleeping session ({args.object_sessions:,} sessions, local "
+            f"folder): {o['bytes']:.0f} B in {o['objects']:.1f} objects "
+            f"(written at {o['write_rate']:,.0f} sessions/s)"
+        )
+        print(
+            f"repair after an index flush: {o['repair_s']:.1f} s, read {o['header_reads']:,} "
+            f"snapshot headers and listed {o['listed']:,} keys for {args.object_sessions:,} "
+            f"live of {total:,} sessions, rebound {o['rebound']:,.0f} waits (target: bounded "
+            f"by live sessions) -> {verdict(o['header_reads'] <= 2 * args.object_sessions)}"
+        )
+    if "lag" not in skip:
+        lags, interval = await deadline_lag(args.rate, args.seconds)
+        lags.sort()
+        n = args.rate * args.seconds
+        if lags:
+            p50 = statistics.median(lags)
+            p99 = lags[min(len(lags) - 1, int(0.99 * len(lags)))]
+            print(
+                f"reconciler, {args.rate:,} deadlines due per second for {args.seconds} s "
+                f"(deadline loop every {interval} s): {len(lags):,}/{n:,} requested, lag p50 "
+                f"{p50:.2f} s, p99 {p99:.2f} s, max {lags[-1]:.2f} s (target <= "
+                f"{TARGET_LAG_S} s) -> {verdict(len(lags) == n and lags[-1] <= TARGET_LAG_S)}"
+            )
+        else:
+            print("reconciler: no deadline was requested -> NOT met")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,112 @@
+"""Audit archives: a stream's old blocks compacted into one object, chain intact.
+
+A busy writer leaves thousands of small block objects. Compaction copies a run of them,
+verbatim and in order, into one create-only archive ``audit-archives/{stream}/
+{first:012d}-{last:012d}`` and only then deletes them, so a crash in between leaves both
+(``ObjectAudit.verify`` reads the archive and skips the leftover blocks, and the next
+compaction deletes them). The records and their hash links are unchanged, so the chain
+still verifies end to end, and the checkpoints still vouch for the heads of archived
+blocks: removing an archive is a missing block, like removing a block.
+
+The newest ``KEEP_BLOCKS`` blocks of a stream are never compacted: a live writer reads
+only the block after its own head, and nothing here touches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import zlib
+from dataclasses import dataclass
+
+from storage import keys
+from torpor.errors import ObjectExists
+from torpor.ports import ObjectStore
+
+ARCHIVES = "audit-archives/"
+KEEP_BLOCKS = 4  # the newest blocks of a stream stay as they are
+MIN_BLOCKS = 16  # fewer than this waiting: not worth an archive yet
+MAX_BLOCKS = 512  # blocks per archive
+
+
+def archives_prefix(stream: str) -> str:
+    return f"{ARCHIVES}{keys.safe(stream, 'audit stream')}/"
+
+
+def archive_key(stream: str, first: int, last: int) -> str:
+    return f"{archives_prefix(stream)}{first:012d}-{last:012d}"
+
+
+@dataclass(frozen=True)
+class Archive:
+    key: str
+    first: int
+    last: int
+
+    @classmethod
+    def parse(cls, key: str) -> Archive | None:
+        first, _, last = key.rsplit("/", 1)[-1].partition("-")
+        if not (first.isdigit() and last.isdigit()) or int(first) > int(last):
+            return None
+        return cls(key, int(first), int(last))
+
+
+def encode(blocks: list[bytes]) -> bytes:
+    return zlib.compress(json.dumps([b.decode() for b in blocks]).encode(), 6)
+
+
+def decode(data: bytes) -> list[bytes] | None:
+    """The archived blocks, or None if the archive is damaged."""
+    try:
+        blocks = json.loads(zlib.decompress(data))
+    except (zlib.error, ValueError):
+        return None
+    if not isinstance(blocks, list) or not all(isinstance(b, str) for b in blocks):
+        return None
+    return [b.encode() for b in blocks]
+
+
+async def all_keys(store: ObjectStore, prefix: str, start_after: str | None = None) -> list[str]:
+    found: list[str] = []
+    token = start_after
+    while True:
+        page = await store.list(prefix, start_after=token)
+        found += page.keys
+        if page.next_token is None:
+            return found
+        token = page.next_token
+
+
+async def archives(store: ObjectStore, stream: str) -> list[Archive]:
+    found = [Archive.parse(k) for k in await all_keys(store, archives_prefix(stream))]
+    return [a for a in found if a is not None]
+
+
+async def compact(store: ObjectStore, stream: str) -> int:
+    """Archive one run of ``stream``'s old blocks; returns how many blocks it archived."""
+    done = await archives(store, stream)
+    archived = done[-1].last if done else 0
+    # Finish an interrupted compaction: blocks an archive already holds go first.
+    for key in await all_keys(store, keys.audit_prefix(stream)):
+        if int(key.rsplit("/", 1)[-1]) > archived:
+            break
+        await store.delete(key)
+    page = await store.list(
+        keys.audit_prefix(stream),
+        start_after=keys.audit_record(stream, archived) if archived else None,
+        limit=MAX_BLOCKS + KEEP_BLOCKS,
+    )
+    run: list[str] = []
+    for key in page.keys[: max(0, len(page.keys) - KEEP_BLOCKS)]:
+        if key != keys.audit_record(stream, archived + len(run) + 1):
+            break  # a gap: verify reports it; an archive never papers over one
+        run.append(key)
+    if len(run) < MIN_BLOCKS:
+        return 0
+    blocks = [(await store.get(key)).data for key in run]
+    target = archive_key(stream, archived + 1, archived + len(run))
+    with contextlib.suppress(ObjectExists):  # an earlier attempt wrote this very run
+        await store.put_if_absent(target, encode(blocks))
+    for key in run:
+        await store.delete(key)
+    return len(run)
