@@ -235,6 +235,14 @@ class RuntimeSettings(_Section):
     max_live_session_actors: int = Field(
         256, description="dedicated session actors one activator keeps alive; more wait as timers"
     )
+    standby_session_actors: int = Field(
+        0,
+        description="pre-started dedicated session actors one activator keeps ready to adopt "
+        "a session (0: start one per activation)",
+    )
+    standby_idle_s: float = Field(
+        600.0, description="a standby session actor nobody adopts exits after this long"
+    )
 
 
 class PoolSettings(_Section):
