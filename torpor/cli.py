@@ -132,6 +132,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from torpor.entry.ingress import choose_ingress
+
+    if args.address is None:  # a local Ray inherits this environment; a cluster has its own
+        print(choose_ingress().message, file=sys.stderr, flush=True)
     import ray
     from ray import serve
 
