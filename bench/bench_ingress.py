@@ -217,6 +217,7 @@ async def child(proxy: str, duration_s: int, sessions: int, seq_n: int) -> dict[
     }
     settings = Settings.build(config)
     ray.init(
+        address="local",  # a Ray of its own, even when others run on this machine
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

@@ -180,6 +180,7 @@ def session_actor_count(namespace: str) -> int:
 
 async def run(args: argparse.Namespace) -> None:
     ray.init(
+        address="local",  # a Ray of its own, even when others run on this machine
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

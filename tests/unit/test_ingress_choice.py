@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torpor.entry.ingress import BINARY, FLAG, choose_ingress
+from torpor.entry.ingress import BINARY, FLAG, choose_ingress, restore
 
 
 def test_haproxy_is_switched_on_when_installed_with_files_of_its_own(tmp_path: Path) -> None:
@@ -31,3 +31,15 @@ def test_the_operators_choice_wins(tmp_path: Path) -> None:
     ingress = choose_ingress(env)
     assert not ingress.haproxy and env == {FLAG: "0"}
     assert "set by the operator" in ingress.message
+
+
+def test_a_demo_run_leaves_the_environment_as_it_was(tmp_path: Path) -> None:
+    binary = tmp_path / "haproxy"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    env = {BINARY: str(binary), "RAY_SERVE_HAPROXY_SOCKET_PATH": "/run/mine.sock"}
+    before = dict(env)
+    ingress = choose_ingress(env)
+    assert env[FLAG] == "1" and env["RAY_SERVE_HAPROXY_SOCKET_PATH"] == "/run/mine.sock"
+    restore(ingress, env)
+    assert env == before

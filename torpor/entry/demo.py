@@ -25,7 +25,7 @@ from typing import Any
 from torpor import outbound
 from torpor.auth import new_api_key
 from torpor.demo.scenario import DocPlan, Story, documents, plan_documents
-from torpor.entry.ingress import choose_ingress
+from torpor.entry.ingress import Ingress, choose_ingress, restore
 from torpor.entry.view import Frame, Screen, render
 from torpor.settings import Settings
 from torpor.webhooks.signing import Scheme, generate_secret
@@ -135,6 +135,13 @@ def _plan() -> dict[str, Any]:
 
 def run_demo(opts: DemoOptions) -> int:
     ingress = choose_ingress()  # before ray.serve is imported: Serve reads its flag once
+    try:
+        return _run_demo(opts, ingress)
+    finally:
+        restore(ingress)  # the process may go on (tests): leave its environment as it was
+
+
+def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
     import ray
     from ray import serve
     from ray.util import list_named_actors

