@@ -29,7 +29,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 log = logging.getLogger(__name__)
 
 _DEAD = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)
-START_TIMEOUT_S = 60.0
+# A start is slow, not stuck, on a loaded node (Ray starts a few workers at a time and
+# queues the rest): give up only on one that is clearly never coming.
+START_TIMEOUT_S = 600.0
 STANDBY_PREFIX = "session-standby:"
 
 
