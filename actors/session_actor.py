@@ -60,10 +60,26 @@ class SessionActor:
         return open_services(self._settings, observer=RayObserver())
 
     async def ready(self) -> int:
-        """Answers once constructed (the standby set awaits it); the process id."""
-        if self._session_id is None and self._idle_s and self._idle is None:
-            self._idle = asyncio.create_task(self._expire(self._idle_s))
+        """Answers once constructed and warmed up (the standby set awaits it); the pid."""
+        if self._session_id is None and self._idle is None:
+            if self._services is not None:
+                await self._warm_up(self._services)
+            if self._idle_s:
+                self._idle = asyncio.create_task(self._expire(self._idle_s))
         return os.getpid()
+
+    async def _warm_up(self, services: Services) -> None:
+        """What the first activation would do anyway, done before any session waits for
+        it: load the dedicated agents with their tools, connect to the index. A failure
+        here is the activation's to report, not the standby's."""
+        from torpor.settings import Placement
+
+        for name, agent in self._settings.agents.items():
+            if agent.placement is Placement.DEDICATED:
+                with contextlib.suppress(Exception):
+                    services.plugins.agent(name)
+        with contextlib.suppress(Exception):
+            await services.index.ping()
 
     async def adopt(self, session_id: str, reason: str, requested_at: float | None = None) -> str:
         """A standby takes ``session_id`` (it runs no other); ``closing`` if it is taken."""
