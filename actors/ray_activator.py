@@ -5,6 +5,14 @@ request. Ray may hand back an actor that has just decided to exit (ray#44083); i
 ``closing`` or dies under the call, and we retry until a fresh one takes the request.
 Pooled: an activation request to the host that ``hash(session_id)`` selects.
 
+With ``runtime.standby_session_actors`` set, a dedicated activation first hands the
+session to a pre-started standby actor (``actors.standby``), which runs it and exits
+when it sleeps, as a named one does. This activator remembers which actor it gave a
+session, so a second request while it runs goes to the same actor. Another activator
+may hand the same session to another actor at the same time; the session's lease lets
+only one of them run it (the other finds it busy, and the runner re-reads the inbox
+after it lets the lease go). With no standby ready, the named get-or-create below runs.
+
 Dedicated actors cost a process each (``num_cpus=0`` puts no bound on them), so an
 activator admits at most ``max_live_session_actors`` live ones it started. A request past
 the cap is deferred, never dropped: it leaves a RETRY timer, and the reconciler asks again.
@@ -13,6 +21,7 @@ the cap is deferred, never dropped: it leaves a RETRY timer, and the reconciler 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections import OrderedDict
@@ -26,6 +35,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from actors.config_ref import ConfigRef
 from actors.pool import PoolHost, host_name
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
+from actors.standby import StandbySet, standby_name
 from storage.factory import check_embedded_allowed
 from torpor.backoff import Backoff
 from torpor.errors import ActivationUnavailable, SessionNotFound
@@ -104,6 +114,11 @@ class RayActivator:
         self.admission = Admission(
             self.settings.runtime.max_live_session_actors, alive=self._live_sessions
         )
+        size = self.settings.runtime.standby_session_actors
+        self.standby = StandbySet(size, self._spawn_standby) if size > 0 else None
+        # Sessions this activator handed to a standby, until their actor is done.
+        self._adopted: dict[str, Any] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
 
     async def request(
         self,
@@ -139,7 +154,7 @@ class RayActivator:
             a["name"].removeprefix(prefix)
             for a in named
             if a.get("namespace") == self.namespace and a["name"].startswith(prefix)
-        }
+        } | set(self._adopted)
 
     async def _placement(self, session_id: str, agent: str | None) -> Placement:
         if agent is None and session_id in self._placements:
@@ -156,7 +171,66 @@ class RayActivator:
             self._placements.popitem(last=False)
         return placement
 
+    def _spawn_standby(self) -> Any:
+        return SessionActor.options(  # type: ignore[attr-defined]
+            name=standby_name(),
+            namespace=self.namespace,
+            lifetime="detached",  # an adopted one outlives this activator
+            scheduling_strategy="SPREAD",
+        ).remote(self.config, None, self.settings.runtime.standby_idle_s)
+
+    async def _adopt(self, session_id: str, reason: Reason, requested_at: float) -> bool:
+        """The session's request taken by its adopted actor, or by a fresh standby.
+        False when no standby is ready (the caller starts a named actor instead)."""
+        assert self.standby is not None
+        running = self._adopted.get(session_id)
+        if running is not None:
+            try:
+                answer = await asyncio.wait_for(
+                    running.activate.remote(reason.value, requested_at),
+                    timeout=ACTIVATE_TIMEOUT_S,
+                )
+                if answer == ACCEPTED:
+                    return True
+            except (*_RETRYABLE, TimeoutError):
+                pass  # gone or going: the session needs a new actor
+            if self._adopted.get(session_id) is running:
+                del self._adopted[session_id]
+        while (handle := self.standby.take()) is not None:
+            try:
+                answer = await asyncio.wait_for(
+                    handle.adopt.remote(session_id, reason.value, requested_at),
+                    timeout=ACTIVATE_TIMEOUT_S,
+                )
+            except _RETRYABLE:
+                continue  # this standby died while it waited: the next one
+            except TimeoutError:
+                ray.kill(handle, no_restart=True)
+                continue
+            if answer == ACCEPTED:
+                self._adopted[session_id] = handle
+                watcher = asyncio.create_task(self._forget_when_done(session_id, handle))
+                self._watchers.add(watcher)
+                watcher.add_done_callback(self._watchers.discard)
+                return True
+        return False
+
+    async def _forget_when_done(self, session_id: str, handle: Any) -> None:
+        with contextlib.suppress(*_RETRYABLE):
+            await handle.finished.remote()
+        if self._adopted.get(session_id) is handle:
+            del self._adopted[session_id]
+
+    async def close(self) -> None:
+        """Free the standby actors nobody adopted (adopted ones finish their session)."""
+        for watcher in list(self._watchers):
+            watcher.cancel()
+        if self.standby is not None:
+            await self.standby.close()
+
     async def _dedicated(self, session_id: str, reason: Reason, requested_at: float) -> None:
+        if self.standby is not None and await self._adopt(session_id, reason, requested_at):
+            return
         for attempt in range(MAX_ATTEMPTS):
             try:
                 handle = SessionActor.options(  # type: ignore[attr-defined]

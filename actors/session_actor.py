@@ -17,15 +17,15 @@ import contextlib
 import gc
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import AsyncioActorExit
 
-from actors import metrics
-from actors.config_ref import ConfigRef
-from actors.observer import RayObserver
-from actors.wiring import open_services, session_runtime
-from torpor.ports import Reason
+if TYPE_CHECKING:
+    from actors.config_ref import ConfigRef
+    from torpor.ports import Reason
+    from torpor.ports.services import Services
 
 log = logging.getLogger(__name__)
 
@@ -39,29 +39,91 @@ def actor_name(session_id: str) -> str:
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class SessionActor:
-    def __init__(self, config: ConfigRef, session_id: str) -> None:
+    def __init__(
+        self, config: ConfigRef, session_id: str | None = None, idle_s: float | None = None
+    ) -> None:
         self._settings = config.load()  # here, not in the caller: no secret in the arguments
         self._session_id = session_id
         self._wanted: list[tuple[Reason, float | None]] = []
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._done = asyncio.Event()
+        self._idle_s = idle_s
+        self._idle: asyncio.Task[None] | None = None
+        # A standby opens its storage now, before any session waits for it.
+        self._services: Services | None = None if session_id else self._open()
+
+    def _open(self) -> Services:
+        from actors.observer import RayObserver
+        from actors.wiring import open_services
+
+        return open_services(self._settings, observer=RayObserver())
+
+    async def ready(self) -> int:
+        """Answers once constructed and warmed up (the standby set awaits it); the pid."""
+        if self._session_id is None and self._idle is None:
+            if self._services is not None:
+                await self._warm_up(self._services)
+            if self._idle_s:
+                self._idle = asyncio.create_task(self._expire(self._idle_s))
+        return os.getpid()
+
+    async def _warm_up(self, services: Services) -> None:
+        """What the first activation would do anyway, done before any session waits for
+        it: load the dedicated agents with their tools, connect to the index. A failure
+        here is the activation's to report, not the standby's."""
+        from torpor.settings import Placement
+
+        for name, agent in self._settings.agents.items():
+            if agent.placement is Placement.DEDICATED:
+                with contextlib.suppress(Exception):
+                    services.plugins.agent(name)
+        with contextlib.suppress(Exception):
+            await services.index.ping()
+
+    async def adopt(self, session_id: str, reason: str, requested_at: float | None = None) -> str:
+        """A standby takes ``session_id`` (it runs no other); ``closing`` if it is taken."""
+        if self._session_id is None and not self._closing:
+            self._session_id = session_id
+            if self._idle is not None:
+                self._idle.cancel()
+        if self._session_id != session_id:
+            return CLOSING
+        return await self.activate(reason, requested_at)
 
     async def activate(self, reason: str, requested_at: float | None = None) -> str:
-        if self._closing:
+        from torpor.ports import Reason
+
+        if self._closing or self._session_id is None:
             return CLOSING
         self._wanted.append((Reason(reason), requested_at))
         if self._task is None:
-            self._task = asyncio.create_task(self._run())
+            self._task = asyncio.create_task(self._run(self._session_id))
         return ACCEPTED
+
+    async def finished(self) -> None:
+        """Answers when the session has gone to sleep (or the actor dies under the call)."""
+        await self._done.wait()
 
     async def where(self) -> dict[str, object]:
         """Node and process of this actor (for operators, and for crash tests)."""
         return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    async def _run(self) -> None:
-        services = open_services(self._settings, observer=RayObserver())
+    async def _expire(self, idle_s: float) -> None:
+        """Nobody adopted this standby (its activator may be gone): free the process."""
+        await asyncio.sleep(idle_s)
+        if self._session_id is None:
+            self._closing = True
+            self._exit()
+
+    async def _run(self, session_id: str) -> None:
+        from actors import metrics
+        from actors.wiring import session_runtime
+
+        services = self._services or self._open()
+        self._services = None
         node = ray.get_runtime_context().get_node_id()[:8]
-        runtime = session_runtime(services, owner=f"dedicated:{node}:{self._session_id}")
+        runtime: Any = session_runtime(services, owner=f"dedicated:{node}:{session_id}")
         try:
             while True:
                 if not self._wanted:
@@ -73,20 +135,25 @@ class SessionActor:
                 self._wanted.clear()  # one activation serves every request made so far
                 try:
                     result = await runtime.activate(
-                        self._session_id, reason=reason, requested_at=requested_at
+                        session_id, reason=reason, requested_at=requested_at
                     )
                     metrics.activation(result, placement="dedicated")
                 except Exception:
                     # Typed storage errors included: the runtime already scheduled a
                     # retry timer; log and go on to exit.
-                    log.exception("activation of %s failed", self._session_id)
+                    log.exception("activation of %s failed", session_id)
         finally:
             self._closing = True
             with contextlib.suppress(Exception):
                 await services.close()
             del runtime, services
             gc.collect()
-            # The exit is scheduled before the exception is raised; suppressing it only
-            # keeps "Task exception was never retrieved" out of the logs.
-            with contextlib.suppress(AsyncioActorExit):
-                ray.actor.exit_actor()  # type: ignore[no-untyped-call]
+            self._done.set()
+            await asyncio.sleep(0)  # let the answer to ``finished`` go out first
+            self._exit()
+
+    def _exit(self) -> None:
+        # The exit is scheduled before the exception is raised; suppressing it only
+        # keeps "Task exception was never retrieved" out of the logs.
+        with contextlib.suppress(AsyncioActorExit):
+            ray.actor.exit_actor()  # type: ignore[no-untyped-call]

@@ -26,11 +26,12 @@ import ray  # noqa: E402
 import redis  # noqa: E402
 
 from actors.ray_activator import RayActivator  # noqa: E402
-from actors.wiring import open_services  # noqa: E402
+from actors.wiring import open_services, session_runtime  # noqa: E402
 from torpor.events import EventKind, InboxEvent  # noqa: E402
 from torpor.lifecycle import SessionState  # noqa: E402
 from torpor.ports import Reason  # noqa: E402
 from torpor.ports.services import Services  # noqa: E402
+from torpor.service.activator import InlineActivator  # noqa: E402
 from torpor.service.sessions import SessionService  # noqa: E402
 from torpor.settings import Settings  # noqa: E402
 
@@ -38,9 +39,10 @@ REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 PREFIX = "torpor-bench:"
 
 
-def settings_for(tmp: Path, placement: str, namespace: str) -> Settings:
+def settings_for(tmp: Path, placement: str, namespace: str, standby: int = 0) -> Settings:
     return Settings.build(
         {
+            "runtime": {"standby_session_actors": standby},
             "storage": {
                 "object_store_url": f"file://{tmp / 'objects'}",
                 "index_url": REDIS,
@@ -179,6 +181,7 @@ def session_actor_count(namespace: str) -> int:
 
 async def run(args: argparse.Namespace) -> None:
     ray.init(
+        address="local",  # a Ray of its own, even when others run on this machine
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
@@ -186,18 +189,42 @@ async def run(args: argparse.Namespace) -> None:
     )
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for placement, n_lat, rate, n_thr in (
-            ("dedicated", args.dedicated_n, args.dedicated_rate, args.dedicated_n),
-            ("pooled", args.pooled_n, args.pooled_rate, args.pooled_n * 2),
+        for placement, n_lat, rate, n_thr, standby in (
+            ("dedicated", args.dedicated_n, args.dedicated_rate, args.dedicated_n, 0),
+            ("standby", args.standby_n, args.standby_rate, args.standby, args.standby),
+            ("pooled", args.pooled_n, args.pooled_rate, args.pooled_n * 2, 0),
         ):
-            settings = settings_for(Path(tmp) / placement, placement, f"bench{placement}")
+            if not n_lat:
+                continue
+            kind = "pooled" if placement == "pooled" else "dedicated"
+            settings = settings_for(Path(tmp) / placement, kind, f"bench{placement}", standby)
             services = open_services(settings)
             activator = RayActivator(services)
             control = SessionService(services, activator)
-            ids = await create_suspended(control, n_lat)
+            # Sessions are created and put to sleep in this process: only the resumes
+            # measured go through Ray (a dedicated create would spend a standby each).
+            setup = SessionService(services, InlineActivator(session_runtime(services, "setup")))
+            if activator.standby is not None:
+                await activator.standby.filled(timeout_s=1200)
+            ids = await create_suspended(setup, n_lat)
+            started = activator.standby.started if activator.standby else 0
             lat = await resume_latency(control, activator, ids, rate)
-            ids = await create_suspended(control, n_thr)
+            ids = await create_suspended(setup, n_thr)
+            if activator.standby is not None:
+                await activator.standby.filled(timeout_s=1200)
+            started_thr = activator.standby.started if activator.standby else 0
             thr = await throughput(control, activator, ids)
+            starts = (
+                (activator.standby.started - started_thr) / n_thr
+                if activator.standby
+                else (1.0 if kind == "dedicated" else 0.0)
+            )
+            sustained = None
+            if activator.standby is not None:
+                # Past the standby set: every activation waits for a process to start.
+                ids = await create_suspended(setup, args.standby_sustained)
+                await activator.standby.filled(timeout_s=1200)
+                sustained = await throughput(control, activator, ids)
             results[placement] = {
                 "p50": statistics.median(lat),
                 "p99": percentile(lat, 0.99),
@@ -207,15 +234,28 @@ async def run(args: argparse.Namespace) -> None:
                 "n_thr": n_thr,
             }
             r = results[placement]
+            target = "  [target: >= 10/s, p50 <= 100 ms]" if kind == "dedicated" else ""
             print(
                 f"{placement:9s} resume latency at {rate:g}/s: p50 {r['p50']:.1f} ms, "
                 f"p99 {r['p99']:.1f} ms (n={len(lat)}); "
-                f"sustained {thr:.1f} activations/s (n={n_thr})",
+                f"{thr:.1f} activations/s (burst of {n_thr}); "
+                f"process starts per activation {starts:.2f}{target}",
                 flush=True,
             )
+            if activator.standby is not None:
+                total = n_lat + n_thr + args.standby_sustained
+                per = (activator.standby.started - started) / total
+                print(
+                    f"{placement:9s} {args.standby_sustained} activations past a standby set of "
+                    f"{standby}: {sustained:.1f}/s (bounded by process starts); "
+                    f"{per:.2f} starts per activation in all",
+                    flush=True,
+                )
+            await activator.close()
             await services.close()
-        ratio = results["pooled"]["throughput"] / results["dedicated"]["throughput"]
-        print(f"pooled / dedicated throughput: {ratio:.1f}x")
+        if "pooled" in results and "dedicated" in results:
+            ratio = results["pooled"]["throughput"] / results["dedicated"]["throughput"]
+            print(f"pooled / dedicated throughput: {ratio:.1f}x")
 
         if args.suspended:
             settings = settings_for(Path(tmp) / "many", "pooled", "benchmany")
@@ -248,6 +288,11 @@ def main() -> None:
     # Below the ~1.4 activations/s a dedicated placement sustains here: a steady rate
     # above it only measures a growing queue.
     parser.add_argument("--dedicated-rate", type=float, default=0.5)
+    # Standby actors: below the rate at which the set refills (a process start each).
+    parser.add_argument("--standby", type=int, default=10, help="standby session actors")
+    parser.add_argument("--standby-n", type=int, default=20)
+    parser.add_argument("--standby-rate", type=float, default=1.0)
+    parser.add_argument("--standby-sustained", type=int, default=20)
     parser.add_argument("--pooled-n", type=int, default=200)
     parser.add_argument("--pooled-rate", type=float, default=20.0)
     parser.add_argument("--suspended", type=int, default=10_000)

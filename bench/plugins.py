@@ -46,6 +46,7 @@ class BenchAgent:
 
 class WaitForWorld(LongRunningTool):
     spec = ToolSpec(name="wait_for_world")
+    answered_by = ("bench",)  # the benches' webhook source (a wait names who may answer)
 
     async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
         return WaitPlan(

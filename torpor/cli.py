@@ -204,6 +204,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from torpor.entry.ingress import choose_ingress
+
+    if args.address is None:  # a local Ray inherits this environment; a cluster has its own
+        print(choose_ingress().message, file=sys.stderr, flush=True)
     from ray import serve
 
     from actors.config_ref import ConfigRef

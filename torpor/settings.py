@@ -270,6 +270,14 @@ class RuntimeSettings(_Section):
         description="torpor's log lines: `text`, or `json` (one object a line with session, "
         "correlation and trace ids)",
     )
+    standby_session_actors: int = Field(
+        0,
+        description="pre-started dedicated session actors one activator keeps ready to adopt "
+        "a session (0: start one per activation)",
+    )
+    standby_idle_s: float = Field(
+        600.0, description="a standby session actor nobody adopts exits after this long"
+    )
 
 
 class PoolSettings(_Section):

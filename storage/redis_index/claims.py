@@ -12,13 +12,22 @@ from storage.redis_index.connection import RedisConnection, ms, opt_text, transl
 from storage.redis_index.waits import live, pointed
 from torpor.ports import Admission, IdempotencyRecord, IdempotencyStatus
 
-# All or none: a replay must not consume one claim of a pair and fail on the other.
-_CLAIM_ALL = """
-for i = 1, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end
+# The whole admission of a webhook in one script, so one round trip: the server's clock
+# (shared by every replica), the claims all or none (a replay must not consume one claim
+# of a pair and fail on the other), and, if they were free, the routing
+# entry. (A pipeline holding a script costs a second trip: redis-py checks SCRIPT EXISTS
+# before every pipelined EVALSHA.) ARGV: TTL ms, number of claim keys, routing field; the
+# routing hash, if any, is the last key.
+_ADMIT = """
+local now = redis.call('TIME')
+local n = tonumber(ARGV[2])
+for i = 1, n do
+  if redis.call('EXISTS', KEYS[i]) == 1 then return {now[1], now[2], 0, false} end
 end
-for i = 1, #KEYS do redis.call('SET', KEYS[i], '1', 'PX', ARGV[1]) end
-return 1
+for i = 1, n do redis.call('SET', KEYS[i], '1', 'PX', ARGV[1]) end
+local found = false
+if #KEYS > n then found = redis.call('HGET', KEYS[n + 1], ARGV[3]) end
+return {now[1], now[2], 1, found}
 """
 
 _CLAIM_IDEMPOTENCY = """
@@ -43,19 +52,20 @@ class RedisClaims(RedisConnection):
         business_key: str | None,
     ) -> Admission:
         keys = [self.keys.nonce(scope, nonce) for scope, nonce in claims]
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.time()  # the server's clock, shared by every replica, in the same round trip
-            await self.script(_CLAIM_ALL)(keys=keys, args=[ms(ttl)], client=pipe)
-            if correlation_id is not None:
-                pipe.hget(self.keys.correlation(correlation_id), correlation_id)
-            elif business_key is not None:
-                pipe.hget(*self.keys.business_key(tenant, business_key))
-            answers = await pipe.execute()
-        seconds, micros = answers[0]
+        field = ""
+        if correlation_id is not None:
+            keys.append(self.keys.correlation(correlation_id))
+            field = correlation_id
+        elif business_key is not None:
+            route, field = self.keys.business_key(tenant, business_key)
+            keys.append(route)
+        seconds, micros, fresh, raw = await self.script(_ADMIT)(
+            keys=keys, args=[ms(ttl), len(claims), field]
+        )
         at = datetime.fromtimestamp(int(seconds) + int(micros) / 1e6, tz=UTC)
-        if not answers[1]:
+        if not fresh:
             return Admission(False, None, at)
-        found = opt_text(answers[2]) if len(answers) > 2 else None
+        found = opt_text(raw)
         if correlation_id is None:
             found = pointed(found)
         if found is None:

@@ -25,6 +25,7 @@ from typing import Any
 from torpor import outbound
 from torpor.auth import new_api_key
 from torpor.demo.scenario import DocPlan, Story, documents, plan_documents
+from torpor.entry.ingress import Ingress, choose_ingress, restore
 from torpor.entry.view import Frame, Screen, render
 from torpor.settings import Settings
 from torpor.webhooks.signing import Scheme, generate_secret
@@ -133,6 +134,14 @@ def _plan() -> dict[str, Any]:
 
 
 def run_demo(opts: DemoOptions) -> int:
+    ingress = choose_ingress()  # before ray.serve is imported: Serve reads its flag once
+    try:
+        return _run_demo(opts, ingress)
+    finally:
+        restore(ingress)  # the process may go on (tests): leave its environment as it was
+
+
+def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
     import ray
     from ray import serve
     from ray.util import list_named_actors
@@ -181,8 +190,10 @@ def run_demo(opts: DemoOptions) -> int:
     sys.stdout = sys.stderr = chatter
     title = (
         f"torpor demo: {len(docs)} documents, {opts.placement} placement, storage "
-        f"{settings.storage.object_store_url} + {settings.storage.index_url.split('@')[-1]}"
+        f"{settings.storage.object_store_url} + {settings.storage.index_url.split('@')[-1]}, "
+        + ("HAProxy ingress" if ingress.haproxy else "default proxy (HAProxy not installed)")
     )
+    print(ingress.message, file=chatter, flush=True)
     try:
         ray.init(
             namespace=settings.namespace,

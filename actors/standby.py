@@ -1,0 +1,108 @@
+"""A few pre-started session actors, each waiting to adopt one session.
+
+Starting a Ray actor costs a worker process (about a second of CPU here, most of it
+``import ray``), which is what made a dedicated activation slow: the process started
+after the request. A standby actor has started, loaded its settings and opened its
+storage before any session needs it; an activation hands it a session id and it runs
+that session exactly like a named session actor, then exits when the session sleeps.
+The set is refilled in the background after every adoption, so the process start is
+paid off the request's path.
+
+A standby is detached (an adopted one must outlive the activator that handed it its
+session) and exits by itself when nobody adopts it for ``idle_s`` seconds, so the
+standbys of an activator that died do not linger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+
+log = logging.getLogger(__name__)
+
+_DEAD = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)
+# A start is slow, not stuck, on a loaded node (Ray starts a few workers at a time and
+# queues the rest): give up only on one that is clearly never coming.
+START_TIMEOUT_S = 600.0
+STANDBY_PREFIX = "session-standby:"
+
+
+def standby_name() -> str:
+    return f"{STANDBY_PREFIX}{uuid.uuid4().hex}"
+
+
+class StandbySet:
+    """Up to ``size`` ready actors; ``take`` hands one out and starts its replacement.
+
+    ``spawn`` creates one actor (a Ray handle whose ``ready`` method answers once its
+    constructor has run). Counts what it started, for the benchmarks."""
+
+    def __init__(self, size: int, spawn: Callable[[], Any]) -> None:
+        self.size = size
+        self._spawn = spawn
+        self._ready: deque[Any] = deque()
+        self._starting = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._changed = asyncio.Event()
+        self.started = 0
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def take(self) -> Any | None:
+        """A ready actor (None if none is), and its replacement set starting."""
+        handle = self._ready.popleft() if self._ready else None
+        self.refill()
+        return handle
+
+    def refill(self) -> None:
+        while len(self._ready) + self._starting < self.size:
+            self._starting += 1
+            task = asyncio.create_task(self._start())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def filled(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until every slot holds a ready actor (benchmarks and tests start from here)."""
+        self.refill()
+        async with asyncio.timeout(timeout_s):
+            while len(self._ready) < self.size:
+                self._changed.clear()
+                await self._changed.wait()
+                self.refill()  # a start that failed leaves its slot to fill again
+
+    async def _start(self) -> None:
+        handle = None
+        try:
+            handle = self._spawn()
+            self.started += 1
+            await asyncio.wait_for(handle.ready.remote(), timeout=START_TIMEOUT_S)
+            self._ready.append(handle)
+            handle = None
+        except (*_DEAD, TimeoutError):
+            # Not fatal: the next take starts another.
+            log.warning("a standby session actor did not start")
+        finally:
+            if handle is not None:  # silent, dead or cancelled (close): free its process
+                with contextlib.suppress(Exception):
+                    ray.kill(handle, no_restart=True)
+            self._starting -= 1
+            self._changed.set()
+
+    async def close(self) -> None:
+        """Stop the starts under way and the actors nobody adopted."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._ready:
+            with contextlib.suppress(Exception):
+                ray.kill(self._ready.popleft(), no_restart=True)

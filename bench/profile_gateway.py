@@ -1,0 +1,150 @@
+"""Profile the signed-webhook path in one process: verify → admit → inbox → audit → 202.
+
+    .venv/bin/python bench/profile_gateway.py [--n 2000] [--out bench/profiles/gateway.txt]
+
+No Ray and no HTTP: the gateway is called directly (local folder + the machine's Redis,
+activations deferred to the reconciler as in the ingress bench's accept phase), so the
+figures are the Python work of the path and the storage round trips alone. Prints wall
+and CPU time per webhook and writes pyinstrument's call tree as text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+
+from actors.wiring import open_services, session_runtime  # noqa: E402
+from torpor.lifecycle import SessionState  # noqa: E402
+from torpor.service.activator import InlineActivator  # noqa: E402
+from torpor.service.gateway import WebhookGateway  # noqa: E402
+from torpor.service.sessions import SessionService  # noqa: E402
+from torpor.settings import Settings  # noqa: E402
+from torpor.webhooks.signing import Scheme, sign  # noqa: E402
+
+
+class Deferred:
+    """Activations left to the reconciler: the accept path alone is measured."""
+
+    async def request(self, session_id: str, **_: object) -> None:
+        return None
+
+
+REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+SECRET = "b" * 64
+
+
+def settings_for(tmp: Path, prefix: str, deferred: bool) -> Settings:
+    return Settings.build(
+        {
+            "storage": {
+                "object_store_url": f"file://{tmp / 'objects'}",
+                "index_url": REDIS,
+                "redis_prefix": prefix,
+            },
+            "max_inflight_activations": 0 if deferred else 64,
+            "sources": {
+                "bench": {
+                    "tenant": "bench",
+                    "scheme": "torpor",
+                    "secrets": [SECRET],
+                    "mapping": {
+                        "event_id_path": "id",
+                        "default_type": "bench.go",
+                        "correlation_id_path": "correlationId",
+                    },
+                }
+            },
+            "agents": {
+                "bench": {
+                    "factory": "bench.plugins:BenchAgent",
+                    "tools": ["bench.plugins:WaitForWorld"],
+                    "placement": "pooled",
+                }
+            },
+        }
+    )
+
+
+async def run(args: argparse.Namespace) -> None:
+    from pyinstrument import Profiler
+
+    prefix = f"tpbench-prof:{os.getpid()}:"
+    with tempfile.TemporaryDirectory() as tmp:
+        build = SessionService(
+            (s := open_services(settings_for(Path(tmp), prefix, deferred=False))),
+            InlineActivator(session_runtime(s, "bench")),
+        )
+        ids = [
+            (await build.submit(tenant="bench", agent="bench", input={"i": i})).session_id
+            for i in range(args.n)
+        ]
+        states = await s.index.session_states(ids)
+        assert all(st is SessionState.SUSPENDED for st in states.values())
+        cids = [(await s.snapshots.load(sid)).waits[0].correlation_id for sid in ids]
+        await s.close()
+
+        services = open_services(settings_for(Path(tmp), prefix, deferred=True))
+        control = SessionService(services, Deferred())
+        gateway = WebhookGateway(control)
+        now = datetime.now(UTC)
+        requests = []
+        for cid in cids:
+            body = json.dumps({"id": f"e-{cid}", "correlationId": cid}).encode()
+            headers = sign(Scheme.TORPOR, body, SECRET, now=now)
+            headers["Content-Type"] = "application/json"
+            requests.append((body, headers))
+        warm = args.n // 10
+        for body, headers in requests[:warm]:
+            await gateway.receive("bench", body, headers, now=now)
+        half = (len(requests) + warm) // 2
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        for body, headers in requests[warm:half]:
+            result = await gateway.receive("bench", body, headers, now=now)
+            assert result.status == 202, result
+        n = half - warm
+        wall = (time.perf_counter() - wall0) / n * 1000
+        cpu = (time.process_time() - cpu0) / n * 1000
+        print(f"signed webhook -> 202 in process: {wall:.2f} ms wall, {cpu:.2f} ms CPU (n={n})")
+        profiler = Profiler(interval=0.001, async_mode="enabled")
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        with profiler:
+            for body, headers in requests[half:]:
+                result = await gateway.receive("bench", body, headers, now=now)
+                assert result.status == 202, result
+        n = len(requests) - half
+        wall = (time.perf_counter() - wall0) / n * 1000
+        cpu = (time.process_time() - cpu0) / n * 1000
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            text = profiler.output_text(unicode=False, color=False, show_all=False)
+            Path(args.out).write_text(  # noqa: ASYNC240 - once, after the measurement
+                f"# bench/profile_gateway.py, n={n} (profiled: {wall:.2f} ms wall, {cpu:.2f} ms "
+                "CPU each)\n" + text
+            )
+        await services.close()
+    client = redis.Redis.from_url(REDIS)
+    for key in client.scan_iter(match=prefix + "*", count=1000):
+        client.delete(key)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=1000)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "profiles" / "gateway.txt"))
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

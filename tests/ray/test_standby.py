@@ -1,0 +1,158 @@
+"""Dedicated placement with standby session actors, on a real local Ray.
+
+A standby is a pre-started session actor: an activation hands it the session (no
+process starts on the request's path), the set is refilled behind it, the actor exits
+when its session sleeps, a dead standby is skipped, and the session's lease still lets
+only one actor run it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from ray.exceptions import RayActorError
+
+from actors.ray_activator import RayActivator
+from actors.wiring import open_services
+from tests.conftest import eventually
+from tests.ray.conftest import RayEnv, ray_settings, session_actors
+from tests.support.s3_server import S3TestServer
+from tests.support.tools import World
+from torpor.clock import SystemClock
+from torpor.lifecycle import SessionState
+from torpor.ports import Reason
+from torpor.service.sessions import SessionService
+from torpor.service.sweeper import Sweeper
+from torpor.settings import Settings
+
+S = SessionState
+SIZE = 2
+
+
+def with_standby(settings: Settings) -> Settings:
+    runtime = settings.runtime.model_copy(
+        update={"standby_session_actors": SIZE, "standby_idle_s": 120.0}
+    )
+    return settings.model_copy(update={"runtime": runtime})
+
+
+@pytest.fixture
+def make_env(ray_cluster: None, s3_server: S3TestServer, redis_url: str, redis_prefix: str) -> Any:
+    @asynccontextmanager
+    async def make(**approval: Any) -> AsyncIterator[RayEnv]:
+        settings = with_standby(
+            ray_settings(s3_server, redis_url, redis_prefix, placement="dedicated", **approval)
+        )
+        services = open_services(settings, clock=SystemClock())
+        activator = RayActivator(services)
+        assert activator.standby is not None
+        await activator.standby.filled()
+        env = RayEnv(
+            services,
+            SessionService(services, activator),
+            World(redis_url, redis_prefix),
+            SystemClock(),
+        )  # type: ignore[arg-type]
+        env.sweeper = Sweeper(env.control)
+        env.settings = settings
+        try:
+            yield env
+        finally:
+            await activator.close()
+            await env.world.close()
+            await services.close()
+
+    return make
+
+
+def activator_of(env: RayEnv) -> RayActivator:
+    activator = env.control.activator
+    assert isinstance(activator, RayActivator) and activator.standby is not None
+    return activator
+
+
+async def ready_pids(activator: RayActivator) -> list[int]:
+    assert activator.standby is not None
+    return [await h.ready.remote() for h in activator.standby._ready]
+
+
+async def reach(env: RayEnv, sid: str, state: SessionState) -> None:
+    async def check() -> bool:
+        return (await env.load(sid)).state is state
+
+    await eventually(check, timeout_s=30, what=f"{sid} reaches {state}")
+
+
+async def exited(handle: Any) -> bool:
+    try:
+        await handle.where.remote()
+    except RayActorError:
+        return True
+    return False
+
+
+async def test_activation_adopts_a_standby_and_the_set_is_refilled(make_env: Any) -> None:
+    async with make_env() as env:
+        activator = activator_of(env)
+        standby = activator.standby
+        assert standby is not None
+        before = list(standby._ready)
+        pids = await ready_pids(activator)
+        assert standby.started == SIZE
+        sid = await env.submit(doc="PR-A")
+        # Taken from the prepared set: the actor running the session is a standby that
+        # was up before the request, so no process started for it.
+        adopted = activator._adopted[sid]
+        assert adopted is before[0]
+        assert (await adopted.where.remote())["pid"] == pids[0]
+        await reach(env, sid, S.SUSPENDED)
+        await eventually(lambda: exited(adopted), what="the actor exits once its session sleeps")
+        await standby.filled()
+        assert standby.ready == SIZE and standby.started == SIZE + 1  # one refill per adoption
+        assert session_actors(env.settings.namespace) == []  # no named actor was started
+        # The wake-up is adopted by the next standby, and it too exits afterwards.
+        second = standby._ready[0]
+        await env.answer(sid, {"status": "approved"})
+        await reach(env, sid, S.COMPLETED)
+        await eventually(lambda: exited(second), what="the second actor exits")
+        assert standby.started == SIZE + 2
+
+
+async def test_a_dead_standby_does_not_lose_the_activation(make_env: Any) -> None:
+    async with make_env() as env:
+        activator = activator_of(env)
+        doomed = activator.standby._ready[0]  # type: ignore[union-attr]
+        os.kill((await doomed.where.remote())["pid"], signal.SIGKILL)
+        await eventually(lambda: exited(doomed), what="the standby is dead")
+        sid = await env.submit(doc="PR-K")
+        await reach(env, sid, S.SUSPENDED)
+        assert activator._adopted.get(sid) is not doomed
+
+
+async def test_two_actors_for_one_session_never_run_it_at_once(make_env: Any) -> None:
+    async with make_env(hold="extract") as env:
+        sid = await env.submit(doc="PR-L")
+
+        async def held() -> bool:
+            return "PR-L" in await env.world.entries("held")
+
+        await eventually(held, what="the first actor runs the session, held in a tool")
+        # A second activator (another replica) hands the same session to its own standby:
+        # the lease keeps it out while the first runs.
+        other = RayActivator(env.services)
+        assert other.standby is not None
+        await other.standby.filled()
+        try:
+            rival = other.standby._ready[0]
+            await other.request(sid, reason=Reason.EVENT, agent="purchase")
+            await eventually(lambda: exited(rival), what="the rival found the session busy")
+        finally:
+            await other.close()
+        await env.world.open_gate("extract")
+        await reach(env, sid, S.SUSPENDED)
+        assert list((await env.world.counts("extract")).values()) == [1]

@@ -1,0 +1,42 @@
+"""`torpor serve` and the demo switch Serve's HAProxy ingress on when HAProxy is there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torpor.entry.ingress import BINARY, FLAG, choose_ingress, restore
+
+
+def test_haproxy_is_switched_on_when_installed(tmp_path: Path) -> None:
+    binary = tmp_path / "haproxy"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    env = {BINARY: str(binary)}
+    ingress = choose_ingress(env)
+    assert ingress.haproxy and env[FLAG] == "1" and str(binary) in ingress.message
+
+
+def test_without_haproxy_the_default_proxy_is_said_plainly(tmp_path: Path) -> None:
+    env = {BINARY: str(tmp_path / "missing")}
+    ingress = choose_ingress(env, which=lambda _: None)
+    assert not ingress.haproxy and FLAG not in env
+    assert "HAProxy is not installed" in ingress.message
+
+
+def test_the_operators_choice_wins(tmp_path: Path) -> None:
+    env = {FLAG: "0"}
+    ingress = choose_ingress(env)
+    assert not ingress.haproxy and env == {FLAG: "0"}
+    assert "set by the operator" in ingress.message
+
+
+def test_a_demo_run_leaves_the_environment_as_it_was(tmp_path: Path) -> None:
+    binary = tmp_path / "haproxy"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    env = {BINARY: str(binary)}
+    before = dict(env)
+    ingress = choose_ingress(env)
+    assert env[FLAG] == "1"
+    restore(ingress, env)
+    assert env == before

