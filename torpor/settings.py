@@ -199,7 +199,7 @@ class ReconcilerSettings(_Section):
     wake_grace_s: float = Field(30.0, description="an event with no activation after this wakes")
     full_repair_interval_s: float = Field(3600.0, description="index rebuild from object storage")
     deadline_interval_s: float = Field(
-        0.5, description="due SLA deadlines are also looked up this often between sweeps"
+        0.25, description="due SLA deadlines are also looked up this often between sweeps"
     )
 
 
