@@ -274,11 +274,13 @@ class ObjectAudit:
                 continue
             self._block, self._seq, self._prev = self._block + 1, seq, prev
             self.healthy, self.last_error = True, None
+            if self._block - self._checkpointed >= self._checkpoint_every:
+                # Before the callers hear back: a block whose append returned is vouched
+                # for whenever a checkpoint was due (one more write every N blocks).
+                await self._checkpoint()
             for (_, future), record in zip(batch, records, strict=True):
                 if not future.done():
                     future.set_result(record)
-            if self._block - self._checkpointed >= self._checkpoint_every:
-                await self._checkpoint()
 
     async def _manifest(self) -> None:
         """Name the stream before its first block, so deleting it whole shows."""
