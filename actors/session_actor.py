@@ -25,6 +25,7 @@ from actors import metrics
 from actors.config_ref import ConfigRef
 from actors.observer import RayObserver
 from actors.wiring import open_services, session_runtime
+from torpor import tracing
 from torpor.ports import Reason
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,16 @@ class SessionActor:
     def __init__(self, config: ConfigRef, session_id: str) -> None:
         self._settings = config.load()  # here, not in the caller: no secret in the arguments
         self._session_id = session_id
-        self._wanted: list[tuple[Reason, float | None]] = []
+        self._wanted: list[tuple[Reason, float | None, str | None]] = []
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
-    async def activate(self, reason: str, requested_at: float | None = None) -> str:
+    async def activate(
+        self, reason: str, requested_at: float | None = None, traceparent: str | None = None
+    ) -> str:
         if self._closing:
             return CLOSING
-        self._wanted.append((Reason(reason), requested_at))
+        self._wanted.append((Reason(reason), requested_at, traceparent))
         if self._task is None:
             self._task = asyncio.create_task(self._run())
         return ACCEPTED
@@ -69,12 +72,13 @@ class SessionActor:
                     # after this line is told "closing" and retries on a fresh actor.
                     self._closing = True
                     break
-                reason, requested_at = self._wanted[0]
+                reason, requested_at, traceparent = self._wanted[0]
                 self._wanted.clear()  # one activation serves every request made so far
                 try:
-                    result = await runtime.activate(
-                        self._session_id, reason=reason, requested_at=requested_at
-                    )
+                    with tracing.continued(traceparent):
+                        result = await runtime.activate(
+                            self._session_id, reason=reason, requested_at=requested_at
+                        )
                     metrics.activation(result, placement="dedicated")
                 except Exception:
                     # Typed storage errors included: the runtime already scheduled a
