@@ -5,6 +5,7 @@ exporter."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,3 +185,17 @@ def test_a_traceparent_crosses_a_process_boundary_as_a_string(
     assert parent_of(callee) == span_id(caller)
     with tracing.continued("garbage"):
         assert tracing.trace_id() is None
+
+
+def test_an_otlp_endpoint_without_the_exporter_installed_is_a_clear_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from actors.telemetry import configure_tracing
+    from torpor.errors import ConfigError
+    from torpor.settings import Settings
+
+    configure_tracing(Settings.build({}))  # unset: nothing to do, nothing imported
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    settings = Settings.build({"runtime": {"otlp_endpoint": "http://127.0.0.1:4318/v1/traces"}})
+    with pytest.raises(ConfigError, match=r"torpor\[otlp\]"):
+        configure_tracing(settings)
