@@ -20,6 +20,7 @@ from actors import metrics
 from actors.config_ref import ConfigRef
 from actors.observer import RayObserver
 from actors.wiring import open_services, session_runtime
+from torpor import tracing
 from torpor.ports import Reason
 from torpor.ports.services import Services
 from torpor.session import SessionRuntime
@@ -38,7 +39,7 @@ class PoolHost:
         self._slot = slot
         self._services: Services | None = None
         self._runtime: SessionRuntime | None = None
-        self._wanted: dict[str, list[tuple[Reason, float | None]]] = {}
+        self._wanted: dict[str, list[tuple[Reason, float | None, str | None]]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._gate = asyncio.Semaphore(settings.pool.max_concurrency)
         self.activations = 0
@@ -51,10 +52,15 @@ class PoolHost:
         return self._runtime
 
     async def activate(
-        self, session_id: str, reason: str, requested_at: float | None = None
+        self,
+        session_id: str,
+        reason: str,
+        requested_at: float | None = None,
+        traceparent: str | None = None,
     ) -> str:
         self._ensure()
-        self._wanted.setdefault(session_id, []).append((Reason(reason), requested_at))
+        wanted = (Reason(reason), requested_at, traceparent)
+        self._wanted.setdefault(session_id, []).append(wanted)
         if session_id not in self._tasks:
             self._tasks[session_id] = asyncio.create_task(self._run(session_id))
         return "accepted"
@@ -63,13 +69,14 @@ class PoolHost:
         runtime = self._ensure()
         try:
             while wanted := self._wanted.get(session_id):
-                reason, requested_at = wanted[0]
+                reason, requested_at, traceparent = wanted[0]
                 self._wanted[session_id] = []  # one activation serves every request so far
                 async with self._gate:
                     try:
-                        result = await runtime.activate(
-                            session_id, reason=reason, requested_at=requested_at
-                        )
+                        with tracing.continued(traceparent):
+                            result = await runtime.activate(
+                                session_id, reason=reason, requested_at=requested_at
+                            )
                         metrics.activation(result, placement="pooled")
                         self.activations += 1
                     except Exception:

@@ -37,6 +37,7 @@ from actors.pool import PoolHost, host_name
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from actors.standby import StandbySet, standby_name
 from storage.factory import check_embedded_allowed
+from torpor import tracing
 from torpor.backoff import Backoff
 from torpor.errors import ActivationUnavailable, SessionNotFound
 from torpor.ports import Reason, TimerKind
@@ -244,7 +245,8 @@ class RayActivator:
                 ).remote(self.config, session_id)
                 try:
                     answer = await asyncio.wait_for(
-                        handle.activate.remote(reason.value, requested_at),
+                        # the caller's trace crosses into the actor as a traceparent
+                        handle.activate.remote(reason.value, requested_at, tracing.traceparent()),
                         timeout=ACTIVATE_TIMEOUT_S,
                     )
                 except TimeoutError:
@@ -276,7 +278,9 @@ class RayActivator:
         slot = pool_slot(session_id, self.settings.pool.size)
         for attempt in range(MAX_ATTEMPTS):
             try:
-                await self._host(slot).activate.remote(session_id, reason.value, requested_at)
+                await self._host(slot).activate.remote(
+                    session_id, reason.value, requested_at, tracing.traceparent()
+                )
                 return
             except _RETRYABLE:
                 self._hosts.pop(slot, None)  # restarting: look it up again

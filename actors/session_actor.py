@@ -44,7 +44,7 @@ class SessionActor:
     ) -> None:
         self._settings = config.load()  # here, not in the caller: no secret in the arguments
         self._session_id = session_id
-        self._wanted: list[tuple[Reason, float | None]] = []
+        self._wanted: list[tuple[Reason, float | None, str | None]] = []
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._done = asyncio.Event()
@@ -91,12 +91,14 @@ class SessionActor:
             return CLOSING
         return await self.activate(reason, requested_at)
 
-    async def activate(self, reason: str, requested_at: float | None = None) -> str:
+    async def activate(
+        self, reason: str, requested_at: float | None = None, traceparent: str | None = None
+    ) -> str:
         from torpor.ports import Reason
 
         if self._closing or self._session_id is None:
             return CLOSING
-        self._wanted.append((Reason(reason), requested_at))
+        self._wanted.append((Reason(reason), requested_at, traceparent))
         if self._task is None:
             self._task = asyncio.create_task(self._run(self._session_id))
         return ACCEPTED
@@ -119,6 +121,7 @@ class SessionActor:
     async def _run(self, session_id: str) -> None:
         from actors import metrics
         from actors.wiring import session_runtime
+        from torpor import tracing
 
         services = self._services or self._open()
         self._services = None
@@ -131,12 +134,13 @@ class SessionActor:
                     # after this line is told "closing" and retries on a fresh actor.
                     self._closing = True
                     break
-                reason, requested_at = self._wanted[0]
+                reason, requested_at, traceparent = self._wanted[0]
                 self._wanted.clear()  # one activation serves every request made so far
                 try:
-                    result = await runtime.activate(
-                        session_id, reason=reason, requested_at=requested_at
-                    )
+                    with tracing.continued(traceparent):
+                        result = await runtime.activate(
+                            session_id, reason=reason, requested_at=requested_at
+                        )
                     metrics.activation(result, placement="dedicated")
                 except Exception:
                     # Typed storage errors included: the runtime already scheduled a

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 
+from actors.telemetry import configure_tracing
 from storage.audit import ObjectAudit
 from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
@@ -48,6 +49,7 @@ def open_services(
 ) -> Services:
     if settings.runtime.log_format == "json":  # every torpor process opens its services
         logs.configure("json")
+    configure_tracing(settings)
     store = open_object_store(settings)
     index = open_index(settings)
     keys = settings.capability_key_bytes()

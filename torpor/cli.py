@@ -203,17 +203,48 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
+ANY_ADDRESS = {"0.0.0.0", "::", ""}  # noqa: S104 - compared with --host, never bound here
+
+
+def serving_url(public_url: str | None, host: str, port: int) -> str:
+    """The ``public_url`` capability links and senders use, for a server listening on
+    ``host:port``: unset, it follows the listener; set to this machine, it must name the
+    port that listens (links to a port nothing listens on were the classic first-run trap)."""
+    if public_url is None:
+        shown = "127.0.0.1" if host in ANY_ADDRESS else host
+        return f"http://{shown}:{port}"
+    parts = urllib.parse.urlsplit(public_url)
+    local = (parts.hostname or "") in LOOPBACK or parts.hostname == host
+    default_port = 443 if parts.scheme == "https" else 80
+    if local and (parts.port or default_port) != port:
+        raise CliError(
+            f"public_url {public_url} points at port {parts.port or default_port} of this "
+            f"machine, but torpor serve listens on {host}:{port}: unset public_url, set it "
+            f"to http://{host}:{port}, or pass --port {parts.port or default_port}",
+            EXIT_CONFIG,
+        )
+    return public_url
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from torpor.entry.ingress import choose_ingress
 
     if args.address is None:  # a local Ray inherits this environment; a cluster has its own
         print(choose_ingress().message, file=sys.stderr, flush=True)
+    settings = _settings()
+    explicit = "public_url" in settings.model_fields_set
+    public_url = serving_url(settings.public_url if explicit else None, args.host, args.port)
+    if not explicit:
+        # Replicas and actors read their settings themselves: tell them too.
+        os.environ["TORPOR_PUBLIC_URL"] = public_url
+        settings = settings.model_copy(update={"public_url": public_url})
+    print(f"torpor: serving on http://{args.host}:{args.port}, public_url {public_url}")
     from ray import serve
 
     from actors.config_ref import ConfigRef
     from serve_app import application
 
-    settings = _settings()
     _ray_init(address=args.address, namespace=settings.namespace)
     serve.start(http_options={"host": args.host, "port": args.port})
     config = ConfigRef.of_loaded(settings)  # replicas read secrets themselves

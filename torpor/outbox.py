@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from torpor import tracing
 from torpor.backoff import Backoff
 from torpor.deadlines import call_out
 from torpor.errors import DispatchImpossible, TorporError
@@ -181,6 +182,17 @@ async def _send(
         return  # the wait closed before its request went out: nothing left to ask
     # A dispatch that overruns raises CallTimedOut (retryable): the entry stays PENDING and
     # is resent under the same business idempotency key, so the far side dedups it.
+    with tracing.span("torpor.tool.dispatch", **{"torpor.tool": tool.spec.name}):
+        await _dispatch(tool, snapshot, wait, entry, router)
+
+
+async def _dispatch(
+    tool: LongRunningTool,
+    snapshot: SessionSnapshot,
+    wait: Wait,
+    entry: OutboxEntry,
+    router: CallbackRouter,
+) -> None:
     await call_out(
         tool.dispatch,
         DispatchRequest(

@@ -265,6 +265,11 @@ class RuntimeSettings(_Section):
     max_live_session_actors: int = Field(
         256, description="dedicated session actors one activator keeps alive; more wait as timers"
     )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces endpoint, e.g. `http://collector:4318/v1/traces` "
+        "(needs `torpor[otlp]`); unset: no spans are exported",
+    )
     log_format: Literal["text", "json"] = Field(
         "text",
         description="torpor's log lines: `text`, or `json` (one object a line with session, "

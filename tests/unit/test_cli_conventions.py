@@ -147,3 +147,18 @@ def test_console_prints_the_url_and_an_operator_login_link() -> None:
     assert "login:   https://torpor.example.com/console/login#key=op%2Fk%20y" in result.stdout
     answer = json.loads(run("--json", "console", "--url", "http://h:1").stdout)
     assert answer == {"url": "http://h:1/console", "login_url": None}
+
+
+def test_serve_refuses_a_public_url_on_a_port_nothing_listens_on() -> None:
+    result = run("serve", "--port", "9011", env={"TORPOR_PUBLIC_URL": "http://127.0.0.1:8000"})
+    assert result.returncode == cli.EXIT_CONFIG
+    line = one_line_error(result)
+    assert "8000" in line and "127.0.0.1:9011" in line
+
+
+def test_public_url_follows_the_listener_unless_it_names_another_host() -> None:
+    assert cli.serving_url(None, "127.0.0.1", 9011) == "http://127.0.0.1:9011"
+    assert cli.serving_url(None, "0.0.0.0", 8080) == "http://127.0.0.1:8080"
+    assert cli.serving_url("http://localhost:8080/", "0.0.0.0", 8080) == "http://localhost:8080/"
+    public = "https://torpor.example.com"  # behind a proxy: whatever port it forwards to
+    assert cli.serving_url(public, "0.0.0.0", 8000) == public

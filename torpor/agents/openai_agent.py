@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import JsonValue, SecretStr
 
+from torpor import tracing
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
 from torpor.backoff import Backoff
 from torpor.errors import AgentError, AgentUnavailable, ConfigError, ResponseTooLarge
@@ -181,14 +182,20 @@ class OpenAIAgent:
         if self._api_key is not None:
             headers["Authorization"] = f"Bearer {self._api_key.get_secret_value()}"
         try:
-            response = await request_async(
-                "POST",
-                self._url,
-                body=body,
-                headers=headers,
-                timeout_s=self._timeout_s,
-                max_body_bytes=_MAX_RESPONSE_BYTES,
-            )
+            with tracing.span(
+                "torpor.llm.call",
+                **{"gen_ai.request.model": self.model, "server.address": self._url},
+            ) as span:
+                tracing.inject(headers)  # the endpoint may continue the trace
+                response = await request_async(
+                    "POST",
+                    self._url,
+                    body=body,
+                    headers=headers,
+                    timeout_s=self._timeout_s,
+                    max_body_bytes=_MAX_RESPONSE_BYTES,
+                )
+                span.set_attribute("http.response.status_code", response.status)
         except ResponseTooLarge:
             raise AgentError(f"LLM response exceeds {_MAX_RESPONSE_BYTES} bytes") from None
         retry_after = None if response.ok else response.header("Retry-After")

@@ -42,7 +42,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from torpor import logs
+from torpor import logs, tracing
 from torpor.errors import (
     AmbiguousEvent,
     RejectReason,
@@ -136,7 +136,12 @@ class WebhookGateway:
         self, source_name: str, body: bytes, headers: Mapping[str, str], *, now: datetime
     ) -> HookResult:
         try:
-            with logs.bind(trace_id=_trace_id(headers)):  # lines logged inside carry the ids
+            # The sender's traceparent continues here; lines logged inside carry the ids.
+            with (
+                tracing.continued(headers),
+                tracing.span("torpor.webhook", **{"torpor.source": source_name}),
+                logs.bind(trace_id=_trace_id(headers)),
+            ):
                 return await self._receive(source_name, body, headers, now)
         except WebhookRejected as exc:
             await self._handled(source_name, "rejected", exc.reason.value)
@@ -151,14 +156,15 @@ class WebhookGateway:
     ) -> HookResult:
         source = self.source(source_name)
         ensure_body_size(len(body), limit=source.max_body_bytes)
-        verified = verify(
-            source.scheme,
-            body,
-            headers,
-            source.secret_values(),
-            now=now,
-            tolerance_s=source.tolerance_s,
-        )
+        with tracing.span("torpor.verify", **{"torpor.scheme": source.scheme.value}):
+            verified = verify(
+                source.scheme,
+                body,
+                headers,
+                source.secret_values(),
+                now=now,
+                tolerance_s=source.tolerance_s,
+            )
         events = parse_http(  # pure: a malformed body is refused before anything is claimed
             body,
             headers,
@@ -334,26 +340,31 @@ class WebhookGateway:
             data = {**data, "status": event.status}
         addressed = event.epoch is None or event.epoch == binding.epoch
         logs.update(session_id=binding.session_id, correlation_id=binding.correlation_id)
-        new = await self.services.inbox.deliver(
-            InboxEvent.new(
-                kind=EventKind.CALLBACK,
-                session_id=binding.session_id,
-                source=source_name,
-                event_id=event.event_id,
-                type=event.type,
-                received_at=now,
-                correlation_id=binding.correlation_id,
-                business_key=event.business_key,
-                # The sender's own word on which request it answers wins over the wait the
-                # index resolved now: that is what lets the epoch gate see a stale answer.
-                epoch=binding.epoch if event.epoch is None else event.epoch,
-                step_id=binding.step_id if addressed else None,
-                data=data,
-                trace_id=trace,
-                verified_by=verified.scheme.value,
-                content_digest=verified.content_digest,
-            )
+        inbox_span = tracing.span(
+            "torpor.inbox.write",
+            **{"torpor.session_id": binding.session_id, "torpor.event_id": event.event_id},
         )
+        with inbox_span:
+            new = await self.services.inbox.deliver(
+                InboxEvent.new(
+                    kind=EventKind.CALLBACK,
+                    session_id=binding.session_id,
+                    source=source_name,
+                    event_id=event.event_id,
+                    type=event.type,
+                    received_at=now,
+                    correlation_id=binding.correlation_id,
+                    business_key=event.business_key,
+                    # The sender's own word on which request it answers wins over the wait the
+                    # index resolved now: that is what lets the epoch gate see a stale answer.
+                    epoch=binding.epoch if event.epoch is None else event.epoch,
+                    step_id=binding.step_id if addressed else None,
+                    data=data,
+                    trace_id=trace,
+                    verified_by=verified.scheme.value,
+                    content_digest=verified.content_digest,
+                )
+            )
         crash_point(CrashPoint.GATEWAY_AFTER_INBOX)
         verdict = outcome.value if new else Outcome.DUPLICATE.value
         audit["correlation_id"] = binding.correlation_id

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import JsonValue
 
+from torpor import tracing
 from torpor.approval.tool import REASSIGN
 from torpor.backoff import Backoff
 from torpor.errors import (
@@ -158,7 +159,8 @@ class SessionService:
             session_id=session_id,
             tenant=tenant,
             agent=AgentRef(name=agent, version=loaded.agent.version),
-            trace_id=new_trace_id(),
+            # the caller's trace when it sent a traceparent, else a trace of its own
+            trace_id=tracing.trace_id() or new_trace_id(),
             input=input,
             metadata=metadata,
             callback_url=callback_url,

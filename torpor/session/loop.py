@@ -14,6 +14,7 @@ import json
 
 from pydantic import JsonValue
 
+from torpor import tracing
 from torpor.agent import AgentContext, AgentTurn
 from torpor.deadlines import call_out
 from torpor.errors import AgentUnavailable, CallTimedOut, TorporError
@@ -82,13 +83,17 @@ class AgentLoop:
         await self.deps.observer.agent_step(work.snap)
         ctx = self.agent_context()
         try:
-            turn: AgentTurn = await call_out(
-                self.loaded.agent.step,
-                list(work.snap.messages),
-                ctx,
-                timeout_s=self.deps.config.agent_step_timeout.total_seconds(),
-                what="agent.step",
-            )
+            with tracing.span(
+                "torpor.agent.step",
+                **{"torpor.session_id": work.snap.session_id, "torpor.step": work.snap.step},
+            ):
+                turn: AgentTurn = await call_out(
+                    self.loaded.agent.step,
+                    list(work.snap.messages),
+                    ctx,
+                    timeout_s=self.deps.config.agent_step_timeout.total_seconds(),
+                    what="agent.step",
+                )
         except (AgentUnavailable, CallTimedOut) as exc:
             await self.retry_later(exc)
             return
@@ -174,14 +179,15 @@ class AgentLoop:
             result = {"error": {"code": "bad_arguments", "message": str(exc)}}
         else:
             try:
-                result = await call_out(
-                    tool.run,
-                    args,
-                    self.tool_context(call, key),
-                    timeout_s=self.timeout_s(tool),
-                    what=call.function.name,
-                    key=key,
-                )
+                with tracing.span("torpor.tool.call", **{"torpor.tool": call.function.name}):
+                    result = await call_out(
+                        tool.run,
+                        args,
+                        self.tool_context(call, key),
+                        timeout_s=self.timeout_s(tool),
+                        what=call.function.name,
+                        key=key,
+                    )
             except CallTimedOut as exc:
                 if not self.retrier.exhausted:
                     # Its outcome is unknown: not logged, so the retry runs it again under
@@ -210,13 +216,14 @@ class AgentLoop:
             args = json.loads(call.function.arguments or "{}")
             if not isinstance(args, dict):
                 raise ValueError("arguments must be a JSON object")
-            plan: WaitPlan = await call_out(
-                tool.begin,
-                args,
-                self.tool_context(call, key),
-                timeout_s=self.timeout_s(tool),
-                what=f"{call.function.name}.begin",
-            )
+            with tracing.span("torpor.tool.begin", **{"torpor.tool": call.function.name}):
+                plan: WaitPlan = await call_out(
+                    tool.begin,
+                    args,
+                    self.tool_context(call, key),
+                    timeout_s=self.timeout_s(tool),
+                    what=f"{call.function.name}.begin",
+                )
             return plan
         except Exception as exc:
             error = error_result(exc)

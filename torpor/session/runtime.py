@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from enum import StrEnum
 
-from torpor import logs
+from torpor import logs, tracing
 from torpor.errors import (
     CommitConflict,
     IndexUnavailable,
@@ -92,7 +92,13 @@ class SessionRuntime:
         self, session_id: str, *, reason: Reason = Reason.EVENT, requested_at: float | None = None
     ) -> ActivationResult:
         """Activate until the inbox holds nothing this session has not seen."""
-        with logs.bind(session_id=session_id):
+        with (
+            logs.bind(session_id=session_id),
+            tracing.span(
+                "torpor.activation",
+                **{"torpor.session_id": session_id, "torpor.reason": reason.value},
+            ),
+        ):
             return await self._activate(session_id, reason, requested_at)
 
     async def _activate(
