@@ -26,6 +26,7 @@ from playwright.async_api import Browser, Page, async_playwright
 
 from actors.wiring import open_services, session_runtime
 from storage.audit import ObjectAudit
+from tests.runtime.approval_tools import approval_agent
 from tests.runtime.test_gateway import SOURCES
 from tests.support.harness import settings_for
 from tests.support.s3_server import free_port
@@ -117,6 +118,8 @@ def console(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterato
                 "undo": agent_config(redis_url, prefix, sla_s=60, compensate_gate="undo-up")[
                     "purchase"
                 ],
+                # An ApprovalTool asking "fd" (its OA is an in-process list): reassignment.
+                "approval": approval_agent(stages=[{"approvers": ["fd"]}]),
             },
         },
     )

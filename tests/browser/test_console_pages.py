@@ -248,3 +248,54 @@ async def test_a_dead_outbox_entry_is_resent_from_the_timeline(
     finally:
         await world.close()
         await driver.close()
+
+
+async def test_reassign_approval_is_audited_and_opens_a_new_epoch(
+    console: Console, control: SessionService, services: Services, operator: httpx.AsyncClient
+) -> None:
+    doc = f"PR-{secrets.token_hex(3)}"
+    submitted = await control.submit(
+        tenant="acme", agent="approval", input={"doc": doc, "amount": 500, "cc": "CC-7"}
+    )
+    sid = submitted.session_id
+    [old] = (await control.get(sid)).waits
+    assert old.request["approvers"] == ["fd"]
+
+    page = (await operator.get(f"/sessions/{sid}")).text
+    assert f"/sessions/{sid}/reassign" in page  # the button is offered
+    form = {"csrf": csrf_of(page), "correlation_id": old.correlation_id, "approver": "bob"}
+    missing = await operator.post(f"/sessions/{sid}/reassign", data=form)
+    assert missing.status_code == 400  # no reason, no action
+    answer = await operator.post(
+        f"/sessions/{sid}/reassign", data={**form, "reason": "fd on leave"}
+    )
+    assert answer.status_code == 303, answer.text
+    assert "approval%20reassigned" in answer.headers["location"]
+
+    async def reissued() -> bool:
+        waits = (await control.get(sid)).waits
+        return len(waits) == 1 and waits[0].epoch > old.epoch
+
+    await eventually(reissued, what="the reassigned approval opens in a new epoch")
+    snap = await control.get(sid)
+    [new] = snap.waits
+    assert new.correlation_id != old.correlation_id and new.request["approvers"] == ["bob"]
+    assert snap.state is SessionState.SUSPENDED
+
+    # Who and why: one audit record naming the operator's key, its action record the reason.
+    assert isinstance(services.audit, ObjectAudit)
+    audited = [
+        r
+        for r in await services.audit.recent()
+        if r.session_id == sid and r.verdict == "operator:reassign_approval"
+    ]
+    assert len(audited) == 1
+    key_id = console.settings.security.operator_keys[0].removeprefix("sha256:")[:12]
+    assert audited[0].source == f"operator:{key_id}"
+    stored = (await services.store.get(keys.operator_action(audited[0].event_id))).data
+    assert hashlib.sha256(stored).hexdigest() == audited[0].body_sha256
+    action = json.loads(stored)
+    assert action["who"] == f"operator:{key_id}" and action["reason"] == "fd on leave"
+    assert action["detail"] == {"correlation_id": old.correlation_id, "approver": "bob"}
+    timeline = (await operator.get(f"/sessions/{sid}")).text
+    assert "operator:reassign_approval" in timeline

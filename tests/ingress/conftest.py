@@ -17,6 +17,7 @@ from ray import serve
 from actors.wiring import open_services
 from serve_app import application
 from tests.conftest import make_bucket
+from tests.runtime.approval_tools import approval_agent
 from tests.support.harness import CAPABILITY_KEY, NOTIFY_KEY
 from tests.support.s3_server import S3TestServer, free_port
 from tests.support.tools import World, agent_config
@@ -44,6 +45,7 @@ class Deployment:
     keys: dict[str, str]  # tenant → bearer API key
     redis_url: str
     prefix: str
+    operator_key: str = ""  # security.operator_keys holds its hash
 
     def auth(self, tenant: str = "acme") -> dict[str, str]:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
@@ -65,6 +67,7 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
     }
     acme_key, acme_hash = new_api_key()
     beta_key, beta_hash = new_api_key()
+    operator_key, operator_hash = new_api_key()
     port = free_port()
     settings = Settings.build(
         {
@@ -80,8 +83,19 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
                 "redis_prefix": prefix,
             },
             "namespace": "in" + secrets.token_hex(4),
-            "agents": agent_config(redis_url, prefix, placement="pooled"),
-            "security": {"capability_keys": [CAPABILITY_KEY], "inline_secrets_in_ray": True},
+            "agents": {
+                **agent_config(redis_url, prefix, placement="pooled"),
+                # An ApprovalTool asking "fd", answered through the "oa" source.
+                "approval": {
+                    **approval_agent(stages=[{"approvers": ["fd"]}]),
+                    "placement": "pooled",
+                },
+            },
+            "security": {
+                "capability_keys": [CAPABILITY_KEY],
+                "inline_secrets_in_ray": True,
+                "operator_keys": [operator_hash],
+            },
             "notifications": {"key": NOTIFY_KEY, "allow_private_callbacks": True},
             "public_url": f"http://127.0.0.1:{port}",
             "tenants": {"acme": {"api_keys": [acme_hash]}, "beta": {"api_keys": [beta_hash]}},
@@ -145,6 +159,7 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
         {"acme": acme_key, "beta": beta_key},
         redis_url,
         prefix,
+        operator_key,
     )
     serve.shutdown()
     ray.shutdown()

@@ -563,3 +563,130 @@ async def test_console_is_served_by_the_serve_app(http: httpx.AsyncClient) -> No
     assert page.status_code == 303
     assert page.headers["location"] == "/console/login"
     assert (await http.get("/console/static/console.js")).status_code == 200
+
+
+# -- operator: approval reassignment ------------------------------------------------------
+
+
+def reassign_path(sid: str, cid: str) -> str:
+    return f"/v1/operator/sessions/{sid}/waits/{cid}/reassign"
+
+
+def operator_auth(dep: Deployment) -> dict[str, str]:
+    return {"Authorization": f"Bearer {dep.operator_key}"}
+
+
+async def approval_waiting(http: httpx.AsyncClient, dep: Deployment) -> tuple[str, dict[str, Any]]:
+    """An approval session waiting on its ApprovalTool; its session body."""
+    response = await http.post(
+        "/v1/sessions",
+        headers={**dep.auth(), "Idempotency-Key": unique("k")},
+        json={"agent": "approval", "input": {"doc": unique("PR"), "amount": 500, "cc": "CC-7"}},
+    )
+    assert response.status_code == 202, response.text
+    sid = str(response.json()["session_id"])
+
+    async def suspended() -> bool:
+        body = await session(http, dep, sid)
+        return body["state"] == "SUSPENDED" and len(body["waits"]) == 1
+
+    await eventually(suspended, what=f"{sid} waits for its approval")
+    return sid, await session(http, dep, sid)
+
+
+def vote_body(cid: str, approver: str) -> bytes:
+    return json.dumps(
+        {
+            "eventId": unique("evt"),
+            "eventType": "oa.approval.decided",
+            "correlationId": cid,
+            "decision": {"status": "approved", "approver": approver},
+        }
+    ).encode()
+
+
+async def test_reassign_needs_an_operator_key(
+    http: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    sid, before = await approval_waiting(http, deployment)
+    path = reassign_path(sid, before["waits"][0]["correlation_id"])
+    body = {"approvers": ["bob"], "reason": "fd on leave"}
+    assert_problem(await http.post(path, json=body), 401)
+    wrong = {"Authorization": "Bearer " + "x" * 40}
+    assert_problem(await http.post(path, json=body, headers=wrong), 401)
+    # A tenant's API key is not an operator's, even for the tenant's own session.
+    refused = await http.post(path, json=body, headers=deployment.auth())
+    assert refused.status_code in (401, 403)
+    assert_problem(refused, refused.status_code)
+    after = await session(http, deployment, sid)
+    # The same open request. Not the generation: it was seen to move on once after the
+    # wait was already visible (bookkeeping, not this request).
+    assert after["state"] == "SUSPENDED" and after["waits"] == before["waits"]
+
+
+async def test_reassign_of_an_unknown_session_or_wait_is_a_problem(
+    http: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    sid, before = await approval_waiting(http, deployment)
+    cid = before["waits"][0]["correlation_id"]
+    body = {"approvers": ["bob"], "reason": "fd on leave"}
+    auth = operator_auth(deployment)
+    assert_problem(
+        await http.post(reassign_path("s_" + "0" * 24, cid), json=body, headers=auth), 404
+    )
+    assert_problem(await http.post(reassign_path(sid, "Q" * 22), json=body, headers=auth), 404)
+    no_one = await http.post(reassign_path(sid, cid), json={"approvers": []}, headers=auth)
+    assert no_one.status_code in (400, 422)
+    assert_problem(no_one, no_one.status_code)
+    after = await session(http, deployment, sid)
+    # The same open request. Not the generation: it was seen to move on once after the
+    # wait was already visible (bookkeeping, not this request).
+    assert after["state"] == "SUSPENDED" and after["waits"] == before["waits"]
+
+
+async def test_an_operator_reassigns_an_approval_over_http(
+    http: httpx.AsyncClient, deployment: Deployment, services: Any
+) -> None:
+    sid, before = await approval_waiting(http, deployment)
+    [old] = before["waits"]
+    response = await http.post(
+        reassign_path(sid, old["correlation_id"]),
+        json={"approvers": ["bob"], "reason": "fd on leave"},
+        headers=operator_auth(deployment),
+    )
+    assert response.status_code == 202, response.text
+    assert response.json()["session_id"] == sid
+    assert response.json()["event_id"].startswith("reassign:")
+
+    async def reissued() -> bool:
+        waits = (await session(http, deployment, sid))["waits"]
+        return len(waits) == 1 and waits[0]["epoch"] > old["epoch"]
+
+    await eventually(reissued, what="the reassigned approval opens in a new epoch")
+    mid = await session(http, deployment, sid)
+    [new] = mid["waits"]
+    assert new["correlation_id"] != old["correlation_id"] and mid["state"] == "SUSPENDED"
+
+    # fd answers the withdrawn request: observed, never applied.
+    late = vote_body(old["correlation_id"], "fd")
+    stale = await http.post("/v1/hooks/oa", content=late, headers=signed(deployment, "oa", late))
+    # The index still names the old request (its record), but its wait is gone: closed.
+    assert stale.status_code == 200, stale.text
+    assert stale.json()["outcome"] == "closed"
+
+    async def observed() -> bool:
+        return (await session(http, deployment, sid))["observations"] > mid["observations"]
+
+    await eventually(observed, what="the old request's answer is observed")
+    after = await session(http, deployment, sid)
+    assert after["state"] == "SUSPENDED" and after["waits"] == mid["waits"]
+    snap = await services.snapshots.load(sid)
+    # The runtime's epoch gate saw an answer to the withdrawn request: stale.
+    assert [o.reason.value for o in snap.observations] == ["reassigned", "stale"]
+
+    # bob, the new approver, answers the new request: the session completes.
+    vote = vote_body(new["correlation_id"], "bob")
+    accepted = await http.post("/v1/hooks/oa", content=vote, headers=signed(deployment, "oa", vote))
+    assert accepted.status_code == 202, accepted.text
+    await reaches(http, deployment, sid, "COMPLETED")
+    assert (await session(http, deployment, sid))["result"]["decision"] == "approved"
