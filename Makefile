@@ -41,7 +41,15 @@ browser:
 	    { apt-get update >/dev/null && apt-get install -y chromium >/dev/null; }; }
 	@test -x /usr/bin/chromium
 
-test: lint typecheck services browser
+# The alert and recording rules in deploy/prometheus are checked by Prometheus's promtool.
+promtool:
+	@command -v promtool >/dev/null || { \
+	  echo "installing prometheus for promtool (apt-get)"; \
+	  apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1 || \
+	    { apt-get update >/dev/null && apt-get install -y --no-install-recommends prometheus >/dev/null; }; }
+	@command -v promtool >/dev/null
+
+test: lint typecheck services browser promtool
 	$(BIN)/pytest
 
 # The README's settings table, from the Field descriptions in torpor/settings.py.

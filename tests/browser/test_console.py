@@ -204,6 +204,20 @@ async def test_counts_update_without_reload(
     await expect(suspended).to_have_text(str(before + 2), timeout=20_000)
 
 
+async def test_the_cli_login_link_signs_in_without_sending_the_key(
+    console: Console, page: Page
+) -> None:
+    """`torpor console` prints `{public_url}/console/login#key=...`: the page signs in
+    with the key from the fragment, which no request carries, and drops it from the URL."""
+    requested: list[str] = []
+    page.on("request", lambda request: requested.append(request.url))
+    await page.goto(console.url + "/login#key=" + console.operator_key)
+    await page.wait_for_url(console.url + "/")
+    await expect(page.locator("table.sessions")).to_be_visible()
+    assert "#key=" not in page.url
+    assert all(console.operator_key not in url for url in requested)
+
+
 async def test_session_list_screenshot(console: Console, page: Page) -> None:
     """Last in this module, so the list holds what the tests above left: completed,
     cancelled and waiting sessions of two tenants. The README shows the file."""

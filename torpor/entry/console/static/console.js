@@ -5,6 +5,20 @@
 (function () {
   const base = document.body.dataset.base || "/console";
 
+  // `torpor console` prints a login link with the key in the fragment (#key=...): a
+  // fragment never reaches the server or its access log. Take it, drop it from the
+  // address bar and history, and sign in with the form as a person would.
+  const keyField = document.querySelector("form[action$='/login'] input[name=key]");
+  if (keyField && window.location.hash.startsWith("#key=")) {
+    const key = decodeURIComponent(window.location.hash.slice(5));
+    window.history.replaceState(null, "", window.location.pathname + window.location.search);
+    if (key) {
+      keyField.value = key;
+      keyField.form.submit();
+      return;
+    }
+  }
+
   // Every action form asks first; the reason field is required by the form itself.
   document.querySelectorAll("form[data-confirm]").forEach(function (form) {
     form.addEventListener("submit", function (event) {
