@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 BIN    := $(VENV)/bin
 
-.PHONY: install test lint typecheck services browser unit demo bench clean settings-table
+.PHONY: install test lint typecheck services browser promtool unit demo bench clean settings-table
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
