@@ -18,6 +18,7 @@ from storage.factory import open_index, open_object_store
 from storage.inbox import ObjectInbox
 from storage.probe import verify_conditional_writes
 from storage.snapshots import ObjectSnapshots
+from storage.work import ObjectProgress
 from torpor.callbacks import CapabilityRouter
 from torpor.clock import SystemClock
 from torpor.outbox import BareRouter
@@ -67,6 +68,7 @@ def open_services(
         router=router,
         notifier=notifier,
         observer=observer or Observer(),
+        progress=ObjectProgress(store),
     )
     if notifier is None:  # the notifier needs the very services it serves: set it after
         services.notifier = DeliveryNotifier(services)

@@ -25,6 +25,7 @@ from torpor.ports.repositories import (
 )
 from torpor.ports.routing import CallbackRouter, Notifier
 from torpor.settings import Settings
+from torpor.work import ProgressRepository
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class Services:
     router: CallbackRouter
     notifier: Notifier | None = None
     observer: Observer = field(default_factory=Observer)
+    # Progress reported by running compute work (``torpor.work``); None: not kept.
+    progress: ProgressRepository | None = None
 
     async def close(self) -> None:
         await self.audit.close()
