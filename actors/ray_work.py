@@ -359,7 +359,10 @@ class RayWorkRunner:
         self._records: WorkRecords | None = None
 
     def configure(self, settings: Settings) -> None:
-        self._settings = settings
+        # A tool object may outlive one deployment's services in a process (tests, a
+        # notebook that rebuilds its client): the records follow the latest settings.
+        if settings is not self._settings:
+            self._settings, self._records = settings, None
 
     @property
     def settings(self) -> Settings:

@@ -201,6 +201,10 @@ def cmd_events(args: argparse.Namespace) -> int:
                 line = raw.decode().rstrip("\n")
                 if line.startswith("data: "):
                     event = json.loads(line[6:])
+                    if "fraction" in event:  # progress of the session's running work
+                        share = f"{100 * event['fraction']:.0f}%"
+                        print(f"{event['at']}  {'PROGRESS':<10} {share:>4}  {event['message']}")
+                        continue
                     at, state = event["at"], event["state"]
                     print(f"{at}  {state:<10} epoch {event['epoch']}  {event['reason']}")
     except TRANSPORT_ERRORS as exc:

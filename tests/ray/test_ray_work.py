@@ -26,7 +26,7 @@ from storage.work import WorkRecords
 from tests.conftest import eventually, make_bucket
 from tests.ray.conftest import session_actors
 from tests.support.s3_server import S3TestServer
-from tests.support.work_tools import work_agents
+from tests.support.work_tools import MODEL_NAMESPACE, OcrModel, work_agents
 from torpor.clock import SystemClock
 from torpor.ids import business_idempotency_key, event_key
 from torpor.lifecycle import SessionState
@@ -301,6 +301,48 @@ async def test_node_death_is_seen_by_the_poll_and_the_retry_policy_reruns_the_wo
     assert snap.result["ocr"]["result"]["run"] == 2  # type: ignore[index]
     assert (await rig.where())[key]["node"] != first_node
     assert await rig.counts("work:completions") == {key: 1}
+
+
+async def test_a_named_actors_method_is_the_work(rig: Rig) -> None:
+    model = (
+        ray.remote(OcrModel)
+        .options(name="ocr-model", namespace=MODEL_NAMESPACE, num_cpus=0, resources={"fake_gpu": 1})
+        .remote()
+    )
+    try:
+        sid = await rig.submit(agent="scan_model")
+        await eventually(lambda: _terminal(rig, sid), timeout_s=60, what="the session completes")
+        snap = await rig.services.snapshots.load(sid)
+        assert snap.state is S.COMPLETED, snap.error
+        answer = snap.result["ocr"]["result"]  # type: ignore[index]
+        assert answer["pages"] == 7
+        fake_gpu_nodes = {n["NodeID"] for n in ray.nodes() if n["Resources"].get("fake_gpu")}
+        assert answer["node"] in fake_gpu_nodes, "the model's own actor answered"
+        assert list((await rig.counts("model:calls")).values()) == [1]
+    finally:
+        ray.kill(model)
+
+
+async def test_a_ray_job_is_the_work_named_by_its_key(rig: Rig) -> None:
+    from ray.job_submission import JobSubmissionClient
+
+    sid = await rig.submit(agent="finetune", doc="corpus-3")
+    await eventually(lambda: _terminal(rig, sid), timeout_s=120, what="the job answered")
+    snap = await rig.services.snapshots.load(sid)
+    assert snap.state is S.COMPLETED, snap.error
+    answer = snap.result["train"]  # type: ignore[index]
+    assert answer["status"] == "ok", answer
+    assert "trained on corpus-3" in answer["result"]["logs_tail"]
+    submission = answer["result"]["submission_id"]
+    assert len(snap.processed_events) == 1, "the job's own answer, nothing else"
+    jobs = JobSubmissionClient(_dashboard()).list_jobs()
+    assert [j.submission_id for j in jobs].count(submission) == 1
+
+
+def _dashboard() -> str:
+    from actors.ray_work import _dashboard_url
+
+    return _dashboard_url()
 
 
 # --- §2: sync tools executed as Ray tasks -----------------------------------------------

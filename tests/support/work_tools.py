@@ -16,7 +16,7 @@ from typing import Any
 import ray
 import redis
 
-from actors.ray_work import WorkContext, ray_task_tool, task_tool
+from actors.ray_work import WorkContext, ray_actor_tool, ray_job_tool, ray_task_tool, task_tool
 from torpor.tools import DispatchRequest, ToolContext
 from torpor.work import Resources, RetryPolicy, TaskExecution, WorkTool
 
@@ -66,6 +66,32 @@ class CrashingOcr(WorkTool):
         r.hincrby(p + "work:dispatches", request.idempotency_key, 1)
         if r.set(p + "work:crashed", "1", nx=True):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+MODEL_NAMESPACE = "torpor-test-models"
+
+
+class OcrModel:
+    """A model server: a named actor holding its (fake) GPU between calls."""
+
+    def read(self, args: dict[str, Any], ctx: WorkContext) -> dict[str, Any]:
+        r, p = _redis(args)
+        r.hincrby(p + "model:calls", ctx.idempotency_key, 1)
+        r.close()
+        ctx.progress(1.0, "read")
+        return {"pages": 7, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+
+
+ocr_model = ray_actor_tool("ocr_model", actor="ocr-model", method="read", namespace=MODEL_NAMESPACE)
+
+
+def train_command(args: dict[str, Any]) -> str:
+    return f"python -c \"print('trained on', {str(args['doc'])!r})\""
+
+
+train = ray_job_tool(
+    "train", entrypoint=train_command, resources=Resources(num_cpus=0, resources={"fake_gpu": 1})
+)
 
 
 def crashing_ocr() -> list[Any]:
@@ -124,6 +150,15 @@ OCR_PLAN: dict[str, Any] = {
 }
 
 
+def model_plan() -> dict[str, Any]:
+    return {
+        "steps": [
+            {"id": "ocr", "calls": [{"tool": "ocr_model", "args": OCR_ARGS}]},
+            {"id": "done", "finish": {"ocr": "${results.ocr}"}},
+        ]
+    }
+
+
 def task_plan(tool: str) -> dict[str, Any]:
     """Where the inline tool runs (the session's process), then ``tool`` as a task."""
     args = {"redis": "${input.redis}", "prefix": "${input.prefix}"}
@@ -143,6 +178,28 @@ def work_agents() -> dict[str, Any]:
             "factory": "torpor.agents.plan:PlanAgent",
             "options": {"plan": OCR_PLAN, "name": "scan", "version": "1"},
             "tools": ["tests.support.work_tools:ocr"],
+        },
+        "scan_model": {
+            "factory": "torpor.agents.plan:PlanAgent",
+            "options": {"plan": model_plan(), "name": "scan_model", "version": "1"},
+            "tools": ["tests.support.work_tools:ocr_model"],
+        },
+        "finetune": {
+            "factory": "torpor.agents.plan:PlanAgent",
+            "options": {
+                "plan": {
+                    "steps": [
+                        {
+                            "id": "train",
+                            "calls": [{"tool": "train", "args": {"doc": "${input.doc}"}}],
+                        },
+                        {"id": "done", "finish": {"train": "${results.train}"}},
+                    ]
+                },
+                "name": "finetune",
+                "version": "1",
+            },
+            "tools": ["tests.support.work_tools:train"],
         },
         "scan_crash": {
             "factory": "torpor.agents.plan:PlanAgent",
