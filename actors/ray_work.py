@@ -95,6 +95,7 @@ _GONE = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError, 
 MAX_ATTEMPTS = 40
 STATE_TIMEOUT_S = 5.0
 JOB_STATUS_PERIOD_S = 0.5  # how often a watcher asks Ray about its own job (no reconciler)
+SUBMIT_ATTEMPTS = 12  # about 45 s for a cluster's job agents to come up
 
 
 def watcher_name(work_id: str) -> str:
@@ -284,18 +285,7 @@ class WorkWatcher:
         try:  # named by the key: look it up first, submit only if it is not there
             await asyncio.to_thread(client.get_job_info, submission_id)
         except RuntimeError:
-            resources = launch.resources
-            await asyncio.to_thread(
-                client.submit_job,
-                entrypoint=launch.entrypoint(dict(order.request)),
-                submission_id=submission_id,
-                runtime_env=resources.runtime_env,
-                entrypoint_num_cpus=resources.num_cpus,
-                entrypoint_num_gpus=resources.num_gpus,
-                entrypoint_memory=resources.memory or 0,
-                entrypoint_resources=dict(resources.resources) or None,
-                metadata={"torpor_session": order.session_id},
-            )
+            await self._submit(client, submission_id)
         while True:
             status = await asyncio.to_thread(client.get_job_status, submission_id)
             if status.is_terminal():
@@ -313,6 +303,31 @@ class WorkWatcher:
         }
         return outcome_data(ok=status is JobStatus.SUCCEEDED, value=value)
 
+    async def _submit(self, client: Any, submission_id: str) -> None:
+        """Submit under ``submission_id``; a cluster whose job agents are still starting
+        answers "try again later", so it is asked again for a while."""
+        resources, order = self._launch.resources, self._order
+        for attempt in range(SUBMIT_ATTEMPTS):
+            try:
+                await asyncio.to_thread(
+                    client.submit_job,
+                    entrypoint=self._launch.entrypoint(dict(order.request)),
+                    submission_id=submission_id,
+                    runtime_env=resources.runtime_env,
+                    entrypoint_num_cpus=resources.num_cpus,
+                    entrypoint_num_gpus=resources.num_gpus,
+                    entrypoint_memory=resources.memory or 0,
+                    entrypoint_resources=dict(resources.resources) or None,
+                    metadata={"torpor_session": order.session_id},
+                )
+                return
+            except RuntimeError as exc:
+                if "already exists" in str(exc):
+                    return  # a submit whose answer was lost went through after all
+                if "try again" not in str(exc) or attempt + 1 == SUBMIT_ATTEMPTS:
+                    raise
+            await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
+
 
 def _job_client(launch: Launch) -> Any:
     from ray.job_submission import JobSubmissionClient
@@ -322,7 +337,9 @@ def _job_client(launch: Launch) -> Any:
 
 
 def _dashboard_url() -> str:
-    url = ray.worker.get_dashboard_url()
+    from ray._private.worker import get_dashboard_url
+
+    url = str(get_dashboard_url())  # type: ignore[no-untyped-call]
     return url if str(url).startswith("http") else f"http://{url}"
 
 

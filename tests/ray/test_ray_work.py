@@ -323,28 +323,6 @@ async def test_a_named_actors_method_is_the_work(rig: Rig) -> None:
         ray.kill(model)
 
 
-async def test_a_ray_job_is_the_work_named_by_its_key(rig: Rig) -> None:
-    from ray.job_submission import JobSubmissionClient
-
-    sid = await rig.submit(agent="finetune", doc="corpus-3")
-    await eventually(lambda: _terminal(rig, sid), timeout_s=120, what="the job answered")
-    snap = await rig.services.snapshots.load(sid)
-    assert snap.state is S.COMPLETED, snap.error
-    answer = snap.result["train"]  # type: ignore[index]
-    assert answer["status"] == "ok", answer
-    assert "trained on corpus-3" in answer["result"]["logs_tail"]
-    submission = answer["result"]["submission_id"]
-    assert len(snap.processed_events) == 1, "the job's own answer, nothing else"
-    jobs = JobSubmissionClient(_dashboard()).list_jobs()
-    assert [j.submission_id for j in jobs].count(submission) == 1
-
-
-def _dashboard() -> str:
-    from actors.ray_work import _dashboard_url
-
-    return _dashboard_url()
-
-
 # --- §2: sync tools executed as Ray tasks -----------------------------------------------
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 import redis
 
-from actors.ray_work import WorkContext, ray_actor_tool, ray_job_tool, ray_task_tool, task_tool
+from actors.ray_work import WorkContext, ray_actor_tool, ray_task_tool, task_tool
 from torpor.tools import DispatchRequest, ToolContext
 from torpor.work import Resources, RetryPolicy, TaskExecution, WorkTool
 
@@ -83,15 +83,6 @@ class OcrModel:
 
 
 ocr_model = ray_actor_tool("ocr_model", actor="ocr-model", method="read", namespace=MODEL_NAMESPACE)
-
-
-def train_command(args: dict[str, Any]) -> str:
-    return f"python -c \"print('trained on', {str(args['doc'])!r})\""
-
-
-train = ray_job_tool(
-    "train", entrypoint=train_command, resources=Resources(num_cpus=0, resources={"fake_gpu": 1})
-)
 
 
 def crashing_ocr() -> list[Any]:
@@ -183,23 +174,6 @@ def work_agents() -> dict[str, Any]:
             "factory": "torpor.agents.plan:PlanAgent",
             "options": {"plan": model_plan(), "name": "scan_model", "version": "1"},
             "tools": ["tests.support.work_tools:ocr_model"],
-        },
-        "finetune": {
-            "factory": "torpor.agents.plan:PlanAgent",
-            "options": {
-                "plan": {
-                    "steps": [
-                        {
-                            "id": "train",
-                            "calls": [{"tool": "train", "args": {"doc": "${input.doc}"}}],
-                        },
-                        {"id": "done", "finish": {"train": "${results.train}"}},
-                    ]
-                },
-                "name": "finetune",
-                "version": "1",
-            },
-            "tools": ["tests.support.work_tools:train"],
         },
         "scan_crash": {
             "factory": "torpor.agents.plan:PlanAgent",
