@@ -38,6 +38,7 @@ import redis  # noqa: E402
 from actors.ray_activator import RayActivator  # noqa: E402
 from actors.wiring import open_services  # noqa: E402
 from torpor.lifecycle import SessionState  # noqa: E402
+from torpor.models import DispatchStatus  # noqa: E402
 from torpor.service.gateway import WebhookGateway  # noqa: E402
 from torpor.service.sessions import SessionService  # noqa: E402
 from torpor.settings import Settings  # noqa: E402
@@ -46,14 +47,16 @@ from torpor.webhooks.signing import Scheme, generate_secret, sign  # noqa: E402
 REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 PREFIX = "torpor-bench:"
 SECRET = generate_secret(Scheme.TORPOR)
+# Named by reference, never inline: actors read it from their (inherited) environment.
+os.environ["TORPOR_BENCH_WORK_SECRET"] = SECRET
 
 
 def settings_for(tmp: Path, namespace: str) -> Settings:
-    def agent(tool: str, tag: str) -> dict[str, Any]:
+    def agent(path: str, tool: str, tag: str) -> dict[str, Any]:
         return {
             "factory": "bench.plugins:OneCallAgent",
             "options": {"tool": tool, "tag": tag},
-            "tools": [f"bench.plugins:{tool}"],
+            "tools": [f"bench.plugins:{path}"],
         }
 
     return Settings.build(
@@ -65,14 +68,14 @@ def settings_for(tmp: Path, namespace: str) -> Settings:
             },
             "namespace": namespace,
             "agents": {
-                "ray": agent("ray_work", "ray"),
-                "webhook": agent("WebhookWork", "webhook"),
+                "ray": agent("ray_work", "ray_work", "ray"),
+                "webhook": agent("WebhookWork", "webhook_work", "webhook"),
             },
             "sources": {
                 "work": {
                     "tenant": "acme",
                     "scheme": "torpor",
-                    "secrets": [SECRET],
+                    "secrets": ["env:TORPOR_BENCH_WORK_SECRET"],
                     "mapping": {
                         "event_id_path": "eventId",
                         "type_path": "eventType",
@@ -107,13 +110,19 @@ async def until(predicate: Any, timeout_s: float = 120.0) -> None:
 
 
 async def until_suspended(services: Any, sid: str, timeout_s: float = 120.0) -> None:
+    """Until the wait's request went out: by then its correlation id is bound."""
     deadline = time.monotonic() + timeout_s
-    states = await services.index.session_states([sid])
-    while states.get(sid) is not SessionState.SUSPENDED:
+    while not await _dispatched(services, sid):
         if time.monotonic() > deadline:
             raise TimeoutError("the bench stalled")
         await asyncio.sleep(0.01)
-        states = await services.index.session_states([sid])
+
+
+async def _dispatched(services: Any, sid: str) -> bool:
+    snap = await services.snapshots.load(sid)
+    return snap.state is SessionState.SUSPENDED and any(
+        e.status is DispatchStatus.DISPATCHED for e in snap.outbox
+    )
 
 
 async def run(sessions: int) -> dict[str, Any]:
@@ -153,10 +162,14 @@ async def run(sessions: int) -> dict[str, Any]:
                     **sign(Scheme.TORPOR, raw, SECRET, now=services.clock.now()),
                     "Content-Type": "application/json",
                 }
-                status = (await gateway.receive("work", raw, headers)).status
+                answer = await gateway.receive("work", raw, headers, now=services.clock.now())
+                status = answer.status
                 assert status == 202, status
                 await until(lambda s=sid: s in stamps(r, PREFIX + "steps:webhook"))
                 hook_lat.append(stamps(r, PREFIX + "steps:webhook")[sid] - completed)
+                print(
+                    f"{i}: ray {ray_lat[-1]:.3f} s, webhook {hook_lat[-1]:.3f} s", file=sys.stderr
+                )
         finally:
             await control.drain()
             await services.close()
