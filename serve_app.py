@@ -185,7 +185,12 @@ class Ingress:
         self, session_id: str, authorization: Annotated[str | None, Header()] = None
     ) -> SessionOut:
         tenant = self._tenant(authorization)
-        return SessionOut.of(await self.control.get(session_id, tenant=tenant))
+        snapshot = await self.control.get(session_id, tenant=tenant)
+        out = SessionOut.of(snapshot)
+        if snapshot.waits:  # only a waiting session has work that reports progress
+            reports = await self.control.progress(session_id)
+            out.progress = [p.model_dump(mode="json") for p in reports]
+        return out
 
     @api.get("/v1/sessions", response_model=SessionList, tags=["sessions"])
     async def list_sessions(

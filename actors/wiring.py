@@ -20,6 +20,7 @@ from storage.inbox import ObjectInbox
 from storage.probe import verify_conditional_writes
 from storage.retention import ObjectRetention
 from storage.snapshots import ObjectSnapshots
+from storage.work import ObjectProgress
 from torpor import logs
 from torpor.callbacks import CapabilityRouter
 from torpor.clock import SystemClock
@@ -74,6 +75,7 @@ def open_services(
         notifier=notifier,
         observer=observer or Observer(),
         retention=ObjectRetention(store),
+        progress=ObjectProgress(store),
     )
     if notifier is None:  # the notifier needs the very services it serves: set it after
         services.notifier = DeliveryNotifier(services)

@@ -55,3 +55,49 @@ class WaitForWorld(LongRunningTool):
 
     async def dispatch(self, request: DispatchRequest) -> None:
         return None
+
+
+# --- the Ray work bench (bench_ray_work.py): one tool call, answered two ways ------------
+
+
+class OneCallAgent:
+    """Calls ``tool`` once; its next step records when it began (torpor-bench:steps:{tag})."""
+
+    version = "1"
+
+    def __init__(self, tool: str, tag: str) -> None:
+        self.name, self.tool, self.tag = f"bench-{tag}", tool, tag
+
+    def initial_messages(self, input: Any, ctx: AgentContext) -> list[Message]:
+        return default_initial_messages(input, None)
+
+    async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
+        if messages[-1].role == "tool":
+            _client().rpush(f"torpor-bench:steps:{self.tag}", f"{ctx.session_id} {time.time()}")
+            return AgentTurn(Message(role="assistant", content="done"), result="done")
+        call = ToolCall(id="call_work", function=ToolCallFunction(name=self.tool))
+        return AgentTurn(Message(role="assistant", tool_calls=[call]))
+
+
+def _ray_tool() -> Any:
+    from actors.ray_work import WorkContext, ray_task_tool
+    from torpor.work import Resources
+
+    @ray_task_tool("ray_work", resources=Resources(num_cpus=0.25), expected_duration_s=3600)
+    def work(args: dict[str, Any], ctx: WorkContext) -> dict[str, Any]:
+        time.sleep(0.05)
+        # The work's completion: the last thing it does before returning its result.
+        _client().rpush("torpor-bench:done:ray", f"{ctx.session_id} {time.time()}")
+        return {"ok": True}
+
+    return work
+
+
+ray_work = _ray_tool()
+
+
+class WebhookWork(WaitForWorld):
+    """The same call, answered by a signed webhook from the "work" source."""
+
+    spec = ToolSpec(name="webhook_work")
+    answered_by = ("work",)

@@ -158,6 +158,48 @@ def operator_action(action_id: str) -> str:
     return "operator-actions/" + safe(action_id, "action id")
 
 
+def work_prefix(work_id: str) -> str:
+    """Everything recorded about one piece of compute work (``torpor.work``)."""
+    return f"work/{safe(work_id, 'work id')}/"
+
+
+def work_order(work_id: str) -> str:
+    return work_prefix(work_id) + "order"
+
+
+def work_runs_prefix(work_id: str) -> str:
+    return work_prefix(work_id) + "runs/"
+
+
+def work_run(work_id: str, run: int) -> str:
+    return f"{work_runs_prefix(work_id)}{run:06d}"
+
+
+def work_outcome(work_id: str) -> str:
+    return work_prefix(work_id) + "outcome"
+
+
+def work_result(work_id: str) -> str:
+    """A result too large for a snapshot, passed to the session by reference."""
+    return work_prefix(work_id) + "result"
+
+
+def work_stopped(work_id: str) -> str:
+    return work_prefix(work_id) + "stopped"
+
+
+def work_lost(work_id: str, run: int) -> str:
+    return f"{work_prefix(work_id)}lost/{run:06d}"
+
+
+def progress_prefix(session_id: str) -> str:
+    return f"progress/{safe(session_id, 'session id')}/"
+
+
+def progress(session_id: str, work_id: str) -> str:
+    return progress_prefix(session_id) + safe(work_id, "work id")
+
+
 # --- Redis keys -----------------------------------------------------------------------
 
 

@@ -65,6 +65,8 @@ class SessionOut(BaseModel):
     observations: int
     trace_id: str
     quarantine: dict[str, Any] | None = None  # why it is set aside, while QUARANTINED
+    # What running compute work last reported (``torpor.work``): outside the snapshot.
+    progress: list[dict[str, JsonValue]] = Field(default_factory=list)
 
     @classmethod
     def of(cls, s: SessionSnapshot) -> SessionOut:

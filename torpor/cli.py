@@ -320,6 +320,10 @@ def cmd_events(args: argparse.Namespace) -> int:
                     if args.json:
                         print(json.dumps(event, ensure_ascii=False), flush=True)
                         continue
+                    if "fraction" in event:  # progress of the session's running work
+                        share = f"{100 * event['fraction']:.0f}%"
+                        print(f"{event['at']}  {'PROGRESS':<10} {share:>4}  {event['message']}")
+                        continue
                     at, state = event["at"], event["state"]
                     print(f"{at}  {state:<10} epoch {event['epoch']}  {event['reason']}")
     except TRANSPORT_ERRORS as exc:

@@ -93,6 +93,11 @@ class PluginResolver:
         registry = ToolRegistry()
         for path in config.tools:
             for tool in _tools(path, dict(config.tool_options.get(path, {}))):
+                # A tool that needs the deployment (a work tool: its storage and Ray
+                # namespace) says so with ``configure``; it is given the settings once.
+                configure = getattr(tool, "configure", None)
+                if callable(configure):
+                    configure(self._settings)
                 registry.register(tool)
         loaded = LoadedAgent(name, agent, registry, config)
         self._cache[name] = loaded

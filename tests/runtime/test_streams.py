@@ -86,3 +86,33 @@ async def test_streams_are_capped_per_tenant_with_a_retry_after() -> None:
         await other.aclose()
         assert streams.streams("acme") == 0
         streams.open(sid, "acme", 0)
+
+
+async def test_a_waiting_sessions_work_progress_is_streamed_without_waking_it() -> None:
+    from datetime import UTC, datetime
+
+    from torpor.work import Progress
+
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        generation = (await env.load(sid)).generation
+        progress = env.services.progress
+        assert progress is not None
+
+        async def report() -> None:
+            at = datetime.now(UTC)
+            await progress.report(
+                sid,
+                Progress(work_id="w1", tool_name="ocr", fraction=0.4, message="page 12/30", at=at),
+            )
+
+        async def cancel() -> None:
+            await env.control.cancel(sid, tenant="acme")
+
+        ticks = Ticks({3: report, 12: cancel})
+        streams = SessionStreams(env.control, max_per_tenant=4, sleep=ticks)
+        events = [e async for e in streams.open(sid, "acme", 0)]
+        shown = [e for e in events if e.startswith("event: progress")]
+        assert len(shown) == 1 and '"fraction":0.4' in shown[0] and "page 12/30" in shown[0]
+        assert (await env.load(sid)).generation == generation + 1  # only the cancel moved it

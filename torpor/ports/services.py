@@ -26,6 +26,7 @@ from torpor.ports.repositories import (
 )
 from torpor.ports.routing import CallbackRouter, Notifier
 from torpor.settings import Settings
+from torpor.work import ProgressRepository
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class Services:
     notifier: Notifier | None = None
     observer: Observer = field(default_factory=Observer)
     retention: RetentionRepository | None = None  # None: nothing is ever deleted
+    # Progress reported by running compute work (``torpor.work``); None: not kept.
+    progress: ProgressRepository | None = None
 
     async def close(self) -> None:
         await self.audit.close()

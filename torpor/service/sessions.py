@@ -43,6 +43,7 @@ from torpor.service import quarantine
 from torpor.service.coalescing import Coalescer, Fallback, request_activation
 from torpor.session import dead_letters
 from torpor.ssrf import check_callback_url
+from torpor.work import Progress
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
 # How long a claim's request has to create the session it names before a retry of the
@@ -247,6 +248,12 @@ class SessionService:
                 raise TimeoutError(f"session {session_id} still {snapshot.state}")
             await asyncio.sleep(WAIT_POLL.delay_s(attempt))
             attempt += 1
+
+    async def progress(self, session_id: str) -> list[Progress]:
+        """What the session's running work last reported (kept outside the snapshot)."""
+        if self.services.progress is None:
+            return []
+        return await self.services.progress.of(session_id)
 
     # -- change ---------------------------------------------------------------------
 

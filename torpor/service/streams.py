@@ -26,6 +26,7 @@ from torpor.service.sessions import SessionService
 TICK_S = 0.5  # how soon a change shows
 SAFETY_READ_S = 10.0  # the snapshot is re-read this often even when nothing seems to move
 KEEPALIVE_S = 15.0
+PROGRESS_S = 1.0  # how often a waiting session's work progress is looked at
 RETRY_AFTER_S = 5.0
 
 
@@ -82,6 +83,8 @@ class SessionStreams:
         # only costs one more read, never a missed change.
         seen = await registry.session_generation(session_id)
         snapshot = await self.control.get(session_id, tenant=tenant)
+        shown: list[str] = []  # the progress reports last sent
+        since_progress = PROGRESS_S
         while True:
             for entry in snapshot.history:
                 if entry.seq > after:
@@ -95,6 +98,17 @@ class SessionStreams:
                 if quiet >= KEEPALIVE_S:
                     quiet = 0.0
                     yield ": keep-alive\n\n"
+                since_progress += TICK_S
+                if snapshot.waits and since_progress >= PROGRESS_S:
+                    # Only while the session waits: its work may be reporting. Progress
+                    # lives outside the snapshot, so it shows without waking anything.
+                    since_progress = 0.0
+                    reports = await self.control.progress(session_id)
+                    current = [p.model_dump_json() for p in reports]
+                    if current != shown:
+                        shown, quiet = current, 0.0
+                        for report in current:
+                            yield f"event: progress\ndata: {report}\n\n"
                 generation = await registry.session_generation(session_id)
                 if generation != seen or unread >= SAFETY_READ_S:
                     break

@@ -1,0 +1,611 @@
+"""Compute work on Ray as a tool (``torpor.work``): a task, an actor method or a Job.
+
+Each work is watched by one detached named actor, ``work:{work id}`` in the deployment's
+namespace, where the work id is a digest of the business key ``tenant:action_key:epoch``.
+The name is the lookup: a re-dispatch after a crash finds the watcher that is already
+running and changes nothing. Past the name, the create-only records of
+``storage.work`` decide: a run is started only by the process that claims its number, an
+outcome once recorded is the answer for good, a stopped work is never started again.
+
+The watcher costs no CPU (``num_cpus=0``): it starts the work with the declared
+resources (a task with ``resources={"gpu_node": 1}`` lands on such a node), awaits it,
+records the outcome, writes it into the session's inbox and asks for an activation: the
+same path a webhook takes after its inbox write. Then it exits. A run whose process or
+node dies is recorded as lost; the reconciler's ``poll`` finds it and the tool's retry
+policy decides. Nothing here polls in the normal case.
+
+:class:`RayTaskExecutor` runs a sync tool's call as a Ray task instead of inline
+(``execution = "task"``): named by the call's ``H(session:step:call)`` key and joined
+while in flight, so the loop only awaits its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import ray
+from pydantic import JsonValue
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    AsyncioActorExit,
+    GetTimeoutError,
+    LocalRayletDiedError,
+    NodeDiedError,
+    ObjectLostError,
+    OwnerDiedError,
+    RayActorError,
+    RayTaskError,
+    TaskCancelledError,
+    WorkerCrashedError,
+)
+
+from actors.config_ref import ConfigRef
+from actors.ray_activator import RayActivator
+from actors.wiring import open_services
+from storage.factory import open_object_store
+from storage.work import ObjectProgress, WorkRecords
+from torpor.events import EventKind, InboxEvent
+from torpor.faults import crash_point
+from torpor.ports import ObjectStore
+from torpor.service.sessions import SessionService
+from torpor.settings import Settings
+from torpor.tools import ToolContext, ToolSpec
+from torpor.work import (
+    INLINE_RESULT_BYTES,
+    WORK_SOURCE,
+    ExecutedTool,
+    Progress,
+    Resources,
+    RetryPolicy,
+    TaskExecution,
+    WorkOrder,
+    WorkState,
+    WorkStatus,
+    WorkTool,
+    event_type,
+    outcome_data,
+)
+
+log = logging.getLogger(__name__)
+
+ACCEPTED = "accepted"
+CLOSING = "closing"
+# A run's process or node is gone: the run is lost (the retry policy decides), not failed.
+_LOST = (
+    WorkerCrashedError,
+    NodeDiedError,
+    ObjectLostError,
+    OwnerDiedError,
+    LocalRayletDiedError,
+    ActorDiedError,
+    RayActorError,
+)
+_GONE = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError, ValueError)
+MAX_ATTEMPTS = 40
+STATE_TIMEOUT_S = 5.0
+JOB_STATUS_PERIOD_S = 0.5  # how often a watcher asks Ray about its own job (no reconciler)
+SUBMIT_ATTEMPTS = 12  # about 45 s for a cluster's job agents to come up
+
+
+def watcher_name(work_id: str) -> str:
+    return f"work:{work_id}"
+
+
+class Kind(StrEnum):
+    TASK = "task"
+    ACTOR = "actor"
+    JOB = "job"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a run is started: pickled to the watcher with the order."""
+
+    kind: Kind
+    resources: Resources = field(default_factory=Resources)
+    fn: Any = None  # TASK: fn(args, ctx) -> JSON
+    actor: str | None = None  # ACTOR: a named actor, and the method to call on it
+    actor_namespace: str | None = None
+    method: str | None = None
+    entrypoint: Any = None  # JOB: fn(args) -> shell command
+    job_address: str | None = None  # JOB: the dashboard (None: this cluster's)
+
+
+@dataclass
+class WorkContext:
+    """What the work function is given: who it works for, and a way to report progress."""
+
+    session_id: str
+    tenant: str
+    work_id: str
+    tool_name: str
+    idempotency_key: str
+    run: int
+    namespace: str
+    _watcher: Any = None
+
+    def progress(self, fraction: float, message: str = "") -> None:
+        """Report progress: shown in the session's view and stream, wakes nothing.
+        Fire and forget: a lost report is replaced by the next one."""
+        if self._watcher is None:
+            self._watcher = ray.get_actor(watcher_name(self.work_id), namespace=self.namespace)
+        self._watcher.progress.remote(max(0.0, min(1.0, float(fraction))), str(message)[:500])
+
+
+def _run_task(fn: Callable[..., Any], args: dict[str, Any], ctx: WorkContext) -> Any:
+    return fn(args, ctx)
+
+
+# --- the watcher ------------------------------------------------------------------------
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class WorkWatcher:
+    def __init__(self, config: ConfigRef, order: dict[str, Any], launch: Launch) -> None:
+        self._settings = config.load()
+        self._config = config
+        self._order = WorkOrder.from_data(order)
+        self._launch = launch
+        self._task: asyncio.Task[None] | None = None
+        self._ref: Any = None
+        self._job: str | None = None
+        self._closing = False
+        self._stopping = False
+        self._store: ObjectStore | None = None
+
+    async def start(self, run: int) -> str:
+        if self._closing:
+            return CLOSING
+        if self._task is None:
+            self._task = asyncio.create_task(self._main(run))
+        return ACCEPTED
+
+    async def state(self) -> dict[str, Any]:
+        return {"running": not self._closing, "pid": os.getpid()}
+
+    async def progress(self, fraction: float, message: str) -> None:
+        store = self._store
+        if store is None or self._closing:
+            return
+        order = self._order
+        report = Progress(
+            work_id=order.work_id,
+            tool_name=order.tool_name,
+            fraction=fraction,
+            message=message,
+            at=datetime.now(UTC),
+        )
+        with contextlib.suppress(Exception):  # advisory: never fails the work
+            await ObjectProgress(store).report(order.session_id, report)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._ref is not None:
+            ray.cancel(self._ref, force=self._launch.kind is Kind.TASK)
+        if self._job is not None:
+            client = _job_client(self._launch)
+            await asyncio.to_thread(client.stop_job, self._job)
+
+    async def _main(self, run: int) -> None:
+        services = open_services(self._settings)
+        self._store = services.store
+        records = WorkRecords(services.store)
+        work = self._order.work_id
+        try:
+            outcome = await records.outcome(work)
+            if outcome is None and not await records.stopped(work):
+                if await records.claim_run(work, run, by=f"{os.getpid()}"):
+                    outcome = await self._execute(records, run)
+                else:
+                    # The run was claimed by a watcher that is gone (this one holds the
+                    # name now): whatever it ran is lost; the retry policy decides.
+                    await records.record_lost(work, run, "the process running it is gone")
+            if outcome is not None and not self._stopping:
+                outcome = await records.record_outcome(work, outcome)
+                crash_point("work.outcome_recorded")
+                with contextlib.suppress(Exception):
+                    await ObjectProgress(services.store).clear(self._order.session_id, work)
+                await deliver(services, self._config, self._order, outcome)
+        except Exception:
+            log.exception("work %s failed in its watcher", work)
+        finally:
+            self._closing = True
+            with contextlib.suppress(Exception):
+                await services.close()
+            with contextlib.suppress(AsyncioActorExit):
+                ray.actor.exit_actor()  # type: ignore[no-untyped-call]
+
+    async def _execute(self, records: WorkRecords, run: int) -> dict[str, JsonValue] | None:
+        order, launch = self._order, self._launch
+        ctx = WorkContext(
+            session_id=order.session_id,
+            tenant=order.tenant,
+            work_id=order.work_id,
+            tool_name=order.tool_name,
+            idempotency_key=order.idempotency_key,
+            run=run,
+            namespace=self._settings.namespace,
+        )
+        try:
+            if launch.kind is Kind.JOB:
+                return await self._job_run(run)
+            if launch.kind is Kind.ACTOR:
+                handle = ray.get_actor(str(launch.actor), namespace=launch.actor_namespace)
+                self._ref = getattr(handle, str(launch.method)).remote(dict(order.request), ctx)
+            else:
+                options = {**launch.resources.ray_options(), "max_retries": 0}
+                options["name"] = f"work:{order.work_id}:{run}"
+                self._ref = (
+                    ray.remote(_run_task).options(**options).remote(launch.fn, order.request, ctx)
+                )
+            value = await self._ref
+        except TaskCancelledError:
+            return None
+        except RayTaskError as exc:  # the work's own exception: its answer
+            if self._stopping:
+                return None
+            cause = exc.cause if exc.cause is not None else exc
+            return outcome_data(
+                ok=False,
+                value={"code": "work_error", "message": f"{type(cause).__name__}: {cause}"[:1000]},
+            )
+        except _LOST as exc:
+            if self._stopping:
+                return None
+            await records.record_lost(order.work_id, run, f"{type(exc).__name__}: {exc}"[:1000])
+            return None
+        return await self._answer(records, value)
+
+    async def _answer(self, records: WorkRecords, value: Any) -> dict[str, JsonValue]:
+        raw = json.dumps(value, default=str).encode()
+        if len(raw) <= INLINE_RESULT_BYTES:
+            return outcome_data(ok=True, value=json.loads(raw))
+        # Too large for a snapshot: stored beside it, passed by reference.
+        key = await records.put_result(self._order.work_id, raw)
+        return {"status": "ok", "result_ref": {"key": key, "bytes": len(raw)}}
+
+    async def _job_run(self, run: int) -> dict[str, JsonValue] | None:
+        from ray.job_submission import JobStatus
+
+        launch, order = self._launch, self._order
+        client = _job_client(launch)
+        submission_id = f"{order.work_id}-{run}"
+        self._job = submission_id
+        try:  # named by the key: look it up first, submit only if it is not there
+            await asyncio.to_thread(client.get_job_info, submission_id)
+        except RuntimeError:
+            await self._submit(client, submission_id)
+        while True:
+            status = await asyncio.to_thread(client.get_job_status, submission_id)
+            if status.is_terminal():
+                break
+            await asyncio.sleep(JOB_STATUS_PERIOD_S)
+        if status is JobStatus.STOPPED:
+            return None
+        info = await asyncio.to_thread(client.get_job_info, submission_id)
+        logs = await asyncio.to_thread(client.get_job_logs, submission_id)
+        value: dict[str, JsonValue] = {
+            "submission_id": submission_id,
+            "status": str(status.value),
+            "message": str(info.message or ""),
+            "logs_tail": logs[-2000:],
+        }
+        return outcome_data(ok=status is JobStatus.SUCCEEDED, value=value)
+
+    async def _submit(self, client: Any, submission_id: str) -> None:
+        """Submit under ``submission_id``; a cluster whose job agents are still starting
+        answers "try again later", so it is asked again for a while."""
+        resources, order = self._launch.resources, self._order
+        for attempt in range(SUBMIT_ATTEMPTS):
+            try:
+                await asyncio.to_thread(
+                    client.submit_job,
+                    entrypoint=self._launch.entrypoint(dict(order.request)),
+                    submission_id=submission_id,
+                    runtime_env=resources.runtime_env,
+                    entrypoint_num_cpus=resources.num_cpus,
+                    entrypoint_num_gpus=resources.num_gpus,
+                    entrypoint_memory=resources.memory or 0,
+                    entrypoint_resources=dict(resources.resources) or None,
+                    metadata={"torpor_session": order.session_id},
+                )
+                return
+            except RuntimeError as exc:
+                if "already exists" in str(exc):
+                    return  # a submit whose answer was lost went through after all
+                if "try again" not in str(exc) or attempt + 1 == SUBMIT_ATTEMPTS:
+                    raise
+            await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
+
+
+def _job_client(launch: Launch) -> Any:
+    from ray.job_submission import JobSubmissionClient
+
+    address = launch.job_address or _dashboard_url()
+    return JobSubmissionClient(address)
+
+
+def _dashboard_url() -> str:
+    from ray._private.worker import get_dashboard_url
+
+    url = str(get_dashboard_url())  # type: ignore[no-untyped-call]
+    return url if str(url).startswith("http") else f"http://{url}"
+
+
+async def deliver(
+    services: Any, config: ConfigRef, order: WorkOrder, outcome: dict[str, JsonValue]
+) -> bool:
+    """The answer into the session's inbox (create-only, event id = the work's id), then
+    an activation: the same path as a webhook's after its inbox write."""
+    event = InboxEvent.new(
+        kind=EventKind.CALLBACK,
+        session_id=order.session_id,
+        source=WORK_SOURCE,
+        event_id=order.work_id,
+        type=event_type(outcome),
+        received_at=services.clock.now(),
+        correlation_id=order.correlation_id,
+        epoch=order.epoch,
+        data=outcome,
+        trace_id=order.trace_id,
+    )
+    control = SessionService(services, RayActivator(services, config))
+    return await control.deliver(event)
+
+
+# --- the runner (used wherever the agent's tools are loaded) ----------------------------
+
+
+class RayWorkRunner:
+    """``torpor.work.WorkRunner`` on Ray: one watcher actor per work id."""
+
+    def __init__(self, launch: Launch) -> None:
+        self.launch = launch
+        self._settings: Settings | None = None
+        self._records: WorkRecords | None = None
+
+    def configure(self, settings: Settings) -> None:
+        # A tool object may outlive one deployment's services in a process (tests, a
+        # notebook that rebuilds its client): the records follow the latest settings.
+        if settings is not self._settings:
+            self._settings, self._records = settings, None
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            raise RuntimeError("a work tool is used before it was configured")
+        return self._settings
+
+    @property
+    def records(self) -> WorkRecords:
+        if self._records is None:
+            self._records = WorkRecords(open_object_store(self.settings))
+        return self._records
+
+    async def start(self, order: WorkOrder) -> None:
+        await self.records.save_order(order)
+        config = ConfigRef.of_loaded(self.settings)
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                handle = WorkWatcher.options(  # type: ignore[attr-defined]
+                    name=watcher_name(order.work_id),
+                    namespace=self.settings.namespace,
+                    get_if_exists=True,
+                    lifetime="detached",
+                ).remote(config, dict(order.as_data()), self.launch)
+                if await handle.start.remote(order.run) == ACCEPTED:
+                    return
+            except _GONE:
+                pass  # a watcher that was just exiting: ask a fresh one
+            await asyncio.sleep(min(0.5, 0.02 * 2**attempt))
+        raise RuntimeError(f"no watcher for work {order.work_id} took the order")
+
+    async def status(self, work: str) -> WorkStatus:
+        records = self.records
+        outcome = await records.outcome(work)
+        runs = await records.runs(work)
+        if outcome is not None:
+            return WorkStatus(WorkState.DONE, runs=runs, outcome=outcome)
+        if await records.stopped(work):
+            return WorkStatus(WorkState.CANCELLED, runs=runs)
+        if await self._alive(work):
+            return WorkStatus(WorkState.RUNNING, runs=runs)
+        if await records.order(work) is None:
+            return WorkStatus(WorkState.UNKNOWN, runs=runs)
+        cause = await records.lost_cause(work, runs) if runs else None
+        return WorkStatus(
+            WorkState.LOST,
+            runs=runs,
+            cause=cause or "no process runs it any more (its node or process died)",
+        )
+
+    async def stop(self, work: str, *, reason: str) -> None:
+        await self.records.stop(work, reason)  # first: no later dispatch starts it again
+        try:
+            handle = ray.get_actor(watcher_name(work), namespace=self.settings.namespace)
+            await asyncio.wait_for(handle.stop.remote(), timeout=STATE_TIMEOUT_S)
+        except (*_GONE, TimeoutError):
+            return  # no watcher: nothing runs
+
+    async def order(self, work: str) -> WorkOrder | None:
+        return await self.records.order(work)
+
+    async def _alive(self, work: str) -> bool:
+        try:
+            handle = ray.get_actor(watcher_name(work), namespace=self.settings.namespace)
+            state: dict[str, Any] = await asyncio.wait_for(
+                handle.state.remote(), timeout=STATE_TIMEOUT_S
+            )
+        except (*_GONE, TimeoutError):
+            return False
+        return bool(state.get("running"))
+
+
+# --- public factories -------------------------------------------------------------------
+
+
+def _spec(name: str, description: str, parameters: dict[str, Any] | None) -> ToolSpec:
+    return ToolSpec(
+        name=name,
+        description=description,
+        parameters=parameters or {"type": "object", "properties": {}},
+    )
+
+
+def ray_task_tool(
+    name: str,
+    *,
+    description: str = "",
+    parameters: dict[str, Any] | None = None,
+    resources: Resources | None = None,
+    retry: RetryPolicy | None = None,
+    sla_s: float = 24 * 3600,
+    expected_duration_s: float = 600,
+    version: str = "1",
+) -> Callable[[Callable[..., Any]], WorkTool]:
+    """Decorator: ``fn(args, ctx: WorkContext) -> JSON`` becomes a long-running tool whose
+    work is a Ray task with ``resources``; the session sleeps while it runs."""
+
+    def wrap(fn: Callable[..., Any]) -> WorkTool:
+        launch = Launch(Kind.TASK, resources or Resources(), fn=fn)
+        return WorkTool(
+            _spec(name, description or (fn.__doc__ or "").strip(), parameters),
+            RayWorkRunner(launch),
+            retry=retry,
+            sla_s=sla_s,
+            expected_duration_s=expected_duration_s,
+            version=version,
+        )
+
+    return wrap
+
+
+def ray_actor_tool(
+    name: str,
+    *,
+    actor: str,
+    method: str,
+    namespace: str | None = None,
+    description: str = "",
+    parameters: dict[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+    sla_s: float = 24 * 3600,
+    expected_duration_s: float = 600,
+    version: str = "1",
+) -> WorkTool:
+    """A long-running tool whose work is ``method(args, ctx)`` of a named actor (e.g. a model
+    server holding a GPU); the actor's own resources apply."""
+    launch = Launch(Kind.ACTOR, actor=actor, actor_namespace=namespace, method=method)
+    return WorkTool(
+        _spec(name, description, parameters),
+        RayWorkRunner(launch),
+        retry=retry,
+        sla_s=sla_s,
+        expected_duration_s=expected_duration_s,
+        version=version,
+    )
+
+
+def ray_job_tool(
+    name: str,
+    *,
+    entrypoint: Callable[[dict[str, Any]], str],
+    resources: Resources | None = None,
+    address: str | None = None,
+    description: str = "",
+    parameters: dict[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+    sla_s: float = 24 * 3600,
+    expected_duration_s: float = 3600,
+    version: str = "1",
+) -> WorkTool:
+    """A long-running tool whose work is a Ray Job (``JobSubmissionClient``), submitted with
+    ``submission_id`` = the work id and the entrypoint's resources."""
+    launch = Launch(Kind.JOB, resources or Resources(), entrypoint=entrypoint, job_address=address)
+    return WorkTool(
+        _spec(name, description, parameters),
+        RayWorkRunner(launch),
+        retry=retry,
+        sla_s=sla_s,
+        expected_duration_s=expected_duration_s,
+        version=version,
+    )
+
+
+# --- decoupled sync tools ---------------------------------------------------------------
+
+
+def _call_tool(fn: Callable[..., Any], args: dict[str, Any], ctx: ToolContext) -> Any:
+    out = fn(args, ctx)
+    if asyncio.iscoroutine(out):
+        return asyncio.run(out)
+    return out
+
+
+class RayTaskExecutor:
+    """``torpor.work.TaskExecutor`` on Ray: each call is a task named by its call key."""
+
+    def __init__(self) -> None:
+        self._inflight: dict[str, Any] = {}
+
+    async def run(
+        self, fn: Any, args: dict[str, Any], ctx: ToolContext, *, execution: TaskExecution
+    ) -> JsonValue:
+        key = ctx.idempotency_key
+        ref = self._inflight.get(key)
+        if ref is None:  # joined while in flight: a retry in this process runs nothing twice
+            options = {
+                **execution.resources.ray_options(),
+                "max_retries": execution.retries,
+                "name": f"tool:{key}",
+            }
+            ref = ray.remote(_call_tool).options(**options).remote(fn, args, ctx)
+            self._inflight[key] = ref
+        started = time.monotonic()
+        try:
+            out: JsonValue = await ref
+        except asyncio.CancelledError:
+            # The loop's deadline passed: stop the task, its outcome is unknown.
+            ray.cancel(ref, force=True)
+            self._inflight.pop(key, None)
+            raise
+        except RayTaskError as exc:
+            self._inflight.pop(key, None)
+            raise exc.as_instanceof_cause() from None  # type: ignore[no-untyped-call]
+        self._inflight.pop(key, None)
+        log.debug("task tool call %s took %.3f s", key, time.monotonic() - started)
+        return out
+
+
+def task_tool(
+    name: str,
+    *,
+    description: str = "",
+    parameters: dict[str, Any] | None = None,
+    execution: TaskExecution | None = None,
+    version: str = "1",
+) -> Callable[[Callable[..., Any]], ExecutedTool]:
+    """Decorator: a sync tool ``fn(args, ctx)`` whose calls run as Ray tasks
+    (``execution="task"``) with the given resources, timeout and retries."""
+
+    def wrap(fn: Callable[..., Any]) -> ExecutedTool:
+        return ExecutedTool(
+            fn,
+            _spec(name, description or (fn.__doc__ or "").strip(), parameters),
+            RayTaskExecutor(),
+            execution or TaskExecution(execution="task"),
+            version,
+        )
+
+    return wrap
