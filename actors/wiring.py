@@ -14,7 +14,7 @@ from storage.audit import ObjectAudit
 from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
 from storage.deliveries import ObjectDeliveries
-from storage.factory import open_index, open_object_store
+from storage.factory import open_index, open_object_store, open_slots
 from storage.inbox import ObjectInbox
 from storage.probe import verify_conditional_writes
 from storage.snapshots import ObjectSnapshots
@@ -67,6 +67,7 @@ def open_services(
         router=router,
         notifier=notifier,
         observer=observer or Observer(),
+        slots=open_slots(settings, index),
     )
     if notifier is None:  # the notifier needs the very services it serves: set it after
         services.notifier = DeliveryNotifier(services)

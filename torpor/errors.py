@@ -459,3 +459,17 @@ class AmbiguousEvent(PermanentError):
 
     code = "ambiguous_event"
     status, title, public = 409, "Ambiguous event", True
+
+
+class BatchNotFinished(PermanentError):
+    """The batch's results are asked for while some of its documents are still running."""
+
+    code = "batch_not_finished"
+    status, title, public = 409, "Batch not finished", True
+
+
+class BatchCancelled(PermanentError):
+    """A cancelled batch takes no retry."""
+
+    code = "batch_cancelled"
+    status, title, public = 409, "Batch cancelled", True

@@ -46,6 +46,14 @@ def session_id_ms(session_id: str) -> int | None:
     return ms
 
 
+def batch_session_id(batch_id: str, created_ms: int, index: int, attempt: int = 0) -> str:
+    """The session of a batch's document ``index`` (its ``attempt``-th, after retries).
+
+    A function of the batch, not random: a fan-out resumed after a crash, or run twice,
+    names the same session again, and the create-only snapshot write makes it once."""
+    return "s_" + _time_prefix(created_ms) + digest(batch_id, str(index), str(attempt), length=16)
+
+
 def new_batch_id(now_ms: int | None = None) -> str:
     ms = int(time.time() * 1000) if now_ms is None else now_ms
     return "b_" + _time_prefix(ms) + secrets.token_hex(6)

@@ -34,6 +34,7 @@ from torpor.ports.repositories import (
     SnapshotRepository,
 )
 from torpor.ports.routing import CallbackRouter, Notifier
+from torpor.ports.slots import RunningSlots, SlotEntry, SlotUsage
 
 __all__ = [
     "Activator",
@@ -57,8 +58,11 @@ __all__ = [
     "ObjectStore",
     "Observer",
     "Reason",
+    "RunningSlots",
     "SessionPage",
     "SessionRegistry",
+    "SlotEntry",
+    "SlotUsage",
     "SnapshotRepository",
     "StoredObject",
     "TimerIndex",

@@ -62,6 +62,7 @@ class TimerKind(StrEnum):
     POLL = "poll"  # a wait is overdue: ask the external system
     RETRY = "retry"  # an outbox entry or a failed activation is due for another try
     DELIVER = "deliver"  # an outbound notification is due for an attempt
+    FANOUT = "fanout"  # a batch whose sessions are not all created yet (member: batch id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from torpor.ports.repositories import (
     SnapshotRepository,
 )
 from torpor.ports.routing import CallbackRouter, Notifier
+from torpor.ports.slots import RunningSlots
 from torpor.settings import Settings
 
 
@@ -77,8 +78,12 @@ class Services:
     router: CallbackRouter
     notifier: Notifier | None = None
     observer: Observer = field(default_factory=Observer)
+    # Caps on RUNNING batch sessions; None where the index cannot share them (SQLite).
+    slots: RunningSlots | None = None
 
     async def close(self) -> None:
+        if self.slots is not None:
+            await self.slots.close()
         await self.audit.close()
         await self.plugins.close()
         await self.index.close()

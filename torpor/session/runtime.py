@@ -40,6 +40,7 @@ from torpor.ports.services import Services
 from torpor.session.activation import Activation
 from torpor.session.heartbeat import Heartbeat
 from torpor.session.retry import retry_delay
+from torpor.session.slots import leave_slot
 from torpor.session.working import StopActivation
 
 MAX_ROUNDS = 8
@@ -91,6 +92,15 @@ class SessionRuntime:
         self, session_id: str, *, reason: Reason = Reason.EVENT, requested_at: float | None = None
     ) -> ActivationResult:
         """Activate until the inbox holds nothing this session has not seen."""
+        result = await self._rounds(session_id, reason, requested_at)
+        if result.outcome is not ActivationOutcome.BUSY:
+            # BUSY: the activation holding the lease gives the slot back when it ends.
+            await leave_slot(self.deps, session_id, result.state)
+        return result
+
+    async def _rounds(
+        self, session_id: str, reason: Reason, requested_at: float | None
+    ) -> ActivationResult:
         result = ActivationResult(session_id, ActivationOutcome.BUSY)
         for _ in range(MAX_ROUNDS):
             result, snapshot = await self._leased(session_id, reason, requested_at)
