@@ -7,19 +7,22 @@ from __future__ import annotations
 import io
 import json
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from pydantic import JsonValue
 
 from actors.wiring import open_services, session_runtime
 from tests.conftest import eventually
 from tests.runtime import memory_env
 from tests.runtime.memory_env import plan_agent, reset
+from torpor.agent import AgentContext, AgentTurn, default_initial_messages
 from torpor.clock import ManualClock
 from torpor.errors import BatchNotFinished, SessionNotFound
 from torpor.lifecycle import SessionState
+from torpor.models import Message
 from torpor.ports import TimerKind
 from torpor.ports.services import Services
 from torpor.service.activator import InlineActivator
@@ -37,11 +40,27 @@ BLOCK_PLAN = {
         {"id": "done", "finish": "${results.b}"},
     ]
 }
-FAIL_PLAN = {"steps": [{"id": "f", "calls": [{"tool": "nope"}]}]}
 AGENTS = {
     "blk": plan_agent(BLOCK_PLAN, {"tests.runtime.memory_env:block": {}}),
     "fin": {"factory": "tests.runtime.memory_env:SlowAgent"},
+    "flaky": {"factory": "tests.runtime.test_batches:FlakyAgent"},
 }
+FLAKY = {"on": True}
+
+
+class FlakyAgent:
+    """Crashes on documents marked ``fail`` while ``FLAKY["on"]``: the session FAILS."""
+
+    name = "flaky"
+    version = "1"
+
+    def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
+        return default_initial_messages(input, None)
+
+    async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
+        if FLAKY["on"] and '"fail"' in (messages[-1].content or ""):
+            raise ValueError("this document breaks the agent")
+        return AgentTurn(Message(role="assistant", content="done"), result="done")
 
 
 class World:
@@ -182,3 +201,36 @@ async def test_results_export_jsonl_and_parquet_once_finished(world: World) -> N
     table = pq.read_table(io.BytesIO(data))
     assert table.column("document_id").to_pylist() == ["d0", "d1", "d2"]
     assert [json.loads(v) for v in table.column("result").to_pylist()] == ["done"] * 3
+
+
+async def test_retry_makes_new_sessions_for_failed_documents_once(world: World) -> None:
+    FLAKY["on"] = True
+    docs: list[Any] = [{"doc": 0}, {"doc": 1, "fail": 1}, {"doc": 2, "fail": 1}]
+    manifest = await world.batches.submit(tenant="acme", agent="flaky", documents=docs)
+
+    async def settled(expect: dict[str, int]) -> bool:
+        await world.sweeper.sweep_once()
+        return (await world.batches.progress(manifest.batch_id)).by_state == expect
+
+    await eventually(lambda: settled({"COMPLETED": 1, "FAILED": 2}), timeout_s=10, what="fail")
+    FLAKY["on"] = False
+    try:
+        assert await world.batches.retry(manifest.batch_id) == [1, 2]
+        assert await world.batches.retry(manifest.batch_id) == []  # nothing failed now
+        await eventually(lambda: settled({"COMPLETED": 3}), timeout_s=10, what="retried")
+    finally:
+        FLAKY["on"] = True
+    rows = [json.loads(x) for x in await _lines(world, manifest.batch_id)]
+    assert [r["session_id"] for r in rows] == [
+        manifest.session_id(0),
+        manifest.session_id(1, attempt=1),
+        manifest.session_id(2, attempt=1),
+    ]
+    assert [r["state"] for r in rows] == ["COMPLETED"] * 3
+    # The first attempts stay as they were: FAILED, with their error.
+    first = await world.services.snapshots.load(manifest.session_id(1))
+    assert first.state is S.FAILED and first.error is not None
+
+
+async def _lines(world: World, batch_id: str) -> list[str]:
+    return (await world.batches.results(batch_id, "jsonl")).decode().splitlines()
