@@ -95,6 +95,43 @@ def folder_bytes(root: Path) -> tuple[int, int]:
     return sum(p.stat().st_size for p in files), len(files)
 
 
+class NoActivation:
+    """``--accept-only``: nothing is activated (and no Ray is started)."""
+
+    async def request(self, session_id: str, *, reason: Any, agent: str | None = None) -> None:
+        return None
+
+
+async def accept_only(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the 202 path, ``--rounds`` times: no Ray, no fan-out."""
+    documents = [{"doc": f"DOC-{i:05d}", "amount": float(i % 997)} for i in range(args.n)]
+    body = json.dumps({"agent": "bench", "documents": documents}).encode()
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = settings_for(Path(tmp), args.placement, args.cap, f"ba{os.getpid()}")
+        services = open_services(settings)
+        batches = BatchService(SessionService(services, NoActivation()))
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            request = BatchCreate.model_validate_json(body)
+            await batches.accept(tenant="acme", agent=request.agent, documents=request.documents)
+            times.append(time.perf_counter() - t0)
+        o_bytes, _ = folder_bytes(Path(tmp) / "objects")
+        await services.close()
+        client = redis.Redis.from_url(REDIS)
+        for key in client.scan_iter(match=settings.storage.redis_prefix + "*", count=2000):
+            client.delete(key)
+        client.close()
+    times.sort()
+    return {
+        "documents": args.n,
+        "request_bytes": len(body),
+        "to_202_s_median": round(times[len(times) // 2], 3),
+        "to_202_s_max": round(times[-1], 3),
+        "stored_bytes_per_batch": o_bytes // args.rounds,
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     namespace = f"bb{os.getpid()}"
     documents = [{"doc": f"DOC-{i:05d}", "amount": float(i % 997)} for i in range(args.n)]
@@ -185,7 +222,12 @@ def main() -> None:
     parser.add_argument("--placement", choices=["dedicated", "pooled"], default="dedicated")
     parser.add_argument("--cap", type=int, default=16, help="max_running_per_batch")
     parser.add_argument("--timeout-s", type=float, default=7200)
+    parser.add_argument("--accept-only", action="store_true", help="only the 202 path, no Ray")
+    parser.add_argument("--rounds", type=int, default=5, help="batches accepted (--accept-only)")
     args = parser.parse_args()
+    if args.accept_only:
+        print(json.dumps(asyncio.run(accept_only(args)), indent=2))
+        return
     ray.init(
         num_cpus=2,
         include_dashboard=False,
