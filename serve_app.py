@@ -40,6 +40,7 @@ from torpor.api import (
 )
 from torpor.auth import operator_for, tenant_for
 from torpor.deliveries import DeliveryStatus
+from torpor.entry.batches import ResultFormat, batch_out, result_chunks
 from torpor.entry.console import ConsoleDeps, ConsoleMount
 from torpor.entry.http import (
     PROBLEM,
@@ -291,14 +292,18 @@ class Ingress:
         # The batch id is a function of tenant and key: a retried request is the same batch.
         batch_id = "b_" + digest(tenant, key, length=24)
         await ensure_conditional_writes(self.services)
-        manifest = await self.batches.submit(
+        # The manifest only, then the answer: the sessions are made behind it, in this
+        # replica's event loop (and by the reconciler if this replica dies meanwhile).
+        manifest = await self.batches.accept(
             tenant=tenant,
             agent=body.agent,
             documents=body.documents,
             metadata=body.metadata,
             callback_url=body.callback_url,
             batch_id=batch_id,
+            max_running=body.max_running,
         )
+        self.batches.start_fan_out(manifest.batch_id)
         out = await self._batch(manifest.batch_id, tenant)
         return JSONResponse(
             out.model_dump(mode="json"),
@@ -313,17 +318,44 @@ class Ingress:
         return await self._batch(batch_id, self._tenant(authorization))
 
     async def _batch(self, batch_id: str, tenant: str) -> BatchOut:
-        manifest = await self.batches.get(batch_id, tenant=tenant)
-        progress = await self.batches.progress(batch_id, tenant=tenant)
-        return BatchOut(
-            batch_id=batch_id,
-            agent=manifest.agent,
-            total=progress.total,
-            done=progress.done,
-            finished=progress.finished,
-            by_state=progress.by_state,
-            session_ids=manifest.session_ids,
-            links={"self": f"/v1/batches/{batch_id}"},
+        return await batch_out(self.batches, batch_id, tenant)
+
+    @api.post("/v1/batches/{batch_id}/cancel", status_code=202, tags=["batches"])
+    async def cancel_batch(
+        self, batch_id: str, authorization: Annotated[str | None, Header()] = None
+    ) -> BatchOut:
+        """Cancel every session of the batch not ended yet; idempotent."""
+        tenant = self._tenant(authorization)
+        await ensure_conditional_writes(self.services)
+        await self.batches.cancel(batch_id, tenant=tenant)
+        return await self._batch(batch_id, tenant)
+
+    @api.post("/v1/batches/{batch_id}/retry", status_code=202, tags=["batches"])
+    async def retry_batch(
+        self, batch_id: str, authorization: Annotated[str | None, Header()] = None
+    ) -> dict[str, Any]:
+        """New sessions for the documents whose session FAILED or TIMED_OUT; idempotent."""
+        tenant = self._tenant(authorization)
+        await ensure_conditional_writes(self.services)
+        retried = await self.batches.retry(batch_id, tenant=tenant)
+        return {"batch_id": batch_id, "retried": retried}
+
+    @api.get("/v1/batches/{batch_id}/results", tags=["batches"])
+    async def batch_results(
+        self,
+        batch_id: str,
+        authorization: Annotated[str | None, Header()] = None,
+        format: ResultFormat = ResultFormat.JSONL,
+    ) -> StreamingResponse:
+        """One line (row) per document: index, id, session, state, result or error. 409
+        until the batch finished."""
+        data = await self.batches.results(
+            batch_id, format.value, tenant=self._tenant(authorization)
+        )
+        return StreamingResponse(
+            result_chunks(data),
+            media_type=format.media_type,
+            headers={"Content-Disposition": f'attachment; filename="{batch_id}.{format.value}"'},
         )
 
     # -- webhooks ----------------------------------------------------------------------

@@ -1,13 +1,20 @@
-"""Batch manifests in the object store: one create-only object per batch."""
+"""Batches in the object store: a create-only manifest per batch, and beside it the
+documents, the fan-out cursor, the cancel marker, retry generations and the exports."""
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+import contextlib
+import json
 
-from storage import keys
-from torpor.batches import BatchManifest
+from pydantic import JsonValue, TypeAdapter, ValidationError
+
+from storage import keys, results
+from torpor.batches import BatchManifest, FanOutCursor, ResultLine, RetryGeneration
 from torpor.errors import InvalidKey, NotFound, ObjectExists, ObjectNotFound
 from torpor.ports import ObjectStore
+
+_DOCUMENTS: TypeAdapter[list[JsonValue]] = TypeAdapter(list[JsonValue])
+_DOCUMENT: TypeAdapter[JsonValue] = TypeAdapter(JsonValue)
 
 
 class ObjectBatches:
@@ -29,3 +36,89 @@ class ObjectBatches:
             return BatchManifest.model_validate_json(obj.data)
         except (ObjectNotFound, ValidationError, InvalidKey):
             raise NotFound(f"no batch {batch_id[:80]!r}") from None
+
+    async def put_documents(
+        self, batch_id: str, fingerprint: str, documents: list[JsonValue]
+    ) -> str:
+        # Create-only: the key carries the request's fingerprint, so an existing object
+        # holds these very documents (an earlier try of the same request).
+        key = keys.batch_documents(batch_id, fingerprint)
+        with contextlib.suppress(ObjectExists):
+            await self.store.put_if_absent(key, json.dumps(documents).encode())
+        return key
+
+    async def documents(self, key: str) -> list[JsonValue]:
+        return _DOCUMENTS.validate_json((await self.store.get(key)).data)
+
+    async def put_document(self, batch_id: str, index: int, document: JsonValue) -> str:
+        key = keys.batch_document(batch_id, index)
+        await self.store.put(key, json.dumps(document).encode())
+        return key
+
+    async def document(self, key: str) -> JsonValue:
+        if not key.startswith(keys.BATCH_DATA):  # a reference reads batch documents only
+            raise NotFound("not a document reference")
+        try:
+            data = (await self.store.get(key)).data
+        except (ObjectNotFound, InvalidKey):
+            raise NotFound("no document at that reference") from None
+        return _DOCUMENT.validate_json(data)
+
+    async def cursor(self, batch_id: str) -> FanOutCursor:
+        try:
+            obj = await self.store.get(keys.batch_cursor(batch_id))
+        except ObjectNotFound:
+            return FanOutCursor()
+        return FanOutCursor.model_validate_json(obj.data)
+
+    async def save_cursor(self, batch_id: str, cursor: FanOutCursor) -> None:
+        # Overwritten by whoever fans out: two fan-outs of one batch (a replica and the
+        # reconciler) write the same sessions, and a cursor behind the truth only costs a
+        # few create-only writes that find their session already there.
+        await self.store.put(keys.batch_cursor(batch_id), cursor.model_dump_json().encode())
+
+    async def mark_cancelled(self, batch_id: str) -> None:
+        with contextlib.suppress(ObjectExists):
+            await self.store.put_if_absent(keys.batch_cancelled(batch_id), b"{}")
+
+    async def is_cancelled(self, batch_id: str) -> bool:
+        try:
+            await self.store.get(keys.batch_cancelled(batch_id), max_bytes=16)
+        except ObjectNotFound:
+            return False
+        return True
+
+    async def add_generation(self, batch_id: str, generation: RetryGeneration) -> bool:
+        try:
+            await self.store.put_if_absent(
+                keys.batch_retry(batch_id, generation.generation),
+                generation.model_dump_json().encode(),
+            )
+        except ObjectExists:
+            return False
+        return True
+
+    async def generations(self, batch_id: str) -> list[RetryGeneration]:
+        prefix = keys.batch_retry(batch_id, 0).rsplit("-", 1)[0] + "-"
+        out: list[RetryGeneration] = []
+        start: str | None = None
+        while True:
+            page = await self.store.list(prefix, start_after=start)
+            for key in page.keys:
+                obj = await self.store.get(key)
+                out.append(RetryGeneration.model_validate_json(obj.data))
+            if page.next_token is None:
+                return out
+            start = page.next_token
+
+    async def put_results(self, batch_id: str, lines: list[ResultLine]) -> None:
+        # Parquet first, JSONL last: JSONL is what ``results`` checks for, so an export
+        # that died half-way is written again in full.
+        await self.store.put(keys.batch_results(batch_id, "parquet"), results.parquet(lines))
+        await self.store.put(keys.batch_results(batch_id, "jsonl"), results.jsonl(lines))
+
+    async def results(self, batch_id: str, fmt: str) -> bytes | None:
+        try:
+            return (await self.store.get(keys.batch_results(batch_id, fmt))).data
+        except ObjectNotFound:
+            return None

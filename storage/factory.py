@@ -16,7 +16,7 @@ from storage.memory_index import MemoryIndex
 from storage.memory_store import MemoryObjectStore
 from storage.sqlite_index import SqliteIndex
 from torpor.errors import ConfigError, EmbeddedBackendOnCluster
-from torpor.ports import Index, ObjectStore
+from torpor.ports import Index, ObjectStore, RunningSlots
 from torpor.settings import Settings, resolve_secret
 
 
@@ -70,6 +70,22 @@ def open_index(settings: Settings) -> Index:
     if url.startswith("memory://"):
         return MemoryIndex()
     raise ConfigError(f"index URL {url!r}: use redis://host:port/db or sqlite://path")
+
+
+def open_slots(settings: Settings, index: Index) -> RunningSlots | None:
+    """The caps on RUNNING batch sessions, beside the index and on its connection; None
+    on SQLite (batch sessions then run uncapped: embedded use is one small host)."""
+    if isinstance(index, MemoryIndex):
+        from storage.memory_slots import MemorySlots
+
+        return MemorySlots()
+    from storage.redis_index import RedisIndex
+
+    if isinstance(index, RedisIndex):
+        from storage.redis_index.slots import RedisSlots
+
+        return RedisSlots(index.url, prefix=settings.storage.redis_prefix, client=index.client)
+    return None
 
 
 def check_embedded_allowed(settings: Settings, *, alive_nodes: int) -> None:

@@ -132,6 +132,42 @@ def batch(batch_id: str) -> str:
     return "batches/" + safe(batch_id, "batch id")
 
 
+# A batch's other objects live beside its manifest, not under it: on a local folder the
+# manifest is a file, which cannot also be a directory.
+BATCH_DATA = "batch-data/"
+
+
+def batch_data(batch_id: str) -> str:
+    return f"{BATCH_DATA}{safe(batch_id, 'batch id')}/"
+
+
+def batch_documents(batch_id: str, fingerprint: str) -> str:
+    """The documents of one request: keyed by its fingerprint, so a second request with
+    the same Idempotency-Key and other documents never overwrites the first one's."""
+    return f"{batch_data(batch_id)}documents-{safe(fingerprint, 'fingerprint')}.json"
+
+
+def batch_cursor(batch_id: str) -> str:
+    return batch_data(batch_id) + "fanout"
+
+
+def batch_cancelled(batch_id: str) -> str:
+    return batch_data(batch_id) + "cancelled"
+
+
+def batch_retry(batch_id: str, generation: int) -> str:
+    return f"{batch_data(batch_id)}retry-{generation:06d}"
+
+
+def batch_results(batch_id: str, fmt: str) -> str:
+    return f"{batch_data(batch_id)}results.{safe(fmt, 'format')}"
+
+
+def batch_document(batch_id: str, index: int) -> str:
+    """A document passed by reference (``Client.submit_dataset(..., by_reference=True)``)."""
+    return f"{batch_data(batch_id)}docs/{index:08d}.json"
+
+
 def delivery_prefix(tenant: str) -> str:
     return f"deliveries/{safe(tenant, 'tenant')}/"
 

@@ -27,6 +27,8 @@ class BatchCreate(_Body):
     documents: list[JsonValue] = Field(min_length=1, max_length=10_000)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
     callback_url: str | None = Field(default=None, max_length=2048)
+    # Lower than the configured cap only: configuration bounds every batch.
+    max_running: int | None = Field(default=None, ge=1, le=100_000)
 
 
 class Accepted(BaseModel):
@@ -112,6 +114,16 @@ class SessionList(BaseModel):
     next_cursor: str | None
 
 
+class BatchAdmission(BaseModel):
+    """The caps on RUNNING sessions and their use now."""
+
+    max_running: int  # this batch's cap
+    max_running_per_tenant: int  # the cap on all of the tenant's batches together
+    running: int
+    waiting: int  # queued for a slot (PENDING, or woken but not yet admitted)
+    tenant_running: int
+
+
 class BatchOut(BaseModel):
     batch_id: str
     agent: str
@@ -128,3 +140,7 @@ class ApprovalReassign(_Body):
 
     approvers: list[str] = Field(min_length=1, max_length=32)
     reason: str = Field(default="", max_length=1000)
+    created: int = 0  # documents whose session exists (the fan-out runs behind the 202)
+    cancelled: bool = False
+    eta_s: float | None = None  # at the rate so far; None until a first document ended
+    admission: BatchAdmission | None = None  # None where caps are off (embedded SQLite)

@@ -1,25 +1,103 @@
-"""Batches: one session per document, submitted together and followed as one."""
+"""Batches: one session per document, submitted together and followed as one.
+
+The manifest is written first (create-only) and the sessions after it, in the background:
+``session_ids`` are a function of the manifest (``batch_session_id``), so a fan-out that
+resumes after a crash names each document's session again instead of making a second one.
+A retry of failed documents makes a *generation*: document ``i``'s session in generation
+``g`` is its attempt ``g``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from torpor.ids import batch_session_id
 from torpor.lifecycle import SessionState
+
+# States a retry of the batch's failed documents takes back.
+RETRYABLE_STATES: frozenset[SessionState] = frozenset({SessionState.FAILED, SessionState.TIMED_OUT})
 
 
 class BatchManifest(BaseModel):
-    """The durable record of a batch: which session each document became."""
+    """The durable record of a batch: its request, and which session each document becomes.
+
+    Manifests written before the fan-out moved behind the 202 list ``session_ids`` and
+    have no ``total``; newer ones derive the ids (see :meth:`sessions`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     batch_id: str
     tenant: str
     agent: str
-    session_ids: list[str]
+    session_ids: list[str] = Field(default_factory=list)
     created_at: datetime
+    total: int = 0
+    metadata: dict[str, str] = Field(default_factory=dict)
+    callback_url: str | None = None
+    fingerprint: str = ""  # of the request: the same Idempotency-Key with other documents
+    documents_key: str | None = None  # the object holding the documents, in order
+    max_running: int | None = None  # this batch's cap on RUNNING sessions (None: none)
+
+    @property
+    def size(self) -> int:
+        return self.total or len(self.session_ids)
+
+    @property
+    def created_ms(self) -> int:
+        return int(self.created_at.timestamp() * 1000)
+
+    def session_id(self, index: int, attempt: int = 0) -> str:
+        if self.session_ids and attempt == 0:
+            return self.session_ids[index]
+        return batch_session_id(self.batch_id, self.created_ms, index, attempt)
+
+    def sessions(self) -> list[str]:
+        """The first session of every document, in document order."""
+        return self.session_ids or [self.session_id(i) for i in range(self.total)]
+
+
+class FanOutCursor(BaseModel):
+    """How far the fan-out got: every document below ``next`` has its session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    next: int = 0
+
+
+class RetryGeneration(BaseModel):
+    """One retry of a batch: the documents (by index) that get a new session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generation: int  # >= 1; the documents' sessions are attempt ``generation``
+    documents: list[int]
+    created_at: datetime
+
+
+@dataclass
+class Attempts:
+    """Which session is each document's current one, across retry generations."""
+
+    manifest: BatchManifest
+    latest: dict[int, int] = field(default_factory=dict)  # document index -> attempt
+
+    @classmethod
+    def of(cls, manifest: BatchManifest, generations: list[RetryGeneration]) -> Attempts:
+        attempts = cls(manifest)
+        for gen in sorted(generations, key=lambda g: g.generation):
+            for doc in gen.documents:
+                attempts.latest[doc] = gen.generation
+        return attempts
+
+    def current(self, index: int) -> str:
+        return self.manifest.session_id(index, self.latest.get(index, 0))
+
+    def all_current(self, upto: int | None = None) -> list[str]:
+        n = self.manifest.size if upto is None else min(upto, self.manifest.size)
+        return [self.current(i) for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -27,6 +105,9 @@ class BatchProgress:
     batch_id: str
     total: int
     by_state: dict[str, int]
+    created: int = -1  # documents whose session exists (-1: all of them)
+    cancelled: bool = False
+    eta_s: float | None = None  # at the rate so far; None until something finished
 
     @property
     def done(self) -> int:
@@ -35,3 +116,25 @@ class BatchProgress:
     @property
     def finished(self) -> bool:
         return self.done == self.total
+
+
+def eta_seconds(*, total: int, done: int, elapsed_s: float) -> float | None:
+    """Seconds until ``total`` at the average rate so far; None before a first result."""
+    if done <= 0 or elapsed_s <= 0:
+        return None
+    if done >= total:
+        return 0.0
+    return (total - done) * (elapsed_s / done)
+
+
+class ResultLine(BaseModel):
+    """One document's outcome, as the results export writes it (a JSONL line, a row)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    document_id: str | None = None  # the document's own "id", when it has one
+    session_id: str
+    state: SessionState
+    result: JsonValue = None
+    error: str | None = None

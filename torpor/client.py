@@ -9,6 +9,9 @@
     batch = client.submit_batch("purchase", documents)
     client.wait_batch(batch, on_progress=print)
 
+    batch = client.submit_dataset(ray.data.read_json("docs/"), agent="purchase")
+    results = client.read_results(batch, timeout_s=3600)  # a ray.data.Dataset
+
 It connects to Ray (``address="auto"`` when a cluster is running, else a local Ray),
 makes sure the detached reconciler is running, and talks to storage directly, so nothing
 goes through HTTP. ``AsyncClient`` is the same for asyncio code.
@@ -32,6 +35,21 @@ from torpor.models import ErrorInfo, SessionSnapshot
 from torpor.settings import Settings
 
 T = TypeVar("T")
+# The key of a document passed by reference, in its session's input.
+DOCUMENT_REF = "document_ref"
+
+
+def plain(value: Any) -> JsonValue:
+    """A Ray Data row as plain JSON: numpy scalars and arrays become Python values."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if hasattr(value, "tolist"):  # numpy arrays and scalars, without importing numpy
+        return plain(value.tolist())
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -173,16 +191,83 @@ class AsyncClient:
         )
 
     async def submit_batch(
-        self, agent: str, documents: list[JsonValue], *, metadata: dict[str, str] | None = None
+        self,
+        agent: str,
+        documents: list[JsonValue],
+        *,
+        metadata: dict[str, str] | None = None,
+        batch_id: str | None = None,
+        max_running: int | None = None,
     ) -> str:
         manifest = await self._batches.submit(
-            tenant=self.tenant, agent=agent, documents=documents, metadata=metadata
+            tenant=self.tenant,
+            agent=agent,
+            documents=documents,
+            metadata=metadata,
+            batch_id=batch_id,
+            max_running=max_running,
         )
         return manifest.batch_id
 
+    async def submit_dataset(
+        self,
+        ds: Any,
+        *,
+        agent: str,
+        by_reference: bool = False,
+        metadata: dict[str, str] | None = None,
+        max_running: int | None = None,
+    ) -> str:
+        """A batch of one session per row of the ``ray.data.Dataset`` ``ds``.
+
+        ``by_reference``: each row is stored once in the object store and the session's
+        input is ``{"id": ..., "document_ref": key}`` (read it with ``read_document``), so
+        large documents are not copied into every snapshot of the session."""
+        from torpor.ids import new_batch_id
+
+        rows = [plain(row) for row in ds.iter_rows()]
+        batch_id = new_batch_id()
+        documents: list[JsonValue] = list(rows)
+        if by_reference:
+            documents = []
+            for i, row in enumerate(rows):
+                key = await self._services.batches.put_document(batch_id, i, row)
+                doc_id = row.get("id") if isinstance(row, dict) else None
+                documents.append({"id": doc_id, DOCUMENT_REF: key})
+        return await self.submit_batch(
+            agent, documents, metadata=metadata, batch_id=batch_id, max_running=max_running
+        )
+
+    async def read_document(self, ref: str) -> JsonValue:
+        """A document passed by reference (``submit_dataset(..., by_reference=True)``)."""
+        return await self._services.batches.document(ref)
+
+    async def results(self, batch_id: str, fmt: str = "jsonl") -> bytes:
+        """The finished batch's results export (``BatchNotFinished`` before)."""
+        return await self._batches.results(batch_id, fmt, tenant=self.tenant)
+
+    async def read_results(self, batch_id: str, *, timeout_s: float | None = None) -> Any:
+        """The batch's results as a ``ray.data.Dataset``, one row per document (index,
+        document_id, session_id, state, result as JSON text, error); waits up to
+        ``timeout_s`` for the batch to finish first if given."""
+        import io
+
+        import pyarrow.parquet as pq
+        import ray.data
+
+        if timeout_s is not None:
+            await self.wait_batch(batch_id, timeout_s=timeout_s, interval_s=0.5)
+        table = pq.read_table(io.BytesIO(await self.results(batch_id, "parquet")))
+        return ray.data.from_arrow(table)
+
     async def progress(self, batch_id: str) -> dict[str, Any]:
         p = await self._batches.progress(batch_id, tenant=self.tenant)
-        return {"batch_id": p.batch_id, "total": p.total, "done": p.done, "by_state": p.by_state}
+        return {
+            "batch_id": p.batch_id,
+            "total": p.total,
+            "done": p.done,
+            "by_state": p.by_state,
+        }
 
     async def wait_batch(
         self,
@@ -250,6 +335,18 @@ class Client:
 
     def wait_batch(self, batch_id: str, **kwargs: Any) -> dict[str, Any]:
         return self._call(self._async.wait_batch(batch_id, **kwargs))
+
+    def submit_dataset(self, ds: Any, *, agent: str, **kwargs: Any) -> str:
+        return self._call(self._async.submit_dataset(ds, agent=agent, **kwargs))
+
+    def read_document(self, ref: str) -> JsonValue:
+        return self._call(self._async.read_document(ref))
+
+    def results(self, batch_id: str, fmt: str = "jsonl") -> bytes:
+        return self._call(self._async.results(batch_id, fmt))
+
+    def read_results(self, batch_id: str, *, timeout_s: float | None = None) -> Any:
+        return self._call(self._async.read_results(batch_id, timeout_s=timeout_s))
 
     def close(self) -> None:
         self._call(self._async.close())

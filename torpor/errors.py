@@ -469,3 +469,17 @@ class BusinessKeyInUse(PermanentError):
 
     code = "business_key_in_use"
     status, title, public = 409, "Business key in use", True
+
+
+class BatchNotFinished(PermanentError):
+    """The batch's results are asked for while some of its documents are still running."""
+
+    code = "batch_not_finished"
+    status, title, public = 409, "Batch not finished", True
+
+
+class BatchCancelled(PermanentError):
+    """A cancelled batch takes no retry."""
+
+    code = "batch_cancelled"
+    status, title, public = 409, "Batch cancelled", True

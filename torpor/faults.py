@@ -38,6 +38,9 @@ class CrashPoint(StrEnum):
     # submit (the session service)
     SUBMIT_AFTER_CLAIM = "submit.after_claim"  # Idempotency-Key claimed; no snapshot yet
     SUBMIT_AFTER_CREATE = "submit.after_create"  # snapshot created; the key not finished
+    # batches (a Serve replica or the reconciler fanning a batch out)
+    BATCH_MANIFEST = "batch.manifest"  # the manifest is written; no session created yet
+    BATCH_FANOUT_CHUNK = "batch.fanout_chunk"  # a chunk of sessions made; cursor not saved
     # the webhook edge (a Serve replica)
     GATEWAY_AFTER_CLAIM = "gateway.after_claim"  # replay claims taken; nothing stored
     GATEWAY_AFTER_INBOX = "gateway.after_inbox"  # the event is in the inbox; no wake timer

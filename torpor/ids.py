@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from functools import lru_cache
 
 CORRELATION_ID_BYTES = 16
 MIN_CORRELATION_ID_BITS = 96
@@ -44,6 +45,20 @@ def session_id_ms(session_id: str) -> int | None:
             return None
         ms = (ms << 5) | value
     return ms
+
+
+def batch_session_id(batch_id: str, created_ms: int, index: int, attempt: int = 0) -> str:
+    """The session of a batch's document ``index`` (its ``attempt``-th, after retries).
+
+    A function of the batch, not random: a fan-out resumed after a crash, or run twice,
+    names the same session again, and the create-only snapshot write makes it once."""
+    return "s_" + _batch_prefix(created_ms) + digest(batch_id, str(index), str(attempt), length=16)
+
+
+@lru_cache(maxsize=64)
+def _batch_prefix(created_ms: int) -> str:
+    # One batch's ids share it: computed once, not for each of its 10,000 documents.
+    return _time_prefix(created_ms)
 
 
 def new_batch_id(now_ms: int | None = None) -> str:

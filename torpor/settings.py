@@ -285,6 +285,23 @@ class RuntimeSettings(_Section):
     )
 
 
+class BatchSettings(_Section):
+    """Batches: the fan-out behind the 202 and the caps on sessions running at once."""
+
+    max_running_per_batch: int = Field(
+        64, ge=1, description="RUNNING sessions of one batch at once; the rest wait as PENDING"
+    )
+    max_running_per_tenant: int = Field(
+        256, ge=1, description="RUNNING sessions of all of a tenant's batches at once"
+    )
+    admission_retry_s: float = Field(
+        30.0, gt=0, description="a queued batch session is retried after this at the latest"
+    )
+    fanout_chunk: int = Field(
+        200, ge=1, le=10_000, description="sessions a fan-out creates between cursor saves"
+    )
+
+
 class PoolSettings(_Section):
     """The `pooled` placement's long-lived host actors."""
 
@@ -335,6 +352,7 @@ class Settings(BaseSettings):
     runtime: RuntimeSettings = Field(
         default_factory=RuntimeSettings, description="session core deadlines and retries"
     )
+    batches: BatchSettings = Field(default_factory=BatchSettings, description="batches")
 
     @field_validator("sources")
     @classmethod

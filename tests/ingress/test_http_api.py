@@ -218,6 +218,56 @@ async def test_batches(http: httpx.AsyncClient, deployment: Deployment, world: W
     assert_problem(await http.get(location, headers=deployment.auth("beta")), 404)
 
 
+async def test_batch_admission_cancel_and_results_over_http(
+    http: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    auth = deployment.auth()
+    body = {
+        "agent": "purchase",
+        "documents": [{"doc": unique("BR"), "id": f"d{i}"} for i in range(3)],
+    }
+    created = await http.post(
+        "/v1/batches", headers={**auth, "Idempotency-Key": unique("batch")}, json=body
+    )
+    assert created.status_code == 202, created.text
+    location = created.headers["location"]
+    out = created.json()
+    assert out["links"]["results"] == f"{location}/results"
+    caps = deployment.settings.batches
+    assert out["admission"]["max_running"] == caps.max_running_per_batch
+    assert out["admission"]["max_running_per_tenant"] == caps.max_running_per_tenant
+    # Not finished: no results yet, as problem+json.
+    assert_problem(await http.get(f"{location}/results", headers=auth), 409)
+
+    async def created_all() -> bool:
+        return bool((await http.get(location, headers=auth)).json()["created"] == 3)
+
+    await eventually(created_all, what="fan-out done")
+    cancelled = await http.post(f"{location}/cancel", headers=auth)
+    assert cancelled.status_code == 202 and cancelled.json()["cancelled"]
+
+    async def finished() -> bool:
+        got = (await http.get(location, headers=auth)).json()
+        return bool(got["finished"] and got["by_state"] == {"CANCELLED": 3})
+
+    await eventually(finished, what="batch cancelled")
+    assert (await http.post(f"{location}/cancel", headers=auth)).status_code == 202
+    assert_problem(await http.post(f"{location}/retry", headers=auth), 409)
+    jsonl = await http.get(f"{location}/results", headers=auth)
+    assert jsonl.status_code == 200 and jsonl.headers["content-type"] == "application/x-ndjson"
+    rows = [json.loads(line) for line in jsonl.text.splitlines()]
+    assert [(r["document_id"], r["state"]) for r in rows] == [
+        (f"d{i}", "CANCELLED") for i in range(3)
+    ]
+    parquet = await http.get(f"{location}/results", params={"format": "parquet"}, headers=auth)
+    assert parquet.status_code == 200 and parquet.content.startswith(b"PAR1")
+    assert_problem(await http.get(f"{location}/results", headers=deployment.auth("beta")), 404)
+    assert_problem(
+        await http.get(f"{location}/results", params={"format": "xml"}, headers=auth), 400
+    )
+    assert_problem(await http.post("/v1/batches/b_nope/cancel", headers=auth), 404)
+
+
 async def test_server_sent_events_push_live_and_replay_from_last_event_id(
     http: httpx.AsyncClient, deployment: Deployment, world: World
 ) -> None:

@@ -36,6 +36,7 @@ from torpor.ports.repositories import (
     SnapshotRepository,
 )
 from torpor.ports.routing import CallbackRouter, Notifier
+from torpor.ports.slots import RunningSlots, SlotEntry, SlotUsage
 
 __all__ = [
     "Activator",
@@ -61,8 +62,11 @@ __all__ = [
     "Reason",
     "RetentionReport",
     "RetentionRepository",
+    "RunningSlots",
     "SessionPage",
     "SessionRegistry",
+    "SlotEntry",
+    "SlotUsage",
     "SnapshotRepository",
     "StoredObject",
     "TimerIndex",

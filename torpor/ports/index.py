@@ -63,6 +63,7 @@ class TimerKind(StrEnum):
     TOOL = "tool"  # a timer a wait's tool asked for (an approval's reminder or escalation)
     RETRY = "retry"  # an outbox entry or a failed activation is due for another try
     DELIVER = "deliver"  # an outbound notification is due for an attempt
+    FANOUT = "fanout"  # a batch whose sessions are not all created yet (member: batch id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,9 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Collection
     from datetime import datetime, timedelta
 
-    from torpor.batches import BatchManifest
+    from pydantic import JsonValue
+
+    from torpor.batches import BatchManifest, FanOutCursor, ResultLine, RetryGeneration
     from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
     from torpor.events import InboxEvent
     from torpor.lifecycle import SessionState
@@ -119,7 +121,8 @@ class CorrelationRepository(Protocol):
 
 
 class BatchRepository(Protocol):
-    """Batch manifests: written once, after every session of the batch exists."""
+    """Batch manifests (written once, before the sessions), their documents, the fan-out
+    cursor, cancel marker, retry generations and results exports."""
 
     async def create(self, manifest: BatchManifest) -> bool:
         """Create-only: False if a manifest with this batch id already exists."""
@@ -127,6 +130,48 @@ class BatchRepository(Protocol):
 
     async def get(self, batch_id: str) -> BatchManifest:
         """Raise ``NotFound`` if there is no such (readable) batch."""
+        ...
+
+    async def put_documents(
+        self, batch_id: str, fingerprint: str, documents: list[JsonValue]
+    ) -> str:
+        """Write-once documents of one request (keyed by its fingerprint); their key."""
+        ...
+
+    async def documents(self, key: str) -> list[JsonValue]: ...
+
+    async def put_document(self, batch_id: str, index: int, document: JsonValue) -> str:
+        """One document stored to be passed by reference; its key."""
+        ...
+
+    async def document(self, key: str) -> JsonValue:
+        """A document passed by reference; ``NotFound`` if there is none at ``key``."""
+        ...
+
+    async def cursor(self, batch_id: str) -> FanOutCursor:
+        """The fan-out cursor; at 0 if none was written yet."""
+        ...
+
+    async def save_cursor(self, batch_id: str, cursor: FanOutCursor) -> None: ...
+
+    async def mark_cancelled(self, batch_id: str) -> None:
+        """Idempotent: the batch stays cancelled."""
+        ...
+
+    async def is_cancelled(self, batch_id: str) -> bool: ...
+
+    async def add_generation(self, batch_id: str, generation: RetryGeneration) -> bool:
+        """Create-only: False if that generation exists already (a concurrent retry)."""
+        ...
+
+    async def generations(self, batch_id: str) -> list[RetryGeneration]: ...
+
+    async def put_results(self, batch_id: str, lines: list[ResultLine]) -> None:
+        """Write the export in every format (JSONL, Parquet)."""
+        ...
+
+    async def results(self, batch_id: str, fmt: str) -> bytes | None:
+        """The export in ``fmt`` (jsonl, parquet); None if it was not written yet."""
         ...
 
 

@@ -25,6 +25,7 @@ from torpor.ports.repositories import (
     SnapshotRepository,
 )
 from torpor.ports.routing import CallbackRouter, Notifier
+from torpor.ports.slots import RunningSlots
 from torpor.settings import Settings
 from torpor.work import ProgressRepository
 
@@ -82,8 +83,12 @@ class Services:
     retention: RetentionRepository | None = None  # None: nothing is ever deleted
     # Progress reported by running compute work (``torpor.work``); None: not kept.
     progress: ProgressRepository | None = None
+    # Caps on RUNNING batch sessions; None where the index cannot share them (SQLite).
+    slots: RunningSlots | None = None
 
     async def close(self) -> None:
+        if self.slots is not None:
+            await self.slots.close()
         await self.audit.close()
         await self.plugins.close()
         await self.index.close()

@@ -1,29 +1,71 @@
-"""Batches: one session per document, submitted together, followed as one.
+"""Batches: one session per document, accepted at once, fanned out behind the answer.
 
-Each document is submitted with the idempotency key ``batch:{id}:{n}`` and the manifest is
-written create-only after every session exists, so re-submitting a batch after a crash
-creates nothing twice and ends with the same manifest.
+``accept`` writes the documents and then the manifest (create-only; the batch id is a
+function of tenant and Idempotency-Key, so a retried request finds its batch) and answers;
+``fan_out`` creates the sessions from the manifest, a chunk at a time, saving a cursor
+after each. Each document's session id is a function of the manifest, and creating a
+session is create-only, so a fan-out resumed after a crash (the reconciler finds the
+batch by its ``FANOUT`` timer, set before the manifest) never makes a document's session
+twice. Sessions are registered under the batch's and tenant's running caps before they
+are created; their activation then waits for a slot (``torpor.service.admission``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections import Counter
+from datetime import timedelta
 
 from pydantic import JsonValue
 
-from torpor.batches import BatchManifest, BatchProgress
-from torpor.errors import InvalidRequest, NotFound, SessionNotFound
-from torpor.ids import new_batch_id
-from torpor.service.sessions import SessionService
+from torpor.batches import (
+    RETRYABLE_STATES,
+    Attempts,
+    BatchManifest,
+    BatchProgress,
+    FanOutCursor,
+    ResultLine,
+    RetryGeneration,
+    eta_seconds,
+)
+from torpor.errors import (
+    BatchCancelled,
+    BatchNotFinished,
+    IdempotencyMismatch,
+    InvalidRequest,
+    NotFound,
+    PluginNotFound,
+    SessionNotFound,
+    UnknownAgent,
+)
+from torpor.faults import CrashPoint, crash_point
+from torpor.ids import batch_session_id, new_batch_id
+from torpor.lifecycle import SessionState
+from torpor.ports import SlotUsage, TimerKind
+from torpor.ports.slots import batch_scope, tenant_scope
+from torpor.service.sessions import SessionService, fingerprint
+from torpor.ssrf import check_callback_url
+
+SUBMITS_AT_ONCE = 32  # session creations one fan-out has in flight
+log = logging.getLogger(__name__)
 
 
 class BatchService:
-    """Submit a batch of documents and follow its progress, through a ``SessionService``."""
+    """Submit a batch of documents and follow, cancel, retry and export it."""
 
     def __init__(self, sessions: SessionService) -> None:
         self.sessions = sessions
         self.services = sessions.services
+        self.settings = sessions.services.settings.batches
+        self._fan_outs: dict[str, asyncio.Task[int]] = {}
+
+    @property
+    def _grace(self) -> timedelta:
+        return timedelta(seconds=self.services.settings.reconciler.wake_grace_s)
+
+    # -- submit -----------------------------------------------------------------------
 
     async def submit(
         self,
@@ -34,39 +76,206 @@ class BatchService:
         metadata: dict[str, str] | None = None,
         callback_url: str | None = None,
         batch_id: str | None = None,
-        concurrency: int = 16,
+        max_running: int | None = None,
     ) -> BatchManifest:
-        """One session per document; the manifest of an earlier identical submission if
-        there was one."""
+        """Accept the batch, then fan it out: in the background for a service that answers
+        first (``background``), else before returning."""
+        manifest = await self.accept(
+            tenant=tenant,
+            agent=agent,
+            documents=documents,
+            metadata=metadata,
+            callback_url=callback_url,
+            batch_id=batch_id,
+            max_running=max_running,
+        )
+        if self.sessions.background:
+            self.start_fan_out(manifest.batch_id)
+        else:
+            await self.fan_out(manifest.batch_id)
+        return manifest
+
+    async def accept(
+        self,
+        *,
+        tenant: str,
+        agent: str,
+        documents: list[JsonValue],
+        metadata: dict[str, str] | None = None,
+        callback_url: str | None = None,
+        batch_id: str | None = None,
+        max_running: int | None = None,
+    ) -> BatchManifest:
+        """Durably accept a batch; creates no session. Idempotent by ``batch_id``."""
         if not documents:
             raise InvalidRequest("a batch needs at least one document")
+        try:
+            self.services.plugins.agent(agent)
+        except PluginNotFound as exc:
+            raise UnknownAgent(f"no agent named {agent!r} is configured") from exc
+        metadata = dict(metadata or {})
+        if callback_url is not None:  # checked once here, not once per document
+            if self.services.settings.notifications.key is None:
+                raise InvalidRequest("callback_url needs notifications set up (notify_key)")
+            await asyncio.to_thread(
+                check_callback_url,
+                callback_url,
+                allow_private=self.services.settings.notifications.allow_private_callbacks,
+            )
+        cap = min(
+            max_running or self.settings.max_running_per_batch, self.settings.max_running_per_batch
+        )
+        fp = fingerprint(
+            {
+                "agent": agent,
+                "documents": documents,
+                "metadata": metadata,
+                "callback": callback_url,
+                "max_running": max_running,
+            }
+        )
         batch_id = batch_id or new_batch_id()
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(i: int, doc: JsonValue) -> str:
-            async with gate:
-                result = await self.sessions.submit(
-                    tenant=tenant,
-                    agent=agent,
-                    input=doc,
-                    metadata=metadata,
-                    callback_url=callback_url,
-                    idempotency_key=f"batch:{batch_id}:{i}",
-                    batch_id=batch_id,
-                )
-                return result.session_id
-
-        ids = await asyncio.gather(*(one(i, d) for i, d in enumerate(documents)))
+        existing = await self._existing(batch_id, tenant, fp)
+        if existing is not None:
+            return existing
+        key = await self.services.batches.put_documents(batch_id, fp, documents)
+        now = self.services.clock.now()
         manifest = BatchManifest(
             batch_id=batch_id,
             tenant=tenant,
             agent=agent,
-            session_ids=list(ids),
-            created_at=self.services.clock.now(),
+            created_at=now,
+            # Listed for readers of the manifest; derived, so a resumed fan-out agrees.
+            session_ids=[
+                batch_session_id(batch_id, int(now.timestamp() * 1000), i)
+                for i in range(len(documents))
+            ],
+            total=len(documents),
+            metadata=metadata,
+            callback_url=callback_url,
+            fingerprint=fp,
+            documents_key=key,
+            max_running=cap,
+        )
+        # The safety net before the manifest: a batch whose fan-out dies (this replica is
+        # killed) is found by the reconciler through this timer and finished.
+        await self.services.index.schedule(
+            kind=TimerKind.FANOUT, member=batch_id, at=now + self._grace
         )
         if not await self.services.batches.create(manifest):
-            return await self.get(batch_id, tenant=tenant)
+            found = await self._existing(batch_id, tenant, fp)
+            if found is None:  # pragma: no cover - create-only said it exists
+                raise NotFound(f"no batch {batch_id!r}")
+            return found
+        crash_point(CrashPoint.BATCH_MANIFEST)
         return manifest
+
+    async def _existing(self, batch_id: str, tenant: str, fp: str) -> BatchManifest | None:
+        try:
+            manifest = await self.get(batch_id, tenant=tenant)
+        except NotFound:
+            return None
+        if manifest.fingerprint and manifest.fingerprint != fp:
+            raise IdempotencyMismatch(
+                "this Idempotency-Key was already used with a different batch"
+            )
+        return manifest
+
+    # -- fan-out ----------------------------------------------------------------------
+
+    def start_fan_out(self, batch_id: str) -> None:
+        """Fan out in this event loop's background (once per batch and process)."""
+        running = self._fan_outs.get(batch_id)
+        if running is not None and not running.done():
+            return
+        task = asyncio.create_task(self.fan_out(batch_id))
+        self._fan_outs[batch_id] = task
+        task.add_done_callback(self._fanned_out)
+
+    def _fanned_out(self, task: asyncio.Task[int]) -> None:
+        for batch_id, t in list(self._fan_outs.items()):
+            if t is task:
+                del self._fan_outs[batch_id]
+        if not task.cancelled() and task.exception() is not None:
+            # The FANOUT timer is still set: the reconciler resumes from the cursor.
+            log.error("batch fan-out failed; the reconciler resumes it", exc_info=task.exception())
+
+    async def drain(self) -> None:
+        """Wait for background fan-outs (tests, orderly shutdown)."""
+        while self._fan_outs:
+            await asyncio.gather(*list(self._fan_outs.values()), return_exceptions=True)
+
+    async def fan_out(self, batch_id: str) -> int:
+        """Create the batch's sessions from its cursor on; the number created now."""
+        batches, index = self.services.batches, self.services.index
+        try:
+            manifest = await batches.get(batch_id)
+        except NotFound:  # the timer was set, the manifest never written: nothing to do
+            await index.unschedule(kind=TimerKind.FANOUT, member=batch_id)
+            return 0
+        cursor = await batches.cursor(batch_id) if manifest.documents_key else None
+        if cursor is None or manifest.documents_key is None or cursor.next >= manifest.total:
+            await index.unschedule(kind=TimerKind.FANOUT, member=batch_id)
+            return 0
+        documents = await batches.documents(manifest.documents_key)
+        made = 0
+        chunk = self.settings.fanout_chunk
+        for start in range(cursor.next, manifest.total, chunk):
+            if await batches.is_cancelled(batch_id):
+                break
+            end = min(start + chunk, manifest.total)
+            # Keep the safety net ahead of this fan-out, so the reconciler does not start
+            # a second one while this one makes progress.
+            await index.schedule(
+                kind=TimerKind.FANOUT,
+                member=batch_id,
+                at=self.services.clock.now() + self._grace,
+            )
+            await self._register(manifest, {manifest.session_id(i): i for i in range(start, end)})
+            made += await self._create(
+                manifest, [(i, manifest.session_id(i), documents[i]) for i in range(start, end)]
+            )
+            crash_point(CrashPoint.BATCH_FANOUT_CHUNK)
+            await batches.save_cursor(batch_id, FanOutCursor(next=end))
+        await index.unschedule(kind=TimerKind.FANOUT, member=batch_id)
+        return made
+
+    async def _register(self, manifest: BatchManifest, members: dict[str, int]) -> None:
+        slots = self.services.slots
+        if slots is None:
+            return
+        await slots.register(
+            members=members,
+            scopes={
+                batch_scope(manifest.batch_id): manifest.max_running
+                or self.settings.max_running_per_batch,
+                tenant_scope(manifest.tenant): self.settings.max_running_per_tenant,
+            },
+            queue=batch_scope(manifest.batch_id),
+        )
+
+    async def _create(
+        self, manifest: BatchManifest, items: list[tuple[int, str, JsonValue]]
+    ) -> int:
+        gate = asyncio.Semaphore(SUBMITS_AT_ONCE)
+
+        async def one(session_id: str, document: JsonValue) -> bool:
+            async with gate:
+                submitted = await self.sessions.submit(
+                    tenant=manifest.tenant,
+                    agent=manifest.agent,
+                    input=document,
+                    metadata=manifest.metadata,
+                    callback_url=manifest.callback_url,
+                    batch_id=manifest.batch_id,
+                    session_id=session_id,
+                )
+                return submitted.created
+
+        created = await asyncio.gather(*(one(sid, doc) for _, sid, doc in items))
+        return sum(created)
+
+    # -- inspect ----------------------------------------------------------------------
 
     async def get(self, batch_id: str, *, tenant: str | None = None) -> BatchManifest:
         """A tenant never sees another tenant's batch: it is simply not found."""
@@ -75,14 +284,169 @@ class BatchService:
             raise NotFound(f"no batch {batch_id[:80]!r}")
         return manifest
 
-    async def progress(self, batch_id: str, *, tenant: str | None = None) -> BatchProgress:
-        manifest = await self.get(batch_id, tenant=tenant)
-        states = await self.services.index.session_states(manifest.session_ids)
-        missing = [sid for sid in manifest.session_ids if sid not in states]
-        for sid in missing:  # the index lost them (e.g. flushed): ask the snapshots
+    async def attempts(self, manifest: BatchManifest) -> Attempts:
+        return Attempts.of(manifest, await self.services.batches.generations(manifest.batch_id))
+
+    async def created(self, manifest: BatchManifest) -> int:
+        """How many documents have their (first) session."""
+        if not manifest.documents_key:
+            return manifest.size
+        return (await self.services.batches.cursor(manifest.batch_id)).next
+
+    async def _states(self, session_ids: list[str]) -> dict[str, SessionState]:
+        states = await self.services.index.session_states(session_ids)
+        for sid in [s for s in session_ids if s not in states]:
+            # The index lost it (flushed), or its chunk is being created: the snapshot.
             try:
                 states[sid] = (await self.services.snapshots.header(sid)).state
             except SessionNotFound:
                 continue
+        return states
+
+    async def progress(self, batch_id: str, *, tenant: str | None = None) -> BatchProgress:
+        manifest = await self.get(batch_id, tenant=tenant)
+        created = await self.created(manifest)
+        cancelled = await self.services.batches.is_cancelled(batch_id)
+        attempts = await self.attempts(manifest)
+        states = await self._states(attempts.all_current(created))
         counts = Counter(state.value for state in states.values())
-        return BatchProgress(batch_id, len(manifest.session_ids), dict(counts))
+        # Documents whose session is not there yet wait as PENDING (as CANCELLED once the
+        # batch is: its fan-out stops and never makes them).
+        unmade = manifest.size - sum(counts.values())
+        if unmade:
+            counts[(SessionState.CANCELLED if cancelled else SessionState.PENDING).value] += unmade
+        done = sum(n for s, n in counts.items() if SessionState(s).terminal)
+        elapsed = (self.services.clock.now() - manifest.created_at).total_seconds()
+        return BatchProgress(
+            batch_id,
+            manifest.size,
+            dict(counts),
+            created=created,
+            cancelled=cancelled,
+            eta_s=eta_seconds(total=manifest.size, done=done, elapsed_s=elapsed),
+        )
+
+    async def usage(self, manifest: BatchManifest) -> tuple[SlotUsage, SlotUsage] | None:
+        """Running and waiting sessions of the batch and of its tenant's batches."""
+        slots = self.services.slots
+        if slots is None:
+            return None
+        scope = batch_scope(manifest.batch_id)
+        return (
+            await slots.usage(scope=scope, queue=scope),
+            await slots.usage(scope=tenant_scope(manifest.tenant), queue=scope),
+        )
+
+    # -- change -----------------------------------------------------------------------
+
+    async def cancel(self, batch_id: str, *, tenant: str | None = None) -> BatchProgress:
+        """Cancel every session not ended yet, and stop the fan-out. Idempotent."""
+        manifest = await self.get(batch_id, tenant=tenant)
+        # The marker first: a fan-out running now stops at its next chunk, and one that
+        # resumes later makes nothing more.
+        await self.services.batches.mark_cancelled(batch_id)
+        with contextlib.suppress(asyncio.CancelledError):
+            task = self._fan_outs.get(batch_id)
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
+        attempts = await self.attempts(manifest)
+        ids = attempts.all_current(await self.created(manifest))
+        states = await self._states(ids)
+        gate = asyncio.Semaphore(SUBMITS_AT_ONCE)
+
+        async def one(session_id: str) -> None:
+            async with gate:
+                await self.sessions.cancel(session_id)
+
+        await asyncio.gather(
+            *(one(sid) for sid in ids if sid in states and not states[sid].terminal)
+        )
+        return await self.progress(batch_id, tenant=tenant)
+
+    async def retry(self, batch_id: str, *, tenant: str | None = None) -> list[int]:
+        """New sessions for the documents whose session FAILED or TIMED_OUT; the document
+        indexes retried. Idempotent: a retried document has a live session, so asking
+        again retries nothing (until that one fails too)."""
+        manifest = await self.get(batch_id, tenant=tenant)
+        if await self.services.batches.is_cancelled(batch_id):
+            raise BatchCancelled(f"batch {batch_id} is cancelled")
+        generations = await self.services.batches.generations(batch_id)
+        attempts = Attempts.of(manifest, generations)
+        ids = attempts.all_current(await self.created(manifest))
+        states = await self._states(ids)
+        # A retry that died before it created its sessions: finish it first.
+        latest = max(generations, key=lambda g: g.generation) if generations else None
+        unfinished = [i for i in (latest.documents if latest else []) if ids[i] not in states]
+        failed = [i for i, sid in enumerate(ids) if states.get(sid) in RETRYABLE_STATES]
+        if failed:
+            generation = RetryGeneration(
+                generation=len(generations) + 1,
+                documents=failed,
+                created_at=self.services.clock.now(),
+            )
+            if not await self.services.batches.add_generation(batch_id, generation):
+                return []  # a concurrent retry made this generation: it creates them
+            attempts = Attempts.of(manifest, [*generations, generation])
+        todo = sorted(set(unfinished) | set(failed))
+        if not todo:
+            return []
+        documents = await self._documents(manifest)
+        await self._register(manifest, {attempts.current(i): i for i in todo})
+        await self._create(manifest, [(i, attempts.current(i), documents[i]) for i in todo])
+        return failed
+
+    async def _documents(self, manifest: BatchManifest) -> list[JsonValue]:
+        if manifest.documents_key is None:
+            raise InvalidRequest("this batch was made before documents were kept")
+        return await self.services.batches.documents(manifest.documents_key)
+
+    # -- export -----------------------------------------------------------------------
+
+    async def results(self, batch_id: str, fmt: str, *, tenant: str | None = None) -> bytes:
+        """The batch's results in ``fmt`` (jsonl, parquet), exported once it finished."""
+        await self.get(batch_id, tenant=tenant)
+        found = await self.services.batches.results(batch_id, fmt)
+        if found is None:
+            await self.export(batch_id, tenant=tenant)
+            found = await self.services.batches.results(batch_id, fmt)
+        if found is None:  # pragma: no cover - export just wrote it
+            raise NotFound(f"no {fmt} results for batch {batch_id}")
+        return found
+
+    async def export(self, batch_id: str, *, tenant: str | None = None) -> None:
+        """Write the results of a finished batch (one line per document) to the store."""
+        progress = await self.progress(batch_id, tenant=tenant)
+        if not progress.finished:
+            raise BatchNotFinished(
+                f"batch {batch_id}: {progress.done} of {progress.total} documents done"
+            )
+        manifest = await self.get(batch_id, tenant=tenant)
+        attempts = await self.attempts(manifest)
+        documents = await self._documents(manifest) if manifest.documents_key else []
+        gate = asyncio.Semaphore(SUBMITS_AT_ONCE)
+
+        async def line(i: int) -> ResultLine:
+            session_id = attempts.current(i)
+            doc = documents[i] if i < len(documents) else None
+            doc_id = doc.get("id") if isinstance(doc, dict) else None
+            async with gate:
+                try:
+                    snap = await self.sessions.get(session_id)
+                except SessionNotFound:  # never made: the batch was cancelled first
+                    return ResultLine(
+                        index=i,
+                        document_id=None if doc_id is None else str(doc_id),
+                        session_id=session_id,
+                        state=SessionState.CANCELLED,
+                    )
+            return ResultLine(
+                index=i,
+                document_id=None if doc_id is None else str(doc_id),
+                session_id=session_id,
+                state=snap.state,
+                result=snap.result,
+                error=snap.error.message if snap.error else None,
+            )
+
+        lines = await asyncio.gather(*(line(i) for i in range(manifest.size)))
+        await self.services.batches.put_results(batch_id, list(lines))

@@ -40,6 +40,7 @@ from torpor.models import AgentRef, OutboxEntry, SessionSnapshot
 from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.service import quarantine
+from torpor.service.admission import AdmittingActivator
 from torpor.service.coalescing import Coalescer, Fallback, request_activation
 from torpor.session import dead_letters
 from torpor.ssrf import check_callback_url
@@ -75,7 +76,8 @@ class SessionService:
         self, services: Services, activator: Activator, *, background: bool = False
     ) -> None:
         self.services = services
-        self.activator = activator
+        # Batch sessions take a running slot before they are activated (batches' caps).
+        self.activator = activator = AdmittingActivator.around(activator, services)
         # In an HTTP handler, answer first and let the activation request run behind.
         self.background = background
         self._coalescer = Coalescer(
@@ -108,13 +110,19 @@ class SessionService:
         callback_url: str | None = None,
         idempotency_key: str | None = None,
         batch_id: str | None = None,
+        session_id: str | None = None,
     ) -> Submitted:
+        """Create a session and ask for its activation.
+
+        ``session_id``: a caller-chosen id (a batch's document, ``batch_session_id``), for
+        a caller that validated the request itself: creating it again finds it and only
+        finishes what the first try may not have (index, timer, activation)."""
         try:
             loaded = self.services.plugins.agent(agent)
         except PluginNotFound as exc:
             raise UnknownAgent(f"no agent named {agent!r} is configured") from exc
         metadata = dict(metadata or {})
-        if callback_url is not None:
+        if callback_url is not None and session_id is None:
             if self.services.settings.notifications.key is None:
                 raise InvalidRequest("callback_url needs notifications set up (notify_key)")
             await asyncio.to_thread(
@@ -123,7 +131,8 @@ class SessionService:
                 allow_private=self.services.settings.notifications.allow_private_callbacks,
             )
         now = self._now
-        session_id = new_session_id(int(now.timestamp() * 1000))
+        chosen = session_id is not None
+        session_id = session_id or new_session_id(int(now.timestamp() * 1000))
         if idempotency_key is not None:
             fp = fingerprint(
                 {"agent": agent, "input": input, "metadata": metadata, "callback": callback_url}
@@ -176,7 +185,7 @@ class SessionService:
         try:
             snapshot = await self.services.snapshots.create(snapshot)
         except ObjectExists:
-            if idempotency_key is None:
+            if idempotency_key is None and not chosen:
                 raise  # a fresh id taken: fail loudly rather than merge two sessions
             existing = await self._created(session_id)
             if existing is None:
@@ -330,13 +339,13 @@ class SessionService:
         """Durably accept an event for a session, then activate it. False for a redelivery."""
         new = await self.services.inbox.deliver(event)
         if new:
-            await self.activate_for_event(event.session_id)
+            await self.activate_for_event(event.session_id, reason=_reason_for(event))
         return new
 
-    async def activate_for_event(self, session_id: str) -> None:
+    async def activate_for_event(self, session_id: str, *, reason: Reason = Reason.EVENT) -> None:
         """After a durable inbox write: a timer as safety net, then an activation."""
         await self._activation_timer(session_id)
-        await self.activate(session_id, reason=Reason.EVENT)
+        await self.activate(session_id, reason=reason)
 
     async def activate(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
         """Ask for an activation. Failure here loses nothing: the state is already durable
@@ -349,3 +358,8 @@ class SessionService:
     async def drain(self) -> None:
         """Wait for background activation requests (tests, orderly shutdown)."""
         await self._coalescer.drain()
+
+
+def _reason_for(event: InboxEvent) -> Reason:
+    # A cancel is activated as one: it is never held back behind a batch's running cap.
+    return Reason.CANCEL if event.kind is EventKind.CANCEL else Reason.EVENT

@@ -39,6 +39,7 @@ from torpor.errors import PluginNotFound, SessionNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
 from torpor.models import SessionSnapshot
 from torpor.ports import Reason, TimerKind, WaitBinding
+from torpor.service.batches import BatchService
 from torpor.service.coalescing import Fallback, request_activation
 from torpor.service.deliveries import DeliveryWorker
 from torpor.service.repair import IndexRepair
@@ -68,6 +69,7 @@ class SweepReport:
     retried: int = 0
     woken: int = 0  # activation timers that fired (the name is part of the report's output)
     deliveries: int = 0
+    fan_outs: int = 0  # batch fan-outs resumed
     repaired_waits: int = 0
     repaired_sessions: int = 0
     suspended: int | None = None
@@ -93,6 +95,7 @@ class Sweeper:
         self.deliveries = deliveries or DeliveryWorker(self.services)
         self._fallback = Fallback.of(self.services)
         self._repair = IndexRepair(self.services, self._request_all, self._tool)
+        self.batches = BatchService(sessions)
 
     @property
     def timer_lease(self) -> timedelta:
@@ -111,6 +114,7 @@ class Sweeper:
             self._polls,
             self._tool_timers,
             self._retention,
+            self._fan_outs,
         ]
 
     async def sweep_once(self, now: datetime | None = None) -> SweepReport:
@@ -233,6 +237,15 @@ class Sweeper:
         due = await index.lease_due(kind=TimerKind.WAKE, now=now, limit=BATCH, until=until)
         await self._request_all([(sid, Reason.EVENT) for sid in due])
         report.woken += len(due)
+
+    async def _fan_outs(self, now: datetime, report: SweepReport) -> None:
+        # Batches whose fan-out stopped (its replica died): resumed from their cursor, in
+        # the background. The timer stays until a fan-out completes (it removes it).
+        index, until = self.services.index, now + self.timer_lease
+        due = await index.lease_due(kind=TimerKind.FANOUT, now=now, limit=BATCH, until=until)
+        for batch_id in due:
+            self.batches.start_fan_out(batch_id)
+        report.fan_outs += len(due)
 
     async def _deliveries(self, now: datetime, report: SweepReport) -> None:
         # Started, not awaited: a slow receiver never holds up the sweep.

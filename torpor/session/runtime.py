@@ -41,6 +41,7 @@ from torpor.ports.services import Services
 from torpor.session.activation import Activation
 from torpor.session.heartbeat import Heartbeat
 from torpor.session.retry import retry_delay
+from torpor.session.slots import leave_slot
 from torpor.session.working import StopActivation
 
 MAX_ROUNDS = 8
@@ -99,7 +100,11 @@ class SessionRuntime:
                 **{"torpor.session_id": session_id, "torpor.reason": reason.value},
             ),
         ):
-            return await self._activate(session_id, reason, requested_at)
+            result = await self._activate(session_id, reason, requested_at)
+        if result.outcome is not ActivationOutcome.BUSY:
+            # BUSY: the activation holding the lease gives the slot back when it ends.
+            await leave_slot(self.deps, session_id, result.state)
+        return result
 
     async def _activate(
         self, session_id: str, reason: Reason, requested_at: float | None

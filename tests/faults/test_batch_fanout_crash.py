@@ -1,0 +1,70 @@
+"""A batch's fan-out killed -9 mid-way is resumed by the reconciler from the manifest:
+every document ends with exactly one session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.crash import run_killed_at
+from tests.support.harness import local_env
+from torpor.batches import FanOutCursor
+from torpor.faults import CrashPoint
+from torpor.service.batches import BatchService
+from torpor.service.sweeper import Sweeper
+
+pytestmark = pytest.mark.redis
+
+DOCS = 7
+FAN_OUT_IN_CHILD = """
+import asyncio, sys
+from pathlib import Path
+from tests.support.harness import local_env
+from torpor.service.batches import BatchService
+
+async def main() -> None:
+    extra = {"batches": {"fanout_chunk": 3}}
+    async with local_env(Path(sys.argv[1]), sys.argv[2], sys.argv[3], extra=extra) as env:
+        await BatchService(env.control).submit(
+            tenant="acme", agent="purchase", batch_id="b_crash",
+            documents=[{"doc": f"PR-{i}", "amount": 10.0} for i in range(int(sys.argv[4]))],
+        )
+
+asyncio.run(main())
+"""
+
+
+async def test_a_fan_out_killed_mid_way_resumes_with_one_session_per_document(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    run_killed_at(
+        CrashPoint.BATCH_FANOUT_CHUNK,
+        FAN_OUT_IN_CHILD,
+        str(tmp_path),
+        redis_url,
+        redis_prefix,
+        str(DOCS),
+    )
+    extra = {"batches": {"fanout_chunk": 3}}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+        store = env.services.store
+        # Died after the first chunk's sessions, before its cursor was saved.
+        assert len((await store.list("snapshots/")).keys) == 3
+        assert await env.services.batches.cursor("b_crash") == FanOutCursor(next=0)
+        sweeper = Sweeper(env.control)
+        env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
+        report = await sweeper.sweep_once()
+        assert report.fan_outs == 1
+        await sweeper.batches.drain()
+        manifest = await BatchService(env.control).get("b_crash")
+        stored = sorted(k.rpartition("/")[2] for k in (await store.list("snapshots/")).keys)
+        assert stored == sorted(manifest.sessions()) and len(stored) == DOCS
+        for i, sid in enumerate(manifest.sessions()):
+            snap = await env.load(sid)
+            assert snap.input == {"doc": f"PR-{i}", "amount": 10.0} and snap.batch_id == "b_crash"
+        progress = await BatchService(env.control).progress("b_crash")
+        assert progress.by_state == {"SUSPENDED": DOCS} and progress.created == DOCS
+        # Done: the safety-net timer is gone, a later sweep resumes nothing.
+        env.clock.advance(3600)
+        assert (await sweeper.sweep_once()).fan_outs == 0

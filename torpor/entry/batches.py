@@ -1,0 +1,64 @@
+"""What the HTTP edge shows of a batch: its progress, caps, links and results stream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from enum import StrEnum
+
+from torpor.api import BatchAdmission, BatchOut
+from torpor.service.batches import BatchService
+
+RESULT_CHUNK = 64 * 1024
+
+
+class ResultFormat(StrEnum):
+    JSONL = "jsonl"
+    PARQUET = "parquet"
+
+    @property
+    def media_type(self) -> str:
+        return (
+            "application/x-ndjson"
+            if self is ResultFormat.JSONL
+            else "application/vnd.apache.parquet"
+        )
+
+
+async def batch_out(batches: BatchService, batch_id: str, tenant: str) -> BatchOut:
+    manifest = await batches.get(batch_id, tenant=tenant)
+    progress = await batches.progress(batch_id, tenant=tenant)
+    usage = await batches.usage(manifest)
+    settings = batches.settings
+    base = f"/v1/batches/{batch_id}"
+    return BatchOut(
+        batch_id=batch_id,
+        agent=manifest.agent,
+        total=progress.total,
+        done=progress.done,
+        finished=progress.finished,
+        by_state=progress.by_state,
+        session_ids=manifest.sessions(),
+        links={
+            "self": base,
+            "cancel": f"{base}/cancel",
+            "retry": f"{base}/retry",
+            "results": f"{base}/results",
+        },
+        created=progress.created,
+        cancelled=progress.cancelled,
+        eta_s=progress.eta_s,
+        admission=None
+        if usage is None
+        else BatchAdmission(
+            max_running=manifest.max_running or settings.max_running_per_batch,
+            max_running_per_tenant=settings.max_running_per_tenant,
+            running=usage[0].running,
+            waiting=usage[0].waiting,
+            tenant_running=usage[1].running,
+        ),
+    )
+
+
+async def result_chunks(data: bytes) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), RESULT_CHUNK):
+        yield data[start : start + RESULT_CHUNK]
