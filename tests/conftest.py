@@ -172,3 +172,31 @@ async def eventually(
         if loop.time() > deadline:
             raise AssertionError(f"condition not met within {timeout_s}s: {what}")
         await asyncio.sleep(interval_s)
+
+
+# A hang is reported with the await chain of every task, not only the event loop's frame:
+# pytest-timeout (300 s, pyproject) ends the test, and shortly before that this watchdog
+# prints where each coroutine of the running loop is waiting.
+_HANG_REPORT_S = 240.0
+
+
+def _print_task_stacks() -> None:
+    import gc
+    import sys
+
+    for obj in gc.get_objects():
+        if isinstance(obj, asyncio.AbstractEventLoop) and obj.is_running():
+            print(f"\n--- still running after {_HANG_REPORT_S:g} s ---", file=sys.stderr)
+            for task in list(asyncio.all_tasks(obj)):
+                task.print_stack(file=sys.stderr)
+
+
+@pytest.fixture(autouse=True)
+def _hang_report() -> Iterator[None]:
+    import threading
+
+    timer = threading.Timer(_HANG_REPORT_S, _print_task_stacks)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
