@@ -145,6 +145,7 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
         }
     )
     ray.init(
+        address="local",  # never a cluster someone else started on this machine
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     ray.init(
+        address="local",  # never a cluster someone else started on this machine
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

@@ -196,6 +196,7 @@ def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
     print(ingress.message, file=chatter, flush=True)
     try:
         ray.init(
+            address="local",  # the demo's own Ray, with the ingress chosen above
             namespace=settings.namespace,
             include_dashboard=False,
             log_to_driver=False,
