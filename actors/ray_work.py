@@ -278,13 +278,12 @@ class WorkWatcher:
     async def _job_run(self, run: int) -> dict[str, JsonValue] | None:
         from ray.job_submission import JobStatus
 
-        launch, order = self._launch, self._order
-        client = _job_client(launch)
-        submission_id = f"{order.work_id}-{run}"
+        client = _job_client(self._launch)
+        # Named by the key: looked up first, submitted only if it is not there.
+        adopted = await self._running_job(client, run)
+        submission_id = adopted or f"{self._order.work_id}-{run}"
         self._job = submission_id
-        try:  # named by the key: look it up first, submit only if it is not there
-            await asyncio.to_thread(client.get_job_info, submission_id)
-        except RuntimeError:
+        if adopted is None:
             await self._submit(client, submission_id)
         while True:
             status = await asyncio.to_thread(client.get_job_status, submission_id)
@@ -302,6 +301,26 @@ class WorkWatcher:
             "logs_tail": logs[-2000:],
         }
         return outcome_data(ok=status is JobStatus.SUCCEEDED, value=value)
+
+    async def _running_job(self, client: Any, run: int) -> str | None:
+        """This run's job, or an earlier run's job that is still running or succeeded: a
+        job outlives its watcher, so a re-run after a lost watcher adopts it rather than
+        submitting a second one. A failed or stopped earlier job is not adopted."""
+        from ray.job_submission import JobStatus
+
+        for earlier in range(run, 0, -1):
+            submission_id = f"{self._order.work_id}-{earlier}"
+            try:
+                info = await asyncio.to_thread(client.get_job_info, submission_id)
+            except RuntimeError:
+                continue  # never submitted under this run
+            if earlier == run or info.status in (
+                JobStatus.PENDING,
+                JobStatus.RUNNING,
+                JobStatus.SUCCEEDED,
+            ):
+                return submission_id
+        return None
 
     async def _submit(self, client: Any, submission_id: str) -> None:
         """Submit under ``submission_id``; a cluster whose job agents are still starting
@@ -337,10 +356,13 @@ def _job_client(launch: Launch) -> Any:
 
 
 def _dashboard_url() -> str:
+    from ray._private.services import get_webui_url_from_internal_kv
     from ray._private.worker import get_dashboard_url
 
-    url = str(get_dashboard_url())  # type: ignore[no-untyped-call]
-    return url if str(url).startswith("http") else f"http://{url}"
+    # The address the dashboard registered in the cluster's KV: a worker's own view
+    # (``get_dashboard_url``) assumes the default port even when the dashboard is elsewhere.
+    url = get_webui_url_from_internal_kv() or get_dashboard_url()  # type: ignore[no-untyped-call]
+    return str(url) if str(url).startswith("http") else f"http://{url}"
 
 
 async def deliver(
