@@ -47,6 +47,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from storage import audit_archive, keys
+from storage.listing import all_keys
 from torpor.errors import ObjectExists
 from torpor.ports import ObjectStore
 
@@ -342,14 +343,7 @@ class ObjectAudit:
             await self._checkpoint()
 
     async def _keys(self, prefix: str) -> list[str]:
-        found: list[str] = []
-        token: str | None = None
-        while True:
-            page = await self.store.list(prefix, start_after=token)
-            found += page.keys
-            if page.next_token is None:
-                return found
-            token = page.next_token
+        return await all_keys(self.store, prefix)
 
     async def streams(self) -> list[str]:
         """Every writer's stream in the store, and every one the manifest names."""

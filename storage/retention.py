@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from storage import audit_archive, keys
 from storage.audit import MANIFEST
+from storage.listing import all_keys
 from storage.snapshots import ObjectSnapshots, ended_day
 from torpor.batches import BatchManifest
 from torpor.deliveries import Delivery, DeliveryStatus
@@ -179,14 +180,7 @@ class ObjectRetention:
         await asyncio.gather(*(one(k) for k in doomed))
 
     async def _list(self, prefix: str) -> list[str]:
-        found: list[str] = []
-        token: str | None = None
-        while True:
-            page = await self.store.list(prefix, start_after=token)
-            found += page.keys
-            if page.next_token is None:
-                return found
-            token = page.next_token
+        return await all_keys(self.store, prefix)
 
     async def _data(self, key: str) -> bytes | None:
         try:

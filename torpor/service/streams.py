@@ -63,7 +63,7 @@ class SessionStreams:
                 retry_after=RETRY_AFTER_S,
             )
         self._open[tenant] = self._open.get(tenant, 0) + 1
-        return _Held(self._events(session_id, tenant, after), lambda: self._release(tenant))
+        return HeldStream(self._events(session_id, tenant, after), lambda: self._release(tenant))
 
     def streams(self, tenant: str) -> int:
         """How many streams ``tenant`` holds open on this replica."""
@@ -116,14 +116,14 @@ class SessionStreams:
             snapshot = await self.control.get(session_id, tenant=tenant)
 
 
-class _Held:
+class HeldStream:
     """A stream that gives its slot back exactly once: at its end, on an error (the
     client went away: the task is cancelled) or on ``aclose``, even if never started."""
 
     def __init__(self, inner: AsyncGenerator[str, None], release: Callable[[], None]) -> None:
         self._inner, self._release, self._held = inner, release, True
 
-    def __aiter__(self) -> _Held:
+    def __aiter__(self) -> HeldStream:
         return self
 
     async def __anext__(self) -> str:

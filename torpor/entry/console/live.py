@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from torpor.entry.console import reads
 from torpor.ports.services import Services
-from torpor.service.streams import RETRY_AFTER_S, TooManyStreams
+from torpor.service.streams import RETRY_AFTER_S, HeldStream, TooManyStreams
 
 KEEPALIVE_S = 15.0
 
@@ -32,7 +32,7 @@ class LiveCounts:
                 retry_after=RETRY_AFTER_S,
             )
         self._open[key] = self._open.get(key, 0) + 1
-        return _Slot(self._events(tenants, session_id), lambda: self._release(key))
+        return HeldStream(self._events(tenants, session_id), lambda: self._release(key))
 
     def _release(self, key: str) -> None:
         self._open[key] -= 1
@@ -58,29 +58,3 @@ class LiveCounts:
                 yield ": keep-alive\n\n"
             await asyncio.sleep(self.tick_s)
             quiet += self.tick_s
-
-
-class _Slot:
-    """A stream that gives its slot back exactly once (end, error, cancel or aclose)."""
-
-    def __init__(self, inner: AsyncGenerator[str, None], release: Callable[[], None]) -> None:
-        self._inner, self._release, self._held = inner, release, True
-
-    def __aiter__(self) -> _Slot:
-        return self
-
-    async def __anext__(self) -> str:
-        try:
-            return await self._inner.__anext__()
-        except BaseException:
-            self._give_back()
-            raise
-
-    async def aclose(self) -> None:
-        self._give_back()
-        await self._inner.aclose()
-
-    def _give_back(self) -> None:
-        if self._held:
-            self._held = False
-            self._release()
