@@ -133,6 +133,10 @@ class BatchOut(BaseModel):
     by_state: dict[str, int]
     session_ids: list[str]  # one per document, in the order they were submitted
     links: dict[str, str]
+    created: int = 0  # documents whose session exists (the fan-out runs behind the 202)
+    cancelled: bool = False
+    eta_s: float | None = None  # at the rate so far; None until a first document ended
+    admission: BatchAdmission | None = None  # None where caps are off (embedded SQLite)
 
 
 class ApprovalReassign(_Body):
@@ -140,7 +144,3 @@ class ApprovalReassign(_Body):
 
     approvers: list[str] = Field(min_length=1, max_length=32)
     reason: str = Field(default="", max_length=1000)
-    created: int = 0  # documents whose session exists (the fan-out runs behind the 202)
-    cancelled: bool = False
-    eta_s: float | None = None  # at the rate so far; None until a first document ended
-    admission: BatchAdmission | None = None  # None where caps are off (embedded SQLite)
