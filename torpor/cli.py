@@ -230,11 +230,12 @@ def serving_url(public_url: str | None, host: str, port: int) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from torpor.entry.ingress import choose_ingress
 
-    if args.address is None:  # a local Ray inherits this environment; a cluster has its own
-        print(choose_ingress().message, file=sys.stderr, flush=True)
     settings = _settings()
     explicit = "public_url" in settings.model_fields_set
+    # A configuration error is the one line the user sees, before anything starts.
     public_url = serving_url(settings.public_url if explicit else None, args.host, args.port)
+    if args.address is None:  # a local Ray inherits this environment; a cluster has its own
+        print(choose_ingress().message, file=sys.stderr, flush=True)
     if not explicit:
         # Replicas and actors read their settings themselves: tell them too.
         os.environ["TORPOR_PUBLIC_URL"] = public_url

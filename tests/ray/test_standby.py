@@ -72,6 +72,8 @@ def make_env(ray_cluster: None, s3_server: S3TestServer, redis_url: str, redis_p
 
 def activator_of(env: RayEnv) -> RayActivator:
     activator = env.control.activator
+    # Batch admission wraps every activator (torpor.service.admission): the Ray one is inside.
+    activator = getattr(activator, "inner", activator)
     assert isinstance(activator, RayActivator) and activator.standby is not None
     return activator
 
