@@ -167,7 +167,27 @@ def sequential(base: str, cids: list[tuple[str, str]]) -> dict[str, float]:
     }
 
 
-async def child(proxy: str, duration_s: int, sessions: int, seq_n: int) -> dict[str, Any]:
+def profile_replica(out: str, duration_s: int) -> subprocess.Popen[bytes]:
+    """py-spy on the Serve replica for the accept phase: a flame graph (``.svg``) or
+    collapsed stacks (``.txt``), native frames left out (Python's own work is the point)."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True)
+    pid = next(
+        line.split()[0]
+        for line in ps.stdout.splitlines()
+        if "ServeReplica:torpor:Ingress" in line or "ServeReplica:torpor" in line
+    )
+    fmt = "raw" if out.endswith(".txt") else "flamegraph"
+    return subprocess.Popen(
+        [str(Path(sys.executable).with_name("py-spy")), "record", "-p", pid, "-d", str(duration_s), "-r", "200", "-f", fmt]
+        + ["-o", out, "--nonblocking"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def child(
+    proxy: str, duration_s: int, sessions: int, seq_n: int, profile: str | None = None
+) -> dict[str, Any]:
     import ray
     import redis
     from ray import serve
@@ -276,7 +296,10 @@ async def child(proxy: str, duration_s: int, sessions: int, seq_n: int) -> dict[
     )
     second = tmp / "second.tsv"
     write_requests(second, cids[sessions:], per_session=6)
+    spy = profile_replica(profile, duration_s) if profile else None
     accept_only = wrk(base + "/v1/hooks/bench", lua, duration_s, second)
+    if spy is not None:
+        spy.wait(timeout=60)
 
     await services.close()
     serve.shutdown()
@@ -301,10 +324,15 @@ def main() -> None:
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--sessions", type=int, default=3000, help="unique webhooks per phase")
     parser.add_argument("--sequential", type=int, default=300, help="one-at-a-time webhooks")
+    parser.add_argument(
+        "--profile", help="py-spy the replica in the accept phase into this .svg (or .txt)"
+    )
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
-        result = asyncio.run(child(args.proxy, args.duration, args.sessions, args.sequential))
+        result = asyncio.run(
+            child(args.proxy, args.duration, args.sessions, args.sequential, args.profile)
+        )
         print("JSON " + json.dumps(result), flush=True)
         return
     proxies = ["default", "haproxy"] if args.proxy == "both" else [args.proxy]
@@ -326,6 +354,7 @@ def main() -> None:
                 str(args.sessions),
                 "--sequential",
                 str(args.sequential),
+                *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
             ],
             capture_output=True,
             text=True,

@@ -52,7 +52,19 @@ def batch_session_id(batch_id: str, created_ms: int, index: int, attempt: int = 
 
     A function of the batch, not random: a fan-out resumed after a crash, or run twice,
     names the same session again, and the create-only snapshot write makes it once."""
-    return "s_" + _batch_prefix(created_ms) + digest(batch_id, str(index), str(attempt), length=16)
+    return "s_" + _batch_prefix(created_ms) + digest(
+        batch_id, str(index), str(attempt), length=_BATCH_TAIL
+    )
+
+
+_BATCH_TAIL = 16  # hex digits after the time prefix; a new_session_id has 8
+
+
+def in_batch(session_id: str) -> bool:
+    """Whether ``session_id`` is a batch document's (``batch_session_id``), told by its
+    shape alone: every activation asks, and only a batch's sessions take running slots,
+    so the others must not pay a round trip to find out."""
+    return len(session_id) == 12 + _BATCH_TAIL and session_id.startswith("s_")
 
 
 @lru_cache(maxsize=64)

@@ -7,13 +7,15 @@ started for the rest. A session past the cap waits durably: its place in the bat
 queue (document order) and, as a safety net, a retry timer ``admission_retry_s`` away;
 a session leaving its slot wakes the queue's head (``torpor.session.slots``). A cancel is
 never held back: it ends the session, and holding it would keep one of its slots' worth
-of work going.
+of work going. A session outside any batch (told by its id's shape) skips the slots: its
+activation costs no extra round trip.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
+from torpor.ids import in_batch
 from torpor.ports import Activator, Reason, SlotEntry, TimerKind
 from torpor.ports.services import Services
 
@@ -36,7 +38,7 @@ class AdmittingActivator:
 
     async def request(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
         slots = self.services.slots
-        if slots is not None and reason is not Reason.CANCEL:
+        if slots is not None and reason is not Reason.CANCEL and in_batch(session_id):
             entry = await slots.enter(member=session_id, ttl=self.ttl)
             if entry is SlotEntry.WAITING:
                 await self._queued(session_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from torpor.errors import IndexUnavailable
+from torpor.ids import in_batch
 from torpor.lifecycle import SessionState
 from torpor.ports import TimerKind
 from torpor.ports.services import Services
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 async def leave_slot(deps: Services, session_id: str, state: SessionState | None) -> None:
     slots = deps.slots
-    if slots is None:
+    if slots is None or not in_batch(session_id):  # only a batch's sessions took one
         return
     try:
         forget = state is not None and state.terminal
