@@ -178,7 +178,18 @@ def profile_replica(out: str, duration_s: int) -> subprocess.Popen[bytes]:
     )
     fmt = "raw" if out.endswith(".txt") else "flamegraph"
     return subprocess.Popen(
-        [str(Path(sys.executable).with_name("py-spy")), "record", "-p", pid, "-d", str(duration_s), "-r", "200", "-f", fmt]
+        [
+            str(Path(sys.executable).with_name("py-spy")),
+            "record",
+            "-p",
+            pid,
+            "-d",
+            str(duration_s),
+            "-r",
+            "200",
+            "-f",
+            fmt,
+        ]
         + ["-o", out, "--nonblocking"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -27,7 +27,9 @@ from torpor.models import SCHEMA_VERSION, SessionHeader, SessionSnapshot
 MAGIC = b"TPS1"
 FLAG_ZLIB = 0x01
 _PREAMBLE = struct.Struct(">4sBH")
-HEADER_READ_BYTES = 1024  # enough for any header: ids are short and bounded
+# Enough for most headers (ids are short and bounded); one listing a few open waits' routes
+# can be longer, and is then read again up to its end.
+HEADER_READ_BYTES = 1024
 ZLIB_LEVEL = 6
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
@@ -53,6 +55,15 @@ class SnapshotCodec:
         return _PREAMBLE.pack(MAGIC, FLAG_ZLIB, len(header)) + header + body
 
     # -- decode ---------------------------------------------------------------------
+
+    @staticmethod
+    def header_end(data: bytes) -> int:
+        """How many leading bytes hold the preamble and header (``len(data)`` if they do
+        not say): a ranged read that got fewer must read again."""
+        if len(data) < _PREAMBLE.size:
+            return len(data)
+        magic, _, header_len = _PREAMBLE.unpack_from(data)
+        return _PREAMBLE.size + header_len if magic == MAGIC else len(data)
 
     def decode_header(self, data: bytes, *, what: str = "snapshot") -> SessionHeader:
         header, _ = self._split(data, what, need_body=False)

@@ -203,8 +203,11 @@ class ObjectSnapshots:
             token = page.next_token
 
     async def header(self, session_id: str) -> SessionHeader:
+        key = keys.snapshot(session_id)
         try:
-            obj = await self.store.get(keys.snapshot(session_id), max_bytes=HEADER_READ_BYTES)
+            obj = await self.store.get(key, max_bytes=HEADER_READ_BYTES)
+            if (end := self.codec.header_end(obj.data)) > len(obj.data) == HEADER_READ_BYTES:
+                obj = await self.store.get(key, max_bytes=end)  # a longer header
         except ObjectNotFound:
             raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
         return self.codec.decode_header(obj.data, what=f"snapshot of {session_id}")

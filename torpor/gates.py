@@ -22,7 +22,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from torpor.events import EventKind, InboxEvent
-from torpor.models import MemberStatus, ObservationReason, SessionSnapshot, Wait
+from torpor.models import MemberStatus, ObservationReason, SessionSnapshot, Wait, WaitRoute
 
 # Events only torpor itself writes (never a webhook): no source or type filter applies.
 TORPOR_KINDS = frozenset(
@@ -104,7 +104,7 @@ def expired_waits(snapshot: SessionSnapshot, *, now: datetime) -> list[Wait]:
     return [w for w in snapshot.waits if w.deadline <= now]
 
 
-def may_restrict(wait: Wait) -> bool:
+def may_restrict(wait: Wait | WaitRoute) -> bool:
     """Whether the wait's source list is the whole answer to "who may answer": always for
     waits opened since 0.2; for a 0.1 wait only when it named sources."""
     return wait.sources_declared or bool(wait.allowed_sources)

@@ -52,8 +52,10 @@ def batch_session_id(batch_id: str, created_ms: int, index: int, attempt: int = 
 
     A function of the batch, not random: a fan-out resumed after a crash, or run twice,
     names the same session again, and the create-only snapshot write makes it once."""
-    return "s_" + _batch_prefix(created_ms) + digest(
-        batch_id, str(index), str(attempt), length=_BATCH_TAIL
+    return (
+        "s_"
+        + _batch_prefix(created_ms)
+        + digest(batch_id, str(index), str(attempt), length=_BATCH_TAIL)
     )
 
 

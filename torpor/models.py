@@ -389,11 +389,38 @@ class SessionSnapshot(_Model):
         return self.state.terminal
 
 
+# A session waiting on more waits than this has no wait routes in its header (the edge
+# then reads the whole snapshot): the header stays small enough for one ranged read.
+MAX_HEADER_WAITS = 16
+
+
+class WaitRoute(_Model):
+    """What the webhook edge needs of one open wait to judge an answer before storing it
+    (``WebhookGateway``): who may answer it, and whether its business key was re-planned.
+    The field names are ``Wait``'s, so the same gate rules read either."""
+
+    correlation_id: str
+    allowed_sources: list[str] = Field(default_factory=list)
+    sources_declared: bool = False
+    replanned: bool = False
+
+    @classmethod
+    def of(cls, wait: Wait) -> WaitRoute:
+        return cls(
+            correlation_id=wait.correlation_id,
+            allowed_sources=wait.allowed_sources,
+            sources_declared=wait.sources_declared,
+            replanned=wait.replanned,
+        )
+
+
 class SessionHeader(_Model):
     """The few fields stored uncompressed in front of an encoded snapshot.
 
     Listing sessions by state for repair reads only this header (a ranged read), not the
-    whole compressed body.
+    whole compressed body; so does the webhook edge, which needs only the open waits'
+    routes and the session's trace id (decompressing and validating the whole snapshot
+    was a third of a webhook's CPU).
     """
 
     session_id: str
@@ -404,9 +431,17 @@ class SessionHeader(_Model):
     epoch: int
     schema_version: int
     updated_at: datetime
+    # Since 0.4; None in an older header (or past MAX_HEADER_WAITS): read the snapshot.
+    trace_id: str | None = None
+    waits: list[WaitRoute] | None = None
+
+    def route_for(self, correlation_id: str) -> WaitRoute | None:
+        assert self.waits is not None
+        return next((w for w in self.waits if w.correlation_id == correlation_id), None)
 
     @classmethod
     def of(cls, snapshot: SessionSnapshot) -> SessionHeader:
+        waits = snapshot.waits
         return cls(
             session_id=snapshot.session_id,
             tenant=snapshot.tenant,
@@ -416,4 +451,6 @@ class SessionHeader(_Model):
             epoch=snapshot.epoch,
             schema_version=snapshot.schema_version,
             updated_at=snapshot.updated_at,
+            trace_id=snapshot.trace_id,
+            waits=[WaitRoute.of(w) for w in waits] if len(waits) <= MAX_HEADER_WAITS else None,
         )

@@ -45,7 +45,9 @@ from typing import Any
 from torpor import logs, tracing
 from torpor.errors import (
     AmbiguousEvent,
+    InvalidKey,
     RejectReason,
+    SnapshotCorrupt,
     SourceNotAllowed,
     TorporError,
     UnknownCorrelation,
@@ -55,7 +57,7 @@ from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.gates import may_restrict
 from torpor.ids import event_key
-from torpor.models import SessionSnapshot
+from torpor.models import SessionHeader, Wait, WaitRoute
 from torpor.ports import WaitBinding
 from torpor.service.replay import ReplayClaims, ReplayGuard, replay_claims
 from torpor.service.sessions import SessionService
@@ -106,6 +108,13 @@ class Routed:
 class HookResult:
     status: int
     body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Seen:
+    outcome: Outcome
+    trace_id: str | None = None
+    agent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -261,16 +270,34 @@ class WebhookGateway:
 
     async def _classify(
         self, source_name: str, resolved: _Resolved, event: InboundEvent, now: datetime
-    ) -> tuple[Outcome, str | None]:
-        """What the event can do to its wait, as far as the edge can tell, and the trace id
-        of the session it names (for the audit record: the webhook links to the reasoning
-        it caused)."""
+    ) -> _Seen:
+        """What the event can do to its wait, as far as the edge can tell; the trace id of
+        the session it names (for the audit record: the webhook links to the reasoning it
+        caused) and its agent (the activation is routed without another read)."""
         binding = resolved.binding
         if binding is None:
-            return Outcome.UNKNOWN, None
-        # The index binds no sources, so the snapshot says who may answer (one read).
+            return _Seen(Outcome.UNKNOWN)
+        # The index binds no sources: the snapshot's header says who may answer (a short
+        # read, no decompression); a header older than 0.4 sends us to the whole snapshot.
+        header = await self._header(binding)
+        if header is not None and header.waits is not None:
+            route = header.route_for(binding.correlation_id)
+            outcome = self._verdict(source_name, resolved, event, now, route, header.state.terminal)
+            return _Seen(outcome, header.trace_id, header.agent)
         snapshot = await self.sessions.get(binding.session_id, tenant=binding.tenant)
-        return self._verdict(source_name, resolved, event, now, snapshot), snapshot.trace_id
+        wait = snapshot.wait_for(binding.correlation_id)
+        outcome = self._verdict(source_name, resolved, event, now, wait, snapshot.terminal)
+        return _Seen(outcome, snapshot.trace_id, snapshot.agent.name)
+
+    async def _header(self, binding: WaitBinding) -> SessionHeader | None:
+        """The session's header, or None where only the whole snapshot will do: another
+        tenant's session (reported as not found there) or a damaged header (quarantine
+        decides there)."""
+        try:
+            header = await self.services.snapshots.header(binding.session_id)
+        except (SnapshotCorrupt, InvalidKey):
+            return None
+        return header if header.tenant == binding.tenant else None
 
     @staticmethod
     def _verdict(
@@ -278,11 +305,11 @@ class WebhookGateway:
         resolved: _Resolved,
         event: InboundEvent,
         now: datetime,
-        snapshot: SessionSnapshot,
+        wait: Wait | WaitRoute | None,
+        terminal: bool,
     ) -> Outcome:
         binding = resolved.binding
         assert binding is not None
-        wait = snapshot.wait_for(binding.correlation_id)
         if wait is not None and may_restrict(wait) and source_name not in wait.allowed_sources:
             # Knowing the correlation id or business key is not enough: only the sources
             # the wait names may answer it (the gate observes anything else as UNEXPECTED).
@@ -299,7 +326,7 @@ class WebhookGateway:
         if event.epoch is not None and event.epoch != binding.epoch:
             return Outcome.STALE
         # From the record alone, the index no longer binds it: closed, or the index lost.
-        if resolved.from_record and (snapshot.terminal or wait is None):
+        if resolved.from_record and (terminal or wait is None):
             return Outcome.CLOSED
         if now > binding.deadline:
             return Outcome.LATE
@@ -326,7 +353,8 @@ class WebhookGateway:
             "timestamp": verified.timestamp,
             "trace_id": trace,
         }
-        outcome, audit["session_trace_id"] = await self._classify(source_name, resolved, event, now)
+        seen = await self._classify(source_name, resolved, event, now)
+        outcome, audit["session_trace_id"] = seen.outcome, seen.trace_id
         binding = resolved.binding
         if binding is None or outcome in (Outcome.AMBIGUOUS, Outcome.UNEXPECTED):
             # Unknown, another tenant's, ambiguous, or from a source the wait does not
@@ -372,7 +400,7 @@ class WebhookGateway:
         record = self.audit.append(verdict=verdict, session_id=binding.session_id, **audit)
         if new:
             # The event is durable already: the activation and the audit block go together.
-            await asyncio.gather(record, self._wake(binding.session_id))
+            await asyncio.gather(record, self._wake(binding.session_id, agent=seen.agent))
             return Routed(event.event_id, binding.session_id, outcome)
         await asyncio.gather(
             record, self._wake_if_pending(binding.session_id, source_name, event.event_id)
@@ -380,8 +408,9 @@ class WebhookGateway:
         replayed = await self.replays.was_accepted(claims)
         return Routed(event.event_id, binding.session_id, Outcome.DUPLICATE, True, replayed)
 
-    async def _wake(self, session_id: str) -> None:
-        await self.sessions.activate_for_event(session_id)  # the wake timer, then a request
+    async def _wake(self, session_id: str, *, agent: str | None = None) -> None:
+        # the wake timer, then a request
+        await self.sessions.activate_for_event(session_id, agent=agent)
         crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
 
     async def _wake_if_pending(self, session_id: str, source: str, event_id: str) -> None:

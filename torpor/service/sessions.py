@@ -342,10 +342,13 @@ class SessionService:
             await self.activate_for_event(event.session_id, reason=_reason_for(event))
         return new
 
-    async def activate_for_event(self, session_id: str, *, reason: Reason = Reason.EVENT) -> None:
-        """After a durable inbox write: a timer as safety net, then an activation."""
+    async def activate_for_event(
+        self, session_id: str, *, reason: Reason = Reason.EVENT, agent: str | None = None
+    ) -> None:
+        """After a durable inbox write: a timer as safety net, then an activation
+        (``agent``, when the caller knows it, spares the activator a read)."""
         await self._activation_timer(session_id)
-        await self.activate(session_id, reason=reason)
+        await self.activate(session_id, reason=reason, agent=agent)
 
     async def activate(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
         """Ask for an activation. Failure here loses nothing: the state is already durable
