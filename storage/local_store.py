@@ -116,17 +116,15 @@ class LocalObjectStore:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            if not self._sync.shared:
-                os.fsync(fd)
+            # Durable before it becomes visible under its key: one flush for every
+            # writer waiting now (the bytes are written; the sync that follows covers them).
+            self._sync.wait(fd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
         finally:
             os.close(fd)
-        # Durable before it becomes visible under its key: one flush for every writer
-        # waiting now (the bytes are written; the sync that follows covers them).
-        self._sync.wait()
         return tmp
 
     def _parent(self, path: Path) -> None:

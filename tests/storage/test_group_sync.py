@@ -4,14 +4,19 @@ in it)."""
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
+
+import pytest
 
 from storage.group_sync import GroupSync
 
+pytestmark = pytest.mark.timeout(30)
 
-class SlowSync:
-    """A ``syncfs`` stand-in that holds each flush until the test lets it go, recording
-    which flush each writer was released after."""
+
+class Held:
+    """A flush (``syncfs``) or ``fsync`` stand-in the test holds until it lets it go."""
 
     def __init__(self) -> None:
         self.started = threading.Semaphore(0)
@@ -25,52 +30,55 @@ class SlowSync:
         return 0
 
 
-def test_writers_arriving_during_a_flush_share_the_next_one(tmp_path: object) -> None:
-    fake = SlowSync()
-    group = GroupSync(str(tmp_path), syncfs=fake)
-    released: list[tuple[str, int]] = []
+def test_writers_arriving_during_a_flush_share_the_next_one(tmp_path: Path) -> None:
+    syncfs, fsync = Held(), Held()
+    group = GroupSync(str(tmp_path), syncfs=syncfs, fsync=fsync)
+    released: list[tuple[str, int, int]] = []
 
     def writer(name: str) -> None:
-        group.wait()
-        released.append((name, fake.calls))
+        group.wait(-1)
+        released.append((name, fsync.calls, syncfs.calls))
 
     first = threading.Thread(target=writer, args=("first",))
     first.start()
-    fake.started.acquire()  # the first writer's flush is running
+    fsync.started.acquire()  # alone: the first writer fsyncs its own file
     late = [threading.Thread(target=writer, args=(f"w{i}",)) for i in range(8)]
     for t in late:
         t.start()
-    while group._arrived < 9:  # every late writer is waiting (no sleep: a busy wait)
+    while group._arrived < 9:  # every late writer is waiting (a busy wait, no sleep)
         threading.Event().wait(0.001)
-    fake.go.release()  # flush 1 ends: it covers only the first writer
-    fake.started.acquire()  # one late writer leads flush 2 for all eight
-    fake.go.release()
-    first.join()
-    for t in late:
-        t.join()
-    assert fake.calls == 2, "eight writers waiting together cost one flush"
-    assert ("first", 1) in released
-    assert all(calls == 2 for name, calls in released if name != "first"), (
-        "a writer that arrived during flush 1 is released only after flush 2"
+    fsync.go.release()  # it covers only the first writer
+    syncfs.started.acquire()  # one late writer leads a shared flush for all eight
+    syncfs.go.release()
+    for t in [first, *late]:
+        t.join(timeout=10)
+    assert (fsync.calls, syncfs.calls) == (1, 1), "eight writers waiting together: one flush"
+    assert released[0] == ("first", 1, 0)
+    assert all(s == 1 for name, _, s in released if name != "first"), (
+        "a writer that arrived during the first sync is released only after the next"
     )
 
 
-def test_a_failed_flush_is_retried_by_the_next_writer_not_reported_durable(
-    tmp_path: object,
-) -> None:
-    results = iter([-1, 0])
-    group = GroupSync(str(tmp_path), syncfs=lambda fd: next(results))
-    try:
-        group.wait()
-    except OSError:
-        pass
-    else:
-        raise AssertionError("a failed flush must reach its writer")
-    group.wait()  # the next flush succeeds and covers it
-    assert group.flushes == 1
+def test_a_writer_alone_fsyncs_its_own_file(tmp_path: Path) -> None:
+    syncfs = Held()
+    group = GroupSync(str(tmp_path), syncfs=syncfs)
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)
+    group.wait(fd)
+    os.close(fd)
+    assert syncfs.calls == 0, "no whole-file-system flush for a single writer"
 
 
-def test_the_local_store_writes_through_one_shared_flush(tmp_path: object) -> None:
+def test_a_failed_flush_reaches_its_writer(tmp_path: Path) -> None:
+    group = GroupSync(str(tmp_path), syncfs=lambda fd: -1)
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)
+    group._durable = -1  # as if another writer were waiting too: a shared flush
+    with pytest.raises(OSError):
+        group.wait(fd)
+    os.close(fd)
+    assert group.flushes == 0 and not group._running
+
+
+def test_the_local_store_writes_through_one_shared_flush(tmp_path: Path) -> None:
     import asyncio
 
     from storage.local_store import LocalObjectStore
@@ -83,5 +91,5 @@ def test_the_local_store_writes_through_one_shared_flush(tmp_path: object) -> No
 
     asyncio.run(burst())
     flushes = store._sync.flushes - before
-    assert store._sync.shared, "this machine's libc has syncfs"
+    assert store._sync._syncfs is not None, "this machine's libc has syncfs"
     assert 1 <= flushes < 32, f"32 concurrent writes took {flushes} flushes"
