@@ -78,6 +78,12 @@ def delivery_ref(session_id: str, tenant: str, delivery_id: str) -> str:
     return f"{refs_prefix(session_id)}d/{safe(tenant, 'tenant')}/{safe(delivery_id, 'delivery id')}"
 
 
+def work_ref(session_id: str, work_id: str) -> str:
+    """Names a work record (``work_prefix``) of the session: its id is a digest of the
+    business key, so retention could not find it from the session id otherwise."""
+    return f"{refs_prefix(session_id)}w/{safe(work_id, 'work id')}"
+
+
 def chunk_prefix(session_id: str) -> str:
     return f"chunks/{safe(session_id, 'session id')}/"
 

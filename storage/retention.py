@@ -5,20 +5,32 @@ A session that ended has an ``ended/{day}/{session}`` marker (``ObjectSnapshots`
 session whose end is older than the retention period together with its history chunks,
 inbox events, the replay markers of the webhooks that carried them, its correlation
 records (and business-key pointers still naming them), its deliveries and dead-letter
-markers, and its batch's manifest once no session of the batch is left. Each sweep
+markers, the records and progress of its compute work (``torpor.work``), and its batch's
+manifest once no session of the batch is left. Each sweep
 also compacts the old blocks of a few audit streams into archives
 (``storage.audit_archive``): audit records are kept, in fewer objects.
 
 What must outlive it is kept: a session with a delivery still being attempted, or with
 an inbox event received within ``windows`` (the 24 h idempotency and replay windows),
-waits for a later sweep. Deletion order makes a crash harmless: everything else first,
-the snapshot second to last, the marker last, so a retry finds the marker and resumes; a
-marker whose snapshot is gone means the rest is gone too.
+waits for a later sweep, and so does one whose work may still be running.
+
+Records are found through the session's refs (``refs/{session}/…``, written beside each
+correlation record, delivery and work order). Sessions stored by 0.2 have no refs: their
+correlation records, business-key pointers and deliveries are found through the snapshot
+(its outbox, waits and business keys) and the inbox events' correlation ids instead.
+
+Deletion order makes a crash harmless: the records first, then what decided they may go
+(correlation records, work outcomes and stop markers), then what they were found through
+(inbox events, refs), the snapshot second to last, the marker last. A retry finds the
+marker and resumes with every object left still findable and judged as before; a marker
+whose snapshot is gone means the rest is gone too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TypeVar
 
@@ -29,16 +41,36 @@ from storage.audit import MANIFEST
 from storage.listing import all_keys
 from storage.snapshots import ObjectSnapshots, ended_day
 from torpor.batches import BatchManifest
-from torpor.deliveries import Delivery, DeliveryStatus
-from torpor.errors import ObjectNotFound, SessionNotFound, SnapshotCorrupt
+from torpor.deliveries import Delivery, DeliveryStatus, delivery_id_for
+from torpor.errors import InvalidKey, ObjectNotFound, SessionNotFound, SnapshotCorrupt
 from torpor.events import InboxEvent
 from torpor.ids import session_id_ms
-from torpor.ports import ObjectStore
+from torpor.models import OutboxKind, SessionSnapshot
+from torpor.ports import ObjectStore, WaitBinding
 from torpor.ports.repositories import RetentionReport
+from torpor.work import WorkOrder, work_id
 
 DELETES_AT_ONCE = 16
 AUDIT_STREAMS_PER_SWEEP = 8
-T = TypeVar("T", InboxEvent, Delivery, BatchManifest)
+T = TypeVar("T", InboxEvent, Delivery, BatchManifest, WaitBinding)
+COMPENSATE_SUFFIX = ":compensate"  # a COMPENSATE entry's key: its START key + this
+
+
+@dataclass
+class Doomed:
+    """A session's objects in the order they go. Each phase was found through objects a
+    later phase deletes, so a crash between phases leaves the rest findable."""
+
+    records: list[str] = field(default_factory=list)
+    # What told the records may go: correlation records (a 0.2 business-key pointer is
+    # known to be ours by the record it names) and work outcomes and stop markers (work
+    # with neither may still run, see ``_work_over``).
+    deciding: list[str] = field(default_factory=list)
+    # Inbox events and refs: what the phases before were found through.
+    finders: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.records) + len(self.deciding) + len(self.finders)
 
 
 class ObjectRetention:
@@ -87,7 +119,9 @@ class ObjectRetention:
         report: RetentionReport,
     ) -> None:
         try:
-            snapshot = await self.snapshots.load(session_id)
+            # As stored, without its history chunks: they go in the first phase, and a
+            # retry after a crash there must still read the session it has to finish.
+            snapshot = await self.snapshots.load_stored(session_id)
         except SessionNotFound:  # an earlier sweep got this far: only the marker is left
             await self.store.delete(marker)
             return
@@ -109,49 +143,161 @@ class ObjectRetention:
         if young:  # only with a retention shorter than the windows, which settings refuse
             report.kept += 1
             return
-        doomed = await self._records(session_id, now - windows)
+        doomed = await self._records(snapshot, now - windows, cutoff)
         if doomed is None:
             report.kept += 1
             return
         if snapshot.batch_id and await self._batch_done(snapshot.batch_id, session_id):
-            doomed.append(keys.batch(snapshot.batch_id))
-        await self._delete(doomed)
+            doomed.records.append(keys.batch(snapshot.batch_id))
+        await self._delete(doomed.records)
+        await self._delete(doomed.deciding)
+        await self._delete(doomed.finders)
         await self.store.delete(keys.snapshot(session_id))
         await self.store.delete(keys.live(session_id))
         await self.store.delete(marker)
         report.objects += len(doomed) + 2
         report.purged.append((snapshot.tenant, session_id))
 
-    async def _records(self, session_id: str, window_start: datetime) -> list[str] | None:
+    async def _records(
+        self, snapshot: SessionSnapshot, window_start: datetime, cutoff: datetime
+    ) -> Doomed | None:
         """Every object of the session but its snapshot, or None if one is still needed."""
-        doomed: list[str] = []
+        session_id = snapshot.session_id
+        doomed = Doomed()
+        answered: set[str] = set()  # correlation ids of the events in its inbox
         for event_key in await self._list(keys.inbox_prefix(session_id)):
-            doomed.append(event_key)
+            doomed.finders.append(event_key)
             event = await self._read(event_key, InboxEvent)
             if event is None:
                 continue
             if event.received_at > window_start:
                 return None  # its replay marker still guards the replay window
             if event.content_digest:
-                doomed.append(keys.accepted_content(event.source, event.content_digest))
+                doomed.records.append(keys.accepted_content(event.source, event.content_digest))
+            if event.correlation_id:
+                answered.add(event.correlation_id)
+        referenced: set[str] = set()
+        delivered: set[str] = set()
+        works: set[str] = set()
         refs = keys.refs_prefix(session_id)
         for ref in await self._list(refs):
-            doomed.append(ref)
+            doomed.finders.append(ref)
             kind, _, rest = ref.removeprefix(refs).partition("/")
             if kind == "c":
-                doomed.append(keys.correlation(rest))
+                referenced.add(rest)
+                doomed.deciding.append(keys.correlation(rest))
                 pointer = await self._data(ref)
                 if pointer and await self._data(pointer.decode()) == rest.encode():
-                    doomed.append(pointer.decode())  # the business key still names ours
+                    doomed.records.append(pointer.decode())  # the business key still names ours
             elif kind == "d":
                 tenant, _, delivery_id = rest.partition("/")
+                delivered.add(delivery_id)
                 delivery = await self._read(keys.delivery(tenant, delivery_id), Delivery)
                 if delivery is not None and delivery.status is DeliveryStatus.PENDING:
                     return None  # still being attempted
-                doomed.append(keys.delivery(tenant, delivery_id))
-                doomed.append(keys.dead_letter(tenant, delivery_id))
-        doomed += await self._list(keys.chunk_prefix(session_id))
+                doomed.records.append(keys.delivery(tenant, delivery_id))
+                doomed.records.append(keys.dead_letter(tenant, delivery_id))
+            elif kind == "w":
+                works.add(rest)
+        await self._unreferenced(snapshot, referenced, answered, doomed)
+        if not await self._unreferenced_deliveries(snapshot, delivered, doomed):
+            return None
+        for work in sorted(works):
+            found = await self._list(keys.work_prefix(work))
+            if not await self._work_over(work, found, cutoff):
+                return None
+            decided = {keys.work_outcome(work), keys.work_stopped(work)}
+            doomed.records += [k for k in found if k not in decided]
+            doomed.deciding += [k for k in found if k in decided]
+        doomed.deciding += _stopped_without_order(snapshot, works)
+        doomed.records += await self._list(keys.progress_prefix(session_id))
+        doomed.records += await self._list(keys.chunk_prefix(session_id))
         return doomed
+
+    async def _unreferenced(
+        self, snapshot: SessionSnapshot, referenced: set[str], answered: set[str], doomed: Doomed
+    ) -> None:
+        """Correlation records and business-key pointers that no ref names: a session
+        stored by 0.2 wrote them without refs. Its snapshot still names its waits' ids (the
+        outbox's START and COMPENSATE entries, the 32 settled ones it keeps, and any wait
+        still open) and its business keys; its inbox names the answered waits' ids. A
+        record goes only if it names this session, a pointer only if it names one of ours:
+        a later session may hold the same business key by now. A wait that was never
+        answered and whose entry the outbox dropped cannot be found: its record stays."""
+        sid = snapshot.session_id
+        ours = {e.correlation_id for e in snapshot.outbox if e.correlation_id}
+        ours |= {w.correlation_id for w in snapshot.waits}
+        ours |= {m.correlation_id for group in snapshot.fan_ins for m in group.members}
+        mine = set(referenced)
+        for cid in sorted((ours | answered) - referenced):
+            if await self._names_session(cid, sid):
+                mine.add(cid)
+                doomed.deciding.append(keys.correlation(cid))
+        for business_key in snapshot.business_keys:
+            pointer = keys.business_key(snapshot.tenant, business_key)
+            if pointer in doomed.records:
+                continue  # a ref named it already
+            named = await self._data(pointer)
+            if named is None:
+                continue
+            cid = named.decode(errors="replace")
+            if cid in mine or cid in ours:
+                doomed.records.append(pointer)
+            elif await self._names_session(cid, sid):  # a wait the outbox no longer names
+                doomed.records.append(pointer)
+                doomed.deciding.append(keys.correlation(cid))
+
+    async def _unreferenced_deliveries(
+        self, snapshot: SessionSnapshot, delivered: set[str], doomed: Doomed
+    ) -> bool:
+        """Deliveries no ref names (0.2 wrote none), found through the snapshot's NOTIFY
+        entries (the terminal one is the newest, so the outbox keeps it); False while one
+        is still being attempted."""
+        for entry in snapshot.outbox:
+            if entry.kind is not OutboxKind.NOTIFY:
+                continue
+            delivery_id = delivery_id_for(entry.idempotency_key)
+            if delivery_id in delivered:
+                continue
+            delivery = await self._read(keys.delivery(snapshot.tenant, delivery_id), Delivery)
+            if delivery is None or delivery.session_id != snapshot.session_id:
+                continue
+            if delivery.status is DeliveryStatus.PENDING:
+                return False
+            doomed.records.append(keys.delivery(snapshot.tenant, delivery_id))
+            doomed.records.append(keys.dead_letter(snapshot.tenant, delivery_id))
+        return True
+
+    async def _names_session(self, correlation_id: str, session_id: str) -> bool:
+        try:
+            key = keys.correlation(correlation_id)
+        except InvalidKey:
+            return False
+        binding = await self._read(key, WaitBinding)
+        return binding is not None and binding.session_id == session_id
+
+    async def _work_over(self, work: str, found: list[str], cutoff: datetime) -> bool:
+        """Whether a work's records may go: it recorded an outcome, or was stopped (a
+        cancel, timeout or drift compensates the session's open waits, which stops it), or
+        never got as far as its order. An ended session may still have work running
+        without either: it failed (agent error, guard block) with a work wait open, which
+        nothing compensates. Deleting its records then would let the watcher write an
+        outcome and an inbox event for a session that is gone, so the session is kept
+        until the work's own deadline is a whole retention period in the past: a watcher
+        still alive by then is lost in all but name, and the records must not live
+        forever."""
+        if keys.work_outcome(work) in found or keys.work_stopped(work) in found:
+            return True
+        if keys.work_order(work) not in found:
+            return True  # a ref whose order was never written, or a purge that crashed
+        data = await self._data(keys.work_order(work))
+        if data is None:
+            return True
+        try:
+            order = WorkOrder.from_data(json.loads(data))
+        except (ValueError, TypeError, KeyError):
+            return False  # never delete what cannot be read: an operator looks first
+        return order.deadline <= cutoff
 
     async def _batch_done(self, batch_id: str, leaving: str) -> bool:
         """Whether ``leaving`` is the last session of its batch still stored."""
@@ -196,3 +342,17 @@ class ObjectRetention:
             return model.model_validate_json(data)
         except ValidationError:
             return None
+
+
+def _stopped_without_order(snapshot: SessionSnapshot, works: set[str]) -> list[str]:
+    """Stop markers of work that no ref names: a cancel can stop work whose start never
+    got as far as its order (and ref). Only a COMPENSATE entry still names that work; its
+    id, a digest of a key holding this session's id, is no other session's."""
+    stopped: list[str] = []
+    for entry in snapshot.outbox:
+        if entry.kind is not OutboxKind.COMPENSATE:
+            continue
+        work = work_id(entry.idempotency_key.removesuffix(COMPENSATE_SUFFIX))
+        if work not in works:
+            stopped.append(keys.work_stopped(work))
+    return stopped

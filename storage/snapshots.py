@@ -85,6 +85,15 @@ class ObjectSnapshots:
         self._remember(session_id, snapshot.generation, obj.etag, snapshot.state)
         return snapshot
 
+    async def load_stored(self, session_id: str) -> SessionSnapshot:
+        """The snapshot as stored, its sealed history chunks left out (what retention
+        reads: it needs none of them, and deletes them before the snapshot)."""
+        try:
+            obj = await self.store.get(keys.snapshot(session_id))
+        except ObjectNotFound:
+            raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
+        return self.codec.decode(obj.data, what=f"snapshot of {session_id}")
+
     async def save(self, snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:
         sid = snapshot.session_id
         key = keys.snapshot(sid)

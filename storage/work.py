@@ -32,6 +32,9 @@ class WorkRecords:
     async def save_order(self, order: WorkOrder) -> None:
         data = dict(order.as_data())
         data["run"] = 1
+        # The session's ref first (for retention): a crash after it leaves a ref naming
+        # nothing, which retention skips, never a work record it cannot find.
+        await self.store.put(keys.work_ref(order.session_id, order.work_id), b"")
         try:
             await self.store.put_if_absent(keys.work_order(order.work_id), _dump(data))
         except ObjectExists:  # a re-dispatch: the first order stands

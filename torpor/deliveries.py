@@ -14,12 +14,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from torpor.ids import digest
+
 
 class DeliveryStatus(StrEnum):
     PENDING = "pending"
     DELIVERED = "delivered"
     DEAD = "dead"  # every attempt failed: the dead letter, until someone resends it
     DISABLED = "disabled"  # the endpoint answered 410 Gone
+
+
+def delivery_id_for(idempotency_key: str) -> str:
+    """The delivery of one NOTIFY outbox entry, named by the entry's key: an outbox replay
+    finds the same delivery, and retention finds it from the snapshot."""
+    return "d_" + digest(idempotency_key, length=24)
 
 
 class Delivery(BaseModel):

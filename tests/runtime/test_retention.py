@@ -6,19 +6,22 @@ Real Redis for the index, a local folder for objects, a manual clock for the 30 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from storage import keys
+from storage.work import ObjectProgress, WorkRecords
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Receiver
 from torpor.errors import ConfigError, SessionNotFound
 from torpor.events import EventKind, InboxEvent
+from torpor.ids import business_idempotency_key, new_correlation_id, new_trace_id
 from torpor.lifecycle import SessionState
 from torpor.service.sweeper import Sweeper
 from torpor.settings import Settings
+from torpor.work import Progress, WorkOrder, work_id
 
 DAY = 24 * 3600.0
 
@@ -132,12 +135,16 @@ async def test_a_webhook_inside_the_replay_window_keeps_its_session(env: Env) ->
         hook.close()
 
 
-async def test_a_delivery_still_being_attempted_keeps_its_session(env: Env) -> None:
+@pytest.mark.parametrize("refs", [True, False], ids=["refs", "stored-by-0.2"])
+async def test_a_delivery_still_being_attempted_keeps_its_session(env: Env, refs: bool) -> None:
     dead = Receiver()
     url = dead.url
     dead.close()  # nobody answers: the delivery stays pending, with retries ahead
     sid = await env.submit(doc="PR-D", callback_url=url)
     await env.answer(sid, {"status": "approved"})
+    if not refs:  # 0.2 wrote none: the delivery is found through the snapshot's outbox
+        for ref in [k for k in await every_key(env) if k.startswith(keys.refs_prefix(sid))]:
+            await env.services.store.delete(ref)
     retention = env.services.retention
     assert retention is not None
     now = env.clock.now() + timedelta(days=31)
@@ -151,3 +158,131 @@ def test_retention_shorter_than_the_24_hour_windows_is_refused() -> None:
     with pytest.raises(ConfigError, match="86400"):
         Settings.build({"storage": {"retention_s": 3600}})
     assert Settings.build({}).storage.retention_s == 30 * 24 * 3600
+
+
+def work_order(sid: str, *, deadline: datetime, call: str = "call_w1") -> WorkOrder:
+    """The order a work tool's dispatch records, for a call of session ``sid``."""
+    key = business_idempotency_key("acme", f"crunch:{sid}:{call}", 1)
+    return WorkOrder(
+        work_id=work_id(key),
+        idempotency_key=key,
+        tool_name="crunch",
+        session_id=sid,
+        tenant="acme",
+        correlation_id=new_correlation_id(),
+        epoch=1,
+        request={"n": 1},
+        deadline=deadline,
+        trace_id=new_trace_id(),
+    )
+
+
+async def test_an_ended_session_goes_with_its_work_records_and_progress(env: Env) -> None:
+    hook = Receiver()
+    try:
+        sid, _ = await ended_session(env, hook)
+        store = env.services.store
+        records, progress = WorkRecords(store), ObjectProgress(store)
+        order = work_order(sid, deadline=env.clock.now() + timedelta(hours=1))
+        await records.save_order(order)  # what the runner does before it starts the work
+        assert await records.claim_run(order.work_id, 1, by="pid-1")
+        await records.put_result(order.work_id, b"x" * 100)
+        await records.record_outcome(order.work_id, {"status": "ok", "result": 1})
+        await records.record_lost(order.work_id, 2, "node died")
+        # A second work whose last progress report stayed behind (it was stopped).
+        stopped = work_order(sid, deadline=env.clock.now(), call="call_w2")
+        await records.save_order(stopped)
+        await records.stop(stopped.work_id, "cancelled")
+        report = Progress(
+            work_id=stopped.work_id, tool_name="crunch", fraction=0.5, at=env.clock.now()
+        )
+        await progress.report(sid, report)
+        work_keys = [
+            k for k in await every_key(env) if k.startswith(("work/", keys.progress_prefix(sid)))
+        ]
+        assert len(work_keys) == 8  # 5 + 2 work records, 1 progress report
+
+        env.clock.advance(31 * DAY)
+        swept = await Sweeper(env.control).sweep_once()
+        assert swept.purged == 1 and swept.errors == []
+        left = await every_key(env)
+        assert [k for k in left if k.startswith(("work/", "progress/", "refs/"))] == []
+    finally:
+        hook.close()
+
+
+async def test_work_that_may_still_run_keeps_its_ended_session(env: Env) -> None:
+    """No outcome and no stop: the session failed with the work's wait open, which nothing
+    compensates. It waits until the work's deadline is a retention period behind."""
+    hook = Receiver()
+    try:
+        sid, _ = await ended_session(env, hook)
+        order = work_order(sid, deadline=env.clock.now() + timedelta(days=10))
+        await WorkRecords(env.services.store).save_order(order)
+        retention = env.services.retention
+        assert retention is not None
+        keep, windows = timedelta(days=30), timedelta(hours=24)
+        now = env.clock.now() + timedelta(days=31)
+        report = await retention.sweep(now=now, keep=keep, windows=windows, limit=10)
+        assert report.purged == [] and report.kept == 1
+        assert keys.work_order(order.work_id) in await every_key(env)
+
+        later = env.clock.now() + timedelta(days=41)
+        report = await retention.sweep(now=later, keep=keep, windows=windows, limit=10)
+        assert report.purged == [("acme", sid)]
+        assert [k for k in await every_key(env) if k.startswith("work/")] == []
+    finally:
+        hook.close()
+
+
+async def test_a_session_stored_by_0_2_goes_with_its_correlation_record_and_business_key(
+    env: Env,
+) -> None:
+    """0.2 wrote correlation records and business-key pointers without refs: they are
+    found through the snapshot's outbox and business keys, and the inbox."""
+    hook = Receiver()
+    try:
+        sid, cid = await ended_session(env, hook)
+        pointer = keys.business_key("acme", "PR-R")
+        refs = [k for k in await every_key(env) if k.startswith(keys.refs_prefix(sid))]
+        [delivery_id] = [r.rsplit("/", 1)[1] for r in refs if "/d/" in r]
+        for ref in refs:
+            await env.services.store.delete(ref)  # as 0.2 left it: no refs at all
+        assert {keys.correlation(cid), pointer, keys.delivery("acme", delivery_id)} <= set(
+            await every_key(env)
+        )
+
+        env.clock.advance(31 * DAY)
+        report = await Sweeper(env.control).sweep_once()
+        assert report.purged == 1 and report.errors == []
+        left = await every_key(env)
+        assert keys.correlation(cid) not in left and pointer not in left
+        assert keys.delivery("acme", delivery_id) not in left
+        assert await env.services.correlations.lookup(cid) is None
+    finally:
+        hook.close()
+
+
+async def test_a_0_2_business_key_now_held_by_another_session_stays(env: Env) -> None:
+    hook = Receiver()
+    try:
+        sid, cid = await ended_session(env, hook)
+        for ref in [k for k in await every_key(env) if k.startswith(keys.refs_prefix(sid))]:
+            await env.services.store.delete(ref)
+        later = await env.submit(doc="PR-R")  # takes the business key over
+        held = (await env.load(later)).waits[0].correlation_id
+        pointer = keys.business_key("acme", "PR-R")
+        assert (await env.services.store.get(pointer)).data == held.encode()
+
+        env.clock.advance(31 * DAY)
+        retention = env.services.retention
+        assert retention is not None
+        now = env.clock.now()
+        week, day = timedelta(days=30), timedelta(hours=24)
+        report = await retention.sweep(now=now, keep=week, windows=day, limit=10)
+        assert report.purged == [("acme", sid)]
+        assert await env.services.correlations.lookup(cid) is None
+        assert (await env.services.store.get(pointer)).data == held.encode()
+        assert await env.services.correlations.lookup(held) is not None
+    finally:
+        hook.close()

@@ -8,14 +8,19 @@ from datetime import timedelta
 import pytest
 
 from storage import keys
+from storage.correlations import ObjectCorrelations
 from storage.inbox import ObjectInbox
 from storage.memory_store import MemoryObjectStore
 from storage.retention import ObjectRetention
 from storage.snapshots import ObjectSnapshots
+from storage.work import ObjectProgress, WorkRecords
 from tests.support.factories import NOW, snapshot
 from torpor.errors import SessionNotFound
 from torpor.events import EventKind, InboxEvent
+from torpor.ids import business_idempotency_key, new_correlation_id, new_trace_id
 from torpor.lifecycle import SessionState
+from torpor.ports import WaitBinding
+from torpor.work import Progress, WorkOrder, work_id
 
 KEEP, WINDOWS = timedelta(days=30), timedelta(hours=24)
 
@@ -37,10 +42,41 @@ class CrashingDeletes(MemoryObjectStore):
 
 
 async def ended(store: CrashingDeletes) -> str:
+    """An ended session with a long history (sealed into chunks), a correlation record and
+    business-key pointer, a finished compute work and its progress report."""
     snapshots = ObjectSnapshots(store)
-    snap = await snapshots.create(snapshot(state=SessionState.RUNNING))
+    snap = await snapshots.create(snapshot(state=SessionState.RUNNING, messages=200))
+    assert snap.chunks.messages  # the history is sealed into chunk objects
     await snapshots.save(
         snap.model_copy(update={"state": SessionState.COMPLETED}), expected_generation=0
+    )
+    binding = WaitBinding(
+        tenant=snap.tenant,
+        correlation_id=new_correlation_id(),
+        session_id=snap.session_id,
+        epoch=1,
+        step_id="1",
+        deadline=NOW,
+    )
+    await ObjectCorrelations(store).record(binding, business_key="PR-C")
+    key = business_idempotency_key(snap.tenant, f"crunch:{snap.session_id}:c1", 1)
+    order = WorkOrder(
+        work_id=work_id(key),
+        idempotency_key=key,
+        tool_name="crunch",
+        session_id=snap.session_id,
+        tenant=snap.tenant,
+        correlation_id=binding.correlation_id,
+        epoch=1,
+        request={},
+        # Past the retention period by the sweep only if it has an outcome (it has).
+        deadline=NOW + timedelta(days=10),
+        trace_id=new_trace_id(),
+    )
+    await WorkRecords(store).save_order(order)
+    await WorkRecords(store).record_outcome(order.work_id, {"status": "ok", "result": 1})
+    await ObjectProgress(store).report(
+        snap.session_id, Progress(work_id=order.work_id, tool_name="crunch", fraction=1, at=NOW)
     )
     await ObjectInbox(store).deliver(
         InboxEvent.new(
@@ -55,7 +91,20 @@ async def ended(store: CrashingDeletes) -> str:
     return snap.session_id
 
 
-@pytest.mark.parametrize("crash_at", ["inbox/", "snapshots/", "ended/"])
+@pytest.mark.parametrize(
+    "crash_at",
+    [
+        "chunks/",
+        "business-keys/",
+        "work/",
+        "progress/",
+        "correlations/",
+        "inbox/",
+        "refs/",
+        "snapshots/",
+        "ended/",
+    ],
+)
 async def test_a_crash_mid_purge_is_finished_by_the_next_sweep(crash_at: str) -> None:
     store = CrashingDeletes()
     sid = await ended(store)

@@ -31,9 +31,8 @@ from enum import StrEnum
 from functools import partial
 from typing import Any
 
-from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
+from torpor.deliveries import Delivery, DeliveryStatus, EndpointState, delivery_id_for
 from torpor.errors import ConfigError, NotFound, ResponseTooLarge, UnsafeUrl
-from torpor.ids import digest
 from torpor.models import OutboxEntry, SessionSnapshot
 from torpor.notify import MAX_RETRY_AFTER_S, RETRY_BACKOFF, endpoint_secret, payload
 from torpor.outbound import Response, request_async, retry_after_s
@@ -78,7 +77,7 @@ class DeliveryNotifier:
         if "url" in entry.payload and isinstance(tool_data, dict):
             body = {"type": event, "timestamp": body["timestamp"], "data": tool_data}
         delivery = Delivery(
-            delivery_id="d_" + digest(entry.idempotency_key, length=24),
+            delivery_id=delivery_id_for(entry.idempotency_key),
             tenant=snapshot.tenant,
             session_id=snapshot.session_id,
             url=url,
