@@ -8,6 +8,9 @@ because they need a connected Ray worker.
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -198,10 +201,49 @@ def _enabled() -> bool:
     return bool(ray.is_initialized())
 
 
+# Counter increments are summed here and handed to Ray at most once a FLUSH_S: Ray's
+# ``Counter.inc`` (tag checks, a call into its core worker) cost more of a webhook's event
+# loop time than verifying, routing and storing it (15 % against 18 % under load). A
+# process flushes before it exits (``flush``), so a session actor that records and then
+# exits loses nothing.
+FLUSH_S = 1.0
+_pending: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+_pending_lock = threading.Lock()
+_flush_armed = False
+
+
 def inc(name: str, tags: dict[str, str] | None = None, value: float = 1.0) -> None:
+    global _flush_armed
     _record(name, value, tags)
-    if _enabled():
-        metrics()[name].inc(value, tags=tags or {})
+    if not _enabled():
+        return
+    key = (name, tuple(sorted(tags.items())) if tags else ())
+    with _pending_lock:
+        _pending[key] = _pending.get(key, 0.0) + value
+        if _flush_armed:
+            return
+        _flush_armed = True
+    try:
+        asyncio.get_running_loop().call_later(FLUSH_S, flush)
+    except RuntimeError:  # no event loop here (a thread, a script): hand it over now
+        flush()
+
+
+def flush() -> None:
+    """Hand the summed counter increments to Ray."""
+    global _flush_armed
+    with _pending_lock:
+        pending = dict(_pending)
+        _pending.clear()
+        _flush_armed = False
+    if not pending or not _enabled():
+        return
+    made = metrics()
+    for (name, tags), value in pending.items():
+        made[name].inc(value, tags=dict(tags))
+
+
+atexit.register(flush)
 
 
 def observe(name: str, value: float, tags: dict[str, str] | None = None) -> None:

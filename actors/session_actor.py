@@ -157,6 +157,9 @@ class SessionActor:
             self._exit()
 
     def _exit(self) -> None:
+        from actors import metrics
+
+        metrics.flush()  # the counters summed since the last hand-over go with it
         # The exit is scheduled before the exception is raised; suppressing it only
         # keeps "Task exception was never retrieved" out of the logs.
         with contextlib.suppress(AsyncioActorExit):

@@ -128,7 +128,12 @@ def sequential(base: str, cids: list[tuple[str, str]]) -> dict[str, float]:
     client = redis.Redis.from_url(REDIS)
     where = urlsplit(base)
     conn = http.client.HTTPConnection(where.hostname or "127.0.0.1", where.port, timeout=30)
-    accept, step = [], []
+    accept, step, trivial = [], [], []
+    for _ in range(len(cids)):  # the floor: a trivial POST on the same connection
+        p0 = time.perf_counter()
+        conn.request("POST", "/v1/noop", body=b"{}", headers={"Content-Type": "application/json"})
+        conn.getresponse().read()
+        trivial.append((time.perf_counter() - p0) * 1000)
     for sid, cid in cids:
         body = json.dumps({"id": f"seq-{cid}", "correlationId": cid}).encode()
         headers = {**sign(Scheme.TORPOR, body, SECRET, now=datetime.now(UTC))}
@@ -158,7 +163,9 @@ def sequential(base: str, cids: list[tuple[str, str]]) -> dict[str, float]:
     client.close()
     accept.sort()
     step.sort()
+    trivial.sort()
     return {
+        "trivial_p50": trivial[len(trivial) // 2],
         "accept_p50": accept[len(accept) // 2],
         "accept_p99": accept[min(len(accept) - 1, int(0.99 * len(accept)))],
         "step_p50": step[len(step) // 2],
@@ -189,8 +196,10 @@ def profile_replica(out: str, duration_s: int) -> subprocess.Popen[bytes]:
             "200",
             "-f",
             fmt,
-        ]
-        + ["-o", out, "--nonblocking"],
+            "-o",
+            out,
+            "--nonblocking",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -404,7 +413,8 @@ def main() -> None:
                 else ("", "")
             )
             print(
-                f"  one at a time (n={q['n']}): POST -> 202 p50 {q['accept_p50']:.1f} ms"
+                f"  one at a time (n={q['n']}): trivial POST p50 {q['trivial_p50']:.1f} ms; "
+                f"POST -> 202 p50 {q['accept_p50']:.1f} ms"
                 f"{aims[0]}, p99 {q['accept_p99']:.1f} ms; POST -> agent step p50 "
                 f"{q['step_p50']:.1f} ms, p99 {q['step_p99']:.1f} ms{aims[1]}",
                 flush=True,
