@@ -82,7 +82,7 @@ end
 
 def wrk(
     url: str, lua: Path, duration_s: int, requests_file: Path | None, method: str = "POST"
-) -> dict[str, float]:
+) -> dict[str, Any]:
     args = ["wrk", "-t2", "-c32", f"-d{duration_s}s", "--latency", "-s", str(lua), url]
     args += ["--", str(requests_file) if requests_file else "-", "2", method]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
@@ -172,6 +172,35 @@ def sequential(base: str, cids: list[tuple[str, str]]) -> dict[str, float]:
         "step_p99": step[min(len(step) - 1, int(0.99 * len(step)))],
         "n": len(step),
     }
+
+
+def cpu_by_process() -> dict[str, float]:
+    """CPU seconds so far of every process on the machine, by a short name (Ray names its
+    workers in their command line: ServeReplica, PoolHost, raylet...)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        used = (int(fields[11]) + int(fields[12])) / tick
+        name = (args[0].decode(errors="replace").rsplit("/", 1)[-1] or "?")[:40]
+        if name.startswith(("ray::", "python")) or "ray" in name:
+            name = " ".join(a.decode(errors="replace") for a in args[:2])[-40:]
+        out[name] = out.get(name, 0.0) + used
+    return out
+
+
+def cpu_share(before: dict[str, float], after: dict[str, float], requests: int) -> str:
+    """The biggest CPU users between two readings, in ms of CPU per request."""
+    used = {k: after[k] - before.get(k, 0.0) for k in after}
+    top = sorted(used.items(), key=lambda kv: -kv[1])[:6]
+    return ", ".join(f"{k.strip()} {1000 * v / max(1, requests):.2f}" for k, v in top if v > 0)
 
 
 def profile_replica(out: str, duration_s: int) -> subprocess.Popen[bytes]:
@@ -296,7 +325,9 @@ async def child(
     lua = tmp / "bench.lua"
     lua.write_text(WRK_LUA)
     health = wrk(base + "/healthz", lua, duration_s, None, method="GET")
+    cpu0 = cpu_by_process()
     noop = wrk(base + "/v1/noop", lua, duration_s, None)
+    noop["cpu"] = cpu_share(cpu0, cpu_by_process(), noop["requests"])
 
     # Phase 1: every accepted webhook resumes its session right away, on this same
     # 2-core machine (pool hosts share the CPUs with the proxy and the replica).
@@ -317,7 +348,9 @@ async def child(
     second = tmp / "second.tsv"
     write_requests(second, cids[sessions:], per_session=6)
     spy = profile_replica(profile, duration_s) if profile else None
+    cpu0 = cpu_by_process()
     accept_only = wrk(base + "/v1/hooks/bench", lua, duration_s, second)
+    accept_only["cpu"] = cpu_share(cpu0, cpu_by_process(), accept_only["requests"])
     if spy is not None:
         spy.wait(timeout=60)
 
@@ -392,6 +425,7 @@ def main() -> None:
             f"p50 {noop['p50_ms']:.1f} ms, p99 {noop['p99_ms']:.1f} ms; trivial GET "
             f"{health['rps']:.0f} req/s ({time.perf_counter() - started:.0f} s)"
         )
+        print(f"  CPU ms per trivial POST by process: {noop['cpu']}")
         targets = {"accept": 50, "full": 25} if proxy == "haproxy" else {}
         for phase, label in (
             ("accept", "webhook -> 202, activation deferred"),
@@ -405,6 +439,8 @@ def main() -> None:
                 f"non-2xx {h['non_2xx']}/{h['requests']} (unique {r['unique'][phase]})",
                 flush=True,
             )
+            if "cpu" in h:
+                print(f"    CPU ms per webhook by process: {h['cpu']}")
         if r["sequential"]:
             q = r["sequential"]
             aims = (

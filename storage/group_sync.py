@@ -66,11 +66,12 @@ class GroupSync:
         self._running = False
         self.flushes = 0  # for the tests and the benchmarks
 
-    def wait(self, fd: int) -> None:
-        """Return once everything this thread wrote before calling is on disk (``fd``: the
-        file it wrote, still open)."""
+    def wait(self, *fds: int) -> None:
+        """Return once everything this thread wrote before calling is on disk (``fds``:
+        the files it wrote, still open)."""
         if self._syncfs is None:
-            self._fsync(fd)
+            for fd in fds:
+                self._fsync(fd)
             return
         with self._cond:
             self._arrived += 1
@@ -81,13 +82,13 @@ class GroupSync:
                     continue
                 self._running = True
                 covered = self._arrived  # every writer so far wrote before this sync
-                alone = covered - self._durable == 1
+                alone = covered - self._durable == 1 and len(fds) == 1
                 self._cond.release()
                 try:
                     # Alone, a writer's own fsync is cheaper than flushing the whole file
                     # system (which may hold others' dirty data: 10 ms against 7 ms per
                     # sequential webhook here).
-                    self._fsync(fd) if alone else self._flush()
+                    self._fsync(fds[0]) if alone else self._flush()
                 finally:
                     self._cond.acquire()
                     self._running = False

@@ -93,3 +93,45 @@ def test_the_local_store_writes_through_one_shared_flush(tmp_path: Path) -> None
     flushes = store._sync.flushes - before
     assert store._sync._syncfs is not None, "this machine's libc has syncfs"
     assert 1 <= flushes < 32, f"32 concurrent writes took {flushes} flushes"
+
+
+def test_creates_of_one_key_in_one_batch_have_one_winner(tmp_path: Path) -> None:
+    import asyncio
+
+    from storage.local_store import LocalObjectStore
+    from torpor.errors import ObjectExists
+
+    store = LocalObjectStore(str(tmp_path))
+
+    async def both() -> list[object]:
+        return await asyncio.gather(
+            store.put_if_absent("inbox/s/e", b"first"),
+            store.put_if_absent("inbox/s/e", b"second"),
+            return_exceptions=True,
+        )
+
+    first, second = asyncio.run(both())
+    assert isinstance(first, str) and isinstance(second, ObjectExists)
+    assert asyncio.run(store.get("inbox/s/e")).data == b"first"
+
+
+def test_small_objects_are_read_inline_and_large_ones_whole(tmp_path: Path) -> None:
+    import asyncio
+
+    from storage.local_store import INLINE_READ_BYTES, LocalObjectStore
+
+    store = LocalObjectStore(str(tmp_path))
+    small, large = b"s" * 100, bytes(range(256)) * (INLINE_READ_BYTES // 128)
+
+    async def round_trip() -> tuple[bytes, bytes, str]:
+        etag = await store.put_if_absent("a/large", large)
+        await store.put_if_absent("a/small", small)
+        assert store._read_small("a/large") is None, "a large object goes to a thread"
+        inline = store._read_small("a/small")
+        assert inline is not None and inline.data == small
+        got = await store.get("a/large")
+        assert got.etag == etag
+        return got.data, (await store.get("a/small")).data, etag
+
+    got_large, got_small, _ = asyncio.run(round_trip())
+    assert (got_large, got_small) == (large, small)
