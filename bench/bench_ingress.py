@@ -203,6 +203,21 @@ def cpu_share(before: dict[str, float], after: dict[str, float], requests: int) 
     return ", ".join(f"{k.strip()} {1000 * v / max(1, requests):.2f}" for k, v in top if v > 0)
 
 
+def settle(timeout_s: float = 60.0) -> None:
+    """Until Ray's processes are quiet (under 5 % of a core for a second): a redeployed
+    app's controller spends seconds of CPU after ``serve.run`` returns (health checks,
+    the old replica's shutdown), which the next phase would otherwise pay for."""
+    deadline = time.monotonic() + timeout_s
+    before = cpu_by_process()
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        after = cpu_by_process()
+        busy = sum(after[k] - before.get(k, 0.0) for k in after if "ray" in k.lower())
+        if busy < 0.05:
+            return
+        before = after
+
+
 def profile_replica(out: str, duration_s: int) -> subprocess.Popen[bytes]:
     """py-spy on the Serve replica for the accept phase: a flame graph (``.svg``) or
     collapsed stacks (``.txt``), native frames left out (Python's own work is the point)."""
@@ -347,6 +362,7 @@ async def child(
     )
     second = tmp / "second.tsv"
     write_requests(second, cids[sessions:], per_session=6)
+    settle()
     spy = profile_replica(profile, duration_s) if profile else None
     cpu0 = cpu_by_process()
     accept_only = wrk(base + "/v1/hooks/bench", lua, duration_s, second)

@@ -1,0 +1,68 @@
+"""The local folder store's fast paths: creates waiting together go to one worker thread
+(one winner per key still), small objects are read on the caller's thread."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from storage.local_store import INLINE_READ_BYTES, LocalObjectStore
+from torpor.errors import ObjectExists
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_creates_waiting_together_take_one_hop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalObjectStore(str(tmp_path))
+    batches: list[int] = []
+    create_all = store._create_all
+
+    def counted(items: list[tuple[str, bytes]]) -> list[str | Exception]:
+        batches.append(len(items))
+        return create_all(items)
+
+    monkeypatch.setattr(store, "_create_all", counted)
+
+    async def burst() -> list[str]:
+        return await asyncio.gather(*(store.put_if_absent(f"k/{i}", b"x") for i in range(32)))
+
+    etags = asyncio.run(burst())
+    assert len(etags) == 32 and sum(batches) == 32
+    assert len(batches) < 32, f"32 creates at once took {len(batches)} thread hops"
+
+
+def test_creates_of_one_key_in_one_batch_have_one_winner(tmp_path: Path) -> None:
+    store = LocalObjectStore(str(tmp_path))
+
+    async def both() -> list[object]:
+        return await asyncio.gather(
+            store.put_if_absent("inbox/s/e", b"first"),
+            store.put_if_absent("inbox/s/e", b"second"),
+            return_exceptions=True,
+        )
+
+    first, second = asyncio.run(both())
+    assert isinstance(first, str) and isinstance(second, ObjectExists)
+    assert asyncio.run(store.get("inbox/s/e")).data == b"first"
+
+
+def test_small_objects_are_read_inline_and_large_ones_whole(tmp_path: Path) -> None:
+    store = LocalObjectStore(str(tmp_path))
+    small, large = b"s" * 100, bytes(range(256)) * (INLINE_READ_BYTES // 128)
+
+    async def round_trip() -> tuple[bytes, bytes, str]:
+        etag = await store.put_if_absent("a/large", large)
+        await store.put_if_absent("a/small", small)
+        assert store._read_small("a/large") is None, "a large object goes to a thread"
+        inline = store._read_small("a/small")
+        assert inline is not None and inline.data == small
+        got = await store.get("a/large")
+        assert got.etag == etag
+        return got.data, (await store.get("a/small")).data, etag
+
+    got_large, got_small, _ = asyncio.run(round_trip())
+    assert (got_large, got_small) == (large, small)
