@@ -252,8 +252,10 @@ class LocalObjectStore:
     # -- async protocol -------------------------------------------------------------
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
-        small = self._read_small(key) if max_bytes is None else None
+        small = self._read_small(key)
         if small is not None:
+            if max_bytes is not None:  # the etag names the whole object, as S3's does
+                return StoredObject(small.data[:max_bytes], small.etag)
             return small
         return await self._off_loop(self._get, key, max_bytes)
 
