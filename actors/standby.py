@@ -33,6 +33,10 @@ _DEAD = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)
 # queues the rest): give up only on one that is clearly never coming.
 START_TIMEOUT_S = 600.0
 STANDBY_PREFIX = "session-standby:"
+# Replacements started at once. A burst of adoptions must not start a process for each
+# at the same moment: ten ``import ray``s at once took the CPU the adopted sessions needed
+# (9.3 activations/s in a burst of ten; one start at a time leaves them the cores).
+STARTS_AT_ONCE = 1
 
 
 def standby_name() -> str:
@@ -52,6 +56,7 @@ class StandbySet:
         self._starting = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Event()
+        self._closing = False
         self.started = 0
 
     @property
@@ -65,7 +70,7 @@ class StandbySet:
         return handle
 
     def refill(self) -> None:
-        while len(self._ready) + self._starting < self.size:
+        while len(self._ready) + self._starting < self.size and self._starting < STARTS_AT_ONCE:
             self._starting += 1
             task = asyncio.create_task(self._start())
             self._tasks.add(task)
@@ -81,13 +86,13 @@ class StandbySet:
                 self.refill()  # a start that failed leaves its slot to fill again
 
     async def _start(self) -> None:
-        handle = None
+        handle, ready = None, False
         try:
             handle = self._spawn()
             self.started += 1
             await asyncio.wait_for(handle.ready.remote(), timeout=START_TIMEOUT_S)
             self._ready.append(handle)
-            handle = None
+            handle, ready = None, True
         except (*_DEAD, TimeoutError):
             # Not fatal: the next take starts another.
             log.warning("a standby session actor did not start")
@@ -97,9 +102,13 @@ class StandbySet:
                     ray.kill(handle, no_restart=True)
             self._starting -= 1
             self._changed.set()
+            if ready and not self._closing:
+                self.refill()  # the next replacement, one at a time (a failed start waits
+                # for the next take, not a loop of failing process starts)
 
     async def close(self) -> None:
         """Stop the starts under way and the actors nobody adopted."""
+        self._closing = True
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
