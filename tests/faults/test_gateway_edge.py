@@ -110,7 +110,7 @@ async def test_a_stored_event_whose_wake_was_lost_is_woken_by_the_retry(
     cid = (await env.load(sid)).waits[0].correlation_id
     raw = body("e-wake", correlationId=cid)
     headers = signed(env, raw)
-    fail_once(env.control, "activate_for_event", after=False)
+    fail_once(env.control, "arm_wake", after=False)  # the wake timer is not armed
     with pytest.raises(IndexUnavailable):
         await gateway.receive("oa", raw, headers, now=env.clock.now())
     assert await state(env, sid) is SessionState.SUSPENDED  # stored, never woken

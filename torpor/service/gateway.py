@@ -58,7 +58,7 @@ from torpor.faults import CrashPoint, crash_point
 from torpor.gates import may_restrict
 from torpor.ids import event_key
 from torpor.models import SessionHeader, Wait, WaitRoute
-from torpor.ports import WaitBinding
+from torpor.ports import Reason, WaitBinding
 from torpor.service.replay import ReplayClaims, ReplayGuard, replay_claims
 from torpor.service.sessions import SessionService
 from torpor.settings import SourceConfig
@@ -102,6 +102,9 @@ class Routed:
     outcome: Outcome
     duplicate: bool = False
     replayed: bool = False  # a duplicate whose exact request was accepted before
+    # The session to activate once the request is remembered (its wake timer is armed):
+    # asked for last, so the session's own work does not compete with the answer's.
+    activate: tuple[str, str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -234,10 +237,12 @@ class WebhookGateway:
                     )
                 )
             if any(r.replayed for r in routed):  # woken if need be; still a replay
+                await self._activate(routed)
                 raise WebhookRejected(RejectReason.REPLAYED)
             result = await self._answer(routed, batch=len(events) > 1, source=source)
             if result.status < 300:  # remembered last: only a request that did all of it
                 await self.replays.remember(claims)
+            await self._activate(routed)
             return result
         except BaseException:
             # Nothing this request stored is lost by letting a retry through: the inbox
@@ -400,13 +405,32 @@ class WebhookGateway:
         record = self.audit.append(verdict=verdict, session_id=binding.session_id, **audit)
         if new:
             # The event is durable already: the activation and the audit block go together.
-            await asyncio.gather(record, self._wake(binding.session_id, agent=seen.agent))
-            return Routed(event.event_id, binding.session_id, outcome)
+            await asyncio.gather(record, self._arm_wake(binding.session_id))
+            return Routed(
+                event.event_id,
+                binding.session_id,
+                outcome,
+                activate=(binding.session_id, seen.agent),
+            )
         await asyncio.gather(
             record, self._wake_if_pending(binding.session_id, source_name, event.event_id)
         )
         replayed = await self.replays.was_accepted(claims)
         return Routed(event.event_id, binding.session_id, Outcome.DUPLICATE, True, replayed)
+
+    async def _activate(self, routed: list[Routed]) -> None:
+        """Ask for the activations last: their wake timers are armed already, and a
+        session that starts running while this request still writes its replay marker
+        takes the cores the answer needs."""
+        for r in routed:
+            if r.activate is not None:
+                session_id, agent = r.activate
+                await self.sessions.activate(session_id, reason=Reason.EVENT, agent=agent)
+
+    async def _arm_wake(self, session_id: str) -> None:
+        """The wake timer alone: the safety net under the activation asked for later."""
+        await self.sessions.arm_wake(session_id)
+        crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
 
     async def _wake(self, session_id: str, *, agent: str | None = None) -> None:
         # the wake timer, then a request

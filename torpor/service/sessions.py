@@ -342,6 +342,10 @@ class SessionService:
             await self.activate_for_event(event.session_id, reason=_reason_for(event))
         return new
 
+    async def arm_wake(self, session_id: str) -> None:
+        """The safety net alone, for a caller that asks for the activation later."""
+        await self._activation_timer(session_id)
+
     async def activate_for_event(
         self, session_id: str, *, reason: Reason = Reason.EVENT, agent: str | None = None
     ) -> None:
