@@ -56,6 +56,16 @@ async def as_written_before_0_4(env: Env, session_id: str) -> None:
     assert (await env.services.snapshots.header(session_id)).waits is None
 
 
+async def answer(env: Env, *, old_header: bool = False) -> tuple[str, bytes, dict[str, str]]:
+    """A session waiting, and a signed answer to its wait (session id, body, headers)."""
+    sid = await env.submit()
+    wait = (await env.load(sid)).waits[0]
+    if old_header:
+        await as_written_before_0_4(env, sid)
+    raw = body(wait.correlation_id, "e1")
+    return sid, raw, {**sign(Scheme.TORPOR, raw, SECRET, now=env.clock.now()), "Content-Type": JSON}
+
+
 @pytest.fixture
 async def env(tmp_path: Path, redis_url: str, redis_prefix: str) -> Any:
     async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": WITH_ERP}) as e:
@@ -65,14 +75,10 @@ async def env(tmp_path: Path, redis_url: str, redis_prefix: str) -> Any:
 async def test_a_webhook_is_judged_from_the_header_before_anything_is_decompressed(
     env: Env,
 ) -> None:
-    gateway = WebhookGateway(env.control)
-    sid = await env.submit()
-    wait = (await env.load(sid)).waits[0]
+    gateway, now = WebhookGateway(env.control), env.clock.now()
+    sid, raw, headers = await answer(env)
     calls: list[str] = []
     recorded(env, calls)
-    now = env.clock.now()
-    raw = body(wait.correlation_id, "e1")
-    headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
     with pytest.raises(SourceNotAllowed):
         await gateway.receive("erp", raw, headers, now=now)
     assert calls == ["header"], "refused from the header alone"
@@ -83,15 +89,10 @@ async def test_a_webhook_is_judged_from_the_header_before_anything_is_decompress
 
 
 async def test_a_header_from_before_0_4_sends_the_gateway_to_the_snapshot(env: Env) -> None:
-    gateway = WebhookGateway(env.control)
-    sid = await env.submit()
-    wait = (await env.load(sid)).waits[0]
-    await as_written_before_0_4(env, sid)
+    gateway, now = WebhookGateway(env.control), env.clock.now()
+    sid, raw, headers = await answer(env, old_header=True)
     calls: list[str] = []
     recorded(env, calls)
-    now = env.clock.now()
-    raw = body(wait.correlation_id, "e1")
-    headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
     with pytest.raises(SourceNotAllowed):
         await gateway.receive("erp", raw, headers, now=now)
     assert calls == ["header", "load"], "an old header names no routes: the snapshot decides"
