@@ -30,6 +30,7 @@ import fcntl
 import hashlib
 import os
 import secrets
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,6 +56,7 @@ WRITER_THREADS = 32
 CREATES_AT_ONCE = 64
 INLINE_READ_BYTES = 64 * 1024
 _THREADS: dict[int, ThreadPoolExecutor] = {}
+_Create = tuple[str, bytes, "asyncio.Future[str]"]  # key, body, the caller's answer
 
 
 def _threads() -> ThreadPoolExecutor:
@@ -86,9 +88,14 @@ class LocalObjectStore:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"local object store {self.root} is not writable: {exc}") from exc
-        # Creates waiting for the worker thread, and the task that hands them over.
-        self._creates: list[tuple[str, bytes, asyncio.Future[str]]] = []
-        self._creator: asyncio.Task[None] | None = None
+        # Creates waiting for the worker thread, and the task that hands them over, per
+        # event loop (a store may outlive the loop that first used it: tests, scripts).
+        self._creates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Create]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._creators: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def url(self) -> str:
@@ -112,9 +119,7 @@ class LocalObjectStore:
     def _write_tmp(self, data: bytes) -> str:
         tmp, fd = self._open_tmp(data)
         try:
-            # Durable before it becomes visible under its key: one flush for every
-            # writer waiting now (the bytes are written; the sync that follows covers them).
-            os.fsync(fd)
+            os.fsync(fd)  # durable before it becomes visible under its key
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -288,18 +293,22 @@ class LocalObjectStore:
 
     async def put_if_absent(self, key: str, data: bytes) -> str:
         """Queued with the other creates waiting in this event loop: one worker thread
-        writes them all, one flush makes them durable, each is then linked into place."""
+        writes them all and makes each durable, then links each into place."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[str] = loop.create_future()
-        self._creates.append((key, data, done))
-        if self._creator is None or self._creator.done() or self._creator.get_loop() is not loop:
-            self._creator = loop.create_task(self._create_queued())
+        # A queue per event loop: a future is only ever resolved on its own loop.
+        queue = self._creates.setdefault(loop, [])
+        queue.append((key, data, done))
+        creator = self._creators.get(loop)
+        if creator is None or creator.done():
+            self._creators[loop] = loop.create_task(self._create_queued(queue))
         return await done
 
-    async def _create_queued(self) -> None:
+    async def _create_queued(self, queue: list[_Create]) -> None:
         loop = asyncio.get_running_loop()
-        while self._creates:
-            batch, self._creates = self._creates[:CREATES_AT_ONCE], self._creates[CREATES_AT_ONCE:]
+        while queue:
+            batch = queue[:CREATES_AT_ONCE]
+            del queue[:CREATES_AT_ONCE]
             items = [(key, data) for key, data, _ in batch]
             try:
                 results = await loop.run_in_executor(_threads(), self._create_all, items)
