@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -238,9 +239,12 @@ def flush() -> None:
         _flush_armed = False
     if not pending or not _enabled():
         return
-    made = metrics()
-    for (name, tags), value in pending.items():
-        made[name].inc(value, tags=dict(tags))
+    # Never fails its caller: an actor on its way out, or a process exiting while Ray
+    # shuts down, loses at most these counts, not its exit.
+    with contextlib.suppress(Exception):
+        made = metrics()
+        for (name, tags), value in pending.items():
+            made[name].inc(value, tags=dict(tags))
 
 
 atexit.register(flush)
