@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -54,6 +55,9 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
+OPEN_RETRY_S = 30.0
+
+
 class SqliteConnection:
     """The state the role mixins share; ``SqliteIndex`` composes them over one of these."""
 
@@ -67,13 +71,30 @@ class SqliteConnection:
             raise ConfigError(f"SQLite index at {self.path} cannot be opened: {exc}") from exc
 
     def _connect(self) -> sqlite3.Connection:
+        # Switching a fresh file to WAL while another process does the same can fail with
+        # "database is locked" at once, without waiting out busy_timeout (SQLite does not
+        # call the busy handler for that lock): try again, for as long as busy_timeout.
+        deadline = time.monotonic() + OPEN_RETRY_S
+        while True:
+            try:
+                return self._open()
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def _open(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA busy_timeout = 30000")
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA synchronous = NORMAL")
-        # Several processes may open a fresh file at once: create the schema under the
-        # write lock, in one transaction.
-        conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
+        try:
+            conn.execute("PRAGMA busy_timeout = 30000")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            # Several processes may open a fresh file at once: create the schema under the
+            # write lock, in one transaction.
+            conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     @property
