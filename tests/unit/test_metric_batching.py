@@ -4,12 +4,12 @@ work); nothing summed is lost when the process flushes before it exits."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
 
 from actors import metrics
+from tests.conftest import eventually
 
 
 class RayCounter:
@@ -38,10 +38,8 @@ async def test_a_burst_of_increments_reaches_ray_as_one_sum_per_tag_set(
         metrics.inc("webhooks", accepted)
     metrics.inc("webhooks", {"source": "oa", "outcome": "rejected", "reason": "signature"})
     assert ray_counters["webhooks"].calls == [], "nothing crosses into Ray per request"
-    for _ in range(200):  # the armed hand-over runs on the loop (no sleep-and-hope)
-        if ray_counters["webhooks"].calls:
-            break
-        await asyncio.sleep(0.01)
+    # the armed hand-over runs on the loop
+    await eventually(lambda: ray_counters["webhooks"].calls, timeout_s=5, what="hand-over")
     assert sorted(ray_counters["webhooks"].calls, key=lambda c: c[0]) == [
         (1.0, {"outcome": "rejected", "reason": "signature", "source": "oa"}),
         (500.0, accepted),

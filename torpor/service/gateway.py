@@ -432,9 +432,8 @@ class WebhookGateway:
         await self.sessions.arm_wake(session_id)
         crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
 
-    async def _wake(self, session_id: str, *, agent: str | None = None) -> None:
-        # the wake timer, then a request
-        await self.sessions.activate_for_event(session_id, agent=agent)
+    async def _wake(self, session_id: str) -> None:
+        await self.sessions.activate_for_event(session_id)  # the wake timer, then a request
         crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
 
     async def _wake_if_pending(self, session_id: str, source: str, event_id: str) -> None:

@@ -346,13 +346,10 @@ class SessionService:
         """The safety net alone, for a caller that asks for the activation later."""
         await self._activation_timer(session_id)
 
-    async def activate_for_event(
-        self, session_id: str, *, reason: Reason = Reason.EVENT, agent: str | None = None
-    ) -> None:
-        """After a durable inbox write: a timer as safety net, then an activation
-        (``agent``, when the caller knows it, spares the activator a read)."""
+    async def activate_for_event(self, session_id: str, *, reason: Reason = Reason.EVENT) -> None:
+        """After a durable inbox write: a timer as safety net, then an activation."""
         await self._activation_timer(session_id)
-        await self.activate(session_id, reason=reason, agent=agent)
+        await self.activate(session_id, reason=reason)
 
     async def activate(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
         """Ask for an activation. Failure here loses nothing: the state is already durable
