@@ -57,6 +57,9 @@ class ObjectInbox:
         except ObjectExists:  # remembered already (a retry after a lost answer)
             return
 
+    async def forget_accepted(self, *, source: str, content_digest: str) -> None:
+        await self.store.delete(keys.accepted_content(source, content_digest))
+
     async def was_accepted(self, *, source: str, content_digest: str) -> bool:
         try:
             await self.store.get(keys.accepted_content(source, content_digest))

@@ -9,9 +9,10 @@ local object store, with the session runtime inline.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.support.harness import CAPABILITY_KEY, Env, local_env
-from torpor.errors import AmbiguousEvent, IndexUnavailable, RejectReason, WebhookRejected
+from torpor.errors import (
+    AmbiguousEvent,
+    IndexUnavailable,
+    RejectReason,
+    StorageUnavailable,
+    WebhookRejected,
+)
 from torpor.lifecycle import SessionState
 from torpor.service.gateway import WebhookGateway
 from torpor.webhooks.capability import mint
-from torpor.webhooks.signing import Scheme, generate_secret, sign
+from torpor.webhooks.signing import Scheme, generate_secret, sign, verify
 
 SECRET = generate_secret(Scheme.TORPOR)
 JSON = "application/json"
@@ -303,3 +310,69 @@ async def test_a_replica_whose_clock_runs_ahead_does_not_make_an_answer_late(
         result = await gateway.receive("oa", raw, headers, now=ahead)
         assert result.status == 202
         assert await state(env, sid) is SessionState.COMPLETED
+
+
+async def test_a_failed_audit_record_takes_the_replay_marker_back(env: Env) -> None:
+    """The audit record and the replay marker are written together: when the record
+    fails, the request is answered with the error and its byte-identical retry must be
+    let through (200 duplicate, woken), not refused as a replay of an accepted request."""
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-audit", correlationId=cid)
+    headers = signed(env, raw)
+    fired = fail_once(
+        env.services.audit, "append", after=False, error=StorageUnavailable("injected")
+    )
+    with pytest.raises(StorageUnavailable):
+        await gateway.receive("oa", raw, headers, now=env.clock.now())
+    assert fired
+    digest = sign_digest(raw, headers)
+    assert not await env.services.inbox.was_accepted(source="oa", content_digest=digest)
+    result = await gateway.receive("oa", raw, headers, now=env.clock.now())
+    assert result.status == 200 and result.body["duplicate"] is True
+    assert await state(env, sid) is SessionState.COMPLETED
+
+
+async def test_the_answer_takes_two_rounds_of_durable_writes(env: Env) -> None:
+    """Inbox write ∥ wake timer, then audit record ∥ replay marker: each pair is only
+    released once both of its writes started, so a gateway that did them one after the
+    other would hang here instead of answering."""
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-pairs", correlationId=cid)
+    pairs = {
+        "inbox": (env.services.inbox, "deliver", env.control, "arm_wake"),
+        "audit": (env.services.audit, "append", env.services.inbox, "remember_accepted"),
+    }
+    for first, first_name, second, second_name in pairs.values():
+        barrier = asyncio.Barrier(2)
+        for target, name in ((first, first_name), (second, second_name)):
+            meet(target, name, barrier)
+    result = await asyncio.wait_for(
+        gateway.receive("oa", raw, signed(env, raw), now=env.clock.now()), timeout=10
+    )
+    assert result.status == 202
+    await env.control.drain()
+    assert await state(env, sid) is SessionState.COMPLETED
+
+
+def meet(target: object, name: str, barrier: asyncio.Barrier) -> None:
+    """``target.name`` waits at ``barrier`` (once) before it runs."""
+    original: Callable[..., Awaitable[Any]] = getattr(target, name)
+    met: list[int] = []
+
+    async def waiting(*args: Any, **kwargs: Any) -> Any:
+        if not met:
+            met.append(1)
+            await barrier.wait()
+        return await original(*args, **kwargs)
+
+    setattr(target, name, waiting)
+
+
+def sign_digest(raw: bytes, headers: dict[str, str]) -> str:
+    return verify(
+        Scheme.TORPOR, raw, headers, [SECRET], now=datetime.now(UTC), tolerance_s=300
+    ).content_digest

@@ -99,6 +99,11 @@ class InboxRepository(Protocol):
         replay memory that outlives the index). Idempotent."""
         ...
 
+    async def forget_accepted(self, *, source: str, content_digest: str) -> None:
+        """Take back what ``remember_accepted`` recorded (the request failed after all).
+        Idempotent."""
+        ...
+
     async def was_accepted(self, *, source: str, content_digest: str) -> bool:
         """Whether ``remember_accepted`` recorded this content: one lookup."""
         ...

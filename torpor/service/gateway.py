@@ -19,12 +19,16 @@ For ``POST /v1/hooks/{source}``, in order, on the raw bytes:
    names, if it names one, so the epoch gate sees an answer to a superseded request for
    what it is; an event that names nothing and could answer a re-planned request is
    ``AmbiguousEvent`` (recorded, not applied);
-6. the event is written into the session's inbox (create-only) and appended to the audit
-   chain. A redelivery is answered 200 ``duplicate`` and, if the session has not processed
-   the event yet (the first request died before its wake), wakes it;
-7. the wake timer is armed and the activation requested, then the request is remembered as
-   accepted, and only then the answer goes out: 202 accepted, or 200 with the ``outcome``
-   (``stale``, ``late``, ``closed``) when the event cannot change the session.
+6. the event is written into the session's inbox (create-only). A redelivery is answered
+   200 ``duplicate`` and, if the session has not processed the event yet (the first
+   request died before its wake), wakes it;
+7. the wake timer is armed (beside the inbox write, for an event the edge expects to be
+   applied), then the audit record and the request's replay marker are written together,
+   the activation is requested, and only then the answer goes out: 202 accepted, or 200
+   with the ``outcome`` (``stale``, ``late``, ``closed``) when the event cannot change
+   the session. (A replica killed between the marker and the audit record leaves a
+   marker without its record: the sender's retry is then refused as a replay, 409, while
+   the event it carries is stored and will be applied.)
 
 Nothing before step 6 changes any state but the replay claims, which are given back if
 the request then fails.
@@ -36,11 +40,11 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from torpor import logs, tracing
 from torpor.errors import (
@@ -69,6 +73,9 @@ from torpor.webhooks.rejections import ensure_body_size
 from torpor.webhooks.signing import Scheme, Verified, verify
 
 log = logging.getLogger(__name__)
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 CAPABILITY_SOURCE = "capability"
 
@@ -105,6 +112,8 @@ class Routed:
     # The session to activate once the request is remembered (its wake timer is armed):
     # asked for last, so the session's own work does not compete with the answer's.
     activate: tuple[str, str | None] | None = None
+    # The audit record of a stored event, still being written (beside the replay marker).
+    audit: asyncio.Future[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +210,7 @@ class WebhookGateway:
         claims = replay_claims(source_name, source, verified)
         first = events[0]
         owned = True  # whether the claims are this request's, to give back on failure
+        routed: list[Routed] = []
         try:
             # The replay claims and the first event's routing share one index round trip.
             admission = await self.services.index.admit(
@@ -221,7 +231,6 @@ class WebhookGateway:
             crash_point(CrashPoint.GATEWAY_AFTER_CLAIM)
             trace = _trace_id(headers)
             body_sha = hashlib.sha256(body).hexdigest()
-            routed = []
             for i, event in enumerate(events):
                 if i == 0 and admission.fresh:  # the admission resolved it in the index
                     resolved = (
@@ -237,19 +246,39 @@ class WebhookGateway:
                     )
                 )
             if any(r.replayed for r in routed):  # woken if need be; still a replay
+                await self._audited(routed, remember=None)
                 await self._activate(routed)
                 raise WebhookRejected(RejectReason.REPLAYED)
             result = await self._answer(routed, batch=len(events) > 1, source=source)
-            if result.status < 300:  # remembered last: only a request that did all of it
-                await self.replays.remember(claims)
+            # Remembered only by a request that did all of it (a 2xx answer).
+            await self._audited(routed, remember=claims if result.status < 300 else None)
             await self._activate(routed)
             return result
         except BaseException:
+            # No audit write outlives its request, whatever failed.
+            await asyncio.gather(*(r.audit for r in routed if r.audit), return_exceptions=True)
             # Nothing this request stored is lost by letting a retry through: the inbox
             # dedups it, and a duplicate wakes what was not woken.
             if owned:
                 await self.replays.release(claims)
             raise
+
+    async def _audited(self, routed: list[Routed], *, remember: ReplayClaims | None) -> None:
+        """The stored events' audit records and, for a request answered 2xx, its replay
+        marker, written together (one round of durable writes, not two). Both come after
+        the events are in the inbox with their wake timers armed, so a marker never names
+        an event that could be lost. An audit record that fails takes the marker back:
+        the request is answered 5xx and its retry must be let through."""
+        pending = [r.audit for r in routed if r.audit is not None]
+        marker = [self.replays.remember(remember)] if remember is not None else []
+        results = await asyncio.gather(*pending, *marker, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if not failed:
+            return
+        if remember is not None and not isinstance(results[-1], BaseException):
+            with contextlib.suppress(Exception):  # the audit failure is what is reported
+                await self.replays.forget(remember)
+        raise failed[0]
 
     async def _resolve(self, tenant: str, event: InboundEvent, now: datetime) -> _Resolved:
         index = self.services.index
@@ -377,40 +406,49 @@ class WebhookGateway:
             "torpor.inbox.write",
             **{"torpor.session_id": binding.session_id, "torpor.event_id": event.event_id},
         )
+        stored = InboxEvent.new(
+            kind=EventKind.CALLBACK,
+            session_id=binding.session_id,
+            source=source_name,
+            event_id=event.event_id,
+            type=event.type,
+            received_at=now,
+            correlation_id=binding.correlation_id,
+            business_key=event.business_key,
+            # The sender's own word on which request it answers wins over the wait the
+            # index resolved now: that is what lets the epoch gate see a stale answer.
+            epoch=binding.epoch if event.epoch is None else event.epoch,
+            step_id=binding.step_id if addressed else None,
+            data=data,
+            trace_id=trace,
+            verified_by=verified.scheme.value,
+            content_digest=verified.content_digest,
+        )
         with inbox_span:
-            new = await self.services.inbox.deliver(
-                InboxEvent.new(
-                    kind=EventKind.CALLBACK,
-                    session_id=binding.session_id,
-                    source=source_name,
-                    event_id=event.event_id,
-                    type=event.type,
-                    received_at=now,
-                    correlation_id=binding.correlation_id,
-                    business_key=event.business_key,
-                    # The sender's own word on which request it answers wins over the wait the
-                    # index resolved now: that is what lets the epoch gate see a stale answer.
-                    epoch=binding.epoch if event.epoch is None else event.epoch,
-                    step_id=binding.step_id if addressed else None,
-                    data=data,
-                    trace_id=trace,
-                    verified_by=verified.scheme.value,
-                    content_digest=verified.content_digest,
-                )
-            )
-        crash_point(CrashPoint.GATEWAY_AFTER_INBOX)
+            if outcome is Outcome.ACCEPTED:
+                # The wake timer beside the inbox write rather than after it: one round
+                # trip less before the answer. Armed for an event that turns out to be a
+                # redelivery, it wakes the session once for nothing after the grace period.
+                new, _ = await settled(self._deliver(stored), self._arm_wake(binding.session_id))
+                crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
+            else:
+                new = await self._deliver(stored)
+                if new:
+                    await self._arm_wake(binding.session_id)
+                    crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
         verdict = outcome.value if new else Outcome.DUPLICATE.value
         audit["correlation_id"] = binding.correlation_id
         await self._handled(source_name, verdict)
         record = self.audit.append(verdict=verdict, session_id=binding.session_id, **audit)
         if new:
-            # The event is durable already: the activation and the audit block go together.
-            await asyncio.gather(record, self._arm_wake(binding.session_id))
+            # Written beside the replay marker (``_receive``): both after the event is
+            # durable and its wake timer armed.
             return Routed(
                 event.event_id,
                 binding.session_id,
                 outcome,
                 activate=(binding.session_id, seen.agent),
+                audit=asyncio.ensure_future(record),
             )
         await asyncio.gather(
             record, self._wake_if_pending(binding.session_id, source_name, event.event_id)
@@ -427,10 +465,14 @@ class WebhookGateway:
                 session_id, agent = r.activate
                 await self.sessions.activate(session_id, reason=Reason.EVENT, agent=agent)
 
+    async def _deliver(self, event: InboxEvent) -> bool:
+        new = await self.services.inbox.deliver(event)
+        crash_point(CrashPoint.GATEWAY_AFTER_INBOX)
+        return new
+
     async def _arm_wake(self, session_id: str) -> None:
         """The wake timer alone: the safety net under the activation asked for later."""
         await self.sessions.arm_wake(session_id)
-        crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
 
     async def _wake(self, session_id: str) -> None:
         await self.sessions.activate_for_event(session_id)  # the wake timer, then a request
@@ -597,6 +639,16 @@ class WebhookGateway:
             raise WebhookRejected(RejectReason.TOKEN_USED)
         await self._handled(CAPABILITY_SOURCE, "accepted" if new else "duplicate")
         return HookResult(202 if new else 200, {"event_id": claims.token_id, "duplicate": not new})
+
+
+async def settled(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
+    """Both at once, and both finished before this returns or raises (the first error):
+    a failed wake timer must not leave its inbox write running past the request."""
+    results = await asyncio.gather(first, second, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results[0], results[1]  # type: ignore[return-value]
 
 
 def _trace_id(headers: Mapping[str, str]) -> str | None:

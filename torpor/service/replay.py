@@ -5,7 +5,8 @@ A request's signed content (and, for the torpor scheme, its nonce) is claimed in
 replay: its holder may have died before storing anything, and refusing the sender's
 byte-identical retry would lose the event. What decides is the durable memory, one marker
 per request that was accepted in full (``InboxRepository.remember_accepted``), written
-last, after the request's events are in the inbox and their wake timers armed; it also
+after the request's events are in the inbox and their wake timers armed, beside their
+audit records (taken back if one of those fails); it also
 outlives a flushed index, so a replay after index loss is still refused.
 """
 
@@ -83,6 +84,12 @@ class ReplayGuard:
     async def remember(self, claims: ReplayClaims) -> None:
         """The request was accepted in full: its bytes are a replay from now on."""
         await self.services.inbox.remember_accepted(
+            source=claims.source, content_digest=claims.content_digest
+        )
+
+    async def forget(self, claims: ReplayClaims) -> None:
+        """Take a marker back: the request it was written for failed after all."""
+        await self.services.inbox.forget_accepted(
             source=claims.source, content_digest=claims.content_digest
         )
 
