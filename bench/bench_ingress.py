@@ -28,6 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from torpor.entry.ingress import USER_LOOP  # noqa: E402
+
 REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 SECRET = "b" * 64
 
@@ -408,7 +410,8 @@ def main() -> None:
         return
     proxies = ["default", "haproxy"] if args.proxy == "both" else [args.proxy]
     for proxy in proxies:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # Each replica runs the app on its own loop, as `torpor serve` has it.
+        env = {**os.environ, "PYTHONPATH": str(ROOT), USER_LOOP: os.environ.get(USER_LOOP, "0")}
         if proxy == "haproxy":
             env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
         started = time.perf_counter()

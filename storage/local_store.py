@@ -6,11 +6,7 @@ the host:
 * ``put_if_absent`` writes a temporary file and ``os.link``s it into place: link fails
   with EEXIST if the key exists, so exactly one creator wins without any lock. The
   creates waiting in one event loop are handed to a worker thread together
-  (``_create_all``): one hop for all of them (0.08 ms of CPU per create, was 0.37). Up
-  to ``CREATE_BATCHES_AT_ONCE`` such batches are in flight at once, each on its own
-  thread: one thread making every file durable in turn held each webhook behind every
-  ``fsync`` queued before it (0.3-0.5 ms each on this disk), and concurrent ``fsync``s
-  share the file system's journal commits.
+  (``_create_all``): one hop for all of them (0.08 ms of CPU per create, was 0.37).
 * ``put_if_match`` and ``delete`` take an exclusive ``flock`` on a per-key lock file,
   compare the current etag and ``os.replace`` the new content in: readers never see a
   half-written file, and two writers never both pass the etag check.
@@ -58,7 +54,6 @@ _TMP = ".tmp"
 # One pool per process, shared by every store in it (threads are started as needed).
 WRITER_THREADS = 32
 CREATES_AT_ONCE = 64
-CREATE_BATCHES_AT_ONCE = 4
 INLINE_READ_BYTES = 64 * 1024
 _THREADS: dict[int, ThreadPoolExecutor] = {}
 _Create = tuple[str, bytes, "asyncio.Future[str]"]  # key, body, the caller's answer
@@ -93,14 +88,14 @@ class LocalObjectStore:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"local object store {self.root} is not writable: {exc}") from exc
-        # Creates waiting for a worker thread, and the tasks handing them over, per event
-        # loop (a store may outlive the loop that first used it: tests, scripts).
+        # Creates waiting for the worker thread, and the task that hands them over, per
+        # event loop (a store may outlive the loop that first used it: tests, scripts).
         self._creates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Create]] = (
             weakref.WeakKeyDictionary()
         )
-        self._creators: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, set[asyncio.Task[None]]
-        ] = weakref.WeakKeyDictionary()
+        self._creators: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def url(self) -> str:
@@ -304,13 +299,9 @@ class LocalObjectStore:
         # A queue per event loop: a future is only ever resolved on its own loop.
         queue = self._creates.setdefault(loop, [])
         queue.append((key, data, done))
-        creators = self._creators.setdefault(loop, set())
-        if len(creators) < CREATE_BATCHES_AT_ONCE:
-            # A new batch only while fewer are in flight: past that, creates wait and go
-            # together with the next batch (one hop for many).
-            creator = loop.create_task(self._create_queued(queue))
-            creators.add(creator)
-            creator.add_done_callback(creators.discard)
+        creator = self._creators.get(loop)
+        if creator is None or creator.done():
+            self._creators[loop] = loop.create_task(self._create_queued(queue))
         return await done
 
     async def _create_queued(self, queue: list[_Create]) -> None:

@@ -22,6 +22,7 @@ from tests.support.harness import CAPABILITY_KEY, NOTIFY_KEY
 from tests.support.s3_server import S3TestServer, free_port
 from tests.support.tools import World, agent_config
 from torpor.auth import new_api_key
+from torpor.entry.ingress import USER_LOOP
 from torpor.ports.services import Services
 from torpor.settings import Settings
 from torpor.webhooks.signing import Scheme, generate_secret
@@ -149,7 +150,8 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        # The replicas run the app on their own loop, as under `torpor serve`.
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), USER_LOOP: "0"}},
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(application(settings, start_reconciler=False), name="torpor", route_prefix="/")

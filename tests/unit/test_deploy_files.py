@@ -29,6 +29,8 @@ def test_cluster_yaml_is_a_launcher_config_that_installs_torpor() -> None:
     assert "pip install" in setup and "/home/ubuntu/torpor" in setup
     assert any("ray start --head" in c for c in config["head_start_ray_commands"])
     assert any("RAY_SERVE_ENABLE_HA_PROXY=1" in c for c in config["head_start_ray_commands"])
+    for node in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert any("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0" in c for c in config[node])
     assert any("ray start --address" in c for c in config["worker_start_ray_commands"])
     assert "." in config["file_mounts"].values()
 

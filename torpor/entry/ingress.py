@@ -9,6 +9,14 @@ variable either way. Serve reads the flag once, when ``ray.serve`` is first impo
 and a local cluster inherits this process's environment: call :func:`choose_ingress`
 before anything imports ``ray.serve``. A cluster started elsewhere (``--address``) runs
 whatever its own processes were started with.
+
+It also has the replicas run the app on their own event loop
+(``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``, unless the operator set it): Serve's
+default hands every request from the replica's loop to a second loop on another thread
+and back, which cost a trivial POST 0.4 ms of the replica's CPU (0.8 → 0.4 ms; 0.97 →
+0.59 ms p50 one at a time, 2,812 → 3,733 req/s under load) and a webhook 0.5 ms of its
+latency. The second loop protects a replica from handlers that block; ours never do
+(storage calls that block run on worker threads, ``storage.blocking``).
 """
 
 from __future__ import annotations
@@ -17,11 +25,12 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 _SERVE_CONSTANTS = "ray.serve._private.constants"
 BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"
+USER_LOOP = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,14 @@ def choose_ingress(
         on = bool(getattr(loaded, FLAG, False))
         how = "HAProxy ingress" if on else "Serve's default proxy"
         return Ingress(on, f"ingress: {how} (Serve was loaded before the ingress was chosen)")
+    ingress = _proxy(env, which)
+    if USER_LOOP in env:  # the operator's choice
+        return ingress
+    env[USER_LOOP] = "0"
+    return replace(ingress, changed=((USER_LOOP, None), *ingress.changed))
+
+
+def _proxy(env: MutableMapping[str, str], which: Callable[[str], str | None]) -> Ingress:
     chosen = env.get(FLAG)
     if chosen is not None:
         on = chosen == "1"
