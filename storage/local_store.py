@@ -13,8 +13,9 @@ the host:
 
 Etags are the MD5 of the content, as S3 computes them for single-part uploads.
 Blocking file I/O runs in worker threads of the store's own so the caller's event loop
-keeps serving; the one exception is a whole read of a small object (``_read_small``),
-cheaper on the caller's thread than the hop.
+keeps serving; the exceptions are a whole read of a small object (``_read_small``) and
+the listing of a small flat folder (``_list_small``), cheaper on the caller's thread
+than the hop.
 
 Every object is ``fsync``ed before it is linked or renamed into place. (One ``syncfs``
 for a group of creates was tried: it flushes everyone's dirty data on the file system,
@@ -55,6 +56,7 @@ _TMP = ".tmp"
 WRITER_THREADS = 32
 CREATES_AT_ONCE = 64
 INLINE_READ_BYTES = 64 * 1024
+INLINE_LIST_ENTRIES = 256
 _THREADS: dict[int, ThreadPoolExecutor] = {}
 _Create = tuple[str, bytes, "asyncio.Future[str]"]  # key, body, the caller's answer
 
@@ -328,7 +330,35 @@ class LocalObjectStore:
     async def list(
         self, prefix: str, *, start_after: str | None = None, limit: int = 1000
     ) -> ListPage:
+        small = self._list_small(prefix, start_after, limit)
+        if small is not None:
+            return small
         return await self._off_loop(self._list, prefix, start_after, limit)
+
+    def _list_small(self, prefix: str, start_after: str | None, limit: int) -> ListPage | None:
+        """A listing of one small folder of files (a session's inbox, three times per
+        activation) on the caller's thread: a few microseconds against 0.5 ms for the
+        hop to a worker thread and back. None for anything larger or deeper."""
+        folder, _, _ = prefix.rpartition("/")
+        if not folder:
+            return None
+        top = self.root / "objects" / folder
+        keys: list[str] = []
+        try:
+            with os.scandir(top) as entries:
+                for n, entry in enumerate(entries):
+                    if n >= INLINE_LIST_ENTRIES or not entry.is_file(follow_symlinks=False):
+                        return None  # large, or not flat: walked off the loop
+                    key = f"{folder}/{entry.name}"
+                    if key.startswith(prefix) and (start_after is None or key > start_after):
+                        keys.append(key)
+        except FileNotFoundError:
+            return ListPage([], None)
+        except OSError:
+            return None  # the worker thread reports it, with the usual translation
+        keys.sort()
+        page = keys[:limit]
+        return ListPage(page, page[-1] if len(keys) > limit else None)
 
     async def delete(self, key: str) -> None:
         await self._off_loop(self._delete, key)

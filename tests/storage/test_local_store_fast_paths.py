@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from storage.local_store import INLINE_READ_BYTES, LocalObjectStore
+from storage.local_store import INLINE_LIST_ENTRIES, INLINE_READ_BYTES, LocalObjectStore
 from torpor.errors import ObjectExists
+from torpor.ports import ListPage
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -78,3 +79,42 @@ def test_a_create_right_after_another_is_written(tmp_path: Path) -> None:
             await store.put_if_absent(f"seq/{i}", b"x")  # awaited directly: no task between
 
     asyncio.run(asyncio.wait_for(one_after_another(), timeout=5))
+
+
+def test_small_flat_folders_are_listed_inline_exactly_as_walked(tmp_path: Path) -> None:
+    store = LocalObjectStore(str(tmp_path))
+
+    async def fill() -> None:
+        for key in ("inbox/s/a1", "inbox/s/a2", "inbox/s/b1", "inbox/t/a1", "deep/x/y/z"):
+            await store.put_if_absent(key, b"x")
+
+    asyncio.run(fill())
+    cases = [
+        ("inbox/s/", None, 1000),
+        ("inbox/s/a", None, 1000),
+        ("inbox/s/", "inbox/s/a1", 1000),
+        ("inbox/s/", None, 2),
+        ("inbox/missing/", None, 1000),
+    ]
+    for prefix, start_after, limit in cases:
+        inline = store._list_small(prefix, start_after, limit)
+        assert inline is not None, prefix
+        assert inline == store._list(prefix, start_after, limit), prefix
+    assert store._list_small("inbox/s/", None, 2) == ListPage(
+        ["inbox/s/a1", "inbox/s/a2"], "inbox/s/a2"
+    )
+    assert store._list_small("deep/", None, 1000) is None, "a folder of folders is walked"
+    assert store._list_small("inbox", None, 1000) is None, "the root is walked"
+
+
+def test_a_large_folder_is_listed_off_the_loop(tmp_path: Path) -> None:
+    store = LocalObjectStore(str(tmp_path))
+
+    async def fill_and_list() -> int:
+        await asyncio.gather(
+            *(store.put_if_absent(f"big/{i:04d}", b"x") for i in range(INLINE_LIST_ENTRIES + 1))
+        )
+        assert store._list_small("big/", None, 1000) is None
+        return len((await store.list("big/")).keys)
+
+    assert asyncio.run(fill_and_list()) == INLINE_LIST_ENTRIES + 1
