@@ -21,6 +21,7 @@ from tests.support.tools import World
 from torpor.clock import SystemClock
 from torpor.errors import EmbeddedBackendOnCluster
 from torpor.lifecycle import SessionState
+from torpor.ports.services import Services
 from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper
 from torpor.settings import Settings
@@ -101,7 +102,10 @@ async def test_sessions_survive_losing_a_worker_node(
             states = await services.index.session_states(running)
             return all(states.get(sid) is S.SUSPENDED for sid in running)
 
-        await eventually(recovered, timeout_s=120, interval_s=0.5, what="running wave recovered")
+        try:
+            await eventually(recovered, timeout_s=120, interval_s=0.5, what="wave recovered")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{await where_they_are(services, running)}") from None
         for sid in [*waiting, *running]:
             await env.answer(sid, {"status": "approved"})
 
@@ -111,7 +115,11 @@ async def test_sessions_survive_losing_a_worker_node(
             states = await services.index.session_states([*waiting, *running])
             return all(s is S.COMPLETED for s in states.values()) and len(states) == 12
 
-        await eventually(all_done, timeout_s=120, interval_s=0.5, what="every session completes")
+        everyone = [*waiting, *running]
+        try:
+            await eventually(all_done, timeout_s=120, interval_s=0.5, what="all completed")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{await where_they_are(services, everyone)}") from None
         dispatches = await world.counts("dispatch")
         assert len(dispatches) == 12 and set(dispatches.values()) == {1}, dispatches
         effects = await world.entries("extract")
@@ -122,3 +130,25 @@ async def test_sessions_survive_losing_a_worker_node(
     finally:
         await world.close()
         await services.close()
+
+
+async def where_they_are(services: Services, session_ids: list[str]) -> str:
+    """What a failed wait saw, per session: index state, snapshot state and generation,
+    the last transitions, open waits and unprocessed inbox events (the failure this
+    test once had left no trace of which session stalled, or where)."""
+    states = await services.index.session_states(session_ids)
+    lines = []
+    for sid in session_ids:
+        try:
+            snap = await services.snapshots.load(sid)
+        except Exception as exc:
+            lines.append(f"{sid}: index {states.get(sid)}, snapshot unreadable ({exc!r})")
+            continue
+        pending = await services.inbox.pending(sid, processed=set(snap.processed_events))
+        history = " > ".join(f"{h.state.value}({h.reason})" for h in snap.history[-5:])
+        lines.append(
+            f"{sid}: index {states.get(sid)}, snapshot {snap.state.value} gen "
+            f"{snap.generation}, waits {[w.correlation_id for w in snap.waits]}, "
+            f"unprocessed {[e.key for e in pending]}, history {history}"
+        )
+    return "\n".join(lines)
