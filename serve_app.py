@@ -456,13 +456,17 @@ class AppArgs(BaseModel):
     config: str | None = Field(None, description="TOML configuration; else $TORPOR_CONFIG")
 
 
-def application(settings: Settings | ConfigRef, *, start_reconciler: bool = True) -> Application:
-    """The app for ``settings``; ``start_reconciler=False`` when a test drives sweeps.
+def application(
+    settings: Settings | ConfigRef, *, start_reconciler: bool = True, replicas: int | None = None
+) -> Application:
+    """The app for ``settings``; ``start_reconciler=False`` when a test drives sweeps;
+    ``replicas`` ingress replicas instead of one (a Serve config file can say it too).
 
     Replicas get a :class:`ConfigRef`, never secrets: ConfigError for inline ones."""
     config = ConfigRef.of(settings)
     starter = ReconcilerStarter.bind(config) if start_reconciler else None  # type: ignore[attr-defined]
-    app: Application = Ingress.bind(config, starter)  # type: ignore[attr-defined]
+    ingress: Any = Ingress if replicas is None else Ingress.options(num_replicas=replicas)  # type: ignore[attr-defined]
+    app: Application = ingress.bind(config, starter)
     return app
 
 

@@ -250,7 +250,12 @@ def profile_replica(out: str, duration_s: int, name: str) -> subprocess.Popen[by
 
 
 async def child(
-    proxy: str, duration_s: int, sessions: int, seq_n: int, profile: str | None = None
+    proxy: str,
+    duration_s: int,
+    sessions: int,
+    seq_n: int,
+    profile: str | None = None,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     import ray
     import redis
@@ -302,19 +307,25 @@ async def child(
     settings = Settings.build(config)
     ray.init(
         address="local",  # a Ray of its own, even when others run on this machine
-        num_cpus=2,
+        num_cpus=2 * replicas,  # logical: each app's replicas ask for one CPU each
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TORPOR_BENCH_REDIS": REDIS}},
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(application(settings, start_reconciler=False), name="torpor", route_prefix="/")
+    serve.run(
+        application(settings, start_reconciler=False, replicas=replicas),
+        name="torpor",
+        route_prefix="/",
+    )
     # The same app with activation deferred to the reconciler's sweep (the backpressure
     # setting at 0), deployed beside it now: a redeploy between phases left the controller
     # busy (seconds of CPU) while the next phase ran.
     serve.run(
         application(
-            Settings.build({**config, "max_inflight_activations": 0}), start_reconciler=False
+            Settings.build({**config, "max_inflight_activations": 0}),
+            start_reconciler=False,
+            replicas=replicas,
         ),
         name="deferred",
         route_prefix="/deferred",
@@ -400,11 +411,19 @@ def main() -> None:
     parser.add_argument(
         "--profile", help="py-spy the replica in the accept phase into this .svg (or .txt)"
     )
+    parser.add_argument("--replicas", type=int, default=1, help="ingress replicas per app")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
         result = asyncio.run(
-            child(args.proxy, args.duration, args.sessions, args.sequential, args.profile)
+            child(
+                args.proxy,
+                args.duration,
+                args.sessions,
+                args.sequential,
+                args.profile,
+                args.replicas,
+            )
         )
         print("JSON " + json.dumps(result), flush=True)
         return
@@ -429,6 +448,8 @@ def main() -> None:
                 "--sequential",
                 str(args.sequential),
                 *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
+                "--replicas",
+                str(args.replicas),
             ],
             capture_output=True,
             text=True,
