@@ -53,7 +53,7 @@ from torpor.entry.http import (
     redact_path,
     require_idempotency_key,
 )
-from torpor.errors import RejectReason, WebhookRejected
+from torpor.errors import ConfigError, RejectReason, WebhookRejected
 from torpor.ids import digest
 from torpor.lifecycle import SessionState
 from torpor.problems import problem
@@ -463,6 +463,8 @@ def application(
     ``replicas`` ingress replicas instead of one (a Serve config file can say it too).
 
     Replicas get a :class:`ConfigRef`, never secrets: ConfigError for inline ones."""
+    if replicas is not None and replicas < 1:
+        raise ConfigError(f"ingress replicas must be at least 1, not {replicas}")
     config = ConfigRef.of(settings)
     starter = ReconcilerStarter.bind(config) if start_reconciler else None  # type: ignore[attr-defined]
     ingress: Any = Ingress if replicas is None else Ingress.options(num_replicas=replicas)  # type: ignore[attr-defined]

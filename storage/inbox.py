@@ -49,13 +49,14 @@ class ObjectInbox:
     async def find(self, session_id: str, event_key: str) -> InboxEvent | None:
         return await self._read(keys.inbox_event(session_id, event_key))
 
-    async def remember_accepted(self, *, source: str, content_digest: str) -> None:
+    async def remember_accepted(self, *, source: str, content_digest: str) -> bool:
         try:
             await self.store.put_if_absent(
                 keys.accepted_content(source, content_digest), b"accepted"
             )
         except ObjectExists:  # remembered already (a retry after a lost answer)
-            return
+            return False
+        return True
 
     async def forget_accepted(self, *, source: str, content_digest: str) -> None:
         await self.store.delete(keys.accepted_content(source, content_digest))

@@ -334,28 +334,79 @@ async def test_a_failed_audit_record_takes_the_replay_marker_back(env: Env) -> N
     assert await state(env, sid) is SessionState.COMPLETED
 
 
-async def test_the_answer_takes_two_rounds_of_durable_writes(env: Env) -> None:
-    """Inbox write ∥ wake timer, then audit record ∥ replay marker: each pair is only
-    released once both of its writes started, so a gateway that did them one after the
-    other would hang here instead of answering."""
+async def test_the_audit_record_is_written_beside_the_replay_marker(env: Env) -> None:
+    """The audit record and the replay marker meet at a barrier: a gateway that wrote
+    them one after the other would hang here instead of answering."""
     gateway = WebhookGateway(env.control)
     sid = await env.submit()
     cid = (await env.load(sid)).waits[0].correlation_id
     raw = body("e-pairs", correlationId=cid)
-    pairs = {
-        "inbox": (env.services.inbox, "deliver", env.control, "arm_wake"),
-        "audit": (env.services.audit, "append", env.services.inbox, "remember_accepted"),
-    }
-    for first, first_name, second, second_name in pairs.values():
-        barrier = asyncio.Barrier(2)
-        for target, name in ((first, first_name), (second, second_name)):
-            meet(target, name, barrier)
+    barrier = asyncio.Barrier(2)
+    meet(env.services.audit, "append", barrier)
+    meet(env.services.inbox, "remember_accepted", barrier)
     result = await asyncio.wait_for(
         gateway.receive("oa", raw, signed(env, raw), now=env.clock.now()), timeout=10
     )
     assert result.status == 202
     await env.control.drain()
     assert await state(env, sid) is SessionState.COMPLETED
+
+
+async def test_the_wake_timer_follows_the_inbox_write_and_precedes_the_marker(
+    env: Env,
+) -> None:
+    """An activation unschedules the wake timer before its last look at the inbox, so a
+    timer armed before the event is visible can be taken by a look that missed it; and a
+    marker (a retry answered 409) must never name an event nothing would wake."""
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-order", correlationId=cid)
+    steps: list[str] = []
+    record_steps(env.services.inbox, "deliver", steps)
+    record_steps(env.control, "arm_wake", steps)
+    record_steps(env.services.inbox, "remember_accepted", steps)
+    result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
+    assert result.status == 202
+    assert steps == [
+        "deliver:start",
+        "deliver:end",
+        "arm_wake:start",
+        "arm_wake:end",
+        "remember_accepted:start",
+        "remember_accepted:end",
+    ], steps
+
+
+async def test_a_failed_audit_record_leaves_a_marker_it_did_not_write(env: Env) -> None:
+    """The marker is taken back only by the request that wrote it: one found there was
+    written for a request answered 2xx, whose replays must stay refused."""
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-theirs", correlationId=cid)
+    headers = signed(env, raw)
+    digest = sign_digest(raw, headers)
+    # Remembered already (its request accepted, its index claims since flushed).
+    assert await env.services.inbox.remember_accepted(source="oa", content_digest=digest)
+    fail_once(env.services.audit, "append", after=False, error=StorageUnavailable("injected"))
+    with pytest.raises(StorageUnavailable):
+        await gateway.receive("oa", raw, headers, now=env.clock.now())
+    assert await env.services.inbox.was_accepted(source="oa", content_digest=digest)
+
+
+def record_steps(target: object, name: str, steps: list[str]) -> None:
+    """``target.name`` notes when each call starts and ends."""
+    original: Callable[..., Awaitable[Any]] = getattr(target, name)
+
+    async def noted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(f"{name}:start")
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            steps.append(f"{name}:end")
+
+    setattr(target, name, noted)
 
 
 def meet(target: object, name: str, barrier: asyncio.Barrier) -> None:

@@ -105,6 +105,7 @@ def test_small_flat_folders_are_listed_inline_exactly_as_walked(tmp_path: Path) 
     )
     assert store._list_small("deep/", None, 1000) is None, "a folder of folders is walked"
     assert store._list_small("inbox", None, 1000) is None, "the root is walked"
+    assert store._list_small("inbox//s/", None, 1000) is None, "unlike any key: walked"
 
 
 def test_a_large_folder_is_listed_off_the_loop(tmp_path: Path) -> None:

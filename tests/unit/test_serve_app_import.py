@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
@@ -64,3 +66,17 @@ def test_the_app_starts_the_reconciler_from_one_singleton_deployment() -> None:
     }
     quiet = build_app(application(settings, start_reconciler=False), name="torpor")
     assert [d.name for d in quiet.deployments] == ["Ingress"]
+
+
+def test_the_app_runs_as_many_ingress_replicas_as_asked() -> None:
+    from ray.serve._private.build_app import build_app
+
+    from serve_app import application
+    from torpor.errors import ConfigError
+    from torpor.settings import Settings
+
+    settings = Settings.build({})
+    built = build_app(application(settings, replicas=2), name="torpor")
+    assert {d.name: d.num_replicas for d in built.deployments}["Ingress"] == 2
+    with pytest.raises(ConfigError):
+        application(settings, replicas=0)

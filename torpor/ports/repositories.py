@@ -94,14 +94,15 @@ class InboxRepository(Protocol):
         """The delivered event with this key, if any."""
         ...
 
-    async def remember_accepted(self, *, source: str, content_digest: str) -> None:
+    async def remember_accepted(self, *, source: str, content_digest: str) -> bool:
         """Durably record that the request with this signed content was accepted (the
-        replay memory that outlives the index). Idempotent."""
+        replay memory that outlives the index). Idempotent: True if this call recorded
+        it, False if it was recorded already."""
         ...
 
     async def forget_accepted(self, *, source: str, content_digest: str) -> None:
-        """Take back what ``remember_accepted`` recorded (the request failed after all).
-        Idempotent."""
+        """Take back what ``remember_accepted`` recorded (only a caller whose call
+        recorded it: the request failed after all). Idempotent."""
         ...
 
     async def was_accepted(self, *, source: str, content_digest: str) -> bool:

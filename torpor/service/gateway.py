@@ -22,8 +22,8 @@ For ``POST /v1/hooks/{source}``, in order, on the raw bytes:
 6. the event is written into the session's inbox (create-only). A redelivery is answered
    200 ``duplicate`` and, if the session has not processed the event yet (the first
    request died before its wake), wakes it;
-7. the wake timer is armed (beside the inbox write, for an event the edge expects to be
-   applied), then the audit record and the request's replay marker are written together,
+7. the wake timer is armed, then the request's replay marker is written, the audit record
+   being written meanwhile (started after the inbox write, awaited beside the marker);
    the activation is requested, and only then the answer goes out: 202 accepted, or 200
    with the ``outcome`` (``stale``, ``late``, ``closed``) when the event cannot change
    the session. (A replica killed between the marker and the audit record leaves a
@@ -40,11 +40,11 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any
 
 from torpor import logs, tracing
 from torpor.errors import (
@@ -73,9 +73,6 @@ from torpor.webhooks.rejections import ensure_body_size
 from torpor.webhooks.signing import Scheme, Verified, verify
 
 log = logging.getLogger(__name__)
-
-A = TypeVar("A")
-B = TypeVar("B")
 
 CAPABILITY_SOURCE = "capability"
 
@@ -275,7 +272,9 @@ class WebhookGateway:
         failed = [r for r in results if isinstance(r, BaseException)]
         if not failed:
             return
-        if remember is not None and not isinstance(results[-1], BaseException):
+        # Only a marker this request created: one found there is another request's, which
+        # was answered 2xx (the same bytes sent twice at once, or accepted before).
+        if remember is not None and results[-1] is True:
             with contextlib.suppress(Exception):  # the audit failure is what is reported
                 await self.replays.forget(remember)
         raise failed[0]
@@ -425,30 +424,31 @@ class WebhookGateway:
             content_digest=verified.content_digest,
         )
         with inbox_span:
-            if outcome is Outcome.ACCEPTED:
-                # The wake timer beside the inbox write rather than after it: one round
-                # trip less before the answer. Armed for an event that turns out to be a
-                # redelivery, it wakes the session once for nothing after the grace period.
-                new, _ = await settled(self._deliver(stored), self._arm_wake(binding.session_id))
-                crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
-            else:
-                new = await self._deliver(stored)
-                if new:
-                    await self._arm_wake(binding.session_id)
-                    crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
+            new = await self._deliver(stored)
         verdict = outcome.value if new else Outcome.DUPLICATE.value
         audit["correlation_id"] = binding.correlation_id
         await self._handled(source_name, verdict)
         record = self.audit.append(verdict=verdict, session_id=binding.session_id, **audit)
         if new:
-            # Written beside the replay marker (``_receive``): both after the event is
-            # durable and its wake timer armed.
+            # The audit record is written while the wake timer is armed and then beside
+            # the replay marker (``_receive``). The timer strictly after the inbox write:
+            # an activation unschedules it before its last look at the inbox, and an
+            # event that lands after that look must find a timer of its own. The marker
+            # strictly after the timer: a marker answers the sender's retry with 409, so
+            # it must never name an event nothing would wake.
+            written = asyncio.ensure_future(record)
+            try:
+                await self._arm_wake(binding.session_id)
+            except BaseException:
+                await asyncio.gather(written, return_exceptions=True)
+                raise
+            crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
             return Routed(
                 event.event_id,
                 binding.session_id,
                 outcome,
                 activate=(binding.session_id, seen.agent),
-                audit=asyncio.ensure_future(record),
+                audit=written,
             )
         await asyncio.gather(
             record, self._wake_if_pending(binding.session_id, source_name, event.event_id)
@@ -639,16 +639,6 @@ class WebhookGateway:
             raise WebhookRejected(RejectReason.TOKEN_USED)
         await self._handled(CAPABILITY_SOURCE, "accepted" if new else "duplicate")
         return HookResult(202 if new else 200, {"event_id": claims.token_id, "duplicate": not new})
-
-
-async def settled(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
-    """Both at once, and both finished before this returns or raises (the first error):
-    a failed wake timer must not leave its inbox write running past the request."""
-    results = await asyncio.gather(first, second, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results[0], results[1]  # type: ignore[return-value]
 
 
 def _trace_id(headers: Mapping[str, str]) -> str | None:

@@ -81,14 +81,15 @@ class ReplayGuard:
         for scope, nonce in claims.pairs:
             await self.services.index.release_nonce(scope=scope, nonce=nonce)
 
-    async def remember(self, claims: ReplayClaims) -> None:
-        """The request was accepted in full: its bytes are a replay from now on."""
-        await self.services.inbox.remember_accepted(
+    async def remember(self, claims: ReplayClaims) -> bool:
+        """The request was accepted in full: its bytes are a replay from now on. True if
+        this call wrote the marker (False: it was there already)."""
+        return await self.services.inbox.remember_accepted(
             source=claims.source, content_digest=claims.content_digest
         )
 
     async def forget(self, claims: ReplayClaims) -> None:
-        """Take a marker back: the request it was written for failed after all."""
+        """Take back a marker this request wrote: the request failed after all."""
         await self.services.inbox.forget_accepted(
             source=claims.source, content_digest=claims.content_digest
         )
