@@ -261,11 +261,12 @@ class WebhookGateway:
             raise
 
     async def _audited(self, routed: list[Routed], *, remember: ReplayClaims | None) -> None:
-        """The stored events' audit records and, for a request answered 2xx, its replay
-        marker, written together (one round of durable writes, not two). Both come after
-        the events are in the inbox with their wake timers armed, so a marker never names
-        an event that could be lost. An audit record that fails takes the marker back:
-        the request is answered 5xx and its retry must be let through."""
+        """The stored events' audit records (started in ``_route``) and, for a request
+        answered 2xx, its replay marker, awaited together: one wait for durable writes,
+        not two. The marker is started only now, after every event is in the inbox with
+        its wake timer armed, so it never names an event nothing would wake. An audit
+        record that fails takes back the marker if this request wrote it: the request is
+        answered 5xx and its retry must be let through."""
         pending = [r.audit for r in routed if r.audit is not None]
         marker = [self.replays.remember(remember)] if remember is not None else []
         results = await asyncio.gather(*pending, *marker, return_exceptions=True)
