@@ -243,13 +243,8 @@ class LocalObjectStore:
         keys: list[str] = []
         for dirpath, _dirs, files in os.walk(top):
             rel = Path(dirpath).relative_to(base).as_posix()
-            for name in files:
-                key = name if rel == "." else f"{rel}/{name}"
-                if key.startswith(prefix) and (start_after is None or key > start_after):
-                    keys.append(key)
-        keys.sort()
-        page = keys[:limit]
-        return ListPage(page, page[-1] if len(keys) > limit else None)
+            keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
+        return _page(keys, prefix, start_after, limit)
 
     def _delete(self, key: str) -> None:
         path = self._path(key)
@@ -349,16 +344,12 @@ class LocalObjectStore:
                 for n, entry in enumerate(entries):
                     if n >= INLINE_LIST_ENTRIES or not entry.is_file(follow_symlinks=False):
                         return None  # large, or not flat: walked off the loop
-                    key = f"{folder}/{entry.name}"
-                    if key.startswith(prefix) and (start_after is None or key > start_after):
-                        keys.append(key)
+                    keys.append(f"{folder}/{entry.name}")
         except FileNotFoundError:
             return ListPage([], None)
         except OSError:
             return None  # the worker thread reports it, with the usual translation
-        keys.sort()
-        page = keys[:limit]
-        return ListPage(page, page[-1] if len(keys) > limit else None)
+        return _page(keys, prefix, start_after, limit)
 
     async def delete(self, key: str) -> None:
         await self._off_loop(self._delete, key)
@@ -375,6 +366,15 @@ class LocalObjectStore:
             if translated is exc:
                 raise
             raise translated from exc
+
+
+def _page(keys: list[str], prefix: str, start_after: str | None, limit: int) -> ListPage:
+    """The keys under ``prefix`` after ``start_after``, sorted, at most ``limit``."""
+    found = sorted(
+        k for k in keys if k.startswith(prefix) and (start_after is None or k > start_after)
+    )
+    page = found[:limit]
+    return ListPage(page, page[-1] if len(found) > limit else None)
 
 
 def _translated(exc: Exception) -> Exception:

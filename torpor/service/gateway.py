@@ -439,7 +439,7 @@ class WebhookGateway:
             # it must never name an event nothing would wake.
             written = asyncio.ensure_future(record)
             try:
-                await self._arm_wake(binding.session_id)
+                await self.sessions.arm_wake(binding.session_id)
             except BaseException:
                 await asyncio.gather(written, return_exceptions=True)
                 raise
@@ -470,10 +470,6 @@ class WebhookGateway:
         new = await self.services.inbox.deliver(event)
         crash_point(CrashPoint.GATEWAY_AFTER_INBOX)
         return new
-
-    async def _arm_wake(self, session_id: str) -> None:
-        """The wake timer alone: the safety net under the activation asked for later."""
-        await self.sessions.arm_wake(session_id)
 
     async def _wake(self, session_id: str) -> None:
         await self.sessions.activate_for_event(session_id)  # the wake timer, then a request
