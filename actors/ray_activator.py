@@ -3,7 +3,8 @@
 Dedicated: race-safe get-or-create of the session's named actor, then an activation
 request. Ray may hand back an actor that has just decided to exit (ray#44083); it answers
 ``closing`` or dies under the call, and we retry until a fresh one takes the request.
-Pooled: an activation request to the host that ``hash(session_id)`` selects.
+Pooled: an activation request to the host that ``hash(session_id)`` selects, through its
+channel in the index's Redis (``actors.pool``), or as a Ray call where there is none.
 
 With ``runtime.standby_session_actors`` set, a dedicated activation first hands the
 session to a pre-started standby actor (``actors.standby``), which runs it and exits
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -33,16 +35,18 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from actors.config_ref import ConfigRef
-from actors.pool import PoolHost, host_name
+from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from actors.standby import StandbySet, standby_name
 from storage.factory import check_embedded_allowed
 from torpor import tracing
 from torpor.backoff import Backoff
 from torpor.errors import ActivationUnavailable, SessionNotFound
-from torpor.ports import Reason, TimerKind
+from torpor.ports import Reason, TimerKind, Wanted
 from torpor.ports.services import Services
 from torpor.settings import Placement, Settings
+
+log = logging.getLogger(__name__)
 
 _RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)
 MAX_ATTEMPTS = 40
@@ -51,6 +55,10 @@ MAX_ATTEMPTS = 40
 DEDICATED_BACKOFF = Backoff(base_s=0.02, cap_s=0.5, jitter=0)
 POOLED_BACKOFF = Backoff(base_s=0.05, cap_s=1.0, jitter=0)
 ACTIVATE_TIMEOUT_S = 20.0
+# A host's channel this long means the host is not taking its requests (a listening one
+# keeps it near 1): check it, at most once per HOST_CHECK_S.
+STALLED_CHANNEL = 256
+HOST_CHECK_S = 5.0
 
 
 def alive_nodes() -> int:
@@ -112,6 +120,7 @@ class RayActivator:
         check_embedded_allowed(self.settings, alive_nodes=alive_nodes())
         self._placements: OrderedDict[str, Placement] = OrderedDict()
         self._hosts: dict[int, Any] = {}
+        self._host_checked: dict[int, float] = {}  # slot -> monotonic time of the last check
         self.admission = Admission(
             self.settings.runtime.max_live_session_actors, alive=self._live_sessions
         )
@@ -274,8 +283,32 @@ class RayActivator:
             ).remote(self.config, slot)
         return self._hosts[slot]
 
+    async def _check_host(self, slot: int) -> None:
+        """Requests pile up on a host's channel: it may be gone for good (killed without
+        a restart), and a cached handle would never notice. Ask it, at most once per
+        ``HOST_CHECK_S``; one that cannot answer is looked up (or made) again, and a live
+        one restarts its listener if that stopped."""
+        now = time.monotonic()
+        if now - self._host_checked.get(slot, 0.0) < HOST_CHECK_S:
+            return
+        self._host_checked[slot] = now
+        try:
+            await asyncio.wait_for(self._host(slot).listen.remote(), ACTIVATE_TIMEOUT_S)
+        except (*_RETRYABLE, TimeoutError):
+            log.warning("pool host %s does not answer; looking it up again", slot)
+            self._hosts.pop(slot, None)
+            self._host(slot)
+
     async def _pooled(self, session_id: str, reason: Reason, requested_at: float) -> None:
         slot = pool_slot(session_id, self.settings.pool.size)
+        queue = self.services.activations
+        if queue is not None:
+            self._host(slot)  # it exists (or is being made): it listens from its start
+            wanted = Wanted(session_id, reason, requested_at, tracing.traceparent())
+            waiting = await queue.push(pool_channel(self.namespace, slot), wanted)
+            if waiting >= STALLED_CHANNEL:
+                await self._check_host(slot)
+            return
         for attempt in range(MAX_ATTEMPTS):
             try:
                 await self._host(slot).activate.remote(

@@ -15,7 +15,7 @@ from storage.audit import ObjectAudit
 from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
 from storage.deliveries import ObjectDeliveries
-from storage.factory import open_index, open_object_store, open_slots
+from storage.factory import open_activation_queue, open_index, open_object_store, open_slots
 from storage.inbox import ObjectInbox
 from storage.probe import verify_conditional_writes
 from storage.retention import ObjectRetention
@@ -77,6 +77,7 @@ def open_services(
         retention=ObjectRetention(store),
         progress=ObjectProgress(store),
         slots=open_slots(settings, index),
+        activations=open_activation_queue(index),
     )
     if notifier is None:  # the notifier needs the very services it serves: set it after
         services.notifier = DeliveryNotifier(services)

@@ -16,7 +16,7 @@ from storage.memory_index import MemoryIndex
 from storage.memory_store import MemoryObjectStore
 from storage.sqlite_index import SqliteIndex
 from torpor.errors import ConfigError, EmbeddedBackendOnCluster
-from torpor.ports import Index, ObjectStore, RunningSlots
+from torpor.ports import ActivationQueue, Index, ObjectStore, RunningSlots
 from torpor.settings import Settings, resolve_secret
 
 
@@ -85,6 +85,18 @@ def open_slots(settings: Settings, index: Index) -> RunningSlots | None:
         from storage.redis_index.slots import RedisSlots
 
         return RedisSlots(index.url, prefix=settings.storage.redis_prefix, client=index.client)
+    return None
+
+
+def open_activation_queue(index: Index) -> ActivationQueue | None:
+    """Activation requests to pool hosts through the index's Redis, on its connection;
+    None elsewhere (SQLite and memory: pool hosts are then called through Ray)."""
+    from storage.redis_index import RedisIndex
+
+    if isinstance(index, RedisIndex):
+        from storage.redis_index.queue import RedisActivationQueue
+
+        return RedisActivationQueue(index.url, prefix=index.keys.prefix, client=index.client)
     return None
 
 

@@ -295,6 +295,9 @@ class RedisKeys:
     def lease(self, name: str) -> str:
         return f"{self.prefix}l:{name}"
 
+    def activations(self, channel: str) -> str:
+        return f"{self.prefix}aq:{channel}"
+
     def fence(self, name: str) -> str:
         return f"{self.prefix}lf:{name}"
 

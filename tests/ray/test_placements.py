@@ -13,6 +13,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +21,18 @@ import pytest
 import ray
 import redis
 
-from actors.pool import host_name
+from actors import ray_activator
+from actors.pool import host_name, pool_channel
 from actors.ray_activator import pool_slot
 from actors.reconciler import NAME as RECONCILER
 from actors.reconciler import ensure_reconciler
 from tests.conftest import eventually
 from tests.ray.conftest import RayEnv, session_actors
 from tests.support.harness import callback
+from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
-from torpor.ports import Reason
+from torpor.ports import Reason, Wanted
 from torpor.service.batches import BatchService
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +120,12 @@ async def test_kill_9_mid_run_recovers_without_repeating_effects(
         # The re-run used the same idempotency key: the external ledger has one effect.
         extract_calls = await env.world.counts("extract")
         assert len(extract_calls) == 1 and list(extract_calls.values()) == [2]
-        assert list(await env.world.counts("dispatch")) == ["acme:approve:PR-K:1"]
+
+        # SUSPENDED is committed before its outbox is drained: the request goes out after.
+        async def dispatched() -> bool:
+            return list(await env.world.counts("dispatch")) == ["acme:approve:PR-K:1"]
+
+        await eventually(dispatched, what="the recovered suspend sent its request")
         await env.answer(sid, {"status": "approved"})
         await reach(env, sid, S.COMPLETED)
         assert all(n == 1 for n in (await env.world.counts("dispatch")).values())
@@ -367,3 +375,55 @@ async def test_python_client_end_to_end(make_ray_env: Any) -> None:
             assert seen[-1] == final
         finally:
             client.close()
+
+
+async def test_a_pool_host_takes_requests_from_its_channel(make_ray_env: Any) -> None:
+    async with make_ray_env(placement="pooled") as env:
+        sid = await env.submit(doc="PR-Q")
+        await reach(env, sid, S.SUSPENDED)
+        snap = await env.load(sid)
+        wait = snap.waits[0]
+        binding = await env.services.index.resolve(
+            tenant=snap.tenant, now=env.clock.now(), correlation_id=wait.correlation_id
+        )
+        assert binding is not None
+        # The answer is stored with no activation asked for, then one request is put on
+        # the host's channel in Redis: no Ray call reaches the host.
+        await env.services.inbox.deliver(
+            InboxEvent.new(
+                kind=EventKind.CALLBACK,
+                session_id=sid,
+                source="oa",
+                event_id="evt-q",
+                type="oa.approval.decided",
+                received_at=env.clock.now(),
+                correlation_id=wait.correlation_id,
+                epoch=binding.epoch,
+                step_id=binding.step_id,
+                data={"status": "approved"},
+            )
+        )
+        queue = env.services.activations
+        assert queue is not None
+        slot = pool_slot(sid, env.settings.pool.size)
+        channel = pool_channel(env.settings.namespace, slot)
+        await queue.push(channel, Wanted(sid, Reason.EVENT, time.time()))
+        await reach(env, sid, S.COMPLETED)
+
+
+async def test_a_pool_host_gone_for_good_is_made_again(
+    make_ray_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with make_ray_env(placement="pooled") as env:
+        sid = await env.submit(doc="PR-G")
+        await reach(env, sid, S.SUSPENDED)
+        host = ray.get_actor(
+            host_name(pool_slot(sid, env.settings.pool.size)), namespace=env.settings.namespace
+        )
+        # Killed without a restart: its listener is gone with it, and the activator still
+        # holds its handle. A request now waits on a channel nobody takes from...
+        ray.kill(host, no_restart=True)
+        monkeypatch.setattr(ray_activator, "STALLED_CHANNEL", 1)  # ...which the push sees
+        await env.answer(sid, {"status": "approved"})
+        await env.control.drain()
+        await reach(env, sid, S.COMPLETED)

@@ -5,7 +5,7 @@ notification, the activator and the clock. Adapters live in ``storage/`` and ``a
 and are chosen by the composition root (``actors.wiring``).
 """
 
-from torpor.ports.activation import Activator, Reason
+from torpor.ports.activation import ActivationQueue, Activator, Reason, Wanted
 from torpor.ports.clock import Clock
 from torpor.ports.index import (
     Admission,
@@ -39,6 +39,7 @@ from torpor.ports.routing import CallbackRouter, Notifier
 from torpor.ports.slots import RunningSlots, SlotEntry, SlotUsage
 
 __all__ = [
+    "ActivationQueue",
     "Activator",
     "Admission",
     "AuditRepository",
@@ -73,4 +74,5 @@ __all__ = [
     "TimerKind",
     "WaitBinding",
     "WaitIndex",
+    "Wanted",
 ]

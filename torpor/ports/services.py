@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from torpor.plugins import PluginResolver
+from torpor.ports.activation import ActivationQueue
 from torpor.ports.clock import Clock
 from torpor.ports.index import Index
 from torpor.ports.objects import ObjectStore
@@ -85,6 +86,8 @@ class Services:
     progress: ProgressRepository | None = None
     # Caps on RUNNING batch sessions; None where the index cannot share them (SQLite).
     slots: RunningSlots | None = None
+    # Activation requests to pool hosts through the index's server; None: Ray calls.
+    activations: ActivationQueue | None = None
 
     async def close(self) -> None:
         if self.slots is not None:
