@@ -35,8 +35,8 @@ class Activation:
         self.deps = deps
         self.work = WorkingCopy(deps, snapshot, heartbeat)
         self.suspender = Suspender(self.work, loaded)
-        self.wake = Wake(self.work, loaded, self.suspender)
         self.loop = AgentLoop(self.work, loaded, self.suspender)
+        self.wake = Wake(self.work, loaded, self.suspender, on_running=self.loop.step_ahead)
 
     @property
     def snap(self) -> SessionSnapshot:
@@ -48,6 +48,12 @@ class Activation:
 
     async def drive(self, reason: Reason) -> None:
         """Take the session as far as it goes now: to a wait, an end, or a retry."""
+        try:
+            await self._drive(reason)
+        finally:
+            self.loop.drop_ahead()  # a step called ahead whose turn was not taken
+
+    async def _drive(self, reason: Reason) -> None:
         work, loaded = self.work, self.loaded
         snap = work.snap
         if snap.terminal:

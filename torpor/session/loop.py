@@ -10,7 +10,10 @@ suspend the session (``torpor.session.suspend``).
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable
+from dataclasses import dataclass
 
 from pydantic import JsonValue
 
@@ -33,6 +36,16 @@ from torpor.tools import LongRunningTool, Tool, ToolContext, WaitPlan
 MAX_STEPS_PER_ACTIVATION = 200
 
 
+@dataclass(frozen=True)
+class _Ahead:
+    """An agent step called before it was due: on what, and its call."""
+
+    step: int
+    messages: int
+    ctx: AgentContext
+    turn: asyncio.Future[AgentTurn]
+
+
 class AgentLoop:
     """The running phase of one activation."""
 
@@ -42,6 +55,31 @@ class AgentLoop:
         self.loaded = loaded
         self.suspender = suspender
         self.retrier = Retrier(work)
+        self._ahead: _Ahead | None = None
+
+    def step_ahead(self) -> None:
+        """Call the agent's next step now, on the messages the wake has just built, while
+        the wake's commit is still being written: the step's input is durable already
+        (the snapshot it was loaded from and the inbox), and the commit costs as long as
+        a fast step. Only the call runs early. Its turn is taken in ``agent_step``, after
+        that commit, and only if the session is still at the same step with the same
+        messages; otherwise (a cancel, a failed commit) it is cancelled. An agent step
+        was always replayed after a crash before its own commit, so a call whose turn is
+        not taken is nothing new for an agent."""
+        if self.loaded is None or self._ahead is not None or self.unanswered_calls():
+            return
+        snap = self.work.snap
+        ctx = self.agent_context()
+        turn = asyncio.ensure_future(self._call_agent(list(snap.messages), ctx))
+        self._ahead = _Ahead(snap.step, len(snap.messages), ctx, turn)
+
+    def drop_ahead(self) -> None:
+        """Cancel a step called ahead whose turn will not be taken."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.turn.cancel()
+            # Its outcome is nobody's: retrieved here so it is not reported as lost.
+            ahead.turn.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def run(self) -> None:
         """Drive the agent loop until the session suspends or ends."""
@@ -81,19 +119,21 @@ class AgentLoop:
         if work.stats.first_step_at is None:
             work.stats.first_step_at = work.now
         await self.deps.observer.agent_step(work.snap)
-        ctx = self.agent_context()
+        ahead, self._ahead = self._ahead, None
+        call: Awaitable[AgentTurn]
+        if ahead is not None and (ahead.step, ahead.messages) == (
+            work.snap.step,
+            len(work.snap.messages),
+        ):
+            ctx, call = ahead.ctx, ahead.turn
+        else:
+            if ahead is not None:  # called on what the session no longer is
+                self._ahead = ahead
+                self.drop_ahead()
+            ctx = self.agent_context()
+            call = self._call_agent(list(work.snap.messages), ctx)
         try:
-            with tracing.span(
-                "torpor.agent.step",
-                **{"torpor.session_id": work.snap.session_id, "torpor.step": work.snap.step},
-            ):
-                turn: AgentTurn = await call_out(
-                    self.loaded.agent.step,
-                    list(work.snap.messages),
-                    ctx,
-                    timeout_s=self.deps.config.agent_step_timeout.total_seconds(),
-                    what="agent.step",
-                )
+            turn = await call
         except (AgentUnavailable, CallTimedOut) as exc:
             await self.retry_later(exc)
             return
@@ -117,6 +157,21 @@ class AgentLoop:
             )
         else:
             await work.commit()
+
+    async def _call_agent(self, messages: list[Message], ctx: AgentContext) -> AgentTurn:
+        assert self.loaded is not None
+        session_id = self.work.snap.session_id
+        with tracing.span(
+            "torpor.agent.step", **{"torpor.session_id": session_id, "torpor.step": ctx.step}
+        ):
+            turn: AgentTurn = await call_out(
+                self.loaded.agent.step,
+                messages,
+                ctx,
+                timeout_s=self.deps.config.agent_step_timeout.total_seconds(),
+                what="agent.step",
+            )
+        return turn
 
     async def retry_later(self, exc: TorporError) -> None:
         """Back off and retry (``torpor.session.retry``); quarantine once the quota is spent."""

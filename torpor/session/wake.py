@@ -13,6 +13,8 @@ deadline has passed it times out instead, so a failing guard can never outlive t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pydantic import JsonValue
 
 from torpor import guard, outbox
@@ -34,8 +36,18 @@ from torpor.tools import LongRunningTool, Review, ReviewAction
 class Wake:
     """The resume phase of one activation."""
 
-    def __init__(self, work: WorkingCopy, loaded: LoadedAgent | None, suspender: Suspender) -> None:
+    def __init__(
+        self,
+        work: WorkingCopy,
+        loaded: LoadedAgent | None,
+        suspender: Suspender,
+        *,
+        on_running: Callable[[], None] | None = None,
+    ) -> None:
         self.work = work
+        # Called once the session runs again, before its wake is committed: the agent's
+        # next step is called meanwhile (``AgentLoop.step_ahead``).
+        self.on_running = on_running
         self.deps = work.deps
         self.loaded = loaded
         self.suspender = suspender
@@ -128,6 +140,8 @@ class Wake:
         else:
             work.move(SessionState.RUNNING)
             work.update(outbox=[*work.snap.outbox, *self.suspender.notifications("resumed")])
+            if self.on_running is not None:
+                self.on_running()
         await work.commit()
         crash_point(CrashPoint.WAKE_COMMITTED)
         await self.suspender.unbind(self._closed)

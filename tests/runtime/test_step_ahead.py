@@ -1,0 +1,131 @@
+"""The agent's next step is called while the wake that feeds it is being committed, and
+its turn is taken only if the session is still where it was when the step was called."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.harness import Env, local_env
+from torpor.agent import AgentContext, AgentTurn
+from torpor.agents.plan import PlanAgent
+from torpor.events import EventKind, InboxEvent
+from torpor.lifecycle import SessionState
+from torpor.models import Message, SessionSnapshot
+
+S = SessionState
+
+
+@pytest.fixture
+async def env(tmp_path: Path, redis_url: str, redis_prefix: str) -> AsyncIterator[Env]:
+    async with local_env(tmp_path, redis_url, redis_prefix) as made:
+        yield made
+
+
+def is_wake_commit(snapshot: SessionSnapshot) -> bool:
+    """The commit of a wake that answered the wait: running again, an answer last."""
+    return snapshot.state is S.RUNNING and snapshot.messages[-1].role == "tool"
+
+
+def watch_steps(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Set once the agent is called on an answer (its step after the wake)."""
+    called = asyncio.Event()
+    step = PlanAgent.step
+
+    async def watched(self: PlanAgent, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
+        if messages[-1].role == "tool":
+            called.set()
+        return await step(self, messages, ctx)
+
+    monkeypatch.setattr(PlanAgent, "step", watched)
+    return called
+
+
+async def test_the_next_step_is_called_while_the_wake_is_committed(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sid = await env.submit()
+    assert (await env.load(sid)).state is S.SUSPENDED
+    called = watch_steps(monkeypatch)
+    save = env.services.snapshots.save
+
+    async def held(snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:
+        if is_wake_commit(snapshot):
+            # The wake's commit lands only once the agent's next step has been called: a
+            # runtime that calls the step after the commit never gets there.
+            await asyncio.wait_for(called.wait(), timeout=10)
+        return await save(snapshot, expected_generation=expected_generation)
+
+    monkeypatch.setattr(env.services.snapshots, "save", held)
+    await env.answer(sid, {"status": "approved"})
+    snap = await env.load(sid)
+    assert snap.state is S.COMPLETED
+    # The early call's turn was taken once: never two assistant turns in a row.
+    roles = [m.role for m in snap.messages]
+    assert "tool" in roles and all(
+        (a, b) != ("assistant", "assistant") for a, b in itertools.pairwise(roles)
+    )
+
+
+async def test_a_step_called_ahead_is_dropped_when_a_cancel_comes_first(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sid = await env.submit()
+    called = watch_steps(monkeypatch)
+    save = env.services.snapshots.save
+
+    async def cancelled_meanwhile(
+        snapshot: SessionSnapshot, *, expected_generation: int
+    ) -> SessionSnapshot:
+        if is_wake_commit(snapshot):
+            await asyncio.wait_for(called.wait(), timeout=10)
+            await env.services.inbox.deliver(
+                InboxEvent.new(
+                    kind=EventKind.CANCEL,
+                    session_id=sid,
+                    source="client",
+                    event_id="cancel-1",
+                    type="torpor.cancel",
+                    received_at=env.clock.now(),
+                )
+            )
+        return await save(snapshot, expected_generation=expected_generation)
+
+    monkeypatch.setattr(env.services.snapshots, "save", cancelled_meanwhile)
+    await env.answer(sid, {"status": "approved"})
+    snap = await env.load(sid)
+    assert called.is_set()
+    assert snap.state is S.CANCELLED
+    # The step's turn was never taken: nothing after the answer.
+    assert snap.messages[-1].role == "tool"
+
+
+async def test_a_step_called_ahead_is_dropped_when_the_wake_fails(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sid = await env.submit()
+    called = watch_steps(monkeypatch)
+    save = env.services.snapshots.save
+    failed: list[Any] = []
+
+    async def failing_once(
+        snapshot: SessionSnapshot, *, expected_generation: int
+    ) -> SessionSnapshot:
+        if is_wake_commit(snapshot) and not failed:
+            await asyncio.wait_for(called.wait(), timeout=10)
+            failed.append(snapshot)
+            raise OSError("the store went away")
+        return await save(snapshot, expected_generation=expected_generation)
+
+    monkeypatch.setattr(env.services.snapshots, "save", failing_once)
+    await env.answer(sid, {"status": "approved"})  # the activation fails: retried later
+    assert failed
+    snap = await env.load(sid)
+    assert snap.state is S.SUSPENDED  # nothing of that activation, the early step included
+    pending = [t for t in asyncio.all_tasks() if "_call_agent" in repr(t.get_coro())]
+    assert all(t.done() for t in pending)
