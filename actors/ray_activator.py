@@ -286,18 +286,23 @@ class RayActivator:
     async def _check_host(self, slot: int) -> None:
         """Requests pile up on a host's channel: it may be gone for good (killed without
         a restart), and a cached handle would never notice. Ask it, at most once per
-        ``HOST_CHECK_S``; one that cannot answer is looked up (or made) again, and a live
-        one restarts its listener if that stopped."""
+        ``HOST_CHECK_S``; one that cannot answer is looked up (or made) again until one
+        does (a lookup right after a death can still return the dead actor, ray#44083),
+        and a live one starts its listener again if that stopped."""
         now = time.monotonic()
         if now - self._host_checked.get(slot, 0.0) < HOST_CHECK_S:
             return
         self._host_checked[slot] = now
-        try:
-            await asyncio.wait_for(self._host(slot).listen.remote(), ACTIVATE_TIMEOUT_S)
-        except (*_RETRYABLE, TimeoutError):
-            log.warning("pool host %s does not answer; looking it up again", slot)
-            self._hosts.pop(slot, None)
-            self._host(slot)
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                await asyncio.wait_for(self._host(slot).listen.remote(), ACTIVATE_TIMEOUT_S)
+                return
+            except (*_RETRYABLE, TimeoutError):
+                if attempt == 0:
+                    log.warning("pool host %s does not answer; looking it up again", slot)
+                self._hosts.pop(slot, None)
+            await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
+        log.error("no pool host %s answers; its requests wait for their timers", slot)
 
     async def _pooled(self, session_id: str, reason: Reason, requested_at: float) -> None:
         slot = pool_slot(session_id, self.settings.pool.size)

@@ -422,7 +422,20 @@ async def test_a_pool_host_gone_for_good_is_made_again(
         )
         # Killed without a restart: its listener is gone with it, and the activator still
         # holds its handle. A request now waits on a channel nobody takes from...
+        pid = (await host.where.remote())["pid"]
         ray.kill(host, no_restart=True)
+
+        def gone() -> bool:
+            # Ray calls the actor dead before its process is: a host still blocked on its
+            # channel could take the request below and die with it (a loss its timer
+            # repairs, with a reconciler, which this test does not run).
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        await eventually(gone, what="the pool host's process is gone")
         monkeypatch.setattr(ray_activator, "STALLED_CHANNEL", 1)  # ...which the push sees
         await env.answer(sid, {"status": "approved"})
         await env.control.drain()

@@ -136,10 +136,19 @@ class SessionRuntime:
         self, session_id: str, reason: Reason, requested_at: float | None
     ) -> tuple[ActivationResult, SessionSnapshot | None]:
         config, clock, index = self.deps.config, self.deps.clock, self.deps.index
-        lease = await index.acquire_lease(
-            name=lease_name(session_id), owner=self.owner, ttl=config.lease_ttl, now=clock.now()
-        )
+        # The snapshot is read while the lease is taken: one wait instead of two. A read
+        # that races another holder's last commit is only stale, never wrong: the first
+        # commit on it fails its compare-and-swap (a conflict, retried), as any would.
+        loading = asyncio.ensure_future(self.deps.snapshots.load(session_id))
+        try:
+            lease = await index.acquire_lease(
+                name=lease_name(session_id), owner=self.owner, ttl=config.lease_ttl, now=clock.now()
+            )
+        except BaseException:
+            await _discard(loading)
+            raise
         if lease is None:
+            await _discard(loading)
             return ActivationResult(session_id, ActivationOutcome.BUSY), None
         heartbeat = Heartbeat(
             index, lease, clock=clock, period=config.heartbeat_period, ttl=config.lease_ttl
@@ -151,7 +160,7 @@ class SessionRuntime:
         release = False
         try:
             try:
-                snapshot = await self.deps.snapshots.load(session_id)
+                snapshot = await loading
             except SessionNotFound:
                 release = True
                 return ActivationResult(session_id, ActivationOutcome.MISSING), None
@@ -282,3 +291,9 @@ class SessionRuntime:
             drifts=act.stats.drifts,
             resume_latency_s=latency,
         )
+
+
+async def _discard(loading: asyncio.Future[SessionSnapshot]) -> None:
+    """A snapshot read nobody will use: stopped, and its outcome (an error) not reported."""
+    loading.cancel()
+    await asyncio.gather(loading, return_exceptions=True)

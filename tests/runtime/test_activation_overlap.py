@@ -1,22 +1,28 @@
-"""The agent's next step is called while the wake that feeds it is being committed, and
-its turn is taken only if the session is still where it was when the step was called."""
+"""What an activation does at once: the snapshot is read while the lease is taken, and
+the agent's next step is called while the wake that feeds it is being committed (its turn
+taken only if the session is still where it was when the step was called)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from actors.wiring import session_runtime
 from tests.support.harness import Env, local_env
 from torpor.agent import AgentContext, AgentTurn
 from torpor.agents.plan import PlanAgent
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import Message, SessionSnapshot
+from torpor.ports import Reason
+from torpor.session import ActivationOutcome
+from torpor.session.runtime import lease_name
 
 S = SessionState
 
@@ -129,3 +135,40 @@ async def test_a_step_called_ahead_is_dropped_when_the_wake_fails(
     assert snap.state is S.SUSPENDED  # nothing of that activation, the early step included
     pending = [t for t in asyncio.all_tasks() if "_call_agent" in repr(t.get_coro())]
     assert all(t.done() for t in pending)
+
+
+async def test_the_snapshot_is_read_while_the_lease_is_taken(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sid = await env.submit()
+    reading, taking = asyncio.Event(), asyncio.Event()
+    load, acquire = env.services.snapshots.load, env.services.index.acquire_lease
+
+    async def met_load(session_id: str) -> SessionSnapshot:
+        reading.set()
+        await asyncio.wait_for(taking.wait(), timeout=10)  # only if the two overlap
+        return await load(session_id)
+
+    async def met_acquire(**kw: Any) -> Any:
+        taking.set()
+        await asyncio.wait_for(reading.wait(), timeout=10)
+        return await acquire(**kw)
+
+    monkeypatch.setattr(env.services.snapshots, "load", met_load)
+    monkeypatch.setattr(env.services.index, "acquire_lease", met_acquire)
+    runtime = session_runtime(env.services, "test-overlap")
+    result = await runtime.activate(sid, reason=Reason.EVENT)
+    assert result.outcome is ActivationOutcome.RAN
+    assert reading.is_set() and taking.is_set()
+
+
+async def test_a_busy_session_drops_the_read_it_started(env: Env) -> None:
+    sid = await env.submit()
+    held = await env.services.index.acquire_lease(
+        name=lease_name(sid), owner="someone-else", ttl=timedelta(minutes=1), now=env.clock.now()
+    )
+    assert held is not None
+    runtime = session_runtime(env.services, "test-busy")
+    result = await runtime.activate(sid, reason=Reason.EVENT)
+    assert result.outcome is ActivationOutcome.BUSY
+    assert not [t for t in asyncio.all_tasks() if "load" in repr(t.get_coro()) and not t.done()]
