@@ -13,6 +13,7 @@ import redis
 
 from storage.redis_index import queue as queue_module
 from storage.redis_index.queue import RedisActivationQueue
+from tests.conftest import eventually
 from torpor.ports import Reason, Wanted
 
 
@@ -36,8 +37,13 @@ async def test_requests_come_out_whole_and_in_order(queue: RedisActivationQueue)
 
 async def test_a_waiting_host_wakes_when_a_request_lands(queue: RedisActivationQueue) -> None:
     wanted = Wanted("s_3", Reason.EVENT, time.time())
+    blocked = (await queue.client.info("clients"))["blocked_clients"]
     popping = asyncio.create_task(queue.pop("pool.ns.1", wait_s=2))
-    await asyncio.sleep(0.2)  # the pop is blocked in Redis by now
+
+    async def waiting() -> bool:  # the pop is blocked in Redis
+        return (await queue.client.info("clients"))["blocked_clients"] > blocked
+
+    await eventually(waiting, timeout_s=1, interval_s=0.01, what="the pop blocks")
     assert not popping.done()
     pushed = time.perf_counter()
     await queue.push("pool.ns.1", wanted)
