@@ -59,8 +59,8 @@ class RedisClaims(RedisConnection):
         elif business_key is not None:
             route, field = self.keys.business_key(tenant, business_key)
             keys.append(route)
-        seconds, micros, fresh, raw = await self.script(_ADMIT)(
-            keys=keys, args=[ms(ttl), len(claims), field]
+        seconds, micros, fresh, raw = await self.batched_script(
+            _ADMIT, keys=keys, args=[ms(ttl), len(claims), field]
         )
         at = datetime.fromtimestamp(int(seconds) + int(micros) / 1e6, tz=UTC)
         if not fresh:

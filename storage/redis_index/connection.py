@@ -17,10 +17,11 @@ from typing import Any, ParamSpec, TypeVar, cast
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.keys import RedisKeys
+from storage.redis_index.pipelining import Pipelined
 from torpor.errors import IndexUnavailable
 
 # Every call is bounded: a paused or unreachable Redis raises IndexUnavailable after this
@@ -72,6 +73,8 @@ class RedisConnection:
             socket_connect_timeout=REDIS_TIMEOUT_S,
         )
         self._scripts: dict[str, AsyncScript] = {}
+        # The webhook path's commands (admission, wake timer): batched under load.
+        self._pipelined = Pipelined(self._redis)
 
     @property
     def url(self) -> str:
@@ -89,6 +92,19 @@ class RedisConnection:
         if found is None:
             found = self._scripts[source] = self._redis.register_script(source)
         return found
+
+    async def batched_script(self, source: str, *, keys: list[str], args: list[Any]) -> Any:
+        """The script ``source`` by SHA, in the next pipeline (``pipelining``). A server
+        that does not know it (restarted, flushed) has it loaded by redis-py's own call."""
+        script = self.script(source)
+        try:
+            return await self._pipelined.call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await script(keys=keys, args=args)
+
+    async def batched(self, *args: Any) -> Any:
+        """One command, in the next pipeline (``pipelining``)."""
+        return await self._pipelined.call(*args)
 
 
 def text(value: bytes | str) -> str:

@@ -28,8 +28,10 @@ class RedisTimers(RedisConnection):
     async def schedule(
         self, *, kind: TimerKind, member: str, at: datetime, keep_earlier: bool = False
     ) -> None:
-        # ZADD LT adds a missing member and only ever lowers an existing score.
-        await self._redis.zadd(self.keys.timers(kind), {member: to_ms(at)}, lt=keep_earlier)
+        # ZADD LT adds a missing member and only ever lowers an existing score. Batched:
+        # every accepted webhook arms one (its session's wake timer).
+        order = ("LT",) if keep_earlier else ()
+        await self.batched("ZADD", self.keys.timers(kind), *order, to_ms(at), member)
 
     @translate
     async def unschedule(

@@ -1,0 +1,159 @@
+"""Hot-path Redis commands batched while others are out (``storage.redis_index.pipelining``),
+on a real Redis: commands that arrive while one is on the wire leave together, in order;
+each caller gets its own result or its own error; a lost server fails each command of
+its batch promptly and typed; a script the server forgot is loaded again."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from storage.redis_index import RedisIndex
+from storage.redis_index.pipelining import MAX_BATCH, Pipelined
+from tests.support.s3_server import free_port
+from torpor.errors import IndexUnavailable
+
+pytestmark = pytest.mark.redis
+
+
+class Recorded(Pipelined):
+    """Pipelined, noting the size of every batch it sends."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        super().__init__(client)
+        self.batches: list[int] = []
+
+    async def _execute(self, batch: list[Any]) -> list[Any]:
+        self.batches.append(len(batch))
+        return await super()._execute(batch)
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    made = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    yield made
+    await made.aclose()
+
+
+async def test_commands_that_arrive_while_one_is_out_leave_together_in_order(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    pipelined = Recorded(client)
+    key = f"{redis_prefix}counter"
+    first = asyncio.ensure_future(pipelined.call("INCR", key))
+    while not pipelined.batches:  # the first is on the wire, alone
+        await asyncio.sleep(0)
+    rest = await asyncio.gather(*(pipelined.call("INCR", key) for _ in range(19)))
+    assert await first == 1
+    assert rest == list(range(2, 21))  # each its own answer, in arrival order
+    assert pipelined.batches == [1, 19]  # the rest waited, then went in one round trip
+    # One at a time, nothing waits for anything: each goes alone, as a plain call.
+    assert await pipelined.call("GET", key) == "20"
+    assert pipelined.batches[-1] == 1
+
+
+async def test_a_batch_is_never_larger_than_its_cap(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    pipelined = Recorded(client)
+    key = f"{redis_prefix}big"
+    n = 2 * MAX_BATCH + 5
+    results = await asyncio.gather(*(pipelined.call("RPUSH", key, i) for i in range(n)))
+    assert results == list(range(1, n + 1))
+    assert max(pipelined.batches) == MAX_BATCH and sum(pipelined.batches) == n
+
+
+async def test_one_commands_error_is_its_own(client: aioredis.Redis, redis_prefix: str) -> None:
+    pipelined = Recorded(client)
+    text, counter = f"{redis_prefix}text", f"{redis_prefix}n"
+    await client.set(text, "not a number")
+    calls = [
+        pipelined.call("INCR", counter),
+        pipelined.call("INCR", counter),
+        pipelined.call("INCR", text),  # WRONGTYPE-style error, for this command only
+        pipelined.call("INCR", counter),
+    ]
+    first, second, bad, last = await asyncio.gather(*calls, return_exceptions=True)
+    assert pipelined.batches == [4]  # the error was inside a pipeline
+    assert (first, second, last) == (1, 2, 3)
+    assert isinstance(bad, ResponseError)
+    assert await client.get(text) == "not a number"
+
+
+async def test_a_cancelled_caller_leaves_the_others_their_answers(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    pipelined = Recorded(client)
+    key = f"{redis_prefix}c"
+    calls = [asyncio.ensure_future(pipelined.call("INCR", key)) for _ in range(5)]
+    await asyncio.sleep(0)  # all queued, the first on the wire
+    calls[2].cancel()
+    done = await asyncio.gather(*calls, return_exceptions=True)
+    assert isinstance(done[2], asyncio.CancelledError)
+    assert [d for i, d in enumerate(done) if i != 2] == [1, 2, 4, 5]  # it was sent anyway
+
+
+async def test_a_server_that_is_gone_fails_every_command_of_the_batch_promptly() -> None:
+    gone = aioredis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=1)
+    pipelined = Recorded(gone)
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(pipelined.call("PING") for _ in range(6)), return_exceptions=True),
+            timeout=10,
+        )
+    finally:
+        await gone.aclose()
+    assert all(isinstance(r, RedisConnectionError) for r in results), results
+    assert sum(pipelined.batches) == 6
+
+
+async def test_the_index_reports_a_gone_server_as_unavailable_on_the_batched_path() -> None:
+    index = RedisIndex(f"redis://127.0.0.1:{free_port()}/0", prefix="tptest:gone:")
+    now = datetime.now(UTC)
+    try:
+        results = await asyncio.gather(
+            *(
+                index.admit(
+                    claims=[("hook:s", f"d{i}")],
+                    ttl=timedelta(minutes=15),
+                    now=now,
+                    tenant="t",
+                    correlation_id=f"c{i}",
+                    business_key=None,
+                )
+                for i in range(4)
+            ),
+            return_exceptions=True,
+        )
+    finally:
+        await index.close()
+    assert all(isinstance(r, IndexUnavailable) for r in results), results
+
+
+async def test_a_script_the_server_forgot_is_loaded_again(
+    redis_index: RedisIndex, client: aioredis.Redis
+) -> None:
+    now = datetime.now(UTC)
+
+    async def admit(digest: str) -> bool:
+        admission = await redis_index.admit(
+            claims=[("hook:s", digest)],
+            ttl=timedelta(minutes=15),
+            now=now,
+            tenant="t",
+            correlation_id="c-1",
+            business_key=None,
+        )
+        return admission.fresh
+
+    assert await admit("d-1")
+    await client.script_flush()  # a restarted or flushed server knows no scripts
+    results = await asyncio.gather(admit("d-2"), admit("d-3"), admit("d-2"))
+    assert sorted(results) == [False, True, True]  # still all-or-none claims, once each
