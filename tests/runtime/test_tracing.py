@@ -199,3 +199,41 @@ def test_an_otlp_endpoint_without_the_exporter_installed_is_a_clear_config_error
     settings = Settings.build({"runtime": {"otlp_endpoint": "http://127.0.0.1:4318/v1/traces"}})
     with pytest.raises(ConfigError, match=r"torpor\[otlp\]"):
         configure_tracing(settings)
+
+
+NO_SDK_YET = f"""
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from torpor import tracing
+
+assert not tracing.recording()
+with tracing.continued("{TRACEPARENT}"), tracing.span("unrecorded", a=1) as current:
+    # What the API's no-op span would carry: the sender's trace, to the next process too.
+    assert tracing.trace_id() == "{TRACE}"
+    assert tracing.traceparent() == "{TRACEPARENT}"
+    assert current.get_span_context().span_id == int("{PARENT}", 16)
+assert tracing.trace_id() is None  # nothing left attached
+memory = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(memory))
+trace.set_tracer_provider(provider)  # configured later: spans are recorded from now on
+assert tracing.recording()
+with tracing.continued("{TRACEPARENT}"), tracing.span("recorded"):
+    assert tracing.traceparent().split("-")[2] != "{PARENT}"  # a span of its own
+assert [s.name for s in memory.get_finished_spans()] == ["recorded"]
+print("ok")
+"""
+
+
+def test_without_an_sdk_spans_cost_nothing_and_still_carry_the_trace() -> None:
+    # A fresh interpreter: a tracer provider can be set only once per process, and this
+    # module's exporter has set one here.
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", NO_SDK_YET], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
