@@ -14,6 +14,7 @@ class RedisHealth(RedisConnection):
         await self._redis.ping()
 
     async def close(self) -> None:
+        self._pipelined.close()
         await self._redis.aclose()
 
     @translate

@@ -9,6 +9,11 @@ one goes at once, alone, as it always did; those that arrive while it is out wai
 and then leave together, in one non-transactional pipeline. One call at a time (a
 webhook with nothing else in flight) pays nothing for this.
 
+The batch goes out over a lean connection of this module's own (``wire``): one write,
+replies parsed as they arrive, ~0.05 ms of CPU a command against redis-py's 0.12-0.15
+for a lone call. A client that ``wire`` cannot stand in for (TLS, a unix socket) keeps
+redis-py's call and pipeline.
+
 What a caller sees is unchanged: its own result, or its own error. A pipeline is not a
 transaction: each command stands alone, as separate calls did, and one command's error
 (a ``ResponseError``) is that command's only. A connection failure or a timeout fails
@@ -24,6 +29,8 @@ import weakref
 from typing import Any
 
 import redis.asyncio as aioredis
+
+from storage.redis_index.wire import WireConnection, settings_of
 
 # A pipeline's replies are read one after the other: past a few dozen commands a batch
 # only delays the first caller's answer (the next batch forms meanwhile anyway).
@@ -44,6 +51,12 @@ class Pipelined:
             weakref.WeakKeyDictionary()
         )
         self._senders: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]] = (
+            weakref.WeakKeyDictionary()
+        )
+        # The lean connection, one per loop too (a socket belongs to the loop it was made
+        # on); none where the client's settings need redis-py (``wire.settings_of``).
+        self._wire_settings = settings_of(client)
+        self._wires: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WireConnection] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -88,6 +101,12 @@ class Pipelined:
                     done.set_result(result)
 
     async def _execute(self, batch: list[_Queued]) -> list[Any]:
+        if self._wire_settings is not None and not any(options for _, options, _ in batch):
+            loop = asyncio.get_running_loop()
+            wire = self._wires.get(loop)
+            if wire is None:
+                wire = self._wires[loop] = WireConnection(self._wire_settings)
+            return await wire.execute([args for args, _, _ in batch])
         if len(batch) == 1:
             [(args, options, _)] = batch
             try:
@@ -99,3 +118,9 @@ class Pipelined:
                 pipe.execute_command(*args, **options)
             results: list[Any] = await pipe.execute(raise_on_error=False)
             return results
+
+    def close(self) -> None:
+        """Close the lean connections (the client itself is its owner's to close)."""
+        for wire in list(self._wires.values()):
+            wire.close()
+        self._wires.clear()

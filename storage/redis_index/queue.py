@@ -9,6 +9,7 @@ wake or retry timer brings back (``torpor.ports.activation.ActivationQueue``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from storage.redis_index.connection import REDIS_TIMEOUT_S, RedisConnection, text, translate
@@ -46,10 +47,13 @@ class RedisActivationQueue(RedisConnection):
     @translate
     async def push(self, channel: str, wanted: Wanted) -> int:
         key = self.keys.activations(channel)
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.rpush(key, encode(wanted))
-            pipe.ltrim(key, -MAX_WAITING, -1)
-            waiting, _ = await pipe.execute()
+        # Both in the webhook path's next batch (``pipelining``), one round trip: every
+        # resumed webhook sends one of these. Not a transaction, as before: a trim that
+        # fails leaves a list one longer, capped by the next push.
+        waiting, _ = await asyncio.gather(
+            self.batched("RPUSH", key, encode(wanted)),
+            self.batched("LTRIM", key, -MAX_WAITING, -1),
+        )
         return min(int(waiting), MAX_WAITING)
 
     @translate
@@ -63,4 +67,4 @@ class RedisActivationQueue(RedisConnection):
         return [] if wanted is None else [wanted]
 
     async def close(self) -> None:
-        return None  # the index owns the client
+        self._pipelined.close()  # its own lean connection; the index owns the client

@@ -21,6 +21,7 @@ from torpor.ports import Reason, Wanted
 async def queue(redis_url: str, redis_prefix: str) -> AsyncIterator[RedisActivationQueue]:
     made = RedisActivationQueue(redis_url, prefix=redis_prefix)
     yield made
+    await made.close()
     await made.client.aclose()
 
 

@@ -42,10 +42,16 @@ async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await made.aclose()
 
 
+@pytest.fixture
+async def pipelined(client: aioredis.Redis) -> AsyncIterator[Recorded]:
+    made = Recorded(client)
+    yield made
+    made.close()
+
+
 async def test_commands_that_arrive_while_one_is_out_leave_together_in_order(
-    client: aioredis.Redis, redis_prefix: str
+    pipelined: Recorded, redis_prefix: str
 ) -> None:
-    pipelined = Recorded(client)
     key = f"{redis_prefix}counter"
     first = asyncio.ensure_future(pipelined.call("INCR", key))
     while not pipelined.batches:  # the first is on the wire, alone
@@ -59,10 +65,7 @@ async def test_commands_that_arrive_while_one_is_out_leave_together_in_order(
     assert pipelined.batches[-1] == 1
 
 
-async def test_a_batch_is_never_larger_than_its_cap(
-    client: aioredis.Redis, redis_prefix: str
-) -> None:
-    pipelined = Recorded(client)
+async def test_a_batch_is_never_larger_than_its_cap(pipelined: Recorded, redis_prefix: str) -> None:
     key = f"{redis_prefix}big"
     n = 2 * MAX_BATCH + 5
     results = await asyncio.gather(*(pipelined.call("RPUSH", key, i) for i in range(n)))
@@ -70,8 +73,9 @@ async def test_a_batch_is_never_larger_than_its_cap(
     assert max(pipelined.batches) == MAX_BATCH and sum(pipelined.batches) == n
 
 
-async def test_one_commands_error_is_its_own(client: aioredis.Redis, redis_prefix: str) -> None:
-    pipelined = Recorded(client)
+async def test_one_commands_error_is_its_own(
+    client: aioredis.Redis, pipelined: Recorded, redis_prefix: str
+) -> None:
     text, counter = f"{redis_prefix}text", f"{redis_prefix}n"
     await client.set(text, "not a number")
     calls = [
@@ -88,9 +92,8 @@ async def test_one_commands_error_is_its_own(client: aioredis.Redis, redis_prefi
 
 
 async def test_a_cancelled_caller_leaves_the_others_their_answers(
-    client: aioredis.Redis, redis_prefix: str
+    pipelined: Recorded, redis_prefix: str
 ) -> None:
-    pipelined = Recorded(client)
     key = f"{redis_prefix}c"
     calls = [asyncio.ensure_future(pipelined.call("INCR", key)) for _ in range(5)]
     await asyncio.sleep(0)  # all queued, the first on the wire
@@ -109,6 +112,7 @@ async def test_a_server_that_is_gone_fails_every_command_of_the_batch_promptly()
             timeout=10,
         )
     finally:
+        pipelined.close()
         await gone.aclose()
     assert all(isinstance(r, RedisConnectionError) for r in results), results
     assert sum(pipelined.batches) == 6

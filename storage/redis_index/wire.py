@@ -1,0 +1,264 @@
+"""A lean RESP2 connection for the webhook path's batched commands (``pipelining``).
+
+redis-py spends 0.12-0.15 ms of CPU on a lone call (a connection from the pool and back,
+packing through its encoder, its parser's reader loop); measured on this machine, the
+same EVALSHA or ZADD through this connection costs ~0.05 ms, most of it the event loop's
+own work. A batch is one ``write``; replies are parsed off the socket as they arrive and
+handed out in order, since Redis answers a connection's commands in the order sent.
+
+It speaks only what the hot path needs: plain TCP, RESP2, ``AUTH`` and ``SELECT`` from the
+client's own settings. A client set up any other way (TLS, a unix socket, RESP3-only
+options) keeps redis-py's path (:func:`settings_of` returns None). Replies are Redis's raw
+values (no redis-py response callbacks), decoded as UTF-8 text.
+
+Errors are redis-py's classes, so callers and ``connection.translate`` see what they saw
+before: ``ResponseError`` (``NoScriptError`` for NOSCRIPT) for one command alone;
+``ConnectionError`` for every command in flight when the connection cannot be made or is
+lost; ``TimeoutError`` when replies stall past the deadline. A stalled connection is
+dropped, never reused: replies are matched by position, so a late one would answer the
+wrong caller. The next batch connects again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection as RedisTcpConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import DataError, NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+_CRLF = b"\r\n"
+
+
+@dataclass(frozen=True)
+class WireSettings:
+    host: str
+    port: int
+    db: int
+    username: str | None
+    password: str | None
+    connect_timeout_s: float
+    reply_timeout_s: float
+
+
+def settings_of(client: aioredis.Redis) -> WireSettings | None:
+    """The plain-TCP settings of ``client``'s pool, or None where redis-py must keep the
+    connection (TLS, a unix socket, a custom connection class, credentials providers)."""
+    pool = client.connection_pool
+    kwargs = pool.connection_kwargs
+    if pool.connection_class is not RedisTcpConnection or kwargs.get("credential_provider"):
+        return None
+    timeout = kwargs.get("socket_timeout") or 5.0
+    return WireSettings(
+        host=str(kwargs.get("host", "localhost")),
+        port=int(kwargs.get("port", 6379)),
+        db=int(kwargs.get("db", 0) or 0),
+        username=kwargs.get("username"),
+        password=kwargs.get("password"),
+        connect_timeout_s=float(kwargs.get("socket_connect_timeout") or timeout),
+        reply_timeout_s=float(timeout),
+    )
+
+
+def pack(args: tuple[Any, ...]) -> bytes:
+    """One command in RESP2, its arguments encoded as redis-py's encoder does."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, bool):  # before int: redis-py refuses bools too
+            raise DataError(f"invalid Redis argument {arg!r}: convert it to bytes, str or a number")
+        elif isinstance(arg, int):
+            data = b"%d" % arg
+        elif isinstance(arg, float):
+            data = repr(arg).encode()
+        else:
+            raise DataError(f"invalid Redis argument of type {type(arg).__name__}")
+        out += (b"$%d\r\n" % len(data), data, _CRLF)
+    return b"".join(out)
+
+
+def _error(line: str) -> ResponseError:
+    code = line.split(" ", 1)[0]
+    if code == "NOSCRIPT":
+        return NoScriptError(line)
+    return ResponseError(line)
+
+
+def parse(buf: bytearray | bytes, pos: int) -> tuple[Any, int] | None:
+    """One reply starting at ``pos``: (value, position after it), or None if incomplete.
+    A ``-`` error reply is returned as its exception (the caller raises it for that
+    command alone)."""
+    end = buf.find(_CRLF, pos)
+    if end < 0:
+        return None
+    kind = buf[pos]
+    if kind == 0x2B:  # + simple string
+        return bytes(buf[pos + 1 : end]).decode(), end + 2
+    if kind == 0x3A:  # : integer
+        return int(buf[pos + 1 : end]), end + 2
+    if kind == 0x24:  # $ bulk string
+        size = int(buf[pos + 1 : end])
+        if size < 0:
+            return None, end + 2
+        stop = end + 2 + size
+        if len(buf) < stop + 2:
+            return None
+        return bytes(buf[end + 2 : stop]).decode(), stop + 2
+    if kind == 0x2A:  # * array
+        count = int(buf[pos + 1 : end])
+        if count < 0:
+            return None, end + 2
+        items: list[Any] = []
+        at = end + 2
+        for _ in range(count):
+            got = parse(buf, at)
+            if got is None:
+                return None
+            item, at = got
+            items.append(item)
+        return items, at
+    if kind == 0x2D:  # - error
+        return _error(bytes(buf[pos + 1 : end]).decode(errors="replace")), end + 2
+    raise RedisConnectionError(f"unexpected reply type {chr(kind)!r} from Redis")
+
+
+class _Replies(asyncio.Protocol):
+    """The socket's side: replies parsed as they arrive, handed out in send order."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.waiting: deque[asyncio.Future[Any]] = deque()
+        self.buffer = bytearray()
+        self.lost: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        pos = 0
+        try:
+            while pos < len(buffer):
+                got = parse(buffer, pos)
+                if got is None:
+                    break
+                value, pos = got
+                if not self.waiting:
+                    raise RedisConnectionError("Redis sent a reply nobody asked for")
+                done = self.waiting.popleft()
+                if done.done():  # its caller gave up (cancelled): the reply is dropped
+                    continue
+                if isinstance(value, ResponseError):
+                    done.set_exception(value)
+                else:
+                    done.set_result(value)
+        except (RedisConnectionError, ValueError) as exc:
+            self.fail(RedisConnectionError(f"unreadable reply from Redis: {exc}"))
+            return
+        del buffer[:pos]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.fail(RedisConnectionError(f"connection to Redis lost ({exc or 'closed'})"))
+
+    def fail(self, error: Exception) -> None:
+        """Every command still waiting fails with ``error``; the connection is done."""
+        if self.lost is None:
+            self.lost = error
+        while self.waiting:
+            done = self.waiting.popleft()
+            if not done.done():
+                done.set_exception(error)
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class WireConnection:
+    """One connection on one event loop. :meth:`execute` sends a batch in one write and
+    returns each command's reply, or its error as a value."""
+
+    def __init__(self, settings: WireSettings) -> None:
+        self.settings = settings
+        self._replies: _Replies | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self._replies is not None and self._replies.lost is None
+
+    async def execute(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        if not self.usable:
+            await self._connect()
+        replies = self._replies
+        assert replies is not None and replies.transport is not None
+        loop = asyncio.get_running_loop()
+        payload = b"".join(pack(args) for args in commands)  # DataError before anything is sent
+        answers = [loop.create_future() for _ in commands]
+        replies.waiting.extend(answers)
+        replies.transport.write(payload)
+        stalled = loop.call_later(
+            self.settings.reply_timeout_s,
+            replies.fail,
+            RedisTimeoutError(f"no reply from Redis within {self.settings.reply_timeout_s} s"),
+        )
+        try:
+            # Replies come in order: once the last is answered, all are.
+            await answers[-1]
+        except ResponseError:
+            pass  # the last command's own error, handed back below like any other
+        except asyncio.CancelledError:
+            # The sender was cancelled (its loop is closing): the replies still arrive in
+            # order and are dropped, so the connection stays in step.
+            for answer in answers:
+                answer.cancel()
+            raise
+        except Exception:
+            for answer in answers:  # each holds the same failure: retrieved, not logged
+                if answer.done() and not answer.cancelled():
+                    answer.exception()
+            raise
+        finally:
+            stalled.cancel()
+        out: list[Any] = []
+        for answer in answers:
+            try:
+                out.append(answer.result())
+            except ResponseError as exc:
+                out.append(exc)
+        return out
+
+    async def _connect(self) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        try:
+            _, replies = await asyncio.wait_for(
+                loop.create_connection(_Replies, s.host, s.port), s.connect_timeout_s
+            )
+        except (OSError, TimeoutError) as exc:
+            raise RedisConnectionError(
+                f"cannot connect to Redis at {s.host}:{s.port} ({type(exc).__name__})"
+            ) from exc
+        self._replies = replies
+        hello: list[tuple[Any, ...]] = []
+        if s.password is not None:
+            hello.append(("AUTH", s.username, s.password) if s.username else ("AUTH", s.password))
+        if s.db:
+            hello.append(("SELECT", s.db))
+        if hello:
+            for reply in await self.execute(hello):
+                if isinstance(reply, Exception):
+                    self.close()
+                    raise RedisConnectionError(f"Redis refused the connection setup: {reply}")
+
+    def close(self) -> None:
+        if self._replies is not None and self._replies.transport is not None:
+            self._replies.transport.close()
+        self._replies = None
