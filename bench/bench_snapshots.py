@@ -55,9 +55,9 @@ class CountingStore:
         self._count(data)
         return await self.inner.put(key, data)
 
-    async def put_if_absent(self, key: str, data: bytes) -> str:
+    async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
         self._count(data)
-        return await self.inner.put_if_absent(key, data)
+        return await self.inner.put_if_absent(key, data, durable=durable)
 
     async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
         self._count(data)

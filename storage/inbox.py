@@ -50,9 +50,14 @@ class ObjectInbox:
         return await self._read(keys.inbox_event(session_id, event_key))
 
     async def remember_accepted(self, *, source: str, content_digest: str) -> bool:
+        # Not flushed to disk on its own (``durable=False``): the inbox event it follows
+        # is, and dedups the replay whatever this says. A marker lost to a power cut (any
+        # process crash leaves it in place) only answers a replay 200 "duplicate" instead
+        # of 409, and changes nothing; flushed, it cost every webhook a second fsync, in
+        # line behind the audit block's.
         try:
             await self.store.put_if_absent(
-                keys.accepted_content(source, content_digest), b"accepted"
+                keys.accepted_content(source, content_digest), b"accepted", durable=False
             )
         except ObjectExists:  # remembered already (a retry after a lost answer)
             return False

@@ -42,7 +42,7 @@ class MemoryObjectStore:
         self._objects[check_object_key(key)] = bytes(data)
         return _etag(data)
 
-    async def put_if_absent(self, key: str, data: bytes) -> str:
+    async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
         if check_object_key(key) in self._objects:
             raise ObjectExists(f"object {key!r} already exists", key=key)
         self._objects[key] = bytes(data)

@@ -181,7 +181,7 @@ class S3ObjectStore:
     async def put(self, key: str, data: bytes) -> str:
         return await off_loop(self._put, key, data, {})
 
-    async def put_if_absent(self, key: str, data: bytes) -> str:
+    async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
         return await off_loop(self._put, key, data, {"IfNoneMatch": "*"})
 
     async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:

@@ -40,8 +40,8 @@ class Reads:
     async def put(self, key: str, data: bytes) -> str:
         return await self.inner.put(key, data)
 
-    async def put_if_absent(self, key: str, data: bytes) -> str:
-        return await self.inner.put_if_absent(key, data)
+    async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
+        return await self.inner.put_if_absent(key, data, durable=durable)
 
     async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
         return await self.inner.put_if_match(key, data, etag=etag)

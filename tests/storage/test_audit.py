@@ -92,8 +92,8 @@ class LosesOneAnswer:
     def __getattr__(self, name: str) -> object:
         return getattr(self.store, name)
 
-    async def put_if_absent(self, key: str, data: bytes) -> str:
-        etag = await self.store.put_if_absent(key, data)
+    async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
+        etag = await self.store.put_if_absent(key, data, durable=durable)
         if key == self.key:
             self.key = ""
             raise StorageUnavailable("injected: the answer was lost")

@@ -39,9 +39,9 @@ class CrashingStore(MemoryObjectStore):
             self.crash_at = None
             raise Crash(key)
 
-    async def put_if_absent(self, key: str, data: bytes) -> str:
+    async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
         self._maybe_crash(key)
-        return await super().put_if_absent(key, data)
+        return await super().put_if_absent(key, data, durable=durable)
 
     async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
         self._maybe_crash(key)

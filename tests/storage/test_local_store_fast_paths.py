@@ -1,9 +1,11 @@
 """The local folder store's fast paths: creates waiting together go to one worker thread
-(one winner per key still), small objects are read on the caller's thread."""
+(one winner per key still), small objects are read on the caller's thread, and a create
+that need not be flushed is made at once, without an fsync."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,37 @@ def test_a_large_folder_is_listed_off_the_loop(tmp_path: Path) -> None:
         return len((await store.list("big/")).keys)
 
     assert asyncio.run(fill_and_list()) == INLINE_LIST_ENTRIES + 1
+
+
+def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalObjectStore(str(tmp_path))
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counted(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
+    batches: list[int] = []
+    create_all = store._create_all
+
+    def queued(items: list[tuple[str, bytes]]) -> list[str | Exception]:
+        batches.append(len(items))
+        return create_all(items)
+
+    monkeypatch.setattr(store, "_create_all", queued)
+
+    async def both() -> None:
+        await store.put_if_absent("inbox/s/e", b"event")  # flushed, as every create
+        assert (len(synced), batches) == (1, [1])
+        # Neither flushed nor queued behind the creates in flight (their fsyncs).
+        await store.put_if_absent("accepted/h/d", b"accepted", durable=False)
+        assert (len(synced), batches) == (1, [1])
+
+    asyncio.run(both())
+    # Another process sees it at once (no cache of ours): a fresh store on the folder.
+    assert asyncio.run(LocalObjectStore(str(tmp_path)).get("accepted/h/d")).data == b"accepted"
+    assert not list((tmp_path / ".tmp").iterdir()), "no temporary file is left behind"

@@ -42,6 +42,17 @@ class ObjectStoreContract:
             await store.put_if_absent("k", b"second")
         assert (await store.get("k")).data == b"first"
 
+    async def test_a_create_that_need_not_be_flushed_is_create_only_all_the_same(
+        self, store: ObjectStore
+    ) -> None:
+        etag = await store.put_if_absent("m/x", b"accepted", durable=False)
+        with pytest.raises(ObjectExists):
+            await store.put_if_absent("m/x", b"other", durable=False)
+        with pytest.raises(ObjectExists):
+            await store.put_if_absent("m/x", b"other")
+        got = await store.get("m/x")
+        assert got.data == b"accepted" and got.etag.strip('"') == etag.strip('"')
+
     async def test_compare_and_swap(self, store: ObjectStore) -> None:
         etag1 = await store.put_if_absent("cas", b"v1")
         etag2 = await store.put_if_match("cas", b"v2", etag=etag1)

@@ -39,8 +39,13 @@ class ObjectStore(Protocol):
         """Unconditional write (for objects with a single writer); returns the etag."""
         ...
 
-    async def put_if_absent(self, key: str, data: bytes) -> str:
-        """Create-only; raise ``ObjectExists`` if the key exists."""
+    async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
+        """Create-only; raise ``ObjectExists`` if the key exists.
+
+        ``durable=False`` is for an object whose loss to a power cut is harmless: a store
+        that flushes every write to its disk (the local folder) may skip the flush. The
+        object is still visible to every reader at once, created once, and outlives the
+        crash of any process; stores whose every write is durable (S3) ignore it."""
         ...
 
     async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:

@@ -95,9 +95,11 @@ class InboxRepository(Protocol):
         ...
 
     async def remember_accepted(self, *, source: str, content_digest: str) -> bool:
-        """Durably record that the request with this signed content was accepted (the
-        replay memory that outlives the index). Idempotent: True if this call recorded
-        it, False if it was recorded already."""
+        """Record that the request with this signed content was accepted (the replay
+        memory that outlives the index and any process crash; a power cut may take it on
+        a local disk, which only turns a replay's 409 into a 200 duplicate, since the
+        inbox dedups it). Idempotent: True if this call recorded it, False if it was
+        recorded already."""
         ...
 
     async def forget_accepted(self, *, source: str, content_digest: str) -> None:
