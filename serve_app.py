@@ -42,6 +42,7 @@ from torpor.auth import operator_for, tenant_for
 from torpor.deliveries import DeliveryStatus
 from torpor.entry.batches import ResultFormat, batch_out, result_chunks
 from torpor.entry.console import ConsoleDeps, ConsoleMount
+from torpor.entry.hooks import HookFastPath, HookRoute
 from torpor.entry.http import (
     PROBLEM,
     install_problem_handlers,
@@ -79,6 +80,10 @@ install_problem_handlers(api)
 # The operator console (server-rendered pages); bound to the services in the replica.
 CONSOLE = ConsoleMount()
 api.mount("/console", CONSOLE)
+# POST /v1/hooks/{source} answered in front of FastAPI's routing (``torpor.entry.hooks``):
+# bound to the replica's gateway in its constructor; the route below until then.
+HOOKS = HookRoute()
+api.add_middleware(HookFastPath, route=HOOKS)
 
 
 @serve.deployment(
@@ -94,6 +99,12 @@ class Ingress:
         self.control = SessionService(self.services, activator, background=True)
         self.batches = BatchService(self.control)
         self.gateway = WebhookGateway(self.control)
+        services = self.services
+        HOOKS.bind(
+            self.gateway,
+            clock=services.clock,
+            prepare=lambda: ensure_conditional_writes(services),
+        )
         self.streams = SessionStreams(
             self.control, max_per_tenant=settings.security.max_streams_per_tenant
         )
@@ -362,6 +373,8 @@ class Ingress:
 
     @api.post("/v1/hooks/{source}", tags=["webhooks"], openapi_extra=json_body())
     async def hook(self, source: str, request: Request) -> JSONResponse:
+        """Signed webhooks. Answered by ``HookFastPath`` once the replica is up; this
+        route is the OpenAPI document's, and the answer before that."""
         config = self.gateway.source(source)
         now = self.services.clock.now()
         body = await read_audited_body(

@@ -126,5 +126,6 @@ class RedisSlots(RedisConnection):
         return SlotUsage(int(running), int(waiting))
 
     async def close(self) -> None:
+        self._pipelined.close()  # its own lean connection, whoever owns the client
         if self._owns_client:
             await self._redis.aclose()

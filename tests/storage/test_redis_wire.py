@@ -210,3 +210,24 @@ def test_clients_the_lean_path_cannot_stand_in_for_keep_redis_py() -> None:
         "u",
         "p",
     )
+
+
+def test_it_runs_on_uvloop_as_in_a_serve_replica(redis_url: str, redis_prefix: str) -> None:
+    # uvloop's transports are not asyncio.Transport subclasses; Serve replicas run on it.
+    uvloop = pytest.importorskip("uvloop", reason="uvloop comes with ray[serve]")
+
+    async def round_trip() -> list[object]:
+        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        pipelined = Pipelined(client)
+        try:
+            return list(
+                await asyncio.gather(
+                    pipelined.call("SET", f"{redis_prefix}uv", "1"),
+                    pipelined.call("INCR", f"{redis_prefix}uv"),
+                )
+            )
+        finally:
+            pipelined.close()
+            await client.aclose()
+
+    assert uvloop.run(round_trip()) == ["OK", 2]

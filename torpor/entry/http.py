@@ -8,6 +8,7 @@ only routes.
 # No ``from __future__ import annotations``: FastAPI reads annotations at run time.
 import logging
 import re
+from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any, Final
 
@@ -95,7 +96,12 @@ def install_problem_handlers(app: FastAPI) -> None:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, refused as soon as it passes ``limit`` (413), declared or not."""
-    declared = request.headers.get("content-length")
+    return await read_limited(request.stream(), request.headers.get("content-length"), limit)
+
+
+async def read_limited(chunks: AsyncIterator[bytes], declared: str | None, limit: int) -> bytes:
+    """A body from its ``chunks``, refused (413) once it passes ``limit`` or if its
+    ``declared`` Content-Length already does."""
     if (
         declared is not None
         and declared.isascii()
@@ -103,14 +109,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         and (len(declared) > 18 or int(declared) > limit)
     ):
         raise WebhookRejected(RejectReason.BODY_TOO_LARGE)
-    chunks: list[bytes] = []
+    parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    async for chunk in chunks:
         size += len(chunk)
         if size > limit:
             raise WebhookRejected(RejectReason.BODY_TOO_LARGE)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def read_audited_body(

@@ -92,6 +92,8 @@ class Services:
     async def close(self) -> None:
         if self.slots is not None:
             await self.slots.close()
+        if self.activations is not None:
+            await self.activations.close()
         await self.audit.close()
         await self.plugins.close()
         await self.index.close()

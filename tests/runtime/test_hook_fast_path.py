@@ -1,0 +1,184 @@
+"""``POST /v1/hooks/{source}`` answered in front of FastAPI (``torpor.entry.hooks``), as
+ASGI, on the local store and a real Redis: a signed webhook is accepted without the app
+being called; anything else, and everything before the gateway is bound, goes to the
+app; refusals are problem+json and audited, as the FastAPI route's are."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.runtime.test_gateway import JSON, SECRET, SOURCES, body
+from tests.support.harness import Env, local_env
+from torpor.entry.hooks import HookFastPath, HookRoute
+from torpor.lifecycle import SessionState
+from torpor.service.gateway import WebhookGateway
+from torpor.webhooks.signing import Scheme, sign
+
+
+class Downstream:
+    """The FastAPI app's stand-in: notes what reached it, answers 418."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.paths.append(f"{scope['method']} {scope['path']}")
+        await send({"type": "http.response.start", "status": 418, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.fixture
+async def env(tmp_path: Path, redis_url: str, redis_prefix: str) -> AsyncIterator[Env]:
+    sources = {"oa": {**SOURCES["oa"], "max_body_bytes": 4096}}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as e:
+        yield e
+
+
+def bound(env: Env) -> tuple[HookFastPath, Downstream, list[str]]:
+    route, app, prepared = HookRoute(), Downstream(), []
+
+    async def prepare() -> None:
+        prepared.append("checked")
+
+    route.bind(WebhookGateway(env.control), clock=env.clock, prepare=prepare)
+    return HookFastPath(app, route=route), app, prepared
+
+
+async def call(
+    asgi: HookFastPath,
+    path: str,
+    *,
+    chunks: list[bytes],
+    headers: dict[str, str] | None = None,
+    method: str = "POST",
+    root_path: str = "",
+) -> tuple[int, dict[str, str], Any]:
+    pending = list(chunks)
+
+    async def receive() -> dict[str, Any]:
+        chunk = pending.pop(0) if pending else b""
+        return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "root_path": root_path,
+        "query_string": b"",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+    }
+    await asgi(scope, receive, send)
+    start, *rest = sent
+    answer = {k.decode(): v.decode() for k, v in start["headers"]}
+    data = b"".join(m.get("body", b"") for m in rest)
+    return start["status"], answer, json.loads(data) if data else None
+
+
+async def signed_answer(env: Env, event_id: str = "e1") -> tuple[str, bytes, dict[str, str]]:
+    sid = await env.submit()
+    wait = (await env.load(sid)).waits[0]
+    raw = body(wait.correlation_id, event_id)
+    return sid, raw, {**sign(Scheme.TORPOR, raw, SECRET, now=env.clock.now()), "Content-Type": JSON}
+
+
+async def test_a_signed_webhook_is_accepted_without_the_app(env: Env) -> None:
+    asgi, app, prepared = bound(env)
+    sid, raw, headers = await signed_answer(env)
+    # Sent in two chunks, as a client may: the body is whole before it is verified.
+    status, answer, data = await call(
+        asgi, "/v1/hooks/oa", chunks=[raw[:10], raw[10:]], headers=headers
+    )
+    assert (status, data) == (202, {"event_id": "e1", "duplicate": False, "outcome": "accepted"})
+    assert answer["content-type"] == "application/json"
+    assert int(answer["content-length"]) == len(json.dumps(data, separators=(",", ":")))
+    assert app.paths == [] and prepared == ["checked"]
+    assert (await env.load(sid)).state is SessionState.COMPLETED
+
+
+async def test_other_requests_and_an_unbound_route_go_to_the_app(env: Env) -> None:
+    asgi, app, _ = bound(env)
+    for method, path in [
+        ("GET", "/v1/hooks/oa"),
+        ("OPTIONS", "/v1/hooks/oa"),
+        ("POST", "/v1/hooks/oa/more"),
+        ("POST", "/v1/hooks/"),
+        ("POST", "/v1/sessions"),
+    ]:
+        status, _, _ = await call(asgi, path, chunks=[b"{}"], method=method)
+        assert status == 418, (method, path)
+    unbound = HookFastPath(app, route=HookRoute())
+    assert (await call(unbound, "/v1/hooks/oa", chunks=[b"{}"]))[0] == 418
+    assert len(app.paths) == 6
+
+
+async def test_a_prefix_the_app_is_mounted_under_is_routed_as_starlette_routes_it(
+    env: Env,
+) -> None:
+    asgi, app, _ = bound(env)
+    _, raw, headers = await signed_answer(env)
+    status, _, _ = await call(
+        asgi, "/deferred/v1/hooks/oa", chunks=[raw], headers=headers, root_path="/deferred"
+    )
+    assert status == 202 and app.paths == []
+
+
+async def test_refusals_are_problem_json_and_audited(env: Env) -> None:
+    asgi, app, _ = bound(env)
+    _, raw, headers = await signed_answer(env)
+    forged = {**headers, "X-Torpor-Signature": "0" * 64}
+    status, answer, problem = await call(asgi, "/v1/hooks/oa", chunks=[raw], headers=forged)
+    assert status == 401 and answer["content-type"] == "application/problem+json"
+    assert problem["status"] == 401 and problem["instance"] == "/v1/hooks/oa"
+    status, answer, problem = await call(asgi, "/v1/hooks/nope", chunks=[raw], headers=headers)
+    assert status == 404 and answer["content-type"] == "application/problem+json"
+    # Refused while streamed (no Content-Length): 413, and on the audit record.
+    status, _, problem = await call(
+        asgi, "/v1/hooks/oa", chunks=[b"x" * 3000, b"x" * 3000], headers={"Content-Type": JSON}
+    )
+    assert status == 413 and problem["status"] == 413
+    assert app.paths == []
+    await env.services.audit.close()
+    verdicts = []
+    for key in (await env.services.store.list("audit/")).keys:
+        lines = (await env.services.store.get(key)).data.splitlines()
+        verdicts += [json.loads(line)["verdict"] for line in lines]
+    assert "rejected:body_too_large" in verdicts
+    assert any(v.startswith("rejected:") and v != "rejected:body_too_large" for v in verdicts)
+
+
+async def test_a_sender_that_hangs_up_mid_body_gets_no_answer_and_stores_nothing(
+    env: Env,
+) -> None:
+    asgi, _, _ = bound(env)
+    sid, raw, headers = await signed_answer(env)
+    sent: list[Any] = []
+    messages = [
+        {"type": "http.request", "body": raw[:5], "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> Any:
+        return messages.pop(0)
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/hooks/oa",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    await asgi(scope, receive, send)
+    assert sent == []
+    assert (await env.load(sid)).state is SessionState.SUSPENDED
