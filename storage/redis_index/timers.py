@@ -38,7 +38,8 @@ class RedisTimers(RedisConnection):
         self, *, kind: TimerKind, member: str, if_at: datetime | None = None
     ) -> None:
         if if_at is None:
-            await self._redis.zrem(self.keys.timers(kind), member)
+            # Batched: every activation unschedules its wake-up before looking at its inbox.
+            await self.batched("ZREM", self.keys.timers(kind), member)
             return
         await self.script(_UNSCHEDULE_IF)(
             keys=[self.keys.timers(kind)], args=[member, to_ms(if_at)]

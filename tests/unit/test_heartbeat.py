@@ -160,3 +160,51 @@ async def test_refence_of_a_lease_taken_over_is_lease_lost(sqlite_index: SqliteI
         assert await sqlite_index.renew_lease(thief, ttl=TTL, now=clock.now()) is not None
     finally:
         await heartbeat.stop()
+
+
+class CancelTurnedIntoUnavailable:
+    """A lease index whose client turns a cancel mid-call into a connection error, as
+    redis-py can (its read is cancelled, it reports the connection lost)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.in_call = asyncio.Event()
+
+    async def renew_lease(self, lease: Lease, *, ttl: timedelta, now: datetime) -> Lease | None:
+        self.calls += 1
+        self.in_call.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise IndexUnavailable("connection closed while reading") from None
+        return lease
+
+
+async def test_a_stop_that_a_client_turns_into_an_error_still_stops(
+    sqlite_index: SqliteIndex,
+) -> None:
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    index = CancelTurnedIntoUnavailable()
+    heartbeat = Heartbeat(index, lease, clock=clock, period=PERIOD, ttl=TTL).start()  # type: ignore[arg-type]
+    await asyncio.wait_for(index.in_call.wait(), timeout=5)
+    stopping = asyncio.ensure_future(heartbeat.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5)
+    assert stopping in done, "stop() never returned: the heartbeat swallowed its cancel"
+    assert beats(lease) == [] and index.calls == 1
+
+
+async def test_a_cancel_of_the_caller_of_stop_is_not_swallowed(sqlite_index: SqliteIndex) -> None:
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    heartbeat = Heartbeat(sqlite_index, lease, clock=clock, period=PERIOD, ttl=TTL).start()
+
+    async def stop_then_go_on() -> str:
+        await heartbeat.stop()
+        return "went on"
+
+    stopper = asyncio.ensure_future(stop_then_go_on())
+    await asyncio.sleep(0)  # stop() is now waiting for the heartbeat's end
+    stopper.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopper

@@ -10,7 +10,6 @@ its next commit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from datetime import timedelta
 
 from torpor.errors import IndexUnavailable, LeaseLost
@@ -41,6 +40,12 @@ class Heartbeat:
                     self.lease, ttl=self._ttl, now=self._clock.now()
                 )
             except IndexUnavailable:
+                # A client may turn the cancel that stop() sent into a connection error
+                # (redis-py does, cancelled mid-read): that one must end the loop, or the
+                # heartbeat renews a finished activation's lease for ever and stop() never
+                # returns.
+                if _cancelling():
+                    raise asyncio.CancelledError from None
                 continue  # try again next period; the TTL covers two more misses
             if renewed is None:
                 self.lost = True
@@ -66,7 +71,17 @@ class Heartbeat:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+            task, self._task = self._task, None
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                # The heartbeat's own end is expected; a cancel of our caller is not ours
+                # to swallow (it would turn a stopped activation into one that goes on).
+                if _cancelling():
+                    raise
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
