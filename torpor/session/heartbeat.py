@@ -27,25 +27,26 @@ class Heartbeat:
         self._ttl = ttl
         self.lost = False
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def start(self) -> Heartbeat:
+        self._stopping = False
         self._task = asyncio.create_task(self._run(), name=f"heartbeat:{self.lease.name}")
         return self
 
     async def _run(self) -> None:
-        while not self.lost:
+        # The flag ends the loop, not the cancel alone: a cancel can be swallowed on its
+        # way (Python 3.11's asyncio.wait_for, which redis-py writes under, returns
+        # normally when a cancel lands as the write completes, gh-86296; a client may also
+        # report it as a lost connection), and the loop would renew a finished
+        # activation's lease for ever while stop() waits for it.
+        while not self.lost and not self._stopping:
             await asyncio.sleep(self._period)
             try:
                 renewed = await self._index.renew_lease(
                     self.lease, ttl=self._ttl, now=self._clock.now()
                 )
             except IndexUnavailable:
-                # A client may turn the cancel that stop() sent into a connection error
-                # (redis-py does, cancelled mid-read): that one must end the loop, or the
-                # heartbeat renews a finished activation's lease for ever and stop() never
-                # returns.
-                if _cancelling():
-                    raise asyncio.CancelledError from None
                 continue  # try again next period; the TTL covers two more misses
             if renewed is None:
                 self.lost = True
@@ -72,6 +73,7 @@ class Heartbeat:
     async def stop(self) -> None:
         if self._task is not None:
             task, self._task = self._task, None
+            self._stopping = True
             task.cancel()
             try:
                 await task
