@@ -36,13 +36,6 @@ class Recorded(Pipelined):
 
 
 @pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    made = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    yield made
-    await made.aclose()
-
-
-@pytest.fixture
 async def pipelined(client: aioredis.Redis) -> AsyncIterator[Recorded]:
     made = Recorded(client)
     yield made

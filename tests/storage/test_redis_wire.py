@@ -25,13 +25,6 @@ SCRIPT = "return {redis.call('TIME')[1], 1, false, {ARGV[1], 7}}"
 
 
 @pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    made = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    yield made
-    await made.aclose()
-
-
-@pytest.fixture
 async def wire(client: aioredis.Redis) -> AsyncIterator[WireConnection]:
     settings = settings_of(client)
     assert settings is not None  # a plain redis:// URL is the lean path's
