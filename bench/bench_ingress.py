@@ -367,7 +367,9 @@ async def child(
     # 2-core machine (pool hosts share the CPUs with the proxy and the replica).
     first = tmp / "first.tsv"
     write_requests(first, cids[:sessions])
+    cpu0 = cpu_by_process()
     full = wrk(base + "/v1/hooks/bench", lua, duration_s, first)
+    full["cpu"] = cpu_share(cpu0, cpu_by_process(), full["requests"])
 
     # Phase 2: activation deferred: what the verify → dedupe → inbox → 202 path costs
     # alone. Several distinct events per session, so a fast proxy cannot run out of
