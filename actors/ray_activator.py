@@ -272,6 +272,17 @@ class RayActivator:
             await asyncio.sleep(DEDICATED_BACKOFF.delay_s(attempt))
         raise ActivationUnavailable(f"no session actor for {session_id} took the request")
 
+    async def warm(self) -> None:
+        """Start every pool host and wait until each answers (it listens on its channel
+        from then on). A host's start (a process, imports, its services: seconds on a busy
+        node) is then paid here, once, instead of by every request routed to it meanwhile;
+        hosts are detached, so this is a no-op wait once they run."""
+        slots = range(self.settings.pool.size)
+        await asyncio.wait_for(
+            asyncio.gather(*(self._host(slot).where.remote() for slot in slots)),
+            ACTIVATE_TIMEOUT_S,
+        )
+
     def _host(self, slot: int) -> Any:
         if slot not in self._hosts:
             self._hosts[slot] = PoolHost.options(  # type: ignore[attr-defined]

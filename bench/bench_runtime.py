@@ -206,6 +206,8 @@ async def run(args: argparse.Namespace) -> None:
             setup = SessionService(services, InlineActivator(session_runtime(services, "setup")))
             if activator.standby is not None:
                 await activator.standby.filled(timeout_s=1200)
+            if kind == "pooled":
+                await activator.warm()  # measure running hosts, not their start
             ids = await create_suspended(setup, n_lat)
             started = activator.standby.started if activator.standby else 0
             lat = await resume_latency(control, activator, ids, rate)

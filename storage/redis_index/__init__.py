@@ -1,4 +1,6 @@
-"""``redis://``: the index for clusters (redis-py asyncio), one module per role.
+"""``redis://``: the index for clusters, one module per role: redis-py asyncio, and for
+every Lua script and the webhook path's commands a lean pipelined connection of our own
+(``wire``, batched by ``pipelining``).
 
 ``RedisIndex`` is the roles composed over one client: waits, timers, claims, leases, the
 session registry and health. Keys are built by ``storage.keys.RedisKeys``.

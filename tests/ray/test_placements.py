@@ -23,7 +23,7 @@ import redis
 
 from actors import ray_activator
 from actors.pool import host_name, pool_channel
-from actors.ray_activator import pool_slot
+from actors.ray_activator import RayActivator, pool_slot
 from actors.reconciler import NAME as RECONCILER
 from actors.reconciler import ensure_reconciler
 from tests.conftest import eventually
@@ -317,6 +317,23 @@ async def test_pool_hosts_are_named_in_the_namespace(make_ray_env: Any) -> None:
         }
         assert found & names
         assert not session_actors(env.settings.namespace)
+
+
+async def test_warming_starts_every_pool_host_before_any_request(make_ray_env: Any) -> None:
+    # A host's start (a process, imports, its services: seconds on a busy node) is paid
+    # once, up front, not by the requests routed to it meanwhile (the bench's p99).
+    async with make_ray_env(placement="pooled") as env:
+        from ray.util import list_named_actors
+
+        activator = RayActivator(env.services)
+        await activator.warm()
+        found = {
+            a["name"]
+            for a in list_named_actors(all_namespaces=True)
+            if a["namespace"] == env.settings.namespace
+        }
+        assert {host_name(slot) for slot in range(env.settings.pool.size)} <= found
+        await activator.close()
 
 
 async def test_python_client_end_to_end(make_ray_env: Any) -> None:
