@@ -51,10 +51,13 @@ class ObjectInbox:
 
     async def remember_accepted(self, *, source: str, content_digest: str) -> bool:
         # Not flushed to disk on its own (``durable=False``): the inbox event it follows
-        # is, and dedups the replay whatever this says. A marker lost to a power cut (any
-        # process crash leaves it in place) only answers a replay 200 "duplicate" instead
-        # of 409, and changes nothing; flushed, it cost every webhook a second fsync, in
-        # line behind the audit block's.
+        # is, and dedups a replay routed to it again. Any process crash leaves the marker
+        # in place; a power cut may take it, and then a replay inside the signature's
+        # window whose Redis claim was lost too is let through: answered 200 "duplicate"
+        # if it routes to the same wait, but one addressed by business key alone could
+        # answer a newer wait that took the key meanwhile. Narrow (a power cut, seconds
+        # of write-back, a replay within minutes); flushed, the marker cost every webhook
+        # a second fsync, in line behind the audit block's.
         try:
             await self.store.put_if_absent(
                 keys.accepted_content(source, content_digest), b"accepted", durable=False

@@ -29,6 +29,7 @@ import weakref
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from storage.redis_index.wire import WireConnection, settings_of
 
@@ -59,6 +60,7 @@ class Pipelined:
         self._wires: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WireConnection] = (
             weakref.WeakKeyDictionary()
         )
+        self._closed = False  # a sender still draining must not connect again
 
     async def call(self, *args: Any, **options: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -74,8 +76,12 @@ class Pipelined:
 
     async def _send(self, queue: list[_Queued]) -> None:
         while queue:
-            batch = queue[:MAX_BATCH]
+            # A caller cancelled while it waited is not sent for: a lease taken, or any
+            # script run, for a caller that is gone would outlive it.
+            batch = [q for q in queue[:MAX_BATCH] if not q[2].done()]
             del queue[:MAX_BATCH]
+            if not batch:
+                continue
             try:
                 results = await self._execute(batch)
             except BaseException as exc:
@@ -102,6 +108,8 @@ class Pipelined:
 
     async def _execute(self, batch: list[_Queued]) -> list[Any]:
         if self._wire_settings is not None and not any(options for _, options, _ in batch):
+            if self._closed:
+                raise RedisConnectionError("the index's connection is closed")
             loop = asyncio.get_running_loop()
             wire = self._wires.get(loop)
             if wire is None:
@@ -121,6 +129,7 @@ class Pipelined:
 
     def close(self) -> None:
         """Close the lean connections (the client itself is its owner's to close)."""
+        self._closed = True
         for wire in list(self._wires.values()):
             wire.close()
         self._wires.clear()

@@ -9,7 +9,10 @@ handed out in order, since Redis answers a connection's commands in the order se
 It speaks only what the hot path needs: plain TCP, RESP2, ``AUTH`` and ``SELECT`` from the
 client's own settings. A client set up any other way (TLS, a unix socket, RESP3-only
 options) keeps redis-py's path (:func:`settings_of` returns None). Replies are Redis's raw
-values (no redis-py response callbacks), decoded as UTF-8 text.
+values (no redis-py response callbacks), decoded as UTF-8 text (bytes that are not UTF-8
+kept as surrogate escapes, never a failure of the whole batch). redis-py's own calls on
+the same client may speak RESP3, where a Lua ``false`` comes back as ``False`` rather
+than ``None``: callers test such replies for truth only.
 
 Errors are redis-py's classes, so callers and ``connection.translate`` see what they saw
 before: ``ResponseError`` (``NoScriptError`` for NOSCRIPT) for one command alone;
@@ -101,7 +104,7 @@ def parse(buf: bytearray | bytes, pos: int) -> tuple[Any, int] | None:
         return None
     kind = buf[pos]
     if kind == 0x2B:  # + simple string
-        return bytes(buf[pos + 1 : end]).decode(), end + 2
+        return bytes(buf[pos + 1 : end]).decode(errors="surrogateescape"), end + 2
     if kind == 0x3A:  # : integer
         return int(buf[pos + 1 : end]), end + 2
     if kind == 0x24:  # $ bulk string
@@ -111,7 +114,7 @@ def parse(buf: bytearray | bytes, pos: int) -> tuple[Any, int] | None:
         stop = end + 2 + size
         if len(buf) < stop + 2:
             return None
-        return bytes(buf[end + 2 : stop]).decode(), stop + 2
+        return bytes(buf[end + 2 : stop]).decode(errors="surrogateescape"), stop + 2
     if kind == 0x2A:  # * array
         count = int(buf[pos + 1 : end])
         if count < 0:
@@ -200,11 +203,22 @@ class WireConnection:
             await self._connect()
         replies = self._replies
         assert replies is not None and replies.transport is not None
+        if replies.lost is not None:  # dropped while it was being set up
+            raise replies.lost
         loop = asyncio.get_running_loop()
-        payload = b"".join(pack(args) for args in commands)  # DataError before anything is sent
-        answers = [loop.create_future() for _ in commands]
+        # A command that cannot be encoded is that caller's error alone, never sent.
+        packed: list[bytes | DataError] = []
+        for args in commands:
+            try:
+                packed.append(pack(args))
+            except DataError as exc:
+                packed.append(exc)
+        sent = [p for p in packed if isinstance(p, bytes)]
+        answers = [loop.create_future() for _ in sent]
+        if not answers:
+            return list(packed)
         replies.waiting.extend(answers)
-        replies.transport.write(payload)
+        replies.transport.write(b"".join(sent))
         stalled = loop.call_later(
             self.settings.reply_timeout_s,
             replies.fail,
@@ -229,7 +243,12 @@ class WireConnection:
         finally:
             stalled.cancel()
         out: list[Any] = []
-        for answer in answers:
+        replied = iter(answers)
+        for item in packed:
+            if isinstance(item, DataError):
+                out.append(item)
+                continue
+            answer = next(replied)
             try:
                 out.append(answer.result())
             except ResponseError as exc:

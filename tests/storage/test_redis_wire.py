@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import DataError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.redis_index.pipelining import Pipelined
@@ -22,6 +22,13 @@ from tests.conftest import eventually
 pytestmark = pytest.mark.redis
 
 SCRIPT = "return {redis.call('TIME')[1], 1, false, {ARGV[1], 7}}"
+
+
+@pytest.fixture
+async def pipelined_client(client: aioredis.Redis) -> AsyncIterator[Pipelined]:
+    made = Pipelined(client)
+    yield made
+    made.close()
 
 
 @pytest.fixture
@@ -224,3 +231,28 @@ def test_it_runs_on_uvloop_as_in_a_serve_replica(redis_url: str, redis_prefix: s
             await client.aclose()
 
     assert uvloop.run(round_trip()) == ["OK", 2]
+
+
+async def test_a_command_that_cannot_be_encoded_fails_alone(
+    pipelined_client: Pipelined, redis_prefix: str
+) -> None:
+    key = f"{redis_prefix}enc"
+    good, bad, other = await asyncio.gather(
+        pipelined_client.call("INCR", key),
+        pipelined_client.call("SET", key, object()),
+        pipelined_client.call("INCR", key),
+        return_exceptions=True,
+    )
+    assert (good, other) == (1, 2)
+    assert isinstance(bad, DataError)
+
+
+async def test_a_reply_that_is_not_utf8_fails_only_its_command(
+    client: aioredis.Redis, pipelined_client: Pipelined, redis_prefix: str
+) -> None:
+    key = f"{redis_prefix}bin"
+    await client.execute_command("SET", key, b"\xff\xfe")  # type: ignore[no-untyped-call]
+    got, after = await asyncio.gather(
+        pipelined_client.call("GET", key), pipelined_client.call("INCR", f"{redis_prefix}n")
+    )
+    assert got.encode(errors="surrogateescape") == b"\xff\xfe" and after == 1

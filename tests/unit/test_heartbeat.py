@@ -7,6 +7,7 @@ so lease expiry follows the test's time, not the wall clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
@@ -213,3 +214,26 @@ async def test_a_cancel_of_the_caller_of_stop_is_not_swallowed(sqlite_index: Sql
     stopper.cancel()
     with pytest.raises(asyncio.CancelledError):
         await stopper
+
+
+async def test_a_caller_that_swallowed_an_earlier_cancel_still_stops_cleanly(
+    sqlite_index: SqliteIndex,
+) -> None:
+    # Its task's cancelling() count stays above 0 (gh-86296 leaves it so): stop() must not
+    # take the heartbeat's own end for a cancel of the caller, or the lease is never
+    # released and the session waits out its TTL.
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    heartbeat = Heartbeat(sqlite_index, lease, clock=clock, period=PERIOD, ttl=TTL).start()
+
+    async def caller() -> str:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(3600)
+        await heartbeat.stop()
+        return "stopped"
+
+    task = asyncio.ensure_future(caller())
+    await asyncio.sleep(0)
+    task.cancel()
+    assert await task == "stopped"
+    assert beats(lease) == []

@@ -94,6 +94,7 @@ class HookFastPath:
             return
         try:
             status, body = await self._answer(bound, source, scope, receive)
+            data = _render(body)  # in here: a body that does not render is a 500 problem
         except ClientDisconnect:
             return  # the sender is gone: nobody to answer, nothing was stored
         except TorporError as exc:
@@ -106,7 +107,7 @@ class HookFastPath:
             log.exception("unhandled error on %s", redact_path(URL(scope=scope).path))
             await _send_problem(problem(500, "internal", "Internal error"), scope, send)
             return
-        await _send_json(send, status, body)
+        await _send(send, status, data)
 
     async def _answer(
         self, bound: _Bound, source: str, scope: Scope, receive: Receive
@@ -157,15 +158,14 @@ def _render(content: Any) -> bytes:
     ).encode("utf-8")
 
 
-async def _send_json(
+async def _send(
     send: Send,
     status: int,
-    content: Any,
+    data: bytes,
     *,
     media_type: str = "application/json",
     extra: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    data = _render(content)
     headers = [
         (b"content-length", str(len(data)).encode()),
         (b"content-type", media_type.encode()),
@@ -177,10 +177,5 @@ async def _send_json(
 
 async def _send_problem(spec: ProblemSpec, scope: Scope, send: Send) -> None:
     extra = [(b"retry-after", str(spec.retry_after).encode())] if spec.retry_after else None
-    await _send_json(
-        send,
-        spec.status,
-        spec.body(redact_path(URL(scope=scope).path)),
-        media_type=PROBLEM,
-        extra=extra,
-    )
+    body = _render(spec.body(redact_path(URL(scope=scope).path)))
+    await _send(send, spec.status, body, media_type=PROBLEM, extra=extra)

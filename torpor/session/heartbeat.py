@@ -75,15 +75,9 @@ class Heartbeat:
             task, self._task = self._task, None
             self._stopping = True
             task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                # The heartbeat's own end is expected; a cancel of our caller is not ours
-                # to swallow (it would turn a stopped activation into one that goes on).
-                if _cancelling():
-                    raise
-
-
-def _cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+            # wait() raises only for a cancel of our own caller (not ours to swallow: it
+            # would turn a stopped activation into one that goes on), never for the
+            # heartbeat's end; a task's cancelling() count can't tell the two apart.
+            await asyncio.wait({task})
+            if not task.cancelled() and (failed := task.exception()) is not None:
+                raise failed
