@@ -18,8 +18,8 @@ the listing of a small flat folder (``_list_small``), cheaper on the caller's th
 than the hop.
 
 Every object is ``fsync``ed before it is linked or renamed into place, but for a create
-its writer marks as not ``durable`` (the replay marker: losing it to a power cut only
-turns a replay's 409 into a 200 duplicate). (One ``syncfs``
+its writer marks as not ``durable`` (the replay marker: ``storage.inbox`` says what a
+power cut that takes it lets through). (One ``syncfs``
 for a group of creates was tried: it flushes everyone's dirty data on the file system,
 Ray's logs included, and cost 1.6 ms of kernel CPU per webhook against 0.09 ms.)
 """
@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import NoReturn, ParamSpec, TypeVar
 
 from storage.keys import check_object_key
 from torpor.errors import (
@@ -332,10 +332,7 @@ class LocalObjectStore:
         except FileExistsError:
             raise ObjectExists(f"object {key!r} already exists", key=key) from None
         except OSError as exc:
-            translated = _translated(exc)
-            if translated is exc:
-                raise
-            raise translated from exc
+            _raise_translated(exc)
         return etag_of(data)
 
     async def _create_queued(self, queue: list[_Create]) -> None:
@@ -399,10 +396,7 @@ class LocalObjectStore:
         try:
             return await loop.run_in_executor(_threads(), lambda: fn(*args, **kwargs))
         except OSError as exc:
-            translated = _translated(exc)
-            if translated is exc:
-                raise
-            raise translated from exc
+            _raise_translated(exc)
 
 
 def _page(keys: list[str], prefix: str, start_after: str | None, limit: int) -> ListPage:
@@ -424,3 +418,11 @@ def _translated(exc: Exception) -> Exception:
     ):
         return StorageUnavailable(f"local object store I/O failed: {exc.strerror}")
     return exc
+
+
+def _raise_translated(exc: OSError) -> NoReturn:
+    """Raise ``exc`` as the store's typed error if it names one, else as it is."""
+    translated = _translated(exc)
+    if translated is exc:
+        raise exc
+    raise translated from exc

@@ -17,10 +17,8 @@ from torpor.ports import ListPage
 pytestmark = pytest.mark.timeout(30)
 
 
-def test_creates_waiting_together_take_one_hop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = LocalObjectStore(str(tmp_path))
+def batches_of(store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every batch of creates the store hands to its worker thread."""
     batches: list[int] = []
     create_all = store._create_all
 
@@ -29,6 +27,14 @@ def test_creates_waiting_together_take_one_hop(
         return create_all(items)
 
     monkeypatch.setattr(store, "_create_all", counted)
+    return batches
+
+
+def test_creates_waiting_together_take_one_hop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalObjectStore(str(tmp_path))
+    batches = batches_of(store, monkeypatch)
 
     async def burst() -> list[str]:
         return await asyncio.gather(*(store.put_if_absent(f"k/{i}", b"x") for i in range(32)))
@@ -135,14 +141,7 @@ def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", counted)
-    batches: list[int] = []
-    create_all = store._create_all
-
-    def queued(items: list[tuple[str, bytes]]) -> list[str | Exception]:
-        batches.append(len(items))
-        return create_all(items)
-
-    monkeypatch.setattr(store, "_create_all", queued)
+    batches = batches_of(store, monkeypatch)
 
     async def both() -> None:
         await store.put_if_absent("inbox/s/e", b"event")  # flushed, as every create
