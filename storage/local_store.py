@@ -15,7 +15,12 @@ Etags are the MD5 of the content, as S3 computes them for single-part uploads.
 Blocking file I/O runs in worker threads of the store's own so the caller's event loop
 keeps serving; the exceptions are a whole read of a small object (``_read_small``) and
 the listing of a small flat folder (``_list_small``), cheaper on the caller's thread
-than the hop.
+than the hop, and a write made while nothing else of the store's is in flight
+(``_Inline``): one at a time, the hop to a worker thread and back wakes two threads
+(on this 2-vCPU VM after an idle gap, each wake-up is a vCPU's), which cost more than
+the flush itself. A write waits for no lock on the caller's thread: a key another
+process holds goes to a worker thread, and so do all writes while recent flushes were
+slow (a disk under pressure must not stall the loop).
 
 Every object is ``fsync``ed before it is linked or renamed into place, but for a create
 its writer marks as not ``durable`` (the replay marker: ``storage.inbox`` says what a
@@ -30,9 +35,11 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import secrets
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +66,14 @@ WRITER_THREADS = 32
 CREATES_AT_ONCE = 64
 INLINE_READ_BYTES = 64 * 1024
 INLINE_LIST_ENTRIES = 256
+# A write is made on the caller's thread only while flushes take less than this (a
+# moving average): above it, the event loop would stall for the disk.
+INLINE_FLUSH_BUDGET_S = 0.002
+# ... and while writes made there have taken at most this share of the loop's time (a
+# burst of INLINE_BURST_S aside): under load the loop has other work to do meanwhile,
+# and the worker threads flush while it does it.
+INLINE_SHARE = 0.25
+INLINE_BURST_S = 0.005
 _THREADS: dict[int, ThreadPoolExecutor] = {}
 _Create = tuple[str, bytes, "asyncio.Future[str]"]  # key, body, the caller's answer
 
@@ -78,6 +93,48 @@ def etag_of(data: bytes) -> str:
 
 def _normal(etag: str) -> str:
     return etag.strip('"')
+
+
+class _Contended(Exception):
+    """A key's lock is held elsewhere: the write is not made on the caller's thread."""
+
+
+class _Inline:
+    """Whether a write may be made on the caller's thread: nothing else of the store's
+    is in a worker thread, flushes have been quick (a moving average of their durations,
+    fed by every flush, inline or not), and writes made there have not taken more than
+    their share of the loop's time (a leaky bucket of the time they took)."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.flush_s = 0.0
+        self._spent_s = 0.0
+        self._at = time.perf_counter()
+
+    @property
+    def allowed(self) -> bool:
+        if self.in_flight or self.flush_s >= INLINE_FLUSH_BUDGET_S:
+            return False
+        now = time.perf_counter()
+        self._spent_s = max(0.0, self._spent_s - (now - self._at) * INLINE_SHARE)
+        self._at = now
+        return self._spent_s < INLINE_BURST_S
+
+    def run(self, write: Callable[[], T]) -> T:
+        """``write()`` on the caller's thread, its time charged to the bucket."""
+        started = time.perf_counter()
+        try:
+            return write()
+        finally:
+            self._spent_s += time.perf_counter() - started
+
+    def flushed(self, fds: list[int]) -> None:
+        """fsync each of ``fds``, timed. Worker threads call it too: a lost update of the
+        average between two of them only delays its next move."""
+        for fd in fds:
+            started = time.perf_counter()
+            os.fsync(fd)
+            self.flush_s = 0.8 * self.flush_s + 0.2 * (time.perf_counter() - started)
 
 
 class LocalObjectStore:
@@ -101,6 +158,7 @@ class LocalObjectStore:
         self._creators: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]] = (
             weakref.WeakKeyDictionary()
         )
+        self._inline = _Inline()
 
     @property
     def url(self) -> str:
@@ -117,11 +175,15 @@ class LocalObjectStore:
         return f"{self._objects}/{check_object_key(key)}"
 
     @contextlib.contextmanager
-    def _locked(self, key: str) -> Iterator[None]:
+    def _locked(self, key: str, *, wait: bool = True) -> Iterator[None]:
+        """The key's exclusive lock; without ``wait``, ``_Contended`` if it is held."""
         name = hashlib.sha256(key.encode()).hexdigest()[:32]
-        fd = os.open(self.root / _LOCKS / name, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(f"{self.root}/{_LOCKS}/{name}", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _Contended(key) from None
             yield
         finally:
             os.close(fd)  # closing the descriptor releases the flock
@@ -129,7 +191,7 @@ class LocalObjectStore:
     def _write_tmp(self, data: bytes) -> str:
         tmp, fd = self._open_tmp(data)
         try:
-            os.fsync(fd)  # durable before it becomes visible under its key
+            self._inline.flushed([fd])  # durable before it becomes visible under its key
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -171,8 +233,7 @@ class LocalObjectStore:
             out.append(etag_of(data))
             opened.append((i, path, tmp, fd))
         try:
-            for _, _, _, fd in opened:
-                os.fsync(fd)
+            self._inline.flushed([fd for _, _, _, fd in opened])
         except Exception as exc:
             for i, _, _, _ in opened:
                 out[i] = exc
@@ -217,19 +278,24 @@ class LocalObjectStore:
             raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key) from None
         return StoredObject(data, etag_of(data))
 
-    def _put(self, key: str, data: bytes) -> str:
+    def _put(self, key: str, data: bytes, wait: bool = True) -> str:
         path = self._path(key)
         self._parent(path)
         tmp = self._write_tmp(data)
-        with self._locked(key):
-            os.replace(tmp, path)
+        try:
+            with self._locked(key, wait=wait):
+                os.replace(tmp, path)
+                tmp = ""
+        finally:
+            if tmp:
+                os.unlink(tmp)
         return etag_of(data)
 
-    def _put_if_match(self, key: str, data: bytes, etag: str) -> str:
+    def _put_if_match(self, key: str, data: bytes, etag: str, wait: bool = True) -> str:
         path = self._path(key)
         tmp = self._write_tmp(data)
         try:
-            with self._locked(key):
+            with self._locked(key, wait=wait):
                 try:
                     current = etag_of(path.read_bytes())
                 except FileNotFoundError:
@@ -254,9 +320,9 @@ class LocalObjectStore:
             keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
         return _page(keys, prefix, start_after, limit)
 
-    def _delete(self, key: str) -> None:
+    def _delete(self, key: str, wait: bool = True) -> None:
         path = self._path(key)
-        with self._locked(key), contextlib.suppress(FileNotFoundError):
+        with self._locked(key, wait=wait), contextlib.suppress(FileNotFoundError):
             path.unlink()
 
     # -- async protocol -------------------------------------------------------------
@@ -294,7 +360,7 @@ class LocalObjectStore:
         return StoredObject(data, etag_of(data))
 
     async def put(self, key: str, data: bytes) -> str:
-        return await self._off_loop(self._put, key, data)
+        return await self._write(functools.partial(self._put, key, data), size=len(data))
 
     async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
         """Queued with the other creates waiting in this event loop: one worker thread
@@ -341,10 +407,19 @@ class LocalObjectStore:
             batch = queue[:CREATES_AT_ONCE]
             del queue[:CREATES_AT_ONCE]
             items = [(key, data) for key, data, _ in batch]
-            try:
-                results = await loop.run_in_executor(_threads(), self._create_all, items)
-            except Exception as exc:  # the thread itself failed: every create with it
-                results = [exc] * len(batch)
+            if len(items) == 1 and len(items[0][1]) <= INLINE_READ_BYTES and self._inline.allowed:
+                # Alone a tick after it was asked for, with nothing else in flight: made
+                # here, flush included (``_Inline``); creates that came together go to a
+                # worker thread, one hop for all, while the loop serves on.
+                results = self._inline.run(functools.partial(self._create_all, items))
+            else:
+                self._inline.in_flight += 1
+                try:
+                    results = await loop.run_in_executor(_threads(), self._create_all, items)
+                except Exception as exc:  # the thread itself failed: every create with it
+                    results = [exc] * len(batch)
+                finally:
+                    self._inline.in_flight -= 1
             for (_, _, done), result in zip(batch, results, strict=True):
                 if done.done():
                     continue
@@ -354,7 +429,9 @@ class LocalObjectStore:
                     done.set_exception(_translated(result))
 
     async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
-        return await self._off_loop(self._put_if_match, key, data, etag)
+        return await self._write(
+            functools.partial(self._put_if_match, key, data, etag), size=len(data)
+        )
 
     async def list(
         self, prefix: str, *, start_after: str | None = None, limit: int = 1000
@@ -386,17 +463,32 @@ class LocalObjectStore:
         return _page(keys, prefix, start_after, limit)
 
     async def delete(self, key: str) -> None:
-        await self._off_loop(self._delete, key)
+        await self._write(functools.partial(self._delete, key), size=0)
+
+    async def _write(self, write: Callable[[bool], T], *, size: int) -> T:
+        """A locked write, ``write(wait)``: on the caller's thread when ``_Inline`` allows
+        it and the key's lock is free, else in a worker thread, waiting for the lock."""
+        if size <= INLINE_READ_BYTES and self._inline.allowed:
+            try:
+                return self._inline.run(functools.partial(write, False))
+            except _Contended:
+                pass  # another process holds the key: wait for it off the loop
+            except OSError as exc:
+                _raise_translated(exc)
+        return await self._off_loop(write, True)
 
     async def close(self) -> None:
         return None
 
     async def _off_loop(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()
+        self._inline.in_flight += 1
         try:
             return await loop.run_in_executor(_threads(), lambda: fn(*args, **kwargs))
         except OSError as exc:
             _raise_translated(exc)
+        finally:
+            self._inline.in_flight -= 1
 
 
 def _page(keys: list[str], prefix: str, start_after: str | None, limit: int) -> ListPage:

@@ -1,16 +1,31 @@
 """The local folder store's fast paths: creates waiting together go to one worker thread
-(one winner per key still), small objects are read on the caller's thread, and a create
-that need not be flushed is made at once, without an fsync."""
+(one winner per key still), small objects are read on the caller's thread, a create
+that need not be flushed is made at once, without an fsync, and a write with nothing
+else in flight is made on the caller's thread unless its key's lock is held elsewhere or
+flushes have been slow."""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import hashlib
 import os
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from storage.local_store import INLINE_LIST_ENTRIES, INLINE_READ_BYTES, LocalObjectStore
+import storage.local_store as local_store
+from storage.local_store import (
+    INLINE_BURST_S,
+    INLINE_FLUSH_BUDGET_S,
+    INLINE_LIST_ENTRIES,
+    INLINE_READ_BYTES,
+    INLINE_SHARE,
+    LocalObjectStore,
+)
 from torpor.errors import ObjectExists
 from torpor.ports import ListPage
 
@@ -154,3 +169,155 @@ def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
     # Another process sees it at once (no cache of ours): a fresh store on the folder.
     assert asyncio.run(LocalObjectStore(str(tmp_path)).get("accepted/h/d")).data == b"accepted"
     assert not list((tmp_path / ".tmp").iterdir()), "no temporary file is left behind"
+
+
+@pytest.fixture
+def flushing_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The thread of every fsync the store makes (the caller's or a worker's)."""
+    threads: list[int] = []
+    real_fsync = os.fsync
+
+    def recorded(fd: int) -> None:
+        threads.append(threading.get_ident())
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded)
+    yield threads
+
+
+def test_a_write_alone_is_made_on_the_callers_thread(
+    tmp_path: Path, flushing_threads: list[int]
+) -> None:
+    store = LocalObjectStore(str(tmp_path))
+
+    async def one_of_each() -> None:
+        etag = await store.put_if_absent("inbox/s/e", b"event")
+        etag = await store.put_if_match("inbox/s/e", b"event 2", etag=etag)
+        await store.put("sessions/s", b"snapshot")
+        await store.delete("inbox/s/e")
+
+    asyncio.run(one_of_each())
+    assert flushing_threads == [threading.get_ident()] * 3, "every flush on the caller's thread"
+    assert asyncio.run(store.get("sessions/s")).data == b"snapshot"
+    assert not asyncio.run(store.list("inbox/")).keys
+
+
+def test_writes_come_back_to_the_callers_thread_once_flushes_are_quick_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalObjectStore(str(tmp_path))
+    threads: list[int] = []
+    real_fsync = os.fsync
+    slow = [True]
+
+    def timed(fd: int) -> None:
+        threads.append(threading.get_ident())
+        if slow[0]:
+            time.sleep(5 * INLINE_FLUSH_BUDGET_S)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", timed)
+
+    async def writes() -> int:
+        for i in range(4):
+            await store.put_if_absent(f"a/{i}", b"x")
+        slow[0] = False
+        quick = 0
+        while store._inline.flush_s >= INLINE_FLUSH_BUDGET_S:  # quick flushes, off the loop
+            await store.put("b/1", b"x")
+            quick += 1
+        threads.clear()
+        await store.put("b/2", b"x")
+        await store.put_if_absent("b/3", b"x")
+        return quick
+
+    loop_thread = threading.get_ident()
+    assert asyncio.run(asyncio.wait_for(writes(), timeout=20)) < 20
+    assert threads == [loop_thread] * 2, "quick again: back on the caller's thread"
+
+
+def test_a_slow_flush_sends_the_next_writes_off_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalObjectStore(str(tmp_path))
+    threads: list[int] = []
+    real_fsync = os.fsync
+
+    def slow(fd: int) -> None:
+        threads.append(threading.get_ident())
+        time.sleep(5 * INLINE_FLUSH_BUDGET_S)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow)
+
+    async def writes() -> None:
+        await store.put_if_absent("a/0", b"x")  # nothing known yet: on the caller's thread
+        await store.put_if_absent("a/1", b"x")
+        await store.put_if_match("a/1", b"y", etag=local_store.etag_of(b"x"))
+        await store.delete("a/0")
+
+    loop_thread = threading.get_ident()
+    asyncio.run(writes())
+    assert threads[0] == loop_thread
+    assert loop_thread not in threads[1:], "after a slow flush, every write off the loop"
+
+
+def test_a_write_whose_key_is_locked_elsewhere_waits_off_the_loop(tmp_path: Path) -> None:
+    """Another process holds the key's lock (a writer mid-flush): the write waits for it
+    in a worker thread while the loop serves on; blocking the loop would deadlock here,
+    since the loop itself gives the lock back."""
+    store = LocalObjectStore(str(tmp_path))
+    asyncio.run(store.put("k/held", b"old"))
+    name = hashlib.sha256(b"k/held").hexdigest()[:32]
+    held = os.open(tmp_path / ".locks" / name, os.O_RDWR)  # another open file: another holder
+    fcntl.flock(held, fcntl.LOCK_EX)
+
+    async def contended() -> int:
+        ticks = 0
+        write = asyncio.ensure_future(store.put_if_match("k/held", b"new", etag=etag_old))
+        while ticks < 20:  # the loop runs while the write waits for the lock
+            await asyncio.sleep(0.005)
+            ticks += 1
+            assert not write.done()
+        fcntl.flock(held, fcntl.LOCK_UN)
+        await asyncio.wait_for(write, timeout=5)
+        return ticks
+
+    etag_old = local_store.etag_of(b"old")
+    try:
+        assert asyncio.run(asyncio.wait_for(contended(), timeout=10)) == 20
+    finally:
+        os.close(held)
+    assert asyncio.run(store.get("k/held")).data == b"new"
+    assert not list((tmp_path / ".tmp").iterdir()), "no temporary file is left behind"
+
+
+def test_writes_on_the_callers_thread_take_at_most_their_share_of_its_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Back to back, as under load: after a burst, writes go to the worker threads (the
+    loop serves other requests while they flush) and come back as the bucket drains."""
+    store = LocalObjectStore(str(tmp_path))
+    threads: list[int] = []
+    real_fsync = os.fsync
+    flush_s = INLINE_BURST_S / 4  # quick enough to be made inline, long enough to count
+
+    def timed(fd: int) -> None:
+        threads.append(threading.get_ident())
+        time.sleep(flush_s)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", timed)
+    monkeypatch.setattr(local_store, "INLINE_FLUSH_BUDGET_S", 1.0)
+
+    async def back_to_back() -> float:
+        started = time.perf_counter()
+        for i in range(40):
+            await store.put_if_absent(f"a/{i}", b"x")
+        return time.perf_counter() - started
+
+    loop_thread = threading.get_ident()
+    elapsed = asyncio.run(back_to_back())
+    inline = sum(t == loop_thread for t in threads) * flush_s
+    assert 0 < inline <= INLINE_BURST_S + 2 * flush_s + INLINE_SHARE * elapsed, (inline, elapsed)
+    assert any(t != loop_thread for t in threads), "past its share: off the loop"
