@@ -407,19 +407,21 @@ class LocalObjectStore:
             batch = queue[:CREATES_AT_ONCE]
             del queue[:CREATES_AT_ONCE]
             items = [(key, data) for key, data, _ in batch]
-            if len(items) == 1 and len(items[0][1]) <= INLINE_READ_BYTES and self._inline.allowed:
-                # Alone a tick after it was asked for, with nothing else in flight: made
-                # here, flush included (``_Inline``); creates that came together go to a
-                # worker thread, one hop for all, while the loop serves on.
-                results = self._inline.run(functools.partial(self._create_all, items))
-            else:
-                self._inline.in_flight += 1
-                try:
-                    results = await loop.run_in_executor(_threads(), self._create_all, items)
-                except Exception as exc:  # the thread itself failed: every create with it
-                    results = [exc] * len(batch)
-                finally:
-                    self._inline.in_flight -= 1
+            alone = len(items) == 1 and len(items[0][1]) <= INLINE_READ_BYTES
+            try:
+                if alone and self._inline.allowed:
+                    # Alone a tick after it was asked for, with nothing else in flight:
+                    # made here, flush included (``_Inline``); creates that came together
+                    # go to a worker thread, one hop for all, while the loop serves on.
+                    results = self._inline.run(functools.partial(self._create_all, items))
+                else:
+                    self._inline.in_flight += 1
+                    try:
+                        results = await loop.run_in_executor(_threads(), self._create_all, items)
+                    finally:
+                        self._inline.in_flight -= 1
+            except Exception as exc:  # the write itself failed: every create with it
+                results = [exc] * len(batch)
             for (_, _, done), result in zip(batch, results, strict=True):
                 if done.done():
                     continue

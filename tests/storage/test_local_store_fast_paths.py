@@ -26,7 +26,7 @@ from storage.local_store import (
     INLINE_SHARE,
     LocalObjectStore,
 )
-from torpor.errors import ObjectExists
+from torpor.errors import ObjectExists, StorageUnavailable
 from torpor.ports import ListPage
 
 pytestmark = pytest.mark.timeout(30)
@@ -321,3 +321,20 @@ def test_writes_on_the_callers_thread_take_at_most_their_share_of_its_time(
     inline = sum(t == loop_thread for t in threads) * flush_s
     assert 0 < inline <= INLINE_BURST_S + 2 * flush_s + INLINE_SHARE * elapsed, (inline, elapsed)
     assert any(t != loop_thread for t in threads), "past its share: off the loop"
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["on-the-callers-thread", "in-a-worker"])
+def test_a_create_whose_write_fails_whole_fails_its_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inline: bool
+) -> None:
+    """Not a hang: the caller hears of a failure of the whole write, wherever it ran."""
+    store = LocalObjectStore(str(tmp_path))
+    if not inline:
+        monkeypatch.setattr(local_store, "INLINE_FLUSH_BUDGET_S", -1.0)
+
+    def broken(items: list[tuple[str, bytes]]) -> list[str | Exception]:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(store, "_create_all", broken)
+    with pytest.raises(StorageUnavailable):
+        asyncio.run(asyncio.wait_for(store.put_if_absent("inbox/s/e", b"x"), timeout=5))
