@@ -78,6 +78,28 @@ async def test_the_next_step_is_called_while_the_wake_is_committed(
     )
 
 
+async def test_the_next_step_has_started_when_the_wake_commit_begins(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store may write the commit on the loop's own thread (the local folder store does
+    when it is idle), flush included: the step must already be under way by then, not
+    queued behind the flush."""
+    sid = await env.submit()
+    called = watch_steps(monkeypatch)
+    save = env.services.snapshots.save
+    at_commit: list[bool] = []
+
+    async def seen(snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:
+        if is_wake_commit(snapshot):
+            at_commit.append(called.is_set())  # no wait: as the commit begins
+        return await save(snapshot, expected_generation=expected_generation)
+
+    monkeypatch.setattr(env.services.snapshots, "save", seen)
+    await env.answer(sid, {"status": "approved"})
+    assert at_commit == [True]
+    assert (await env.load(sid)).state is S.COMPLETED
+
+
 async def test_a_step_called_ahead_is_dropped_when_a_cancel_comes_first(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,7 @@ deadline has passed it times out instead, so a failing guard can never outlive t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from pydantic import JsonValue
@@ -142,6 +143,10 @@ class Wake:
             work.update(outbox=[*work.snap.outbox, *self.suspender.notifications("resumed")])
             if self.on_running is not None:
                 self.on_running()
+                # One turn of the loop for the step just called to start (an LLM request
+                # is sent) before the commit: a store may write it on this thread, and the
+                # step would otherwise wait for the commit's flush (``storage.local_store``).
+                await asyncio.sleep(0)
         await work.commit()
         crash_point(CrashPoint.WAKE_COMMITTED)
         await self.suspender.unbind(self._closed)
