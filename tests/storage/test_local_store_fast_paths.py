@@ -12,7 +12,6 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -144,18 +143,34 @@ def test_a_large_folder_is_listed_off_the_loop(tmp_path: Path) -> None:
     assert asyncio.run(fill_and_list()) == INLINE_LIST_ENTRIES + 1
 
 
+class Flushes:
+    """Every fsync the store makes, by the thread that made it (the caller's or a
+    worker's), each taking at least ``slow_s``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.threads: list[int] = []
+        self.slow_s = 0.0
+        real_fsync = os.fsync
+
+        def recorded(fd: int) -> None:
+            self.threads.append(threading.get_ident())
+            if self.slow_s:
+                time.sleep(self.slow_s)
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", recorded)
+
+
+@pytest.fixture
+def flushes(monkeypatch: pytest.MonkeyPatch) -> Flushes:
+    return Flushes(monkeypatch)
+
+
 def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = LocalObjectStore(str(tmp_path))
-    synced: list[int] = []
-    real_fsync = os.fsync
-
-    def counted(fd: int) -> None:
-        synced.append(fd)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", counted)
+    synced = Flushes(monkeypatch).threads
     batches = batches_of(store, monkeypatch)
 
     async def both() -> None:
@@ -171,23 +186,7 @@ def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
     assert not list((tmp_path / ".tmp").iterdir()), "no temporary file is left behind"
 
 
-@pytest.fixture
-def flushing_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The thread of every fsync the store makes (the caller's or a worker's)."""
-    threads: list[int] = []
-    real_fsync = os.fsync
-
-    def recorded(fd: int) -> None:
-        threads.append(threading.get_ident())
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recorded)
-    yield threads
-
-
-def test_a_write_alone_is_made_on_the_callers_thread(
-    tmp_path: Path, flushing_threads: list[int]
-) -> None:
+def test_a_write_alone_is_made_on_the_callers_thread(tmp_path: Path, flushes: Flushes) -> None:
     store = LocalObjectStore(str(tmp_path))
 
     async def one_of_each() -> None:
@@ -197,31 +196,22 @@ def test_a_write_alone_is_made_on_the_callers_thread(
         await store.delete("inbox/s/e")
 
     asyncio.run(one_of_each())
-    assert flushing_threads == [threading.get_ident()] * 3, "every flush on the caller's thread"
+    assert flushes.threads == [threading.get_ident()] * 3, "every flush on the caller's thread"
     assert asyncio.run(store.get("sessions/s")).data == b"snapshot"
     assert not asyncio.run(store.list("inbox/")).keys
 
 
 def test_writes_come_back_to_the_callers_thread_once_flushes_are_quick_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, flushes: Flushes
 ) -> None:
     store = LocalObjectStore(str(tmp_path))
-    threads: list[int] = []
-    real_fsync = os.fsync
-    slow = [True]
-
-    def timed(fd: int) -> None:
-        threads.append(threading.get_ident())
-        if slow[0]:
-            time.sleep(5 * INLINE_FLUSH_BUDGET_S)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", timed)
+    threads = flushes.threads
+    flushes.slow_s = 5 * INLINE_FLUSH_BUDGET_S
 
     async def writes() -> int:
         for i in range(4):
             await store.put_if_absent(f"a/{i}", b"x")
-        slow[0] = False
+        flushes.slow_s = 0.0
         quick = 0
         while store._inline.flush_s >= INLINE_FLUSH_BUDGET_S:  # quick flushes, off the loop
             await store.put("b/1", b"x")
@@ -236,19 +226,10 @@ def test_writes_come_back_to_the_callers_thread_once_flushes_are_quick_again(
     assert threads == [loop_thread] * 2, "quick again: back on the caller's thread"
 
 
-def test_a_slow_flush_sends_the_next_writes_off_the_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_slow_flush_sends_the_next_writes_off_the_loop(tmp_path: Path, flushes: Flushes) -> None:
     store = LocalObjectStore(str(tmp_path))
-    threads: list[int] = []
-    real_fsync = os.fsync
-
-    def slow(fd: int) -> None:
-        threads.append(threading.get_ident())
-        time.sleep(5 * INLINE_FLUSH_BUDGET_S)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", slow)
+    threads = flushes.threads
+    flushes.slow_s = 5 * INLINE_FLUSH_BUDGET_S
 
     async def writes() -> None:
         await store.put_if_absent("a/0", b"x")  # nothing known yet: on the caller's thread
@@ -293,21 +274,13 @@ def test_a_write_whose_key_is_locked_elsewhere_waits_off_the_loop(tmp_path: Path
 
 
 def test_writes_on_the_callers_thread_take_at_most_their_share_of_its_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flushes: Flushes
 ) -> None:
     """Back to back, as under load: after a burst, writes go to the worker threads (the
     loop serves other requests while they flush) and come back as the bucket drains."""
     store = LocalObjectStore(str(tmp_path))
-    threads: list[int] = []
-    real_fsync = os.fsync
-    flush_s = INLINE_BURST_S / 4  # quick enough to be made inline, long enough to count
-
-    def timed(fd: int) -> None:
-        threads.append(threading.get_ident())
-        time.sleep(flush_s)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", timed)
+    threads = flushes.threads
+    flush_s = flushes.slow_s = INLINE_BURST_S / 4  # inline-quick, yet long enough to count
     monkeypatch.setattr(local_store, "INLINE_FLUSH_BUDGET_S", 1.0)
 
     async def back_to_back() -> float:
