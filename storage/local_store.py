@@ -16,11 +16,12 @@ Blocking file I/O runs in worker threads of the store's own so the caller's even
 keeps serving; the exceptions are a whole read of a small object (``_read_small``) and
 the listing of a small flat folder (``_list_small``), cheaper on the caller's thread
 than the hop, and a write made while nothing else of the store's is in flight
-(``_Inline``): one at a time, the hop to a worker thread and back wakes two threads
-(on this 2-vCPU VM after an idle gap, each wake-up is a vCPU's), which cost more than
-the flush itself. A write waits for no lock on the caller's thread: a key another
+(``_Inline``): one at a time, the hop to a worker thread and back wakes two sleeping
+threads, which after an idle gap cost about as much as the flush itself (README, "Speed
+(0.4)", fifth pass). A write waits for no lock on the caller's thread: a key another
 process holds goes to a worker thread, and so do all writes while recent flushes were
-slow (a disk under pressure must not stall the loop).
+slow or inline writes have had their share of the loop's time. A disk that stalls
+without warning holds the loop for the first inline write caught in it.
 
 Every object is ``fsync``ed before it is linked or renamed into place, but for a create
 its writer marks as not ``durable`` (the replay marker: ``storage.inbox`` says what a
