@@ -112,9 +112,9 @@ class _Inline:
         self._spent_s = 0.0
         self._at = time.perf_counter()
 
-    @property
-    def allowed(self) -> bool:
-        if self.in_flight or self.flush_s >= INLINE_FLUSH_BUDGET_S:
+    def allows(self, size: int) -> bool:
+        """Whether a write of ``size`` bytes may be made on the caller's thread now."""
+        if size > INLINE_READ_BYTES or self.in_flight or self.flush_s >= INLINE_FLUSH_BUDGET_S:
             return False
         now = time.perf_counter()
         self._spent_s = max(0.0, self._spent_s - (now - self._at) * INLINE_SHARE)
@@ -403,24 +403,18 @@ class LocalObjectStore:
         return etag_of(data)
 
     async def _create_queued(self, queue: list[_Create]) -> None:
-        loop = asyncio.get_running_loop()
         while queue:
             batch = queue[:CREATES_AT_ONCE]
             del queue[:CREATES_AT_ONCE]
             items = [(key, data) for key, data, _ in batch]
-            alone = len(items) == 1 and len(items[0][1]) <= INLINE_READ_BYTES
             try:
-                if alone and self._inline.allowed:
+                if len(items) == 1 and self._inline.allows(len(items[0][1])):
                     # Alone a tick after it was asked for, with nothing else in flight:
                     # made here, flush included (``_Inline``); creates that came together
                     # go to a worker thread, one hop for all, while the loop serves on.
                     results = self._inline.run(functools.partial(self._create_all, items))
                 else:
-                    self._inline.in_flight += 1
-                    try:
-                        results = await loop.run_in_executor(_threads(), self._create_all, items)
-                    finally:
-                        self._inline.in_flight -= 1
+                    results = await self._off_loop(self._create_all, items)
             except Exception as exc:  # the write itself failed: every create with it
                 results = [exc] * len(batch)
             for (_, _, done), result in zip(batch, results, strict=True):
@@ -471,7 +465,7 @@ class LocalObjectStore:
     async def _write(self, write: Callable[[bool], T], *, size: int) -> T:
         """A locked write, ``write(wait)``: on the caller's thread when ``_Inline`` allows
         it and the key's lock is free, else in a worker thread, waiting for the lock."""
-        if size <= INLINE_READ_BYTES and self._inline.allowed:
+        if self._inline.allows(size):
             try:
                 return self._inline.run(functools.partial(write, False))
             except _Contended:

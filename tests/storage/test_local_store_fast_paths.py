@@ -253,20 +253,20 @@ def test_a_write_whose_key_is_locked_elsewhere_waits_off_the_loop(tmp_path: Path
     held = os.open(tmp_path / ".locks" / name, os.O_RDWR)  # another open file: another holder
     fcntl.flock(held, fcntl.LOCK_EX)
 
-    async def contended() -> int:
-        ticks = 0
+    async def contended() -> None:
         write = asyncio.ensure_future(store.put_if_match("k/held", b"new", etag=etag_old))
-        while ticks < 20:  # the loop runs while the write waits for the lock
-            await asyncio.sleep(0.005)
-            ticks += 1
-            assert not write.done()
+        deadline = time.monotonic() + 5
+        while not store._inline.in_flight:  # until the write is in a worker thread
+            assert time.monotonic() < deadline, "the write never left the loop"
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the loop runs on while the write waits for the lock
+        assert not write.done()
         fcntl.flock(held, fcntl.LOCK_UN)
         await asyncio.wait_for(write, timeout=5)
-        return ticks
 
     etag_old = local_store.etag_of(b"old")
     try:
-        assert asyncio.run(asyncio.wait_for(contended(), timeout=10)) == 20
+        asyncio.run(asyncio.wait_for(contended(), timeout=10))
     finally:
         os.close(held)
     assert asyncio.run(store.get("k/held")).data == b"new"
