@@ -12,6 +12,7 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,9 @@ def batches_of(store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch) -> list
     batches: list[int] = []
     create_all = store._create_all
 
-    def counted(items: list[tuple[str, bytes]]) -> list[str | Exception]:
+    def counted(items: list[tuple[str, bytes]], wait: bool = True) -> list[str | Exception]:
         batches.append(len(items))
-        return create_all(items)
+        return create_all(items, wait)
 
     monkeypatch.setattr(store, "_create_all", counted)
     return batches
@@ -144,21 +145,28 @@ def test_a_large_folder_is_listed_off_the_loop(tmp_path: Path) -> None:
 
 
 class Flushes:
-    """Every fsync the store makes, by the thread that made it (the caller's or a
-    worker's), each taking at least ``slow_s``."""
+    """Every flush the store makes (a large object's fsync, or its log's fdatasync), by
+    the thread that made it (the caller's or a worker's), each taking at least
+    ``slow_s``."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.threads: list[int] = []
         self.slow_s = 0.0
-        real_fsync = os.fsync
+        real = local_store._Inline.flushed
 
-        def recorded(fd: int) -> None:
+        def recorded(
+            inline: local_store._Inline, fd: int, how: Callable[[int], None] | None = None
+        ) -> None:
             self.threads.append(threading.get_ident())
-            if self.slow_s:
-                time.sleep(self.slow_s)
-            real_fsync(fd)
 
-        monkeypatch.setattr(os, "fsync", recorded)
+            def slow(fd: int) -> None:
+                if self.slow_s:
+                    time.sleep(self.slow_s)
+                (how or os.fsync)(fd)
+
+            real(inline, fd, slow)
+
+        monkeypatch.setattr(local_store._Inline, "flushed", recorded)
 
 
 @pytest.fixture
@@ -196,7 +204,8 @@ def test_a_write_alone_is_made_on_the_callers_thread(tmp_path: Path, flushes: Fl
         await store.delete("inbox/s/e")
 
     asyncio.run(one_of_each())
-    assert flushes.threads == [threading.get_ident()] * 3, "every flush on the caller's thread"
+    # One flush each, the delete's included (it is logged too), on the caller's thread.
+    assert flushes.threads == [threading.get_ident()] * 4, "every flush on the caller's thread"
     assert asyncio.run(store.get("sessions/s")).data == b"snapshot"
     assert not asyncio.run(store.list("inbox/")).keys
 
@@ -305,7 +314,7 @@ def test_a_create_whose_write_fails_whole_fails_its_caller(
     if not inline:
         monkeypatch.setattr(local_store, "INLINE_FLUSH_BUDGET_S", -1.0)
 
-    def broken(items: list[tuple[str, bytes]]) -> list[str | Exception]:
+    def broken(items: list[tuple[str, bytes]], wait: bool = True) -> list[str | Exception]:
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(store, "_create_all", broken)

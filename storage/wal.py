@@ -1,0 +1,446 @@
+"""The local folder store's write-ahead log: one flush for a group of writes, none per file.
+
+Every durable write of the folder store used to flush its own file before linking it into
+place: a journal commit each (0.34 ms here), and the directory entry itself was never
+flushed. Now the store writes the object's file without flushing it, and appends the
+change (key, whole content or removal, a timestamp) to a log of its process's own; one
+``fdatasync`` of that log, a preallocated file whose size does not change, makes every
+record appended meanwhile durable (0.13 ms here, for all of them at once). A write is
+acknowledged only after that flush.
+
+What a crash of a *process* loses is nothing: its files are in the kernel's page cache.
+A crash of the *machine* may lose any file written since the file system last flushed,
+so every log is tagged with the boot it was written in (``/proc/sys/kernel/random/
+boot_id``), and the first store to open the folder after a reboot replays the logs of
+earlier boots (``recover``): for each key, the change with the latest timestamp is made
+again, the file system is flushed, and the logs are removed.
+
+Timestamps are ``CLOCK_MONOTONIC`` read under the key's lock right after the change: one
+clock for every process of a boot, so per key they order the changes as they were made,
+whichever processes made them.
+
+A log does not grow for ever. When its segment is full, or older than
+``CHECKPOINT_AFTER_S``, the process starts a new segment and, in the background, flushes
+the whole file system (``syncfs``) and records the time it started as the boot's
+*checkpoint mark*: every change timestamped before the mark is on disk. Replay skips
+records before the mark (a later change of the same key by another process, made durable
+by the checkpoint, must not be overwritten by an older record from a log still open),
+and the segments that hold nothing after it are removed: the process's own retired
+ones, and those of processes that have exited (the lock each holds on its segment is
+gone).
+
+A change too large to log whole (``RECORD_MAX_BYTES``) is flushed in place, file and
+folder, and logged as ``DURABLE``: at replay it overrides older records of its key and
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+
+log = logging.getLogger(__name__)
+
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+# A process's first segment is small (a test's store writes a few objects); each next
+# one is sized after what the last one held, up to SEGMENT_MAX_BYTES.
+SEGMENT_MIN_BYTES = 1 << 20
+SEGMENT_MAX_BYTES = 64 << 20
+CHECKPOINT_AFTER_S = 30.0
+RECORD_MAX_BYTES = 1 << 20
+_SUFFIX = ".log"
+_FRAME = struct.Struct("<II")  # the body's length, its CRC-32
+_BODY = struct.Struct("<QBH")  # timestamp (ns, CLOCK_MONOTONIC), op, key length
+
+
+class Op(IntEnum):
+    HEADER = 0  # a segment's first record: key = the boot id, data = JSON (pid, created)
+    PUT = 1  # the object's whole content
+    DELETE = 2
+    DURABLE = 3  # flushed in place: nothing to write back, but it overrides older records
+
+
+@dataclass(frozen=True)
+class Record:
+    at_ns: int
+    op: Op
+    key: str
+    data: bytes = b""
+
+
+def encode(record: Record) -> bytes:
+    key = record.key.encode()
+    body = _BODY.pack(record.at_ns, record.op, len(key)) + key + record.data
+    return _FRAME.pack(len(body), zlib.crc32(body)) + body
+
+
+def decode(buf: bytes | memoryview) -> Iterator[Record]:
+    """The records of a segment, in order, up to the first that is not whole: the rest of
+    a preallocated segment reads as zeros, and a record torn by a crash fails its CRC."""
+    view, at = memoryview(buf), 0
+    while at + _FRAME.size <= len(view):
+        length, crc = _FRAME.unpack_from(view, at)
+        body = view[at + _FRAME.size : at + _FRAME.size + length]
+        if length < _BODY.size or len(body) < length or zlib.crc32(body) != crc:
+            return
+        at_ns, op, key_len = _BODY.unpack_from(body)
+        try:
+            key = bytes(body[_BODY.size : _BODY.size + key_len]).decode()
+            kind = Op(op)
+        except (UnicodeDecodeError, ValueError):
+            return
+        yield Record(at_ns, kind, key, bytes(body[_BODY.size + key_len :]))
+        at += _FRAME.size + length
+
+
+def boot_id() -> str:
+    try:
+        with open(BOOT_ID_FILE) as fh:
+            return fh.read().strip()
+    except OSError:  # not Linux: no reboot can be told apart, so every log is this boot's
+        return "unknown"
+
+
+def syncfs(fd: int) -> None:
+    """Flush the whole file system ``fd`` is on: one call, not one per file."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, "syncfs", None) is None:
+        os.sync()
+        return
+    if libc.syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _mark_file(folder: str, boot: str) -> str:
+    return f"{folder}/mark-{boot}"
+
+
+def read_mark(folder: str, boot: str) -> int:
+    """The boot's checkpoint mark: every change timestamped before it is on disk."""
+    try:
+        with open(_mark_file(folder, boot)) as fh:
+            return int(fh.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: str, name: str) -> Iterator[None]:
+    fd = os.open(f"{folder}/{name}", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Segment:
+    path: str
+    fd: int
+    size: int
+    used: int
+    opened_at: float
+
+
+class WriteAheadLog:
+    """One process's log in ``folder``. ``append`` under the key's lock, right after the
+    change; ``sync`` before acknowledging it. Thread-safe: concurrent ``sync``s share one
+    flush (a group commit). ``flush`` is the call that makes a segment durable
+    (``os.fdatasync``; the store times it)."""
+
+    def __init__(
+        self,
+        folder: str,
+        *,
+        boot: str | None = None,
+        flush: Callable[[int], None] = os.fdatasync,
+    ) -> None:
+        self.folder = folder
+        self.boot = boot if boot is not None else boot_id()
+        self._flush = flush
+        self._lock = threading.Lock()
+        self._synced_cv = threading.Condition(self._lock)
+        os.makedirs(folder, exist_ok=True)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._segment: _Segment | None = None
+        self._retired: list[_Segment] = []
+        self._appended = 0  # tickets: one per record, across segments
+        self._synced = 0
+        self._syncing = False
+        self._checkpointing = False
+        self._next_size = SEGMENT_MIN_BYTES
+        self._pid = os.getpid()
+
+    # -- appending ---------------------------------------------------------------------
+
+    def append(self, op: Op, key: str, data: bytes = b"") -> int:
+        """Log a change just made (the caller holds the key's lock); a ticket for
+        ``sync``."""
+        at_ns = time.monotonic_ns()  # under the key's lock: orders this key's changes
+        frame = encode(Record(at_ns, op, key, data))
+        with self._lock:
+            segment = self._writable(len(frame))
+            os.pwrite(segment.fd, frame, segment.used)
+            segment.used += len(frame)
+            self._appended += 1
+            return self._appended
+
+    def sync(self, ticket: int) -> None:
+        """Return once the record ``ticket`` names is durable: the first caller flushes
+        for everyone who appended before it started; the others wait for that flush."""
+        with self._synced_cv:
+            while self._synced < ticket:
+                if self._syncing:
+                    self._synced_cv.wait()
+                    continue
+                segment, target = self._segment, self._appended
+                assert segment is not None  # a ticket was handed out: a segment exists
+                self._syncing = True
+                self._lock.release()
+                try:
+                    self._flush(segment.fd)
+                finally:
+                    self._lock.acquire()
+                    self._syncing = False
+                    self._synced_cv.notify_all()
+                self._synced = max(self._synced, target)
+
+    def _writable(self, need: int) -> _Segment:
+        """The segment to append ``need`` bytes to (the lock is held): a new one when
+        there is none yet, it is full or old, or this is a forked child."""
+        if self._pid != os.getpid():  # a forked child: the parent's segments are not ours
+            self._reset()
+        while True:
+            segment = self._segment
+            if segment is None:
+                segment = self._segment = self._open(need)
+                return segment
+            if (
+                segment.used + need <= segment.size
+                and time.monotonic() - segment.opened_at <= CHECKPOINT_AFTER_S
+            ):
+                return segment
+            if self._syncing:  # its descriptor is being flushed: retired after that
+                self._synced_cv.wait()
+                continue
+            self._retire(segment)
+
+    def _open(self, need: int) -> _Segment:
+        header = encode(
+            Record(
+                time.monotonic_ns(),
+                Op.HEADER,
+                self.boot,
+                json.dumps({"pid": os.getpid(), "created": time.time()}).encode(),
+            )
+        )
+        size = max(self._next_size, len(header) + need)
+        path = f"{self.folder}/{time.time_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}{_SUFFIX}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held while we live: how others tell we exited
+            # Allocated now, so that appending never changes the file's size: a flush of
+            # the data alone (fdatasync) then makes a record durable.
+            os.posix_fallocate(fd, 0, size)
+            os.pwrite(fd, header, 0)
+            os.fsync(fd)
+            _fsync_dir(self.folder)  # the segment itself survives a power cut
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        return _Segment(path, fd, size, len(header), time.monotonic())
+
+    def _retire(self, segment: _Segment) -> None:
+        """Stop appending to ``segment`` (the lock is held): flushed now, so every ticket
+        on it is durable, and removed by the next checkpoint."""
+        self._flush(segment.fd)
+        self._synced = self._appended
+        self._segment = None
+        self._retired.append(segment)
+        self._next_size = min(SEGMENT_MAX_BYTES, max(SEGMENT_MIN_BYTES, 2 * segment.used))
+        if not self._checkpointing:
+            self._checkpointing = True
+            threading.Thread(target=self._checkpoint, name="torpor-wal", daemon=True).start()
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def _checkpoint(self) -> None:
+        while True:
+            with self._lock:
+                retired, self._retired = self._retired, []
+                if not retired:
+                    self._checkpointing = False
+                    return
+            try:
+                self.checkpoint(retired)
+            except Exception:  # the segments stay: a replay will only do more work
+                log.warning("write-ahead log checkpoint failed in %s", self.folder, exc_info=True)
+            finally:
+                for segment in retired:
+                    with contextlib.suppress(OSError):
+                        os.close(segment.fd)
+
+    def checkpoint(self, retired: list[_Segment]) -> None:
+        """Flush the file system and remove ``retired`` and the segments of exited
+        processes of this boot: everything they record is on disk once the flush is."""
+        mine = {s.path for s in retired}
+        if self._segment is not None:
+            mine.add(self._segment.path)
+        exited = [p for p in self._segments() if p not in mine and self._exited(p)]
+        mark = time.monotonic_ns()  # after the segments were chosen: all they hold is older
+        fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            syncfs(fd)
+        finally:
+            os.close(fd)
+        with _folder_lock(self.folder, ".marks.lock"):
+            if mark > read_mark(self.folder, self.boot):
+                path = _mark_file(self.folder, self.boot)
+                tmp = f"{path}.{secrets.token_hex(4)}"
+                with open(tmp, "w") as fh:
+                    fh.write(str(mark))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, path)
+                _fsync_dir(self.folder)
+        for path in [s.path for s in retired] + exited:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def _segments(self) -> list[str]:
+        return sorted(
+            f"{self.folder}/{name}" for name in os.listdir(self.folder) if name.endswith(_SUFFIX)
+        )
+
+    def _exited(self, path: str) -> bool:
+        """Whether ``path`` is a segment of this boot whose process has exited."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # its process holds it
+            return _header(fd) == self.boot
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._segment is not None:
+                self._retire(self._segment)
+
+
+def _header(fd: int) -> str | None:
+    """The boot a segment was written in, or None if its header is not whole."""
+    first = next(decode(os.pread(fd, 4096, 0)), None)
+    return first.key if first is not None and first.op is Op.HEADER else None
+
+
+@dataclass(frozen=True)
+class Replayed:
+    segments: int
+    changes: int
+
+
+def recover(
+    folder: str, *, boot: str | None = None, apply: Callable[[Record], None], flush_root: str
+) -> Replayed:
+    """Replay the logs of earlier boots into the store (``apply`` makes one change,
+    without flushing it), flush ``flush_root``'s file system, and remove those logs.
+    Serialized between processes; a store that finds nothing to replay pays one listing."""
+    boot = boot if boot is not None else boot_id()
+    os.makedirs(folder, exist_ok=True)
+    if not any(name.endswith(_SUFFIX) for name in os.listdir(folder)):
+        return Replayed(0, 0)
+    with _folder_lock(folder, ".recover.lock"):
+        earlier: list[tuple[float, str, str, bytes]] = []  # (created, boot, path, content)
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(_SUFFIX):
+                continue
+            path = f"{folder}/{name}"
+            with open(path, "rb") as fh:
+                first = next(decode(fh.read(4096)), None)
+            if first is None or first.op is not Op.HEADER:
+                # Created but never written whole: nothing in it was acknowledged.
+                if _age_s(path) > CHECKPOINT_AFTER_S:
+                    os.unlink(path)
+                continue
+            if first.key == boot:
+                continue
+            created = float(json.loads(first.data).get("created", 0.0))
+            with open(path, "rb") as fh:
+                earlier.append((created, first.key, path, fh.read()))
+        if not earlier:
+            return Replayed(0, 0)
+        # Boots in the order they ran (the first segment each created), records of one
+        # boot by timestamp: the last change of each key wins.
+        boot_order: dict[str, float] = {}
+        for created, old_boot, _, _ in earlier:
+            boot_order[old_boot] = min(created, boot_order.get(old_boot, created))
+        marks = {b: read_mark(folder, b) for b in boot_order}
+        latest: dict[str, tuple[float, int, Record]] = {}
+        for _, old_boot, _, content in earlier:
+            for record in decode(content):
+                if record.op is Op.HEADER or record.at_ns <= marks[old_boot]:
+                    continue
+                order = (boot_order[old_boot], record.at_ns)
+                seen = latest.get(record.key)
+                if seen is None or order > seen[:2]:
+                    latest[record.key] = (*order, record)
+        for _, _, record in latest.values():
+            if record.op is not Op.DURABLE:
+                apply(record)
+        fd = os.open(flush_root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            syncfs(fd)
+        finally:
+            os.close(fd)
+        for _, _, path, _ in earlier:
+            os.unlink(path)
+        for old_boot in boot_order:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_mark_file(folder, old_boot))
+        _fsync_dir(folder)
+        log.warning(
+            "replayed %d changes from %d write-ahead log segments of an earlier boot in %s",
+            len(latest),
+            len(earlier),
+            folder,
+        )
+        return Replayed(len(earlier), len(latest))
+
+
+def _age_s(path: str) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return 0.0

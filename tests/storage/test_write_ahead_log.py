@@ -1,0 +1,214 @@
+"""The local folder store's write-ahead log: every acknowledged change survives a power
+cut that loses the files written since the last flush of the file system, the last
+change of each key wins, a change made durable by a checkpoint is not overwritten by an
+older record, and the log's segments are removed once a checkpoint covers them.
+
+A power cut is simulated the way it shows on disk: the objects written since the last
+flush are gone, emptied, or (a removal) back, and the next store to open the folder
+runs in another boot (``wal.boot_id``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage import wal
+from storage.local_store import LocalObjectStore
+from torpor.errors import ObjectNotFound
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def boot(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The boot the next store opens in: ``boot[0] = ...`` is a reboot."""
+    current = ["boot-a"]
+    monkeypatch.setattr(wal, "boot_id", lambda: current[0])
+    return current
+
+
+def objects(root: Path) -> Path:
+    return root / "objects"
+
+
+def get(store: LocalObjectStore, key: str) -> bytes | None:
+    try:
+        return asyncio.run(store.get(key)).data
+    except ObjectNotFound:
+        return None
+
+
+def segments(root: Path) -> list[Path]:
+    return sorted((root / ".wal").glob("*.log"))
+
+
+def test_every_acknowledged_change_survives_a_power_cut(tmp_path: Path, boot: list[str]) -> None:
+    store = LocalObjectStore(tmp_path)
+    large = os.urandom(wal.RECORD_MAX_BYTES + 1)
+
+    async def changes() -> None:
+        etag = await store.put_if_absent("inbox/s/e1", b"event 1")
+        await store.put_if_absent("inbox/s/e2", b"event 2")
+        await asyncio.gather(*(store.put_if_absent(f"batch/{i}", b"%d" % i) for i in range(20)))
+        await store.put_if_match("inbox/s/e1", b"event 1, v2", etag=etag)
+        await store.put("sessions/s", b"snapshot")
+        await store.delete("inbox/s/e2")
+        await store.put("big/object", large)
+
+    asyncio.run(changes())
+    # The power cut: the files written since the last flush are lost or emptied, and the
+    # removed one is back (its removal never reached the disk).
+    (objects(tmp_path) / "inbox/s/e1").unlink()
+    (objects(tmp_path) / "sessions/s").write_bytes(b"")
+    for i in range(0, 20, 2):
+        (objects(tmp_path) / f"batch/{i}").unlink()
+    (objects(tmp_path) / "inbox/s/e2").write_bytes(b"event 2")
+
+    boot[0] = "boot-b"
+    after = LocalObjectStore(tmp_path)
+    assert get(after, "inbox/s/e1") == b"event 1, v2"
+    assert get(after, "sessions/s") == b"snapshot"
+    assert get(after, "inbox/s/e2") is None
+    assert [get(after, f"batch/{i}") for i in range(20)] == [b"%d" % i for i in range(20)]
+    assert get(after, "big/object") == large  # flushed in place: logged, not copied
+    assert not segments(tmp_path), "the replayed logs are removed"
+    assert not list((tmp_path / ".wal").glob("mark-*"))
+
+
+def test_without_a_reboot_nothing_is_replayed(tmp_path: Path, boot: list[str]) -> None:
+    """A process that died left its files in the page cache: the log is not replayed,
+    so a change made since by a store that does not log (by hand, here) stays."""
+    asyncio.run(LocalObjectStore(tmp_path).put("k", b"logged"))
+    (objects(tmp_path) / "k").write_bytes(b"changed since")
+    assert get(LocalObjectStore(tmp_path), "k") == b"changed since"
+
+
+def test_a_change_made_durable_by_a_checkpoint_wins_over_an_older_record(
+    tmp_path: Path, boot: list[str]
+) -> None:
+    """One process logs ``k = v1`` and keeps its segment open; another writes ``k = v2``
+    later, then checkpoints (its own log is removed). After a reboot the older record
+    must not be replayed over the newer, durable content."""
+    first, second = LocalObjectStore(tmp_path), LocalObjectStore(tmp_path)
+    asyncio.run(first.put("k", b"v1"))
+    asyncio.run(second.put("k", b"v2"))
+    second._log.close()  # retires its segment: a checkpoint in the background
+    wait_for(lambda: len(segments(tmp_path)) == 1, "the checkpoint removes the retired segment")
+    assert (tmp_path / ".wal" / "mark-boot-a").exists()
+
+    boot[0] = "boot-b"
+    assert get(LocalObjectStore(tmp_path), "k") == b"v2"
+
+
+def test_the_last_change_of_a_key_wins_across_processes(tmp_path: Path, boot: list[str]) -> None:
+    first, second = LocalObjectStore(tmp_path), LocalObjectStore(tmp_path)
+    asyncio.run(first.put("k", b"1"))
+    asyncio.run(second.put("k", b"2"))
+    asyncio.run(first.delete("k"))
+    asyncio.run(second.put("k", b"3"))
+    asyncio.run(first.put("j", b"1"))
+    asyncio.run(second.delete("j"))
+    (objects(tmp_path) / "k").unlink()
+    (objects(tmp_path) / "j").write_bytes(b"1")
+
+    boot[0] = "boot-b"
+    after = LocalObjectStore(tmp_path)
+    assert (get(after, "k"), get(after, "j")) == (b"3", None)
+
+
+def test_a_torn_record_ends_the_log(tmp_path: Path, boot: list[str]) -> None:
+    """A crash in the middle of an append leaves a record whose CRC fails: it and all
+    after it were never acknowledged; those before it are replayed."""
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put("a", b"first"))
+    asyncio.run(store.put("b", b"second"))
+    (segment,) = segments(tmp_path)
+    content = bytearray(segment.read_bytes())
+    at = content.index(b"second")
+    content[at] ^= 0xFF
+    segment.write_bytes(bytes(content))
+    (objects(tmp_path) / "a").unlink()
+    (objects(tmp_path) / "b").unlink()
+
+    boot[0] = "boot-b"
+    after = LocalObjectStore(tmp_path)
+    assert (get(after, "a"), get(after, "b")) == (b"first", None)
+
+
+def test_records_decode_as_encoded_and_stop_at_the_preallocated_zeros() -> None:
+    records = [
+        wal.Record(1, wal.Op.PUT, "inbox/s/é", b"\x00data"),
+        wal.Record(2, wal.Op.DELETE, "k"),
+        wal.Record(3, wal.Op.DURABLE, "big"),
+    ]
+    buf = b"".join(wal.encode(r) for r in records) + bytes(4096)
+    assert list(wal.decode(buf)) == records
+    assert list(wal.decode(buf[:-4097])) == records[:2], "a record cut short is not one"
+
+
+def test_full_segments_are_retired_and_removed_once_checkpointed(
+    tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wal, "SEGMENT_MIN_BYTES", 4096)
+    monkeypatch.setattr(wal, "SEGMENT_MAX_BYTES", 8192)
+    store = LocalObjectStore(tmp_path)
+
+    async def many() -> None:
+        for i in range(200):
+            await store.put(f"k/{i % 10}", b"x" * 200 + b"%d" % i)
+
+    asyncio.run(many())  # about 50 KB of records: several segments
+    wait_for(
+        lambda: len(segments(tmp_path)) == 1 and not store._log._checkpointing,
+        "retired segments are removed",
+    )
+    assert (tmp_path / ".wal" / "mark-boot-a").exists()
+
+    async def since_the_checkpoint() -> None:
+        for i in range(3):
+            await store.put(f"k/{i}", b"after the checkpoint %d" % i)
+
+    asyncio.run(since_the_checkpoint())
+    for i in range(3):  # the only files not flushed since the checkpoint
+        (objects(tmp_path) / f"k/{i}").unlink()
+
+    boot[0] = "boot-b"
+    after = LocalObjectStore(tmp_path)
+    assert [get(after, f"k/{i}") for i in range(3)] == [
+        b"after the checkpoint %d" % i for i in range(3)
+    ]
+    assert get(after, "k/9") == b"x" * 200 + b"199"
+
+
+_WRITER = """
+import asyncio, sys
+from storage.local_store import LocalObjectStore
+store = LocalObjectStore(sys.argv[1])
+asyncio.run(store.put("from/child", b"child"))
+"""
+
+
+def test_an_exited_processs_segment_is_removed_by_the_next_checkpoint(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path)], check=True, env=env)
+    (child,) = segments(tmp_path)
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put("from/parent", b"parent"))
+    assert len(segments(tmp_path)) == 2
+    store._log.close()
+    wait_for(lambda: not segments(tmp_path), "both segments are removed")
+    assert not child.exists()
+
+
+def wait_for(condition: object, what: str, timeout_s: float = 10.0) -> None:
+    assert callable(condition)
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
