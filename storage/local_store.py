@@ -47,8 +47,10 @@ import functools
 import hashlib
 import os
 import secrets
+import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -75,6 +77,7 @@ _WAL = ".wal"
 WRITER_THREADS = 32
 CREATES_AT_ONCE = 64
 INLINE_READ_BYTES = 64 * 1024
+LOCK_STRIPES = 1024
 INLINE_LIST_ENTRIES = 256
 # A write is made on the caller's thread only while flushes take less than this (a
 # moving average): above it, the event loop would stall for the disk.
@@ -150,6 +153,54 @@ class _Inline:
         self.flushed(fd, os.fdatasync)
 
 
+class _Stripes:
+    """Per-key locks between processes and threads: ``LOCK_STRIPES`` lock files, each
+    key hashed to one. A lock per key was a file per key: a new inode for every object
+    ever written (two per webhook). A stripe's file is opened once per process and kept
+    open; since ``flock`` does not exclude threads sharing a descriptor, each stripe has
+    a thread lock too. Two keys of one stripe wait for each other: the lock is held for
+    a rename and a log append, microseconds."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._threads = [threading.Lock() for _ in range(LOCK_STRIPES)]
+        self._fds: dict[int, int] = {}
+
+    def path(self, key: str) -> str:
+        return f"{self.folder}/{self._stripe(key):04x}"
+
+    @staticmethod
+    def _stripe(key: str) -> int:
+        return zlib.crc32(key.encode()) % LOCK_STRIPES
+
+    @contextlib.contextmanager
+    def held(self, key: str, *, wait: bool) -> Iterator[None]:
+        if self._pid != os.getpid():  # a forked child: the parent's descriptors are shared
+            self._reset()
+        stripe = self._stripe(key)
+        thread_lock = self._threads[stripe]
+        if not thread_lock.acquire(blocking=wait):
+            raise _Contended(key)
+        try:
+            fd = self._fds.get(stripe)
+            if fd is None:
+                fd = self._fds[stripe] = os.open(self.path(key), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _Contended(key) from None
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            thread_lock.release()
+
+
 class LocalObjectStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser().resolve()
@@ -172,6 +223,7 @@ class LocalObjectStore:
             weakref.WeakKeyDictionary()
         )
         self._inline = _Inline()
+        self._locks = _Stripes(str(self.root / _LOCKS))
         folder = str(self.root / _WAL)
         try:
             wal.recover(folder, apply=self._replay, flush_root=str(self.root))
@@ -193,19 +245,9 @@ class LocalObjectStore:
         # webhook reads or writes (the key is checked, so no "..", no absolute part).
         return f"{self._objects}/{check_object_key(key)}"
 
-    @contextlib.contextmanager
-    def _locked(self, key: str, *, wait: bool = True) -> Iterator[None]:
+    def _locked(self, key: str, *, wait: bool = True) -> contextlib.AbstractContextManager[None]:
         """The key's exclusive lock; without ``wait``, ``_Contended`` if it is held."""
-        name = hashlib.sha256(key.encode()).hexdigest()[:32]
-        fd = os.open(f"{self.root}/{_LOCKS}/{name}", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise _Contended(key) from None
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor releases the flock
+        return self._locks.held(key, wait=wait)
 
     def _write_tmp(self, data: bytes) -> str:
         """A temporary file holding ``data``, flushed only if too large for the log."""

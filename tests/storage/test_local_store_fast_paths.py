@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import hashlib
 import os
 import threading
 import time
@@ -258,8 +257,7 @@ def test_a_write_whose_key_is_locked_elsewhere_waits_off_the_loop(tmp_path: Path
     since the loop itself gives the lock back."""
     store = LocalObjectStore(str(tmp_path))
     asyncio.run(store.put("k/held", b"old"))
-    name = hashlib.sha256(b"k/held").hexdigest()[:32]
-    held = os.open(tmp_path / ".locks" / name, os.O_RDWR)  # another open file: another holder
+    held = os.open(store._locks.path("k/held"), os.O_RDWR)  # another open file: another holder
     fcntl.flock(held, fcntl.LOCK_EX)
 
     async def contended() -> None:
