@@ -3,8 +3,9 @@
 It gives the same create-only and compare-and-swap semantics as S3 to every process on
 the host:
 
-* ``put_if_absent`` writes a temporary file and ``os.link``s it into place: link fails
-  with EEXIST if the key exists, so exactly one creator wins (the key's lock is held
+* ``put_if_absent`` writes a temporary file and moves it into place with
+  ``renameat2(RENAME_NOREPLACE)`` (``_place_new``): it fails with EEXIST if the key
+  exists, so exactly one creator wins (the key's lock is held
   only to log the change in order with the key's other changes). The
   creates waiting in one event loop are handed to a worker thread together
   (``_create_all``): one hop for all of them (0.08 ms of CPU per create, was 0.37).
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import fcntl
 import functools
@@ -324,12 +326,14 @@ class LocalObjectStore:
             out.append(etag_of(data))
             opened.append((i, path, tmp))
         ticket = 0
+        placed: set[int] = set()
         try:
             for i, path, tmp in opened:
                 key, data = items[i]
                 try:
                     with self._locked(key, wait=wait):
-                        os.link(tmp, path)  # atomic create-only: EEXIST if anyone got there first
+                        _place_new(tmp, path)
+                        placed.add(i)
                         ticket = self._logged(key, path, data)
                 except FileExistsError:
                     out[i] = ObjectExists(f"object {key!r} already exists", key=key)
@@ -342,9 +346,10 @@ class LocalObjectStore:
                 if isinstance(out[i], str):
                     out[i] = exc
         finally:
-            for _, _, tmp in opened:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+            for i, _, tmp in opened:
+                if i not in placed:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
         return out
 
     def _parent(self, path: str | Path) -> None:
@@ -490,10 +495,11 @@ class LocalObjectStore:
             tmp, fd = self._open_tmp(data)
             os.close(fd)
             try:
-                os.link(tmp, path)  # atomic create-only: EEXIST if anyone got there first
-            finally:
+                _place_new(tmp, path)
+            except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+                raise
         except FileExistsError:
             raise ObjectExists(f"object {key!r} already exists", key=key) from None
         except OSError as exc:
@@ -586,6 +592,35 @@ class LocalObjectStore:
             _raise_translated(exc)
         finally:
             self._inline.in_flight -= 1
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_libc: list[ctypes.CDLL | None] = []
+
+
+def _place_new(tmp: str, path: str) -> None:
+    """Move ``tmp`` to ``path`` unless ``path`` exists (``FileExistsError``): one atomic
+    ``renameat2(RENAME_NOREPLACE)``, where ``link`` then ``unlink`` changed the folders
+    twice (metadata operations are what a create costs here). Falls back to those two
+    where the kernel or the file system lacks it."""
+    if not _libc:
+        libc = ctypes.CDLL(None, use_errno=True)
+        _libc.append(libc if getattr(libc, "renameat2", None) is not None else None)
+    libc = _libc[0]
+    if libc is not None:
+        if (
+            libc.renameat2(_AT_FDCWD, tmp.encode(), _AT_FDCWD, path.encode(), _RENAME_NOREPLACE)
+            == 0
+        ):
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, os.strerror(err), path)
+        _libc[0] = None
+    os.link(tmp, path)  # atomic create-only: EEXIST if anyone got there first
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
 
 
 def _page(keys: list[str], prefix: str, start_after: str | None, limit: int) -> ListPage:

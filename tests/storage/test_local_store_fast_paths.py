@@ -318,3 +318,28 @@ def test_a_create_whose_write_fails_whole_fails_its_caller(
     monkeypatch.setattr(store, "_create_all", broken)
     with pytest.raises(StorageUnavailable):
         asyncio.run(asyncio.wait_for(store.put_if_absent("inbox/s/e", b"x"), timeout=5))
+
+
+@pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "link-then-unlink"])
+def test_a_create_has_one_winner_and_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, renameat2: bool
+) -> None:
+    """Whether the kernel moves the file into place with RENAME_NOREPLACE or (lacking
+    it) the store links then unlinks it: create-only, and nothing left in ``.tmp``."""
+    if not renameat2:
+        monkeypatch.setattr(local_store, "_libc", [None])
+    store = LocalObjectStore(str(tmp_path))
+
+    async def creates() -> list[object]:
+        first = await store.put_if_absent("k/a", b"first")
+        again = await asyncio.gather(store.put_if_absent("k/a", b"second"), return_exceptions=True)
+        now = store._create_now("k/b", b"now")
+        return [first, *again, now]
+
+    first, second, now = asyncio.run(creates())
+    assert isinstance(first, str) and isinstance(second, ObjectExists) and isinstance(now, str)
+    with pytest.raises(ObjectExists):
+        store._create_now("k/b", b"later")
+    assert asyncio.run(store.get("k/a")).data == b"first"
+    assert asyncio.run(store.get("k/b")).data == b"now"
+    assert not list((tmp_path / ".tmp").iterdir()), "no temporary file is left behind"
