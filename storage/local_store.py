@@ -605,8 +605,8 @@ def _place_new(tmp: str, path: str) -> None:
     twice (metadata operations are what a create costs here). Falls back to those two
     where the kernel or the file system lacks it."""
     if not _libc:
-        libc = ctypes.CDLL(None, use_errno=True)
-        _libc.append(libc if getattr(libc, "renameat2", None) is not None else None)
+        found = ctypes.CDLL(None, use_errno=True)
+        _libc.append(found if getattr(found, "renameat2", None) is not None else None)
     libc = _libc[0]
     if libc is not None:
         if (

@@ -187,6 +187,9 @@ class WriteAheadLog:
 
     def _reset(self) -> None:
         self._segment: _Segment | None = None
+        self._spare: _Segment | None = None  # the next segment, made ready in the background
+        self._preparing = False
+        self._closed = False
         self._retired: list[_Segment] = []
         self._appended = 0  # tickets: one per record, across segments
         self._synced = 0
@@ -237,7 +240,7 @@ class WriteAheadLog:
         while True:
             segment = self._segment
             if segment is None:
-                segment = self._segment = self._open(need)
+                segment = self._segment = self._next(need)
                 return segment
             if (
                 segment.used + need <= segment.size
@@ -249,7 +252,37 @@ class WriteAheadLog:
                 continue
             self._retire(segment)
 
-    def _open(self, need: int) -> _Segment:
+    def _next(self, need: int) -> _Segment:
+        """The segment to switch to (the lock is held): the spare, if one is ready and
+        large enough (a switch then costs no flush on the caller's thread), else a new
+        one; either way a spare is prepared for the switch after this one."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.size - spare.used >= need:
+            spare.opened_at = time.monotonic()
+            segment = spare
+        else:
+            if spare is not None:  # too small for this record: never written to
+                _discard(spare)
+            segment = self._open(max(self._next_size, need + 4096))
+        if not self._preparing:
+            self._preparing = True
+            threading.Thread(target=self._prepare, name="torpor-wal-spare", daemon=True).start()
+        return segment
+
+    def _prepare(self) -> None:
+        spare: _Segment | None = None
+        try:
+            spare = self._open(self._next_size)
+        except Exception:  # the next switch opens its segment itself
+            log.warning("could not prepare a log segment in %s", self.folder, exc_info=True)
+        with self._lock:
+            self._preparing = False
+            if spare is not None and self._spare is None and not self._closed:
+                self._spare, spare = spare, None
+        if spare is not None:
+            _discard(spare)
+
+    def _open(self, size: int) -> _Segment:
         header = encode(
             Record(
                 time.monotonic_ns(),
@@ -258,7 +291,7 @@ class WriteAheadLog:
                 json.dumps({"pid": os.getpid(), "created": time.time()}).encode(),
             )
         )
-        size = max(self._next_size, len(header) + need)
+        size = max(size, len(header))
         path = f"{self.folder}/{time.time_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}{_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -349,14 +382,28 @@ class WriteAheadLog:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False  # its process holds it
-            return _header(fd) == self.boot
+            header = _header(fd)
+            # Header-less: a process that died while it made the segment ready.
+            return header == self.boot or (header is None and _age_s(path) > CHECKPOINT_AFTER_S)
         finally:
             os.close(fd)
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._segment is not None:
                 self._retire(self._segment)
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            _discard(spare)
+
+
+def _discard(segment: _Segment) -> None:
+    """Remove a segment nothing was appended to."""
+    with contextlib.suppress(OSError):
+        os.unlink(segment.path)
+    with contextlib.suppress(OSError):
+        os.close(segment.fd)
 
 
 def _header(fd: int) -> str | None:

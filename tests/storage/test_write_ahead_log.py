@@ -13,6 +13,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,7 +46,15 @@ def get(store: LocalObjectStore, key: str) -> bytes | None:
 
 
 def segments(root: Path) -> list[Path]:
-    return sorted((root / ".wal").glob("*.log"))
+    """The log segments that hold a change (not a spare, made ready for the next)."""
+    held = []
+    for path in sorted((root / ".wal").glob("*.log")):
+        try:
+            if len(list(wal.decode(path.read_bytes()))) > 1:
+                held.append(path)
+        except FileNotFoundError:  # removed by a checkpoint meanwhile
+            continue
+    return held
 
 
 def test_every_acknowledged_change_survives_a_power_cut(tmp_path: Path, boot: list[str]) -> None:
@@ -212,3 +221,33 @@ def wait_for(condition: object, what: str, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
+
+
+def test_a_full_segment_is_followed_by_the_spare_made_ready_in_the_background(
+    tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a segment flushes it and its folder (a millisecond or more): a write that
+    fills one switches to a spare prepared beforehand, not to one it opens itself."""
+    monkeypatch.setattr(wal, "SEGMENT_MIN_BYTES", 8192)
+    opened_by: list[int] = []
+    real_open = wal.WriteAheadLog._open
+
+    def recorded(log: wal.WriteAheadLog, size: int) -> object:
+        opened_by.append(threading.get_ident())
+        return real_open(log, size)
+
+    monkeypatch.setattr(wal.WriteAheadLog, "_open", recorded)
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put("k/0", b"x"))
+    assert opened_by[0] == threading.get_ident(), "the first segment: on the caller's thread"
+    wait_for(lambda: store._log._spare is not None, "a spare is made ready")
+
+    async def fill() -> None:
+        for i in range(20):  # about 20 KB: past the first segment
+            await store.put(f"k/{i}", b"y" * 1000)
+
+    asyncio.run(fill())
+    assert opened_by.count(threading.get_ident()) == 1, "later segments: made in the background"
+    assert len(opened_by) >= 2
+    store._log.close()
+    wait_for(lambda: not list((tmp_path / ".wal").glob("*.log")), "closed: nothing is left")
