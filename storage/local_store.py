@@ -79,7 +79,7 @@ _WAL = ".wal"
 WRITER_THREADS = 32
 CREATES_AT_ONCE = 64
 INLINE_READ_BYTES = 64 * 1024
-LOCK_STRIPES = 1024
+LOCK_STRIPES = 64
 INLINE_LIST_ENTRIES = 256
 # A write is made on the caller's thread only while flushes take less than this (a
 # moving average): above it, the event loop would stall for the disk.
@@ -172,6 +172,14 @@ class _Stripes:
         self._threads = [threading.Lock() for _ in range(LOCK_STRIPES)]
         self._fds: dict[int, int] = {}
 
+    def close(self) -> None:
+        """Close the lock files (reopened if the store is used again)."""
+        fds, self._fds = self._fds, {}
+        if self._pid == os.getpid():
+            for fd in fds.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
     def path(self, key: str) -> str:
         return f"{self.folder}/{self._stripe(key):04x}"
 
@@ -232,6 +240,10 @@ class LocalObjectStore:
         except OSError as exc:
             raise ConfigError(f"local object store {self.root}: log replay failed: {exc}") from exc
         self._log = wal.WriteAheadLog(folder, flush=self._inline.log_flushed)
+        # Descriptors held for the store's life (lock files, log segments): given back
+        # when it is closed or collected, so that a process that opens many stores (a
+        # test run) does not run out of them.
+        self._finalizer = weakref.finalize(self, _release, self._locks, self._log)
 
     @property
     def url(self) -> str:
@@ -581,7 +593,7 @@ class LocalObjectStore:
         return await self._off_loop(write, True)
 
     async def close(self) -> None:
-        return None
+        self._finalizer()
 
     async def _off_loop(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()
@@ -592,6 +604,11 @@ class LocalObjectStore:
             _raise_translated(exc)
         finally:
             self._inline.in_flight -= 1
+
+
+def _release(locks: _Stripes, log: wal.WriteAheadLog) -> None:
+    locks.close()
+    log.release()
 
 
 _AT_FDCWD = -100

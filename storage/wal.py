@@ -388,7 +388,28 @@ class WriteAheadLog:
         finally:
             os.close(fd)
 
+    def release(self) -> None:
+        """Give the descriptors back, without a checkpoint: the segment, flushed, is left
+        to the next checkpoint of any process of this boot (its lock went with its
+        descriptor: it reads as an exited process's) or to a replay after a reboot."""
+        with self._synced_cv:
+            while self._syncing:
+                self._synced_cv.wait()
+            self._closed = True
+            segment, self._segment = self._segment, None
+            spare, self._spare = self._spare, None
+            if segment is not None:
+                with contextlib.suppress(OSError):
+                    self._flush(segment.fd)
+                self._synced = self._appended
+        if segment is not None:
+            with contextlib.suppress(OSError):
+                os.close(segment.fd)
+        if spare is not None:
+            _discard(spare)
+
     def close(self) -> None:
+        """Retire the segment (a checkpoint removes it) and remove the spare."""
         with self._lock:
             self._closed = True
             if self._segment is not None:

@@ -10,6 +10,7 @@ runs in another boot (``wal.boot_id``)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -251,3 +252,27 @@ def test_a_full_segment_is_followed_by_the_spare_made_ready_in_the_background(
     assert len(opened_by) >= 2
     store._log.close()
     wait_for(lambda: not list((tmp_path / ".wal").glob("*.log")), "closed: nothing is left")
+
+
+def test_a_closed_or_collected_store_gives_its_descriptors_back(tmp_path: Path) -> None:
+    """Lock files and log segments stay open for a store's life: a process that opens
+    stores by the hundred (a test run, a script) must not run out of descriptors."""
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def use(store: LocalObjectStore) -> None:
+        await asyncio.gather(*(store.put(f"k/{i}", b"x") for i in range(200)))
+
+    before = open_fds()
+    store = LocalObjectStore(tmp_path / "closed")
+    asyncio.run(use(store))
+    assert open_fds() > before
+    asyncio.run(store.close())
+    wait_for(lambda: open_fds() <= before, "closed: its descriptors are given back")
+
+    collected = LocalObjectStore(tmp_path / "collected")
+    asyncio.run(use(collected))
+    del collected
+    gc.collect()
+    wait_for(lambda: open_fds() <= before, "collected: its descriptors are given back")
