@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import NoReturn, ParamSpec, TypeVar
 
 from storage import wal
+from storage.blanks import Blanks
 from storage.keys import check_object_key
 from torpor.errors import (
     ConfigError,
@@ -234,6 +235,7 @@ class LocalObjectStore:
         )
         self._inline = _Inline()
         self._locks = _Stripes(str(self.root / _LOCKS))
+        self._blanks = Blanks(self._tmp, submit=lambda make: _threads().submit(make))
         folder = str(self.root / _WAL)
         try:
             wal.recover(folder, apply=self._replay, flush_root=str(self.root))
@@ -243,7 +245,7 @@ class LocalObjectStore:
         # Descriptors held for the store's life (lock files, log segments): given back
         # when it is closed or collected, so that a process that opens many stores (a
         # test run) does not run out of them.
-        self._finalizer = weakref.finalize(self, _release, self._locks, self._log)
+        self._finalizer = weakref.finalize(self, _release, self._locks, self._log, self._blanks)
 
     @property
     def url(self) -> str:
@@ -303,10 +305,18 @@ class LocalObjectStore:
 
     def _open_tmp(self, data: bytes) -> tuple[str, int]:
         """A temporary file holding ``data`` (written, not yet durable), still open."""
-        # O_EXCL on a random name: the same guarantee as mkstemp with fewer syscalls
-        # (this is on every webhook's path).
-        tmp = f"{self._tmp}/{secrets.token_hex(12)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        blank = self._blanks.take()  # made ready in a worker thread (``storage.blanks``)
+        try:
+            fd = os.open(blank, os.O_WRONLY) if blank is not None else -1
+        except FileNotFoundError:  # removed by hand meanwhile: made here instead
+            fd = -1
+        if blank is not None and fd >= 0:
+            tmp = blank
+        else:
+            # O_EXCL on a random name: the same guarantee as mkstemp with fewer syscalls
+            # (this is on every webhook's path).
+            tmp = f"{self._tmp}/{secrets.token_hex(12)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             view = memoryview(data)
             while view:
@@ -606,9 +616,10 @@ class LocalObjectStore:
             self._inline.in_flight -= 1
 
 
-def _release(locks: _Stripes, log: wal.WriteAheadLog) -> None:
+def _release(locks: _Stripes, log: wal.WriteAheadLog, blanks: Blanks) -> None:
     locks.close()
     log.release()
+    blanks.close()
 
 
 _AT_FDCWD = -100

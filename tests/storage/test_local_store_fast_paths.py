@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import storage.local_store as local_store
+from storage import blanks
 from storage.local_store import (
     INLINE_BURST_S,
     INLINE_FLUSH_BUDGET_S,
@@ -29,6 +30,12 @@ from torpor.errors import ObjectExists, StorageUnavailable
 from torpor.ports import ListPage
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def leftovers(root: Path) -> list[Path]:
+    """Temporary files left in the store's ``.tmp`` folder, but the empty ones it keeps
+    ready for the next writes (``storage.blanks``)."""
+    return [p for p in (root / ".tmp").iterdir() if not p.name.startswith("blank-")]
 
 
 def batches_of(store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -170,6 +177,9 @@ class Flushes:
 
 @pytest.fixture
 def flushes(monkeypatch: pytest.MonkeyPatch) -> Flushes:
+    # Files made ahead in a worker thread compete with the write for the disk: the
+    # tests of where a write runs make none (``test_a_write_takes_a_file_made_ahead``).
+    monkeypatch.setattr(blanks, "HIGH", 0)
     return Flushes(monkeypatch)
 
 
@@ -190,7 +200,7 @@ def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
     asyncio.run(both())
     # Another process sees it at once (no cache of ours): a fresh store on the folder.
     assert asyncio.run(LocalObjectStore(str(tmp_path)).get("accepted/h/d")).data == b"accepted"
-    assert not list((tmp_path / ".tmp").iterdir()), "no temporary file is left behind"
+    assert not leftovers(tmp_path), "no temporary file is left behind"
 
 
 def test_a_write_alone_is_made_on_the_callers_thread(tmp_path: Path, flushes: Flushes) -> None:
@@ -277,7 +287,7 @@ def test_a_write_whose_key_is_locked_elsewhere_waits_off_the_loop(tmp_path: Path
     finally:
         os.close(held)
     assert asyncio.run(store.get("k/held")).data == b"new"
-    assert not list((tmp_path / ".tmp").iterdir()), "no temporary file is left behind"
+    assert not leftovers(tmp_path), "no temporary file is left behind"
 
 
 def test_writes_on_the_callers_thread_take_at_most_their_share_of_its_time(
@@ -342,4 +352,38 @@ def test_a_create_has_one_winner_and_leaves_no_temporary_file(
         store._create_now("k/b", b"later")
     assert asyncio.run(store.get("k/a")).data == b"first"
     assert asyncio.run(store.get("k/b")).data == b"now"
-    assert not list((tmp_path / ".tmp").iterdir()), "no temporary file is left behind"
+    assert not leftovers(tmp_path), "no temporary file is left behind"
+
+
+def test_a_write_takes_a_file_made_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the store has empty files ready, a write creates no file on the caller's
+    thread: it fills one of those and renames it into place."""
+    store = LocalObjectStore(str(tmp_path))
+    asyncio.run(store.put("k/first", b"x"))  # the first write starts making them
+    deadline = time.monotonic() + 10
+    while len(store._blanks._ready) < blanks.HIGH:
+        assert time.monotonic() < deadline, "no files were made ahead"
+        time.sleep(0.01)
+    ready = len(store._blanks._ready)
+    created: list[str] = []
+    real_open = os.open
+
+    def recorded(path: str, flags: int, *args: object, **kwargs: object) -> int:
+        if flags & os.O_CREAT and "/.tmp/" in str(path):
+            created.append(str(path))
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(blanks, "HIGH", 0)  # none made meanwhile
+    monkeypatch.setattr(os, "open", recorded)
+
+    async def writes() -> None:
+        etag = await store.put_if_absent("k/a", b"created")
+        await store.put_if_match("k/a", b"swapped", etag=etag)
+        await store.put("k/b", b"put")
+
+    asyncio.run(writes())
+    assert created == [], "no file created on the write's path"
+    assert asyncio.run(store.get("k/a")).data == b"swapped"
+    assert len(store._blanks._ready) == ready - 3
+    asyncio.run(store.close())
+    assert not list((tmp_path / ".tmp").iterdir()), "closed: the files made ahead are removed"

@@ -1,0 +1,83 @@
+"""Empty files made ready ahead of the writes that need them.
+
+Creating a file was the largest single cost of a durable write in the local folder
+store: the new inode, 0.6–0.7 ms in the middle of a webhook (strace, one at a time:
+``openat(O_CREAT)`` 710 µs median, against 26 µs for the rename that puts the file in
+place and 240 µs for the log's flush). A write cannot name its file before it has its
+content, but it does not need to create it then: the store keeps a few empty files of
+its own, made in a worker thread between writes, and a write takes one, fills it and
+renames it into place. The inodes are allocated all the same, off the caller's path.
+
+A blank is created with ``O_EXCL`` under a random name and handed out once, so the
+file a write takes is empty and no one else's. A forked child takes none (its parent
+may hand out the same names). Blanks left by a process that was killed are empty files
+in the store's ``.tmp`` folder, which holds nothing else that outlives a write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+from collections import deque
+from collections.abc import Callable
+
+LOW = 8  # fewer than this left: make more
+HIGH = 32  # ... up to this many
+
+
+class Blanks:
+    """Empty files in ``folder``, made by ``submit``ted calls in a worker thread."""
+
+    def __init__(self, folder: str, *, submit: Callable[[Callable[[], None]], object]) -> None:
+        self.folder = folder
+        self._submit = submit
+        self._ready: deque[str] = deque()
+        self._lock = threading.Lock()
+        self._making = False
+        self._closed = False
+        self._pid = os.getpid()
+
+    def take(self) -> str | None:
+        """The path of an empty file of ours, or None (the caller creates its own)."""
+        if self._pid != os.getpid():
+            return None
+        try:
+            path: str | None = self._ready.popleft()
+        except IndexError:
+            path = None
+        if len(self._ready) < LOW:
+            with self._lock:
+                start = not self._making and not self._closed
+                self._making = self._making or start
+            if start:
+                self._submit(self._make)
+        return path
+
+    def _make(self) -> None:
+        try:
+            while len(self._ready) < HIGH and not self._closed:
+                path = f"{self.folder}/blank-{secrets.token_hex(12)}"
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                self._ready.append(path)
+        except OSError:
+            pass  # a full or failing disk: the writes create their own files, and report it
+        finally:
+            with self._lock:
+                self._making = False
+            if self._closed:
+                self.close()
+
+    def close(self) -> None:
+        """Remove the blanks not handed out."""
+        self._closed = True
+        if self._pid != os.getpid():
+            return
+        while True:
+            try:
+                path = self._ready.popleft()
+            except IndexError:
+                return
+            with contextlib.suppress(OSError):
+                os.unlink(path)
