@@ -236,6 +236,9 @@ class LocalObjectStore:
         self._inline = _Inline()
         self._locks = _Stripes(str(self.root / _LOCKS))
         self._blanks = Blanks(self._tmp, submit=lambda make: _threads().submit(make))
+        self._blank_folders = Blanks(
+            self._tmp, submit=lambda make: _threads().submit(make), folders=True
+        )
         folder = str(self.root / _WAL)
         try:
             wal.recover(folder, apply=self._replay, flush_root=str(self.root))
@@ -245,7 +248,9 @@ class LocalObjectStore:
         # Descriptors held for the store's life (lock files, log segments): given back
         # when it is closed or collected, so that a process that opens many stores (a
         # test run) does not run out of them.
-        self._finalizer = weakref.finalize(self, _release, self._locks, self._log, self._blanks)
+        self._finalizer = weakref.finalize(
+            self, _release, self._locks, self._log, self._blanks, self._blank_folders
+        )
 
     @property
     def url(self) -> str:
@@ -376,9 +381,15 @@ class LocalObjectStore:
 
     def _parent(self, path: str | Path) -> None:
         parent = os.path.dirname(path)
-        if parent not in self._dirs:
-            os.makedirs(parent, exist_ok=True)
-            self._dirs.add(parent)
+        if parent in self._dirs:
+            return
+        if not os.path.isdir(parent):  # a stat: an existing folder costs no made-ahead one
+            blank = self._blank_folders.take()
+            if blank is None or not _place_folder(blank, parent):
+                if blank is not None:  # there already (another process), or its parent is not
+                    self._blank_folders.give_back(blank)
+                os.makedirs(parent, exist_ok=True)
+        self._dirs.add(parent)
 
     # -- blocking implementations ---------------------------------------------------
 
@@ -616,10 +627,11 @@ class LocalObjectStore:
             self._inline.in_flight -= 1
 
 
-def _release(locks: _Stripes, log: wal.WriteAheadLog, blanks: Blanks) -> None:
+def _release(locks: _Stripes, log: wal.WriteAheadLog, *blanks: Blanks) -> None:
     locks.close()
     log.release()
-    blanks.close()
+    for made_ahead in blanks:
+        made_ahead.close()
 
 
 _AT_FDCWD = -100
@@ -632,10 +644,7 @@ def _place_new(tmp: str, path: str) -> None:
     ``renameat2(RENAME_NOREPLACE)``, where ``link`` then ``unlink`` changed the folders
     twice (metadata operations are what a create costs here). Falls back to those two
     where the kernel or the file system lacks it."""
-    if not _libc:
-        found = ctypes.CDLL(None, use_errno=True)
-        _libc.append(found if getattr(found, "renameat2", None) is not None else None)
-    libc = _libc[0]
+    libc = _kernel()
     if libc is not None:
         if (
             libc.renameat2(_AT_FDCWD, tmp.encode(), _AT_FDCWD, path.encode(), _RENAME_NOREPLACE)
@@ -649,6 +658,22 @@ def _place_new(tmp: str, path: str) -> None:
     os.link(tmp, path)  # atomic create-only: EEXIST if anyone got there first
     with contextlib.suppress(OSError):
         os.unlink(tmp)
+
+
+def _place_folder(blank: str, path: str) -> bool:
+    """Rename the empty folder ``blank`` to ``path`` unless ``path`` exists; False if it
+    does, or its parent does not, or the kernel cannot."""
+    libc = _kernel()
+    renamed = _AT_FDCWD, blank.encode(), _AT_FDCWD, path.encode(), _RENAME_NOREPLACE
+    return libc is not None and libc.renameat2(*renamed) == 0
+
+
+def _kernel() -> ctypes.CDLL | None:
+    """The C library, if it has ``renameat2`` (None where it or the file system lacks it)."""
+    if not _libc:
+        found = ctypes.CDLL(None, use_errno=True)
+        _libc.append(found if getattr(found, "renameat2", None) is not None else None)
+    return _libc[0]
 
 
 def _page(keys: list[str], prefix: str, start_after: str | None, limit: int) -> ListPage:

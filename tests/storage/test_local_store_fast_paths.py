@@ -356,12 +356,14 @@ def test_a_create_has_one_winner_and_leaves_no_temporary_file(
 
 
 def test_a_write_takes_a_file_made_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once the store has empty files ready, a write creates no file on the caller's
-    thread: it fills one of those and renames it into place."""
+    """Once the store has empty files and folders ready, a write creates no file and no
+    folder on the caller's thread: it fills one of those files and renames it, and the
+    folder, into place."""
     store = LocalObjectStore(str(tmp_path))
     asyncio.run(store.put("k/first", b"x"))  # the first write starts making them
+    asyncio.run(store.put("inbox/first-session/e1", b"x"))
     deadline = time.monotonic() + 10
-    while len(store._blanks._ready) < blanks.HIGH:
+    while min(len(store._blanks._ready), len(store._blank_folders._ready)) < blanks.HIGH:
         assert time.monotonic() < deadline, "no files were made ahead"
         time.sleep(0.01)
     ready = len(store._blanks._ready)
@@ -373,17 +375,23 @@ def test_a_write_takes_a_file_made_ahead(tmp_path: Path, monkeypatch: pytest.Mon
             created.append(str(path))
         return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 
+    def mkdir(path: str, *args: object, **kwargs: object) -> None:
+        created.append(str(path))
+
     monkeypatch.setattr(blanks, "HIGH", 0)  # none made meanwhile
     monkeypatch.setattr(os, "open", recorded)
+    monkeypatch.setattr(os, "mkdir", mkdir)
 
     async def writes() -> None:
         etag = await store.put_if_absent("k/a", b"created")
         await store.put_if_match("k/a", b"swapped", etag=etag)
         await store.put("k/b", b"put")
+        await store.put("inbox/new-session/e1", b"in a new folder")
 
     asyncio.run(writes())
-    assert created == [], "no file created on the write's path"
+    assert created == [], "no file or folder created on the write's path"
+    assert asyncio.run(store.get("inbox/new-session/e1")).data == b"in a new folder"
     assert asyncio.run(store.get("k/a")).data == b"swapped"
-    assert len(store._blanks._ready) == ready - 3
+    assert len(store._blanks._ready) == ready - 4
     asyncio.run(store.close())
     assert not list((tmp_path / ".tmp").iterdir()), "closed: the files made ahead are removed"
