@@ -174,12 +174,16 @@ class _Stripes:
         self._fds: dict[int, int] = {}
 
     def close(self) -> None:
-        """Close the lock files (reopened if the store is used again)."""
-        fds, self._fds = self._fds, {}
-        if self._pid == os.getpid():
-            for fd in fds.values():
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        """Close the lock files (reopened if the store is used again), each once no
+        thread of ours holds it: closed under a holder, its lock would be lost."""
+        if self._pid != os.getpid():
+            return
+        for stripe, thread_lock in enumerate(self._threads):
+            with thread_lock:
+                fd = self._fds.pop(stripe, None)
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
     def path(self, key: str) -> str:
         return f"{self.folder}/{self._stripe(key):04x}"
@@ -386,7 +390,7 @@ class LocalObjectStore:
         if not os.path.isdir(parent):  # a stat: an existing folder costs no made-ahead one
             blank = self._blank_folders.take()
             if blank is None or not _place_folder(blank, parent):
-                if blank is not None:  # there already (another process), or its parent is not
+                if blank is not None and os.path.isdir(blank):  # there already, or no parent
                     self._blank_folders.give_back(blank)
                 os.makedirs(parent, exist_ok=True)
         self._dirs.add(parent)

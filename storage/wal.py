@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -46,6 +48,7 @@ import secrets
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -180,12 +183,16 @@ class WriteAheadLog:
         self.folder = folder
         self.boot = boot if boot is not None else boot_id()
         self._flush = flush
-        self._lock = threading.Lock()
-        self._synced_cv = threading.Condition(self._lock)
         os.makedirs(folder, exist_ok=True)
         self._reset()
+        os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def _reset(self) -> None:
+        # New locks too: in a forked child another thread of the parent may have held
+        # these (a flush under the lock), and no thread of the child would release them.
+        self._lock = threading.Lock()
+        self._synced_cv = threading.Condition(self._lock)
+        self._failed: OSError | None = None  # a flush ``release`` could not make
         self._segment: _Segment | None = None
         self._spare: _Segment | None = None  # the next segment, made ready in the background
         self._preparing = False
@@ -207,7 +214,9 @@ class WriteAheadLog:
         frame = encode(Record(at_ns, op, key, data))
         with self._lock:
             segment = self._writable(len(frame))
-            os.pwrite(segment.fd, frame, segment.used)
+            view = memoryview(frame)
+            while view:  # a short write would leave a gap that ends the log at replay
+                view = view[os.pwrite(segment.fd, view, segment.used + len(frame) - len(view)) :]
             segment.used += len(frame)
             self._appended += 1
             return self._appended
@@ -221,7 +230,8 @@ class WriteAheadLog:
                     self._synced_cv.wait()
                     continue
                 segment, target = self._segment, self._appended
-                assert segment is not None  # a ticket was handed out: a segment exists
+                if segment is None:  # released: its last flush failed (or it would be synced)
+                    raise self._failed or OSError(errno.EIO, "log released unflushed")
                 self._syncing = True
                 self._lock.release()
                 try:
@@ -235,8 +245,6 @@ class WriteAheadLog:
     def _writable(self, need: int) -> _Segment:
         """The segment to append ``need`` bytes to (the lock is held): a new one when
         there is none yet, it is full or old, or this is a forked child."""
-        if self._pid != os.getpid():  # a forked child: the parent's segments are not ours
-            self._reset()
         while True:
             segment = self._segment
             if segment is None:
@@ -392,6 +400,8 @@ class WriteAheadLog:
         """Give the descriptors back, without a checkpoint: the segment, flushed, is left
         to the next checkpoint of any process of this boot (its lock went with its
         descriptor: it reads as an exited process's) or to a replay after a reboot."""
+        if self._pid != os.getpid():
+            return  # a forked child's copy: the segments are the parent's
         with self._synced_cv:
             while self._syncing:
                 self._synced_cv.wait()
@@ -399,9 +409,12 @@ class WriteAheadLog:
             segment, self._segment = self._segment, None
             spare, self._spare = self._spare, None
             if segment is not None:
-                with contextlib.suppress(OSError):
+                try:
                     self._flush(segment.fd)
-                self._synced = self._appended
+                except OSError as exc:  # the records not yet synced are not durable: say so
+                    self._failed = exc
+                else:
+                    self._synced = self._appended
         if segment is not None:
             with contextlib.suppress(OSError):
                 os.close(segment.fd)
@@ -410,13 +423,30 @@ class WriteAheadLog:
 
     def close(self) -> None:
         """Retire the segment (a checkpoint removes it) and remove the spare."""
-        with self._lock:
+        if self._pid != os.getpid():
+            return  # a forked child's copy: the segments are the parent's
+        with self._synced_cv:
+            while self._syncing:  # its descriptor is being flushed
+                self._synced_cv.wait()
             self._closed = True
             if self._segment is not None:
                 self._retire(self._segment)
             spare, self._spare = self._spare, None
         if spare is not None:
             _discard(spare)
+
+
+def _forked(ref: weakref.ref[WriteAheadLog]) -> None:
+    """In a forked child: the parent's segments, spare and locks are not this process's
+    (closing the copies of their descriptors leaves the parent's flocks in place)."""
+    log_ = ref()
+    if log_ is None:
+        return
+    for segment in [log_._segment, log_._spare, *log_._retired]:
+        if segment is not None:
+            with contextlib.suppress(OSError):
+                os.close(segment.fd)
+    log_._reset()
 
 
 def _discard(segment: _Segment) -> None:
