@@ -297,6 +297,9 @@ async def test_a_private_address_at_delivery_is_a_dead_letter_at_once(
         assert dead.attempts == 1 and dead.last_category == "refused_by_policy"
 
 
+_RANDOM_FIELDS = {"delivery_id", "url", "created_at", "next_attempt_at", "delivered_at", "history"}
+
+
 async def test_tenants_see_a_category_operators_the_detail(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
@@ -312,7 +315,10 @@ async def test_tenants_see_a_category_operators_the_detail(
             assert delivery.history[0]["error"] == "http_4xx: HTTP 404"
             view = tenant_view(delivery)
             assert view["last_category"] == "http_4xx"
-            assert "404" not in json.dumps(view), "no raw status or error text for tenants"
+            # Ids, times and the tenant's own URL are random enough to contain "404".
+            said = {k: v for k, v in view.items() if k not in _RANDOM_FIELDS}
+            assert "404" not in json.dumps(said), "no raw status or error text for tenants"
+            assert not {"last_status", "last_error"} & view.keys()
             assert view["history"] == [{"at": delivery.history[0]["at"], "category": "http_4xx"}]
     finally:
         hook.close()
