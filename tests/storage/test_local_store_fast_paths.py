@@ -26,6 +26,7 @@ from storage.local_store import (
     INLINE_SHARE,
     LocalObjectStore,
 )
+from tests.conftest import eventually
 from torpor.errors import ObjectExists, StorageUnavailable
 from torpor.ports import ListPage
 
@@ -180,10 +181,13 @@ def primed(store: LocalObjectStore, flushes: Flushes) -> LocalObjectStore:
     first durable write also makes its log (a file allocated and flushed, once), which
     the tests of where later writes run leave out; nothing of it is on record."""
     asyncio.run(store.put("primer", b"x"))
-    deadline = time.monotonic() + 10
-    while store._log._preparing or store._log._spare is None:
-        assert time.monotonic() < deadline, "the log's next segment was never made ready"
-        time.sleep(0.01)
+    ready = eventually(
+        lambda: not store._log._preparing and store._log._spare is not None,
+        timeout_s=10.0,
+        interval_s=0.01,
+        what="the log's next segment is made ready",
+    )
+    asyncio.run(ready)
     store._inline.__init__()  # type: ignore[misc]
     flushes.threads.clear()
     return store
@@ -381,11 +385,14 @@ def test_a_write_takes_a_file_made_ahead(tmp_path: Path, monkeypatch: pytest.Mon
     store = LocalObjectStore(str(tmp_path))
     asyncio.run(store.put("k/first", b"x"))  # the first write starts making them
     asyncio.run(store.put("inbox/first-session/e1", b"x"))
-    deadline = time.monotonic() + 10
     made = (store._blanks, store._blank_folders)
-    while any(m._making or len(m._ready) < blanks.LOW for m in made):
-        assert time.monotonic() < deadline, "no files were made ahead"
-        time.sleep(0.01)
+    done = eventually(
+        lambda: not any(m._making or len(m._ready) < blanks.LOW for m in made),
+        timeout_s=10.0,
+        interval_s=0.01,
+        what="files and folders are made ahead",
+    )
+    asyncio.run(done)
     ready = len(store._blanks._ready)
     created: list[str] = []
     real_open = os.open

@@ -16,13 +16,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from storage import wal
 from storage.local_store import LocalObjectStore
+from tests.conftest import eventually
 from torpor.errors import ObjectNotFound
 
 pytestmark = pytest.mark.timeout(60)
@@ -231,12 +231,9 @@ def test_an_exited_processs_segment_is_removed_by_the_next_checkpoint(tmp_path: 
     assert not child.exists()
 
 
-def wait_for(condition: object, what: str, timeout_s: float = 10.0) -> None:
-    assert callable(condition)
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+def wait_for(condition: object, what: str) -> None:
+    """The suite's ``eventually``, from a test that runs no event loop of its own."""
+    asyncio.run(eventually(condition, timeout_s=10.0, interval_s=0.01, what=what))
 
 
 def test_a_full_segment_is_followed_by_the_spare_made_ready_in_the_background(
