@@ -17,12 +17,14 @@ from pydantic import ValidationError
 from storage import keys
 from torpor.errors import ObjectExists, ObjectNotFound
 from torpor.events import InboxEvent
-from torpor.ports import ObjectStore
+from torpor.ports import ObjectStore, StagesCreates, Stored, already_durable
 
 
 class ObjectInbox:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
+        # Known once: a runtime protocol check costs microseconds on every webhook.
+        self._staging = store if isinstance(store, StagesCreates) else None
 
     async def deliver(self, event: InboxEvent) -> bool:
         key = keys.inbox_event(event.session_id, event.key)
@@ -31,6 +33,17 @@ class ObjectInbox:
         except ObjectExists:
             return False
         return True
+
+    async def stage(self, event: InboxEvent) -> Stored:
+        key = keys.inbox_event(event.session_id, event.key)
+        data = event.model_dump_json().encode()
+        try:
+            if self._staging is not None:
+                return Stored(True, (await self._staging.stage_if_absent(key, data)).durable)
+            await self.store.put_if_absent(key, data)
+        except ObjectExists:
+            return Stored(False, already_durable)
+        return Stored(True, already_durable)
 
     async def pending(self, session_id: str, *, processed: Collection[str]) -> list[InboxEvent]:
         prefix = keys.inbox_prefix(session_id)

@@ -31,11 +31,14 @@ key's lock, and one ``fdatasync`` of the log makes it durable, shared by every c
 logged meanwhile; a change is acknowledged only after that flush, and the first store to
 open the folder after a reboot replays what the file system may have lost. Removals are
 logged (and so durable) too. An object larger than ``wal.RECORD_MAX_BYTES`` is flushed
-in place instead. A create its writer marks as not ``durable`` (the replay marker:
-``storage.inbox`` says what a power cut that takes it lets through) is neither flushed
-nor logged. (One ``syncfs`` per group of creates was tried: it flushes everyone's dirty
-data on the file system, Ray's logs included, and cost 1.6 ms of kernel CPU per webhook
-against 0.09 ms; the log's checkpoints call it once per segment or per 30 s.)
+in place instead. A create can be staged (``stage_if_absent``): in place and logged, its
+flush awaited later, so that a webhook's inbox event and its audit record, whose verdict
+depends on whether the event was new, share one flush. A create its writer marks as
+not ``durable`` (the replay marker: ``storage.inbox`` says what a power cut that takes
+it lets through) is neither flushed nor logged. (One ``syncfs`` per group of creates
+was tried: it flushes everyone's dirty data on the file system, Ray's logs included,
+and cost 1.6 ms of kernel CPU per webhook against 0.09 ms; the log's checkpoints call
+it once per segment or per 30 s.)
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from torpor.errors import (
     ObjectNotFound,
     StorageUnavailable,
 )
-from torpor.ports import ListPage, StoredObject
+from torpor.ports import ListPage, Staged, StoredObject, already_durable
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -91,7 +94,9 @@ INLINE_FLUSH_BUDGET_S = 0.002
 INLINE_SHARE = 0.25
 INLINE_BURST_S = 0.005
 _THREADS: dict[int, ThreadPoolExecutor] = {}
-_Create = tuple[str, bytes, "asyncio.Future[str]"]  # key, body, the caller's answer
+# key, body, whether the caller stages it (``stage_if_absent``), and the caller's answer:
+# the etag and the log's ticket still to be flushed for it (0: durable already).
+_Create = tuple[str, bytes, bool, "asyncio.Future[tuple[str, int]]"]
 
 
 def _threads() -> ThreadPoolExecutor:
@@ -341,9 +346,22 @@ class LocalObjectStore:
         self, items: list[tuple[str, bytes]], wait: bool = True
     ) -> list[str | Exception]:
         """``put_if_absent`` of several objects in one go: every body written, each
-        linked into place and logged under its key's lock, then one flush of the log for
+        moved into place and logged under its key's lock, then one flush of the log for
         all (an etag, or the error, for each; without ``wait``, ``_Contended`` for a key
         whose lock is held elsewhere)."""
+        out, ticket = self._place_all(items, wait)
+        try:
+            if ticket:
+                self._log.sync(ticket)
+        except Exception as exc:  # the log could not be flushed: none of them is durable
+            out = [exc if isinstance(result, str) else result for result in out]
+        return out
+
+    def _place_all(
+        self, items: list[tuple[str, bytes]], wait: bool
+    ) -> tuple[list[str | Exception], int]:
+        """Every body written, each moved into place and logged, none flushed: an etag or
+        the error for each, and the log's ticket of the last one placed (0 if none)."""
         out: list[str | Exception] = []
         opened: list[tuple[int, str, str]] = []  # (item, path, tmp)
         for i, (key, data) in enumerate(items):
@@ -370,18 +388,12 @@ class LocalObjectStore:
                     out[i] = ObjectExists(f"object {key!r} already exists", key=key)
                 except (OSError, _Contended) as exc:
                     out[i] = exc
-            if ticket:
-                self._log.sync(ticket)
-        except Exception as exc:  # the log could not be flushed: none of them is durable
-            for i, _, _ in opened:
-                if isinstance(out[i], str):
-                    out[i] = exc
         finally:
             for i, _, tmp in opened:
                 if i not in placed:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp)
-        return out
+        return out, ticket
 
     def _parent(self, path: str | Path) -> None:
         parent = os.path.dirname(path)
@@ -510,11 +522,48 @@ class LocalObjectStore:
         (``_create_now``)."""
         if not durable and len(data) <= INLINE_READ_BYTES:
             return self._create_now(key, data)
+        etag, _ = await self._queued(key, data, staged=False)
+        return etag
+
+    async def stage_if_absent(self, key: str, data: bytes) -> Staged:
+        """``put_if_absent`` that returns once the object is in place and logged, before
+        the log's flush: ``durable()`` waits for a flush that covers it, usually that of
+        a create the caller made meanwhile (a flush covers everything logged before it).
+        Made on the caller's thread when ``_Inline`` allows; alone in a worker thread
+        else; with other creates waiting beside it, made durable with them first."""
+        if self._inline.allows(len(data)):
+            try:
+                [result], ticket = self._inline.run(
+                    functools.partial(self._place_all, [(key, data)], False)
+                )
+            except OSError as exc:
+                _raise_translated(exc)
+            if isinstance(result, str):
+                return Staged(result, functools.partial(self._durable, ticket))
+            if not isinstance(result, _Contended):  # locked elsewhere: wait off the loop
+                raise _translated(result)
+        etag, ticket = await self._queued(key, data, staged=True)
+        return Staged(etag, functools.partial(self._durable, ticket) if ticket else already_durable)
+
+    async def _durable(self, ticket: int) -> None:
+        """Return once the log's record ``ticket`` is flushed (at once if it is)."""
+        if self._log.synced(ticket):
+            return
+        if self._inline.allows(0):
+            try:
+                self._inline.run(functools.partial(self._log.sync, ticket))
+            except OSError as exc:
+                _raise_translated(exc)
+            return
+        await self._off_loop(self._log.sync, ticket)
+
+    async def _queued(self, key: str, data: bytes, *, staged: bool) -> tuple[str, int]:
+        """A create handed to ``_create_queued`` with the others waiting in this loop."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[str] = loop.create_future()
+        done: asyncio.Future[tuple[str, int]] = loop.create_future()
         # A queue per event loop: a future is only ever resolved on its own loop.
         queue = self._creates.setdefault(loop, [])
-        queue.append((key, data, done))
+        queue.append((key, data, staged, done))
         creator = self._creators.get(loop)
         if creator is None or creator.done():
             self._creators[loop] = loop.create_task(self._create_queued(queue))
@@ -547,23 +596,38 @@ class LocalObjectStore:
         while queue:
             batch = queue[:CREATES_AT_ONCE]
             del queue[:CREATES_AT_ONCE]
-            items = [(key, data) for key, data, _ in batch]
+            items = [(key, data) for key, data, _, _ in batch]
+            # A create staged alone is placed and logged, not flushed: its caller's next
+            # create flushes both (``stage_if_absent``). Together, all are flushed.
+            staged = len(batch) == 1 and batch[0][2]
+            results: list[str | tuple[str, int] | Exception]
             try:
                 if len(items) == 1 and self._inline.allows(len(items[0][1])):
                     # Alone a tick after it was asked for, with nothing else in flight:
                     # made here, flush included (``_Inline``); creates that came together
                     # go to a worker thread, one hop for all, while the loop serves on.
-                    results = self._inline.run(functools.partial(self._create_all, items, False))
+                    if staged:
+                        results = _unflushed(
+                            *self._inline.run(functools.partial(self._place_all, items, False))
+                        )
+                    else:
+                        results = [
+                            *self._inline.run(functools.partial(self._create_all, items, False))
+                        ]
                     if isinstance(results[0], _Contended):  # locked elsewhere: wait off the loop
-                        results = await self._off_loop(self._create_all, items)
+                        results = [*await self._off_loop(self._create_all, items)]
+                elif staged:
+                    results = _unflushed(*await self._off_loop(self._place_all, items, True))
                 else:
-                    results = await self._off_loop(self._create_all, items)
+                    results = [*await self._off_loop(self._create_all, items)]
             except Exception as exc:  # the write itself failed: every create with it
                 results = [exc] * len(batch)
-            for (_, _, done), result in zip(batch, results, strict=True):
+            for (_, _, _, done), result in zip(batch, results, strict=True):
                 if done.done():
                     continue
                 if isinstance(result, str):
+                    done.set_result((result, 0))
+                elif isinstance(result, tuple):
                     done.set_result(result)
                 else:
                     done.set_exception(_translated(result))
@@ -629,6 +693,13 @@ class LocalObjectStore:
             _raise_translated(exc)
         finally:
             self._inline.in_flight -= 1
+
+
+def _unflushed(
+    results: list[str | Exception], ticket: int
+) -> list[str | tuple[str, int] | Exception]:
+    """``_place_all``'s results, each etag paired with the ticket still to be flushed."""
+    return [(r, ticket) if isinstance(r, str) else r for r in results]
 
 
 def _release(locks: _Stripes, log: wal.WriteAheadLog, *blanks: Blanks) -> None:

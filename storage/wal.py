@@ -221,6 +221,11 @@ class WriteAheadLog:
             self._appended += 1
             return self._appended
 
+    def synced(self, ticket: int) -> bool:
+        """Whether the record ``ticket`` names is durable already (no lock: one read of
+        an int that only grows)."""
+        return self._synced >= ticket
+
     def sync(self, ticket: int) -> None:
         """Return once the record ``ticket`` names is durable: the first caller flushes
         for everyone who appended before it started; the others wait for that flush."""

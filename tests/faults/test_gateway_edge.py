@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+import storage.local_store as local_store
 from tests.support.harness import CAPABILITY_KEY, Env, local_env
 from torpor.errors import (
     AmbiguousEvent,
@@ -28,6 +29,7 @@ from torpor.errors import (
     WebhookRejected,
 )
 from torpor.lifecycle import SessionState
+from torpor.ports import Stored
 from torpor.service.gateway import WebhookGateway
 from torpor.webhooks.capability import mint
 from torpor.webhooks.signing import Scheme, generate_secret, sign, verify
@@ -363,14 +365,14 @@ async def test_the_wake_timer_follows_the_inbox_write_and_precedes_the_marker(
     cid = (await env.load(sid)).waits[0].correlation_id
     raw = body("e-order", correlationId=cid)
     steps: list[str] = []
-    record_steps(env.services.inbox, "deliver", steps)
+    record_steps(env.services.inbox, "stage", steps)
     record_steps(env.control, "arm_wake", steps)
     record_steps(env.services.inbox, "remember_accepted", steps)
     result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
     assert result.status == 202
     assert steps == [
-        "deliver:start",
-        "deliver:end",
+        "stage:start",
+        "stage:end",
         "arm_wake:start",
         "arm_wake:end",
         "remember_accepted:start",
@@ -393,6 +395,68 @@ async def test_a_failed_audit_record_leaves_a_marker_it_did_not_write(env: Env) 
     with pytest.raises(StorageUnavailable):
         await gateway.receive("oa", raw, headers, now=env.clock.now())
     assert await env.services.inbox.was_accepted(source="oa", content_digest=digest)
+
+
+async def test_an_event_not_made_durable_takes_the_replay_marker_back(env: Env) -> None:
+    """The inbox event is staged (visible, flushed with the audit record): when its
+    flush fails after all, the request is answered with the error, its marker is taken
+    back, and the byte-identical retry is let through (200 duplicate, woken)."""
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-flush", correlationId=cid)
+    headers = signed(env, raw)
+    real_stage = env.services.inbox.stage
+
+    async def unflushable() -> None:
+        raise StorageUnavailable("injected: the log could not be flushed")
+
+    async def staged_once(event: Any) -> Stored:
+        env.services.inbox.stage = real_stage  # type: ignore[method-assign]
+        return Stored((await real_stage(event)).new, unflushable)
+
+    env.services.inbox.stage = staged_once  # type: ignore[method-assign]
+    with pytest.raises(StorageUnavailable):
+        await gateway.receive("oa", raw, headers, now=env.clock.now())
+    digest = sign_digest(raw, headers)
+    assert not await env.services.inbox.was_accepted(source="oa", content_digest=digest)
+    result = await gateway.receive("oa", raw, headers, now=env.clock.now())
+    assert result.status == 200 and result.body["duplicate"] is True
+    assert await state(env, sid) is SessionState.COMPLETED
+
+
+async def test_a_webhooks_event_and_audit_record_take_one_flush_of_the_log(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local folder store: the inbox event is staged, the audit record's create
+    flushes the log once for both, and the event's wait for its flush costs nothing."""
+    gateway = WebhookGateway(env.control)
+    flushed: list[int] = []
+    real = local_store._Inline.flushed
+    ours = env.services.inbox.store._inline  # type: ignore[attr-defined]
+
+    def counted(
+        inline: local_store._Inline, fd: int, how: Callable[[int], None] | None = None
+    ) -> None:
+        if inline is ours:  # not a store of an earlier test, flushing as it is collected
+            flushed.append(fd)
+        real(inline, fd, how)
+
+    async def later(*_: object, **__: object) -> None:
+        return None
+
+    for event_id in ("e-first", "e-second"):  # the first also names the audit stream
+        sid = await env.submit(doc=f"PR-{event_id}")
+        cid = (await env.load(sid)).waits[0].correlation_id
+        raw = body(event_id, correlationId=cid)
+        headers = signed(env, raw)
+        monkeypatch.setattr(local_store._Inline, "flushed", counted)
+        monkeypatch.setattr(env.control, "activate", later)  # the session's own writes
+        flushed.clear()
+        result = await gateway.receive("oa", raw, headers, now=env.clock.now())
+        monkeypatch.undo()
+        assert result.status == 202
+    assert len(flushed) == 1, f"{len(flushed)} flushes of the log for one webhook"
 
 
 def record_steps(target: object, name: str, steps: list[str]) -> None:

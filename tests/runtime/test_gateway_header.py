@@ -24,7 +24,7 @@ from torpor.webhooks.signing import Scheme, sign
 def recorded(env: Env, calls: list[str]) -> None:
     """Note, in order, every snapshot load, header read and inbox write."""
     snapshots, inbox = env.services.snapshots, env.services.inbox
-    load, header, deliver = snapshots.load, snapshots.header, inbox.deliver
+    load, header, stage = snapshots.load, snapshots.header, inbox.stage
 
     async def loading(session_id: str) -> Any:
         calls.append("load")
@@ -34,13 +34,13 @@ def recorded(env: Env, calls: list[str]) -> None:
         calls.append("header")
         return await header(session_id)
 
-    async def delivering(event: Any) -> bool:
+    async def delivering(event: Any) -> Any:
         calls.append("deliver")
-        return await deliver(event)
+        return await stage(event)
 
     snapshots.load = loading  # type: ignore[method-assign]
     snapshots.header = heading  # type: ignore[method-assign]
-    inbox.deliver = delivering  # type: ignore[method-assign]
+    inbox.stage = delivering  # type: ignore[method-assign]
 
 
 async def as_written_before_0_4(env: Env, session_id: str) -> None:

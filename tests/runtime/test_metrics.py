@@ -125,7 +125,7 @@ async def test_a_webhook_answered_5xx_is_counted_as_an_error(
     async def down(*_: object, **__: object) -> None:
         raise StorageUnavailable("the object store does not answer")
 
-    monkeypatch.setattr(env.services.inbox, "deliver", down)  # the inbox write fails: 503
+    monkeypatch.setattr(env.services.inbox, "stage", down)  # the inbox write fails: 503
     with metrics.tap() as read, pytest.raises(StorageUnavailable):
         await gateway.receive("oa", raw, headers, now=env.clock.now())
     assert read.counter("torpor_webhooks_total", outcome="error", reason="StorageUnavailable") == 1

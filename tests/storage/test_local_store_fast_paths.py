@@ -154,17 +154,20 @@ def test_a_large_folder_is_listed_off_the_loop(tmp_path: Path) -> None:
 class Flushes:
     """Every flush the store makes (a large object's fsync, or its log's fdatasync), by
     the thread that made it (the caller's or a worker's), each taking at least
-    ``slow_s``."""
+    ``slow_s``. Once ``primed`` names the store, only that store's: a store of an
+    earlier test, collected meanwhile, flushes its log as it goes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.threads: list[int] = []
         self.slow_s = 0.0
+        self.only: local_store._Inline | None = None
         real = local_store._Inline.flushed
 
         def recorded(
             inline: local_store._Inline, fd: int, how: Callable[[int], None] | None = None
         ) -> None:
-            self.threads.append(threading.get_ident())
+            if self.only is None or inline is self.only:
+                self.threads.append(threading.get_ident())
 
             def slow(fd: int) -> None:
                 if self.slow_s:
@@ -190,6 +193,7 @@ def primed(store: LocalObjectStore, flushes: Flushes) -> LocalObjectStore:
     asyncio.run(ready)
     store._inline.__init__()  # type: ignore[misc]
     flushes.threads.clear()
+    flushes.only = store._inline
     return store
 
 
@@ -205,7 +209,9 @@ def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = LocalObjectStore(str(tmp_path))
-    synced = Flushes(monkeypatch).threads
+    flushes = Flushes(monkeypatch)
+    flushes.only = store._inline
+    synced = flushes.threads
     batches = batches_of(store, monkeypatch)
 
     async def both() -> None:
@@ -422,3 +428,67 @@ def test_a_write_takes_a_file_made_ahead(tmp_path: Path, monkeypatch: pytest.Mon
     assert len(store._blanks._ready) == ready - 4
     asyncio.run(store.close())
     assert not list((tmp_path / ".tmp").iterdir()), "closed: the files made ahead are removed"
+
+
+def test_a_staged_create_is_visible_at_once_and_durable_with_the_next_flush(
+    tmp_path: Path, flushes: Flushes
+) -> None:
+    """An inbox event staged, then its audit record created: the event is in place (a
+    second create of it loses) before any flush, and the audit record's one flush of
+    the log makes both durable; the event's ``durable()`` then costs no flush."""
+    store = primed(LocalObjectStore(str(tmp_path)), flushes)
+
+    async def staged_then_created() -> None:
+        staged = await store.stage_if_absent("inbox/s/e", b"event")
+        assert flushes.threads == [], "staged: nothing flushed yet"
+        assert (await LocalObjectStore(str(tmp_path)).get("inbox/s/e")).data == b"event"
+        with pytest.raises(ObjectExists):
+            await store.stage_if_absent("inbox/s/e", b"again")
+        await store.put_if_absent("audit/w/1", b"record")
+        assert len(flushes.threads) == 1
+        await staged.durable()
+        assert len(flushes.threads) == 1, "the record's flush covered the staged event"
+
+    asyncio.run(staged_then_created())
+    assert asyncio.run(store.get("inbox/s/e")).data == b"event"
+    assert not leftovers(tmp_path), "no temporary file is left behind"
+
+
+def test_a_staged_create_alone_is_flushed_when_awaited(tmp_path: Path, flushes: Flushes) -> None:
+    store = primed(LocalObjectStore(str(tmp_path)), flushes)
+    logged = store._log
+
+    async def alone() -> None:
+        staged = await store.stage_if_absent("inbox/s/e", b"event")
+        ticket = logged._appended
+        assert not logged.synced(ticket)
+        await staged.durable()
+        assert logged.synced(ticket) and len(flushes.threads) == 1
+
+    asyncio.run(alone())
+
+
+def test_a_staged_create_whose_key_is_locked_elsewhere_is_made_durable_off_the_loop(
+    tmp_path: Path, flushes: Flushes
+) -> None:
+    """Another process holds the key's stripe: the create waits for it in a worker
+    thread, as ``put_if_absent``, and returns durable."""
+    store = primed(LocalObjectStore(str(tmp_path)), flushes)
+    held = os.open(store._locks.path("inbox/s/e"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)
+
+    async def contended() -> None:
+        staged = asyncio.ensure_future(store.stage_if_absent("inbox/s/e", b"event"))
+        await eventually(lambda: store._inline.in_flight > 0, what="the create leaves the loop")
+        assert not staged.done()
+        fcntl.flock(held, fcntl.LOCK_UN)
+        result = await asyncio.wait_for(staged, timeout=5)
+        assert len(flushes.threads) == 1 and flushes.threads[0] != threading.get_ident()
+        await result.durable()
+        assert len(flushes.threads) == 1
+
+    try:
+        asyncio.run(asyncio.wait_for(contended(), timeout=10))
+    finally:
+        os.close(held)
+    assert asyncio.run(store.get("inbox/s/e")).data == b"event"

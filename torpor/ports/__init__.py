@@ -23,7 +23,14 @@ from torpor.ports.index import (
     WaitBinding,
     WaitIndex,
 )
-from torpor.ports.objects import ListPage, ObjectStore, StoredObject
+from torpor.ports.objects import (
+    ListPage,
+    ObjectStore,
+    Staged,
+    StagesCreates,
+    StoredObject,
+    already_durable,
+)
 from torpor.ports.observer import Observer
 from torpor.ports.repositories import (
     AuditRepository,
@@ -34,6 +41,7 @@ from torpor.ports.repositories import (
     RetentionReport,
     RetentionRepository,
     SnapshotRepository,
+    Stored,
 )
 from torpor.ports.routing import CallbackRouter, Notifier
 from torpor.ports.slots import RunningSlots, SlotEntry, SlotUsage
@@ -69,10 +77,14 @@ __all__ = [
     "SlotEntry",
     "SlotUsage",
     "SnapshotRepository",
+    "Staged",
+    "StagesCreates",
+    "Stored",
     "StoredObject",
     "TimerIndex",
     "TimerKind",
     "WaitBinding",
     "WaitIndex",
     "Wanted",
+    "already_durable",
 ]

@@ -3,8 +3,9 @@ audit log). Conditional writes are how torpor changes shared state in it."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +18,19 @@ class StoredObject:
 class ListPage:
     keys: list[str]
     next_token: str | None  # pass as ``start_after`` to get the next page; None at the end
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A create that won and is visible to every reader, not yet known to be durable:
+    ``await durable()`` before acknowledging anything that rests on it."""
+
+    etag: str
+    durable: Callable[[], Awaitable[None]]
+
+
+async def already_durable() -> None:
+    """``Staged.durable`` of a store whose every write is durable when it returns."""
 
 
 class ObjectStore(Protocol):
@@ -64,3 +78,17 @@ class ObjectStore(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class StagesCreates(Protocol):
+    """A store that can split a create in two: the object placed (whether this caller
+    won is known) and, later, made durable. A caller that writes more after learning
+    the outcome (the audit record of an inbox event) then waits for one flush of its
+    disk for both, where two creates in a row waited for two. Stores without it are
+    used through ``put_if_absent`` (``stage_if_absent`` in ``storage.inbox``)."""
+
+    async def stage_if_absent(self, key: str, data: bytes) -> Staged:
+        """Create-only, as ``put_if_absent`` (``ObjectExists`` if the key exists), but
+        it may return before the object is durable."""
+        ...

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Collection
+    from collections.abc import AsyncIterator, Awaitable, Callable, Collection
     from datetime import datetime, timedelta
 
     from pydantic import JsonValue
@@ -81,9 +81,25 @@ class RetentionRepository(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """An inbox write whose outcome is known: ``new`` is False if the event was there
+    already. ``durable()`` returns once it is on disk (at once if it was already)."""
+
+    new: bool
+    durable: Callable[[], Awaitable[None]]
+
+
 class InboxRepository(Protocol):
     async def deliver(self, event: InboxEvent) -> bool:
         """Create-only; False if this (source, event id) was already delivered."""
+        ...
+
+    async def stage(self, event: InboxEvent) -> Stored:
+        """``deliver``, returning as soon as the outcome is known and the event is
+        visible, possibly before it is durable: the caller writes what the outcome
+        decides (its audit record) and awaits ``durable()`` before answering, so that
+        one flush of a local disk makes both durable."""
         ...
 
     async def pending(self, session_id: str, *, processed: Collection[str]) -> list[InboxEvent]:

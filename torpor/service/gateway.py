@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -111,6 +111,8 @@ class Routed:
     activate: tuple[str, str | None] | None = None
     # The audit record of a stored event, still being written (beside the replay marker).
     audit: asyncio.Future[Any] | None = None
+    # Awaited before the answer: the stored event on disk (``InboxRepository.stage``).
+    durable: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -264,13 +266,23 @@ class WebhookGateway:
         """The stored events' audit records (started in ``_route``) and, for a request
         answered 2xx, its replay marker, awaited together: one wait for durable writes,
         not two. The marker is started only now, after every event is in the inbox with
-        its wake timer armed, so it never names an event nothing would wake. An audit
-        record that fails takes back the marker if this request wrote it: the request is
+        its wake timer armed, so it never names an event nothing would wake. Then the
+        stored events are made durable (staged in ``_route``). An audit record or an
+        event that fails takes back the marker if this request wrote it: the request is
         answered 5xx and its retry must be let through."""
         pending = [r.audit for r in routed if r.audit is not None]
         marker = [self.replays.remember(remember)] if remember is not None else []
         results = await asyncio.gather(*pending, *marker, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
+        if not failed:
+            # The stored events on disk too: after the audit records, whose flush of the
+            # disk covered them in the usual case (then this costs nothing).
+            stored = [r.durable() for r in routed if r.durable is not None]
+            failed = [
+                r
+                for r in await asyncio.gather(*stored, return_exceptions=True)
+                if isinstance(r, BaseException)
+            ]
         if not failed:
             return
         # Only a marker this request created: one found there is another request's, which
@@ -425,7 +437,11 @@ class WebhookGateway:
             content_digest=verified.content_digest,
         )
         with inbox_span:
-            new = await self._deliver(stored)
+            # Staged: visible now, durable by the answer (``_audited``), with the audit
+            # record's flush in the usual case: one wait for the disk, not two in a row.
+            written_in = await self.services.inbox.stage(stored)
+            crash_point(CrashPoint.GATEWAY_AFTER_INBOX)
+        new = written_in.new
         verdict = outcome.value if new else Outcome.DUPLICATE.value
         audit["correlation_id"] = binding.correlation_id
         await self._handled(source_name, verdict)
@@ -450,6 +466,7 @@ class WebhookGateway:
                 outcome,
                 activate=(binding.session_id, seen.agent),
                 audit=written,
+                durable=written_in.durable,
             )
         await asyncio.gather(
             record, self._wake_if_pending(binding.session_id, source_name, event.event_id)
@@ -465,11 +482,6 @@ class WebhookGateway:
             if r.activate is not None:
                 session_id, agent = r.activate
                 await self.sessions.activate(session_id, reason=Reason.EVENT, agent=agent)
-
-    async def _deliver(self, event: InboxEvent) -> bool:
-        new = await self.services.inbox.deliver(event)
-        crash_point(CrashPoint.GATEWAY_AFTER_INBOX)
-        return new
 
     async def _wake(self, session_id: str) -> None:
         await self.sessions.activate_for_event(session_id)  # the wake timer, then a request
