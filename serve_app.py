@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.config_ref import ConfigRef
+from actors.heap import settle_heap
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.reconciler import ReconcilerStarter, reconciler_status
@@ -122,6 +123,7 @@ class Ingress:
                 else None,
             )
         )
+        settle_heap()  # started: what lives for the replica's life leaves the collector
 
     def _tenant(self, authorization: str | None) -> str:
         return tenant_for(authorization, self.settings.tenants)

@@ -24,6 +24,7 @@ import ray
 
 from actors import metrics
 from actors.config_ref import ConfigRef
+from actors.heap import settle_heap
 from actors.observer import RayObserver
 from actors.wiring import open_services, session_runtime
 from torpor import tracing
@@ -67,6 +68,7 @@ class PoolHost:
             self._services = open_services(self._settings, observer=RayObserver())
             node = ray.get_runtime_context().get_node_id()[:8]
             self._runtime = session_runtime(self._services, owner=f"pool:{node}:{self._slot}")
+            settle_heap()  # started: what lives for the host's life leaves the collector
         return self._runtime
 
     async def activate(
