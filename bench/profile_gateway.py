@@ -110,6 +110,10 @@ async def run(args: argparse.Namespace) -> None:
             await gateway.receive("bench", body, headers, now=now)
         half = (len(requests) + warm) // 2
         print(f"measuring (pid {os.getpid()})", flush=True)
+        if args.concurrency > 1:  # under load: CPU per webhook, no profile
+            await under_load(gateway, requests[warm:], now, args.concurrency)
+            await services.close()
+            return
         wall0, times0 = time.perf_counter(), os.times()
         for body, headers in requests[warm:half]:
             result = await gateway.receive("bench", body, headers, now=now)
@@ -145,9 +149,38 @@ async def run(args: argparse.Namespace) -> None:
         client.delete(key)
 
 
+async def under_load(
+    gateway: WebhookGateway,
+    requests: list[tuple[bytes, dict[str, str]]],
+    now: datetime,
+    concurrency: int,
+) -> None:
+    """``concurrency`` webhooks in flight at all times: wall and CPU per webhook."""
+    pending = iter(requests)
+
+    async def worker() -> None:
+        for body, headers in pending:
+            result = await gateway.receive("bench", body, headers, now=now)
+            assert result.status == 202, result
+
+    wall0, times0 = time.perf_counter(), os.times()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    times1, n = os.times(), len(requests)
+    user = (times1.user - times0.user) / n * 1000
+    system = (times1.system - times0.system) / n * 1000
+    print(
+        f"signed webhooks -> 202 in process, {concurrency} at once: "
+        f"{n / (time.perf_counter() - wall0):.0f}/s, {user + system:.2f} ms CPU each"
+        f" ({user:.2f} user, {system:.2f} kernel; n={n})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=1000)
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="webhooks in flight at once (no profile)"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "profiles" / "gateway.txt"))
     asyncio.run(run(parser.parse_args()))
 

@@ -526,22 +526,13 @@ class LocalObjectStore:
         return etag
 
     async def stage_if_absent(self, key: str, data: bytes) -> Staged:
-        """``put_if_absent`` that returns once the object is in place and logged, before
-        the log's flush: ``durable()`` waits for a flush that covers it, usually that of
-        a create the caller made meanwhile (a flush covers everything logged before it).
-        Made on the caller's thread when ``_Inline`` allows; alone in a worker thread
-        else; with other creates waiting beside it, made durable with them first."""
-        if self._inline.allows(len(data)):
-            try:
-                [result], ticket = self._inline.run(
-                    functools.partial(self._place_all, [(key, data)], False)
-                )
-            except OSError as exc:
-                _raise_translated(exc)
-            if isinstance(result, str):
-                return Staged(result, functools.partial(self._durable, ticket))
-            if not isinstance(result, _Contended):  # locked elsewhere: wait off the loop
-                raise _translated(result)
+        """``put_if_absent`` that may return once the object is in place and logged,
+        before the log's flush: ``durable()`` waits for a flush that covers it, usually
+        that of a create the caller made meanwhile (a flush covers everything logged
+        before it). Queued like any create: alone, it is placed (on the caller's thread
+        when ``_Inline`` allows, else in a worker thread) and not flushed; with other
+        creates waiting beside it, it is made durable with them, one hop and one flush
+        for all, as under load."""
         etag, ticket = await self._queued(key, data, staged=True)
         return Staged(etag, functools.partial(self._durable, ticket) if ticket else already_durable)
 
