@@ -12,8 +12,10 @@ ahead is renamed into place.
 
 A blank is created with ``O_EXCL`` under a random name and handed out once, so the
 file a write takes is empty and no one else's. A forked child takes none (its parent
-may hand out the same names). Blanks left by a process that was killed are empty files
-in the store's ``.tmp`` folder, which holds nothing else that outlives a write.
+may hand out the same names). A blank's name carries its maker's process id: those left
+by a process that was killed (empty files and folders in the store's ``.tmp`` folder,
+up to ``2 * HIGH`` per process) are removed by ``sweep`` when a store next opens the
+folder, with the temporary files of writes that a killed process left half-done.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ import contextlib
 import os
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
 LOW = 8  # fewer than this left: make more
 HIGH = 32  # ... up to this many
+# What ``sweep`` removes must be at least this old: a write's temporary file lives for
+# milliseconds, and a blank of a live process in another pid namespace (whose id means
+# nothing here) is taken long before, unless that process has idled this long.
+STALE_S = 3600.0
 
 
 class Blanks:
@@ -77,10 +84,10 @@ class Blanks:
         try:
             while len(self._ready) < HIGH and not self._closed:
                 if self.folders:
-                    path = f"{self.folder}/blank-d-{secrets.token_hex(12)}"
+                    path = f"{self.folder}/blank-d-{self._pid}-{secrets.token_hex(12)}"
                     os.mkdir(path)
                 else:
-                    path = f"{self.folder}/blank-{secrets.token_hex(12)}"
+                    path = f"{self.folder}/blank-{self._pid}-{secrets.token_hex(12)}"
                     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
                 self._ready.append(path)
         except OSError:
@@ -103,3 +110,49 @@ class Blanks:
                 return
             with contextlib.suppress(OSError):
                 (os.rmdir if self.folders else os.unlink)(path)
+
+
+def sweep(folder: str, *, older_than_s: float = STALE_S) -> int:
+    """Remove from ``folder`` what killed processes left there, older than
+    ``older_than_s``: blanks whose maker is no longer running, and temporary files of
+    writes that never finished. Returns how many were removed. Best effort: a store
+    works the same with them there, they only take inodes."""
+    removed = 0
+    cutoff = time.time() - older_than_s
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    for entry in entries:
+        name = entry.name
+        blank = name.startswith("blank-")
+        if blank and _alive(name):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime > cutoff:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                os.rmdir(entry.path)  # a blank folder is empty; anything else stays
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            continue
+        removed += 1
+    return removed
+
+
+def _alive(name: str) -> bool:
+    """Whether the process that made the blank ``name`` still runs on this host (False
+    for a name without a process id: a blank of an older release, removed once old)."""
+    parts = name.split("-")
+    if parts[1] == "d":
+        parts = parts[1:]
+    if len(parts) != 3 or not parts[1].isdigit() or len(parts[1]) > 10:
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # running, under another user
+        return True
+    return True

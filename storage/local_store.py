@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import NoReturn, ParamSpec, TypeVar
 
 from storage import wal
-from storage.blanks import Blanks
+from storage.blanks import Blanks, sweep
 from storage.keys import check_object_key
 from torpor.errors import (
     ConfigError,
@@ -244,6 +244,8 @@ class LocalObjectStore:
         )
         self._inline = _Inline()
         self._locks = _Stripes(str(self.root / _LOCKS))
+        # What killed processes left in ``.tmp`` (made-ahead blanks, half-done writes).
+        _threads().submit(sweep, self._tmp)
         self._blanks = Blanks(self._tmp, submit=lambda make: _threads().submit(make))
         self._blank_folders = Blanks(
             self._tmp, submit=lambda make: _threads().submit(make), folders=True
