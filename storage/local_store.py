@@ -56,7 +56,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NoReturn, ParamSpec, TypeVar
@@ -540,15 +540,8 @@ class LocalObjectStore:
 
     async def _durable(self, ticket: int) -> None:
         """Return once the log's record ``ticket`` is flushed (at once if it is)."""
-        if self._log.synced(ticket):
-            return
-        if self._inline.allows(0):
-            try:
-                self._inline.run(functools.partial(self._log.sync, ticket))
-            except OSError as exc:
-                _raise_translated(exc)
-            return
-        await self._off_loop(self._log.sync, ticket)
+        if not self._log.synced(ticket):
+            await self._write(lambda _wait: self._log.sync(ticket), size=0)
 
     async def _queued(self, key: str, data: bytes, *, staged: bool) -> tuple[str, int]:
         """A create handed to ``_create_queued`` with the others waiting in this loop."""
@@ -593,7 +586,7 @@ class LocalObjectStore:
             # A create staged alone is placed and logged, not flushed: its caller's next
             # create flushes both (``stage_if_absent``). Together, all are flushed.
             staged = len(batch) == 1 and batch[0][2]
-            results: list[str | tuple[str, int] | Exception]
+            results: Sequence[str | tuple[str, int] | Exception]
             try:
                 if len(items) == 1 and self._inline.allows(len(items[0][1])):
                     # Alone a tick after it was asked for, with nothing else in flight:
@@ -604,15 +597,15 @@ class LocalObjectStore:
                             *self._inline.run(functools.partial(self._place_all, items, False))
                         )
                     else:
-                        results = [
-                            *self._inline.run(functools.partial(self._create_all, items, False))
-                        ]
+                        results = self._inline.run(
+                            functools.partial(self._create_all, items, False)
+                        )
                     if isinstance(results[0], _Contended):  # locked elsewhere: wait off the loop
-                        results = [*await self._off_loop(self._create_all, items)]
+                        results = await self._off_loop(self._create_all, items)
                 elif staged:
                     results = _unflushed(*await self._off_loop(self._place_all, items, True))
                 else:
-                    results = [*await self._off_loop(self._create_all, items)]
+                    results = await self._off_loop(self._create_all, items)
             except Exception as exc:  # the write itself failed: every create with it
                 results = [exc] * len(batch)
             for (_, _, _, done), result in zip(batch, results, strict=True):
