@@ -110,6 +110,7 @@ async def run(args: argparse.Namespace) -> None:
             await gateway.receive("bench", body, headers, now=now)
         half = (len(requests) + warm) // 2
         print(f"measuring (pid {os.getpid()})", flush=True)
+        await asyncio.sleep(args.attach_pause)  # time for strace/py-spy/perf to attach
         if args.concurrency > 1:  # under load: CPU per webhook, no profile
             await under_load(gateway, requests[warm:], now, args.concurrency)
             await services.close()
@@ -180,6 +181,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument(
         "--concurrency", type=int, default=1, help="webhooks in flight at once (no profile)"
+    )
+    parser.add_argument(
+        "--attach-pause", type=float, default=0.0, help="seconds to wait after 'measuring'"
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "profiles" / "gateway.txt"))
     asyncio.run(run(parser.parse_args()))

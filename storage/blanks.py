@@ -16,6 +16,21 @@ may hand out the same names). A blank's name carries its maker's process id: tho
 by a process that was killed (empty files and folders in the store's ``.tmp`` folder,
 up to ``2 * HIGH`` per process) are removed by ``sweep`` when a store next opens the
 folder, with the temporary files of writes that a killed process left half-done.
+
+**Inodes are recycled, not freed** (``recycle``). An object replaced or removed leaves
+its old file here (the store swaps it out with ``renameat2(RENAME_EXCHANGE)``, or moves
+it out on a delete); after ``QUARANTINE_S`` it is truncated and handed out as a blank.
+On this machine's file system (ext4 without a journal) every new inode is searched for
+from the start of its group, past each inode freed in the last 5 to 300 s
+(``recently_deleted`` in the kernel). Every resume frees three (each snapshot commit
+frees the snapshot's old file); after a few thousand frees that search took 35-40 % of
+the gateway's CPU in one process (perf, ``bench/profile_gateway.py``), and a create
+held the ``.tmp`` folder's lock for hundreds of microseconds while the writes that move
+files out of it waited (``rwsem_spin_on_owner``).
+A file that keeps its inode frees nothing and allocates nothing. A reader that opened
+the old file before it was swapped out may still be reading it: the store's readers
+check the file's ``ctime`` after reading (``local_store._reused``), and the quarantine
+is what makes that check sufficient.
 """
 
 from __future__ import annotations
@@ -34,6 +49,13 @@ HIGH = 32  # ... up to this many
 # milliseconds, and a blank of a live process in another pid namespace (whose id means
 # nothing here) is taken long before, unless that process has idled this long.
 STALE_S = 3600.0
+# An object's old file is written again only this long after it left its key: a reader
+# that opened it earlier and reads it after that sees a ``ctime`` later than half this
+# past its open, and reads the key again (``local_store._reused``).
+QUARANTINE_S = 10.0
+# Old files kept to be recycled, per process, at most: more than this (a burst of
+# deletes) are freed. Each is an empty inode and a name in ``.tmp`` once recycled.
+KEEP_MAX = 8192
 
 
 class Blanks:
@@ -51,6 +73,8 @@ class Blanks:
         self.folders = folders
         self._submit = submit
         self._ready: deque[str] = deque()
+        # Old files of objects (``recycle``): (the monotonic time they may be reused, path).
+        self._cooling: deque[tuple[float, str]] = deque()
         self._lock = threading.Lock()
         self._making = False
         self._closed = False
@@ -72,6 +96,34 @@ class Blanks:
                 self._submit(self._make)
         return path
 
+    def name(self) -> str:
+        """A new name for a file of ours in the folder (what ``sweep`` knows as ours)."""
+        return f"{self.folder}/blank-{self._pid}-{secrets.token_hex(12)}"
+
+    def recycle(self, path: str) -> None:
+        """``path``, in the folder, holds a file that was an object's until now: kept to
+        be a blank once no reader can still be reading it (``QUARANTINE_S``), rather
+        than freed. Freed at once if too many are kept, or by a forked child."""
+        if self._closed or self._pid != os.getpid() or len(self._cooling) >= KEEP_MAX:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return
+        self._cooling.append((time.monotonic() + QUARANTINE_S, path))  # in time order
+
+    def _reused(self) -> str | None:
+        """The oldest recycled file whose quarantine is over, truncated; None if none."""
+        while self._cooling and self._cooling[0][0] <= time.monotonic():
+            try:
+                _, path = self._cooling.popleft()
+            except IndexError:  # emptied by ``close`` meanwhile
+                return None
+            try:
+                os.truncate(path, 0)
+            except OSError:  # swept by another process (it looked stale): not ours now
+                continue
+            return path
+        return None
+
     def give_back(self, path: str) -> None:
         """A blank taken and not used: the next ``take`` has it."""
         if self._closed:
@@ -87,8 +139,12 @@ class Blanks:
                     path = f"{self.folder}/blank-d-{self._pid}-{secrets.token_hex(12)}"
                     os.mkdir(path)
                 else:
-                    path = f"{self.folder}/blank-{self._pid}-{secrets.token_hex(12)}"
-                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                    reused = self._reused()
+                    if reused is None:
+                        path = self.name()
+                        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                    else:
+                        path = reused
                 self._ready.append(path)
         except OSError:
             pass  # a full or failing disk: the writes create their own files, and report it
@@ -99,10 +155,13 @@ class Blanks:
                 self.close()
 
     def close(self) -> None:
-        """Remove the blanks not handed out."""
+        """Remove the blanks not handed out, and the old files kept to be recycled."""
         self._closed = True
         if self._pid != os.getpid():
             return
+        while self._cooling:
+            with contextlib.suppress(OSError, IndexError):
+                os.unlink(self._cooling.popleft()[1])
         while True:
             try:
                 path = self._ready.popleft()

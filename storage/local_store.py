@@ -51,7 +51,6 @@ import fcntl
 import functools
 import hashlib
 import os
-import secrets
 import threading
 import time
 import weakref
@@ -61,8 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NoReturn, ParamSpec, TypeVar
 
-from storage import wal
-from storage.blanks import Blanks, sweep
+from storage import blanks, wal
 from storage.keys import check_object_key
 from torpor.errors import (
     ConfigError,
@@ -83,6 +81,9 @@ _WAL = ".wal"
 WRITER_THREADS = 32
 CREATES_AT_ONCE = 64
 INLINE_READ_BYTES = 64 * 1024
+# A read that finds its file recycled under it (``_reused``) reads the key again, at most
+# this many times in all: each retry needs the reader stalled for seconds again.
+READ_ATTEMPTS = 3
 LOCK_STRIPES = 64
 INLINE_LIST_ENTRIES = 256
 # A write is made on the caller's thread only while flushes take less than this (a
@@ -245,9 +246,9 @@ class LocalObjectStore:
         self._inline = _Inline()
         self._locks = _Stripes(str(self.root / _LOCKS))
         # What killed processes left in ``.tmp`` (made-ahead blanks, half-done writes).
-        _threads().submit(sweep, self._tmp)
-        self._blanks = Blanks(self._tmp, submit=lambda make: _threads().submit(make))
-        self._blank_folders = Blanks(
+        _threads().submit(blanks.sweep, self._tmp)
+        self._blanks = blanks.Blanks(self._tmp, submit=lambda make: _threads().submit(make))
+        self._blank_folders = blanks.Blanks(
             self._tmp, submit=lambda make: _threads().submit(make), folders=True
         )
         folder = str(self.root / _WAL)
@@ -330,8 +331,9 @@ class LocalObjectStore:
             tmp = blank
         else:
             # O_EXCL on a random name: the same guarantee as mkstemp with fewer syscalls
-            # (this is on every webhook's path).
-            tmp = f"{self._tmp}/{secrets.token_hex(12)}"
+            # (this is on every webhook's path). Named as a blank: swapped out by a
+            # replace, it holds the old object's file, kept while this process runs.
+            tmp = self._blanks.name()
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             view = memoryview(data)
@@ -412,38 +414,49 @@ class LocalObjectStore:
     # -- blocking implementations ---------------------------------------------------
 
     def _get(self, key: str, max_bytes: int | None) -> StoredObject:
-        path = self._path(key)
-        try:
-            with path.open("rb") as fh:
+        path = self._file(key)
+        for _ in range(READ_ATTEMPTS):
+            opened = time.time()
+            try:
+                fh = open(path, "rb")  # noqa: SIM115 - closed below, its status read first
+            except FileNotFoundError:
+                raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key) from None
+            with fh:
                 data = fh.read() if max_bytes is None else fh.read(max_bytes)
+                etag = None
                 if max_bytes is not None:
                     # The etag always names the whole object, as S3's does on a ranged GET.
                     rest = hashlib.md5(data, usedforsecurity=False)
-                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    for chunk in iter(functools.partial(fh.read, 1 << 20), b""):
                         rest.update(chunk)
-                    return StoredObject(data, '"' + rest.hexdigest() + '"')
-        except FileNotFoundError:
-            raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key) from None
-        return StoredObject(data, etag_of(data))
+                    etag = '"' + rest.hexdigest() + '"'
+                reused = _reused(os.fstat(fh.fileno()), opened)
+            if not reused:
+                return StoredObject(data, etag or etag_of(data))
+        raise StorageUnavailable(f"object {key!r} kept changing while it was read")
 
     def _put(self, key: str, data: bytes, wait: bool = True) -> str:
         path = self._file(key)
         self._parent(path)
         tmp = self._write_tmp(data)
+        old = ""
         try:
             with self._locked(key, wait=wait):
-                os.replace(tmp, path)
+                old = tmp if _swap_in(tmp, path) else ""
                 tmp = ""
                 ticket = self._logged(key, path, data)
         finally:
             if tmp:
                 os.unlink(tmp)
+            if old:
+                self._blanks.recycle(old)
         self._log.sync(ticket)
         return etag_of(data)
 
     def _put_if_match(self, key: str, data: bytes, etag: str, wait: bool = True) -> str:
         path = self._file(key)
         tmp = self._write_tmp(data)
+        old = ""
         try:
             with self._locked(key, wait=wait):
                 try:
@@ -452,12 +465,14 @@ class LocalObjectStore:
                     raise EtagMismatch(f"object {key!r} no longer exists", key=key) from None
                 if _normal(current) != _normal(etag):
                     raise EtagMismatch(f"object {key!r} changed since it was read", key=key)
-                os.replace(tmp, path)
+                old = tmp if _swap_in(tmp, path) else ""
                 tmp = ""
                 ticket = self._logged(key, path, data)
         finally:
             if tmp:
                 os.unlink(tmp)
+            if old:
+                self._blanks.recycle(old)
         self._log.sync(ticket)
         return etag_of(data)
 
@@ -474,10 +489,15 @@ class LocalObjectStore:
 
     def _delete(self, key: str, wait: bool = True) -> None:
         path = self._file(key)
+        old = self._blanks.name()
         with self._locked(key, wait=wait):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            try:
+                os.rename(path, old)  # kept to be recycled (``storage.blanks``), not freed
+            except FileNotFoundError:
+                old = ""
             ticket = self._log.append(wal.Op.DELETE, key)
+        if old:
+            self._blanks.recycle(old)
         self._log.sync(ticket)
 
     # -- async protocol -------------------------------------------------------------
@@ -495,6 +515,7 @@ class LocalObjectStore:
         few KiB from the page cache takes microseconds, a hop to a worker thread and
         back cost 0.19 ms of CPU (a snapshot header and an inbox event on every webhook)."""
         path = self._file(key)
+        opened = time.time()
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -502,16 +523,14 @@ class LocalObjectStore:
         except OSError:
             return None  # the worker thread reports it, with the usual translation
         try:
-            size = os.fstat(fd).st_size
-            if size > INLINE_READ_BYTES:
-                return None
-            data = os.read(fd, size + 1)
-            if len(data) > size:  # grew since the stat: read it whole off the loop
-                return None
+            data = os.read(fd, INLINE_READ_BYTES + 1)
+            status = os.fstat(fd)  # after the read: see ``_reused``
         except OSError:
             return None
         finally:
             os.close(fd)
+        if len(data) > INLINE_READ_BYTES or status.st_size != len(data) or _reused(status, opened):
+            return None  # large, changing or recycled meanwhile: read again off the loop
         return StoredObject(data, etag_of(data))
 
     async def put(self, key: str, data: bytes) -> str:
@@ -688,16 +707,46 @@ def _unflushed(
     return [(r, ticket) if isinstance(r, str) else r for r in results]
 
 
-def _release(locks: _Stripes, log: wal.WriteAheadLog, *blanks: Blanks) -> None:
+def _release(locks: _Stripes, log: wal.WriteAheadLog, *made: blanks.Blanks) -> None:
     locks.close()
     log.release()
-    for made_ahead in blanks:
+    for made_ahead in made:
         made_ahead.close()
 
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
 _libc: list[ctypes.CDLL | None] = []
+_no_exchange: list[bool] = []  # set once the file system has refused to swap
+
+
+def _swap_in(tmp: str, path: str) -> bool:
+    """Put the file ``tmp`` at ``path``, atomically, as ``os.replace`` does. True if the
+    file that was at ``path`` is now at ``tmp`` (one ``renameat2(RENAME_EXCHANGE)``):
+    its inode is kept to be recycled, not freed (``storage.blanks``). False if there was
+    none, or the kernel or the file system cannot swap (then ``os.replace``)."""
+    libc = _kernel()
+    if libc is not None and not _no_exchange:
+        if libc.renameat2(_AT_FDCWD, tmp.encode(), _AT_FDCWD, path.encode(), _RENAME_EXCHANGE) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            _no_exchange.append(True)
+        elif err != errno.ENOENT:  # ENOENT: nothing at ``path`` yet
+            raise OSError(err, os.strerror(err), path)
+    os.replace(tmp, path)
+    return False
+
+
+def _reused(status: os.stat_result, opened: float) -> bool:
+    """Whether a file read through a descriptor opened at ``opened`` (``time.time()``)
+    may have been recycled meanwhile: its ``ctime``, read after the read, is later than
+    half a quarantine past the open. A recycled file was truncated at least
+    ``QUARANTINE_S`` after it left its key, which was after the open; an object's own
+    file is changed by nothing but leaving its key (a reader that stalls that long and
+    reads again only reads the key's newer content)."""
+    return status.st_ctime > opened + blanks.QUARANTINE_S / 2
 
 
 def _place_new(tmp: str, path: str) -> None:
