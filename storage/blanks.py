@@ -56,6 +56,10 @@ QUARANTINE_S = 10.0
 # Old files kept to be recycled, per process, at most: more than this (a burst of
 # deletes) are freed. Each is an empty inode and a name in ``.tmp`` once recycled.
 KEEP_MAX = 8192
+# ... and the bytes they hold until their quarantine ends, at most: a file that would
+# take more is freed at once (a large object replaced), so recycling never holds much
+# disk (a snapshot is a few KiB; 8,192 of them, tens of MiB).
+KEEP_BYTES = 64 << 20
 
 
 class Blanks:
@@ -74,7 +78,8 @@ class Blanks:
         self._submit = submit
         self._ready: deque[str] = deque()
         # Old files of objects (``recycle``): (the monotonic time they may be reused, path).
-        self._cooling: deque[tuple[float, str]] = deque()
+        self._cooling: deque[tuple[float, str, int]] = deque()
+        self._kept_bytes = 0  # what the files in ``_cooling`` hold (under ``_lock``)
         self._lock = threading.Lock()
         self._making = False
         self._closed = False
@@ -103,26 +108,39 @@ class Blanks:
     def recycle(self, path: str) -> None:
         """``path``, in the folder, holds a file that was an object's until now: kept to
         be a blank once no reader can still be reading it (``QUARANTINE_S``), rather
-        than freed. Freed at once if too many are kept, or by a forked child."""
-        if self._closed or self._pid != os.getpid() or len(self._cooling) >= KEEP_MAX:
+        than freed. Freed at once if too many files or bytes are kept, or by a forked
+        child."""
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return
+        with self._lock:
+            keep = (
+                not self._closed
+                and self._pid == os.getpid()
+                and len(self._cooling) < KEEP_MAX
+                and self._kept_bytes + size <= KEEP_BYTES
+            )
+            if keep:  # in time order: the quarantine is the same for every file
+                self._cooling.append((time.monotonic() + QUARANTINE_S, path, size))
+                self._kept_bytes += size
+        if not keep:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-            return
-        self._cooling.append((time.monotonic() + QUARANTINE_S, path))  # in time order
 
     def _reused(self) -> str | None:
         """The oldest recycled file whose quarantine is over, truncated; None if none."""
-        while self._cooling and self._cooling[0][0] <= time.monotonic():
-            try:
-                _, path = self._cooling.popleft()
-            except IndexError:  # emptied by ``close`` meanwhile
-                return None
+        while True:
+            with self._lock:
+                if not self._cooling or self._cooling[0][0] > time.monotonic():
+                    return None
+                _, path, size = self._cooling.popleft()
+                self._kept_bytes -= size
             try:
                 os.truncate(path, 0)
             except OSError:  # swept by another process (it looked stale): not ours now
                 continue
             return path
-        return None
 
     def give_back(self, path: str) -> None:
         """A blank taken and not used: the next ``take`` has it."""
@@ -159,9 +177,12 @@ class Blanks:
         self._closed = True
         if self._pid != os.getpid():
             return
-        while self._cooling:
-            with contextlib.suppress(OSError, IndexError):
-                os.unlink(self._cooling.popleft()[1])
+        with self._lock:
+            kept, self._kept_bytes = list(self._cooling), 0
+            self._cooling.clear()
+        for _, path, _ in kept:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         while True:
             try:
                 path = self._ready.popleft()

@@ -116,6 +116,22 @@ def test_past_the_limit_a_replaced_file_is_freed(
     assert len(store._blanks._cooling) == 1
 
 
+def test_a_replaced_file_past_the_byte_budget_is_freed(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blanks, "KEEP_BYTES", 1000)
+    etag = asyncio.run(store.put("small", b"s" * 600))
+    asyncio.run(store.put_if_match("small", b"t", etag=etag))
+    etag = asyncio.run(store.put("large", b"l" * 600))
+    fd = file_of(store, "large")
+    try:
+        asyncio.run(store.put_if_match("large", b"m", etag=etag))
+        assert os.fstat(fd).st_nlink == 0, "kept past the byte budget (600 + 600 > 1000)"
+    finally:
+        os.close(fd)
+    assert len(store._blanks._cooling) == 1 and store._blanks._kept_bytes == 600
+
+
 def test_where_files_cannot_be_swapped_a_replace_still_replaces(
     store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
