@@ -3,7 +3,8 @@
     .venv/bin/python bench/profile_gateway.py [--n 2000] [--out bench/profiles/gateway.txt]
 
 No Ray and no HTTP: the gateway is called directly (local folder + the machine's Redis,
-activations deferred to the reconciler as in the ingress bench's accept phase), so the
+activations deferred to the reconciler as in the ingress bench's accept phase, or with
+``--resume`` run in this process after each 202, as a pool host would), so the
 figures are the Python work of the path and the storage round trips alone. Prints wall
 and CPU time per webhook and writes pyinstrument's call tree as text.
 """
@@ -95,8 +96,13 @@ async def run(args: argparse.Namespace) -> None:
         cids = [(await s.snapshots.load(sid)).waits[0].correlation_id for sid in ids]
         await s.close()
 
-        services = open_services(settings_for(Path(tmp), prefix, deferred=True))
-        control = SessionService(services, Deferred())
+        services = open_services(settings_for(Path(tmp), prefix, deferred=not args.resume))
+        # --resume: each webhook's activation runs here right after its 202 (what a pool
+        # host does: the lease, the snapshot, the agent's step, three commits).
+        activator = (
+            InlineActivator(session_runtime(services, "bench")) if args.resume else Deferred()
+        )
+        control = SessionService(services, activator)
         gateway = WebhookGateway(control)
         now = datetime.now(UTC)
         requests = []
@@ -184,6 +190,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--attach-pause", type=float, default=0.0, help="seconds to wait after 'measuring'"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="each webhook also resumes its session here"
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "profiles" / "gateway.txt"))
     asyncio.run(run(parser.parse_args()))
