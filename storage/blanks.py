@@ -14,12 +14,13 @@ A blank is created with ``O_EXCL`` under a random name and handed out once, so t
 file a write takes is empty and no one else's. A forked child takes none (its parent
 may hand out the same names). A blank's name carries its maker's process id: those left
 by a process that was killed (empty files and folders in the store's ``.tmp`` folder,
-up to ``2 * HIGH`` per process) are removed by ``sweep`` when a store next opens the
-folder, with the temporary files of writes that a killed process left half-done.
+up to ``2 * HIGH`` per process, and up to ``KEEP_MAX`` kept files) are removed by
+``sweep`` when a store next opens the folder, with the temporary files of writes that a
+killed process left half-done.
 
 **Inodes are recycled, not freed** (``recycle``). An object replaced or removed leaves
 its old file here (the store swaps it out with ``renameat2(RENAME_EXCHANGE)``, or moves
-it out on a delete); after ``QUARANTINE_S`` it is truncated and handed out as a blank.
+it out on a delete); later it is truncated and handed out as a blank.
 On this machine's file system (ext4 without a journal) every new inode is searched for
 from the start of its group, past each inode freed in the last 5 to 300 s
 (``recently_deleted`` in the kernel). Every resume frees three (each snapshot commit
@@ -27,10 +28,16 @@ frees the snapshot's old file); after a few thousand frees that search took 35-4
 the gateway's CPU in one process (perf, ``bench/profile_gateway.py``), and a create
 held the ``.tmp`` folder's lock for hundreds of microseconds while the writes that move
 files out of it waited (``rwsem_spin_on_owner``).
-A file that keeps its inode frees nothing and allocates nothing. A reader that opened
-the old file before it was swapped out may still be reading it: the store's readers
-check the file's ``ctime`` after reading (``local_store._reused``), and the quarantine
-is what makes that check sufficient.
+A file that keeps its inode frees nothing and allocates nothing. Two things must be true
+before it is written again. Its removal from its key must be on disk
+(``settled``: a checkpoint's ``syncfs`` started after it left the key): on a file
+system without a journal nothing orders the writes of two folders, and a power cut
+could otherwise leave the old key and the new one naming the same file (the kernel's
+own guard against reusing a freed inode too soon is only that time window).
+And no reader may still be reading it: a reader that opened the old file before it
+was swapped out checks after its read that the key still names the same file, unchanged
+(``local_store._unchanged``), and the quarantine (``QUARANTINE_S``, far longer than a
+timestamp's granularity) is what makes that check sufficient.
 """
 
 from __future__ import annotations
@@ -72,13 +79,19 @@ class Blanks:
         *,
         submit: Callable[[Callable[[], None]], object],
         folders: bool = False,
+        settled: Callable[[], int] = lambda: 0,
     ) -> None:
         self.folder = folder
+        # The ``CLOCK_MONOTONIC`` time (ns) before which every change is on disk (the
+        # log's checkpoint mark): a kept file is reused only once it left its key before.
+        self._settled = settled
+        self._settled_mark, self._settled_read_at = 0, float("-inf")
         self.folders = folders
         self._submit = submit
         self._ready: deque[str] = deque()
-        # Old files of objects (``recycle``): (the monotonic time they may be reused, path).
-        self._cooling: deque[tuple[float, str, int]] = deque()
+        # Old files of objects (``recycle``), in the order they left their keys: (the
+        # monotonic time the quarantine ends, when it left its key in ns, path, size).
+        self._cooling: deque[tuple[float, int, str, int]] = deque()
         self._kept_bytes = 0  # what the files in ``_cooling`` hold (under ``_lock``)
         self._lock = threading.Lock()
         self._making = False
@@ -107,38 +120,63 @@ class Blanks:
 
     def recycle(self, path: str) -> None:
         """``path``, in the folder, holds a file that was an object's until now: kept to
-        be a blank once no reader can still be reading it (``QUARANTINE_S``), rather
-        than freed. Freed at once if too many files or bytes are kept, or by a forked
-        child."""
-        try:
-            size = os.stat(path).st_size
-        except OSError:
-            return
-        with self._lock:
-            keep = (
-                not self._closed
-                and self._pid == os.getpid()
-                and len(self._cooling) < KEEP_MAX
-                and self._kept_bytes + size <= KEEP_BYTES
-            )
-            if keep:  # in time order: the quarantine is the same for every file
-                self._cooling.append((time.monotonic() + QUARANTINE_S, path, size))
-                self._kept_bytes += size
+        be a blank once its removal is on disk and no reader can still be reading it,
+        rather than freed. Freed at once if too many files or bytes are kept, or by a
+        forked child (whose copy of the lock may be held for ever)."""
+        left_ns = time.monotonic_ns()
+        keep = self._pid == os.getpid()
+        if keep:
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                return
+            with self._lock:
+                keep = (
+                    not self._closed
+                    and len(self._cooling) < KEEP_MAX
+                    and self._kept_bytes + size <= KEEP_BYTES
+                )
+                if keep:
+                    due = left_ns / 1e9 + QUARANTINE_S
+                    self._cooling.append((due, left_ns, path, size))
+                    self._kept_bytes += size
         if not keep:
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
+    def _settled_ns(self) -> int:
+        """``settled()``, read again at most once a second (it reads a file)."""
+        now = time.monotonic()
+        if now - self._settled_read_at >= 1.0:
+            self._settled_mark, self._settled_read_at = self._settled(), now
+        return self._settled_mark
+
     def _reused(self) -> str | None:
-        """The oldest recycled file whose quarantine is over, truncated; None if none."""
+        """The oldest kept file that may be written again, truncated; None if none."""
+        settled: int | None = None
         while True:
             with self._lock:
-                if not self._cooling or self._cooling[0][0] > time.monotonic():
-                    return None
-                _, path, size = self._cooling.popleft()
-                self._kept_bytes -= size
+                head = self._cooling[0] if self._cooling else None
+            if head is None or head[0] > time.monotonic():
+                return None
+            if settled is None:
+                settled = self._settled_ns()
+            if head[1] >= settled:
+                return None  # its removal may not be on disk yet: after the next checkpoint
+            with self._lock:
+                if not self._cooling or self._cooling[0] is not head:
+                    continue  # emptied by ``close`` meanwhile
+                self._cooling.popleft()
+                self._kept_bytes -= head[3]
+            path = head[2]
             try:
                 os.truncate(path, 0)
-            except OSError:  # swept by another process (it looked stale): not ours now
+                os.utime(path)  # fresh to ``sweep``: it kept its object's times
+            except FileNotFoundError:  # swept meanwhile (it looked stale): not ours now
+                continue
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
                 continue
             return path
 
@@ -180,7 +218,7 @@ class Blanks:
         with self._lock:
             kept, self._kept_bytes = list(self._cooling), 0
             self._cooling.clear()
-        for _, path, _ in kept:
+        for _, _, path, _ in kept:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         while True:

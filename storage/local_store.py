@@ -10,8 +10,10 @@ the host:
   creates waiting in one event loop are handed to a worker thread together
   (``_create_all``): one hop for all of them (0.08 ms of CPU per create, was 0.37).
 * ``put_if_match`` and ``delete`` take an exclusive ``flock`` on a per-key lock file,
-  compare the current etag and ``os.replace`` the new content in: readers never see a
-  half-written file, and two writers never both pass the etag check.
+  compare the current etag and swap the new content in (``_swap_in``: the old file is
+  kept to be recycled, ``storage.blanks``): readers never see a half-written file, two
+  writers never both pass the etag check, and a reader checks after its read that the
+  key still names the file it read (``_unchanged``).
 
 Etags are the MD5 of the content, as S3 computes them for single-part uploads.
 Blocking file I/O runs in worker threads of the store's own so the caller's event loop
@@ -51,6 +53,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import stat
 import threading
 import time
 import weakref
@@ -81,9 +84,9 @@ _WAL = ".wal"
 WRITER_THREADS = 32
 CREATES_AT_ONCE = 64
 INLINE_READ_BYTES = 64 * 1024
-# A read that finds its file recycled under it (``_reused``) reads the key again, at most
-# this many times in all: each retry needs the reader stalled for seconds again.
-READ_ATTEMPTS = 3
+# A read that finds its key changed under it (``_unchanged``) reads the key again, at most
+# this many times in all: each retry needs another write to land inside the read.
+READ_ATTEMPTS = 5
 LOCK_STRIPES = 64
 INLINE_LIST_ENTRIES = 256
 # A write is made on the caller's thread only while flushes take less than this (a
@@ -247,16 +250,23 @@ class LocalObjectStore:
         self._locks = _Stripes(str(self.root / _LOCKS))
         # What killed processes left in ``.tmp`` (made-ahead blanks, half-done writes).
         _threads().submit(blanks.sweep, self._tmp)
-        self._blanks = blanks.Blanks(self._tmp, submit=lambda make: _threads().submit(make))
+        folder = str(self.root / _WAL)
+        boot = wal.boot_id()
+        self._blanks = blanks.Blanks(
+            self._tmp,
+            submit=lambda make: _threads().submit(make),
+            # The log's checkpoint mark; nothing that holds the store (its finalizer
+            # holds this object: a reference back would keep the store for ever).
+            settled=functools.partial(wal.read_mark, folder, boot),
+        )
         self._blank_folders = blanks.Blanks(
             self._tmp, submit=lambda make: _threads().submit(make), folders=True
         )
-        folder = str(self.root / _WAL)
         try:
             wal.recover(folder, apply=self._replay, flush_root=str(self.root))
         except OSError as exc:
             raise ConfigError(f"local object store {self.root}: log replay failed: {exc}") from exc
-        self._log = wal.WriteAheadLog(folder, flush=self._inline.log_flushed)
+        self._log = wal.WriteAheadLog(folder, flush=self._inline.log_flushed, boot=boot)
         # Descriptors held for the store's life (lock files, log segments): given back
         # when it is closed or collected, so that a process that opens many stores (a
         # test run) does not run out of them.
@@ -416,12 +426,12 @@ class LocalObjectStore:
     def _get(self, key: str, max_bytes: int | None) -> StoredObject:
         path = self._file(key)
         for _ in range(READ_ATTEMPTS):
-            opened = time.time()
             try:
-                fh = open(path, "rb")  # noqa: SIM115 - closed below, its status read first
+                fh = open(path, "rb")  # noqa: SIM115 - closed below, after its status
             except FileNotFoundError:
                 raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key) from None
             with fh:
+                opened = os.fstat(fh.fileno())
                 data = fh.read() if max_bytes is None else fh.read(max_bytes)
                 etag = None
                 if max_bytes is not None:
@@ -430,8 +440,7 @@ class LocalObjectStore:
                     for chunk in iter(functools.partial(fh.read, 1 << 20), b""):
                         rest.update(chunk)
                     etag = '"' + rest.hexdigest() + '"'
-                reused = _reused(os.fstat(fh.fileno()), opened)
-            if not reused:
+            if _unchanged(opened, path):
                 return StoredObject(data, etag or etag_of(data))
         raise StorageUnavailable(f"object {key!r} kept changing while it was read")
 
@@ -489,15 +498,19 @@ class LocalObjectStore:
 
     def _delete(self, key: str, wait: bool = True) -> None:
         path = self._file(key)
-        old = self._blanks.name()
-        with self._locked(key, wait=wait):
-            try:
-                os.rename(path, old)  # kept to be recycled (``storage.blanks``), not freed
-            except FileNotFoundError:
-                old = ""
-            ticket = self._log.append(wal.Op.DELETE, key)
-        if old:
-            self._blanks.recycle(old)
+        old = ""
+        try:
+            with self._locked(key, wait=wait):
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISDIR(os.lstat(path).st_mode):  # refused, as unlink would
+                        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+                    gone = self._blanks.name()
+                    os.rename(path, gone)  # kept to be recycled (``storage.blanks``)
+                    old = gone
+                ticket = self._log.append(wal.Op.DELETE, key)
+        finally:
+            if old:
+                self._blanks.recycle(old)
         self._log.sync(ticket)
 
     # -- async protocol -------------------------------------------------------------
@@ -515,7 +528,6 @@ class LocalObjectStore:
         few KiB from the page cache takes microseconds, a hop to a worker thread and
         back cost 0.19 ms of CPU (a snapshot header and an inbox event on every webhook)."""
         path = self._file(key)
-        opened = time.time()
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -523,14 +535,16 @@ class LocalObjectStore:
         except OSError:
             return None  # the worker thread reports it, with the usual translation
         try:
-            data = os.read(fd, INLINE_READ_BYTES + 1)
-            status = os.fstat(fd)  # after the read: see ``_reused``
+            opened = os.fstat(fd)
+            if opened.st_size > INLINE_READ_BYTES:
+                return None
+            data = os.read(fd, opened.st_size + 1)
         except OSError:
             return None
         finally:
             os.close(fd)
-        if len(data) > INLINE_READ_BYTES or status.st_size != len(data) or _reused(status, opened):
-            return None  # large, changing or recycled meanwhile: read again off the loop
+        if len(data) != opened.st_size or not _unchanged(opened, path):
+            return None  # changed while read: read again off the loop (``_get`` retries)
         return StoredObject(data, etag_of(data))
 
     async def put(self, key: str, data: bytes) -> str:
@@ -728,7 +742,11 @@ def _swap_in(tmp: str, path: str) -> bool:
     none, or the kernel or the file system cannot swap (then ``os.replace``)."""
     libc = _kernel()
     if libc is not None and not _no_exchange:
-        if libc.renameat2(_AT_FDCWD, tmp.encode(), _AT_FDCWD, path.encode(), _RENAME_EXCHANGE) == 0:
+        swap = _AT_FDCWD, tmp.encode(), _AT_FDCWD, path.encode(), _RENAME_EXCHANGE
+        if libc.renameat2(*swap) == 0:
+            if stat.S_ISDIR(os.lstat(tmp).st_mode):  # a folder where the key's file goes
+                libc.renameat2(*swap)  # swapped back: refused as ``os.replace`` would
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
             return True
         err = ctypes.get_errno()
         if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
@@ -739,14 +757,24 @@ def _swap_in(tmp: str, path: str) -> bool:
     return False
 
 
-def _reused(status: os.stat_result, opened: float) -> bool:
-    """Whether a file read through a descriptor opened at ``opened`` (``time.time()``)
-    may have been recycled meanwhile: its ``ctime``, read after the read, is later than
-    half a quarantine past the open. A recycled file was truncated at least
-    ``QUARANTINE_S`` after it left its key, which was after the open; an object's own
-    file is changed by nothing but leaving its key (a reader that stalls that long and
-    reads again only reads the key's newer content)."""
-    return status.st_ctime > opened + blanks.QUARANTINE_S / 2
+def _unchanged(opened: os.stat_result, path: str) -> bool:
+    """Whether what was read through a descriptor whose status was ``opened`` right
+    after its open is ``path``'s content: after the read, ``path`` still names that file
+    with the same ``ctime`` and size. An object's file never changes while it is at its
+    key (writes go to new files), so the read saw the key's content. A file recycled
+    meanwhile (``storage.blanks``) left its key and was truncated at least
+    ``QUARANTINE_S`` later; if it came back to the key since, its ``ctime`` moved on by
+    as much. Needs no clock: a clock stepped back changes nothing here."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False  # removed meanwhile: the next attempt says so
+    return (
+        now.st_ino == opened.st_ino
+        and now.st_dev == opened.st_dev
+        and now.st_ctime_ns == opened.st_ctime_ns
+        and now.st_size == opened.st_size
+    )
 
 
 def _place_new(tmp: str, path: str) -> None:

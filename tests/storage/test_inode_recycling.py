@@ -21,22 +21,41 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-def quick(monkeypatch: pytest.MonkeyPatch) -> float:
-    """A short quarantine, so a test can wait it out."""
-    monkeypatch.setattr(blanks, "QUARANTINE_S", 0.2)
-    return 0.2
-
-
-@pytest.fixture
 def store(tmp_path: Path) -> Iterator[LocalObjectStore]:
     made = LocalObjectStore(str(tmp_path))
     yield made
     asyncio.run(made.close())
 
 
+def quarantine_over(store: LocalObjectStore) -> None:
+    """Every kept file's quarantine ends now (no reader of this test is left)."""
+    made = store._blanks
+    with made._lock:
+        kept = [(0.0, left, path, size) for _, left, path, size in made._cooling]
+        made._cooling.clear()
+        made._cooling.extend(kept)
+
+
+def checkpoint(store: LocalObjectStore) -> None:
+    """A real checkpoint of the store's log: ``syncfs``, then the boot's mark."""
+    store._log.checkpoint([])
+    store._blanks._settled_read_at = float("-inf")  # read the new mark at once
+
+
 def file_of(store: LocalObjectStore, key: str) -> int:
     """A descriptor of ``key``'s file as it is now (the caller closes it)."""
     return os.open(store._file(key), os.O_RDONLY)
+
+
+def links_after_replacing(store: LocalObjectStore, key: str, etag: str, data: bytes) -> int:
+    """How many names ``key``'s file has once ``key`` is swapped to ``data``: 1 if it is
+    kept to be recycled, 0 if it was freed."""
+    fd = file_of(store, key)
+    try:
+        asyncio.run(store.put_if_match(key, data, etag=etag))
+        return os.fstat(fd).st_nlink
+    finally:
+        os.close(fd)
 
 
 def test_a_compare_and_swap_keeps_the_replaced_file_instead_of_freeing_it(
@@ -70,31 +89,45 @@ def test_an_overwriting_put_and_a_delete_keep_their_files_too(store: LocalObject
 
 
 def test_a_kept_file_is_a_blank_again_only_after_its_quarantine(
-    store: LocalObjectStore, quick: float
+    store: LocalObjectStore,
 ) -> None:
     etag = asyncio.run(store.put("sessions/s", b"v1" * 100))
     old_inode = os.stat(store._file("sessions/s")).st_ino
     asyncio.run(store.put_if_match("sessions/s", b"v2", etag=etag))
+    checkpoint(store)
     assert store._blanks._reused() is None, "handed out while a reader may still read it"
-    due = store._blanks._cooling[0][0]
-    time.sleep(max(0.0, due - time.monotonic()))  # the quarantine's end, not a guess
+    quarantine_over(store)
     path = store._blanks._reused()
     assert path is not None
     status = os.stat(path)
     assert status.st_ino == old_inode and status.st_size == 0, "recycled, and emptied"
 
 
-def test_blanks_come_from_recycled_files_once_their_quarantine_is_over(
-    store: LocalObjectStore, quick: float
+def test_a_kept_file_is_not_reused_before_a_checkpoint_puts_its_removal_on_disk(
+    store: LocalObjectStore,
+) -> None:
+    """Without a journal, a power cut could leave the old key naming the file after a
+    new key took it: only a ``syncfs`` begun after the swap makes reuse safe."""
+    checkpoint(store)  # a mark from before the swap does not count
+    etag = asyncio.run(store.put("sessions/s", b"v1"))
+    asyncio.run(store.put_if_match("sessions/s", b"v2", etag=etag))
+    quarantine_over(store)
+    assert store._blanks._reused() is None, "reused before its removal was on disk"
+    checkpoint(store)
+    assert store._blanks._reused() is not None
+
+
+def test_blanks_come_from_recycled_files_once_they_may_be_reused(
+    store: LocalObjectStore,
 ) -> None:
     etags = {i: asyncio.run(store.put(f"s/{i}", b"v1")) for i in range(40)}
     inodes = {os.stat(store._file(f"s/{i}")).st_ino for i in range(40)}
     for i in range(40):
         asyncio.run(store.put_if_match(f"s/{i}", b"v2", etag=etags[i]))
-    due = store._blanks._cooling[-1][0]
-    time.sleep(max(0.0, due - time.monotonic()))
     while store._blanks._making:  # a refill the writes started: let it finish first
         time.sleep(0.001)
+    checkpoint(store)
+    quarantine_over(store)
     store._blanks._ready.clear()  # the blanks made before: the next ones are made now
     store._blanks._make()
     made = {os.stat(p).st_ino for p in store._blanks._ready}
@@ -107,12 +140,7 @@ def test_past_the_limit_a_replaced_file_is_freed(
     monkeypatch.setattr(blanks, "KEEP_MAX", 1)
     etag = asyncio.run(store.put("k", b"v1"))
     etag = asyncio.run(store.put_if_match("k", b"v2", etag=etag))
-    fd = file_of(store, "k")
-    try:
-        asyncio.run(store.put_if_match("k", b"v3", etag=etag))
-        assert os.fstat(fd).st_nlink == 0, "kept past the limit"
-    finally:
-        os.close(fd)
+    assert links_after_replacing(store, "k", etag, b"v3") == 0, "kept past the limit"
     assert len(store._blanks._cooling) == 1
 
 
@@ -123,12 +151,8 @@ def test_a_replaced_file_past_the_byte_budget_is_freed(
     etag = asyncio.run(store.put("small", b"s" * 600))
     asyncio.run(store.put_if_match("small", b"t", etag=etag))
     etag = asyncio.run(store.put("large", b"l" * 600))
-    fd = file_of(store, "large")
-    try:
-        asyncio.run(store.put_if_match("large", b"m", etag=etag))
-        assert os.fstat(fd).st_nlink == 0, "kept past the byte budget (600 + 600 > 1000)"
-    finally:
-        os.close(fd)
+    freed = links_after_replacing(store, "large", etag, b"m") == 0
+    assert freed, "kept past the byte budget (600 + 600 > 1000)"
     assert len(store._blanks._cooling) == 1 and store._blanks._kept_bytes == 600
 
 
@@ -137,12 +161,7 @@ def test_where_files_cannot_be_swapped_a_replace_still_replaces(
 ) -> None:
     monkeypatch.setattr(local_store, "_no_exchange", [True])
     etag = asyncio.run(store.put("k", b"v1"))
-    fd = file_of(store, "k")
-    try:
-        asyncio.run(store.put_if_match("k", b"v2", etag=etag))
-        assert os.fstat(fd).st_nlink == 0
-    finally:
-        os.close(fd)
+    assert links_after_replacing(store, "k", etag, b"v2") == 0
     assert asyncio.run(store.get("k")).data == b"v2"
     assert not store._blanks._cooling
 
@@ -151,14 +170,14 @@ def stalled_reader(
     store: LocalObjectStore, key: str, etag: str, newer: bytes, foreign: bytes
 ) -> Callable[[], None]:
     """What happens while a reader stalls between opening ``key`` and reading it: the
-    key is replaced by ``newer``, the quarantine passes, and the old file is recycled
-    and given ``foreign`` (another object's content) by the next write that takes it."""
+    key is replaced by ``newer``, its old file's removal reaches the disk and its
+    quarantine ends, and the file is recycled and given ``foreign`` (another object's
+    content) by the next write that takes it."""
 
     def meanwhile() -> None:
         store._put_if_match(key, newer, etag)
-        due = store._blanks._cooling[-1][0]
-        time.sleep(max(0.0, due - time.monotonic()))
-        time.sleep(blanks.QUARANTINE_S)  # past half a quarantine by the kernel's clock too
+        checkpoint(store)
+        quarantine_over(store)
         recycled = store._blanks._reused()
         assert recycled is not None
         with open(recycled, "wb") as fh:
@@ -168,10 +187,10 @@ def stalled_reader(
 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
-def test_a_reader_stalled_past_the_quarantine_reads_the_key_again(
-    store: LocalObjectStore, quick: float, monkeypatch: pytest.MonkeyPatch, checked: bool
+def test_a_reader_stalled_while_its_file_is_recycled_reads_the_key_again(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch, checked: bool
 ) -> None:
-    """Unchecked (``_reused`` always False), the same stall returns the foreign bytes:
+    """Unchecked (``_unchanged`` always True), the same stall returns the foreign bytes:
     the scenario is real, and the check is what stops it."""
     etag = asyncio.run(store.put("sessions/s", b"version-1"))
     meanwhile = stalled_reader(store, "sessions/s", etag, b"version-2", b"another object")
@@ -188,14 +207,14 @@ def test_a_reader_stalled_past_the_quarantine_reads_the_key_again(
 
     monkeypatch.setattr(os, "open", opening)  # the module the store calls
     if not checked:
-        monkeypatch.setattr(local_store, "_reused", lambda status, opened: False)
+        monkeypatch.setattr(local_store, "_unchanged", lambda opened, path: True)
     got = asyncio.run(store.get("sessions/s")).data
     assert stalled
     assert got == (b"version-2" if checked else b"another object")
 
 
-def test_a_large_read_off_the_loop_stalled_past_the_quarantine_reads_again(
-    store: LocalObjectStore, quick: float, monkeypatch: pytest.MonkeyPatch
+def test_a_large_read_off_the_loop_whose_file_is_recycled_reads_again(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     large = b"1" * (INLINE_READ_BYTES + 10)
     etag = asyncio.run(store.put("big", large))
@@ -213,3 +232,26 @@ def test_a_large_read_off_the_loop_stalled_past_the_quarantine_reads_again(
     monkeypatch.setattr(local_store, "open", opening, raising=False)
     assert store._get("big", None).data == b"2" * (INLINE_READ_BYTES + 10)
     assert stalled
+
+
+def test_a_clock_stepped_back_leaves_fresh_objects_readable(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The readers' check compares the file with itself, not with the wall clock."""
+    asyncio.run(store.put("sessions/s", b"fresh"))
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 3600)
+    assert asyncio.run(store.get("sessions/s")).data == b"fresh"
+    assert store._get("sessions/s", None).data == b"fresh"
+
+
+def test_a_folder_at_a_key_is_neither_replaced_nor_removed(store: LocalObjectStore) -> None:
+    """A swap or a rename would move a whole folder where ``os.replace`` and ``unlink``
+    refused: still refused, and nothing under it moves."""
+    asyncio.run(store.put("a/b", b"inside"))
+    with pytest.raises(IsADirectoryError):
+        asyncio.run(store.delete("a"))
+    with pytest.raises(IsADirectoryError):
+        asyncio.run(store.put("a", b"over"))
+    assert asyncio.run(store.get("a/b")).data == b"inside"
+    assert not store._blanks._cooling
