@@ -12,7 +12,8 @@ ahead is renamed into place.
 
 A blank is created with ``O_EXCL`` under a random name and handed out once, so the
 file a write takes is empty and no one else's. A forked child takes none (its parent
-may hand out the same names). A blank's name carries its maker's process id: those left
+may hand out the same names). A blank's name carries its maker's process id and start
+time: those left
 by a process that was killed (empty files and folders in the store's ``.tmp`` folder,
 up to ``2 * HIGH`` per process, and up to ``KEEP_MAX`` kept files) are removed by
 ``sweep`` when a store next opens the folder, with the temporary files of writes that a
@@ -97,6 +98,8 @@ class Blanks:
         self._making = False
         self._closed = False
         self._pid = os.getpid()
+        # What ``sweep`` tells this process's blanks by: its pid and its start time.
+        self._tag = f"{self._pid}-{_started(self._pid) or 0}"
 
     def take(self) -> str | None:
         """The path of an empty file of ours, or None (the caller creates its own)."""
@@ -116,7 +119,7 @@ class Blanks:
 
     def name(self) -> str:
         """A new name for a file of ours in the folder (what ``sweep`` knows as ours)."""
-        return f"{self.folder}/blank-{self._pid}-{secrets.token_hex(12)}"
+        return f"{self.folder}/blank-{self._tag}-{secrets.token_hex(12)}"
 
     def recycle(self, path: str) -> None:
         """``path``, in the folder, holds a file that was an object's until now: kept to
@@ -170,7 +173,10 @@ class Blanks:
                 self._kept_bytes -= head[3]
             path = head[2]
             try:
-                os.truncate(path, 0)
+                # Emptied through a descriptor closed at once: ext4 flushes a file emptied
+                # by truncation when it is next closed (``auto_da_alloc``), and that close
+                # is here, with nothing to flush, not the next writer's, with its data.
+                os.close(os.open(path, os.O_WRONLY | os.O_TRUNC))
                 os.utime(path)  # fresh to ``sweep``: it kept its object's times
             except FileNotFoundError:  # swept meanwhile (it looked stale): not ours now
                 continue
@@ -192,7 +198,7 @@ class Blanks:
         try:
             while len(self._ready) < HIGH and not self._closed:
                 if self.folders:
-                    path = f"{self.folder}/blank-d-{self._pid}-{secrets.token_hex(12)}"
+                    path = f"{self.folder}/blank-d-{self._tag}-{secrets.token_hex(12)}"
                     os.mkdir(path)
                 else:
                     reused = self._reused()
@@ -261,16 +267,32 @@ def sweep(folder: str, *, older_than_s: float = STALE_S) -> int:
 
 def _alive(name: str) -> bool:
     """Whether the process that made the blank ``name`` still runs on this host (False
-    for a name without a process id: a blank of an older release, removed once old)."""
+    for a name without a process id: a blank of an older release, removed once old).
+    A name that carries its maker's start time too (``blank-{pid}-{start}-{hex}``) is
+    alive only while that pid's process started then: a container's app is pid 1 after
+    every restart, and a killed run's kept files must not pass for the new run's."""
     parts = name.split("-")
     if parts[1] == "d":
         parts = parts[1:]
-    if len(parts) != 3 or not parts[1].isdigit() or len(parts[1]) > 10:
+    if len(parts) not in (3, 4) or not parts[1].isdigit() or len(parts[1]) > 10:
         return False
     try:
         os.kill(int(parts[1]), 0)
     except ProcessLookupError:
         return False
     except OSError:  # running, under another user
-        return True
-    return True
+        pass
+    return len(parts) == 3 or parts[2] == _started(int(parts[1]))
+
+
+def _started(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``'s 22nd
+    field), or "" where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return ""
+    # The command name (field 2) is in parentheses and may hold spaces: split after it.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return fields[19].decode() if len(fields) > 19 else ""

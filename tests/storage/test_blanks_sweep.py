@@ -103,3 +103,16 @@ def test_young_leftovers_of_a_dead_process_stay(tmp_path: Path) -> None:
     aged(tmp_path, by_s=2 * blanks.STALE_S)
     assert sweep(str(tmp_path)) == 3
     assert not list(tmp_path.iterdir())
+
+
+def test_a_blank_of_a_reused_pid_is_swept_by_its_makers_start_time(tmp_path: Path) -> None:
+    """A container's app is pid 1 after every restart: a killed run's blanks (and the
+    old files it kept to recycle) carry its start time, so a new process with the same
+    pid does not keep them alive."""
+    pid = os.getpid()
+    ours = blanks.Blanks(str(tmp_path), submit=lambda make: make()).name()
+    Path(ours).write_bytes(b"kept")
+    (tmp_path / f"blank-{pid}-1-00ff").write_bytes(b"of an earlier run")
+    aged(tmp_path, by_s=2 * blanks.STALE_S)
+    assert sweep(str(tmp_path)) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [Path(ours).name]
