@@ -44,8 +44,10 @@ timestamp's granularity) is what makes that check sufficient.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
 import threading
 import time
 from collections import deque
@@ -57,14 +59,14 @@ HIGH = 32  # ... up to this many
 # milliseconds, and a blank of a live process in another pid namespace (whose id means
 # nothing here) is taken long before, unless that process has idled this long.
 STALE_S = 3600.0
-# An object's old file is written again only this long after it left its key: a reader
-# that opened it earlier and reads it after that sees a ``ctime`` later than half this
-# past its open, and reads the key again (``local_store._reused``).
+# An object's old file is written again at least this long after it left its key: if it
+# ever comes back to that key, its ``ctime`` has moved on, and a reader that opened it
+# before sees the change (``local_store._unchanged``) and reads the key again.
 QUARANTINE_S = 10.0
 # Old files kept to be recycled, per process, at most: more than this (a burst of
 # deletes) are freed. Each is an empty inode and a name in ``.tmp`` once recycled.
 KEEP_MAX = 8192
-# ... and the bytes they hold until their quarantine ends, at most: a file that would
+# ... and the bytes they hold until they are reused, at most: a file that would
 # take more is freed at once (a large object replaced), so recycling never holds much
 # disk (a snapshot is a few KiB; 8,192 of them, tens of MiB).
 KEEP_BYTES = 64 << 20
@@ -130,9 +132,14 @@ class Blanks:
         keep = self._pid == os.getpid()
         if keep:
             try:
-                size = os.stat(path).st_size
+                status = os.lstat(path)
             except OSError:
                 return
+            size = status.st_size
+            # Only a plain file named nowhere else: a link a key held, or a file a backup
+            # also links to, must never be emptied and given another object's bytes.
+            keep = stat.S_ISREG(status.st_mode) and status.st_nlink == 1
+        if keep:
             with self._lock:
                 keep = (
                     not self._closed
@@ -176,8 +183,16 @@ class Blanks:
                 # Emptied through a descriptor closed at once: ext4 flushes a file emptied
                 # by truncation when it is next closed (``auto_da_alloc``), and that close
                 # is here, with nothing to flush, not the next writer's, with its data.
-                os.close(os.open(path, os.O_WRONLY | os.O_TRUNC))
-                os.utime(path)  # fresh to ``sweep``: it kept its object's times
+                # Not followed if a link, never blocked on a FIFO, re-checked once open.
+                fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                try:
+                    status = os.fstat(fd)
+                    if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+                        raise OSError(errno.EINVAL, "not a file of ours alone", path)
+                    os.ftruncate(fd, 0)
+                    os.utime(fd)  # fresh to ``sweep``: it kept its object's times
+                finally:
+                    os.close(fd)
             except FileNotFoundError:  # swept meanwhile (it looked stale): not ours now
                 continue
             except OSError:
@@ -282,7 +297,9 @@ def _alive(name: str) -> bool:
         return False
     except OSError:  # running, under another user
         pass
-    return len(parts) == 3 or parts[2] == _started(int(parts[1]))
+    started = _started(int(parts[1]))
+    # A start time that cannot be read (``/proc`` hidden, another user's) counts as alive.
+    return len(parts) == 3 or not started or parts[2] == started
 
 
 def _started(pid: int) -> str:

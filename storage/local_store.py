@@ -501,12 +501,19 @@ class LocalObjectStore:
         old = ""
         try:
             with self._locked(key, wait=wait):
-                with contextlib.suppress(FileNotFoundError):
-                    if stat.S_ISDIR(os.lstat(path).st_mode):  # refused, as unlink would
-                        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+                try:
+                    there = os.lstat(path)
+                except FileNotFoundError:
+                    there = None
+                if there is not None and stat.S_ISDIR(there.st_mode):  # as unlink would
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+                if there is not None:
                     gone = self._blanks.name()
-                    os.rename(path, gone)  # kept to be recycled (``storage.blanks``)
-                    old = gone
+                    try:
+                        os.rename(path, gone)  # kept to be recycled (``storage.blanks``)
+                        old = gone
+                    except OSError:  # ``.tmp`` removed by hand, say: removed as before
+                        os.unlink(path)
                 ticket = self._log.append(wal.Op.DELETE, key)
         finally:
             if old:
@@ -739,19 +746,23 @@ def _swap_in(tmp: str, path: str) -> bool:
     """Put the file ``tmp`` at ``path``, atomically, as ``os.replace`` does. True if the
     file that was at ``path`` is now at ``tmp`` (one ``renameat2(RENAME_EXCHANGE)``):
     its inode is kept to be recycled, not freed (``storage.blanks``). False if there was
-    none, or the kernel or the file system cannot swap (then ``os.replace``)."""
+    none, or the kernel or the file system cannot swap (then ``os.replace``). A folder at
+    ``path`` is refused before anything moves, as ``os.replace`` refuses it."""
+    try:
+        there = os.lstat(path)
+    except FileNotFoundError:
+        there = None
+    if there is not None and stat.S_ISDIR(there.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     libc = _kernel()
-    if libc is not None and not _no_exchange:
+    if there is not None and libc is not None and not _no_exchange:
         swap = _AT_FDCWD, tmp.encode(), _AT_FDCWD, path.encode(), _RENAME_EXCHANGE
         if libc.renameat2(*swap) == 0:
-            if stat.S_ISDIR(os.lstat(tmp).st_mode):  # a folder where the key's file goes
-                libc.renameat2(*swap)  # swapped back: refused as ``os.replace`` would
-                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
             return True
         err = ctypes.get_errno()
         if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
             _no_exchange.append(True)
-        elif err != errno.ENOENT:  # ENOENT: nothing at ``path`` yet
+        elif err != errno.ENOENT:  # ENOENT: removed since the lstat
             raise OSError(err, os.strerror(err), path)
     os.replace(tmp, path)
     return False
@@ -764,7 +775,8 @@ def _unchanged(opened: os.stat_result, path: str) -> bool:
     key (writes go to new files), so the read saw the key's content. A file recycled
     meanwhile (``storage.blanks``) left its key and was truncated at least
     ``QUARANTINE_S`` later; if it came back to the key since, its ``ctime`` moved on by
-    as much. Needs no clock: a clock stepped back changes nothing here."""
+    as much. Compares the file with itself, not with the wall clock: a clock stepped
+    back leaves fresh objects readable."""
     try:
         now = os.stat(path)
     except FileNotFoundError:

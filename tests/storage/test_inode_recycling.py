@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +31,8 @@ def store(tmp_path: Path) -> Iterator[LocalObjectStore]:
 def quarantine_over(store: LocalObjectStore) -> None:
     """Every kept file's quarantine ends now (no reader of this test is left)."""
     made = store._blanks
+    while made._making:  # a refill under way could take the file the test looks for
+        time.sleep(0.001)
     with made._lock:
         kept = [(0.0, left, path, size) for _, left, path, size in made._cooling]
         made._cooling.clear()
@@ -255,3 +258,27 @@ def test_a_folder_at_a_key_is_neither_replaced_nor_removed(store: LocalObjectSto
         asyncio.run(store.put("a", b"over"))
     assert asyncio.run(store.get("a/b")).data == b"inside"
     assert not store._blanks._cooling
+
+
+def test_a_file_named_elsewhere_too_is_never_recycled(store: LocalObjectStore) -> None:
+    """A key that was a hand-made symlink to another object, or an object a backup
+    hard-linked: emptying it would empty what the other name still shows."""
+    asyncio.run(store.put("real", b"still published"))
+    os.symlink(store._file("real"), store._file("alias"))
+    asyncio.run(store.delete("alias"))
+    backup = Path(store.root) / "backup-of-k"
+    etag = asyncio.run(store.put("k", b"backed up"))
+    os.link(store._file("k"), backup)
+    asyncio.run(store.put_if_match("k", b"newer", etag=etag))
+    assert not store._blanks._cooling, "a shared file was kept to be emptied"
+    assert asyncio.run(store.get("real")).data == b"still published"
+    assert backup.read_bytes() == b"backed up"
+
+
+def test_a_delete_without_the_tmp_folder_still_removes(store: LocalObjectStore) -> None:
+    asyncio.run(store.put("k", b"v"))
+    while store._blanks._making or store._blank_folders._making:  # refills: their end
+        time.sleep(0.001)
+    shutil.rmtree(store._tmp)
+    asyncio.run(store.delete("k"))
+    assert not Path(store._file("k")).exists()
