@@ -123,22 +123,18 @@ class Blanks:
         """A new name for a file of ours in the folder (what ``sweep`` knows as ours)."""
         return f"{self.folder}/blank-{self._tag}-{secrets.token_hex(12)}"
 
-    def recycle(self, path: str) -> None:
-        """``path``, in the folder, holds a file that was an object's until now: kept to
-        be a blank once its removal is on disk and no reader can still be reading it,
-        rather than freed. Freed at once if too many files or bytes are kept, or by a
-        forked child (whose copy of the lock may be held for ever)."""
+    def recycle(self, path: str, status: os.stat_result) -> None:
+        """``path``, in the folder, holds a file that was an object's until now (its
+        ``lstat`` taken at its key, ``status``): kept to be a blank once its removal is
+        on disk and no reader can still be reading it, rather than freed. Freed at once
+        if too many files or bytes are kept, or by a forked child (whose copy of the lock
+        may be held for ever)."""
         left_ns = time.monotonic_ns()
-        keep = self._pid == os.getpid()
-        if keep:
-            try:
-                status = os.lstat(path)
-            except OSError:
-                return
-            size = status.st_size
-            # Only a plain file named nowhere else: a link a key held, or a file a backup
-            # also links to, must never be emptied and given another object's bytes.
-            keep = stat.S_ISREG(status.st_mode) and status.st_nlink == 1
+        size = status.st_size
+        # Only a plain file named nowhere else: a link a key held, or a file a backup
+        # also links to, must never be emptied and given another object's bytes (checked
+        # again, on the open file, before it is emptied: ``_reused``).
+        keep = self._pid == os.getpid() and stat.S_ISREG(status.st_mode) and status.st_nlink == 1
         if keep:
             with self._lock:
                 keep = (

@@ -448,24 +448,24 @@ class LocalObjectStore:
         path = self._file(key)
         self._parent(path)
         tmp = self._write_tmp(data)
-        old = ""
+        placed, old = tmp, None
         try:
             with self._locked(key, wait=wait):
-                old = tmp if _swap_in(tmp, path) else ""
+                old = _swap_in(tmp, path)
                 tmp = ""
                 ticket = self._logged(key, path, data)
         finally:
             if tmp:
                 os.unlink(tmp)
-            if old:
-                self._blanks.recycle(old)
+            if old is not None:
+                self._blanks.recycle(placed, old)
         self._log.sync(ticket)
         return etag_of(data)
 
     def _put_if_match(self, key: str, data: bytes, etag: str, wait: bool = True) -> str:
         path = self._file(key)
         tmp = self._write_tmp(data)
-        old = ""
+        placed, old = tmp, None
         try:
             with self._locked(key, wait=wait):
                 try:
@@ -474,14 +474,14 @@ class LocalObjectStore:
                     raise EtagMismatch(f"object {key!r} no longer exists", key=key) from None
                 if _normal(current) != _normal(etag):
                     raise EtagMismatch(f"object {key!r} changed since it was read", key=key)
-                old = tmp if _swap_in(tmp, path) else ""
+                old = _swap_in(tmp, path)
                 tmp = ""
                 ticket = self._logged(key, path, data)
         finally:
             if tmp:
                 os.unlink(tmp)
-            if old:
-                self._blanks.recycle(old)
+            if old is not None:
+                self._blanks.recycle(placed, old)
         self._log.sync(ticket)
         return etag_of(data)
 
@@ -498,26 +498,21 @@ class LocalObjectStore:
 
     def _delete(self, key: str, wait: bool = True) -> None:
         path = self._file(key)
-        old = ""
+        gone, old = "", None
         try:
             with self._locked(key, wait=wait):
-                try:
-                    there = os.lstat(path)
-                except FileNotFoundError:
-                    there = None
-                if there is not None and stat.S_ISDIR(there.st_mode):  # as unlink would
-                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+                there = _occupant(path)
                 if there is not None:
-                    gone = self._blanks.name()
                     try:
+                        gone = self._blanks.name()
                         os.rename(path, gone)  # kept to be recycled (``storage.blanks``)
-                        old = gone
+                        old = there
                     except OSError:  # ``.tmp`` removed by hand, say: removed as before
                         os.unlink(path)
                 ticket = self._log.append(wal.Op.DELETE, key)
         finally:
-            if old:
-                self._blanks.recycle(old)
+            if old is not None:
+                self._blanks.recycle(gone, old)
         self._log.sync(ticket)
 
     # -- async protocol -------------------------------------------------------------
@@ -742,30 +737,37 @@ _libc: list[ctypes.CDLL | None] = []
 _no_exchange: list[bool] = []  # set once the file system has refused to swap
 
 
-def _swap_in(tmp: str, path: str) -> bool:
-    """Put the file ``tmp`` at ``path``, atomically, as ``os.replace`` does. True if the
-    file that was at ``path`` is now at ``tmp`` (one ``renameat2(RENAME_EXCHANGE)``):
-    its inode is kept to be recycled, not freed (``storage.blanks``). False if there was
-    none, or the kernel or the file system cannot swap (then ``os.replace``). A folder at
-    ``path`` is refused before anything moves, as ``os.replace`` refuses it."""
+def _occupant(path: str) -> os.stat_result | None:
+    """The status of what is at ``path`` (not followed if a link), None if nothing. A
+    folder is refused before anything moves, as ``os.replace`` and ``unlink`` refuse it."""
     try:
         there = os.lstat(path)
     except FileNotFoundError:
-        there = None
-    if there is not None and stat.S_ISDIR(there.st_mode):
+        return None
+    if stat.S_ISDIR(there.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    return there
+
+
+def _swap_in(tmp: str, path: str) -> os.stat_result | None:
+    """Put the file ``tmp`` at ``path``, atomically, as ``os.replace`` does. The status
+    of the file that was at ``path`` if it is now at ``tmp`` (one
+    ``renameat2(RENAME_EXCHANGE)``): its inode is kept to be recycled, not freed
+    (``storage.blanks``). None if there was none, or the kernel or the file system
+    cannot swap (then ``os.replace``)."""
+    there = _occupant(path)
     libc = _kernel()
     if there is not None and libc is not None and not _no_exchange:
         swap = _AT_FDCWD, tmp.encode(), _AT_FDCWD, path.encode(), _RENAME_EXCHANGE
         if libc.renameat2(*swap) == 0:
-            return True
+            return there
         err = ctypes.get_errno()
         if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
             _no_exchange.append(True)
         elif err != errno.ENOENT:  # ENOENT: removed since the lstat
             raise OSError(err, os.strerror(err), path)
     os.replace(tmp, path)
-    return False
+    return None
 
 
 def _unchanged(opened: os.stat_result, path: str) -> bool:

@@ -17,6 +17,7 @@ import pytest
 import storage.local_store as local_store
 from storage import blanks
 from storage.local_store import INLINE_READ_BYTES, LocalObjectStore
+from tests.storage.conftest import refills_done
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -30,9 +31,8 @@ def store(tmp_path: Path) -> Iterator[LocalObjectStore]:
 
 def quarantine_over(store: LocalObjectStore) -> None:
     """Every kept file's quarantine ends now (no reader of this test is left)."""
+    refills_done(store)  # one under way could take the file the test looks for
     made = store._blanks
-    while made._making:  # a refill under way could take the file the test looks for
-        time.sleep(0.001)
     with made._lock:
         kept = [(0.0, left, path, size) for _, left, path, size in made._cooling]
         made._cooling.clear()
@@ -127,8 +127,7 @@ def test_blanks_come_from_recycled_files_once_they_may_be_reused(
     inodes = {os.stat(store._file(f"s/{i}")).st_ino for i in range(40)}
     for i in range(40):
         asyncio.run(store.put_if_match(f"s/{i}", b"v2", etag=etags[i]))
-    while store._blanks._making:  # a refill the writes started: let it finish first
-        time.sleep(0.001)
+    refills_done(store)
     checkpoint(store)
     quarantine_over(store)
     store._blanks._ready.clear()  # the blanks made before: the next ones are made now
@@ -277,8 +276,7 @@ def test_a_file_named_elsewhere_too_is_never_recycled(store: LocalObjectStore) -
 
 def test_a_delete_without_the_tmp_folder_still_removes(store: LocalObjectStore) -> None:
     asyncio.run(store.put("k", b"v"))
-    while store._blanks._making or store._blank_folders._making:  # refills: their end
-        time.sleep(0.001)
+    refills_done(store)
     shutil.rmtree(store._tmp)
     asyncio.run(store.delete("k"))
     assert not Path(store._file("k")).exists()

@@ -27,6 +27,7 @@ from storage.local_store import (
     LocalObjectStore,
 )
 from tests.conftest import eventually
+from tests.storage.conftest import refills_done
 from torpor.errors import ObjectExists, StorageUnavailable
 from torpor.ports import ListPage
 
@@ -37,9 +38,8 @@ def leftovers(store: LocalObjectStore) -> list[Path]:
     """Files in the store's ``.tmp`` folder that it does not account for: neither the
     empty ones it keeps ready for the next writes nor the old files of objects it keeps
     to recycle (``storage.blanks``)."""
+    refills_done(store)
     made = store._blanks
-    while made._making or store._blank_folders._making:  # a refill under way: its end
-        time.sleep(0.001)
     ours = {*made._ready, *store._blank_folders._ready} | {e[2] for e in made._cooling}
     return [p for p in (store.root / ".tmp").iterdir() if str(p) not in ours]
 
