@@ -72,6 +72,7 @@ from torpor.errors import (
     ObjectNotFound,
     StorageUnavailable,
 )
+from torpor.faults import CrashPoint, crash_point
 from torpor.ports import ListPage, Staged, StoredObject, already_durable
 
 P = ParamSpec("P")
@@ -453,6 +454,7 @@ class LocalObjectStore:
             with self._locked(key, wait=wait):
                 old = _swap_in(tmp, path)
                 tmp = ""
+                crash_point(CrashPoint.STORE_AFTER_SWAP)
                 ticket = self._logged(key, path, data)
         finally:
             if tmp:
@@ -476,6 +478,7 @@ class LocalObjectStore:
                     raise EtagMismatch(f"object {key!r} changed since it was read", key=key)
                 old = _swap_in(tmp, path)
                 tmp = ""
+                crash_point(CrashPoint.STORE_AFTER_SWAP)
                 ticket = self._logged(key, path, data)
         finally:
             if tmp:
@@ -507,6 +510,7 @@ class LocalObjectStore:
                         gone = self._blanks.name()
                         os.rename(path, gone)  # kept to be recycled (``storage.blanks``)
                         old = there
+                        crash_point(CrashPoint.STORE_AFTER_MOVE)
                     except OSError:  # ``.tmp`` removed by hand, say: removed as before
                         os.unlink(path)
                 ticket = self._log.append(wal.Op.DELETE, key)

@@ -1,0 +1,106 @@
+"""A process killed inside the local folder store's replace or delete, at the named
+points between the move on disk and its log record (``torpor.faults``): the next store
+finds the key as the move left it (a process crash loses nothing: the page cache is the
+kernel's), the object's old file in ``.tmp`` under the dead writer's name, never handed
+out by anyone else, and swept once stale. A real child process dies by SIGKILL there."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from storage import blanks
+from storage.local_store import LocalObjectStore
+from tests.conftest import eventually
+from torpor.errors import ObjectNotFound
+from torpor.faults import ENV, CrashPoint
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[2]
+OLD, NEW = b"the old content, v1", b"the new content, v2"
+
+CHILD = """
+import asyncio, os, sys
+from storage.local_store import LocalObjectStore
+
+async def main(folder, op, old, new):
+    store = LocalObjectStore(folder)
+    etag = await store.put_if_absent("sessions/k", old)
+    print(os.getpid(), flush=True)
+    if op == "put":
+        await store.put("sessions/k", new)
+    elif op == "cas":
+        await store.put_if_match("sessions/k", new, etag=etag)
+    else:
+        await store.delete("sessions/k")
+    print("survived", flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], *(a.encode() for a in sys.argv[3:5])))
+"""
+
+
+def killed_at(point: CrashPoint, folder: Path, op: str) -> int:
+    """Run ``op`` on a fresh key in a child told to die at ``point``; its pid."""
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(folder), op, OLD.decode(), NEW.decode()],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": str(ROOT), ENV: point.value},
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    assert b"survived" not in child.stdout
+    return int(child.stdout.split()[0])
+
+
+def holding(tmp: Path, content: bytes) -> list[Path]:
+    return [p for p in tmp.iterdir() if p.is_file() and p.read_bytes() == content]
+
+
+def read(store: LocalObjectStore, key: str) -> bytes | None:
+    try:
+        return asyncio.run(store.get(key)).data
+    except ObjectNotFound:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("point", "op", "left"),
+    [
+        (CrashPoint.STORE_AFTER_SWAP, "put", NEW),
+        (CrashPoint.STORE_AFTER_SWAP, "cas", NEW),
+        (CrashPoint.STORE_AFTER_MOVE, "delete", None),
+    ],
+)
+def test_a_writer_killed_between_the_move_and_its_log_record_leaves_the_key_whole(
+    tmp_path: Path, point: CrashPoint, op: str, left: bytes | None
+) -> None:
+    pid = killed_at(point, tmp_path, op)
+    tmp = tmp_path / ".tmp"
+    [old] = holding(tmp, OLD)  # the object's old file, moved out of its key intact
+    assert old.name.startswith(f"blank-{pid}-"), old.name
+
+    store = LocalObjectStore(tmp_path)  # sweeps at open: the old file is young, it stays
+    assert read(store, "sessions/k") == left
+    # This store's own writes never take a dead writer's file: it is not theirs to empty.
+    for i in range(50):
+        asyncio.run(store.put(f"inbox/s/e{i}", b"%d" % i))
+        asyncio.run(store.delete(f"inbox/s/e{i}"))
+    assert holding(tmp, OLD) == [old]
+    asyncio.run(store.put("sessions/k", b"v3"))
+    assert read(store, "sessions/k") == b"v3"
+    asyncio.run(store.close())
+
+    at = old.stat().st_mtime - blanks.STALE_S - 60
+    os.utime(old, (at, at))
+    after = LocalObjectStore(tmp_path)  # its maker is gone and it is stale: swept
+    asyncio.run(eventually(lambda: not old.exists(), timeout_s=10.0, what="the sweep"))
+    assert read(after, "sessions/k") == b"v3"
+    asyncio.run(after.close())
