@@ -39,6 +39,16 @@ And no reader may still be reading it: a reader that opened the old file before 
 was swapped out checks after its read that the key still names the same file, unchanged
 (``local_store._unchanged``), and the quarantine (``QUARANTINE_S``, far longer than a
 timestamp's granularity) is what makes that check sufficient.
+
+**Kept files outlive their process** (``spare``). A store that closes (a replica or pool
+host restarting) held up to ``KEEP_MAX`` kept files, and a burst of deletes (retention)
+more than that: freeing them all at once slowed every create on the file system for
+minutes (the search above), the next process's included. They are moved instead into
+the shared ``spare`` folder, named with the time they left their keys and the boot, and
+any store of the folder takes them from there when it has no kept file of its own ready
+(a rename: one process wins each), under the same two conditions. At most
+``SPARE_MAX`` wait there; past that they are freed as before. A spare of another boot
+is removed by ``sweep`` (its times mean nothing now).
 """
 
 from __future__ import annotations
@@ -64,12 +74,20 @@ STALE_S = 3600.0
 # before sees the change (``local_store._unchanged``) and reads the key again.
 QUARANTINE_S = 10.0
 # Old files kept to be recycled, per process, at most: more than this (a burst of
-# deletes) are freed. Each is an empty inode and a name in ``.tmp`` once recycled.
+# deletes) are handed over (``spare``) or freed. Each is an empty inode and a name in
+# ``.tmp`` once recycled.
 KEEP_MAX = 8192
 # ... and the bytes they hold until they are reused, at most: a file that would
-# take more is freed at once (a large object replaced), so recycling never holds much
-# disk (a snapshot is a few KiB; 8,192 of them, tens of MiB).
+# take more is handed over or freed at once (a large object replaced: freed), so
+# recycling never holds much disk (a snapshot is a few KiB; 8,192 of them, tens of MiB).
 KEEP_BYTES = 64 << 20
+# Kept files handed to other processes (``spare``), at most, in all: an inode and a
+# name each (they hold their old content until taken).
+SPARE_MAX = 16384
+# ... each holding at most this much until it is taken (a snapshot is a few KiB): a
+# larger file is freed, so the folder never holds more than ``SPARE_MAX`` times this.
+SPARE_FILE_BYTES = 16 << 10
+SPARE = "spare"  # the shared folder, inside the blanks' folder
 
 
 class Blanks:
@@ -83,8 +101,16 @@ class Blanks:
         submit: Callable[[Callable[[], None]], object],
         folders: bool = False,
         settled: Callable[[], int] = lambda: 0,
+        boot: str = "",
     ) -> None:
         self.folder = folder
+        # Files are handed to and taken from other processes through ``spare`` only with
+        # a boot to name them by (``CLOCK_MONOTONIC`` times compare within one boot).
+        self._boot = "" if folders else boot
+        self._spare = f"{folder}/{SPARE}"
+        self._spares: deque[tuple[int, str]] = deque()  # (left its key, ns; name), listed
+        self._spares_listed_at = float("-inf")
+        self._spares_seen = -1  # how many were there at the last listing (-1: not listed)
         # The ``CLOCK_MONOTONIC`` time (ns) before which every change is on disk (the
         # log's checkpoint mark): a kept file is reused only once it left its key before.
         self._settled = settled
@@ -126,9 +152,10 @@ class Blanks:
     def recycle(self, path: str, status: os.stat_result) -> None:
         """``path``, in the folder, holds a file that was an object's until now (its
         ``lstat`` taken at its key, ``status``): kept to be a blank once its removal is
-        on disk and no reader can still be reading it, rather than freed. Freed at once
-        if too many files or bytes are kept, or by a forked child (whose copy of the lock
-        may be held for ever)."""
+        on disk and no reader can still be reading it, rather than freed. Past this
+        process's bounds it is handed over (``spare``) if there is room there, else
+        freed; freed at once by a forked child (whose copy of the lock may be held for
+        ever)."""
         left_ns = time.monotonic_ns()
         size = status.st_size
         # Only a plain file named nowhere else: a link a key held, or a file a backup
@@ -146,9 +173,41 @@ class Blanks:
                     due = left_ns / 1e9 + QUARANTINE_S
                     self._cooling.append((due, left_ns, path, size))
                     self._kept_bytes += size
-        if not keep:
+        if not keep and not (self._pid == os.getpid() and self._hand_over(path, left_ns, size)):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+    def _hand_over(self, path: str, left_ns: int, size: int = 0) -> bool:
+        """Move the file ``path`` (of ours, ``size`` bytes, which left its key at
+        ``left_ns``; 0 if it never held an object's bytes or may be written again
+        already) to ``spare`` for any store of the folder to take; False if it was not
+        (no boot, too large, ``spare`` full)."""
+        if not self._boot or size > SPARE_FILE_BYTES:
+            return False
+        with self._lock:
+            if self._spares_seen < 0:
+                try:
+                    self._spares_seen = len(os.listdir(self._spare))
+                except FileNotFoundError:
+                    self._spares_seen = 0
+                except OSError:
+                    return False
+            if self._spares_seen >= SPARE_MAX:
+                return False
+            self._spares_seen += 1
+        target = f"{self._spare}/{left_ns}-{secrets.token_hex(12)}-{self._boot}"
+        for _ in range(2):
+            try:
+                os.rename(path, target)
+                return True
+            except FileNotFoundError:
+                if not os.path.exists(path):
+                    return False  # swept meanwhile: nothing to hand over
+                with contextlib.suppress(OSError):
+                    os.mkdir(self._spare)  # made on the first hand-over
+            except OSError:
+                return False
+        return False
 
     def _settled_ns(self) -> int:
         """``settled()``, read again at most once a second (it reads a file)."""
@@ -159,43 +218,64 @@ class Blanks:
 
     def _reused(self) -> str | None:
         """The oldest kept file that may be written again, truncated; None if none."""
-        settled: int | None = None
         while True:
             with self._lock:
                 head = self._cooling[0] if self._cooling else None
             if head is None or head[0] > time.monotonic():
-                return None
-            if settled is None:
-                settled = self._settled_ns()
-            if head[1] >= settled:
+                return None  # its quarantine is not over
+            if head[1] >= self._settled_ns():
                 return None  # its removal may not be on disk yet: after the next checkpoint
             with self._lock:
                 if not self._cooling or self._cooling[0] is not head:
                     continue  # emptied by ``close`` meanwhile
                 self._cooling.popleft()
                 self._kept_bytes -= head[3]
-            path = head[2]
-            try:
-                # Emptied through a descriptor closed at once: ext4 flushes a file emptied
-                # by truncation when it is next closed (``auto_da_alloc``), and that close
-                # is here, with nothing to flush, not the next writer's, with its data.
-                # Not followed if a link, never blocked on a FIFO, re-checked once open.
-                fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            if _emptied(head[2]):
+                return head[2]
+
+    def _may_reuse(self, left_ns: int) -> bool:
+        """Whether a spare that left its key at ``left_ns`` may be written again, as a
+        kept file of ours (``_reused``): its quarantine is over, and a checkpoint begun
+        after it left the key has completed (its removal is on disk)."""
+        if left_ns == 0:
+            return True  # never an object's, or cleared for reuse before it was handed over
+        if left_ns / 1e9 + QUARANTINE_S > time.monotonic():
+            return False
+        return left_ns < self._settled_ns()
+
+    def _claimed(self) -> str | None:
+        """A file another process handed over (``spare``) that may be written again, now
+        ours and emptied; None if none (``spare`` is listed again at most once a second)."""
+        if not self._boot:
+            return None
+        while True:
+            if not self._spares:
+                now = time.monotonic()
+                if now - self._spares_listed_at < 1.0:
+                    return None
+                self._spares_listed_at = now
                 try:
-                    status = os.fstat(fd)
-                    if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
-                        raise OSError(errno.EINVAL, "not a file of ours alone", path)
-                    os.ftruncate(fd, 0)
-                    os.utime(fd)  # fresh to ``sweep``: it kept its object's times
-                finally:
-                    os.close(fd)
-            except FileNotFoundError:  # swept meanwhile (it looked stale): not ours now
-                continue
+                    names = os.listdir(self._spare)
+                except OSError:
+                    return None
+                with self._lock:
+                    self._spares_seen = len(names)
+                self._spares = deque(sorted(_spares_of(names, self._boot)))
+                if not self._spares:
+                    return None
+            left_ns, name = self._spares[0]
+            if not self._may_reuse(left_ns):
+                return None  # the oldest is not ready: none after it is either
+            self._spares.popleft()
+            path = self.name()
+            try:
+                os.rename(f"{self._spare}/{name}", path)
             except OSError:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                continue
-            return path
+                continue  # another process took it first
+            with self._lock:
+                self._spares_seen -= 1
+            if _emptied(path):
+                return path
 
     def give_back(self, path: str) -> None:
         """A blank taken and not used: the next ``take`` has it."""
@@ -212,7 +292,7 @@ class Blanks:
                     path = f"{self.folder}/blank-d-{self._tag}-{secrets.token_hex(12)}"
                     os.mkdir(path)
                 else:
-                    reused = self._reused()
+                    reused = self._reused() or self._claimed()
                     if reused is None:
                         path = self.name()
                         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -228,31 +308,76 @@ class Blanks:
                 self.close()
 
     def close(self) -> None:
-        """Remove the blanks not handed out, and the old files kept to be recycled."""
+        """Hand the kept files and the blanks not handed out to other processes
+        (``spare``), or, for folders, past its bounds or without a boot, remove them."""
         self._closed = True
         if self._pid != os.getpid():
             return
         with self._lock:
             kept, self._kept_bytes = list(self._cooling), 0
             self._cooling.clear()
-        for _, _, path, _ in kept:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        for _, left_ns, path, size in kept:
+            if not self._hand_over(path, left_ns, size):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         while True:
             try:
                 path = self._ready.popleft()
             except IndexError:
                 return
-            with contextlib.suppress(OSError):
-                (os.rmdir if self.folders else os.unlink)(path)
+            if self.folders:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            elif not self._hand_over(path, 0):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
-def sweep(folder: str, *, older_than_s: float = STALE_S) -> int:
+def _emptied(path: str) -> bool:
+    """Empty the kept file at ``path`` (ours, in the folder) to be written again: False
+    (and freed, if it is there) if it is not a plain file named nowhere else."""
+    try:
+        # Emptied through a descriptor closed at once: ext4 flushes a file emptied by
+        # truncation when it is next closed (``auto_da_alloc``), and that close is here,
+        # with nothing to flush, not the next writer's, with its data. Not followed if a
+        # link, never blocked on a FIFO, re-checked once open.
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+                raise OSError(errno.EINVAL, "not a file of ours alone", path)
+            os.ftruncate(fd, 0)
+            os.utime(fd)  # fresh to ``sweep``: it kept its object's times
+        finally:
+            os.close(fd)
+    except FileNotFoundError:  # swept meanwhile (it looked stale): not ours now
+        return False
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return False
+    return True
+
+
+def _spares_of(names: list[str], boot: str) -> list[tuple[int, str]]:
+    """The spares among ``names`` handed over in ``boot``: (left its key, ns; name)."""
+    suffix = f"-{boot}"
+    found = []
+    for name in names:
+        if name.endswith(suffix):
+            left, _, _ = name.partition("-")
+            if left.isdigit():
+                found.append((int(left), name))
+    return found
+
+
+def sweep(folder: str, *, older_than_s: float = STALE_S, boot: str | None = None) -> int:
     """Remove from ``folder`` what killed processes left there, older than
     ``older_than_s``: blanks whose maker is no longer running, and temporary files of
-    writes that never finished. Returns how many were removed. Best effort: a store
-    works the same with them there, they only take inodes."""
-    removed = 0
+    writes that never finished; with ``boot``, the spares handed over in another boot.
+    Returns how many were removed. Best effort: a store works the same with them there,
+    they only take inodes."""
+    removed = 0 if boot is None else _sweep_spares(f"{folder}/{SPARE}", boot)
     cutoff = time.time() - older_than_s
     try:
         entries = list(os.scandir(folder))
@@ -273,6 +398,22 @@ def sweep(folder: str, *, older_than_s: float = STALE_S) -> int:
         except OSError:
             continue
         removed += 1
+    return removed
+
+
+def _sweep_spares(spare: str, boot: str) -> int:
+    """Remove the spares of other boots: the times in their names mean nothing now."""
+    removed = 0
+    try:
+        names = os.listdir(spare)
+    except OSError:
+        return 0
+    ours = {name for _, name in _spares_of(names, boot)}
+    for name in names:
+        if name not in ours:
+            with contextlib.suppress(OSError):
+                os.unlink(f"{spare}/{name}")
+                removed += 1
     return removed
 
 

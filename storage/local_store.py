@@ -250,7 +250,7 @@ class LocalObjectStore:
         self._inline = _Inline()
         self._locks = _Stripes(str(self.root / _LOCKS))
         # What killed processes left in ``.tmp`` (made-ahead blanks, half-done writes).
-        _threads().submit(blanks.sweep, self._tmp)
+        _threads().submit(blanks.sweep, self._tmp, boot=wal.boot_id())
         folder = str(self.root / _WAL)
         boot = wal.boot_id()
         self._blanks = blanks.Blanks(
@@ -259,6 +259,7 @@ class LocalObjectStore:
             # The log's checkpoint mark; nothing that holds the store (its finalizer
             # holds this object: a reference back would keep the store for ever).
             settled=functools.partial(wal.read_mark, folder, boot),
+            boot=boot,  # kept files are handed between processes (``spare``)
         )
         self._blank_folders = blanks.Blanks(
             self._tmp, submit=lambda make: _threads().submit(make), folders=True

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import storage.local_store as local_store
-from storage import blanks
+from storage import blanks, wal
 from storage.local_store import INLINE_READ_BYTES, LocalObjectStore
 from tests.storage.conftest import refills_done
 
@@ -136,20 +136,37 @@ def test_blanks_come_from_recycled_files_once_they_may_be_reused(
     assert made and made <= inodes, "new inodes were made while recycled ones waited"
 
 
-def test_past_the_limit_a_replaced_file_is_freed(
+def spares(store: LocalObjectStore) -> dict[int, str]:
+    """The files handed over to other processes: inode -> name."""
+    folder = Path(store._tmp) / blanks.SPARE
+    return {p.stat().st_ino: p.name for p in folder.iterdir()} if folder.exists() else {}
+
+
+def test_past_the_limit_a_replaced_file_is_handed_over_and_past_the_spares_freed(
     store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(blanks, "KEEP_MAX", 1)
+    monkeypatch.setattr(blanks, "SPARE_MAX", 1)
     etag = asyncio.run(store.put("k", b"v1"))
-    etag = asyncio.run(store.put_if_match("k", b"v2", etag=etag))
-    assert links_after_replacing(store, "k", etag, b"v3") == 0, "kept past the limit"
-    assert len(store._blanks._cooling) == 1
+    etag = asyncio.run(store.put_if_match("k", b"v2", etag=etag))  # v1's file: kept
+    fd = file_of(store, "k")
+    try:
+        etag = asyncio.run(store.put_if_match("k", b"v3", etag=etag))
+        handed = spares(store).get(os.fstat(fd).st_ino)
+    finally:
+        os.close(fd)
+    assert handed is not None, "past the limit, v2's file goes to the spare folder"
+    left_ns, _, boot = handed.split("-", 2)
+    assert int(left_ns) > 0 and boot == wal.boot_id()
+    assert links_after_replacing(store, "k", etag, b"v4") == 0, "freed past both limits"
+    assert len(store._blanks._cooling) == 1 and len(spares(store)) == 1
 
 
 def test_a_replaced_file_past_the_byte_budget_is_freed(
     store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(blanks, "KEEP_BYTES", 1000)
+    monkeypatch.setattr(blanks, "SPARE_MAX", 0)  # nothing handed over: freed
     etag = asyncio.run(store.put("small", b"s" * 600))
     asyncio.run(store.put_if_match("small", b"t", etag=etag))
     etag = asyncio.run(store.put("large", b"l" * 600))
