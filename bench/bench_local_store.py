@@ -13,6 +13,14 @@ run's cleanup slows the next). Flushes are counted by wrapping
 ``os.fsync`` and ``os.fdatasync`` for the run, so the same script measures an older
 checkout too (``PYTHONPATH=<checkout>``): the figures to compare come from one run of
 each, back to back.
+
+``--restart N`` then measures what a process that exits leaves the next one: a child
+process runs ``--churn``'s rounds for a while (its replaced files kept to be recycled),
+closes its store and exits; ``--restart-pause`` seconds later (11: past the quarantine
+of its kept files) a new store in this process creates objects one at a time (a
+webhook's inbox event in a new folder each): p50 and CPU per create, and the inodes the
+file system allocated for them (its free count before and after: run it on a quiet
+machine).
 """
 
 from __future__ import annotations
@@ -112,6 +120,31 @@ async def churn(store: LocalObjectStore, rounds: int) -> tuple[float, float, flo
     )
 
 
+async def after_restart(
+    folder: str, rounds: int, creates: int, pause_s: float
+) -> tuple[float, float, float]:
+    """A child churns ``rounds`` rounds on ``folder`` and exits; ``pause_s`` later,
+    ``creates`` creates here: (p50 ms, CPU ms per create, inodes allocated per create)."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--child-churn", str(rounds), "--folder", folder
+    )
+    assert await child.wait() == 0
+    # What a restart takes at least (a Ray worker's start is seconds here), and the
+    # quarantine a kept file waits out before anyone writes it again (``storage.blanks``).
+    await asyncio.sleep(pause_s)
+    store = LocalObjectStore(folder)
+    times: list[float] = []
+    free0, cpu0 = os.statvfs(folder).f_ffree, os.times()
+    for _ in range(creates):
+        started = time.perf_counter()
+        await store.put_if_absent(f"inbox/{secrets.token_hex(8)}/e", b"e" * 700)
+        times.append(time.perf_counter() - started)
+    cpu1, made = os.times(), os.statvfs(folder).f_ffree - free0
+    await store.close()
+    cpu = (cpu1.user - cpu0.user + cpu1.system - cpu0.system) / creates * 1000
+    return statistics.median(times) * 1000, cpu, -made / creates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=300)
@@ -120,13 +153,29 @@ def main() -> None:
     parser.add_argument(
         "--churn", type=int, default=3000, help="rounds of 3 creates + 3 compare-and-swaps"
     )
+    parser.add_argument(
+        "--restart", type=int, default=0, help="creates after a churning process exited"
+    )
+    parser.add_argument(
+        "--restart-pause", type=float, default=11.0, help="seconds between exit and creates"
+    )
+    parser.add_argument("--child-churn", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child_churn:  # the process that exits (``--restart``)
+        asyncio.run(churn(LocalObjectStore(args.folder), args.child_churn))
+        return
     os.fsync = counted(os.fsync)
     os.fdatasync = counted(os.fdatasync)
     with tempfile.TemporaryDirectory(dir=args.folder) as tmp:
         store = LocalObjectStore(tmp)
         figures = asyncio.run(measure(store, args.n, args.gap_ms / 1000))
         churned = asyncio.run(churn(store, args.churn)) if args.churn else None
+        restarted = None
+        if args.restart:
+            asyncio.run(store.close())
+            fresh = f"{tmp}/restart"
+            rounds = max(args.churn, 1000)
+            restarted = asyncio.run(after_restart(fresh, rounds, args.restart, args.restart_pause))
     print(f"local folder store at {ROOT} (n={args.n}, {args.gap_ms} ms between operations)")
     for name, (ms, flushes) in figures.items():
         print(f"  {name}: p50 {ms:.3f} ms, {flushes:.1f} flushes each")
@@ -135,6 +184,12 @@ def main() -> None:
         print(
             f"  3 creates + 3 compare-and-swaps back to back ({args.churn} rounds): p50 {p50:.2f}"
             f" ms a round, {cpu:.2f} ms CPU ({kernel:.2f} in the kernel)"
+        )
+    if restarted is not None:
+        p50, cpu, made = restarted
+        print(
+            f"  after a churning process exited: {args.restart} creates, p50 {p50:.3f} ms,"
+            f" {cpu:.3f} ms CPU, {made:.2f} inodes allocated each"
         )
 
 
