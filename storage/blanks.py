@@ -46,15 +46,19 @@ more than that: freeing them all at once slowed every create on the file system 
 minutes (the search above), the next process's included. They are moved instead into
 the shared ``spare`` folder, named with the time they left their keys and the boot, and
 any store of the folder takes them from there when it has no kept file of its own ready
-(a rename: one process wins each), under the same two conditions. At most
-``SPARE_MAX`` wait there; past that they are freed as before. A spare of another boot
-is removed by ``sweep`` (its times mean nothing now).
+(a rename: one process wins each), under the same two conditions. About ``SPARE_MAX``
+wait there at most (each process counts them again once a second), past that they are
+freed as before. A spare of another boot is removed by ``sweep`` (its times mean
+nothing now), and one still holding an object's bytes an hour after it left its key by
+``sweep`` or by any store that lists the folder: a deleted object's bytes never wait
+there for ever.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import secrets
 import stat
@@ -88,6 +92,7 @@ SPARE_MAX = 16384
 # larger file is freed, so the folder never holds more than ``SPARE_MAX`` times this.
 SPARE_FILE_BYTES = 16 << 10
 SPARE = "spare"  # the shared folder, inside the blanks' folder
+RELIST_S = 1.0  # ``spare`` is listed (and counted) again at most this often per process
 
 
 class Blanks:
@@ -110,7 +115,8 @@ class Blanks:
         self._spare = f"{folder}/{SPARE}"
         self._spares: deque[tuple[int, str]] = deque()  # (left its key, ns; name), listed
         self._spares_listed_at = float("-inf")
-        self._spares_seen = -1  # how many were there at the last listing (-1: not listed)
+        self._spares_seen = 0  # how many are there, as last counted (plus ours since)
+        self._counted_at = float("-inf")
         # The ``CLOCK_MONOTONIC`` time (ns) before which every change is on disk (the
         # log's checkpoint mark): a kept file is reused only once it left its key before.
         self._settled = settled
@@ -158,10 +164,12 @@ class Blanks:
         ever)."""
         left_ns = time.monotonic_ns()
         size = status.st_size
+        ours = self._pid == os.getpid()
         # Only a plain file named nowhere else: a link a key held, or a file a backup
         # also links to, must never be emptied and given another object's bytes (checked
-        # again, on the open file, before it is emptied: ``_reused``).
-        keep = self._pid == os.getpid() and stat.S_ISREG(status.st_mode) and status.st_nlink == 1
+        # again, on the open file, before it is emptied: ``_emptied``), nor handed over.
+        plain = stat.S_ISREG(status.st_mode) and status.st_nlink == 1
+        keep = ours and plain
         if keep:
             with self._lock:
                 keep = (
@@ -173,7 +181,18 @@ class Blanks:
                     due = left_ns / 1e9 + QUARANTINE_S
                     self._cooling.append((due, left_ns, path, size))
                     self._kept_bytes += size
-        if not keep and not (self._pid == os.getpid() and self._hand_over(path, left_ns, size)):
+        if keep:
+            return
+        if ours and plain and self._boot and size <= SPARE_FILE_BYTES and not self._closed:
+            # Handed over in a worker thread: it may list ``spare`` first (the caller may
+            # be an event loop). Until then it is a file of ours in the folder, as any.
+            self._submit(functools.partial(self._hand_over_or_free, path, left_ns, size))
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+    def _hand_over_or_free(self, path: str, left_ns: int, size: int) -> None:
+        if not self._hand_over(path, left_ns, size):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
@@ -184,14 +203,20 @@ class Blanks:
         (no boot, too large, ``spare`` full)."""
         if not self._boot or size > SPARE_FILE_BYTES:
             return False
+        now = time.monotonic()
+        if now - self._counted_at >= RELIST_S:
+            # What every process handed over and took since: counted again at most once
+            # a second, so the bound holds for the folder (give or take a second of
+            # hand-overs), and room made by others is seen.
+            try:
+                count = len(os.listdir(self._spare))
+            except FileNotFoundError:
+                count = 0
+            except OSError:
+                return False
+            with self._lock:
+                self._spares_seen, self._counted_at = count, now
         with self._lock:
-            if self._spares_seen < 0:
-                try:
-                    self._spares_seen = len(os.listdir(self._spare))
-                except FileNotFoundError:
-                    self._spares_seen = 0
-                except OSError:
-                    return False
             if self._spares_seen >= SPARE_MAX:
                 return False
             self._spares_seen += 1
@@ -202,11 +227,13 @@ class Blanks:
                 return True
             except FileNotFoundError:
                 if not os.path.exists(path):
-                    return False  # swept meanwhile: nothing to hand over
+                    break  # swept meanwhile: nothing to hand over
                 with contextlib.suppress(OSError):
                     os.mkdir(self._spare)  # made on the first hand-over
             except OSError:
-                return False
+                break
+        with self._lock:
+            self._spares_seen -= 1
         return False
 
     def _settled_ns(self) -> int:
@@ -249,18 +276,11 @@ class Blanks:
         if not self._boot:
             return None
         while True:
-            if not self._spares:
-                now = time.monotonic()
-                if now - self._spares_listed_at < 1.0:
-                    return None
-                self._spares_listed_at = now
-                try:
-                    names = os.listdir(self._spare)
-                except OSError:
-                    return None
-                with self._lock:
-                    self._spares_seen = len(names)
-                self._spares = deque(sorted(_spares_of(names, self._boot)))
+            if not self._spares or (
+                not self._may_reuse(self._spares[0][0]) and self._listed_long_ago()
+            ):
+                if self._listed_long_ago():
+                    self._list_spares()
                 if not self._spares:
                     return None
             left_ns, name = self._spares[0]
@@ -276,6 +296,29 @@ class Blanks:
                 self._spares_seen -= 1
             if _emptied(path):
                 return path
+
+    def _listed_long_ago(self) -> bool:
+        return time.monotonic() - self._spares_listed_at >= RELIST_S
+
+    def _list_spares(self) -> None:
+        """List ``spare`` again: this boot's spares, oldest first. Those that still hold
+        an object's bytes an hour after they left its key are removed: a deleted
+        object's bytes do not wait there for ever when nobody takes them."""
+        self._spares_listed_at = time.monotonic()
+        self._spares.clear()
+        try:
+            names = os.listdir(self._spare)
+        except OSError:
+            return
+        stale = time.monotonic_ns() - int(STALE_S * 1e9)
+        found = []
+        for left_ns, name in sorted(_spares_of(names, self._boot)):
+            if 0 < left_ns < stale:
+                with contextlib.suppress(OSError):
+                    os.unlink(f"{self._spare}/{name}")
+            else:
+                found.append((left_ns, name))
+        self._spares.extend(found)
 
     def give_back(self, path: str) -> None:
         """A blank taken and not used: the next ``take`` has it."""
@@ -366,7 +409,7 @@ def _spares_of(names: list[str], boot: str) -> list[tuple[int, str]]:
     for name in names:
         if name.endswith(suffix):
             left, _, _ = name.partition("-")
-            if left.isdigit():
+            if left.isascii() and left.isdigit():
                 found.append((int(left), name))
     return found
 
@@ -402,13 +445,15 @@ def sweep(folder: str, *, older_than_s: float = STALE_S, boot: str | None = None
 
 
 def _sweep_spares(spare: str, boot: str) -> int:
-    """Remove the spares of other boots: the times in their names mean nothing now."""
+    """Remove the spares of other boots (the times in their names mean nothing now), and
+    this boot's that still hold an object's bytes an hour after it left its key."""
     removed = 0
     try:
         names = os.listdir(spare)
     except OSError:
         return 0
-    ours = {name for _, name in _spares_of(names, boot)}
+    stale = time.monotonic_ns() - int(STALE_S * 1e9)
+    ours = {name for left_ns, name in _spares_of(names, boot) if not 0 < left_ns < stale}
     for name in names:
         if name not in ours:
             with contextlib.suppress(OSError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -29,4 +29,14 @@ def refills_done(store: LocalObjectStore, timeout_s: float = 10.0) -> None:
     while any(m._making for m in made):
         if time.monotonic() > deadline:
             raise AssertionError(f"the store's refills did not end within {timeout_s}s")
+        time.sleep(0.001)
+
+
+def until(condition: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:
+    """Wait (``timeout_s`` at most) for ``condition()``: what a store's worker thread
+    does after the call that asked for it returned (a hand-over to ``spare``)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
         time.sleep(0.001)

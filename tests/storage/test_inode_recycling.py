@@ -17,7 +17,7 @@ import pytest
 import storage.local_store as local_store
 from storage import blanks, wal
 from storage.local_store import INLINE_READ_BYTES, LocalObjectStore
-from tests.storage.conftest import refills_done
+from tests.storage.conftest import refills_done, until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -152,14 +152,29 @@ def test_past_the_limit_a_replaced_file_is_handed_over_and_past_the_spares_freed
     fd = file_of(store, "k")
     try:
         etag = asyncio.run(store.put_if_match("k", b"v3", etag=etag))
-        handed = spares(store).get(os.fstat(fd).st_ino)
+        ino = os.fstat(fd).st_ino
+        until(lambda: ino in spares(store), "past the limit, v2's file goes to spare")
     finally:
         os.close(fd)
-    assert handed is not None, "past the limit, v2's file goes to the spare folder"
-    left_ns, _, boot = handed.split("-", 2)
+    left_ns, _, boot = spares(store)[ino].split("-", 2)
     assert int(left_ns) > 0 and boot == wal.boot_id()
-    assert links_after_replacing(store, "k", etag, b"v4") == 0, "freed past both limits"
+    assert freed_after_replacing(store, "k", etag, b"v4"), "freed past both limits"
     assert len(store._blanks._cooling) == 1 and len(spares(store)) == 1
+
+
+def freed_after_replacing(store: LocalObjectStore, key: str, etag: str, data: bytes) -> bool:
+    """Whether ``key``'s file is freed (no name left) once ``key`` is swapped to
+    ``data``: past the bounds that happens in a worker thread, after the call."""
+    fd = file_of(store, key)
+    try:
+        asyncio.run(store.put_if_match(key, data, etag=etag))
+        try:
+            until(lambda: os.fstat(fd).st_nlink == 0, "freed", timeout_s=5.0)
+        except AssertionError:
+            return False
+        return True
+    finally:
+        os.close(fd)
 
 
 def test_a_replaced_file_past_the_byte_budget_is_freed(
@@ -170,7 +185,7 @@ def test_a_replaced_file_past_the_byte_budget_is_freed(
     etag = asyncio.run(store.put("small", b"s" * 600))
     asyncio.run(store.put_if_match("small", b"t", etag=etag))
     etag = asyncio.run(store.put("large", b"l" * 600))
-    freed = links_after_replacing(store, "large", etag, b"m") == 0
+    freed = freed_after_replacing(store, "large", etag, b"m")
     assert freed, "kept past the byte budget (600 + 600 > 1000)"
     assert len(store._blanks._cooling) == 1 and store._blanks._kept_bytes == 600
 

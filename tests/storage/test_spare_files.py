@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 from storage import blanks, wal
 from storage.blanks import sweep
 from storage.local_store import LocalObjectStore
-from tests.storage.conftest import refills_done
+from tests.storage.conftest import refills_done, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -159,15 +160,96 @@ def test_two_stores_taking_spares_at_once_never_take_the_same_file(
         asyncio.run(other.close())
 
 
-def test_spares_of_another_boot_are_swept_and_this_boots_kept(tmp_path: Path) -> None:
+def test_sweep_removes_spares_of_another_boot_and_old_bytes_and_keeps_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blanks, "STALE_S", 5.0)
     spare = tmp_path / blanks.SPARE
     spare.mkdir()
-    ours = spare / f"123-{'a' * 24}-{wal.boot_id()}"
-    theirs = spare / f"123-{'b' * 24}-another-boot"
-    for path in (ours, theirs):
-        path.write_bytes(b"old")
-    assert sweep(str(tmp_path), boot=wal.boot_id()) == 1
-    assert ours.exists() and not theirs.exists()
+    boot, now = wal.boot_id(), time.monotonic_ns()
+    kept = {
+        spare / f"{now}-{'a' * 24}-{boot}": b"left its key just now",
+        spare / f"0-{'b' * 24}-{boot}": b"",  # emptied before it was handed over
+    }
+    gone = {
+        spare / f"{now - 6 * 10**9}-{'c' * 24}-{boot}": b"a deleted object's bytes, old",
+        spare / f"{now}-{'d' * 24}-another-boot": b"from before a reboot",
+        spare / f"\u00b2-{'e' * 24}-{boot}": b"",  # a digit int() refuses: no error
+    }
+    for path, data in {**kept, **gone}.items():
+        path.write_bytes(data)
+    assert sweep(str(tmp_path), boot=boot) == len(gone)
+    assert all(p.exists() for p in kept) and not any(p.exists() for p in gone)
+
+
+def test_a_store_listing_spares_removes_old_bytes_nobody_took(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blanks, "STALE_S", 5.0)
+    store = LocalObjectStore(str(tmp_path))
+    try:
+        spare = tmp_path / ".tmp" / blanks.SPARE
+        spare.mkdir(exist_ok=True)
+        old = spare / f"{time.monotonic_ns() - 6 * 10**9}-{'c' * 24}-{wal.boot_id()}"
+        old.write_bytes(b"a deleted object's bytes")
+        refills_done(store)
+        store._blanks._spares_listed_at = float("-inf")
+        store._blanks._claimed()
+        assert not old.exists()
+    finally:
+        asyncio.run(store.close())
+
+
+def test_a_file_named_elsewhere_too_is_never_handed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blanks, "KEEP_MAX", 0)
+    store = LocalObjectStore(str(tmp_path))
+    try:
+        etag = asyncio.run(store.put("k", b"v1"))
+        os.link(store._file("k"), tmp_path / "backup")
+        asyncio.run(store.put_if_match("k", b"v2", etag=etag))
+        etag = asyncio.run(store.put("plain", b"v1"))
+        asyncio.run(store.put_if_match("plain", b"v2", etag=etag))  # handed over
+        until(lambda: len(spare_inodes(tmp_path)) == 1, "the plain file handed over")
+        assert (tmp_path / "backup").stat().st_ino not in spare_inodes(tmp_path)
+        assert (tmp_path / "backup").read_bytes() == b"v1"
+    finally:
+        asyncio.run(store.close())
+
+
+def replaced(store: LocalObjectStore, folder: Path, key: str) -> str:
+    """What became of ``key``'s first file once it was replaced (KEEP_MAX 0): "handed
+    over" or "freed" (a worker thread decides, after the call)."""
+    asyncio.run(store.put(key, b"v1"))
+    fd = os.open(store._file(key), os.O_RDONLY)
+    try:
+        etag = asyncio.run(store.get(key)).etag
+        asyncio.run(store.put_if_match(key, b"v2", etag=etag))
+        ino = os.fstat(fd).st_ino
+        until(lambda: os.fstat(fd).st_nlink == 0 or ino in spare_inodes(folder), "settled")
+        return "freed" if os.fstat(fd).st_nlink == 0 else "handed over"
+    finally:
+        os.close(fd)
+
+
+def test_room_made_by_others_is_seen_by_a_store_that_found_spare_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store counts the folder again (at most once a second; at once here): what it
+    found full, another store emptied, and it hands over again."""
+    monkeypatch.setattr(blanks, "KEEP_MAX", 0)
+    monkeypatch.setattr(blanks, "SPARE_MAX", 1)
+    monkeypatch.setattr(blanks, "RELIST_S", 0.0)
+    store = LocalObjectStore(str(tmp_path))
+    try:
+        fates = [replaced(store, tmp_path, f"k{i}") for i in range(2)]
+        assert fates == ["handed over", "freed"], "spare is full after one"
+        for path in (tmp_path / ".tmp" / blanks.SPARE).iterdir():
+            path.unlink()  # taken by another store
+        assert replaced(store, tmp_path, "k2") == "handed over"
+    finally:
+        asyncio.run(store.close())
 
 
 def test_past_the_spare_limit_a_closing_store_frees_what_it_kept(
