@@ -76,6 +76,14 @@ def taker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalObje
     asyncio.run(made.close())
 
 
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[LocalObjectStore]:
+    """A store of this process on a fresh folder, closed after the test."""
+    made = LocalObjectStore(str(tmp_path))
+    yield made
+    asyncio.run(made.close())
+
+
 def checkpoint(store: LocalObjectStore) -> None:
     store._log.checkpoint([])
     store._blanks._settled_read_at = float("-inf")
@@ -183,39 +191,31 @@ def test_sweep_removes_spares_of_another_boot_and_old_bytes_and_keeps_the_rest(
 
 
 def test_a_store_listing_spares_removes_old_bytes_nobody_took(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(blanks, "STALE_S", 5.0)
-    store = LocalObjectStore(str(tmp_path))
-    try:
-        spare = tmp_path / ".tmp" / blanks.SPARE
-        spare.mkdir(exist_ok=True)
-        old = spare / f"{time.monotonic_ns() - 6 * 10**9}-{'c' * 24}-{wal.boot_id()}"
-        old.write_bytes(b"a deleted object's bytes")
-        refills_done(store)
-        store._blanks._spares_listed_at = float("-inf")
-        store._blanks._claimed()
-        assert not old.exists()
-    finally:
-        asyncio.run(store.close())
+    spare = tmp_path / ".tmp" / blanks.SPARE
+    spare.mkdir(exist_ok=True)
+    old = spare / f"{time.monotonic_ns() - 6 * 10**9}-{'c' * 24}-{wal.boot_id()}"
+    old.write_bytes(b"a deleted object's bytes")
+    refills_done(store)
+    store._blanks._spares_listed_at = float("-inf")
+    store._blanks._claimed()
+    assert not old.exists()
 
 
 def test_a_file_named_elsewhere_too_is_never_handed_over(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(blanks, "KEEP_MAX", 0)
-    store = LocalObjectStore(str(tmp_path))
-    try:
-        etag = asyncio.run(store.put("k", b"v1"))
-        os.link(store._file("k"), tmp_path / "backup")
-        asyncio.run(store.put_if_match("k", b"v2", etag=etag))
-        etag = asyncio.run(store.put("plain", b"v1"))
-        asyncio.run(store.put_if_match("plain", b"v2", etag=etag))  # handed over
-        until(lambda: len(spare_inodes(tmp_path)) == 1, "the plain file handed over")
-        assert (tmp_path / "backup").stat().st_ino not in spare_inodes(tmp_path)
-        assert (tmp_path / "backup").read_bytes() == b"v1"
-    finally:
-        asyncio.run(store.close())
+    etag = asyncio.run(store.put("k", b"v1"))
+    os.link(store._file("k"), tmp_path / "backup")
+    asyncio.run(store.put_if_match("k", b"v2", etag=etag))
+    etag = asyncio.run(store.put("plain", b"v1"))
+    asyncio.run(store.put_if_match("plain", b"v2", etag=etag))  # handed over
+    until(lambda: len(spare_inodes(tmp_path)) == 1, "the plain file handed over")
+    assert (tmp_path / "backup").stat().st_ino not in spare_inodes(tmp_path)
+    assert (tmp_path / "backup").read_bytes() == b"v1"
 
 
 def replaced(store: LocalObjectStore, folder: Path, key: str) -> str:
@@ -234,22 +234,18 @@ def replaced(store: LocalObjectStore, folder: Path, key: str) -> str:
 
 
 def test_room_made_by_others_is_seen_by_a_store_that_found_spare_full(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A store counts the folder again (at most once a second; at once here): what it
     found full, another store emptied, and it hands over again."""
     monkeypatch.setattr(blanks, "KEEP_MAX", 0)
     monkeypatch.setattr(blanks, "SPARE_MAX", 1)
     monkeypatch.setattr(blanks, "RELIST_S", 0.0)
-    store = LocalObjectStore(str(tmp_path))
-    try:
-        fates = [replaced(store, tmp_path, f"k{i}") for i in range(2)]
-        assert fates == ["handed over", "freed"], "spare is full after one"
-        for path in (tmp_path / ".tmp" / blanks.SPARE).iterdir():
-            path.unlink()  # taken by another store
-        assert replaced(store, tmp_path, "k2") == "handed over"
-    finally:
-        asyncio.run(store.close())
+    fates = [replaced(store, tmp_path, f"k{i}") for i in range(2)]
+    assert fates == ["handed over", "freed"], "spare is full after one"
+    for path in (tmp_path / ".tmp" / blanks.SPARE).iterdir():
+        path.unlink()  # taken by another store
+    assert replaced(store, tmp_path, "k2") == "handed over"
 
 
 def test_past_the_spare_limit_a_closing_store_frees_what_it_kept(
@@ -268,16 +264,12 @@ def test_past_the_spare_limit_a_closing_store_frees_what_it_kept(
 
 
 def test_a_large_file_past_the_keep_limit_is_freed_not_handed_over(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(blanks, "KEEP_MAX", 0)
-    store = LocalObjectStore(str(tmp_path))
-    try:
-        large = b"x" * (blanks.SPARE_FILE_BYTES + 1)
-        for data in (b"small", large):
-            etag = asyncio.run(store.put(f"k/{len(data)}", data))
-            asyncio.run(store.put_if_match(f"k/{len(data)}", b"v2", etag=etag))
-        sizes = [p.stat().st_size for p in (tmp_path / ".tmp" / blanks.SPARE).iterdir()]
-        assert sizes == [5], "the spare folder holds only small files"
-    finally:
-        asyncio.run(store.close())
+    large = b"x" * (blanks.SPARE_FILE_BYTES + 1)
+    for data in (b"small", large):
+        etag = asyncio.run(store.put(f"k/{len(data)}", data))
+        asyncio.run(store.put_if_match(f"k/{len(data)}", b"v2", etag=etag))
+    sizes = [p.stat().st_size for p in (tmp_path / ".tmp" / blanks.SPARE).iterdir()]
+    assert sizes == [5], "the spare folder holds only small files"
