@@ -380,6 +380,57 @@ async def test_the_wake_timer_follows_the_inbox_write_and_precedes_the_marker(
     ], steps
 
 
+async def test_behind_the_answer_the_activation_is_asked_for_before_the_marker(
+    env: Env,
+) -> None:
+    """In an HTTP handler the activation runs behind the answer: it is asked for once the
+    wake timer is armed, so the session's load overlaps the flush of the marker and the
+    audit record instead of waiting for it."""
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    env.control.background = True  # as in the Serve app (submitted and suspended inline)
+    raw = body("e-early", correlationId=cid)
+    steps: list[str] = []
+    record_steps(env.control, "arm_wake", steps)
+    record_steps(env.control, "activate", steps)
+    record_steps(env.services.inbox, "remember_accepted", steps)
+    result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
+    assert result.status == 202
+    assert steps == [
+        "arm_wake:start",
+        "arm_wake:end",
+        "activate:start",
+        "activate:end",
+        "remember_accepted:start",
+        "remember_accepted:end",
+    ], steps
+    await env.control.drain()
+    assert await state(env, sid) is SessionState.COMPLETED
+
+
+async def test_an_awaited_activation_is_asked_for_after_the_marker(env: Env) -> None:
+    """Awaited in turn (no HTTP answer to run behind), the activation would hold back the
+    durable writes the answer promises: it is asked for last."""
+    assert not env.control.background
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-late", correlationId=cid)
+    steps: list[str] = []
+    record_steps(env.control, "activate", steps)
+    record_steps(env.services.inbox, "remember_accepted", steps)
+    result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
+    assert result.status == 202
+    assert steps == [
+        "remember_accepted:start",
+        "remember_accepted:end",
+        "activate:start",
+        "activate:end",
+    ], steps
+    assert await state(env, sid) is SessionState.COMPLETED
+
+
 async def test_a_failed_audit_record_leaves_a_marker_it_did_not_write(env: Env) -> None:
     """The marker is taken back only by the request that wrote it: one found there was
     written for a request answered 2xx, whose replays must stay refused."""

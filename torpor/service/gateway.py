@@ -24,11 +24,13 @@ For ``POST /v1/hooks/{source}``, in order, on the raw bytes:
    request died before its wake), wakes it;
 7. the wake timer is armed, then the request's replay marker is written, the audit record
    being written meanwhile (started after the inbox write, awaited beside the marker);
-   the activation is requested, and only then the answer goes out: 202 accepted, or 200
-   with the ``outcome`` (``stale``, ``late``, ``closed``) when the event cannot change
-   the session. (A replica killed between the marker and the audit record leaves a
-   marker without its record: the sender's retry is then refused as a replay, 409, while
-   the event it carries is stored and will be applied.)
+   the activation is requested once the timer is armed (in an HTTP handler, where it
+   runs behind the answer: before the marker and the record are awaited; otherwise
+   after them), and only then the answer goes out: 202 accepted, or 200 with the
+   ``outcome`` (``stale``, ``late``, ``closed``) when the event cannot change the
+   session. (A replica killed between the marker and the audit record leaves a marker
+   without its record: the sender's retry is then refused as a replay, 409, while the
+   event it carries is stored and will be applied.)
 
 Nothing before step 6 changes any state but the replay claims, which are given back if
 the request then fails.
@@ -249,9 +251,17 @@ class WebhookGateway:
                 await self._activate(routed)
                 raise WebhookRejected(RejectReason.REPLAYED)
             result = await self._answer(routed, batch=len(events) > 1, source=source)
+            # Behind the answer (an HTTP handler), the activation is asked for before the
+            # audit record and the replay marker are awaited: the wake timers are armed
+            # already, and the session's load overlaps the flush of the disk. Awaited in
+            # turn, the activation would hold the durable writes back: it goes last.
+            early = self.sessions.background
+            if early:
+                await self._activate(routed)
             # Remembered only by a request that did all of it (a 2xx answer).
             await self._audited(routed, remember=claims if result.status < 300 else None)
-            await self._activate(routed)
+            if not early:
+                await self._activate(routed)
             return result
         except BaseException:
             # No audit write outlives its request, whatever failed.
@@ -475,9 +485,7 @@ class WebhookGateway:
         return Routed(event.event_id, binding.session_id, Outcome.DUPLICATE, True, replayed)
 
     async def _activate(self, routed: list[Routed]) -> None:
-        """Ask for the activations last: their wake timers are armed already, and a
-        session that starts running while this request still writes its replay marker
-        takes the cores the answer needs."""
+        """Ask for the stored events' activations (their wake timers are armed)."""
         for r in routed:
             if r.activate is not None:
                 session_id, agent = r.activate
