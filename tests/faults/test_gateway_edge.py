@@ -409,6 +409,52 @@ async def test_behind_the_answer_the_activation_is_asked_for_before_the_marker(
     assert await state(env, sid) is SessionState.COMPLETED
 
 
+async def test_with_other_webhooks_in_flight_the_activation_goes_last(env: Env) -> None:
+    """Under load the session would take the cores the durable writes need: a webhook
+    with others in flight asks for its activation after its marker; the one left alone
+    again asks before."""
+    gateway = WebhookGateway(env.control)
+    first, second = await env.submit(doc="PR-a"), await env.submit(doc="PR-b")
+    raws = [
+        body(f"e-{n}", correlationId=(await env.load(sid)).waits[0].correlation_id)
+        for n, sid in (("a", first), ("b", second))
+    ]
+    env.control.background = True
+    release = asyncio.Event()
+    real_stage = env.services.inbox.stage
+
+    async def held_once(event: Any) -> Stored:
+        env.services.inbox.stage = real_stage  # type: ignore[method-assign]
+        await release.wait()
+        return await real_stage(event)
+
+    env.services.inbox.stage = held_once  # type: ignore[method-assign]
+    steps: list[str] = []
+    record_steps(env.control, "activate", steps)
+    record_steps(env.services.inbox, "remember_accepted", steps)
+    held = asyncio.create_task(
+        gateway.receive("oa", raws[0], signed(env, raws[0]), now=env.clock.now())
+    )
+    while env.services.inbox.stage is not real_stage:  # the first is held at its write
+        await asyncio.sleep(0)
+    result = await gateway.receive("oa", raws[1], signed(env, raws[1]), now=env.clock.now())
+    assert result.status == 202
+    release.set()
+    assert (await asyncio.wait_for(held, timeout=10)).status == 202
+    assert steps == [
+        "remember_accepted:start",  # the second, while the first is in flight: last
+        "remember_accepted:end",
+        "activate:start",
+        "activate:end",
+        "activate:start",  # the first, alone by then: early
+        "activate:end",
+        "remember_accepted:start",
+        "remember_accepted:end",
+    ], steps
+    await env.control.drain()
+    assert {await state(env, sid) for sid in (first, second)} == {SessionState.COMPLETED}
+
+
 async def test_an_awaited_activation_is_asked_for_after_the_marker(env: Env) -> None:
     """Awaited in turn (no HTTP answer to run behind), the activation would hold back the
     durable writes the answer promises: it is asked for last."""
