@@ -360,16 +360,10 @@ async def test_the_wake_timer_follows_the_inbox_write_and_precedes_the_marker(
     """An activation unschedules the wake timer before its last look at the inbox, so a
     timer armed before the event is visible can be taken by a look that missed it; and a
     marker (a retry answered 409) must never name an event nothing would wake."""
-    gateway = WebhookGateway(env.control)
-    sid = await env.submit()
-    cid = (await env.load(sid)).waits[0].correlation_id
-    raw = body("e-order", correlationId=cid)
-    steps: list[str] = []
-    record_steps(env.services.inbox, "stage", steps)
-    record_steps(env.control, "arm_wake", steps)
-    record_steps(env.services.inbox, "remember_accepted", steps)
-    result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
-    assert result.status == 202
+    inbox = env.services.inbox
+    _, steps = await accepted_in_steps(
+        env, [(inbox, "stage"), (env.control, "arm_wake"), (inbox, "remember_accepted")]
+    )
     assert steps == [
         "stage:start",
         "stage:end",
@@ -386,17 +380,12 @@ async def test_behind_the_answer_the_activation_is_asked_for_before_the_marker(
     """In an HTTP handler the activation runs behind the answer: it is asked for once the
     wake timer is armed, so the session's load overlaps the flush of the marker and the
     audit record instead of waiting for it."""
-    gateway = WebhookGateway(env.control)
-    sid = await env.submit()
-    cid = (await env.load(sid)).waits[0].correlation_id
-    env.control.background = True  # as in the Serve app (submitted and suspended inline)
-    raw = body("e-early", correlationId=cid)
-    steps: list[str] = []
-    record_steps(env.control, "arm_wake", steps)
-    record_steps(env.control, "activate", steps)
-    record_steps(env.services.inbox, "remember_accepted", steps)
-    result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
-    assert result.status == 202
+    control = env.control
+    sid, steps = await accepted_in_steps(
+        env,
+        [(control, "arm_wake"), (control, "activate"), (env.services.inbox, "remember_accepted")],
+        background=True,  # as in the Serve app (submitted and suspended inline)
+    )
     assert steps == [
         "arm_wake:start",
         "arm_wake:end",
@@ -459,15 +448,9 @@ async def test_an_awaited_activation_is_asked_for_after_the_marker(env: Env) -> 
     """Awaited in turn (no HTTP answer to run behind), the activation would hold back the
     durable writes the answer promises: it is asked for last."""
     assert not env.control.background
-    gateway = WebhookGateway(env.control)
-    sid = await env.submit()
-    cid = (await env.load(sid)).waits[0].correlation_id
-    raw = body("e-late", correlationId=cid)
-    steps: list[str] = []
-    record_steps(env.control, "activate", steps)
-    record_steps(env.services.inbox, "remember_accepted", steps)
-    result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
-    assert result.status == 202
+    sid, steps = await accepted_in_steps(
+        env, [(env.control, "activate"), (env.services.inbox, "remember_accepted")]
+    )
     assert steps == [
         "remember_accepted:start",
         "remember_accepted:end",
@@ -554,6 +537,24 @@ async def test_a_webhooks_event_and_audit_record_take_one_flush_of_the_log(
         monkeypatch.undo()
         assert result.status == 202
     assert len(flushed) == 1, f"{len(flushed)} flushes of the log for one webhook"
+
+
+async def accepted_in_steps(
+    env: Env, watched: list[tuple[object, str]], *, background: bool = False
+) -> tuple[str, list[str]]:
+    """A session's answer accepted (202) while ``watched`` calls note when they start and
+    end: the session and the steps, in order."""
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    env.control.background = background
+    raw = body(f"e-steps-{sid}", correlationId=cid)
+    steps: list[str] = []
+    for target, name in watched:
+        record_steps(target, name, steps)
+    result = await gateway.receive("oa", raw, signed(env, raw), now=env.clock.now())
+    assert result.status == 202
+    return sid, steps
 
 
 def record_steps(target: object, name: str, steps: list[str]) -> None:
