@@ -259,7 +259,7 @@ class WebhookGateway:
             # A webhook alone in an HTTP handler asks for its activation (which runs
             # behind the answer) before the audit record and the replay marker are
             # awaited: the wake timers are armed already, and the session's load overlaps
-            # the flush of the disk (POST -> step p50 1-4 ms sooner, README). With others
+            # the flush of the disk (POST -> step p50 0.5-4 ms sooner, README). With others
             # in flight it goes last, as does one awaited in turn: a session that starts
             # then takes the cores the writes need and splits their group commits
             # (resuming under load: 204 -> 157 req/s when every webhook went early).
