@@ -6,7 +6,10 @@ No Ray and no HTTP: the gateway is called directly (local folder + the machine's
 activations deferred to the reconciler as in the ingress bench's accept phase, or with
 ``--resume`` run in this process after each 202, as a pool host would), so the
 figures are the Python work of the path and the storage round trips alone. Prints wall
-and CPU time per webhook and writes pyinstrument's call tree as text.
+and CPU time per webhook and writes pyinstrument's call tree as text; with ``--timeline``
+instead, when each stage of the path is reached (``bench/stages.py``). With ``--resume``
+the activation shares this process's event loop with the gateway (a pool host is another
+process), so the 202 comes later than it would: read the resume's marks from there.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 
 from actors.wiring import open_services, session_runtime  # noqa: E402
+from bench.stages import Timeline, instrument  # noqa: E402
 from torpor.lifecycle import SessionState  # noqa: E402
 from torpor.service.activator import InlineActivator  # noqa: E402
 from torpor.service.gateway import WebhookGateway  # noqa: E402
@@ -81,6 +85,9 @@ def settings_for(tmp: Path, prefix: str, deferred: bool) -> Settings:
 async def run(args: argparse.Namespace) -> None:
     from pyinstrument import Profiler
 
+    timeline = Timeline()
+    if args.timeline:
+        instrument(timeline, resume=args.resume)
     prefix = f"tpbench-prof:{os.getpid()}:"
     with tempfile.TemporaryDirectory() as tmp:
         build = SessionService(
@@ -121,6 +128,7 @@ async def run(args: argparse.Namespace) -> None:
             await under_load(gateway, requests[warm:], now, args.concurrency, tmp)
             await services.close()
             return
+        timeline.clear()
         wall0, times0, free0 = time.perf_counter(), os.times(), free_inodes(tmp)
         for body, headers in requests[warm:half]:
             result = await gateway.receive("bench", body, headers, now=now)
@@ -134,6 +142,10 @@ async def run(args: argparse.Namespace) -> None:
             f"signed webhook -> 202 in process: {wall:.2f} ms wall, {user + system:.2f} ms CPU"
             f" ({user:.2f} user, {system:.2f} kernel; {made:.2f} inodes allocated each; n={n})"
         )
+        if args.timeline:
+            print("stages, median ms since the request came in:", *timeline.report(), sep="\n")
+            await services.close()
+            return
         profiler = Profiler(interval=0.001, async_mode="enabled")
         wall0, cpu0 = time.perf_counter(), time.process_time()
         with profiler:
@@ -201,6 +213,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--resume", action="store_true", help="each webhook also resumes its session here"
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print when each stage of the path is reached (bench/stages.py), no profile",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "profiles" / "gateway.txt"))
     asyncio.run(run(parser.parse_args()))

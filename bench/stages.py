@@ -1,0 +1,106 @@
+"""Where one webhook's time goes: the moment each stage of its path begins or ends.
+
+``bench/profile_gateway.py --timeline`` wraps the coroutines the path goes through
+(admission, the snapshot header, the inbox write, the wake timer, the durable writes, and
+with ``--resume`` the activation up to the agent's next step) and prints, for each mark,
+the median time since the request came in. A profile says what costs CPU; this says what
+the sender waits for, stage by stage, which is what the latency targets are about.
+
+Measurement only: the wrappers replace methods on their classes for the process's life.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+Marks = dict[str, float]
+
+
+class Timeline:
+    """The marks of the webhook in progress, and those of every finished one."""
+
+    def __init__(self) -> None:
+        self.done: list[Marks] = []
+        self._current: Marks = {}
+
+    def start(self) -> None:
+        """A new webhook comes in: the last one's marks are kept."""
+        if self._current:
+            self.done.append(self._current)
+        self._current = {"receive": time.perf_counter()}
+
+    def mark(self, name: str) -> None:
+        """The first time ``name`` is reached for the current webhook (a stage that runs
+        twice, such as a second commit, keeps its first moment)."""
+        self._current.setdefault(name, time.perf_counter())
+
+    def wrap(self, owner: type, attr: str, *, before: str = "", after: str = "") -> None:
+        """Mark when ``owner.attr`` (a coroutine function) is entered and/or returns."""
+        original: Callable[..., Coroutine[Any, Any, Any]] = getattr(owner, attr)
+
+        @functools.wraps(original)
+        async def marked(*args: Any, **kwargs: Any) -> Any:
+            if before:
+                self.mark(before)
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                if after:
+                    self.mark(after)
+
+        setattr(owner, attr, marked)
+
+    def clear(self) -> None:
+        """Forget every webhook so far (the warm-up)."""
+        self.done, self._current = [], {}
+
+    def report(self) -> list[str]:
+        """One line per mark, in order of its median: ms since the request came in."""
+        runs = [*self.done, self._current] if self._current else self.done
+        names = {name for run in runs for name in run}
+        rows = []
+        for name in names:
+            since = [(run[name] - run["receive"]) * 1000 for run in runs if name in run]
+            rows.append((statistics.median(since), name, len(since)))
+        return [f"  {name:<28} p50 {median:6.2f} ms  (n={n})" for median, name, n in sorted(rows)]
+
+
+def instrument(timeline: Timeline, *, resume: bool) -> None:
+    """Put the marks on the gateway's path (and, with ``resume``, the activation's)."""
+    from bench import plugins
+    from storage.inbox import ObjectInbox
+    from storage.redis_index.claims import RedisClaims
+    from storage.snapshots import ObjectSnapshots
+    from torpor.service.gateway import WebhookGateway
+    from torpor.service.sessions import SessionService
+    from torpor.session.activation import Activation
+    from torpor.session.runtime import SessionRuntime
+
+    receive = WebhookGateway.receive
+
+    @functools.wraps(receive)
+    async def received(self: WebhookGateway, *args: Any, **kwargs: Any) -> Any:
+        timeline.start()
+        try:
+            return await receive(self, *args, **kwargs)
+        finally:
+            timeline.mark("answered (202)")
+
+    WebhookGateway.receive = received  # type: ignore[method-assign]
+    timeline.wrap(RedisClaims, "admit", before="admission sent", after="admitted")
+    timeline.wrap(WebhookGateway, "_header", after="snapshot header read")
+    timeline.wrap(ObjectInbox, "stage", after="inbox event staged")
+    timeline.wrap(SessionService, "arm_wake", after="wake timer armed")
+    timeline.wrap(
+        WebhookGateway, "_audited", before="durable writes awaited", after="audit+marker durable"
+    )
+    if resume:
+        timeline.wrap(SessionRuntime, "activate", before="activation begins")
+        timeline.wrap(ObjectSnapshots, "load", after="snapshot loaded")
+        timeline.wrap(Activation, "drive", before="lease held, drive begins")
+        timeline.wrap(ObjectInbox, "pending", after="inbox read")
+        timeline.wrap(plugins.BenchAgent, "step", before="agent step begins")
