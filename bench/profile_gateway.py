@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 
 from actors.wiring import open_services, session_runtime  # noqa: E402
-from bench.stages import Timeline, instrument  # noqa: E402
+from bench.stages import Timeline, floors, instrument  # noqa: E402
 from torpor.lifecycle import SessionState  # noqa: E402
 from torpor.service.activator import InlineActivator  # noqa: E402
 from torpor.service.gateway import WebhookGateway  # noqa: E402
@@ -144,6 +144,7 @@ async def run(args: argparse.Namespace) -> None:
         )
         if args.timeline:
             print("stages, median ms since the request came in:", *timeline.report(), sep="\n")
+            print("this machine's floors:", *await floors(services.index.batched, tmp), sep="\n")
             await services.close()
             return
         profiler = Profiler(interval=0.001, async_mode="enabled")

@@ -12,7 +12,9 @@ Measurement only: the wrappers replace methods on their classes for the process'
 from __future__ import annotations
 
 import functools
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -59,14 +61,19 @@ class Timeline:
         self.done, self._current = [], {}
 
     def report(self) -> list[str]:
-        """One line per mark, in order of its median: ms since the request came in."""
+        """One line per mark, in order of its median: ms since the request came in, median
+        and 99th percentile (a tail that starts at a stage shows from there on)."""
         runs = [*self.done, self._current] if self._current else self.done
         names = {name for run in runs for name in run}
         rows = []
         for name in names:
-            since = [(run[name] - run["receive"]) * 1000 for run in runs if name in run]
-            rows.append((statistics.median(since), name, len(since)))
-        return [f"  {name:<28} p50 {median:6.2f} ms  (n={n})" for median, name, n in sorted(rows)]
+            since = sorted((run[name] - run["receive"]) * 1000 for run in runs if name in run)
+            p99 = since[min(len(since) - 1, int(len(since) * 0.99))]
+            rows.append((statistics.median(since), name, p99, len(since)))
+        return [
+            f"  {name:<28} p50 {median:6.2f} ms, p99 {p99:6.2f} ms  (n={n})"
+            for median, name, p99, n in sorted(rows)
+        ]
 
 
 def instrument(timeline: Timeline, *, resume: bool) -> None:
@@ -104,3 +111,31 @@ def instrument(timeline: Timeline, *, resume: bool) -> None:
         timeline.wrap(Activation, "drive", before="lease held, drive begins")
         timeline.wrap(ObjectInbox, "pending", after="inbox read")
         timeline.wrap(plugins.BenchAgent, "step", before="agent step begins")
+
+
+async def floors(batched: Callable[..., Coroutine[Any, Any, Any]], folder: str) -> list[str]:
+    """What this machine charges for the two things every stage waits on: a Redis round
+    trip through the index's own connection (``batched``: a PING in the next pipeline)
+    and a flush of a small write to the store's disk (``fdatasync``). The stages above
+    are read against these: on a VM whose loopback wake-ups are slow, a stage that is
+    one round trip cannot be faster than the first figure."""
+    trips = []
+    for _ in range(500):
+        started = time.perf_counter()
+        await batched("PING")
+        trips.append((time.perf_counter() - started) * 1000)
+    flushes = []
+    fd, path = tempfile.mkstemp(dir=folder)
+    try:
+        for _ in range(200):
+            os.pwrite(fd, b"x" * 4096, 0)
+            started = time.perf_counter()
+            os.fdatasync(fd)
+            flushes.append((time.perf_counter() - started) * 1000)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return [
+        f"  {'Redis round trip (PING)':<28} p50 {statistics.median(trips):6.2f} ms",
+        f"  {'fdatasync of 4 KiB':<28} p50 {statistics.median(flushes):6.2f} ms",
+    ]
