@@ -186,9 +186,20 @@ class _Replies(asyncio.Protocol):
             self.transport.abort()
 
 
+@dataclass(frozen=True)
+class Written:
+    """A batch on the wire: what was packed (a command that could not be is its error),
+    the futures of the replies, and the deadline's timer (None if nothing was sent)."""
+
+    packed: list[bytes | DataError]
+    answers: list[asyncio.Future[Any]]
+    stalled: asyncio.TimerHandle | None
+
+
 class WireConnection:
     """One connection on one event loop. :meth:`execute` sends a batch in one write and
-    returns each command's reply, or its error as a value."""
+    returns each command's reply, or its error as a value; :meth:`write` and
+    :meth:`collect` are its two halves, for a caller that sends before it yields."""
 
     def __init__(self, settings: WireSettings) -> None:
         self.settings = settings
@@ -205,6 +216,13 @@ class WireConnection:
         assert replies is not None and replies.transport is not None
         if replies.lost is not None:  # dropped while it was being set up
             raise replies.lost
+        return await self.collect(self.write(commands))
+
+    def write(self, commands: list[tuple[Any, ...]]) -> Written:
+        """Send the batch now, on a connection that is up (``usable``): one write, with
+        the replies' deadline armed. :meth:`collect` waits for them."""
+        replies = self._replies
+        assert replies is not None and replies.transport is not None
         loop = asyncio.get_running_loop()
         # A command that cannot be encoded is that caller's error alone, never sent.
         packed: list[bytes | DataError] = []
@@ -216,7 +234,7 @@ class WireConnection:
         sent = [p for p in packed if isinstance(p, bytes)]
         answers = [loop.create_future() for _ in sent]
         if not answers:
-            return list(packed)
+            return Written(packed, answers, None)
         replies.waiting.extend(answers)
         replies.transport.write(b"".join(sent))
         stalled = loop.call_later(
@@ -224,6 +242,13 @@ class WireConnection:
             replies.fail,
             RedisTimeoutError(f"no reply from Redis within {self.settings.reply_timeout_s} s"),
         )
+        return Written(packed, answers, stalled)
+
+    async def collect(self, written: Written) -> list[Any]:
+        """Each command's reply to a batch :meth:`write` sent, or its error as a value."""
+        packed, answers = written.packed, written.answers
+        if not answers:
+            return list(packed)
         try:
             # Replies come in order: once the last is answered, all are.
             await answers[-1]
@@ -241,7 +266,8 @@ class WireConnection:
                     answer.exception()
             raise
         finally:
-            stalled.cancel()
+            if written.stalled is not None:
+                written.stalled.cancel()
         out: list[Any] = []
         replied = iter(answers)
         for item in packed:

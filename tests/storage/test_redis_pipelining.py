@@ -6,6 +6,7 @@ its batch promptly and typed; a script the server forgot is loaded again."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -33,6 +34,12 @@ class Recorded(Pipelined):
     async def _execute(self, batch: list[Any]) -> list[Any]:
         self.batches.append(len(batch))
         return await super()._execute(batch)
+
+    def _write_now(self, loop: asyncio.AbstractEventLoop, queue: list[Any]) -> Any:
+        first = super()._write_now(loop, queue)
+        if first is not None:
+            self.batches.append(len(first[0]))
+        return first
 
 
 @pytest.fixture
@@ -96,6 +103,41 @@ async def test_a_caller_cancelled_while_queued_is_not_sent_and_the_others_get_th
     # Cancelled while it waited for the next batch: never sent (a script run for a caller
     # that is gone, a lease taken say, would outlive it).
     assert [d for i, d in enumerate(done) if i != 2] == [1, 2, 3, 4]
+    assert await pipelined.call("GET", key) == "4"
+
+
+async def test_a_lone_command_leaves_before_its_caller_yields(pipelined: Recorded) -> None:
+    """A task made ready before the command (an activation's snapshot read, started just
+    before its lease is asked for) may block the loop; the command must already be on
+    the wire by then: the server runs it meanwhile, not once the loop is free."""
+    await pipelined.call("PING")  # the lean connection is up
+    blocked: list[float] = []
+
+    async def read_on_the_loop() -> None:
+        blocked.append(time.time())
+        time.sleep(0.3)  # the point: a loop blocked by a synchronous read
+        blocked.append(time.time())
+
+    reading = asyncio.ensure_future(read_on_the_loop())
+    seconds, micros = await pipelined.call("TIME")
+    await reading
+    ran_at = int(seconds) + int(micros) / 1e6
+    # One clock (this host's): the server ran it while the loop was blocked.
+    assert ran_at < blocked[1] - 0.2, (ran_at, blocked)
+
+
+async def test_a_caller_cancelled_after_its_command_left_leaves_the_connection_in_step(
+    pipelined: Recorded, redis_prefix: str
+) -> None:
+    key = f"{redis_prefix}gone"
+    await pipelined.call("PING")  # the lean connection is up: the next call leaves at once
+    sent = asyncio.ensure_future(pipelined.call("INCR", key))
+    await asyncio.sleep(0)  # written (its caller's first step), the reply not yet read
+    sent.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sent
+    # Its reply arrives and is dropped; every later caller still gets its own.
+    assert await asyncio.gather(*(pipelined.call("INCR", key) for _ in range(3))) == [2, 3, 4]
     assert await pipelined.call("GET", key) == "4"
 
 
