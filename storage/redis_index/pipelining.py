@@ -77,8 +77,9 @@ class Pipelined:
             # Nothing out: the command leaves now, from the caller's own frame, not from
             # the sender task a turn of the loop later, behind whatever the tasks ready
             # before it do first (an activation's snapshot load, started just before its
-            # lease is asked for). A lone round trip: 0.215-0.228 -> 0.172-0.187 ms p50
-            # here (``bench/bench_round_trips.py``); the task still reads the replies.
+            # lease is asked for). The task still reads the replies. A lone round trip:
+            # one turn of the loop fewer (epoll_wait 4.0 -> 3.2 a call, strace), 0.21-0.23
+            # -> 0.16-0.19 ms p50 in quiet spells here (``bench/bench_round_trips.py``).
             first = self._write_now(loop, queue)
             self._senders[loop] = loop.create_task(self._send(queue, first))
         return await done
