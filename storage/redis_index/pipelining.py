@@ -41,6 +41,8 @@ from storage.redis_index.wire import WireConnection, Written, settings_of
 MAX_BATCH = 64
 
 _Queued = tuple[tuple[Any, ...], dict[str, Any], "asyncio.Future[Any]"]
+# A batch written from its caller's frame: its callers, the connection, what was sent.
+_Sent = tuple[list[_Queued], WireConnection, Written]
 
 
 class Pipelined:
@@ -84,9 +86,7 @@ class Pipelined:
             self._senders[loop] = loop.create_task(self._send(queue, first))
         return await done
 
-    def _write_now(
-        self, loop: asyncio.AbstractEventLoop, queue: list[_Queued]
-    ) -> tuple[list[_Queued], Written] | None:
+    def _write_now(self, loop: asyncio.AbstractEventLoop, queue: list[_Queued]) -> _Sent | None:
         """The queue's next batch written on the lean connection at once, if it is up
         (else None: the sender connects, or takes redis-py's path, as before)."""
         wire = self._wires.get(loop)
@@ -100,14 +100,13 @@ class Pipelined:
         except Exception:  # the sender's own attempt reports it to every caller
             return None
         del queue[:MAX_BATCH]
-        return batch, written
+        return batch, wire, written
 
-    async def _send(
-        self, queue: list[_Queued], first: tuple[list[_Queued], Written] | None = None
-    ) -> None:
+    async def _send(self, queue: list[_Queued], first: _Sent | None = None) -> None:
         if first is not None:
-            batch, written = first
-            wire = self._wires[asyncio.get_running_loop()]
+            # Its own connection: ``close`` may have dropped this loop's meanwhile (then
+            # the replies fail as the connection's close makes them).
+            batch, wire, written = first
             await self._settle(batch, wire.collect(written), queue)
         while queue:
             # A caller cancelled while it waited is not sent for: a lease taken, or any

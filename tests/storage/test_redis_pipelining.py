@@ -6,6 +6,7 @@ its batch promptly and typed; a script the server forgot is loaded again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -139,6 +140,21 @@ async def test_a_caller_cancelled_after_its_command_left_leaves_the_connection_i
     # Its reply arrives and is dropped; every later caller still gets its own.
     assert await asyncio.gather(*(pipelined.call("INCR", key) for _ in range(3))) == [2, 3, 4]
     assert await pipelined.call("GET", key) == "4"
+
+
+async def test_a_close_right_after_a_lone_command_left_answers_its_caller(
+    pipelined: Recorded,
+) -> None:
+    """Closed between the write from the caller's frame and the first step of the task
+    that reads the reply: the caller gets the reply or the connection's failure, and
+    never waits for ever."""
+    await pipelined.call("PING")  # the lean connection is up: the next call leaves at once
+    sent = asyncio.ensure_future(pipelined.call("PING"))
+    await asyncio.sleep(0)  # written; the reader task is ready, not yet run
+    pipelined.close()
+    # The reply, or (the close came first) that caller's failure, typed.
+    with contextlib.suppress(RedisConnectionError):
+        assert await asyncio.wait_for(sent, 5) == "PONG"
 
 
 async def test_a_server_that_is_gone_fails_every_command_of_the_batch_promptly() -> None:
