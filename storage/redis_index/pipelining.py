@@ -27,6 +27,7 @@ its command waits for the next batch is not sent for at all.
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections.abc import Coroutine
 from typing import Any
@@ -65,6 +66,10 @@ class Pipelined:
         self._wires: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WireConnection] = (
             weakref.WeakKeyDictionary()
         )
+        # Batches written from their callers' frames that the sender has not read yet.
+        self._written: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Sent]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._closed = False  # a sender still draining must not connect again
 
     async def call(self, *args: Any, **options: Any) -> Any:
@@ -75,15 +80,25 @@ class Pipelined:
             queue = self._queues[loop] = []
         queue.append((args, options, done))
         sender = self._senders.get(loop)
-        if sender is None or sender.done():
-            # Nothing out: the command leaves now, from the caller's own frame, not from
-            # the sender task a turn of the loop later, behind whatever the tasks ready
-            # before it do first (an activation's snapshot load, started just before its
-            # lease is asked for). The task still reads the replies. A lone round trip:
+        idle = sender is None or sender.done()
+        written = self._written.get(loop)
+        if idle or written is not None:
+            # Nothing out, or only what this turn of the loop wrote: the command leaves
+            # now, from the caller's own frame, not from the sender task a turn later,
+            # behind whatever the tasks ready before it do first (an activation's
+            # snapshot load, started just before its lease is asked for). Commands of one
+            # turn (a gather) still share one round trip: each is written as it comes,
+            # before any reply is read. The task reads the replies. A lone round trip:
             # one turn of the loop fewer (epoll_wait 4.0 -> 3.2 a call, strace), 0.21-0.23
             # -> 0.16-0.19 ms p50 in quiet spells here (``bench/bench_round_trips.py``).
-            first = self._write_now(loop, queue)
-            self._senders[loop] = loop.create_task(self._send(queue, first))
+            sent = self._write_now(loop, queue)
+            if sent is not None and written is not None:
+                written.append(sent)
+            elif sent is not None:
+                self._written[loop] = [sent]
+        if idle:
+            self._senders[loop] = task = loop.create_task(self._send(queue))
+            task.add_done_callback(functools.partial(self._abandon, loop))
         return await done
 
     def _write_now(self, loop: asyncio.AbstractEventLoop, queue: list[_Queued]) -> _Sent | None:
@@ -102,12 +117,18 @@ class Pipelined:
         del queue[:MAX_BATCH]
         return batch, wire, written
 
-    async def _send(self, queue: list[_Queued], first: _Sent | None = None) -> None:
-        if first is not None:
-            # Its own connection: ``close`` may have dropped this loop's meanwhile (then
-            # the replies fail as the connection's close makes them).
-            batch, wire, written = first
-            await self._settle(batch, wire.collect(written), queue)
+    async def _send(self, queue: list[_Queued]) -> None:
+        # What callers wrote before this first step: from now on, commands queue.
+        sent = self._written.pop(asyncio.get_running_loop(), [])
+        try:
+            while sent:
+                # Its own connection: ``close`` may have dropped this loop's meanwhile
+                # (then the replies fail as the connection's close makes them).
+                batch, wire, written = sent[0]
+                await self._settle(batch, wire.collect(written), queue)
+                del sent[0]
+        finally:
+            _drop(sent)  # cancelled part-way (the loop is closing): the rest go unread
         while queue:
             # A caller cancelled while it waited is not sent for: a lease taken, or any
             # script run, for a caller that is gone would outlive it.
@@ -115,6 +136,12 @@ class Pipelined:
             del queue[:MAX_BATCH]
             if batch:
                 await self._settle(batch, self._execute(batch), queue)
+
+    def _abandon(self, loop: asyncio.AbstractEventLoop, sender: asyncio.Task[None]) -> None:
+        """A sender cancelled before its first step (its loop is closing) never reads the
+        batches written for it; a newer sender, if one started meanwhile, reads them."""
+        if sender.cancelled() and self._senders.get(loop) is sender:
+            _drop(self._written.pop(loop, []))
 
     @staticmethod
     async def _settle(
@@ -172,3 +199,15 @@ class Pipelined:
         for wire in list(self._wires.values()):
             wire.close()
         self._wires.clear()
+
+
+def _drop(sent: list[_Sent]) -> None:
+    """Batches written that nobody will read: their callers cancelled, their replies left
+    to be dropped as they come, their deadlines disarmed (one would drop the connection)."""
+    for batch, _, written in sent:
+        for answer in written.answers:
+            answer.cancel()
+        if written.stalled is not None:
+            written.stalled.cancel()
+        for _, _, done in batch:
+            done.cancel()

@@ -97,7 +97,7 @@ async def test_a_caller_cancelled_while_queued_is_not_sent_and_the_others_get_th
 ) -> None:
     key = f"{redis_prefix}c"
     calls = [asyncio.ensure_future(pipelined.call("INCR", key)) for _ in range(5)]
-    await asyncio.sleep(0)  # all queued, the first on the wire
+    await asyncio.sleep(0)  # all queued (the connection is not up yet: none left at once)
     calls[2].cancel()
     done = await asyncio.gather(*calls, return_exceptions=True)
     assert isinstance(done[2], asyncio.CancelledError)
@@ -140,6 +140,36 @@ async def test_a_caller_cancelled_after_its_command_left_leaves_the_connection_i
     # Its reply arrives and is dropped; every later caller still gets its own.
     assert await asyncio.gather(*(pipelined.call("INCR", key) for _ in range(3))) == [2, 3, 4]
     assert await pipelined.call("GET", key) == "4"
+
+
+async def test_commands_of_one_turn_all_leave_before_any_reply_is_read(
+    pipelined: Recorded, redis_prefix: str
+) -> None:
+    """With the connection up, commands asked for in one turn of the loop (a gather, as
+    the activation queue's RPUSH and LTRIM) are each written as they come: none waits
+    for another's reply, so together they still cost one round trip."""
+    key = f"{redis_prefix}turn"
+    await pipelined.call("PING")  # the lean connection is up
+    before = len(pipelined.batches)
+    assert await asyncio.gather(*(pipelined.call("INCR", key) for _ in range(3))) == [1, 2, 3]
+    # Three writes from the callers' frames, no batch sent after a reply.
+    assert pipelined.batches[before:] == [1, 1, 1]
+
+
+async def test_a_sender_cancelled_before_it_ran_cancels_its_callers_and_keeps_the_connection(
+    pipelined: Recorded, redis_prefix: str
+) -> None:
+    """The loop closing cancels the task that would read a written command's reply
+    before it ran: its caller is cancelled (never left waiting), the reply is dropped as
+    it comes, and the connection serves the next command."""
+    key = f"{redis_prefix}abandoned"
+    await pipelined.call("PING")  # the lean connection is up: the next call leaves at once
+    call = asyncio.ensure_future(pipelined.call("INCR", key))
+    await asyncio.sleep(0)  # written from its caller's frame; its reader not yet run
+    pipelined._senders[asyncio.get_running_loop()].cancel()  # as the loop's shutdown does
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(call, 5)
+    assert await asyncio.wait_for(pipelined.call("GET", key), 5) == "1"  # it ran; in step
 
 
 async def test_a_close_right_after_a_lone_command_left_answers_its_caller(
