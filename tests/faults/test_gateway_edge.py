@@ -409,11 +409,12 @@ async def test_with_other_webhooks_in_flight_the_activation_goes_last(env: Env) 
         for n, sid in (("a", first), ("b", second))
     ]
     env.control.background = True
-    release = asyncio.Event()
+    entered, release = asyncio.Event(), asyncio.Event()
     real_stage = env.services.inbox.stage
 
     async def held_once(event: Any) -> Stored:
         env.services.inbox.stage = real_stage  # type: ignore[method-assign]
+        entered.set()
         await release.wait()
         return await real_stage(event)
 
@@ -424,8 +425,7 @@ async def test_with_other_webhooks_in_flight_the_activation_goes_last(env: Env) 
     held = asyncio.create_task(
         gateway.receive("oa", raws[0], signed(env, raws[0]), now=env.clock.now())
     )
-    while env.services.inbox.stage is not real_stage:  # the first is held at its write
-        await asyncio.sleep(0)
+    await asyncio.wait_for(entered.wait(), timeout=10)  # the first is held at its write
     result = await gateway.receive("oa", raws[1], signed(env, raws[1]), now=env.clock.now())
     assert result.status == 202
     release.set()
