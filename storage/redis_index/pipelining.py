@@ -98,7 +98,8 @@ class Pipelined:
                 self._written[loop] = [sent]
         if idle:
             self._senders[loop] = task = loop.create_task(self._send(queue))
-            task.add_done_callback(functools.partial(self._abandon, loop))
+            if loop in self._written:  # batches it must read, even if cancelled unrun
+                task.add_done_callback(functools.partial(self._abandon, loop))
         return await done
 
     def _write_now(self, loop: asyncio.AbstractEventLoop, queue: list[_Queued]) -> _Sent | None:
