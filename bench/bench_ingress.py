@@ -116,10 +116,14 @@ def write_requests(path: Path, cids: list[str], per_session: int = 1) -> None:
             fh.write(body.decode() + "\n")
 
 
-def sequential(base: str, cids: list[tuple[str, str]]) -> dict[str, float]:
+def sequential(
+    base: str, cids: list[tuple[str, str]], deferred: list[str] | None = None
+) -> dict[str, float]:
     """One signed webhook at a time on one kept-alive connection: POST → 202, and POST →
     the session's next agent step (pooled placement; the bench agent stamps its step in
-    Redis with the wall clock)."""
+    Redis with the wall clock). With ``deferred`` (correlation ids of other sessions),
+    first POST → 202 on the app that defers activation: the same path with no session
+    resuming beside it on the two cores."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -137,6 +141,18 @@ def sequential(base: str, cids: list[tuple[str, str]]) -> dict[str, float]:
         conn.request("POST", "/v1/noop", body=b"{}", headers={"Content-Type": "application/json"})
         conn.getresponse().read()
         trivial.append((time.perf_counter() - p0) * 1000)
+    alone = []
+    for cid in deferred or []:
+        body = json.dumps({"id": f"seqd-{cid}", "correlationId": cid}).encode()
+        headers = {**sign(Scheme.TORPOR, body, SECRET, now=datetime.now(UTC))}
+        headers["Content-Type"] = "application/json"
+        p0 = time.perf_counter()
+        conn.request("POST", "/deferred/v1/hooks/bench", body=body, headers=headers)
+        response = conn.getresponse()
+        response.read()
+        alone.append((time.perf_counter() - p0) * 1000)
+        if response.status != 202:
+            raise RuntimeError(f"sequential deferred webhook answered {response.status}")
     for sid, cid in cids:
         body = json.dumps({"id": f"seq-{cid}", "correlationId": cid}).encode()
         headers = {**sign(Scheme.TORPOR, body, SECRET, now=datetime.now(UTC))}
@@ -163,8 +179,11 @@ def sequential(base: str, cids: list[tuple[str, str]]) -> dict[str, float]:
     accept.sort()
     step.sort()
     trivial.sort()
+    alone.sort()
     return {
         "trivial_p50": trivial[len(trivial) // 2],
+        "alone_p50": alone[len(alone) // 2] if alone else None,
+        "alone_p99": alone[min(len(alone) - 1, int(0.99 * len(alone)))] if alone else None,
         "accept_p50": accept[len(accept) // 2],
         "accept_p99": accept[min(len(accept) - 1, int(0.99 * len(accept)))],
         "step_p50": step[len(step) // 2],
@@ -354,7 +373,16 @@ async def child(
     # Phase 0: one webhook at a time, each resuming its session (pooled): the latencies.
     seq_ids = ids[2 * sessions :]
     seq_cids = cids[2 * sessions :]
-    seq = sequential(base, list(zip(seq_ids, seq_cids, strict=True))) if seq_n else None
+    # After the deploys' own CPU has settled (the controller's health checks after
+    # ``serve.run``): one webhook at a time measures the path, not what shares the cores.
+    settle()
+    seq = (
+        sequential(
+            base, list(zip(seq_ids, seq_cids, strict=True)), deferred=cids[sessions:][:seq_n]
+        )
+        if seq_n
+        else None
+    )
 
     lua = tmp / "bench.lua"
     lua.write_text(WRK_LUA)
@@ -511,6 +539,12 @@ def main() -> None:
                 f"{q['step_p50']:.1f} ms, p99 {q['step_p99']:.1f} ms{aims[1]}",
                 flush=True,
             )
+            if q.get("alone_p50") is not None:
+                print(
+                    f"    POST -> 202 with activation deferred (no session resuming beside"
+                    f" it): p50 {q['alone_p50']:.1f} ms, p99 {q['alone_p99']:.1f} ms",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
