@@ -134,11 +134,19 @@ def parse(buf: bytearray | bytes, pos: int) -> tuple[Any, int] | None:
 
 
 class _Replies(asyncio.Protocol):
-    """The socket's side: replies parsed as they arrive, handed out in send order."""
+    """The socket's side: replies parsed as they arrive, handed out in send order.
+
+    Each reply goes straight into the future that waits for it, which may be the caller's
+    own (``WireConnection.write``'s ``into``): its caller wakes on the next turn of the
+    loop, not one turn later behind a reader task that would pass it on. A batch's
+    reader waits on the batch's own ``finished`` future instead, which no caller's
+    cancellation can touch."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.waiting: deque[asyncio.Future[Any]] = deque()
+        # Per batch in flight, in send order: replies still due, and its finished future.
+        self.batches: deque[list[Any]] = deque()
         self.buffer = bytearray()
         self.lost: Exception | None = None
 
@@ -160,12 +168,17 @@ class _Replies(asyncio.Protocol):
                 if not self.waiting:
                     raise RedisConnectionError("Redis sent a reply nobody asked for")
                 done = self.waiting.popleft()
-                if done.done():  # its caller gave up (cancelled): the reply is dropped
-                    continue
-                if isinstance(value, ResponseError):
-                    done.set_exception(value)
-                else:
-                    done.set_result(value)
+                if not done.done():  # else its caller gave up (cancelled): dropped
+                    if isinstance(value, ResponseError):
+                        done.set_exception(value)
+                    else:
+                        done.set_result(value)
+                batch = self.batches[0]
+                batch[0] -= 1
+                if batch[0] == 0:
+                    self.batches.popleft()
+                    if not batch[1].done():
+                        batch[1].set_result(None)
         except (RedisConnectionError, ValueError) as exc:
             self.fail(RedisConnectionError(f"unreadable reply from Redis: {exc}"))
             return
@@ -182,6 +195,10 @@ class _Replies(asyncio.Protocol):
             done = self.waiting.popleft()
             if not done.done():
                 done.set_exception(error)
+        while self.batches:
+            finished = self.batches.popleft()[1]
+            if not finished.done():
+                finished.set_exception(error)
         if self.transport is not None:
             self.transport.abort()
 
@@ -189,10 +206,12 @@ class _Replies(asyncio.Protocol):
 @dataclass(frozen=True)
 class Written:
     """A batch on the wire: what was packed (a command that could not be is its error),
-    the futures of the replies, and the deadline's timer (None if nothing was sent)."""
+    the futures of the replies, the batch's own future (done once every reply is in, or
+    failed with the connection), and the deadline's timer (None if nothing was sent)."""
 
     packed: list[bytes | DataError]
     answers: list[asyncio.Future[Any]]
+    finished: asyncio.Future[None] | None
     stalled: asyncio.TimerHandle | None
 
 
@@ -209,51 +228,62 @@ class WireConnection:
     def usable(self) -> bool:
         return self._replies is not None and self._replies.lost is None
 
-    async def execute(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+    async def execute(
+        self, commands: list[tuple[Any, ...]], into: list[asyncio.Future[Any]] | None = None
+    ) -> list[Any]:
         if not self.usable:
             await self._connect()
         replies = self._replies
         assert replies is not None and replies.transport is not None
         if replies.lost is not None:  # dropped while it was being set up
             raise replies.lost
-        return await self.collect(self.write(commands))
+        return await self.collect(self.write(commands, into))
 
-    def write(self, commands: list[tuple[Any, ...]]) -> Written:
+    def write(
+        self, commands: list[tuple[Any, ...]], into: list[asyncio.Future[Any]] | None = None
+    ) -> Written:
         """Send the batch now, on a connection that is up (``usable``): one write, with
-        the replies' deadline armed. :meth:`collect` waits for them."""
+        the replies' deadline armed. :meth:`collect` waits for them.
+
+        ``into``: the callers' own futures, one per command, each then resolved with its
+        reply (or its error) the moment the reply is read, with no hop through the task
+        that collects. A command that cannot be encoded is not sent and its future is
+        left alone: :meth:`collect` returns its error, for the caller's owner to hand on.
+        """
         replies = self._replies
         assert replies is not None and replies.transport is not None
         loop = asyncio.get_running_loop()
         # A command that cannot be encoded is that caller's error alone, never sent.
         packed: list[bytes | DataError] = []
-        for args in commands:
+        answers: list[asyncio.Future[Any]] = []
+        for i, args in enumerate(commands):
             try:
                 packed.append(pack(args))
             except DataError as exc:
                 packed.append(exc)
-        sent = [p for p in packed if isinstance(p, bytes)]
-        answers = [loop.create_future() for _ in sent]
+                continue
+            answers.append(into[i] if into is not None else loop.create_future())
         if not answers:
-            return Written(packed, answers, None)
+            return Written(packed, answers, None, None)
+        finished: asyncio.Future[None] = loop.create_future()
         replies.waiting.extend(answers)
-        replies.transport.write(b"".join(sent))
+        replies.batches.append([len(answers), finished])
+        replies.transport.write(b"".join(p for p in packed if isinstance(p, bytes)))
         stalled = loop.call_later(
             self.settings.reply_timeout_s,
             replies.fail,
             RedisTimeoutError(f"no reply from Redis within {self.settings.reply_timeout_s} s"),
         )
-        return Written(packed, answers, stalled)
+        return Written(packed, answers, finished, stalled)
 
     async def collect(self, written: Written) -> list[Any]:
-        """Each command's reply to a batch :meth:`write` sent, or its error as a value."""
-        packed, answers = written.packed, written.answers
-        if not answers:
+        """Each command's reply to a batch :meth:`write` sent, or its error as a value
+        (None for one whose future was cancelled: nobody is left to hand it to)."""
+        packed, answers, finished = written.packed, written.answers, written.finished
+        if finished is None:
             return list(packed)
         try:
-            # Replies come in order: once the last is answered, all are.
-            await answers[-1]
-        except ResponseError:
-            pass  # the last command's own error, handed back below like any other
+            await finished
         except asyncio.CancelledError:
             # The sender was cancelled (its loop is closing): the replies still arrive in
             # order and are dropped, so the connection stays in step.
@@ -275,6 +305,9 @@ class WireConnection:
                 out.append(item)
                 continue
             answer = next(replied)
+            if answer.cancelled():
+                out.append(None)
+                continue
             try:
                 out.append(answer.result())
             except ResponseError as exc:

@@ -156,19 +156,70 @@ async def test_commands_of_one_turn_all_leave_before_any_reply_is_read(
     assert pipelined.batches[before:] == [1, 1, 1]
 
 
+def _reader_noted(pipelined: Pipelined, order: list[str]) -> None:
+    """Note in ``order`` each time the task that collects a batch's replies has them."""
+    wire = pipelined._wires[asyncio.get_running_loop()]
+    collect = wire.collect
+
+    async def noted(written: Any) -> list[Any]:
+        out = await collect(written)
+        order.append("reader")
+        return out
+
+    wire.collect = noted  # type: ignore[method-assign]
+
+
+async def test_a_reply_reaches_its_caller_before_the_task_that_reads_it_runs(
+    pipelined: Recorded,
+) -> None:
+    """The reply is put in the caller's own future as it is read: the caller resumes on
+    the next turn of the loop, not a turn later, after the reading task passed it on."""
+    await pipelined.call("PING")  # the lean connection is up: the next call leaves at once
+    order: list[str] = []
+    _reader_noted(pipelined, order)
+    assert await pipelined.call("PING") == "PONG"
+    order.append("caller")
+    await pipelined._senders[asyncio.get_running_loop()]  # the reader is done too
+    assert order == ["caller", "reader"]
+
+
+async def test_a_reply_to_a_queued_batch_reaches_its_caller_before_its_reader_runs(
+    pipelined: Recorded, redis_prefix: str
+) -> None:
+    """The same for a command that waited for the batch before it (sent by the task)."""
+    key = f"{redis_prefix}queued"
+    await pipelined.call("PING")
+    order: list[str] = []
+    _reader_noted(pipelined, order)
+    first = asyncio.ensure_future(pipelined.call("INCR", key))
+    loop = asyncio.get_running_loop()
+    for _ in range(10):  # on the wire, and its reader has started (it took the batch)
+        await asyncio.sleep(0)
+        if pipelined.batches[-1:] == [1] and loop not in pipelined._written:
+            break
+    assert loop not in pipelined._written
+    assert await pipelined.call("INCR", key) == 2  # queued, sent after the first's reply
+    order.append("caller")
+    assert await first == 1
+    await pipelined._senders[asyncio.get_running_loop()]  # the reader is done too
+    assert pipelined.batches[-2:] == [1, 1]
+    assert order == ["reader", "caller", "reader"]
+
+
 async def test_a_sender_cancelled_before_it_ran_cancels_its_callers_and_keeps_the_connection(
     pipelined: Recorded, redis_prefix: str
 ) -> None:
     """The loop closing cancels the task that would read a written command's reply
-    before it ran: its caller is cancelled (never left waiting), the reply is dropped as
-    it comes, and the connection serves the next command."""
+    before it ran: its caller is never left waiting (it has its reply, if the reply was
+    read first, or is cancelled), and the connection serves the next command."""
     key = f"{redis_prefix}abandoned"
     await pipelined.call("PING")  # the lean connection is up: the next call leaves at once
     call = asyncio.ensure_future(pipelined.call("INCR", key))
     await asyncio.sleep(0)  # written from its caller's frame; its reader not yet run
     pipelined._senders[asyncio.get_running_loop()].cancel()  # as the loop's shutdown does
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(call, 5)
+    # The reply, if it was read before the cancel, or the cancel: never a wait for ever.
+    with contextlib.suppress(asyncio.CancelledError):
+        assert await asyncio.wait_for(call, 5) == 1
     assert await asyncio.wait_for(pipelined.call("GET", key), 5) == "1"  # it ran; in step
 
 
