@@ -20,10 +20,10 @@ its end (its deadline, and the next batch). A client that ``wire`` cannot stand 
 What a caller sees is unchanged: its own result, or its own error. A pipeline is not a
 transaction: each command stands alone, as separate calls did, and one command's error
 (a ``ResponseError``) is that command's only. A connection failure or a timeout fails
-every command of the batch, each as it would have failed alone (the caller's
-``translate`` turns it into ``IndexUnavailable``); whether the server applied a command
-is then as unknown as it was for a lone call that timed out. A caller cancelled while
-its command waits for the next batch is not sent for at all.
+every command of the batch whose reply had not been read yet, each as it would have
+failed alone (the caller's ``translate`` turns it into ``IndexUnavailable``); whether the
+server applied a command is then as unknown as it was for a lone call that timed out.
+A caller cancelled while its command waits for the next batch is not sent for at all.
 """
 
 from __future__ import annotations

@@ -191,36 +191,60 @@ async def test_a_reply_to_a_queued_batch_reaches_its_caller_before_its_reader_ru
     await pipelined.call("PING")
     order: list[str] = []
     _reader_noted(pipelined, order)
-    first = asyncio.ensure_future(pipelined.call("INCR", key))
+    # The first answers only after 0.2 s (nothing to pop): the second surely queues.
+    first = asyncio.ensure_future(pipelined.call("BLPOP", f"{key}:empty", "0.2"))
     loop = asyncio.get_running_loop()
     for _ in range(10):  # on the wire, and its reader has started (it took the batch)
         await asyncio.sleep(0)
         if pipelined.batches[-1:] == [1] and loop not in pipelined._written:
             break
     assert loop not in pipelined._written
-    assert await pipelined.call("INCR", key) == 2  # queued, sent after the first's reply
-    order.append("caller")
-    assert await first == 1
+    sender = pipelined._senders[loop]
+
+    async def caller() -> Any:
+        got = await pipelined.call("INCR", key)
+        order.append("caller")
+        return got
+
+    second = asyncio.ensure_future(caller())
+    await asyncio.sleep(0)
+    # Queued: it waits for the first's reply and leaves from the same reading task.
+    assert not sender.done() and pipelined.batches[-1:] == [1] and len(pipelined.batches) == 2
+    assert await second == 1
+    assert await first is None
     await pipelined._senders[asyncio.get_running_loop()]  # the reader is done too
     assert pipelined.batches[-2:] == [1, 1]
     assert order == ["reader", "caller", "reader"]
 
 
-async def test_a_sender_cancelled_before_it_ran_cancels_its_callers_and_keeps_the_connection(
-    pipelined: Recorded, redis_prefix: str
+async def test_a_sender_cancelled_before_it_ran_leaves_no_caller_waiting_and_no_deadline_armed(
+    redis_url: str, redis_prefix: str
 ) -> None:
     """The loop closing cancels the task that would read a written command's reply
     before it ran: its caller is never left waiting (it has its reply, if the reply was
-    read first, or is cancelled), and the connection serves the next command."""
-    key = f"{redis_prefix}abandoned"
-    await pipelined.call("PING")  # the lean connection is up: the next call leaves at once
-    call = asyncio.ensure_future(pipelined.call("INCR", key))
-    await asyncio.sleep(0)  # written from its caller's frame; its reader not yet run
-    pipelined._senders[asyncio.get_running_loop()].cancel()  # as the loop's shutdown does
-    # The reply, if it was read before the cancel, or the cancel: never a wait for ever.
-    with contextlib.suppress(asyncio.CancelledError):
-        assert await asyncio.wait_for(call, 5) == 1
-    assert await asyncio.wait_for(pipelined.call("GET", key), 5) == "1"  # it ran; in step
+    read first, or is cancelled), and the batch's deadline is disarmed, since a deadline
+    that fired later would drop the healthy connection and fail whatever is in flight
+    then with a false timeout."""
+    timeout_s = 0.3
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=timeout_s)
+    pipelined = Pipelined(client)
+    try:
+        key = f"{redis_prefix}abandoned"
+        await pipelined.call("PING")  # the lean connection is up: the next call leaves at once
+        loop = asyncio.get_running_loop()
+        wire = pipelined._wires[loop]
+        call = asyncio.ensure_future(pipelined.call("INCR", key))
+        await asyncio.sleep(0)  # written from its caller's frame; its reader not yet run
+        pipelined._senders[loop].cancel()  # as the loop's shutdown does
+        # The reply, if it was read before the cancel, or the cancel: never a wait for ever.
+        with contextlib.suppress(asyncio.CancelledError):
+            assert await asyncio.wait_for(call, 5) == 1
+        await asyncio.sleep(2 * timeout_s)  # past the abandoned batch's deadline
+        assert wire.usable and pipelined._wires[loop] is wire  # not dropped by it
+        assert await asyncio.wait_for(pipelined.call("GET", key), 5) == "1"  # it ran; in step
+    finally:
+        pipelined.close()
+        await client.aclose()
 
 
 async def test_a_close_right_after_a_lone_command_left_answers_its_caller(
