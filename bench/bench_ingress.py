@@ -141,30 +141,25 @@ def sequential(
         conn.request("POST", "/v1/noop", body=b"{}", headers={"Content-Type": "application/json"})
         conn.getresponse().read()
         trivial.append((time.perf_counter() - p0) * 1000)
-    alone = []
-    for cid in deferred or []:
-        body = json.dumps({"id": f"seqd-{cid}", "correlationId": cid}).encode()
+
+    def accepted(path: str, event_id: str, cid: str) -> float:
+        """One freshly signed webhook POSTed on ``conn``: ms to its 202."""
+        body = json.dumps({"id": event_id, "correlationId": cid}).encode()
         headers = {**sign(Scheme.TORPOR, body, SECRET, now=datetime.now(UTC))}
         headers["Content-Type"] = "application/json"
         p0 = time.perf_counter()
-        conn.request("POST", "/deferred/v1/hooks/bench", body=body, headers=headers)
+        conn.request("POST", path, body=body, headers=headers)
         response = conn.getresponse()
         response.read()
-        alone.append((time.perf_counter() - p0) * 1000)
+        took = (time.perf_counter() - p0) * 1000
         if response.status != 202:
-            raise RuntimeError(f"sequential deferred webhook answered {response.status}")
+            raise RuntimeError(f"sequential webhook to {path} answered {response.status}")
+        return took
+
+    alone = [accepted("/deferred/v1/hooks/bench", f"seqd-{cid}", cid) for cid in deferred or []]
     for sid, cid in cids:
-        body = json.dumps({"id": f"seq-{cid}", "correlationId": cid}).encode()
-        headers = {**sign(Scheme.TORPOR, body, SECRET, now=datetime.now(UTC))}
-        headers["Content-Type"] = "application/json"
         t0 = time.time()
-        p0 = time.perf_counter()
-        conn.request("POST", "/v1/hooks/bench", body=body, headers=headers)
-        response = conn.getresponse()
-        response.read()
-        accept.append((time.perf_counter() - p0) * 1000)
-        if response.status != 202:
-            raise RuntimeError(f"sequential webhook answered {response.status}")
+        accept.append(accepted("/v1/hooks/bench", f"seq-{cid}", cid))
         while True:  # this session's step stamp; blocked in Redis, not polling it: a
             # poll every half millisecond took CPU from the two cores it measures
             popped = client.blpop(["torpor-bench:steps"], timeout=30)
