@@ -117,13 +117,22 @@ def write_requests(path: Path, cids: list[str], per_session: int = 1) -> None:
 
 
 def sequential(
-    base: str, cids: list[tuple[str, str]], deferred: list[str] | None = None
+    base: str,
+    cids: list[tuple[str, str]],
+    deferred: list[str] | None = None,
+    state_key: str | None = None,
 ) -> dict[str, float]:
     """One signed webhook at a time on one kept-alive connection: POST → 202, and POST →
     the session's next agent step (pooled placement; the bench agent stamps its step in
     Redis with the wall clock). With ``deferred`` (correlation ids of other sessions),
     first POST → 202 on the app that defers activation: the same path with no session
-    resuming beside it on the two cores."""
+    resuming beside it on the two cores.
+
+    With ``state_key`` (the index's hash of session states), the next webhook is sent
+    only once the session before has ended (its step committed, its lease given back):
+    each webhook meets an idle system. Without it, the next goes as soon as the step is
+    stamped, while the session before still commits on the same two cores (a packet
+    capture showed its commit's round trips inside the next webhook's handling)."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -169,6 +178,12 @@ def sequential(
             if stamped == sid:
                 step.append((float(at) - t0) * 1000)
                 break
+        if state_key is not None:  # between measurements: its polling costs them nothing
+            ends = time.monotonic() + 30
+            while not (client.hget(state_key, sid) or b"").startswith(b"COMPLETED"):
+                if time.monotonic() > ends:
+                    raise RuntimeError(f"{sid} never completed")
+                time.sleep(0.001)
     conn.close()
     client.close()
     accept.sort()
@@ -352,7 +367,7 @@ async def child(
         async with gate:
             return (await control.submit(tenant="bench", agent="bench", input={"i": i})).session_id
 
-    ids = list(await asyncio.gather(*(one(i) for i in range(2 * sessions + seq_n))))
+    ids = list(await asyncio.gather(*(one(i) for i in range(2 * sessions + 2 * seq_n))))
 
     async def all_in(wanted: list[str], state: SessionState) -> None:
         while True:
@@ -371,13 +386,12 @@ async def child(
     # After the deploys' own CPU has settled (the controller's health checks after
     # ``serve.run``): one webhook at a time measures the path, not what shares the cores.
     settle()
-    seq = (
-        sequential(
-            base, list(zip(seq_ids, seq_cids, strict=True)), deferred=cids[sessions:][:seq_n]
-        )
-        if seq_n
-        else None
-    )
+    seq = idle = None
+    if seq_n:
+        pairs = list(zip(seq_ids, seq_cids, strict=True))
+        seq = sequential(base, pairs[:seq_n], deferred=cids[sessions:][:seq_n])
+        state_key = services.index.keys.session_state  # type: ignore[attr-defined]
+        idle = sequential(base, pairs[seq_n:], state_key=state_key)
 
     lua = tmp / "bench.lua"
     lua.write_text(WRK_LUA)
@@ -425,6 +439,7 @@ async def child(
         "accept": accept_only,
         "unique": {"full": sessions, "accept": 6 * sessions},
         "sequential": seq,
+        "idle": idle,
     }
 
 
@@ -528,12 +543,22 @@ def main() -> None:
                 else ("", "")
             )
             print(
-                f"  one at a time (n={q['n']}): trivial POST p50 {q['trivial_p50']:.1f} ms; "
+                f"  one at a time (n={q['n']}), the next sent at the step stamp: trivial POST"
+                f" p50 {q['trivial_p50']:.1f} ms; "
                 f"POST -> 202 p50 {q['accept_p50']:.1f} ms"
                 f"{aims[0]}, p99 {q['accept_p99']:.1f} ms; POST -> agent step p50 "
                 f"{q['step_p50']:.1f} ms, p99 {q['step_p99']:.1f} ms{aims[1]}",
                 flush=True,
             )
+            if r.get("idle"):
+                q2 = r["idle"]
+                print(
+                    f"    each into an idle system (the next sent once the session before"
+                    f" has ended): POST -> 202 p50 {q2['accept_p50']:.1f} ms{aims[0]}, p99"
+                    f" {q2['accept_p99']:.1f} ms; POST -> agent step p50 {q2['step_p50']:.1f}"
+                    f" ms, p99 {q2['step_p99']:.1f} ms{aims[1]}",
+                    flush=True,
+                )
             if q.get("alone_p50") is not None:
                 print(
                     f"    POST -> 202 with activation deferred (no session resuming beside"
