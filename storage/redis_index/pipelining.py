@@ -208,10 +208,9 @@ class Pipelined:
 
 def _drop(sent: list[_Sent]) -> None:
     """Batches written that nobody will read: their callers cancelled, their replies left
-    to be dropped as they come, their deadlines disarmed (one would drop the connection)."""
+    to be dropped as they come, their deadlines disarmed (one would drop the connection).
+    Their replies' futures are the callers' own (``_write_now`` writes ``into`` them)."""
     for batch, _, written in sent:
-        for answer in written.answers:
-            answer.cancel()
         if written.finished is not None:  # nobody awaits it: a failure would go unheard
             written.finished.cancel()
         if written.stalled is not None:
