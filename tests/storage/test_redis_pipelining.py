@@ -235,11 +235,17 @@ async def test_a_sender_cancelled_before_it_ran_leaves_no_caller_waiting_and_no_
         wire = pipelined._wires[loop]
         call = asyncio.ensure_future(pipelined.call("INCR", key))
         await asyncio.sleep(0)  # written from its caller's frame; its reader not yet run
+        [(_, _, written)] = pipelined._written[loop]
+        assert written.stalled is not None  # its deadline, armed by the write
         pipelined._senders[loop].cancel()  # as the loop's shutdown does
         # The reply, if it was read before the cancel, or the cancel: never a wait for ever.
         with contextlib.suppress(asyncio.CancelledError):
             assert await asyncio.wait_for(call, 5) == 1
-        await asyncio.sleep(2 * timeout_s)  # past the abandoned batch's deadline
+        for _ in range(100):  # the cancelled reader's clean-up runs within a few turns
+            if written.stalled.cancelled():
+                break
+            await asyncio.sleep(0)
+        assert written.stalled.cancelled(), "the abandoned batch's deadline is still armed"
         assert wire.usable and pipelined._wires[loop] is wire  # not dropped by it
         assert await asyncio.wait_for(pipelined.call("GET", key), 5) == "1"  # it ran; in step
     finally:
