@@ -23,7 +23,9 @@ transaction: each command stands alone, as separate calls did, and one command's
 every command of the batch whose reply had not been read yet, each as it would have
 failed alone (the caller's ``translate`` turns it into ``IndexUnavailable``); whether the
 server applied a command is then as unknown as it was for a lone call that timed out.
-A caller cancelled while its command waits for the next batch is not sent for at all.
+A caller cancelled while its command waits for the next batch, or while the lean
+connection its batch goes out on is being made, is not sent for at all (on redis-py's
+path, only the first).
 """
 
 from __future__ import annotations

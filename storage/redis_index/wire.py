@@ -205,11 +205,12 @@ class _Replies(asyncio.Protocol):
 
 @dataclass(frozen=True)
 class Written:
-    """A batch on the wire: what was packed (a command that could not be is its error),
-    the futures of the replies, the batch's own future (done once every reply is in, or
-    failed with the connection), and the deadline's timer (None if nothing was sent)."""
+    """A batch on the wire: what was packed (a command that could not be is its error;
+    None, one not sent because its caller was gone), the futures of the replies, the
+    batch's own future (done once every reply is in, or failed with the connection), and
+    the deadline's timer (None if nothing was sent)."""
 
-    packed: list[bytes | DataError]
+    packed: list[bytes | DataError | None]
     answers: list[asyncio.Future[Any]]
     finished: asyncio.Future[None] | None
     stalled: asyncio.TimerHandle | None
@@ -249,14 +250,20 @@ class WireConnection:
         reply (or its error) the moment the reply is read, with no hop through the task
         that collects. A command that cannot be encoded is not sent and its future is
         left alone: :meth:`collect` returns its error, for the caller's owner to hand on.
+        A command whose future is done already (its caller was cancelled while the
+        connection was being made) is not sent either: a lease taken, or a script run,
+        for a caller that is gone would outlive it.
         """
         replies = self._replies
         assert replies is not None and replies.transport is not None
         loop = asyncio.get_running_loop()
         # A command that cannot be encoded is that caller's error alone, never sent.
-        packed: list[bytes | DataError] = []
+        packed: list[bytes | DataError | None] = []
         answers: list[asyncio.Future[Any]] = []
         for i, args in enumerate(commands):
+            if into is not None and into[i].done():
+                packed.append(None)
+                continue
             try:
                 packed.append(pack(args))
             except DataError as exc:
@@ -278,7 +285,8 @@ class WireConnection:
 
     async def collect(self, written: Written) -> list[Any]:
         """Each command's reply to a batch :meth:`write` sent, or its error as a value
-        (None for one whose future was cancelled: nobody is left to hand it to)."""
+        (None for one whose future was cancelled, sent or not: nobody is left to hand it
+        to)."""
         packed, answers, finished = written.packed, written.answers, written.finished
         if finished is None:
             return list(packed)
@@ -301,7 +309,7 @@ class WireConnection:
         out: list[Any] = []
         replied = iter(answers)
         for item in packed:
-            if isinstance(item, DataError):
+            if item is None or isinstance(item, DataError):
                 out.append(item)
                 continue
             answer = next(replied)

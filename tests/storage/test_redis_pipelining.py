@@ -107,6 +107,25 @@ async def test_a_caller_cancelled_while_queued_is_not_sent_and_the_others_get_th
     assert await pipelined.call("GET", key) == "4"
 
 
+async def test_a_caller_cancelled_while_its_batch_connects_is_not_sent(
+    pipelined: Recorded, client: aioredis.Redis, redis_prefix: str
+) -> None:
+    key = f"{redis_prefix}gone"
+    call = asyncio.ensure_future(pipelined.call("SET", key, "1"))
+    for _ in range(1000):  # bounded: the batch has left the queue and waits to connect
+        if pipelined.batches:
+            break
+        await asyncio.sleep(0)
+    assert pipelined.batches == [1]  # in ``_execute``, the lean connection not up yet
+    call.cancel()
+    # Its caller is gone before the batch is written: a lease taken, or a script run,
+    # for nobody would outlive it. The next command leaves after it, on the same wire.
+    await pipelined.call("PING")
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert await client.exists(key) == 0
+
+
 async def test_a_lone_command_leaves_before_its_caller_yields(pipelined: Recorded) -> None:
     """A task made ready before the command (an activation's snapshot read, started just
     before its lease is asked for) may block the loop; the command must already be on
