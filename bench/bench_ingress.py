@@ -20,7 +20,9 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,7 @@ def sequential(
     cids: list[tuple[str, str]],
     deferred: list[str] | None = None,
     state_key: str | None = None,
+    sender_nice: int | None = None,
 ) -> dict[str, float]:
     """One signed webhook at a time on one kept-alive connection: POST → 202, and POST →
     the session's next agent step (pooled placement; the bench agent stamps its step in
@@ -132,7 +135,13 @@ def sequential(
     only once the session before has ended (its step committed, its lease given back):
     each webhook meets an idle system. Without it, the next goes as soon as the step is
     stamped, while the session before still commits on the same two cores (a packet
-    capture showed its commit's round trips inside the next webhook's handling)."""
+    capture showed its commit's round trips inside the next webhook's handling).
+
+    With ``sender_nice``, the thread that sends runs at that niceness for the pass
+    (Linux's nice is per thread: the Ray driver's own threads keep theirs). A sender
+    ahead of the server's processes on the cores stands in for one on another machine: a
+    figure that moves with it is the sender waiting for a core, not the server (one run:
+    the 202 did not move, README)."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -143,13 +152,8 @@ def sequential(
     client = redis.Redis.from_url(REDIS)
     where = urlsplit(base)
     conn = http.client.HTTPConnection(where.hostname or "127.0.0.1", where.port, timeout=30)
-    accept, step, trivial = [], [], []
+    trivial: list[float] = []
     client.delete("torpor-bench:steps")  # stamps of an earlier run
-    for _ in range(len(cids)):  # the floor: a trivial POST on the same connection
-        p0 = time.perf_counter()
-        conn.request("POST", "/v1/noop", body=b"{}", headers={"Content-Type": "application/json"})
-        conn.getresponse().read()
-        trivial.append((time.perf_counter() - p0) * 1000)
 
     def accepted(path: str, event_id: str, cid: str) -> float:
         """One freshly signed webhook POSTed on ``conn``: ms to its 202."""
@@ -165,7 +169,49 @@ def sequential(
             raise RuntimeError(f"sequential webhook to {path} answered {response.status}")
         return took
 
-    alone = [accepted("/deferred/v1/hooks/bench", f"seqd-{cid}", cid) for cid in deferred or []]
+    thread = threading.get_native_id()
+    niceness = os.getpriority(os.PRIO_PROCESS, thread)
+    if sender_nice is not None:
+        os.setpriority(os.PRIO_PROCESS, thread, sender_nice)  # PermissionError: no CAP_SYS_NICE
+    try:
+        for _ in range(len(cids)):  # the floor: a trivial POST on the same connection
+            p0 = time.perf_counter()
+            conn.request(
+                "POST", "/v1/noop", body=b"{}", headers={"Content-Type": "application/json"}
+            )
+            conn.getresponse().read()
+            trivial.append((time.perf_counter() - p0) * 1000)
+        alone = [accepted("/deferred/v1/hooks/bench", f"seqd-{cid}", cid) for cid in deferred or []]
+        accept, step = one_by_one(cids, accepted, client, state_key)
+    finally:
+        os.setpriority(os.PRIO_PROCESS, thread, niceness)
+    conn.close()
+    client.close()
+    accept.sort()
+    step.sort()
+    trivial.sort()
+    alone.sort()
+    return {
+        "trivial_p50": trivial[len(trivial) // 2],
+        "alone_p50": alone[len(alone) // 2] if alone else None,
+        "alone_p99": alone[min(len(alone) - 1, int(0.99 * len(alone)))] if alone else None,
+        "accept_p50": accept[len(accept) // 2],
+        "accept_p99": accept[min(len(accept) - 1, int(0.99 * len(accept)))],
+        "step_p50": step[len(step) // 2],
+        "step_p99": step[min(len(step) - 1, int(0.99 * len(step)))],
+        "n": len(step),
+    }
+
+
+def one_by_one(
+    cids: list[tuple[str, str]],
+    accepted: Callable[[str, str, str], float],
+    client: Any,
+    state_key: str | None,
+) -> tuple[list[float], list[float]]:
+    """Each session's webhook in turn: ms to its 202, ms to its agent's step stamp."""
+    accept: list[float] = []
+    step: list[float] = []
     for sid, cid in cids:
         t0 = time.time()
         accept.append(accepted("/v1/hooks/bench", f"seq-{cid}", cid))
@@ -184,22 +230,7 @@ def sequential(
                 if time.monotonic() > ends:
                     raise RuntimeError(f"{sid} never completed")
                 time.sleep(0.001)
-    conn.close()
-    client.close()
-    accept.sort()
-    step.sort()
-    trivial.sort()
-    alone.sort()
-    return {
-        "trivial_p50": trivial[len(trivial) // 2],
-        "alone_p50": alone[len(alone) // 2] if alone else None,
-        "alone_p99": alone[min(len(alone) - 1, int(0.99 * len(alone)))] if alone else None,
-        "accept_p50": accept[len(accept) // 2],
-        "accept_p99": accept[min(len(accept) - 1, int(0.99 * len(accept)))],
-        "step_p50": step[len(step) // 2],
-        "step_p99": step[min(len(step) - 1, int(0.99 * len(step)))],
-        "n": len(step),
-    }
+    return accept, step
 
 
 def cpu_by_process() -> dict[str, float]:
@@ -283,6 +314,7 @@ async def child(
     profile: str | None = None,
     replicas: int = 1,
     resume_s: int = 4,
+    sender_nice: int | None = None,
 ) -> dict[str, Any]:
     import ray
     import redis
@@ -367,7 +399,8 @@ async def child(
         async with gate:
             return (await control.submit(tenant="bench", agent="bench", input={"i": i})).session_id
 
-    ids = list(await asyncio.gather(*(one(i) for i in range(2 * sessions + 2 * seq_n))))
+    passes = 2 if sender_nice is None else 3  # one-at-a-time passes, seq_n sessions each
+    ids = list(await asyncio.gather(*(one(i) for i in range(2 * sessions + passes * seq_n))))
 
     async def all_in(wanted: list[str], state: SessionState) -> None:
         while True:
@@ -386,12 +419,27 @@ async def child(
     # After the deploys' own CPU has settled (the controller's health checks after
     # ``serve.run``): one webhook at a time measures the path, not what shares the cores.
     settle()
-    seq = idle = None
+    seq = idle = ahead = None
     if seq_n:
         pairs = list(zip(seq_ids, seq_cids, strict=True))
-        seq = sequential(base, pairs[:seq_n], deferred=cids[sessions:][:seq_n])
+        others = cids[sessions:]  # the deferring app's sessions: one webhook each here
+        seq = sequential(base, pairs[:seq_n], deferred=others[:seq_n])
         state_key = services.index.keys.session_state  # type: ignore[attr-defined]
-        idle = sequential(base, pairs[seq_n:], state_key=state_key)
+        idle = sequential(base, pairs[seq_n : 2 * seq_n], state_key=state_key)
+        try:
+            ahead = (
+                None
+                if sender_nice is None
+                else sequential(
+                    base,
+                    pairs[2 * seq_n :],
+                    deferred=others[seq_n : 2 * seq_n],
+                    state_key=state_key,
+                    sender_nice=sender_nice,
+                )
+            )
+        except PermissionError:  # raising a thread's priority needs CAP_SYS_NICE
+            ahead = {"refused": True}
 
     lua = tmp / "bench.lua"
     lua.write_text(WRK_LUA)
@@ -440,6 +488,8 @@ async def child(
         "unique": {"full": sessions, "accept": 6 * sessions},
         "sequential": seq,
         "idle": idle,
+        "ahead": ahead,
+        "sender_nice": sender_nice,
     }
 
 
@@ -459,6 +509,12 @@ def main() -> None:
         default=4,
         help="seconds of the resuming phase (its unique webhooks must last that long)",
     )
+    parser.add_argument(
+        "--sender-nice",
+        type=int,
+        help="one more one-at-a-time pass, into an idle system, the sender at this niceness"
+        " (e.g. -10: a stand-in for a sender on another machine; needs CAP_SYS_NICE)",
+    )
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
@@ -471,6 +527,7 @@ def main() -> None:
                 args.profile,
                 args.replicas,
                 args.resume_duration,
+                args.sender_nice,
             )
         )
         print("JSON " + json.dumps(result), flush=True)
@@ -500,6 +557,7 @@ def main() -> None:
                 str(args.replicas),
                 "--resume-duration",
                 str(args.resume_duration),
+                *(["--sender-nice", str(args.sender_nice)] if args.sender_nice is not None else []),
             ],
             capture_output=True,
             text=True,
@@ -557,6 +615,20 @@ def main() -> None:
                     f" has ended): POST -> 202 p50 {q2['accept_p50']:.1f} ms{aims[0]}, p99"
                     f" {q2['accept_p99']:.1f} ms; POST -> agent step p50 {q2['step_p50']:.1f}"
                     f" ms, p99 {q2['step_p99']:.1f} ms{aims[1]}",
+                    flush=True,
+                )
+            q3 = r.get("ahead")
+            if q3 and q3.get("refused"):
+                print("    (the sender's priority could not be raised: no CAP_SYS_NICE)")
+            elif q3:
+                print(
+                    f"    the same, the sender at nice {r['sender_nice']} (ahead of the"
+                    f" server's processes on the cores, as a sender on another machine):"
+                    f" trivial POST p50 {q3['trivial_p50']:.1f} ms; POST -> 202 p50"
+                    f" {q3['accept_p50']:.1f} ms{aims[0]}, p99 {q3['accept_p99']:.1f} ms;"
+                    f" POST -> agent step p50 {q3['step_p50']:.1f} ms, p99"
+                    f" {q3['step_p99']:.1f} ms{aims[1]}; activation deferred p50"
+                    f" {q3['alone_p50']:.1f} ms",
                     flush=True,
                 )
             if q.get("alone_p50") is not None:
