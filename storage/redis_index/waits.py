@@ -126,10 +126,12 @@ class RedisWaits(RedisConnection):
         return bool(int(bound))
 
     async def _stored(self, correlation_id: str) -> StoredBinding | None:
-        raw = opt_text(
-            await self._redis.hget(self.keys.correlation(correlation_id), correlation_id)
-        )
-        return decode_binding(correlation_id, raw) if raw else None
+        # On the lean pipelined path, as the lookups of a webhook and an activation are:
+        # redis-py's own call costs 0.1-0.2 ms more CPU (``pipelining``), and a session's
+        # resume reads its binding here once to unbind it.
+        raw = await self.batched("HGET", self.keys.correlation(correlation_id), correlation_id)
+        found = opt_text(raw)
+        return decode_binding(correlation_id, found) if found else None
 
     @translate
     async def resolve(
@@ -143,10 +145,10 @@ class RedisWaits(RedisConnection):
         cid = correlation_id
         if cid is None and business_key is not None:
             key, field = self.keys.business_key(tenant, business_key)
-            cid = pointed(opt_text(await self._redis.hget(key, field)))
+            cid = pointed(opt_text(await self.batched("HGET", key, field)))
         if cid is None:
             return None
-        raw = opt_text(await self._redis.hget(self.keys.correlation(cid), cid))
+        raw = opt_text(await self.batched("HGET", self.keys.correlation(cid), cid))
         return live(cid, raw, tenant=tenant, now=now)
 
     @translate
