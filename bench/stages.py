@@ -86,6 +86,7 @@ def instrument(timeline: Timeline, *, resume: bool) -> None:
     from torpor.service.sessions import SessionService
     from torpor.session.activation import Activation
     from torpor.session.runtime import SessionRuntime
+    from torpor.session.suspend import Suspender
 
     receive = WebhookGateway.receive
 
@@ -111,6 +112,12 @@ def instrument(timeline: Timeline, *, resume: bool) -> None:
         timeline.wrap(Activation, "drive", before="lease held, drive begins")
         timeline.wrap(ObjectInbox, "pending", after="inbox read")
         timeline.wrap(plugins.BenchAgent, "step", before="agent step begins")
+        # The resume's tail, after the step: the session's last commit (its result, the
+        # move to the ended markers), the lease given back, the slot left.
+        timeline.wrap(plugins.BenchAgent, "step", after="agent step returned")
+        timeline.wrap(Suspender, "finish", after="final commit done")
+        timeline.wrap(Activation, "drive", after="drive returned")
+        timeline.wrap(SessionRuntime, "activate", after="activation returned")
 
 
 async def floors(batched: Callable[..., Coroutine[Any, Any, Any]], folder: str) -> list[str]:
