@@ -225,6 +225,18 @@ class _Stripes:
         finally:
             thread_lock.release()
 
+    @contextlib.contextmanager
+    def held_both(self, first: str, second: str, *, wait: bool) -> Iterator[None]:
+        """Both keys' locks, taken in stripe order (two moves of one pair in opposite
+        directions cannot each hold one and wait for the other); once if they share one."""
+        a, b = sorted((first, second), key=self._stripe)
+        if self._stripe(a) == self._stripe(b):
+            with self.held(a, wait=wait):
+                yield
+            return
+        with self.held(a, wait=wait), self.held(b, wait=wait):
+            yield
+
 
 class LocalObjectStore:
     def __init__(self, root: str | Path) -> None:
@@ -520,6 +532,27 @@ class LocalObjectStore:
                 self._blanks.recycle(gone, old)
         self._log.sync(ticket)
 
+    def _move(self, key: str, to: str, wait: bool = True) -> bool:
+        """``key``'s file renamed to ``to`` under both keys' locks, both changes logged and
+        flushed together: one rename (atomic: the object is at one key or the other
+        whatever process crashes) and one flush, where a put and a delete were two files
+        changed and two flushes in a row. A power cut before the flush replays a prefix
+        of the log: nothing, the object at ``to`` (it may then be at both), or both
+        records; never the removal without the object's new place."""
+        source, target = self._file(key), self._file(to)
+        self._parent(target)
+        with self._locks.held_both(key, to, wait=wait):
+            try:
+                data = Path(source).read_bytes()  # the log holds the content it moves
+            except FileNotFoundError:
+                return False
+            _occupant(target)  # a folder there is refused before anything moves
+            os.rename(source, target)
+            self._logged(to, target, data)
+            ticket = self._log.append(wal.Op.DELETE, key)
+        self._log.sync(ticket)  # covers the earlier record too: the log is flushed whole
+        return True
+
     # -- async protocol -------------------------------------------------------------
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
@@ -694,6 +727,9 @@ class LocalObjectStore:
 
     async def delete(self, key: str) -> None:
         await self._write(functools.partial(self._delete, key), size=0)
+
+    async def move(self, key: str, to: str) -> bool:
+        return await self._write(functools.partial(self._move, key, to), size=0)
 
     async def _write(self, write: Callable[[bool], T], *, size: int) -> T:
         """A locked write, ``write(wait)``: on the caller's thread when ``_Inline`` allows

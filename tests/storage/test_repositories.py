@@ -13,7 +13,7 @@ from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
 from storage.deliveries import ObjectDeliveries
 from storage.inbox import ObjectInbox
-from storage.snapshots import ObjectSnapshots
+from storage.snapshots import ObjectSnapshots, ended_day
 from tests.support.factories import NOW, busy_snapshot, snapshot
 from torpor.batches import BatchManifest
 from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
@@ -45,6 +45,28 @@ async def test_create_load_save_round_trip(store: ObjectStore) -> None:
     assert saved.generation == 1
     loaded = await ObjectSnapshots(store).load(first.session_id)  # a fresh store: no etag cache
     assert loaded == saved
+
+
+async def test_an_ended_session_moves_from_the_live_markers_to_the_ended_ones(
+    store: ObjectStore,
+) -> None:
+    snapshots = ObjectSnapshots(store)
+    first = await snapshots.create(snapshot())
+    sid = first.session_id
+    assert (await store.list(keys.live(sid))).keys == [keys.live(sid)]
+    running = await snapshots.save(
+        transition(first, SessionState.RUNNING, now=NOW), expected_generation=0
+    )
+    done = await snapshots.save(
+        transition(running, SessionState.COMPLETED, now=NOW), expected_generation=1
+    )
+    ended = keys.ended(ended_day(done.updated_at), sid)
+    # The local folder renames the marker (one flush); S3 puts the new one, then deletes.
+    assert (await store.list(keys.live(sid))).keys == []
+    assert (await store.get(ended)).data == b""
+    await snapshots.mark_ended(sid, done.updated_at)  # again (repair finishing a move)
+    assert (await store.list(keys.live(sid))).keys == []
+    assert (await store.get(ended)).data == b""
 
 
 async def test_create_is_create_only(store: ObjectStore) -> None:

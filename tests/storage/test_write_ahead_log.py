@@ -148,6 +148,44 @@ def test_the_last_change_of_a_key_wins_across_processes(tmp_path: Path, boot: li
     assert (get(after, "k"), get(after, "j")) == (b"3", None)
 
 
+def test_a_moved_object_survives_a_power_cut_and_the_move_flushes_once(
+    tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put("live/s", b"marker"))
+    asyncio.run(store.put("ended/day/s", b"older"))  # replaced by the move
+    flushes: list[int] = []
+    real_fdatasync = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        flushes.append(fd)
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    assert asyncio.run(store.move("live/s", "ended/day/s")) is True
+    assert len(flushes) == 1, "one flush of the log for both changes (a put and a delete: two)"
+    assert (get(store, "live/s"), get(store, "ended/day/s")) == (None, b"marker")
+    # The power cut: the rename never reached the disk.
+    os.replace(objects(tmp_path) / "ended/day/s", objects(tmp_path) / "live/s")
+    (objects(tmp_path) / "ended/day/s").write_bytes(b"older")
+
+    boot[0] = "boot-b"
+    after = LocalObjectStore(tmp_path)
+    assert (get(after, "live/s"), get(after, "ended/day/s")) == (None, b"marker")
+
+
+def test_a_move_of_a_missing_object_changes_nothing(tmp_path: Path, boot: list[str]) -> None:
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put("ended/day/s", b"there"))
+    assert asyncio.run(store.move("live/s", "ended/day/s")) is False
+    assert get(store, "ended/day/s") == b"there"
+    asyncio.run(store.put("live/t", b"marker"))
+    (objects(tmp_path) / "ended/folder").mkdir(parents=True)
+    with pytest.raises(IsADirectoryError):  # a folder at the target: refused, nothing moved
+        asyncio.run(store.move("live/t", "ended/folder"))
+    assert get(store, "live/t") == b"marker"
+
+
 def test_a_torn_record_ends_the_log(tmp_path: Path, boot: list[str]) -> None:
     """A crash in the middle of an append leaves a record whose CRC fails: it and all
     after it were never acknowledged; those before it are replayed."""

@@ -25,6 +25,7 @@ from torpor.ports.index import (
 )
 from torpor.ports.objects import (
     ListPage,
+    MovesObjects,
     ObjectStore,
     Staged,
     StagesCreates,
@@ -65,6 +66,7 @@ __all__ = [
     "Lease",
     "LeaseIndex",
     "ListPage",
+    "MovesObjects",
     "Notifier",
     "ObjectStore",
     "Observer",

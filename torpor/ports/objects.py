@@ -81,6 +81,20 @@ class ObjectStore(Protocol):
 
 
 @runtime_checkable
+class MovesObjects(Protocol):
+    """A store that can move an object to another key in one step: a reader finds it at
+    one key or the other, never at neither. A crash before the move is acknowledged may
+    leave it at both; the move done again then completes. Stores without it are used
+    through a put of the new key, then a delete of the old (``ObjectSnapshots.
+    mark_ended``: an ended session's marker)."""
+
+    async def move(self, key: str, to: str) -> bool:
+        """The object at ``key`` put at ``to`` (replacing what was there) and gone from
+        ``key``, durable on return; False, and nothing changed, if ``key`` holds none."""
+        ...
+
+
+@runtime_checkable
 class StagesCreates(Protocol):
     """A store that can split a create in two: the object placed (whether this caller
     won is known) and, later, made durable. A caller that writes more after learning
