@@ -540,6 +540,8 @@ class LocalObjectStore:
         of the log: nothing, the object at ``to`` (it may then be at both), or both
         records; never the removal without the object's new place."""
         source, target = self._file(key), self._file(to)
+        if key == to:  # logged, its removal would come after its put: nothing to do
+            return os.path.isfile(source)
         self._parent(target)
         with self._locks.held_both(key, to, wait=wait):
             try:

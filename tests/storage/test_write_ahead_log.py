@@ -179,6 +179,9 @@ def test_a_move_of_a_missing_object_changes_nothing(tmp_path: Path, boot: list[s
     asyncio.run(store.put("ended/day/s", b"there"))
     assert asyncio.run(store.move("live/s", "ended/day/s")) is False
     assert get(store, "ended/day/s") == b"there"
+    assert asyncio.run(store.move("ended/day/s", "ended/day/s")) is True  # onto itself
+    boot[0] = "boot-b"  # and nothing logged that a replay would undo
+    assert get(LocalObjectStore(tmp_path), "ended/day/s") == b"there"
     asyncio.run(store.put("live/t", b"marker"))
     (objects(tmp_path) / "ended/folder").mkdir(parents=True)
     with pytest.raises(IsADirectoryError):  # a folder at the target: refused, nothing moved
