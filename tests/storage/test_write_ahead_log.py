@@ -174,7 +174,9 @@ def test_a_moved_object_survives_a_power_cut_and_the_move_flushes_once(
     assert (get(after, "live/s"), get(after, "ended/day/s")) == (None, b"marker")
 
 
-def test_a_move_from_nothing_onto_itself_or_onto_a_folder_changes_nothing(tmp_path: Path, boot: list[str]) -> None:
+def test_a_move_from_nothing_onto_itself_or_onto_a_folder_changes_nothing(
+    tmp_path: Path, boot: list[str]
+) -> None:
     store = LocalObjectStore(tmp_path)
     asyncio.run(store.put("ended/day/s", b"there"))
     assert asyncio.run(store.move("live/s", "ended/day/s")) is False
