@@ -533,26 +533,47 @@ class LocalObjectStore:
         self._log.sync(ticket)
 
     def _move(self, key: str, to: str, wait: bool = True) -> bool:
-        """``key``'s file renamed to ``to`` under both keys' locks, both changes logged and
-        flushed together: one rename (atomic: the object is at one key or the other
-        whatever process crashes) and one flush, where a put and a delete were two files
-        changed and two flushes in a row. A power cut before the flush replays a prefix
-        of the log: nothing, the object at ``to`` (it may then be at both), or both
-        records; never the removal without the object's new place."""
+        """``key``'s file linked at ``to`` under both keys' locks, both changes logged, the
+        log flushed once, and only then ``key``'s name removed: where a put and a delete
+        were two files changed and two flushes in a row. Nothing orders the writes of two
+        folders on disk (``storage.blanks``), so a rename could reach the disk as its
+        removal alone; here the old name outlives every state the log does not cover. A
+        power cut before the flush leaves the object at ``key`` (and perhaps at ``to``);
+        after it, the replay puts it at ``to`` and removes ``key`` (unless a checkpoint
+        began between the removal's record and the removal: then it may stay at both,
+        which the move done again completes)."""
+        if key == to:
+            raise ValueError(f"a move needs two keys, not {key!r} twice")
         source, target = self._file(key), self._file(to)
-        if key == to:  # logged, its removal would come after its put: nothing to do
-            return os.path.isfile(source)
         self._parent(target)
         with self._locks.held_both(key, to, wait=wait):
             try:
-                data = Path(source).read_bytes()  # the log holds the content it moves
+                size = os.stat(source).st_size
             except FileNotFoundError:
                 return False
             _occupant(target)  # a folder there is refused before anything moves
-            os.rename(source, target)
-            self._logged(to, target, data)
-            ticket = self._log.append(wal.Op.DELETE, key)
-        self._log.sync(ticket)  # covers the earlier record too: the log is flushed whole
+            link = self._blanks.name()
+            os.link(source, link)
+            try:
+                os.replace(link, target)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(link)
+                raise
+            if size > wal.RECORD_MAX_BYTES:  # its content was flushed when it was written
+                fd = os.open(os.path.dirname(target), os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    self._inline.flushed(fd)
+                finally:
+                    os.close(fd)
+                self._log.append(wal.Op.DURABLE, to)
+            else:
+                self._log.append(wal.Op.PUT, to, Path(target).read_bytes())
+            # Flushed with the locks held: the old name goes only once the log covers the
+            # move, and no writer can put a new object at ``key`` meanwhile. The file is
+            # not recycled (``storage.blanks``): it is the object, now at ``to``.
+            self._log.sync(self._log.append(wal.Op.DELETE, key))
+            os.unlink(source)
         return True
 
     # -- async protocol -------------------------------------------------------------
@@ -731,7 +752,11 @@ class LocalObjectStore:
         await self._write(functools.partial(self._delete, key), size=0)
 
     async def move(self, key: str, to: str) -> bool:
-        return await self._write(functools.partial(self._move, key, to), size=0)
+        try:  # a large object is moved off the loop, as it is written
+            size = os.stat(self._file(key)).st_size
+        except OSError:
+            size = 0  # missing: ``_move`` says so under the locks
+        return await self._write(functools.partial(self._move, key, to), size=size)
 
     async def _write(self, write: Callable[[bool], T], *, size: int) -> T:
         """A locked write, ``write(wait)``: on the caller's thread when ``_Inline`` allows
