@@ -324,13 +324,18 @@ class LocalObjectStore:
         """Log the change just made to ``key`` (its lock held): its content, or for a
         large object, flushed with its file already, the folder's entry flushed now."""
         if len(data) > wal.RECORD_MAX_BYTES:
-            fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                self._inline.flushed(fd)
-            finally:
-                os.close(fd)
-            return self._log.append(wal.Op.DURABLE, key)
+            return self._logged_in_place(key, path)
         return self._log.append(wal.Op.PUT, key, data)
+
+    def _logged_in_place(self, key: str, path: str) -> int:
+        """Log a large object placed at ``key`` (its lock held), its file flushed when it
+        was written: its folder's entry is flushed now, and the record says so."""
+        fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self._inline.flushed(fd)
+        finally:
+            os.close(fd)
+        return self._log.append(wal.Op.DURABLE, key)
 
     def _replay(self, record: wal.Record) -> None:
         """One change from a log of an earlier boot, made again (flushed by the caller)."""
@@ -560,13 +565,8 @@ class LocalObjectStore:
                 with contextlib.suppress(OSError):
                     os.unlink(link)
                 raise
-            if size > wal.RECORD_MAX_BYTES:  # its content was flushed when it was written
-                fd = os.open(os.path.dirname(target), os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    self._inline.flushed(fd)
-                finally:
-                    os.close(fd)
-                self._log.append(wal.Op.DURABLE, to)
+            if size > wal.RECORD_MAX_BYTES:
+                self._logged_in_place(to, target)
             else:
                 self._log.append(wal.Op.PUT, to, Path(target).read_bytes())
             # Flushed with the locks held: the old name goes only once the log covers the
