@@ -565,6 +565,7 @@ class LocalObjectStore:
                 with contextlib.suppress(OSError):
                     os.unlink(link)
                 raise
+            crash_point(CrashPoint.STORE_AFTER_LINK)
             if size > wal.RECORD_MAX_BYTES:
                 self._logged_in_place(to, target)
             else:
@@ -573,6 +574,7 @@ class LocalObjectStore:
             # move, and no writer can put a new object at ``key`` meanwhile. The file is
             # not recycled (``storage.blanks``): it is the object, now at ``to``.
             self._log.sync(self._log.append(wal.Op.DELETE, key))
+            crash_point(CrashPoint.STORE_MOVE_LOGGED)
             os.unlink(source)
         return True
 

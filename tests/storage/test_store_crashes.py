@@ -34,7 +34,9 @@ async def main(folder, op, old, new):
     store = LocalObjectStore(folder)
     etag = await store.put_if_absent("sessions/k", old)
     print(os.getpid(), flush=True)
-    if op == "put":
+    if op == "move":
+        await store.move("sessions/k", "ended/k")
+    elif op == "put":
         await store.put("sessions/k", new)
     elif op == "cas":
         await store.put_if_match("sessions/k", new, etag=etag)
@@ -104,3 +106,18 @@ def test_a_writer_killed_between_the_move_and_its_log_record_leaves_the_key_whol
     asyncio.run(eventually(lambda: not old.exists(), timeout_s=10.0, what="the sweep"))
     assert read(after, "sessions/k") == b"v3"
     asyncio.run(after.close())
+
+
+@pytest.mark.parametrize("point", [CrashPoint.STORE_AFTER_LINK, CrashPoint.STORE_MOVE_LOGGED])
+def test_a_mover_killed_before_the_old_name_went_leaves_the_object_at_both_keys(
+    tmp_path: Path, point: CrashPoint
+) -> None:
+    """Killed after the object was linked at its new key (before or after its log was
+    flushed): it is at both keys, never at neither, and the move done again (repair
+    finishing an ended session's marker) completes it."""
+    killed_at(point, tmp_path, "move")
+    store = LocalObjectStore(tmp_path)
+    assert (read(store, "sessions/k"), read(store, "ended/k")) == (OLD, OLD)
+    assert asyncio.run(store.move("sessions/k", "ended/k")) is True
+    assert (read(store, "sessions/k"), read(store, "ended/k")) == (None, OLD)
+    asyncio.run(store.close())

@@ -177,6 +177,16 @@ def test_a_moved_object_survives_a_power_cut_and_the_move_flushes_once(
     assert (get(after, "live/s"), get(after, "ended/day/s")) == (None, b"marker")
 
 
+def test_a_large_moved_object_is_durable_at_its_new_key(tmp_path: Path, boot: list[str]) -> None:
+    store = LocalObjectStore(tmp_path)
+    large = os.urandom(wal.RECORD_MAX_BYTES + 1)
+    asyncio.run(store.put("live/big", large))
+    assert asyncio.run(store.move("live/big", "ended/day/big")) is True
+    boot[0] = "boot-b"  # logged as flushed in place: nothing to write back
+    after = LocalObjectStore(tmp_path)
+    assert (get(after, "live/big"), get(after, "ended/day/big")) == (None, large)
+
+
 def test_a_move_from_nothing_onto_itself_or_onto_a_folder_changes_nothing(
     tmp_path: Path, boot: list[str]
 ) -> None:
