@@ -15,7 +15,8 @@ from torpor.clock import from_ms, to_ms
 from torpor.errors import InvalidKey
 from torpor.ports import WaitBinding
 
-_VERSION = "3"
+# The encoding's version, its first field (the index's unbind script reads it too).
+VERSION = "3"
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
@@ -41,7 +42,7 @@ def encode_binding(binding: WaitBinding, *, expires_ms: int) -> str:
     deadline = to_ms(binding.deadline)
     return "|".join(
         (
-            _VERSION,
+            VERSION,
             binding.tenant,
             binding.session_id,
             str(binding.epoch),
@@ -56,7 +57,7 @@ def decode_binding(correlation_id: str, raw: str) -> StoredBinding | None:
     """None for anything unreadable: a damaged index entry is a miss, never a crash
     (the caller falls back to the durable correlation record)."""
     parts = raw.split("|")
-    if len(parts) != 7 or parts[0] != _VERSION:
+    if len(parts) != 7 or parts[0] != VERSION:
         return None
     _, tenant, session_id, epoch, step_id, deadline, grace = parts
     try:

@@ -54,7 +54,14 @@ class MemoryWaits:
             cid = self._business_keys.get((tenant, business_key))
         return self._live(cid, tenant=tenant, now=now)
 
-    async def unbind(self, *, tenant: str, correlation_id: str, business_key: str | None) -> None:
+    async def unbind(
+        self,
+        *,
+        tenant: str,
+        correlation_id: str,
+        business_key: str | None,
+        deadline: datetime | None = None,  # a hint this index needs no use of
+    ) -> None:
         found = self._waits.get(correlation_id)
         if found is None or found[0].tenant != tenant:
             return

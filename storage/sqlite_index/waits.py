@@ -95,7 +95,14 @@ class SqliteWaits(SqliteConnection):
             write=False,
         )
 
-    async def unbind(self, *, tenant: str, correlation_id: str, business_key: str | None) -> None:
+    async def unbind(
+        self,
+        *,
+        tenant: str,
+        correlation_id: str,
+        business_key: str | None,
+        deadline: datetime | None = None,  # a hint this index needs no use of
+    ) -> None:
         def op(c: sqlite3.Connection) -> None:
             c.execute(
                 "DELETE FROM bindings WHERE correlation_id=? AND tenant=?", (correlation_id, tenant)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,6 +86,58 @@ class IndexContract:
         assert await index.resolve(now=NOW, tenant="acme", correlation_id=b.correlation_id) is None
         assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") is None
         assert await index.due_deadlines(now=NOW + timedelta(days=2), limit=10) == []
+
+    async def test_unbind_knowing_the_deadline_removes_everything(self, index: Index) -> None:
+        b = binding()
+        await index.bind_wait(b, business_key="PO-1", grace=GRACE, now=NOW)
+        await index.unbind(
+            tenant="acme", correlation_id=b.correlation_id, business_key="PO-1", deadline=b.deadline
+        )
+        assert await index.resolve(now=NOW, tenant="acme", correlation_id=b.correlation_id) is None
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") is None
+        assert await index.due_deadlines(now=NOW + timedelta(days=2), limit=10) == []
+
+    @pytest.mark.parametrize("off", [timedelta(hours=3), -timedelta(days=1), timedelta(0)])
+    async def test_unbind_with_a_deadline_of_another_hour_still_removes_the_stored_wait(
+        self, index: Index, off: timedelta
+    ) -> None:
+        """The deadline is the caller's hint: a binding stored with another deadline (bound
+        again since, say) goes all the same, its deadline entry included."""
+        b = binding()
+        await index.bind_wait(b, business_key="PO-1", grace=GRACE, now=NOW)
+        later = b.model_copy(update={"deadline": b.deadline + timedelta(hours=5)})
+        await index.bind_wait(later, business_key="PO-1", grace=GRACE, now=NOW)
+        await index.unbind(
+            tenant="acme",
+            correlation_id=b.correlation_id,
+            business_key="PO-1",
+            deadline=b.deadline + off,
+        )
+        assert await index.resolve(now=NOW, tenant="acme", correlation_id=b.correlation_id) is None
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") is None
+        assert await index.due_deadlines(now=NOW + timedelta(days=2), limit=10) == []
+
+    async def test_unbind_knowing_the_deadline_keeps_a_newer_wait_and_another_tenants(
+        self, index: Index
+    ) -> None:
+        old, new, theirs = binding(), binding(), binding("other", session="s_2")
+        await index.bind_wait(old, business_key="PO-1", grace=GRACE, now=NOW)
+        await index.bind_wait(new, business_key="PO-1", grace=GRACE, now=NOW)
+        await index.bind_wait(theirs, business_key="PO-1", grace=GRACE, now=NOW)
+        await index.unbind(
+            tenant="acme",
+            correlation_id=old.correlation_id,
+            business_key="PO-1",
+            deadline=old.deadline,
+        )
+        await index.unbind(
+            tenant="mallory",
+            correlation_id=theirs.correlation_id,
+            business_key="PO-1",
+            deadline=theirs.deadline,
+        )
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") == new
+        assert await index.resolve(now=NOW, tenant="other", business_key="PO-1") == theirs
 
     async def test_unbind_keeps_a_newer_wait_on_the_same_business_key(self, index: Index) -> None:
         old, new = binding(), binding()
@@ -588,6 +641,53 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
             ("redis", {"url": redis_url, "prefix": redis_prefix}), op, workers=6, rounds=20
         )
         assert all(len(w) == 1 for w in winners.values()), winners
+
+    async def test_unbind_knowing_the_deadline_is_one_script_with_no_read_first(
+        self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        b = binding()
+        await redis_index.bind_wait(b, business_key="PO-1", grace=GRACE, now=NOW)
+        sent: list[Any] = []
+        call = redis_index._pipelined.call
+
+        async def recorded(*args: Any, **options: Any) -> Any:
+            sent.append(args[0])
+            return await call(*args, **options)
+
+        monkeypatch.setattr(redis_index._pipelined, "call", recorded)
+        await redis_index.unbind(
+            tenant="acme", correlation_id=b.correlation_id, business_key="PO-1", deadline=b.deadline
+        )
+        assert sent == ["EVALSHA"]
+        assert await redis_index.resolve(now=NOW, tenant="acme", business_key="PO-1") is None
+
+    async def test_unbind_with_a_stale_deadline_removes_the_stored_deadline_entry(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """The hint names an hour the binding is no longer in: the entry of the hour it is
+        in goes (read from the binding), not the hint's."""
+        b = binding()
+        later = b.model_copy(update={"deadline": b.deadline + timedelta(hours=5)})
+        await redis_index.bind_wait(b, business_key=None, grace=GRACE, now=NOW)
+        await redis_index.bind_wait(later, business_key=None, grace=GRACE, now=NOW)
+        hour = int(later.deadline.timestamp()) // 3600
+        shard = redis_index.keys.deadline_set(b.correlation_id, hour)
+        assert await redis_index._redis.zscore(shard, b.correlation_id) is not None
+        await redis_index.unbind(
+            tenant="acme", correlation_id=b.correlation_id, business_key=None, deadline=b.deadline
+        )
+        assert await redis_index._redis.zscore(shard, b.correlation_id) is None
+
+    @pytest.mark.parametrize("entry", ["9|acme|s_1|3|2|zz|1", "3|acme|s_1|3|2|!!|1", "3|acme"])
+    async def test_unbind_knowing_the_deadline_leaves_an_unreadable_entry_alone(
+        self, redis_index: RedisIndex, entry: str
+    ) -> None:
+        """As the read before it did: an entry it cannot decode is not torpor's binding."""
+        cid = new_correlation_id()
+        bucket = redis_index.keys.correlation(cid)
+        await redis_index._redis.hset(bucket, cid, entry)
+        await redis_index.unbind(tenant="acme", correlation_id=cid, business_key=None, deadline=NOW)
+        assert await redis_index._redis.hget(bucket, cid) == entry
 
     async def test_redis_down_is_a_typed_retryable_error(self) -> None:
         index = RedisIndex("redis://127.0.0.1:9/0")

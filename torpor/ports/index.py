@@ -109,8 +109,17 @@ class WaitIndex(Protocol):
         (the binding names its session)."""
         ...
 
-    async def unbind(self, *, tenant: str, correlation_id: str, business_key: str | None) -> None:
-        """Remove a wait; the business-key pointer only if it still names this wait."""
+    async def unbind(
+        self,
+        *,
+        tenant: str,
+        correlation_id: str,
+        business_key: str | None,
+        deadline: datetime | None = None,
+    ) -> None:
+        """Remove a wait; the business-key pointer only if it still names this wait.
+        ``deadline``: the wait's deadline as the caller knows it, a hint an index may use
+        to do it in one step; a binding stored with another deadline goes all the same."""
         ...
 
     async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]:

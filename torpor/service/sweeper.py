@@ -205,7 +205,10 @@ class Sweeper:
         left_over = [b for b in due if b.correlation_id not in open_ids]
         for binding in left_over:
             await self.services.index.unbind(
-                tenant=binding.tenant, correlation_id=binding.correlation_id, business_key=None
+                tenant=binding.tenant,
+                correlation_id=binding.correlation_id,
+                business_key=None,
+                deadline=binding.deadline,
             )
         return len(left_over) < len(due)
 

@@ -180,7 +180,10 @@ class Suspender:
             holder = None
         if holder is None or holder.wait_for(found.correlation_id) is None:
             await self.deps.index.unbind(
-                tenant=snap.tenant, correlation_id=found.correlation_id, business_key=business_key
+                tenant=snap.tenant,
+                correlation_id=found.correlation_id,
+                business_key=business_key,
+                deadline=found.deadline,
             )
             return None
         return found.session_id
@@ -325,6 +328,7 @@ class Suspender:
                 tenant=self.work.snap.tenant,
                 correlation_id=wait.correlation_id,
                 business_key=wait.business_key,
+                deadline=wait.deadline,
             )
 
     # -- outbox -------------------------------------------------------------------------
@@ -430,8 +434,7 @@ class Suspender:
                     outbox.notify_entry(work.snap, event=target.value, now=work.now),
                 ]
             )
-        await work.commit()
-        await self.unbind(closing)
+        await work.commit(beside=lambda: self.unbind(closing))  # one round trip for both
         await self.drain_outbox()
 
     def notifications(self, event: str) -> list[OutboxEntry]:
