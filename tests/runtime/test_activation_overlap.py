@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 
 from actors.wiring import session_runtime
+from storage.redis_index import RedisIndex, wire
 from tests.support.harness import Env, local_env
 from torpor.agent import AgentContext, AgentTurn
 from torpor.agents.plan import PlanAgent
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import Message, SessionSnapshot
-from torpor.ports import Reason
+from torpor.ports import Reason, TimerKind
 from torpor.session import ActivationOutcome
 from torpor.session.runtime import lease_name
 
@@ -194,3 +195,81 @@ async def test_a_busy_session_drops_the_read_it_started(env: Env) -> None:
     result = await runtime.activate(sid, reason=Reason.EVENT)
     assert result.outcome is ActivationOutcome.BUSY
     assert not [t for t in asyncio.all_tasks() if "load" in repr(t.get_coro()) and not t.done()]
+
+
+def record_round_trips(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[Any, ...]]]:
+    """The index's commands as they leave on its lean connection, grouped by round trip:
+    a command written before any reply came back since the last one shares its trip."""
+    trips: list[list[tuple[Any, ...]]] = []
+    replies = [0]
+    last_seen = [-1]
+    write, received = wire.WireConnection.write, wire._Replies.data_received
+
+    def written(
+        self: wire.WireConnection, commands: list[tuple[Any, ...]], into: Any = None
+    ) -> Any:
+        if not trips or last_seen[0] != replies[0]:
+            trips.append([])
+        trips[-1].extend(commands)
+        last_seen[0] = replies[0]
+        return write(self, commands, into)
+
+    def read(self: Any, data: bytes) -> None:
+        replies[0] += 1
+        received(self, data)
+
+    monkeypatch.setattr(wire.WireConnection, "write", written)
+    monkeypatch.setattr(wire._Replies, "data_received", read)
+    return trips
+
+
+async def test_a_resume_shares_its_index_round_trips(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wake's record of the new state goes with the unbind of the wait it answered, in
+    one round trip, and the unbind does not read the binding first (the wait's deadline
+    names its keys); the lease's release goes with the wake-up timer's removal."""
+    sid = await env.submit()
+    snap = await env.load(sid)
+    wait = snap.waits[0]
+    index = env.services.index
+    assert isinstance(index, RedisIndex)
+    keys = index.keys
+    binding = await index.resolve(
+        tenant=snap.tenant, now=env.clock.now(), correlation_id=wait.correlation_id
+    )
+    assert binding is not None
+    event = InboxEvent.new(
+        kind=EventKind.CALLBACK,
+        session_id=sid,
+        source="oa",
+        event_id="evt-1",
+        type="oa.approval.decided",
+        received_at=env.clock.now(),
+        correlation_id=wait.correlation_id,
+        epoch=binding.epoch,
+        step_id=binding.step_id,
+        data={"status": "approved"},
+    )
+
+    def named(command: tuple[Any, ...]) -> str:
+        """What a command does, by the first key it names."""
+        first = str(command[3] if command[0] == "EVALSHA" else command[1])
+        return {
+            keys.correlation(wait.correlation_id): "HGET binding"
+            if command[0] == "HGET"
+            else "unbind",
+            keys.session_state: "record state",
+            keys.lease(lease_name(sid)): "lease",
+            keys.timers(TimerKind.WAKE): f"{command[0]} wake-up",
+        }.get(first, first)
+
+    trips = record_round_trips(monkeypatch)
+    assert await env.control.deliver(event)
+    assert (await env.load(sid)).state is S.COMPLETED
+    named_trips = [sorted(named(c) for c in trip) for trip in trips]
+    assert ["record state", "unbind"] in named_trips, named_trips
+    assert not any("HGET binding" in trip for trip in named_trips), named_trips
+    # The last of the activation: the lease (acquired earlier, released now) and the
+    # wake-up's removal, together.
+    assert ["ZREM wake-up", "lease"] in named_trips, named_trips

@@ -121,9 +121,9 @@ class SessionRuntime:
                 for kind in (TimerKind.WAKE, TimerKind.RETRY):
                     await self.deps.index.unschedule(kind=kind, member=session_id)
                 return result
-            # Unschedule the wake-up first, then look: an event written after our look
-            # schedules its own wake-up after our unschedule, so none is ever orphaned.
-            await self.deps.index.unschedule(kind=TimerKind.WAKE, member=session_id)
+            # The wake-up was unscheduled with the lease's release (``_let_go``), and only
+            # now we look: an event written after our look schedules its own wake-up
+            # after our unschedule, so none is ever orphaned.
             pending = await self.deps.inbox.pending(
                 session_id, processed=set(snapshot.processed_events)
             )
@@ -158,6 +158,9 @@ class SessionRuntime:
         # Who brings the session back if this activation does not finish: a released lease
         # needs a retry timer; a lease left alone expires and the reconciler recovers it.
         release = False
+        # Whether the session's wake-up timer goes with the lease (a drive that ran to its
+        # end, the session not set aside): ``_activate`` then looks at the inbox once more.
+        ran = False
         try:
             try:
                 snapshot = await loading
@@ -178,6 +181,7 @@ class SessionRuntime:
             activation = Activation(self.deps, snapshot, heartbeat, self._agent(snapshot))
             await self._drive_capped(activation, reason)
             release = True
+            ran = activation.snap.state is not SessionState.QUARANTINED
         except (CommitConflict, LeaseLost) as exc:
             # Someone else wrote or holds the session. If they finish its work, the retry
             # finds nothing to do; if they vanished, the retry picks it up again.
@@ -202,10 +206,31 @@ class SessionRuntime:
             self.deps.snapshots.release(session_id)
             await heartbeat.stop()
             if release:
-                with contextlib.suppress(IndexUnavailable):  # it expires by itself anyway
-                    await index.release_lease(heartbeat.lease)
+                await self._let_go(heartbeat, session_id, unschedule=ran)
         assert activation is not None
         return self._result(activation, outcome, requested_at), activation.snap
+
+    async def _let_go(self, heartbeat: Heartbeat, session_id: str, *, unschedule: bool) -> None:
+        """Release the lease and, after a drive that ran to its end, unschedule the
+        session's wake-up: both asked for in one turn, so they leave in one pipeline (one
+        round trip, not two in a row), the release first as before. A release that fails
+        is let be (the lease expires by itself); a failed unschedule is raised, as it was
+        when it came second."""
+        release = self.deps.index.release_lease(heartbeat.lease)
+        if not unschedule:
+            with contextlib.suppress(IndexUnavailable):  # it expires by itself anyway
+                await release
+            return
+        released, unscheduled = await asyncio.gather(
+            release,
+            self.deps.index.unschedule(kind=TimerKind.WAKE, member=session_id),
+            return_exceptions=True,
+        )
+        for outcome in (released, unscheduled):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, IndexUnavailable):
+                raise outcome
+        if isinstance(unscheduled, BaseException):
+            raise unscheduled
 
     async def _drive_capped(self, activation: Activation, reason: Reason) -> None:
         """Drive within the activation wall-time cap. A hung call would otherwise keep the

@@ -147,10 +147,15 @@ class Wake:
                 # is sent) before the commit: a store may write it on this thread, and the
                 # step would otherwise wait for the commit's flush (``storage.local_store``).
                 await asyncio.sleep(0)
-        await work.commit()
-        crash_point(CrashPoint.WAKE_COMMITTED)
-        await self.suspender.unbind(self._closed)
-        self._closed = []
+        closed, self._closed = self._closed, []
+
+        async def unbind_closed() -> None:
+            crash_point(CrashPoint.WAKE_COMMITTED)
+            await self.suspender.unbind(closed)
+
+        # The answered waits are unbound beside the registry's record of the new state:
+        # one round trip for both (``WorkingCopy.commit``).
+        await work.commit(beside=unbind_closed)
         if work.snap.pending_outbox():
             # compensations of closed fan-in members, a tool's notices (reminders): now
             await self.suspender.drain_outbox()

@@ -9,7 +9,9 @@ and the step's idempotency key makes its replay safe.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -57,6 +59,13 @@ def message_content(value: JsonValue) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
 
 
+async def _together(*steps: Awaitable[None]) -> None:
+    """Every step run to its end at once; then the first one's error, if any failed."""
+    for outcome in await asyncio.gather(*steps, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
 class WorkingCopy:
     """The snapshot an activation changes in memory, committed only under its lease."""
 
@@ -74,8 +83,13 @@ class WorkingCopy:
     def state(self) -> SessionState:
         return self.snap.state
 
-    async def commit(self) -> None:
-        """Write the working copy if nobody else wrote since we loaded or last committed."""
+    async def commit(self, *, beside: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Write the working copy if nobody else wrote since we loaded or last committed.
+
+        ``beside``: what the caller does next once the snapshot is written (unbind the
+        waits it closed), started with the registry's record of the new state, so that
+        the two share one round trip to the index; both run, and the first error is
+        raised."""
         if self.heartbeat.lost:
             raise LeaseLost(f"lease on {self.snap.session_id} was lost; not committing")
         token = self.heartbeat.lease.token
@@ -96,15 +110,22 @@ class WorkingCopy:
             }
         )
         self.snap = await self.deps.snapshots.save(draft, expected_generation=self.snap.generation)
-        if self.snap.state is not self._committed_state:
-            previous, self._committed_state = self._committed_state, self.snap.state
-            await self.deps.index.record_session(
-                tenant=self.snap.tenant,
-                session_id=self.snap.session_id,
-                state=self.snap.state,
-                generation=self.snap.generation,
-            )
-            await self.deps.observer.transitioned(self.snap, previous)
+        if self.snap.state is self._committed_state:
+            if beside is not None:
+                await beside()
+            return
+        previous, self._committed_state = self._committed_state, self.snap.state
+        recorded = self.deps.index.record_session(
+            tenant=self.snap.tenant,
+            session_id=self.snap.session_id,
+            state=self.snap.state,
+            generation=self.snap.generation,
+        )
+        if beside is None:
+            await recorded
+        else:
+            await _together(recorded, beside())
+        await self.deps.observer.transitioned(self.snap, previous)
 
     def move(self, target: SessionState, reason: str = "") -> None:
         """A lifecycle transition of the working copy (checked by the state machine)."""
