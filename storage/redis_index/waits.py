@@ -185,7 +185,7 @@ class RedisWaits(RedisConnection):
     ) -> None:
         if deadline is not None:
             # A resume unbinds the wait it answered: one round trip, not a read and then
-            # a script (9 -> 8 round trips from webhook to a resumed session's end).
+            # a script (one round trip fewer per resume).
             bk_key, bk_field = self._bk(tenant, business_key)
             hour = _hour(deadline)
             removed = await self.batched_script(
