@@ -7,7 +7,8 @@ activations deferred to the reconciler as in the ingress bench's accept phase, o
 ``--resume`` run in this process after each 202, as a pool host would), so the
 figures are the Python work of the path and the storage round trips alone. Prints wall
 and CPU time per webhook and writes pyinstrument's call tree as text; with ``--timeline``
-instead, when each stage of the path is reached (``bench/stages.py``). With ``--resume``
+instead, when each stage of the path is reached (``bench/stages.py``) and how many round
+trips to the index each webhook made (counted, not timed). With ``--resume``
 the activation shares this process's event loop with the gateway (a pool host is another
 process), so the 202 comes later than it would: read the resume's marks from there.
 """
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 
 from actors.wiring import open_services, session_runtime  # noqa: E402
-from bench.stages import Timeline, floors, instrument  # noqa: E402
+from bench.stages import RoundTrips, Timeline, floors, instrument  # noqa: E402
 from torpor.lifecycle import SessionState  # noqa: E402
 from torpor.service.activator import InlineActivator  # noqa: E402
 from torpor.service.gateway import WebhookGateway  # noqa: E402
@@ -85,9 +86,10 @@ def settings_for(tmp: Path, prefix: str, deferred: bool) -> Settings:
 async def run(args: argparse.Namespace) -> None:
     from pyinstrument import Profiler
 
-    timeline = Timeline()
+    timeline, trips = Timeline(), RoundTrips()
     if args.timeline:
         instrument(timeline, resume=args.resume)
+        trips.install()
     prefix = f"tpbench-prof:{os.getpid()}:"
     with tempfile.TemporaryDirectory() as tmp:
         build = SessionService(
@@ -129,6 +131,7 @@ async def run(args: argparse.Namespace) -> None:
             await services.close()
             return
         timeline.clear()
+        trips.clear()
         wall0, times0, free0 = time.perf_counter(), os.times(), free_inodes(tmp)
         for body, headers in requests[warm:half]:
             result = await gateway.receive("bench", body, headers, now=now)
@@ -144,6 +147,7 @@ async def run(args: argparse.Namespace) -> None:
         )
         if args.timeline:
             print("stages, median ms since the request came in:", *timeline.report(), sep="\n")
+            print(trips.report(n))
             print("this machine's floors:", *await floors(services.index.batched, tmp), sep="\n")
             await services.close()
             return

@@ -120,6 +120,50 @@ def instrument(timeline: Timeline, *, resume: bool) -> None:
         timeline.wrap(SessionRuntime, "activate", after="activation returned")
 
 
+class RoundTrips:
+    """The index's round trips on its lean connection, counted exactly (no clock): a batch
+    written before any reply came back since the one before shares that one's trip (a
+    gather's commands, written one by one, wait for the server together)."""
+
+    def __init__(self) -> None:
+        self.trips = 0
+        self.commands = 0
+        self._replies = 0
+        self._seen = -1
+
+    def install(self) -> None:
+        """Count from now on, for the process's life (the wire's methods are replaced)."""
+        from storage.redis_index import wire
+
+        write, received = wire.WireConnection.write, wire._Replies.data_received
+
+        @functools.wraps(write)
+        def counted(conn: wire.WireConnection, commands: Any, into: Any = None) -> Any:
+            if self._seen != self._replies:
+                self.trips += 1
+            self._seen = self._replies
+            self.commands += len(commands)
+            return write(conn, commands, into)
+
+        @functools.wraps(received)
+        def read(replies: Any, data: bytes) -> None:
+            self._replies += 1
+            received(replies, data)
+
+        wire.WireConnection.write = counted  # type: ignore[method-assign]
+        wire._Replies.data_received = read  # type: ignore[method-assign]
+
+    def clear(self) -> None:
+        self.trips = self.commands = 0
+        self._seen = self._replies
+
+    def report(self, n: int) -> str:
+        return (
+            f"  {'Redis round trips, each':<28} {self.trips / n:6.2f} "
+            f"({self.commands / n:.2f} commands)"
+        )
+
+
 async def floors(batched: Callable[..., Coroutine[Any, Any, Any]], folder: str) -> list[str]:
     """What this machine charges for the two things every stage waits on: a Redis round
     trip through the index's own connection (``batched``: a PING in the next pipeline)
