@@ -96,6 +96,39 @@ def head() -> Iterator[str]:
     _stop(process)
 
 
+# Run as a driver of its own (this test process has its own Ray): Serve shut down on the
+# head, every app deleted, and its controller gone, before the next ``serve run``. A
+# ``serve run`` stopped with Ctrl-C shuts Serve down itself, but on a loaded machine it
+# can be killed at the end of its grace first, and the next app found the last one's
+# route still taken ("Prefix / is being used by application torpor", seen in CI).
+_SERVE_GONE = """
+import sys, time
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], log_to_driver=False)
+serve.shutdown()
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    except ValueError:
+        sys.exit(0)
+    time.sleep(0.5)  # a named actor being killed: no event to wait on from here
+sys.exit("the Serve controller did not go")
+"""
+
+
+@pytest.fixture
+def serve_gone(head: str) -> str:
+    """The head, with no Serve on it: each test starts its app on a clean slate."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SERVE_GONE, head, str(DEADLINE_S / 2)],
+        env=_env(), cwd=ROOT, capture_output=True, timeout=DEADLINE_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return head
+
+
 def _config(tmp: Path) -> Path:
     config = tmp / "torpor.toml"
     config.write_text(
@@ -119,7 +152,8 @@ def _serve_run(address: str, tmp: Path, *args: str) -> tuple[subprocess.Popen[by
     return process, log
 
 
-def test_serve_run_with_the_deploy_config_starts_the_app(head: str, tmp_path: Path) -> None:
+def test_serve_run_with_the_deploy_config_starts_the_app(serve_gone: str, tmp_path: Path) -> None:
+    head = serve_gone
     config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     port = free_port()
     config["http_options"] = {"host": "127.0.0.1", "port": port}
@@ -138,8 +172,9 @@ def test_serve_run_with_the_deploy_config_starts_the_app(head: str, tmp_path: Pa
 
 
 def test_serve_run_with_the_builder_and_a_config_argument_starts_the_app(
-    head: str, tmp_path: Path
+    serve_gone: str, tmp_path: Path
 ) -> None:
+    head = serve_gone
     # `serve run IMPORT_PATH` has no port option: it uses the Serve already running.
     port = free_port()
     subprocess.run(
