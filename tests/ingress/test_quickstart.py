@@ -144,7 +144,8 @@ def test_the_readme_quick_start_runs_as_written(
         done = eventually_state(lambda: torpor(status_lines[-1], SESSION_ID=sid), "COMPLETED")
         assert done["result"] == {"decision": "approved"}
     finally:
-        _stop(server)
+        stopped = _stop(server)
+    assert stopped, f"torpor serve ignored Ctrl-C for 60 s:\n{log.read_text()[-3000:]}"
 
 
 def healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:

@@ -38,15 +38,19 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _stop(process: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
-    """Ctrl-C, as an operator would; kill the process group if it does not go."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+def _stop(process: subprocess.Popen[bytes], grace_s: float = 60.0) -> bool:
+    """Ctrl-C, as an operator would; kill the process group if it does not go. Whether
+    Ctrl-C stopped it (a process that had already exited counts as stopped)."""
+    if process.poll() is not None:
+        return True
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(timeout=grace_s)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+        return False
 
 
 def _answers(url: str, process: subprocess.Popen[bytes], log: Path) -> dict[str, object]:
@@ -168,7 +172,8 @@ def test_serve_run_with_the_deploy_config_starts_the_app(serve_gone: str, tmp_pa
     try:
         assert _answers(f"http://127.0.0.1:{port}/healthz", process, log)["ok"] is True
     finally:
-        _stop(process)
+        stopped = _stop(process)
+    assert stopped, f"serve run ignored Ctrl-C for 60 s:\n{log.read_text()[-3000:]}"
 
 
 def test_serve_run_with_the_builder_and_a_config_argument_starts_the_app(
@@ -186,4 +191,5 @@ def test_serve_run_with_the_builder_and_a_config_argument_starts_the_app(
     try:
         assert _answers(f"http://127.0.0.1:{port}/healthz", process, log)["ok"] is True
     finally:
-        _stop(process)
+        stopped = _stop(process)
+    assert stopped, f"serve run ignored Ctrl-C for 60 s:\n{log.read_text()[-3000:]}"
