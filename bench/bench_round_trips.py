@@ -14,6 +14,13 @@ connection (``storage.redis_index.pipelining``, the lean wire):
   left once the read was done. On this VM most of a round trip is the client's own CPU
   (syscalls, wake-ups, parsing), so the two add up either way: what the caller's-frame
   write saves is the task's turn, in every lone round trip.
+
+And the loop's CPU per lone round trip (``time.process_time``, this process only, so the
+server's share is left out), three ways: through the index (the queue, the caller's-frame
+write and the sender task that follows each batch to its end); the lean wire alone on a
+connection of its own (one write, the reply parsed into its future: no queue, no task);
+and redis-py's own call. The first minus the second is the most a queue without a task
+per lone round trip could save.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from storage.local_store import LocalObjectStore  # noqa: E402
 from storage.redis_index import RedisIndex  # noqa: E402
+from storage.redis_index.wire import WireConnection, settings_of  # noqa: E402
 
 REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 
@@ -64,12 +72,47 @@ async def run(n: int, work_s: float) -> None:
             await loaded
             both.append(time.perf_counter() - started)
         await store.close()
+        cpu = await cpu_per_round_trip(index, n)
     await index.close()
     ms = [statistics.median(xs) * 1000 for xs in (alone, loading, both)]
     print(
         f"round trip alone p50 {ms[0]:.3f} ms; load alone {ms[1]:.3f} ms; "
         f"load ‖ round trip {ms[2]:.3f} ms (the sum would be {ms[0] + ms[1]:.3f}; n={n})"
     )
+    via, wire, client = (statistics.median(xs) * 1e6 / ROUND for xs in cpu)
+    print(
+        f"CPU per lone round trip, median of {len(cpu[0])} rounds of {ROUND}: through the "
+        f"index {via:.1f} us; lean wire alone {wire:.1f} us; redis-py {client:.1f} us "
+        f"(queue and sender task: {via - wire:.1f} us, {(via - wire) / via:.0%})"
+    )
+
+
+ROUND = 100  # calls per CPU reading: process_time ticks are coarse for one call
+
+
+async def cpu_per_round_trip(index: RedisIndex, n: int) -> list[list[float]]:
+    """CPU seconds per ROUND lone PINGs, the three ways alternated round by round (a noisy
+    machine drifts: alternating keeps the three in the same spells)."""
+    settings = settings_of(index.client)
+    assert settings is not None, "the lean wire needs a plain TCP Redis"
+    wire = WireConnection(settings)
+    await wire.execute([("PING",)])  # connected
+    via: list[float] = []
+    alone: list[float] = []
+    client: list[float] = []
+    ways = (
+        (via, lambda: index.batched("PING")),
+        (alone, lambda: wire.execute([("PING",)])),
+        (client, lambda: index.client.execute_command("PING")),
+    )
+    for _ in range(max(3, n // ROUND)):
+        for into, call in ways:
+            started = time.process_time()
+            for _ in range(ROUND):
+                await call()
+            into.append(time.process_time() - started)
+    wire.close()
+    return [via, alone, client]
 
 
 def main() -> None:
