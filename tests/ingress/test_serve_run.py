@@ -102,9 +102,10 @@ def head() -> Iterator[str]:
 
 # Run as a driver of its own (this test process has its own Ray): Serve shut down on the
 # head, every app deleted, and its controller gone, before the next ``serve run``. A
-# ``serve run`` stopped with Ctrl-C shuts Serve down itself, but on a loaded machine it
-# can be killed at the end of its grace first, and the next app found the last one's
-# route still taken ("Prefix / is being used by application torpor", seen in CI).
+# ``serve run`` stopped with Ctrl-C shuts Serve down itself, but one killed at the end of
+# its grace (a loaded machine; a runner that ignored SIGINT, before ``tests/conftest.py``
+# gave it back) left its app, and the next found the route still taken ("Prefix / is
+# being used by application torpor", seen in CI).
 _SERVE_GONE = """
 import sys, time
 import ray
