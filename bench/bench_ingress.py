@@ -124,6 +124,7 @@ def sequential(
     deferred: list[str] | None = None,
     state_key: str | None = None,
     sender_nice: int | None = None,
+    samples: str | None = None,
 ) -> dict[str, float]:
     """One signed webhook at a time on one kept-alive connection: POST → 202, and POST →
     the session's next agent step (pooled placement; the bench agent stamps its step in
@@ -141,7 +142,11 @@ def sequential(
     (Linux's nice is per thread: the Ray driver's own threads keep theirs). A sender
     ahead of the server's processes on the cores stands in for one on another machine: a
     figure that moves with it is the sender waiting for a core, not the server (one run:
-    the 202 did not move, README)."""
+    the 202 did not move, README).
+
+    With ``samples`` (a file name), each webhook's figures are appended to that file as
+    a JSON line, with the ``CLOCK_MONOTONIC`` millisecond it was sent at: a tail can
+    then be laid beside what else the machine did (``bench/tails.py``)."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -155,11 +160,14 @@ def sequential(
     trivial: list[float] = []
     client.delete("torpor-bench:steps")  # stamps of an earlier run
 
+    sent: list[float] = []  # CLOCK_MONOTONIC ms each webhook was sent at
+
     def accepted(path: str, event_id: str, cid: str) -> float:
         """One freshly signed webhook POSTed on ``conn``: ms to its 202."""
         body = json.dumps({"id": event_id, "correlationId": cid}).encode()
         headers = {**sign(Scheme.TORPOR, body, SECRET, now=datetime.now(UTC))}
         headers["Content-Type"] = "application/json"
+        sent.append(time.monotonic() * 1000)
         p0 = time.perf_counter()
         conn.request("POST", path, body=body, headers=headers)
         response = conn.getresponse()
@@ -187,6 +195,26 @@ def sequential(
         os.setpriority(os.PRIO_PROCESS, thread, niceness)
     conn.close()
     client.close()
+    if samples is not None:  # written after the pass: no I/O between its webhooks
+        mode = (
+            "back-to-back"
+            if state_key is None
+            else "idle"
+            if sender_nice is None
+            else f"idle, sender at nice {sender_nice}"
+        )
+        rows: list[dict[str, Any]] = [
+            {"pass": mode, "kind": "alone", "sent_ms": t, "accept_ms": a}
+            for t, a in zip(sent[: len(alone)], alone, strict=True)
+        ]
+        rows += [
+            {"pass": mode, "kind": "resume", "sent_ms": t, "accept_ms": a, "step_ms": st}
+            for t, a, st in zip(sent[len(alone) :], accept, step, strict=True)
+        ]
+        # Which process each thread is, for a trace of the machine taken meanwhile.
+        rows.append({"processes": thread_names()})
+        with open(samples, "a") as fh:
+            fh.writelines(json.dumps(row) + "\n" for row in rows)
     accept.sort()
     step.sort()
     trivial.sort()
@@ -236,8 +264,16 @@ def one_by_one(
 def cpu_by_process() -> dict[str, float]:
     """CPU seconds so far of every process on the machine, by a short name (Ray names its
     workers in their command line: ServeReplica, PoolHost, raylet...)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
+    for name, used in processes().values():
+        out[name] = out.get(name, 0.0) + used
+    return out
+
+
+def processes() -> dict[int, tuple[str, float]]:
+    """Every process on the machine: its short name and its CPU seconds so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -253,7 +289,18 @@ def cpu_by_process() -> dict[str, float]:
             name = "kernel " + stat[stat.index("(") + 1 : stat.rindex(")")].split("/")[0]
         if name.startswith(("ray::", "python")) or "ray" in name:
             name = " ".join(a.decode(errors="replace") for a in args[:2])[-40:]
-        out[name] = out.get(name, 0.0) + used
+        out[int(pid)] = (name, used)
+    return out
+
+
+def thread_names() -> dict[int, str]:
+    """Every thread on the machine, by id: its process's short name."""
+    out: dict[int, str] = {}
+    for pid, (name, _) in processes().items():
+        try:
+            out.update((int(tid), name) for tid in os.listdir(f"/proc/{pid}/task"))
+        except OSError:  # exited meanwhile
+            continue
     return out
 
 
@@ -315,6 +362,7 @@ async def child(
     replicas: int = 1,
     resume_s: int = 4,
     sender_nice: int | None = None,
+    samples: str | None = None,
 ) -> dict[str, Any]:
     import ray
     import redis
@@ -423,9 +471,9 @@ async def child(
     if seq_n:
         pairs = list(zip(seq_ids, seq_cids, strict=True))
         others = cids[sessions:]  # the deferring app's sessions: one webhook each here
-        seq = sequential(base, pairs[:seq_n], deferred=others[:seq_n])
+        seq = sequential(base, pairs[:seq_n], deferred=others[:seq_n], samples=samples)
         state_key = services.index.keys.session_state  # type: ignore[attr-defined]
-        idle = sequential(base, pairs[seq_n : 2 * seq_n], state_key=state_key)
+        idle = sequential(base, pairs[seq_n : 2 * seq_n], state_key=state_key, samples=samples)
         try:
             ahead = (
                 None
@@ -436,6 +484,7 @@ async def child(
                     deferred=others[seq_n : 2 * seq_n],
                     state_key=state_key,
                     sender_nice=sender_nice,
+                    samples=samples,
                 )
             )
         except PermissionError:  # raising a thread's priority needs CAP_SYS_NICE
@@ -515,6 +564,11 @@ def main() -> None:
         help="one more one-at-a-time pass, into an idle system, the sender at this niceness"
         " (e.g. -10: a stand-in for a sender on another machine; needs CAP_SYS_NICE)",
     )
+    parser.add_argument(
+        "--samples",
+        help="append each one-at-a-time webhook's figures to this file (JSON lines, with"
+        " the CLOCK_MONOTONIC ms it was sent at; bench/tails.py reads them)",
+    )
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
@@ -528,6 +582,7 @@ def main() -> None:
                 args.replicas,
                 args.resume_duration,
                 args.sender_nice,
+                args.samples,
             )
         )
         print("JSON " + json.dumps(result), flush=True)
@@ -558,6 +613,7 @@ def main() -> None:
                 "--resume-duration",
                 str(args.resume_duration),
                 *(["--sender-nice", str(args.sender_nice)] if args.sender_nice is not None else []),
+                *(["--samples", str(Path(args.samples).resolve())] if args.samples else []),
             ],
             capture_output=True,
             text=True,
