@@ -385,3 +385,74 @@ def test_a_forked_child_neither_removes_nor_waits_for_its_parents_log(
     boot[0] = "boot-b"
     after = LocalObjectStore(tmp_path)
     assert (get(after, "from/parent"), get(after, "from/child")) == (b"after", b"child")
+
+
+def test_an_aged_segment_is_retired_in_the_quiet_not_by_the_next_write(
+    tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first write after a quiet spell (a webhook for a session that waited hours)
+    must not queue its flush behind a checkpoint's flush of the whole file system: the
+    log's own thread retires a segment that has held records for ``CHECKPOINT_AFTER_S``,
+    checkpoints it and puts the next segment in place meanwhile, with no write asking."""
+    monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 0.3)
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
+    flushed_by: list[int] = []
+    real_syncfs = wal.syncfs
+
+    def recorded(fd: int) -> None:
+        flushed_by.append(threading.get_ident())
+        real_syncfs(fd)
+
+    monkeypatch.setattr(wal, "syncfs", recorded)
+    store = LocalObjectStore(tmp_path)
+    log = store._log
+    asyncio.run(store.put("k/0", b"before the quiet"))
+    (aged,) = segments(tmp_path)
+    wait_for(
+        lambda: flushed_by and not aged.exists() and not log._checkpointing,
+        "the aged segment is checkpointed and removed with no write asking",
+    )
+    fresh = log._segment
+    assert fresh is not None and fresh.first_at is None, "the next segment is in place"
+    assert threading.get_ident() not in flushed_by
+
+    # The next write: no checkpoint of its own, and durable through the new segment.
+    monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 3600.0)  # no rotation of this one
+    retired: list[wal._Segment] = []
+    real_retire = wal.WriteAheadLog._retire
+
+    def watched(self: wal.WriteAheadLog, segment: wal._Segment) -> None:
+        retired.append(segment)
+        real_retire(self, segment)
+
+    monkeypatch.setattr(wal.WriteAheadLog, "_retire", watched)
+    checkpoints = len(flushed_by)
+    asyncio.run(store.put("k/1", b"after the quiet"))
+    assert retired == [] and len(flushed_by) == checkpoints, "the write retired nothing"
+    assert log._segment is fresh and fresh.first_at is not None
+    (objects(tmp_path) / "k/1").unlink()  # not flushed by any checkpoint: the log has it
+    boot[0] = "boot-b"
+    after = LocalObjectStore(tmp_path)
+    assert (get(after, "k/0"), get(after, "k/1")) == (b"before the quiet", b"after the quiet")
+
+
+def test_a_logs_ager_ends_when_its_store_is_closed_or_collected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One thread per log watches its segment's age; it must not outlive the store (a
+    process that opens stores by the hundred would collect threads) nor keep it alive."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
+    closed = LocalObjectStore(tmp_path / "closed")
+    asyncio.run(closed.put("k", b"x"))
+    ager = closed._log._ager
+    assert ager is not None and ager.is_alive()
+    asyncio.run(closed.close())
+    wait_for(lambda: not ager.is_alive(), "closed: its ager ends")
+
+    collected = LocalObjectStore(tmp_path / "collected")
+    asyncio.run(collected.put("k", b"x"))
+    ager = collected._log._ager
+    assert ager is not None and ager.is_alive()
+    del collected
+    gc.collect()
+    wait_for(lambda: not ager.is_alive(), "collected: its ager ends")
