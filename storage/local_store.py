@@ -794,6 +794,14 @@ def _unflushed(
 
 
 def _release(locks: _Stripes, log: wal.WriteAheadLog, *made: blanks.Blanks) -> None:
+    if threading.current_thread().name.startswith("torpor-wal"):
+        # The store was collected on one of its log's own threads, which may hold the
+        # log's lock (a collection set off by an allocation under it): released there,
+        # it would wait for itself. Another thread waits for the lock instead.
+        threading.Thread(
+            target=_release, args=(locks, log, *made), name="torpor-store-release", daemon=True
+        ).start()
+        return
     locks.close()
     log.release()
     for made_ahead in made:

@@ -6,7 +6,9 @@ flushed. Now the store writes the object's file without flushing it, and appends
 change (key, whole content or removal, a timestamp) to a log of its process's own; one
 ``fdatasync`` of that log, a preallocated file whose size does not change, makes every
 record appended meanwhile durable (0.13 ms here, for all of them at once). A write is
-acknowledged only after that flush.
+acknowledged only after that flush. A flush that fails loses the records it covered for
+good (``sync`` raises for them ever after): Linux reports a failed writeback once and
+then counts the pages clean, so a later flush that succeeds proves nothing about them.
 
 What a crash of a *process* loses is nothing: its files are in the kernel's page cache.
 A crash of the *machine* may lose any file written since the file system last flushed,
@@ -201,6 +203,10 @@ class WriteAheadLog:
         self._lock = threading.Lock()
         self._synced_cv = threading.Condition(self._lock)
         self._failed: OSError | None = None  # a flush ``release`` could not make
+        # Tickets a failed flush covered: (after, upto, error). Linux reports a failed
+        # writeback once and then drops the pages' dirty state, so a later flush that
+        # succeeds proves nothing about them: they are never reported durable.
+        self._lost: list[tuple[int, int, OSError]] = []
         self._segment: _Segment | None = None
         self._spare: _Segment | None = None  # the next segment, made ready in the background
         self._preparing = False
@@ -235,14 +241,20 @@ class WriteAheadLog:
 
     def synced(self, ticket: int) -> bool:
         """Whether the record ``ticket`` names is durable already (no lock: one read of
-        an int that only grows)."""
-        return self._synced >= ticket
+        an int that only grows, and of a list that is empty unless a flush failed)."""
+        return self._synced >= ticket and (not self._lost or self._lost_by(ticket) is None)
 
     def sync(self, ticket: int) -> None:
         """Return once the record ``ticket`` names is durable: the first caller flushes
-        for everyone who appended before it started; the others wait for that flush."""
+        for everyone who appended before it started; the others wait for that flush.
+        Raises the error of a failed flush that covered it, however often it is asked."""
         with self._synced_cv:
-            while self._synced < ticket:
+            while True:
+                lost = self._lost_by(ticket) if self._lost else None
+                if lost is not None:
+                    raise lost
+                if self._synced >= ticket:
+                    return
                 if self._syncing:
                     self._synced_cv.wait()
                     continue
@@ -251,17 +263,31 @@ class WriteAheadLog:
                     raise self._failed or OSError(errno.EIO, "log released unflushed")
                 self._syncing = True
                 self._lock.release()
+                failed: OSError | None = None
                 try:
                     self._flush(segment.fd)
+                except OSError as exc:
+                    failed = exc
                 finally:
                     self._lock.acquire()
                     self._syncing = False
                     self._synced_cv.notify_all()
+                if failed is not None:
+                    self._lose(target, failed)
+                    raise failed
                 self._synced = max(self._synced, target)
+
+    def _lose(self, upto: int, exc: OSError) -> None:
+        """A flush failed (the lock is held): the tickets it covered are lost for good."""
+        if upto > self._synced:
+            self._lost.append((self._synced, upto, exc))
+
+    def _lost_by(self, ticket: int) -> OSError | None:
+        return next((exc for after, upto, exc in self._lost if after < ticket <= upto), None)
 
     def _writable(self, need: int) -> _Segment:
         """The segment to append ``need`` bytes to (the lock is held): a new one when
-        there is none yet, it is full or old, or this is a forked child."""
+        there is none yet, it is full, or the ager has let it grow old (``_overdue``)."""
         while True:
             segment = self._segment
             if segment is None:
@@ -278,6 +304,12 @@ class WriteAheadLog:
         """The segment to switch to (the lock is held): the spare, if one is ready and
         large enough (a switch then costs no flush on the caller's thread), else a new
         one; either way a spare is prepared for the switch after this one."""
+        if self._ager is None:  # first: a thread that cannot start has taken nothing
+            ager = threading.Thread(
+                target=_age_out, args=(weakref.ref(self),), name="torpor-wal-age", daemon=True
+            )
+            ager.start()
+            self._ager = ager
         spare, self._spare = self._spare, None
         if spare is not None and spare.size - spare.used >= need:
             segment = spare
@@ -288,11 +320,6 @@ class WriteAheadLog:
         if not self._preparing:
             self._preparing = True
             threading.Thread(target=self._prepare, name="torpor-wal-spare", daemon=True).start()
-        if self._ager is None:
-            self._ager = threading.Thread(
-                target=_age_out, args=(weakref.ref(self),), name="torpor-wal-age", daemon=True
-            )
-            self._ager.start()
         return segment
 
     def _prepare(self) -> None:
@@ -338,7 +365,11 @@ class WriteAheadLog:
     def _retire(self, segment: _Segment) -> None:
         """Stop appending to ``segment`` (the lock is held): flushed now, so every ticket
         on it is durable, and removed by the next checkpoint."""
-        self._flush(segment.fd)
+        try:
+            self._flush(segment.fd)
+        except OSError as exc:
+            self._lose(self._appended, exc)
+            raise
         self._synced = self._appended
         self._segment = None
         self._retired.append(segment)
@@ -350,9 +381,9 @@ class WriteAheadLog:
     def _age_once(self) -> bool:
         """One look at the segment's age (blocks up to ``AGE_POLL_S``): retired, and the
         next one put in its place, once it has held records for ``CHECKPOINT_AFTER_S``.
-        False once the log is closed, or this is a forked child's copy."""
+        False once the log is closed (a forked child starts an ager of its own)."""
         with self._lock:
-            if self._closed or self._pid != os.getpid():
+            if self._closed:
                 return False
             segment = self._segment
             if segment is None or segment.first_at is None:
@@ -362,9 +393,10 @@ class WriteAheadLog:
             if left > 0:
                 self._aged.wait(min(left, AGE_POLL_S))
                 return True
-            if self._syncing:  # its descriptor is being flushed: retired after that
-                self._synced_cv.wait(AGE_POLL_S)
-                return True
+            while self._syncing:  # its descriptor is being flushed: retired after that
+                self._synced_cv.wait()
+            if self._closed or self._segment is not segment:
+                return not self._closed  # closed, or switched meanwhile: look again
             self._retire(segment)
             # The next segment now, in the quiet: the spare, and another made ready.
             self._segment = self._next(0)
@@ -392,8 +424,9 @@ class WriteAheadLog:
         """Flush the file system and remove ``retired`` and the segments of exited
         processes of this boot: everything they record is on disk once the flush is."""
         mine = {s.path for s in retired}
-        if self._segment is not None:
-            mine.add(self._segment.path)
+        current = self._segment  # once: the ager may switch it meanwhile
+        if current is not None:
+            mine.add(current.path)
         exited = [p for p in self._segments() if p not in mine and self._exited(p)]
         mark = time.monotonic_ns()  # after the segments were chosen: all they hold is older
         fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
@@ -450,6 +483,9 @@ class WriteAheadLog:
             self._aged.notify_all()
             segment, self._segment = self._segment, None
             spare, self._spare = self._spare, None
+            if segment is not None and segment.first_at is None:
+                empty, segment = segment, None  # put in place by the ager, never written to
+                _discard(empty)
             if segment is not None:
                 try:
                     self._flush(segment.fd)
@@ -472,11 +508,15 @@ class WriteAheadLog:
                 self._synced_cv.wait()
             self._closed = True
             self._aged.notify_all()
-            if self._segment is not None:
-                self._retire(self._segment)
+            segment, empty = self._segment, None
+            if segment is not None and segment.first_at is None:  # the ager's, never written
+                self._segment, empty = None, segment
+            elif segment is not None:
+                self._retire(segment)
             spare, self._spare = self._spare, None
-        if spare is not None:
-            _discard(spare)
+        for unused in (empty, spare):
+            if unused is not None:
+                _discard(unused)
 
 
 def _forked(ref: weakref.ref[WriteAheadLog]) -> None:
@@ -511,7 +551,8 @@ def _age_out(ref: weakref.ref[WriteAheadLog]) -> None:
         try:
             if not log_._age_once():
                 return
-        except Exception:  # a segment it could not open: the next append opens one
+        except Exception:  # a flush that failed (its tickets are lost: ``sync`` says so),
+            # or a segment it could not open (the next append opens one): try again later
             log.warning("could not retire an aged log segment in %s", log_.folder, exc_info=True)
             time.sleep(AGE_POLL_S)
         del log_

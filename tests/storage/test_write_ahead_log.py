@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -394,7 +396,6 @@ def test_an_aged_segment_is_retired_in_the_quiet_not_by_the_next_write(
     must not queue its flush behind a checkpoint's flush of the whole file system: the
     log's own thread retires a segment that has held records for ``CHECKPOINT_AFTER_S``,
     checkpoints it and puts the next segment in place meanwhile, with no write asking."""
-    monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 0.3)
     monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
     flushed_by: list[int] = []
     real_syncfs = wal.syncfs
@@ -404,17 +405,18 @@ def test_an_aged_segment_is_retired_in_the_quiet_not_by_the_next_write(
         real_syncfs(fd)
 
     monkeypatch.setattr(wal, "syncfs", recorded)
+    monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 3600.0)  # until its path is known
     store = LocalObjectStore(tmp_path)
     log = store._log
     asyncio.run(store.put("k/0", b"before the quiet"))
     (aged,) = segments(tmp_path)
+    monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 0.3)
     wait_for(
         lambda: flushed_by and not aged.exists() and not log._checkpointing,
         "the aged segment is checkpointed and removed with no write asking",
     )
     fresh = log._segment
     assert fresh is not None and fresh.first_at is None, "the next segment is in place"
-    assert threading.get_ident() not in flushed_by
 
     # The next write: no checkpoint of its own, and durable through the new segment.
     monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 3600.0)  # no rotation of this one
@@ -456,3 +458,97 @@ def test_a_logs_ager_ends_when_its_store_is_closed_or_collected(
     del collected
     gc.collect()
     wait_for(lambda: not ager.is_alive(), "collected: its ager ends")
+
+
+def test_a_log_no_one_holds_is_collected_and_its_ager_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ager holds its log only while it looks: a log dropped without a close (no
+    store, no finalizer) is collected, and its thread ends."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
+    log = wal.WriteAheadLog(str(tmp_path / ".wal"))
+    log.sync(log.append(wal.Op.PUT, "k", b"x"))
+    ager, segment = log._ager, log._segment
+    assert ager is not None and ager.is_alive() and segment is not None
+    held = weakref.ref(log)
+    del log
+    gc.collect()
+    wait_for(lambda: held() is None and not ager.is_alive(), "the log is collected, its ager ends")
+    os.close(segment.fd)
+
+
+def test_a_store_collected_on_its_logs_own_thread_is_released_without_a_deadlock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store never closed is released by its finalizer, on whichever thread the
+    collection that finds it runs. That can be its log's ager, holding the log's lock
+    while it puts the next segment in place (a collection set off by an allocation
+    there): releasing the log on that thread would wait for the lock it holds."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
+    real_next = wal.WriteAheadLog._next
+
+    def collecting(self: wal.WriteAheadLog, need: int) -> wal._Segment:
+        if threading.current_thread().name == "torpor-wal-age":
+            gc.collect()  # as an allocation under the lock may: the store is garbage now
+        return real_next(self, need)
+
+    monkeypatch.setattr(wal.WriteAheadLog, "_next", collecting)
+    store = LocalObjectStore(tmp_path)
+    store.cycle = store  # type: ignore[attr-defined]  # only a collection frees it
+    asyncio.run(store.put("k", b"x"))
+    log = store._log
+    ager = log._ager
+    assert ager is not None
+    del store
+    monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 0.0)  # the ager retires it now
+    wait_for(lambda: log._closed and not ager.is_alive(), "released, and the ager ends")
+    assert log._lock.acquire(timeout=5), "the log's lock is free"
+    log._lock.release()
+
+
+def test_records_a_failed_flush_covered_are_never_reported_durable(tmp_path: Path) -> None:
+    """Linux reports a failed writeback once, then treats the pages as clean: a later
+    flush that succeeds says nothing about the records the failed one covered."""
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        os.fdatasync(fd)
+
+    log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
+    lost = log.append(wal.Op.PUT, "k/lost", b"x")
+    with pytest.raises(OSError):
+        log.sync(lost)
+    later = log.append(wal.Op.PUT, "k/later", b"y")
+    log.sync(later)  # this flush succeeds
+    assert log.synced(later) and not log.synced(lost)
+    with pytest.raises(OSError):
+        log.sync(lost)
+    log.close()
+
+
+def test_a_flush_the_ager_could_not_make_loses_its_records_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ager retires a segment with a flush; if that fails, no caller hears it then,
+    and its retry succeeds: the records appended before it must still not read as
+    durable (a staged create awaits its flush later, through ``sync``)."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
+    failed: list[OSError] = []
+
+    def flaky(fd: int) -> None:
+        if threading.current_thread().name == "torpor-wal-age" and not failed:
+            failed.append(OSError(errno.EIO, "Input/output error"))
+            raise failed[0]
+        os.fdatasync(fd)
+
+    log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
+    staged = log.append(wal.Op.PUT, "k/staged", b"x")  # appended, its flush not awaited
+    first = log._segment
+    monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 0.0)
+    wait_for(lambda: failed and log._segment is not first, "the ager failed, then retired it")
+    assert not log.synced(staged)
+    with pytest.raises(OSError):
+        log.sync(staged)
+    log.close()
