@@ -794,7 +794,7 @@ def _unflushed(
 
 
 def _release(locks: _Stripes, log: wal.WriteAheadLog, *made: blanks.Blanks) -> None:
-    if threading.current_thread().name.startswith("torpor-wal"):
+    if wal.own_thread():
         # The store was collected on one of its log's own threads, which may hold the
         # log's lock (a collection set off by an allocation under it): released there,
         # it would wait for itself. Another thread waits for the lock instead.

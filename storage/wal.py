@@ -74,6 +74,7 @@ CHECKPOINT_AFTER_S = 30.0
 AGE_POLL_S = 1.0
 RECORD_MAX_BYTES = 1 << 20
 _SUFFIX = ".log"
+_THREAD = "torpor-wal"  # the prefix of every thread a log starts (``own_thread``)
 _FRAME = struct.Struct("<II")  # the body's length, its CRC-32
 _BODY = struct.Struct("<QBH")  # timestamp (ns, CLOCK_MONOTONIC), op, key length
 
@@ -242,7 +243,7 @@ class WriteAheadLog:
     def synced(self, ticket: int) -> bool:
         """Whether the record ``ticket`` names is durable already (no lock: one read of
         an int that only grows, and of a list that is empty unless a flush failed)."""
-        return self._synced >= ticket and (not self._lost or self._lost_by(ticket) is None)
+        return self._synced >= ticket and self._lost_by(ticket) is None
 
     def sync(self, ticket: int) -> None:
         """Return once the record ``ticket`` names is durable: the first caller flushes
@@ -250,7 +251,7 @@ class WriteAheadLog:
         Raises the error of a failed flush that covered it, however often it is asked."""
         with self._synced_cv:
             while True:
-                lost = self._lost_by(ticket) if self._lost else None
+                lost = self._lost_by(ticket)
                 if lost is not None:
                     raise lost
                 if self._synced >= ticket:
@@ -283,6 +284,10 @@ class WriteAheadLog:
             self._lost.append((self._synced, upto, exc))
 
     def _lost_by(self, ticket: int) -> OSError | None:
+        """The error of a failed flush that covered ``ticket`` (the list is empty unless
+        one failed: one truth test on every ``synced``)."""
+        if not self._lost:
+            return None
         return next((exc for after, upto, exc in self._lost if after < ticket <= upto), None)
 
     def _writable(self, need: int) -> _Segment:
@@ -306,7 +311,7 @@ class WriteAheadLog:
         one; either way a spare is prepared for the switch after this one."""
         if self._ager is None:  # first: a thread that cannot start has taken nothing
             ager = threading.Thread(
-                target=_age_out, args=(weakref.ref(self),), name="torpor-wal-age", daemon=True
+                target=_age_out, args=(weakref.ref(self),), name=f"{_THREAD}-age", daemon=True
             )
             ager.start()
             self._ager = ager
@@ -319,7 +324,7 @@ class WriteAheadLog:
             segment = self._open(max(self._next_size, need + 4096))
         if not self._preparing:
             self._preparing = True
-            threading.Thread(target=self._prepare, name="torpor-wal-spare", daemon=True).start()
+            threading.Thread(target=self._prepare, name=f"{_THREAD}-spare", daemon=True).start()
         return segment
 
     def _prepare(self) -> None:
@@ -376,7 +381,7 @@ class WriteAheadLog:
         self._next_size = min(SEGMENT_MAX_BYTES, max(SEGMENT_MIN_BYTES, 2 * segment.used))
         if not self._checkpointing:
             self._checkpointing = True
-            threading.Thread(target=self._checkpoint, name="torpor-wal", daemon=True).start()
+            threading.Thread(target=self._checkpoint, name=_THREAD, daemon=True).start()
 
     def _age_once(self) -> bool:
         """One look at the segment's age (blocks up to ``AGE_POLL_S``): retired, and the
@@ -481,11 +486,9 @@ class WriteAheadLog:
                 self._synced_cv.wait()
             self._closed = True
             self._aged.notify_all()
+            empty = self._unwritten()
             segment, self._segment = self._segment, None
             spare, self._spare = self._spare, None
-            if segment is not None and segment.first_at is None:
-                empty, segment = segment, None  # put in place by the ager, never written to
-                _discard(empty)
             if segment is not None:
                 try:
                     self._flush(segment.fd)
@@ -496,8 +499,9 @@ class WriteAheadLog:
         if segment is not None:
             with contextlib.suppress(OSError):
                 os.close(segment.fd)
-        if spare is not None:
-            _discard(spare)
+        for unused in (empty, spare):
+            if unused is not None:
+                _discard(unused)
 
     def close(self) -> None:
         """Retire the segment (a checkpoint removes it) and remove the spare."""
@@ -508,15 +512,28 @@ class WriteAheadLog:
                 self._synced_cv.wait()
             self._closed = True
             self._aged.notify_all()
-            segment, empty = self._segment, None
-            if segment is not None and segment.first_at is None:  # the ager's, never written
-                self._segment, empty = None, segment
-            elif segment is not None:
-                self._retire(segment)
+            empty = self._unwritten()
+            if self._segment is not None:
+                self._retire(self._segment)
             spare, self._spare = self._spare, None
         for unused in (empty, spare):
             if unused is not None:
                 _discard(unused)
+
+    def _unwritten(self) -> _Segment | None:
+        """The current segment taken away if nothing was ever appended to it (the lock is
+        held): one the ager put in place, to discard rather than flush or checkpoint."""
+        segment = self._segment
+        if segment is None or segment.first_at is not None:
+            return None
+        self._segment = None
+        return segment
+
+
+def own_thread() -> bool:
+    """Whether the caller runs on one of a log's own threads (checkpoint, spare, ager),
+    which may hold its log's lock."""
+    return threading.current_thread().name.startswith(_THREAD)
 
 
 def _forked(ref: weakref.ref[WriteAheadLog]) -> None:
