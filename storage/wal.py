@@ -61,6 +61,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 
+from torpor.logs import Repeated
+
 log = logging.getLogger(__name__)
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
@@ -561,6 +563,7 @@ def _overdue(segment: _Segment) -> bool:
 def _age_out(ref: weakref.ref[WriteAheadLog]) -> None:
     """The ager: a thread per log, which holds it only while it looks (a log no one
     else holds is collected), and ends with it."""
+    failing: Repeated | None = None  # made at the first failure: the folder names it
     while True:
         log_ = ref()
         if log_ is None:
@@ -570,8 +573,14 @@ def _age_out(ref: weakref.ref[WriteAheadLog]) -> None:
                 return
         except Exception:  # a flush that failed (its tickets are lost: ``sync`` says so),
             # or a segment it could not open (the next append opens one): try again later
-            log.warning("could not retire an aged log segment in %s", log_.folder, exc_info=True)
+            # (once a second; on a disk that stays broken, a line a minute says so)
+            if failing is None:
+                failing = Repeated(log, f"could not retire an aged log segment in {log_.folder}")
+            failing.failed()
             time.sleep(AGE_POLL_S)
+        else:
+            if failing is not None:
+                failing.succeeded()
         del log_
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
@@ -63,6 +64,58 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             line["error"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False, default=str)
+
+
+class Repeated:
+    """A failure a loop meets again at every turn for as long as its cause lasts (a
+    failing disk under a thread that looks once a second): logged with its traceback the
+    first time, then at most once per ``every_s`` with how many went unlogged meanwhile,
+    and once when it stops. A log that repeats one line 86,400 times a day buries the
+    line that says why, and fills the disk that is already failing."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        *,
+        every_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.what = what  # "could not ... in <where>": the start of each line
+        self.every_s = every_s
+        self.clock = clock
+        self.failures = 0  # in a row, since the last success
+        self._unlogged = 0  # since the last line
+        self._since = 0.0  # when the first of this run of failures came
+        self._logged_at = float("-inf")
+
+    def failed(self) -> None:
+        """One more failure; call it from the ``except`` block (its traceback goes with
+        the lines that are logged)."""
+        now = self.clock()
+        if self.failures == 0:
+            self._since = now
+        self.failures += 1
+        if now - self._logged_at < self.every_s:
+            self._unlogged += 1
+            return
+        again = f" ({self._unlogged} more failures since the last report)" if self._unlogged else ""
+        self.logger.warning("%s%s", self.what, again, exc_info=True)
+        self._logged_at, self._unlogged = now, 0
+
+    def succeeded(self) -> None:
+        """It worked: said once, if it had been failing."""
+        if self.failures == 0:
+            return
+        self.logger.warning(
+            "%s: works again after %d %s in %.0f s",
+            self.what,
+            self.failures,
+            "failure" if self.failures == 1 else "failures",
+            self.clock() - self._since,
+        )
+        self.failures, self._unlogged, self._logged_at = 0, 0, float("-inf")
 
 
 def configure(fmt: LogFormat, *, stream: TextIO | None = None, level: int = logging.INFO) -> None:

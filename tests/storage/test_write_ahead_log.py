@@ -13,11 +13,13 @@ import asyncio
 import contextlib
 import errno
 import gc
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -551,4 +553,39 @@ def test_a_flush_the_ager_could_not_make_loses_its_records_for_good(
     assert not log.synced(staged)
     with pytest.raises(OSError):
         log.sync(staged)
+    log.close()
+
+
+def test_an_ager_on_a_disk_that_stays_broken_logs_once_and_once_when_it_heals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ager looks once a second and retries a flush that failed: on a disk that stays
+    broken it met the failure at every turn, and logged a warning with a traceback each
+    time (86,400 a day per store). One line, then one a minute, then one when it heals."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.01)
+    broken = threading.Event()
+    broken.set()
+    tries: list[float] = []
+
+    def failing(fd: int) -> None:
+        if threading.current_thread().name == "torpor-wal-age" and broken.is_set():
+            tries.append(time.monotonic())
+            raise OSError(errno.EIO, "Input/output error")
+        os.fdatasync(fd)
+
+    log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=failing)
+    log.append(wal.Op.PUT, "k/staged", b"x")  # its flush is the ager's to make
+    first = log._segment
+    with caplog.at_level(logging.WARNING, logger="storage.wal"):
+        monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 0.0)
+        wait_for(lambda: len(tries) >= 20, "the ager failed twenty times")
+        broken.clear()
+        wait_for(lambda: log._segment is not first, "the disk healed: the segment retired")
+        wait_for(lambda: len(caplog.records) >= 2, "its recovery is logged")
+    lines = [r.getMessage() for r in caplog.records]
+    folder = str(tmp_path / ".wal")
+    assert lines[0] == f"could not retire an aged log segment in {folder}"
+    assert caplog.records[0].exc_info is not None  # the cause, once
+    assert len(lines) == 2, lines
+    assert lines[1].startswith(f"could not retire an aged log segment in {folder}: works again")
     log.close()
