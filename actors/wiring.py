@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 
+from actors.descriptors import reserve_descriptors
 from actors.telemetry import configure_tracing
 from storage.audit import ObjectAudit
 from storage.batches import ObjectBatches
@@ -51,6 +52,9 @@ def open_services(
     if settings.runtime.log_format == "json":  # every torpor process opens its services
         logs.configure("json")
     configure_tracing(settings)
+    # Before the store opens its files: the table's growth waits for an RCU grace
+    # period, here once instead of inside a request (``actors.descriptors``).
+    reserve_descriptors()
     store = open_object_store(settings)
     index = open_index(settings)
     keys = settings.capability_key_bytes()
