@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -161,12 +162,15 @@ def sequential(
     client.delete("torpor-bench:steps")  # stamps of an earlier run
 
     sent: list[float] = []  # CLOCK_MONOTONIC ms each webhook was sent at
+    stolen: list[float] = []  # the hypervisor's steal so far, read as each was sent
 
     def accepted(path: str, event_id: str, cid: str) -> float:
         """One freshly signed webhook POSTed on ``conn``: ms to its 202."""
         body = json.dumps({"id": event_id, "correlationId": cid}).encode()
         headers = {**sign(Scheme.TORPOR, body, SECRET, now=datetime.now(UTC))}
         headers["Content-Type"] = "application/json"
+        if samples is not None:
+            stolen.append(steal_ms())
         sent.append(time.monotonic() * 1000)
         p0 = time.perf_counter()
         conn.request("POST", path, body=body, headers=headers)
@@ -196,6 +200,10 @@ def sequential(
     conn.close()
     client.close()
     if samples is not None:  # written after the pass: no I/O between its webhooks
+        stolen.append(steal_ms())
+        # Steal is counted at the clock tick after it happened: a stall inside one
+        # webhook's span can show in the next one's (``bench/tails.py`` shows both).
+        steals = [b - a for a, b in itertools.pairwise(stolen)]
         mode = (
             "back-to-back"
             if state_key is None
@@ -204,12 +212,21 @@ def sequential(
             else f"idle, sender at nice {sender_nice}"
         )
         rows: list[dict[str, Any]] = [
-            {"pass": mode, "kind": "alone", "sent_ms": t, "accept_ms": a}
-            for t, a in zip(sent[: len(alone)], alone, strict=True)
+            {"pass": mode, "kind": "alone", "sent_ms": t, "accept_ms": a, "steal_ms": st}
+            for t, a, st in zip(sent[: len(alone)], alone, steals[: len(alone)], strict=True)
         ]
         rows += [
-            {"pass": mode, "kind": "resume", "sent_ms": t, "accept_ms": a, "step_ms": st}
-            for t, a, st in zip(sent[len(alone) :], accept, step, strict=True)
+            {
+                "pass": mode,
+                "kind": "resume",
+                "sent_ms": t,
+                "accept_ms": a,
+                "step_ms": st,
+                "steal_ms": stole,
+            }
+            for t, a, st, stole in zip(
+                sent[len(alone) :], accept, step, steals[len(alone) :], strict=True
+            )
         ]
         # Which process each thread is, for a trace of the machine taken meanwhile.
         rows.append({"processes": thread_names()})
@@ -291,6 +308,16 @@ def processes() -> dict[int, tuple[str, float]]:
             name = " ".join(a.decode(errors="replace") for a in args[:2])[-40:]
         out[int(pid)] = (name, used)
     return out
+
+
+def steal_ms() -> float:
+    """CPU time the hypervisor has taken from this machine's CPUs so far (all of them), in
+    ms: ``/proc/stat``'s steal, counted in clock ticks. A VM whose vCPU is descheduled
+    stalls every process on it at once, using no CPU: a webhook slowed by that is the
+    machine, not the path."""
+    with open("/proc/stat", "rb") as fh:
+        fields = fh.readline().split()
+    return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")
 
 
 def thread_names() -> dict[int, str]:

@@ -46,6 +46,7 @@ class Sample:
     sent_ms: float
     accept_ms: float
     step_ms: float | None
+    steal_ms: float | None = None  # the hypervisor's steal from this send to the next
 
     @property
     def span_ms(self) -> float:
@@ -71,7 +72,14 @@ def read_samples(path: Path) -> tuple[list[Sample], dict[int, str]]:
             names.update({int(pid): name for pid, name in row["processes"].items()})
             continue
         samples.append(
-            Sample(row["pass"], row["kind"], row["sent_ms"], row["accept_ms"], row.get("step_ms"))
+            Sample(
+                row["pass"],
+                row["kind"],
+                row["sent_ms"],
+                row["accept_ms"],
+                row.get("step_ms"),
+                row.get("steal_ms"),
+            )
         )
     return samples, names
 
@@ -80,6 +88,13 @@ def beside(sample: Sample, calls: list[Call]) -> list[Call]:
     """The calls that ran at some point while ``sample`` was in flight."""
     start, end = sample.sent_ms - _SLACK_MS, sample.sent_ms + sample.span_ms + _SLACK_MS
     return [c for c in calls if c.at_ms < end and c.at_ms + c.took_ms > start]
+
+
+def stolen(group: list[Sample], i: int) -> str:
+    """The steal counted from this webhook's send to the next's, and in the next span
+    (steal is counted at the tick after it happened), as a note; empty if none."""
+    spans = [s.steal_ms for s in group[i : i + 2] if s.steal_ms]
+    return f" stolen {'+'.join(f'{ms:.0f}' for ms in spans)} ms;" if spans else ""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -105,9 +120,14 @@ def report(samples: list[Sample], calls: list[Call], names: dict[int, str], wors
         for i, s in slowest:
             step = f", step {s.step_ms:.1f}" if s.step_ms is not None else ""
             near = "; ".join(f"{who(c)} {c.took_ms:.1f} ms" for c in beside(s, calls))
-            print(f"  202 {s.accept_ms:5.1f}{step} ms, sent {i + 1}th: {near or '-'}")
-        hit = sum(1 for s in group if beside(s, calls))
-        print(f"  with a slow call beside them: {hit} of {len(group)}")
+            where = f"sent {i + 1}th:{stolen(group, i)}"
+            print(f"  202 {s.accept_ms:5.1f}{step} ms, {where} {near or '-'}")
+        if calls:
+            hit = sum(1 for s in group if beside(s, calls))
+            print(f"  with a slow call beside them: {hit} of {len(group)}")
+        if any(s.steal_ms is not None for s in group):
+            hit = sum(1 for i in range(len(group)) if stolen(group, i))
+            print(f"  with the hypervisor's steal in their span or the next: {hit} of {len(group)}")
     if samples:
         start = min(s.sent_ms for s in samples)
         end = max(s.sent_ms + s.span_ms for s in samples)
@@ -121,13 +141,15 @@ def report(samples: list[Sample], calls: list[Call], names: dict[int, str], wors
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("samples", type=Path, help="bench_ingress.py --samples file")
-    parser.add_argument("trace", type=Path, help="perf trace -T output")
+    parser.add_argument(
+        "trace", type=Path, nargs="?", help="perf trace -T output (without: the steal alone)"
+    )
     parser.add_argument("--worst", type=int, default=6, help="slowest webhooks shown per pass")
     args = parser.parse_args()
     samples, names = read_samples(args.samples)
     if not samples:
         sys.exit(f"no samples in {args.samples}")
-    report(samples, read_calls(args.trace), names, args.worst)
+    report(samples, read_calls(args.trace) if args.trace else [], names, args.worst)
 
 
 if __name__ == "__main__":
