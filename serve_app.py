@@ -26,7 +26,7 @@ from actors.heap import settle_heap
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.reconciler import ReconcilerStarter, reconciler_status
-from actors.wiring import ensure_conditional_writes, open_services
+from actors.wiring import ensure_conditional_writes, open_services, warm_services
 from storage.audit import ObjectAudit
 from torpor import __version__
 from torpor.api import (
@@ -92,7 +92,11 @@ api.add_middleware(HookFastPath, route=HOOKS)
 )
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, config: ConfigRef, reconciler: DeploymentHandle[Any] | None = None) -> None:
+    # Async: Serve awaits the constructor (``serve.ingress`` wraps it) and routes to the
+    # replica once it returns, so the store is readied before the first request.
+    async def __init__(  # type: ignore[misc]
+        self, config: ConfigRef, reconciler: DeploymentHandle[Any] | None = None
+    ) -> None:
         # Read here, in the replica: Serve persists constructor arguments (config_ref).
         self.settings = settings = config.load()
         self.services = open_services(settings, observer=RayObserver())
@@ -123,6 +127,9 @@ class Ingress:
                 else None,
             )
         )
+        # Serve routes to a replica once this returns: its first webhook finds the store
+        # ready (its files made ahead, its conditional writes checked).
+        await warm_services(services)
         settle_heap()  # started: what lives for the replica's life leaves the collector
 
     def _tenant(self, authorization: str | None) -> str:

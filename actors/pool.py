@@ -26,7 +26,7 @@ from actors import metrics
 from actors.config_ref import ConfigRef
 from actors.heap import settle_heap
 from actors.observer import RayObserver
-from actors.wiring import open_services, session_runtime
+from actors.wiring import open_services, session_runtime, warm_services
 from torpor import tracing
 from torpor.backoff import Backoff
 from torpor.ports import Reason
@@ -93,6 +93,7 @@ class PoolHost:
         """Take the requests on this host's channel for as long as the host lives."""
         self._ensure()
         assert self._services is not None
+        await warm_services(self._services)  # before the first activation it takes
         queue = self._services.activations
         if queue is None:
             return  # no channel here: requests come as Ray calls (``activate``)

@@ -7,6 +7,7 @@ replica, the CLI and the tests.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -89,6 +90,20 @@ def open_services(
 
 
 _VERIFIED_STORES: set[str] = set()
+log = logging.getLogger(__name__)
+
+
+async def warm_services(services: Services) -> None:
+    """Before a process takes traffic (a replica's constructor, a pool host before it
+    listens): what its first request would otherwise do inside itself, the store's
+    check of conditional writes and what the store makes ahead. Never raises: a store
+    that cannot be readied now is readied by the first request, which then reports
+    what fails."""
+    try:
+        await ensure_conditional_writes(services)
+        await services.store.warm()
+    except Exception:
+        log.warning("could not ready the object store (the first write will)", exc_info=True)
 
 
 async def ensure_conditional_writes(services: Services) -> None:

@@ -151,6 +151,17 @@ class Blanks:
                 self._submit(self._make)
         return path
 
+    def fill(self) -> None:
+        """Make blanks up to ``HIGH`` now, on the caller's thread (a store getting ready
+        for traffic); nothing if they are being made already."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            if self._making or self._closed:
+                return
+            self._making = True
+        self._make()
+
     def name(self) -> str:
         """A new name for a file of ours in the folder (what ``sweep`` knows as ours)."""
         return f"{self.folder}/blank-{self._tag}-{secrets.token_hex(12)}"

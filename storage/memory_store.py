@@ -71,5 +71,8 @@ class MemoryObjectStore:
     async def delete(self, key: str) -> None:
         self._objects.pop(check_object_key(key), None)
 
+    async def warm(self) -> None:
+        return None  # nothing made ahead in memory
+
     async def close(self) -> None:
         return None

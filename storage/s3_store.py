@@ -195,6 +195,11 @@ class S3ObjectStore:
     async def delete(self, key: str) -> None:
         await off_loop(self._delete, key)
 
+    async def warm(self) -> None:
+        # Nothing made ahead: the connection pool fills on demand, and a process's first
+        # connection is opened by the conditional-writes probe it runs before any write.
+        return None
+
     async def close(self) -> None:
         await off_loop(self._client.close)
 

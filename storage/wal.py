@@ -292,6 +292,14 @@ class WriteAheadLog:
             return None
         return next((exc for after, upto, exc in self._lost if after < ticket <= upto), None)
 
+    def ready(self) -> None:
+        """Put the first segment (and its spare) in place now, not in the first append
+        (a store getting ready for traffic). A segment nothing is appended to is removed
+        when the log is closed."""
+        with self._lock:
+            if self._segment is None and not self._closed:
+                self._segment = self._next(0)
+
     def _writable(self, need: int) -> _Segment:
         """The segment to append ``need`` bytes to (the lock is held): a new one when
         there is none yet, it is full, or the ager has let it grow old (``_overdue``)."""

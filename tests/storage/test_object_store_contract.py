@@ -119,6 +119,15 @@ class ObjectStoreContract:
         await store.put_if_absent("large", blob)
         assert (await store.get("large")).data == blob
 
+    async def test_warming_changes_no_object_and_may_be_repeated(self, store: ObjectStore) -> None:
+        await store.put_if_absent("kept/one", b"1")
+        await store.warm()
+        await store.warm()
+        assert (await store.list("kept/")).keys == ["kept/one"]
+        assert (await store.get("kept/one")).data == b"1"
+        await store.put_if_absent("kept/two", b"2")  # and writes go on as before
+        assert (await store.get("kept/two")).data == b"2"
+
     @pytest.mark.parametrize(
         "bad", ["", "/abs", "../up", "a//b", "a/../b", "a/./b", "sp ace", "a/"]
     )

@@ -77,6 +77,12 @@ class ObjectStore(Protocol):
         """Idempotent: deleting a missing key is not an error."""
         ...
 
+    async def warm(self) -> None:
+        """Do now what the first write would otherwise do inside its request (a log put
+        in place, empty files made ahead, a connection opened). Changes no object; a
+        store with nothing to prepare returns at once."""
+        ...
+
     async def close(self) -> None: ...
 
 
