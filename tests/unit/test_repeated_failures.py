@@ -18,6 +18,17 @@ class Clock:
         return self.now
 
 
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def repeated(clock: Clock, caplog: pytest.LogCaptureFixture) -> Repeated:
+    caplog.set_level(logging.WARNING, logger="storage.test")
+    return Repeated(logging.getLogger("storage.test"), "could not flush /x", clock=clock)
+
+
 def fail(repeated: Repeated) -> None:
     try:
         raise OSError(5, "Input/output error")
@@ -26,16 +37,13 @@ def fail(repeated: Repeated) -> None:
 
 
 def test_a_failure_every_second_for_two_minutes_is_three_lines_and_one_when_it_stops(
-    caplog: pytest.LogCaptureFixture,
+    repeated: Repeated, clock: Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
-    repeated = Repeated(logging.getLogger("storage.test"), "could not flush /x", clock=clock)
-    with caplog.at_level(logging.WARNING, logger="storage.test"):
-        for _ in range(121):  # at 0, 1, ..., 120 s
-            fail(repeated)
-            clock.now += 1.0
-        repeated.succeeded()
-        repeated.succeeded()  # working on: nothing more to say
+    for _ in range(121):  # at 0, 1, ..., 120 s
+        fail(repeated)
+        clock.now += 1.0
+    repeated.succeeded()
+    repeated.succeeded()  # working on: nothing more to say
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "could not flush /x",
@@ -49,16 +57,13 @@ def test_a_failure_every_second_for_two_minutes_is_three_lines_and_one_when_it_s
 
 
 def test_after_it_worked_again_the_next_failure_is_reported_at_once(
-    caplog: pytest.LogCaptureFixture,
+    repeated: Repeated, clock: Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
-    repeated = Repeated(logging.getLogger("storage.test"), "could not flush /x", clock=clock)
-    with caplog.at_level(logging.WARNING, logger="storage.test"):
-        fail(repeated)
-        clock.now += 2.0
-        repeated.succeeded()
-        clock.now += 1.0
-        fail(repeated)  # a new run of failures, 3 s after the last line
+    fail(repeated)
+    clock.now += 2.0
+    repeated.succeeded()
+    clock.now += 1.0
+    fail(repeated)  # a new run of failures, 3 s after the last line
     assert [r.getMessage() for r in caplog.records] == [
         "could not flush /x",
         "could not flush /x: works again after 1 failure in 2 s",
