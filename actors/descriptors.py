@@ -50,15 +50,18 @@ def reserve_descriptors(slots: int = SLOTS) -> int | None:
     top = min(slots, soft if soft != resource.RLIM_INFINITY else slots) - 1
     size = table_size()
     if top > 0 and (size is None or size <= top):
-        probe = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            # The lowest free descriptor at or above ``top``: unlike dup2 it never closes
-            # a descriptor some other thread holds there.
-            high = fcntl.fcntl(probe, fcntl.F_DUPFD_CLOEXEC, top)
-            os.close(high)
+            probe = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            pass  # at the limit already: the table grows on demand, as before
-        finally:
-            os.close(probe)
+            probe = -1  # at the limit already, or no /dev/null: grown on demand, as before
+        if probe >= 0:
+            try:
+                # The lowest free descriptor at or above ``top``: unlike dup2 it never
+                # closes a descriptor some other thread holds there.
+                os.close(fcntl.fcntl(probe, fcntl.F_DUPFD_CLOEXEC, top))
+            except OSError:
+                pass  # past the limit: the table grows on demand, as before
+            finally:
+                os.close(probe)
     _grown_in = os.getpid()
     return table_size()

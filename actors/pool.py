@@ -93,7 +93,9 @@ class PoolHost:
         """Take the requests on this host's channel for as long as the host lives."""
         self._ensure()
         assert self._services is not None
-        await warm_services(self._services)  # before the first activation it takes
+        # Before the first request on the channel (one sent as a Ray call meanwhile may
+        # run beside it: nothing is held back for the readying).
+        await warm_services(self._services)
         queue = self._services.activations
         if queue is None:
             return  # no channel here: requests come as Ray calls (``activate``)

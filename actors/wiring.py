@@ -7,6 +7,7 @@ replica, the CLI and the tests.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -26,6 +27,7 @@ from storage.work import ObjectProgress
 from torpor import logs
 from torpor.callbacks import CapabilityRouter
 from torpor.clock import SystemClock
+from torpor.errors import ConfigError, TorporError
 from torpor.outbox import BareRouter
 from torpor.plugins import PluginResolver
 from torpor.ports import CallbackRouter, Clock, Notifier, Observer
@@ -33,6 +35,8 @@ from torpor.ports.services import RuntimeConfig, Services
 from torpor.service.deliveries import DeliveryNotifier
 from torpor.session import SessionRuntime
 from torpor.settings import Settings, resolve_secret
+
+log = logging.getLogger(__name__)
 
 
 def session_runtime(services: Services, owner: str | None = None) -> SessionRuntime:
@@ -90,19 +94,26 @@ def open_services(
 
 
 _VERIFIED_STORES: set[str] = set()
-log = logging.getLogger(__name__)
+# Readying the store at start waits this long at most: a store that hangs (an S3
+# endpoint that does not answer) would otherwise hold the replica in STARTING for good.
+WARM_TIMEOUT_S = 15.0
 
 
-async def warm_services(services: Services) -> None:
+async def warm_services(services: Services, *, timeout_s: float = WARM_TIMEOUT_S) -> None:
     """Before a process takes traffic (a replica's constructor, a pool host before it
-    listens): what its first request would otherwise do inside itself, the store's
-    check of conditional writes and what the store makes ahead. Never raises: a store
-    that cannot be readied now is readied by the first request, which then reports
-    what fails."""
+    listens): what its first request would otherwise do inside itself, what the store
+    makes ahead and its check of conditional writes. The store first: the check writes
+    through it, and a check that came first made the log's segment and set the store's
+    own makers going, leaving the readying half done. Never raises: a store refused by
+    its configuration is logged as the error it is (every write will report it too);
+    one that cannot be readied now is readied by the first request."""
     try:
-        await ensure_conditional_writes(services)
-        await services.store.warm()
-    except Exception:
+        async with asyncio.timeout(timeout_s):
+            await services.store.warm()
+            await ensure_conditional_writes(services)
+    except ConfigError:
+        log.error("the object store at %s is refused", services.store.url, exc_info=True)
+    except (TorporError, OSError, TimeoutError):
         log.warning("could not ready the object store (the first write will)", exc_info=True)
 
 

@@ -199,7 +199,7 @@ def sequential(
         os.setpriority(os.PRIO_PROCESS, thread, niceness)
     conn.close()
     client.close()
-    if samples is not None:  # written after the pass: no I/O between its webhooks
+    if samples is not None:  # written after the pass (between webhooks: one /proc/stat read)
         stolen.append(steal_ms())
         # Steal is counted at the clock tick after it happened: a stall inside one
         # webhook's span can show in the next one's (``bench/tails.py`` shows both).

@@ -69,6 +69,7 @@ from collections.abc import Callable
 
 LOW = 8  # fewer than this left: make more
 HIGH = 32  # ... up to this many
+FILL_WAIT_S = 10.0  # ``fill`` waits this long at most for a make already running
 # What ``sweep`` removes must be at least this old: a write's temporary file lives for
 # milliseconds, and a blank of a live process in another pid namespace (whose id means
 # nothing here) is taken long before, unless that process has idled this long.
@@ -129,6 +130,7 @@ class Blanks:
         self._cooling: deque[tuple[float, int, str, int]] = deque()
         self._kept_bytes = 0  # what the files in ``_cooling`` hold (under ``_lock``)
         self._lock = threading.Lock()
+        self._made = threading.Condition(self._lock)  # a make in a worker thread ended
         self._making = False
         self._closed = False
         self._pid = os.getpid()
@@ -151,13 +153,17 @@ class Blanks:
                 self._submit(self._make)
         return path
 
-    def fill(self) -> None:
+    def fill(self, *, wait_s: float = FILL_WAIT_S) -> None:
         """Make blanks up to ``HIGH`` now, on the caller's thread (a store getting ready
-        for traffic); nothing if they are being made already."""
+        for traffic). A make already running in a worker thread is waited for (up to
+        ``wait_s``), then topped up: returning while it ran would leave the first write
+        queued behind it on the folder's lock, which is what getting ready is for."""
         if self._pid != os.getpid():
             return
         with self._lock:
-            if self._making or self._closed:
+            if not self._made.wait_for(lambda: not self._making or self._closed, wait_s):
+                return  # a make that hangs (a stuck disk): the writes make their own
+            if self._closed:
                 return
             self._making = True
         self._make()
@@ -358,6 +364,7 @@ class Blanks:
         finally:
             with self._lock:
                 self._making = False
+                self._made.notify_all()
             if self._closed:
                 self.close()
 

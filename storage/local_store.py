@@ -179,6 +179,7 @@ class _Stripes:
         self._reset()
 
     def _reset(self) -> None:
+        self._closed = False  # by ``close``: ``open_all`` opens nothing after it
         self._pid = os.getpid()
         self._threads = [threading.Lock() for _ in range(LOCK_STRIPES)]
         self._fds: dict[int, int] = {}
@@ -188,6 +189,7 @@ class _Stripes:
         thread of ours holds it: closed under a holder, its lock would be lost."""
         if self._pid != os.getpid():
             return
+        self._closed = True
         for stripe, thread_lock in enumerate(self._threads):
             with thread_lock:
                 fd = self._fds.pop(stripe, None)
@@ -204,11 +206,13 @@ class _Stripes:
 
     def open_all(self) -> None:
         """Every stripe's lock file opened now, not by the first write that hashes to it
-        (a store getting ready for traffic)."""
+        (a store getting ready for traffic); none once the stripes were closed."""
         if self._pid != os.getpid():
             self._reset()
         for stripe, thread_lock in enumerate(self._threads):
             with thread_lock:
+                if self._closed:
+                    return
                 if stripe not in self._fds:
                     path = f"{self.folder}/{stripe:04x}"
                     self._fds[stripe] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -792,6 +796,8 @@ class LocalObjectStore:
         await self._off_loop(self._warm)
 
     def _warm(self) -> None:
+        if not self._finalizer.alive:
+            return  # closed: nothing it opened now would be closed again
         self._locks.open_all()
         self._log.ready()
         self._blanks.fill()

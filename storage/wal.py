@@ -293,9 +293,9 @@ class WriteAheadLog:
         return next((exc for after, upto, exc in self._lost if after < ticket <= upto), None)
 
     def ready(self) -> None:
-        """Put the first segment (and its spare) in place now, not in the first append
-        (a store getting ready for traffic). A segment nothing is appended to is removed
-        when the log is closed."""
+        """Put the first segment in place now, not in the first append (a store getting
+        ready for traffic); its spare is then made on a thread of the log's. A segment
+        nothing is appended to is removed when the log is closed."""
         with self._lock:
             if self._segment is None and not self._closed:
                 self._segment = self._next(0)
@@ -583,11 +583,17 @@ def _age_out(ref: weakref.ref[WriteAheadLog]) -> None:
             # or a segment it could not open (the next append opens one): try again later
             # (once a second; on a disk that stays broken, a line a minute says so)
             if failing is None:
-                failing = Repeated(log, f"could not retire an aged log segment in {log_.folder}")
+                failing = Repeated(
+                    log,
+                    f"could not retire an aged log segment or put the next in place in"
+                    f" {log_.folder}",
+                )
             failing.failed()
             time.sleep(AGE_POLL_S)
         else:
-            if failing is not None:
+            # Works again only once a segment is in place: a look that found none (the
+            # next one could not be opened) and only waited has proven nothing.
+            if failing is not None and log_._segment is not None:
                 failing.succeeded()
         del log_
 

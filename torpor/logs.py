@@ -70,8 +70,10 @@ class Repeated:
     """A failure a loop meets again at every turn for as long as its cause lasts (a
     failing disk under a thread that looks once a second): logged with its traceback the
     first time, then at most once per ``every_s`` with how many went unlogged meanwhile,
-    and once when it stops. A log that repeats one line 86,400 times a day buries the
-    line that says why, and fills the disk that is already failing."""
+    and once when it stops, if it was reported. A cause that comes and goes (fails,
+    works, fails) is held to the same pace: a failure after a success is a line only if
+    ``every_s`` has passed since the last one. A log that repeats one line 86,400 times
+    a day buries the line that says why, and fills the disk that is already failing."""
 
     def __init__(
         self,
@@ -89,6 +91,7 @@ class Repeated:
         self._unlogged = 0  # since the last line
         self._since = 0.0  # when the first of this run of failures came
         self._logged_at = float("-inf")
+        self._reported = False  # whether this run of failures has a line
 
     def failed(self) -> None:
         """One more failure; call it from the ``except`` block (its traceback goes with
@@ -102,20 +105,21 @@ class Repeated:
             return
         again = f" ({self._unlogged} more failures since the last report)" if self._unlogged else ""
         self.logger.warning("%s%s", self.what, again, exc_info=True)
-        self._logged_at, self._unlogged = now, 0
+        self._logged_at, self._unlogged, self._reported = now, 0, True
 
     def succeeded(self) -> None:
-        """It worked: said once, if it had been failing."""
+        """It worked: said once, if this run of failures was reported."""
         if self.failures == 0:
             return
-        self.logger.warning(
-            "%s: works again after %d %s in %.0f s",
-            self.what,
-            self.failures,
-            "failure" if self.failures == 1 else "failures",
-            self.clock() - self._since,
-        )
-        self.failures, self._unlogged, self._logged_at = 0, 0, float("-inf")
+        if self._reported:
+            self.logger.warning(
+                "%s: works again after %d %s in %.0f s",
+                self.what,
+                self.failures,
+                "failure" if self.failures == 1 else "failures",
+                self.clock() - self._since,
+            )
+        self.failures, self._reported = 0, False
 
 
 def configure(fmt: LogFormat, *, stream: TextIO | None = None, level: int = logging.INFO) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from actors import wiring
 from storage import blanks, wal
 from storage.local_store import LocalObjectStore
 from storage.memory_store import MemoryObjectStore
+from tests.conftest import eventually
 from torpor.settings import Settings
 
 
@@ -31,6 +33,8 @@ async def test_a_warmed_store_has_its_log_and_its_blanks_before_the_first_write(
     assert len(store._blanks._ready) >= blanks.HIGH
     assert len(store._blank_folders._ready) >= blanks.HIGH
 
+    # The spare segment is made on a thread of the log's: done before watching.
+    await eventually(lambda: not log._preparing, what="the log's spare is made")
     made: list[str] = []  # any file or folder the first write would make itself
     real_open, real_mkdir = os.open, os.mkdir
 
@@ -72,10 +76,21 @@ async def test_warming_the_services_checks_conditional_writes_and_readies_the_st
     )
     services = wiring.open_services(settings)
     monkeypatch.setattr(wiring, "_VERIFIED_STORES", set())
+    real_make = blanks.Blanks._make
+
+    def slow_make(self: blanks.Blanks) -> None:
+        time.sleep(0.3)  # cold metadata: a make in a worker thread takes a while
+        real_make(self)
+
+    monkeypatch.setattr(blanks.Blanks, "_make", slow_make)
     await wiring.warm_services(services)
     assert services.store.url in wiring._VERIFIED_STORES
-    assert isinstance(services.store, LocalObjectStore)
-    assert services.store._log._segment is not None
+    store = services.store
+    assert isinstance(store, LocalObjectStore)
+    # The store readied first: the check's own writes took from what was made ahead and
+    # left no maker running for the first request to queue behind.
+    assert len(store._blanks._ready) > blanks.LOW and not store._blanks._making
+    assert store._log._segment is not None
     await services.close()
 
 

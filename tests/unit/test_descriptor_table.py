@@ -59,14 +59,17 @@ def test_the_reserve_stays_under_the_open_files_limit() -> None:
         print(json.dumps({"size": reserve_descriptors()}))
         """
     )
-    assert found["size"] is not None and found["size"] <= 512  # type: ignore[operator]
+    # Grown as far as the limit lets it (a slot for descriptor 299), and no further.
+    assert found["size"] is not None and 300 <= found["size"] <= 512  # type: ignore[operator]
 
 
 def test_the_reserve_never_closes_a_descriptor_held_high_in_the_table() -> None:
     found = run(
         """
+        import actors.descriptors as descriptors
         held = os.open("/dev/null", os.O_RDONLY)
         os.dup2(held, 4095)  # another thread's file, where the reserve reaches
+        descriptors.table_size = lambda: None  # as where the kernel does not say: it acts
         reserve_descriptors()
         os.fstat(4095)  # still open: raises if the reserve closed it
         print(json.dumps({"size": table_size()}))

@@ -56,16 +56,20 @@ def test_a_failure_every_second_for_two_minutes_is_three_lines_and_one_when_it_s
     assert caplog.records[3].exc_info is None
 
 
-def test_after_it_worked_again_the_next_failure_is_reported_at_once(
+def test_a_cause_that_comes_and_goes_is_held_to_the_same_pace(
     repeated: Repeated, clock: Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
     fail(repeated)
     clock.now += 2.0
     repeated.succeeded()
     clock.now += 1.0
-    fail(repeated)  # a new run of failures, 3 s after the last line
+    fail(repeated)  # again, 3 s after the last line: counted, not a line
+    clock.now += 1.0
+    repeated.succeeded()  # nothing said of a run that had no line
+    clock.now += 57.0
+    fail(repeated)  # 61 s after the last line
     assert [r.getMessage() for r in caplog.records] == [
         "could not flush /x",
         "could not flush /x: works again after 1 failure in 2 s",
-        "could not flush /x",
+        "could not flush /x (1 more failures since the last report)",
     ]

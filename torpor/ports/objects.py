@@ -78,8 +78,8 @@ class ObjectStore(Protocol):
         ...
 
     async def warm(self) -> None:
-        """Do now what the first write would otherwise do inside its request (a log put
-        in place, empty files made ahead, a connection opened). Changes no object; a
+        """Do now what the first write would otherwise do inside its request (the local
+        folder: its log put in place, its empty files made ahead). Changes no object; a
         store with nothing to prepare returns at once."""
         ...
 
