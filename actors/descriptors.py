@@ -6,10 +6,10 @@ more than one thread, the doubling waits for an RCU grace period before it frees
 table (``expand_files`` → ``synchronize_rcu``): the thread that asked sleeps for
 milliseconds, holding nothing but the request it serves. A replica or a pool host runs
 dozens of threads (Ray's, the store's) and opens files on every webhook and every
-commit, so it crossed 64, 128 and 256 open files in its first minute of traffic, each
-time inside a request: the off-CPU stack of the slowest back-to-back webhook of a
-benchmark pass (202 in 14.8 ms, the 38th sent; the 44th in the two passes before) was
-that wait, 9.4 ms in one ``openat``.
+commit, so its table grew in its first seconds of traffic, inside a request: the
+off-CPU stack of the slowest back-to-back webhook of a benchmark pass (202 in 14.8 ms,
+the 38th sent; the 44th in the two passes before) was that wait, 9.4 ms in one
+``openat``, which returned descriptor 128.
 
 The table never shrinks, so one descriptor opened at a high number and closed again at
 start-up pays the wait there, once. A few thousand slots cost a few tens of KiB of

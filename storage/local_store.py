@@ -198,7 +198,17 @@ class _Stripes:
                         os.close(fd)
 
     def path(self, key: str) -> str:
-        return f"{self.folder}/{self._stripe(key):04x}"
+        return self._file(self._stripe(key))
+
+    def _file(self, stripe: int) -> str:
+        return f"{self.folder}/{stripe:04x}"
+
+    def _opened(self, stripe: int) -> int:
+        """The stripe's lock file, opened once per process (its thread lock is held)."""
+        fd = self._fds.get(stripe)
+        if fd is None:
+            fd = self._fds[stripe] = os.open(self._file(stripe), os.O_RDWR | os.O_CREAT, 0o600)
+        return fd
 
     @staticmethod
     def _stripe(key: str) -> int:
@@ -213,9 +223,7 @@ class _Stripes:
             with thread_lock:
                 if self._closed:
                     return
-                if stripe not in self._fds:
-                    path = f"{self.folder}/{stripe:04x}"
-                    self._fds[stripe] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                self._opened(stripe)
 
     @contextlib.contextmanager
     def held(self, key: str, *, wait: bool) -> Iterator[None]:
@@ -226,9 +234,7 @@ class _Stripes:
         if not thread_lock.acquire(blocking=wait):
             raise _Contended(key)
         try:
-            fd = self._fds.get(stripe)
-            if fd is None:
-                fd = self._fds[stripe] = os.open(self.path(key), os.O_RDWR | os.O_CREAT, 0o600)
+            fd = self._opened(stripe)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
