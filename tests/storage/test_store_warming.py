@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,3 +122,49 @@ def test_wal_ready_is_once(tmp_path: Path) -> None:
     log.ready()
     assert first is not None and log._segment is first
     log.close()
+
+
+_WARMED_THEN_WAITS = """
+import asyncio, sys
+from storage.local_store import LocalObjectStore
+store = LocalObjectStore(sys.argv[1])
+asyncio.run(store.warm())
+print("warm", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+async def test_a_process_killed_right_after_warming_leaves_nothing_the_next_must_keep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warming writes no object, but it leaves files: an empty log segment, 64 blanks,
+    the lock files. A replica killed right after (``kill -9``) must not leave a segment a
+    later boot chokes on, nor blanks that outlive the sweep."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with subprocess.Popen(
+        [sys.executable, "-c", _WARMED_THEN_WAITS, str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+    ) as child:  # fmt: skip
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "warm"
+        finally:
+            child.kill()  # SIGKILL: no finalizer, no close
+            child.wait(timeout=10)
+    left = [p for p in (tmp_path / ".wal").glob("*.log")]
+    assert left, "the killed process's readied segment is there"
+    blanks_left = [n for n in os.listdir(tmp_path / ".tmp") if n.startswith("blank-")]
+    assert len(blanks_left) >= 2 * blanks.HIGH
+
+    same_boot = LocalObjectStore(tmp_path)  # the next process, before any reboot
+    await same_boot.put_if_absent("inbox/s_1/e_1", b"after")
+    assert (await same_boot.get("inbox/s_1/e_1")).data == b"after"
+    await same_boot.close()
+
+    monkeypatch.setattr(wal, "boot_id", lambda: "a-later-boot")
+    rebooted = LocalObjectStore(tmp_path)  # replays the killed process's log: nothing
+    assert (await rebooted.get("inbox/s_1/e_1")).data == b"after"
+    assert not any(p.exists() for p in left), "its segment is replayed and removed"
+    await rebooted.close()
+    # Its blanks are a dead process's: the sweep takes them (past its age bound).
+    blanks.sweep(str(tmp_path / ".tmp"), older_than_s=0.0)
+    assert not set(blanks_left) & set(os.listdir(tmp_path / ".tmp"))
