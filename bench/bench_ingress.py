@@ -18,6 +18,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -353,6 +354,65 @@ def settle(timeout_s: float = 60.0) -> None:
         before = after
 
 
+class OffCpuRecording:
+    """``perf record`` of every context switch, with stacks, while the one-at-a-time
+    passes run (``--offcpu``; ``bench/offcpu.py`` reads it). Beside the recording,
+    ``<out>.json``: the window (``CLOCK_MONOTONIC`` ms, perf's clock with ``-k mono``) and
+    the replicas' and pool hosts' process ids."""
+
+    READY_S = 10.0  # perf writes its header once its buffers are mapped on every CPU
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self._perf: subprocess.Popen[bytes] | None = None
+        self._from_ms = 0.0
+
+    def start(self) -> None:
+        Path(self.out).unlink(missing_ok=True)
+        self._perf = subprocess.Popen(
+            [
+                "perf",
+                "record",
+                "-q",
+                "-e",
+                "sched:sched_switch",
+                "-g",
+                "-a",
+                "-k",
+                "mono",
+                "-o",
+                self.out,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + self.READY_S
+        while not (Path(self.out).exists() and Path(self.out).stat().st_size > 0):
+            if self._perf.poll() is not None or time.monotonic() > deadline:
+                self._perf.kill()
+                said = self._perf.stderr.read() if self._perf.stderr else b""
+                error = said.decode(errors="replace")
+                raise SystemExit(f"--offcpu: perf record did not start: {error.strip()[-500:]}")
+            time.sleep(0.05)
+        self._from_ms = time.monotonic() * 1000
+
+    def stop(self) -> str:
+        """Stop recording; the summary line of what was written."""
+        to_ms = time.monotonic() * 1000
+        assert self._perf is not None
+        self._perf.send_signal(signal.SIGINT)  # perf flushes and writes its index on SIGINT
+        self._perf.wait(timeout=120)
+        watched = {
+            pid: name.strip()
+            for pid, (name, _) in processes().items()
+            if "ServeReplica" in name or "PoolHost" in name
+        }
+        Path(self.out + ".json").write_text(
+            json.dumps({"from_ms": self._from_ms, "to_ms": to_ms, "pids": watched})
+        )
+        return f"off-CPU recording: {self.out} ({len(watched)} processes watched): bench/offcpu.py"
+
+
 def profile_replica(out: str, duration_s: int, name: str) -> subprocess.Popen[bytes]:
     """py-spy on the Serve replica for the accept phase: a flame graph (``.svg``) or
     collapsed stacks (``.txt``), native frames left out (Python's own work is the point)."""
@@ -390,6 +450,7 @@ async def child(
     resume_s: int = 4,
     sender_nice: int | None = None,
     samples: str | None = None,
+    offcpu: str | None = None,
 ) -> dict[str, Any]:
     import ray
     import redis
@@ -495,6 +556,9 @@ async def child(
     # ``serve.run``): one webhook at a time measures the path, not what shares the cores.
     settle()
     seq = idle = ahead = None
+    recording = OffCpuRecording(offcpu) if offcpu and seq_n else None
+    if recording is not None:
+        recording.start()
     if seq_n:
         pairs = list(zip(seq_ids, seq_cids, strict=True))
         others = cids[sessions:]  # the deferring app's sessions: one webhook each here
@@ -516,6 +580,7 @@ async def child(
             )
         except PermissionError:  # raising a thread's priority needs CAP_SYS_NICE
             ahead = {"refused": True}
+    recorded = recording.stop() if recording is not None else None
 
     lua = tmp / "bench.lua"
     lua.write_text(WRK_LUA)
@@ -566,6 +631,7 @@ async def child(
         "idle": idle,
         "ahead": ahead,
         "sender_nice": sender_nice,
+        "offcpu": recorded,
     }
 
 
@@ -596,6 +662,11 @@ def main() -> None:
         help="append each one-at-a-time webhook's figures to this file (JSON lines, with"
         " the CLOCK_MONOTONIC ms it was sent at; bench/tails.py reads them)",
     )
+    parser.add_argument(
+        "--offcpu",
+        help="record every context switch with its stack (perf) while the one-at-a-time"
+        " passes run, into this file; bench/offcpu.py reads it (needs perf and tracefs)",
+    )
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
@@ -610,6 +681,7 @@ def main() -> None:
                 args.resume_duration,
                 args.sender_nice,
                 args.samples,
+                args.offcpu,
             )
         )
         print("JSON " + json.dumps(result), flush=True)
@@ -641,6 +713,7 @@ def main() -> None:
                 str(args.resume_duration),
                 *(["--sender-nice", str(args.sender_nice)] if args.sender_nice is not None else []),
                 *(["--samples", str(Path(args.samples).resolve())] if args.samples else []),
+                *(["--offcpu", str(Path(args.offcpu).resolve())] if args.offcpu else []),
             ],
             capture_output=True,
             text=True,
@@ -720,6 +793,8 @@ def main() -> None:
                     f" it): p50 {q['alone_p50']:.1f} ms, p99 {q['alone_p99']:.1f} ms",
                     flush=True,
                 )
+        if r.get("offcpu"):
+            print(f"  {r['offcpu']}", flush=True)
 
 
 if __name__ == "__main__":
