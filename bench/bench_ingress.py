@@ -18,6 +18,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -384,15 +385,16 @@ class OffCpuRecording:
                 self.out,
             ],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            # A file, not a pipe: nobody reads perf's warnings while it records, and a
+            # full pipe would stop it.
+            stderr=Path(self.out + ".log").open("wb"),  # noqa: SIM115 - perf holds it
         )
         deadline = time.monotonic() + self.READY_S
         while not (Path(self.out).exists() and Path(self.out).stat().st_size > 0):
             if self._perf.poll() is not None or time.monotonic() > deadline:
                 self._perf.kill()
-                said = self._perf.stderr.read() if self._perf.stderr else b""
-                error = said.decode(errors="replace")
-                raise SystemExit(f"--offcpu: perf record did not start: {error.strip()[-500:]}")
+                said = Path(self.out + ".log").read_text(errors="replace").strip()[-500:]
+                raise SystemExit(f"--offcpu: perf record did not start: {said}")
             time.sleep(0.05)
         self._from_ms = time.monotonic() * 1000
 
@@ -411,6 +413,12 @@ class OffCpuRecording:
             json.dumps({"from_ms": self._from_ms, "to_ms": to_ms, "pids": watched})
         )
         return f"off-CPU recording: {self.out} ({len(watched)} processes watched): bench/offcpu.py"
+
+
+def offcpu_file(path: str, proxy: str, proxies: list[str]) -> str:
+    """The recording of ``proxy``'s run: ``path``, or with both proxies one file each."""
+    resolved = str(Path(path).resolve())
+    return f"{resolved}.{proxy}" if len(proxies) > 1 else resolved
 
 
 def profile_replica(out: str, duration_s: int, name: str) -> subprocess.Popen[bytes]:
@@ -687,6 +695,16 @@ def main() -> None:
         print("JSON " + json.dumps(result), flush=True)
         return
     proxies = ["default", "haproxy"] if args.proxy == "both" else [args.proxy]
+    if args.offcpu:
+        # Before minutes of setup: perf, and the scheduler's tracepoint it records.
+        events = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+        if shutil.which("perf") is None or not any(
+            Path(root, "events/sched/sched_switch").exists() for root in events
+        ):
+            sys.exit(
+                "--offcpu needs perf (apt-get install linux-perf) and tracefs mounted"
+                " (mount -t tracefs nodev /sys/kernel/tracing)"
+            )
     for proxy in proxies:
         # Each replica runs the app on its own loop, as `torpor serve` has it.
         env = {**os.environ, "PYTHONPATH": str(ROOT), USER_LOOP: os.environ.get(USER_LOOP, "0")}
@@ -713,7 +731,7 @@ def main() -> None:
                 str(args.resume_duration),
                 *(["--sender-nice", str(args.sender_nice)] if args.sender_nice is not None else []),
                 *(["--samples", str(Path(args.samples).resolve())] if args.samples else []),
-                *(["--offcpu", str(Path(args.offcpu).resolve())] if args.offcpu else []),
+                *(["--offcpu", offcpu_file(args.offcpu, proxy, proxies)] if args.offcpu else []),
             ],
             capture_output=True,
             text=True,
