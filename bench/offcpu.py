@@ -15,9 +15,9 @@ sleep the thread asked for, its loop's wait included), and the kernel stacks tha
 them longest in ``D`` and ``R``. With ``--samples`` (``bench_ingress.py --samples``), the
 slowest webhooks each with the longest ``D``/``R`` waits inside their span.
 
-How the last pass found its two tail causes (the descriptor table's growth waiting an RCU
-grace period, and a new replica's first write reading inode tables from disk) — then with
-a throwaway copy of the bench.
+This is how the seventeenth pass found its two tail causes (the descriptor table's growth
+waiting an RCU grace period, a new replica's first write reading inode tables from disk),
+then with a throwaway copy of the bench.
 """
 
 from __future__ import annotations
