@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -366,10 +366,12 @@ class OffCpuRecording:
     def __init__(self, out: str) -> None:
         self.out = out
         self._perf: subprocess.Popen[bytes] | None = None
+        self._said: BinaryIO | None = None  # perf's stderr
         self._from_ms = 0.0
 
     def start(self) -> None:
         Path(self.out).unlink(missing_ok=True)
+        self._said = Path(self.out + ".log").open("wb")  # noqa: SIM115 - closed in stop
         self._perf = subprocess.Popen(
             [
                 "perf",
@@ -387,12 +389,13 @@ class OffCpuRecording:
             stdout=subprocess.DEVNULL,
             # A file, not a pipe: nobody reads perf's warnings while it records, and a
             # full pipe would stop it.
-            stderr=Path(self.out + ".log").open("wb"),  # noqa: SIM115 - perf holds it
+            stderr=self._said,
         )
         deadline = time.monotonic() + self.READY_S
         while not (Path(self.out).exists() and Path(self.out).stat().st_size > 0):
             if self._perf.poll() is not None or time.monotonic() > deadline:
                 self._perf.kill()
+                self._said.close()
                 said = Path(self.out + ".log").read_text(errors="replace").strip()[-500:]
                 raise SystemExit(f"--offcpu: perf record did not start: {said}")
             time.sleep(0.05)
@@ -404,6 +407,8 @@ class OffCpuRecording:
         assert self._perf is not None
         self._perf.send_signal(signal.SIGINT)  # perf flushes and writes its index on SIGINT
         self._perf.wait(timeout=120)
+        if self._said is not None:
+            self._said.close()
         watched = {
             pid: name.strip()
             for pid, (name, _) in processes().items()

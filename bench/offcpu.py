@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.tails import Sample, read_samples  # noqa: E402
+from bench.tails import Sample, by_pass, read_samples  # noqa: E402
 
 # "ray::ServeRepli  4321/4327  2891.141734: sched:sched_switch: prev_comm=... prev_pid=4327
 #  prev_prio=120 prev_state=D ==> next_comm=swapper/1 next_pid=0 next_prio=120"
@@ -199,10 +199,7 @@ def beside_slowest(
     """The slowest webhooks of each pass, each with the longest D/R stretches of the
     watched processes inside its span (sent → step, or → 202 without a step)."""
     lines = []
-    passes: dict[tuple[str, str], list[Sample]] = defaultdict(list)
-    for sample in samples:
-        passes[(sample.run, sample.kind)].append(sample)
-    for (run, kind), mine in passes.items():
+    for (run, kind), mine in by_pass(samples).items():
         lines.append(f"{run}, {kind}: the {worst} slowest")
         for sample in sorted(mine, key=lambda s: s.span_ms, reverse=True)[:worst]:
             sent, end = sample.sent_ms, sample.sent_ms + sample.span_ms

@@ -84,6 +84,14 @@ def read_samples(path: Path) -> tuple[list[Sample], dict[int, str]]:
     return samples, names
 
 
+def by_pass(samples: list[Sample]) -> dict[tuple[str, str], list[Sample]]:
+    """The samples of each pass (its run and kind), in the order the passes ran."""
+    passes: dict[tuple[str, str], list[Sample]] = {}
+    for sample in samples:
+        passes.setdefault((sample.run, sample.kind), []).append(sample)
+    return passes
+
+
 def beside(sample: Sample, calls: list[Call]) -> list[Call]:
     """The calls that ran at some point while ``sample`` was in flight."""
     start, end = sample.sent_ms - _SLACK_MS, sample.sent_ms + sample.span_ms + _SLACK_MS
@@ -106,8 +114,7 @@ def report(samples: list[Sample], calls: list[Call], names: dict[int, str], wors
     def who(call: Call) -> str:  # perf names a thread by its id and its own short name
         return f"{names.get(call.pid, call.comm).strip()} ({call.pid}) {call.name}"
 
-    for run, kind in dict.fromkeys((s.run, s.kind) for s in samples):
-        group = [s for s in samples if s.run == run and s.kind == kind]
+    for (run, kind), group in by_pass(samples).items():
         accept = [s.accept_ms for s in group]
         line = f"{run}, {kind} (n={len(group)}): 202 p50 {percentile(accept, 0.5):.1f} ms"
         line += f", p99 {percentile(accept, 0.99):.1f} ms"
