@@ -504,6 +504,15 @@ class LocalObjectStore:
         return etag_of(data)
 
     def _put_if_match(self, key: str, data: bytes, etag: str, wait: bool = True) -> str:
+        new_etag, ticket = self._swap_if_match(key, data, etag, wait)
+        self._log.sync(ticket)
+        return new_etag
+
+    def _swap_if_match(
+        self, key: str, data: bytes, etag: str, wait: bool = True
+    ) -> tuple[str, int]:
+        """``_put_if_match`` up to its flush: the new object in place and logged; its
+        etag, and the log's ticket that a flush must cover for it to be durable."""
         path = self._file(key)
         tmp = self._write_tmp(data)
         placed, old = tmp, None
@@ -524,8 +533,7 @@ class LocalObjectStore:
                 os.unlink(tmp)
             if old is not None:
                 self._blanks.recycle(placed, old)
-        self._log.sync(ticket)
-        return etag_of(data)
+        return etag_of(data), ticket
 
     def _list(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
         base = self.root / "objects"
@@ -741,6 +749,15 @@ class LocalObjectStore:
         return await self._write(
             functools.partial(self._put_if_match, key, data, etag), size=len(data)
         )
+
+    async def stage_if_match(self, key: str, data: bytes, *, etag: str) -> Staged:
+        """``put_if_match`` that returns once the object is in place and logged, before
+        the log's flush: ``durable()`` waits for a flush that covers it, usually that of
+        a write the caller made meanwhile (a session's last commit: its marker's move)."""
+        new_etag, ticket = await self._write(
+            functools.partial(self._swap_if_match, key, data, etag), size=len(data)
+        )
+        return Staged(new_etag, functools.partial(self._durable, ticket))
 
     async def list(
         self, prefix: str, *, start_after: str | None = None, limit: int = 1000

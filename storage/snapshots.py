@@ -29,7 +29,7 @@ from torpor.errors import (
 from torpor.ids import session_id_ms
 from torpor.lifecycle import SessionState
 from torpor.models import SessionHeader, SessionSnapshot
-from torpor.ports import MovesObjects, ObjectStore
+from torpor.ports import MovesObjects, ObjectStore, StagesReplaces
 
 ETAG_CACHE_SIZE = 4096
 # A live marker with no snapshot this long after its session id was made is a create
@@ -119,16 +119,39 @@ class ObjectSnapshots:
         # Chunks before the snapshot that names them: a crash in between leaves only an
         # orphan chunk nobody reads, never a snapshot naming a chunk that is not there.
         await chunks.write(self.store, sealed)
+        data, ending = self.codec.encode(stored), new.state.terminal and not before.terminal
+        # A session's last commit: its snapshot staged, then its marker moved, one flush
+        # of the disk for both (the move's, which covers the snapshot's change, logged
+        # before it): a webhook whose resume ends its session made four flushes, now
+        # three (counted, README). The ended marker is written only once the terminal
+        # snapshot is logged, and the live one goes only after a flush that covers both,
+        # so a power cut never leaves a session with neither: a terminal snapshot the
+        # log lost keeps its live marker (retention reads the snapshot's state, not the
+        # ended marker).
+        staged = None
         try:
-            new_etag = await self.store.put_if_match(key, self.codec.encode(stored), etag=etag)
+            if ending and isinstance(self.store, StagesReplaces):
+                staged = await self.store.stage_if_match(key, data, etag=etag)
+                new_etag = staged.etag
+            else:
+                new_etag = await self.store.put_if_match(key, data, etag=etag)
         except EtagMismatch:
             self._etags.pop(sid, None)
             raise CommitConflict(
                 f"session {sid} changed since generation {expected_generation}", session_id=sid
             ) from None
-        self._remember(sid, new.generation, new_etag, new.state)
-        if new.state.terminal and not before.terminal:
+        if staged is None:
+            self._remember(sid, new.generation, new_etag, new.state)
+            if ending:
+                await self.mark_ended(new.session_id, new.updated_at)
+            return new
+        try:
             await self.mark_ended(new.session_id, new.updated_at)
+        finally:
+            # At once when the move flushed; else (it failed) this flush makes the
+            # snapshot durable before the commit is reported, either way.
+            await staged.durable()
+            self._remember(sid, new.generation, new_etag, new.state)
         return new
 
     async def mark_ended(self, session_id: str, at: datetime) -> None:

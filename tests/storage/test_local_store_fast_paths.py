@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import storage.local_store as local_store
-from storage import blanks
+from storage import blanks, keys
 from storage.local_store import (
     INLINE_BURST_S,
     INLINE_FLUSH_BUDGET_S,
@@ -26,9 +26,12 @@ from storage.local_store import (
     INLINE_SHARE,
     LocalObjectStore,
 )
+from storage.snapshots import ObjectSnapshots, ended_day
 from tests.conftest import eventually
 from tests.storage.conftest import refills_done
-from torpor.errors import ObjectExists, StorageUnavailable
+from tests.support.factories import NOW, snapshot
+from torpor.errors import EtagMismatch, ObjectExists, StorageUnavailable
+from torpor.lifecycle import SessionState, transition
 from torpor.ports import ListPage
 
 pytestmark = pytest.mark.timeout(30)
@@ -500,3 +503,92 @@ def test_a_staged_create_whose_key_is_locked_elsewhere_is_made_durable_off_the_l
     finally:
         os.close(held)
     assert asyncio.run(store.get("inbox/s/e")).data == b"event"
+
+
+def test_a_staged_replace_is_visible_at_once_and_durable_with_the_next_flush(
+    tmp_path: Path, flushes: Flushes
+) -> None:
+    """``stage_if_match``: the new object is in place before any flush (a swap on the
+    old etag now loses), a later write's flush covers it, and alone its ``durable()``
+    flushes."""
+    store = primed(LocalObjectStore(str(tmp_path)), flushes)
+    logged = store._log
+
+    async def staged_then_written() -> None:
+        etag = await store.put_if_absent("sessions/s", b"v1")
+        flushes.threads.clear()
+        staged = await store.stage_if_match("sessions/s", b"v2", etag=etag)
+        ticket = logged._appended
+        assert flushes.threads == [] and not logged.synced(ticket), "staged: not flushed"
+        assert (await LocalObjectStore(str(tmp_path)).get("sessions/s")).data == b"v2"
+        with pytest.raises(EtagMismatch):
+            await store.stage_if_match("sessions/s", b"lost", etag=etag)
+        await store.put("markers/s", b"")
+        assert len(flushes.threads) == 1
+        await staged.durable()
+        assert len(flushes.threads) == 1, "the marker's flush covered the staged snapshot"
+        again = await store.stage_if_match("sessions/s", b"v3", etag=staged.etag)
+        await again.durable()
+        assert len(flushes.threads) == 2 and logged.synced(logged._appended), "alone: flushed"
+
+    asyncio.run(staged_then_written())
+    assert asyncio.run(store.get("sessions/s")).data == b"v3"
+    assert not leftovers(store), "no temporary file is left behind"
+
+
+def test_a_sessions_last_commit_is_one_flush_for_its_snapshot_and_its_marker(
+    tmp_path: Path, flushes: Flushes
+) -> None:
+    """The terminal snapshot is staged and the live marker's move flushes both: one
+    flush where there were two (the snapshot's, then the move's)."""
+    store = primed(LocalObjectStore(str(tmp_path)), flushes)
+    snapshots = ObjectSnapshots(store)
+
+    async def last_commit() -> str:
+        first = await snapshots.create(snapshot())
+        running = await snapshots.save(
+            transition(first, SessionState.RUNNING, now=NOW), expected_generation=0
+        )
+        flushes.threads.clear()
+        await snapshots.save(
+            transition(running, SessionState.COMPLETED, now=NOW), expected_generation=1
+        )
+        assert len(flushes.threads) == 1, "one flush for the snapshot and the marker"
+        assert store._log.synced(store._log._appended)
+        return first.session_id
+
+    sid = asyncio.run(last_commit())
+    fresh = LocalObjectStore(str(tmp_path))
+    loaded = asyncio.run(ObjectSnapshots(fresh).load(sid))
+    assert loaded.state is SessionState.COMPLETED and loaded.generation == 2
+    assert asyncio.run(fresh.list(keys.live(sid))).keys == []
+    assert asyncio.run(fresh.get(keys.ended(ended_day(loaded.updated_at), sid))).data == b""
+
+
+def test_a_last_commit_whose_marker_move_fails_is_still_made_durable(
+    tmp_path: Path, flushes: Flushes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The move fails before it flushes: the commit reports its error, but only after a
+    flush of its own made the terminal snapshot durable, and the live marker stays (the
+    full repair finishes the move, ``list_live``)."""
+    store = primed(LocalObjectStore(str(tmp_path)), flushes)
+    snapshots = ObjectSnapshots(store)
+
+    async def failing_move(key: str, to: str) -> bool:
+        raise StorageUnavailable("the disk went away mid-move")
+
+    async def last_commit() -> str:
+        first = await snapshots.create(snapshot())
+        flushes.threads.clear()
+        monkeypatch.setattr(store, "move", failing_move)
+        with pytest.raises(StorageUnavailable):
+            await snapshots.save(
+                transition(first, SessionState.FAILED, now=NOW), expected_generation=0
+            )
+        assert len(flushes.threads) == 1 and store._log.synced(store._log._appended)
+        return first.session_id
+
+    sid = asyncio.run(last_commit())
+    fresh = LocalObjectStore(str(tmp_path))
+    assert asyncio.run(ObjectSnapshots(fresh).load(sid)).state is SessionState.FAILED
+    assert asyncio.run(fresh.list(keys.live(sid))).keys == [keys.live(sid)]

@@ -29,6 +29,7 @@ from torpor.ports.objects import (
     ObjectStore,
     Staged,
     StagesCreates,
+    StagesReplaces,
     StoredObject,
     already_durable,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "SnapshotRepository",
     "Staged",
     "StagesCreates",
+    "StagesReplaces",
     "Stored",
     "StoredObject",
     "TimerIndex",

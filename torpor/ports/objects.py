@@ -22,8 +22,8 @@ class ListPage:
 
 @dataclass(frozen=True, slots=True)
 class Staged:
-    """A create that won and is visible to every reader, not yet known to be durable:
-    ``await durable()`` before acknowledging anything that rests on it."""
+    """A create or a replace that won and is visible to every reader, not yet known to be
+    durable: ``await durable()`` before acknowledging anything that rests on it."""
 
     etag: str
     durable: Callable[[], Awaitable[None]]
@@ -97,6 +97,21 @@ class MovesObjects(Protocol):
     async def move(self, key: str, to: str) -> bool:
         """The object at ``key`` put at ``to`` (replacing what was there) and gone from
         ``key``, durable on return; False, and nothing changed, if ``key`` holds none."""
+        ...
+
+
+@runtime_checkable
+class StagesReplaces(Protocol):
+    """A store that can split a compare-and-swap in two, as ``StagesCreates`` splits a
+    create: the object replaced (the swap won) and, later, made durable. A session's
+    last commit then waits for one flush of its disk for its snapshot and its marker's
+    move, where the two in a row waited for two (``ObjectSnapshots.save``). Stores
+    without it are used through ``put_if_match``."""
+
+    async def stage_if_match(self, key: str, data: bytes, *, etag: str) -> Staged:
+        """Replace-if-match, as ``put_if_match`` (``EtagMismatch`` if it loses), but it
+        may return before the new object is durable: every write this store makes
+        durable afterwards covers it, and ``Staged.durable`` waits for one that does."""
         ...
 
 
