@@ -586,14 +586,17 @@ class LocalObjectStore:
             except FileNotFoundError:
                 return False
             _occupant(target)  # a folder there is refused before anything moves
-            link = self._blanks.name()
-            os.link(source, link)
             try:
-                os.replace(link, target)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(link)
-                raise
+                os.link(source, target)
+            except FileExistsError:  # replaced: linked beside it, then renamed over it
+                link = self._blanks.name()
+                os.link(source, link)
+                try:
+                    os.replace(link, target)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(link)
+                    raise
             crash_point(CrashPoint.STORE_AFTER_LINK)
             if size > wal.RECORD_MAX_BYTES:
                 self._logged_in_place(to, target)

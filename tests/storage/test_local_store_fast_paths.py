@@ -592,3 +592,34 @@ def test_a_last_commit_whose_marker_move_fails_is_still_made_durable(
     fresh = LocalObjectStore(str(tmp_path))
     assert asyncio.run(ObjectSnapshots(fresh).load(sid)).state is SessionState.FAILED
     assert asyncio.run(fresh.list(keys.live(sid))).keys == [keys.live(sid)]
+
+
+def test_a_move_to_a_free_key_links_the_object_there_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session's marker moved to a key that holds nothing is linked there directly:
+    no name in ``.tmp`` renamed over it (a second folder's lock and a rename across
+    folders, on every session's last commit); a key that holds an object still has it
+    replaced in one step (``test_a_mover_killed_before_the_old_name_went_...``)."""
+    store = LocalObjectStore(str(tmp_path))
+    asyncio.run(store.put("live/s", b""))
+    target = store._file("ended/d/s")
+    renamed: list[str] = []
+    real_replace, real_rename = os.replace, os.rename
+
+    def replace(src: str, dst: str, **kw: object) -> None:
+        renamed.append(str(dst))
+        real_replace(src, dst, **kw)
+
+    def rename(src: str, dst: str, **kw: object) -> None:
+        renamed.append(str(dst))
+        real_rename(src, dst, **kw)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "rename", rename)
+    assert asyncio.run(store.move("live/s", "ended/d/s")) is True
+    assert target not in renamed, "linked at its key, not renamed over it"
+    monkeypatch.undo()
+    assert asyncio.run(store.get("ended/d/s")).data == b""
+    assert asyncio.run(store.list("live/")).keys == []
+    assert not leftovers(store), "no temporary name is left behind"
