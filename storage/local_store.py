@@ -588,15 +588,20 @@ class LocalObjectStore:
             _occupant(target)  # a folder there is refused before anything moves
             try:
                 os.link(source, target)
-            except FileExistsError:  # replaced: linked beside it, then renamed over it
-                link = self._blanks.name()
-                os.link(source, link)
-                try:
-                    os.replace(link, target)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.unlink(link)
-                    raise
+            except FileExistsError:
+                # A move done again may find the object linked there already (a rename
+                # onto another name of the same file changes nothing, and would leave
+                # its name in ``.tmp`` behind); anything else is replaced in one step:
+                # linked beside it, then renamed over it.
+                if not os.path.samestat(os.stat(source), os.lstat(target)):
+                    link = self._blanks.name()
+                    os.link(source, link)
+                    try:
+                        os.replace(link, target)
+                    except BaseException:
+                        with contextlib.suppress(OSError):
+                            os.unlink(link)
+                        raise
             crash_point(CrashPoint.STORE_AFTER_LINK)
             if size > wal.RECORD_MAX_BYTES:
                 self._logged_in_place(to, target)

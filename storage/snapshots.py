@@ -124,10 +124,11 @@ class ObjectSnapshots:
         # of the disk for both (the move's, which covers the snapshot's change, logged
         # before it): a webhook whose resume ends its session made four flushes, now
         # three (counted, README). The ended marker is written only once the terminal
-        # snapshot is logged, and the live one goes only after a flush that covers both,
-        # so a power cut never leaves a session with neither: a terminal snapshot the
-        # log lost keeps its live marker (retention reads the snapshot's state, not the
-        # ended marker).
+        # snapshot is logged, and the live one goes only after a flush that covers both
+        # (in this process, its flushes succeeding): a terminal snapshot the log lost
+        # keeps its live marker, and the ended one a power cut may leave beside it is
+        # passed over by ``list_ended`` and removed by retention (both read the
+        # snapshot's state, not the marker).
         staged = None
         try:
             if ending and isinstance(self.store, StagesReplaces):
@@ -210,9 +211,14 @@ class ObjectSnapshots:
             async for page in self._pages(f"{keys.ENDED}{ended_day(day)}/", 1000):
                 for key in page:
                     try:
-                        yield await self.header(key.rsplit("/", 1)[-1])
+                        header = await self.header(key.rsplit("/", 1)[-1])
                     except (SessionNotFound, SnapshotCorrupt):
                         continue
+                    # A power cut can leave an ended marker beside a live one on a
+                    # snapshot whose terminal commit the log lost (``save``): the
+                    # session is live, and ``list_live`` has it.
+                    if header.state.terminal:
+                        yield header
             day += timedelta(days=1)
 
     async def _backfill_markers(self) -> None:

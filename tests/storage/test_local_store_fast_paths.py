@@ -600,7 +600,7 @@ def test_a_move_to_a_free_key_links_the_object_there_at_once(
     """A session's marker moved to a key that holds nothing is linked there directly:
     no name in ``.tmp`` renamed over it (a second folder's lock and a rename across
     folders, on every session's last commit); a key that holds an object still has it
-    replaced in one step (``test_a_mover_killed_before_the_old_name_went_...``)."""
+    replaced in one step (``test_write_ahead_log.py::test_a_moved_object_survives_...``)."""
     store = LocalObjectStore(str(tmp_path))
     asyncio.run(store.put("live/s", b""))
     target = store._file("ended/d/s")

@@ -69,6 +69,20 @@ async def test_an_ended_session_moves_from_the_live_markers_to_the_ended_ones(
     assert (await store.get(ended)).data == b""
 
 
+async def test_an_ended_marker_beside_a_live_session_is_not_listed_as_ended(
+    store: ObjectStore,
+) -> None:
+    """What a power cut can leave when the log lost a terminal commit whose marker move
+    was on disk already: both markers, a live snapshot. Repair lists it once, as live."""
+    snapshots = ObjectSnapshots(store)
+    first = await snapshots.create(snapshot())
+    sid = first.session_id
+    await store.put(keys.ended(ended_day(NOW), sid), b"")
+    since = NOW - timedelta(days=1)
+    assert [h.session_id async for h in snapshots.list_ended(since=since, now=NOW)] == []
+    assert [h.session_id async for h in snapshots.list_live(now=NOW)] == [sid]
+
+
 async def test_create_is_create_only(store: ObjectStore) -> None:
     snapshots = ObjectSnapshots(store)
     snap = await snapshots.create(snapshot())

@@ -120,4 +120,6 @@ def test_a_mover_killed_before_the_old_name_went_leaves_the_object_at_both_keys(
     assert (read(store, "sessions/k"), read(store, "ended/k")) == (OLD, OLD)
     assert asyncio.run(store.move("sessions/k", "ended/k")) is True
     assert (read(store, "sessions/k"), read(store, "ended/k")) == (None, OLD)
+    # Found linked there already: no second name of it left in ``.tmp``.
+    assert os.stat(store._file("ended/k")).st_nlink == 1
     asyncio.run(store.close())

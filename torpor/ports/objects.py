@@ -110,8 +110,9 @@ class StagesReplaces(Protocol):
 
     async def stage_if_match(self, key: str, data: bytes, *, etag: str) -> Staged:
         """Replace-if-match, as ``put_if_match`` (``EtagMismatch`` if it loses), but it
-        may return before the new object is durable: every write this store makes
-        durable afterwards covers it, and ``Staged.durable`` waits for one that does."""
+        may return before the new object is durable: a later write of this store (this
+        instance) made durable covers it, and ``Staged.durable`` waits for one that does
+        (raising if a flush that covered it failed)."""
         ...
 
 
