@@ -141,17 +141,14 @@ class ObjectSnapshots:
             raise CommitConflict(
                 f"session {sid} changed since generation {expected_generation}", session_id=sid
             ) from None
-        if staged is None:
-            self._remember(sid, new.generation, new_etag, new.state)
+        try:
             if ending:
                 await self.mark_ended(new.session_id, new.updated_at)
-            return new
-        try:
-            await self.mark_ended(new.session_id, new.updated_at)
         finally:
-            # At once when the move flushed; else (it failed) this flush makes the
-            # snapshot durable before the commit is reported, either way.
-            await staged.durable()
+            if staged is not None:
+                # At once when the move flushed; else (it failed) this flush makes the
+                # snapshot durable before the commit is reported, either way.
+                await staged.durable()
             self._remember(sid, new.generation, new_etag, new.state)
         return new
 
