@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from storage import blanks
+from storage import blanks, keys
 from storage.local_store import LocalObjectStore
+from storage.snapshots import ObjectSnapshots, ended_day
 from tests.conftest import eventually
+from tests.support.factories import NOW
 from torpor.errors import ObjectNotFound
 from torpor.faults import ENV, CrashPoint
 
@@ -60,6 +62,27 @@ def killed_at(point: CrashPoint, folder: Path, op: str) -> int:
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
     assert b"survived" not in child.stdout
     return int(child.stdout.split()[0])
+
+
+LAST_COMMIT = """
+import asyncio, sys
+from storage.local_store import LocalObjectStore
+from storage.snapshots import ObjectSnapshots
+from tests.support.factories import snapshot
+from torpor.lifecycle import SessionState, transition
+
+async def main(folder, sid):
+    snapshots = ObjectSnapshots(LocalObjectStore(folder))
+    if not sid:  # a process of its own: its writes are not where this one dies
+        print((await snapshots.create(snapshot())).session_id, flush=True)
+        return
+    first = await snapshots.load(sid)
+    failed = transition(first, SessionState.FAILED, now=first.updated_at)
+    await snapshots.save(failed, expected_generation=0)
+    print("survived", flush=True)
+
+asyncio.run(main(*sys.argv[1:3]))
+"""
 
 
 def holding(tmp: Path, content: bytes) -> list[Path]:
@@ -122,4 +145,44 @@ def test_a_mover_killed_before_the_old_name_went_leaves_the_object_at_both_keys(
     assert (read(store, "sessions/k"), read(store, "ended/k")) == (None, OLD)
     # Found linked there already: no second name of it left in ``.tmp``.
     assert os.stat(store._file("ended/k")).st_nlink == 1
+    asyncio.run(store.close())
+
+
+@pytest.mark.parametrize(
+    "point",
+    [CrashPoint.STORE_AFTER_SWAP, CrashPoint.STORE_AFTER_LINK, CrashPoint.STORE_MOVE_LOGGED],
+)
+def test_a_process_killed_in_a_sessions_last_commit_leaves_it_ended_and_findable(
+    tmp_path: Path, point: CrashPoint
+) -> None:
+    """Killed inside a session's last commit: its terminal snapshot staged (not flushed),
+    its marker linked at the ended key, or the move logged and flushed. The snapshot is
+    terminal, the live marker is still there (the session is never at neither), and the
+    full repair's walk of the live markers finishes the move."""
+
+    def run(sid: str, crash_at: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-c", LAST_COMMIT, str(tmp_path), sid],
+            cwd=ROOT,
+            capture_output=True,
+            timeout=30,
+            env={**os.environ, "PYTHONPATH": str(ROOT), ENV: crash_at},
+        )
+
+    sid = run("", "").stdout.split()[0].decode()
+    child = run(sid, point.value)
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    assert b"survived" not in child.stdout
+    store = LocalObjectStore(tmp_path)
+    snapshots = ObjectSnapshots(store)
+    assert asyncio.run(snapshots.load(sid)).state.terminal
+    assert read(store, keys.live(sid)) == b"", "the live marker outlives the kill"
+
+    async def repaired() -> list[str]:
+        return [h.session_id async for h in snapshots.list_live(now=NOW)]
+
+    assert asyncio.run(repaired()) == [], "an ended session is not walked as live"
+    assert read(store, keys.live(sid)) is None
+    assert read(store, keys.ended(ended_day(NOW), sid)) == b""
+    assert os.stat(store._file(keys.ended(ended_day(NOW), sid))).st_nlink == 1
     asyncio.run(store.close())
