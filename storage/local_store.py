@@ -60,6 +60,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, ParamSpec, TypeVar
 
@@ -566,7 +567,7 @@ class LocalObjectStore:
                 self._blanks.recycle(gone, old)
         self._log.sync(ticket)
 
-    def _move(self, key: str, to: str, wait: bool = True) -> bool:
+    def _move(self, key: str, to: str, wait: bool = True, *, after: int = 0) -> bool:
         """``key``'s file linked at ``to`` under both keys' locks, both changes logged, the
         log flushed once, and only then ``key``'s name removed: where a put and a delete
         were two files changed and two flushes in a row. Nothing orders the writes of two
@@ -575,7 +576,8 @@ class LocalObjectStore:
         power cut before the flush leaves the object at ``key`` (and perhaps at ``to``);
         after it, the replay puts it at ``to`` and removes ``key`` (unless a checkpoint
         began between the removal's record and the removal: then it may stay at both,
-        which the move done again completes)."""
+        which the move done again completes). ``after``: a ticket of this log the
+        removal rests on (``MovesObjects.move``)."""
         if key == to:
             raise ValueError(f"a move needs two keys, not {key!r} twice")
         source, target = self._file(key), self._file(to)
@@ -609,8 +611,11 @@ class LocalObjectStore:
                 self._log.append(wal.Op.PUT, to, Path(target).read_bytes())
             # Flushed with the locks held: the old name goes only once the log covers the
             # move, and no writer can put a new object at ``key`` meanwhile. The file is
-            # not recycled (``storage.blanks``): it is the object, now at ``to``.
-            self._log.sync(self._log.append(wal.Op.DELETE, key))
+            # not recycled (``storage.blanks``): it is the object, now at ``to``. The
+            # removal is logged only if the record ``after`` names was not lost (another
+            # writer's flush that covered it failed): then the move fails, the object
+            # stays at ``key``, and no replay removes it there.
+            self._log.sync(self._log.append(wal.Op.DELETE, key, after=after))
             crash_point(CrashPoint.STORE_MOVE_LOGGED)
             os.unlink(source)
         return True
@@ -765,7 +770,7 @@ class LocalObjectStore:
         new_etag, ticket = await self._write(
             functools.partial(self._swap_if_match, key, data, etag), size=len(data)
         )
-        return Staged(new_etag, functools.partial(self._durable, ticket))
+        return _Logged(new_etag, functools.partial(self._durable, ticket), self._log, ticket)
 
     async def list(
         self, prefix: str, *, start_after: str | None = None, limit: int = 1000
@@ -799,12 +804,17 @@ class LocalObjectStore:
     async def delete(self, key: str) -> None:
         await self._write(functools.partial(self._delete, key), size=0)
 
-    async def move(self, key: str, to: str) -> bool:
+    async def move(self, key: str, to: str, *, after: Staged | None = None) -> bool:
+        ticket = 0
+        if isinstance(after, _Logged) and after.log is self._log:
+            ticket = after.ticket  # ordered in the log: ``_move``
+        elif after is not None:  # another store's write: durable before anything moves
+            await after.durable()
         try:  # a large object is moved off the loop, as it is written
             size = os.stat(self._file(key)).st_size
         except OSError:
             size = 0  # missing: ``_move`` says so under the locks
-        return await self._write(functools.partial(self._move, key, to), size=size)
+        return await self._write(functools.partial(self._move, key, to, after=ticket), size=size)
 
     async def _write(self, write: Callable[[bool], T], *, size: int) -> T:
         """A locked write, ``write(wait)``: on the caller's thread when ``_Inline`` allows
@@ -846,6 +856,14 @@ class LocalObjectStore:
             _raise_translated(exc)
         finally:
             self._inline.in_flight -= 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Logged(Staged):
+    """A staged write of one store: the log, and its ticket, a flush must cover."""
+
+    log: wal.WriteAheadLog
+    ticket: int
 
 
 def _unflushed(

@@ -29,7 +29,7 @@ from torpor.errors import (
 from torpor.ids import session_id_ms
 from torpor.lifecycle import SessionState
 from torpor.models import SessionHeader, SessionSnapshot
-from torpor.ports import MovesObjects, ObjectStore, StagesReplaces
+from torpor.ports import MovesObjects, ObjectStore, Staged, StagesReplaces
 
 ETAG_CACHE_SIZE = 4096
 # A live marker with no snapshot this long after its session id was made is a create
@@ -124,11 +124,11 @@ class ObjectSnapshots:
         # of the disk for both (the move's, which covers the snapshot's change, logged
         # before it): a webhook whose resume ends its session made four flushes, now
         # three (counted, README). The ended marker is written only once the terminal
-        # snapshot is logged, and the live one goes only after a flush that covers both
-        # (in this process, its flushes succeeding): a terminal snapshot the log lost
-        # keeps its live marker, and the ended one a power cut may leave beside it is
-        # passed over by ``list_ended`` and removed by retention (both read the
-        # snapshot's state, not the marker).
+        # snapshot is logged, and the live one goes only with a flush that covers both
+        # (``after``: a snapshot another writer's failed flush lost fails the move): a
+        # terminal snapshot the log lost keeps its live marker, and the ended one a
+        # power cut may leave beside it is passed over by ``list_ended`` and removed by
+        # retention (both read the snapshot's state, not the marker).
         staged = None
         try:
             if ending and isinstance(self.store, StagesReplaces):
@@ -143,7 +143,7 @@ class ObjectSnapshots:
             ) from None
         try:
             if ending:
-                await self.mark_ended(new.session_id, new.updated_at)
+                await self.mark_ended(new.session_id, new.updated_at, after=staged)
         finally:
             if staged is not None:
                 # At once when the move flushed; else (it failed) this flush makes the
@@ -152,17 +152,23 @@ class ObjectSnapshots:
             self._remember(sid, new.generation, new_etag, new.state)
         return new
 
-    async def mark_ended(self, session_id: str, at: datetime) -> None:
+    async def mark_ended(
+        self, session_id: str, at: datetime, *, after: Staged | None = None
+    ) -> None:
         """Move the session from the live markers to the ended ones (idempotent). A crash
-        before it leaves a live marker on an ended session: repair finishes the move."""
+        before it leaves a live marker on an ended session: repair finishes the move.
+        ``after``: the staged terminal snapshot, which the live marker must not outlive
+        (``MovesObjects.move``)."""
         ended, live = keys.ended(ended_day(at), session_id), keys.live(session_id)
         if isinstance(self.store, MovesObjects):
             # The marker renamed, one flush: a put and a delete in a row, two flushes,
             # were a third of a session's final commit on the local folder (README).
-            if not await self.store.move(live, ended):
+            if not await self.store.move(live, ended, after=after):
                 await self.store.put(ended, b"")  # no live marker (moved already)
             return
         await self.store.put(ended, b"")
+        if after is not None:
+            await after.durable()
         await self.store.delete(live)
 
     async def list_live(

@@ -9,6 +9,8 @@ record appended meanwhile durable (0.13 ms here, for all of them at once). A wri
 acknowledged only after that flush. A flush that fails loses the records it covered for
 good (``sync`` raises for them ever after): Linux reports a failed writeback once and
 then counts the pages clean, so a later flush that succeeds proves nothing about them.
+It loses their segment too: replay stops at the first record that is not whole, so the
+records after them go to a new segment, where a later flush makes them replayable.
 
 What a crash of a *process* loses is nothing: its files are in the kernel's page cache.
 A crash of the *machine* may lose any file written since the file system last flushed,
@@ -178,6 +180,11 @@ class _Segment:
     size: int
     used: int
     first_at: float | None = None  # CLOCK_MONOTONIC s of its first record after the header
+    # A flush of it failed: nothing more is appended to it. Replay stops at the first
+    # record that is not whole, and the records that flush covered may read as zeros
+    # after a power cut, so a record after them, flushed later, would be acknowledged
+    # and then never replayed.
+    failed: bool = False
 
 
 class WriteAheadLog:
@@ -226,12 +233,20 @@ class WriteAheadLog:
 
     # -- appending ---------------------------------------------------------------------
 
-    def append(self, op: Op, key: str, data: bytes = b"") -> int:
+    def append(self, op: Op, key: str, data: bytes = b"", *, after: int = 0) -> int:
         """Log a change just made (the caller holds the key's lock); a ticket for
-        ``sync``."""
+        ``sync``. ``after``: a record this one rests on (a staged snapshot, for the
+        removal of its session's live marker); if a failed flush lost it, this one is
+        refused (the error raised), so no replay makes this change without that one.
+        It need not be flushed yet: a record is replayed only with every record before
+        it in its segment, and one left in an earlier segment was flushed when that
+        segment was retired, or lost (``_Segment.failed``)."""
         at_ns = time.monotonic_ns()  # under the key's lock: orders this key's changes
         frame = encode(Record(at_ns, op, key, data))
         with self._lock:
+            lost = self._lost_by(after) if after else None
+            if lost is not None:
+                raise lost
             segment = self._writable(len(frame))
             if segment.first_at is None:  # the ager counts its age from here
                 segment.first_at = time.monotonic()
@@ -276,7 +291,10 @@ class WriteAheadLog:
                     self._syncing = False
                     self._synced_cv.notify_all()
                 if failed is not None:
-                    self._lose(target, failed)
+                    # Lost with it: what was appended while it ran, after the records
+                    # it covered, in the same segment (see ``_Segment.failed``).
+                    self._lose(self._appended, failed)
+                    segment.failed = True
                     raise failed
                 self._synced = max(self._synced, target)
 
@@ -308,7 +326,7 @@ class WriteAheadLog:
             if segment is None:
                 segment = self._segment = self._next(need)
                 return segment
-            if segment.used + need <= segment.size and not _overdue(segment):
+            if segment.used + need <= segment.size and not _overdue(segment) and not segment.failed:
                 return segment
             if self._syncing:  # its descriptor is being flushed: retired after that
                 self._synced_cv.wait()
@@ -381,9 +399,12 @@ class WriteAheadLog:
         """Stop appending to ``segment`` (the lock is held): flushed now, so every ticket
         on it is durable, and removed by the next checkpoint."""
         try:
+            # Of a failed segment too: it proves nothing about the records it lost, but
+            # a disk that fails it still is not written to anew (the ager retries).
             self._flush(segment.fd)
         except OSError as exc:
             self._lose(self._appended, exc)
+            segment.failed = True
             raise
         self._synced = self._appended
         self._segment = None
@@ -405,7 +426,7 @@ class WriteAheadLog:
                 self._aged.wait(AGE_POLL_S)
                 return True
             left = segment.first_at + CHECKPOINT_AFTER_S - time.monotonic()
-            if left > 0:
+            if left > 0 and not segment.failed:  # a failed one is retired at once
                 self._aged.wait(min(left, AGE_POLL_S))
                 return True
             while self._syncing:  # its descriptor is being flushed: retired after that
@@ -504,6 +525,7 @@ class WriteAheadLog:
                     self._flush(segment.fd)
                 except OSError as exc:  # the records not yet synced are not durable: say so
                     self._failed = exc
+                    self._lose(self._appended, exc)
                 else:
                     self._synced = self._appended
         if segment is not None:

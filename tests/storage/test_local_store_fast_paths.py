@@ -7,17 +7,18 @@ flushes have been slow."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
 import storage.local_store as local_store
-from storage import blanks, keys
+from storage import blanks, keys, wal
 from storage.local_store import (
     INLINE_BURST_S,
     INLINE_FLUSH_BUDGET_S,
@@ -32,7 +33,7 @@ from tests.storage.conftest import refills_done
 from tests.support.factories import NOW, snapshot
 from torpor.errors import EtagMismatch, ObjectExists, StorageUnavailable
 from torpor.lifecycle import SessionState, transition
-from torpor.ports import ListPage
+from torpor.ports import ListPage, Staged
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -574,7 +575,7 @@ def test_a_last_commit_whose_marker_move_fails_is_still_made_durable(
     store = primed(LocalObjectStore(str(tmp_path)), flushes)
     snapshots = ObjectSnapshots(store)
 
-    async def failing_move(key: str, to: str) -> bool:
+    async def failing_move(key: str, to: str, **_: object) -> bool:
         raise StorageUnavailable("the disk went away mid-move")
 
     async def last_commit() -> str:
@@ -592,6 +593,62 @@ def test_a_last_commit_whose_marker_move_fails_is_still_made_durable(
     fresh = LocalObjectStore(str(tmp_path))
     assert asyncio.run(ObjectSnapshots(fresh).load(sid)).state is SessionState.FAILED
     assert asyncio.run(fresh.list(keys.live(sid))).keys == [keys.live(sid)]
+
+
+async def collect(items: AsyncIterator[object]) -> list[object]:
+    return [item async for item in items]
+
+
+def test_a_last_commit_whose_snapshot_another_writers_flush_lost_keeps_its_live_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The terminal snapshot is staged; another writer's flush covers it and fails (the
+    log loses it for good); the marker's move would flush fine on its own, but the live
+    marker must not go, nor its removal be logged: after a power cut the snapshot may
+    read as before, and a session with neither marker is one repair never finds. The
+    commit fails; the live walk (repair) finishes the move once the disk works."""
+    store = LocalObjectStore(str(tmp_path))
+    snapshots = ObjectSnapshots(store)
+    real_flush = store._log._flush
+    failures: list[OSError] = []
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        real_flush(fd)
+
+    real_stage = store.stage_if_match
+
+    async def stage_then_another_write_fails(key: str, data: bytes, *, etag: str) -> Staged:
+        staged = await real_stage(key, data, etag=etag)
+        failures.append(OSError(errno.EIO, "Input/output error"))
+        with pytest.raises(StorageUnavailable):
+            await store.put("inbox/other/e", b"its flush covers the snapshot, and fails")
+        return staged
+
+    async def last_commit() -> str:
+        first = await snapshots.create(snapshot())
+        store._log._flush = flaky
+        monkeypatch.setattr(store, "stage_if_match", stage_then_another_write_fails)
+        with pytest.raises(StorageUnavailable):
+            await snapshots.save(
+                transition(first, SessionState.FAILED, now=NOW), expected_generation=0
+            )
+        return first.session_id
+
+    sid = asyncio.run(last_commit())
+    assert asyncio.run(store.list(keys.live(sid))).keys == [keys.live(sid)]
+    removals = [
+        r.key
+        for path in (tmp_path / ".wal").glob("*.log")
+        for r in wal.decode(path.read_bytes())
+        if r.op is wal.Op.DELETE
+    ]
+    assert keys.live(sid) not in removals, "the live marker's removal was logged"
+    monkeypatch.undo()
+    fresh = LocalObjectStore(str(tmp_path))
+    live = asyncio.run(collect(ObjectSnapshots(fresh).list_live(now=NOW)))
+    assert live == [] and asyncio.run(fresh.list(keys.live(sid))).keys == []
 
 
 def test_a_move_to_a_free_key_links_the_object_there_at_once(

@@ -530,6 +530,115 @@ def test_records_a_failed_flush_covered_are_never_reported_durable(tmp_path: Pat
     log.close()
 
 
+def zero_record(segment: Path, key: str) -> None:
+    """What a lost writeback can leave of a record after a power cut: zeros (the segment
+    was preallocated), from its frame to its end."""
+    content = bytearray(segment.read_bytes())
+    at = content.index(key.encode())
+    start = at - wal._FRAME.size - wal._BODY.size
+    length = wal._FRAME.size + wal._FRAME.unpack_from(content, start)[0]
+    content[start : start + length] = bytes(length)
+    segment.write_bytes(bytes(content))
+
+
+def holding(folder: Path, key: str) -> list[Path]:
+    return [p for p in sorted(folder.glob("*.log")) if key.encode() in p.read_bytes()]
+
+
+def test_records_after_a_failed_flush_go_to_a_new_segment_and_survive_a_power_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replay stops at the first record that is not whole, and a failed flush may leave
+    its records as zeros on disk: a record appended after them in the same segment and
+    flushed later was acknowledged, yet never replayed. After a failure, the next record
+    starts a new segment."""
+    # The power cut comes before any checkpoint (which would flush the file system).
+    monkeypatch.setattr(wal.WriteAheadLog, "checkpoint", lambda self, retired: None)
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        os.fdatasync(fd)
+
+    folder = tmp_path / ".wal"
+    log = wal.WriteAheadLog(str(folder), boot="boot-a", flush=flaky)
+    lost = log.append(wal.Op.PUT, "k/lost", b"x")
+    with pytest.raises(OSError):
+        log.sync(lost)
+    log.sync(log.append(wal.Op.PUT, "k/later", b"y"))  # acknowledged
+    (failed,) = holding(folder, "k/lost")
+    assert holding(folder, "k/later") != [failed], "appended to the segment that failed"
+    zero_record(failed, "k/lost")
+    log.release()
+
+    applied: list[wal.Record] = []
+    wal.recover(str(folder), boot="boot-b", apply=applied.append, flush_root=str(tmp_path))
+    assert [(r.key, r.data) for r in applied] == [("k/later", b"y")]
+
+
+def test_records_appended_while_a_failing_flush_ran_are_lost_with_it(tmp_path: Path) -> None:
+    """A record appended while a flush runs lands after the records that flush covers,
+    in the same segment: if the flush fails, replay cannot reach it past them, so the
+    next flush, which succeeds, must not report it durable."""
+    entered, release = threading.Event(), threading.Event()
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures:
+            entered.set()
+            release.wait(10)
+            raise failures.pop()
+        os.fdatasync(fd)
+
+    log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
+    first = log.append(wal.Op.PUT, "k/first", b"x")
+    errors: list[OSError] = []
+
+    def sync_first() -> None:
+        try:
+            log.sync(first)
+        except OSError as exc:
+            errors.append(exc)
+
+    syncer = threading.Thread(target=sync_first)
+    syncer.start()
+    assert entered.wait(10), "the first flush began"
+    during = log.append(wal.Op.PUT, "k/during", b"y")
+    release.set()
+    syncer.join(10)
+    assert len(errors) == 1, "the first flush failed"
+    with pytest.raises(OSError):
+        log.sync(during)
+    after = log.append(wal.Op.PUT, "k/after", b"z")
+    log.sync(after)
+    assert log.synced(after) and not log.synced(during)
+    log.close()
+
+
+def test_a_record_resting_on_a_lost_one_is_refused(tmp_path: Path) -> None:
+    """``append(after=...)``: a session's live marker is removed only if its terminal
+    snapshot's record was not lost (another writer's flush that covered it failed)."""
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        os.fdatasync(fd)
+
+    log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
+    snapshot = log.append(wal.Op.PUT, "sessions/s", b"completed")
+    with pytest.raises(OSError):
+        log.sync(log.append(wal.Op.PUT, "other", b"x"))
+    appended = log._appended
+    with pytest.raises(OSError):
+        log.append(wal.Op.DELETE, "live/s", after=snapshot)
+    assert log._appended == appended, "nothing logged"
+    kept = log.append(wal.Op.PUT, "k", b"v", after=0)
+    log.sync(log.append(wal.Op.DELETE, "live/t", after=kept))  # rests on a record not lost
+    log.close()
+
+
 def test_a_flush_the_ager_could_not_make_loses_its_records_for_good(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -94,9 +94,13 @@ class MovesObjects(Protocol):
     through a put of the new key, then a delete of the old (``ObjectSnapshots.
     mark_ended``: an ended session's marker)."""
 
-    async def move(self, key: str, to: str) -> bool:
+    async def move(self, key: str, to: str, *, after: Staged | None = None) -> bool:
         """The object at ``key`` put at ``to`` (replacing what was there) and gone from
-        ``key``, durable on return; False, and nothing changed, if ``key`` holds none."""
+        ``key``, durable on return; False, and nothing changed, if ``key`` holds none.
+        ``after``, a write this store staged before: the object leaves ``key`` only if
+        that write is durable too (a session's live marker outlives no terminal
+        snapshot a power cut could take back); the move may make it so, one flush for
+        both. ``after.durable()`` is still the caller's to await."""
         ...
 
 
