@@ -770,7 +770,9 @@ class LocalObjectStore:
         new_etag, ticket = await self._write(
             functools.partial(self._swap_if_match, key, data, etag), size=len(data)
         )
-        return _Logged(new_etag, functools.partial(self._durable, ticket), self._log, ticket)
+        return _Logged(
+            new_etag, functools.partial(self._durable, ticket), self._log, ticket, os.getpid()
+        )
 
     async def list(
         self, prefix: str, *, start_after: str | None = None, limit: int = 1000
@@ -806,7 +808,7 @@ class LocalObjectStore:
 
     async def move(self, key: str, to: str, *, after: Staged | None = None) -> bool:
         ticket = 0
-        if isinstance(after, _Logged) and after.log is self._log:
+        if isinstance(after, _Logged) and after.log is self._log and after.pid == os.getpid():
             ticket = after.ticket  # ordered in the log: ``_move``
         elif after is not None:  # another store's write: durable before anything moves
             await after.durable()
@@ -860,10 +862,12 @@ class LocalObjectStore:
 
 @dataclass(frozen=True, slots=True)
 class _Logged(Staged):
-    """A staged write of one store: the log, and its ticket, a flush must cover."""
+    """A staged write of one store: the log, and its ticket, a flush must cover; in the
+    process that made it (a forked child's log numbers its tickets anew)."""
 
     log: wal.WriteAheadLog
     ticket: int
+    pid: int
 
 
 def _unflushed(

@@ -196,7 +196,7 @@ class ObjectSnapshots:
                 except SnapshotCorrupt:
                     return None  # ``load`` reports it loudly
             if header.state.terminal:
-                await self.mark_ended(sid, header.updated_at)
+                await self._finish_ending(sid, header.updated_at)
                 return None
             return header
 
@@ -205,6 +205,26 @@ class ObjectSnapshots:
             for header in await asyncio.gather(*(one(sid) for sid in ids)):
                 if header is not None:
                     yield header
+
+    async def _finish_ending(self, sid: str, at: datetime) -> None:
+        """The move of an ended session's live marker that its last commit did not finish
+        (a crash). On a store that stages, the terminal snapshot is written again first
+        (the same bytes: one more record in its log) and the move rests on it: if the log
+        lost the snapshot's own record (a flush that failed, in this boot), its file may
+        be on disk as it was before, and the live marker must not go before it is."""
+        if not isinstance(self.store, StagesReplaces):
+            await self.mark_ended(sid, at)
+            return
+        key = keys.snapshot(sid)
+        try:
+            current = await self.store.get(key)
+            staged = await self.store.stage_if_match(key, current.data, etag=current.etag)
+        except (ObjectNotFound, EtagMismatch):
+            return  # changed or gone meanwhile: its writer or the next walk moves it
+        try:
+            await self.mark_ended(sid, at, after=staged)
+        finally:
+            await staged.durable()
 
     async def list_ended(self, *, since: datetime, now: datetime) -> AsyncIterator[SessionHeader]:
         """Headers of the sessions that ended on the days from ``since`` to ``now``."""

@@ -244,10 +244,12 @@ class WriteAheadLog:
         at_ns = time.monotonic_ns()  # under the key's lock: orders this key's changes
         frame = encode(Record(at_ns, op, key, data))
         with self._lock:
+            segment = self._writable(len(frame))
+            # Only now: finding a segment may wait for a flush (the lock let go), and that
+            # flush may be the one that fails and loses ``after``.
             lost = self._lost_by(after) if after else None
             if lost is not None:
                 raise lost
-            segment = self._writable(len(frame))
             if segment.first_at is None:  # the ager counts its age from here
                 segment.first_at = time.monotonic()
             view = memoryview(frame)
@@ -299,8 +301,10 @@ class WriteAheadLog:
                 self._synced = max(self._synced, target)
 
     def _lose(self, upto: int, exc: OSError) -> None:
-        """A flush failed (the lock is held): the tickets it covered are lost for good."""
-        if upto > self._synced:
+        """A flush failed (the lock is held): the tickets it covered are lost for good.
+        One entry per range: on a disk that stays broken the ager and every append retry
+        the same failed segment's flush, and ``_lost_by`` reads the list on each sync."""
+        if upto > self._synced and not (self._lost and self._lost[-1][:2] == (self._synced, upto)):
             self._lost.append((self._synced, upto, exc))
 
     def _lost_by(self, ticket: int) -> OSError | None:

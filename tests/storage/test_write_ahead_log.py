@@ -639,6 +639,123 @@ def test_a_record_resting_on_a_lost_one_is_refused(tmp_path: Path) -> None:
     log.close()
 
 
+def test_a_record_whose_append_waited_for_the_flush_that_lost_its_base_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The segment is full while a flush of it runs: the append waits for that flush (the
+    log's lock let go), which fails and loses the record it rests on. The check made
+    before that wait would have let it through, into a new segment that replays it."""
+    monkeypatch.setattr(wal, "SEGMENT_MIN_BYTES", 4096)
+    entered, release = threading.Event(), threading.Event()
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures and threading.current_thread().name == "syncer":
+            entered.set()
+            release.wait(10)
+            raise failures.pop()
+        os.fdatasync(fd)
+
+    log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
+    snapshot = log.append(wal.Op.PUT, "sessions/s", b"completed")
+
+    def sync_snapshot() -> None:
+        with contextlib.suppress(OSError):
+            log.sync(snapshot)
+
+    syncer = threading.Thread(target=sync_snapshot, name="syncer")
+    syncer.start()
+    assert entered.wait(10), "the snapshot's flush began"
+    outcome: list[object] = []
+
+    def remove_marker() -> None:
+        try:  # too large for what is left of the segment: waits for the flush
+            outcome.append(log.append(wal.Op.DELETE, "live/s", b"z" * 8000, after=snapshot))
+        except OSError as exc:
+            outcome.append(exc)
+
+    mover = threading.Thread(target=remove_marker)
+    mover.start()
+    wait_for(lambda: log._synced_cv._waiters, "the append waits for the running flush")  # type: ignore[attr-defined]
+    release.set()
+    syncer.join(10)
+    mover.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], OSError), outcome
+    log.close()
+
+
+def test_a_failed_segment_is_retired_by_the_ager_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not 30 s later, as a healthy one: the next write would otherwise retire it on its
+    own path, a flush under the log's lock."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.01)
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        os.fdatasync(fd)
+
+    log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
+    lost = log.append(wal.Op.PUT, "k/lost", b"x")
+    failed = log._segment
+    with pytest.raises(OSError):
+        log.sync(lost)
+    wait_for(lambda: log._segment is not failed, "the ager retired the failed segment")
+    assert failed is not None and failed.failed
+    log.close()
+
+
+def test_a_disk_that_stays_broken_records_each_lost_range_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ager retries the failed segment's flush once a second, and every append does:
+    the same lost range must not be added to the list each ``sync`` reads every time."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.01)
+    tries: list[int] = []
+
+    def broken(fd: int) -> None:
+        tries.append(fd)
+        raise OSError(errno.EIO, "Input/output error")
+
+    log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=broken)
+    lost = log.append(wal.Op.PUT, "k/lost", b"x")
+    with pytest.raises(OSError):
+        log.sync(lost)
+    for _ in range(3):
+        with pytest.raises(OSError):
+            log.append(wal.Op.PUT, "k/next", b"y")  # retires the failed segment first: fails
+    wait_for(lambda: len(tries) >= 10, "the ager retried the flush")
+    assert len(log._lost) == 1, log._lost
+    with pytest.raises(OSError):
+        log.sync(lost)
+    log.release()
+
+
+def test_records_a_failed_release_left_unflushed_are_never_reported_durable(
+    tmp_path: Path,
+) -> None:
+    """A store released on a failing disk, then written again (a new segment): the flush
+    of the new records says nothing about the old ones."""
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        os.fdatasync(fd)
+
+    log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
+    old = log.append(wal.Op.PUT, "k/old", b"x")
+    log.release()  # its flush fails
+    new = log.append(wal.Op.PUT, "k/new", b"y")
+    log.sync(new)
+    assert log.synced(new) and not log.synced(old)
+    with pytest.raises(OSError):
+        log.sync(old)
+    log.release()
+
+
 def test_a_flush_the_ager_could_not_make_loses_its_records_for_good(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
