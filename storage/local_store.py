@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, ParamSpec, TypeVar
 
-from storage import blanks, wal
+from storage import blanks, cursors, wal
 from storage.keys import check_object_key
 from torpor.errors import (
     ConfigError,
@@ -282,6 +282,7 @@ class LocalObjectStore:
             weakref.WeakKeyDictionary()
         )
         self._inline = _Inline()
+        self._cursors = cursors.Cursors()
         self._locks = _Stripes(str(self.root / _LOCKS))
         # What killed processes left in ``.tmp`` (made-ahead blanks, half-done writes).
         _threads().submit(blanks.sweep, self._tmp, boot=wal.boot_id())
@@ -538,14 +539,27 @@ class LocalObjectStore:
 
     def _list(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
         base = self.root / "objects"
-        # Walk only the deepest folder the prefix names, then filter by the full prefix.
-        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        top = base / folder if folder else base
-        keys: list[str] = []
-        for dirpath, _dirs, files in os.walk(top):
-            rel = Path(dirpath).relative_to(base).as_posix()
-            keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
-        return _page(keys, prefix, start_after, limit)
+
+        def listed() -> list[str]:
+            # Walk only the deepest folder the prefix names; the cursor filters by the
+            # full prefix.
+            folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+            top = base / folder if folder else base
+            keys: list[str] = []
+            for dirpath, _dirs, files in os.walk(top):
+                rel = Path(dirpath).relative_to(base).as_posix()
+                keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
+            return keys
+
+        # A walk of a large folder (repair's, of the live markers) takes each next page
+        # from the rest its first page kept (``storage.cursors``).
+        page, token = self._cursors.page(
+            prefix, start_after, limit, listed=listed, present=self._present
+        )
+        return ListPage(page, token)
+
+    def _present(self, key: str) -> bool:
+        return os.path.isfile(self._file(key))
 
     def _delete(self, key: str, wait: bool = True) -> None:
         path = self._file(key)
@@ -801,7 +815,10 @@ class LocalObjectStore:
             return ListPage([], None)
         except OSError:
             return None  # the worker thread reports it, with the usual translation
-        return _page(keys, prefix, start_after, limit)
+        page, token = self._cursors.page(
+            prefix, start_after, limit, listed=lambda: keys, present=self._present
+        )
+        return ListPage(page, token)
 
     async def delete(self, key: str) -> None:
         await self._write(functools.partial(self._delete, key), size=0)
@@ -988,15 +1005,6 @@ def _kernel() -> ctypes.CDLL | None:
         found = ctypes.CDLL(None, use_errno=True)
         _libc.append(found if getattr(found, "renameat2", None) is not None else None)
     return _libc[0]
-
-
-def _page(keys: list[str], prefix: str, start_after: str | None, limit: int) -> ListPage:
-    """The keys under ``prefix`` after ``start_after``, sorted, at most ``limit``."""
-    found = sorted(
-        k for k in keys if k.startswith(prefix) and (start_after is None or k > start_after)
-    )
-    page = found[:limit]
-    return ListPage(page, page[-1] if len(found) > limit else None)
 
 
 def _translated(exc: Exception) -> Exception:

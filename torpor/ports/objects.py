@@ -70,7 +70,10 @@ class ObjectStore(Protocol):
     async def list(
         self, prefix: str, *, start_after: str | None = None, limit: int = 1000
     ) -> ListPage:
-        """Keys under ``prefix`` in lexicographic order, one page at a time."""
+        """Keys under ``prefix`` in lexicographic order, one page at a time. A key created
+        while a walk of many pages runs may be left out of it, as one created behind its
+        position always is (the local folder keeps a large walk's rest from its first
+        page, ``storage.cursors``); a key removed meanwhile is not listed after."""
         ...
 
     async def delete(self, key: str) -> None:

@@ -1,0 +1,93 @@
+"""A walk of a large folder of the local store: repair's walk of the live markers.
+
+    .venv/bin/python bench/bench_listing.py [--keys 100000] [--old-pages 10]
+
+``--keys`` empty live markers (``live/{session}``, what each sleeping session has) are
+made directly in a temporary store folder (a synthetic writer: the files alone matter
+here), then walked a page of 1,000 at a time through ``LocalObjectStore.list``, as
+``ObjectSnapshots.list_live`` does: once with the walk's rest kept between pages
+(``storage.cursors``), once as before, every page listing and sorting the whole folder
+again (``cursors.MIN_KEYS`` raised past the folder's size), for ``--old-pages`` pages
+only, the whole walk's time extrapolated from them (it grows with the folder's size
+per page: quadratic). One run; medians of the per-page times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from storage import cursors  # noqa: E402
+from storage.local_store import LocalObjectStore  # noqa: E402
+
+PAGE = 1000
+
+
+def make_markers(root: Path, n: int) -> None:
+    live = root / "objects" / "live"
+    live.mkdir(parents=True)
+    for i in range(n):
+        os.close(os.open(live / f"s_{i:020d}", os.O_CREAT | os.O_WRONLY, 0o600))
+
+
+async def walk(store: LocalObjectStore, max_pages: int | None) -> tuple[int, list[float]]:
+    """Keys seen and each page's seconds."""
+    token: str | None = None
+    seen, times = 0, []
+    while max_pages is None or len(times) < max_pages:
+        started = time.perf_counter()
+        page = await store.list("live/", start_after=token, limit=PAGE)
+        times.append(time.perf_counter() - started)
+        seen += len(page.keys)
+        if page.next_token is None:
+            break
+        token = page.next_token
+    return seen, times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--keys", type=int, default=100_000)
+    parser.add_argument("--old-pages", type=int, default=10)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="torpor-listing-") as tmp:
+        root = Path(tmp)
+        started = time.perf_counter()
+        make_markers(root, args.keys)
+        print(f"{args.keys:,} live markers made in {time.perf_counter() - started:.1f} s")
+        store = LocalObjectStore(root)
+        pages = -(-args.keys // PAGE)
+
+        seen, times = asyncio.run(walk(store, None))
+        assert seen == args.keys, f"walked {seen} of {args.keys}"
+        total, then = sum(times), statistics.median(times[1:] or [0.0])
+        print(
+            f"kept between pages: the whole walk ({pages:,} pages) {total:.2f} s; first page"
+            f" {1000 * times[0]:.1f} ms, then median {1000 * then:.2f} ms a page"
+        )
+
+        cursors.MIN_KEYS = args.keys + 1  # as before: every page lists the folder again
+        _, old = asyncio.run(walk(store, args.old_pages))
+        per_page = statistics.median(old)
+        print(
+            f"listed again for every page (first {len(old)} pages): median"
+            f" {1000 * per_page:.1f} ms a page; the whole walk about {per_page * pages:.1f} s"
+            f" ({per_page * pages / total:.0f} x)"
+        )
+        print(
+            "target: repair bounded by live sessions (each page's cost independent of the"
+            " folder's size after the first)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""A walk of a large folder of the local store lists the folder once, not once per page
+(``storage.cursors``): every key in order, less those removed meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from storage import cursors
+from storage.local_store import LocalObjectStore
+
+
+class Folder:
+    """A folder's keys, and how often it was listed whole."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = set(keys)
+        self.listings = 0
+
+    def listed(self) -> list[str]:
+        self.listings += 1
+        return list(self.keys)
+
+    def present(self, key: str) -> bool:
+        return key in self.keys
+
+
+def walk(
+    kept: cursors.Cursors, folder: Folder, prefix: str, limit: int, between: Callable[[], None]
+) -> Iterator[list[str]]:
+    token: str | None = None
+    while True:
+        page, token = kept.page(prefix, token, limit, listed=folder.listed, present=folder.present)
+        yield page
+        if token is None:
+            return
+        between()
+
+
+def keys_of(n: int) -> list[str]:
+    return [f"live/s_{i:05d}" for i in range(n)]
+
+
+def test_a_walk_of_a_large_folder_lists_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cursors, "MIN_KEYS", 50)
+    folder = Folder([*keys_of(120), "other/x"])
+    pages = list(walk(cursors.Cursors(), folder, "live/", 25, lambda: None))
+    assert [k for page in pages for k in page] == keys_of(120)
+    assert [len(p) for p in pages] == [25, 25, 25, 25, 20]
+    assert folder.listings == 1
+
+
+def test_a_small_folder_is_listed_again_for_every_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``MIN_KEYS`` nothing is kept: each page sees the folder as it is then (a key
+    created ahead of the walk is listed)."""
+    monkeypatch.setattr(cursors, "MIN_KEYS", 50)
+    folder = Folder(keys_of(40))
+    ahead = "live/s_00035b"
+    pages = list(walk(cursors.Cursors(), folder, "live/", 10, lambda: folder.keys.add(ahead)))
+    assert folder.listings == 5
+    assert [k for page in pages for k in page] == sorted([*keys_of(40), ahead])
+
+
+def test_keys_removed_during_a_walk_are_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cursors, "MIN_KEYS", 50)
+    folder = Folder(keys_of(100))
+    gone = set(keys_of(100)[50:80:10])
+
+    def remove_ahead() -> None:
+        folder.keys -= gone
+
+    seen = [k for page in walk(cursors.Cursors(), folder, "live/", 20, remove_ahead) for k in page]
+    assert folder.listings == 1
+    assert seen == [k for k in keys_of(100) if k not in gone]
+
+
+def test_a_walk_that_comes_back_after_the_idle_limit_lists_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cursors, "MIN_KEYS", 50)
+    now = [0.0]
+    kept = cursors.Cursors(clock=lambda: now[0])
+    folder = Folder(keys_of(100))
+
+    def idle() -> None:
+        now[0] += cursors.IDLE_S + 1
+
+    seen = [k for page in walk(kept, folder, "live/", 30, idle) for k in page]
+    assert seen == keys_of(100)
+    assert folder.listings == 4, "every page listed again"
+
+
+def test_at_most_max_kept_walks_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oldest let go first: that walk lists again, and still sees every key."""
+    monkeypatch.setattr(cursors, "MIN_KEYS", 50)
+    monkeypatch.setattr(cursors, "MAX_KEPT", 2)
+    kept = cursors.Cursors()
+    folders = {p: Folder([f"{p}{i:05d}" for i in range(100)]) for p in ("a/", "b/", "c/")}
+    tokens = {}
+    for prefix, folder in folders.items():
+        _, tokens[prefix] = kept.page(
+            prefix, None, 10, listed=folder.listed, present=folder.present
+        )
+    assert len(kept._kept) == 2
+    for prefix, folder in reversed(folders.items()):  # the kept ones first
+        page, _ = kept.page(
+            prefix, tokens[prefix], 10, listed=folder.listed, present=folder.present
+        )
+        assert page == [f"{prefix}{i:05d}" for i in range(10, 20)]
+    assert [f.listings for f in folders.values()] == [2, 1, 1]
+
+
+def test_the_local_store_walks_a_large_folder_with_one_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the store: a walk of the live markers reads the folder once; a marker
+    removed meanwhile is not listed."""
+    monkeypatch.setattr(cursors, "MIN_KEYS", 100)
+    store = LocalObjectStore(str(tmp_path))
+    live = tmp_path / "objects" / "live"
+    live.mkdir(parents=True)
+    for key in keys_of(500):
+        (tmp_path / "objects" / key).touch()
+    walks: list[str] = []
+    real_walk = os.walk
+
+    def counted(top: object, *args: object, **kwargs: object) -> Iterator[object]:
+        walks.append(str(top))
+        return real_walk(top, *args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(os, "walk", counted)
+
+    async def walk_live() -> list[str]:
+        seen: list[str] = []
+        token: str | None = None
+        while True:
+            page = await store.list("live/", start_after=token, limit=100)
+            seen += page.keys
+            if page.next_token is None:
+                return seen
+            token = page.next_token
+            await store.delete("live/s_00499")
+
+    assert asyncio.run(walk_live()) == keys_of(499)
+    assert walks == [str(live)]
