@@ -5,7 +5,8 @@ Real Redis (flushed for real), a local folder for objects."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,8 +16,10 @@ from storage import keys
 from storage.snapshots import ObjectSnapshots
 from tests.runtime.test_sweeper import Recording, flush_index
 from tests.support.harness import Env, local_env
+from torpor.errors import IndexUnavailable
 from torpor.lifecycle import SessionState
 from torpor.ports import ListPage, ObjectStore, Reason, StoredObject
+from torpor.service import repair
 from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper, SweepReport
 
@@ -109,3 +112,65 @@ async def test_a_store_from_before_the_markers_is_backfilled_once(env: Env) -> N
     await store.get(keys.MARKERS_COMPLETE)  # written: later repairs skip the full listing
     later = env.clock.now() + timedelta(hours=2)
     assert [h.session_id async for h in ObjectSnapshots(store).list_live(now=later)] == [sid]
+
+
+class InFlight:
+    """How many calls of one real method run at once, at most."""
+
+    def __init__(self, call: Callable[..., Awaitable[object]], fail_at: int = 0) -> None:
+        self.call, self.fail_at = call, fail_at
+        self.now = self.most = self.calls = 0
+
+    async def __call__(self, *args: object, **kwargs: object) -> object:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise IndexUnavailable("the index went away mid-repair")
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            await asyncio.sleep(0.005)  # a round trip's worth: the others start meanwhile
+            return await self.call(*args, **kwargs)
+        finally:
+            self.now -= 1
+
+
+async def test_repair_rebinds_many_sessions_at_once_and_counts_each(
+    env: Env, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One session after another, a million sleeping ones took hours: they are repaired
+    ``AT_ONCE`` at a time, and every wait is counted (a total added to across awaits)."""
+    monkeypatch.setattr(repair, "AT_ONCE", 4)
+    sleeping = [await env.submit(doc=f"PR-M{i}") for i in range(12)]
+    await Sweeper(env.control).sweep_once()
+    await flush_index(redis_url, redis_prefix)
+    binds = InFlight(env.services.index.bind_wait)
+    monkeypatch.setattr(env.services.index, "bind_wait", binds)
+    report = SweepReport()
+    sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
+    await sweeper.repair(env.clock.now(), report)
+    assert report.repaired_waits == len(sleeping) and report.suspended == len(sleeping)
+    assert binds.most == 4, "four sessions rebound at once, never more"
+    for sid in sleeping:
+        wait = (await env.load(sid)).waits[0]
+        assert await env.services.index.resolve(
+            tenant="acme", now=env.clock.now(), correlation_id=wait.correlation_id
+        )
+
+
+async def test_a_repair_that_fails_on_one_session_raises_that_error_and_stops_the_rest(
+    env: Env, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error as it is (the reconciler reports an unavailable index as such, not as a
+    group of errors), and no session's repair left running behind it."""
+    monkeypatch.setattr(repair, "AT_ONCE", 4)
+    for i in range(8):
+        await env.submit(doc=f"PR-F{i}")
+    await Sweeper(env.control).sweep_once()
+    await flush_index(redis_url, redis_prefix)
+    binds = InFlight(env.services.index.bind_wait, fail_at=3)
+    monkeypatch.setattr(env.services.index, "bind_wait", binds)
+    sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
+    with pytest.raises(IndexUnavailable):
+        await sweeper.repair(env.clock.now(), SweepReport())
+    assert binds.now == 0, "the others were stopped before the error was raised"
+    assert not await env.services.index.is_intact(), "not marked intact"

@@ -19,6 +19,7 @@ leaves a timer behind when not.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta
 
@@ -35,6 +36,34 @@ from torpor.tools import LongRunningTool
 Request = Callable[[list[tuple[str, Reason]]], Awaitable[object]]
 PollTool = Callable[[SessionSnapshot, str], LongRunningTool | None]
 PAGE = 200
+AT_ONCE = 32
+
+
+async def _each(
+    items: AsyncIterator[SessionHeader],
+    work: Callable[[SessionHeader], Awaitable[None]],
+    limit: int,
+) -> None:
+    """``work`` on every item, up to ``limit`` at once, the items read as room frees up;
+    the first error stops the rest (cancelled) and is raised as it is."""
+    running: set[asyncio.Task[None]] = set()
+
+    async def settle(until: int) -> None:
+        nonlocal running
+        while len(running) > until:
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+
+    try:
+        async for item in items:
+            await settle(limit - 1)
+            running.add(asyncio.ensure_future(work(item)))
+        await settle(0)
+    finally:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
 
 
 class IndexRepair:
@@ -44,12 +73,18 @@ class IndexRepair:
         self.poll_tool = poll_tool
 
     async def run(self, now: datetime, errors: list[str]) -> tuple[int, int, int]:
-        """Repair everything; returns (sessions to activate, waits rebound, suspended)."""
+        """Repair everything; returns (sessions to activate, waits rebound, suspended).
+        Sessions are repaired ``AT_ONCE`` at a time: each is a few round trips to the
+        index and a few writes, and one after another they took about 3 ms a session
+        here (an hour for a million sleeping ones); at once, the index's pipeline and
+        the store's group commit share them."""
         index = self.services.index
         wanted: list[tuple[str, Reason]] = []
         tenants: set[str] = set()
         rebound = suspended = 0
-        async for header in self._headers(now):
+
+        async def one(header: SessionHeader) -> None:
+            nonlocal rebound, suspended
             tenants.add(header.tenant)
             await index.record_session(
                 tenant=header.tenant,
@@ -59,23 +94,28 @@ class IndexRepair:
             )
             if header.state is SessionState.PENDING:
                 wanted.append((header.session_id, Reason.SUBMIT))
-                continue
+                return
             if header.state is SessionState.RUNNING:
                 wanted.append((header.session_id, Reason.RECOVER))
-                continue
+                return
             if header.state in WAITING_STATES:
                 suspended += 1
             elif not self._may_owe_work(header, now):
-                continue
+                return
             try:
                 snapshot = await self.services.snapshots.load(header.session_id)
             except TorporError as exc:
                 errors.append(f"repair {header.session_id}: {exc}")
-                continue
+                return
             if not snapshot.terminal:
-                rebound += await self._rebind(snapshot, now)
+                # Awaited first: ``rebound += await ...`` reads the total before the
+                # wait, and the others running meanwhile add to it.
+                waits = await self._rebind(snapshot, now)
+                rebound += waits
             if await self._owes_work(snapshot):
                 wanted.append((snapshot.session_id, Reason.REPAIR))
+
+        await _each(self._headers(now), one, AT_ONCE)
         for tenant in sorted(tenants):
             await self._delivery_timers(tenant, now)
         await self.request(wanted)
