@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -508,16 +509,40 @@ def test_a_store_collected_on_its_logs_own_thread_is_released_without_a_deadlock
     log._lock.release()
 
 
-def test_records_a_failed_flush_covered_are_never_reported_durable(tmp_path: Path) -> None:
-    """Linux reports a failed writeback once, then treats the pages as clean: a later
-    flush that succeeds says nothing about the records the failed one covered."""
+def fails_once() -> Callable[[int], None]:
+    """A log's flush that fails the first time (what a failing writeback reports), then
+    flushes."""
     failures = [OSError(errno.EIO, "Input/output error")]
 
-    def flaky(fd: int) -> None:
+    def flush(fd: int) -> None:
         if failures:
             raise failures.pop()
         os.fdatasync(fd)
 
+    return flush
+
+
+class HeldThenFails:
+    """A log's flush that, the first time it is made on the thread named ``syncer``, says
+    it began (``entered``), waits to be let go (``release``), then fails; every other
+    flush flushes."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self._failures = [OSError(errno.EIO, "Input/output error")]
+
+    def __call__(self, fd: int) -> None:
+        if self._failures and threading.current_thread().name == "syncer":
+            self.entered.set()
+            self.release.wait(10)
+            raise self._failures.pop()
+        os.fdatasync(fd)
+
+
+def test_records_a_failed_flush_covered_are_never_reported_durable(tmp_path: Path) -> None:
+    """Linux reports a failed writeback once, then treats the pages as clean: a later
+    flush that succeeds says nothing about the records the failed one covered."""
+    flaky = fails_once()
     log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
     lost = log.append(wal.Op.PUT, "k/lost", b"x")
     with pytest.raises(OSError):
@@ -554,13 +579,7 @@ def test_records_after_a_failed_flush_go_to_a_new_segment_and_survive_a_power_cu
     starts a new segment."""
     # The power cut comes before any checkpoint (which would flush the file system).
     monkeypatch.setattr(wal.WriteAheadLog, "checkpoint", lambda self, retired: None)
-    failures = [OSError(errno.EIO, "Input/output error")]
-
-    def flaky(fd: int) -> None:
-        if failures:
-            raise failures.pop()
-        os.fdatasync(fd)
-
+    flaky = fails_once()
     folder = tmp_path / ".wal"
     log = wal.WriteAheadLog(str(folder), boot="boot-a", flush=flaky)
     lost = log.append(wal.Op.PUT, "k/lost", b"x")
@@ -581,16 +600,8 @@ def test_records_appended_while_a_failing_flush_ran_are_lost_with_it(tmp_path: P
     """A record appended while a flush runs lands after the records that flush covers,
     in the same segment: if the flush fails, replay cannot reach it past them, so the
     next flush, which succeeds, must not report it durable."""
-    entered, release = threading.Event(), threading.Event()
-    failures = [OSError(errno.EIO, "Input/output error")]
-
-    def flaky(fd: int) -> None:
-        if failures:
-            entered.set()
-            release.wait(10)
-            raise failures.pop()
-        os.fdatasync(fd)
-
+    flaky = HeldThenFails()
+    entered, release = flaky.entered, flaky.release
     log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
     first = log.append(wal.Op.PUT, "k/first", b"x")
     errors: list[OSError] = []
@@ -601,7 +612,7 @@ def test_records_appended_while_a_failing_flush_ran_are_lost_with_it(tmp_path: P
         except OSError as exc:
             errors.append(exc)
 
-    syncer = threading.Thread(target=sync_first)
+    syncer = threading.Thread(target=sync_first, name="syncer")
     syncer.start()
     assert entered.wait(10), "the first flush began"
     during = log.append(wal.Op.PUT, "k/during", b"y")
@@ -619,13 +630,7 @@ def test_records_appended_while_a_failing_flush_ran_are_lost_with_it(tmp_path: P
 def test_a_record_resting_on_a_lost_one_is_refused(tmp_path: Path) -> None:
     """``append(after=...)``: a session's live marker is removed only if its terminal
     snapshot's record was not lost (another writer's flush that covered it failed)."""
-    failures = [OSError(errno.EIO, "Input/output error")]
-
-    def flaky(fd: int) -> None:
-        if failures:
-            raise failures.pop()
-        os.fdatasync(fd)
-
+    flaky = fails_once()
     log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
     snapshot = log.append(wal.Op.PUT, "sessions/s", b"completed")
     with pytest.raises(OSError):
@@ -646,16 +651,8 @@ def test_a_record_whose_append_waited_for_the_flush_that_lost_its_base_is_refuse
     log's lock let go), which fails and loses the record it rests on. The check made
     before that wait would have let it through, into a new segment that replays it."""
     monkeypatch.setattr(wal, "SEGMENT_MIN_BYTES", 4096)
-    entered, release = threading.Event(), threading.Event()
-    failures = [OSError(errno.EIO, "Input/output error")]
-
-    def flaky(fd: int) -> None:
-        if failures and threading.current_thread().name == "syncer":
-            entered.set()
-            release.wait(10)
-            raise failures.pop()
-        os.fdatasync(fd)
-
+    flaky = HeldThenFails()
+    entered, release = flaky.entered, flaky.release
     log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
     snapshot = log.append(wal.Op.PUT, "sessions/s", b"completed")
 
@@ -690,13 +687,7 @@ def test_a_failed_segment_is_retired_by_the_ager_at_once(
     """Not 30 s later, as a healthy one: the next write would otherwise retire it on its
     own path, a flush under the log's lock."""
     monkeypatch.setattr(wal, "AGE_POLL_S", 0.01)
-    failures = [OSError(errno.EIO, "Input/output error")]
-
-    def flaky(fd: int) -> None:
-        if failures:
-            raise failures.pop()
-        os.fdatasync(fd)
-
+    flaky = fails_once()
     log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
     lost = log.append(wal.Op.PUT, "k/lost", b"x")
     failed = log._segment
@@ -738,13 +729,7 @@ def test_records_a_failed_release_left_unflushed_are_never_reported_durable(
 ) -> None:
     """A store released on a failing disk, then written again (a new segment): the flush
     of the new records says nothing about the old ones."""
-    failures = [OSError(errno.EIO, "Input/output error")]
-
-    def flaky(fd: int) -> None:
-        if failures:
-            raise failures.pop()
-        os.fdatasync(fd)
-
+    flaky = fails_once()
     log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
     old = log.append(wal.Op.PUT, "k/old", b"x")
     log.release()  # its flush fails
