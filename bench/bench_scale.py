@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -33,19 +34,23 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import boto3
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actors.wiring import open_services  # noqa: E402
+from bench.latency_proxy import LatencyProxy  # noqa: E402
 from storage.bindings import encode_binding  # noqa: E402
 from storage.correlations import ObjectCorrelations  # noqa: E402
 from storage.local_store import LocalObjectStore  # noqa: E402
 from storage.redis_index import RedisIndex  # noqa: E402
 from storage.redis_index.waits import _BIND  # noqa: E402
+from storage.s3_store import S3ObjectStore  # noqa: E402
 from storage.snapshots import ObjectSnapshots  # noqa: E402
 from tests.support.factories import busy_snapshot  # noqa: E402
+from tests.support.s3_server import S3TestServer  # noqa: E402
 from torpor.clock import to_ms  # noqa: E402
 from torpor.ids import new_correlation_id, new_session_id  # noqa: E402
 from torpor.lifecycle import SessionState  # noqa: E402
@@ -56,6 +61,7 @@ from torpor.session.suspend import binding_of  # noqa: E402
 from torpor.settings import Settings  # noqa: E402
 
 REDIS = "redis://127.0.0.1:6379/0"
+BUCKET = "torpor-scale"
 PREFIX = f"tpscale{os.getpid()}:"  # two runs at once never clear each other's keys
 TARGET_BYTES_PER_WAIT = 250
 TARGET_LAG_S = 1.0
@@ -184,11 +190,11 @@ def _usages(client: redis.Redis, keys: list[Any]) -> list[int]:
 # -- 2. object store per session, repair ---------------------------------------------------
 
 
-class CountingStore(LocalObjectStore):
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.header_reads = 0
-        self.listed = 0
+class Counting:
+    """Counts the snapshot reads and the keys listed of the store it is mixed into."""
+
+    header_reads = 0
+    listed = 0
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
         if key.startswith("snapshots/"):
@@ -201,6 +207,14 @@ class CountingStore(LocalObjectStore):
         page = await super().list(prefix, start_after=start_after, limit=limit)
         self.listed += len(page.keys)
         return page
+
+
+class CountingStore(Counting, LocalObjectStore):
+    pass
+
+
+class CountingS3(Counting, S3ObjectStore):
+    pass
 
 
 def folder_bytes(root: Path) -> tuple[int, int]:
@@ -220,22 +234,44 @@ class Recording:
         self.requests.append((session_id, reason))
 
 
-async def objects_and_repair(sleeping: int, ended: int) -> dict[str, float]:
+async def objects_and_repair(
+    sleeping: int, ended: int, s3: S3TestServer | None = None, s3_endpoint: str | None = None
+) -> dict[str, float]:
+    """With ``s3``, the objects go to the S3 test server over HTTP (moto: every request
+    a few milliseconds of its CPU, writes one at a time), not the local folder; through
+    ``s3_endpoint`` if given (a latency proxy in front of it)."""
     client = redis.Redis.from_url(REDIS)
     clear(client)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "objects"
-        settings = Settings.build(
-            {
-                "storage": {
-                    "object_store_url": f"file://{root}",
-                    "index_url": REDIS,
-                    "redis_prefix": PREFIX,
-                    "index_buckets": buckets_for(sleeping),
-                }
+        storage: dict[str, Any] = {
+            "object_store_url": f"file://{root}",
+            "index_url": REDIS,
+            "redis_prefix": PREFIX,
+            "index_buckets": buckets_for(sleeping),
+        }
+        store: Counting
+        if s3 is None:
+            store = CountingStore(root)
+        else:
+            s3.reset()
+            boto = {**s3.boto_kwargs(), "endpoint_url": s3_endpoint or s3.endpoint}
+            boto3.client(
+                "s3",
+                endpoint_url=boto["endpoint_url"],
+                region_name=boto["region"],
+                aws_access_key_id=boto["access_key_id"],
+                aws_secret_access_key=boto["secret_access_key"],
+            ).create_bucket(Bucket=BUCKET)
+            storage["object_store_url"] = f"s3://{BUCKET}/scale"
+            storage["s3"] = {
+                "endpoint_url": boto["endpoint_url"],
+                "region": boto["region"],
+                "access_key_id": boto["access_key_id"],
+                "secret_access_key": boto["secret_access_key"],
             }
-        )
-        store = CountingStore(root)
+            store = CountingS3(BUCKET, "scale", **boto)
+        settings = Settings.build({"storage": storage})
         snapshots = ObjectSnapshots(store)
         correlations = ObjectCorrelations(store)
         template = busy_snapshot(12)  # a short conversation, a tool log, one open wait
@@ -263,7 +299,7 @@ async def objects_and_repair(sleeping: int, ended: int) -> dict[str, float]:
         started = time.perf_counter()
         await gather_bounded((one_sleeping() for _ in range(sleeping)), 64)
         write_rate = sleeping / (time.perf_counter() - started)
-        size, files = folder_bytes(root)
+        size, files = folder_bytes(root) if s3 is None else (0, 0)
         await gather_bounded((one_ended() for _ in range(ended)), 64)
 
         services = open_services(settings)
@@ -374,6 +410,15 @@ async def main() -> None:
     parser.add_argument("--rate", type=int, default=1000, help="deadlines due per second")
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--skip", default="", help="comma list of parts to skip: redis,objects,lag")
+    parser.add_argument(
+        "--s3", action="store_true", help="objects and repair on the S3 test server (moto)"
+    )
+    parser.add_argument(
+        "--s3-rtt-ms",
+        type=float,
+        default=0.0,
+        help="with --s3: each request to it one round trip of this many ms longer (a proxy)",
+    )
     args = parser.parse_args()
     skip = set(args.skip.split(","))
 
@@ -386,13 +431,31 @@ async def main() -> None:
             f"{verdict(max(by_key, per_wait) <= TARGET_BYTES_PER_WAIT)}"
         )
     if "objects" not in skip:
-        o = await objects_and_repair(args.object_sessions, args.ended)
+        server = S3TestServer().start() if args.s3 or args.s3_rtt_ms else None
+        try:
+            with contextlib.ExitStack() as stack:
+                endpoint = None
+                if server is not None and args.s3_rtt_ms:
+                    proxy = stack.enter_context(
+                        LatencyProxy("127.0.0.1", server.port, rtt_ms=args.s3_rtt_ms)
+                    )
+                    endpoint = f"http://127.0.0.1:{proxy.port}"
+                o = await objects_and_repair(args.object_sessions, args.ended, server, endpoint)
+        finally:
+            if server is not None:
+                server.stop()
         total = args.object_sessions + args.ended
-        print(
-            f"object store per sleeping session ({args.object_sessions:,} sessions, local "
-            f"folder): {o['bytes']:.0f} B in {o['objects']:.1f} objects "
-            f"(written at {o['write_rate']:,.0f} sessions/s)"
-        )
+        if server is None:
+            print(
+                f"object store per sleeping session ({args.object_sessions:,} sessions, local "
+                f"folder): {o['bytes']:.0f} B in {o['objects']:.1f} objects "
+                f"(written at {o['write_rate']:,.0f} sessions/s)"
+            )
+        else:
+            print(
+                f"on the S3 test server (round trip + {args.s3_rtt_ms:g} ms): written at"
+                f" {o['write_rate']:,.0f} sessions/s"
+            )
         bounded = o["header_reads"] <= 2 * args.object_sessions
         print(
             f"repair after an index flush: {o['repair_s']:.1f} s, {o['header_reads']:,} "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -182,6 +184,23 @@ class TestS3ObjectStore(ObjectStoreContract):
         winners = race(spec, "put_if_match", workers=6, rounds=10, etags=list(etags))
         assert all(len(w) == 1 for w in winners.values()), winners
         await store.close()
+
+    async def test_twenty_requests_are_in_flight_at_once(self, s3_store: S3ObjectStore) -> None:
+        """Not asyncio's default pool (six threads on this 2-core machine): each request
+        waits on the network, and a repair or a busy replica has many to make."""
+        keys = [f"wide/{i}" for i in range(20)]
+        for key in keys:
+            await s3_store.put(key, b"x")
+        together = threading.Barrier(len(keys), timeout=10)
+        real_get = s3_store._client.get_object
+
+        def get_object(**kwargs: object) -> object:
+            together.wait()  # broken if fewer than twenty are waiting at once
+            return real_get(**kwargs)  # type: ignore[arg-type]
+
+        s3_store._client.get_object = get_object  # type: ignore[method-assign]
+        got = await asyncio.gather(*(s3_store.get(key) for key in keys))
+        assert [g.data for g in got] == [b"x"] * len(keys)
 
     async def test_missing_bucket_is_named(self, s3_server: S3TestServer) -> None:
         store = S3ObjectStore("no-such-bucket", **s3_server.boto_kwargs())

@@ -75,9 +75,11 @@ class IndexRepair:
     async def run(self, now: datetime, errors: list[str]) -> tuple[int, int, int]:
         """Repair everything; returns (sessions to activate, waits rebound, suspended).
         Sessions are repaired ``AT_ONCE`` at a time: each is a few round trips to the
-        index and a few writes, and one after another they took about 3 ms a session
-        here (an hour for a million sleeping ones); at once, the index's pipeline and
-        the store's group commit share them."""
+        index and a few reads and writes of the store, each waiting on the network with
+        a remote one. One after another, 100 sleeping sessions on the S3 test server
+        20 ms away took 13.4 s; at once 4.1-4.9 s (2.5-2.8 with ``storage.blocking``'s
+        wider pool). On the local folder nothing changed (3.1-3.4 ms a session both
+        ways, 2,000 sessions: the Python work of it, loading each snapshot the most)."""
         index = self.services.index
         wanted: list[tuple[str, Reason]] = []
         tenants: set[str] = set()
