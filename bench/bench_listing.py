@@ -4,12 +4,12 @@
 
 ``--keys`` empty live markers (``live/{session}``, what each sleeping session has) are
 made directly in a temporary store folder (a synthetic writer: the files alone matter
-here), then walked a page of 1,000 at a time through ``LocalObjectStore.list``, as
-``ObjectSnapshots.list_live`` does: once with the walk's rest kept between pages
-(``storage.cursors``), once as before, every page listing and sorting the whole folder
-again (``cursors.MIN_KEYS`` raised past the folder's size), for ``--old-pages`` pages
-only, the whole walk's time extrapolated from them (it grows with the folder's size
-per page: quadratic). One run; medians of the per-page times.
+here), then walked a page of 1,000 at a time as ``ObjectSnapshots.list_live`` does:
+once through ``LocalObjectStore.walk`` (the walk's rest kept between pages,
+``storage.cursors``), once through ``list``, as before, every page listing and sorting
+the whole folder again, for ``--old-pages`` pages only, the whole walk's time
+extrapolated from them (it grows with the folder's size per page: quadratic). One run;
+medians of the per-page times.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from storage import cursors  # noqa: E402
 from storage.local_store import LocalObjectStore  # noqa: E402
 
 PAGE = 1000
@@ -39,13 +38,16 @@ def make_markers(root: Path, n: int) -> None:
         os.close(os.open(live / f"s_{i:020d}", os.O_CREAT | os.O_WRONLY, 0o600))
 
 
-async def walk(store: LocalObjectStore, max_pages: int | None) -> tuple[int, list[float]]:
-    """Keys seen and each page's seconds."""
+async def walk(
+    store: LocalObjectStore, max_pages: int | None, *, walked: bool = True
+) -> tuple[int, list[float]]:
+    """Keys seen and each page's seconds, through ``walk`` or ``list``."""
+    pages = store.walk if walked else store.list
     token: str | None = None
     seen, times = 0, []
     while max_pages is None or len(times) < max_pages:
         started = time.perf_counter()
-        page = await store.list("live/", start_after=token, limit=PAGE)
+        page = await pages("live/", start_after=token, limit=PAGE)
         times.append(time.perf_counter() - started)
         seen += len(page.keys)
         if page.next_token is None:
@@ -75,8 +77,7 @@ def main() -> None:
             f" {1000 * times[0]:.1f} ms, then median {1000 * then:.2f} ms a page"
         )
 
-        cursors.MIN_KEYS = args.keys + 1  # as before: every page lists the folder again
-        _, old = asyncio.run(walk(store, args.old_pages))
+        _, old = asyncio.run(walk(store, args.old_pages, walked=False))
         per_page = statistics.median(old)
         print(
             f"listed again for every page (first {len(old)} pages): median"

@@ -29,6 +29,17 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}  # per process: a forked child starts
 _LOCK = threading.Lock()
 
 
+def _forked() -> None:
+    """In a forked child: the parent's pool (its threads are not the child's) and a lock
+    another of its threads may have held at the fork are let go."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _pool() -> ThreadPoolExecutor:
     pid = os.getpid()
     pool = _POOLS.get(pid)

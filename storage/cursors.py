@@ -1,18 +1,20 @@
-"""The rest of a long listing of the local folder store, kept for its next page.
+"""The rest of a long walk of the local folder store, kept for its next page.
 
 A folder on disk cannot be read from a key onwards: every page of a listing read the
 whole folder and sorted it again, so a walk of a large one cost its size once per page.
 Repair walks the live markers, one per sleeping session, a page of 1,000 at a time:
-127 ms a page at 100,000 markers here, about 22 minutes of listing alone at a million
-(``bench/bench_listing.py``). The first page of a listing of more than ``MIN_KEYS`` keys
-now keeps the sorted rest, found again by the key the page ended on (the token its
-caller passes back as ``start_after``); each next page takes its share of it, checking
-that each key is still there. So a walk shows the keys its first page found, less those
-removed since, and not one created after its first page (a cursor's view, where S3
-would show a key created after the cursor's position).
+1.58 s a page at a million markers here, about 26 minutes of listing alone
+(``bench/bench_listing.py``). A *walk* (``WalksObjects.walk``: a caller that pages
+through a whole prefix from its start, passing each page's token back) of more than
+``MIN_KEYS`` keys now keeps the sorted rest of its first listing, found again by the key
+the page ended on; each next page takes its share of it, checking that each key is still
+there. So a walk shows the keys its first listing found, less those removed since, and
+not one created after it (a cursor's view, where S3 would show a key created ahead of the
+cursor's position). Plain listings (``list``) never use it: each page is fresh.
 
-Kept for ``IDLE_S`` between pages at most, ``MAX_KEPT`` walks at once (the oldest let
-go first): a walk that comes back later, or one of many at once, lists again.
+A listing is reused for ``MAX_AGE_S`` after it was taken at most (then the walk lists
+again), kept ``IDLE_S`` between pages at most, ``MAX_KEPT`` walks and ``MAX_KEYS`` keys
+at once (the oldest let go first), and a newer listing is never replaced by an older one.
 """
 
 from __future__ import annotations
@@ -23,15 +25,19 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MIN_KEYS = 10_000  # below this a page lists the folder again: a small folder is fresh
+MIN_KEYS = 10_000  # below this every page lists the folder again
+MAX_AGE_S = 300.0
 IDLE_S = 60.0
-MAX_KEPT = 8
+MAX_KEPT = 4
+MAX_KEYS = 4_000_000  # about 400 MB of key strings at most, across the walks kept
+_COMPACT_AFTER = 65_536  # keys handed out before they are dropped from the kept list
 
 
 @dataclass
 class _Rest:
     keys: list[str]  # sorted; those before ``at`` were handed out already
     at: int
+    taken_at: float  # when the folder was listed
     used_at: float
 
 
@@ -57,16 +63,15 @@ class Cursors:
         ``listed()`` (every key of the folder, in any order). ``present`` tells whether
         a kept key still names an object."""
         rest = self._take(prefix, start_after) if start_after is not None else None
+        fresh = rest is None
         if rest is None:
+            now = self._clock()
             found = sorted(
                 k
                 for k in listed()
                 if k.startswith(prefix) and (start_after is None or k > start_after)
             )
-            rest = _Rest(found, 0, self._clock())
-            fresh = True
-        else:
-            fresh = False
+            rest = _Rest(found, 0, now, now)
         page: list[str] = []
         while rest.at < len(rest.keys) and len(page) < limit:
             key = rest.keys[rest.at]
@@ -76,20 +81,33 @@ class Cursors:
         if rest.at >= len(rest.keys) or not page:
             return page, None
         if len(rest.keys) > MIN_KEYS:
+            if rest.at >= _COMPACT_AFTER and 2 * rest.at >= len(rest.keys):
+                del rest.keys[: rest.at]  # now and then: amortized, not a copy per page
+                rest.at = 0
             self._keep(prefix, page[-1], rest)
         return page, page[-1]
 
+    def _expire(self, now: float) -> None:
+        """Let go of listings idle or old (the lock is held)."""
+        for name, kept in list(self._kept.items()):
+            if now - kept.used_at > IDLE_S or now - kept.taken_at > MAX_AGE_S:
+                del self._kept[name]
+
     def _take(self, prefix: str, start_after: str) -> _Rest | None:
-        now = self._clock()
         with self._lock:
-            for name, kept in list(self._kept.items()):
-                if now - kept.used_at > IDLE_S:
-                    del self._kept[name]
+            self._expire(self._clock())
             return self._kept.pop((prefix, start_after), None)
 
     def _keep(self, prefix: str, last: str, rest: _Rest) -> None:
-        rest.used_at = self._clock()
+        now = rest.used_at = self._clock()
         with self._lock:
+            self._expire(now)
+            there = self._kept.get((prefix, last))
+            if there is not None and there.taken_at > rest.taken_at:
+                return  # another walk's newer listing, at the same key: it stays
             self._kept[(prefix, last)] = rest
-            while len(self._kept) > MAX_KEPT:
+            self._kept.move_to_end((prefix, last))
+            while len(self._kept) > MAX_KEPT or (
+                len(self._kept) > 1 and sum(len(r.keys) for r in self._kept.values()) > MAX_KEYS
+            ):
                 self._kept.popitem(last=False)

@@ -537,29 +537,35 @@ class LocalObjectStore:
                 self._blanks.recycle(placed, old)
         return etag_of(data), ticket
 
-    def _list(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
+    def _listed(self, prefix: str) -> list[str]:
+        """Every key of the deepest folder ``prefix`` names, in any order (the caller
+        filters by the full prefix)."""
         base = self.root / "objects"
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = base / folder if folder else base
+        keys: list[str] = []
+        for dirpath, _dirs, files in os.walk(top):
+            rel = Path(dirpath).relative_to(base).as_posix()
+            keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
+        return keys
 
-        def listed() -> list[str]:
-            # Walk only the deepest folder the prefix names; the cursor filters by the
-            # full prefix.
-            folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-            top = base / folder if folder else base
-            keys: list[str] = []
-            for dirpath, _dirs, files in os.walk(top):
-                rel = Path(dirpath).relative_to(base).as_posix()
-                keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
-            return keys
+    def _list(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
+        return _page(self._listed(prefix), prefix, start_after, limit)
 
-        # A walk of a large folder (repair's, of the live markers) takes each next page
-        # from the rest its first page kept (``storage.cursors``).
+    def _walk(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
         page, token = self._cursors.page(
-            prefix, start_after, limit, listed=listed, present=self._present
+            prefix,
+            start_after,
+            limit,
+            listed=functools.partial(self._listed, prefix),
+            present=self._present,
         )
         return ListPage(page, token)
 
     def _present(self, key: str) -> bool:
-        return os.path.isfile(self._file(key))
+        # Joined as listed, not checked as a key: a stray file whose name no key may
+        # have (listed all the same by the first page) must not fail a later one.
+        return os.path.isfile(f"{self._objects}/{key}")
 
     def _delete(self, key: str, wait: bool = True) -> None:
         path = self._file(key)
@@ -815,10 +821,14 @@ class LocalObjectStore:
             return ListPage([], None)
         except OSError:
             return None  # the worker thread reports it, with the usual translation
-        page, token = self._cursors.page(
-            prefix, start_after, limit, listed=lambda: keys, present=self._present
-        )
-        return ListPage(page, token)
+        return _page(keys, prefix, start_after, limit)
+
+    async def walk(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        """``list`` for a walk of the whole prefix: a large folder is listed once for the
+        walk, not once per page (``storage.cursors``)."""
+        return await self._off_loop(self._walk, prefix, start_after, limit)
 
     async def delete(self, key: str) -> None:
         await self._write(functools.partial(self._delete, key), size=0)
@@ -1005,6 +1015,15 @@ def _kernel() -> ctypes.CDLL | None:
         found = ctypes.CDLL(None, use_errno=True)
         _libc.append(found if getattr(found, "renameat2", None) is not None else None)
     return _libc[0]
+
+
+def _page(keys: list[str], prefix: str, start_after: str | None, limit: int) -> ListPage:
+    """The keys under ``prefix`` after ``start_after``, sorted, at most ``limit``."""
+    found = sorted(
+        k for k in keys if k.startswith(prefix) and (start_after is None or k > start_after)
+    )
+    page = found[:limit]
+    return ListPage(page, page[-1] if len(found) > limit else None)
 
 
 def _translated(exc: Exception) -> Exception:

@@ -29,7 +29,7 @@ from torpor.errors import (
 from torpor.ids import session_id_ms
 from torpor.lifecycle import SessionState
 from torpor.models import SessionHeader, SessionSnapshot
-from torpor.ports import MovesObjects, ObjectStore, Staged, StagesReplaces
+from torpor.ports import MovesObjects, ObjectStore, Staged, StagesReplaces, WalksObjects
 
 ETAG_CACHE_SIZE = 4096
 # A live marker with no snapshot this long after its session id was made is a create
@@ -261,9 +261,13 @@ class ObjectSnapshots:
         self._markers_complete = True
 
     async def _pages(self, prefix: str, page_size: int) -> AsyncIterator[list[str]]:
+        """The markers under ``prefix``, a page at a time: walked (``WalksObjects``) where
+        the store can, so that a walk of a million live markers lists their folder once."""
+        store = self.store
+        pages = store.walk if isinstance(store, WalksObjects) else store.list
         token: str | None = None
         while True:
-            page = await self.store.list(prefix, start_after=token, limit=page_size)
+            page = await pages(prefix, start_after=token, limit=page_size)
             if page.keys:
                 yield page.keys
             if page.next_token is None:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from storage import cursors
+from storage import cursors, keys
 from storage.local_store import LocalObjectStore
+from storage.snapshots import ObjectSnapshots
+from tests.support.factories import NOW, snapshot
+from torpor.ports import ListPage
 
 
 class Folder:
@@ -114,17 +118,79 @@ def test_at_most_max_kept_walks_are_kept(monkeypatch: pytest.MonkeyPatch) -> Non
     assert [f.listings for f in folders.values()] == [2, 1, 1]
 
 
+def test_a_listing_older_than_max_age_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However busy the walk keeps it: a listing taken long ago is taken again."""
+    monkeypatch.setattr(cursors, "MIN_KEYS", 0)  # every rest kept, however short
+    now = [0.0]
+    kept = cursors.Cursors(clock=lambda: now[0])
+    folder = Folder(keys_of(100))
+
+    def a_while() -> None:
+        now[0] += cursors.IDLE_S - 1  # never idle for long: old after six pages
+
+    seen = [k for page in walk(kept, folder, "live/", 5, a_while) for k in page]
+    assert seen == keys_of(100)
+    assert folder.listings == 4, "at the first page, then at the 7th, 13th and 19th"
+
+
+def test_an_older_listing_does_not_replace_a_newer_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two walks of one prefix end a page on the same key: the one listed later stays,
+    and the walk listed earlier goes on with it."""
+    monkeypatch.setattr(cursors, "MIN_KEYS", 50)
+    now = [0.0]
+    kept = cursors.Cursors(clock=lambda: now[0])
+    folder = Folder(keys_of(100))
+    old_rest = kept._take  # the first walk's listing, held while the second is taken
+    first, token = kept.page("live/", None, 10, listed=folder.listed, present=folder.present)
+    held = old_rest("live/", token)  # as if its next page were being served right now
+    assert held is not None
+    now[0] += 1
+    folder.keys.add("live/s_00050b")
+    second, _ = kept.page("live/", None, 10, listed=folder.listed, present=folder.present)
+    assert second == first
+    kept._keep("live/", token, held)  # the first walk's listing, put back: older
+    page, _ = kept.page("live/", token, 100, listed=folder.listed, present=folder.present)
+    assert "live/s_00050b" in page, "the newer listing was kept"
+
+
+def test_keys_handed_out_are_let_go_as_a_long_walk_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cursors, "MIN_KEYS", 50)
+    monkeypatch.setattr(cursors, "_COMPACT_AFTER", 40)
+    kept = cursors.Cursors()
+    folder = Folder(keys_of(100))
+    sizes: list[int] = []
+
+    def size() -> None:
+        sizes.extend(len(r.keys) for r in kept._kept.values())
+
+    seen = [k for page in walk(kept, folder, "live/", 10, size) for k in page]
+    assert seen == keys_of(100)
+    assert sizes[0] == 100 and min(sizes) < 60, sizes
+
+
+def test_at_most_max_keys_are_kept_across_walks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cursors, "MIN_KEYS", 50)
+    monkeypatch.setattr(cursors, "MAX_KEYS", 250)
+    kept = cursors.Cursors()
+    for prefix in ("a/", "b/", "c/"):
+        folder = Folder([f"{prefix}{i:05d}" for i in range(100)])
+        kept.page(prefix, None, 10, listed=folder.listed, present=folder.present)
+    assert [p for p, _ in kept._kept] == ["b/", "c/"]
+
+
 def test_the_local_store_walks_a_large_folder_with_one_listing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through the store: a walk of the live markers reads the folder once; a marker
-    removed meanwhile is not listed."""
+    removed meanwhile is not listed, one created meanwhile is not either. A plain
+    listing of the same folder is fresh at every page."""
     monkeypatch.setattr(cursors, "MIN_KEYS", 100)
     store = LocalObjectStore(str(tmp_path))
     live = tmp_path / "objects" / "live"
     live.mkdir(parents=True)
     for key in keys_of(500):
         (tmp_path / "objects" / key).touch()
+    (live / "s_00150~").touch()  # a stray file no key may name: listed, never fatal
     walks: list[str] = []
     real_walk = os.walk
 
@@ -134,16 +200,51 @@ def test_the_local_store_walks_a_large_folder_with_one_listing(
 
     monkeypatch.setattr(os, "walk", counted)
 
-    async def walk_live() -> list[str]:
+    async def through(pages: Callable[..., Awaitable[ListPage]]) -> list[str]:
         seen: list[str] = []
         token: str | None = None
         while True:
-            page = await store.list("live/", start_after=token, limit=100)
+            page = await pages("live/", start_after=token, limit=100)
             seen += page.keys
             if page.next_token is None:
                 return seen
             token = page.next_token
-            await store.delete("live/s_00499")
+            if len(seen) == 100:  # after the first page
+                await store.delete("live/s_00499")
+                await store.put("live/s_00300b", b"")
 
-    assert asyncio.run(walk_live()) == keys_of(499)
+    walked = asyncio.run(through(store.walk))
+    assert walked == sorted([*keys_of(499), "live/s_00150~"])
     assert walks == [str(live)]
+    walks.clear()
+    listed = asyncio.run(through(store.list))
+    assert "live/s_00300b" in listed and len(walks) == 6, "list: every page fresh"
+
+
+def test_the_live_and_ended_walks_of_repair_walk_the_local_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ObjectSnapshots`` pages its markers through ``walk`` where the store has it, and
+    through ``list`` (fresh at every page) where it has not."""
+    store = LocalObjectStore(str(tmp_path))
+    snapshots = ObjectSnapshots(store)
+    made = [asyncio.run(snapshots.create(snapshot())).session_id for _ in range(3)]
+    used: list[tuple[str, str]] = []
+    real_walk, real_list = store.walk, store.list
+
+    async def walked(prefix: str, **kwargs: Any) -> ListPage:
+        used.append(("walk", prefix))
+        return await real_walk(prefix, **kwargs)
+
+    async def listed(prefix: str, **kwargs: Any) -> ListPage:
+        used.append(("list", prefix))
+        return await real_list(prefix, **kwargs)
+
+    monkeypatch.setattr(store, "walk", walked)
+    monkeypatch.setattr(store, "list", listed)
+
+    async def live() -> list[str]:
+        return [h.session_id async for h in snapshots.list_live(now=NOW)]
+
+    assert sorted(asyncio.run(live())) == sorted(made)
+    assert ("walk", keys.LIVE) in used and ("list", keys.LIVE) not in used

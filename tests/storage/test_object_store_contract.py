@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from storage import blocking
 from storage.local_store import LocalObjectStore
 from storage.memory_store import MemoryObjectStore
 from storage.s3_store import S3ObjectStore
@@ -185,17 +186,22 @@ class TestS3ObjectStore(ObjectStoreContract):
         assert all(len(w) == 1 for w in winners.values()), winners
         await store.close()
 
-    async def test_twenty_requests_are_in_flight_at_once(self, s3_store: S3ObjectStore) -> None:
-        """Not asyncio's default pool (six threads on this 2-core machine): each request
-        waits on the network, and a repair or a busy replica has many to make."""
-        keys = [f"wide/{i}" for i in range(20)]
+    async def test_as_many_requests_as_the_pool_is_wide_are_in_flight_at_once(
+        self, s3_store: S3ObjectStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Not asyncio's default pool (``min(32, cores + 4)``: six threads on this 2-core
+        machine): each request waits on the network, and a repair or a busy replica has
+        many to make. Widened past 36 here, so that no default pool could pass."""
+        monkeypatch.setattr(blocking, "THREADS", 40)
+        monkeypatch.setattr(blocking, "_POOLS", {})
+        keys = [f"wide/{i}" for i in range(40)]
         for key in keys:
             await s3_store.put(key, b"x")
         together = threading.Barrier(len(keys), timeout=10)
         real_get = s3_store._client.get_object
 
         def get_object(**kwargs: object) -> object:
-            together.wait()  # broken if fewer than twenty are waiting at once
+            together.wait()  # broken if fewer than forty are waiting at once
             return real_get(**kwargs)  # type: ignore[arg-type]
 
         s3_store._client.get_object = get_object  # type: ignore[method-assign]

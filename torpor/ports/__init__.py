@@ -31,6 +31,7 @@ from torpor.ports.objects import (
     StagesCreates,
     StagesReplaces,
     StoredObject,
+    WalksObjects,
     already_durable,
 )
 from torpor.ports.observer import Observer
@@ -89,6 +90,7 @@ __all__ = [
     "TimerKind",
     "WaitBinding",
     "WaitIndex",
+    "WalksObjects",
     "Wanted",
     "already_durable",
 ]

@@ -70,10 +70,7 @@ class ObjectStore(Protocol):
     async def list(
         self, prefix: str, *, start_after: str | None = None, limit: int = 1000
     ) -> ListPage:
-        """Keys under ``prefix`` in lexicographic order, one page at a time. A key created
-        while a walk of many pages runs may be left out of it, as one created behind its
-        position always is (the local folder keeps a large walk's rest from its first
-        page, ``storage.cursors``); a key removed meanwhile is not listed after."""
+        """Keys under ``prefix`` in lexicographic order, one page at a time."""
         ...
 
     async def delete(self, key: str) -> None:
@@ -104,6 +101,21 @@ class MovesObjects(Protocol):
         that write is durable too (a session's live marker outlives no terminal
         snapshot a power cut could take back); the move may make it so, one flush for
         both. ``after.durable()`` is still the caller's to await."""
+        ...
+
+
+@runtime_checkable
+class WalksObjects(Protocol):
+    """A store with a cheaper way to walk a whole prefix than page after page of
+    ``list``: the local folder lists a large folder once per walk, not once per page
+    (``storage.cursors``). Stores without it are walked through ``list``."""
+
+    async def walk(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        """``list``, for a caller that pages through the whole prefix from its start,
+        passing each page's token back: a key created during the walk may be left out
+        (as one created behind its position always is), one removed is not listed after."""
         ...
 
 

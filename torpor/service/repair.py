@@ -20,7 +20,8 @@ leaves a timer behind when not.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import datetime, timedelta
 
 from torpor.deliveries import DeliveryStatus
@@ -40,7 +41,7 @@ AT_ONCE = 32
 
 
 async def _each(
-    items: AsyncIterator[SessionHeader],
+    items: AsyncGenerator[SessionHeader, None],
     work: Callable[[SessionHeader], Awaitable[None]],
     limit: int,
 ) -> None:
@@ -52,13 +53,17 @@ async def _each(
         nonlocal running
         while len(running) > until:
             done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()
+            # Every outcome read (two that failed together: the first raised, the other
+            # not left for asyncio to report as never retrieved).
+            failed = [exc for task in done if (exc := task.exception()) is not None]
+            if failed:
+                raise failed[0]
 
     try:
-        async for item in items:
-            await settle(limit - 1)
-            running.add(asyncio.ensure_future(work(item)))
+        async with contextlib.aclosing(items) as walk:
+            async for item in walk:
+                await settle(limit - 1)
+                running.add(asyncio.ensure_future(work(item)))
         await settle(0)
     finally:
         for task in running:
@@ -124,7 +129,7 @@ class IndexRepair:
         await index.mark_intact()
         return len(wanted), rebound, suspended
 
-    async def _headers(self, now: datetime) -> AsyncIterator[SessionHeader]:
+    async def _headers(self, now: datetime) -> AsyncGenerator[SessionHeader, None]:
         """The live sessions, then those that ended within the binding grace: the cost
         follows them, never every session the store ever held. (Sessions that ended
         before are not put back in the registry; their snapshots still answer reads.)"""
