@@ -4,8 +4,9 @@ A folder on disk cannot be read from a key onwards: every page of a listing read
 whole folder and sorted it again, so a walk of a large one cost its size once per page.
 Repair walks the live markers, one per sleeping session, a page of 1,000 at a time:
 1.52 s a page at a million markers here, about 25 minutes of listing alone, against
-5.2 s for the whole walk now (``bench/bench_listing.py``). A *walk* (``WalksObjects.walk``: a caller that pages
-through a whole prefix from its start, passing each page's token back) of more than
+5.2 s for the whole walk now (``bench/bench_listing.py``). A *walk*
+(``WalksObjects.walk``: a caller that pages through a whole prefix from its start,
+passing each page's token back) of more than
 ``MIN_KEYS`` keys now keeps the sorted rest of its first listing, found again by the key
 the page ended on; each next page takes its share of it, checking that each key is still
 there. So a walk shows the keys its first listing found, less those removed since, and

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, ParamSpec, TypeVar
 
-from storage import blanks, cursors, wal
+from storage import blanks, cursors, folder_pages, wal
 from storage.keys import check_object_key
 from torpor.errors import (
     ConfigError,
@@ -550,7 +550,8 @@ class LocalObjectStore:
         return keys
 
     def _list(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
-        return _page(self._listed(prefix), prefix, start_after, limit)
+        # In key order, visiting only the folders the page needs (``storage.folder_pages``).
+        return ListPage(*folder_pages.page_of(self._objects, prefix, start_after, limit))
 
     def _walk(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
         page, token = self._cursors.page(
