@@ -8,8 +8,11 @@ here), then walked a page of 1,000 at a time as ``ObjectSnapshots.list_live`` do
 once through ``LocalObjectStore.walk`` (the walk's rest kept between pages,
 ``storage.cursors``), once through ``list``, as before, every page listing and sorting
 the whole folder again, for ``--old-pages`` pages only, the whole walk's time
-extrapolated from them (it grows with the folder's size per page: quadratic). One run;
-medians of the per-page times.
+extrapolated from them (it grows with the folder's size per page: quadratic). Then
+retention's question every sweep, the first 100 ended markers of ``--days`` days of
+``--per-day`` each (``ended/{day}/{session}``), read in key order visiting only the
+folders it needs (``storage.folder_pages``) and as before (every day walked, every
+marker sorted). One run; medians.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from storage import local_store  # noqa: E402
 from storage.local_store import LocalObjectStore  # noqa: E402
 
 PAGE = 1000
@@ -60,6 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--old-pages", type=int, default=10)
+    parser.add_argument("--days", type=int, default=30, help="days of ended markers")
+    parser.add_argument("--per-day", type=int, default=3000, help="ended markers a day")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="torpor-listing-") as tmp:
         root = Path(tmp)
@@ -88,6 +94,32 @@ def main() -> None:
             "target: repair bounded by live sessions (each page's cost independent of the"
             " folder's size after the first)"
         )
+        ended_days(root, store, args.days, args.per_day)
+
+
+def ended_days(root: Path, store: LocalObjectStore, days: int, per_day: int) -> None:
+    """Retention's question every sweep: the first 100 ended markers (``ended/{day}/``),
+    read in key order visiting only the folders needed (``storage.folder_pages``), and as
+    before, every day's folder walked and every marker sorted (``local_store._page``)."""
+    for day in range(days):
+        folder = root / "objects" / "ended" / f"2026{1 + day // 28:02d}{1 + day % 28:02d}"
+        folder.mkdir(parents=True)
+        for i in range(per_day):
+            os.close(os.open(folder / f"s_{i:020d}", os.O_CREAT | os.O_WRONLY, 0o600))
+    now, before = [], []
+    for _ in range(5):
+        started = time.perf_counter()
+        page = store._list("ended/", None, 100)
+        now.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        old = local_store._page(store._listed("ended/"), "ended/", None, 100)
+        before.append(time.perf_counter() - started)
+        assert page == old
+    print(
+        f"retention's first page of {days} days x {per_day:,} ended markers: median"
+        f" {1000 * statistics.median(now):.2f} ms, against {1000 * statistics.median(before):.1f}"
+        f" ms walking every day ({statistics.median(before) / statistics.median(now):.0f} x)"
+    )
 
 
 if __name__ == "__main__":
