@@ -210,7 +210,12 @@ class Counting:
 
 
 class CountingStore(Counting, LocalObjectStore):
-    pass
+    async def walk(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        page = await super().walk(prefix, start_after=start_after, limit=limit)
+        self.listed += len(page.keys)
+        return page
 
 
 class CountingS3(Counting, S3ObjectStore):

@@ -69,8 +69,17 @@ class LatencyProxy:
         server_w: asyncio.StreamWriter | None = None
         try:
             server_r, server_w = await asyncio.open_connection(*self.target)
-            await asyncio.gather(self._pipe(client_r, server_w), self._pipe(server_r, client_w))
-        except (OSError, asyncio.IncompleteReadError):
+            pipes = [
+                asyncio.ensure_future(self._pipe(client_r, server_w)),
+                asyncio.ensure_future(self._pipe(server_r, client_w)),
+            ]
+            try:  # both ends of stream passed on, or the first that failed
+                await asyncio.wait(pipes, return_when=asyncio.FIRST_EXCEPTION)
+            finally:
+                for pipe in pipes:
+                    pipe.cancel()
+                await asyncio.gather(*pipes, return_exceptions=True)
+        except OSError:
             pass
         finally:
             self._connections.discard(task)

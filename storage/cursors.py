@@ -40,6 +40,7 @@ class _Rest:
     at: int
     taken_at: float  # when the folder was listed
     used_at: float
+    large: bool = False  # more than ``MIN_KEYS`` when listed: kept to its end
 
 
 class Cursors:
@@ -72,7 +73,7 @@ class Cursors:
                 for k in listed()
                 if k.startswith(prefix) and (start_after is None or k > start_after)
             )
-            rest = _Rest(found, 0, now, now)
+            rest = _Rest(found, 0, now, now, large=len(found) > MIN_KEYS)
         page: list[str] = []
         while rest.at < len(rest.keys) and len(page) < limit:
             key = rest.keys[rest.at]
@@ -81,12 +82,22 @@ class Cursors:
                 page.append(key)
         if rest.at >= len(rest.keys) or not page:
             return page, None
-        if len(rest.keys) > MIN_KEYS:
+        if rest.large:
             if rest.at >= _COMPACT_AFTER and 2 * rest.at >= len(rest.keys):
                 del rest.keys[: rest.at]  # now and then: amortized, not a copy per page
                 rest.at = 0
             self._keep(prefix, page[-1], rest)
+        else:
+            # Not kept, but no older listing left at this key either: another walk's
+            # next page would take it, and miss what was made since it was listed.
+            self._drop_older(prefix, page[-1], rest.taken_at)
         return page, page[-1]
+
+    def _drop_older(self, prefix: str, last: str, than: float) -> None:
+        with self._lock:
+            there = self._kept.get((prefix, last))
+            if there is not None and there.taken_at <= than:
+                del self._kept[(prefix, last)]
 
     def _expire(self, now: float) -> None:
         """Let go of listings idle or old (the lock is held)."""

@@ -31,6 +31,8 @@ def page_of(
     """The keys under ``prefix`` after ``start_after``, sorted, at most ``limit``, and the
     token for the next page (None at the end). ``root`` holds the keys as paths."""
     folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+    if folder and any(part in ("", ".", "..") for part in folder.split("/")):
+        return [], None  # spelled unlike any key ("a//", "a/./b/", "../"): names none
     found: list[str] = []
 
     def visit(path: str, rel: str) -> None:

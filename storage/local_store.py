@@ -544,7 +544,10 @@ class LocalObjectStore:
         folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = base / folder if folder else base
         keys: list[str] = []
-        for dirpath, _dirs, files in os.walk(top):
+        # A folder gone meanwhile is skipped (as ``folder_pages``); any other error of the
+        # disk is raised, never read as a folder holding nothing (repair would take a
+        # failing disk for one with no live session and mark the index intact).
+        for dirpath, _dirs, files in os.walk(top, onerror=_raise_unless_gone):
             rel = Path(dirpath).relative_to(base).as_posix()
             keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
         return keys
@@ -1016,6 +1019,11 @@ def _kernel() -> ctypes.CDLL | None:
         found = ctypes.CDLL(None, use_errno=True)
         _libc.append(found if getattr(found, "renameat2", None) is not None else None)
     return _libc[0]
+
+
+def _raise_unless_gone(exc: OSError) -> None:
+    if not isinstance(exc, FileNotFoundError | NotADirectoryError):
+        raise exc
 
 
 def _page(keys: list[str], prefix: str, start_after: str | None, limit: int) -> ListPage:

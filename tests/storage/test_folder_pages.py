@@ -91,3 +91,13 @@ def test_the_first_page_of_a_deep_prefix_reads_only_the_folders_it_needs(
     later = store._list("ended/", page.keys[-1], 100)
     assert later.keys[-1] == "ended/20261102/s_00049"
     assert read == ["ended", "20261101", "20261102"], "the days before were not read"
+
+
+@pytest.mark.parametrize("prefix", ["a//", "a/./", "./a/", "../", "a/../a/"])
+def test_a_prefix_spelled_unlike_any_key_names_none(tmp_path: Path, prefix: str) -> None:
+    """The old walk filtered such keys out by their spelling; one that walked the
+    folder they name would hand out keys no read accepts (or files outside the store)."""
+    (tmp_path / "objects" / "a").mkdir(parents=True)
+    (tmp_path / "objects" / "a" / "x").touch()
+    (tmp_path / "other").touch()
+    assert page_of(str(tmp_path / "objects"), prefix, None, 10) == ([], None)

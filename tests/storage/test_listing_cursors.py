@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from storage import cursors, keys
 from storage.local_store import LocalObjectStore
 from storage.snapshots import ObjectSnapshots
 from tests.support.factories import NOW, snapshot
+from torpor.errors import StorageUnavailable
 from torpor.ports import ListPage
 
 
@@ -247,3 +249,45 @@ def test_the_live_and_ended_walks_of_repair_walk_the_local_store(
 
     assert sorted(asyncio.run(live())) == sorted(made)
     assert ("walk", keys.LIVE) in used and ("list", keys.LIVE) not in used
+
+
+def test_a_walk_of_a_failing_disk_raises_rather_than_finding_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repair walks the live markers and then marks the index intact: a folder it could
+    not read must not read as one holding no live session."""
+    store = LocalObjectStore(str(tmp_path))
+    asyncio.run(store.put("live/s_00001", b""))
+    real = os.scandir
+    folder = str(tmp_path / "objects" / "live")
+
+    def failing(path: Any = ".") -> Any:
+        if str(path) == folder:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", failing)
+    with pytest.raises(StorageUnavailable):
+        asyncio.run(store.walk("live/"))
+    with pytest.raises(StorageUnavailable):
+        asyncio.run(store.list("live/"))
+
+
+def test_a_walk_not_kept_lets_go_of_an_older_listing_at_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An abandoned large walk left its listing at the key a later, smaller walk's first
+    page ends on: the later walk must not go on with it (it would miss keys made before
+    it began)."""
+    monkeypatch.setattr(cursors, "MIN_KEYS", 50)
+    now = [0.0]
+    kept = cursors.Cursors(clock=lambda: now[0])
+    folder = Folder(keys_of(100))
+    _, token = kept.page("live/", None, 10, listed=folder.listed, present=folder.present)
+    assert token == "live/s_00009" and len(kept._kept) == 1  # then abandoned
+    now[0] += 30
+    folder.keys -= set(keys_of(100)[40:])  # too few now for the later walk to be kept
+    folder.keys.add("live/s_00030b")
+    seen = [k for page in walk(kept, folder, "live/", 10, lambda: None) for k in page]
+    assert "live/s_00030b" in seen
+    assert seen == sorted(folder.keys)
