@@ -34,7 +34,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import boto3
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,14 +259,8 @@ async def objects_and_repair(
             store = CountingStore(root)
         else:
             s3.reset()
+            s3.create_bucket(BUCKET)
             boto = {**s3.boto_kwargs(), "endpoint_url": s3_endpoint or s3.endpoint}
-            boto3.client(
-                "s3",
-                endpoint_url=boto["endpoint_url"],
-                region_name=boto["region"],
-                aws_access_key_id=boto["access_key_id"],
-                aws_secret_access_key=boto["secret_access_key"],
-            ).create_bucket(Bucket=BUCKET)
             storage["object_store_url"] = f"s3://{BUCKET}/scale"
             storage["s3"] = {
                 "endpoint_url": boto["endpoint_url"],

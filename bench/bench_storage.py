@@ -104,17 +104,8 @@ async def main() -> None:
 
     server = S3TestServer().start()
     try:
-        import boto3
-
-        kw = server.boto_kwargs()
-        boto3.client(
-            "s3",
-            endpoint_url=kw["endpoint_url"],
-            region_name=kw["region"],
-            aws_access_key_id=kw["access_key_id"],
-            aws_secret_access_key=kw["secret_access_key"],
-        ).create_bucket(Bucket="bench")
-        s3 = S3ObjectStore("bench", "b", **kw)
+        server.create_bucket("bench")
+        s3 = S3ObjectStore("bench", "b", **server.boto_kwargs())
         remote = await round_trip_ms(s3, args.rounds)
         await s3.close()
     finally:

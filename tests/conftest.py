@@ -13,7 +13,6 @@ import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import boto3
 import pytest
 import redis
 
@@ -130,16 +129,7 @@ def s3_server() -> Iterator[S3TestServer]:
 
 
 def make_bucket(server: S3TestServer, bucket: str = BUCKET) -> None:
-    kwargs = server.boto_kwargs()
-    client = boto3.client(
-        "s3",
-        endpoint_url=kwargs["endpoint_url"],
-        region_name=kwargs["region"],
-        aws_access_key_id=kwargs["access_key_id"],
-        aws_secret_access_key=kwargs["secret_access_key"],
-    )
-    client.create_bucket(Bucket=bucket)
-    client.close()
+    server.create_bucket(bucket)
 
 
 @pytest.fixture

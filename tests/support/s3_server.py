@@ -115,6 +115,20 @@ class S3TestServer:
             "secret_access_key": "testing",
         }
 
+    def create_bucket(self, bucket: str) -> None:
+        import boto3  # ~100 ms: only the callers that make a bucket pay for it
+
+        kwargs = self.boto_kwargs()
+        client = boto3.client(
+            "s3",
+            endpoint_url=kwargs["endpoint_url"],
+            region_name=kwargs["region"],
+            aws_access_key_id=kwargs["access_key_id"],
+            aws_secret_access_key=kwargs["secret_access_key"],
+        )
+        client.create_bucket(Bucket=bucket)
+        client.close()
+
 
 if __name__ == "__main__":
     main()
