@@ -115,11 +115,16 @@ async def test_a_store_from_before_the_markers_is_backfilled_once(env: Env) -> N
 
 
 class InFlight:
-    """How many calls of one real method run at once, at most."""
+    """How many calls of one real method run at once, at most. The first calls wait (up
+    to a deadline) until ``together`` of them are in flight: repair run one session at
+    a time never gets there, and is let through after the deadline, once."""
 
-    def __init__(self, call: Callable[..., Awaitable[object]], fail_at: int = 0) -> None:
-        self.call, self.fail_at = call, fail_at
+    def __init__(
+        self, call: Callable[..., Awaitable[object]], *, together: int, fail_at: int = 0
+    ) -> None:
+        self.call, self.fail_at, self.together = call, fail_at, together
         self.now = self.most = self.calls = 0
+        self.met = asyncio.Event()
 
     async def __call__(self, *args: object, **kwargs: object) -> object:
         self.calls += 1
@@ -127,8 +132,14 @@ class InFlight:
             raise IndexUnavailable("the index went away mid-repair")
         self.now += 1
         self.most = max(self.most, self.now)
+        if self.now >= self.together:
+            self.met.set()
         try:
-            await asyncio.sleep(0.005)  # a round trip's worth: the others start meanwhile
+            if not self.met.is_set():
+                try:
+                    await asyncio.wait_for(self.met.wait(), timeout=2.0)
+                except TimeoutError:
+                    self.met.set()  # never together: the rest go straight through
             return await self.call(*args, **kwargs)
         finally:
             self.now -= 1
@@ -143,7 +154,7 @@ async def test_repair_rebinds_many_sessions_at_once_and_counts_each(
     sleeping = [await env.submit(doc=f"PR-M{i}") for i in range(12)]
     await Sweeper(env.control).sweep_once()
     await flush_index(redis_url, redis_prefix)
-    binds = InFlight(env.services.index.bind_wait)
+    binds = InFlight(env.services.index.bind_wait, together=4)
     monkeypatch.setattr(env.services.index, "bind_wait", binds)
     report = SweepReport()
     sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
@@ -167,7 +178,7 @@ async def test_a_repair_that_fails_on_one_session_raises_that_error_and_stops_th
         await env.submit(doc=f"PR-F{i}")
     await Sweeper(env.control).sweep_once()
     await flush_index(redis_url, redis_prefix)
-    binds = InFlight(env.services.index.bind_wait, fail_at=3)
+    binds = InFlight(env.services.index.bind_wait, together=4, fail_at=3)
     monkeypatch.setattr(env.services.index, "bind_wait", binds)
     sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
     with pytest.raises(IndexUnavailable):
