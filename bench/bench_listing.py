@@ -97,6 +97,15 @@ def main() -> None:
         ended_days(root, store, args.days, args.per_day)
 
 
+def every_key(base: Path, folder: str) -> list[str]:
+    """How ``list`` read a prefix before: every file under its folder, walked whole."""
+    keys: list[str] = []
+    for dirpath, _dirs, files in os.walk(base / folder):
+        rel = Path(dirpath).relative_to(base).as_posix()
+        keys.extend(f"{rel}/{name}" for name in files)
+    return keys
+
+
 def ended_days(root: Path, store: LocalObjectStore, days: int, per_day: int) -> None:
     """Retention's question every sweep: the first 100 ended markers (``ended/{day}/``),
     read in key order visiting only the folders needed (``storage.folder_pages``), and as
@@ -112,7 +121,7 @@ def ended_days(root: Path, store: LocalObjectStore, days: int, per_day: int) -> 
         page = store._list("ended/", None, 100)
         now.append(time.perf_counter() - started)
         started = time.perf_counter()
-        old = local_store._page(store._listed("ended/"), "ended/", None, 100)
+        old = local_store._page(every_key(root / "objects", "ended"), "ended/", None, 100)
         before.append(time.perf_counter() - started)
         assert page == old
     print(

@@ -3,8 +3,8 @@
 A folder on disk cannot be read from a key onwards: every page of a listing read the
 whole folder and sorted it again, so a walk of a large one cost its size once per page.
 Repair walks the live markers, one per sleeping session, a page of 1,000 at a time:
-1.52 s a page at a million markers here, about 25 minutes of listing alone, against
-5.2 s for the whole walk now (``bench/bench_listing.py``). A *walk*
+1.3-1.5 s a page at a million markers here, over 20 minutes of listing alone, against
+6.1 s for the whole walk now (``bench/bench_listing.py``). A *walk*
 (``WalksObjects.walk``: a caller that pages through a whole prefix from its start,
 passing each page's token back) of more than
 ``MIN_KEYS`` keys now keeps the sorted rest of its first listing, found again by the key
@@ -57,22 +57,18 @@ class Cursors:
         start_after: str | None,
         limit: int,
         *,
-        listed: Callable[[], list[str]],
+        listed: Callable[[str, str | None], list[str]],
         present: Callable[[str], bool],
     ) -> tuple[list[str], str | None]:
         """The page of keys under ``prefix`` after ``start_after`` (and the token for the
         next, None at the end): from the rest a walk's earlier page kept, else from
-        ``listed()`` (every key of the folder, in any order). ``present`` tells whether
-        a kept key still names an object."""
+        ``listed(prefix, start_after)`` (every key under the prefix after it, sorted).
+        ``present`` tells whether a kept key still names an object."""
         rest = self._take(prefix, start_after) if start_after is not None else None
         fresh = rest is None
         if rest is None:
             now = self._clock()
-            found = sorted(
-                k
-                for k in listed()
-                if k.startswith(prefix) and (start_after is None or k > start_after)
-            )
+            found = listed(prefix, start_after)
             rest = _Rest(found, 0, now, now, large=len(found) > MIN_KEYS)
         page: list[str] = []
         while rest.at < len(rest.keys) and len(page) < limit:

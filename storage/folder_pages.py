@@ -38,17 +38,20 @@ def page_of(
     def visit(path: str, rel: str) -> None:
         try:
             with os.scandir(path) as it:
-                # As ``os.walk`` has it: a link to a folder is a folder, never entered.
-                entries = [(e.name, e.is_dir(), e.is_symlink()) for e in it]
+                # A folder's name with its "/": plain strings sort in key order (a name
+                # holds no "/"). As ``os.walk`` has it, a link to a folder is a folder,
+                # never entered: left out.
+                entries = sorted(
+                    e.name if not e.is_dir() else e.name + "/"
+                    for e in it
+                    if not (e.is_symlink() and e.is_dir())
+                )
         except (FileNotFoundError, NotADirectoryError):
             return
-        entries.sort(key=lambda entry: entry[0] + "/" if entry[1] else entry[0])
-        for name, is_dir, is_link in entries:
-            key = f"{rel}/{name}" if rel else name
-            if is_dir:
-                if is_link:
-                    continue
-                below = key + "/"
+        for entry in entries:
+            key = f"{rel}/{entry}" if rel else entry
+            if entry.endswith("/"):
+                below = key  # every key in the folder starts with it
                 if not (below.startswith(prefix) or prefix.startswith(below)):
                     continue  # outside the prefix
                 if (
@@ -57,7 +60,7 @@ def page_of(
                     and not start_after.startswith(below)
                 ):
                     continue  # every key below sorts before ``start_after``
-                visit(f"{path}/{name}", key)
+                visit(f"{path}/{entry[:-1]}", key[:-1])
             elif key.startswith(prefix) and (start_after is None or key > start_after):
                 found.append(key)
                 if len(found) > limit:

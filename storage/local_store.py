@@ -54,6 +54,7 @@ import functools
 import hashlib
 import os
 import stat
+import sys
 import threading
 import time
 import weakref
@@ -537,32 +538,16 @@ class LocalObjectStore:
                 self._blanks.recycle(placed, old)
         return etag_of(data), ticket
 
-    def _listed(self, prefix: str) -> list[str]:
-        """Every key of the deepest folder ``prefix`` names, in any order (the caller
-        filters by the full prefix)."""
-        base = self.root / "objects"
-        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        top = base / folder if folder else base
-        keys: list[str] = []
-        # A folder gone meanwhile is skipped (as ``folder_pages``); any other error of the
-        # disk is raised, never read as a folder holding nothing (repair would take a
-        # failing disk for one with no live session and mark the index intact).
-        for dirpath, _dirs, files in os.walk(top, onerror=_raise_unless_gone):
-            rel = Path(dirpath).relative_to(base).as_posix()
-            keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
-        return keys
-
     def _list(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
         # In key order, visiting only the folders the page needs (``storage.folder_pages``).
         return ListPage(*folder_pages.page_of(self._objects, prefix, start_after, limit))
 
     def _walk(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
+        def listed(prefix: str, after: str | None) -> list[str]:  # read as a page of ``list``
+            return folder_pages.page_of(self._objects, prefix, after, sys.maxsize)[0]
+
         page, token = self._cursors.page(
-            prefix,
-            start_after,
-            limit,
-            listed=functools.partial(self._listed, prefix),
-            present=self._present,
+            prefix, start_after, limit, listed=listed, present=self._present
         )
         return ListPage(page, token)
 
@@ -1019,11 +1004,6 @@ def _kernel() -> ctypes.CDLL | None:
         found = ctypes.CDLL(None, use_errno=True)
         _libc.append(found if getattr(found, "renameat2", None) is not None else None)
     return _libc[0]
-
-
-def _raise_unless_gone(exc: OSError) -> None:
-    if not isinstance(exc, FileNotFoundError | NotADirectoryError):
-        raise exc
 
 
 def _page(keys: list[str], prefix: str, start_after: str | None, limit: int) -> ListPage:

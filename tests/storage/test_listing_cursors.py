@@ -27,9 +27,9 @@ class Folder:
         self.keys = set(keys)
         self.listings = 0
 
-    def listed(self) -> list[str]:
+    def listed(self, prefix: str, after: str | None) -> list[str]:
         self.listings += 1
-        return list(self.keys)
+        return sorted(k for k in self.keys if k.startswith(prefix) and (after is None or k > after))
 
     def present(self, key: str) -> bool:
         return key in self.keys
@@ -193,14 +193,15 @@ def test_the_local_store_walks_a_large_folder_with_one_listing(
     for key in keys_of(500):
         (tmp_path / "objects" / key).touch()
     (live / "s_00150~").touch()  # a stray file no key may name: listed, never fatal
-    walks: list[str] = []
-    real_walk = os.walk
+    reads: list[str] = []  # the live folder's, each time it is read whole
+    real_scandir = os.scandir
 
-    def counted(top: object, *args: object, **kwargs: object) -> Iterator[object]:
-        walks.append(str(top))
-        return real_walk(top, *args, **kwargs)  # type: ignore[call-overload,no-any-return]
+    def counted(path: Any = ".") -> Any:
+        if str(path) == str(live):
+            reads.append(str(path))
+        return real_scandir(path)
 
-    monkeypatch.setattr(os, "walk", counted)
+    monkeypatch.setattr(os, "scandir", counted)
 
     async def through(pages: Callable[..., Awaitable[ListPage]], added: str) -> list[str]:
         seen: list[str] = []
@@ -217,9 +218,11 @@ def test_the_local_store_walks_a_large_folder_with_one_listing(
 
     walked = asyncio.run(through(store.walk, "live/s_00300b"))
     assert walked == sorted([*keys_of(499), "live/s_00150~"])
-    assert walks == [str(live)]
+    assert reads == [str(live)]
+    reads.clear()
     listed = asyncio.run(through(store.list, "live/s_00300c"))
     assert "live/s_00300c" in listed, "list: every page fresh"
+    assert len(reads) >= 6, "list: the folder read again for every page (of six)"
 
 
 def test_the_live_and_ended_walks_of_repair_walk_the_local_store(
