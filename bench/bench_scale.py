@@ -276,7 +276,11 @@ async def objects_and_repair(
 
         async def one_sleeping() -> None:
             sid = new_session_id()
-            wait = template.waits[0].model_copy(update={"correlation_id": new_correlation_id()})
+            # Each its own business key, as a real wait's (a purchase request's number):
+            # repair then reads or writes each one's pointer.
+            wait = template.waits[0].model_copy(
+                update={"correlation_id": new_correlation_id(), "business_key": f"PR-{sid}"}
+            )
             snap = template.model_copy(update={"session_id": sid, "waits": [wait]})
             await snapshots.create(snap)
             await correlations.record(binding_of(snap, wait), business_key=wait.business_key)

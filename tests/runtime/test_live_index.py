@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 from storage import keys
+from storage.correlations import ObjectCorrelations
 from storage.snapshots import ObjectSnapshots
 from tests.runtime.test_sweeper import Recording, flush_index
 from tests.support.harness import Env, local_env
 from torpor.errors import IndexUnavailable
 from torpor.lifecycle import SessionState
+from torpor.models import DispatchStatus
 from torpor.ports import ListPage, ObjectStore, Reason, StoredObject
 from torpor.service import repair
 from torpor.service.sessions import SessionService
@@ -25,11 +27,12 @@ from torpor.service.sweeper import Sweeper, SweepReport
 
 
 class Reads:
-    """Wraps the store, recording which snapshots were read."""
+    """Wraps the store, recording which snapshots were read and which keys written."""
 
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
         self.snapshots_read: set[str] = set()
+        self.written: list[str] = []
 
     @property
     def url(self) -> str:
@@ -41,12 +44,15 @@ class Reads:
         return await self.inner.get(key, max_bytes=max_bytes)
 
     async def put(self, key: str, data: bytes) -> str:
+        self.written.append(key)
         return await self.inner.put(key, data)
 
     async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
+        self.written.append(key)
         return await self.inner.put_if_absent(key, data, durable=durable)
 
     async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
+        self.written.append(key)
         return await self.inner.put_if_match(key, data, etag=etag)
 
     async def list(
@@ -185,3 +191,95 @@ async def test_a_repair_that_fails_on_one_session_raises_that_error_and_stops_th
         await sweeper.repair(env.clock.now(), SweepReport())
     assert binds.now == 0, "the others were stopped before the error was raised"
     assert not await env.services.index.is_intact(), "not marked intact"
+
+
+async def repair_after_flush(env: Env, redis_url: str, redis_prefix: str) -> Reads:
+    """Flush the index and repair it, the correlation records read and written through
+    a store that counts what is written."""
+    await flush_index(redis_url, redis_prefix)
+    writes = Reads(env.services.store)
+    env.services.correlations = ObjectCorrelations(writes)
+    sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
+    await sweeper.repair(env.clock.now(), SweepReport())
+    return writes
+
+
+async def resolves(env: Env, sid: str) -> bool:
+    wait = (await env.load(sid)).waits[0]
+    found = await env.services.index.resolve(
+        tenant="acme", now=env.clock.now(), correlation_id=wait.correlation_id
+    )
+    by_key = await env.services.correlations.lookup_business_key(
+        tenant="acme", business_key=wait.business_key or ""
+    )
+    by_id = await env.services.correlations.lookup(wait.correlation_id)
+    return (
+        found is not None
+        and by_key is not None
+        and by_key.correlation_id == wait.correlation_id
+        and by_id is not None
+        and by_id.session_id == sid
+    )
+
+
+async def test_repair_writes_nothing_for_a_wait_whose_request_went_out(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    """Its durable record and business-key pointer were written before the request was
+    sent: rewriting them cost two flushed writes a session (most of a repair's time)."""
+    sleeping = [await env.submit(doc=f"PR-W{i}") for i in range(3)]
+    await Sweeper(env.control).sweep_once()
+    writes = await repair_after_flush(env, redis_url, redis_prefix)
+    assert writes.written == []
+    for sid in sleeping:
+        assert await resolves(env, sid)
+
+
+async def test_repair_records_a_wait_whose_suspend_died_before_binding(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    """Committed, its request not yet sent, its record never written (the process died
+    between the suspend's commit and its binding): repair writes the record and the
+    pointer, and binds it."""
+    sid = await env.submit(doc="PR-D")
+    await Sweeper(env.control).sweep_once()
+    snap = await env.load(sid)
+    [wait] = snap.waits
+    unsent = [
+        e.model_copy(update={"status": DispatchStatus.PENDING, "dispatched_at": None})
+        if e.correlation_id == wait.correlation_id
+        else e
+        for e in snap.outbox
+    ]
+    await env.services.snapshots.save(
+        snap.model_copy(update={"outbox": unsent}), expected_generation=snap.generation
+    )
+    store = env.services.store
+    for key in (
+        keys.correlation(wait.correlation_id),
+        keys.correlation_ref(sid, wait.correlation_id),
+        keys.business_key("acme", "PR-D"),
+    ):
+        await store.delete(key)
+    writes = await repair_after_flush(env, redis_url, redis_prefix)
+    assert keys.correlation(wait.correlation_id) in writes.written
+    assert keys.correlation_ref(sid, wait.correlation_id) in writes.written
+    assert await resolves(env, sid)
+
+
+async def test_repair_points_a_business_key_at_the_wait_the_index_gave_it_to(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    """The pointer may name another wait, or none (its write lost): it follows the
+    rebuilt index."""
+    elsewhere, lost = await env.submit(doc="PR-E"), await env.submit(doc="PR-L")
+    await Sweeper(env.control).sweep_once()
+    store = env.services.store
+    await store.put(keys.business_key("acme", "PR-E"), b"corr-of-another-wait")
+    await store.delete(keys.business_key("acme", "PR-L"))
+    writes = await repair_after_flush(env, redis_url, redis_prefix)
+    assert sorted(k for k in writes.written if k.startswith("business-keys/")) == sorted(
+        [keys.business_key("acme", "PR-E"), keys.business_key("acme", "PR-L")]
+    )
+    assert not any(k.startswith("correlations/") for k in writes.written)
+    assert await resolves(env, elsewhere) and await resolves(env, lost)

@@ -28,10 +28,15 @@ from torpor.deliveries import DeliveryStatus
 from torpor.errors import PluginNotFound, TorporError
 from torpor.lifecycle import WAITING_STATES, SessionState
 from torpor.models import SessionHeader, SessionSnapshot
-from torpor.ports import Reason, TimerKind
+from torpor.ports import Reason, TimerKind, WaitBinding
 from torpor.ports.services import Services
 from torpor.service.deliveries import timer_member
-from torpor.session.suspend import binding_of, poll_member, schedule_tool_timers
+from torpor.session.suspend import (
+    binding_of,
+    poll_member,
+    schedule_tool_timers,
+    unsent_starts,
+)
 from torpor.tools import LongRunningTool
 
 Request = Callable[[list[tuple[str, Reason]]], Awaitable[object]]
@@ -168,20 +173,30 @@ class IndexRepair:
         index = self.services.index
         grace = timedelta(seconds=self.services.settings.storage.binding_grace_s)
         rebound = 0
+        correlations = self.services.correlations
+        unsent = unsent_starts(snapshot)
         for wait in snapshot.waits:
             if await index.resolve(
                 tenant=snapshot.tenant, now=now, correlation_id=wait.correlation_id
             ):
                 continue
             binding = binding_of(snapshot, wait)
-            await self.services.correlations.record(binding, business_key=None)
+            # A wait whose request went out has its durable record: the suspend writes
+            # it before binding, and sends only after both. Written again anyway, two
+            # flushed writes a session were three quarters of a repair's time on the
+            # local folder (2,000 sleeping sessions: 8.1 s, 1.7 s without).
+            recorded = wait.correlation_id not in unsent
+            if not recorded:
+                await correlations.record(binding, business_key=None)
             took_key = await index.bind_wait(
                 binding, business_key=wait.business_key, grace=grace, now=now
             )
             if wait.business_key is not None and took_key:  # as the suspend did
-                await self.services.correlations.record_business_key(
-                    binding, business_key=wait.business_key
-                )
+                # The pointer follows the index: it may have named another wait (this
+                # one's suspend found the key taken, the lost index gave it here now).
+                pointed = recorded and await self._points_here(binding, wait.business_key)
+                if not pointed:
+                    await correlations.record_business_key(binding, business_key=wait.business_key)
             tool = self._long_running(snapshot, wait.tool_name)
             if tool is not None:  # a timer that fired already delivers nothing twice
                 await schedule_tool_timers(index, snapshot.session_id, wait, tool)
@@ -193,6 +208,12 @@ class IndexRepair:
                 )
             rebound += 1
         return rebound
+
+    async def _points_here(self, binding: WaitBinding, business_key: str) -> bool:
+        current = await self.services.correlations.lookup_business_key(
+            tenant=binding.tenant, business_key=business_key
+        )
+        return current is not None and current.correlation_id == binding.correlation_id
 
     async def _delivery_timers(self, tenant: str, now: datetime) -> None:
         """Every pending delivery gets its timer back; an earlier one (or a leased one

@@ -53,6 +53,17 @@ def binding_of(snapshot: SessionSnapshot, wait: Wait) -> WaitBinding:
     )
 
 
+def unsent_starts(snapshot: SessionSnapshot) -> set[str | None]:
+    """The waits whose request is still to be sent (by correlation id). A wait's durable
+    record and index entry are written before its request goes out (``bind_waits``):
+    any other open wait has both, the record for good."""
+    return {
+        e.correlation_id
+        for e in snapshot.outbox
+        if e.kind is OutboxKind.START and e.status is DispatchStatus.PENDING
+    }
+
+
 def tool_timer_member(session_id: str, correlation_id: str, name: str) -> str:
     """The TOOL timer entry of a wait: who, which wait, which of its tool's timers."""
     return f"{session_id}|{correlation_id}|{name}"
@@ -284,11 +295,7 @@ class Suspender:
         """Durable correlation record first, then the index: a callback that races the
         index still finds its session through the record."""
         snap = self.work.snap
-        pending_starts = {
-            e.correlation_id
-            for e in snap.outbox
-            if e.kind is OutboxKind.START and e.status is DispatchStatus.PENDING
-        }
+        pending_starts = unsent_starts(snap)
         grace = self.deps.config.binding_grace
         for wait in snap.waits:
             if wait.correlation_id not in pending_starts:
