@@ -13,16 +13,17 @@ one, or anything that fails to parse, raises a typed error and never a partial o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
 from torpor.errors import SnapshotCorrupt, SnapshotSchemaTooNew
-from torpor.models import SCHEMA_VERSION, SessionHeader, SessionSnapshot
+from torpor.models import SCHEMA_VERSION, SessionHeader, SessionSnapshot, WaitingSession
 
 MAGIC = b"TPS1"
 FLAG_ZLIB = 0x01
@@ -32,6 +33,7 @@ _PREAMBLE = struct.Struct(">4sBH")
 HEADER_READ_BYTES = 1024
 ZLIB_LEVEL = 6
 
+Decoded = TypeVar("Decoded", SessionSnapshot, WaitingSession)
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
 # version N → function that turns a version-N document into a version-(N+1) document.
 MIGRATIONS: dict[int, Migration] = {}
@@ -70,25 +72,53 @@ class SnapshotCodec:
         return header
 
     def decode(self, data: bytes, *, what: str = "snapshot") -> SessionSnapshot:
+        return self._decode_as(SessionSnapshot, data, what)
+
+    def decode_waiting(self, data: bytes, *, what: str = "snapshot") -> WaitingSession:
+        """The part of the snapshot repair needs (``WaitingSession``), the rest skipped."""
+        return self._decode_as(WaitingSession, data, what)
+
+    def _decode_as(self, model: type[Decoded], data: bytes, what: str) -> Decoded:
         header, body = self._split(data, what, need_body=True)
         try:
-            document = json.loads(zlib.decompress(body))
-        except (zlib.error, ValueError) as exc:
+            raw = zlib.decompress(body)
+        except zlib.error as exc:
+            raise SnapshotCorrupt(f"{what}: body does not decompress or parse ({exc})") from exc
+        decoded: Decoded | None = None
+        if header.schema_version == self.current_version:
+            # Parsed and validated in one pass by pydantic-core, the fields ``model`` does
+            # not name skipped unbuilt: half the time of ``json.loads`` then validating
+            # the dict for a whole snapshot. Anything it refuses, or a body of another
+            # version than its header says, takes the path below, which says why.
+            with contextlib.suppress(ValidationError):
+                decoded = model.model_validate_json(raw)
+            if decoded is not None and decoded.schema_version != self.current_version:
+                decoded = None
+        if decoded is None:
+            decoded = self._validate(model, self._document(raw, what), what)
+        if (decoded.session_id, decoded.generation) != (header.session_id, header.generation):
+            raise SnapshotCorrupt(f"{what}: header and body disagree on session or generation")
+        return decoded
+
+    def _document(self, raw: bytes, what: str) -> dict[str, Any]:
+        try:
+            document = json.loads(raw)
+        except ValueError as exc:
             raise SnapshotCorrupt(f"{what}: body does not decompress or parse ({exc})") from exc
         if not isinstance(document, dict):
             raise SnapshotCorrupt(f"{what}: body is not a JSON object")
-        document = self._upgrade(document, what)
+        return self._upgrade(document, what)
+
+    @staticmethod
+    def _validate(model: type[Decoded], document: dict[str, Any], what: str) -> Decoded:
         try:
-            snapshot = SessionSnapshot.model_validate(document)
+            return model.model_validate(document)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise SnapshotCorrupt(
                 f"{what}: invalid after upgrade at {where or '<root>'}: {first['msg']}"
             ) from exc
-        if (snapshot.session_id, snapshot.generation) != (header.session_id, header.generation):
-            raise SnapshotCorrupt(f"{what}: header and body disagree on session or generation")
-        return snapshot
 
     def _split(self, data: bytes, what: str, *, need_body: bool) -> tuple[SessionHeader, bytes]:
         if len(data) < _PREAMBLE.size:

@@ -28,7 +28,7 @@ from torpor.errors import (
 )
 from torpor.ids import session_id_ms
 from torpor.lifecycle import SessionState
-from torpor.models import SessionHeader, SessionSnapshot
+from torpor.models import SessionHeader, SessionSnapshot, WaitingSession
 from torpor.ports import MovesObjects, ObjectStore, Staged, StagesReplaces, WalksObjects
 
 ETAG_CACHE_SIZE = 4096
@@ -84,6 +84,13 @@ class ObjectSnapshots:
         )
         self._remember(session_id, snapshot.generation, obj.etag, snapshot.state)
         return snapshot
+
+    async def load_waiting(self, session_id: str) -> WaitingSession:
+        try:
+            obj = await self.store.get(keys.snapshot(session_id))
+        except ObjectNotFound:
+            raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
+        return self.codec.decode_waiting(obj.data, what=f"snapshot of {session_id}")
 
     async def load_stored(self, session_id: str) -> SessionSnapshot:
         """The snapshot as stored, its sealed history chunks left out (what retention

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from storage import keys
+from storage.codec import SnapshotCodec
 from storage.correlations import ObjectCorrelations
 from storage.snapshots import ObjectSnapshots
 from tests.runtime.test_sweeper import Recording, flush_index
-from tests.support.harness import Env, local_env
+from tests.support.harness import Env, callback, local_env
 from torpor.errors import IndexUnavailable
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus
@@ -283,3 +284,48 @@ async def test_repair_points_a_business_key_at_the_wait_the_index_gave_it_to(
     )
     assert not any(k.startswith("correlations/") for k in writes.written)
     assert await resolves(env, elsewhere) and await resolves(env, lost)
+
+
+async def test_repair_builds_no_whole_snapshot_of_a_sleeping_session(
+    env: Env, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It reads the waits, outbox and processed events only: validating the conversation
+    and tool log of every sleeping session was most of a repair's CPU."""
+    sleeping = [await env.submit(doc=f"PR-P{i}") for i in range(3)]
+    await Sweeper(env.control).sweep_once()
+
+    def whole(*args: object, **kwargs: object) -> None:
+        raise AssertionError("repair decoded a whole snapshot")
+
+    monkeypatch.setattr(SnapshotCodec, "decode", whole)
+    await repair_after_flush(env, redis_url, redis_prefix)
+    monkeypatch.undo()
+    for sid in sleeping:
+        assert await resolves(env, sid)
+
+
+@pytest.mark.parametrize("processed", [True, False])
+async def test_repair_reads_a_long_sessions_sealed_processed_events(
+    env: Env, redis_url: str, redis_prefix: str, processed: bool
+) -> None:
+    """An inbox event whose id was sealed into a history chunk is processed (no work
+    owed); one that is not, is work, and the session is activated."""
+    sid = await env.submit(doc="PR-C")
+    await Sweeper(env.control).sweep_once()
+    snap = await env.load(sid)
+    event = callback(sid, snap.waits[0], event_id="evt-old", data={}, at=env.clock.now())
+    await env.services.inbox.deliver(event)
+    ids = [f"older-{i}" for i in range(300)]
+    if processed:
+        ids[3] = event.key  # sealed (the stored tail holds the last 2 x 64 at most)
+    await env.services.snapshots.save(
+        snap.model_copy(update={"processed_events": [*snap.processed_events, *ids]}),
+        expected_generation=snap.generation,
+    )
+    stored = await env.services.snapshots.load_waiting(sid)
+    assert stored.chunks.processed_events and event.key not in stored.processed_events
+    await flush_index(redis_url, redis_prefix)
+    activator = Recording()
+    sweeper = Sweeper(SessionService(env.services, activator))  # type: ignore[arg-type]
+    await sweeper.repair(env.clock.now(), SweepReport())
+    assert ((sid, Reason.REPAIR) in activator.requests) is not processed

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from storage.codec import _PREAMBLE, FLAG_ZLIB, MAGIC, SnapshotCodec
 from tests.support.factories import busy_snapshot, snapshot
 from torpor.errors import SnapshotCorrupt, SnapshotSchemaTooNew
-from torpor.models import SCHEMA_VERSION
+from torpor.models import SCHEMA_VERSION, SessionSnapshot, WaitingSession
 
 
 def test_round_trip_is_exact() -> None:
@@ -138,3 +138,45 @@ def test_any_single_byte_damage_is_caught_or_harmless(position: int, value: int)
         return
     # Damage the codec cannot see must at least not produce a different session.
     assert decoded.session_id == snap.session_id and decoded.generation == snap.generation
+
+
+def test_the_waiting_part_holds_what_the_whole_snapshot_does() -> None:
+    codec = SnapshotCodec()
+    snap = busy_snapshot(12).model_copy(update={"processed_events": ["e1", "e2"]})
+    whole, waiting = codec.decode(codec.encode(snap)), codec.decode_waiting(codec.encode(snap))
+    assert waiting.model_dump() == whole.model_dump(include=set(WaitingSession.model_fields))
+    assert waiting.waits == snap.waits and waiting.processed_events == ["e1", "e2"]
+
+
+def test_the_waiting_part_skips_the_conversation() -> None:
+    """Repair's read builds none of it: a message the whole snapshot refuses is not even
+    looked at."""
+    snap = busy_snapshot(5)
+    doc = json.loads(snap.model_dump_json())
+    doc["messages"][0]["role"] = "robot"
+    data = _encode_document(doc, _header_of(snap))
+    with pytest.raises(SnapshotCorrupt, match="messages"):
+        SnapshotCodec().decode(data)
+    assert SnapshotCodec().decode_waiting(data).waits == snap.waits
+
+
+def test_a_body_older_than_its_header_says_is_still_migrated() -> None:
+    """The one-pass read trusts neither the header's version nor a body that validates
+    with the wrong version: either way the body is upgraded first."""
+    snap = busy_snapshot(5)
+    doc = json.loads(snap.model_dump_json())
+    doc["schema_version"] = 0
+    doc["wait"] = doc.pop("waits")[0]
+
+    def v0_to_v1(d: dict[str, Any]) -> dict[str, Any]:
+        d["waits"] = [d.pop("wait")] if d.get("wait") else []
+        return d
+
+    codec = SnapshotCodec(current_version=1, migrations={0: v0_to_v1})
+    data = _encode_document(doc, _header_of(snap))  # the header says version 1
+    assert codec.decode(data) == snap
+    assert codec.decode_waiting(data).waits == snap.waits
+
+
+def _header_of(snap: SessionSnapshot) -> dict[str, Any]:
+    return json.loads(SnapshotCodec().decode_header(SnapshotCodec().encode(snap)).model_dump_json())

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
     from torpor.events import InboxEvent
     from torpor.lifecycle import SessionState
-    from torpor.models import SessionHeader, SessionSnapshot
+    from torpor.models import SessionHeader, SessionSnapshot, WaitingSession
     from torpor.ports.index import WaitBinding
 
 
@@ -27,6 +27,12 @@ class SnapshotRepository(Protocol):
 
     async def load(self, session_id: str) -> SessionSnapshot:
         """Raise ``SessionNotFound`` if there is no such session."""
+        ...
+
+    async def load_waiting(self, session_id: str) -> WaitingSession:
+        """What repair needs of the session (its waits, outbox and the processed event ids
+        held in the snapshot), read without its conversation and tool log. Raise
+        ``SessionNotFound`` if there is no such session."""
         ...
 
     async def save(self, snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:

@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 from torpor.deliveries import DeliveryStatus
 from torpor.errors import PluginNotFound, TorporError
 from torpor.lifecycle import WAITING_STATES, SessionState
-from torpor.models import SessionHeader, SessionSnapshot
+from torpor.models import SessionHeader, WaitingSession
 from torpor.ports import Reason, TimerKind, WaitBinding
 from torpor.ports.services import Services
 from torpor.service.deliveries import timer_member
@@ -40,7 +40,7 @@ from torpor.session.suspend import (
 from torpor.tools import LongRunningTool
 
 Request = Callable[[list[tuple[str, Reason]]], Awaitable[object]]
-PollTool = Callable[[SessionSnapshot, str], LongRunningTool | None]
+PollTool = Callable[[WaitingSession, str], LongRunningTool | None]
 PAGE = 200
 AT_ONCE = 32
 
@@ -115,7 +115,7 @@ class IndexRepair:
             elif not self._may_owe_work(header, now):
                 return
             try:
-                snapshot = await self.services.snapshots.load(header.session_id)
+                snapshot = await self.services.snapshots.load_waiting(header.session_id)
             except TorporError as exc:
                 errors.append(f"repair {header.session_id}: {exc}")
                 return
@@ -154,22 +154,23 @@ class IndexRepair:
         horizon = timedelta(seconds=self.services.settings.storage.binding_grace_s)
         return header.updated_at >= now - horizon
 
-    async def _owes_work(self, snapshot: SessionSnapshot) -> bool:
+    async def _owes_work(self, snapshot: WaitingSession) -> bool:
         if snapshot.pending_outbox():
             return True
-        pending = await self.services.inbox.pending(
-            snapshot.session_id, processed=set(snapshot.processed_events)
-        )
+        processed = snapshot.processed_events
+        if snapshot.chunks.processed_events:  # a long session's older ids, sealed apart
+            processed = (await self.services.snapshots.load(snapshot.session_id)).processed_events
+        pending = await self.services.inbox.pending(snapshot.session_id, processed=set(processed))
         return bool(pending)
 
-    def _long_running(self, snapshot: SessionSnapshot, name: str) -> LongRunningTool | None:
+    def _long_running(self, snapshot: WaitingSession, name: str) -> LongRunningTool | None:
         try:
             tool = self.services.plugins.agent(snapshot.agent.name).tools.get(name)
         except PluginNotFound:
             return None
         return tool if isinstance(tool, LongRunningTool) else None
 
-    async def _rebind(self, snapshot: SessionSnapshot, now: datetime) -> int:
+    async def _rebind(self, snapshot: WaitingSession, now: datetime) -> int:
         index = self.services.index
         grace = timedelta(seconds=self.services.settings.storage.binding_grace_s)
         rebound = 0

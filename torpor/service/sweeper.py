@@ -37,7 +37,7 @@ from datetime import datetime, timedelta
 from torpor.backoff import Backoff
 from torpor.errors import PluginNotFound, SessionNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
-from torpor.models import SessionSnapshot
+from torpor.models import SessionSnapshot, WaitingSession
 from torpor.ports import Reason, TimerKind, WaitBinding
 from torpor.service.batches import BatchService
 from torpor.service.coalescing import Fallback, request_activation
@@ -352,7 +352,9 @@ class Sweeper:
             )
         await index.unschedule(kind=TimerKind.TOOL, member=member, if_at=until)
 
-    def _tool(self, snapshot: SessionSnapshot, name: str) -> LongRunningTool | None:
+    def _tool(
+        self, snapshot: SessionSnapshot | WaitingSession, name: str
+    ) -> LongRunningTool | None:
         try:
             tool = self.services.plugins.agent(snapshot.agent.name).tools.get(name)
         except PluginNotFound:

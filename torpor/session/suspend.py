@@ -32,6 +32,7 @@ from torpor.models import (
     ToolCall,
     ToolCallFunction,
     Wait,
+    WaitingSession,
 )
 from torpor.plugins import LoadedAgent
 from torpor.ports import TimerIndex, TimerKind, WaitBinding
@@ -41,7 +42,7 @@ from torpor.tools import LongRunningTool, MemberPlan, WaitPlan
 log = logging.getLogger(__name__)
 
 
-def binding_of(snapshot: SessionSnapshot, wait: Wait) -> WaitBinding:
+def binding_of(snapshot: SessionSnapshot | WaitingSession, wait: Wait) -> WaitBinding:
     """What the index and the correlation record know about ``wait``."""
     return WaitBinding(
         tenant=snapshot.tenant,
@@ -53,7 +54,7 @@ def binding_of(snapshot: SessionSnapshot, wait: Wait) -> WaitBinding:
     )
 
 
-def unsent_starts(snapshot: SessionSnapshot) -> set[str | None]:
+def unsent_starts(snapshot: SessionSnapshot | WaitingSession) -> set[str | None]:
     """The waits whose request is still to be sent (by correlation id). A wait's durable
     record and index entry are written before its request goes out (``bind_waits``):
     any other open wait has both, the record for good."""
