@@ -19,6 +19,7 @@ from storage.snapshots import ObjectSnapshots
 from tests.runtime.test_sweeper import Recording, flush_index
 from tests.support.harness import Env, callback, local_env
 from torpor.errors import IndexUnavailable
+from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus
 from torpor.ports import ListPage, ObjectStore, Reason, StoredObject
@@ -329,3 +330,31 @@ async def test_repair_reads_a_long_sessions_sealed_processed_events(
     sweeper = Sweeper(SessionService(env.services, activator))  # type: ignore[arg-type]
     await sweeper.repair(env.clock.now(), SweepReport())
     assert ((sid, Reason.REPAIR) in activator.requests) is not processed
+
+
+async def test_the_sweeps_read_a_due_sessions_waits_without_its_conversation(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll and an SLA deadline fall due, and the sweep acts on both though no whole
+    snapshot can be decoded: it reads each due session's waits only (its conversation
+    and tool log were most of the CPU of reading one)."""
+    sid = await env.submit(doc="PR-T")
+    activator = Recording()
+    sweeper = Sweeper(SessionService(env.services, activator))  # type: ignore[arg-type]
+    await sweeper.sweep_once(env.clock.now())
+    [wait] = (await env.load(sid)).waits
+
+    def whole(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a sweep decoded a whole snapshot")
+
+    monkeypatch.setattr(SnapshotCodec, "decode", whole)
+    await env.world.decide("PR-T", {"status": "approved"})
+    env.clock.advance(2 * wait.expected_duration_s + 1)  # overdue: polled, and answered
+    report = await sweeper.sweep_once(env.clock.now())
+    assert (report.polls, report.poll_hits, report.errors) == (1, 1, [])
+    polled = event_key(f"poll:{wait.tool_name}", f"poll:{wait.correlation_id}")
+    assert await env.services.inbox.find(sid, polled) is not None
+    env.clock.advance(3600)  # past its SLA deadline
+    report = await sweeper.sweep_once(env.clock.now())
+    assert report.timeouts == 1 and report.errors == []
+    assert (sid, Reason.TIMEOUT) in activator.requests

@@ -37,7 +37,7 @@ from datetime import datetime, timedelta
 from torpor.backoff import Backoff
 from torpor.errors import PluginNotFound, SessionNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
-from torpor.models import SessionSnapshot, WaitingSession
+from torpor.models import WaitingSession
 from torpor.ports import Reason, TimerKind, WaitBinding
 from torpor.service.batches import BatchService
 from torpor.service.coalescing import Fallback, request_activation
@@ -198,7 +198,7 @@ class Sweeper:
         until its grace ran out. Safe because a wait is bound only after the commit that
         opened it, and a correlation id never names a wait again once it closed."""
         try:
-            snapshot = await self.services.snapshots.load(session_id)
+            snapshot = await self.services.snapshots.load_waiting(session_id)
         except TorporError:
             return True  # cannot tell: the activation decides, as it always did
         open_ids = {w.correlation_id for w in snapshot.waits}
@@ -269,7 +269,7 @@ class Sweeper:
             await index.unschedule(kind=TimerKind.POLL, member=member)
             return
         try:
-            snapshot = await self.services.snapshots.load(session_id)
+            snapshot = await self.services.snapshots.load_waiting(session_id)
         except SessionNotFound:
             await index.unschedule(kind=TimerKind.POLL, member=member)
             return
@@ -333,7 +333,7 @@ class Sweeper:
         index = self.services.index
         session_id, correlation_id, name = [*member.split("|", 2), "", ""][:3]
         try:
-            snapshot = await self.services.snapshots.load(session_id)
+            snapshot = await self.services.snapshots.load_waiting(session_id)
         except SessionNotFound:
             snapshot = None
         wait = snapshot.wait_for(correlation_id) if snapshot is not None else None
@@ -352,9 +352,7 @@ class Sweeper:
             )
         await index.unschedule(kind=TimerKind.TOOL, member=member, if_at=until)
 
-    def _tool(
-        self, snapshot: SessionSnapshot | WaitingSession, name: str
-    ) -> LongRunningTool | None:
+    def _tool(self, snapshot: WaitingSession, name: str) -> LongRunningTool | None:
         try:
             tool = self.services.plugins.agent(snapshot.agent.name).tools.get(name)
         except PluginNotFound:
