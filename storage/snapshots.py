@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
 from storage import chunks, keys
 from storage.codec import HEADER_READ_BYTES, SnapshotCodec
@@ -32,6 +33,7 @@ from torpor.models import SessionHeader, SessionSnapshot, WaitingSession
 from torpor.ports import MovesObjects, ObjectStore, Staged, StagesReplaces, WalksObjects
 
 ETAG_CACHE_SIZE = 4096
+Live = TypeVar("Live", SessionHeader, WaitingSession)
 # A live marker with no snapshot this long after its session id was made is a create
 # that failed, not one still under way.
 STALE_MARKER = timedelta(hours=1)
@@ -188,13 +190,28 @@ class ObjectSnapshots:
         one whose snapshot never came (a create that failed) is dropped once the create
         is long over. The first call on a store written before markers existed lists
         every snapshot once to write them."""
+        async for header in self._live(self.header, now, concurrency):
+            yield header
+
+    async def list_live_waiting(
+        self, *, now: datetime, concurrency: int = 16
+    ) -> AsyncIterator[WaitingSession]:
+        """As ``list_live``, each session read once, whole (``load_waiting``): repair needs
+        the waits of nearly every one, and read a ranged header and then the whole object
+        (two requests a session to S3)."""
+        async for session in self._live(self.load_waiting, now, concurrency):
+            yield session
+
+    async def _live(
+        self, read: Callable[[str], Awaitable[Live]], now: datetime, concurrency: int
+    ) -> AsyncIterator[Live]:
         await self._backfill_markers()
         gate = asyncio.Semaphore(concurrency)
 
-        async def one(sid: str) -> SessionHeader | None:
+        async def one(sid: str) -> Live | None:
             async with gate:
                 try:
-                    header = await self.header(sid)
+                    found = await read(sid)
                 except SessionNotFound:
                     born = session_id_ms(sid)
                     if born is None or born < (now - STALE_MARKER).timestamp() * 1000:
@@ -202,16 +219,16 @@ class ObjectSnapshots:
                     return None
                 except SnapshotCorrupt:
                     return None  # ``load`` reports it loudly
-            if header.state.terminal:
-                await self._finish_ending(sid, header.updated_at)
+            if found.state.terminal:
+                await self._finish_ending(sid, found.updated_at)
                 return None
-            return header
+            return found
 
         async for page in self._pages(keys.LIVE, 1000):
             ids = [k.removeprefix(keys.LIVE) for k in page]
-            for header in await asyncio.gather(*(one(sid) for sid in ids)):
-                if header is not None:
-                    yield header
+            for found in await asyncio.gather(*(one(sid) for sid in ids)):
+                if found is not None:
+                    yield found
 
     async def _finish_ending(self, sid: str, at: datetime) -> None:
         """The move of an ended session's live marker that its last commit did not finish

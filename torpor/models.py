@@ -418,6 +418,7 @@ class WaitingSession(_OpenWork, BaseModel):
     outbox: list[OutboxEntry] = Field(default_factory=list)
     processed_events: list[str] = Field(default_factory=list)
     chunks: HistoryChunks = Field(default_factory=HistoryChunks)
+    updated_at: datetime
 
 
 # A session waiting on more waits than this has no wait routes in its header (the edge

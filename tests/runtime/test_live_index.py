@@ -6,6 +6,7 @@ Real Redis (flushed for real), a local folder for objects."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +35,7 @@ class Reads:
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
         self.snapshots_read: set[str] = set()
+        self.reads: Counter[str] = Counter()
         self.written: list[str] = []
 
     @property
@@ -43,6 +45,7 @@ class Reads:
     async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
         if key.startswith(keys.SNAPSHOTS):
             self.snapshots_read.add(keys.session_id_of_snapshot(key))
+        self.reads[key] += 1
         return await self.inner.get(key, max_bytes=max_bytes)
 
     async def put(self, key: str, data: bytes) -> str:
@@ -99,6 +102,8 @@ async def test_repair_after_a_flush_finds_exactly_the_live_sessions(
 
     assert report.repaired_waits == len(sleeping) and report.suspended == len(sleeping)
     assert reads.snapshots_read == set(sleeping), "no ended session's snapshot was read"
+    # Once each: not a ranged read of its header and then the whole object.
+    assert {reads.reads[keys.snapshot(sid)] for sid in sleeping} == {1}
     states = await env.services.index.session_states(sleeping + old)
     assert states == {sid: SessionState.SUSPENDED for sid in sleeping}
     for sid in sleeping:  # the waits answer again through the rebuilt index

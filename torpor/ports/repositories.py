@@ -54,6 +54,11 @@ class SnapshotRepository(Protocol):
         not every session ever stored."""
         ...
 
+    def list_live_waiting(self, *, now: datetime) -> AsyncIterator[WaitingSession]:
+        """As ``list_live``, with what repair needs of each (``load_waiting``), each
+        session's snapshot read once."""
+        ...
+
     def list_ended(self, *, since: datetime, now: datetime) -> AsyncIterator[SessionHeader]:
         """Headers of the sessions that ended between ``since`` and ``now`` (by day)."""
         ...

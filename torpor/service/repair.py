@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from torpor.deliveries import DeliveryStatus
 from torpor.errors import PluginNotFound, TorporError
@@ -41,13 +42,14 @@ from torpor.tools import LongRunningTool
 
 Request = Callable[[list[tuple[str, Reason]]], Awaitable[object]]
 PollTool = Callable[[WaitingSession, str], LongRunningTool | None]
+Item = TypeVar("Item")
 PAGE = 200
 AT_ONCE = 32
 
 
 async def _each(
-    items: AsyncGenerator[SessionHeader, None],
-    work: Callable[[SessionHeader], Awaitable[None]],
+    items: AsyncGenerator[Item, None],
+    work: Callable[[Item], Awaitable[None]],
     limit: int,
 ) -> None:
     """``work`` on every item, up to ``limit`` at once, the items read as room frees up;
@@ -95,7 +97,7 @@ class IndexRepair:
         tenants: set[str] = set()
         rebound = suspended = 0
 
-        async def one(header: SessionHeader) -> None:
+        async def one(header: SessionHeader | WaitingSession) -> None:
             nonlocal rebound, suspended
             tenants.add(header.tenant)
             await index.record_session(
@@ -114,11 +116,14 @@ class IndexRepair:
                 suspended += 1
             elif not self._may_owe_work(header, now):
                 return
-            try:
-                snapshot = await self.services.snapshots.load_waiting(header.session_id)
-            except TorporError as exc:
-                errors.append(f"repair {header.session_id}: {exc}")
-                return
+            if isinstance(header, WaitingSession):
+                snapshot = header
+            else:
+                try:
+                    snapshot = await self.services.snapshots.load_waiting(header.session_id)
+                except TorporError as exc:
+                    errors.append(f"repair {header.session_id}: {exc}")
+                    return
             if not snapshot.terminal:
                 # Awaited first: ``rebound += await ...`` reads the total before the
                 # wait, and the others running meanwhile add to it.
@@ -127,25 +132,28 @@ class IndexRepair:
             if await self._owes_work(snapshot):
                 wanted.append((snapshot.session_id, Reason.REPAIR))
 
-        await _each(self._headers(now), one, AT_ONCE)
+        await _each(self._sessions(now), one, AT_ONCE)
         for tenant in sorted(tenants):
             await self._delivery_timers(tenant, now)
         await self.request(wanted)
         await index.mark_intact()
         return len(wanted), rebound, suspended
 
-    async def _headers(self, now: datetime) -> AsyncGenerator[SessionHeader, None]:
-        """The live sessions, then those that ended within the binding grace: the cost
-        follows them, never every session the store ever held. (Sessions that ended
-        before are not put back in the registry; their snapshots still answer reads.)"""
+    async def _sessions(
+        self, now: datetime
+    ) -> AsyncGenerator[SessionHeader | WaitingSession, None]:
+        """The live sessions (each read once, whole: nearly all are waiting), then the
+        headers of those that ended within the binding grace: the cost follows them,
+        never every session the store ever held. (Sessions that ended before are not put
+        back in the registry; their snapshots still answer reads.)"""
         snapshots = self.services.snapshots
-        async for header in snapshots.list_live(now=now):
-            yield header
+        async for session in snapshots.list_live_waiting(now=now):
+            yield session
         horizon = timedelta(seconds=self.services.settings.storage.binding_grace_s)
         async for header in snapshots.list_ended(since=now - horizon, now=now):
             yield header
 
-    def _may_owe_work(self, header: SessionHeader, now: datetime) -> bool:
+    def _may_owe_work(self, header: SessionHeader | WaitingSession, now: datetime) -> bool:
         """A waiting session always may; a finished one only if it ended recently:
         its outbox work (compensations, notifications) gives up within hours, so older
         ones are not worth reading every snapshot for."""
