@@ -56,9 +56,15 @@ class ObjectCorrelations:
             return None
 
     async def lookup_business_key(self, *, tenant: str, business_key: str) -> WaitBinding | None:
+        correlation_id = await self.business_key_target(tenant=tenant, business_key=business_key)
+        if correlation_id is None:
+            return None
+        binding = await self.lookup(correlation_id)
+        return binding if binding is not None and binding.tenant == tenant else None
+
+    async def business_key_target(self, *, tenant: str, business_key: str) -> str | None:
         try:
             obj = await self.store.get(keys.business_key(tenant, business_key))
         except ObjectNotFound:
             return None
-        binding = await self.lookup(obj.data.decode(errors="replace"))
-        return binding if binding is not None and binding.tenant == tenant else None
+        return obj.data.decode(errors="replace")

@@ -154,6 +154,11 @@ class CorrelationRepository(Protocol):
         self, *, tenant: str, business_key: str
     ) -> WaitBinding | None: ...
 
+    async def business_key_target(self, *, tenant: str, business_key: str) -> str | None:
+        """The correlation id the business key's pointer names (one read; its record
+        not read)."""
+        ...
+
 
 class BatchRepository(Protocol):
     """Batch manifests (written once, before the sessions), their documents, the fan-out

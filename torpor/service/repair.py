@@ -219,10 +219,10 @@ class IndexRepair:
         return rebound
 
     async def _points_here(self, binding: WaitBinding, business_key: str) -> bool:
-        current = await self.services.correlations.lookup_business_key(
+        target = await self.services.correlations.business_key_target(
             tenant=binding.tenant, business_key=business_key
         )
-        return current is not None and current.correlation_id == binding.correlation_id
+        return target == binding.correlation_id
 
     async def _delivery_timers(self, tenant: str, now: datetime) -> None:
         """Every pending delivery gets its timer back; an earlier one (or a leased one
