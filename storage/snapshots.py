@@ -190,35 +190,46 @@ class ObjectSnapshots:
         one whose snapshot never came (a create that failed) is dropped once the create
         is long over. The first call on a store written before markers existed lists
         every snapshot once to write them."""
-        async for header in self._live(self.header, now, concurrency):
+        async for header in self._live(self.header, now, concurrency, or_header=False):
             yield header
 
     async def list_live_waiting(
         self, *, now: datetime, concurrency: int = 16
-    ) -> AsyncIterator[WaitingSession]:
+    ) -> AsyncIterator[WaitingSession | SessionHeader]:
         """As ``list_live``, each session read once, whole (``load_waiting``): repair needs
         the waits of nearly every one, and read a ranged header and then the whole object
-        (two requests a session to S3)."""
-        async for session in self._live(self.load_waiting, now, concurrency):
+        (two requests a session to S3). A session whose body cannot be read comes as its
+        header, for the reader to report when it loads it."""
+        async for session in self._live(self.load_waiting, now, concurrency, or_header=True):
             yield session
 
     async def _live(
-        self, read: Callable[[str], Awaitable[Live]], now: datetime, concurrency: int
-    ) -> AsyncIterator[Live]:
+        self,
+        read: Callable[[str], Awaitable[Live]],
+        now: datetime,
+        concurrency: int,
+        *,
+        or_header: bool,
+    ) -> AsyncIterator[Live | SessionHeader]:
         await self._backfill_markers()
         gate = asyncio.Semaphore(concurrency)
 
-        async def one(sid: str) -> Live | None:
+        async def one(sid: str) -> Live | SessionHeader | None:
             async with gate:
                 try:
-                    found = await read(sid)
+                    found: Live | SessionHeader = await read(sid)
                 except SessionNotFound:
                     born = session_id_ms(sid)
                     if born is None or born < (now - STALE_MARKER).timestamp() * 1000:
                         await self.store.delete(keys.live(sid))
                     return None
                 except SnapshotCorrupt:
-                    return None  # ``load`` reports it loudly
+                    if not or_header:
+                        return None  # ``load`` reports it loudly
+                    try:
+                        found = await self.header(sid)
+                    except (SessionNotFound, SnapshotCorrupt):
+                        return None
             if found.state.terminal:
                 await self._finish_ending(sid, found.updated_at)
                 return None

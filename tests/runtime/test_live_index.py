@@ -363,3 +363,21 @@ async def test_the_sweeps_read_a_due_sessions_waits_without_its_conversation(
     report = await sweeper.sweep_once(env.clock.now())
     assert report.timeouts == 1 and report.errors == []
     assert (sid, Reason.TIMEOUT) in activator.requests
+
+
+async def test_repair_reports_a_sleeping_session_whose_snapshot_body_is_damaged(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    """Its header still reads: the walk hands it over as a header, and repair names it
+    among its errors (the others are repaired) rather than passing it over in silence."""
+    damaged, sound = await env.submit(doc="PR-X"), await env.submit(doc="PR-Y")
+    await Sweeper(env.control).sweep_once()
+    store, codec = env.services.store, SnapshotCodec()
+    data = (await store.get(keys.snapshot(damaged))).data
+    await store.put(keys.snapshot(damaged), data[: codec.header_end(data)] + b"not zlib")
+    await flush_index(redis_url, redis_prefix)
+    report = SweepReport()
+    sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
+    await sweeper.repair(env.clock.now(), report)
+    assert [e for e in report.errors if damaged in e] and report.repaired_waits == 1
+    assert await resolves(env, sound)

@@ -54,9 +54,10 @@ class SnapshotRepository(Protocol):
         not every session ever stored."""
         ...
 
-    def list_live_waiting(self, *, now: datetime) -> AsyncIterator[WaitingSession]:
+    def list_live_waiting(self, *, now: datetime) -> AsyncIterator[WaitingSession | SessionHeader]:
         """As ``list_live``, with what repair needs of each (``load_waiting``), each
-        session's snapshot read once."""
+        session's snapshot read once; one whose body cannot be read comes as its header
+        (``load_waiting`` then says why)."""
         ...
 
     def list_ended(self, *, since: datetime, now: datetime) -> AsyncIterator[SessionHeader]:

@@ -129,7 +129,12 @@ class IndexRepair:
                 # wait, and the others running meanwhile add to it.
                 waits = await self._rebind(snapshot, now)
                 rebound += waits
-            if await self._owes_work(snapshot):
+            try:
+                owes = await self._owes_work(snapshot)
+            except TorporError as exc:  # its sealed processed ids unreadable
+                errors.append(f"repair {header.session_id}: {exc}")
+                return
+            if owes:
                 wanted.append((snapshot.session_id, Reason.REPAIR))
 
         await _each(self._sessions(now), one, AT_ONCE)
