@@ -83,6 +83,22 @@ async def test_an_ended_marker_beside_a_live_session_is_not_listed_as_ended(
     assert [h.session_id async for h in snapshots.list_live(now=NOW)] == [sid]
 
 
+async def test_the_walk_for_repair_reads_each_live_session_whole_and_tidies_as_the_header_walk(
+    store: ObjectStore,
+) -> None:
+    """``list_live_waiting``: the waits of each live session, from one read; a session
+    that ended with its live marker left behind (a crash in its last commit) gets its
+    move finished, as ``list_live`` does, and is not listed."""
+    snapshots = ObjectSnapshots(store)
+    waiting = await snapshots.create(busy_snapshot(4))
+    ended = await snapshots.create(snapshot())
+    await snapshots.save(transition(ended, SessionState.CANCELLED, now=NOW), expected_generation=0)
+    await store.put(keys.live(ended.session_id), b"")  # as a crash mid-move leaves it
+    found = [s async for s in snapshots.list_live_waiting(now=NOW)]
+    assert [(s.session_id, s.waits) for s in found] == [(waiting.session_id, waiting.waits)]
+    assert (await store.list(keys.live(ended.session_id))).keys == []
+
+
 async def test_create_is_create_only(store: ObjectStore) -> None:
     snapshots = ObjectSnapshots(store)
     snap = await snapshots.create(snapshot())
