@@ -1,4 +1,5 @@
-"""Foundation benchmarks: snapshot size, save+load round trip, Redis bytes per bound wait.
+"""Foundation benchmarks: snapshot size, decode time, save+load round trip, Redis bytes per
+bound wait.
 
     .venv/bin/python bench/bench_storage.py [--rounds 200] [--waits 10000]
 
@@ -9,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import tempfile
 import time
+import zlib
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from storage.snapshots import ObjectSnapshots  # noqa: E402
 from tests.support.factories import busy_snapshot  # noqa: E402
 from tests.support.s3_server import S3TestServer  # noqa: E402
 from torpor.ids import new_correlation_id, new_session_id  # noqa: E402
+from torpor.models import SessionSnapshot  # noqa: E402
 from torpor.ports import ObjectStore, WaitBinding  # noqa: E402
 
 
@@ -38,6 +43,34 @@ def size_figures() -> tuple[int, int, int]:
     pretty = len(snap.model_dump_json(indent=2).encode())
     encoded = len(SnapshotCodec().encode(snap))
     return raw, pretty, encoded
+
+
+def decode_ms(messages: int, rounds: int) -> tuple[float, float, float]:
+    """Median ms to decode one encoded snapshot: whole in one pass (what ``load`` does
+    for the current version), whole in two steps (``json.loads``, then validating the
+    dict: what an older version's body still takes, and every body took before), and
+    the part repair and the sweeps read (``WaitingSession``)."""
+    codec = SnapshotCodec()
+    data = codec.encode(busy_snapshot(messages))
+    raw = zlib.decompress(data[codec.header_end(data) :])
+
+    def two_steps() -> None:
+        SessionSnapshot.model_validate(json.loads(raw))
+
+    def median(fn: Callable[[], object]) -> float:
+        samples = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            for _ in range(20):
+                fn()
+            samples.append((time.perf_counter() - started) / 20 * 1000)
+        return statistics.median(samples)
+
+    return (
+        median(lambda: codec.decode(data)),
+        median(lambda: (zlib.decompress(data[codec.header_end(data) :]), two_steps())),
+        median(lambda: codec.decode_waiting(data)),
+    )
 
 
 async def round_trip_ms(store: ObjectStore, rounds: int) -> float:
@@ -97,6 +130,14 @@ async def main() -> None:
         f"snapshot, 200 messages: raw JSON {raw} B, indented JSON {pretty} B, "
         f"encoded {encoded} B = {100 * encoded / raw:.1f}% of raw JSON"
     )
+
+    for messages in (12, 200):
+        one_pass, two_steps, waiting = decode_ms(messages, args.rounds)
+        print(
+            f"decode, {messages} messages: whole {one_pass:.3f} ms (in two steps, as before "
+            f"and for an older version: {two_steps:.3f} ms); the part repair reads "
+            f"{waiting:.3f} ms"
+        )
 
     with tempfile.TemporaryDirectory() as tmp:
         local = await round_trip_ms(LocalObjectStore(Path(tmp)), args.rounds)
