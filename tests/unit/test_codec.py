@@ -148,6 +148,18 @@ def test_the_waiting_part_holds_what_the_whole_snapshot_does() -> None:
     assert waiting.waits == snap.waits and waiting.processed_events == ["e1", "e2"]
 
 
+def test_the_waiting_part_declares_each_field_as_the_snapshot_does() -> None:
+    """It repeats a few of the snapshot's fields (a model of its own, so that the others
+    are skipped unbuilt): a change to one of them in the snapshot must follow here."""
+    for name, part in WaitingSession.model_fields.items():
+        whole = SessionSnapshot.model_fields[name]
+        assert (part.annotation, part.default, part.default_factory) == (
+            whole.annotation,
+            whole.default,
+            whole.default_factory,
+        ), name
+
+
 def test_the_waiting_part_skips_the_conversation() -> None:
     """Repair's read builds none of it: a message the whole snapshot refuses is not even
     looked at."""
