@@ -92,7 +92,10 @@ class SnapshotCodec:
             # version than its header says, takes the path below, which says why.
             with contextlib.suppress(ValidationError):
                 decoded = model.model_validate_json(raw)
-            if decoded is not None and decoded.schema_version != self.current_version:
+            if decoded is not None and (
+                decoded.schema_version != self.current_version
+                or "schema_version" not in decoded.model_fields_set  # not its default
+            ):
                 decoded = None
         if decoded is None:
             decoded = self._validate(model, self._document(raw, what), what)

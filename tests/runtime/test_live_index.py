@@ -19,7 +19,7 @@ from storage.correlations import ObjectCorrelations
 from storage.snapshots import ObjectSnapshots
 from tests.runtime.test_sweeper import Recording, flush_index
 from tests.support.harness import Env, callback, local_env
-from torpor.errors import IndexUnavailable
+from torpor.errors import IndexUnavailable, StorageUnavailable
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus
@@ -381,3 +381,22 @@ async def test_repair_reports_a_sleeping_session_whose_snapshot_body_is_damaged(
     await sweeper.repair(env.clock.now(), report)
     assert [e for e in report.errors if damaged in e] and report.repaired_waits == 1
     assert await resolves(env, sound)
+
+
+async def test_a_repair_that_cannot_read_an_inbox_fails_and_is_not_marked_done(
+    env: Env, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transient error is no per-session report: passed over, a session with an event
+    waiting in its inbox would sleep on it until the next periodic repair, an hour on."""
+    await env.submit(doc="PR-I")
+    await Sweeper(env.control).sweep_once()
+    await flush_index(redis_url, redis_prefix)
+
+    async def unavailable(*args: object, **kwargs: object) -> None:
+        raise StorageUnavailable("the store did not answer")
+
+    monkeypatch.setattr(env.services.inbox, "pending", unavailable)
+    sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
+    with pytest.raises(StorageUnavailable):
+        await sweeper.repair(env.clock.now(), SweepReport())
+    assert not await env.services.index.is_intact()

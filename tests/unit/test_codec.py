@@ -192,3 +192,14 @@ def test_a_body_older_than_its_header_says_is_still_migrated() -> None:
 
 def _header_of(snap: SessionSnapshot) -> dict[str, Any]:
     return json.loads(SnapshotCodec().decode_header(SnapshotCodec().encode(snap)).model_dump_json())
+
+
+def test_a_body_that_does_not_state_its_version_is_refused() -> None:
+    """The one-pass read must not fill the version in from the model's default."""
+    snap = snapshot()
+    doc = json.loads(snap.model_dump_json())
+    del doc["schema_version"]
+    data = _encode_document(doc, _header_of(snap))
+    for decode in (SnapshotCodec().decode, SnapshotCodec().decode_waiting):
+        with pytest.raises(SnapshotCorrupt, match="schema_version missing"):
+            decode(data)

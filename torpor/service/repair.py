@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from torpor.deliveries import DeliveryStatus
-from torpor.errors import PluginNotFound, TorporError
+from torpor.errors import PermanentError, PluginNotFound
 from torpor.lifecycle import WAITING_STATES, SessionState
 from torpor.models import SessionHeader, WaitingSession
 from torpor.ports import Reason, TimerKind, WaitBinding
@@ -121,7 +121,8 @@ class IndexRepair:
             else:
                 try:
                     snapshot = await self.services.snapshots.load_waiting(header.session_id)
-                except TorporError as exc:
+                except PermanentError as exc:  # named, the others repaired; a transient
+                    # error fails the repair, which is not marked done and runs again
                     errors.append(f"repair {header.session_id}: {exc}")
                     return
             if not snapshot.terminal:
@@ -131,7 +132,7 @@ class IndexRepair:
                 rebound += waits
             try:
                 owes = await self._owes_work(snapshot)
-            except TorporError as exc:  # its sealed processed ids unreadable
+            except PermanentError as exc:  # its sealed processed ids unreadable
                 errors.append(f"repair {header.session_id}: {exc}")
                 return
             if owes:
