@@ -400,3 +400,18 @@ async def test_a_repair_that_cannot_read_an_inbox_fails_and_is_not_marked_done(
     with pytest.raises(StorageUnavailable):
         await sweeper.repair(env.clock.now(), SweepReport())
     assert not await env.services.index.is_intact()
+
+
+async def test_repair_gives_a_pollable_wait_its_poll_timer_back(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    """The poll timer went with the index: without it, a wait whose answer never comes
+    would never be polled."""
+    sid = await env.submit(doc="PR-Q")
+    await Sweeper(env.control).sweep_once()
+    await repair_after_flush(env, redis_url, redis_prefix)
+    [wait] = (await env.load(sid)).waits
+    env.clock.advance(2 * wait.expected_duration_s + 1)
+    sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
+    report = await sweeper.sweep_once(env.clock.now())
+    assert (report.polls, report.errors) == (1, [])
