@@ -41,7 +41,6 @@ from torpor.session.suspend import (
 from torpor.tools import LongRunningTool
 
 Request = Callable[[list[tuple[str, Reason]]], Awaitable[object]]
-PollTool = Callable[[WaitingSession, str], LongRunningTool | None]
 Item = TypeVar("Item")
 PAGE = 200
 AT_ONCE = 32
@@ -79,10 +78,9 @@ async def _each(
 
 
 class IndexRepair:
-    def __init__(self, services: Services, request: Request, poll_tool: PollTool) -> None:
+    def __init__(self, services: Services, request: Request) -> None:
         self.services = services
         self.request = request
-        self.poll_tool = poll_tool
 
     async def run(self, now: datetime, errors: list[str]) -> tuple[int, int, int]:
         """Repair everything; returns (sessions to activate, waits rebound, suspended).
@@ -215,7 +213,7 @@ class IndexRepair:
             tool = self._long_running(snapshot, wait.tool_name)
             if tool is not None:  # a timer that fired already delivers nothing twice
                 await schedule_tool_timers(index, snapshot.session_id, wait, tool)
-            if self.poll_tool(snapshot, wait.tool_name) is not None:
+            if tool is not None and tool.can_poll:  # as the suspend scheduled it
                 await index.schedule(
                     kind=TimerKind.POLL,
                     member=poll_member(snapshot.session_id, wait.correlation_id, 0),

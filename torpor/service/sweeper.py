@@ -94,7 +94,7 @@ class Sweeper:
         self._last_full_repair: datetime | None = None
         self.deliveries = deliveries or DeliveryWorker(self.services)
         self._fallback = Fallback.of(self.services)
-        self._repair = IndexRepair(self.services, self._request_all, self._tool)
+        self._repair = IndexRepair(self.services, self._request_all)
         self.batches = BatchService(sessions)
 
     @property
