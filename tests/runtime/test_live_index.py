@@ -34,17 +34,18 @@ class Reads:
 
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
-        self.snapshots_read: set[str] = set()
-        self.reads: Counter[str] = Counter()
+        self.reads: Counter[str] = Counter()  # key -> reads of it
         self.written: list[str] = []
+
+    @property
+    def snapshots_read(self) -> set[str]:
+        return {keys.session_id_of_snapshot(k) for k in self.reads if k.startswith(keys.SNAPSHOTS)}
 
     @property
     def url(self) -> str:
         return self.inner.url
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
-        if key.startswith(keys.SNAPSHOTS):
-            self.snapshots_read.add(keys.session_id_of_snapshot(key))
         self.reads[key] += 1
         return await self.inner.get(key, max_bytes=max_bytes)
 
