@@ -25,9 +25,12 @@ from typing import Any
 import pytest
 
 from actors.wiring import open_services, session_runtime
+from storage import keys
+from tests.faults.index_loss import flush_index
 from tests.support.harness import settings_for
 from tests.support.tools import World
 from torpor.clock import SystemClock
+from torpor.errors import ObjectNotFound
 from torpor.faults import ENV, CrashPoint
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
@@ -203,6 +206,46 @@ async def test_kill_after_bind_before_dispatch(make_crash: Any) -> None:
     snap = await crash.recover(sid, waiting_and_sent)
     assert snap.lease_fence > dead.lease_fence
     await assert_one_request_per_key(crash.world, "dispatch", START_KEY, 1)
+
+
+@pytest.mark.parametrize(
+    ("point", "calls"),
+    [(CrashPoint.SUSPEND_COMMITTED, 1), (CrashPoint.WAITS_BOUND, 1), (CrashPoint.START_SENT, 2)],
+)
+async def test_a_suspend_killed_before_its_request_is_recorded_then_the_index_lost(
+    make_crash: Any, point: CrashPoint, calls: int
+) -> None:
+    """The process dies between the suspend's commit and the commit that records its
+    request as sent, and then the index is lost too, the dead holder's lease with it:
+    repair, not the lease's expiry, brings the session back. The wait's durable record
+    and business-key pointer exist afterwards (died before binding: repair or the
+    activation it asks for wrote them), the request went out under its one key, and the
+    rebuilt index routes the wait."""
+    crash: Crash = await make_crash()
+    sid = await crash.kill_at(point, "submit")
+    dead = await crash.load(sid)
+    assert dead.state is S.SUSPENDED and [e.kind for e in dead.pending_outbox()] == ["start"]
+    [wait] = dead.waits
+    store = crash.services.store
+    if point is CrashPoint.SUSPEND_COMMITTED:  # nothing of the binding was written
+        for key in (
+            keys.correlation(wait.correlation_id),
+            keys.correlation_ref(sid, wait.correlation_id),
+        ):
+            with pytest.raises(ObjectNotFound):
+                await store.get(key)
+    assert await flush_index(crash.redis_url, crash.prefix) > 0
+    snap = await crash.recover(sid, waiting_and_sent, timeout_s=10)
+    assert snap.lease_fence > dead.lease_fence and snap.waits == dead.waits
+    await assert_one_request_per_key(crash.world, "dispatch", START_KEY, calls)
+    await assert_resolvable(crash, snap)
+    await store.get(keys.correlation(wait.correlation_id))
+    await store.get(keys.correlation_ref(sid, wait.correlation_id))
+    assert wait.business_key is not None
+    target = await crash.services.correlations.business_key_target(
+        tenant="acme", business_key=wait.business_key
+    )
+    assert target == wait.correlation_id
 
 
 async def test_kill_after_dispatch_before_its_status_commit(make_crash: Any) -> None:
