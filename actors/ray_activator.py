@@ -66,6 +66,14 @@ def alive_nodes() -> int:
     return len([node for node in nodes if node.get("Alive")])
 
 
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def pool_slot(session_id: str, size: int) -> int:
     digest = hashlib.sha256(session_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") % size
@@ -124,8 +132,20 @@ class RayActivator:
         self.admission = Admission(
             self.settings.runtime.max_live_session_actors, alive=self._live_sessions
         )
-        size = self.settings.runtime.standby_session_actors
-        self.standby = StandbySet(size, self._spawn_standby) if size > 0 else None
+        size, idle_s = (
+            self.settings.runtime.standby_session_actors,
+            self.settings.runtime.standby_idle_s,
+        )
+        # Kept well within their idle time: three keeps may go unanswered in a row (a
+        # loaded node) before a ready standby gives up on its holder.
+        keep_every_s = idle_s / 4 if idle_s > 0 else None
+        self.standby = (
+            StandbySet(size, self._spawn_standby, keep_every_s=keep_every_s) if size > 0 else None
+        )
+        if self.standby is not None and _in_event_loop():
+            # Filled from the start (a Serve replica, the reconciler), not by the first
+            # activation, which would start its own process on the request's path.
+            self.standby.refill()
         # Sessions this activator handed to a standby, until their actor is done.
         self._adopted: dict[str, Any] = {}
         self._watchers: set[asyncio.Task[None]] = set()

@@ -68,6 +68,16 @@ class SessionActor:
                 self._idle = asyncio.create_task(self._expire(self._idle_s))
         return os.getpid()
 
+    async def keep(self) -> bool:
+        """The activator holding this standby lives: its idle time starts again. False
+        once it has a session or is closing (its holder then drops it)."""
+        if self._session_id is not None or self._closing:
+            return False
+        if self._idle is not None and self._idle_s:
+            self._idle.cancel()
+            self._idle = asyncio.create_task(self._expire(self._idle_s))
+        return True
+
     async def _warm_up(self, services: Services) -> None:
         """What the first activation would do anyway, done before any session waits for
         it: load the dedicated agents with their tools, connect to the index. A failure
@@ -112,7 +122,8 @@ class SessionActor:
         return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     async def _expire(self, idle_s: float) -> None:
-        """Nobody adopted this standby (its activator may be gone): free the process."""
+        """Nobody adopted this standby nor kept it for ``idle_s`` (its activator is gone,
+        or was for that long): free the process."""
         await asyncio.sleep(idle_s)
         if self._session_id is None:
             self._closing = True

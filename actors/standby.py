@@ -9,8 +9,12 @@ The set is refilled in the background after every adoption, so the process start
 paid off the request's path.
 
 A standby is detached (an adopted one must outlive the activator that handed it its
-session) and exits by itself when nobody adopts it for ``idle_s`` seconds, so the
-standbys of an activator that died do not linger.
+session) and exits by itself when nobody adopts or keeps it for ``idle_s`` seconds, so
+the standbys of an activator that died do not linger. The set keeps its own: every
+``keep_every_s`` each ready standby is told its holder lives (its idle time starts
+again), and one that does not answer (its process or node is gone) is replaced. Without
+that, a quiet spell longer than ``idle_s`` emptied the set, and the next activation
+tried each dead handle before starting a process on the request's path.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ STANDBY_PREFIX = "session-standby:"
 # at the same moment: ten ``import ray``s at once took the CPU the adopted sessions needed
 # (9.3 activations/s in a burst of ten; one start at a time leaves them the cores).
 STARTS_AT_ONCE = 1
+# How long a ready standby may take to answer that it lives, before it is replaced: as
+# generous as an activation's hand-over (a loaded node answers late, not never).
+KEEP_TIMEOUT_S = 20.0
 
 
 def standby_name() -> str:
@@ -47,17 +54,24 @@ class StandbySet:
     """Up to ``size`` ready actors; ``take`` hands one out and starts its replacement.
 
     ``spawn`` creates one actor (a Ray handle whose ``ready`` method answers once its
-    constructor has run). Counts what it started, for the benchmarks."""
+    constructor has run, and whose ``keep`` restarts its idle time). With
+    ``keep_every_s``, the ready ones are kept alive from the first ``refill`` on. Counts
+    what it started and what it lost, for the benchmarks and the tests."""
 
-    def __init__(self, size: int, spawn: Callable[[], Any]) -> None:
+    def __init__(
+        self, size: int, spawn: Callable[[], Any], *, keep_every_s: float | None = None
+    ) -> None:
         self.size = size
         self._spawn = spawn
+        self._keep_every_s = keep_every_s
         self._ready: deque[Any] = deque()
         self._starting = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._keeper: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._closing = False
         self.started = 0
+        self.lost = 0  # ready standbys that stopped answering, replaced
 
     @property
     def ready(self) -> int:
@@ -70,6 +84,9 @@ class StandbySet:
         return handle
 
     def refill(self) -> None:
+        if self._keep_every_s and self._keeper is None and not self._closing:
+            self._keeper = asyncio.create_task(self._keep(self._keep_every_s))
+            self._tasks.add(self._keeper)
         while len(self._ready) + self._starting < self.size and self._starting < STARTS_AT_ONCE:
             self._starting += 1
             task = asyncio.create_task(self._start())
@@ -105,6 +122,39 @@ class StandbySet:
             if ready and not self._closing:
                 self.refill()  # the next replacement, one at a time (a failed start waits
                 # for the next take, not a loop of failing process starts)
+
+    async def _keep(self, every_s: float) -> None:
+        """Tell each ready standby, every ``every_s``, that its holder lives; drop and
+        replace those that do not answer so."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self._keep_once()
+            except Exception:  # a round that failed is not the end of keeping them
+                log.exception("keeping the standby session actors failed")
+
+    async def _keep_once(self) -> None:
+        handles = list(self._ready)
+        answers = await asyncio.gather(*(self._kept(h) for h in handles))
+        # Only one still in the set: a standby taken meanwhile answers False (it has a
+        # session now) and is its adopter's, never killed here.
+        lost = [h for h, ok in zip(handles, answers, strict=True) if not ok and h in self._ready]
+        for handle in lost:
+            self._ready.remove(handle)
+            self.lost += 1
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+        if lost:
+            log.warning("%d standby session actors stopped answering; replacing them", len(lost))
+            self._changed.set()
+            self.refill()
+
+    @staticmethod
+    async def _kept(handle: Any) -> bool:
+        try:
+            return bool(await asyncio.wait_for(handle.keep.remote(), timeout=KEEP_TIMEOUT_S))
+        except (*_DEAD, TimeoutError):
+            return False
 
     async def close(self) -> None:
         """Stop the starts under way and the actors nobody adopted."""

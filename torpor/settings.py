@@ -281,7 +281,11 @@ class RuntimeSettings(_Section):
         "a session (0: start one per activation)",
     )
     standby_idle_s: float = Field(
-        600.0, description="a standby session actor nobody adopts exits after this long"
+        600.0,
+        ge=0,
+        description="a standby session actor exits this long after its activator last "
+        "kept it (every quarter of it while the activator lives), unless it was adopted; "
+        "0: never",
     )
 
 

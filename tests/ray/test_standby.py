@@ -8,6 +8,7 @@ only one actor run it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from actors.ray_activator import RayActivator
+from actors.standby import StandbySet
 from actors.wiring import open_services
 from tests.conftest import eventually
 from tests.ray.conftest import RayEnv, ray_settings, session_actors
@@ -32,11 +34,14 @@ from torpor.settings import Settings
 
 S = SessionState
 SIZE = 2
+# A standby's idle time in the tests of its expiry: long enough for an actor's call to
+# come back on a loaded machine, short enough to wait out a few times.
+IDLE_S = 4.0
 
 
-def with_standby(settings: Settings) -> Settings:
+def with_standby(settings: Settings, idle_s: float = 120.0) -> Settings:
     runtime = settings.runtime.model_copy(
-        update={"standby_session_actors": SIZE, "standby_idle_s": 120.0}
+        update={"standby_session_actors": SIZE, "standby_idle_s": idle_s}
     )
     return settings.model_copy(update={"runtime": runtime})
 
@@ -44,9 +49,10 @@ def with_standby(settings: Settings) -> Settings:
 @pytest.fixture
 def make_env(ray_cluster: None, s3_server: S3TestServer, redis_url: str, redis_prefix: str) -> Any:
     @asynccontextmanager
-    async def make(**approval: Any) -> AsyncIterator[RayEnv]:
+    async def make(idle_s: float = 120.0, **approval: Any) -> AsyncIterator[RayEnv]:
         settings = with_standby(
-            ray_settings(s3_server, redis_url, redis_prefix, placement="dedicated", **approval)
+            ray_settings(s3_server, redis_url, redis_prefix, placement="dedicated", **approval),
+            idle_s,
         )
         services = open_services(settings, clock=SystemClock())
         activator = RayActivator(services)
@@ -158,3 +164,82 @@ async def test_two_actors_for_one_session_never_run_it_at_once(make_env: Any) ->
         await env.world.open_gate("extract")
         await reach(env, sid, S.SUSPENDED)
         assert list((await env.world.counts("extract")).values()) == [1]
+
+
+async def test_a_quiet_spell_longer_than_the_idle_time_keeps_the_set_ready(
+    make_env: Any,
+) -> None:
+    """Nobody adopts a standby for longer than ``standby_idle_s``: while their activator
+    lives, it keeps them (each told so well within the idle time), so the first
+    activation after a quiet night is still adopted by a standby started before it, and
+    no process starts for it. (They exited, and the next activation tried each dead one
+    before starting a named actor, a process start on the request's path.)"""
+    async with make_env(idle_s=IDLE_S) as env:
+        activator = activator_of(env)
+        standby = activator.standby
+        assert standby is not None
+        before = list(standby._ready)
+        pids = await ready_pids(activator)
+        # The quiet spell itself is what is tested: time must pass, nothing is awaited.
+        await asyncio.sleep(2.5 * IDLE_S)
+        assert await ready_pids(activator) == pids, "the same standbys, alive"
+        sid = await env.submit(doc="PR-Q")
+        assert activator._adopted[sid] is before[0]
+        assert standby.started == SIZE + 1  # the adopted one's replacement only
+        await reach(env, sid, S.SUSPENDED)
+        assert session_actors(env.settings.namespace) == []
+
+
+async def test_the_standbys_of_an_activator_that_is_gone_exit_after_their_idle_time(
+    make_env: Any,
+) -> None:
+    """A set nobody keeps (its activator died: no call comes to say otherwise) frees its
+    processes after ``standby_idle_s``."""
+    async with make_env(idle_s=IDLE_S) as env:
+        activator = activator_of(env)
+        orphans = StandbySet(SIZE, activator._spawn_standby)  # as an activator that died
+        await orphans.filled()
+        handles = list(orphans._ready)
+        assert [await h.where.remote() for h in handles]
+
+        async def all_exited() -> bool:
+            return all([await exited(h) for h in handles])
+
+        await eventually(all_exited, timeout_s=4 * IDLE_S, what="the orphaned standbys exit")
+        assert all([not await exited(h) for h in activator.standby._ready])  # type: ignore[union-attr]
+
+
+async def test_a_ready_standby_that_dies_is_replaced_before_any_activation_needs_it(
+    make_env: Any,
+) -> None:
+    """Its activator notices when keeping it (no answer) and starts another: the set is
+    whole again before an activation would have tried the dead one."""
+    async with make_env(idle_s=IDLE_S) as env:
+        activator = activator_of(env)
+        standby = activator.standby
+        assert standby is not None
+        doomed = standby._ready[0]
+        os.kill((await doomed.where.remote())["pid"], signal.SIGKILL)
+
+        async def replaced() -> bool:
+            return standby.lost == 1 and standby.ready == SIZE
+
+        await eventually(replaced, timeout_s=30, what="the dead standby is replaced")
+        assert doomed not in standby._ready and standby.started == SIZE + 1
+
+
+async def test_an_activator_made_in_an_event_loop_fills_its_set_at_once(make_env: Any) -> None:
+    """A Serve replica's or the reconciler's activator starts its standbys when it is
+    made, not when the first activation finds none ready."""
+    async with make_env(idle_s=IDLE_S) as env:
+        other = RayActivator(env.services)
+        try:
+            standby = other.standby
+            assert standby is not None
+
+            async def full() -> bool:
+                return standby.ready == SIZE
+
+            await eventually(full, timeout_s=60, what="the new activator's set is filled")
+        finally:
+            await other.close()
