@@ -39,10 +39,12 @@ REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 PREFIX = "torpor-bench:"
 
 
-def settings_for(tmp: Path, placement: str, namespace: str, standby: int = 0) -> Settings:
+def settings_for(
+    tmp: Path, placement: str, namespace: str, standby: int = 0, idle_s: float = 600.0
+) -> Settings:
     return Settings.build(
         {
-            "runtime": {"standby_session_actors": standby},
+            "runtime": {"standby_session_actors": standby, "standby_idle_s": idle_s},
             "storage": {
                 "object_store_url": f"file://{tmp / 'objects'}",
                 "index_url": REDIS,
@@ -259,6 +261,9 @@ async def run(args: argparse.Namespace) -> None:
             ratio = results["pooled"]["throughput"] / results["dedicated"]["throughput"]
             print(f"pooled / dedicated throughput: {ratio:.1f}x")
 
+        if args.quiet:
+            await after_a_quiet_spell(args, Path(tmp) / "quiet")
+
         if args.suspended:
             settings = settings_for(Path(tmp) / "many", "pooled", "benchmany")
             services = open_services(settings)
@@ -284,6 +289,32 @@ async def run(args: argparse.Namespace) -> None:
     ray.shutdown()
 
 
+async def after_a_quiet_spell(args: argparse.Namespace, tmp: Path) -> None:
+    """Dedicated activations with standbys after nobody needed one for ``--quiet``
+    seconds, longer than their idle time: the activator must have kept them."""
+    idle_s = args.standby_idle
+    settings = settings_for(tmp, "dedicated", "benchquiet", args.standby, idle_s)
+    services = open_services(settings)
+    activator = RayActivator(services)
+    control = SessionService(services, activator)
+    setup = SessionService(services, InlineActivator(session_runtime(services, "setup")))
+    assert activator.standby is not None
+    await activator.standby.filled(timeout_s=1200)
+    ids = await create_suspended(setup, args.quiet_n)
+    started = activator.standby.started
+    await asyncio.sleep(args.quiet)  # the quiet spell is the point: nothing is awaited
+    lat = await resume_latency(control, activator, ids, args.standby_rate)
+    starts = activator.standby.started - started
+    print(
+        f"standby   after {args.quiet:g} s with no activation (idle time {idle_s:g} s): "
+        f"resume latency p50 {statistics.median(lat):.1f} ms, p99 {percentile(lat, 0.99):.1f}"
+        f" ms (n={len(lat)}); standbys started meanwhile {starts}  [target: p50 <= 100 ms]",
+        flush=True,
+    )
+    await activator.close()
+    await services.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dedicated-n", type=int, default=30)
@@ -295,6 +326,15 @@ def main() -> None:
     parser.add_argument("--standby-n", type=int, default=20)
     parser.add_argument("--standby-rate", type=float, default=1.0)
     parser.add_argument("--standby-sustained", type=int, default=20)
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        default=0.0,
+        help="a last phase: this many seconds with no activation, then --quiet-n at "
+        "--standby-rate (with --standby-idle below it: do the standbys survive?)",
+    )
+    parser.add_argument("--quiet-n", type=int, default=5)
+    parser.add_argument("--standby-idle", type=float, default=600.0, help="runtime.standby_idle_s")
     parser.add_argument("--pooled-n", type=int, default=200)
     parser.add_argument("--pooled-rate", type=float, default=20.0)
     parser.add_argument("--suspended", type=int, default=10_000)
