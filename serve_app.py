@@ -101,6 +101,7 @@ class Ingress:
         self.settings = settings = config.load()
         self.services = open_services(settings, observer=RayObserver())
         activator = RayActivator(self.services, config)
+        activator.start_standbys()
         self.control = SessionService(self.services, activator, background=True)
         self.batches = BatchService(self.control)
         self.gateway = WebhookGateway(self.control)

@@ -66,14 +66,6 @@ def alive_nodes() -> int:
     return len([node for node in nodes if node.get("Alive")])
 
 
-def _in_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 def pool_slot(session_id: str, size: int) -> int:
     digest = hashlib.sha256(session_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") % size
@@ -119,7 +111,12 @@ class Admission:
 
 
 class RayActivator:
-    def __init__(self, services: Services, config: ConfigRef | None = None) -> None:
+    def __init__(
+        self, services: Services, config: ConfigRef | None = None, *, standbys: bool = True
+    ) -> None:
+        """``standbys``: whether this activator keeps the standby session actors the
+        settings ask for. An activator made for one request (a work outcome's delivery)
+        must not: each would start processes that nobody adopts."""
         self.services = services
         self.settings: Settings = services.settings
         # What the session actors are handed: never the resolved settings (see config_ref).
@@ -136,16 +133,14 @@ class RayActivator:
             self.settings.runtime.standby_session_actors,
             self.settings.runtime.standby_idle_s,
         )
-        # Kept well within their idle time: three keeps may go unanswered in a row (a
-        # loaded node) before a ready standby gives up on its holder.
+        # Kept well within their idle time (``StandbySet._keep``: at least every half of
+        # it while the activator lives).
         keep_every_s = idle_s / 4 if idle_s > 0 else None
         self.standby = (
-            StandbySet(size, self._spawn_standby, keep_every_s=keep_every_s) if size > 0 else None
+            StandbySet(size, self._spawn_standby, keep_every_s=keep_every_s)
+            if size > 0 and standbys
+            else None
         )
-        if self.standby is not None and _in_event_loop():
-            # Filled from the start (a Serve replica, the reconciler), not by the first
-            # activation, which would start its own process on the request's path.
-            self.standby.refill()
         # Sessions this activator handed to a standby, until their actor is done.
         self._adopted: dict[str, Any] = {}
         self._watchers: set[asyncio.Task[None]] = set()
@@ -250,6 +245,13 @@ class RayActivator:
             await handle.finished.remote()
         if self._adopted.get(session_id) is handle:
             del self._adopted[session_id]
+
+    def start_standbys(self) -> None:
+        """Start filling the standby set now (in an event loop), not at the first
+        activation, which would start its own process on the request's path: what a
+        long-lived activator does when it is made (a Serve replica's, the reconciler's)."""
+        if self.standby is not None:
+            self.standby.refill()
 
     async def close(self) -> None:
         """Free the standby actors nobody adopted (adopted ones finish their session)."""

@@ -382,7 +382,9 @@ async def deliver(
         data=outcome,
         trace_id=order.trace_id,
     )
-    control = SessionService(services, RayActivator(services, config))
+    # Made for this one delivery: no standby set of its own (it would start processes
+    # nobody adopts; the replicas' and the reconciler's sets serve the sessions).
+    control = SessionService(services, RayActivator(services, config, standbys=False))
     return await control.deliver(event)
 
 

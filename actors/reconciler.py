@@ -59,9 +59,9 @@ class Reconciler:
     def _ensure(self) -> Sweeper:
         if self._sweeper is None:
             self._services = open_services(self._settings, observer=RayObserver())
-            control = SessionService(
-                self._services, RayActivator(self._services, self._config), background=True
-            )
+            activator = RayActivator(self._services, self._config)
+            activator.start_standbys()
+            control = SessionService(self._services, activator, background=True)
             self._sweeper = Sweeper(control)
         return self._sweeper
 

@@ -50,8 +50,15 @@ class SessionActor:
         self._done = asyncio.Event()
         self._idle_s = idle_s
         self._idle: asyncio.Task[None] | None = None
+        self._warming: asyncio.Task[None] | None = None
         # A standby opens its storage now, before any session waits for it.
         self._services: Services | None = None if session_id else self._open()
+        if session_id is None:
+            # Its idle time starts from here, not from its holder's first ``ready``: a
+            # holder that died before this actor was up never calls it, and the standby
+            # would wait for ever. (__init__ runs outside the actor's event loop; Ray
+            # runs this call right after it.)
+            ray.get_runtime_context().current_actor.ready.remote()
 
     def _open(self) -> Services:
         from actors.observer import RayObserver
@@ -60,12 +67,16 @@ class SessionActor:
         return open_services(self._settings, observer=RayObserver())
 
     async def ready(self) -> int:
-        """Answers once constructed and warmed up (the standby set awaits it); the pid."""
-        if self._session_id is None and self._idle is None:
-            if self._services is not None:
-                await self._warm_up(self._services)
-            if self._idle_s:
+        """Answers once constructed and warmed up (the standby set awaits it); the pid.
+        A standby's first call starts its idle time and its warm-up, which every call
+        then awaits (its own, and its holder's)."""
+        if self._session_id is None:
+            if self._idle is None and self._idle_s:
                 self._idle = asyncio.create_task(self._expire(self._idle_s))
+            if self._warming is None and self._services is not None:
+                self._warming = asyncio.create_task(self._warm_up(self._services))
+        if self._warming is not None:
+            await asyncio.shield(self._warming)
         return os.getpid()
 
     async def keep(self) -> bool:

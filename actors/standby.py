@@ -28,7 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    GetTimeoutError,
+    RayActorError,
+    RayError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +47,8 @@ STANDBY_PREFIX = "session-standby:"
 # at the same moment: ten ``import ray``s at once took the CPU the adopted sessions needed
 # (9.3 activations/s in a burst of ten; one start at a time leaves them the cores).
 STARTS_AT_ONCE = 1
-# How long a ready standby may take to answer that it lives, before it is replaced: as
-# generous as an activation's hand-over (a loaded node answers late, not never).
+# How long a ready standby may take to answer that it lives before it is replaced, at
+# most (and at most one keeping period: a round never waits past the next one's time).
 KEEP_TIMEOUT_S = 20.0
 
 
@@ -84,7 +90,9 @@ class StandbySet:
         return handle
 
     def refill(self) -> None:
-        if self._keep_every_s and self._keeper is None and not self._closing:
+        if self._closing:
+            return  # nothing started after ``close`` (nobody would free it)
+        if self._keep_every_s and (self._keeper is None or self._keeper.done()):
             self._keeper = asyncio.create_task(self._keep(self._keep_every_s))
             self._tasks.add(self._keeper)
         while len(self._ready) + self._starting < self.size and self._starting < STARTS_AT_ONCE:
@@ -125,17 +133,21 @@ class StandbySet:
 
     async def _keep(self, every_s: float) -> None:
         """Tell each ready standby, every ``every_s``, that its holder lives; drop and
-        replace those that do not answer so."""
+        replace those that do not answer so, and start what a failed start left short.
+        A keep waits at most ``every_s`` for its answer, so a standby that answers hears
+        from its holder at least every ``2 * every_s`` (half its idle time)."""
+        timeout_s = min(KEEP_TIMEOUT_S, every_s)
         while True:
             await asyncio.sleep(every_s)
             try:
-                await self._keep_once()
+                await self._keep_once(timeout_s)
             except Exception:  # a round that failed is not the end of keeping them
                 log.exception("keeping the standby session actors failed")
+            self.refill()
 
-    async def _keep_once(self) -> None:
+    async def _keep_once(self, timeout_s: float) -> None:
         handles = list(self._ready)
-        answers = await asyncio.gather(*(self._kept(h) for h in handles))
+        answers = await asyncio.gather(*(self._kept(h, timeout_s) for h in handles))
         # Only one still in the set: a standby taken meanwhile answers False (it has a
         # session now) and is its adopter's, never killed here.
         lost = [h for h, ok in zip(handles, answers, strict=True) if not ok and h in self._ready]
@@ -146,14 +158,14 @@ class StandbySet:
                 ray.kill(handle, no_restart=True)
         if lost:
             log.warning("%d standby session actors stopped answering; replacing them", len(lost))
-            self._changed.set()
-            self.refill()
 
     @staticmethod
-    async def _kept(handle: Any) -> bool:
+    async def _kept(handle: Any, timeout_s: float) -> bool:
+        """Whether the standby answered that it is still free to adopt a session: any
+        failure to (dead, unreachable, too slow, another error of Ray's) is a no."""
         try:
-            return bool(await asyncio.wait_for(handle.keep.remote(), timeout=KEEP_TIMEOUT_S))
-        except (*_DEAD, TimeoutError):
+            return bool(await asyncio.wait_for(handle.keep.remote(), timeout=timeout_s))
+        except (*_DEAD, RayError, TimeoutError):
             return False
 
     async def close(self) -> None:

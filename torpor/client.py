@@ -115,7 +115,8 @@ class AsyncClient:
         if not ray.is_initialized():
             ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
         self._services = open_services(self.settings)
-        self._control = SessionService(self._services, RayActivator(self._services, config))
+        self._activator = RayActivator(self._services, config)
+        self._control = SessionService(self._services, self._activator)
         self._batches = BatchService(self._control)
         if start_reconciler:
             ensure_reconciler(config)
@@ -293,6 +294,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self._control.drain()
+        await self._activator.close()  # its standby session actors, if it started any
         await self._services.close()
 
 

@@ -194,18 +194,19 @@ async def test_the_standbys_of_an_activator_that_is_gone_exit_after_their_idle_t
     make_env: Any,
 ) -> None:
     """A set nobody keeps (its activator died: no call comes to say otherwise) frees its
-    processes after ``standby_idle_s``."""
+    processes after ``standby_idle_s``, and so does a standby whose holder died before
+    it was up (nobody ever asked it whether it is ready)."""
     async with make_env(idle_s=IDLE_S) as env:
         activator = activator_of(env)
         orphans = StandbySet(SIZE, activator._spawn_standby)  # as an activator that died
         await orphans.filled()
-        handles = list(orphans._ready)
-        assert [await h.where.remote() for h in handles]
+        unasked = activator._spawn_standby()
+        handles = [*orphans._ready, unasked]
 
         async def all_exited() -> bool:
             return all([await exited(h) for h in handles])
 
-        await eventually(all_exited, timeout_s=4 * IDLE_S, what="the orphaned standbys exit")
+        await eventually(all_exited, timeout_s=60, what="the orphaned standbys exit")
         assert all([not await exited(h) for h in activator.standby._ready])  # type: ignore[union-attr]
 
 
@@ -228,14 +229,19 @@ async def test_a_ready_standby_that_dies_is_replaced_before_any_activation_needs
         assert doomed not in standby._ready and standby.started == SIZE + 1
 
 
-async def test_an_activator_made_in_an_event_loop_fills_its_set_at_once(make_env: Any) -> None:
+async def test_a_long_lived_activator_fills_its_set_before_any_activation(
+    make_env: Any,
+) -> None:
     """A Serve replica's or the reconciler's activator starts its standbys when it is
-    made, not when the first activation finds none ready."""
+    made (``start_standbys``), not when the first activation finds none ready; one made
+    for a single delivery keeps none."""
     async with make_env(idle_s=IDLE_S) as env:
+        assert RayActivator(env.services, standbys=False).standby is None
         other = RayActivator(env.services)
         try:
             standby = other.standby
-            assert standby is not None
+            assert standby is not None and standby.started == 0
+            other.start_standbys()
 
             async def full() -> bool:
                 return standby.ready == SIZE
