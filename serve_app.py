@@ -100,7 +100,7 @@ class Ingress:
         # Read here, in the replica: Serve persists constructor arguments (config_ref).
         self.settings = settings = config.load()
         self.services = open_services(settings, observer=RayObserver())
-        activator = RayActivator(self.services, config)
+        self.activator = activator = RayActivator(self.services, config)
         activator.start_standbys()
         self.control = SessionService(self.services, activator, background=True)
         self.batches = BatchService(self.control)
@@ -132,6 +132,14 @@ class Ingress:
         # ready (its files made ahead, its conditional writes checked).
         await warm_services(services)
         settle_heap()  # started: what lives for the replica's life leaves the collector
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown of this replica (a redeploy, a scale-down, a
+        delete): the activation requests still running behind answers finish, and the
+        standby session actors nobody adopted go now, not after their idle time (each is
+        a process, detached so that an adopted one outlives its activator)."""
+        await self.control.drain()
+        await self.activator.close()
 
     def _tenant(self, authorization: str | None) -> str:
         return tenant_for(authorization, self.settings.tenants)
