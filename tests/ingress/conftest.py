@@ -52,6 +52,19 @@ class Deployment:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
 
 
+def start_ray_and_serve(port: int) -> None:
+    """A local Ray of the test module's own, and Serve on it listening on ``port``."""
+    ray.init(
+        address="local",  # never a cluster someone else started on this machine
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        # The replicas run the app on their own loop, as under `torpor serve`.
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), USER_LOOP: "0"}},
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+
+
 @pytest.fixture(scope="module")
 def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
     prefix = f"tpin:{secrets.token_hex(4)}:"
@@ -145,15 +158,7 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
             "pool": {"size": 2},
         }
     )
-    ray.init(
-        address="local",  # never a cluster someone else started on this machine
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        # The replicas run the app on their own loop, as under `torpor serve`.
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), USER_LOOP: "0"}},
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_ray_and_serve(port)
     serve.run(application(settings, start_reconciler=False), name="torpor", route_prefix="/")
     yield Deployment(
         f"http://127.0.0.1:{port}",

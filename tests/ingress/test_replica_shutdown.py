@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import ray
@@ -18,27 +17,19 @@ from ray.util import list_named_actors
 from actors.standby import STANDBY_PREFIX
 from serve_app import application
 from tests.conftest import eventually
+from tests.ingress.conftest import start_ray_and_serve
 from tests.support.s3_server import free_port
-from torpor.entry.ingress import USER_LOOP
 from torpor.settings import Settings
 
 pytestmark = pytest.mark.ray
 
-ROOT = Path(__file__).resolve().parents[2]
 STANDBYS = 2
 
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Settings]:
     tmp = tmp_path_factory.mktemp("replica-shutdown")
-    ray.init(
-        address="local",  # never a cluster someone else started on this machine
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), USER_LOOP: "0"}},
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    start_ray_and_serve(free_port())
     yield Settings.build(
         {
             "storage": {
