@@ -129,7 +129,7 @@ class StandbySet:
             self._changed.set()
             if ready and not self._closing:
                 self.refill()  # the next replacement, one at a time (a failed start waits
-                # for the next take, not a loop of failing process starts)
+                # for the next take or keeping round, not a loop of failing process starts)
 
     async def _keep(self, every_s: float) -> None:
         """Tell each ready standby, every ``every_s``, that its holder lives; drop and
@@ -165,7 +165,7 @@ class StandbySet:
         failure to (dead, unreachable, too slow, another error of Ray's) is a no."""
         try:
             return bool(await asyncio.wait_for(handle.keep.remote(), timeout=timeout_s))
-        except (*_DEAD, RayError, TimeoutError):
+        except (RayError, TimeoutError):  # ``_DEAD``'s errors are Ray's too
             return False
 
     async def close(self) -> None:
