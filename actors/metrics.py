@@ -119,6 +119,13 @@ SPECS: dict[str, Spec] = {
         "Activation requests left to a timer (backpressure or failure).",
         ("reason",),
     ),
+    "standbys": Spec(
+        "torpor_standby_actors_total",
+        "counter",
+        "Standby session actors started, lost (stopped answering and replaced), and"
+        " inherited (taken over from a restarted holder's predecessor).",
+        ("event",),
+    ),
     "deliveries": Spec(
         "torpor_notifications_total",
         "counter",

@@ -37,7 +37,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from actors.config_ref import ConfigRef
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
-from actors.standby import StandbySet, standby_name
+from actors.standby import StandbySet, standby_name, standby_prefix
 from storage.factory import check_embedded_allowed
 from torpor import tracing
 from torpor.backoff import Backoff
@@ -112,11 +112,19 @@ class Admission:
 
 class RayActivator:
     def __init__(
-        self, services: Services, config: ConfigRef | None = None, *, standbys: bool = True
+        self,
+        services: Services,
+        config: ConfigRef | None = None,
+        *,
+        standbys: bool = True,
+        holder: str | None = None,
     ) -> None:
         """``standbys``: whether this activator keeps the standby session actors the
         settings ask for. An activator made for one request (a work outcome's delivery)
-        must not: each would start processes that nobody adopts."""
+        must not: each would start processes that nobody adopts. ``holder``: a name
+        that outlives this process (the reconciler's; one holder per namespace), under
+        which the standbys are named: a restarted holder's ``start_standbys`` takes over
+        the free ones its predecessor left."""
         self.services = services
         self.settings: Settings = services.settings
         # What the session actors are handed: never the resolved settings (see config_ref).
@@ -141,6 +149,8 @@ class RayActivator:
             if size > 0 and standbys
             else None
         )
+        self._holder = holder
+        self._inheriting: asyncio.Task[None] | None = None
         # Sessions this activator handed to a standby, until their actor is done.
         self._adopted: dict[str, Any] = {}
         self._watchers: set[asyncio.Task[None]] = set()
@@ -198,7 +208,7 @@ class RayActivator:
 
     def _spawn_standby(self) -> Any:
         return SessionActor.options(  # type: ignore[attr-defined]
-            name=standby_name(),
+            name=standby_name(self._holder),
             namespace=self.namespace,
             lifetime="detached",  # an adopted one outlives this activator
             scheduling_strategy="SPREAD",
@@ -250,11 +260,41 @@ class RayActivator:
         """Start filling the standby set now (in an event loop), not at the first
         activation, which would start its own process on the request's path: what a
         long-lived activator does when it is made (a Serve replica's, the reconciler's)."""
-        if self.standby is not None:
+        if self.standby is None:
+            return
+        if self._holder is None:
             self.standby.refill()
+        elif self._inheriting is None:
+            self._inheriting = asyncio.create_task(self._inherit_then_fill(self.standby))
+
+    async def _inherit_then_fill(self, standby: StandbySet) -> None:
+        """A stable holder's first fill: the free standbys its predecessor left (Ray
+        restarted the holder after its process died), then new ones for what is short.
+        Without it each restart started a whole set while the old one idled out."""
+        try:
+            found = await asyncio.to_thread(self._left_by_predecessor)  # calls to the GCS
+            if found:
+                joined = await standby.inherit(found)
+                log.info("took over %d of %d standby session actors left", joined, len(found))
+        except Exception:  # nothing to take over is not fatal: the set is filled anew
+            log.warning("looking for the standby session actors left failed", exc_info=True)
+        standby.refill()  # not when cancelled (``close``)
+
+    def _left_by_predecessor(self) -> list[Any]:
+        prefix = standby_prefix(self._holder)
+        named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
+        found = []
+        for actor in named:
+            if actor.get("namespace") == self.namespace and actor["name"].startswith(prefix):
+                with contextlib.suppress(ValueError):  # gone since the listing
+                    found.append(ray.get_actor(actor["name"], namespace=self.namespace))
+        return found
 
     async def close(self) -> None:
         """Free the standby actors nobody adopted (adopted ones finish their session)."""
+        if self._inheriting is not None:
+            self._inheriting.cancel()
+            await asyncio.gather(self._inheriting, return_exceptions=True)
         for watcher in list(self._watchers):
             watcher.cancel()
         if self.standby is not None:

@@ -44,6 +44,7 @@ class Reconciler:
         self._settings = config.load()  # here: no secret in the arguments
         self._services: Services | None = None
         self._sweeper: Sweeper | None = None
+        self._activator: RayActivator | None = None
         self._loop: asyncio.Task[None] | None = None
         self._deadline_loop: asyncio.Task[None] | None = None
         self._sweeps = 0
@@ -59,7 +60,9 @@ class Reconciler:
     def _ensure(self) -> Sweeper:
         if self._sweeper is None:
             self._services = open_services(self._settings, observer=RayObserver())
-            activator = RayActivator(self._services, self._config)
+            # Its standbys named after it: when Ray restarts it, the new incarnation takes
+            # over the free ones the dead one kept, instead of starting a set anew.
+            self._activator = activator = RayActivator(self._services, self._config, holder=NAME)
             activator.start_standbys()
             control = SessionService(self._services, activator, background=True)
             self._sweeper = Sweeper(control)
@@ -116,6 +119,20 @@ class Reconciler:
             "running": running,
             "last": self._last,
             "step_errors": self._step_errors,
+            "standbys": self._standbys(),
+        }
+
+    def _standbys(self) -> dict[str, int] | None:
+        """Its standby session actors: ready now, and started, lost and taken over
+        (from the incarnation before it) by this incarnation."""
+        standby = self._activator.standby if self._activator is not None else None
+        if standby is None:
+            return None
+        return {
+            "ready": standby.ready,
+            "started": standby.started,
+            "lost": standby.lost,
+            "inherited": standby.inherited,
         }
 
     async def pid(self) -> int:

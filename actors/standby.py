@@ -15,6 +15,11 @@ the standbys of an activator that died do not linger. The set keeps its own: eve
 again), and one that does not answer (its process or node is gone) is replaced. Without
 that, a quiet spell longer than ``idle_s`` emptied the set, and the next activation
 tried each dead handle before starting a process on the request's path.
+
+A holder with a stable name (the reconciler, one per namespace, which Ray restarts when
+its process dies) names its standbys after itself, and a restarted holder takes over the
+free ones its predecessor left (``inherit``): no process starts, and none lingers unkept
+for its idle time, after a restart.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import contextlib
 import logging
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -35,6 +40,8 @@ from ray.exceptions import (
     RayActorError,
     RayError,
 )
+
+from actors import metrics
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +59,14 @@ STARTS_AT_ONCE = 1
 KEEP_TIMEOUT_S = 20.0
 
 
-def standby_name() -> str:
-    return f"{STANDBY_PREFIX}{uuid.uuid4().hex}"
+def standby_prefix(holder: str | None = None) -> str:
+    """The names of a holder's standbys start with this (every standby's with
+    ``STANDBY_PREFIX``). A stable holder's name lets its next incarnation find them."""
+    return f"{STANDBY_PREFIX}{holder}:" if holder else STANDBY_PREFIX
+
+
+def standby_name(holder: str | None = None) -> str:
+    return f"{standby_prefix(holder)}{uuid.uuid4().hex}"
 
 
 class StandbySet:
@@ -62,7 +75,7 @@ class StandbySet:
     ``spawn`` creates one actor (a Ray handle whose ``ready`` method answers once its
     constructor has run, and whose ``keep`` restarts its idle time). With
     ``keep_every_s``, the ready ones are kept alive from the first ``refill`` on. Counts
-    what it started and what it lost, for the benchmarks and the tests."""
+    what it started, lost and inherited (exported as ``torpor_standby_actors_total``)."""
 
     def __init__(
         self, size: int, spawn: Callable[[], Any], *, keep_every_s: float | None = None
@@ -72,12 +85,14 @@ class StandbySet:
         self._keep_every_s = keep_every_s
         self._ready: deque[Any] = deque()
         self._starting = 0
+        self._pending: set[Any] = set()  # spawned, not yet ready
         self._tasks: set[asyncio.Task[None]] = set()
         self._keeper: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._closing = False
         self.started = 0
         self.lost = 0  # ready standbys that stopped answering, replaced
+        self.inherited = 0  # free standbys a predecessor left, taken over
 
     @property
     def ready(self) -> int:
@@ -114,15 +129,19 @@ class StandbySet:
         handle, ready = None, False
         try:
             handle = self._spawn()
+            self._pending.add(handle)
             self.started += 1
+            metrics.inc("standbys", {"event": "started"})
             await asyncio.wait_for(handle.ready.remote(), timeout=START_TIMEOUT_S)
             self._ready.append(handle)
+            self._pending.discard(handle)
             handle, ready = None, True
         except (*_DEAD, TimeoutError):
             # Not fatal: the next take starts another.
             log.warning("a standby session actor did not start")
         finally:
             if handle is not None:  # silent, dead or cancelled (close): free its process
+                self._pending.discard(handle)
                 with contextlib.suppress(Exception):
                     ray.kill(handle, no_restart=True)
             self._starting -= 1
@@ -154,6 +173,7 @@ class StandbySet:
         for handle in lost:
             self._ready.remove(handle)
             self.lost += 1
+            metrics.inc("standbys", {"event": "lost"})
             with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
         if lost:
@@ -167,6 +187,30 @@ class StandbySet:
             return bool(await asyncio.wait_for(handle.keep.remote(), timeout=timeout_s))
         except (RayError, TimeoutError):  # ``_DEAD``'s errors are Ray's too
             return False
+
+    async def inherit(self, handles: Sequence[Any], timeout_s: float = KEEP_TIMEOUT_S) -> int:
+        """Take over the standbys a predecessor of this holder left (its process died):
+        each that answers it is still free joins the set, up to its size, and is kept from
+        now on; free ones past the size are stopped. One that has a session (it answers
+        no) is left to run it; one that does not answer is left to its own idle time.
+        Returns how many joined. Best before the first ``refill``: a slot it fills is not
+        started again, but a start already under way goes on."""
+        answers = await asyncio.gather(*(self._kept(h, timeout_s) for h in handles))
+        joined = 0
+        for handle, free in zip(handles, answers, strict=True):
+            if not free or handle in self._ready or handle in self._pending:
+                continue  # taken, silent, or this set's own (a listing sees those too)
+            if self._closing or len(self._ready) + self._starting >= self.size:
+                with contextlib.suppress(Exception):
+                    ray.kill(handle, no_restart=True)
+                continue
+            self._ready.append(handle)
+            joined += 1
+        self.inherited += joined
+        if joined:
+            metrics.inc("standbys", {"event": "inherited"}, joined)
+            self._changed.set()
+        return joined
 
     async def close(self) -> None:
         """Stop the starts under way and the actors nobody adopted."""

@@ -9,17 +9,23 @@ only one actor run it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from ray.exceptions import RayActorError
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
+from actors import metrics
 from actors.ray_activator import RayActivator
-from actors.standby import StandbySet
+from actors.reconciler import NAME as RECONCILER
+from actors.reconciler import ensure_reconciler
+from actors.standby import StandbySet, standby_prefix
 from actors.wiring import open_services
 from tests.conftest import eventually
 from tests.ray.conftest import RayEnv, ray_settings, session_actors
@@ -34,6 +40,7 @@ from torpor.settings import Settings
 
 S = SessionState
 SIZE = 2
+STANDBYS = "torpor_standby_actors_total"
 # A standby's idle time in the tests of its expiry: long enough for an actor's call to
 # come back on a loaded machine, short enough to wait out a few times.
 IDLE_S = 4.0
@@ -220,13 +227,16 @@ async def test_a_ready_standby_that_dies_is_replaced_before_any_activation_needs
         standby = activator.standby
         assert standby is not None
         doomed = standby._ready[0]
-        os.kill((await doomed.where.remote())["pid"], signal.SIGKILL)
+        with metrics.tap() as read:
+            os.kill((await doomed.where.remote())["pid"], signal.SIGKILL)
 
-        async def replaced() -> bool:
-            return standby.lost == 1 and standby.ready == SIZE
+            async def replaced() -> bool:
+                return standby.lost == 1 and standby.ready == SIZE
 
-        await eventually(replaced, timeout_s=30, what="the dead standby is replaced")
+            await eventually(replaced, timeout_s=30, what="the dead standby is replaced")
         assert doomed not in standby._ready and standby.started == SIZE + 1
+        assert read.counter(STANDBYS, event="lost") == 1
+        assert read.counter(STANDBYS, event="started") == 1
 
 
 async def test_a_long_lived_activator_fills_its_set_before_any_activation(
@@ -249,3 +259,107 @@ async def test_a_long_lived_activator_fills_its_set_before_any_activation(
             await eventually(full, timeout_s=60, what="the new activator's set is filled")
         finally:
             await other.close()
+
+
+def named_standbys(namespace: str, holder: str) -> list[str]:
+    from ray.util import list_named_actors
+
+    prefix = standby_prefix(holder)
+    return sorted(
+        a["name"]
+        for a in list_named_actors(all_namespaces=True)
+        if a["namespace"] == namespace and a["name"].startswith(prefix)
+    )
+
+
+async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_left(
+    make_env: Any,
+) -> None:
+    """A holder with a stable name names its standbys after itself; its next incarnation
+    finds them and keeps them as its own set (no process started), where it started a
+    whole new set while the old one idled out. A set already full stops what it finds
+    past its size."""
+    async with make_env() as env:
+        holder = f"t-holder-{uuid.uuid4().hex[:8]}"
+        first = RayActivator(env.services, holder=holder)
+        second: RayActivator | None = None
+        try:
+            first.start_standbys()
+            assert first.standby is not None
+            await first.standby.filled()
+            left = list(first.standby._ready)
+            names = named_standbys(env.settings.namespace, holder)
+            assert len(names) == SIZE
+            # Its holder dies: nothing keeps the set any more; the actors live on.
+            for task in list(first.standby._tasks):
+                task.cancel()
+            with metrics.tap() as read:
+                second = RayActivator(env.services, holder=holder)
+                second.start_standbys()
+                standby = second.standby
+                assert standby is not None
+
+                async def full() -> bool:
+                    return standby.ready == SIZE
+
+                await eventually(full, timeout_s=60, what="the next incarnation's set is filled")
+            assert standby.inherited == SIZE and standby.started == 0
+            assert read.counter(STANDBYS, event="inherited") == SIZE
+            assert read.counter(STANDBYS, event="started") == 0
+            assert set(standby._ready) == set(left)
+            assert named_standbys(env.settings.namespace, holder) == names
+            # A set with one slot takes one of what it finds and stops the other.
+            small = StandbySet(1, second._spawn_standby)
+            assert await small.inherit(left) == 1 and small.ready == 1
+            stopped = [h for h in left if h not in small._ready]
+            await eventually(lambda: exited(stopped[0]), what="the one past the size stops")
+        finally:
+            if second is not None:
+                await second.close()
+            await first.close()
+
+
+async def test_a_killed_reconciler_takes_over_the_standbys_it_kept(make_env: Any) -> None:
+    """The reconciler (Ray restarts it when its process dies) keeps a standby set of its
+    own. Killed (SIGKILL), its next incarnation keeps the same standby actors: no
+    process start, none left over to idle out for ``standby_idle_s``."""
+    async with make_env() as env:
+        namespace = env.settings.namespace
+        handle = ensure_reconciler(env.settings)
+        try:
+
+            def standbys() -> dict[str, int] | None:
+                try:
+                    status = ray.get(handle.status.remote(), timeout=5)
+                except (GetTimeoutError, RayActorError):  # restarting
+                    return None
+                found: dict[str, int] | None = status.get("standbys")
+                return found
+
+            def full() -> bool:
+                return (standbys() or {}).get("ready") == SIZE
+
+            await eventually(full, timeout_s=90, interval_s=0.5, what="its set is filled")
+            names = named_standbys(namespace, RECONCILER)
+            assert len(names) == SIZE
+            pid = ray.get(handle.pid.remote(), timeout=10)
+            os.kill(pid, signal.SIGKILL)
+
+            def restarted_and_full() -> bool:
+                try:
+                    if ray.get(handle.pid.remote(), timeout=5) == pid:
+                        return False
+                except (GetTimeoutError, RayActorError):
+                    return False
+                return full()
+
+            await eventually(
+                restarted_and_full, timeout_s=120, interval_s=0.5, what="the new incarnation"
+            )
+            assert standbys() == {"ready": SIZE, "started": 0, "lost": 0, "inherited": SIZE}
+            assert named_standbys(namespace, RECONCILER) == names
+        finally:
+            ray.kill(handle, no_restart=True)
+            for name in named_standbys(namespace, RECONCILER):
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)

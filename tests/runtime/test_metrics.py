@@ -238,6 +238,11 @@ async def test_an_activation_over_the_inflight_limit_is_deferred(env: Env) -> No
     tested("torpor_activations_deferred_total")
 
 
+# Recorded only where standby session actors run, on a real Ray: read back (started,
+# lost, inherited) in tests/ray/test_standby.py.
+tested("torpor_standby_actors_total")
+
+
 def test_every_metric_has_a_test_above() -> None:
     # runs last in this module (pytest keeps file order)
     assert {spec.name for spec in metrics.SPECS.values()} == TESTED
