@@ -12,6 +12,8 @@ through (their secrets then persist in Ray's control store).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -93,18 +95,29 @@ def _secrets(value: object, where: str) -> list[tuple[str, str]]:
     return []
 
 
-def _raw(value: Any) -> Any:
-    """A model dump that keeps secrets as written (``env:NAME``), not masked."""
+def settings_digest(settings: Settings) -> str:
+    """Which settings a process runs with, as a digest another process can compare with
+    its own: every field, defaults included, secrets as written (a rotated inline one
+    differs). Compared over Ray calls only; never logged, never in a name."""
+    data = json.dumps(_raw(settings, every=True), sort_keys=True, default=str)
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+def _raw(value: Any, *, every: bool = False) -> Any:
+    """A model dump that keeps secrets as written (``env:NAME``), not masked; the fields
+    set and nested models (``every``: all fields)."""
     if isinstance(value, SecretStr):
         return value.get_secret_value()
     if isinstance(value, BaseModel):
         return {
-            name: _raw(getattr(value, name))
+            name: _raw(getattr(value, name), every=every)
             for name in type(value).model_fields
-            if name in value.model_fields_set or isinstance(getattr(value, name), BaseModel)
+            if every
+            or name in value.model_fields_set
+            or isinstance(getattr(value, name), BaseModel)
         }
     if isinstance(value, dict):
-        return {k: _raw(v) for k, v in value.items()}
+        return {k: _raw(v, every=every) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_raw(v) for v in value]
+        return [_raw(v, every=every) for v in value]
     return value

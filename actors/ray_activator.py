@@ -34,7 +34,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
-from actors.config_ref import ConfigRef
+from actors.config_ref import ConfigRef, settings_digest
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from actors.standby import StandbySet, standby_name, standby_prefix
@@ -274,7 +274,9 @@ class RayActivator:
         try:
             found = await asyncio.to_thread(self._left_by_predecessor)  # calls to the GCS
             if found:
-                joined = await standby.inherit(found)
+                # What the standbys run on is what they load from ``config``, as this would.
+                digest = settings_digest(self.config.load())
+                joined = await standby.inherit(found, digest)
                 log.info("took over %d of %d standby session actors left", joined, len(found))
         except Exception:  # nothing to take over is not fatal: the set is filled anew
             log.warning("looking for the standby session actors left failed", exc_info=True)

@@ -42,6 +42,7 @@ from ray.exceptions import (
 )
 
 from actors import metrics
+from actors.session_actor import FREE, OTHER
 
 log = logging.getLogger(__name__)
 
@@ -188,19 +189,23 @@ class StandbySet:
         except (RayError, TimeoutError):  # ``_DEAD``'s errors are Ray's too
             return False
 
-    async def inherit(self, handles: Sequence[Any], timeout_s: float = KEEP_TIMEOUT_S) -> int:
+    async def inherit(
+        self, handles: Sequence[Any], digest: str, timeout_s: float = KEEP_TIMEOUT_S
+    ) -> int:
         """Take over the standbys a predecessor of this holder left (its process died):
-        each that answers it is still free joins the set, up to its size, and is kept from
-        now on; free ones past the size are stopped. One that has a session (it answers
-        no) is left to run it; one that does not answer is left to its own idle time.
-        Returns how many joined. Best before the first ``refill``: a slot it fills is not
-        started again, but a start already under way goes on."""
-        answers = await asyncio.gather(*(self._kept(h, timeout_s) for h in handles))
+        each that answers it is free and runs on the settings whose digest is
+        ``digest`` joins the set, up to its size, and is kept from now on; free ones past
+        the size, and free ones built from other settings (the holder was restarted on
+        new ones), are stopped. One that has a session is left to run it; one that does
+        not answer is left to its own idle time. Returns how many joined. Best before
+        the first ``refill``: a slot it fills is not started again, but a start already
+        under way goes on."""
+        answers = await asyncio.gather(*(self._asked(h, digest, timeout_s) for h in handles))
         joined = 0
-        for handle, free in zip(handles, answers, strict=True):
-            if not free or handle in self._ready or handle in self._pending:
+        for handle, answer in zip(handles, answers, strict=True):
+            if answer not in (FREE, OTHER) or handle in self._ready or handle in self._pending:
                 continue  # taken, silent, or this set's own (a listing sees those too)
-            if self._closing or len(self._ready) + self._starting >= self.size:
+            if answer == OTHER or self._closing or len(self._ready) + self._starting >= self.size:
                 with contextlib.suppress(Exception):
                     ray.kill(handle, no_restart=True)
                 continue
@@ -211,6 +216,17 @@ class StandbySet:
             metrics.inc("standbys", {"event": "inherited"}, joined)
             self._changed.set()
         return joined
+
+    @staticmethod
+    async def _asked(handle: Any, digest: str, timeout_s: float) -> str | None:
+        """A left standby's answer to whether it may be inherited (None: no answer)."""
+        try:
+            answer: str = await asyncio.wait_for(
+                handle.inheritable.remote(digest), timeout=timeout_s
+            )
+        except (RayError, TimeoutError):
+            return None
+        return answer
 
     async def close(self) -> None:
         """Stop the starts under way and the actors nobody adopted."""

@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors import metrics
+from actors.config_ref import ConfigRef, settings_digest
 from actors.ray_activator import RayActivator
 from actors.reconciler import NAME as RECONCILER
 from actors.reconciler import ensure_reconciler
@@ -278,11 +279,12 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
     """A holder with a stable name names its standbys after itself; its next incarnation
     finds them and keeps them as its own set (no process started), where it started a
     whole new set while the old one idled out. A set already full stops what it finds
-    past its size."""
+    past its size; a holder restarted on other settings stops what it finds and starts
+    its own (a standby runs sessions on the settings it was started with)."""
     async with make_env() as env:
         holder = f"t-holder-{uuid.uuid4().hex[:8]}"
         first = RayActivator(env.services, holder=holder)
-        second: RayActivator | None = None
+        activators = [first]
         try:
             first.start_standbys()
             assert first.standby is not None
@@ -290,33 +292,58 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
             left = list(first.standby._ready)
             names = named_standbys(env.settings.namespace, holder)
             assert len(names) == SIZE
-            # Its holder dies: nothing keeps the set any more; the actors live on.
-            for task in list(first.standby._tasks):
-                task.cancel()
+            abandon(first)  # its holder dies: nothing keeps the set, the actors live on
             with metrics.tap() as read:
                 second = RayActivator(env.services, holder=holder)
-                second.start_standbys()
-                standby = second.standby
-                assert standby is not None
-
-                async def full() -> bool:
-                    return standby.ready == SIZE
-
-                await eventually(full, timeout_s=60, what="the next incarnation's set is filled")
+                activators.append(second)
+                standby = await filled_from_start(second)
             assert standby.inherited == SIZE and standby.started == 0
-            assert read.counter(STANDBYS, event="inherited") == SIZE
-            assert read.counter(STANDBYS, event="started") == 0
             assert set(standby._ready) == set(left)
             assert named_standbys(env.settings.namespace, holder) == names
+            assert read.counter(STANDBYS, event="inherited") == SIZE
+            assert read.counter(STANDBYS, event="started") == 0
             # A set with one slot takes one of what it finds and stops the other.
             small = StandbySet(1, second._spawn_standby)
-            assert await small.inherit(left) == 1 and small.ready == 1
+            assert await small.inherit(left, settings_digest(env.settings)) == 1
             stopped = [h for h in left if h not in small._ready]
             await eventually(lambda: exited(stopped[0]), what="the one past the size stops")
+            # Restarted on other settings: what it finds is stopped, not handed sessions.
+            abandon(second)
+            runtime = env.settings.runtime.model_copy(update={"standby_idle_s": 300.0})
+            changed = env.settings.model_copy(update={"runtime": runtime})
+            third = RayActivator(env.services, ConfigRef.of(changed), holder=holder)
+            activators.append(third)
+            renewed = await filled_from_start(third)
+            assert renewed.inherited == 0 and renewed.started == SIZE
+            assert not set(renewed._ready) & set(left)
+
+            async def all_left_exited() -> bool:
+                return all([await exited(h) for h in left])
+
+            await eventually(all_left_exited, what="the standbys on the old settings stop")
         finally:
-            if second is not None:
-                await second.close()
-            await first.close()
+            for activator in activators:
+                await activator.close()
+
+
+def abandon(activator: RayActivator) -> None:
+    """As if the activator's process died: its keeping and starting stop, its standby
+    actors live on (``close`` would stop them)."""
+    assert activator.standby is not None
+    for task in list(activator.standby._tasks):
+        task.cancel()
+
+
+async def filled_from_start(activator: RayActivator) -> StandbySet:
+    activator.start_standbys()
+    standby = activator.standby
+    assert standby is not None
+
+    async def full() -> bool:
+        return standby.ready == SIZE
+
+    await eventually(full, timeout_s=60, what="the set is filled")
+    return standby
 
 
 async def test_a_killed_reconciler_takes_over_the_standbys_it_kept(make_env: Any) -> None:

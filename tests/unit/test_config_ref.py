@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from ray import cloudpickle
 
-from actors.config_ref import ConfigRef
+from actors.config_ref import ConfigRef, settings_digest
 from torpor.errors import ConfigError
 from torpor.settings import Settings
 
@@ -96,3 +96,30 @@ def test_settings_read_from_a_file_with_inline_secrets_travel_as_the_path(
     assert ref.load().capability_key_bytes() == [SECRET.encode()]
     plain = Settings.from_env({"TORPOR_NAMESPACE": "n1"})  # nothing secret: as data
     assert ConfigRef.of_loaded(plain).load().namespace == "n1"
+
+
+def test_the_settings_digest_tells_apart_any_change_and_never_shows_a_secret(
+    tmp_path: Path,
+) -> None:
+    """A restarted holder inherits a standby only if both run on the same settings: the
+    digest is the same for the same settings however they travelled, and differs for a
+    changed default, a changed secret, a changed file."""
+    base = {"security": {"capability_keys": ["env:TP_TEST_CAP"]}}
+    settings = Settings.build(base)
+    digest = settings_digest(settings)
+    assert settings_digest(Settings.build(base)) == digest
+    travelled = cloudpickle.loads(persisted(ConfigRef.of(settings)))[0].load()
+    assert settings_digest(travelled) == digest
+    renamed = {"security": {"capability_keys": ["env:TP_TEST_CAP_2"]}}
+    assert settings_digest(Settings.build(renamed)) != digest
+    slower = {**base, "runtime": {"standby_idle_s": 30.0}}
+    assert settings_digest(Settings.build(slower)) != digest
+    inline = settings_digest(Settings.build({"security": {"capability_keys": [SECRET]}}))
+    assert SECRET not in inline
+    rotated = {"security": {"capability_keys": [SECRET + "-2"]}}
+    assert settings_digest(Settings.build(rotated)) != inline
+    toml = tmp_path / "torpor.toml"
+    toml.write_text("[runtime]\nstandby_idle_s = 30.0\n")
+    before = settings_digest(ConfigRef.from_file(str(toml)).load())
+    toml.write_text("[runtime]\nstandby_idle_s = 60.0\n")
+    assert settings_digest(ConfigRef.from_file(str(toml)).load()) != before
