@@ -41,11 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 from actors.wiring import open_services  # noqa: E402
 from bench.latency_proxy import LatencyProxy  # noqa: E402
-from storage.bindings import encode_binding  # noqa: E402
 from storage.correlations import ObjectCorrelations  # noqa: E402
 from storage.local_store import LocalObjectStore  # noqa: E402
 from storage.redis_index import RedisIndex  # noqa: E402
-from storage.redis_index.waits import _BIND  # noqa: E402
+from storage.redis_index.waits import BIND_SCRIPT  # noqa: E402
 from storage.s3_store import S3ObjectStore  # noqa: E402
 from storage.snapshots import ObjectSnapshots  # noqa: E402
 from tests.support.factories import busy_snapshot  # noqa: E402
@@ -99,35 +98,18 @@ async def gather_bounded(coros: Any, limit: int = IN_FLIGHT) -> None:
 
 
 def bind_pipelined(index: RedisIndex, bindings: list[WaitBinding], *, now: datetime) -> None:
-    """The synthetic writer: the index's own bind script and keys, pipelined a thousand
-    at a time (one ``bind_wait`` call per wait costs a round trip each)."""
+    """The synthetic writer: the index's own bind script, keys and arguments
+    (``bind_call``), pipelined a thousand at a time (one ``bind_wait`` call per wait
+    costs a round trip each). Each wait has its own business key, as a purchase request
+    would."""
     client = redis.Redis.from_url(REDIS)
-    script = client.register_script(_BIND)
+    script = client.register_script(BIND_SCRIPT)
     grace = timedelta(days=7)
     for start in range(0, len(bindings), 1000):
         pipe = client.pipeline(transaction=False)
         for i, b in enumerate(bindings[start : start + 1000], start):
-            expires = to_ms(b.deadline + grace)
-            cid = b.correlation_id
-            hour = to_ms(b.deadline) // 3_600_000
-            bk_key, bk_field = index.keys.business_key(b.tenant, f"PR-{i:07d}")
-            script(
-                keys=[
-                    index.keys.correlation(cid),
-                    bk_key,
-                    index.keys.deadline_set(cid, hour),
-                    index.keys.deadline_hours,
-                ],
-                args=[
-                    cid,
-                    encode_binding(b, expires_ms=expires),
-                    bk_field,
-                    to_ms(b.deadline),
-                    hour,
-                    max(1, expires - to_ms(now)),
-                ],
-                client=pipe,
-            )
+            keys, args = index.bind_call(b, business_key=f"PR-{i:07d}", grace=grace, now=now)
+            script(keys=keys, args=args, client=pipe)
         pipe.execute()
     client.close()
 

@@ -51,6 +51,8 @@ if taken then return 0 end
 return 1
 """
 
+BIND_SCRIPT = _BIND  # for a bulk writer that pipelines ``RedisWaits.bind_call``
+
 # Unbind removes the business-key pointer only if it still names this wait: a newer wait
 # with the same business key may have taken it over.
 _UNBIND = """
@@ -123,30 +125,38 @@ class RedisWaits(RedisConnection):
     async def bind_wait(
         self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
     ) -> bool:
+        keys, args = self.bind_call(binding, business_key=business_key, grace=grace, now=now)
+        bound = await self.script(_BIND)(keys=keys, args=args)
+        return bool(int(bound))
+
+    def bind_call(
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
+    ) -> tuple[list[str], list[str | int]]:
+        """The bind script's (``BIND_SCRIPT``) keys and arguments for ``binding``: what
+        ``bind_wait`` runs, and what a bulk writer (``bench/bench_scale.py``) pipelines,
+        so the two cannot drift apart."""
         expires = to_ms(binding.deadline + grace)
         cid = binding.correlation_id
         bk_key, bk_field = self._bk(binding.tenant, business_key)
         hour = _hour(binding.deadline)
-        bound = await self.script(_BIND)(
-            keys=[
-                self.keys.correlation(cid),
-                bk_key,
-                self.keys.deadline_set(cid, hour),
-                self.keys.deadline_hours,
-            ],
-            args=[
-                cid,
-                encode_binding(binding, expires_ms=expires),
-                bk_field,
-                to_ms(binding.deadline),
-                hour,
-                max(1, expires - to_ms(now)),
-                to_ms(now),
-                binding.session_id,
-                expires,
-            ],
-        )
-        return bool(int(bound))
+        keys = [
+            self.keys.correlation(cid),
+            bk_key,
+            self.keys.deadline_set(cid, hour),
+            self.keys.deadline_hours,
+        ]
+        args: list[str | int] = [
+            cid,
+            encode_binding(binding, expires_ms=expires),
+            bk_field,
+            to_ms(binding.deadline),
+            hour,
+            max(1, expires - to_ms(now)),
+            to_ms(now),
+            binding.session_id,
+            expires,
+        ]
+        return keys, args
 
     async def _stored(self, correlation_id: str) -> StoredBinding | None:
         # On the lean pipelined path, as the lookups of a webhook and an activation are:
