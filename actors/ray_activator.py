@@ -34,10 +34,10 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
-from actors.config_ref import ConfigRef, settings_digest
+from actors.config_ref import ConfigRef
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
-from actors.standby import StandbySet, standby_name, standby_prefix
+from actors.standby import StandbySet, inheritance_key, standby_name, standby_prefix
 from storage.factory import check_embedded_allowed
 from torpor import tracing
 from torpor.backoff import Backoff
@@ -275,8 +275,7 @@ class RayActivator:
             found = await asyncio.to_thread(self._left_by_predecessor)  # calls to the GCS
             if found:
                 # What the standbys run on is what they load from ``config``, as this would.
-                digest = settings_digest(self.config.load())
-                joined = await standby.inherit(found, digest)
+                joined = await standby.inherit(found, inheritance_key(self.config.load()))
                 log.info("took over %d of %d standby session actors left", joined, len(found))
         except Exception:  # nothing to take over is not fatal: the set is filled anew
             log.warning("looking for the standby session actors left failed", exc_info=True)

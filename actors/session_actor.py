@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 
 ACCEPTED = "accepted"
 CLOSING = "closing"
-# A standby's answers to a holder that would inherit it (``SessionActor.inheritable``).
-FREE, TAKEN, OTHER = "free", "taken", "other"
 
 
 def actor_name(session_id: str) -> str:
@@ -91,16 +89,16 @@ class SessionActor:
             self._idle = asyncio.create_task(self._expire(self._idle_s))
         return True
 
-    async def inheritable(self, digest: str) -> str:
+    async def inheritable(self, key: str) -> str:
         """Asked by a holder that took its predecessor's place (``StandbySet.inherit``):
         ``free`` (and kept from now on, as by ``keep``), ``taken`` (it has a session, or
-        is closing), or ``other`` (built from settings whose digest is not ``digest``:
-        a holder restarted on new settings must not hand it sessions)."""
-        from actors.config_ref import settings_digest
+        is closing), or ``other`` (it runs other settings or code than ``key`` names:
+        a holder replaced with new ones must not hand it sessions)."""
+        from actors.standby import FREE, OTHER, TAKEN, inheritance_key
 
         if self._session_id is not None or self._closing:
             return TAKEN
-        if settings_digest(self._settings) != digest:
+        if inheritance_key(self._settings) != key:
             return OTHER
         await self.keep()
         return FREE

@@ -42,7 +42,9 @@ from ray.exceptions import (
 )
 
 from actors import metrics
-from actors.session_actor import FREE, OTHER
+from actors.config_ref import settings_digest
+from torpor import __version__
+from torpor.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,20 @@ STARTS_AT_ONCE = 1
 # How long a ready standby may take to answer that it lives before it is replaced, at
 # most (and at most one keeping period: a round never waits past the next one's time).
 KEEP_TIMEOUT_S = 20.0
+
+
+# A standby's answers to a holder that would inherit it (``SessionActor.inheritable``).
+FREE, TAKEN, OTHER = "free", "taken", "other"
+
+
+def inheritance_key(settings: Settings) -> str:
+    """What a standby runs, as a key a holder compares with its own before inheriting
+    it: the settings (their digest), torpor's version, and the code Ray started the
+    process with (its runtime environment: a job's ``working_dir`` is part of it). A
+    holder replaced with new settings or new code must not hand sessions to a standby
+    that runs the old ones. Compared over Ray calls only; never logged."""
+    runtime_env: str = ray.get_runtime_context().get_runtime_env_string()  # type: ignore[no-untyped-call]
+    return f"{settings_digest(settings)}:{__version__}:{runtime_env}"
 
 
 def standby_prefix(holder: str | None = None) -> str:
@@ -190,17 +206,17 @@ class StandbySet:
             return False
 
     async def inherit(
-        self, handles: Sequence[Any], digest: str, timeout_s: float = KEEP_TIMEOUT_S
+        self, handles: Sequence[Any], key: str, timeout_s: float = KEEP_TIMEOUT_S
     ) -> int:
         """Take over the standbys a predecessor of this holder left (its process died):
-        each that answers it is free and runs on the settings whose digest is
-        ``digest`` joins the set, up to its size, and is kept from now on; free ones past
-        the size, and free ones built from other settings (the holder was restarted on
-        new ones), are stopped. One that has a session is left to run it; one that does
-        not answer is left to its own idle time. Returns how many joined. Best before
-        the first ``refill``: a slot it fills is not started again, but a start already
-        under way goes on."""
-        answers = await asyncio.gather(*(self._asked(h, digest, timeout_s) for h in handles))
+        each that answers it is free and runs what ``key`` names (``inheritance_key``)
+        joins the set, up to its size, and is kept from now on; free ones past the
+        size, and free ones that run other settings or code (the holder was replaced
+        with new ones), are stopped. One that has a session is left to run it; one that
+        does not answer is left to its own idle time. Returns how many joined. Best
+        before the first ``refill``: a slot it fills is not started again, but a start
+        already under way goes on."""
+        answers = await asyncio.gather(*(self._asked(h, key, timeout_s) for h in handles))
         joined = 0
         for handle, answer in zip(handles, answers, strict=True):
             if answer not in (FREE, OTHER) or handle in self._ready or handle in self._pending:
@@ -218,12 +234,10 @@ class StandbySet:
         return joined
 
     @staticmethod
-    async def _asked(handle: Any, digest: str, timeout_s: float) -> str | None:
+    async def _asked(handle: Any, key: str, timeout_s: float) -> str | None:
         """A left standby's answer to whether it may be inherited (None: no answer)."""
         try:
-            answer: str = await asyncio.wait_for(
-                handle.inheritable.remote(digest), timeout=timeout_s
-            )
+            answer: str = await asyncio.wait_for(handle.inheritable.remote(key), timeout=timeout_s)
         except (RayError, TimeoutError):
             return None
         return answer

@@ -22,11 +22,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors import metrics
-from actors.config_ref import ConfigRef, settings_digest
+from actors.config_ref import ConfigRef
 from actors.ray_activator import RayActivator
 from actors.reconciler import NAME as RECONCILER
 from actors.reconciler import ensure_reconciler
-from actors.standby import StandbySet, standby_prefix
+from actors.standby import StandbySet, inheritance_key, standby_prefix
 from actors.wiring import open_services
 from tests.conftest import eventually
 from tests.ray.conftest import RayEnv, ray_settings, session_actors
@@ -304,7 +304,7 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
             assert read.counter(STANDBYS, event="started") == 0
             # A set with one slot takes one of what it finds and stops the other.
             small = StandbySet(1, second._spawn_standby)
-            assert await small.inherit(left, settings_digest(env.settings)) == 1
+            assert await small.inherit(left, inheritance_key(env.settings)) == 1
             stopped = [h for h in left if h not in small._ready]
             await eventually(lambda: exited(stopped[0]), what="the one past the size stops")
             # Restarted on other settings: what it finds is stopped, not handed sessions.
