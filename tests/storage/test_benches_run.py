@@ -1,0 +1,64 @@
+"""Every benchmark that needs no Ray runs to its end at a tiny size, against the real
+Redis and the local folder (and, for ``bench_storage``, the S3 test server).
+
+A bench is code too, and nothing else runs it: ``bench_scale.py``'s synthetic writer
+fell behind the index's bind script and died at its first batch for five days before
+anyone measured target 4 again. The figures printed here mean nothing at these sizes;
+that each script finishes, and prints its figure beside its target where it has one,
+is what is checked. The benches that start Ray (``bench_ingress``, ``bench_runtime``,
+``bench_ray_work``, ``bench_chaos``, ``bench_batch`` without ``--accept-only``) take
+minutes even when small and are run by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+# (script and tiny-size arguments, a phrase its last lines must hold)
+BENCHES = [
+    (["bench_storage.py", "--rounds", "5", "--waits", "200"], "Redis bytes per bound wait"),
+    (["bench_snapshots.py", "--steps", "130"], "bytes written per commit"),
+    (
+        [
+            "bench_scale.py",
+            *("--sessions", "2000", "--object-sessions", "100", "--ended", "100"),
+            *("--seconds", "1", "--rate", "50"),
+        ],
+        "(target <= 1.0 s) -> met",
+    ),
+    (["bench_listing.py", "--keys", "300"], "target: repair bounded by live sessions"),
+    (
+        ["bench_local_store.py", "--n", "30", "--churn", "20", "--restart", "20"],
+        "compare-and-swap",
+    ),
+    (["bench_round_trips.py", "--n", "30"], "CPU per lone round trip"),
+    (["bench_batch.py", "--accept-only", "--n", "30", "--rounds", "1"], "to_202_s_max"),
+    (["profile_gateway.py", "--n", "60", "--timeline"], "answered (202)"),
+]
+
+
+@pytest.mark.parametrize(("args", "phrase"), BENCHES, ids=[a[0] for a, _ in BENCHES])
+def test_the_bench_runs_to_its_end(
+    args: list[str], phrase: str, redis_url: str, tmp_path: Path
+) -> None:
+    env = {**os.environ, "TORPOR_BENCH_REDIS": redis_url, "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / args[0]), *args[1:]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert phrase in done.stdout, done.stdout[-3000:]
