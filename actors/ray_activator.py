@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -37,7 +38,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from actors.config_ref import ConfigRef
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
-from actors.standby import StandbySet, inheritance_key, standby_name, standby_prefix
+from actors.standby import StandbySet, left_by, standby_name
 from storage.factory import check_embedded_allowed
 from torpor import tracing
 from torpor.backoff import Backoff
@@ -209,6 +210,7 @@ class RayActivator:
     def _spawn_standby(self) -> Any:
         return SessionActor.options(  # type: ignore[attr-defined]
             name=standby_name(self._holder),
+            # No ``runtime_env`` of its own: it runs the holder's (``inheritance_key``).
             namespace=self.namespace,
             lifetime="detached",  # an adopted one outlives this activator
             scheduling_strategy="SPREAD",
@@ -271,25 +273,17 @@ class RayActivator:
         """A stable holder's first fill: the free standbys its predecessor left (Ray
         restarted the holder after its process died), then new ones for what is short.
         Without it each restart started a whole set while the old one idled out."""
+        assert self._holder is not None
         try:
-            found = await asyncio.to_thread(self._left_by_predecessor)  # calls to the GCS
-            if found:
-                # What the standbys run on is what they load from ``config``, as this would.
-                joined = await standby.inherit(found, inheritance_key(self.config.load()))
-                log.info("took over %d of %d standby session actors left", joined, len(found))
+            # What the standbys run on is what they load from ``config``, as this would.
+            joined = await standby.inherit(
+                functools.partial(left_by, self._holder, self.namespace), self.config.load()
+            )
+            if joined:
+                log.info("took over %d standby session actors left by the last holder", joined)
         except Exception:  # nothing to take over is not fatal: the set is filled anew
-            log.warning("looking for the standby session actors left failed", exc_info=True)
+            log.warning("taking over the standby session actors left failed", exc_info=True)
         standby.refill()  # not when cancelled (``close``)
-
-    def _left_by_predecessor(self) -> list[Any]:
-        prefix = standby_prefix(self._holder)
-        named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
-        found = []
-        for actor in named:
-            if actor.get("namespace") == self.namespace and actor["name"].startswith(prefix):
-                with contextlib.suppress(ValueError):  # gone since the listing
-                    found.append(ray.get_actor(actor["name"], namespace=self.namespace))
-        return found
 
     async def close(self) -> None:
         """Free the standby actors nobody adopted (adopted ones finish their session)."""

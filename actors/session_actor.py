@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hmac
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -89,19 +90,34 @@ class SessionActor:
             self._idle = asyncio.create_task(self._expire(self._idle_s))
         return True
 
-    async def inheritable(self, key: str) -> str:
+    async def inheritable(self, salt: bytes, key: str) -> str:
         """Asked by a holder that took its predecessor's place (``StandbySet.inherit``):
         ``free`` (and kept from now on, as by ``keep``), ``taken`` (it has a session, or
-        is closing), or ``other`` (it runs other settings or code than ``key`` names:
-        a holder replaced with new ones must not hand it sessions)."""
-        from actors.standby import FREE, OTHER, TAKEN, inheritance_key
+        is on its way out), or ``other`` (it runs other settings or code than ``key``
+        names: a holder replaced with new ones must not hand it sessions)."""
+        from actors.standby import Standing, inheritance_key
 
         if self._session_id is not None or self._closing:
-            return TAKEN
-        if inheritance_key(self._settings) != key:
-            return OTHER
+            return Standing.TAKEN.value
+        mine = await asyncio.to_thread(inheritance_key, self._settings, salt)
+        if self._session_id is not None or self._closing:  # adopted meanwhile
+            return Standing.TAKEN.value
+        if not hmac.compare_digest(mine, key):
+            return Standing.OTHER.value
         await self.keep()
-        return FREE
+        return Standing.FREE.value
+
+    async def retire(self) -> bool:
+        """Exit now unless it has a session (which it then runs, as ever): what a holder
+        with no place for a standby, or closing, asks. Decided here, on the actor's own
+        loop, so no adoption can slip in between the check and the exit."""
+        if self._session_id is not None:
+            return False
+        self._closing = True
+        if self._idle is not None:
+            self._idle.cancel()
+        self._exit()
+        return True
 
     async def _warm_up(self, services: Services) -> None:
         """What the first activation would do anyway, done before any session waits for

@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from enum import StrEnum
 from typing import Any
 
 import ray
@@ -62,18 +65,47 @@ STARTS_AT_ONCE = 1
 KEEP_TIMEOUT_S = 20.0
 
 
-# A standby's answers to a holder that would inherit it (``SessionActor.inheritable``).
-FREE, TAKEN, OTHER = "free", "taken", "other"
+# How much a guess at the settings behind an inheritance key costs: the key travels in a
+# Ray call and the settings may hold inline secrets.
+KEY_ROUNDS = 100_000
 
 
-def inheritance_key(settings: Settings) -> str:
-    """What a standby runs, as a key a holder compares with its own before inheriting
-    it: the settings (their digest), torpor's version, and the code Ray started the
-    process with (its runtime environment: a job's ``working_dir`` is part of it). A
-    holder replaced with new settings or new code must not hand sessions to a standby
-    that runs the old ones. Compared over Ray calls only; never logged."""
+class Standing(StrEnum):
+    """A standby's answer to a holder that would inherit it (``SessionActor.inheritable``)."""
+
+    FREE = "free"  # no session: it joins the set (and is kept from now on)
+    TAKEN = "taken"  # it runs a session, or is on its way out: left alone
+    OTHER = "other"  # it runs other settings or code: retired, never handed a session
+
+
+def inheritance_key(settings: Settings, salt: bytes) -> str:
+    """What a process runs, as a key a holder and a standby compare before the standby
+    is inherited: the settings (every field, secrets as written), torpor's version and
+    the code Ray started the process with (its runtime environment string, the same in
+    an actor and the actors it starts without a ``runtime_env`` of their own). A holder
+    replaced with new settings or new code must not hand sessions to a standby running
+    the old ones. Salted per round and slow to compute (``KEY_ROUNDS``): it travels in a
+    Ray call, and must not make a weak inline secret cheap to guess. Never logged."""
     runtime_env: str = ray.get_runtime_context().get_runtime_env_string()  # type: ignore[no-untyped-call]
-    return f"{settings_digest(settings)}:{__version__}:{runtime_env}"
+    runs = f"{settings_digest(settings)}:{__version__}:{runtime_env}".encode()
+    return hashlib.pbkdf2_hmac("sha256", runs, salt, KEY_ROUNDS).hex()
+
+
+async def left_by(holder: str, namespace: str) -> list[Any]:
+    """The standbys named after ``holder`` in ``namespace`` (its predecessor's, when a
+    holder was restarted and has started none of its own yet)."""
+
+    def listed() -> list[Any]:
+        prefix = standby_prefix(holder)
+        named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
+        found = []
+        for actor in named:
+            if actor.get("namespace") == namespace and actor["name"].startswith(prefix):
+                with contextlib.suppress(ValueError):  # gone since the listing
+                    found.append(ray.get_actor(actor["name"], namespace=namespace))
+        return found
+
+    return await asyncio.to_thread(listed)  # calls to the GCS
 
 
 def standby_prefix(holder: str | None = None) -> str:
@@ -107,6 +139,9 @@ class StandbySet:
         self._keeper: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._closing = False
+        # While a predecessor's standbys are looked for, nothing is started: one started
+        # meanwhile under the same name would be listed as the predecessor's.
+        self._inheriting = False
         self.started = 0
         self.lost = 0  # ready standbys that stopped answering, replaced
         self.inherited = 0  # free standbys a predecessor left, taken over
@@ -122,8 +157,8 @@ class StandbySet:
         return handle
 
     def refill(self) -> None:
-        if self._closing:
-            return  # nothing started after ``close`` (nobody would free it)
+        if self._closing or self._inheriting:
+            return  # nothing started after ``close`` (nobody would free it), or yet
         if self._keep_every_s and (self._keeper is None or self._keeper.done()):
             self._keeper = asyncio.create_task(self._keep(self._keep_every_s))
             self._tasks.add(self._keeper)
@@ -184,49 +219,60 @@ class StandbySet:
     async def _keep_once(self, timeout_s: float) -> None:
         handles = list(self._ready)
         answers = await asyncio.gather(*(self._kept(h, timeout_s) for h in handles))
-        # Only one still in the set: a standby taken meanwhile answers False (it has a
-        # session now) and is its adopter's, never killed here.
-        lost = [h for h, ok in zip(handles, answers, strict=True) if not ok and h in self._ready]
-        for handle in lost:
+        for handle, answer in zip(handles, answers, strict=True):
+            if answer or handle not in self._ready:
+                continue  # kept; or taken from this set meanwhile (its adopter's)
             self._ready.remove(handle)
-            self.lost += 1
-            metrics.inc("standbys", {"event": "lost"})
-            with contextlib.suppress(Exception):
-                ray.kill(handle, no_restart=True)
-        if lost:
-            log.warning("%d standby session actors stopped answering; replacing them", len(lost))
+            if answer is None:  # no answer: dead, unreachable or stuck; replaced
+                self.lost += 1
+                metrics.inc("standbys", {"event": "lost"})
+                with contextlib.suppress(Exception):
+                    ray.kill(handle, no_restart=True)
+                log.warning("a standby session actor stopped answering; replacing it")
+            # else it has a session another holder gave it (two incarnations of a holder
+            # alive at once both inherited it): it runs that session and goes, untouched.
 
     @staticmethod
-    async def _kept(handle: Any, timeout_s: float) -> bool:
-        """Whether the standby answered that it is still free to adopt a session: any
-        failure to (dead, unreachable, too slow, another error of Ray's) is a no."""
+    async def _kept(handle: Any, timeout_s: float) -> bool | None:
+        """True: the standby is kept, still free; False: it has a session or is on its
+        way out; None: no answer (dead, unreachable, too slow, an error of Ray's)."""
         try:
             return bool(await asyncio.wait_for(handle.keep.remote(), timeout=timeout_s))
         except (RayError, TimeoutError):  # ``_DEAD``'s errors are Ray's too
-            return False
+            return None
 
     async def inherit(
-        self, handles: Sequence[Any], key: str, timeout_s: float = KEEP_TIMEOUT_S
+        self,
+        find: Callable[[], Awaitable[Sequence[Any]]],
+        settings: Settings,
+        timeout_s: float = KEEP_TIMEOUT_S,
     ) -> int:
-        """Take over the standbys a predecessor of this holder left (its process died):
-        each that answers it is free and runs what ``key`` names (``inheritance_key``)
-        joins the set, up to its size, and is kept from now on; free ones past the
-        size, and free ones that run other settings or code (the holder was replaced
-        with new ones), are stopped. One that has a session is left to run it; one that
-        does not answer is left to its own idle time. Returns how many joined. Best
-        before the first ``refill``: a slot it fills is not started again, but a start
-        already under way goes on."""
-        answers = await asyncio.gather(*(self._asked(h, key, timeout_s) for h in handles))
+        """Take over the standbys a predecessor of this holder left (its process died),
+        as ``find`` lists them; call it before the first ``refill``, which it holds back
+        until it is done (a standby this set started would be listed too). Each that is
+        free and runs what ``settings`` and this code make (``inheritance_key``) joins
+        the set, up to its size, and is kept from now on; one free past the size, or
+        running other settings or code, is retired (it exits unless a session reached it
+        first). One that has a session is left to run it; one that does not answer, to
+        its own idle time. Returns how many joined."""
+        self._inheriting = True
+        try:
+            handles = await find()
+            salt = os.urandom(16)
+            key = await asyncio.to_thread(inheritance_key, settings, salt)  # slow on purpose
+            answers = await asyncio.gather(*(self._asked(h, salt, key, timeout_s) for h in handles))
+        finally:
+            self._inheriting = False
         joined = 0
         for handle, answer in zip(handles, answers, strict=True):
-            if answer not in (FREE, OTHER) or handle in self._ready or handle in self._pending:
-                continue  # taken, silent, or this set's own (a listing sees those too)
-            if answer == OTHER or self._closing or len(self._ready) + self._starting >= self.size:
-                with contextlib.suppress(Exception):
-                    ray.kill(handle, no_restart=True)
-                continue
-            self._ready.append(handle)
-            joined += 1
+            if handle in self._ready or handle in self._pending:
+                continue  # this set's own, started before it was asked to inherit
+            room = len(self._ready) + self._starting < self.size
+            if answer is Standing.FREE and not self._closing and room:
+                self._ready.append(handle)
+                joined += 1
+            elif answer in (Standing.FREE, Standing.OTHER):
+                handle.retire.remote()  # exits unless it has a session by then
         self.inherited += joined
         if joined:
             metrics.inc("standbys", {"event": "inherited"}, joined)
@@ -234,13 +280,14 @@ class StandbySet:
         return joined
 
     @staticmethod
-    async def _asked(handle: Any, key: str, timeout_s: float) -> str | None:
-        """A left standby's answer to whether it may be inherited (None: no answer)."""
+    async def _asked(handle: Any, salt: bytes, key: str, timeout_s: float) -> Standing | None:
+        """A left standby's answer to whether it may be inherited (None: no answer, or
+        one this code does not know: left to its own idle time)."""
         try:
-            answer: str = await asyncio.wait_for(handle.inheritable.remote(key), timeout=timeout_s)
-        except (RayError, TimeoutError):
+            answer = await asyncio.wait_for(handle.inheritable.remote(salt, key), timeout=timeout_s)
+            return Standing(answer)
+        except Exception:  # dead, silent, or older code without ``inheritable``
             return None
-        return answer
 
     async def close(self) -> None:
         """Stop the starts under way and the actors nobody adopted."""
@@ -248,6 +295,18 @@ class StandbySet:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        while self._ready:
-            with contextlib.suppress(Exception):
-                ray.kill(self._ready.popleft(), no_restart=True)
+        # Retired, not killed: a standby another holder inherited too may have a session
+        # by now (it runs it); one that does not answer is killed.
+        ready, self._ready = list(self._ready), deque()
+        await asyncio.gather(*(_retire(h) for h in ready))
+
+
+async def _retire(handle: Any, timeout_s: float = 5.0) -> None:
+    """The standby exits now unless it has a session; killed if it does not answer."""
+    try:
+        # A RayActorError too means it exited under the call, as asked.
+        with contextlib.suppress(RayError):
+            await asyncio.wait_for(handle.retire.remote(), timeout=timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)

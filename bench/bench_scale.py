@@ -58,7 +58,7 @@ from torpor.service.sweeper import Sweeper, SweepReport  # noqa: E402
 from torpor.session.suspend import binding_of  # noqa: E402
 from torpor.settings import Settings  # noqa: E402
 
-REDIS = "redis://127.0.0.1:6379/0"
+REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 BUCKET = "torpor-scale"
 PREFIX = f"tpscale{os.getpid()}:"  # two runs at once never clear each other's keys
 TARGET_BYTES_PER_WAIT = 250

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -88,7 +89,7 @@ async def round_trip_ms(store: ObjectStore, rounds: int) -> float:
 
 
 async def bytes_per_wait(url: str, waits: int, *, spread_s: float) -> float:
-    prefix = "tpbench:"
+    prefix = f"tpbench{os.getpid()}:"  # two runs at once never clear each other's keys
     client = redis.Redis.from_url(url)
     for key in client.scan_iter(match=prefix + "*", count=1000):
         client.delete(key)
@@ -122,7 +123,9 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--waits", type=int, default=10_000)
-    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--redis", default=os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+    )
     args = parser.parse_args()
 
     raw, pretty, encoded = size_figures()

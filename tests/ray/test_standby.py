@@ -26,7 +26,7 @@ from actors.config_ref import ConfigRef
 from actors.ray_activator import RayActivator
 from actors.reconciler import NAME as RECONCILER
 from actors.reconciler import ensure_reconciler
-from actors.standby import StandbySet, inheritance_key, standby_prefix
+from actors.standby import StandbySet, standby_prefix
 from actors.wiring import open_services
 from tests.conftest import eventually
 from tests.ray.conftest import RayEnv, ray_settings, session_actors
@@ -304,7 +304,11 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
             assert read.counter(STANDBYS, event="started") == 0
             # A set with one slot takes one of what it finds and stops the other.
             small = StandbySet(1, second._spawn_standby)
-            assert await small.inherit(left, inheritance_key(env.settings)) == 1
+
+            async def found() -> list[Any]:
+                return left
+
+            assert await small.inherit(found, env.settings) == 1
             stopped = [h for h in left if h not in small._ready]
             await eventually(lambda: exited(stopped[0]), what="the one past the size stops")
             # Restarted on other settings: what it finds is stopped, not handed sessions.
@@ -321,6 +325,43 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
                 return all([await exited(h) for h in left])
 
             await eventually(all_left_exited, what="the standbys on the old settings stop")
+        finally:
+            for activator in activators:
+                await activator.close()
+
+
+async def test_a_restarted_holder_leaves_a_standby_with_a_session_to_run_it(
+    make_env: Any,
+) -> None:
+    """A standby the dead holder handed a session is neither taken into the new set nor
+    retired: it runs its session to its sleep, once."""
+    async with make_env(hold="extract") as env:
+        holder = f"t-holder-{uuid.uuid4().hex[:8]}"
+        first = RayActivator(env.services, holder=holder)
+        activators = [first]
+        try:
+            first.start_standbys()
+            assert first.standby is not None
+            await first.standby.filled()
+            runner = first.standby._ready[0]
+            submitted = await SessionService(env.services, first).submit(
+                tenant="acme", agent="purchase", input={"doc": "PR-H", "amount": 100.0}
+            )
+            sid = submitted.session_id
+            assert first._adopted[sid] is runner
+
+            async def held() -> bool:
+                return "PR-H" in await env.world.entries("held")
+
+            await eventually(held, what="the standby runs the session, held in a tool")
+            abandon(first)
+            second = RayActivator(env.services, holder=holder)
+            activators.append(second)
+            standby = await filled_from_start(second)
+            assert runner not in standby._ready and not await exited(runner)
+            await env.world.open_gate("extract")
+            await reach(env, sid, S.SUSPENDED)
+            assert list((await env.world.counts("extract")).values()) == [1]
         finally:
             for activator in activators:
                 await activator.close()

@@ -4,10 +4,11 @@ Redis and the local folder (and, for ``bench_storage``, the S3 test server).
 A bench is code too, and nothing else runs it: ``bench_scale.py``'s synthetic writer
 fell behind the index's bind script and died at its first batch for five days before
 anyone measured target 4 again. The figures printed here mean nothing at these sizes;
-that each script finishes, and prints its figure beside its target where it has one,
-is what is checked. The benches that start Ray (``bench_ingress``, ``bench_runtime``,
-``bench_ray_work``, ``bench_chaos``, ``bench_batch`` without ``--accept-only``) take
-minutes even when small and are run by hand.
+that each script finishes, and prints its figure beside its target where it has one
+(met or not: at these sizes on a loaded machine that is noise), is what is checked.
+The benches that start Ray (``bench_ingress``, ``bench_runtime``, ``bench_ray_work``,
+``bench_chaos``, ``bench_batch`` without ``--accept-only``) take minutes even when small
+and are run by hand.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ BENCHES = [
             *("--sessions", "2000", "--object-sessions", "100", "--ended", "100"),
             *("--seconds", "1", "--rate", "50"),
         ],
-        "(target <= 1.0 s) -> met",
+        "(target <= 1.0 s)",
     ),
     (["bench_listing.py", "--keys", "300"], "target: repair bounded by live sessions"),
     (
