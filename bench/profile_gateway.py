@@ -84,8 +84,6 @@ def settings_for(tmp: Path, prefix: str, deferred: bool) -> Settings:
 
 
 async def run(args: argparse.Namespace) -> None:
-    from pyinstrument import Profiler
-
     timeline, trips = Timeline(), RoundTrips()
     if args.timeline:
         instrument(timeline, resume=args.resume)
@@ -151,6 +149,8 @@ async def run(args: argparse.Namespace) -> None:
             print("this machine's floors:", *await floors(services.index.batched, tmp), sep="\n")
             await services.close()
             return
+        from pyinstrument import Profiler  # only the profiled pass needs it
+
         profiler = Profiler(interval=0.001, async_mode="enabled")
         wall0, cpu0 = time.perf_counter(), time.process_time()
         with profiler:
