@@ -50,7 +50,8 @@ promtool:
 	@command -v promtool >/dev/null
 
 test: lint typecheck services browser promtool
-	$(BIN)/pytest
+	# A crash of the runner itself (at exit, after the summary) prints every thread's stack.
+	PYTHONFAULTHANDLER=1 $(BIN)/pytest
 
 # The README's settings table, from the Field descriptions in torpor/settings.py.
 settings-table: install

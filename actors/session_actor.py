@@ -99,7 +99,7 @@ class SessionActor:
 
         if self._session_id is not None or self._closing:
             return Standing.TAKEN.value
-        mine = await asyncio.to_thread(inheritance_key, self._settings, salt)
+        mine = (await inheritance_key(self._settings, salt)).hex()
         if self._session_id is not None or self._closing:  # adopted meanwhile
             return Standing.TAKEN.value
         if not hmac.compare_digest(mine, key):

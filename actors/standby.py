@@ -31,7 +31,7 @@ import logging
 import os
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -78,7 +78,7 @@ class Standing(StrEnum):
     OTHER = "other"  # it runs other settings or code: retired, never handed a session
 
 
-def inheritance_key(settings: Settings, salt: bytes) -> str:
+async def inheritance_key(settings: Settings, salt: bytes) -> bytes:
     """What a process runs, as a key a holder and a standby compare before the standby
     is inherited: the settings (every field, secrets as written), torpor's version and
     the code Ray started the process with (its runtime environment string, the same in
@@ -88,24 +88,22 @@ def inheritance_key(settings: Settings, salt: bytes) -> str:
     Ray call, and must not make a weak inline secret cheap to guess. Never logged."""
     runtime_env: str = ray.get_runtime_context().get_runtime_env_string()  # type: ignore[no-untyped-call]
     runs = f"{settings_digest(settings)}:{__version__}:{runtime_env}".encode()
-    return hashlib.pbkdf2_hmac("sha256", runs, salt, KEY_ROUNDS).hex()
+    # Only the hashing leaves the loop's thread: Ray is asked nothing from a worker thread.
+    return await asyncio.to_thread(hashlib.pbkdf2_hmac, "sha256", runs, salt, KEY_ROUNDS)
 
 
-async def left_by(holder: str, namespace: str) -> list[Any]:
+def left_by(holder: str, namespace: str) -> list[Any]:
     """The standbys named after ``holder`` in ``namespace`` (its predecessor's, when a
-    holder was restarted and has started none of its own yet)."""
-
-    def listed() -> list[Any]:
-        prefix = standby_prefix(holder)
-        named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
-        found = []
-        for actor in named:
-            if actor.get("namespace") == namespace and actor["name"].startswith(prefix):
-                with contextlib.suppress(ValueError):  # gone since the listing
-                    found.append(ray.get_actor(actor["name"], namespace=namespace))
-        return found
-
-    return await asyncio.to_thread(listed)  # calls to the GCS
+    holder was restarted and has started none of its own yet): a few calls to the GCS,
+    once per holder's start, on the caller's thread (no Ray call from a worker thread)."""
+    prefix = standby_prefix(holder)
+    named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
+    found = []
+    for actor in named:
+        if actor.get("namespace") == namespace and actor["name"].startswith(prefix):
+            with contextlib.suppress(ValueError):  # gone since the listing
+                found.append(ray.get_actor(actor["name"], namespace=namespace))
+    return found
 
 
 def standby_prefix(holder: str | None = None) -> str:
@@ -243,7 +241,7 @@ class StandbySet:
 
     async def inherit(
         self,
-        find: Callable[[], Awaitable[Sequence[Any]]],
+        find: Callable[[], Sequence[Any]],
         settings: Settings,
         timeout_s: float = KEEP_TIMEOUT_S,
     ) -> int:
@@ -257,9 +255,9 @@ class StandbySet:
         its own idle time. Returns how many joined."""
         self._inheriting = True
         try:
-            handles = await find()
+            handles = find()
             salt = os.urandom(16)
-            key = await asyncio.to_thread(inheritance_key, settings, salt)  # slow on purpose
+            key = (await inheritance_key(settings, salt)).hex()  # slow on purpose
             answers = await asyncio.gather(*(self._asked(h, salt, key, timeout_s) for h in handles))
         finally:
             self._inheriting = False
