@@ -660,12 +660,19 @@ def recover(
             if not name.endswith(_SUFFIX):
                 continue
             path = f"{folder}/{name}"
-            with open(path, "rb") as fh:
-                first = next(decode(fh.read(4096)), None)
+            try:
+                with open(path, "rb") as fh:
+                    first = next(decode(fh.read(4096)), None)
+            except FileNotFoundError:
+                # Gone since the listing: a log of this boot its store retired (a live
+                # writer's own, never replayed here), or one an earlier recovery replayed
+                # and removed before this one took the lock.
+                continue
             if first is None or first.op is not Op.HEADER:
                 # Created but never written whole: nothing in it was acknowledged.
-                if _age_s(path) > CHECKPOINT_AFTER_S:
-                    os.unlink(path)
+                with contextlib.suppress(FileNotFoundError):  # or gone meanwhile, as above
+                    if _age_s(path) > CHECKPOINT_AFTER_S:
+                        os.unlink(path)
                 continue
             if first.key == boot:
                 continue
