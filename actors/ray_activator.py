@@ -36,6 +36,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from actors.config_ref import ConfigRef
+from actors.named import named_actors
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from actors.standby import StandbySet, left_by, standby_name
@@ -185,12 +186,8 @@ class RayActivator:
 
     def _live_sessions(self) -> set[str]:
         prefix = actor_name("")
-        named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
-        return {
-            a["name"].removeprefix(prefix)
-            for a in named
-            if a.get("namespace") == self.namespace and a["name"].startswith(prefix)
-        } | set(self._adopted)
+        named = named_actors(self.namespace, prefix)
+        return {name.removeprefix(prefix) for name in named} | set(self._adopted)
 
     async def _placement(self, session_id: str, agent: str | None) -> Placement:
         if agent is None and session_id in self._placements:

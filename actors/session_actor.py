@@ -166,9 +166,8 @@ class SessionActor:
         """Nobody adopted this standby nor kept it for ``idle_s`` (its activator is gone,
         or was for that long): free the process."""
         await asyncio.sleep(idle_s)
-        if self._session_id is None:
-            self._closing = True
-            self._exit()
+        self._idle = None  # this task: ``retire`` must not cancel it on its way out
+        await self.retire()
 
     async def _run(self, session_id: str) -> None:
         from actors import metrics

@@ -46,6 +46,7 @@ from ray.exceptions import (
 
 from actors import metrics
 from actors.config_ref import settings_digest
+from actors.named import named_actors
 from torpor import __version__
 from torpor.settings import Settings
 
@@ -96,13 +97,10 @@ def left_by(holder: str, namespace: str) -> list[Any]:
     """The standbys named after ``holder`` in ``namespace`` (its predecessor's, when a
     holder was restarted and has started none of its own yet): a few calls to the GCS,
     once per holder's start, on the caller's thread (no Ray call from a worker thread)."""
-    prefix = standby_prefix(holder)
-    named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
     found = []
-    for actor in named:
-        if actor.get("namespace") == namespace and actor["name"].startswith(prefix):
-            with contextlib.suppress(ValueError):  # gone since the listing
-                found.append(ray.get_actor(actor["name"], namespace=namespace))
+    for name in named_actors(namespace, standby_prefix(holder)):
+        with contextlib.suppress(ValueError):  # gone since the listing
+            found.append(ray.get_actor(name, namespace=namespace))
     return found
 
 

@@ -281,50 +281,39 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
     whole new set while the old one idled out. A set already full stops what it finds
     past its size; a holder restarted on other settings stops what it finds and starts
     its own (a standby runs sessions on the settings it was started with)."""
-    async with make_env() as env:
-        holder = f"t-holder-{uuid.uuid4().hex[:8]}"
-        first = RayActivator(env.services, holder=holder)
-        activators = [first]
-        try:
-            first.start_standbys()
-            assert first.standby is not None
-            await first.standby.filled()
-            left = list(first.standby._ready)
-            names = named_standbys(env.settings.namespace, holder)
-            assert len(names) == SIZE
-            abandon(first)  # its holder dies: nothing keeps the set, the actors live on
-            with metrics.tap() as read:
-                second = RayActivator(env.services, holder=holder)
-                activators.append(second)
-                standby = await filled_from_start(second)
-            assert standby.inherited == SIZE and standby.started == 0
-            assert set(standby._ready) == set(left)
-            assert named_standbys(env.settings.namespace, holder) == names
-            assert read.counter(STANDBYS, event="inherited") == SIZE
-            assert read.counter(STANDBYS, event="started") == 0
-            # A set with one slot takes one of what it finds and stops the other.
-            small = StandbySet(1, second._spawn_standby)
+    async with make_env() as env, incarnations(env) as holder:
+        first = holder.restarted()
+        left = list((await filled_from_start(first))._ready)
+        names = named_standbys(env.settings.namespace, holder.name)
+        assert len(names) == SIZE
+        abandon(first)  # its holder dies: nothing keeps the set, the actors live on
+        with metrics.tap() as read:
+            second = holder.restarted()
+            standby = await filled_from_start(second)
+        assert standby.inherited == SIZE and standby.started == 0
+        assert set(standby._ready) == set(left)
+        assert named_standbys(env.settings.namespace, holder.name) == names
+        assert read.counter(STANDBYS, event="inherited") == SIZE
+        assert read.counter(STANDBYS, event="started") == 0
+        # A set with one slot takes one of what it finds and stops the other.
+        small = StandbySet(1, second._spawn_standby)
 
-            assert await small.inherit(lambda: left, env.settings) == 1
-            stopped = [h for h in left if h not in small._ready]
-            await eventually(lambda: exited(stopped[0]), what="the one past the size stops")
-            # Restarted on other settings: what it finds is stopped, not handed sessions.
-            abandon(second)
-            runtime = env.settings.runtime.model_copy(update={"standby_idle_s": 300.0})
-            changed = env.settings.model_copy(update={"runtime": runtime})
-            third = RayActivator(env.services, ConfigRef.of(changed), holder=holder)
-            activators.append(third)
-            renewed = await filled_from_start(third)
-            assert renewed.inherited == 0 and renewed.started == SIZE
-            assert not set(renewed._ready) & set(left)
+        assert await small.inherit(lambda: left, env.settings) == 1
+        stopped = [h for h in left if h not in small._ready]
+        await eventually(lambda: exited(stopped[0]), what="the one past the size stops")
+        # Restarted on other settings: what it finds is stopped, not handed sessions.
+        abandon(second)
+        runtime = env.settings.runtime.model_copy(update={"standby_idle_s": 300.0})
+        changed = env.settings.model_copy(update={"runtime": runtime})
+        third = holder.restarted(ConfigRef.of(changed))
+        renewed = await filled_from_start(third)
+        assert renewed.inherited == 0 and renewed.started == SIZE
+        assert not set(renewed._ready) & set(left)
 
-            async def all_left_exited() -> bool:
-                return all([await exited(h) for h in left])
+        async def all_left_exited() -> bool:
+            return all([await exited(h) for h in left])
 
-            await eventually(all_left_exited, what="the standbys on the old settings stop")
-        finally:
-            for activator in activators:
-                await activator.close()
+        await eventually(all_left_exited, what="the standbys on the old settings stop")
 
 
 async def test_a_restarted_holder_leaves_a_standby_with_a_session_to_run_it(
@@ -332,36 +321,51 @@ async def test_a_restarted_holder_leaves_a_standby_with_a_session_to_run_it(
 ) -> None:
     """A standby the dead holder handed a session is neither taken into the new set nor
     retired: it runs its session to its sleep, once."""
-    async with make_env(hold="extract") as env:
-        holder = f"t-holder-{uuid.uuid4().hex[:8]}"
-        first = RayActivator(env.services, holder=holder)
-        activators = [first]
-        try:
-            first.start_standbys()
-            assert first.standby is not None
-            await first.standby.filled()
-            runner = first.standby._ready[0]
-            submitted = await SessionService(env.services, first).submit(
-                tenant="acme", agent="purchase", input={"doc": "PR-H", "amount": 100.0}
-            )
-            sid = submitted.session_id
-            assert first._adopted[sid] is runner
+    async with make_env(hold="extract") as env, incarnations(env) as holder:
+        first = holder.restarted()
+        runner = (await filled_from_start(first))._ready[0]
+        submitted = await SessionService(env.services, first).submit(
+            tenant="acme", agent="purchase", input={"doc": "PR-H", "amount": 100.0}
+        )
+        sid = submitted.session_id
+        assert first._adopted[sid] is runner
 
-            async def held() -> bool:
-                return "PR-H" in await env.world.entries("held")
+        async def held() -> bool:
+            return "PR-H" in await env.world.entries("held")
 
-            await eventually(held, what="the standby runs the session, held in a tool")
-            abandon(first)
-            second = RayActivator(env.services, holder=holder)
-            activators.append(second)
-            standby = await filled_from_start(second)
-            assert runner not in standby._ready and not await exited(runner)
-            await env.world.open_gate("extract")
-            await reach(env, sid, S.SUSPENDED)
-            assert list((await env.world.counts("extract")).values()) == [1]
-        finally:
-            for activator in activators:
-                await activator.close()
+        await eventually(held, what="the standby runs the session, held in a tool")
+        abandon(first)
+        second = holder.restarted()
+        standby = await filled_from_start(second)
+        assert runner not in standby._ready and not await exited(runner)
+        await env.world.open_gate("extract")
+        await reach(env, sid, S.SUSPENDED)
+        assert list((await env.world.counts("extract")).values()) == [1]
+
+
+class Incarnations:
+    """One holder with a stable name, and the activators that were it in turn (each as
+    if Ray had restarted it: the standbys of the one before live on)."""
+
+    def __init__(self, env: RayEnv) -> None:
+        self.env = env
+        self.name = f"t-holder-{uuid.uuid4().hex[:8]}"
+        self.made: list[RayActivator] = []
+
+    def restarted(self, config: ConfigRef | None = None) -> RayActivator:
+        activator = RayActivator(self.env.services, config, holder=self.name)
+        self.made.append(activator)
+        return activator
+
+
+@asynccontextmanager
+async def incarnations(env: RayEnv) -> AsyncIterator[Incarnations]:
+    holder = Incarnations(env)
+    try:
+        yield holder
+    finally:
+        for activator in holder.made:
+            await activator.close()
 
 
 def abandon(activator: RayActivator) -> None:
