@@ -305,7 +305,7 @@ class Chaos:
             include_dashboard=False,
             log_to_driver=False,
             namespace=settings.namespace,
-            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TORPOR_BENCH_REDIS": REDIS}},
         )
         services = open_services(settings)
         sessions = SessionService(services, RayActivator(services), background=True)

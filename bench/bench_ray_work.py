@@ -196,7 +196,7 @@ def main() -> None:
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TORPOR_BENCH_REDIS": REDIS}},
     )
     try:
         print(json.dumps(asyncio.run(run(args.sessions)), indent=2))

@@ -99,7 +99,7 @@ class ObjectBatches:
         return True
 
     async def generations(self, batch_id: str) -> list[RetryGeneration]:
-        prefix = keys.batch_retry(batch_id, 0).rsplit("-", 1)[0] + "-"
+        prefix = keys.batch_retries(batch_id)
         out: list[RetryGeneration] = []
         start: str | None = None
         while True:

@@ -134,8 +134,11 @@ def audit_record(stream: str, block: int) -> str:
     return f"{audit_prefix(stream)}{block:012d}"
 
 
+BATCHES = "batches/"
+
+
 def batch(batch_id: str) -> str:
-    return "batches/" + safe(batch_id, "batch id")
+    return BATCHES + safe(batch_id, "batch id")
 
 
 # A batch's other objects live beside its manifest, not under it: on a local folder the
@@ -161,8 +164,12 @@ def batch_cancelled(batch_id: str) -> str:
     return batch_data(batch_id) + "cancelled"
 
 
+def batch_retries(batch_id: str) -> str:
+    return f"{batch_data(batch_id)}retry-"
+
+
 def batch_retry(batch_id: str, generation: int) -> str:
-    return f"{batch_data(batch_id)}retry-{generation:06d}"
+    return f"{batch_retries(batch_id)}{generation:06d}"
 
 
 def batch_results(batch_id: str, fmt: str) -> str:

@@ -5,10 +5,13 @@ A session that ended has an ``ended/{day}/{session}`` marker (``ObjectSnapshots`
 session whose end is older than the retention period together with its history chunks,
 inbox events, the replay markers of the webhooks that carried them, its correlation
 records (and business-key pointers still naming them), its deliveries and dead-letter
-markers, the records and progress of its compute work (``torpor.work``), and its batch's
-manifest once no session of the batch is left. Each sweep
-also compacts the old blocks of a few audit streams into archives
-(``storage.audit_archive``): audit records are kept, in fewer objects.
+markers, and the records and progress of its compute work (``torpor.work``). Each sweep
+also visits a few batches (round robin over their manifests): one created before the
+period, fanned out (or cancelled), and with no session left goes whole, its documents,
+fan-out cursor, retry generations, results and cancel marker first, its manifest last
+(so a batch cancelled before any session was made goes too). And it compacts the old
+blocks of a few audit streams into archives (``storage.audit_archive``): audit records
+are kept, in fewer objects.
 
 What must outlive it is kept: a session with a delivery still being attempted, or with
 an inbox event received within ``windows`` (the 24 h idempotency and replay windows),
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TypeVar
@@ -40,7 +44,7 @@ from storage import audit_archive, keys
 from storage.audit import MANIFEST
 from storage.listing import all_keys
 from storage.snapshots import ObjectSnapshots, ended_day
-from torpor.batches import BatchManifest
+from torpor.batches import BatchManifest, FanOutCursor, RetryGeneration
 from torpor.deliveries import Delivery, DeliveryStatus, delivery_id_for
 from torpor.errors import InvalidKey, ObjectNotFound, SessionNotFound, SnapshotCorrupt
 from torpor.events import InboxEvent
@@ -52,7 +56,8 @@ from torpor.work import WorkOrder, work_id
 
 DELETES_AT_ONCE = 16
 AUDIT_STREAMS_PER_SWEEP = 8
-T = TypeVar("T", InboxEvent, Delivery, BatchManifest, WaitBinding)
+BATCHES_PER_SWEEP = 8
+T = TypeVar("T", InboxEvent, Delivery, BatchManifest, WaitBinding, FanOutCursor, RetryGeneration)
 COMPENSATE_SUFFIX = ":compensate"  # a COMPENSATE entry's key: its START key + this
 
 
@@ -80,6 +85,10 @@ class ObjectRetention:
         # Where the last sweep stopped: sessions kept back do not starve the ones after.
         self._cursor: str | None = None
         self._audit_cursor: str | None = None
+        self._batch_cursor: str | None = None
+        # A session of each batch last seen still stored: looked at first next time, so a
+        # batch with one long-lived session costs one read a visit, not one per document.
+        self._batch_alive: OrderedDict[str, str] = OrderedDict()
 
     async def sweep(
         self, *, now: datetime, keep: timedelta, windows: timedelta, limit: int
@@ -96,7 +105,86 @@ class ObjectRetention:
                 self._cursor = None  # the rest ended too recently: start over next time
                 break
             await self._one(marker, session_id, now, cutoff, windows, report)
+        await self.sweep_batches(cutoff, report)
         return report
+
+    async def sweep_batches(self, cutoff: datetime, report: RetentionReport) -> None:
+        """Visit a few batches (round robin over the manifests) and delete those created
+        before ``cutoff`` that nothing may still add a session to and that have none left.
+        A batch's sessions end and go on their own schedule; the batch is judged by its
+        manifest's age and what is left of it, not by whichever of its sessions goes last
+        (a batch cancelled before its fan-out made any session has none to go last)."""
+        page = await self.store.list(
+            keys.BATCHES, start_after=self._batch_cursor, limit=BATCHES_PER_SWEEP
+        )
+        self._batch_cursor = page.next_token
+        for key in page.keys:
+            deleted = await self._batch(key, cutoff)
+            if deleted:
+                report.batches += 1
+                report.objects += deleted
+
+    async def _batch(self, key: str, cutoff: datetime) -> int:
+        manifest = await self._read(key, BatchManifest)
+        if manifest is None or manifest.created_at > cutoff:
+            return 0  # young, gone since the listing, or unreadable (an operator looks first)
+        beside = await self._list(keys.batch_data(manifest.batch_id))
+        if not await self._fanned_out(manifest, beside):
+            return 0  # the reconciler may still give a document its session
+        if await self._session_left(manifest, beside):
+            return 0
+        # What decided the batch may go (its cursor, its cancel marker) after the rest,
+        # and the manifest, through which a retry after a crash finds all of it, last.
+        deciding = {keys.batch_cursor(manifest.batch_id), keys.batch_cancelled(manifest.batch_id)}
+        await self._delete([k for k in beside if k not in deciding])
+        await self._delete([k for k in beside if k in deciding])
+        await self.store.delete(key)
+        self._batch_alive.pop(manifest.batch_id, None)
+        return len(beside) + 1
+
+    async def _fanned_out(self, manifest: BatchManifest, beside: list[str]) -> bool:
+        """Whether every document has had its session made, or never will: a manifest
+        with no ``total`` was fanned out before its 202; a newer one by its cursor; a
+        cancelled batch makes no more. Its documents are written before its manifest, so
+        a manifest without them is one a purge had judged already (and then crashed)."""
+        batch_id = manifest.batch_id
+        if not manifest.total or keys.batch_cancelled(batch_id) in beside:
+            return True
+        if manifest.documents_key is not None and manifest.documents_key not in beside:
+            return True
+        cursor = await self._read(keys.batch_cursor(batch_id), FanOutCursor)
+        return cursor is not None and cursor.next >= manifest.size
+
+    async def _session_left(self, manifest: BatchManifest, beside: list[str]) -> bool:
+        """Whether any session the batch ever made (each document's first, and each retry
+        generation's) is still stored. Looked at last to first: sessions end and go
+        roughly in document order, so one still there is usually found at once; the last
+        visit of a batch reads every one of them, once."""
+        batch_id = manifest.batch_id
+        retries = keys.batch_retries(batch_id)
+        sessions = [manifest.session_id(i) for i in range(manifest.size)]
+        for key in beside:
+            if key.startswith(retries):
+                generation = await self._read(key, RetryGeneration)
+                if generation is None:
+                    return True  # which sessions it made cannot be told: kept
+                sessions += [
+                    manifest.session_id(i, generation.generation) for i in generation.documents
+                ]
+        hint = self._batch_alive.get(batch_id)
+        for session_id in ([hint] if hint else []) + sessions[::-1]:
+            try:
+                await self.snapshots.header(session_id)
+            except SessionNotFound:
+                continue
+            except (SnapshotCorrupt, InvalidKey):
+                pass  # stored, if unreadable: an operator looks first
+            self._batch_alive[batch_id] = session_id
+            self._batch_alive.move_to_end(batch_id)
+            if len(self._batch_alive) > 10_000:
+                self._batch_alive.popitem(last=False)
+            return True
+        return False
 
     async def sweep_audit(self) -> RetentionReport:
         """Compact the old blocks of a few audit streams (round robin over the manifest)."""
@@ -147,8 +235,6 @@ class ObjectRetention:
         if doomed is None:
             report.kept += 1
             return
-        if snapshot.batch_id and await self._batch_done(snapshot.batch_id, session_id):
-            doomed.records.append(keys.batch(snapshot.batch_id))
         await self._delete(doomed.records)
         await self._delete(doomed.deciding)
         await self._delete(doomed.finders)
@@ -298,23 +384,6 @@ class ObjectRetention:
         except (ValueError, TypeError, KeyError):
             return False  # never delete what cannot be read: an operator looks first
         return order.deadline <= cutoff
-
-    async def _batch_done(self, batch_id: str, leaving: str) -> bool:
-        """Whether ``leaving`` is the last session of its batch still stored."""
-        manifest = await self._read(keys.batch(batch_id), BatchManifest)
-        if manifest is None:
-            return False
-        for other in manifest.session_ids:
-            if other == leaving:
-                continue
-            try:
-                await self.snapshots.header(other)
-            except SessionNotFound:
-                continue
-            except SnapshotCorrupt:
-                return False
-            return False  # found one still there (the common case stops at the first)
-        return True
 
     async def _delete(self, doomed: list[str]) -> None:
         gate = asyncio.Semaphore(DELETES_AT_ONCE)

@@ -8,22 +8,26 @@ import io
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from datetime import timedelta
+from typing import Any, cast
 
 import pyarrow.parquet as pq
 import pytest
 from pydantic import JsonValue
 
 from actors.wiring import open_services, session_runtime
+from storage import keys
+from storage.retention import ObjectRetention
 from tests.conftest import eventually
 from tests.runtime import memory_env
 from tests.runtime.memory_env import plan_agent, reset
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
+from torpor.batches import BatchManifest
 from torpor.clock import ManualClock
 from torpor.errors import BatchNotFinished, SessionNotFound
 from torpor.lifecycle import SessionState
 from torpor.models import Message
-from torpor.ports import TimerKind
+from torpor.ports import RetentionReport, TimerKind
 from torpor.ports.services import Services
 from torpor.service.activator import InlineActivator
 from torpor.service.batches import BatchService
@@ -34,6 +38,7 @@ from torpor.settings import Settings
 S = SessionState
 CAP = 2
 DOCS = 6
+DAY = timedelta(days=1)
 BLOCK_PLAN = {
     "steps": [
         {"id": "b", "calls": [{"tool": "block", "args": {"hold_s": 10.0}}]},
@@ -234,3 +239,143 @@ async def test_retry_makes_new_sessions_for_failed_documents_once(world: World) 
 
 async def _lines(world: World, batch_id: str) -> list[str]:
     return (await world.batches.results(batch_id, "jsonl")).decode().splitlines()
+
+
+# -- retention -------------------------------------------------------------------------
+# A batch goes once it is older than the retention period and no session of it is left:
+# its manifest and everything beside it (documents, fan-out cursor, results, retries).
+
+MONTH = timedelta(days=31)
+
+
+async def batch_keys(world: World, batch_id: str) -> list[str]:
+    store, found, token = world.services.store, [], None
+    while True:
+        page = await store.list("", start_after=token)
+        found += [k for k in page.keys if batch_id in k]
+        if page.next_token is None:
+            return sorted(found)
+        token = page.next_token
+
+
+async def finished(world: World, agent: str, docs: list[Any]) -> BatchManifest:
+    manifest = await world.batches.submit(tenant="acme", agent=agent, documents=docs)
+
+    async def done() -> bool:
+        await world.sweeper.sweep_once()
+        return (await world.batches.progress(manifest.batch_id)).finished
+
+    await eventually(done, timeout_s=10, what="the batch finishes")
+    return manifest
+
+
+async def purge(world: World, *, limit: int = 100) -> int:
+    """One retention pass (up to ``limit`` sessions); the sessions it deleted."""
+    retention = world.services.retention
+    assert retention is not None
+    done = await retention.sweep(
+        now=world.services.clock.now(), keep=timedelta(days=30), windows=DAY, limit=limit
+    )
+    return len(done.purged)
+
+
+async def test_a_finished_batch_goes_whole_after_the_retention_period(world: World) -> None:
+    manifest = await finished(world, "fin", [{"doc": i} for i in range(3)])
+    bid = manifest.batch_id
+    await world.batches.results(bid, "jsonl")  # the export, beside the manifest
+    stored = await batch_keys(world, bid)
+    assert keys.batch(bid) in stored and keys.batch_cursor(bid) in stored
+    assert keys.batch_results(bid, "jsonl") in stored
+    clock = cast(ManualClock, world.services.clock)
+    clock.advance(29 * DAY.total_seconds())
+    await purge(world)
+    assert await batch_keys(world, bid) == stored  # inside the period: all of it kept
+    clock.advance(2 * DAY.total_seconds())
+    assert await purge(world) == 3
+    assert await purge(world) == 0
+    assert await batch_keys(world, bid) == []  # the documents and results too
+    for sid in manifest.sessions():
+        with pytest.raises(SessionNotFound):
+            await world.services.snapshots.header(sid)
+
+
+async def test_a_batch_keeps_its_manifest_while_one_of_its_sessions_is_stored(
+    world: World,
+) -> None:
+    """A batch's sessions go one by one (a bounded number per sweep, or each on its own
+    day): its manifest, which its status and results are read through, stays until the
+    last one has gone."""
+    manifest = await finished(world, "fin", [{"doc": i} for i in range(3)])
+    bid = manifest.batch_id
+    cast(ManualClock, world.services.clock).advance(MONTH.total_seconds())
+    assert await purge(world, limit=1) == 1
+    assert await purge(world, limit=1) == 1
+    assert keys.batch(bid) in await batch_keys(world, bid)
+    progress = await world.batches.progress(bid)
+    assert progress.total == 3
+    assert await purge(world, limit=1) == 1
+    await purge(world)
+    assert await batch_keys(world, bid) == []
+
+
+async def test_a_batch_cancelled_before_its_fan_out_goes_after_the_period(world: World) -> None:
+    """No session of it ever existed, so none can be the last to go: the batch is judged
+    by its own age."""
+    manifest = await world.batches.accept(
+        tenant="acme", agent="fin", documents=[{"doc": i} for i in range(3)]
+    )
+    bid = manifest.batch_id
+    await world.batches.cancel(bid)
+    await world.sweeper.sweep_once()
+    stored = await batch_keys(world, bid)
+    assert keys.batch_cancelled(bid) in stored and len(stored) >= 3  # documents too
+    clock = cast(ManualClock, world.services.clock)
+    clock.advance(29 * DAY.total_seconds())
+    await purge(world)
+    assert await batch_keys(world, bid) == stored
+    clock.advance(2 * DAY.total_seconds())
+    await purge(world)
+    assert await batch_keys(world, bid) == []
+
+
+async def test_a_batch_with_a_fan_out_under_way_is_kept(world: World) -> None:
+    """Past the period but not fanned out (the reconciler still owes documents their
+    sessions), a batch stays, whatever is stored of it."""
+    manifest = await world.batches.accept(
+        tenant="acme", agent="fin", documents=[{"doc": i} for i in range(3)]
+    )
+    cast(ManualClock, world.services.clock).advance(MONTH.total_seconds())
+    await purge(world)
+    assert keys.batch(manifest.batch_id) in await batch_keys(world, manifest.batch_id)
+
+
+async def test_a_retried_documents_session_keeps_its_batch(world: World) -> None:
+    """A retry generation's sessions are the batch's too: with every first attempt gone,
+    one retried session still stored keeps the batch."""
+    FLAKY["on"] = True
+    manifest = await finished(world, "flaky", [{"doc": 0}, {"doc": 1, "fail": 1}])
+    FLAKY["on"] = False
+    try:
+        assert await world.batches.retry(manifest.batch_id) == [1]
+
+        async def retried() -> bool:
+            await world.sweeper.sweep_once()
+            return (await world.batches.progress(manifest.batch_id)).by_state == {"COMPLETED": 2}
+
+        await eventually(retried, timeout_s=10, what="the retry completes")
+    finally:
+        FLAKY["on"] = True
+    store = world.services.store
+    for sid in manifest.sessions():  # every first attempt gone (as retention would)
+        await store.delete(keys.snapshot(sid))
+    retention = world.services.retention
+    assert isinstance(retention, ObjectRetention)
+    later = world.services.clock.now() + MONTH
+    report = RetentionReport()
+    await retention.sweep_batches(later, report)
+    assert report.batches == 0
+    assert keys.batch(manifest.batch_id) in await batch_keys(world, manifest.batch_id)
+    await store.delete(keys.snapshot(manifest.session_id(1, attempt=1)))
+    await retention.sweep_batches(later, report)
+    assert report.batches == 1
+    assert await batch_keys(world, manifest.batch_id) == []

@@ -6,21 +6,16 @@ fell behind the index's bind script and died at its first batch for five days be
 anyone measured target 4 again. The figures printed here mean nothing at these sizes;
 that each script finishes, and prints its figure beside its target where it has one
 (met or not: at these sizes on a loaded machine that is noise), is what is checked.
-The benches that start Ray (``bench_ingress``, ``bench_runtime``, ``bench_ray_work``,
-``bench_chaos``, ``bench_batch`` without ``--accept-only``) take minutes even when small
-and are run by hand.
+The benches that start Ray run the same way in ``tests/ray/test_benches_with_ray.py``.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.benches import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +46,5 @@ BENCHES = [
 def test_the_bench_runs_to_its_end(
     args: list[str], phrase: str, redis_url: str, tmp_path: Path
 ) -> None:
-    env = {**os.environ, "TORPOR_BENCH_REDIS": redis_url, "TMPDIR": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / args[0]), *args[1:]],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert phrase in done.stdout, done.stdout[-3000:]
+    env = {"TORPOR_BENCH_REDIS": redis_url, "TMPDIR": str(tmp_path)}
+    run_bench(args, phrase, env=env, timeout_s=240)

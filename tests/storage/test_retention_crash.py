@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 
 from storage import keys
+from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
 from storage.inbox import ObjectInbox
 from storage.memory_store import MemoryObjectStore
@@ -15,6 +16,7 @@ from storage.retention import ObjectRetention
 from storage.snapshots import ObjectSnapshots
 from storage.work import ObjectProgress, WorkRecords
 from tests.support.factories import NOW, snapshot
+from torpor.batches import BatchManifest, FanOutCursor, RetryGeneration
 from torpor.errors import SessionNotFound
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import business_idempotency_key, new_correlation_id, new_trace_id
@@ -120,4 +122,52 @@ async def test_a_crash_mid_purge_is_finished_by_the_next_sweep(crash_at: str) ->
 
     with pytest.raises(SessionNotFound):
         await ObjectSnapshots(store).load(sid)
+    assert (await store.list("")).keys == []
+
+
+async def fanned_out_batch(store: CrashingDeletes, *, cancelled: bool) -> str:
+    """A batch past its fan-out (or cancelled before it) whose sessions are all gone, with
+    every kind of object beside its manifest."""
+    batches = ObjectBatches(store)
+    batch_id = "b_retention_crash"
+    documents = await batches.put_documents(batch_id, "f" * 16, [{"doc": 0}, {"doc": 1}])
+    manifest = BatchManifest(
+        batch_id=batch_id,
+        tenant="acme",
+        agent="fin",
+        created_at=NOW,
+        total=2,
+        documents_key=documents,
+    )
+    assert await batches.create(manifest)
+    if cancelled:
+        await batches.mark_cancelled(batch_id)
+    else:
+        await batches.save_cursor(batch_id, FanOutCursor(next=2))
+        await batches.add_generation(
+            batch_id, RetryGeneration(generation=1, documents=[1], created_at=NOW)
+        )
+        await store.put(keys.batch_results(batch_id, "jsonl"), b"{}\n")
+    return batch_id
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["fanned-out", "cancelled"])
+@pytest.mark.parametrize(
+    "crash_at", ["documents-", "retry-", "results.", "fanout", "cancelled", "batches/"]
+)
+async def test_a_crash_mid_batch_purge_is_finished_by_the_next_sweep(
+    crash_at: str, cancelled: bool
+) -> None:
+    """Whatever delete a crash stops, the batch is still found (its manifest), still
+    judged as before (its cursor or cancel marker), and the next sweep finishes it."""
+    store = CrashingDeletes()
+    batch_id = await fanned_out_batch(store, cancelled=cancelled)
+    later = NOW + KEEP + timedelta(days=1)
+    stored = (await store.list("")).keys
+    store.crash_at = next((k for k in stored if crash_at in k), None)
+    if store.crash_at is not None:
+        with pytest.raises(Crash):
+            await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+        assert keys.batch(batch_id) in (await store.list("")).keys
+    await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
     assert (await store.list("")).keys == []

@@ -80,6 +80,7 @@ class RetentionReport:
     kept: int = 0  # due, but something of theirs is still needed
     objects: int = 0  # objects deleted
     archived: int = 0  # audit blocks compacted into archives
+    batches: int = 0  # batches deleted (their manifest and everything beside it)
 
 
 class RetentionRepository(Protocol):
