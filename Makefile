@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 BIN    := $(VENV)/bin
 
-.PHONY: install test lint typecheck services browser promtool unit demo bench clean settings-table
+.PHONY: install test lint typecheck services browser promtool loadgen unit demo bench clean settings-table
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,15 @@ browser:
 	    { apt-get update >/dev/null && apt-get install -y chromium >/dev/null; }; }
 	@test -x /usr/bin/chromium
 
+# The ingress bench (run small in the suite, tests/ray/test_benches_with_ray.py) puts
+# Serve behind Debian's HAProxy and loads it with wrk.
+loadgen:
+	@command -v haproxy >/dev/null && command -v wrk >/dev/null || { \
+	  echo "installing haproxy and wrk (apt-get)"; \
+	  apt-get install -y haproxy wrk >/dev/null 2>&1 || \
+	    { apt-get update >/dev/null && apt-get install -y haproxy wrk >/dev/null; }; }
+	@command -v haproxy >/dev/null && command -v wrk >/dev/null
+
 # The alert and recording rules in deploy/prometheus are checked by Prometheus's promtool.
 promtool:
 	@command -v promtool >/dev/null || { \
@@ -49,7 +58,7 @@ promtool:
 	    { apt-get update >/dev/null && apt-get install -y --no-install-recommends prometheus >/dev/null; }; }
 	@command -v promtool >/dev/null
 
-test: lint typecheck services browser promtool
+test: lint typecheck services browser promtool loadgen
 	# A crash of the runner itself (at exit, after the summary) prints every thread's stack.
 	PYTHONFAULTHANDLER=1 $(BIN)/pytest
 
