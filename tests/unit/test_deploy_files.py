@@ -28,8 +28,11 @@ def test_cluster_yaml_is_a_launcher_config_that_installs_torpor() -> None:
     setup = " ".join(config["setup_commands"])
     assert "pip install" in setup and "/home/ubuntu/torpor" in setup
     assert any("ray start --head" in c for c in config["head_start_ray_commands"])
-    assert any("RAY_SERVE_ENABLE_HA_PROXY=1" in c for c in config["head_start_ray_commands"])
+    assert "install -y -q haproxy" in setup  # on every node: each runs a Serve proxy
     for node in ("head_start_ray_commands", "worker_start_ray_commands"):
+        # Read by each replica's own process: an ingress replica on a worker without it
+        # would not open the port HAProxy routes to.
+        assert any("RAY_SERVE_ENABLE_HA_PROXY=1" in c for c in config[node])
         assert any("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0" in c for c in config[node])
     assert any("ray start --address" in c for c in config["worker_start_ray_commands"])
     assert "." in config["file_mounts"].values()
