@@ -24,8 +24,10 @@ typecheck: install
 	$(BIN)/mypy
 
 # The suite talks to a real Redis: start one if none answers (the machine's redis-server).
+# REDIS_URL names another one: it must answer (nothing is started for it).
 services:
-	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || { \
+	@if [ -n "$$REDIS_URL" ]; then redis-cli -u "$$REDIS_URL" ping; exit $$?; fi; \
+	redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || { \
 	  echo "starting redis-server on 127.0.0.1:6379"; \
 	  mkdir -p /tmp/torpor-redis; \
 	  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \

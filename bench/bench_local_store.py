@@ -176,7 +176,8 @@ def main() -> None:
             fresh = f"{tmp}/restart"
             rounds = max(args.churn, 1000)
             restarted = asyncio.run(after_restart(fresh, rounds, args.restart, args.restart_pause))
-    print(f"local folder store at {ROOT} (n={args.n}, {args.gap_ms} ms between operations)")
+    where = args.folder  # a folder made and removed under it: its disk is what is measured
+    print(f"local folder store under {where} (n={args.n}, {args.gap_ms} ms between operations)")
     for name, (ms, flushes) in figures.items():
         print(f"  {name}: p50 {ms:.3f} ms, {flushes:.1f} flushes each")
     if churned is not None:

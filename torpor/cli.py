@@ -234,8 +234,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     explicit = "public_url" in settings.model_fields_set
     # A configuration error is the one line the user sees, before anything starts.
     public_url = serving_url(settings.public_url if explicit else None, args.host, args.port)
-    if args.address is None:  # a local Ray inherits this environment; a cluster has its own
+    # Ray joins RAY_ADDRESS when no address is given; with neither, a Ray of its own
+    # ("local": never a cluster someone left running on this machine), which inherits this
+    # environment and so the ingress chosen here. A cluster has its own.
+    address = args.address or os.environ.get("RAY_ADDRESS") or "local"
+    if address == "local":
         print(choose_ingress().message, file=sys.stderr, flush=True)
+    else:
+        print(
+            f"ingress: what the Ray cluster at {address} was started with "
+            "(RAY_SERVE_ENABLE_HA_PROXY=1 on its nodes for HAProxy)",
+            file=sys.stderr,
+            flush=True,
+        )
     if not explicit:
         # Replicas and actors read their settings themselves: tell them too.
         os.environ["TORPOR_PUBLIC_URL"] = public_url
@@ -246,7 +257,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from actors.config_ref import ConfigRef
     from serve_app import application
 
-    _ray_init(address=args.address, namespace=settings.namespace)
+    _ray_init(address=address, namespace=settings.namespace)
     serve.start(http_options={"host": args.host, "port": args.port})
     config = ConfigRef.of_loaded(settings)  # replicas read secrets themselves
     serve.run(application(config), name="torpor", route_prefix="/", blocking=True)

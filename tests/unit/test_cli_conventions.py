@@ -156,6 +156,17 @@ def test_serve_refuses_a_public_url_on_a_port_nothing_listens_on() -> None:
     assert "8000" in line and "127.0.0.1:9011" in line
 
 
+def test_serve_joins_the_ray_address_of_its_environment_and_says_whose_ingress_runs() -> None:
+    """With RAY_ADDRESS set, Ray joins that cluster, whose nodes chose their ingress when
+    they started: serve says so (it claimed the HAProxy it found here) and fails in one
+    line, at once, when nothing answers there (it tried for minutes)."""
+    result = run("serve", "--port", "9012", env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert result.returncode == cli.EXIT_UNREACHABLE, result.stderr
+    ingress, error = result.stderr.strip().splitlines()
+    assert ingress.startswith("ingress: what the Ray cluster at 127.0.0.1:1 was started with")
+    assert error.startswith("torpor: error: cannot connect to Ray at 127.0.0.1:1")
+
+
 def test_public_url_follows_the_listener_unless_it_names_another_host() -> None:
     assert cli.serving_url(None, "127.0.0.1", 9011) == "http://127.0.0.1:9011"
     assert cli.serving_url(None, "0.0.0.0", 8080) == "http://127.0.0.1:8080"

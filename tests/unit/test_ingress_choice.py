@@ -14,6 +14,7 @@ def test_haproxy_is_switched_on_when_installed(tmp_path: Path) -> None:
     env = {BINARY: str(binary)}
     ingress = choose_ingress(env)
     assert ingress.haproxy and env[FLAG] == "1" and str(binary) in ingress.message
+    assert ingress.label == "HAProxy ingress"
 
 
 def test_without_haproxy_the_default_proxy_is_said_plainly(tmp_path: Path) -> None:
@@ -21,6 +22,7 @@ def test_without_haproxy_the_default_proxy_is_said_plainly(tmp_path: Path) -> No
     ingress = choose_ingress(env, which=lambda _: None)
     assert not ingress.haproxy and FLAG not in env
     assert "HAProxy is not installed" in ingress.message
+    assert ingress.label == "default proxy (HAProxy not installed)"
 
 
 def test_the_operators_choice_wins(tmp_path: Path) -> None:
@@ -28,6 +30,8 @@ def test_the_operators_choice_wins(tmp_path: Path) -> None:
     ingress = choose_ingress(env)
     assert not ingress.haproxy and env == {FLAG: "0", USER_LOOP: "1"}
     assert "set by the operator" in ingress.message
+    # The demo's title says why too: not "not installed" when it is, but switched off.
+    assert ingress.label == f"default proxy ({FLAG}=0 set by the operator)"
 
 
 def test_replicas_run_the_app_on_their_own_loop(tmp_path: Path) -> None:

@@ -191,7 +191,7 @@ def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
     title = (
         f"torpor demo: {len(docs)} documents, {opts.placement} placement, storage "
         f"{settings.storage.object_store_url} + {settings.storage.index_url.split('@')[-1]}, "
-        + ("HAProxy ingress" if ingress.haproxy else "default proxy (HAProxy not installed)")
+        + ingress.label
     )
     print(ingress.message, file=chatter, flush=True)
     try:

