@@ -37,6 +37,7 @@ import redis  # noqa: E402
 
 from actors.ray_activator import RayActivator  # noqa: E402
 from actors.wiring import open_services  # noqa: E402
+from storage.local_store import LocalObjectStore  # noqa: E402
 from torpor.api import BatchCreate  # noqa: E402
 from torpor.service.batches import BatchService  # noqa: E402
 from torpor.service.sessions import SessionService  # noqa: E402
@@ -116,7 +117,7 @@ async def accept_only(args: argparse.Namespace) -> dict[str, Any]:
             request = BatchCreate.model_validate_json(body)
             await batches.accept(tenant="acme", agent=request.agent, documents=request.documents)
             times.append(time.perf_counter() - t0)
-        o_bytes, _ = folder_bytes(Path(tmp) / "objects")
+        o_bytes, _ = folder_bytes(LocalObjectStore.objects_in(Path(tmp) / "objects"))
         await services.close()
         client = redis.Redis.from_url(REDIS)
         for key in client.scan_iter(match=settings.storage.redis_prefix + "*", count=2000):
@@ -192,7 +193,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # -- footprint --------------------------------------------------------------------
         r_bytes, r_keys = redis_bytes(settings.storage.redis_prefix)
-        o_bytes, o_files = folder_bytes(Path(tmp) / "objects")
+        o_bytes, o_files = folder_bytes(LocalObjectStore.objects_in(Path(tmp) / "objects"))
         await services.close()
         client = redis.Redis.from_url(REDIS)
         for key in client.scan_iter(match=settings.storage.redis_prefix + "*", count=2000):

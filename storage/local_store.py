@@ -262,13 +262,20 @@ class _Stripes:
 
 
 class LocalObjectStore:
+    @staticmethod
+    def objects_in(root: str | Path) -> Path:
+        """The folder of a store at ``root`` that holds the objects themselves; the rest
+        of ``root`` is the store's own (its log, preallocated, locks and spare files), for
+        a measure of what the objects take."""
+        return Path(root).expanduser().resolve() / "objects"
+
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser().resolve()
         self._tmp = str(self.root / _TMP)
         # Folders this process knows exist; a folder is never removed, so the cache
         # cannot go stale.
         self._dirs: set[str] = set()
-        self._objects = str(self.root / "objects")
+        self._objects = str(self.objects_in(self.root))
         try:
             for sub in (_LOCKS, _TMP):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
