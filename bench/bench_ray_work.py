@@ -173,6 +173,11 @@ async def run(sessions: int) -> dict[str, Any]:
         finally:
             await control.drain()
             await services.close()
+            # This run's index and step stamps: nothing of it stays in Redis.
+            for key in r.scan_iter(match=f"{PREFIX}{namespace}:*", count=1000):
+                r.delete(key)
+            for key in ("steps:ray", "steps:webhook", "done:ray"):
+                r.delete(PREFIX + key)
 
     def summary(values: list[float]) -> dict[str, float]:
         return {

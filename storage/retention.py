@@ -57,6 +57,12 @@ from torpor.work import WorkOrder, work_id
 DELETES_AT_ONCE = 16
 AUDIT_STREAMS_PER_SWEEP = 8
 BATCHES_PER_SWEEP = 8
+# A batch's sessions looked for at most in one visit (a sweep is one step of the
+# reconciler's loop, which wakes sessions and fires timers: it must stay short).
+SESSIONS_PER_BATCH_VISIT = 256
+# Past the retention period a batch takes no retry (``BatchService.retry``); one that
+# began just before has this long to make its sessions before the batch may go.
+BATCH_GRACE = timedelta(hours=1)
 T = TypeVar("T", InboxEvent, Delivery, BatchManifest, WaitBinding, FanOutCursor, RetryGeneration)
 COMPENSATE_SUFFIX = ":compensate"  # a COMPENSATE entry's key: its START key + this
 
@@ -86,9 +92,9 @@ class ObjectRetention:
         self._cursor: str | None = None
         self._audit_cursor: str | None = None
         self._batch_cursor: str | None = None
-        # A session of each batch last seen still stored: looked at first next time, so a
-        # batch with one long-lived session costs one read a visit, not one per document.
-        self._batch_alive: OrderedDict[str, str] = OrderedDict()
+        # How many of each batch's sessions (in the order they are looked at) are known
+        # gone: the next visit starts there, at the one found still stored last time.
+        self._batch_gone: OrderedDict[str, int] = OrderedDict()
 
     async def sweep(
         self, *, now: datetime, keep: timedelta, windows: timedelta, limit: int
@@ -110,16 +116,17 @@ class ObjectRetention:
 
     async def sweep_batches(self, cutoff: datetime, report: RetentionReport) -> None:
         """Visit a few batches (round robin over the manifests) and delete those created
-        before ``cutoff`` that nothing may still add a session to and that have none left.
-        A batch's sessions end and go on their own schedule; the batch is judged by its
-        manifest's age and what is left of it, not by whichever of its sessions goes last
-        (a batch cancelled before its fan-out made any session has none to go last)."""
+        ``BATCH_GRACE`` before ``cutoff`` that nothing may still add a session to and that
+        have none left. A batch's sessions end and go on their own schedule; the batch is
+        judged by its manifest's age and what is left of it, not by whichever of its
+        sessions goes last (a batch cancelled before its fan-out made any session has
+        none to go last)."""
         page = await self.store.list(
             keys.BATCHES, start_after=self._batch_cursor, limit=BATCHES_PER_SWEEP
         )
         self._batch_cursor = page.next_token
         for key in page.keys:
-            deleted = await self._batch(key, cutoff)
+            deleted = await self._batch(key, cutoff - BATCH_GRACE)
             if deleted:
                 report.batches += 1
                 report.objects += deleted
@@ -128,63 +135,85 @@ class ObjectRetention:
         manifest = await self._read(key, BatchManifest)
         if manifest is None or manifest.created_at > cutoff:
             return 0  # young, gone since the listing, or unreadable (an operator looks first)
-        beside = await self._list(keys.batch_data(manifest.batch_id))
-        if not await self._fanned_out(manifest, beside):
+        batch_id = manifest.batch_id
+        if not await self._fanned_out(manifest):
             return 0  # the reconciler may still give a document its session
-        if await self._session_left(manifest, beside):
+        if await self._session_left(manifest):
             return 0
+        beside = await self._list(keys.batch_data(batch_id))
         # What decided the batch may go (its cursor, its cancel marker) after the rest,
         # and the manifest, through which a retry after a crash finds all of it, last.
-        deciding = {keys.batch_cursor(manifest.batch_id), keys.batch_cancelled(manifest.batch_id)}
+        deciding = {keys.batch_cursor(batch_id), keys.batch_cancelled(batch_id)}
         await self._delete([k for k in beside if k not in deciding])
         await self._delete([k for k in beside if k in deciding])
         await self.store.delete(key)
-        self._batch_alive.pop(manifest.batch_id, None)
-        return len(beside) + 1
+        # A cancel or an export that read the manifest before it went may have written
+        # beside it since the listing: nothing would find that again.
+        late = await self._list(keys.batch_data(batch_id))
+        await self._delete(late)
+        self._batch_gone.pop(batch_id, None)
+        return len(beside) + len(late) + 1
 
-    async def _fanned_out(self, manifest: BatchManifest, beside: list[str]) -> bool:
+    async def _fanned_out(self, manifest: BatchManifest) -> bool:
         """Whether every document has had its session made, or never will: a manifest
         with no ``total`` was fanned out before its 202; a newer one by its cursor; a
         cancelled batch makes no more. Its documents are written before its manifest, so
         a manifest without them is one a purge had judged already (and then crashed)."""
         batch_id = manifest.batch_id
-        if not manifest.total or keys.batch_cancelled(batch_id) in beside:
+        if not manifest.total or await self._exists(keys.batch_cancelled(batch_id)):
             return True
-        if manifest.documents_key is not None and manifest.documents_key not in beside:
+        if manifest.documents_key is not None and not await self._exists(manifest.documents_key):
             return True
         cursor = await self._read(keys.batch_cursor(batch_id), FanOutCursor)
         return cursor is not None and cursor.next >= manifest.size
 
-    async def _session_left(self, manifest: BatchManifest, beside: list[str]) -> bool:
+    async def _session_left(self, manifest: BatchManifest) -> bool:
         """Whether any session the batch ever made (each document's first, and each retry
-        generation's) is still stored. Looked at last to first: sessions end and go
-        roughly in document order, so one still there is usually found at once; the last
-        visit of a batch reads every one of them, once."""
+        generation's) is still stored. Looked at last to first, a bounded number a visit,
+        from where the last visit found one still there: sessions end and go roughly in
+        document order, so a visit usually reads one header; a batch whose sessions are
+        all gone is read through once, over as many visits as it takes. A session gone
+        stays gone: the batch is past the period in which it can be retried
+        (``BatchService.retry``) and past its fan-out."""
         batch_id = manifest.batch_id
-        retries = keys.batch_retries(batch_id)
         sessions = [manifest.session_id(i) for i in range(manifest.size)]
-        for key in beside:
-            if key.startswith(retries):
-                generation = await self._read(key, RetryGeneration)
-                if generation is None:
-                    return True  # which sessions it made cannot be told: kept
-                sessions += [
-                    manifest.session_id(i, generation.generation) for i in generation.documents
-                ]
-        hint = self._batch_alive.get(batch_id)
-        for session_id in ([hint] if hint else []) + sessions[::-1]:
-            try:
-                await self.snapshots.header(session_id)
-            except SessionNotFound:
-                continue
-            except (SnapshotCorrupt, InvalidKey):
-                pass  # stored, if unreadable: an operator looks first
-            self._batch_alive[batch_id] = session_id
-            self._batch_alive.move_to_end(batch_id)
-            if len(self._batch_alive) > 10_000:
-                self._batch_alive.popitem(last=False)
-            return True
-        return False
+        for key in await self._list(keys.batch_retries(batch_id)):
+            generation = await self._read(key, RetryGeneration)
+            if generation is None:
+                return True  # which sessions it made cannot be told: kept
+            sessions += [
+                manifest.session_id(i, generation.generation) for i in generation.documents
+            ]
+        sessions.reverse()
+        start = self._batch_gone.pop(batch_id, 0)
+        end = min(len(sessions), start + SESSIONS_PER_BATCH_VISIT)
+        gate = asyncio.Semaphore(DELETES_AT_ONCE)
+
+        async def stored(session_id: str) -> bool:
+            async with gate:
+                try:
+                    await self.snapshots.header(session_id)
+                except SessionNotFound:
+                    return False
+                except (SnapshotCorrupt, InvalidKey):
+                    pass  # stored, if unreadable: an operator looks first
+                return True
+
+        found = await asyncio.gather(*(stored(sid) for sid in sessions[start:end]))
+        first = next((start + n for n, there in enumerate(found) if there), None)
+        if first is None and end == len(sessions):
+            return False
+        self._batch_gone[batch_id] = end if first is None else first
+        if len(self._batch_gone) > 10_000:  # forgotten: read through again, from the start
+            self._batch_gone.popitem(last=False)
+        return True
+
+    async def _exists(self, key: str) -> bool:
+        try:
+            await self.store.get(keys.check_object_key(key), max_bytes=1)
+        except ObjectNotFound:
+            return False
+        return True
 
     async def sweep_audit(self) -> RetentionReport:
         """Compact the old blocks of a few audit streams (round robin over the manifest)."""

@@ -483,3 +483,11 @@ class BatchCancelled(PermanentError):
 
     code = "batch_cancelled"
     status, title, public = 409, "Batch cancelled", True
+
+
+class BatchExpired(PermanentError):
+    """A batch older than the retention period (``storage.retention_s``) takes no retry:
+    its sessions may be gone, and retention may be deleting the batch itself."""
+
+    code = "batch_expired"
+    status, title, public = 409, "Batch past its retention period", True

@@ -282,13 +282,13 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
     past its size; a holder restarted on other settings stops what it finds and starts
     its own (a standby runs sessions on the settings it was started with)."""
     async with make_env() as env, incarnations(env) as holder:
-        first = holder.restarted()
+        first = holder.incarnation()
         left = list((await filled_from_start(first))._ready)
         names = named_standbys(env.settings.namespace, holder.name)
         assert len(names) == SIZE
         abandon(first)  # its holder dies: nothing keeps the set, the actors live on
         with metrics.tap() as read:
-            second = holder.restarted()
+            second = holder.incarnation()
             standby = await filled_from_start(second)
         assert standby.inherited == SIZE and standby.started == 0
         assert set(standby._ready) == set(left)
@@ -305,7 +305,7 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
         abandon(second)
         runtime = env.settings.runtime.model_copy(update={"standby_idle_s": 300.0})
         changed = env.settings.model_copy(update={"runtime": runtime})
-        third = holder.restarted(ConfigRef.of(changed))
+        third = holder.incarnation(ConfigRef.of(changed))
         renewed = await filled_from_start(third)
         assert renewed.inherited == 0 and renewed.started == SIZE
         assert not set(renewed._ready) & set(left)
@@ -322,7 +322,7 @@ async def test_a_restarted_holder_leaves_a_standby_with_a_session_to_run_it(
     """A standby the dead holder handed a session is neither taken into the new set nor
     retired: it runs its session to its sleep, once."""
     async with make_env(hold="extract") as env, incarnations(env) as holder:
-        first = holder.restarted()
+        first = holder.incarnation()
         runner = (await filled_from_start(first))._ready[0]
         submitted = await SessionService(env.services, first).submit(
             tenant="acme", agent="purchase", input={"doc": "PR-H", "amount": 100.0}
@@ -335,7 +335,7 @@ async def test_a_restarted_holder_leaves_a_standby_with_a_session_to_run_it(
 
         await eventually(held, what="the standby runs the session, held in a tool")
         abandon(first)
-        second = holder.restarted()
+        second = holder.incarnation()
         standby = await filled_from_start(second)
         assert runner not in standby._ready and not await exited(runner)
         await env.world.open_gate("extract")
@@ -352,7 +352,7 @@ class Incarnations:
         self.name = f"t-holder-{uuid.uuid4().hex[:8]}"
         self.made: list[RayActivator] = []
 
-    def restarted(self, config: ConfigRef | None = None) -> RayActivator:
+    def incarnation(self, config: ConfigRef | None = None) -> RayActivator:
         activator = RayActivator(self.env.services, config, holder=self.name)
         self.made.append(activator)
         return activator

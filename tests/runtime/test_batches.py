@@ -24,7 +24,7 @@ from tests.runtime.memory_env import plan_agent, reset
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
 from torpor.batches import BatchManifest
 from torpor.clock import ManualClock
-from torpor.errors import BatchNotFinished, SessionNotFound
+from torpor.errors import BatchExpired, BatchNotFinished, SessionNotFound
 from torpor.lifecycle import SessionState
 from torpor.models import Message
 from torpor.ports import RetentionReport, TimerKind
@@ -334,7 +334,7 @@ async def test_a_batch_cancelled_before_its_fan_out_goes_after_the_period(world:
     await purge(world)
     assert await batch_keys(world, bid) == stored
     clock.advance(2 * DAY.total_seconds())
-    await purge(world)
+    assert (await world.sweeper.sweep_once()).purged_batches == 1
     assert await batch_keys(world, bid) == []
 
 
@@ -379,3 +379,14 @@ async def test_a_retried_documents_session_keeps_its_batch(world: World) -> None
     await retention.sweep_batches(later, report)
     assert report.batches == 1
     assert await batch_keys(world, manifest.batch_id) == []
+
+
+async def test_a_batch_past_its_retention_period_takes_no_retry(world: World) -> None:
+    """Its sessions may be gone by then: a purged one would look like a retry that died
+    before making it, and be made again (a finished document run twice)."""
+    FLAKY["on"] = True
+    manifest = await finished(world, "flaky", [{"doc": 0}, {"doc": 1, "fail": 1}])
+    cast(ManualClock, world.services.clock).advance(30 * DAY.total_seconds())
+    with pytest.raises(BatchExpired):
+        await world.batches.retry(manifest.batch_id)
+    assert await world.services.batches.generations(manifest.batch_id) == []

@@ -6,13 +6,14 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from pydantic import JsonValue
 
 from storage import keys
 from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
 from storage.inbox import ObjectInbox
 from storage.memory_store import MemoryObjectStore
-from storage.retention import ObjectRetention
+from storage.retention import BATCH_GRACE, SESSIONS_PER_BATCH_VISIT, ObjectRetention
 from storage.snapshots import ObjectSnapshots
 from storage.work import ObjectProgress, WorkRecords
 from tests.support.factories import NOW, snapshot
@@ -21,7 +22,7 @@ from torpor.errors import SessionNotFound
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import business_idempotency_key, new_correlation_id, new_trace_id
 from torpor.lifecycle import SessionState
-from torpor.ports import WaitBinding
+from torpor.ports import StoredObject, WaitBinding
 from torpor.work import Progress, WorkOrder, work_id
 
 KEEP, WINDOWS = timedelta(days=30), timedelta(hours=24)
@@ -125,25 +126,26 @@ async def test_a_crash_mid_purge_is_finished_by_the_next_sweep(crash_at: str) ->
     assert (await store.list("")).keys == []
 
 
-async def fanned_out_batch(store: CrashingDeletes, *, cancelled: bool) -> str:
+async def fanned_out_batch(store: MemoryObjectStore, *, cancelled: bool, total: int = 2) -> str:
     """A batch past its fan-out (or cancelled before it) whose sessions are all gone, with
     every kind of object beside its manifest."""
     batches = ObjectBatches(store)
     batch_id = "b_retention_crash"
-    documents = await batches.put_documents(batch_id, "f" * 16, [{"doc": 0}, {"doc": 1}])
+    docs: list[JsonValue] = [{"doc": i} for i in range(total)]
+    documents = await batches.put_documents(batch_id, "f" * 16, docs)
     manifest = BatchManifest(
         batch_id=batch_id,
         tenant="acme",
         agent="fin",
         created_at=NOW,
-        total=2,
+        total=total,
         documents_key=documents,
     )
     assert await batches.create(manifest)
     if cancelled:
         await batches.mark_cancelled(batch_id)
     else:
-        await batches.save_cursor(batch_id, FanOutCursor(next=2))
+        await batches.save_cursor(batch_id, FanOutCursor(next=total))
         await batches.add_generation(
             batch_id, RetryGeneration(generation=1, documents=[1], created_at=NOW)
         )
@@ -151,9 +153,17 @@ async def fanned_out_batch(store: CrashingDeletes, *, cancelled: bool) -> str:
     return batch_id
 
 
-@pytest.mark.parametrize("cancelled", [False, True], ids=["fanned-out", "cancelled"])
+# Each object a purge deletes, in each kind of batch that has it.
+BATCH_CRASHES = [
+    *((False, at) for at in ("documents-", "retry-", "results.", "fanout", "batches/")),
+    *((True, at) for at in ("documents-", "cancelled", "batches/")),
+]
+
+
 @pytest.mark.parametrize(
-    "crash_at", ["documents-", "retry-", "results.", "fanout", "cancelled", "batches/"]
+    ("cancelled", "crash_at"),
+    BATCH_CRASHES,
+    ids=[f"{'cancelled' if c else 'fanned-out'}-{at}" for c, at in BATCH_CRASHES],
 )
 async def test_a_crash_mid_batch_purge_is_finished_by_the_next_sweep(
     crash_at: str, cancelled: bool
@@ -164,10 +174,78 @@ async def test_a_crash_mid_batch_purge_is_finished_by_the_next_sweep(
     batch_id = await fanned_out_batch(store, cancelled=cancelled)
     later = NOW + KEEP + timedelta(days=1)
     stored = (await store.list("")).keys
-    store.crash_at = next((k for k in stored if crash_at in k), None)
-    if store.crash_at is not None:
-        with pytest.raises(Crash):
-            await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
-        assert keys.batch(batch_id) in (await store.list("")).keys
+    [store.crash_at] = [k for k in stored if crash_at in k]
+    with pytest.raises(Crash):
+        await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert keys.batch(batch_id) in (await store.list("")).keys
     await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert (await store.list("")).keys == []
+
+
+class CountingHeaders(MemoryObjectStore):
+    """Counts the snapshot reads; writes ``late`` beside the manifest when it is deleted
+    (a cancel or an export that read the manifest just before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.snapshot_reads = 0
+        self.late: str | None = None
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        if key.startswith(keys.SNAPSHOTS):
+            self.snapshot_reads += 1
+        return await super().get(key, max_bytes=max_bytes)
+
+    async def delete(self, key: str) -> None:
+        await super().delete(key)
+        if self.late is not None and key.startswith(keys.BATCHES):
+            await self.put(self.late, b"{}")
+
+
+async def test_a_large_batch_is_looked_through_a_bounded_number_of_sessions_a_visit() -> None:
+    """600 documents: a visit reads at most SESSIONS_PER_BATCH_VISIT snapshots, the next
+    one goes on where the last stopped (or starts at the one found still stored), and the
+    batch goes once every session is known gone."""
+    store = CountingHeaders()
+    batch_id = await fanned_out_batch(store, cancelled=False, total=600)
+    manifest = await ObjectBatches(store).get(batch_id)
+    snapshots = ObjectSnapshots(store)
+    keeper = manifest.session_id(0)  # the first document's: looked at last
+    await snapshots.create(snapshot(session_id=keeper, state=SessionState.COMPLETED))
+    retention = ObjectRetention(store)
+    later = NOW + KEEP + timedelta(days=1)
+
+    async def visit() -> int:
+        store.snapshot_reads = 0
+        await retention.sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+        return store.snapshot_reads
+
+    sessions = 600 + 1  # and the retried document's second session
+    assert await visit() == SESSIONS_PER_BATCH_VISIT
+    assert await visit() == SESSIONS_PER_BATCH_VISIT
+    assert await visit() == sessions - 2 * SESSIONS_PER_BATCH_VISIT  # found: the keeper
+    assert await visit() == 1  # from the keeper on: one read while it stays
+    assert keys.batch(batch_id) in (await store.list(keys.BATCHES)).keys
+    await store.delete(keys.snapshot(keeper))
+    assert await visit() == 1
+    assert (await store.list(keys.BATCHES)).keys == (await store.list(keys.BATCH_DATA)).keys == []
+
+
+async def test_what_a_cancel_writes_beside_a_batch_while_it_goes_goes_too() -> None:
+    store = CountingHeaders()
+    batch_id = await fanned_out_batch(store, cancelled=False)
+    store.late = keys.batch_cancelled(batch_id)
+    later = NOW + KEEP + timedelta(days=1)
+    await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert (await store.list("")).keys == []
+
+
+async def test_a_batch_waits_an_hour_past_the_period_for_a_retry_begun_inside_it() -> None:
+    store = CountingHeaders()
+    batch_id = await fanned_out_batch(store, cancelled=False)
+    retention = ObjectRetention(store)
+    inside = NOW + KEEP + BATCH_GRACE / 2
+    await retention.sweep(now=inside, keep=KEEP, windows=WINDOWS, limit=10)
+    assert keys.batch(batch_id) in (await store.list(keys.BATCHES)).keys
+    await retention.sweep(now=inside + BATCH_GRACE, keep=KEEP, windows=WINDOWS, limit=10)
     assert (await store.list("")).keys == []

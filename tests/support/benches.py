@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,16 +15,24 @@ def run_bench(args: list[str], phrase: str, *, env: dict[str, str], timeout_s: f
     """Run ``bench/<args[0]>`` with the rest of ``args``; it must exit 0 and print
     ``phrase`` (a figure's label or its target, which only its last report prints).
     Returns what it printed."""
-    done = subprocess.run(
+    # Its own process group: a bench that overruns is stopped with everything it started
+    # (the ingress bench's child, its Ray and Serve), not only the script.
+    bench = subprocess.Popen(
         [sys.executable, str(ROOT / "bench" / args[0]), *args[1:]],
         cwd=ROOT,
         env={**os.environ, **env},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout_s,
-        check=False,
+        start_new_session=True,
     )
-    said = f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"
-    assert done.returncode == 0, said
-    assert phrase in done.stdout, said
-    return done.stdout
+    try:
+        stdout, stderr = bench.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(bench.pid, signal.SIGKILL)
+        stdout, stderr = bench.communicate()
+        raise AssertionError(f"{args[0]} ran past {timeout_s} s:\n{stderr[-4000:]}") from None
+    said = f"stdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-4000:]}"
+    assert bench.returncode == 0, said
+    assert phrase in stdout, said
+    return stdout

@@ -32,6 +32,7 @@ from torpor.batches import (
 )
 from torpor.errors import (
     BatchCancelled,
+    BatchExpired,
     BatchNotFinished,
     IdempotencyMismatch,
     InvalidRequest,
@@ -370,6 +371,14 @@ class BatchService:
         manifest = await self.get(batch_id, tenant=tenant)
         if await self.services.batches.is_cancelled(batch_id):
             raise BatchCancelled(f"batch {batch_id} is cancelled")
+        retention = timedelta(seconds=self.services.settings.storage.retention_s)
+        if self.services.clock.now() - manifest.created_at >= retention:
+            # Its sessions may have gone (retention), and a retry would take a purged
+            # one for a retry that died before making it, and make it again.
+            raise BatchExpired(
+                f"batch {batch_id} is older than the retention period ({retention}): "
+                "submit its failed documents as a new batch"
+            )
         generations = await self.services.batches.generations(batch_id)
         attempts = Attempts.of(manifest, generations)
         ids = attempts.all_current(await self.created(manifest))

@@ -74,6 +74,7 @@ class SweepReport:
     repaired_sessions: int = 0
     suspended: int | None = None
     purged: int = 0
+    purged_batches: int = 0  # batches deleted whole, past the retention period
     errors: list[str] = field(default_factory=list)
 
 
@@ -374,6 +375,7 @@ class Sweeper:
         for tenant, session_id in done.purged:  # after the objects: repair cannot undo it
             await self.services.index.forget_session(tenant=tenant, session_id=session_id)
         report.purged += len(done.purged)
+        report.purged_batches += done.batches
 
     # -- index repair --------------------------------------------------------------------
 
