@@ -10,7 +10,7 @@ from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from storage import keys, results
 from torpor.batches import BatchManifest, FanOutCursor, ResultLine, RetryGeneration
-from torpor.errors import InvalidKey, NotFound, ObjectExists, ObjectNotFound
+from torpor.errors import EtagMismatch, InvalidKey, NotFound, ObjectExists, ObjectNotFound
 from torpor.ports import ObjectStore
 
 _DOCUMENTS: TypeAdapter[list[JsonValue]] = TypeAdapter(list[JsonValue])
@@ -72,10 +72,26 @@ class ObjectBatches:
         return FanOutCursor.model_validate_json(obj.data)
 
     async def save_cursor(self, batch_id: str, cursor: FanOutCursor) -> None:
-        # Overwritten by whoever fans out: two fan-outs of one batch (a replica and the
-        # reconciler) write the same sessions, and a cursor behind the truth only costs a
-        # few create-only writes that find their session already there.
-        await self.store.put(keys.batch_cursor(batch_id), cursor.model_dump_json().encode())
+        """Move the cursor forward, never back. Two fan-outs of one batch (a replica and
+        the reconciler after its grace) write the same sessions; the one behind must not
+        put the cursor back over what the other finished: were it then to die, with the
+        other's end having taken the fan-out timer away, the cursor would stay short of
+        the total for ever (the batch never counted as fanned out, never retained)."""
+        key = keys.batch_cursor(batch_id)
+        data = cursor.model_dump_json().encode()
+        while True:
+            try:
+                current = await self.store.get(key)
+            except ObjectNotFound:
+                with contextlib.suppress(ObjectExists):  # the other one wrote first: look
+                    await self.store.put_if_absent(key, data)
+                    return
+                continue
+            if FanOutCursor.model_validate_json(current.data).next >= cursor.next:
+                return
+            with contextlib.suppress(EtagMismatch):
+                await self.store.put_if_match(key, data, etag=current.etag)
+                return
 
     async def mark_cancelled(self, batch_id: str) -> None:
         with contextlib.suppress(ObjectExists):

@@ -15,7 +15,7 @@ from storage.deliveries import ObjectDeliveries
 from storage.inbox import ObjectInbox
 from storage.snapshots import ObjectSnapshots, ended_day
 from tests.support.factories import NOW, busy_snapshot, snapshot
-from torpor.batches import BatchManifest
+from torpor.batches import BatchManifest, FanOutCursor
 from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
 from torpor.errors import (
     CommitConflict,
@@ -230,6 +230,19 @@ async def test_batch_manifests_are_create_only(store: ObjectStore) -> None:
         with pytest.raises(NotFound) as info:
             await batches.get(missing)
         assert not isinstance(info.value, SessionNotFound)
+
+
+async def test_a_fan_out_cursor_only_moves_forward(store: ObjectStore) -> None:
+    """Two fan-outs of one batch: the one behind never puts the cursor back over what the
+    other finished (were it to die then, the cursor would stay short for ever)."""
+    batches = ObjectBatches(store)
+    assert await batches.cursor("b_1") == FanOutCursor()
+    await batches.save_cursor("b_1", FanOutCursor(next=8))
+    await batches.save_cursor("b_1", FanOutCursor(next=4))  # the one behind
+    assert await batches.cursor("b_1") == FanOutCursor(next=8)
+    # At once, as two fan-outs would: the furthest wins, whatever the order.
+    await asyncio.gather(*(batches.save_cursor("b_1", FanOutCursor(next=n)) for n in (12, 9, 16)))
+    assert await batches.cursor("b_1") == FanOutCursor(next=16)
 
 
 async def test_deliveries_update_by_compare_and_swap(store: ObjectStore) -> None:
