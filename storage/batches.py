@@ -9,6 +9,7 @@ import json
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from storage import keys, results
+from storage.listing import exists
 from torpor.batches import BatchManifest, FanOutCursor, ResultLine, RetryGeneration
 from torpor.errors import EtagMismatch, InvalidKey, NotFound, ObjectExists, ObjectNotFound
 from torpor.ports import ObjectStore
@@ -98,11 +99,7 @@ class ObjectBatches:
             await self.store.put_if_absent(keys.batch_cancelled(batch_id), b"{}")
 
     async def is_cancelled(self, batch_id: str) -> bool:
-        try:
-            await self.store.get(keys.batch_cancelled(batch_id), max_bytes=16)
-        except ObjectNotFound:
-            return False
-        return True
+        return await exists(self.store, keys.batch_cancelled(batch_id))
 
     async def add_generation(self, batch_id: str, generation: RetryGeneration) -> bool:
         try:

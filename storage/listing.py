@@ -1,8 +1,18 @@
-"""Listing a whole prefix of the object store, page by page."""
+"""What is in the object store: a whole prefix, page by page, or whether one key is."""
 
 from __future__ import annotations
 
+from torpor.errors import ObjectNotFound
 from torpor.ports import ObjectStore
+
+
+async def exists(store: ObjectStore, key: str) -> bool:
+    """One byte read (a ranged GET on S3): the stores have no HEAD of their own."""
+    try:
+        await store.get(key, max_bytes=1)
+    except ObjectNotFound:
+        return False
+    return True
 
 
 async def all_keys(store: ObjectStore, prefix: str) -> list[str]:

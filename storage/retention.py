@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from storage import audit_archive, keys
 from storage.audit import MANIFEST
-from storage.listing import all_keys
+from storage.listing import all_keys, exists
 from storage.snapshots import ObjectSnapshots, ended_day
 from torpor.batches import BatchManifest, FanOutCursor, RetryGeneration
 from torpor.deliveries import Delivery, DeliveryStatus, delivery_id_for
@@ -160,9 +160,11 @@ class ObjectRetention:
         cancelled batch makes no more. Its documents are written before its manifest, so
         a manifest without them is one a purge had judged already (and then crashed)."""
         batch_id = manifest.batch_id
-        if not manifest.total or await self._exists(keys.batch_cancelled(batch_id)):
+        if not manifest.total or await exists(self.store, keys.batch_cancelled(batch_id)):
             return True
-        if manifest.documents_key is not None and not await self._exists(manifest.documents_key):
+        if manifest.documents_key is not None and not await exists(
+            self.store, keys.check_object_key(manifest.documents_key)
+        ):
             return True
         cursor = await self._read(keys.batch_cursor(batch_id), FanOutCursor)
         return cursor is not None and cursor.next >= manifest.size
@@ -206,13 +208,6 @@ class ObjectRetention:
         self._batch_gone[batch_id] = end if first is None else first
         if len(self._batch_gone) > 10_000:  # forgotten: read through again, from the start
             self._batch_gone.popitem(last=False)
-        return True
-
-    async def _exists(self, key: str) -> bool:
-        try:
-            await self.store.get(keys.check_object_key(key), max_bytes=1)
-        except ObjectNotFound:
-            return False
         return True
 
     async def sweep_audit(self) -> RetentionReport:
