@@ -36,7 +36,10 @@ ZLIB_LEVEL = 6
 Decoded = TypeVar("Decoded", SessionSnapshot, WaitingSession)
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
 # version N → function that turns a version-N document into a version-(N+1) document.
-MIGRATIONS: dict[int, Migration] = {}
+MIGRATIONS: dict[int, Migration] = {
+    # 1 → 2 changed only the header (new fields, optional): the body is the same.
+    1: lambda document: document,
+}
 
 
 class SnapshotCodec:

@@ -26,7 +26,11 @@ from pydantic import (
 from torpor.ids import MIN_CORRELATION_ID_BITS, correlation_id_bits
 from torpor.lifecycle import MAX_HISTORY, HistoryEntry, SessionState
 
-SCHEMA_VERSION = 1
+# 2 (0.4): the header carries the session's trace id and its open waits' routes, which
+# an earlier node's header model refuses. The version says so first: such a node leaves
+# the snapshot to a newer one (``SnapshotSchemaTooNew``) instead of calling it corrupt
+# and quarantining a healthy session in the middle of a rolling upgrade.
+SCHEMA_VERSION = 2
 MAX_OBSERVATIONS = 128
 
 

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from storage.codec import _PREAMBLE, FLAG_ZLIB, MAGIC, SnapshotCodec
+from storage.codec import _PREAMBLE, FLAG_ZLIB, MAGIC, MIGRATIONS, SnapshotCodec
 from tests.support.factories import busy_snapshot, snapshot
 from torpor.errors import SnapshotCorrupt, SnapshotSchemaTooNew
-from torpor.models import SCHEMA_VERSION, SessionSnapshot, WaitingSession
+from torpor.models import SCHEMA_VERSION, SessionHeader, SessionSnapshot, WaitingSession
 
 
 def test_round_trip_is_exact() -> None:
@@ -90,8 +90,31 @@ def test_older_schema_is_migrated_on_load() -> None:
         d["waits"] = [d.pop("wait")] if d.get("wait") else []
         return d
 
-    codec = SnapshotCodec(current_version=1, migrations={0: v0_to_v1})
+    codec = SnapshotCodec(migrations={**MIGRATIONS, 0: v0_to_v1})
     assert codec.decode(_encode_document(doc, header)) == snap
+
+
+def test_a_snapshot_of_this_version_is_left_by_a_node_of_the_one_before() -> None:
+    """Mid-upgrade, a node still on schema 1 meets a snapshot this version wrote: its
+    header holds fields that node's model refuses, so the version must stop it first
+    (``SnapshotSchemaTooNew``: left to a newer node) before it calls the snapshot corrupt
+    and quarantines a healthy session."""
+    data = SnapshotCodec().encode(busy_snapshot(5))
+    earlier = SnapshotCodec(current_version=1, migrations={})
+    with pytest.raises(SnapshotSchemaTooNew):
+        earlier.decode_header(data)
+    with pytest.raises(SnapshotSchemaTooNew):
+        earlier.decode(data)
+
+
+def test_a_snapshot_written_at_schema_1_loads() -> None:
+    """As 0.3 wrote it: version 1, a header with no trace id and no wait routes."""
+    snap = busy_snapshot(5).model_copy(update={"schema_version": 1})
+    doc = json.loads(snap.model_dump_json())
+    header = json.loads(SessionHeader.of(snap).model_dump_json(exclude={"trace_id", "waits"}))
+    loaded = SnapshotCodec().decode(_encode_document(doc, header))
+    assert loaded == snap.model_copy(update={"schema_version": SCHEMA_VERSION})
+    assert SnapshotCodec().decode_header(_encode_document(doc, header)).waits is None
 
 
 def test_missing_migration_is_a_clear_error() -> None:
@@ -184,8 +207,8 @@ def test_a_body_older_than_its_header_says_is_still_migrated() -> None:
         d["waits"] = [d.pop("wait")] if d.get("wait") else []
         return d
 
-    codec = SnapshotCodec(current_version=1, migrations={0: v0_to_v1})
-    data = _encode_document(doc, _header_of(snap))  # the header says version 1
+    codec = SnapshotCodec(migrations={**MIGRATIONS, 0: v0_to_v1})
+    data = _encode_document(doc, _header_of(snap))  # the header says this version
     assert codec.decode(data) == snap
     assert codec.decode_waiting(data).waits == snap.waits
 
