@@ -39,7 +39,7 @@ from actors.config_ref import ConfigRef
 from actors.named import named_actors
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
-from actors.standby import StandbySet, left_by, standby_name
+from actors.standby import StandbySet, left_by, retire, standby_name
 from storage.factory import check_embedded_allowed
 from torpor import tracing
 from torpor.backoff import Backoff
@@ -260,6 +260,8 @@ class RayActivator:
         activation, which would start its own process on the request's path: what a
         long-lived activator does when it is made (a Serve replica's, the reconciler's)."""
         if self.standby is None:
+            if self._holder is not None and self._inheriting is None:
+                self._inheriting = asyncio.create_task(self._retire_left(self._holder))
             return
         if self._holder is None:
             self.standby.refill()
@@ -281,6 +283,18 @@ class RayActivator:
         except Exception:  # nothing to take over is not fatal: the set is filled anew
             log.warning("taking over the standby session actors left failed", exc_info=True)
         standby.refill()  # not when cancelled (``close``)
+
+    async def _retire_left(self, holder: str) -> None:
+        """A stable holder that keeps no standbys now (``standby_session_actors`` = 0)
+        retires the free ones its predecessor left: nothing would keep them, and they
+        wait for sessions on the settings they were started with."""
+        try:
+            left = left_by(holder, self.namespace)
+            await asyncio.gather(*(retire(handle) for handle in left))
+            if left:
+                log.info("retired %d standby session actors left by the last holder", len(left))
+        except Exception:  # they still exit at the end of their idle time
+            log.warning("retiring the standby session actors left failed", exc_info=True)
 
     async def close(self) -> None:
         """Free the standby actors nobody adopted (adopted ones finish their session)."""

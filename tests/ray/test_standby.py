@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import uuid
@@ -314,6 +315,16 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
             return all([await exited(h) for h in left])
 
         await eventually(all_left_exited, what="the standbys on the old settings stop")
+        # Restarted with no standby set at all: it stops what it finds, and starts none.
+        abandon(third)
+        left = list(renewed._ready)
+        runtime = env.settings.runtime.model_copy(update={"standby_session_actors": 0})
+        none = env.settings.model_copy(update={"runtime": runtime})
+        fourth = holder.incarnation(ConfigRef.of(none), settings=none)
+        fourth.start_standbys()
+        assert fourth.standby is None
+        await eventually(all_left_exited, what="a holder with no set stops what it finds")
+        assert named_standbys(env.settings.namespace, holder.name) == []
 
 
 async def test_a_restarted_holder_leaves_a_standby_with_a_session_to_run_it(
@@ -352,8 +363,13 @@ class Incarnations:
         self.name = f"t-holder-{uuid.uuid4().hex[:8]}"
         self.made: list[RayActivator] = []
 
-    def incarnation(self, config: ConfigRef | None = None) -> RayActivator:
-        activator = RayActivator(self.env.services, config, holder=self.name)
+    def incarnation(
+        self, config: ConfigRef | None = None, *, settings: Settings | None = None
+    ) -> RayActivator:
+        services = self.env.services
+        if settings is not None:  # what the activator itself reads (its set's size)
+            services = dataclasses.replace(services, settings=settings)
+        activator = RayActivator(services, config, holder=self.name)
         self.made.append(activator)
         return activator
 
