@@ -29,6 +29,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -112,6 +113,14 @@ class Admission:
         return True
 
 
+@dataclass
+class _Turn:
+    """Requests for one session taking their turn at its adoption."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    waiting: int = 0
+
+
 class RayActivator:
     def __init__(
         self,
@@ -155,6 +164,7 @@ class RayActivator:
         self._inheriting: asyncio.Task[None] | None = None
         # Sessions this activator handed to a standby, until their actor is done.
         self._adopted: dict[str, Any] = {}
+        self._adopting: dict[str, _Turn] = {}  # a session's adoption under way
         self._watchers: set[asyncio.Task[None]] = set()
 
     async def request(
@@ -215,7 +225,25 @@ class RayActivator:
 
     async def _adopt(self, session_id: str, reason: Reason, requested_at: float) -> bool:
         """The session's request taken by its adopted actor, or by a fresh standby.
-        False when no standby is ready (the caller starts a named actor instead)."""
+        False when no standby is ready (the caller starts a named actor instead).
+
+        One at a time for a session: a second request while the first's adoption is
+        still out (the deadline loop and a sweep ask the same activator at once) took a
+        second standby, which found the session leased and exited: a process spent.
+        After its turn it finds the adopted actor and hands the request to it."""
+        turn = self._adopting.get(session_id)
+        if turn is None:
+            turn = self._adopting[session_id] = _Turn()
+        turn.waiting += 1
+        try:
+            async with turn.lock:
+                return await self._adopt_now(session_id, reason, requested_at)
+        finally:
+            turn.waiting -= 1
+            if not turn.waiting:
+                del self._adopting[session_id]
+
+    async def _adopt_now(self, session_id: str, reason: Reason, requested_at: float) -> bool:
         assert self.standby is not None
         running = self._adopted.get(session_id)
         if running is not None:

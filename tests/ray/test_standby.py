@@ -140,6 +140,43 @@ async def test_activation_adopts_a_standby_and_the_set_is_refilled(make_env: Any
         assert standby.started == SIZE + 2
 
 
+class NoActivation:
+    """Makes the session, activates nothing: the test asks the activator itself."""
+
+    async def request(self, session_id: str, *, reason: Reason, agent: str | None = None) -> None:
+        return None
+
+
+async def test_requests_at_once_for_one_session_take_one_standby(make_env: Any) -> None:
+    """The deadline loop and a sweep can ask for one session together: one standby adopts
+    it and the other requests go to that actor (each took a standby of its own, which
+    found the session leased and exited: a process start spent for nothing)."""
+    async with make_env(hold="extract") as env:
+        activator = activator_of(env)
+        standby = activator.standby
+        assert standby is not None
+        await standby.filled()
+        ready = list(standby._ready)
+        created = await SessionService(env.services, NoActivation()).submit(
+            tenant="acme", agent="purchase", input={"doc": "PR-T", "amount": 100.0}
+        )
+        sid = created.session_id
+        await asyncio.gather(
+            *(activator.request(sid, reason=Reason.EVENT, agent="purchase") for _ in range(3))
+        )
+        taken = [h for h in ready if h not in standby._ready]
+        assert len(taken) == 1, f"{len(taken)} standbys taken for one session"
+        assert activator._adopted.get(sid) is taken[0]
+
+        async def held() -> bool:
+            return "PR-T" in await env.world.entries("held")
+
+        await eventually(held, what="the adopted standby runs the session, held in a tool")
+        await env.world.open_gate("extract")
+        await reach(env, sid, S.SUSPENDED)
+        assert list((await env.world.counts("extract")).values()) == [1]
+
+
 async def test_a_dead_standby_does_not_lose_the_activation(make_env: Any) -> None:
     async with make_env() as env:
         activator = activator_of(env)
