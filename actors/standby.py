@@ -141,6 +141,8 @@ class StandbySet:
         self.started = 0
         self.lost = 0  # ready standbys that stopped answering, replaced
         self.inherited = 0  # free standbys a predecessor left, taken over
+        # Asked for one with none ready: that activation starts a process on its path.
+        self.missed = 0
 
     @property
     def ready(self) -> int:
@@ -149,6 +151,8 @@ class StandbySet:
     def take(self) -> Any | None:
         """A ready actor (None if none is), and its replacement set starting."""
         handle = self._ready.popleft() if self._ready else None
+        if handle is None:
+            self.missed += 1
         self.refill()
         return handle
 
