@@ -24,9 +24,10 @@ correlation records, business-key pointers and deliveries are found through the 
 
 Deletion order makes a crash harmless: the records first, then what decided they may go
 (correlation records, work outcomes and stop markers), then what they were found through
-(inbox events, refs), the snapshot second to last, the marker last. A retry finds the
+(inbox events, refs), then the snapshot, its history chunks (a session loads whole
+until its snapshot goes) and live marker, the ended marker last. A retry finds the
 marker and resumes with every object left still findable and judged as before; a marker
-whose snapshot is gone means the rest is gone too.
+whose snapshot is gone means only the chunks and the live marker may be left.
 """
 
 from __future__ import annotations
@@ -231,11 +232,10 @@ class ObjectRetention:
         report: RetentionReport,
     ) -> None:
         try:
-            # As stored, without its history chunks: they go in the first phase, and a
-            # retry after a crash there must still read the session it has to finish.
+            # As stored, without its history chunks: what judges it is all in there.
             snapshot = await self.snapshots.load_stored(session_id)
-        except SessionNotFound:  # an earlier sweep got this far: only the marker is left
-            await self.store.delete(marker)
+        except SessionNotFound:  # an earlier sweep got as far as the snapshot
+            await self._after_snapshot(session_id, marker)
             return
         except SnapshotCorrupt:
             report.kept += 1  # never delete what cannot be read: an operator looks first
@@ -263,10 +263,21 @@ class ObjectRetention:
         await self._delete(doomed.deciding)
         await self._delete(doomed.finders)
         await self.store.delete(keys.snapshot(session_id))
+        chunks = await self._after_snapshot(session_id, marker)
+        report.objects += len(doomed) + chunks + 2
+        report.purged.append((snapshot.tenant, session_id))
+
+    async def _after_snapshot(self, session_id: str, marker: str) -> int:
+        """What goes after the snapshot: its history chunks (until the snapshot is gone
+        a late webhook may still activate the session, whose load needs them: without
+        them it read as corrupt and was quarantined, and a quarantined session is not
+        ended, so the purge never finished), its live marker, then the ended marker a
+        retry after a crash finds all of this through. The chunks deleted."""
+        chunks = await self._list(keys.chunk_prefix(session_id))
+        await self._delete(chunks)
         await self.store.delete(keys.live(session_id))
         await self.store.delete(marker)
-        report.objects += len(doomed) + 2
-        report.purged.append((snapshot.tenant, session_id))
+        return len(chunks)
 
     async def _records(
         self, snapshot: SessionSnapshot, window_start: datetime, cutoff: datetime
@@ -321,7 +332,6 @@ class ObjectRetention:
             doomed.deciding += [k for k in found if k in decided]
         doomed.deciding += _stopped_without_order(snapshot, works)
         doomed.records += await self._list(keys.progress_prefix(session_id))
-        doomed.records += await self._list(keys.chunk_prefix(session_id))
         return doomed
 
     async def _unreferenced(
