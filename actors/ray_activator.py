@@ -40,7 +40,7 @@ from actors.config_ref import ConfigRef
 from actors.named import named_actors
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
-from actors.standby import StandbySet, left_by, retire, standby_name
+from actors.standby import StandbySet, left_by, standby_name
 from storage.factory import check_embedded_allowed
 from torpor import tracing
 from torpor.backoff import Backoff
@@ -288,7 +288,8 @@ class RayActivator:
         activation, which would start its own process on the request's path: what a
         long-lived activator does when it is made (a Serve replica's, the reconciler's)."""
         if self.standby is None:
-            if self._holder is not None and self._inheriting is None:
+            none_wanted = self.settings.runtime.standby_session_actors == 0
+            if none_wanted and self._holder is not None and self._inheriting is None:
                 self._inheriting = asyncio.create_task(self._retire_left(self._holder))
             return
         if self._holder is None:
@@ -318,7 +319,10 @@ class RayActivator:
         wait for sessions on the settings they were started with."""
         try:
             left = left_by(holder, self.namespace)
-            await asyncio.gather(*(retire(handle) for handle in left))
+            for handle in left:
+                # Asked, never killed: one running a session declines and runs it, and one
+                # too busy to answer is left to its idle time (as ``StandbySet.inherit``).
+                handle.retire.remote()
             if left:
                 log.info("retired %d standby session actors left by the last holder", len(left))
         except Exception:  # they still exit at the end of their idle time

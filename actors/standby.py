@@ -298,10 +298,10 @@ class StandbySet:
         # Retired, not killed: a standby another holder inherited too may have a session
         # by now (it runs it); one that does not answer is killed.
         ready, self._ready = list(self._ready), deque()
-        await asyncio.gather(*(retire(h) for h in ready))
+        await asyncio.gather(*(_retire(h) for h in ready))
 
 
-async def retire(handle: Any, timeout_s: float = 5.0) -> None:
+async def _retire(handle: Any, timeout_s: float = 5.0) -> None:
     """The standby exits now unless it has a session; killed if it does not answer."""
     try:
         # A RayActorError too means it exited under the call, as asked.

@@ -225,7 +225,8 @@ async def run(args: argparse.Namespace) -> None:
             if activator.standby is not None:
                 await activator.standby.filled(timeout_s=1200)
             starts = (
-                (activator.standby.started - started_thr) / n_thr
+                (activator.standby.started - started_thr + activator.standby.missed - missed_thr)
+                / n_thr
                 if activator.standby
                 else (1.0 if kind == "dedicated" else 0.0)
             )

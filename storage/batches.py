@@ -11,11 +11,21 @@ from pydantic import JsonValue, TypeAdapter, ValidationError
 from storage import keys, results
 from storage.listing import exists
 from torpor.batches import BatchManifest, FanOutCursor, ResultLine, RetryGeneration
-from torpor.errors import EtagMismatch, InvalidKey, NotFound, ObjectExists, ObjectNotFound
+from torpor.errors import (
+    EtagMismatch,
+    InvalidKey,
+    NotFound,
+    ObjectExists,
+    ObjectNotFound,
+    StorageUnavailable,
+)
 from torpor.ports import ObjectStore
 
 _DOCUMENTS: TypeAdapter[list[JsonValue]] = TypeAdapter(list[JsonValue])
 _DOCUMENT: TypeAdapter[JsonValue] = TypeAdapter(JsonValue)
+
+
+CURSOR_ROUNDS = 20  # compare-and-swap rounds before a cursor write gives up
 
 
 class ObjectBatches:
@@ -80,7 +90,7 @@ class ObjectBatches:
         the total for ever (the batch never counted as fanned out, never retained)."""
         key = keys.batch_cursor(batch_id)
         data = cursor.model_dump_json().encode()
-        while True:
+        for _ in range(CURSOR_ROUNDS):
             try:
                 current = await self.store.get(key)
             except ObjectNotFound:
@@ -93,6 +103,8 @@ class ObjectBatches:
             with contextlib.suppress(EtagMismatch):
                 await self.store.put_if_match(key, data, etag=current.etag)
                 return
+        # Only writers racing without end get here: the fan-out is retried by its timer.
+        raise StorageUnavailable(f"fan-out cursor of {batch_id}: {CURSOR_ROUNDS} writes lost")
 
     async def mark_cancelled(self, batch_id: str) -> None:
         with contextlib.suppress(ObjectExists):

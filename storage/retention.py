@@ -47,7 +47,7 @@ from storage.listing import all_keys, exists
 from storage.snapshots import ObjectSnapshots, ended_day
 from torpor.batches import BatchManifest, FanOutCursor, RetryGeneration
 from torpor.deliveries import Delivery, DeliveryStatus, delivery_id_for
-from torpor.errors import InvalidKey, ObjectNotFound, SessionNotFound, SnapshotCorrupt
+from torpor.errors import InvalidKey, ObjectNotFound, SessionNotFound, SnapshotError
 from torpor.events import InboxEvent
 from torpor.ids import session_id_ms
 from torpor.models import OutboxKind, SessionSnapshot
@@ -198,8 +198,8 @@ class ObjectRetention:
                     await self.snapshots.header(session_id)
                 except SessionNotFound:
                     return False
-                except (SnapshotCorrupt, InvalidKey):
-                    pass  # stored, if unreadable: an operator looks first
+                except (SnapshotError, InvalidKey):
+                    pass  # stored, if unreadable (or a newer torpor's): an operator looks first
                 return True
 
         found = await asyncio.gather(*(stored(sid) for sid in sessions[start:end]))
@@ -237,7 +237,7 @@ class ObjectRetention:
         except SessionNotFound:  # an earlier sweep got as far as the snapshot
             await self._after_snapshot(session_id, marker)
             return
-        except SnapshotCorrupt:
+        except SnapshotError:  # corrupt, or a newer torpor's (mid-upgrade: it judges)
             report.kept += 1  # never delete what cannot be read: an operator looks first
             return
         if not snapshot.terminal:  # a stale marker; the session is not ended after all

@@ -25,7 +25,7 @@ from torpor.errors import (
     EtagMismatch,
     ObjectNotFound,
     SessionNotFound,
-    SnapshotCorrupt,
+    SnapshotError,
 )
 from torpor.ids import session_id_ms
 from torpor.lifecycle import SessionState
@@ -223,12 +223,12 @@ class ObjectSnapshots:
                     if born is None or born < (now - STALE_MARKER).timestamp() * 1000:
                         await self.store.delete(keys.live(sid))
                     return None
-                except SnapshotCorrupt:
+                except SnapshotError:  # unreadable, or a newer torpor's: not ours to judge
                     if not or_header:
                         return None  # ``load`` reports it loudly
                     try:
                         found = await self.header(sid)
-                    except (SessionNotFound, SnapshotCorrupt):
+                    except (SessionNotFound, SnapshotError):
                         return None
             if found.state.terminal:
                 await self._finish_ending(sid, found.updated_at)
@@ -270,7 +270,7 @@ class ObjectSnapshots:
                 for key in page:
                     try:
                         header = await self.header(key.rsplit("/", 1)[-1])
-                    except (SessionNotFound, SnapshotCorrupt):
+                    except (SessionNotFound, SnapshotError):
                         continue
                     # A power cut can leave an ended marker beside a live one on a
                     # snapshot whose terminal commit the log lost (``save``): the
@@ -340,7 +340,7 @@ class ObjectSnapshots:
             async with gate:
                 try:
                     return await self.header(sid)
-                except (SessionNotFound, SnapshotCorrupt):
+                except (SessionNotFound, SnapshotError):
                     return None
 
         async for ids in self.session_ids():

@@ -13,6 +13,7 @@ from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
 from storage.deliveries import ObjectDeliveries
 from storage.inbox import ObjectInbox
+from storage.memory_store import MemoryObjectStore
 from storage.snapshots import ObjectSnapshots, ended_day
 from tests.support.factories import NOW, busy_snapshot, snapshot
 from torpor.batches import BatchManifest, FanOutCursor
@@ -21,13 +22,15 @@ from torpor.errors import (
     CommitConflict,
     NotFound,
     ObjectExists,
+    ObjectNotFound,
     SessionNotFound,
     SnapshotCorrupt,
+    StorageUnavailable,
 )
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import new_correlation_id
 from torpor.lifecycle import SessionState, transition
-from torpor.ports import ObjectStore, WaitBinding
+from torpor.ports import ObjectStore, StoredObject, WaitBinding
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -243,6 +246,21 @@ async def test_a_fan_out_cursor_only_moves_forward(store: ObjectStore) -> None:
     # At once, as two fan-outs would: the furthest wins, whatever the order.
     await asyncio.gather(*(batches.save_cursor("b_1", FanOutCursor(next=n)) for n in (12, 9, 16)))
     assert await batches.cursor("b_1") == FanOutCursor(next=16)
+
+
+class EndlessRace(MemoryObjectStore):
+    """A cursor another writer creates and deletes again between every two calls."""
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        raise ObjectNotFound(key)
+
+    async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
+        raise ObjectExists(key)
+
+
+async def test_a_cursor_write_that_loses_every_round_gives_up_to_be_retried() -> None:
+    with pytest.raises(StorageUnavailable, match="writes lost"):
+        await ObjectBatches(EndlessRace()).save_cursor("b_1", FanOutCursor(next=4))
 
 
 async def test_deliveries_update_by_compare_and_swap(store: ObjectStore) -> None:

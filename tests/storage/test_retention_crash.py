@@ -10,6 +10,7 @@ from pydantic import JsonValue
 
 from storage import keys
 from storage.batches import ObjectBatches
+from storage.codec import SnapshotCodec
 from storage.correlations import ObjectCorrelations
 from storage.inbox import ObjectInbox
 from storage.memory_store import MemoryObjectStore
@@ -22,6 +23,7 @@ from torpor.errors import SessionNotFound
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import business_idempotency_key, new_correlation_id, new_trace_id
 from torpor.lifecycle import SessionState
+from torpor.models import SCHEMA_VERSION
 from torpor.ports import StoredObject, WaitBinding
 from torpor.work import Progress, WorkOrder, work_id
 
@@ -254,3 +256,24 @@ async def test_a_batch_waits_an_hour_past_the_period_for_a_retry_begun_inside_it
     assert keys.batch(batch_id) in (await store.list(keys.BATCHES)).keys
     await retention.sweep(now=inside + BATCH_GRACE, keep=KEEP, windows=WINDOWS, limit=10)
     assert (await store.list("")).keys == []
+
+
+async def test_a_session_a_newer_torpor_wrote_is_kept_and_skipped_not_an_error() -> None:
+    """Mid-upgrade a newer node writes at a schema this one does not know: retention keeps
+    the session (the newer node judges it), and the listings repair walks skip it, where
+    the error stopped the whole sweep or repair."""
+    store = CrashingDeletes()
+    sid = await ended(store)
+    live = await ObjectSnapshots(store).create(snapshot(state=SessionState.SUSPENDED))
+    for session_id in (sid, live.session_id):
+        newer = (await ObjectSnapshots(store).load_stored(session_id)).model_copy(
+            update={"schema_version": SCHEMA_VERSION + 1}
+        )
+        await store.put(keys.snapshot(session_id), SnapshotCodec().encode(newer))
+    later = NOW + KEEP + timedelta(days=1)
+    report = await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert report.purged == [] and report.kept == 1
+    snapshots = ObjectSnapshots(store)
+    assert [h async for h in snapshots.list_live(now=later)] == []
+    assert [h async for h in snapshots.list_live_waiting(now=later)] == []
+    assert [h async for h in snapshots.list_by_state()] == []
