@@ -6,12 +6,12 @@ session whose end is older than the retention period together with its history c
 inbox events, the replay markers of the webhooks that carried them, its correlation
 records (and business-key pointers still naming them), its deliveries and dead-letter
 markers, and the records and progress of its compute work (``torpor.work``). Each sweep
-also visits a few batches (round robin over their manifests): one created before the
-period, fanned out (or cancelled), and with no session left goes whole, its documents,
-fan-out cursor, retry generations, results and cancel marker first, its manifest last
-(so a batch cancelled before any session was made goes too). And it compacts the old
-blocks of a few audit streams into archives (``storage.audit_archive``): audit records
-are kept, in fewer objects.
+also visits a few batches (round robin over their manifests): one created more than
+the period and an hour ago, fanned out (or cancelled), with no session left goes whole,
+its documents, fan-out cursor, retry generations, results and cancel marker first, its
+manifest last (so a batch cancelled before any session was made goes too). And it
+compacts the old blocks of a few audit streams into archives
+(``storage.audit_archive``): audit records are kept, in fewer objects.
 
 What must outlive it is kept: a session with a delivery still being attempted, or with
 an inbox event received within ``windows`` (the 24 h idempotency and replay windows),
@@ -163,9 +163,9 @@ class ObjectRetention:
         batch_id = manifest.batch_id
         if not manifest.total or await exists(self.store, keys.batch_cancelled(batch_id)):
             return True
-        if manifest.documents_key is not None and not await exists(
-            self.store, keys.check_object_key(manifest.documents_key)
-        ):
+        if manifest.documents_key is None:
+            return True  # from before documents were kept: no fan-out can make its sessions
+        if not await exists(self.store, keys.check_object_key(manifest.documents_key)):
             return True
         cursor = await self._read(keys.batch_cursor(batch_id), FanOutCursor)
         return cursor is not None and cursor.next >= manifest.size

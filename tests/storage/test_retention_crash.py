@@ -277,3 +277,16 @@ async def test_a_session_a_newer_torpor_wrote_is_kept_and_skipped_not_an_error()
     assert [h async for h in snapshots.list_live(now=later)] == []
     assert [h async for h in snapshots.list_live_waiting(now=later)] == []
     assert [h async for h in snapshots.list_by_state()] == []
+
+
+async def test_a_batch_from_before_documents_were_kept_goes_too() -> None:
+    """A manifest with a total but no documents object: no fan-out can make its sessions
+    (it refuses one), so its cursor is no reason to keep it."""
+    store = CrashingDeletes()
+    manifest = BatchManifest(
+        batch_id="b_no_documents", tenant="acme", agent="fin", created_at=NOW, total=2
+    )
+    assert await ObjectBatches(store).create(manifest)
+    later = NOW + KEEP + timedelta(days=1)
+    await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert (await store.list("")).keys == []
