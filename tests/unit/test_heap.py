@@ -29,7 +29,9 @@ def test_what_survived_start_up_is_frozen_and_garbage_is_not() -> None:
     ids = {id(garbage)}
     del garbage
     frozen = settle_heap()
-    assert frozen == gc.get_freeze_count() > 0
+    # Not equal: another thread of the test process (a store's writer, a Ray client's)
+    # may free a frozen object between the two reads (a CI run saw 451,983 then 451,981).
+    assert 0 < gc.get_freeze_count() <= frozen
     scanned = {id(o) for generation in range(3) for o in gc.get_objects(generation)}
     assert id(kept) not in scanned, "a frozen object is in no generation the collector scans"
     assert not ids & {id(o) for o in gc.get_objects()}, "the cycle was collected first"
