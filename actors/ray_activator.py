@@ -161,7 +161,9 @@ class RayActivator:
             else None
         )
         self._holder = holder
-        self._inheriting: asyncio.Task[None] | None = None
+        # What the holder's predecessor left: taken over (``_inherit_then_fill``), or
+        # retired when this one keeps no set (``_retire_left``).
+        self._predecessor: asyncio.Task[None] | None = None
         # Sessions this activator handed to a standby, until their actor is done.
         self._adopted: dict[str, Any] = {}
         self._adopting: dict[str, _Turn] = {}  # a session's adoption under way
@@ -289,13 +291,13 @@ class RayActivator:
         long-lived activator does when it is made (a Serve replica's, the reconciler's)."""
         if self.standby is None:
             none_wanted = self.settings.runtime.standby_session_actors == 0
-            if none_wanted and self._holder is not None and self._inheriting is None:
-                self._inheriting = asyncio.create_task(self._retire_left(self._holder))
+            if none_wanted and self._holder is not None and self._predecessor is None:
+                self._predecessor = asyncio.create_task(self._retire_left(self._holder))
             return
         if self._holder is None:
             self.standby.refill()
-        elif self._inheriting is None:
-            self._inheriting = asyncio.create_task(self._inherit_then_fill(self.standby))
+        elif self._predecessor is None:
+            self._predecessor = asyncio.create_task(self._inherit_then_fill(self.standby))
 
     async def _inherit_then_fill(self, standby: StandbySet) -> None:
         """A stable holder's first fill: the free standbys its predecessor left (Ray
@@ -330,9 +332,9 @@ class RayActivator:
 
     async def close(self) -> None:
         """Free the standby actors nobody adopted (adopted ones finish their session)."""
-        if self._inheriting is not None:
-            self._inheriting.cancel()
-            await asyncio.gather(self._inheriting, return_exceptions=True)
+        if self._predecessor is not None:
+            self._predecessor.cancel()
+            await asyncio.gather(self._predecessor, return_exceptions=True)
         for watcher in list(self._watchers):
             watcher.cancel()
         if self.standby is not None:
