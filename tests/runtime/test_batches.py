@@ -17,6 +17,7 @@ from pydantic import JsonValue
 
 from actors.wiring import open_services, session_runtime
 from storage import keys
+from storage.listing import all_keys
 from storage.retention import ObjectRetention
 from tests.conftest import eventually
 from tests.runtime import memory_env
@@ -249,13 +250,7 @@ MONTH = timedelta(days=31)
 
 
 async def batch_keys(world: World, batch_id: str) -> list[str]:
-    store, found, token = world.services.store, [], None
-    while True:
-        page = await store.list("", start_after=token)
-        found += [k for k in page.keys if batch_id in k]
-        if page.next_token is None:
-            return sorted(found)
-        token = page.next_token
+    return sorted(k for k in await all_keys(world.services.store, "") if batch_id in k)
 
 
 async def finished(world: World, agent: str, docs: list[Any]) -> BatchManifest:
