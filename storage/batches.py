@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import AsyncIterator
 
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
@@ -105,6 +106,23 @@ class ObjectBatches:
                 return
         # Only writers racing without end get here: the fan-out is retried by its timer.
         raise StorageUnavailable(f"fan-out cursor of {batch_id}: {CURSOR_ROUNDS} writes lost")
+
+    async def mark_fanning_out(self, batch_id: str) -> None:
+        with contextlib.suppress(ObjectExists):
+            await self.store.put_if_absent(keys.fanout(batch_id), b"")
+
+    async def mark_fanned_out(self, batch_id: str) -> None:
+        await self.store.delete(keys.fanout(batch_id))
+
+    async def fanning_out(self) -> AsyncIterator[str]:
+        start: str | None = None
+        while True:
+            page = await self.store.list(keys.FANOUTS, start_after=start)
+            for key in page.keys:
+                yield key.removeprefix(keys.FANOUTS)
+            if page.next_token is None:
+                return
+            start = page.next_token
 
     async def mark_cancelled(self, batch_id: str) -> None:
         with contextlib.suppress(ObjectExists):

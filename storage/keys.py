@@ -176,6 +176,16 @@ def batch_results(batch_id: str, fmt: str) -> str:
     return f"{batch_data(batch_id)}results.{safe(fmt, 'format')}"
 
 
+FANOUTS = "fanouts/"
+
+
+def fanout(batch_id: str) -> str:
+    """An empty marker per batch whose fan-out has not finished: what repair walks to
+    give each its FANOUT timer back after the index was lost (the cursor says where the
+    fan-out stands, but only the index's timer sends the reconciler to it)."""
+    return FANOUTS + safe(batch_id, "batch id")
+
+
 def batch_document(batch_id: str, index: int) -> str:
     """A document passed by reference (``Client.submit_dataset(..., by_reference=True)``)."""
     return f"{batch_data(batch_id)}docs/{index:08d}.json"

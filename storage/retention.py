@@ -146,6 +146,8 @@ class ObjectRetention:
         # and the manifest, through which a retry after a crash finds all of it, last.
         deciding = {keys.batch_cursor(batch_id), keys.batch_cancelled(batch_id)}
         await self._delete([k for k in beside if k not in deciding])
+        # A fan-out marker left by a fan-out that died after its last cursor write.
+        await self.store.delete(keys.fanout(batch_id))
         await self._delete([k for k in beside if k in deciding])
         await self.store.delete(key)
         # A cancel or an export that read the manifest before it went may have written

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from storage import keys
+from tests.runtime.test_sweeper import flush_index
 from tests.support.crash import run_killed_at
-from tests.support.harness import local_env
+from tests.support.harness import Env, local_env
 from torpor.batches import FanOutCursor
 from torpor.faults import CrashPoint
 from torpor.service.batches import BatchService
@@ -17,6 +19,7 @@ from torpor.service.sweeper import Sweeper
 pytestmark = pytest.mark.redis
 
 DOCS = 7
+EXTRA = {"batches": {"fanout_chunk": 3}}
 FAN_OUT_IN_CHILD = """
 import asyncio, sys
 from pathlib import Path
@@ -46,25 +49,57 @@ async def test_a_fan_out_killed_mid_way_resumes_with_one_session_per_document(
         redis_prefix,
         str(DOCS),
     )
-    extra = {"batches": {"fanout_chunk": 3}}
-    async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
-        store = env.services.store
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=EXTRA) as env:
         # Died after the first chunk's sessions, before its cursor was saved.
-        assert len((await store.list("snapshots/")).keys) == 3
+        assert len((await env.services.store.list("snapshots/")).keys) == 3
         assert await env.services.batches.cursor("b_crash") == FanOutCursor(next=0)
         sweeper = Sweeper(env.control)
         env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
         report = await sweeper.sweep_once()
         assert report.fan_outs == 1
         await sweeper.batches.drain()
-        manifest = await BatchService(env.control).get("b_crash")
-        stored = sorted(k.rpartition("/")[2] for k in (await store.list("snapshots/")).keys)
-        assert stored == sorted(manifest.sessions()) and len(stored) == DOCS
-        for i, sid in enumerate(manifest.sessions()):
-            snap = await env.load(sid)
-            assert snap.input == {"doc": f"PR-{i}", "amount": 10.0} and snap.batch_id == "b_crash"
-        progress = await BatchService(env.control).progress("b_crash")
-        assert progress.by_state == {"SUSPENDED": DOCS} and progress.created == DOCS
-        # Done: the safety-net timer is gone, a later sweep resumes nothing.
-        env.clock.advance(3600)
-        assert (await sweeper.sweep_once()).fan_outs == 0
+        await _every_document_has_one_session(env, sweeper)
+
+
+async def test_a_fan_out_killed_mid_way_and_then_its_index_lost_is_resumed_after_repair(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """The fan-out's timer was in the index: lost with it, nothing but repair can send the
+    reconciler back to the batch, whose cursor stays short of its total for ever (never
+    finished, never retained)."""
+    run_killed_at(
+        CrashPoint.BATCH_FANOUT_CHUNK,
+        FAN_OUT_IN_CHILD,
+        str(tmp_path),
+        redis_url,
+        redis_prefix,
+        str(DOCS),
+    )
+    await flush_index(redis_url, redis_prefix)
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=EXTRA) as env:
+        assert (await env.services.store.list(keys.FANOUTS)).keys == [keys.fanout("b_crash")]
+        sweeper = Sweeper(env.control)
+        report = await sweeper.sweep_once()  # the index is not intact: repair runs
+        assert report.repaired_waits == 3  # the first chunk's sessions, waiting
+        await sweeper.batches.drain()
+        env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
+        report = await sweeper.sweep_once()
+        assert report.fan_outs == 1
+        await sweeper.batches.drain()
+        await _every_document_has_one_session(env, sweeper)
+
+
+async def _every_document_has_one_session(env: Env, sweeper: Sweeper) -> None:
+    store = env.services.store
+    manifest = await BatchService(env.control).get("b_crash")
+    stored = sorted(k.rpartition("/")[2] for k in (await store.list("snapshots/")).keys)
+    assert stored == sorted(manifest.sessions()) and len(stored) == DOCS
+    for i, sid in enumerate(manifest.sessions()):
+        snap = await env.load(sid)
+        assert snap.input == {"doc": f"PR-{i}", "amount": 10.0} and snap.batch_id == "b_crash"
+    progress = await BatchService(env.control).progress("b_crash")
+    assert progress.by_state == {"SUSPENDED": DOCS} and progress.created == DOCS
+    # Done: the safety-net timer and the marker are gone, a later sweep resumes nothing.
+    assert (await store.list(keys.FANOUTS)).keys == []
+    env.clock.advance(3600)
+    assert (await sweeper.sweep_once()).fan_outs == 0

@@ -278,6 +278,9 @@ async def test_a_finished_batch_goes_whole_after_the_retention_period(world: Wor
     manifest = await finished(world, "fin", [{"doc": i} for i in range(3)])
     bid = manifest.batch_id
     await world.batches.results(bid, "jsonl")  # the export, beside the manifest
+    assert keys.fanout(bid) not in await batch_keys(world, bid)  # the fan-out took its marker
+    # As a fan-out that died after its last cursor write leaves it (no repair since).
+    await world.services.batches.mark_fanning_out(bid)
     stored = await batch_keys(world, bid)
     assert keys.batch(bid) in stored and keys.batch_cursor(bid) in stored
     assert keys.batch_results(bid, "jsonl") in stored

@@ -196,6 +196,18 @@ class BatchRepository(Protocol):
 
     async def save_cursor(self, batch_id: str, cursor: FanOutCursor) -> None: ...
 
+    async def mark_fanning_out(self, batch_id: str) -> None:
+        """Note durably that the batch's fan-out has not finished (before its manifest)."""
+        ...
+
+    async def mark_fanned_out(self, batch_id: str) -> None:
+        """Remove that note: the fan-out finished, or there is nothing to fan out."""
+        ...
+
+    def fanning_out(self) -> AsyncIterator[str]:
+        """The ids of the batches noted as fanning out (one listing page at a time)."""
+        ...
+
     async def mark_cancelled(self, batch_id: str) -> None:
         """Idempotent: the batch stays cancelled."""
         ...

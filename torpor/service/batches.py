@@ -163,6 +163,9 @@ class BatchService:
         await self.services.index.schedule(
             kind=TimerKind.FANOUT, member=batch_id, at=now + self._grace
         )
+        # And the net's own net: the index may be lost, with this timer in it, while the
+        # fan-out is unfinished; repair finds the batch again through this marker.
+        await self.services.batches.mark_fanning_out(batch_id)
         if not await self.services.batches.create(manifest):
             found = await self._existing(batch_id, tenant, fp)
             if found is None:  # pragma: no cover - create-only said it exists
@@ -212,11 +215,11 @@ class BatchService:
         try:
             manifest = await batches.get(batch_id)
         except NotFound:  # the timer was set, the manifest never written: nothing to do
-            await index.unschedule(kind=TimerKind.FANOUT, member=batch_id)
+            await self._finished(batch_id)
             return 0
         cursor = await batches.cursor(batch_id) if manifest.documents_key else None
         if cursor is None or manifest.documents_key is None or cursor.next >= manifest.total:
-            await index.unschedule(kind=TimerKind.FANOUT, member=batch_id)
+            await self._finished(batch_id)
             return 0
         documents = await batches.documents(manifest.documents_key)
         made = 0
@@ -238,8 +241,14 @@ class BatchService:
             )
             crash_point(CrashPoint.BATCH_FANOUT_CHUNK)
             await batches.save_cursor(batch_id, FanOutCursor(next=end))
-        await index.unschedule(kind=TimerKind.FANOUT, member=batch_id)
+        await self._finished(batch_id)
         return made
+
+    async def _finished(self, batch_id: str) -> None:
+        """The fan-out is done (or cancelled, or has nothing to do): its marker first, so
+        a crash between the two leaves the timer, which finds nothing to do again."""
+        await self.services.batches.mark_fanned_out(batch_id)
+        await self.services.index.unschedule(kind=TimerKind.FANOUT, member=batch_id)
 
     async def _register(self, manifest: BatchManifest, members: dict[str, int]) -> None:
         slots = self.services.slots

@@ -11,7 +11,9 @@ by listing every snapshot, and the delivery records:
   activated if its inbox or outbox holds work;
 * a terminal session that still owes outbox work (a compensation, a notification) is
   activated too: the runtime settles a finished session's outbox;
-* every pending delivery gets its delivery timer back.
+* every pending delivery gets its delivery timer back;
+* every batch whose fan-out has not finished (its ``fanouts/`` marker) gets its fan-out
+  timer back.
 
 Activation requests go through ``request``, which reports whether one was taken and
 leaves a timer behind when not.
@@ -140,6 +142,7 @@ class IndexRepair:
         await _each(self._sessions(now), one, AT_ONCE)
         for tenant in sorted(tenants):
             await self._delivery_timers(tenant, now)
+        await self._fan_out_timers(now)
         await self.request(wanted)
         await index.mark_intact()
         return len(wanted), rebound, suspended
@@ -228,6 +231,16 @@ class IndexRepair:
             tenant=binding.tenant, business_key=business_key
         )
         return target == binding.correlation_id
+
+    async def _fan_out_timers(self, now: datetime) -> None:
+        """Every batch whose fan-out has not finished gets its timer back, due after the
+        grace a running fan-out keeps it ahead by (one may be running: it goes on, and a
+        second one would only find its sessions made); an earlier one is kept."""
+        grace = timedelta(seconds=self.services.settings.reconciler.wake_grace_s)
+        async for batch_id in self.services.batches.fanning_out():
+            await self.services.index.schedule(
+                kind=TimerKind.FANOUT, member=batch_id, at=now + grace, keep_earlier=True
+            )
 
     async def _delivery_timers(self, tenant: str, now: datetime) -> None:
         """Every pending delivery gets its timer back; an earlier one (or a leased one
