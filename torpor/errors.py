@@ -148,7 +148,12 @@ class SnapshotCorrupt(SnapshotError):
 
 
 class SnapshotSchemaTooNew(SnapshotError):
+    """A newer torpor wrote the snapshot (a rolling upgrade under way). Final for this
+    node, not for the caller: a retry may reach a newer one, so the edge answers 503."""
+
     code = "snapshot_schema_too_new"
+    status, title = 503, "Session held by a newer version"
+    retry_after = 30.0
 
 
 class NotFound(PermanentError):

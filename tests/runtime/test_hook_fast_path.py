@@ -12,10 +12,14 @@ from typing import Any
 
 import pytest
 
+from storage import keys
+from storage.codec import SnapshotCodec
+from storage.snapshots import ObjectSnapshots
 from tests.runtime.test_gateway import JSON, SECRET, SOURCES, body
 from tests.support.harness import Env, local_env
 from torpor.entry.hooks import HookFastPath, HookRoute
 from torpor.lifecycle import SessionState
+from torpor.models import SCHEMA_VERSION
 from torpor.service.gateway import WebhookGateway
 from torpor.webhooks.signing import Scheme, sign
 
@@ -182,3 +186,28 @@ async def test_a_sender_that_hangs_up_mid_body_gets_no_answer_and_stores_nothing
     await asgi(scope, receive, send)
     assert sent == []
     assert (await env.load(sid)).state is SessionState.SUSPENDED
+
+
+async def test_a_session_a_newer_torpor_holds_is_503_and_the_webhook_may_come_again(
+    env: Env,
+) -> None:
+    """Mid rolling upgrade: this node cannot read the session a newer one wrote. Not a 500
+    (nothing is wrong, a retry may reach a newer node): 503 with Retry-After, nothing
+    stored, and the replay claim given back, so the sender's retry is taken."""
+    asgi, _, _ = bound(env)
+    sid, raw, headers = await signed_answer(env)
+    store, snapshots = env.services.store, ObjectSnapshots(env.services.store)
+    stored = (await store.get(keys.snapshot(sid))).data
+    newer = (await snapshots.load_stored(sid)).model_copy(
+        update={"schema_version": SCHEMA_VERSION + 1}
+    )
+    await store.put(keys.snapshot(sid), SnapshotCodec().encode(newer))
+    status, answer, problem = await call(asgi, "/v1/hooks/oa", chunks=[raw], headers=headers)
+    assert (status, answer["content-type"]) == (503, "application/problem+json")
+    assert problem["type"].endswith("/snapshot_schema_too_new") and problem["status"] == 503
+    assert int(answer["retry-after"]) >= 1
+    assert await env.services.inbox.pending(sid, processed=set()) == []
+    await store.put(keys.snapshot(sid), stored)  # as if the retry reached a newer node
+    status, _, data = await call(asgi, "/v1/hooks/oa", chunks=[raw], headers=headers)
+    assert status == 202 and data["duplicate"] is False
+    assert (await env.load(sid)).state is SessionState.COMPLETED
