@@ -256,8 +256,14 @@ class RayActivator:
                 )
                 if answer == ACCEPTED:
                     return True
-            except (*_RETRYABLE, TimeoutError):
+            except _RETRYABLE:
                 pass  # gone or going: the session needs a new actor
+            except TimeoutError:
+                # It answers at once when alive, as on the named path: silence is a node
+                # gone but not yet declared dead, or a paused process. Killed, so it
+                # cannot wake later and run on beside the next (its lease and the
+                # generation compare-and-swap would stop it, at the cost of its work).
+                ray.kill(running, no_restart=True)
             if self._adopted.get(session_id) is running:
                 del self._adopted[session_id]
         while (handle := self.standby.take()) is not None:

@@ -22,7 +22,7 @@ import pytest
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from actors import metrics
+from actors import metrics, ray_activator
 from actors.config_ref import ConfigRef
 from actors.ray_activator import RayActivator
 from actors.reconciler import NAME as RECONCILER
@@ -186,6 +186,44 @@ async def test_a_dead_standby_does_not_lose_the_activation(make_env: Any) -> Non
         sid = await env.submit(doc="PR-K")
         await reach(env, sid, S.SUSPENDED)
         assert activator._adopted.get(sid) is not doomed
+
+
+async def test_an_adopted_actor_that_does_not_answer_is_killed_and_replaced(
+    make_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A paused process (or a node gone but not declared dead) holds its session's
+    adoption: the next request waits for it, then kills it (as the named path does) and
+    hands the session to another standby, instead of leaving it to wake later."""
+    monkeypatch.setattr(ray_activator, "ACTIVATE_TIMEOUT_S", 2.0)
+    async with make_env(hold="extract") as env:
+        sid = await env.submit(doc="PR-Q")
+
+        async def held() -> bool:
+            return "PR-Q" in await env.world.entries("held")
+
+        await eventually(held, what="the adopted actor runs the session, held in a tool")
+        activator = activator_of(env)
+        silent = activator._adopted[sid]
+        pid = (await silent.where.remote())["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await activator.request(sid, reason=Reason.EVENT, agent="purchase")
+            await eventually(lambda: answers_not(silent), what="the silent actor is killed")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert activator._adopted.get(sid) is not silent
+
+
+async def answers_not(handle: Any) -> bool:
+    """Dead to Ray (a paused actor neither answers nor is dead: False)."""
+    try:
+        await asyncio.wait_for(handle.where.remote(), timeout=1.0)
+    except RayActorError:
+        return True
+    except TimeoutError:
+        return False
+    return False
 
 
 async def test_two_actors_for_one_session_never_run_it_at_once(make_env: Any) -> None:
