@@ -23,6 +23,7 @@ from storage.inbox import ObjectInbox
 from storage.probe import verify_conditional_writes
 from storage.retention import ObjectRetention
 from storage.snapshots import ObjectSnapshots
+from storage.submit_keys import ObjectSubmitKeys
 from storage.work import ObjectProgress
 from torpor import logs
 from torpor.callbacks import CapabilityRouter
@@ -76,6 +77,7 @@ def open_services(
         inbox=ObjectInbox(store),
         correlations=ObjectCorrelations(store),
         batches=ObjectBatches(store),
+        submit_keys=ObjectSubmitKeys(store),
         deliveries=ObjectDeliveries(store),
         audit=ObjectAudit(store, key=audit_key),
         plugins=PluginResolver(settings),

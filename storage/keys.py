@@ -115,6 +115,21 @@ def business_key(tenant: str, key: str) -> str:
     return f"business-keys/{safe(tenant, 'tenant')}/{digest(key)}"
 
 
+SUBMIT_KEYS = "submit-keys/"
+
+
+def submit_key(tenant: str, key_digest: str) -> str:
+    """The durable record of a submit's Idempotency-Key (its digest: the key is the
+    caller's and may hold anything): which session it made, so a retry after the index
+    was lost finds that session instead of making a second one."""
+    return f"{SUBMIT_KEYS}{safe(tenant, 'tenant')}/{safe(key_digest, 'key digest')}"
+
+
+def submit_key_ref(session_id: str, tenant: str, key_digest: str) -> str:
+    """Names the session's submit-key record, for retention (``refs_prefix``)."""
+    return f"{refs_prefix(session_id)}i/{safe(tenant, 'tenant')}/{safe(key_digest, 'key digest')}"
+
+
 PROBES = "probe/"
 
 

@@ -41,7 +41,7 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from storage import audit_archive, keys
+from storage import audit_archive, keys, submit_keys
 from storage.audit import MANIFEST
 from storage.listing import all_keys, exists
 from storage.snapshots import ObjectSnapshots, ended_day
@@ -322,6 +322,11 @@ class ObjectRetention:
                 doomed.records.append(keys.dead_letter(tenant, delivery_id))
             elif kind == "w":
                 works.add(rest)
+            elif kind == "i":
+                tenant, _, hashed = rest.partition("/")
+                record = keys.submit_key(tenant, hashed)
+                if await self._names(record, session_id):  # not the key's later session's
+                    doomed.records.append(record)
         await self._unreferenced(snapshot, referenced, answered, doomed)
         if not await self._unreferenced_deliveries(snapshot, delivered, doomed):
             return None
@@ -389,6 +394,15 @@ class ObjectRetention:
             doomed.records.append(keys.delivery(snapshot.tenant, delivery_id))
             doomed.records.append(keys.dead_letter(snapshot.tenant, delivery_id))
         return True
+
+    async def _names(self, submit_key: str, session_id: str) -> bool:
+        data = await self._data(submit_key)
+        if data is None:
+            return False
+        try:
+            return submit_keys.decode(data).session_id == session_id
+        except (ValueError, KeyError, TypeError, InvalidKey):
+            return False  # unreadable: left for an operator, as other records are
 
     async def _names_session(self, correlation_id: str, session_id: str) -> bool:
         try:

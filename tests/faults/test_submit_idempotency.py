@@ -14,11 +14,13 @@ import pytest
 
 from storage.s3_store import S3ObjectStore
 from storage.snapshots import ObjectSnapshots
+from tests.faults.index_loss import flush_index
 from tests.support.crash import run_killed_at
 from tests.support.fault_proxy import FaultProxy, path_contains
 from tests.support.harness import Env, local_env
-from torpor.errors import IdempotencyInProgress, StorageUnavailable
-from torpor.service.sessions import SUBMIT_CLAIM_GRACE, SessionService
+from torpor.errors import IdempotencyInProgress, IdempotencyMismatch, StorageUnavailable
+from torpor.service.sessions import IDEMPOTENCY_TTL, SUBMIT_CLAIM_GRACE, SessionService
+from torpor.service.sweeper import Sweeper
 
 pytestmark = pytest.mark.redis
 
@@ -105,3 +107,52 @@ async def test_a_create_that_landed_but_failed_is_not_made_twice(
         retried = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
         assert retried.session_id == landed
         assert await session_ids(env) == [landed]
+
+
+async def test_a_retry_after_the_index_was_lost_answers_with_the_session_the_key_made(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """The index's claim is gone with the index: the key's durable record still names the
+    session, so the retry neither makes a second one nor runs the work twice."""
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        first = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        await flush_index(redis_url, redis_prefix)
+        retried = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert (retried.session_id, retried.created) == (first.session_id, False)
+        await Sweeper(env.control).sweep_once()  # the repair, after the retry
+        again = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert (again.session_id, again.created) == (first.session_id, False)
+        assert await session_ids(env) == [first.session_id]
+        assert await env.world.counts("dispatch") == {"acme:approve:PR-1:1": 1}
+        with pytest.raises(IdempotencyMismatch):  # the key stays bound to its body
+            await env.control.submit(  # type: ignore[arg-type]
+                **{**REQUEST, "input": {"doc": "PR-2", "amount": 1.0}}, idempotency_key=KEY
+            )
+
+
+async def test_a_request_killed_past_create_then_the_index_lost_is_answered_by_that_session(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    run_killed_at(
+        "submit.after_create", SUBMIT_IN_CHILD, str(tmp_path), redis_url, redis_prefix, KEY
+    )
+    await flush_index(redis_url, redis_prefix)
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        [orphan] = await session_ids(env)
+        retried = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert (retried.session_id, retried.created) == (orphan, False)
+        assert (await env.load(orphan)).state.value != "pending"  # the retry finished it
+        assert await session_ids(env) == [orphan]
+
+
+async def test_a_key_older_than_a_day_makes_a_new_session_after_an_index_loss(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        first = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        await flush_index(redis_url, redis_prefix)
+        env.clock.advance(IDEMPOTENCY_TTL.total_seconds() + 1)
+        later = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert later.created and later.session_id != first.session_id
+        again = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert (again.session_id, again.created) == (later.session_id, False)

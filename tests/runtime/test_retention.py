@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from storage import keys
+from storage import keys, submit_keys
+from storage.listing import all_keys
 from storage.work import ObjectProgress, WorkRecords
+from tests.faults.index_loss import flush_index
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Receiver
 from torpor.errors import ConfigError, SessionNotFound
@@ -33,14 +35,7 @@ async def env(tmp_path: Path, redis_url: str, redis_prefix: str) -> AsyncIterato
 
 
 async def every_key(env: Env) -> list[str]:
-    found: list[str] = []
-    token: str | None = None
-    while True:
-        page = await env.services.store.list("", start_after=token)
-        found += page.keys
-        if page.next_token is None:
-            return found
-        token = page.next_token
+    return await all_keys(env.services.store, "")
 
 
 async def ended_session(env: Env, hook: Receiver) -> tuple[str, str]:
@@ -100,6 +95,32 @@ async def test_an_ended_session_and_all_its_records_go_after_the_retention_perio
         assert await env.services.index.session_states([sleeping]) != {}
     finally:
         hook.close()
+
+
+async def test_a_sessions_submit_key_record_goes_with_it_unless_a_later_session_took_the_key(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    """The durable record of an Idempotency-Key (what a retry after an index loss is
+    answered from) is the session's record: it goes with the session. Once the key was
+    used again (after a day) it names the later session, and stays."""
+    digest = submit_keys.key_digest("order-1")
+    record = keys.submit_key("acme", digest)
+    first = await env.submit(doc="PR-I", idempotency_key="order-1")
+    other = await env.submit(doc="PR-J", idempotency_key="order-2")
+    for sid in (first, other):
+        await env.answer(sid, {"status": "approved"})
+    assert record in await all_keys(env.services.store, "")
+    env.clock.advance(2 * DAY)
+    await flush_index(redis_url, redis_prefix)  # the key's index claim is gone: the record decides
+    later = await env.submit(doc="PR-I", idempotency_key="order-2")
+    assert later != other  # a day on, the key made a new session
+    env.clock.advance(31 * DAY)
+    report = await Sweeper(env.control).sweep_once()
+    assert report.purged == 2 and report.errors == []
+    left = await all_keys(env.services.store, "")
+    assert record not in left
+    assert [k for k in left if first in k or other in k] == []  # the refs too
+    assert keys.submit_key("acme", submit_keys.key_digest("order-2")) in left  # later's
 
 
 async def test_a_webhook_inside_the_replay_window_keeps_its_session(env: Env) -> None:

@@ -45,6 +45,8 @@ from torpor.ports.repositories import (
     RetentionRepository,
     SnapshotRepository,
     Stored,
+    SubmitKey,
+    SubmitKeyRepository,
 )
 from torpor.ports.routing import CallbackRouter, Notifier
 from torpor.ports.slots import RunningSlots, SlotEntry, SlotUsage
@@ -86,6 +88,8 @@ __all__ = [
     "StagesReplaces",
     "Stored",
     "StoredObject",
+    "SubmitKey",
+    "SubmitKeyRepository",
     "TimerIndex",
     "TimerKind",
     "WaitBinding",

@@ -229,6 +229,23 @@ class BatchRepository(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class SubmitKey:
+    """What a submit's Idempotency-Key made: kept in the object store beside the index's
+    claim, which a lost index takes with it."""
+
+    session_id: str
+    fingerprint: str
+    created_at: datetime
+
+
+class SubmitKeyRepository(Protocol):
+    async def claim(self, *, tenant: str, key: str, record: SubmitKey, ttl: timedelta) -> SubmitKey:
+        """Create-only: the record of ``key`` that holds: ``record`` if there was none,
+        or if the one there is ``ttl`` old (the key may be used again), else that one."""
+        ...
+
+
 class DeliveryRepository(Protocol):
     """Delivery records of outbound notifications, and the state of their endpoints."""
 

@@ -24,6 +24,7 @@ from torpor.ports.repositories import (
     InboxRepository,
     RetentionRepository,
     SnapshotRepository,
+    SubmitKeyRepository,
 )
 from torpor.ports.routing import CallbackRouter, Notifier
 from torpor.ports.slots import RunningSlots
@@ -74,6 +75,7 @@ class Services:
     inbox: InboxRepository
     correlations: CorrelationRepository
     batches: BatchRepository
+    submit_keys: SubmitKeyRepository
     deliveries: DeliveryRepository
     audit: AuditRepository
     plugins: PluginResolver

@@ -37,7 +37,14 @@ from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.ids import new_session_id, new_trace_id, session_id_ms
 from torpor.models import AgentRef, OutboxEntry, SessionSnapshot
-from torpor.ports import Activator, IdempotencyStatus, Reason, TimerKind
+from torpor.ports import (
+    Activator,
+    IdempotencyRecord,
+    IdempotencyStatus,
+    Reason,
+    SubmitKey,
+    TimerKind,
+)
 from torpor.ports.services import Services
 from torpor.service import quarantine
 from torpor.service.admission import AdmittingActivator
@@ -145,6 +152,8 @@ class SessionService:
                 ttl=IDEMPOTENCY_TTL,
                 now=now,
             )
+            if claim.created:
+                claim = await self._durable_claim(tenant, idempotency_key, claim, now)
             if not claim.created:
                 if claim.fingerprint != fp:
                     raise IdempotencyMismatch(
@@ -195,6 +204,37 @@ class SessionService:
         crash_point(CrashPoint.SUBMIT_AFTER_CREATE)
         await self._finish_submit(snapshot, idempotency_key, agent)
         return Submitted(session_id, created=True)
+
+    async def _durable_claim(
+        self, tenant: str, key: str, claim: IdempotencyRecord, now: datetime
+    ) -> IdempotencyRecord:
+        """The index's fresh claim, checked against the key's durable record: a retry
+        after the index was lost finds there the session the key made, where the index
+        alone would let it make a second one. The durable record is written before the
+        session is created, so the two cannot disagree about a session that exists."""
+        record = SubmitKey(
+            session_id=claim.session_id, fingerprint=claim.fingerprint, created_at=now
+        )
+        held = await self.services.submit_keys.claim(
+            tenant=tenant, key=key, record=record, ttl=IDEMPOTENCY_TTL
+        )
+        if held == record:
+            return claim
+        # The index's claim names the session this request would have made: point it
+        # at the one the key made, then go on as a retry the index had remembered.
+        index = self.services.index
+        await index.release_idempotency(tenant=tenant, key=key)
+        await index.claim_idempotency(
+            tenant=tenant,
+            key=key,
+            fingerprint=held.fingerprint,
+            session_id=held.session_id,
+            ttl=IDEMPOTENCY_TTL,
+            now=now,
+        )
+        return IdempotencyRecord(
+            key, held.session_id, held.fingerprint, IdempotencyStatus.IN_PROGRESS, created=False
+        )
 
     def _claim_stale(self, session_id: str, now: datetime) -> bool:
         """Whether a claim's request has had time to create its session and did not."""
