@@ -99,6 +99,11 @@ class Attempts:
         n = self.manifest.size if upto is None else min(upto, self.manifest.size)
         return [self.current(i) for i in range(n)]
 
+    def ranks(self) -> dict[str, int]:
+        """Each document's current session -> the document's index (its place in the
+        batch's queue for a running slot)."""
+        return {sid: i for i, sid in enumerate(self.all_current())}
+
 
 @dataclass(frozen=True)
 class BatchProgress:

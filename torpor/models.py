@@ -424,6 +424,7 @@ class WaitingSession(_OpenWork, BaseModel):
     processed_events: list[str] = Field(default_factory=list)
     chunks: HistoryChunks = Field(default_factory=HistoryChunks)
     updated_at: datetime
+    batch_id: str | None = None  # repair gives a batch's sessions their running caps back
 
 
 # A session waiting on more waits than this has no wait routes in its header (the edge

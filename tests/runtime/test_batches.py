@@ -20,6 +20,7 @@ from storage import keys
 from storage.listing import all_keys
 from storage.retention import ObjectRetention
 from tests.conftest import eventually
+from tests.faults.index_loss import flush_index
 from tests.runtime import memory_env
 from tests.runtime.memory_env import plan_agent, reset
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
@@ -150,6 +151,62 @@ async def test_never_more_than_the_cap_run_and_the_rest_wait_as_pending(world: W
     await eventually(all_done, timeout_s=15, what="every document completes")
     assert most <= CAP and probe.max_running == CAP
     assert len(probe.calls) == DOCS  # each document's tool ran once
+
+
+@pytest.fixture
+async def redis_world(redis_url: str, redis_prefix: str) -> AsyncIterator[World]:
+    """As ``world``, with the index (and the running slots in it) in a real Redis."""
+    settings = Settings.build(
+        {
+            "storage": {
+                "object_store_url": "memory://",
+                "index_url": redis_url,
+                "redis_prefix": redis_prefix,
+            },
+            "agents": AGENTS,
+            "lease": {"heartbeat_s": 0.02, "ttl_s": 30.0},
+            "batches": {"max_running_per_batch": CAP, "fanout_chunk": 4},
+        }
+    )
+    services = open_services(settings, clock=ManualClock())
+    w = World(services, runtime_background=True)
+    try:
+        yield w
+    finally:
+        reset()
+        await w.activator.drain()
+        await services.close()
+
+
+@pytest.mark.redis
+async def test_the_cap_holds_after_the_index_is_lost_and_repaired(
+    redis_world: World, redis_url: str, redis_prefix: str
+) -> None:
+    """The slot registrations live in the index: without them, repair's activation of
+    the batch's PENDING sessions found them uncapped and ran every one at once."""
+    world, probe = redis_world, memory_env.PROBE
+    manifest = await world.batches.submit(
+        tenant="acme", agent="blk", documents=[{"doc": i} for i in range(DOCS)]
+    )
+    await eventually(lambda: probe.running == CAP, timeout_s=10, what="cap sessions block")
+    await flush_index(redis_url, redis_prefix)
+    report = await world.sweeper.sweep_once()  # not intact: repair
+    assert report.repaired_sessions == DOCS and report.errors == []
+
+    async def queued_again() -> bool:
+        usage = await world.batches.usage(manifest)
+        return usage is not None and (usage[0].running, usage[0].waiting) == (CAP, DOCS - CAP)
+
+    await eventually(queued_again, timeout_s=10, what="the rest wait for a slot again")
+    assert probe.running == CAP
+    probe.release.set()
+
+    async def all_done() -> bool:
+        await world.sweeper.sweep_once()
+        return await states(world, manifest.batch_id) == {"COMPLETED": DOCS}
+
+    await eventually(all_done, timeout_s=15, what="every document completes")
+    assert probe.max_running == CAP
 
 
 async def test_cancel_ends_every_session_and_is_idempotent(world: World) -> None:

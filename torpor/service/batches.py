@@ -45,12 +45,33 @@ from torpor.faults import CrashPoint, crash_point
 from torpor.ids import batch_session_id, new_batch_id
 from torpor.lifecycle import SessionState
 from torpor.ports import SlotUsage, TimerKind
+from torpor.ports.services import Services
 from torpor.ports.slots import batch_scope, tenant_scope
 from torpor.service.sessions import SessionService, fingerprint
 from torpor.ssrf import check_callback_url
 
 SUBMITS_AT_ONCE = 32  # session creations one fan-out has in flight
 log = logging.getLogger(__name__)
+
+
+async def register_slots(
+    services: Services, manifest: BatchManifest, members: dict[str, int]
+) -> None:
+    """Put the batch's sessions ``members`` (session id -> document index) under its
+    running caps: the batch's own and its tenant's (by the fan-out, a retry, and repair
+    after the index, where the registrations live, was lost)."""
+    slots = services.slots
+    if slots is None:
+        return
+    settings = services.settings.batches
+    await slots.register(
+        members=members,
+        scopes={
+            batch_scope(manifest.batch_id): manifest.max_running or settings.max_running_per_batch,
+            tenant_scope(manifest.tenant): settings.max_running_per_tenant,
+        },
+        queue=batch_scope(manifest.batch_id),
+    )
 
 
 class BatchService:
@@ -251,18 +272,7 @@ class BatchService:
         await self.services.index.unschedule(kind=TimerKind.FANOUT, member=batch_id)
 
     async def _register(self, manifest: BatchManifest, members: dict[str, int]) -> None:
-        slots = self.services.slots
-        if slots is None:
-            return
-        await slots.register(
-            members=members,
-            scopes={
-                batch_scope(manifest.batch_id): manifest.max_running
-                or self.settings.max_running_per_batch,
-                tenant_scope(manifest.tenant): self.settings.max_running_per_tenant,
-            },
-            queue=batch_scope(manifest.batch_id),
-        )
+        await register_slots(self.services, manifest, members)
 
     async def _create(
         self, manifest: BatchManifest, items: list[tuple[int, str, JsonValue]]

@@ -13,7 +13,7 @@ by listing every snapshot, and the delivery records:
   activated too: the runtime settles a finished session's outbox;
 * every pending delivery gets its delivery timer back;
 * every batch whose fan-out has not finished (its ``fanouts/`` marker) gets its fan-out
-  timer back.
+  timer back, and a batch's live sessions go back under its running caps.
 
 Activation requests go through ``request``, which reports whether one was taken and
 leaves a timer behind when not.
@@ -27,12 +27,14 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import TypeVar
 
+from torpor.batches import Attempts
 from torpor.deliveries import DeliveryStatus
-from torpor.errors import PermanentError, PluginNotFound
+from torpor.errors import NotFound, PermanentError, PluginNotFound
 from torpor.lifecycle import WAITING_STATES, SessionState
 from torpor.models import SessionHeader, WaitingSession
 from torpor.ports import Reason, TimerKind, WaitBinding
 from torpor.ports.services import Services
+from torpor.service.batches import register_slots
 from torpor.service.deliveries import timer_member
 from torpor.session.suspend import (
     binding_of,
@@ -96,11 +98,14 @@ class IndexRepair:
         index = self.services.index
         wanted: list[tuple[str, Reason]] = []
         tenants: set[str] = set()
+        batched: dict[str, list[str]] = {}  # batch id -> its live sessions
         rebound = suspended = 0
 
         async def one(header: SessionHeader | WaitingSession) -> None:
             nonlocal rebound, suspended
             tenants.add(header.tenant)
+            if isinstance(header, WaitingSession) and header.batch_id is not None:
+                batched.setdefault(header.batch_id, []).append(header.session_id)
             await index.record_session(
                 tenant=header.tenant,
                 session_id=header.session_id,
@@ -143,7 +148,14 @@ class IndexRepair:
         for tenant in sorted(tenants):
             await self._delivery_timers(tenant, now)
         await self._fan_out_timers(now)
-        await self.request(wanted)
+        # Before any activation: a batch's PENDING sessions wait for a running slot.
+        for batch_id in sorted(batched):
+            await self._slots(batch_id, batched[batch_id], errors)
+        # The sessions that were RUNNING first: their slots went with the index, and each
+        # may still be running; were the PENDING ones to take the slots first, the batch
+        # would run over its cap until those ended.
+        await self.request([w for w in wanted if w[1] is Reason.RECOVER])
+        await self.request([w for w in wanted if w[1] is not Reason.RECOVER])
         await index.mark_intact()
         return len(wanted), rebound, suspended
 
@@ -231,6 +243,21 @@ class IndexRepair:
             tenant=binding.tenant, business_key=business_key
         )
         return target == binding.correlation_id
+
+    async def _slots(self, batch_id: str, live: list[str], errors: list[str]) -> None:
+        """The batch's live sessions back under its running caps (registered in the
+        index by the fan-out): unregistered, every one would run at once."""
+        if self.services.slots is None:
+            return
+        try:
+            manifest = await self.services.batches.get(batch_id)
+        except NotFound:
+            errors.append(f"repair: batch {batch_id} of {len(live)} live sessions is gone")
+            return
+        generations = await self.services.batches.generations(batch_id)
+        ranks = Attempts.of(manifest, generations).ranks()
+        members = {sid: ranks[sid] for sid in live if sid in ranks}
+        await register_slots(self.services, manifest, members)
 
     async def _fan_out_timers(self, now: datetime) -> None:
         """Every batch whose fan-out has not finished gets its timer back, due after the
