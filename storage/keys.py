@@ -349,6 +349,10 @@ class RedisKeys:
         return f"{self.prefix}intact"
 
     @property
+    def repairing(self) -> str:
+        return f"{self.prefix}repairing"
+
+    @property
     def last_sweep(self) -> str:
         return f"{self.prefix}last-sweep"
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import secrets
 from datetime import datetime
 
 
 class MemoryHealth:
     def __init__(self) -> None:
         self._intact = False
+        self._repairing: str | None = None
         self._last_sweep: datetime | None = None
         super().__init__()
 
@@ -21,8 +23,15 @@ class MemoryHealth:
     async def close(self) -> None:
         return None
 
-    async def mark_intact(self) -> None:
-        self._intact = True
+    async def begin_repair(self) -> str:
+        self._repairing = secrets.token_hex(8)
+        return self._repairing
+
+    async def mark_intact(self, token: str) -> bool:
+        if self._repairing != token:
+            return False
+        self._intact, self._repairing = True, None
+        return True
 
     async def is_intact(self) -> bool:
         return self._intact

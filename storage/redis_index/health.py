@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import secrets
 from datetime import datetime
 
 from storage.redis_index.connection import RedisConnection, opt_text, translate
 from torpor.clock import from_ms, to_ms
+
+# Intact only if the repair's note is still there: a flush during the repair took it.
+_MARK_INTACT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], '1')
+redis.call('DEL', KEYS[1])
+return 1
+"""
 
 
 class RedisHealth(RedisConnection):
@@ -18,9 +27,18 @@ class RedisHealth(RedisConnection):
         await self._redis.aclose()
 
     @translate
-    async def mark_intact(self) -> None:
+    async def begin_repair(self) -> str:
+        token = secrets.token_hex(8)
+        await self._redis.set(self.keys.repairing, token)
+        return token
+
+    @translate
+    async def mark_intact(self, token: str) -> bool:
         # A flushed or replaced Redis loses this key: the reconciler then rebuilds.
-        await self._redis.set(self.keys.intact, "1")
+        marked = await self.script(_MARK_INTACT)(
+            keys=[self.keys.repairing, self.keys.intact], args=[token]
+        )
+        return bool(marked)
 
     @translate
     async def is_intact(self) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
+import sqlite3
 from datetime import datetime
 
 from storage.sqlite_index.connection import SqliteConnection
@@ -17,8 +19,23 @@ class SqliteHealth(SqliteConnection):
         await asyncio.get_running_loop().run_in_executor(self._executor, self._conn.close)
         self._executor.shutdown(wait=False)
 
-    async def mark_intact(self) -> None:
-        await self._run(lambda c: c.execute("INSERT OR REPLACE INTO meta VALUES ('intact', '1')"))
+    async def begin_repair(self) -> str:
+        token = secrets.token_hex(8)
+        await self._run(
+            lambda c: c.execute("INSERT OR REPLACE INTO meta VALUES ('repairing', ?)", (token,))
+        )
+        return token
+
+    async def mark_intact(self, token: str) -> bool:
+        def mark(c: sqlite3.Connection) -> bool:
+            row = c.execute("SELECT value FROM meta WHERE key='repairing'").fetchone()
+            if row is None or row[0] != token:
+                return False
+            c.execute("INSERT OR REPLACE INTO meta VALUES ('intact', '1')")
+            c.execute("DELETE FROM meta WHERE key='repairing'")
+            return True
+
+        return await self._run(mark)
 
     async def is_intact(self) -> bool:
         row = await self._run(

@@ -201,6 +201,41 @@ async def test_a_repair_that_fails_on_one_session_raises_that_error_and_stops_th
     assert not await env.services.index.is_intact(), "not marked intact"
 
 
+async def test_an_index_lost_again_while_repair_runs_is_repaired_again(
+    env: Env, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis restarts empty a second time near the end of a repair: what it rebuilt is
+    gone, so it must not mark the index intact (the next full repair was an hour away,
+    and meanwhile no wait resolved and no deadline fired)."""
+    sid = await env.submit(doc="PR-T")
+    await flush_index(redis_url, redis_prefix)
+    index = env.services.index
+    real = index.mark_intact
+    lost = {"again": True}
+
+    async def mark_intact(token: str) -> bool:
+        if lost.pop("again", False):  # once: the walk is over, the mark not yet set
+            await flush_index(redis_url, redis_prefix)
+        return await real(token)
+
+    monkeypatch.setattr(index, "mark_intact", mark_intact)
+    sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
+    report = await sweeper.sweep_once()
+    assert report.repaired_waits == 1 and report.errors != []
+    assert not await index.is_intact() and not await resolves_in_index(env, sid)
+    report = await sweeper.sweep_once()  # the next sweep, not the next hour's
+    assert report.repaired_waits == 1 and report.errors == []
+    assert await index.is_intact() and await resolves_in_index(env, sid)
+
+
+async def resolves_in_index(env: Env, sid: str) -> bool:
+    wait = (await env.load(sid)).waits[0]
+    found = await env.services.index.resolve(
+        tenant="acme", now=env.clock.now(), correlation_id=wait.correlation_id
+    )
+    return found is not None
+
+
 async def repair_after_flush(env: Env, redis_url: str, redis_prefix: str) -> Reads:
     """Flush the index and repair it, the correlation records read and written through
     a store that counts what is written."""

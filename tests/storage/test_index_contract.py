@@ -495,8 +495,12 @@ class IndexContract:
 
     async def test_integrity_marker(self, index: Index) -> None:
         assert not await index.is_intact()
-        await index.mark_intact()
+        token = await index.begin_repair()
+        assert not await index.mark_intact("not-" + token)  # another repair's
+        assert not await index.is_intact()
+        assert await index.mark_intact(token)
         assert await index.is_intact()
+        assert not await index.mark_intact(token)  # the note is used up
 
     async def test_the_last_complete_sweep_is_remembered(self, index: Index) -> None:
         assert await index.last_sweep() is None

@@ -281,7 +281,16 @@ class IndexHealth(Protocol):
 
     async def close(self) -> None: ...
 
-    async def mark_intact(self) -> None: ...
+    async def begin_repair(self) -> str:
+        """Note that a repair starts; a token for ``mark_intact``. The note is lost with
+        the index, as the integrity marker is."""
+        ...
+
+    async def mark_intact(self, token: str) -> bool:
+        """Mark the index intact, only if the note ``begin_repair`` gave ``token`` for is
+        still there (else False: the index was lost again while the repair ran, and what
+        it rebuilt before that is gone)."""
+        ...
 
     async def is_intact(self) -> bool: ...
 
