@@ -58,6 +58,8 @@ MAX_ATTEMPTS = 40
 DEDICATED_BACKOFF = Backoff(base_s=0.02, cap_s=0.5, jitter=0)
 POOLED_BACKOFF = Backoff(base_s=0.05, cap_s=1.0, jitter=0)
 ACTIVATE_TIMEOUT_S = 20.0
+# How often standbys with no idle time (``standby_idle_s = 0``) are checked for life.
+CHECK_EVERY_S = 30.0
 # A host's channel this long means the host is not taking its requests (a listening one
 # keeps it near 1): check it, at most once per HOST_CHECK_S.
 STALLED_CHANNEL = 256
@@ -153,8 +155,10 @@ class RayActivator:
             self.settings.runtime.standby_idle_s,
         )
         # Kept well within their idle time (``StandbySet._keep``: at least every half of
-        # it while the activator lives).
-        keep_every_s = idle_s / 4 if idle_s > 0 else None
+        # it while the activator lives). Standbys that never idle out are still looked at
+        # now and then: a dead one would otherwise be found only by the activation that
+        # takes it, a process start on that activation's path.
+        keep_every_s = idle_s / 4 if idle_s > 0 else CHECK_EVERY_S
         self.standby = (
             StandbySet(size, self._spawn_standby, keep_every_s=keep_every_s)
             if size > 0 and standbys

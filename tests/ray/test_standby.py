@@ -294,12 +294,15 @@ async def test_the_standbys_of_an_activator_that_is_gone_exit_after_their_idle_t
         assert all([not await exited(h) for h in activator.standby._ready])  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("idle_s", [IDLE_S, 0.0], ids=["idling", "never-idle"])
 async def test_a_ready_standby_that_dies_is_replaced_before_any_activation_needs_it(
-    make_env: Any,
+    make_env: Any, idle_s: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its activator notices when keeping it (no answer) and starts another: the set is
-    whole again before an activation would have tried the dead one."""
-    async with make_env(idle_s=IDLE_S) as env:
+    whole again before an activation would have tried the dead one. Standbys that never
+    idle out (``standby_idle_s = 0``) are looked at too, if less often."""
+    monkeypatch.setattr(ray_activator, "CHECK_EVERY_S", IDLE_S / 4)
+    async with make_env(idle_s=idle_s) as env:
         activator = activator_of(env)
         standby = activator.standby
         assert standby is not None
