@@ -169,8 +169,14 @@ async def test_a_snapshot_stored_before_chunks_existed_loads() -> None:
     store = MemoryObjectStore()
     old = step(step(snapshot(), 1), 2)
     document = json.loads(old.model_dump_json())
-    del document["chunks"]  # what 0.1 wrote
-    header = SessionHeader.of(old).model_dump_json().encode()
+    del document["chunks"]  # what 0.1 wrote: schema 1, a header without trace or routes
+    document["schema_version"] = 1
+    header = (
+        SessionHeader.of(old)
+        .model_copy(update={"schema_version": 1, "trace_id": None, "waits": None})
+        .model_dump_json(exclude_none=True)
+        .encode()
+    )
     data = struct.pack(">4sBH", b"TPS1", 1, len(header)) + header
     await store.put(
         keys.snapshot(old.session_id), data + zlib.compress(json.dumps(document).encode())
