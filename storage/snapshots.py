@@ -20,11 +20,13 @@ from typing import TypeVar
 
 from storage import chunks, keys
 from storage.codec import HEADER_READ_BYTES, SnapshotCodec
+from storage.listing import exists
 from torpor.errors import (
     CommitConflict,
     EtagMismatch,
     ObjectNotFound,
     SessionNotFound,
+    SnapshotCorrupt,
     SnapshotError,
 )
 from torpor.ids import session_id_ms
@@ -81,9 +83,15 @@ class ObjectSnapshots:
             obj = await self.store.get(key)
         except ObjectNotFound:
             raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
-        snapshot = await chunks.restore(
-            self.store, self.codec.decode(obj.data, what=f"snapshot of {session_id}")
-        )
+        stored = self.codec.decode(obj.data, what=f"snapshot of {session_id}")
+        try:
+            snapshot = await chunks.restore(self.store, stored)
+        except SnapshotCorrupt:
+            # Retention deletes the snapshot, then its chunks: read in between, the
+            # session is gone, not damaged.
+            if not await exists(self.store, key):
+                raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
+            raise
         self._remember(session_id, snapshot.generation, obj.etag, snapshot.state)
         return snapshot
 
@@ -96,7 +104,7 @@ class ObjectSnapshots:
 
     async def load_stored(self, session_id: str) -> SessionSnapshot:
         """The snapshot as stored, its sealed history chunks left out (what retention
-        reads: it needs none of them, and deletes them before the snapshot)."""
+        reads: it needs none of them, and deletes them after the snapshot)."""
         try:
             obj = await self.store.get(keys.snapshot(session_id))
         except ObjectNotFound:

@@ -15,10 +15,11 @@ from storage.inbox import ObjectInbox
 from storage.memory_store import MemoryObjectStore
 from storage.snapshots import ObjectSnapshots
 from tests.support.factories import NOW, snapshot
-from torpor.errors import SnapshotCorrupt
+from torpor.errors import SessionNotFound, SnapshotCorrupt
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import Message, SessionHeader, SessionSnapshot, ToolLogEntry
+from torpor.ports import StoredObject
 
 STEPS = 1000
 
@@ -162,6 +163,34 @@ async def test_a_missing_chunk_is_reported_as_corruption_not_a_shorter_history()
     first_chunk = (await store.list(keys.chunk_prefix(snap.session_id))).keys[0]
     await store.delete(first_chunk)
     with pytest.raises(SnapshotCorrupt, match="missing"):
+        await ObjectSnapshots(store).load(snap.session_id)
+
+
+class PurgedAfterRead(MemoryObjectStore):
+    """Retention runs between a load's read of the snapshot and of its chunks: the
+    snapshot goes first, then the chunks (``ObjectRetention._one``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.purge: str | None = None
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        found = await super().get(key, max_bytes=max_bytes)
+        if self.purge is not None and key == keys.snapshot(self.purge):
+            sid, self.purge = self.purge, None
+            await self.delete(key)
+            for chunk in (await self.list(keys.chunk_prefix(sid))).keys:
+                await self.delete(chunk)
+        return found
+
+
+async def test_a_load_that_retention_overtakes_finds_the_session_gone_not_corrupt() -> None:
+    store = PurgedAfterRead()
+    snapshots = ObjectSnapshots(store)
+    snap = await age(snapshots, await snapshots.create(snapshot()), 200)
+    assert (await store.list(keys.chunk_prefix(snap.session_id))).keys
+    store.purge = snap.session_id
+    with pytest.raises(SessionNotFound):
         await ObjectSnapshots(store).load(snap.session_id)
 
 
