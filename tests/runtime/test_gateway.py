@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from starlette.requests import Request
 
+from storage import keys
 from storage.audit import ObjectAudit
 from tests.support.harness import local_env
 from torpor.entry.http import read_audited_body
@@ -183,3 +184,61 @@ async def test_a_body_refused_while_streamed_is_audited_without_a_digest(
         [record] = [json.loads(x) for x in (await env.services.store.get(key)).data.splitlines()]
         assert (record["source"], record["verdict"]) == ("oa", "rejected:body_too_large")
         assert record["body_sha256"] == ""  # never read in full: no digest
+
+
+async def test_a_batch_event_that_names_no_wait_is_its_own_outcome_not_the_requests(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """A correlation id no wait could have (outside the id alphabet) or a wait whose
+    session is gone made the whole request 400 or 404 after the batch's earlier events
+    were stored and woken: the sender was told it failed while it changed a session.
+    Each is its event's outcome now (unknown, audited), as an unknown id always was."""
+    secret = generate_secret(Scheme.STANDARD)
+    sources = {**SOURCES, "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]}}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit(doc="PR-1")
+        gone = await env.submit(doc="PR-2")
+        gone_cid = (await env.load(gone)).waits[0].correlation_id
+        await env.services.store.delete(keys.snapshot(gone))  # its bindings left behind
+        base = {
+            "specversion": "1.0",
+            "source": "erp",
+            "type": "oa.approval.decided",
+            "data": {"status": "approved"},
+        }
+        batch = [
+            {**base, "id": "ok-1", "correlationid": (await env.load(sid)).waits[0].correlation_id},
+            {**base, "id": "bad-2", "correlationid": "not/a-valid-id"},
+            {**base, "id": "gone-3", "correlationid": gone_cid},
+        ]
+        raw = json.dumps(batch).encode()
+        now = env.clock.now()
+        headers = {
+            **sign(Scheme.STANDARD, raw, secret, now=now),
+            "Content-Type": "application/cloudevents-batch+json",
+        }
+        result = await gateway.receive("ce", raw, headers, now=now)
+        assert result.status == 202
+        assert [(e["event_id"], e["outcome"]) for e in result.body["events"]] == [
+            ("ok-1", "accepted"),
+            ("bad-2", "unknown"),
+            ("gone-3", "unknown"),
+        ]
+        assert (await env.load(sid)).state is SessionState.COMPLETED
+        assert await env.services.inbox.pending(gone, processed=set()) == []
+        # Alone, such an event is the unknown correlation it is (404, audited), not a 400.
+        single = json.dumps({**base, "id": "bad-4", "correlationid": "x" * 200}).encode()
+        headers = {
+            **sign(Scheme.STANDARD, single, secret, now=now),
+            "Content-Type": "application/cloudevents+json",
+        }
+        with pytest.raises(UnknownCorrelation):
+            await gateway.receive("ce", single, headers, now=now)
+        await env.services.audit.close()
+        verdicts = [
+            json.loads(line)["verdict"]
+            for key in (await env.services.store.list("audit/")).keys
+            for line in (await env.services.store.get(key)).data.splitlines()
+        ]
+        assert verdicts.count("unknown") == 3

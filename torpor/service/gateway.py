@@ -53,6 +53,7 @@ from torpor.errors import (
     AmbiguousEvent,
     InvalidKey,
     RejectReason,
+    SessionNotFound,
     SnapshotCorrupt,
     SourceNotAllowed,
     TorporError,
@@ -326,7 +327,10 @@ class WebhookGateway:
         flushed Redis must not turn a valid callback away."""
         records = self.services.correlations
         if event.correlation_id:
-            record = await records.lookup(event.correlation_id)
+            try:
+                record = await records.lookup(event.correlation_id)
+            except InvalidKey:  # no id torpor issues looks like this: no wait has it
+                return None
             return record if record is not None and record.tenant == tenant else None
         if event.business_key:
             return await records.lookup_business_key(tenant=tenant, business_key=event.business_key)
@@ -341,6 +345,21 @@ class WebhookGateway:
         binding = resolved.binding
         if binding is None:
             return _Seen(Outcome.UNKNOWN)
+        try:
+            return await self._classify_bound(source_name, resolved, binding, event, now)
+        except SessionNotFound:
+            # Bound to a session that is gone (retention, behind a stale record): the
+            # event's own outcome, not the request's, so a batch's other events stand.
+            return _Seen(Outcome.UNKNOWN)
+
+    async def _classify_bound(
+        self,
+        source_name: str,
+        resolved: _Resolved,
+        binding: WaitBinding,
+        event: InboundEvent,
+        now: datetime,
+    ) -> _Seen:
         # The index binds no sources: the snapshot's header says who may answer (a short
         # read, no decompression); a header older than 0.4 sends us to the whole snapshot.
         header = await self._header(binding)
@@ -420,7 +439,7 @@ class WebhookGateway:
         seen = await self._classify(source_name, resolved, event, now)
         outcome, audit["session_trace_id"] = seen.outcome, seen.trace_id
         binding = resolved.binding
-        if binding is None or outcome in (Outcome.AMBIGUOUS, Outcome.UNEXPECTED):
+        if binding is None or outcome in (Outcome.UNKNOWN, Outcome.AMBIGUOUS, Outcome.UNEXPECTED):
             # Unknown, another tenant's, ambiguous, or from a source the wait does not
             # name: nothing stored, and on the record.
             sid = binding.session_id if binding else None
