@@ -29,8 +29,12 @@ _V4_COMPATIBLE = ipaddress.ip_network("::/96")
 
 
 def check_url_shape(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    if parts.scheme not in {"http", "https"} or not parts.hostname:
+    try:  # a bracketed host that is no IPv6 address, a netloc that NFKC changes...
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError as exc:
+        raise UnsafeUrl("callback_url is not a valid URL") from exc
+    if parts.scheme not in {"http", "https"} or not host:
         raise UnsafeUrl("callback_url must be an absolute http(s) URL")
     if parts.username or parts.password:
         raise UnsafeUrl("callback_url must not carry credentials")
@@ -38,7 +42,7 @@ def check_url_shape(url: str) -> tuple[str, int]:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError as exc:
         raise UnsafeUrl("callback_url has an invalid port") from exc
-    return parts.hostname, port
+    return host, port
 
 
 def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -73,7 +77,10 @@ def vet_callback_url(
     host, port = check_url_shape(url)
     if allow_private:
         return None
-    infos = (resolve or socket.getaddrinfo)(host, port, proto=socket.IPPROTO_TCP)
+    try:
+        infos = (resolve or socket.getaddrinfo)(host, port, proto=socket.IPPROTO_TCP)
+    except UnicodeError as exc:  # IDNA refuses it (an empty or 64-character label...)
+        raise UnsafeUrl("callback_url host is not a valid domain name") from exc
     addresses = [str(info[4][0]) for info in infos]
     if not addresses:
         raise socket.gaierror(socket.EAI_NONAME, f"{host!r} has no address")
