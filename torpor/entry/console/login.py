@@ -75,7 +75,8 @@ def _still_configured(settings: Settings, principal: Principal) -> bool:
     else:
         config = settings.tenants.get(principal.tenant or "")
         hashes = config.api_keys if config else []
-    return any(hmac.compare_digest(key_id(h), principal.key_id) for h in hashes)
+    mine = principal.key_id.encode("utf-8", "surrogateescape")
+    return any(hmac.compare_digest(key_id(h).encode(), mine) for h in hashes)
 
 
 class CookieSigner:
@@ -104,7 +105,10 @@ class CookieSigner:
         if not value or "." not in value or len(value) > 1024:
             return None
         payload, _, mac = value.rpartition(".")
-        if not hmac.compare_digest(self._mac("cookie", payload.encode()), mac):
+        # Bytes, not str: compare_digest raises TypeError on a non-ASCII str, and the
+        # cookie is the sender's to choose (it was a 500 before any login).
+        good = self._mac("cookie", payload.encode()).encode()
+        if not hmac.compare_digest(good, mac.encode("utf-8", "surrogateescape")):
             return None
         try:
             body = json.loads(base64.urlsafe_b64decode(payload.encode()))
@@ -122,4 +126,6 @@ class CookieSigner:
         return self._mac("csrf", principal.nonce.encode())
 
     def csrf_ok(self, principal: Principal, token: str | None) -> bool:
-        return token is not None and hmac.compare_digest(self.csrf(principal), token)
+        return token is not None and hmac.compare_digest(
+            self.csrf(principal).encode(), token.encode("utf-8", "surrogateescape")
+        )
