@@ -116,6 +116,16 @@ async def test_tenant_key_sees_only_its_tenant_and_cannot_act(
     )
     assert refused.status == 403
     assert (await control.get(beta)).state is SessionState.SUSPENDED
+    # Acting on another tenant's session is as not found as viewing it: a 403 there
+    # (the role checked first) told that the id exists.
+    form = {"csrf": csrf or "", "reason": "x", "payload": "{}", "correlation_id": "c"}
+    for action in ("cancel", "retry", "resolve"):
+        foreign = await page.request.post(f"{console.url}/sessions/{acme}/{action}", form=form)
+        missing = await page.request.post(
+            f"{console.url}/sessions/s_00000000000000000000/{action}", form=form
+        )
+        assert (foreign.status, missing.status) == (404, 404), action
+    assert (await control.get(acme)).state is SessionState.SUSPENDED
 
 
 async def test_actions_need_the_csrf_token_and_a_login(
@@ -133,6 +143,15 @@ async def test_actions_need_the_csrf_token_and_a_login(
     async with httpx.AsyncClient(cookies=forged_cookie) as tampering:
         tampered = await tampering.get(f"{console.url}/")
         assert tampered.status_code == 303  # back to the login page
+    # Any bytes at all, from anyone: no 500 (compare_digest refused non-ASCII str).
+    for mac in ("%C3%A9", "\u00e9"):
+        raw = {"Cookie": f"torpor_console=e30.{mac}".encode()}  # sent as UTF-8 bytes
+        async with httpx.AsyncClient() as odd:
+            for path in ("/", "/live"):
+                answer = await odd.get(f"{console.url}{path}", headers=raw)
+                assert answer.status_code in (303, 401), (path, answer.status_code)
+            answer = await odd.post(f"{console.url}/logout", headers=raw)
+            assert answer.status_code < 500
     assert (await control.get(sid)).state is SessionState.SUSPENDED
 
 

@@ -25,7 +25,7 @@ from pydantic import JsonValue
 from storage import keys
 from torpor.deliveries import Delivery
 from torpor.entry.console.login import Principal
-from torpor.errors import InvalidRequest, PermanentError
+from torpor.errors import InvalidRequest, NotFound, PermanentError
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import OutboxEntry, SessionSnapshot
@@ -111,15 +111,20 @@ class OperatorActions:
         )
         return record
 
+    async def _session(self, principal: Principal, session_id: str) -> SessionSnapshot:
+        """The session as this login may see it: another tenant's is not found, as on its
+        page, before the role is checked (a 403 there would tell that it exists)."""
+        return await self.control.get(session_id, tenant=principal.tenant)
+
     async def cancel(self, principal: Principal, session_id: str, reason: str) -> SessionSnapshot:
-        await self.control.get(session_id)  # 404 before anything is recorded
+        await self._session(principal, session_id)  # 404 before anything is recorded
         await self._record(principal, "cancel", reason, session_id=session_id, detail={})
         return await self.control.cancel(session_id)
 
     async def retry_now(self, principal: Principal, session_id: str, reason: str) -> str:
         """A quarantined session is taken back (fresh quota); any other unfinished one has
         its retry timer brought forward and is activated now (a backing-off session)."""
-        snapshot = await self.control.get(session_id)
+        snapshot = await self._session(principal, session_id)
         await self._record(principal, "retry", reason, session_id=session_id, detail={})
         indexed = (await self.services.index.session_states([session_id])).get(session_id)
         if SessionState.QUARANTINED in (snapshot.state, indexed):
@@ -143,7 +148,7 @@ class OperatorActions:
         *,
         event_type: str | None = None,
     ) -> bool:
-        snapshot = await self.control.get(session_id)
+        snapshot = await self._session(principal, session_id)
         wait = snapshot.wait_for(correlation_id)
         if wait is None:
             raise InvalidRequest(f"session {session_id} has no open wait {correlation_id[:80]!r}")
@@ -174,6 +179,8 @@ class OperatorActions:
     async def resend_delivery(
         self, principal: Principal, tenant: str, delivery_id: str, reason: str
     ) -> Delivery:
+        if principal.tenant not in (None, tenant):  # another tenant's: as if missing
+            raise NotFound(f"no delivery {delivery_id[:80]!r}")
         delivery = await self.services.deliveries.get(tenant, delivery_id)
         await self._record(
             principal,
@@ -187,7 +194,7 @@ class OperatorActions:
     async def resend_outbox(
         self, principal: Principal, session_id: str, entry_id: str, reason: str
     ) -> OutboxEntry:
-        await self.control.get(session_id)
+        await self._session(principal, session_id)
         await self._record(
             principal, "resend_outbox", reason, session_id=session_id, detail={"entry": entry_id}
         )
