@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, Final
@@ -136,6 +137,10 @@ def _tree_problem(value: Any) -> str | None:
             # later when hashed or stored, after the replay claim. Refuse it up front.
             if _has_surrogate(item):
                 return "the JSON document holds a lone UTF-16 surrogate"
+        elif isinstance(item, float) and not math.isfinite(item):
+            # 1e400 parses as infinity (the literals are refused by ``parse_constant``)
+            # and would be stored as null: not what the sender signed.
+            return "the JSON document holds a number out of range"
         elif isinstance(item, dict | list):
             if depth > _MAX_JSON_DEPTH:
                 return "the JSON document is nested too deeply"
