@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from tests.conftest import eventually
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Receiver
+from torpor.auth import new_api_key
 from torpor.deliveries import DeliveryStatus
 from torpor.errors import ActivationUnavailable, StorageUnavailable
 from torpor.lifecycle import SessionState
@@ -223,6 +224,36 @@ async def test_repair_brings_back_a_finished_sessions_pending_outbox(
         activator = Recording()
         await sweeper(env, activator).sweep_once()
         assert (sid, Reason.REPAIR) in activator.requests
+    finally:
+        hook.close()
+
+
+async def test_repair_rebuilds_the_timer_of_a_resent_delivery_of_a_long_ended_session(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Repair walks only the sessions that are live or ended within the binding grace,
+    and looked for pending deliveries only in their tenants: an operator's resend of an
+    older session's delivery lost its timer with the index, and stayed pending for good
+    (which also kept its session from retention)."""
+    _, key_hash = new_api_key()
+    extra = {"tenants": {"acme": {"api_keys": [key_hash]}}}
+    hook = Receiver()
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+            await finished(env, hook.url)
+            swept = sweeper(env)
+            await swept.sweep_once()
+            await swept.deliveries.drain()
+            [delivery], _ = await env.services.deliveries.list(
+                "acme", status=None, cursor=None, limit=10
+            )
+            grace = env.services.settings.storage.binding_grace_s
+            env.clock.advance(grace + 3600)
+            await swept.deliveries.resend("acme", delivery.delivery_id, now=env.clock.now())
+            await flush_index(redis_url, redis_prefix)
+            await swept.sweep_once()  # the repair; then the delivery is attempted again
+            await swept.deliveries.drain()
+            assert len(hook.received) == 2, "the resent delivery was found and attempted"
     finally:
         hook.close()
 

@@ -146,7 +146,9 @@ class IndexRepair:
                 wanted.append((snapshot.session_id, Reason.REPAIR))
 
         await _each(self._sessions(now), one, AT_ONCE)
-        for tenant in sorted(tenants):
+        # Every configured tenant too: an operator's resend of a delivery whose session
+        # ended past the binding grace is pending, with no walked session to name it.
+        for tenant in sorted(tenants | set(self.services.settings.tenants)):
             await self._delivery_timers(tenant, now)
         await self._fan_out_timers(now)
         # Before any activation: a batch's PENDING sessions wait for a running slot.
