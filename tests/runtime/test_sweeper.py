@@ -248,7 +248,7 @@ async def test_repair_rebuilds_the_timer_of_a_resent_delivery_of_a_long_ended_se
                 "acme", status=None, cursor=None, limit=10
             )
             grace = env.services.settings.storage.binding_grace_s
-            env.clock.advance(grace + 3600)
+            env.clock.advance(grace + 2 * 24 * 3600)  # past the ended markers' day, too
             await swept.deliveries.resend("acme", delivery.delivery_id, now=env.clock.now())
             await flush_index(redis_url, redis_prefix)
             await swept.sweep_once()  # the repair; then the delivery is attempted again
