@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults.index_loss import flush_index
 from tests.support.harness import Env, local_env
+from torpor.ids import new_session_id
 from torpor.lifecycle import SessionState
+from torpor.service.sweeper import Sweeper
 from torpor.session.suspend import Suspender
 
 
@@ -89,3 +92,43 @@ async def test_the_loser_of_a_bind_race_routes_by_correlation_id_only(
     assert await env.answer(second, {"status": "approved"})
     assert (await env.load(second)).state is SessionState.COMPLETED
     assert (await env.load(first)).state is SessionState.SUSPENDED
+
+
+async def test_repair_leaves_a_contested_key_with_the_wait_that_bound_it_first(
+    env: Env, monkeypatch: pytest.MonkeyPatch, redis_url: str, redis_prefix: str
+) -> None:
+    """The bind race's loser holds no key; after an index loss repair walked sessions by
+    id and handed the key to whichever came first, the loser if its id sorted first,
+    moving the durable pointer with it: a business-key answer then woke the wrong one."""
+    first = await env.submit(doc="PR-1")
+    holder = (await env.load(first)).waits[0]
+
+    async def missed(self: Suspender, business_key: str | None) -> str | None:
+        return None  # the check ran before the other session bound the key
+
+    monkeypatch.setattr(Suspender, "key_holder", missed)
+    earlier_ms = int(env.clock.now().timestamp() * 1000) - 5
+    second = (
+        await env.control.submit(
+            tenant="acme",
+            agent="purchase",
+            input={"doc": "PR-1", "amount": 100.0},
+            session_id=new_session_id(earlier_ms),  # sorts before the first
+        )
+    ).session_id
+    monkeypatch.undo()
+    assert second < first and (await env.load(second)).state is SessionState.SUSPENDED
+    await flush_index(redis_url, redis_prefix)
+    report = await Sweeper(env.control).sweep_once()  # the repair
+    assert report.repaired_waits == 2 and report.errors == []
+    index, records = env.services.index, env.services.correlations
+    by_key = await index.resolve(tenant="acme", now=env.clock.now(), business_key="PR-1")
+    assert by_key is not None and by_key.correlation_id == holder.correlation_id
+    durable = await records.lookup_business_key(tenant="acme", business_key="PR-1")
+    assert durable is not None and durable.correlation_id == holder.correlation_id
+    # Once the holder's wait is over, the key is free again, and a repair takes it along.
+    assert await env.answer(first, {"status": "approved"})
+    await flush_index(redis_url, redis_prefix)
+    await Sweeper(env.control).sweep_once()
+    by_key = await index.resolve(tenant="acme", now=env.clock.now(), business_key="PR-1")
+    assert by_key is not None and by_key.session_id == second

@@ -29,10 +29,16 @@ from typing import TypeVar
 
 from torpor.batches import Attempts
 from torpor.deliveries import DeliveryStatus
-from torpor.errors import NotFound, PermanentError, PluginNotFound
+from torpor.errors import (
+    NotFound,
+    PermanentError,
+    PluginNotFound,
+    SessionNotFound,
+    SnapshotError,
+)
 from torpor.lifecycle import WAITING_STATES, SessionState
 from torpor.models import SessionHeader, WaitingSession
-from torpor.ports import Reason, TimerKind, WaitBinding
+from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.service.batches import register_slots
 from torpor.service.deliveries import timer_member
@@ -223,15 +229,21 @@ class IndexRepair:
             recorded = wait.correlation_id not in unsent
             if not recorded:
                 await correlations.record(binding, business_key=None)
-            took_key = await index.bind_wait(
-                binding, business_key=wait.business_key, grace=grace, now=now
-            )
-            if wait.business_key is not None and took_key:  # as the suspend did
-                # The pointer follows the index: it may have named another wait (this
-                # one's suspend found the key taken, the lost index gave it here now).
-                pointed = recorded and await self._points_here(binding, wait.business_key)
-                if not pointed:
-                    await correlations.record_business_key(binding, business_key=wait.business_key)
+            key, target = wait.business_key, None
+            if key is not None:
+                target = await correlations.business_key_target(
+                    tenant=binding.tenant, business_key=key
+                )
+                if target not in (None, wait.correlation_id) and await self._open(target):
+                    # Two waits bound the key at once (each checked it free before the
+                    # other bound); the index gave it to the first, and the durable
+                    # pointer says which. Repair keeps it there, whichever it walks first.
+                    key = None
+            took_key = await index.bind_wait(binding, business_key=key, grace=grace, now=now)
+            # As the suspend did; the pointer follows the index (it may have named a wait
+            # that is over), and one the suspend wrote for this wait stands.
+            if key is not None and took_key and not (recorded and target == wait.correlation_id):
+                await correlations.record_business_key(binding, business_key=key)
             tool = self._long_running(snapshot, wait.tool_name)
             if tool is not None:  # a timer that fired already delivers nothing twice
                 await schedule_tool_timers(index, snapshot.session_id, wait, tool)
@@ -244,11 +256,16 @@ class IndexRepair:
             rebound += 1
         return rebound
 
-    async def _points_here(self, binding: WaitBinding, business_key: str) -> bool:
-        target = await self.services.correlations.business_key_target(
-            tenant=binding.tenant, business_key=business_key
-        )
-        return target == binding.correlation_id
+    async def _open(self, correlation_id: str) -> bool:
+        """Whether the wait ``correlation_id`` is still open in its live session."""
+        record = await self.services.correlations.lookup(correlation_id)
+        if record is None:
+            return False
+        try:
+            session = await self.services.snapshots.load_waiting(record.session_id)
+        except (SessionNotFound, SnapshotError):
+            return False
+        return not session.terminal and session.wait_for(correlation_id) is not None
 
     async def _slots(self, batch_id: str, live: list[str], errors: list[str]) -> None:
         """The batch's live sessions back under its running caps (registered in the
