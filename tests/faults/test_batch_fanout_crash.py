@@ -41,14 +41,7 @@ asyncio.run(main())
 async def test_a_fan_out_killed_mid_way_resumes_with_one_session_per_document(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
-    run_killed_at(
-        CrashPoint.BATCH_FANOUT_CHUNK,
-        FAN_OUT_IN_CHILD,
-        str(tmp_path),
-        redis_url,
-        redis_prefix,
-        str(DOCS),
-    )
+    killed_mid_fan_out(tmp_path, redis_url, redis_prefix)
     async with local_env(tmp_path, redis_url, redis_prefix, extra=EXTRA) as env:
         # Died after the first chunk's sessions, before its cursor was saved.
         assert len((await env.services.store.list("snapshots/")).keys) == 3
@@ -67,14 +60,7 @@ async def test_a_fan_out_killed_mid_way_and_then_its_index_lost_is_resumed_after
     """The fan-out's timer was in the index: lost with it, nothing but repair can send the
     reconciler back to the batch, whose cursor stays short of its total for ever (never
     finished, never retained)."""
-    run_killed_at(
-        CrashPoint.BATCH_FANOUT_CHUNK,
-        FAN_OUT_IN_CHILD,
-        str(tmp_path),
-        redis_url,
-        redis_prefix,
-        str(DOCS),
-    )
+    killed_mid_fan_out(tmp_path, redis_url, redis_prefix)
     await flush_index(redis_url, redis_prefix)
     async with local_env(tmp_path, redis_url, redis_prefix, extra=EXTRA) as env:
         assert (await env.services.store.list(keys.FANOUTS)).keys == [keys.fanout("b_crash")]
@@ -87,6 +73,18 @@ async def test_a_fan_out_killed_mid_way_and_then_its_index_lost_is_resumed_after
         assert report.fan_outs == 1
         await sweeper.batches.drain()
         await _every_document_has_one_session(env, sweeper)
+
+
+def killed_mid_fan_out(tmp_path: Path, redis_url: str, redis_prefix: str) -> None:
+    """A child process submits the batch and is killed after its first chunk."""
+    run_killed_at(
+        CrashPoint.BATCH_FANOUT_CHUNK,
+        FAN_OUT_IN_CHILD,
+        str(tmp_path),
+        redis_url,
+        redis_prefix,
+        str(DOCS),
+    )
 
 
 async def _every_document_has_one_session(env: Env, sweeper: Sweeper) -> None:

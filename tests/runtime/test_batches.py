@@ -8,6 +8,7 @@ import io
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any, cast
 
@@ -82,9 +83,16 @@ class World:
 
 @pytest.fixture
 async def world() -> AsyncIterator[World]:
+    async with opened({"index_url": "memory://"}) as w:
+        yield w
+
+
+@asynccontextmanager
+async def opened(index: dict[str, str]) -> AsyncIterator[World]:
+    """A world on the memory store, its index as ``index`` says (``storage`` settings)."""
     settings = Settings.build(
         {
-            "storage": {"object_store_url": "memory://", "index_url": "memory://"},
+            "storage": {"object_store_url": "memory://", **index},
             "agents": AGENTS,
             "lease": {"heartbeat_s": 0.02, "ttl_s": 30.0},
             "batches": {"max_running_per_batch": CAP, "fanout_chunk": 4},
@@ -156,26 +164,8 @@ async def test_never_more_than_the_cap_run_and_the_rest_wait_as_pending(world: W
 @pytest.fixture
 async def redis_world(redis_url: str, redis_prefix: str) -> AsyncIterator[World]:
     """As ``world``, with the index (and the running slots in it) in a real Redis."""
-    settings = Settings.build(
-        {
-            "storage": {
-                "object_store_url": "memory://",
-                "index_url": redis_url,
-                "redis_prefix": redis_prefix,
-            },
-            "agents": AGENTS,
-            "lease": {"heartbeat_s": 0.02, "ttl_s": 30.0},
-            "batches": {"max_running_per_batch": CAP, "fanout_chunk": 4},
-        }
-    )
-    services = open_services(settings, clock=ManualClock())
-    w = World(services, runtime_background=True)
-    try:
+    async with opened({"index_url": redis_url, "redis_prefix": redis_prefix}) as w:
         yield w
-    finally:
-        reset()
-        await w.activator.drain()
-        await services.close()
 
 
 @pytest.mark.redis
