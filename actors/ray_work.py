@@ -96,6 +96,9 @@ MAX_ATTEMPTS = 40
 STATE_TIMEOUT_S = 5.0
 JOB_STATUS_PERIOD_S = 0.5  # how often a watcher asks Ray about its own job (no reconciler)
 SUBMIT_ATTEMPTS = 12  # about 45 s for a cluster's job agents to come up
+# The lost cause a watcher records for a run claimed by a watcher that is gone: what that
+# one started is not known to have ended (an actor's method may still run, ``status``).
+WATCHER_GONE = "the process running it is gone"
 
 
 def watcher_name(work_id: str) -> str:
@@ -163,6 +166,10 @@ class WorkWatcher:
         self._closing = False
         self._stopping = False
         self._store: ObjectStore | None = None
+        # Progress reports and the clearing at the end take turns: a report that
+        # arrives as the work ends (its last act, say) never lands after the clearing.
+        self._progress_turn = asyncio.Lock()
+        self._ended = False
 
     async def start(self, run: int) -> str:
         if self._closing:
@@ -175,9 +182,6 @@ class WorkWatcher:
         return {"running": not self._closing, "pid": os.getpid()}
 
     async def progress(self, fraction: float, message: str) -> None:
-        store = self._store
-        if store is None or self._closing:
-            return
         order = self._order
         report = Progress(
             work_id=order.work_id,
@@ -186,8 +190,20 @@ class WorkWatcher:
             message=message,
             at=datetime.now(UTC),
         )
-        with contextlib.suppress(Exception):  # advisory: never fails the work
-            await ObjectProgress(store).report(order.session_id, report)
+        async with self._progress_turn:
+            store = self._store
+            if store is None or self._closing or self._ended:
+                return
+            with contextlib.suppress(Exception):  # advisory: never fails the work
+                await ObjectProgress(store).report(order.session_id, report)
+
+    async def _clear_progress(self, store: ObjectStore) -> None:
+        """The work is over (answered, or stopped with its session): its progress goes,
+        and no report coming later is kept."""
+        async with self._progress_turn:
+            self._ended = True
+            with contextlib.suppress(Exception):
+                await ObjectProgress(store).clear(self._order.session_id, self._order.work_id)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -210,13 +226,14 @@ class WorkWatcher:
                 else:
                     # The run was claimed by a watcher that is gone (this one holds the
                     # name now): whatever it ran is lost; the retry policy decides.
-                    await records.record_lost(work, run, "the process running it is gone")
+                    await records.record_lost(work, run, WATCHER_GONE)
             if outcome is not None and not self._stopping:
                 outcome = await records.record_outcome(work, outcome)
                 crash_point("work.outcome_recorded")
-                with contextlib.suppress(Exception):
-                    await ObjectProgress(services.store).clear(self._order.session_id, work)
+                await self._clear_progress(services.store)
                 await deliver(services, self._config, self._order, outcome)
+            elif self._stopping:
+                await self._clear_progress(services.store)
         except Exception:
             log.exception("work %s failed in its watcher", work)
         finally:
@@ -237,21 +254,22 @@ class WorkWatcher:
             run=run,
             namespace=self._settings.namespace,
         )
+        if self._stopping:
+            # Stopped while this run was being claimed (``stop`` found nothing started
+            # yet to cancel): nothing is started now.
+            return None
         try:
             if launch.kind is Kind.JOB:
-                return await self._job_run(run)
-            if launch.kind is Kind.ACTOR:
-                handle = ray.get_actor(str(launch.actor), namespace=launch.actor_namespace)
-                self._ref = getattr(handle, str(launch.method)).remote(dict(order.request), ctx)
-            else:
-                options = {**launch.resources.ray_options(), "max_retries": 0}
-                options["name"] = f"work:{order.work_id}:{run}"
-                self._ref = (
-                    ray.remote(_run_task).options(**options).remote(launch.fn, order.request, ctx)
-                )
+                return await self._job_run(records, run)
+            try:
+                self._ref = self._launched(ctx, run)
+            except Exception as exc:  # no such actor or method, options Ray refuses
+                return _failed("work_not_started", "the work could not be started", exc)
             value = await self._ref
         except TaskCancelledError:
-            return None
+            if self._stopping or await records.stopped(order.work_id):
+                return None
+            return _stopped_elsewhere("its task was cancelled")
         except RayTaskError as exc:  # the work's own exception: its answer
             if self._stopping:
                 return None
@@ -267,31 +285,60 @@ class WorkWatcher:
             return None
         return await self._answer(records, value)
 
+    def _launched(self, ctx: WorkContext, run: int) -> Any:
+        """Start the run (a task, or the call of an actor's method): its object ref."""
+        order, launch = self._order, self._launch
+        if launch.kind is Kind.ACTOR:
+            handle = ray.get_actor(str(launch.actor), namespace=launch.actor_namespace)
+            return getattr(handle, str(launch.method)).remote(dict(order.request), ctx)
+        options = {**launch.resources.ray_options(), "max_retries": 0}
+        options["name"] = f"work:{order.work_id}:{run}"
+        return ray.remote(_run_task).options(**options).remote(launch.fn, order.request, ctx)
+
     async def _answer(self, records: WorkRecords, value: Any) -> dict[str, JsonValue]:
-        raw = json.dumps(value, default=str).encode()
+        try:
+            raw = json.dumps(value, default=str).encode()
+        except (TypeError, ValueError) as exc:  # a key that is no string, a cycle...
+            # Deterministic: a run again would finish the same way, and be lost again.
+            return _failed("work_result_invalid", "the work's result is not JSON", exc)
         if len(raw) <= INLINE_RESULT_BYTES:
             return outcome_data(ok=True, value=json.loads(raw))
         # Too large for a snapshot: stored beside it, passed by reference.
         key = await records.put_result(self._order.work_id, raw)
         return {"status": "ok", "result_ref": {"key": key, "bytes": len(raw)}}
 
-    async def _job_run(self, run: int) -> dict[str, JsonValue] | None:
+    async def _job_run(self, records: WorkRecords, run: int) -> dict[str, JsonValue] | None:
         from ray.job_submission import JobStatus
 
         client = _job_client(self._launch)
+        try:
+            entrypoint = self._launch.entrypoint(dict(self._order.request))
+        except Exception as exc:  # the tool's own bug: every run would fail alike
+            return _failed("work_not_started", "the job's entrypoint could not be made", exc)
         # Named by the key: looked up first, submitted only if it is not there.
         adopted = await self._running_job(client, run)
         submission_id = adopted or f"{self._order.work_id}-{run}"
+        if self._stopping:  # stopped while it looked: nothing is submitted now
+            if adopted is not None:
+                await asyncio.to_thread(client.stop_job, adopted)
+            return None
         self._job = submission_id
         if adopted is None:
-            await self._submit(client, submission_id)
+            refused = await self._submit(client, submission_id, entrypoint)
+            if refused is not None:
+                return _failed("work_not_started", "the job was refused", refused)
+            if self._stopping:  # stopped while it was submitted: ``stop`` found no job
+                await asyncio.to_thread(client.stop_job, submission_id)
         while True:
             status = await asyncio.to_thread(client.get_job_status, submission_id)
             if status.is_terminal():
                 break
             await asyncio.sleep(JOB_STATUS_PERIOD_S)
         if status is JobStatus.STOPPED:
-            return None
+            if self._stopping or await records.stopped(self._order.work_id):
+                return None
+            # ``ray job stop`` by someone else: the answer, not a loss to run again.
+            return _stopped_elsewhere(f"its job {submission_id} was stopped")
         info = await asyncio.to_thread(client.get_job_info, submission_id)
         logs = await asyncio.to_thread(client.get_job_logs, submission_id)
         value: dict[str, JsonValue] = {
@@ -322,15 +369,18 @@ class WorkWatcher:
                 return submission_id
         return None
 
-    async def _submit(self, client: Any, submission_id: str) -> None:
+    async def _submit(
+        self, client: Any, submission_id: str, entrypoint: str
+    ) -> RuntimeError | None:
         """Submit under ``submission_id``; a cluster whose job agents are still starting
-        answers "try again later", so it is asked again for a while."""
+        answers "try again later", so it is asked again for a while. The refusal when
+        the job itself is refused (a runtime_env or resources it cannot have)."""
         resources, order = self._launch.resources, self._order
         for attempt in range(SUBMIT_ATTEMPTS):
             try:
                 await asyncio.to_thread(
                     client.submit_job,
-                    entrypoint=self._launch.entrypoint(dict(order.request)),
+                    entrypoint=entrypoint,
                     submission_id=submission_id,
                     runtime_env=resources.runtime_env,
                     entrypoint_num_cpus=resources.num_cpus,
@@ -339,13 +389,30 @@ class WorkWatcher:
                     entrypoint_resources=dict(resources.resources) or None,
                     metadata={"torpor_session": order.session_id},
                 )
-                return
+                return None
             except RuntimeError as exc:
                 if "already exists" in str(exc):
-                    return  # a submit whose answer was lost went through after all
+                    return None  # a submit whose answer was lost went through after all
+                if "status code 400" in str(exc):
+                    return exc  # an invalid request (the dashboard's 400): refused for good
                 if "try again" not in str(exc) or attempt + 1 == SUBMIT_ATTEMPTS:
-                    raise
+                    raise  # the dashboard failed, or its agents never came up: lost
             await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
+        return None  # pragma: no cover - the loop returns or raises
+
+
+def _failed(code: str, what: str, exc: BaseException) -> dict[str, JsonValue]:
+    """The answer to a run that failed for a reason another run would meet again."""
+    return outcome_data(
+        ok=False, value={"code": code, "message": f"{what}: {type(exc).__name__}: {exc}"[:1000]}
+    )
+
+
+def _stopped_elsewhere(what: str) -> dict[str, JsonValue]:
+    """Stopped by someone other than torpor (an operator): answered, not run again."""
+    return outcome_data(
+        ok=False, value={"code": "work_stopped", "message": f"{what} outside torpor"}
+    )
 
 
 def _job_client(launch: Launch) -> Any:
@@ -448,6 +515,17 @@ class RayWorkRunner:
         if await records.order(work) is None:
             return WorkStatus(WorkState.UNKNOWN, runs=runs)
         cause = await records.lost_cause(work, runs) if runs else None
+        if self.launch.kind is Kind.ACTOR and cause in (None, WATCHER_GONE):
+            # Its watcher is gone, and the call it made goes on without it (an actor's
+            # method is no child of its caller, and a running one cannot be cancelled):
+            # a run again could do the work twice, side by side.
+            return WorkStatus(
+                WorkState.LOST,
+                runs=runs,
+                cause=f"the watcher of its call to actor {self.launch.actor!r} was lost; "
+                "the call may still run there, so it is not started again",
+                rerunnable=False,
+            )
         return WorkStatus(
             WorkState.LOST,
             runs=runs,
@@ -460,7 +538,15 @@ class RayWorkRunner:
             handle = ray.get_actor(watcher_name(work), namespace=self.settings.namespace)
             await asyncio.wait_for(handle.stop.remote(), timeout=STATE_TIMEOUT_S)
         except (*_GONE, TimeoutError):
-            return  # no watcher: nothing runs
+            # No watcher: a task died with it, but a job outlives it (``_running_job``).
+            if self.launch.kind is Kind.JOB:
+                await self._stop_jobs(work)
+
+    async def _stop_jobs(self, work: str) -> None:
+        client = _job_client(self.launch)
+        for run in range(1, await self.records.runs(work) + 1):
+            with contextlib.suppress(RuntimeError):  # never submitted, or over already
+                await asyncio.to_thread(client.stop_job, f"{work}-{run}")
 
     async def order(self, work: str) -> WorkOrder | None:
         return await self.records.order(work)

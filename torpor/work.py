@@ -98,6 +98,9 @@ class WorkStatus:
     runs: int = 0  # runs started so far under this key
     cause: str | None = None
     outcome: dict[str, JsonValue] | None = None  # the recorded answer, once DONE
+    # LOST: whether a run again cannot overlap the lost one (False for a call that may
+    # still run where nothing can stop it: the policy then answers with the cause).
+    rerunnable: bool = True
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ class Fail:
 def after_loss(policy: RetryPolicy, status: WorkStatus) -> Rerun | Fail:
     """The retry policy's answer to a lost run."""
     cause = status.cause or "the work was lost"
-    if policy.on_lost is OnLost.RERUN and status.runs < policy.max_runs:
+    if policy.on_lost is OnLost.RERUN and status.rerunnable and status.runs < policy.max_runs:
         return Rerun(run=status.runs + 1)
     return Fail(f"{cause} (after {status.runs} run(s))")
 

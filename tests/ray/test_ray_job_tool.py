@@ -231,3 +231,19 @@ async def test_cancel_stops_the_job(rig: Rig) -> None:
     assert await rig.records.stopped(work)
     assert await rig.records.outcome(work) is None
     assert rig.submissions(work) == [submission]
+
+
+async def test_a_job_stopped_outside_torpor_is_the_answer_and_never_submitted_again(
+    rig: Rig,
+) -> None:
+    """``ray job stop`` by an operator: its watcher took the STOPPED job for a stop of
+    torpor's own, recorded nothing, and the poll then ran it again as lost (a second
+    submission, or "work_lost" once the runs were spent)."""
+    sid = await rig.submit("corpus-s")
+    work, submission = await rig.running_job(sid)
+    rig.jobs.stop_job(submission)
+    await eventually(lambda: _terminal(rig, sid), timeout_s=60, what="the wait is answered")
+    snap = await rig.services.snapshots.load(sid)
+    error = snap.result["train"]["error"]  # type: ignore[index]
+    assert error["code"] == "work_stopped" and "outside torpor" in error["message"]
+    assert rig.submissions(work) == [submission]

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ from ray.cluster_utils import Cluster
 from actors.ray_activator import RayActivator
 from actors.ray_work import watcher_name
 from actors.wiring import open_services
+from storage.listing import all_keys
 from storage.work import WorkRecords
 from tests.conftest import eventually, make_bucket
 from tests.ray.conftest import session_actors
+from tests.support.fault_proxy import FaultProxy, path_contains
 from tests.support.s3_server import S3TestServer
 from tests.support.work_tools import MODEL_NAMESPACE, OcrModel, work_agents
 from torpor.clock import SystemClock
@@ -62,7 +65,7 @@ class Rig:
         self.namespace = services.settings.namespace
 
     async def submit(self, agent: str = "scan", **input: Any) -> str:
-        body = {"doc": "D-1", "hold": False, "fail": False, "size": 0, **input}
+        body = {"doc": "D-1", "hold": False, "fail": False, "size": 0, "odd": False, **input}
         body |= {"redis": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")}
         body |= {"prefix": self.prefix}
         return (await self.control.submit(tenant="acme", agent=agent, input=body)).session_id
@@ -89,10 +92,11 @@ class Rig:
         return business_idempotency_key(snap.tenant, wait.action_key, wait.epoch)
 
 
-@pytest.fixture
-async def rig(
-    cluster: Cluster, s3_server: S3TestServer, redis_url: str, redis_prefix: str
+@asynccontextmanager
+async def opened_rig(
+    s3_server: S3TestServer, redis_url: str, redis_prefix: str, *, endpoint: str | None = None
 ) -> AsyncIterator[Rig]:
+    """A rig on a bucket of its own, reached at ``endpoint`` (a proxy) or directly."""
     bucket = "work-" + os.urandom(4).hex()
     make_bucket(s3_server, bucket)
     kw = s3_server.boto_kwargs()
@@ -101,7 +105,7 @@ async def rig(
             "storage": {
                 "object_store_url": f"s3://{bucket}/t",
                 "s3": {
-                    "endpoint_url": kw["endpoint_url"],
+                    "endpoint_url": endpoint or kw["endpoint_url"],
                     "region": kw["region"],
                     "access_key_id": kw["access_key_id"],
                     "secret_access_key": kw["secret_access_key"],
@@ -130,6 +134,14 @@ async def rig(
     finally:
         await r.aclose()
         await services.close()
+
+
+@pytest.fixture
+async def rig(
+    cluster: Cluster, s3_server: S3TestServer, redis_url: str, redis_prefix: str
+) -> AsyncIterator[Rig]:
+    async with opened_rig(s3_server, redis_url, redis_prefix) as r:
+        yield r
 
 
 async def test_the_work_runs_on_the_gpu_node_while_no_session_actor_lives(rig: Rig) -> None:
@@ -176,11 +188,17 @@ async def test_a_failing_work_answers_its_error_and_a_large_result_goes_by_refer
 ) -> None:
     failing = await rig.submit(doc="F", fail=True)
     large = await rig.submit(doc="L", size=200_000)
-    for sid in (failing, large):
-        await eventually(lambda s=sid: _terminal(rig, s), timeout_s=120, what="both finish")
+    odd = await rig.submit(doc="O", odd=True)
+    for sid in (failing, large, odd):
+        await eventually(lambda s=sid: _terminal(rig, s), timeout_s=120, what="all finish")
     failed = await rig.services.snapshots.load(failing)
     error = failed.result["ocr"]["error"]  # type: ignore[index]
     assert error["code"] == "work_error" and "page 13 is unreadable" in error["message"]
+    # A result JSON cannot hold is that run's answer: it was taken for a lost run, run
+    # again (the same result, lost again) and answered "work_lost" long after.
+    unusable = (await rig.services.snapshots.load(odd)).result["ocr"]["error"]  # type: ignore[index]
+    assert unusable["code"] == "work_result_invalid" and "not JSON" in unusable["message"]
+    assert sorted((await rig.counts("work:starts")).values()) == [1, 1, 1], "none ran again"
     big = await rig.services.snapshots.load(large)
     ref = big.result["ocr"]["result_ref"]  # type: ignore[index]
     stored = await rig.services.store.get(ref["key"])
@@ -267,8 +285,40 @@ async def test_cancel_stops_the_work(rig: Rig) -> None:
         lambda: not _named(watcher_name(work_id(key)), rig.namespace), what="the watcher left"
     )
     assert await WorkRecords(rig.services.store).stopped(work_id(key))
+    assert await rig.control.progress(sid) == [], "the stopped work's progress went with it"
     await rig.r.set(f"{rig.prefix}work:gate", "1")
     assert await rig.counts("work:completions") == {}
+
+
+async def test_a_cancel_while_the_run_is_being_claimed_starts_no_work(
+    cluster: Cluster, s3_server: S3TestServer, redis_url: str, redis_prefix: str
+) -> None:
+    """A slow store holds the run's claim: the cancel's stop reaches the watcher between
+    its look at the stop record and the start of the task, finds nothing to cancel yet,
+    and the task was started after it, to run to its end for a cancelled session."""
+    proxy = FaultProxy(s3_server.endpoint).start()
+    try:
+        async with opened_rig(s3_server, redis_url, redis_prefix, endpoint=proxy.endpoint) as rig:
+            proxy.delay(8.0, match=path_contains("/runs/", "PUT"))
+            sid = await rig.submit(hold=True)
+
+            async def claiming() -> bool:
+                return proxy.stats.delayed >= 1
+
+            await eventually(claiming, timeout_s=60, what="the watcher claims its run")
+            await rig.control.cancel(sid)
+            await eventually(lambda: _terminal(rig, sid), timeout_s=60, what="cancelled")
+            assert await rig.state(sid) is S.CANCELLED
+            [work] = [k.split("/")[1] for k in await all_keys(rig.services.store, "work/")][:1]
+            await eventually(
+                lambda: not _named(watcher_name(work), rig.namespace),
+                timeout_s=60,
+                what="the watcher left without starting the work",
+            )
+            assert await rig.where() == {}, "the work of a cancelled session was started"
+            await rig.r.set(f"{rig.prefix}work:gate", "1")
+    finally:
+        proxy.stop()
 
 
 def _named(name: str, namespace: str) -> bool:
@@ -303,12 +353,56 @@ async def test_node_death_is_seen_by_the_poll_and_the_retry_policy_reruns_the_wo
     assert await rig.counts("work:completions") == {key: 1}
 
 
-async def test_a_named_actors_method_is_the_work(rig: Rig) -> None:
-    model = (
+async def test_an_actor_call_whose_watcher_is_lost_is_not_run_again_beside_it(
+    rig: Rig,
+) -> None:
+    """A task dies with its watcher and a job is adopted by the next run, but a call of
+    an actor's method goes on in the actor: a run again called it a second time while the
+    first still ran. The wait is answered with the cause instead."""
+    model = _model()
+    try:
+        sid = await rig.submit(agent="scan_model", hold=True)
+
+        async def calling() -> bool:
+            return bool(await rig.counts("model:calls"))
+
+        await eventually(calling, timeout_s=60, what="the model's method runs")
+        key = await rig.key_of(sid)
+        ray.kill(ray.get_actor(watcher_name(work_id(key)), namespace=rig.namespace))
+
+        async def answered() -> bool:
+            return await rig.finished(sid)
+
+        await eventually(answered, timeout_s=90, interval_s=0.5, what="the wait is answered")
+        snap = await rig.services.snapshots.load(sid)
+        assert snap.state is S.FAILED and snap.error is not None
+        assert "not started again" in snap.error.message
+        assert await rig.counts("model:calls") == {key: 1}
+    finally:
+        await rig.r.set(f"{rig.prefix}work:gate", "1")
+        ray.kill(model)
+
+
+async def test_an_actor_that_is_not_there_is_the_answer_at_once(rig: Rig) -> None:
+    """No model actor deployed: a run again would not find it either. It was taken for a
+    lost run, run again, and answered "its node or process died" after the polls."""
+    sid = await rig.submit(agent="scan_model")
+    await eventually(lambda: _terminal(rig, sid), timeout_s=60, what="the session ends")
+    snap = await rig.services.snapshots.load(sid)
+    assert snap.state is S.FAILED and snap.error is not None
+    assert "could not be started" in snap.error.message and "ocr-model" in snap.error.message
+
+
+def _model() -> Any:
+    return (
         ray.remote(OcrModel)
         .options(name="ocr-model", namespace=MODEL_NAMESPACE, num_cpus=0, resources={"fake_gpu": 1})
         .remote()
     )
+
+
+async def test_a_named_actors_method_is_the_work(rig: Rig) -> None:
+    model = _model()
     try:
         sid = await rig.submit(agent="scan_model")
         await eventually(lambda: _terminal(rig, sid), timeout_s=60, what="the session completes")

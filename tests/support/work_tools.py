@@ -50,6 +50,8 @@ def ocr(args: dict[str, Any], ctx: WorkContext) -> dict[str, Any]:
         raise ValueError("page 13 is unreadable")
     r.hincrby(p + "work:completions", key, 1)
     r.close()
+    if args.get("odd"):  # a result Python holds and JSON cannot: a key that is no string
+        return {(1, 2): "pages 1 and 2"}
     return {"pages": 30, "node": node, "run": ctx.run, "text": "x" * int(args.get("size", 0))}
 
 
@@ -77,12 +79,24 @@ class OcrModel:
     def read(self, args: dict[str, Any], ctx: WorkContext) -> dict[str, Any]:
         r, p = _redis(args)
         r.hincrby(p + "model:calls", ctx.idempotency_key, 1)
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while args.get("hold") and not r.exists(f"{p}work:gate"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the gate never opened")
+            time.sleep(0.05)
         r.close()
         ctx.progress(1.0, "read")
         return {"pages": 7, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
 
-ocr_model = ray_actor_tool("ocr_model", actor="ocr-model", method="read", namespace=MODEL_NAMESPACE)
+ocr_model = ray_actor_tool(
+    "ocr_model",
+    actor="ocr-model",
+    method="read",
+    namespace=MODEL_NAMESPACE,
+    retry=RetryPolicy(max_runs=2),
+    expected_duration_s=1.0,  # overdue after 2 s: the reconciler's poll then looks
+)
 
 
 def crashing_ocr() -> list[Any]:
@@ -131,6 +145,7 @@ OCR_ARGS = {
     "hold": "${input.hold}",
     "fail": "${input.fail}",
     "size": "${input.size}",
+    "odd": "${input.odd}",
 }
 
 OCR_PLAN: dict[str, Any] = {

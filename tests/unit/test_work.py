@@ -55,6 +55,10 @@ def test_a_lost_run_is_run_again_until_the_policy_runs_out() -> None:
     assert isinstance(spent, Fail) and "NodeDiedError" in spent.cause
     never = after_loss(RetryPolicy(on_lost=OnLost.FAIL), WorkStatus(WorkState.LOST, runs=1))
     assert isinstance(never, Fail)
+    # A run that may still go on where nothing can stop it is never run beside itself.
+    beside = WorkStatus(WorkState.LOST, runs=1, cause="its call may still run", rerunnable=False)
+    unsafe = after_loss(policy, beside)
+    assert isinstance(unsafe, Fail) and "may still run" in unsafe.cause
 
 
 class MemoryRunner:
