@@ -247,3 +247,20 @@ async def test_a_job_stopped_outside_torpor_is_the_answer_and_never_submitted_ag
     error = snap.result["train"]["error"]  # type: ignore[index]
     assert error["code"] == "work_stopped" and "outside torpor" in error["message"]
     assert rig.submissions(work) == [submission]
+
+
+async def test_a_cancel_stops_the_job_whose_watcher_is_gone(rig: Rig) -> None:
+    """A job outlives its watcher: with no watcher to ask, the stop found "nothing runs"
+    and left the job running for a cancelled session."""
+    sid = await rig.submit("corpus-w")
+    work, submission = await rig.running_job(sid)
+    ray.kill(ray.get_actor(watcher_name(work), namespace=rig.namespace))
+    await eventually(lambda: not _named(watcher_name(work), rig.namespace), what="watcher gone")
+    await rig.control.cancel(sid)
+    await eventually(lambda: _terminal(rig, sid), timeout_s=60, what="the session is cancelled")
+    assert await rig.state(sid) is S.CANCELLED
+
+    async def stopped() -> bool:
+        return rig.status(submission) is JobStatus.STOPPED
+
+    await eventually(stopped, timeout_s=30, what="the job was stopped")
