@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from tests.support.fake_llm import FakeLLM
+from tests.support.fake_llm import FakeLLM, text_completion, tool_call_completion
 from tests.support.harness import local_env
 from torpor.lifecycle import SessionState
 
@@ -46,3 +47,36 @@ async def test_llm_agent_suspends_and_resumes(
             assert len(llm.chat_requests) == calls_before + 1
             last = llm.chat_requests[-1]["messages"]
             assert last[-1]["role"] == "tool" and "approved" in last[-1]["content"]
+
+
+def nested_arguments(request: dict[str, Any]) -> dict[str, Any]:
+    """Asks for a sync tool with valid JSON arguments nested past the parser's depth (200
+    kB: far under the response cap), then answers with what the tool said."""
+    last = request["messages"][-1]
+    if last["role"] == "user":
+        deep = "[" * 100_000 + "]" * 100_000
+        return tool_call_completion(request, "extract_fields", '{"doc": "x", "n": ' + deep + "}")
+    return text_completion(request, f"the tool said: {last.get('content')}")
+
+
+async def test_arguments_nested_too_deeply_are_a_tool_error_the_model_sees(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Their RecursionError escaped the activation, and every replay of the committed turn
+    met it again: the session stayed RUNNING for good, retried by every sweep."""
+    with FakeLLM(nested_arguments) as llm:
+        common = {"redis_url": redis_url, "prefix": redis_prefix}
+        agents = {
+            "assistant": {
+                "factory": "torpor.agents.openai_agent:OpenAIAgent",
+                "options": {"base_url": llm.base_url, "model": "m", "name": "assistant"},
+                "tools": ["tests.support.tools:ExtractFields"],
+                "tool_options": {"tests.support.tools:ExtractFields": common},
+            }
+        }
+        async with local_env(tmp_path, redis_url, redis_prefix, extra={"agents": agents}) as env:
+            submitted = await env.control.submit(tenant="acme", agent="assistant", input="PR-1")
+            snap = await env.load(submitted.session_id)
+            assert snap.state is SessionState.COMPLETED, snap.error
+            [tool] = [m for m in snap.messages if m.role == "tool"]
+            assert "bad_arguments" in (tool.content or "") and "nested too deeply" in tool.content

@@ -14,6 +14,7 @@ import asyncio
 import json
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import JsonValue
 
@@ -34,6 +35,20 @@ from torpor.session.working import WorkingCopy, error_result, message_content
 from torpor.tools import LongRunningTool, Tool, ToolContext, WaitPlan
 
 MAX_STEPS_PER_ACTIVATION = 200
+
+
+def tool_arguments(raw: str | None) -> dict[str, Any]:
+    """A call's arguments: a JSON object, else ``ValueError`` (the model's to correct, as
+    a tool error). A document nested too deeply for the parser is one: its
+    RecursionError escaped the activation, which then failed again on every replay of
+    the same committed turn, the session RUNNING for good."""
+    try:
+        args = json.loads(raw or "{}")
+    except RecursionError:
+        raise ValueError("arguments are nested too deeply") from None
+    if not isinstance(args, dict):
+        raise ValueError("arguments must be a JSON object")
+    return args
 
 
 @dataclass(frozen=True)
@@ -227,9 +242,7 @@ class AgentLoop:
             return {"error": {"code": "unknown_tool", "message": f"no tool {call.function.name!r}"}}
         result: JsonValue
         try:
-            args = json.loads(call.function.arguments or "{}")
-            if not isinstance(args, dict):
-                raise ValueError("arguments must be a JSON object")
+            args = tool_arguments(call.function.arguments)
         except ValueError as exc:
             result = {"error": {"code": "bad_arguments", "message": str(exc)}}
         else:
@@ -268,9 +281,7 @@ class AgentLoop:
         work = self.work
         key = tool_call_key(work.snap.session_id, work.snap.step, call.id)
         try:
-            args = json.loads(call.function.arguments or "{}")
-            if not isinstance(args, dict):
-                raise ValueError("arguments must be a JSON object")
+            args = tool_arguments(call.function.arguments)
             with tracing.span("torpor.tool.begin", **{"torpor.tool": call.function.name}):
                 plan: WaitPlan = await call_out(
                     tool.begin,
