@@ -490,6 +490,14 @@ class BatchCancelled(PermanentError):
     status, title, public = 409, "Batch cancelled", True
 
 
+class DeliveryNotResendable(PermanentError):
+    """A resend of a delivery that is neither dead nor disabled: a delivered one would be
+    sent twice, a pending one would get a fresh set of attempts for ever."""
+
+    code = "delivery_not_resendable"
+    status, title, public = 409, "Delivery not dead or disabled", True
+
+
 class BatchExpired(PermanentError):
     """A batch older than the retention period (``storage.retention_s``) takes no retry:
     its sessions may be gone, and retention may be deleting the batch itself."""

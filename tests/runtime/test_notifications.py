@@ -14,7 +14,7 @@ import standardwebhooks
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Received, Receiver
 from torpor.deliveries import Delivery, DeliveryStatus
-from torpor.errors import UnsafeUrl
+from torpor.errors import DeliveryNotResendable, UnsafeUrl
 from torpor.lifecycle import SessionState
 from torpor.ports import Observer
 from torpor.service.deliveries import DeliveryWorker, secret_for, tenant_view
@@ -125,8 +125,15 @@ async def test_dead_letter_then_resend(tmp_path: Path, redis_url: str, redis_pre
             [dead], _ = await store.list("acme", status=DeliveryStatus.DEAD, cursor=None, limit=5)
             hook.script = [200]
             await worker.resend("acme", dead.delivery_id, now=env.clock.now())
+            # Pending again: a second resend would give it a fresh set of attempts.
+            with pytest.raises(DeliveryNotResendable):
+                await worker.resend("acme", dead.delivery_id, now=env.clock.now())
             await worker.due(env.clock.now())
             assert (await store.get("acme", dead.delivery_id)).status is DeliveryStatus.DELIVERED
+            # Delivered: a resend would send the notification twice.
+            with pytest.raises(DeliveryNotResendable):
+                await worker.resend("acme", dead.delivery_id, now=env.clock.now())
+            assert len(hook.received) == 9
     finally:
         hook.close()
 

@@ -237,7 +237,7 @@ async def test_repair_rebuilds_the_timer_of_a_resent_delivery_of_a_long_ended_se
     (which also kept its session from retention)."""
     _, key_hash = new_api_key()
     extra = {"tenants": {"acme": {"api_keys": [key_hash]}}}
-    hook = Receiver()
+    hook = Receiver(script=[410, 200])  # disabled at first: an operator resends it later
     try:
         async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
             await finished(env, hook.url)
@@ -245,7 +245,7 @@ async def test_repair_rebuilds_the_timer_of_a_resent_delivery_of_a_long_ended_se
             await swept.sweep_once()
             await swept.deliveries.drain()
             [delivery], _ = await env.services.deliveries.list(
-                "acme", status=None, cursor=None, limit=10
+                "acme", status=DeliveryStatus.DISABLED, cursor=None, limit=10
             )
             grace = env.services.settings.storage.binding_grace_s
             env.clock.advance(grace + 2 * 24 * 3600)  # past the ended markers' day, too

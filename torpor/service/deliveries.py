@@ -32,7 +32,13 @@ from functools import partial
 from typing import Any
 
 from torpor.deliveries import Delivery, DeliveryStatus, EndpointState, delivery_id_for
-from torpor.errors import ConfigError, NotFound, ResponseTooLarge, UnsafeUrl
+from torpor.errors import (
+    ConfigError,
+    DeliveryNotResendable,
+    NotFound,
+    ResponseTooLarge,
+    UnsafeUrl,
+)
 from torpor.models import OutboxEntry, SessionSnapshot
 from torpor.notify import MAX_RETRY_AFTER_S, RETRY_BACKOFF, endpoint_secret, payload
 from torpor.outbound import Response, request_async, retry_after_s
@@ -43,6 +49,8 @@ from torpor.ssrf import vet_callback_url
 from torpor.webhooks.signing import Scheme, sign
 
 log = logging.getLogger(__name__)
+# What an operator may send again: a delivery that gave up, or whose endpoint said 410.
+RESENDABLE = frozenset({DeliveryStatus.DEAD, DeliveryStatus.DISABLED})
 
 CONCURRENT_ATTEMPTS = 8
 
@@ -340,11 +348,20 @@ class DeliveryWorker:
     async def resend(self, tenant: str, delivery_id: str, *, now: datetime) -> Delivery:
         """Operator action: give a dead or disabled delivery a fresh set of attempts."""
         delivery = await self.deliveries.get(tenant, delivery_id)
+        if delivery.status not in RESENDABLE:
+            raise DeliveryNotResendable(
+                f"delivery {delivery_id} is {delivery.status.value}: only a dead or disabled"
+                " one is sent again"
+            )
         endpoint = await self.deliveries.endpoint(tenant, delivery.url)
         if endpoint.disabled:
             await self.deliveries.set_endpoint(tenant, EndpointState(url=delivery.url))
 
         def change(d: Delivery) -> Delivery:
+            # Checked again inside the compare-and-swap: two resends at once, or an
+            # attempt settling meanwhile, change it once.
+            if d.status not in RESENDABLE:
+                raise DeliveryNotResendable(f"delivery {delivery_id} is {d.status.value}")
             return d.model_copy(
                 update={"status": DeliveryStatus.PENDING, "attempts": 0, "next_attempt_at": now}
             )
