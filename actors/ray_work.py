@@ -166,9 +166,9 @@ class WorkWatcher:
         self._closing = False
         self._stopping = False
         self._store: ObjectStore | None = None
-        # Progress reports and the clearing at the end take turns: a report that
-        # arrives as the work ends (its last act, say) never lands after the clearing.
-        self._progress_turn = asyncio.Lock()
+        # Progress reports being written; the clearing at the end waits for them, so a
+        # report that arrives as the work ends (its last act, say) never lands after it.
+        self._writing: set[asyncio.Future[None]] = set()
         self._ended = False
 
     async def start(self, run: int) -> str:
@@ -190,20 +190,26 @@ class WorkWatcher:
             message=message,
             at=datetime.now(UTC),
         )
-        async with self._progress_turn:
-            store = self._store
-            if store is None or self._closing or self._ended:
-                return
+        store = self._store
+        if store is None or self._closing or self._ended:
+            return
+        # Written side by side (a chatty work reports often; one at a time they would
+        # queue behind each other and hold up the clearing, and the calls' slots).
+        writing = asyncio.ensure_future(ObjectProgress(store).report(order.session_id, report))
+        self._writing.add(writing)
+        try:
             with contextlib.suppress(Exception):  # advisory: never fails the work
-                await ObjectProgress(store).report(order.session_id, report)
+                await writing
+        finally:
+            self._writing.discard(writing)
 
     async def _clear_progress(self, store: ObjectStore) -> None:
         """The work is over (answered, or stopped with its session): its progress goes,
-        and no report coming later is kept."""
-        async with self._progress_turn:
-            self._ended = True
-            with contextlib.suppress(Exception):
-                await ObjectProgress(store).clear(self._order.session_id, self._order.work_id)
+        after the reports already being written, and no report coming later is kept."""
+        self._ended = True
+        await asyncio.gather(*self._writing, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await ObjectProgress(store).clear(self._order.session_id, self._order.work_id)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -263,7 +269,10 @@ class WorkWatcher:
                 return await self._job_run(records, run)
             try:
                 self._ref = self._launched(ctx, run)
-            except Exception as exc:  # no such actor or method, options Ray refuses
+            except (ValueError, AttributeError, TypeError) as exc:
+                # No such actor (ValueError) or method, options Ray refuses: another run
+                # would meet them again. Anything else (Ray's control plane unavailable)
+                # is raised: the run is lost, and the policy may run it again.
                 return _failed("work_not_started", "the work could not be started", exc)
             value = await self._ref
         except TaskCancelledError:
@@ -515,7 +524,7 @@ class RayWorkRunner:
         if await records.order(work) is None:
             return WorkStatus(WorkState.UNKNOWN, runs=runs)
         cause = await records.lost_cause(work, runs) if runs else None
-        if self.launch.kind is Kind.ACTOR and cause in (None, WATCHER_GONE):
+        if self.launch.kind is Kind.ACTOR and runs and cause in (None, WATCHER_GONE):
             # Its watcher is gone, and the call it made goes on without it (an actor's
             # method is no child of its caller, and a running one cannot be cancelled):
             # a run again could do the work twice, side by side.

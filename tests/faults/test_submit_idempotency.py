@@ -156,3 +156,29 @@ async def test_a_key_older_than_a_day_makes_a_new_session_after_an_index_loss(
         assert later.created and later.session_id != first.session_id
         again = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
         assert (again.session_id, again.created) == (later.session_id, False)
+
+
+async def test_a_retry_that_takes_a_claim_over_records_the_key_durably_too(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first request claimed the key in the index and failed before its durable
+    record (the store refused it): the retry that takes the claim over made the session
+    without one, and a retry after a later index loss made a second session."""
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        submit_keys = env.services.submit_keys
+        real = submit_keys.claim
+
+        async def refused(**_: object) -> object:
+            raise StorageUnavailable("the store is down")
+
+        monkeypatch.setattr(submit_keys, "claim", refused)
+        with pytest.raises(StorageUnavailable):
+            await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        monkeypatch.setattr(submit_keys, "claim", real)
+        env.clock.advance(SUBMIT_CLAIM_GRACE.total_seconds() + 1)
+        taken = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert taken.created
+        await flush_index(redis_url, redis_prefix)
+        again = await env.control.submit(**REQUEST, idempotency_key=KEY)  # type: ignore[arg-type]
+        assert (again.session_id, again.created) == (taken.session_id, False)
+        assert await session_ids(env) == [taken.session_id]

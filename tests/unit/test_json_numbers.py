@@ -11,7 +11,7 @@ from torpor.entry.http import parse_json_body
 from torpor.errors import InvalidRequest, WebhookRejected
 from torpor.webhooks.payloads import loads_json
 
-OUT_OF_RANGE = ["1e400", "-1e400", "1E+400", "0.5e0309", "9" * 400 + ".0"]
+OUT_OF_RANGE = ["1e400", "-1e400", "1E+400", "0.5e0309", "9" * 400 + ".0", "1" + "0" * 298 + "e11"]
 LITERALS = ["NaN", "Infinity", "-Infinity"]
 
 

@@ -6,6 +6,7 @@ only routes.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads annotations at run time.
+import json
 import logging
 import math
 import re
@@ -17,7 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from torpor.errors import InvalidRequest, RejectReason, TorporError, WebhookRejected
@@ -134,9 +134,6 @@ async def read_audited_body(
         raise
 
 
-_MAY_BE_NON_FINITE: Final = re.compile(rb"NaN|Infinity|[eE][+]?\d{3}|\d{300}")
-
-
 def parse_json_body(raw: bytes, model: type[Any]) -> Any:
     try:
         value = model.model_validate_json(raw)
@@ -144,26 +141,32 @@ def parse_json_body(raw: bytes, model: type[Any]) -> Any:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise InvalidRequest(f"{where}: {first['msg']}"[:300]) from None
-    # Pydantic's parser takes NaN and Infinity, and 1e400 as infinity; stored, each
-    # became null: the agent would run on a value the client never sent. Refused. Only
-    # a body that may hold one is parsed again: such a number needs one of the literals,
-    # an exponent of three digits or a run of over 300 digits.
-    if _MAY_BE_NON_FINITE.search(raw) and _has_non_finite(from_json(raw)):
-        raise InvalidRequest("body: a number is NaN, infinite or out of range (JSON has none)")
+    # Pydantic's parser takes NaN and Infinity, and a number past a float's range (1e400,
+    # or 300 digits and e11) as infinity; stored, each became null: the agent would run
+    # on a value the client never sent. The standard parser shows every float literal to
+    # a hook (in C but for the hook: 10 ms more for a 3 MB batch of 10,000 documents).
+    try:
+        json.loads(raw, parse_float=_finite, parse_constant=_not_a_number)
+    except _NonFinite:
+        raise InvalidRequest(
+            "body: a number is NaN, infinite or out of range (JSON has none)"
+        ) from None
     return value
 
 
-def _has_non_finite(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, float) and not math.isfinite(item):
-            return True
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
+class _NonFinite(ValueError):
+    pass
+
+
+def _finite(literal: str) -> float:
+    number = float(literal)
+    if not math.isfinite(number):
+        raise _NonFinite(literal[:40])
+    return number
+
+
+def _not_a_number(literal: str) -> float:
+    raise _NonFinite(literal)
 
 
 def require_idempotency_key(value: str | None) -> str:

@@ -173,6 +173,29 @@ class SessionService:
                     )
                 # Take the claim over by creating the very session it names: creation is
                 # create-only, so if the first request is alive after all, one of us wins.
+                # Its durable record first: the first request may have died before it.
+                held = await self.services.submit_keys.claim(
+                    tenant=tenant,
+                    key=idempotency_key,
+                    record=SubmitKey(session_id=session_id, fingerprint=fp, created_at=now),
+                    ttl=IDEMPOTENCY_TTL,
+                )
+                if held.session_id != session_id:
+                    # The index and the store disagree (the index was lost between the
+                    # request and this retry): the durable record is the key's.
+                    if held.fingerprint != fp:
+                        raise IdempotencyMismatch(
+                            "this Idempotency-Key was already used with a different request"
+                        )
+                    session_id = held.session_id
+                    existing = await self._created(session_id)
+                    if existing is not None:
+                        await self._finish_submit(existing, idempotency_key, agent)
+                        return Submitted(session_id, created=False)
+                    if not self._claim_stale(session_id, now):
+                        raise IdempotencyInProgress(
+                            "the first request with this Idempotency-Key is still being processed"
+                        )
         crash_point(CrashPoint.SUBMIT_AFTER_CLAIM)
         snapshot = SessionSnapshot(
             session_id=session_id,
