@@ -355,6 +355,15 @@ def _call(**overrides: Any) -> dict[str, Any]:
         ),
         ({"choices": [{"message": {"tool_calls": [_call(), _call()]}}]}, "duplicate tool call ids"),
         ({"choices": [{"message": {"content": "cut"}, "finish_reason": "length"}]}, "length"),
+        # Filtered or refused: no result, where the session completed with None.
+        (
+            {"choices": [{"message": {"content": None}, "finish_reason": "content_filter"}]},
+            "content_filter",
+        ),
+        (
+            {"choices": [{"message": {"content": None, "refusal": "I can't help with that."}}]},
+            "refused",
+        ),
     ],
 )
 async def test_malformed_answers_are_agent_errors(llm: FakeLLM, body: Any, why: str) -> None:

@@ -244,6 +244,12 @@ def _parse_message(body: bytes, redact: Callable[[str], str]) -> Message:
     # A cut-off answer would otherwise pass as a final result (or half a JSON argument).
     if choice.get("finish_reason") == "length":
         raise fail("finish_reason is 'length' (raise max_tokens)")
+    # A filtered or refused answer is no result: it completed the session with None.
+    if choice.get("finish_reason") == "content_filter":
+        raise fail("finish_reason is 'content_filter' (the provider withheld the answer)")
+    refusal = raw.get("refusal")
+    if isinstance(refusal, str) and refusal and not content and not calls:
+        raise fail(f"the model refused: {refusal[:200]}")
     # vLLM sends tool_calls: [] on plain answers; OpenAI rejects [] when it is sent back.
     return Message(role="assistant", content=content, tool_calls=calls or None)
 
