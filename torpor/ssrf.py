@@ -26,6 +26,10 @@ Resolver = Callable[..., Sequence[tuple[Any, ...]]]
 # path turns them into that IPv4 address, private or not.
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _V4_COMPATIBLE = ipaddress.ip_network("::/96")
+_V4_TRANSLATED = ipaddress.ip_network("::ffff:0:0/96")  # SIIT (RFC 2765): ::ffff:0:a.b.c.d
+# RFC 8215's local-use NAT64 prefix: a translator of the operator's own network, whose
+# IPv4 side may be anything inside it (and sits at a place the prefix length decides).
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 
 
 def check_url_shape(url: str) -> tuple[str, int]:
@@ -52,7 +56,8 @@ def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
         return ip.sixtofour
     if ip.teredo is not None:
         return ip.teredo[1]  # the client's address
-    if ip in _NAT64 or (ip in _V4_COMPATIBLE and int(ip) > 1):  # ::/96 but not :: or ::1
+    if ip in _NAT64 or ip in _V4_TRANSLATED or (ip in _V4_COMPATIBLE and int(ip) > 1):
+        # (::/96 but not :: or ::1)
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return None
 
@@ -61,6 +66,8 @@ def is_public(address: str) -> bool:
     """True if ``address`` (and any IPv4 address embedded in it) is globally routable."""
     ip = ipaddress.ip_address(address)
     if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _NAT64_LOCAL:
+            return False
         embedded = _embedded_v4(ip)
         if embedded is not None:  # reached through that IPv4 address: judge it instead
             return embedded.is_global and not embedded.is_multicast

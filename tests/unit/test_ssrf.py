@@ -25,6 +25,10 @@ EMBEDDING_PRIVATE = [
     "::a00:1",  # IPv4-compatible 10.0.0.1
     "::ffff:127.0.0.1",  # IPv4-mapped
     "::ffff:169.254.169.254",
+    "::ffff:0:a9fe:a9fe",  # SIIT IPv4-translated 169.254.169.254 (RFC 2765)
+    "::ffff:0:7f00:1",  # SIIT of 127.0.0.1
+    "64:ff9b:1::a9fe:a9fe",  # local-use NAT64 (RFC 8215): the operator's own translator
+    "64:ff9b:1:0:808:808::",  # ... whatever it embeds, even a public address
     "::1",
     "::",
 ]
