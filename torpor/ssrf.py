@@ -26,7 +26,7 @@ Resolver = Callable[..., Sequence[tuple[Any, ...]]]
 # path turns them into that IPv4 address, private or not.
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _V4_COMPATIBLE = ipaddress.ip_network("::/96")
-_V4_TRANSLATED = ipaddress.ip_network("::ffff:0:0/96")  # SIIT (RFC 2765): ::ffff:0:a.b.c.d
+_V4_TRANSLATED = ipaddress.ip_network("::ffff:0:0:0/96")  # SIIT (RFC 2765): ::ffff:0:a.b.c.d
 # RFC 8215's local-use NAT64 prefix: a translator of the operator's own network, whose
 # IPv4 side may be anything inside it (and sits at a place the prefix length decides).
 _NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
