@@ -2,7 +2,7 @@
 capped response body.
 
 stdlib only (``torpor`` depends on nothing but pydantic), blocking: async callers run it
-with ``asyncio.to_thread`` (``request_async``). A 3xx is answered as it is, never
+in threads of their own (``request_async``). A 3xx is answered as it is, never
 followed: urllib would otherwise replay the request, ``Authorization`` header included,
 against wherever the ``Location`` points. Non-2xx statuses are answers, not exceptions;
 transport failures raise ``OSError`` (a refused connection, a timeout as ``TimeoutError``
@@ -30,14 +30,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.message import Message
 from email.utils import parsedate_to_datetime
 from functools import partial
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
 from torpor.errors import ResponseTooLarge, UnsafeUrl
@@ -228,6 +229,23 @@ def request(
             raise
 
 
+T = TypeVar("T")
+
+# Calls out get threads of their own. In asyncio's default executor (min(32, cores + 4)
+# threads: 6 here) a few sync tools stuck past their deadline, whose threads cannot be
+# stopped, left every LLM step, approval request and delivery of the process queued
+# behind them, their own deadlines not even started.
+OUTBOUND_THREADS = 32
+_outbound = ThreadPoolExecutor(OUTBOUND_THREADS, thread_name_prefix="torpor-outbound")
+
+
+async def in_outbound_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in a thread kept for calls out (each bounded by its own
+    deadline, so none holds a thread for long)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_outbound, partial(fn, *args, **kwargs))
+
+
 async def request_async(
     method: str,
     url: str,
@@ -238,9 +256,9 @@ async def request_async(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     connect_to: str | None = None,
 ) -> Response:
-    """``request`` in a worker thread. A cancelled caller leaves the thread to finish
+    """``request`` in an outbound thread. A cancelled caller leaves the thread to finish
     within ``timeout_s`` (the deadline cuts it there)."""
-    return await asyncio.to_thread(
+    return await in_outbound_thread(
         request,
         method,
         url,

@@ -11,6 +11,7 @@ connect would let a name with a zero TTL answer a public address to the check an
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import socket
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from torpor.errors import UnsafeUrl
+from torpor.outbound import in_outbound_thread
 
 # socket.getaddrinfo's shape; tests inject a resolver that changes its answer.
 Resolver = Callable[..., Sequence[tuple[Any, ...]]]
@@ -102,5 +104,31 @@ def check_callback_url(url: str, *, allow_private: bool, resolve: Resolver | Non
     host, _ = check_url_shape(url)
     try:
         vet_callback_url(url, allow_private=allow_private, resolve=resolve)
+    except OSError as exc:
+        raise UnsafeUrl(f"callback_url host {host!r} does not resolve") from exc
+
+
+async def vetted_address(
+    url: str, *, allow_private: bool, timeout_s: float, resolve: Resolver | None = None
+) -> str | None:
+    """``vet_callback_url`` in an outbound thread, within ``timeout_s``: a resolver that
+    does not answer is a failed resolution (``OSError``, so retried), not a wait without
+    end outside the attempt's deadline. The thread is left to its resolver."""
+    try:
+        return await asyncio.wait_for(
+            in_outbound_thread(vet_callback_url, url, allow_private=allow_private, resolve=resolve),
+            timeout_s,
+        )
+    except TimeoutError:
+        raise socket.gaierror(socket.EAI_AGAIN, f"no DNS answer within {timeout_s:g} s") from None
+
+
+async def check_callback(
+    url: str, *, allow_private: bool, timeout_s: float, resolve: Resolver | None = None
+) -> None:
+    """``check_callback_url`` for an async caller, within ``timeout_s``."""
+    host, _ = check_url_shape(url)
+    try:
+        await vetted_address(url, allow_private=allow_private, timeout_s=timeout_s, resolve=resolve)
     except OSError as exc:
         raise UnsafeUrl(f"callback_url host {host!r} does not resolve") from exc

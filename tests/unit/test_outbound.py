@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
+import socket
 import threading
 import time
 import urllib.error
@@ -18,6 +20,7 @@ from tests.support.hostile import HostileServer
 from torpor import outbound
 from torpor.errors import ResponseTooLarge, UnsafeUrl
 from torpor.outbound import request, request_async, retry_after_s, stream_lines
+from torpor.ssrf import vetted_address
 
 BIG = 64 * 1024
 
@@ -206,3 +209,39 @@ def test_there_is_one_retry_after_parser() -> None:
 
     assert not hasattr(notify, "retry_after_s") and not hasattr(openai_agent, "_retry_after")
     assert openai_agent.retry_after_s is outbound.retry_after_s
+
+
+async def test_stuck_threads_of_the_default_executor_do_not_hold_calls_out(
+    server: Server,
+) -> None:
+    """Sync tools stuck past their deadline keep their threads of asyncio's default
+    executor (nothing stops a thread): calls out queued behind them, LLM steps and
+    deliveries of the whole process included, their own deadlines not even started."""
+    loop = asyncio.get_running_loop()
+    release = threading.Event()
+    stuck = [loop.run_in_executor(None, release.wait) for _ in range(64)]
+    try:
+        answer = await asyncio.wait_for(
+            request_async("GET", server.url("/redirect"), timeout_s=5), timeout=10
+        )
+        assert answer.status == 302
+    finally:
+        release.set()
+        await asyncio.gather(*stuck)
+
+
+async def test_a_resolver_that_does_not_answer_is_cut_at_the_deadline() -> None:
+    """The delivery attempt's deadline covers the name's resolution too."""
+    release = threading.Event()
+
+    def silent(*_: object, **__: object) -> list[tuple[object, ...]]:
+        release.wait()
+        return []
+
+    try:
+        with pytest.raises(socket.gaierror, match="no DNS answer"):
+            await vetted_address(
+                "http://hooks.example/", allow_private=False, timeout_s=0.2, resolve=silent
+            )
+    finally:
+        release.set()

@@ -48,7 +48,7 @@ from torpor.ports import SlotUsage, TimerKind
 from torpor.ports.services import Services
 from torpor.ports.slots import batch_scope, tenant_scope
 from torpor.service.sessions import SessionService, fingerprint
-from torpor.ssrf import check_callback_url
+from torpor.ssrf import check_callback
 
 SUBMITS_AT_ONCE = 32  # session creations one fan-out has in flight
 log = logging.getLogger(__name__)
@@ -139,10 +139,11 @@ class BatchService:
         if callback_url is not None:  # checked once here, not once per document
             if self.services.settings.notifications.key is None:
                 raise InvalidRequest("callback_url needs notifications set up (notify_key)")
-            await asyncio.to_thread(
-                check_callback_url,
+            notifications = self.services.settings.notifications
+            await check_callback(
                 callback_url,
-                allow_private=self.services.settings.notifications.allow_private_callbacks,
+                allow_private=notifications.allow_private_callbacks,
+                timeout_s=notifications.timeout_s,
             )
         cap = min(
             max_running or self.settings.max_running_per_batch, self.settings.max_running_per_batch

@@ -25,6 +25,7 @@ import json
 import logging
 import socket
 import ssl
+import time
 import urllib.error
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -45,7 +46,7 @@ from torpor.outbound import Response, request_async, retry_after_s
 from torpor.ports import TimerKind
 from torpor.ports.services import Services
 from torpor.settings import Settings, resolve_secret
-from torpor.ssrf import vet_callback_url
+from torpor.ssrf import vetted_address
 from torpor.webhooks.signing import Scheme, sign
 
 log = logging.getLogger(__name__)
@@ -284,11 +285,16 @@ class DeliveryWorker:
         body = json.dumps(delivery.payload, separators=(",", ":")).encode()
         # The address vetted here is the one dialled: resolving again to connect would
         # let a rebinding name swap in a private address after the check.
-        address = await asyncio.to_thread(
-            vet_callback_url,
+        # One deadline for the attempt, the name's resolution included (a resolver that
+        # does not answer held the attempt, and a thread, for as long as it liked).
+        timeout_s = settings.notifications.timeout_s
+        started = time.monotonic()
+        address = await vetted_address(
             delivery.url,
             allow_private=settings.notifications.allow_private_callbacks,
+            timeout_s=timeout_s,
         )
+        left_s = max(0.001, timeout_s - (time.monotonic() - started))
         headers = sign(
             Scheme.STANDARD,
             body,
@@ -305,7 +311,7 @@ class DeliveryWorker:
             delivery.url,
             body=body,
             headers=headers,
-            timeout_s=settings.notifications.timeout_s,
+            timeout_s=left_s,
             max_body_bytes=0,
             connect_to=address,
         )

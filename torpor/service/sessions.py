@@ -50,7 +50,7 @@ from torpor.service import quarantine
 from torpor.service.admission import AdmittingActivator
 from torpor.service.coalescing import Coalescer, Fallback, request_activation
 from torpor.session import dead_letters
-from torpor.ssrf import check_callback_url
+from torpor.ssrf import check_callback
 from torpor.work import Progress
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
@@ -132,10 +132,11 @@ class SessionService:
         if callback_url is not None and session_id is None:
             if self.services.settings.notifications.key is None:
                 raise InvalidRequest("callback_url needs notifications set up (notify_key)")
-            await asyncio.to_thread(
-                check_callback_url,
+            notifications = self.services.settings.notifications
+            await check_callback(
                 callback_url,
-                allow_private=self.services.settings.notifications.allow_private_callbacks,
+                allow_private=notifications.allow_private_callbacks,
+                timeout_s=notifications.timeout_s,
             )
         now = self._now
         chosen = session_id is not None
