@@ -185,11 +185,17 @@ def _open(
     request = urllib.request.Request(url, data=body, headers=dict(headers or {}), method=method)  # noqa: S310 - http(s) checked above
     opener = _OPENER
     if deadline is not None:
-        opener = urllib.request.build_opener(
+        handlers: list[Any] = [
             _RefuseRedirects,
             _DeadlineHTTP(deadline, connect_to),
             _DeadlineHTTPS(deadline, connect_to),
-        )
+        ]
+        if connect_to is not None:
+            # A pinned request dials the vetted address itself. Through a proxy from the
+            # environment (HTTP_PROXY) it dialled the vetted address at the proxy's port,
+            # and failed; and a proxy would resolve the name again, unvetted. Direct.
+            handlers.append(urllib.request.ProxyHandler({}))
+        opener = urllib.request.build_opener(*handlers)
     try:
         return opener.open(request, timeout=timeout_s)
     except urllib.error.HTTPError as exc:

@@ -126,6 +126,22 @@ def test_a_pinned_request_dials_the_address_and_keeps_the_host(
     assert seen == [f"callback.invalid:{port}"]
 
 
+def test_a_pinned_request_goes_direct_whatever_proxy_the_environment_names(
+    hosts: tuple[int, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through urllib's proxy from the environment it dialled the vetted address at the
+    proxy's port (every notification failed), and a proxy resolves the name again."""
+    port, seen = hosts
+    with socket.socket() as unused:  # a port nothing listens on: the "proxy"
+        unused.bind(("127.0.0.1", 0))
+        proxy = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    monkeypatch.setenv("http_proxy", proxy)
+    monkeypatch.setenv("HTTP_PROXY", proxy)
+    url = f"http://callback.invalid:{port}/ok"
+    assert request("GET", url, timeout_s=5, connect_to="127.0.0.1").status == 200
+    assert seen == [f"callback.invalid:{port}"]
+
+
 def test_a_pinned_https_request_sends_the_url_host_as_sni() -> None:
     """The TLS handshake names the URL's host (SNI, and the certificate is checked against
     it) while the socket goes to the pinned address."""
