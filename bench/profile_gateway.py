@@ -84,11 +84,21 @@ def settings_for(tmp: Path, prefix: str, deferred: bool) -> Settings:
 
 
 async def run(args: argparse.Namespace) -> None:
+    prefix = f"tpbench-prof:{os.getpid()}:"
+    try:
+        await measure(args, prefix)
+    finally:  # every way out: the runs under load and the timeline return early
+        client = redis.Redis.from_url(REDIS)
+        for key in client.scan_iter(match=prefix + "*", count=1000):
+            client.delete(key)
+        client.close()
+
+
+async def measure(args: argparse.Namespace, prefix: str) -> None:
     timeline, trips = Timeline(), RoundTrips()
     if args.timeline:
         instrument(timeline, resume=args.resume)
         trips.install()
-    prefix = f"tpbench-prof:{os.getpid()}:"
     with tempfile.TemporaryDirectory() as tmp:
         build = SessionService(
             (s := open_services(settings_for(Path(tmp), prefix, deferred=False))),
@@ -168,9 +178,6 @@ async def run(args: argparse.Namespace) -> None:
                 "CPU each)\n" + text
             )
         await services.close()
-    client = redis.Redis.from_url(REDIS)
-    for key in client.scan_iter(match=prefix + "*", count=1000):
-        client.delete(key)
 
 
 def free_inodes(folder: str) -> int:
