@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -69,15 +68,6 @@ class ConfigRef:
         return Settings.build(self.data)
 
 
-# An option's name that says it holds a secret (``api_key``, ``client_secret``,
-# ``access_token``), not one that merely mentions tokens (``max_tokens``, ``stop_token``).
-_SECRET_NAME = re.compile(
-    r"^(?:token|(?:.*[_-])?(?:api[_-]?key|secret|password|passwd|credentials?"
-    r"|(?:access|auth|bearer|refresh)[_-]?token))$",
-    re.IGNORECASE,
-)
-
-
 def inline_secrets(settings: Settings) -> list[str]:
     """Where ``settings`` holds a secret value itself: a SecretStr that is not ``env:``,
     or a storage URL with a password."""
@@ -99,17 +89,7 @@ def _secrets(value: object, where: str) -> list[tuple[str, str]]:
             for found in _secrets(getattr(value, name), f"{where}.{name}".lstrip("."))
         ]
     if isinstance(value, dict):
-        # Agent and tool options are free-form: a value under a secret's name there (an
-        # LLM's api_key) is one, though no SecretStr says so.
-        return [
-            f
-            for k, v in value.items()
-            for f in (
-                [(f"{where}.{k}", v)]
-                if isinstance(v, str) and v and _SECRET_NAME.match(str(k))
-                else _secrets(v, f"{where}.{k}")
-            )
-        ]
+        return [f for k, v in value.items() for f in _secrets(v, f"{where}.{k}")]
     if isinstance(value, list | tuple):
         return [f for i, v in enumerate(value) for f in _secrets(v, f"{where}[{i}]")]
     return []

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from ray import cloudpickle
 
-from actors.config_ref import ConfigRef, inline_secrets, settings_digest
+from actors.config_ref import ConfigRef, settings_digest
 from torpor.errors import ConfigError
 from torpor.settings import Settings
 
@@ -125,26 +125,3 @@ def test_the_settings_digest_tells_apart_any_change_and_only_a_change(
     before = settings_digest(ConfigRef.from_file(str(toml)).load())
     toml.write_text("[runtime]\nstandby_idle_s = 60.0\n")
     assert settings_digest(ConfigRef.from_file(str(toml)).load()) != before
-
-
-def test_an_llm_key_in_an_agents_options_is_a_secret_ray_never_stores() -> None:
-    """Agent and tool options are free-form dicts: an inline ``api_key`` there was no
-    SecretStr, so it went to the actors as data, into Ray's control store."""
-    agent = {
-        "factory": "torpor.agents.openai_agent:OpenAIAgent",
-        "options": {
-            "base_url": "http://llm.example",
-            "model": "m",
-            "api_key": "sk-inline-secret",
-            "max_tokens": 512,
-            "stop_token": "</s>",
-        },
-    }
-    settings = Settings.build({"agents": {"assistant": agent}})
-    assert inline_secrets(settings) == ["agents.assistant.options.api_key"]
-    with pytest.raises(ConfigError, match=r"agents\.assistant\.options\.api_key"):
-        ConfigRef.of(settings)
-    agent["options"]["api_key"] = "env:LLM_KEY"  # type: ignore[index]
-    named = Settings.build({"agents": {"assistant": agent}})
-    assert inline_secrets(named) == []
-    assert b"LLM_KEY" in persisted(ConfigRef.of(named))
