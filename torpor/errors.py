@@ -233,6 +233,14 @@ class AgentUnavailable(RetryableError):
     code = "agent_unavailable"
 
 
+class ResolversBusy(RetryableError, OSError):
+    """Every thread that resolves callback hosts is busy (slow resolvers): not the URL's
+    fault, so answered 503 at submit, and a delivery attempt is retried."""
+
+    code = "resolvers_busy"
+    status, title = 503, "Name resolution busy"
+
+
 class ActivationUnavailable(RetryableError):
     """No activator took the request (its actor or host did not answer in time)."""
 

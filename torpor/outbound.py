@@ -22,7 +22,6 @@ the socket dials that address instead of resolving the URL's host again, while t
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import socket
@@ -30,18 +29,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.message import Message
 from email.utils import parsedate_to_datetime
 from functools import partial
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 from torpor.errors import ResponseTooLarge, UnsafeUrl
+from torpor.threads import ProcessPool
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 
@@ -235,21 +234,11 @@ def request(
             raise
 
 
-T = TypeVar("T")
-
-# Calls out get threads of their own. In asyncio's default executor (min(32, cores + 4)
-# threads: 6 here) a few sync tools stuck past their deadline, whose threads cannot be
-# stopped, left every LLM step, approval request and delivery of the process queued
-# behind them, their own deadlines not even started.
-OUTBOUND_THREADS = 32
-_outbound = ThreadPoolExecutor(OUTBOUND_THREADS, thread_name_prefix="torpor-outbound")
-
-
-async def in_outbound_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` in a thread kept for calls out (each bounded by its own
-    deadline, so none holds a thread for long)."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_outbound, partial(fn, *args, **kwargs))
+# Calls out get threads of their own (``torpor.threads``): in asyncio's default executor
+# a few sync tools stuck past their deadline, whose threads cannot be stopped, left every
+# LLM step, approval request and delivery of the process queued behind them, their own
+# deadlines not even started.
+OUTBOUND = ProcessPool(32, "torpor-outbound")
 
 
 async def request_async(
@@ -264,7 +253,7 @@ async def request_async(
 ) -> Response:
     """``request`` in an outbound thread. A cancelled caller leaves the thread to finish
     within ``timeout_s`` (the deadline cuts it there)."""
-    return await in_outbound_thread(
+    return await OUTBOUND.run(
         request,
         method,
         url,

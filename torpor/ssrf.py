@@ -14,13 +14,17 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from torpor.errors import UnsafeUrl
-from torpor.outbound import in_outbound_thread
+from torpor.errors import ResolversBusy, UnsafeUrl
+from torpor.threads import ProcessPool
 
+# Name resolutions get threads of their own: a tenant's slow-resolving callback host
+# holds one of these, never a thread an LLM step or a delivery needs.
+RESOLVERS = ProcessPool(16, "torpor-dns")
 # socket.getaddrinfo's shape; tests inject a resolver that changes its answer.
 Resolver = Callable[..., Sequence[tuple[Any, ...]]]
 
@@ -111,14 +115,30 @@ def check_callback_url(url: str, *, allow_private: bool, resolve: Resolver | Non
 async def vetted_address(
     url: str, *, allow_private: bool, timeout_s: float, resolve: Resolver | None = None
 ) -> str | None:
-    """``vet_callback_url`` in an outbound thread, within ``timeout_s``: a resolver that
-    does not answer is a failed resolution (``OSError``, so retried), not a wait without
-    end outside the attempt's deadline. The thread is left to its resolver."""
+    """``vet_callback_url`` in a resolver thread, the resolution within ``timeout_s``: a
+    resolver that does not answer is a failed resolution (``OSError``, so retried), not
+    a wait without end outside the attempt's deadline. The deadline starts when a thread
+    takes the call (waiting for one is not the resolver's slowness), and the wait for a
+    thread is bounded by it too (``ResolversBusy``). A thread that times out is left to
+    its resolver."""
+    loop = asyncio.get_running_loop()
+    taken = asyncio.Event()
+
+    def resolve_now() -> str | None:
+        loop.call_soon_threadsafe(taken.set)
+        return vet_callback_url(url, allow_private=allow_private, resolve=resolve)
+
+    call = asyncio.ensure_future(RESOLVERS.run(resolve_now))
+    waiting = asyncio.ensure_future(taken.wait())
     try:
-        return await asyncio.wait_for(
-            in_outbound_thread(vet_callback_url, url, allow_private=allow_private, resolve=resolve),
-            timeout_s,
-        )
+        await asyncio.wait({call, waiting}, timeout=timeout_s, return_when=FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if not taken.is_set() and not call.done():
+        call.cancel()  # not started: it never will be
+        raise ResolversBusy(f"no resolver thread was free within {timeout_s:g} s")
+    try:
+        return await asyncio.wait_for(call, timeout_s)
     except TimeoutError:
         raise socket.gaierror(socket.EAI_AGAIN, f"no DNS answer within {timeout_s:g} s") from None
 
@@ -130,5 +150,7 @@ async def check_callback(
     host, _ = check_url_shape(url)
     try:
         await vetted_address(url, allow_private=allow_private, timeout_s=timeout_s, resolve=resolve)
+    except ResolversBusy:
+        raise  # not the URL's fault: 503, try again
     except OSError as exc:
         raise UnsafeUrl(f"callback_url host {host!r} does not resolve") from exc

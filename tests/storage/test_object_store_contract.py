@@ -22,6 +22,7 @@ from torpor.errors import (
     ObjectNotFound,
 )
 from torpor.ports import ObjectStore
+from torpor.threads import ProcessPool
 
 
 class ObjectStoreContract:
@@ -192,8 +193,7 @@ class TestS3ObjectStore(ObjectStoreContract):
         """Not asyncio's default pool (``min(32, cores + 4)``: six threads on this 2-core
         machine): each request waits on the network, and a repair or a busy replica has
         many to make. Widened past 36 here, so that no default pool could pass."""
-        monkeypatch.setattr(blocking, "THREADS", 40)
-        monkeypatch.setattr(blocking, "_POOLS", {})
+        monkeypatch.setattr(blocking, "IO", ProcessPool(40, "torpor-io-test"))
         keys = [f"wide/{i}" for i in range(40)]
         for key in keys:
             await s3_store.put(key, b"x")

@@ -1,0 +1,56 @@
+"""Thread pools of this process's own, for blocking calls run off the event loop.
+
+asyncio's default executor is ``min(32, cores + 4)`` threads wide (six on a 2-core
+node) and shared with everything, sync tools included: one kind of call that blocks
+(a tool stuck past its deadline, whose thread cannot be stopped) held every other kind
+up. Each kind of call gets a pool here. A forked child makes pools of its own: the
+parent's threads are not the child's, and a pool that counted them as its own would
+start none and queue every call for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class ProcessPool:
+    """``threads`` wide, started as calls need threads, one per process."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.threads = threads
+        self.name = name
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        # A lock another of the parent's threads held at the fork is let go too.
+        self._lock = threading.Lock()
+        self._pools.clear()
+
+    def executor(self) -> ThreadPoolExecutor:
+        pid = os.getpid()
+        pool = self._pools.get(pid)
+        if pool is None:
+            with self._lock:
+                pool = self._pools.get(pid)
+                if pool is None:
+                    pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
+                    self._pools[pid] = pool
+        return pool
+
+    async def run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """``fn(*args, **kwargs)`` in the pool, in the caller's context (its log fields
+        and trace), as ``asyncio.to_thread`` would."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.executor(), call)
