@@ -219,14 +219,7 @@ def _named(name: str, namespace: str) -> bool:
 async def test_cancel_stops_the_job(rig: Rig) -> None:
     sid = await rig.submit("corpus-9")
     work, submission = await rig.running_job(sid)
-    await rig.control.cancel(sid)
-    await eventually(lambda: _terminal(rig, sid), timeout_s=60, what="the session is cancelled")
-    assert await rig.state(sid) is S.CANCELLED
-
-    async def stopped() -> bool:
-        return rig.status(submission) is JobStatus.STOPPED
-
-    await eventually(stopped, timeout_s=30, what="the job was stopped")
+    await cancel_and_see_the_job_stopped(rig, sid, submission)
     await eventually(lambda: not _named(watcher_name(work), rig.namespace), what="watcher left")
     assert await rig.records.stopped(work)
     assert await rig.records.outcome(work) is None
@@ -256,6 +249,10 @@ async def test_a_cancel_stops_the_job_whose_watcher_is_gone(rig: Rig) -> None:
     work, submission = await rig.running_job(sid)
     ray.kill(ray.get_actor(watcher_name(work), namespace=rig.namespace))
     await eventually(lambda: not _named(watcher_name(work), rig.namespace), what="watcher gone")
+    await cancel_and_see_the_job_stopped(rig, sid, submission)
+
+
+async def cancel_and_see_the_job_stopped(rig: Rig, sid: str, submission: str) -> None:
     await rig.control.cancel(sid)
     await eventually(lambda: _terminal(rig, sid), timeout_s=60, what="the session is cancelled")
     assert await rig.state(sid) is S.CANCELLED

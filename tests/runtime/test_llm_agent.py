@@ -16,19 +16,24 @@ from tests.support.harness import local_env
 from torpor.lifecycle import SessionState
 
 
+def assistant(llm: FakeLLM, tool: str, redis_url: str, prefix: str) -> dict[str, Any]:
+    """Settings' agents: an OpenAI-compatible agent on ``llm`` with one support tool."""
+    common = {"redis_url": redis_url, "prefix": prefix}
+    return {
+        "assistant": {
+            "factory": "torpor.agents.openai_agent:OpenAIAgent",
+            "options": {"base_url": llm.base_url, "model": "qwen-test", "name": "assistant"},
+            "tools": [f"tests.support.tools:{tool}"],
+            "tool_options": {f"tests.support.tools:{tool}": common},
+        }
+    }
+
+
 async def test_llm_agent_suspends_and_resumes(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
     with FakeLLM() as llm:
-        common = {"redis_url": redis_url, "prefix": redis_prefix}
-        agents = {
-            "assistant": {
-                "factory": "torpor.agents.openai_agent:OpenAIAgent",
-                "options": {"base_url": llm.base_url, "model": "qwen-test", "name": "assistant"},
-                "tools": ["tests.support.tools:RequestApproval"],
-                "tool_options": {"tests.support.tools:RequestApproval": common},
-            }
-        }
+        agents = assistant(llm, "RequestApproval", redis_url, redis_prefix)
         async with local_env(tmp_path, redis_url, redis_prefix, extra={"agents": agents}) as env:
             submitted = await env.control.submit(tenant="acme", agent="assistant", input="PR-LLM")
             sid = submitted.session_id
@@ -65,15 +70,7 @@ async def test_arguments_nested_too_deeply_are_a_tool_error_the_model_sees(
     """Their RecursionError escaped the activation, and every replay of the committed turn
     met it again: the session stayed RUNNING for good, retried by every sweep."""
     with FakeLLM(nested_arguments) as llm:
-        common = {"redis_url": redis_url, "prefix": redis_prefix}
-        agents = {
-            "assistant": {
-                "factory": "torpor.agents.openai_agent:OpenAIAgent",
-                "options": {"base_url": llm.base_url, "model": "m", "name": "assistant"},
-                "tools": ["tests.support.tools:ExtractFields"],
-                "tool_options": {"tests.support.tools:ExtractFields": common},
-            }
-        }
+        agents = assistant(llm, "ExtractFields", redis_url, redis_prefix)
         async with local_env(tmp_path, redis_url, redis_prefix, extra={"agents": agents}) as env:
             submitted = await env.control.submit(tenant="acme", agent="assistant", input="PR-1")
             snap = await env.load(submitted.session_id)

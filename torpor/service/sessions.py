@@ -156,22 +156,15 @@ class SessionService:
             if claim.created:
                 claim = await self._durable_claim(tenant, idempotency_key, claim, now)
             if not claim.created:
-                if claim.fingerprint != fp:
-                    raise IdempotencyMismatch(
-                        "this Idempotency-Key was already used with a different request"
-                    )
-                if claim.status is IdempotencyStatus.DONE:
+                if claim.status is IdempotencyStatus.DONE and claim.fingerprint == fp:
                     return Submitted(claim.session_id, created=False)
                 # In progress, or its request died: the claim names the session it creates.
                 session_id = claim.session_id
-                existing = await self._created(session_id)
-                if existing is not None:
-                    await self._finish_submit(existing, idempotency_key, agent)
-                    return Submitted(session_id, created=False)
-                if not self._claim_stale(session_id, now):
-                    raise IdempotencyInProgress(
-                        "the first request with this Idempotency-Key is still being processed"
-                    )
+                answer = await self._retried(
+                    session_id, claim.fingerprint, fp, idempotency_key, agent
+                )
+                if answer is not None:
+                    return answer
                 # Take the claim over by creating the very session it names: creation is
                 # create-only, so if the first request is alive after all, one of us wins.
                 # Its durable record first: the first request may have died before it.
@@ -184,19 +177,12 @@ class SessionService:
                 if held.session_id != session_id:
                     # The index and the store disagree (the index was lost between the
                     # request and this retry): the durable record is the key's.
-                    if held.fingerprint != fp:
-                        raise IdempotencyMismatch(
-                            "this Idempotency-Key was already used with a different request"
-                        )
                     session_id = held.session_id
-                    existing = await self._created(session_id)
-                    if existing is not None:
-                        await self._finish_submit(existing, idempotency_key, agent)
-                        return Submitted(session_id, created=False)
-                    if not self._claim_stale(session_id, now):
-                        raise IdempotencyInProgress(
-                            "the first request with this Idempotency-Key is still being processed"
-                        )
+                    answer = await self._retried(
+                        session_id, held.fingerprint, fp, idempotency_key, agent
+                    )
+                    if answer is not None:
+                        return answer
         crash_point(CrashPoint.SUBMIT_AFTER_CLAIM)
         snapshot = SessionSnapshot(
             session_id=session_id,
@@ -228,6 +214,26 @@ class SessionService:
         crash_point(CrashPoint.SUBMIT_AFTER_CREATE)
         await self._finish_submit(snapshot, idempotency_key, agent)
         return Submitted(session_id, created=True)
+
+    async def _retried(
+        self, session_id: str, claimed: str, fp: str, key: str, agent: str
+    ) -> Submitted | None:
+        """A retry of the request the key names ``session_id`` for (``claimed``: that
+        request's fingerprint): answered with the session if it exists; None when its
+        request died before making it and this one may take over and make it."""
+        if claimed != fp:
+            raise IdempotencyMismatch(
+                "this Idempotency-Key was already used with a different request"
+            )
+        existing = await self._created(session_id)
+        if existing is not None:
+            await self._finish_submit(existing, key, agent)
+            return Submitted(session_id, created=False)
+        if not self._claim_stale(session_id, self._now):
+            raise IdempotencyInProgress(
+                "the first request with this Idempotency-Key is still being processed"
+            )
+        return None
 
     async def _durable_claim(
         self, tenant: str, key: str, claim: IdempotencyRecord, now: datetime
