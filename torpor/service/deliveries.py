@@ -53,6 +53,17 @@ log = logging.getLogger(__name__)
 # What an operator may send again: a delivery that gave up, or whose endpoint said 410.
 RESENDABLE = frozenset({DeliveryStatus.DEAD, DeliveryStatus.DISABLED})
 
+
+def ensure_resendable(delivery: Delivery) -> None:
+    """``DeliveryNotResendable`` unless an operator may send ``delivery`` again: a
+    delivered one would be sent twice, a pending one given fresh attempts for ever."""
+    if delivery.status not in RESENDABLE:
+        raise DeliveryNotResendable(
+            f"delivery {delivery.delivery_id} is {delivery.status.value}: only a dead or"
+            " disabled one is sent again"
+        )
+
+
 CONCURRENT_ATTEMPTS = 8
 
 
@@ -354,11 +365,7 @@ class DeliveryWorker:
     async def resend(self, tenant: str, delivery_id: str, *, now: datetime) -> Delivery:
         """Operator action: give a dead or disabled delivery a fresh set of attempts."""
         delivery = await self.deliveries.get(tenant, delivery_id)
-        if delivery.status not in RESENDABLE:
-            raise DeliveryNotResendable(
-                f"delivery {delivery_id} is {delivery.status.value}: only a dead or disabled"
-                " one is sent again"
-            )
+        ensure_resendable(delivery)
         endpoint = await self.deliveries.endpoint(tenant, delivery.url)
         if endpoint.disabled:
             await self.deliveries.set_endpoint(tenant, EndpointState(url=delivery.url))
@@ -366,8 +373,7 @@ class DeliveryWorker:
         def change(d: Delivery) -> Delivery:
             # Checked again inside the compare-and-swap: two resends at once, or an
             # attempt settling meanwhile, change it once.
-            if d.status not in RESENDABLE:
-                raise DeliveryNotResendable(f"delivery {delivery_id} is {d.status.value}")
+            ensure_resendable(d)
             return d.model_copy(
                 update={"status": DeliveryStatus.PENDING, "attempts": 0, "next_attempt_at": now}
             )

@@ -25,12 +25,12 @@ from pydantic import JsonValue
 from storage import keys
 from torpor.deliveries import Delivery
 from torpor.entry.console.login import Principal
-from torpor.errors import DeliveryNotResendable, InvalidRequest, NotFound, PermanentError
+from torpor.errors import InvalidRequest, NotFound, PermanentError
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import OutboxEntry, SessionSnapshot
 from torpor.ports import Reason, TimerKind
-from torpor.service.deliveries import RESENDABLE, DeliveryWorker
+from torpor.service.deliveries import DeliveryWorker, ensure_resendable
 from torpor.service.sessions import SessionService
 
 OPERATOR_SOURCE = "operator"
@@ -182,11 +182,7 @@ class OperatorActions:
         if principal.tenant not in (None, tenant):  # another tenant's: as if missing
             raise NotFound(f"no delivery {delivery_id[:80]!r}")
         delivery = await self.services.deliveries.get(tenant, delivery_id)
-        if delivery.status not in RESENDABLE:  # refused before it is on the record
-            raise DeliveryNotResendable(
-                f"delivery {delivery_id} is {delivery.status.value}: only a dead or disabled"
-                " one is sent again"
-            )
+        ensure_resendable(delivery)  # refused before it is on the record
         await self._record(
             principal,
             "resend_delivery",
