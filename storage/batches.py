@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from storage import keys, results
-from storage.listing import exists
+from storage.listing import each_key, exists
 from torpor.batches import BatchManifest, FanOutCursor, ResultLine, RetryGeneration
 from torpor.errors import (
     EtagMismatch,
@@ -115,14 +115,8 @@ class ObjectBatches:
         await self.store.delete(keys.fanout(batch_id))
 
     async def fanning_out(self) -> AsyncIterator[str]:
-        start: str | None = None
-        while True:
-            page = await self.store.list(keys.FANOUTS, start_after=start)
-            for key in page.keys:
-                yield key.removeprefix(keys.FANOUTS)
-            if page.next_token is None:
-                return
-            start = page.next_token
+        async for key in each_key(self.store, keys.FANOUTS):
+            yield key.removeprefix(keys.FANOUTS)
 
     async def mark_cancelled(self, batch_id: str) -> None:
         with contextlib.suppress(ObjectExists):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from torpor.errors import ObjectNotFound
 from torpor.ports import ObjectStore
 
@@ -15,14 +17,19 @@ async def exists(store: ObjectStore, key: str) -> bool:
     return True
 
 
-async def all_keys(store: ObjectStore, prefix: str) -> list[str]:
-    """Every key under ``prefix``, in the store's order (all pages: callers that can stop
-    early page themselves)."""
-    found: list[str] = []
+async def each_key(store: ObjectStore, prefix: str) -> AsyncIterator[str]:
+    """Every key under ``prefix``, in the store's order, one listing page at a time."""
     token: str | None = None
     while True:
         page = await store.list(prefix, start_after=token)
-        found += page.keys
+        for key in page.keys:
+            yield key
         if page.next_token is None:
-            return found
+            return
         token = page.next_token
+
+
+async def all_keys(store: ObjectStore, prefix: str) -> list[str]:
+    """Every key under ``prefix``, in the store's order (all pages: callers that can stop
+    early page themselves)."""
+    return [key async for key in each_key(store, prefix)]
