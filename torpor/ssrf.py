@@ -103,15 +103,6 @@ def vet_callback_url(
     return addresses[0]
 
 
-def check_callback_url(url: str, *, allow_private: bool, resolve: Resolver | None = None) -> None:
-    """Raise ``UnsafeUrl`` unless every address ``url`` resolves to may be called."""
-    host, _ = check_url_shape(url)
-    try:
-        vet_callback_url(url, allow_private=allow_private, resolve=resolve)
-    except OSError as exc:
-        raise UnsafeUrl(f"callback_url host {host!r} does not resolve") from exc
-
-
 async def vetted_address(
     url: str, *, allow_private: bool, timeout_s: float, resolve: Resolver | None = None
 ) -> str | None:
@@ -146,7 +137,8 @@ async def vetted_address(
 async def check_callback(
     url: str, *, allow_private: bool, timeout_s: float, resolve: Resolver | None = None
 ) -> None:
-    """``check_callback_url`` for an async caller, within ``timeout_s``."""
+    """Raise ``UnsafeUrl`` unless every address ``url`` resolves to may be called (the
+    check at submission), the resolution within ``timeout_s``."""
     host, _ = check_url_shape(url)
     try:
         await vetted_address(url, allow_private=allow_private, timeout_s=timeout_s, resolve=resolve)

@@ -12,7 +12,7 @@ import pytest
 
 from torpor.errors import UnsafeUrl
 from torpor.outbound import request
-from torpor.ssrf import check_callback_url, is_public, vet_callback_url
+from torpor.ssrf import check_callback, is_public, vet_callback_url
 
 EMBEDDING_PRIVATE = [
     "64:ff9b::7f00:1",  # NAT64 of 127.0.0.1
@@ -62,17 +62,17 @@ def answering(*addresses: str) -> Any:
     ],
 )
 @pytest.mark.parametrize("allow_private", [False, True])
-def test_a_malformed_url_is_refused_as_unsafe_not_raised_as_a_value_error(
+async def test_a_malformed_url_is_refused_as_unsafe_not_raised_as_a_value_error(
     url: str, allow_private: bool
 ) -> None:
     """The standard library raises ValueError (UnicodeError) for these, which reached
     the HTTP edge as a 500; the two IDNA cases only when private addresses are refused
     (the resolver is asked then)."""
     if allow_private and (".." in url or "a" * 64 in url):
-        check_callback_url(url, allow_private=True)  # not resolved: nothing to refuse
+        await check_callback(url, allow_private=True, timeout_s=5)  # not resolved: no refusal
         return
     with pytest.raises(UnsafeUrl):
-        check_callback_url(url, allow_private=allow_private)
+        await check_callback(url, allow_private=allow_private, timeout_s=5)
 
 
 def test_vetting_returns_the_address_it_checked() -> None:
@@ -83,14 +83,16 @@ def test_vetting_returns_the_address_it_checked() -> None:
     assert vet_callback_url(url, allow_private=True, resolve=answering("127.0.0.1")) is None
 
 
-def test_a_failed_resolution_is_not_a_policy_refusal() -> None:
+async def test_a_failed_resolution_is_not_a_policy_refusal() -> None:
     def again(*args: Any, **kwargs: Any) -> list[tuple[Any, ...]]:
         raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
 
     with pytest.raises(socket.gaierror):  # the delivery retries it
         vet_callback_url("http://hooks.example/", allow_private=False, resolve=again)
     with pytest.raises(UnsafeUrl):  # a submission is refused
-        check_callback_url("http://hooks.example/", allow_private=False, resolve=again)
+        await check_callback(
+            "http://hooks.example/", allow_private=False, timeout_s=5, resolve=again
+        )
 
 
 @pytest.fixture
