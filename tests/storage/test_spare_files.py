@@ -218,10 +218,10 @@ def test_a_file_named_elsewhere_too_is_never_handed_over(
     assert (tmp_path / "backup").read_bytes() == b"v1"
 
 
-def replaced(store: LocalObjectStore, folder: Path, key: str) -> str:
-    """What became of ``key``'s first file once it was replaced (KEEP_MAX 0): "handed
-    over" or "freed" (a worker thread decides, after the call)."""
-    asyncio.run(store.put(key, b"v1"))
+def replaced(store: LocalObjectStore, folder: Path, key: str, data: bytes = b"v1") -> str:
+    """What became of ``key``'s first file (``data``) once it was replaced (KEEP_MAX 0):
+    "handed over" or "freed" (a worker thread decides, after the call)."""
+    asyncio.run(store.put(key, data))
     fd = os.open(store._file(key), os.O_RDONLY)
     try:
         etag = asyncio.run(store.get(key)).etag
@@ -268,8 +268,7 @@ def test_a_large_file_past_the_keep_limit_is_freed_not_handed_over(
 ) -> None:
     monkeypatch.setattr(blanks, "KEEP_MAX", 0)
     large = b"x" * (blanks.SPARE_FILE_BYTES + 1)
-    for data in (b"small", large):
-        etag = asyncio.run(store.put(f"k/{len(data)}", data))
-        asyncio.run(store.put_if_match(f"k/{len(data)}", b"v2", etag=etag))
+    fates = [replaced(store, tmp_path, f"k/{len(data)}", data) for data in (b"small", large)]
+    assert fates == ["handed over", "freed"]
     sizes = [p.stat().st_size for p in (tmp_path / ".tmp" / blanks.SPARE).iterdir()]
     assert sizes == [5], "the spare folder holds only small files"
