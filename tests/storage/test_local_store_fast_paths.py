@@ -415,13 +415,19 @@ def test_a_write_takes_a_file_made_ahead(tmp_path: Path, monkeypatch: pytest.Mon
     created: list[str] = []
     real_open = os.open
 
+    caller = threading.get_ident()  # the store's worker threads may create what they like
+    real_mkdir = os.mkdir
+
     def recorded(path: str, flags: int, *args: object, **kwargs: object) -> int:
-        if flags & os.O_CREAT and "/.tmp/" in str(path):
+        if flags & os.O_CREAT and "/.tmp/" in str(path) and threading.get_ident() == caller:
             created.append(str(path))
         return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 
     def mkdir(path: str, *args: object, **kwargs: object) -> None:
-        created.append(str(path))
+        if threading.get_ident() == caller:
+            created.append(str(path))
+        else:
+            real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(blanks, "HIGH", 0)  # none made meanwhile
     monkeypatch.setattr(os, "open", recorded)
