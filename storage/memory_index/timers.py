@@ -14,9 +14,19 @@ class MemoryTimers:
         super().__init__()
 
     async def schedule(
-        self, *, kind: TimerKind, member: str, at: datetime, keep_earlier: bool = False
+        self,
+        *,
+        kind: TimerKind,
+        member: str,
+        at: datetime,
+        keep_earlier: bool = False,
+        if_absent: bool = False,
     ) -> None:
+        if keep_earlier and if_absent:
+            raise ValueError("keep_earlier and if_absent exclude each other")
         timers, at_ms = self._timers[kind], to_ms(at)
+        if if_absent and member in timers:
+            return
         if keep_earlier and member in timers:
             at_ms = min(at_ms, timers[member])
         timers[member] = at_ms

@@ -35,6 +35,19 @@ class MemoryWaits:
         self._business_keys[(binding.tenant, business_key)] = binding.correlation_id
         return True
 
+    async def mend_wait(
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
+    ) -> int | None:
+        # A binding here holds its deadline: only a business-key pointer can be missing.
+        cid = binding.correlation_id
+        stored = binding.model_copy(update={"deadline": from_ms(to_ms(binding.deadline))})
+        if self._live(cid, tenant=binding.tenant, now=now) != stored:
+            return None
+        if not business_key or (binding.tenant, business_key) in self._business_keys:
+            return 0
+        self._business_keys[(binding.tenant, business_key)] = cid
+        return 1
+
     def _live(self, cid: str | None, *, tenant: str, now: datetime) -> WaitBinding | None:
         found = self._waits.get(cid) if cid is not None else None
         if found is None or found[1] <= to_ms(now) or found[0].tenant != tenant:

@@ -26,11 +26,19 @@ return 0
 class RedisTimers(RedisConnection):
     @translate
     async def schedule(
-        self, *, kind: TimerKind, member: str, at: datetime, keep_earlier: bool = False
+        self,
+        *,
+        kind: TimerKind,
+        member: str,
+        at: datetime,
+        keep_earlier: bool = False,
+        if_absent: bool = False,
     ) -> None:
-        # ZADD LT adds a missing member and only ever lowers an existing score. Batched:
-        # every accepted webhook arms one (its session's wake timer).
-        order = ("LT",) if keep_earlier else ()
+        # ZADD LT adds a missing member and only ever lowers an existing score; ZADD NX
+        # only adds. Batched: every accepted webhook arms one (its session's wake timer).
+        if keep_earlier and if_absent:
+            raise ValueError("keep_earlier and if_absent exclude each other")
+        order = ("LT",) if keep_earlier else ("NX",) if if_absent else ()
         await self.batched("ZADD", self.keys.timers(kind), *order, to_ms(at), member)
 
     @translate

@@ -53,6 +53,35 @@ return 1
 
 BIND_SCRIPT = _BIND  # for a bulk writer that pipelines ``RedisWaits.bind_call``
 
+# Mend, with _BIND's keys and arguments: only a binding stored exactly as this one (its
+# expiry aside: the grace may have been configured anew since), and unexpired at ARGV[7]
+# (its own expiry: the deadline, then the grace in seconds), gets back the entries a
+# partial loss took (an evicted or deleted shard, hour index or pointer). -1: not bound
+# so, nothing changed; else how many entries were put back.
+_MEND = """
+local function extend(key, ttl)
+  if redis.call('PTTL', key) < tonumber(ttl) then redis.call('PEXPIRE', key, ttl) end
+end
+local held = redis.call('HGET', KEYS[1], ARGV[1])
+local function bare(raw) return string.match(raw, '^(.*)|[^|]*$') end
+if not held or bare(held) ~= bare(ARGV[2]) then return -1 end
+local deadline, rest = string.match(held, '|([0-9a-z]+)|([0-9a-z]+)$')
+if tonumber(deadline, 36) + tonumber(rest, 36) * 1000 <= tonumber(ARGV[7]) then return -1 end
+local mended = 0
+if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
+  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
+  extend(KEYS[3], ARGV[6])
+  mended = mended + 1
+end
+mended = mended + redis.call('ZADD', KEYS[4], ARGV[5], ARGV[5])
+if KEYS[2] ~= '' and not redis.call('HGET', KEYS[2], ARGV[3]) then
+  redis.call('HSET', KEYS[2], ARGV[3], ARGV[1] .. '|' .. ARGV[8] .. '|' .. ARGV[9])
+  extend(KEYS[2], ARGV[6])
+  mended = mended + 1
+end
+return mended
+"""
+
 # Unbind removes the business-key pointer only if it still names this wait: a newer wait
 # with the same business key may have taken it over.
 _UNBIND = """
@@ -128,6 +157,14 @@ class RedisWaits(RedisConnection):
         keys, args = self.bind_call(binding, business_key=business_key, grace=grace, now=now)
         bound = await self.script(_BIND)(keys=keys, args=args)
         return bool(int(bound))
+
+    @translate
+    async def mend_wait(
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
+    ) -> int | None:
+        keys, args = self.bind_call(binding, business_key=business_key, grace=grace, now=now)
+        mended = int(await self.script(_MEND)(keys=keys, args=args))
+        return None if mended < 0 else mended
 
     def bind_call(
         self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime

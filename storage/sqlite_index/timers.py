@@ -16,13 +16,24 @@ _SCHEDULE_KEEP_EARLIER = (
     "INSERT INTO timers VALUES (?,?,?) ON CONFLICT(kind, member) "
     "DO UPDATE SET at_ms=min(at_ms, excluded.at_ms)"
 )
+_SCHEDULE_IF_ABSENT = "INSERT INTO timers VALUES (?,?,?) ON CONFLICT(kind, member) DO NOTHING"
 
 
 class SqliteTimers(SqliteConnection):
     async def schedule(
-        self, *, kind: TimerKind, member: str, at: datetime, keep_earlier: bool = False
+        self,
+        *,
+        kind: TimerKind,
+        member: str,
+        at: datetime,
+        keep_earlier: bool = False,
+        if_absent: bool = False,
     ) -> None:
-        sql = _SCHEDULE_KEEP_EARLIER if keep_earlier else _SCHEDULE
+        if keep_earlier and if_absent:
+            raise ValueError("keep_earlier and if_absent exclude each other")
+        sql = _SCHEDULE
+        if keep_earlier or if_absent:
+            sql = _SCHEDULE_KEEP_EARLIER if keep_earlier else _SCHEDULE_IF_ABSENT
         await self._run(lambda c: c.execute(sql, (kind.value, member, to_ms(at))))
 
     async def unschedule(

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 
 from storage.bindings import decode_binding, encode_binding
 from storage.sqlite_index.connection import SqliteConnection
-from torpor.clock import to_ms
+from torpor.clock import from_ms, to_ms
 from torpor.ids import digest
 from torpor.ports import WaitBinding
 
@@ -73,6 +73,32 @@ class SqliteWaits(SqliteConnection):
                 (binding.tenant, digest(business_key), binding.correlation_id, expires),
             )
             return True
+
+        return await self._run(op)
+
+    async def mend_wait(
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
+    ) -> int | None:
+        # A binding's row holds its deadline: only a business-key row can be missing.
+        expires = to_ms(binding.deadline + grace)
+        bound = binding.model_copy(update={"deadline": from_ms(to_ms(binding.deadline))})
+
+        def op(c: sqlite3.Connection) -> int | None:
+            held = lookup(
+                c,
+                tenant=binding.tenant,
+                correlation_id=binding.correlation_id,
+                business_key=None,
+                now_ms=to_ms(now),
+            )
+            if held != bound:
+                return None
+            if not business_key:
+                return 0
+            return c.execute(
+                "INSERT INTO business_keys VALUES (?,?,?,?) ON CONFLICT(tenant, bk) DO NOTHING",
+                (binding.tenant, digest(business_key), binding.correlation_id, expires),
+            ).rowcount
 
         return await self._run(op)
 

@@ -308,6 +308,49 @@ class IndexContract:
         await index.schedule(kind=TimerKind.RETRY, member="s_b", at=soon, keep_earlier=True)
         assert await index.due(kind=TimerKind.RETRY, now=soon, limit=10) == ["s_a", "s_b"]
 
+    async def test_if_absent_adds_a_missing_timer_and_moves_none(self, index: Index) -> None:
+        soon, late = NOW + timedelta(seconds=1), NOW + timedelta(seconds=60)
+        await index.schedule(kind=TimerKind.POLL, member="s_a", at=late)
+        for member in ("s_a", "s_b"):
+            await index.schedule(kind=TimerKind.POLL, member=member, at=soon, if_absent=True)
+        assert await index.due(kind=TimerKind.POLL, now=soon, limit=10) == ["s_b"]
+        await index.schedule(kind=TimerKind.POLL, member="s_b", at=late, if_absent=True)
+        assert await index.due(kind=TimerKind.POLL, now=soon, limit=10) == ["s_b"], "not delayed"
+        with pytest.raises(ValueError, match="exclude"):
+            await index.schedule(
+                kind=TimerKind.POLL, member="s_c", at=soon, if_absent=True, keep_earlier=True
+            )
+
+    # -- mending a partly lost wait --
+
+    async def test_mend_changes_nothing_of_a_wait_not_bound_as_it_was(self, index: Index) -> None:
+        b = binding()
+        assert await index.mend_wait(b, business_key="PO-1", grace=GRACE, now=NOW) is None
+        assert await index.resolve(now=NOW, tenant="acme", correlation_id=b.correlation_id) is None
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") is None
+        await index.bind_wait(b, business_key=None, grace=GRACE, now=NOW)
+        anew = b.model_copy(update={"epoch": b.epoch + 1})  # a re-plan bound it since
+        assert await index.mend_wait(anew, business_key="PO-1", grace=GRACE, now=NOW) is None
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") is None
+        expired = NOW + timedelta(hours=1) + GRACE
+        assert await index.mend_wait(b, business_key="PO-1", grace=GRACE, now=expired) is None
+
+    async def test_mend_of_a_whole_wait_puts_nothing_back(self, index: Index) -> None:
+        b = binding()
+        await index.bind_wait(b, business_key="PO-1", grace=GRACE, now=NOW)
+        assert await index.mend_wait(b, business_key="PO-1", grace=GRACE, now=NOW) == 0
+        other = binding(session="s_2")
+        await index.bind_wait(other, business_key=None, grace=GRACE, now=NOW)
+        # A key held by another wait stays with it.
+        assert await index.mend_wait(other, business_key="PO-1", grace=GRACE, now=NOW) == 0
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") == b
+
+    async def test_mend_puts_a_lost_business_key_pointer_back(self, index: Index) -> None:
+        b = binding()
+        await index.bind_wait(b, business_key=None, grace=GRACE, now=NOW)
+        assert await index.mend_wait(b, business_key="PO-1", grace=GRACE, now=NOW) == 1
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") == b
+
     # -- nonces and idempotency --
 
     async def test_nonce_claims_once(self, index: Index) -> None:
@@ -681,6 +724,23 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
             tenant="acme", correlation_id=b.correlation_id, business_key=None, deadline=b.deadline
         )
         assert await redis_index._redis.zscore(shard, b.correlation_id) is None
+
+    async def test_mend_puts_a_lost_deadline_entry_and_hour_back(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """A binding whose deadline entry was evicted or deleted alone: its SLA would
+        never fall due. The hour index too (lost, every deadline of its hour is unseen)."""
+        b = binding(deadline_in=60)
+        await redis_index.bind_wait(b, business_key=None, grace=GRACE, now=NOW)
+        hour = int(b.deadline.timestamp()) // 3600
+        await redis_index._redis.delete(
+            redis_index.keys.deadline_set(b.correlation_id, hour), redis_index.keys.deadline_hours
+        )
+        due_at = NOW + timedelta(seconds=61)
+        assert await redis_index.due_deadlines(now=due_at, limit=10) == []
+        assert await redis_index.mend_wait(b, business_key=None, grace=GRACE, now=NOW) == 2
+        assert await redis_index.due_deadlines(now=due_at, limit=10) == [b]
+        assert await redis_index.mend_wait(b, business_key=None, grace=GRACE, now=NOW) == 0
 
     @pytest.mark.parametrize("entry", ["9|acme|s_1|3|2|zz|1", "3|acme|s_1|3|2|!!|1", "3|acme"])
     async def test_unbind_knowing_the_deadline_leaves_an_unreadable_entry_alone(

@@ -122,6 +122,16 @@ class WaitIndex(Protocol):
         to do it in one step; a binding stored with another deadline goes all the same."""
         ...
 
+    async def mend_wait(
+        self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
+    ) -> int | None:
+        """If the wait is bound, unexpired, exactly as ``binding``: put back what a partial
+        loss of the index took from it (its deadline entry, and the business-key pointer
+        when no one holds the key) and return how many entries that was. None if it is
+        not bound so (gone, or bound anew since): nothing is changed. Never binds, so a
+        caller holding an older copy of the session cannot bring back a closed wait."""
+        ...
+
     async def due_deadlines(self, *, now: datetime, limit: int) -> list[WaitBinding]:
         """Waits whose deadline passed by ``now`` (earliest first); entries past deadline
         + grace are dropped instead."""
@@ -138,10 +148,18 @@ class TimerIndex(Protocol):
     again."""
 
     async def schedule(
-        self, *, kind: TimerKind, member: str, at: datetime, keep_earlier: bool = False
+        self,
+        *,
+        kind: TimerKind,
+        member: str,
+        at: datetime,
+        keep_earlier: bool = False,
+        if_absent: bool = False,
     ) -> None:
         """Set the member's due time to ``at``; with ``keep_earlier`` an existing earlier
-        due time stays (make sure a timer exists without delaying one)."""
+        due time stays (make sure a timer exists without delaying one); with
+        ``if_absent`` an existing one stays whatever its time (make sure a timer exists
+        without moving one: a backed-off poll, a leased timer)."""
         ...
 
     async def unschedule(
