@@ -49,6 +49,23 @@ class Backoff:
             raw = math.inf
         return min(self.cap_s, raw)
 
+    def attempt_at(self, elapsed_s: float) -> int:
+        """The attempt a run of this policy is at ``elapsed_s`` after its first (attempt
+        0, at 0 s): for a caller that keeps time, not a count. Each attempt is taken to
+        come at its un-jittered time, give or take half its step, so a jittered one is
+        counted as the attempt it was. Once the steps stop growing (the cap, a schedule's
+        last step) the rest are counted in one division."""
+        attempt, started = 0, 0.0  # ``started``: when ``attempt`` comes, un-jittered
+        while True:
+            step = self.ceiling_s(attempt)
+            if step <= 0.0 or not math.isfinite(step):
+                return attempt
+            if step == self.ceiling_s(attempt + 1):  # flat from here on
+                return attempt + max(0, math.floor((elapsed_s - started) / step + 0.5))
+            if elapsed_s < started + step / 2:
+                return attempt
+            attempt, started = attempt + 1, started + step
+
     def delay_s(self, attempt: int) -> float:
         ceiling = self.ceiling_s(attempt)
         if _fixed_scale is not None:

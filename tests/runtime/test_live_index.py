@@ -16,14 +16,16 @@ import pytest
 from storage import keys
 from storage.codec import SnapshotCodec
 from storage.correlations import ObjectCorrelations
+from storage.redis_index import RedisIndex
 from storage.snapshots import ObjectSnapshots
 from tests.runtime.test_sweeper import Recording, flush_index
 from tests.support.harness import Env, callback, local_env
+from torpor.clock import to_ms
 from torpor.errors import IndexUnavailable, StorageUnavailable
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus
-from torpor.ports import ListPage, ObjectStore, Reason, StoredObject
+from torpor.ports import ListPage, ObjectStore, Reason, StoredObject, TimerKind
 from torpor.service import repair
 from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper, SweepReport
@@ -451,3 +453,113 @@ async def test_repair_gives_a_pollable_wait_its_poll_timer_back(
     sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
     report = await sweeper.sweep_once(env.clock.now())
     assert (report.polls, report.errors) == (1, [])
+
+
+def redis_index(env: Env) -> RedisIndex:
+    assert isinstance(env.services.index, RedisIndex)
+    return env.services.index
+
+
+async def test_repair_puts_back_what_a_partial_loss_took_from_a_bound_wait(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    """Single keys lost (evicted, deleted), the wait's binding not among them: its SLA
+    deadline entry, the deadline hour, its business-key pointer and its poll timer. The
+    binding still resolves, so repair passed the wait over and none came back: the
+    session was never polled, never timed out, and its business key answered nothing."""
+    sid = await env.submit(doc="PR-P")
+    await Sweeper(env.control).sweep_once()
+    [wait] = (await env.load(sid)).waits
+    index = redis_index(env)
+    redis = index._redis
+    hour = int(wait.deadline.timestamp()) // 3600
+    bk_key, _ = index.keys.business_key("acme", "PR-P")
+    lost = [
+        index.keys.deadline_set(wait.correlation_id, hour),
+        index.keys.deadline_hours,
+        bk_key,
+        index.keys.timers(TimerKind.POLL),
+    ]
+    assert await redis.delete(*lost) == len(lost)
+    assert await resolves_in_index(env, sid)
+    report = SweepReport()
+    activator = Recording()
+    sweeper = Sweeper(SessionService(env.services, activator))  # type: ignore[arg-type]
+    await sweeper.repair(env.clock.now(), report)
+    assert report.errors == []
+    by_key = await index.resolve(tenant="acme", now=env.clock.now(), business_key="PR-P")
+    assert by_key is not None and by_key.correlation_id == wait.correlation_id
+    env.clock.advance(2 * wait.expected_duration_s + 1)  # overdue: polled
+    report = await sweeper.sweep_once(env.clock.now())
+    assert (report.polls, report.errors) == (1, [])
+    env.clock.advance((wait.deadline - env.clock.now()).total_seconds() + 1)
+    report = await sweeper.sweep_once(env.clock.now())
+    assert report.timeouts == 1 and (sid, Reason.TIMEOUT) in activator.requests
+
+
+async def test_repair_leaves_a_backed_off_poll_where_it_is(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    """A wait polled (no answer yet) is polled next after a backoff. Its binding lost
+    alone, repair bound it again and set a poll timer at the first poll's time beside the
+    one backed off (the poll count in their names told them apart): a second chain of
+    polls. A wait still bound has its poll timer made sure of now, which must not move it
+    either."""
+    sid = await env.submit(doc="PR-B")
+    sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
+    await sweeper.sweep_once(env.clock.now())
+    [wait] = (await env.load(sid)).waits
+    env.clock.advance(2 * wait.expected_duration_s + 1)
+    assert (await sweeper.sweep_once(env.clock.now())).polls == 1
+    index = redis_index(env)
+    polls = index.keys.timers(TimerKind.POLL)
+    before = await index._redis.zrange(polls, 0, -1, withscores=True)
+    assert len(before) == 1 and before[0][1] > to_ms(env.clock.now()), "backed off"
+    await sweeper.repair(env.clock.now(), SweepReport())  # bound: made sure of
+    assert await index._redis.zrange(polls, 0, -1, withscores=True) == before
+    cid = wait.correlation_id
+    assert await index._redis.hdel(index.keys.correlation(cid), cid) == 1
+    report = SweepReport()
+    await sweeper.repair(env.clock.now(), report)  # its binding lost: bound again
+    assert report.repaired_waits == 1 and await resolves_in_index(env, sid)
+    assert await index._redis.zrange(polls, 0, -1, withscores=True) == before
+    assert (await sweeper.sweep_once(env.clock.now())).polls == 0
+
+
+async def test_a_poll_timer_named_with_its_count_moves_on_under_the_waits_name(
+    env: Env,
+) -> None:
+    """Entries written before the poll count left the name (``sid|cid|n``) go on: polled,
+    then moved on as the wait's single entry, never kept beside it."""
+    sid = await env.submit(doc="PR-N")
+    sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
+    await sweeper.sweep_once(env.clock.now())
+    [wait] = (await env.load(sid)).waits
+    index = env.services.index
+    own = f"{sid}|{wait.correlation_id}"
+    await index.unschedule(kind=TimerKind.POLL, member=own)
+    await index.schedule(kind=TimerKind.POLL, member=f"{own}|3", at=wait.overdue_after)
+    env.clock.advance(2 * wait.expected_duration_s + 1)
+    assert (await sweeper.sweep_once(env.clock.now())).polls == 1
+    later = env.clock.now() + timedelta(days=1)
+    assert await index.due(kind=TimerKind.POLL, now=later, limit=10) == [own]
+
+
+@pytest.mark.parametrize("flushed", [False, True], ids=["intact", "flushed"])
+async def test_a_wait_overdue_by_more_than_the_grace_still_times_out(
+    env: Env, redis_url: str, redis_prefix: str, flushed: bool
+) -> None:
+    """The reconciler was down for longer than the binding grace (7 days) past a wait's
+    deadline, its index intact or flushed meanwhile. The binding had expired with the
+    grace and repair bound it again as it was, expired already: the next deadline sweep
+    dropped it, and the session never timed out."""
+    sid = await env.submit(doc="PR-GAP")
+    sweeper = Sweeper(env.control)
+    await sweeper.sweep_once()
+    env.clock.advance(8 * 24 * 3600.0)  # no sweep meanwhile
+    if flushed:
+        await flush_index(redis_url, redis_prefix)
+    for _ in range(2):  # hourly: each sweep a whole repair too
+        env.clock.advance(3601)
+        await sweeper.sweep_once()
+    assert (await env.load(sid)).state is SessionState.TIMED_OUT

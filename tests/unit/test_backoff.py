@@ -55,3 +55,18 @@ def test_fixed_makes_every_delay_exact_or_zero_and_restores() -> None:
         assert policy.delay_s(3) == 8.0
     jittered = {policy.delay_s(3) for _ in range(20)}
     assert len(jittered) > 1, "outside the block the jitter is back"
+
+
+def test_the_attempt_a_run_is_at_is_read_off_the_time_since_its_first() -> None:
+    """Each attempt at its un-jittered time, give or take half its step: 60 s, 120 s, ...
+    apart from 0 s, then the cap's 300 s; a run that keeps no count resumes there."""
+    policy = Backoff(base_s=60.0, cap_s=300.0, jitter=0.2)
+    starts = [0.0, 60.0, 180.0, 420.0, 720.0, 1020.0]  # attempts 0..5 (the cap from 3)
+    for attempt, at in enumerate(starts):
+        for jittered in (0.8, 1.0, 1.2):
+            step = policy.ceiling_s(max(0, attempt - 1))
+            assert policy.attempt_at(at + (jittered - 1) * step) == attempt, (attempt, jittered)
+    assert policy.attempt_at(1020.0 + 300.0 * 1000) == 1005
+    assert Backoff(base_s=0.0).attempt_at(1e9) == 0
+    assert Backoff(base_s=1.0).attempt_at(1e300) > 900  # no cap: no end to the growth
+    assert Backoff(schedule=[5, 30]).attempt_at(35 + 30 * 3) == 5  # at 0, 5, 35, 65, 95, 125 s

@@ -37,8 +37,8 @@ from torpor.errors import (
     SnapshotError,
 )
 from torpor.lifecycle import WAITING_STATES, SessionState
-from torpor.models import SessionHeader, WaitingSession
-from torpor.ports import Reason, TimerKind
+from torpor.models import SessionHeader, Wait, WaitingSession
+from torpor.ports import Reason, TimerKind, WaitBinding
 from torpor.ports.services import Services
 from torpor.service.batches import register_slots
 from torpor.service.deliveries import timer_member
@@ -222,11 +222,14 @@ class IndexRepair:
         correlations = self.services.correlations
         unsent = unsent_starts(snapshot)
         for wait in snapshot.waits:
+            binding = binding_of(snapshot, wait)
             if await index.resolve(
                 tenant=snapshot.tenant, now=now, correlation_id=wait.correlation_id
             ):
+                # Bound still, yet a partial loss (a key evicted or deleted) may have
+                # taken its other entries: what is missing of them is put back.
+                await self._mend(snapshot, wait, binding, now)
                 continue
-            binding = binding_of(snapshot, wait)
             # A wait whose request went out has its durable record: the suspend writes
             # it before binding, and sends only after both. Written again anyway, two
             # flushed writes a session were three quarters of a repair's time on the
@@ -244,22 +247,56 @@ class IndexRepair:
                     # other bound); the index gave it to the first, and the durable
                     # pointer says which. Repair keeps it there, whichever it walks first.
                     key = None
-            took_key = await index.bind_wait(binding, business_key=key, grace=grace, now=now)
+            # A deadline that passed more than the grace ago (the reconciler down for
+            # longer): bound until the grace past now, not already expired, so the next
+            # deadline sweep still times the wait out.
+            kept = max(grace, now - wait.deadline + grace)
+            took_key = await index.bind_wait(binding, business_key=key, grace=kept, now=now)
             # As the suspend did; the pointer follows the index (it may have named a wait
             # that is over), and one the suspend wrote for this wait stands.
             if key is not None and took_key and not (recorded and target == wait.correlation_id):
                 await correlations.record_business_key(binding, business_key=key)
-            tool = self._long_running(snapshot, wait.tool_name)
-            if tool is not None:  # a timer that fired already delivers nothing twice
-                await schedule_tool_timers(index, snapshot.session_id, wait, tool)
-            if tool is not None and tool.can_poll:  # as the suspend scheduled it
-                await index.schedule(
-                    kind=TimerKind.POLL,
-                    member=poll_member(snapshot.session_id, wait.correlation_id, 0),
-                    at=max(now, wait.overdue_after),
-                )
+            await self._timers(snapshot, wait, now)
             rebound += 1
         return rebound
+
+    async def _mend(
+        self, snapshot: WaitingSession, wait: Wait, binding: WaitBinding, now: datetime
+    ) -> None:
+        """A bound wait's deadline entry, business-key pointer and timers, where missing.
+        The pointer only where the durable one names this wait: otherwise the key was
+        another wait's when it was bound, and stays so."""
+        key = wait.business_key
+        if key is not None:
+            target = await self.services.correlations.business_key_target(
+                tenant=snapshot.tenant, business_key=key
+            )
+            key = key if target == wait.correlation_id else None
+        grace = timedelta(seconds=self.services.settings.storage.binding_grace_s)
+        mended = await self.services.index.mend_wait(
+            binding, business_key=key, grace=grace, now=now
+        )
+        if mended is None:
+            return  # unbound (answered) or bound anew meanwhile: its own timers are right
+        await self._timers(snapshot, wait, now)
+
+    async def _timers(self, snapshot: WaitingSession, wait: Wait, now: datetime) -> None:
+        """The wait's tool timers and its poll timer, as the suspend scheduled them, where
+        missing: one that exists stays as it is (a reminder leased, a poll backed off)."""
+        tool = self._long_running(snapshot, wait.tool_name)
+        if tool is None:
+            return
+        # A timer that fired already delivers nothing twice.
+        await schedule_tool_timers(
+            self.services.index, snapshot.session_id, wait, tool, if_absent=True
+        )
+        if tool.can_poll:
+            await self.services.index.schedule(
+                kind=TimerKind.POLL,
+                member=poll_member(snapshot.session_id, wait.correlation_id),
+                at=max(now, wait.overdue_after),
+                if_absent=True,
+            )
 
     async def _open(self, correlation_id: str) -> bool:
         """Whether the wait ``correlation_id`` is still open in its live session."""

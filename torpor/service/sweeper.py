@@ -263,10 +263,11 @@ class Sweeper:
 
     async def _poll(self, member: str, now: datetime, report: SweepReport) -> None:
         index, settings = self.services.index, self.services.settings
-        try:
-            session_id, correlation_id, attempt_text = member.split("|")
-            attempt = int(attempt_text)
-        except ValueError:
+        session_id, _, correlation_id = member.partition("|")
+        # An entry made before carries its poll count as a third part: moved on under
+        # the wait's own name (``poll_member``) at its next poll.
+        correlation_id = correlation_id.partition("|")[0]
+        if not session_id or not correlation_id:
             await index.unschedule(kind=TimerKind.POLL, member=member)
             return
         try:
@@ -308,15 +309,15 @@ class Sweeper:
             cap_s=settings.reconciler.poll_backoff_cap_s,
             jitter=0.2,
         )
+        # The count of polls so far is the time since the first one was due: the wait
+        # holds that, the entry need not (``poll_member``).
+        attempt = backoff.attempt_at((now - wait.overdue_after).total_seconds())
         delay = backoff.delay_s(attempt)
-        # The next poll is scheduled before this one is dropped: a crash between them
-        # polls twice rather than never.
-        await index.schedule(
-            kind=TimerKind.POLL,
-            member=poll_member(session_id, correlation_id, attempt + 1),
-            at=now + timedelta(seconds=delay),
-        )
-        await index.unschedule(kind=TimerKind.POLL, member=member)
+        # The entry is moved, not replaced: nothing is left between two writes.
+        own = poll_member(session_id, correlation_id)
+        await index.schedule(kind=TimerKind.POLL, member=own, at=now + timedelta(seconds=delay))
+        if member != own:  # an entry of the old form: the moved one replaces it
+            await index.unschedule(kind=TimerKind.POLL, member=member)
 
     # -- tool timers (an approval's reminders and escalations) -----------------------------
 

@@ -71,16 +71,27 @@ def tool_timer_member(session_id: str, correlation_id: str, name: str) -> str:
 
 
 async def schedule_tool_timers(
-    index: TimerIndex, session_id: str, wait: Wait, tool: LongRunningTool
+    index: TimerIndex,
+    session_id: str,
+    wait: Wait,
+    tool: LongRunningTool,
+    *,
+    if_absent: bool = False,
 ) -> None:
+    """The wait's tool timers; with ``if_absent`` each only where it is missing (repair:
+    one that exists may be leased, a taker at work on it)."""
     for timer in tool.timers(wait):
         member = tool_timer_member(session_id, wait.correlation_id, timer.name)
-        await index.schedule(kind=TimerKind.TOOL, member=member, at=timer.at)
+        await index.schedule(kind=TimerKind.TOOL, member=member, at=timer.at, if_absent=if_absent)
 
 
-def poll_member(session_id: str, correlation_id: str, attempt: int) -> str:
-    """The POLL timer entry of a wait: who, which wait, how many polls so far."""
-    return f"{session_id}|{correlation_id}|{attempt}"
+def poll_member(session_id: str, correlation_id: str) -> str:
+    """The POLL timer entry of a wait: who, which wait. One entry a wait, moved on at
+    each poll, so repair can make sure it exists (``if_absent``) without starting a
+    second chain of polls or pulling a backed-off one earlier. (Entries made before
+    carried the poll count as a third part: ``Sweeper`` reads them and moves them on
+    under this name.)"""
+    return f"{session_id}|{correlation_id}"
 
 
 class Suspender:
@@ -324,7 +335,7 @@ class Suspender:
             if isinstance(tool, LongRunningTool) and tool.can_poll:
                 await self.deps.index.schedule(
                     kind=TimerKind.POLL,
-                    member=poll_member(snap.session_id, wait.correlation_id, 0),
+                    member=poll_member(snap.session_id, wait.correlation_id),
                     at=wait.overdue_after,
                 )
             if isinstance(tool, LongRunningTool):
