@@ -25,7 +25,8 @@ correlation records, business-key pointers and deliveries are found through the 
 Deletion order makes a crash harmless: the records first, then what decided they may go
 (correlation records, work outcomes and stop markers), then what they were found through
 (inbox events, refs), then the snapshot, its history chunks (a session loads whole
-until its snapshot goes) and live marker, the ended marker last. A retry finds the
+until its snapshot goes), any inbox event a late callback wrote meanwhile, and its live
+marker, the ended marker last. A retry finds the
 marker and resumes with every object left still findable and judged as before; a marker
 whose snapshot is gone means only the chunks and the live marker may be left.
 """
@@ -277,9 +278,24 @@ class ObjectRetention:
         retry after a crash finds all of this through. The chunks deleted."""
         chunks = await self._list(keys.chunk_prefix(session_id))
         await self._delete(chunks)
+        late = await self._late_events(session_id)
         await self.store.delete(keys.live(session_id))
         await self.store.delete(marker)
-        return len(chunks)
+        return len(chunks) + late
+
+    async def _late_events(self, session_id: str) -> int:
+        """Inbox events (and their replay markers) written after the inbox was listed: a
+        resent callback routed through a correlation record before that went. Nothing
+        would find them once the snapshot and the markers are gone."""
+        found = await self._list(keys.inbox_prefix(session_id))
+        replays: list[str] = []
+        for event_key in found:
+            event = await self._read(event_key, InboxEvent)
+            if event is not None and event.content_digest:
+                replays.append(keys.accepted_content(event.source, event.content_digest))
+        await self._delete(replays)
+        await self._delete(found)
+        return len(found) + len(replays)
 
     async def _records(
         self, snapshot: SessionSnapshot, window_start: datetime, cutoff: datetime

@@ -3,13 +3,20 @@ one written by a newer torpor is left for it, retried at the backoff's cap."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
+import pytest
+
 from storage import keys
 from storage.codec import SnapshotCodec
 from tests.runtime.memory_env import MemEnv, memory_env, plan_agent, reset
+from torpor.clock import to_ms
+from torpor.errors import StorageUnavailable
 from torpor.lifecycle import SessionState
 from torpor.models import SCHEMA_VERSION
 from torpor.ports import Reason, TimerKind
 from torpor.session import ActivationOutcome
+from torpor.session.activation import Activation
 
 S = SessionState
 PLAN = {
@@ -19,6 +26,7 @@ PLAN = {
     ]
 }
 AGENTS = {"a": plan_agent(PLAN, {"tests.runtime.memory_env:Approve": {}})}
+FAR = datetime(2100, 1, 1, tzinfo=UTC)
 
 
 async def corrupt_body(env: MemEnv, sid: str) -> bytes:
@@ -68,3 +76,67 @@ async def test_a_snapshot_from_a_newer_torpor_is_left_for_it_at_the_backoff_cap(
         assert sid in await index.due(
             kind=TimerKind.RETRY, now=env.clock.now() + cap * 1.3, limit=9
         )
+
+
+async def test_an_activation_that_keeps_failing_backs_off_then_is_set_aside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fault on the session's own path (a bug, not the store or the index) was retried
+    at the flat retry delay on every sweep, for ever: the session stayed as it was and no
+    operator was told. It counts against the retry quota now, with its backoff, and the
+    session is set aside with the error once the quota is spent; the operator's retry
+    takes it on once the fault is gone."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        before = await env.load(sid)
+
+        async def fails(self: Activation, reason: Reason) -> None:
+            raise RuntimeError("a bug on the path")
+
+        monkeypatch.setattr(Activation, "_drive", fails)
+        index, outcomes, delays = env.services.index, [], []
+        for _ in range(before.retry.max_attempts + 1):
+            result = await env.runtime.activate(sid, reason=Reason.RETRY)
+            outcomes.append(result.outcome)
+            if result.outcome is ActivationOutcome.STOPPED:
+                assert await index.due(kind=TimerKind.RETRY, now=FAR, limit=10) == [sid]
+                delays.append(await retry_due_in(env, sid))
+        assert outcomes[-1] is ActivationOutcome.QUARANTINED
+        assert outcomes[:-1] == [ActivationOutcome.STOPPED] * before.retry.max_attempts
+        assert delays == sorted(delays) and delays[-1] > 2 * delays[0], "backed off"
+        shown = await env.control.get(sid, tenant="acme")
+        assert shown.state is S.QUARANTINED and shown.quarantine is not None
+        assert shown.quarantine.code == "activation_failed"
+        assert "RuntimeError: a bug on the path" in shown.quarantine.reason
+        assert shown.quarantine.resume_to is S.SUSPENDED
+        for kind in (TimerKind.RETRY, TimerKind.WAKE):
+            assert await index.due(kind=kind, now=FAR, limit=10) == []
+        monkeypatch.undo()  # the fault fixed: the operator takes the session back
+        await env.control.retry(sid, tenant="acme")
+        assert (await env.control.get(sid)).state is S.SUSPENDED
+
+
+async def test_storage_trouble_in_an_activation_is_retried_and_never_counted() -> None:
+    """The store not answering passes by itself: the plain retry, the quota untouched."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+
+        async def unavailable(self: Activation, reason: Reason) -> None:
+            raise StorageUnavailable("the store did not answer")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Activation, "_drive", unavailable)
+            for _ in range(10):
+                with pytest.raises(StorageUnavailable):
+                    await env.runtime.activate(sid, reason=Reason.RETRY)
+        after = await env.load(sid)
+        assert after.state is S.SUSPENDED and after.retry.used == 0
+        assert await env.services.index.due(kind=TimerKind.RETRY, now=FAR, limit=10) == [sid]
+
+
+async def retry_due_in(env: MemEnv, sid: str) -> float:
+    """Seconds from now to the session's RETRY timer."""
+    timers = env.services.index._timers[TimerKind.RETRY]  # type: ignore[attr-defined]
+    return (timers[sid] - to_ms(env.clock.now())) / 1000

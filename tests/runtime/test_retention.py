@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import keys, submit_keys
+from storage import keys, retention, submit_keys
 from storage.listing import all_keys
 from storage.work import ObjectProgress, WorkRecords
 from tests.faults.index_loss import flush_index
@@ -21,6 +21,7 @@ from torpor.errors import ConfigError, SessionNotFound
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import business_idempotency_key, new_correlation_id, new_trace_id
 from torpor.lifecycle import SessionState
+from torpor.ports import TimerKind
 from torpor.service.sweeper import Sweeper
 from torpor.settings import Settings
 from torpor.work import Progress, WorkOrder, work_id
@@ -307,3 +308,49 @@ async def test_a_0_2_business_key_now_held_by_another_session_stays(env: Env) ->
         assert await env.services.correlations.lookup(held) is not None
     finally:
         hook.close()
+
+
+async def test_a_callback_landing_mid_purge_leaves_nothing_behind(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The OA system resends its decision while the purge runs: after the inbox was
+    listed, before the correlation record the gateway routes it through went. Its inbox
+    event and replay marker stayed for good (nothing lists the inbox once the snapshot
+    and the markers are gone), and its wake-up found no session at every sweep."""
+    sid = await env.submit(doc="PR-LATE")
+    cid = (await env.load(sid)).waits[0].correlation_id
+    await env.answer(sid, {"status": "approved"})
+    assert (await env.load(sid)).state is SessionState.COMPLETED
+    env.clock.advance(31 * DAY)
+    digest = "e" * 64
+    real = retention.ObjectRetention._delete
+    resent = False
+
+    async def delete(self: retention.ObjectRetention, doomed: list[str]) -> None:
+        nonlocal resent
+        if not resent and any(k.startswith("correlations/") for k in doomed):
+            resent = True  # as the gateway stores one routed as CLOSED
+            late = InboxEvent.new(
+                kind=EventKind.CALLBACK,
+                session_id=sid,
+                source="oa",
+                event_id="evt-resent",
+                type="oa.approval.decided",
+                received_at=env.clock.now(),
+                correlation_id=cid,
+            ).model_copy(update={"content_digest": digest})
+            assert await env.services.inbox.deliver(late)
+            await env.control.arm_wake(sid)
+            await env.services.inbox.remember_accepted(source="oa", content_digest=digest)
+        await real(self, doomed)
+
+    monkeypatch.setattr(retention.ObjectRetention, "_delete", delete)
+    sweeper = Sweeper(env.control)
+    assert (await sweeper.sweep_once()).purged == 1 and resent
+    monkeypatch.undo()
+    env.clock.advance(DAY)
+    await sweeper.sweep_once()  # the wake-up's activation finds no session
+    left = [k for k in await every_key(env) if sid in k or digest in k]
+    assert left == []
+    later = env.clock.now() + timedelta(days=365)
+    assert sid not in await env.services.index.due(kind=TimerKind.WAKE, now=later, limit=100)

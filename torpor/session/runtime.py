@@ -32,6 +32,7 @@ from torpor.errors import (
     SnapshotCorrupt,
     SnapshotError,
     SnapshotSchemaTooNew,
+    TorporError,
 )
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
@@ -40,9 +41,9 @@ from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.session.activation import Activation
 from torpor.session.heartbeat import Heartbeat
-from torpor.session.retry import retry_delay
+from torpor.session.retry import Retrier, retry_delay
 from torpor.session.slots import leave_slot
-from torpor.session.working import StopActivation
+from torpor.session.working import StopActivation, WorkingCopy
 
 MAX_ROUNDS = 8
 RETRY_AT_CAP = 62  # a backoff attempt far past any cap: the capped delay, with jitter
@@ -58,7 +59,7 @@ class ActivationOutcome(StrEnum):
     LEASE_LOST = "lease_lost"
     MISSING = "missing"  # no such session
     STOPPED = "stopped"  # ended early after a checkpoint (a retry is scheduled)
-    QUARANTINED = "quarantined"  # the snapshot cannot be read: set aside for an operator
+    QUARANTINED = "quarantined"  # set aside for an operator (unreadable, or retries spent)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,10 @@ class SessionRuntime:
                 snapshot = await loading
             except SessionNotFound:
                 release = True
+                # Gone (retention purged it; a callback may have armed its wake-up since):
+                # nothing will ever run it, so no timer stays to ask again for ever.
+                for kind in (TimerKind.WAKE, TimerKind.RETRY):
+                    await self.deps.index.unschedule(kind=kind, member=session_id)
                 return ActivationResult(session_id, ActivationOutcome.MISSING), None
             except SnapshotSchemaTooNew as exc:
                 release = True
@@ -194,11 +199,19 @@ class SessionRuntime:
             release = True
         except StopActivation:
             outcome, release = ActivationOutcome.STOPPED, True
-        except Exception:
-            # Storage trouble mid-run: schedule the retry, and only then let the lease go.
-            await self._retry_soon(session_id)
+        except Exception as exc:
             release = True
-            raise
+            if activation is None or _passing(exc):
+                # Storage trouble mid-run: schedule the retry, and only then let the lease go.
+                await self._retry_soon(session_id)
+                raise
+            # A fault on the session's own path (a bug of ours or of a plugin, outside
+            # what the agent loop turns into the agent's information): retried on every
+            # sweep for ever, it would hold the session RUNNING with no one told. It is
+            # counted against the session's retry quota instead, with its backoff, and
+            # set aside for an operator once the quota is spent.
+            log.exception("activation of %s failed", session_id)
+            return await self._crashed(session_id, heartbeat, exc), None
         finally:
             # A BaseException (the process is being stopped, the task cancelled) keeps the
             # lease: it expires after the TTL and the reconciler re-activates the session
@@ -287,6 +300,38 @@ class SessionRuntime:
             generation=generation,
         )
 
+    async def _crashed(
+        self, session_id: str, heartbeat: Heartbeat, exc: Exception
+    ) -> ActivationResult:
+        """Count a failed activation against the quota, on the last committed snapshot
+        (what the failed one changed in memory is dropped, as a crash would drop it):
+        a retry after the quota's backoff, or QUARANTINED with the error once it is
+        spent. If even that fails, the plain retry as for storage trouble."""
+        stopped = ActivationResult(session_id, ActivationOutcome.STOPPED)
+        try:
+            snapshot = await self.deps.snapshots.load(session_id)
+            if snapshot.terminal or snapshot.state is SessionState.QUARANTINED:
+                await self._retry_soon(session_id)  # no quota to count against
+                return stopped
+            work = WorkingCopy(self.deps, snapshot, heartbeat)
+            with contextlib.suppress(StopActivation):
+                await Retrier(work).later("activation_failed", f"{type(exc).__name__}: {exc}")
+            state, generation = work.snap.state, work.snap.generation
+            if state is SessionState.QUARANTINED:
+                # Set aside: only an operator brings it back (as ``_activate`` does).
+                for kind in (TimerKind.WAKE, TimerKind.RETRY):
+                    await self.deps.index.unschedule(kind=kind, member=session_id)
+        except Exception:
+            log.exception("the failed activation of %s could not be counted", session_id)
+            await self._retry_soon(session_id)
+            return stopped
+        outcome = (
+            ActivationOutcome.QUARANTINED
+            if state is SessionState.QUARANTINED
+            else ActivationOutcome.STOPPED
+        )
+        return ActivationResult(session_id, outcome, state=state, generation=generation)
+
     async def _retry_soon(self, session_id: str) -> None:
         at = self.deps.clock.now() + self.deps.config.retry_delay
         await self.deps.index.schedule(kind=TimerKind.RETRY, member=session_id, at=at)
@@ -316,6 +361,14 @@ class SessionRuntime:
             drifts=act.stats.drifts,
             resume_latency_s=latency,
         )
+
+
+def _passing(exc: Exception) -> bool:
+    """Whether ``exc`` is trouble that passes by itself (a store or index that did not
+    answer, a network call that timed out): retried as it is, never counted."""
+    if isinstance(exc, TorporError):
+        return exc.retryable
+    return isinstance(exc, OSError | TimeoutError)
 
 
 async def _discard(loading: asyncio.Future[SessionSnapshot]) -> None:
