@@ -12,9 +12,11 @@ from starlette.requests import Request
 
 from storage import keys
 from storage.audit import ObjectAudit
+from storage.codec import SnapshotCodec
 from tests.support.harness import local_env
 from torpor.entry.http import read_audited_body
 from torpor.errors import UnknownCorrelation, WebhookRejected
+from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.ports import Observer
 from torpor.service.gateway import WebhookGateway
@@ -242,3 +244,63 @@ async def test_a_batch_event_that_names_no_wait_is_its_own_outcome_not_the_reque
             for line in (await env.services.store.get(key)).data.splitlines()
         ]
         assert verdicts.count("unknown") == 3
+
+
+async def test_a_batchs_answers_to_one_wait_are_applied_in_the_order_sent(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Every event of a batch was stamped with one time received, and the inbox applies
+    what it holds by that time, then by key (a hash of source and id): [rejected,
+    approved] for one wait ended approved whenever the second id hashed first."""
+    secret = generate_secret(Scheme.STANDARD)
+    sources = {**SOURCES, "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]}}
+    first, second = next(
+        (f"evt-{i}-a", f"evt-{i}-b")
+        for i in range(1000)
+        if event_key("ce", f"evt-{i}-b") < event_key("ce", f"evt-{i}-a")
+    )
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit(doc="PR-1")
+        cid = (await env.load(sid)).waits[0].correlation_id
+        base = {"specversion": "1.0", "source": "oa", "type": "oa.approval.decided"}
+        batch = [
+            {**base, "id": first, "correlationid": cid, "data": {"status": "rejected"}},
+            {**base, "id": second, "correlationid": cid, "data": {"status": "approved"}},
+        ]
+        raw = json.dumps(batch).encode()
+        now = env.clock.now()
+        headers = {
+            **sign(Scheme.STANDARD, raw, secret, now=now),
+            "Content-Type": "application/cloudevents-batch+json",
+        }
+        assert (await gateway.receive("ce", raw, headers, now=now)).status == 202
+        applied = await env.load(sid)
+        assert applied.state is SessionState.COMPLETED
+        answer = json.dumps(applied.result)
+        assert "rejected" in answer and "approved" not in answer, answer
+
+
+async def test_a_resent_answer_to_a_session_that_does_not_decode_is_a_duplicate(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Its snapshot's body damaged (the header reads): the first delivery is stored and
+    answered 202; the sender's retry looked at the whole snapshot to see whether the
+    event was taken, and every retry was a 500."""
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit(doc="PR-1")
+        cid = (await env.load(sid)).waits[0].correlation_id
+        store, codec = env.services.store, SnapshotCodec()
+        data = (await store.get(keys.snapshot(sid))).data
+        await store.put(keys.snapshot(sid), data[: codec.header_end(data)] + b"not zlib")
+        raw = body(cid, "evt-1")
+        for status in (202, 200):
+            now = env.clock.now()
+            headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
+            result = await gateway.receive("oa", raw, headers, now=now)
+            assert result.status == status and result.body["duplicate"] is (status == 200)
+            env.clock.advance(1)
+        assert [e.event_id for e in await env.services.inbox.pending(sid, processed=())] == [
+            "evt-1"
+        ]

@@ -44,7 +44,7 @@ import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -239,6 +239,10 @@ class WebhookGateway:
             trace = _trace_id(headers)
             body_sha = hashlib.sha256(body).hexdigest()
             for i, event in enumerate(events):
+                # A batch's events in the order sent: the inbox applies what it holds by
+                # its time received, and one stamp for all left their order to their keys
+                # (a hash): [rejected, approved] for one wait could end approved.
+                at = now + timedelta(microseconds=i)
                 if i == 0 and admission.fresh:  # the admission resolved it in the index
                     resolved = (
                         _Resolved(admission.binding, from_record=False)
@@ -249,7 +253,7 @@ class WebhookGateway:
                     resolved = await self._resolve(source.tenant, event, now)
                 routed.append(
                     await self._route(
-                        source_name, resolved, event, verified, claims, body_sha, trace, now
+                        source_name, resolved, event, verified, claims, body_sha, trace, at
                     )
                 )
             if any(r.replayed for r in routed):  # woken if need be; still a replay
@@ -525,7 +529,15 @@ class WebhookGateway:
     async def _wake_if_pending(self, session_id: str, source: str, event_id: str) -> None:
         """A redelivered event the session has not processed yet: its first delivery may
         have died between the inbox write and the wake timer, so arm it (again)."""
-        snapshot = await self.services.snapshots.load(session_id)
+        try:
+            snapshot = await self.services.snapshots.load(session_id)
+        except SnapshotCorrupt:
+            # Set aside, or about to be: the event is stored all the same, and an
+            # activation is what quarantines the session (again) or, once an operator
+            # restored it, takes the event. The sender is answered "duplicate", not a 500
+            # at every retry of an event it already delivered.
+            await self._wake(session_id)
+            return
         if event_key(source, event_id) not in snapshot.processed_events:
             await self._wake(session_id)
 
