@@ -377,6 +377,21 @@ def test_standard_accepts_several_signatures_and_unknown_versions() -> None:
     verify(Scheme.STANDARD, BODY, headers, [SECRETS[Scheme.STANDARD]], now=NOW)
 
 
+def test_standard_skips_an_entry_that_cannot_match_beside_one_that_does() -> None:
+    """A v1 entry that is not base64 of 32 bytes refused the whole request, where the
+    reference verifiers (which compare the encoded text) skip it and verify the rest.
+    Alone it is still refused as malformed."""
+    headers = signed(Scheme.STANDARD)
+    good = headers["webhook-signature"]
+    for junk in ("v1,not*base64", "v1," + "A" * 5, "v1," + base64.b64encode(b"x").decode()):
+        headers["webhook-signature"] = f"{junk} {good}"
+        verify(Scheme.STANDARD, BODY, headers, [SECRETS[Scheme.STANDARD]], now=NOW)
+        headers["webhook-signature"] = junk
+        with pytest.raises(WebhookRejected) as refused:
+            verify(Scheme.STANDARD, BODY, headers, [SECRETS[Scheme.STANDARD]], now=NOW)
+        assert refused.value.reason is R.MALFORMED_SIGNATURE
+
+
 # --- interop with the reference Standard Webhooks library ------------------------------
 
 
