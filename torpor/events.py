@@ -60,11 +60,13 @@ class InboxEvent(BaseModel):
         event_id: str,
         type: str,
         received_at: datetime,
+        producer: str | None = None,
         **fields: object,
     ) -> InboxEvent:
+        """``producer``: a CloudEvent's own ``source`` attribute (``event_key``)."""
         return cls.model_validate(
             {
-                "key": event_key(source, event_id),
+                "key": event_key(source, event_id, producer=producer),
                 "kind": kind,
                 "session_id": session_id,
                 "source": source,
@@ -101,5 +103,6 @@ class InboxEvent(BaseModel):
             epoch=wait.epoch,
             step_id=wait.waiting_step_id,
             data=data,
+            producer=None,  # torpor's own events: their source names their producer
             **fields,
         )

@@ -122,6 +122,12 @@ def business_idempotency_key(tenant: str, action_key: str, epoch: int) -> str:
     return f"{tenant}:{action_key}:{epoch}"
 
 
-def event_key(source: str, event_id: str) -> str:
-    """Inbox key of a delivery: one object per (source, event id) whatever the sender."""
-    return digest(source, event_id)
+def event_key(source: str, event_id: str, *, producer: str | None = None) -> str:
+    """Inbox key of a delivery: one object per (source, event id) whatever the sender;
+    per (source, producer, event id) for a CloudEvent, whose id is unique only within
+    its own ``source`` attribute (``producer``): a relay forwarding two producers through
+    one torpor source may carry the same id from each. The producer goes in with its
+    length, so no split of one text into producer and id names another's key."""
+    if producer is None:
+        return digest(source, event_id)
+    return digest(source, f"{len(producer)}/{producer}", event_id)

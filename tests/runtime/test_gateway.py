@@ -257,7 +257,8 @@ async def test_a_batchs_answers_to_one_wait_are_applied_in_the_order_sent(
     first, second = next(
         (f"evt-{i}-a", f"evt-{i}-b")
         for i in range(1000)
-        if event_key("ce", f"evt-{i}-b") < event_key("ce", f"evt-{i}-a")
+        if event_key("ce", f"evt-{i}-b", producer="oa")
+        < event_key("ce", f"evt-{i}-a", producer="oa")
     )
     async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
         gateway = WebhookGateway(env.control)
@@ -304,3 +305,47 @@ async def test_a_resent_answer_to_a_session_that_does_not_decode_is_a_duplicate(
         assert [e.event_id for e in await env.services.inbox.pending(sid, processed=())] == [
             "evt-1"
         ]
+
+
+async def test_one_cloudevent_id_from_two_producers_is_two_events(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """A CloudEvent's id is unique only within its ``source``: a relay forwarding two
+    vendors through one torpor source may carry id "1" from each. The second was
+    answered "duplicate" and never stored, as if the first vendor had sent it again."""
+    secret = generate_secret(Scheme.STANDARD)
+    sources = {**SOURCES, "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]}}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit(doc="PR-1")
+        cid = (await env.load(sid)).waits[0].correlation_id
+        outcomes = []
+        for producer in ("https://vendor-a.example", "https://vendor-b.example"):
+            event = {
+                "specversion": "1.0",
+                "source": producer,
+                "id": "1",
+                "type": "oa.approval.decided",
+                "correlationid": cid,
+                "data": {"status": "approved"},
+            }
+            raw = json.dumps(event).encode()
+            now = env.clock.now()
+            headers = {
+                **sign(Scheme.STANDARD, raw, secret, now=now),
+                "Content-Type": "application/cloudevents+json",
+            }
+            answer = await gateway.receive("ce", raw, headers, now=now)
+            outcomes.append((answer.body["outcome"], answer.body["duplicate"]))
+        # The second is its own event: stored, and found the wait answered already.
+        assert outcomes == [("accepted", False), ("closed", False)]
+        stored = [
+            k
+            for k in (await env.services.store.list(keys.inbox_prefix(sid))).keys
+            if k.rsplit("/", 1)[1]
+            in {
+                event_key("ce", "1", producer=p)
+                for p in ("https://vendor-a.example", "https://vendor-b.example")
+            }
+        ]
+        assert len(stored) == 2

@@ -63,7 +63,6 @@ from torpor.errors import (
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.gates import may_restrict
-from torpor.ids import event_key
 from torpor.models import SessionHeader, Wait, WaitRoute
 from torpor.ports import Reason, WaitBinding
 from torpor.service.replay import ReplayClaims, ReplayGuard, replay_claims
@@ -466,6 +465,9 @@ class WebhookGateway:
             event_id=event.event_id,
             type=event.type,
             received_at=now,
+            # A CloudEvent's id is its producer's (its own ``source``); a mapped payload's
+            # is the torpor source's, which is all its ``source`` names.
+            producer=None if event.source == f"torpor:{source_name}" else event.source,
             correlation_id=binding.correlation_id,
             business_key=event.business_key,
             # The sender's own word on which request it answers wins over the wait the
@@ -509,9 +511,7 @@ class WebhookGateway:
                 audit=written,
                 durable=written_in.durable,
             )
-        await asyncio.gather(
-            record, self._wake_if_pending(binding.session_id, source_name, event.event_id)
-        )
+        await asyncio.gather(record, self._wake_if_pending(binding.session_id, stored.key))
         replayed = await self.replays.was_accepted(claims)
         return Routed(event.event_id, binding.session_id, Outcome.DUPLICATE, True, replayed)
 
@@ -526,7 +526,7 @@ class WebhookGateway:
         await self.sessions.activate_for_event(session_id)  # the wake timer, then a request
         crash_point(CrashPoint.GATEWAY_AFTER_WAKE)
 
-    async def _wake_if_pending(self, session_id: str, source: str, event_id: str) -> None:
+    async def _wake_if_pending(self, session_id: str, key: str) -> None:
         """A redelivered event the session has not processed yet: its first delivery may
         have died between the inbox write and the wake timer, so arm it (again)."""
         try:
@@ -538,7 +538,7 @@ class WebhookGateway:
             # at every retry of an event it already delivered.
             await self._wake(session_id)
             return
-        if event_key(source, event_id) not in snapshot.processed_events:
+        if key not in snapshot.processed_events:
             await self._wake(session_id)
 
     async def _answer(
@@ -678,7 +678,7 @@ class WebhookGateway:
         if not new:
             stored = await self.services.inbox.find(claims.session_id, event.key)
             retried = stored is not None and stored.content_digest == digest
-            await self._wake_if_pending(claims.session_id, CAPABILITY_SOURCE, claims.token_id)
+            await self._wake_if_pending(claims.session_id, event.key)
         else:
             await self._wake(claims.session_id)
         await self.audit.append(
