@@ -56,8 +56,9 @@ ALLOWED: dict[SessionState, frozenset[SessionState]] = {
         {S.RUNNING, S.SUSPENDED, S.CANCELLED, S.TIMED_OUT, S.FAILED, S.QUARANTINED}
     ),
     # Only an operator moves a session out of quarantine: retry (RUNNING) or cancel.
-    # SUSPENDED too: a session set aside while waiting goes back to its open waits.
-    S.QUARANTINED: frozenset({S.RUNNING, S.SUSPENDED, S.CANCELLED}),
+    # SUSPENDED too: a session set aside while waiting goes back to its open waits; and
+    # PENDING: one set aside before its first step starts it afresh (its messages).
+    S.QUARANTINED: frozenset({S.PENDING, S.RUNNING, S.SUSPENDED, S.CANCELLED}),
     S.COMPLETED: frozenset(),
     S.FAILED: frozenset(),
     S.CANCELLED: frozenset(),

@@ -15,6 +15,7 @@ from torpor.errors import StorageUnavailable
 from torpor.lifecycle import SessionState
 from torpor.models import SCHEMA_VERSION
 from torpor.ports import Reason, TimerKind
+from torpor.service.sweeper import Sweeper
 from torpor.session import ActivationOutcome
 from torpor.session.activation import Activation
 
@@ -140,3 +141,54 @@ async def retry_due_in(env: MemEnv, sid: str) -> float:
     """Seconds from now to the session's RETRY timer."""
     timers = env.services.index._timers[TimerKind.RETRY]  # type: ignore[attr-defined]
     return (timers[sid] - to_ms(env.clock.now())) / 1000
+
+
+async def test_a_session_set_aside_before_its_first_step_starts_afresh_on_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Set aside while PENDING, a retry put it back RUNNING: the first step's setup (its
+    initial messages, from its input) never ran, and the agent ran on nothing."""
+    async with memory_env(AGENTS) as env:
+        reset()
+
+        async def fails(self: Activation, reason: Reason) -> None:
+            raise RuntimeError("a bug before the first step")
+
+        monkeypatch.setattr(Activation, "_drive", fails)
+        sid = await env.submit("a")
+        for _ in range(10):
+            if (await env.load(sid)).state is S.QUARANTINED:
+                break
+            await env.runtime.activate(sid, reason=Reason.RETRY)
+        aside = await env.load(sid)
+        assert aside.quarantine is not None and aside.quarantine.resume_to is S.PENDING
+        assert aside.messages == []
+        monkeypatch.undo()
+        await env.control.retry(sid, tenant="acme")
+        ran = await env.load(sid)
+        assert ran.state is S.SUSPENDED and ran.messages, "started from its input"
+
+
+async def test_a_set_aside_sessions_due_deadline_asks_for_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its waits stay bound while an operator looks; past their deadline the deadline
+    loop asked it to time out four times a second, an activation each, for a week."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        [wait] = (await env.load(sid)).waits
+
+        async def fails(self: Activation, reason: Reason) -> None:
+            raise RuntimeError("a bug on the path")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Activation, "_drive", fails)
+            while (await env.load(sid)).state is not S.QUARANTINED:
+                await env.runtime.activate(sid, reason=Reason.RETRY)
+        env.clock.advance((wait.deadline - env.clock.now()).total_seconds() + 1)
+        sweeper = Sweeper(env.control)
+        assert [await sweeper.deadlines_once() for _ in range(3)] == [0, 0, 0]
+        assert (await sweeper.sweep_once()).timeouts == 0
+        await env.control.retry(sid, tenant="acme")  # the operator: its deadline is past
+        assert (await env.load(sid)).state is S.TIMED_OUT

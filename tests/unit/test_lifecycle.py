@@ -105,7 +105,7 @@ def test_quarantine_sets_a_waiting_session_aside_with_its_epoch() -> None:
 
 
 def test_only_an_operator_takes_a_session_out_of_quarantine() -> None:
-    assert ALLOWED[S.QUARANTINED] == {S.RUNNING, S.SUSPENDED, S.CANCELLED}
+    assert ALLOWED[S.QUARANTINED] == {S.PENDING, S.RUNNING, S.SUSPENDED, S.CANCELLED}
     for source in (S.PENDING, S.RUNNING, S.SUSPENDED, S.RESUMING):
         assert S.QUARANTINED in ALLOWED[source]
     assert not S.QUARANTINED.terminal

@@ -37,6 +37,7 @@ from datetime import datetime, timedelta
 from torpor.backoff import Backoff
 from torpor.errors import PluginNotFound, SessionNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
+from torpor.lifecycle import SessionState
 from torpor.models import WaitingSession
 from torpor.ports import Reason, TimerKind, WaitBinding
 from torpor.service.batches import BatchService
@@ -143,15 +144,27 @@ class Sweeper:
         deadline is acted on within a fraction of a second (a sweep's other steps can
         wait for the next one). Returns how many sessions were asked to time out."""
         now = now or self.services.clock.now()
-        asked: set[str] = set()
+        seen: set[str] = set()
+        asked = 0
         for _ in range(DEADLINE_ROUNDS):  # a full batch may hide more due behind it
             due = await self.services.index.due_deadlines(now=now, limit=DEADLINE_BATCH)
-            fresh = [sid for sid in dict.fromkeys(b.session_id for b in due) if sid not in asked]
-            await self._request_all([(sid, Reason.TIMEOUT) for sid in fresh])
-            asked.update(fresh)
+            fresh = [sid for sid in dict.fromkeys(b.session_id for b in due) if sid not in seen]
+            live = await self._live(fresh)
+            await self._request_all([(sid, Reason.TIMEOUT) for sid in live])
+            seen.update(fresh)
+            asked += len(live)
             if len(due) < DEADLINE_BATCH or not fresh:
                 break
-        return len(asked)
+        return asked
+
+    async def _live(self, session_ids: list[str]) -> list[str]:
+        """Those not set aside: a QUARANTINED session waits for its operator, and its due
+        deadlines (its waits stay bound) asked for a timeout it never takes four times a
+        second, each an activation, until the grace ran out a week later."""
+        if not session_ids:
+            return []
+        states = await self.services.index.session_states(session_ids)
+        return [sid for sid in session_ids if states.get(sid) is not SessionState.QUARANTINED]
 
     # -- activation requests --------------------------------------------------------------
 
@@ -187,6 +200,7 @@ class Sweeper:
 
         checks = await asyncio.gather(*(waiting(sid) for sid in by_session))
         sessions = [sid for sid, live in zip(by_session, checks, strict=True) if live]
+        sessions = await self._live(sessions)
         await self._request_all([(sid, Reason.TIMEOUT) for sid in sessions])
         report.timeouts += len(sessions)
 

@@ -70,6 +70,8 @@ class Retrier:
         work = self.work
         state = work.snap.state
         resume_to = SessionState.SUSPENDED if state in WAITING_STATES else SessionState.RUNNING
+        if state is SessionState.PENDING:  # set aside before its first step: started afresh
+            resume_to = SessionState.PENDING
         work.update(
             quarantine=Quarantine(
                 reason=reason[:2000],
