@@ -43,8 +43,17 @@ class MemoryWaits:
         stored = binding.model_copy(update={"deadline": from_ms(to_ms(binding.deadline))})
         if self._live(cid, tenant=binding.tenant, now=now) != stored:
             return None
-        if not business_key or (binding.tenant, business_key) in self._business_keys:
+        if not business_key:
             return 0
+        owner = self._live(
+            self._business_keys.get((binding.tenant, business_key)),
+            tenant=binding.tenant,
+            now=now,
+        )
+        if owner is not None and (
+            owner.correlation_id == cid or owner.session_id != binding.session_id
+        ):
+            return 0  # ours already, or another session's open wait keeps it
         self._business_keys[(binding.tenant, business_key)] = cid
         return 1
 

@@ -54,10 +54,12 @@ return 1
 BIND_SCRIPT = _BIND  # for a bulk writer that pipelines ``RedisWaits.bind_call``
 
 # Mend, with _BIND's keys and arguments: only a binding stored exactly as this one (its
-# expiry aside: the grace may have been configured anew since), and unexpired at ARGV[7]
-# (its own expiry: the deadline, then the grace in seconds), gets back the entries a
-# partial loss took (an evicted or deleted shard, hour index or pointer). -1: not bound
-# so, nothing changed; else how many entries were put back.
+# expiry aside: the grace may have been configured anew since, or repair bound it for
+# longer), and unexpired at ARGV[7], gets back the entries a partial loss took (an evicted
+# or deleted shard, hour index or pointer), each to live as long as the binding itself
+# (its own expiry: the deadline, then the grace in seconds). The pointer is taken as
+# _BIND takes it: not from another session's unexpired wait. -1: not bound so, nothing
+# changed; else how many entries were put back.
 _MEND = """
 local function extend(key, ttl)
   if redis.call('PTTL', key) < tonumber(ttl) then redis.call('PEXPIRE', key, ttl) end
@@ -66,18 +68,33 @@ local held = redis.call('HGET', KEYS[1], ARGV[1])
 local function bare(raw) return string.match(raw, '^(.*)|[^|]*$') end
 if not held or bare(held) ~= bare(ARGV[2]) then return -1 end
 local deadline, rest = string.match(held, '|([0-9a-z]+)|([0-9a-z]+)$')
-if tonumber(deadline, 36) + tonumber(rest, 36) * 1000 <= tonumber(ARGV[7]) then return -1 end
+local expires = tonumber(deadline, 36) + tonumber(rest, 36) * 1000
+local now = tonumber(ARGV[7])
+if expires <= now then return -1 end
+local ttl = expires - now
 local mended = 0
 if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
   redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
-  extend(KEYS[3], ARGV[6])
+  extend(KEYS[3], ttl)
   mended = mended + 1
 end
 mended = mended + redis.call('ZADD', KEYS[4], ARGV[5], ARGV[5])
-if KEYS[2] ~= '' and not redis.call('HGET', KEYS[2], ARGV[3]) then
-  redis.call('HSET', KEYS[2], ARGV[3], ARGV[1] .. '|' .. ARGV[8] .. '|' .. ARGV[9])
-  extend(KEYS[2], ARGV[6])
-  mended = mended + 1
+if KEYS[2] ~= '' then
+  local owner = redis.call('HGET', KEYS[2], ARGV[3])
+  local taken = false
+  if owner then
+    local cid, sid, exp = string.match(owner, '^([^|]*)|([^|]*)|(%d+)$')
+    if owner == ARGV[1] or cid == ARGV[1] then
+      taken = true
+    elseif cid and sid ~= ARGV[8] and tonumber(exp) > now then
+      taken = true
+    end
+  end
+  if not taken then
+    redis.call('HSET', KEYS[2], ARGV[3], ARGV[1] .. '|' .. ARGV[8] .. '|' .. expires)
+    extend(KEYS[2], ttl)
+    mended = mended + 1
+  end
 end
 return mended
 """

@@ -80,25 +80,38 @@ class SqliteWaits(SqliteConnection):
         self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
     ) -> int | None:
         # A binding's row holds its deadline: only a business-key row can be missing.
-        expires = to_ms(binding.deadline + grace)
         bound = binding.model_copy(update={"deadline": from_ms(to_ms(binding.deadline))})
+        cid, now_ms = binding.correlation_id, to_ms(now)
 
         def op(c: sqlite3.Connection) -> int | None:
             held = lookup(
-                c,
-                tenant=binding.tenant,
-                correlation_id=binding.correlation_id,
-                business_key=None,
-                now_ms=to_ms(now),
+                c, tenant=binding.tenant, correlation_id=cid, business_key=None, now_ms=now_ms
             )
             if held != bound:
                 return None
             if not business_key:
                 return 0
-            return c.execute(
-                "INSERT INTO business_keys VALUES (?,?,?,?) ON CONFLICT(tenant, bk) DO NOTHING",
-                (binding.tenant, digest(business_key), binding.correlation_id, expires),
-            ).rowcount
+            owner = lookup(
+                c,
+                tenant=binding.tenant,
+                correlation_id=None,
+                business_key=business_key,
+                now_ms=now_ms,
+            )
+            if owner is not None and (
+                owner.correlation_id == cid or owner.session_id != binding.session_id
+            ):
+                return 0  # ours already, or another session's open wait keeps it
+            # As long as the binding itself lives (repair may have bound it for longer).
+            [expires] = c.execute(
+                "SELECT expires_ms FROM bindings WHERE correlation_id=?", (cid,)
+            ).fetchone()
+            c.execute(
+                "INSERT INTO business_keys VALUES (?,?,?,?) ON CONFLICT(tenant, bk) DO UPDATE "
+                "SET correlation_id=excluded.correlation_id, expires_ms=excluded.expires_ms",
+                (binding.tenant, digest(business_key), cid, expires),
+            )
+            return 1
 
         return await self._run(op)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,12 @@ async def test_a_reminder_is_sent_signed_and_recorded_on_the_session(make: Any) 
             assert payload["data"]["correlation_id"] == snap.waits[0].correlation_id
             await sweeper.sweep_once(env.clock.now())  # the timer is gone: one reminder
             assert reasons(await env.load(sid)) == [R.REMINDER]
+            # The hourly repair makes sure of the wait's timers; the one that fired stays
+            # gone (put back, it fired again, to no effect, every hour for each wait).
+            await sweeper.repair(env.clock.now(), SweepReport())
+            far = env.clock.now() + timedelta(days=1)
+            due = await env.services.index.due(kind=TimerKind.TOOL, now=far, limit=10)
+            assert due == [], "the reminder that fired is not put back"
     finally:
         hook.close()
 
@@ -228,15 +235,21 @@ async def test_an_operator_reassigns_an_approval(make: Any) -> None:
         assert (await vote(env, sid, "bob")).state is S.COMPLETED
 
 
-async def test_a_rebuilt_index_gets_the_approvals_timers_back(make: Any) -> None:
+@pytest.mark.parametrize("bound", [False, True], ids=["wait-lost", "timer-lost-alone"])
+async def test_a_rebuilt_index_gets_the_approvals_timers_back(make: Any, bound: bool) -> None:
+    """The index lost the wait and its timers (a flushed Redis), or the escalation timer
+    alone (a key evicted): with the wait still bound repair passed it over, and the
+    approval never escalated."""
     async with make(
         stages=[{"approvers": ["fd"]}], escalation=["cfo"], escalate_after_s=1200
     ) as env:
         sid = await submit(env)
         wait = (await env.load(sid)).waits[0]
         index = env.services.index
-        # The index lost the wait and its timers (a flushed Redis).
-        await index.unbind(tenant="acme", correlation_id=wait.correlation_id, business_key="PR-1")
+        if not bound:
+            await index.unbind(
+                tenant="acme", correlation_id=wait.correlation_id, business_key="PR-1"
+            )
         member = f"{sid}|{wait.correlation_id}|escalate-1"
         await index.unschedule(kind=TimerKind.TOOL, member=member)
         sweeper = Sweeper(env.control)

@@ -529,16 +529,17 @@ async def test_repair_leaves_a_backed_off_poll_where_it_is(
 async def test_a_poll_timer_named_with_its_count_moves_on_under_the_waits_name(
     env: Env,
 ) -> None:
-    """Entries written before the poll count left the name (``sid|cid|n``) go on: polled,
-    then moved on as the wait's single entry, never kept beside it."""
+    """Entries an older build wrote carry the poll count (``sid|cid|n``): polled, then
+    moved on as the wait's single entry (``sid|cid|0``), never kept beside it."""
     sid = await env.submit(doc="PR-N")
     sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
     await sweeper.sweep_once(env.clock.now())
     [wait] = (await env.load(sid)).waits
     index = env.services.index
-    own = f"{sid}|{wait.correlation_id}"
+    own = f"{sid}|{wait.correlation_id}|0"
     await index.unschedule(kind=TimerKind.POLL, member=own)
-    await index.schedule(kind=TimerKind.POLL, member=f"{own}|3", at=wait.overdue_after)
+    older = f"{sid}|{wait.correlation_id}|3"
+    await index.schedule(kind=TimerKind.POLL, member=older, at=wait.overdue_after)
     env.clock.advance(2 * wait.expected_duration_s + 1)
     assert (await sweeper.sweep_once(env.clock.now())).polls == 1
     later = env.clock.now() + timedelta(days=1)

@@ -98,11 +98,14 @@ async def test_an_activation_that_keeps_failing_backs_off_then_is_set_aside(
         monkeypatch.setattr(Activation, "_drive", fails)
         index, outcomes, delays = env.services.index, [], []
         for _ in range(before.retry.max_attempts + 1):
-            result = await env.runtime.activate(sid, reason=Reason.RETRY)
+            await env.control.arm_wake(sid)  # an event came: its wake-up is armed
+            result = await env.runtime.activate(sid, reason=Reason.EVENT)
             outcomes.append(result.outcome)
             if result.outcome is ActivationOutcome.STOPPED:
                 assert await index.due(kind=TimerKind.RETRY, now=FAR, limit=10) == [sid]
                 delays.append(await retry_due_in(env, sid))
+                # Only the retry brings it back: a wake-up left armed came every 30 s.
+                assert await index.due(kind=TimerKind.WAKE, now=FAR, limit=10) == []
         assert outcomes[-1] is ActivationOutcome.QUARANTINED
         assert outcomes[:-1] == [ActivationOutcome.STOPPED] * before.retry.max_attempts
         assert delays == sorted(delays) and delays[-1] > 2 * delays[0], "backed off"
@@ -192,3 +195,23 @@ async def test_a_set_aside_sessions_due_deadline_asks_for_nothing(
         assert (await sweeper.sweep_once()).timeouts == 0
         await env.control.retry(sid, tenant="acme")  # the operator: its deadline is past
         assert (await env.load(sid)).state is S.TIMED_OUT
+
+
+async def test_a_fault_raised_from_a_connection_error_is_retried_and_never_counted() -> None:
+    """A plugin's own error raised ``from`` the network's: trouble that passes."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+
+        async def wrapped(self: Activation, reason: Reason) -> None:
+            try:
+                raise ConnectionResetError("peer reset")
+            except ConnectionResetError as exc:
+                raise RuntimeError("the CRM client failed") from exc
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Activation, "_drive", wrapped)
+            for _ in range(5):
+                with pytest.raises(RuntimeError):
+                    await env.runtime.activate(sid, reason=Reason.RETRY)
+        assert (await env.load(sid)).retry.used == 0

@@ -345,6 +345,17 @@ class IndexContract:
         assert await index.mend_wait(other, business_key="PO-1", grace=GRACE, now=NOW) == 0
         assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") == b
 
+    async def test_mend_takes_a_business_key_over_from_a_holder_that_expired(
+        self, index: Index
+    ) -> None:
+        """As a bind would: an expired pointer is no one's."""
+        b, gone = binding(), binding(session="s_2", deadline_in=60)
+        await index.bind_wait(gone, business_key="PO-1", grace=timedelta(seconds=1), now=NOW)
+        await index.bind_wait(b, business_key=None, grace=GRACE, now=NOW)
+        later = NOW + timedelta(seconds=120)
+        assert await index.mend_wait(b, business_key="PO-1", grace=GRACE, now=later) == 1
+        assert await index.resolve(now=later, tenant="acme", business_key="PO-1") == b
+
     async def test_mend_puts_a_lost_business_key_pointer_back(self, index: Index) -> None:
         b = binding()
         await index.bind_wait(b, business_key=None, grace=GRACE, now=NOW)
@@ -741,6 +752,25 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         assert await redis_index.mend_wait(b, business_key=None, grace=GRACE, now=NOW) == 2
         assert await redis_index.due_deadlines(now=due_at, limit=10) == [b]
         assert await redis_index.mend_wait(b, business_key=None, grace=GRACE, now=NOW) == 0
+
+    async def test_mend_gives_what_it_puts_back_the_bindings_own_life(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """A wait repair bound for longer than the grace (overdue by more): what a mend
+        puts back lives as long as that binding, not deadline + the configured grace
+        (already past: the entries expired as they were made)."""
+        b = binding(deadline_in=60)
+        await redis_index.bind_wait(b, business_key=None, grace=timedelta(days=10), now=NOW)
+        hour = int(b.deadline.timestamp()) // 3600
+        shard = redis_index.keys.deadline_set(b.correlation_id, hour)
+        await redis_index._redis.delete(shard)
+        later = NOW + GRACE + timedelta(hours=2)  # past deadline + GRACE, inside the 10 days
+        assert await redis_index.mend_wait(b, business_key="PO-9", grace=GRACE, now=later) == 2
+        day_ms = 24 * 3600 * 1000
+        assert await redis_index._redis.pttl(shard) > 7 * day_ms
+        bk_key, _ = redis_index.keys.business_key("acme", "PO-9")
+        assert await redis_index._redis.pttl(bk_key) > 7 * day_ms
+        assert await redis_index.resolve(now=later, tenant="acme", business_key="PO-9") == b
 
     @pytest.mark.parametrize("entry", ["9|acme|s_1|3|2|zz|1", "3|acme|s_1|3|2|!!|1", "3|acme"])
     async def test_unbind_knowing_the_deadline_leaves_an_unreadable_entry_alone(

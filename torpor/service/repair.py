@@ -8,7 +8,10 @@ by listing every snapshot, and the delivery records:
 * every session's state goes back into the registry;
 * PENDING and RUNNING sessions are activated (nobody may hold them any more);
 * a SUSPENDED session's waits are bound again (with their poll timers), and it is
-  activated if its inbox or outbox holds work;
+  activated if its inbox or outbox holds work; a wait still bound is mended instead:
+  what a partial loss took from it (its deadline entry and hour, its business-key
+  pointer, its poll timer, its tool timers still to come) is put back, and what exists
+  is left as it is (about three index round trips a wait);
 * a terminal session that still owes outbox work (a compensation, a notification) is
   activated too: the runtime settles a finished session's outbox;
 * every pending delivery gets its delivery timer back;
@@ -45,7 +48,7 @@ from torpor.service.deliveries import timer_member
 from torpor.session.suspend import (
     binding_of,
     poll_member,
-    schedule_tool_timers,
+    tool_timer_member,
     unsent_starts,
 )
 from torpor.tools import LongRunningTool
@@ -264,32 +267,44 @@ class IndexRepair:
         self, snapshot: WaitingSession, wait: Wait, binding: WaitBinding, now: datetime
     ) -> None:
         """A bound wait's deadline entry, business-key pointer and timers, where missing.
-        The pointer only where the durable one names this wait: otherwise the key was
-        another wait's when it was bound, and stays so."""
-        key = wait.business_key
-        if key is not None:
+        The pointer only where the durable one names this wait (otherwise the key was
+        another wait's when it was bound, and stays so), read only when the index has
+        none: one index read a wait in the usual case, not a store read. Timers due in
+        the past are made sure of only when something was missing: most of them fired
+        and were removed, and each put back would fire again (to no effect) every hour."""
+        index, key = self.services.index, wait.business_key
+        if key is not None and not await index.resolve(
+            tenant=snapshot.tenant, now=now, business_key=key
+        ):
             target = await self.services.correlations.business_key_target(
                 tenant=snapshot.tenant, business_key=key
             )
             key = key if target == wait.correlation_id else None
+        else:
+            key = None  # someone holds it: a mend would leave it as it is
         grace = timedelta(seconds=self.services.settings.storage.binding_grace_s)
-        mended = await self.services.index.mend_wait(
-            binding, business_key=key, grace=grace, now=now
-        )
+        mended = await index.mend_wait(binding, business_key=key, grace=grace, now=now)
         if mended is None:
             return  # unbound (answered) or bound anew meanwhile: its own timers are right
-        await self._timers(snapshot, wait, now)
+        await self._timers(snapshot, wait, now, past=mended > 0)
 
-    async def _timers(self, snapshot: WaitingSession, wait: Wait, now: datetime) -> None:
+    async def _timers(
+        self, snapshot: WaitingSession, wait: Wait, now: datetime, *, past: bool = True
+    ) -> None:
         """The wait's tool timers and its poll timer, as the suspend scheduled them, where
-        missing: one that exists stays as it is (a reminder leased, a poll backed off)."""
+        missing: one that exists stays as it is (a reminder leased, a poll backed off).
+        Without ``past``, only tool timers still to come."""
         tool = self._long_running(snapshot, wait.tool_name)
         if tool is None:
             return
-        # A timer that fired already delivers nothing twice.
-        await schedule_tool_timers(
-            self.services.index, snapshot.session_id, wait, tool, if_absent=True
-        )
+        for timer in tool.timers(wait):  # one that fired already delivers nothing twice
+            if past or timer.at > now:
+                await self.services.index.schedule(
+                    kind=TimerKind.TOOL,
+                    member=tool_timer_member(snapshot.session_id, wait.correlation_id, timer.name),
+                    at=timer.at,
+                    if_absent=True,
+                )
         if tool.can_poll:
             await self.services.index.schedule(
                 kind=TimerKind.POLL,

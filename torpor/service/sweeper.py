@@ -278,8 +278,8 @@ class Sweeper:
     async def _poll(self, member: str, now: datetime, report: SweepReport) -> None:
         index, settings = self.services.index, self.services.settings
         session_id, _, correlation_id = member.partition("|")
-        # An entry made before carries its poll count as a third part: moved on under
-        # the wait's own name (``poll_member``) at its next poll.
+        # An entry of an older build carries a poll count other than 0 as its third
+        # part: moved on under the wait's own name (``poll_member``) at its next poll.
         correlation_id = correlation_id.partition("|")[0]
         if not session_id or not correlation_id:
             await index.unschedule(kind=TimerKind.POLL, member=member)
@@ -330,7 +330,7 @@ class Sweeper:
         # The entry is moved, not replaced: nothing is left between two writes.
         own = poll_member(session_id, correlation_id)
         await index.schedule(kind=TimerKind.POLL, member=own, at=now + timedelta(seconds=delay))
-        if member != own:  # an entry of the old form: the moved one replaces it
+        if member != own:  # an older build's entry: the moved one replaces it
             await index.unschedule(kind=TimerKind.POLL, member=member)
 
     # -- tool timers (an approval's reminders and escalations) -----------------------------

@@ -310,17 +310,22 @@ class SessionRuntime:
         stopped = ActivationResult(session_id, ActivationOutcome.STOPPED)
         try:
             snapshot = await self.deps.snapshots.load(session_id)
-            if snapshot.terminal or snapshot.state is SessionState.QUARANTINED:
-                await self._retry_soon(session_id)  # no quota to count against
+            if snapshot.state is SessionState.QUARANTINED:
+                return stopped  # set aside already: only an operator brings it back
+            if snapshot.terminal:
+                # No quota to count against (its outbox is what runs): retried as before.
+                await self._retry_soon(session_id)
                 return stopped
             work = WorkingCopy(self.deps, snapshot, heartbeat)
             with contextlib.suppress(StopActivation):
                 await Retrier(work).later("activation_failed", f"{type(exc).__name__}: {exc}")
             state, generation = work.snap.state, work.snap.generation
-            if state is SessionState.QUARANTINED:
-                # Set aside: only an operator brings it back (as ``_activate`` does).
-                for kind in (TimerKind.WAKE, TimerKind.RETRY):
-                    await self.deps.index.unschedule(kind=kind, member=session_id)
+            # The retry timer (after the backoff) brings it back, or, set aside, only an
+            # operator: a wake-up left armed would come every ``wake_grace_s`` and spend
+            # the quota in seconds. An event that arrives later arms its own.
+            kinds = (TimerKind.WAKE, TimerKind.RETRY)
+            for kind in kinds if state is SessionState.QUARANTINED else kinds[:1]:
+                await self.deps.index.unschedule(kind=kind, member=session_id)
         except Exception:
             log.exception("the failed activation of %s could not be counted", session_id)
             await self._retry_soon(session_id)
@@ -363,12 +368,21 @@ class SessionRuntime:
         )
 
 
-def _passing(exc: Exception) -> bool:
+def _passing(exc: BaseException) -> bool:
     """Whether ``exc`` is trouble that passes by itself (a store or index that did not
-    answer, a network call that timed out): retried as it is, never counted."""
-    if isinstance(exc, TorporError):
-        return exc.retryable
-    return isinstance(exc, OSError | TimeoutError)
+    answer, a network call that timed out), or was raised for such trouble (a plugin's
+    own error ``from`` a connection error): retried as it is, never counted."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, TorporError):
+            if cause.retryable:
+                return True
+        elif isinstance(cause, OSError | TimeoutError):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return False
 
 
 async def _discard(loading: asyncio.Future[SessionSnapshot]) -> None:

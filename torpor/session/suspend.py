@@ -88,10 +88,11 @@ async def schedule_tool_timers(
 def poll_member(session_id: str, correlation_id: str) -> str:
     """The POLL timer entry of a wait: who, which wait. One entry a wait, moved on at
     each poll, so repair can make sure it exists (``if_absent``) without starting a
-    second chain of polls or pulling a backed-off one earlier. (Entries made before
-    carried the poll count as a third part: ``Sweeper`` reads them and moves them on
-    under this name.)"""
-    return f"{session_id}|{correlation_id}"
+    second chain of polls or pulling a backed-off one earlier. The third part was the
+    poll count, and stays ``0``: a reconciler of an older build, mid-upgrade, reads it
+    as a first poll (and writes ``|1``, ``|2``...: ``Sweeper`` moves those back here)
+    instead of dropping an entry it cannot parse."""
+    return f"{session_id}|{correlation_id}|0"
 
 
 class Suspender:
