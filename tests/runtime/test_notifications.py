@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,9 @@ from tests.support.receiver import Received, Receiver
 from torpor.deliveries import Delivery, DeliveryStatus
 from torpor.errors import DeliveryNotResendable, UnsafeUrl
 from torpor.lifecycle import SessionState
-from torpor.ports import Observer
-from torpor.service.deliveries import DeliveryWorker, secret_for, tenant_view
+from torpor.models import OutboxKind
+from torpor.ports import Observer, TimerKind
+from torpor.service.deliveries import DeliveryNotifier, DeliveryWorker, secret_for, tenant_view
 
 
 @pytest.fixture
@@ -327,5 +329,45 @@ async def test_tenants_see_a_category_operators_the_detail(
             assert "404" not in json.dumps(said), "no raw status or error text for tenants"
             assert not {"last_status", "last_error"} & view.keys()
             assert view["history"] == [{"at": delivery.history[0]["at"], "category": "http_4xx"}]
+    finally:
+        hook.close()
+
+
+async def test_a_replayed_notice_or_an_early_timer_keeps_the_receivers_retry_after(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """The receiver asked for an hour (503, Retry-After). An outbox replay of the NOTIFY
+    entry (the commit after its enqueue failed) set the delivery's timer to now, and an
+    attempt never looked at the delivery's own next attempt time: it was posted again at
+    once, and the extra attempt counted towards the dead letter."""
+    hook = Receiver(script=[503], retry_after="3600")
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix) as env:
+            sid = await finished_session(env, hook.url)
+            worker = DeliveryWorker(env.services)
+            await worker.due(env.clock.now())  # 503: an hour, please
+            assert len(hook.received) == 1
+            snap = await env.load(sid)
+            [entry] = [e for e in snap.outbox if e.kind is OutboxKind.NOTIFY]
+            await DeliveryNotifier(env.services).enqueue(snap, entry)  # the replay
+            env.clock.advance(1)
+            await worker.due(env.clock.now())
+            [delivery], _ = await env.services.deliveries.list(
+                "acme", status=None, cursor=None, limit=5
+            )
+            member = f"acme|{delivery.delivery_id}"
+            # A timer due early all the same (a second taker, a timer moved by hand).
+            await env.services.index.schedule(
+                kind=TimerKind.DELIVER, member=member, at=env.clock.now()
+            )
+            await worker.due(env.clock.now())
+            assert len(hook.received) == 1 and delivery.attempts == 1
+            assert delivery.next_attempt_at is not None
+            later = delivery.next_attempt_at - timedelta(seconds=1)
+            assert await env.services.index.due(kind=TimerKind.DELIVER, now=later, limit=5) == []
+            due = delivery.next_attempt_at
+            assert await env.services.index.due(kind=TimerKind.DELIVER, now=due, limit=5) == [
+                member
+            ]
     finally:
         hook.close()

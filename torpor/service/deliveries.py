@@ -106,11 +106,16 @@ class DeliveryNotifier:
             next_attempt_at=now,
             created_at=now,
         )
-        await self.deliveries.create(delivery)  # an outbox replay finds it already there
+        created = await self.deliveries.create(delivery)
+        # An outbox replay finds it there already, maybe attempted and backed off (a
+        # receiver's Retry-After): its timer is made sure of, never moved to now. (One
+        # that a crash left without a timer gets one now; ``attempt`` keeps to the
+        # delivery's own next attempt time.)
         await self.services.index.schedule(
             kind=TimerKind.DELIVER,
             member=timer_member(snapshot.tenant, delivery.delivery_id),
             at=now,
+            if_absent=not created,
         )
 
 
@@ -245,6 +250,14 @@ class DeliveryWorker:
         or as a dead letter) or disabled. Only storage failures raise."""
         delivery = await self.deliveries.get(tenant, delivery_id)
         if delivery.status is not DeliveryStatus.PENDING:
+            return delivery
+        due = delivery.next_attempt_at
+        if due is not None and due > now:
+            # Early (a timer moved by a replay, a second taker): the backoff and the
+            # receiver's Retry-After stand. The timer goes back to the due time.
+            await self.services.index.schedule(
+                kind=TimerKind.DELIVER, member=timer_member(tenant, delivery_id), at=due
+            )
             return delivery
         endpoint = await self.deliveries.endpoint(tenant, delivery.url)
         if endpoint.disabled:
