@@ -102,12 +102,15 @@ class AgentLoop:
         for _ in range(MAX_STEPS_PER_ACTIVATION):
             if self.work.snap.state is not SessionState.RUNNING:
                 return
+            # Before the calls too: a cancel that came while the agent chose them (an LLM
+            # step takes seconds) stops them, where they ran, and a long-running one sent
+            # its request, before the cancel was seen.
+            if await self.cancel_requested():
+                return
             calls = self.unanswered_calls()
             if calls:
                 await self.run_calls(calls)
                 continue
-            if await self.cancel_requested():
-                return
             await self.agent_step()
         # A runaway agent: checkpointed; let the reconciler pick it up again later.
         await self.deps.index.schedule(
