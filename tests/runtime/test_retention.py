@@ -39,6 +39,19 @@ async def every_key(env: Env) -> list[str]:
     return await all_keys(env.services.store, "")
 
 
+def late_callback(env: Env, sid: str, cid: str, event_id: str, digest: str) -> InboxEvent:
+    """An OA answer to the closed wait ``cid``, as the gateway stores one routed CLOSED."""
+    return InboxEvent.new(
+        kind=EventKind.CALLBACK,
+        session_id=sid,
+        source="oa",
+        event_id=event_id,
+        type="oa.approval.decided",
+        received_at=env.clock.now(),
+        correlation_id=cid,
+    ).model_copy(update={"content_digest": digest})
+
+
 async def ended_session(env: Env, hook: Receiver) -> tuple[str, str]:
     """A completed session whose notification was delivered, with a late webhook answer
     (its replay marker too) in its inbox. Returns (session id, correlation id)."""
@@ -46,16 +59,7 @@ async def ended_session(env: Env, hook: Receiver) -> tuple[str, str]:
     cid = (await env.load(sid)).waits[0].correlation_id
     await env.answer(sid, {"status": "approved"})
     assert (await env.load(sid)).state is SessionState.COMPLETED
-    late = InboxEvent.new(
-        kind=EventKind.CALLBACK,
-        session_id=sid,
-        source="oa",
-        event_id="evt-late",
-        type="oa.approval.decided",
-        received_at=env.clock.now(),
-        correlation_id=cid,
-    ).model_copy(update={"content_digest": "d" * 64})
-    await env.control.deliver(late)
+    await env.control.deliver(late_callback(env, sid, cid, "evt-late", "d" * 64))
     await env.services.inbox.remember_accepted(source="oa", content_digest="d" * 64)
     swept = Sweeper(env.control)
     await swept.sweep_once()
@@ -331,16 +335,8 @@ async def test_a_callback_landing_mid_purge_leaves_nothing_behind(
     async def delete(self: retention.ObjectRetention, doomed: list[str]) -> None:
         nonlocal resent
         if not resent and any(k.startswith("correlations/") for k in doomed):
-            resent = True  # as the gateway stores one routed as CLOSED
-            late = InboxEvent.new(
-                kind=EventKind.CALLBACK,
-                session_id=sid,
-                source="oa",
-                event_id="evt-resent",
-                type="oa.approval.decided",
-                received_at=env.clock.now(),
-                correlation_id=cid,
-            ).model_copy(update={"content_digest": digest})
+            resent = True
+            late = late_callback(env, sid, cid, "evt-resent", digest)
             assert await env.services.inbox.deliver(late)
             await env.control.arm_wake(sid)
             await env.services.inbox.remember_accepted(source="oa", content_digest=digest)
