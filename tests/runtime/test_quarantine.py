@@ -11,7 +11,7 @@ from storage import keys
 from storage.codec import SnapshotCodec
 from tests.runtime.memory_env import MemEnv, memory_env, plan_agent, reset
 from torpor.clock import to_ms
-from torpor.errors import StorageUnavailable
+from torpor.errors import PreconditionFailed, StorageUnavailable
 from torpor.lifecycle import SessionState
 from torpor.models import SCHEMA_VERSION
 from torpor.ports import Reason, TimerKind
@@ -121,19 +121,32 @@ async def test_an_activation_that_keeps_failing_backs_off_then_is_set_aside(
         assert (await env.control.get(sid)).state is S.SUSPENDED
 
 
-async def test_storage_trouble_in_an_activation_is_retried_and_never_counted() -> None:
-    """The store not answering passes by itself: the plain retry, the quota untouched."""
+@pytest.mark.parametrize(
+    "trouble",
+    [
+        StorageUnavailable("the store did not answer"),
+        # A conditional write whose answer was lost (it committed): the retry sorts it
+        # out. Counted, the chaos run's sessions were set aside.
+        PreconditionFailed("the object changed since it was read"),
+    ],
+    ids=["unavailable", "ambiguous-write"],
+)
+async def test_storage_trouble_in_an_activation_is_retried_and_never_counted(
+    trouble: Exception,
+) -> None:
+    """Trouble the store or index reports passes by itself: the plain retry, the quota
+    untouched."""
     async with memory_env(AGENTS) as env:
         reset()
         sid = await env.submit("a")
 
         async def unavailable(self: Activation, reason: Reason) -> None:
-            raise StorageUnavailable("the store did not answer")
+            raise trouble
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(Activation, "_drive", unavailable)
             for _ in range(10):
-                with pytest.raises(StorageUnavailable):
+                with pytest.raises(type(trouble)):
                     await env.runtime.activate(sid, reason=Reason.RETRY)
         after = await env.load(sid)
         assert after.state is S.SUSPENDED and after.retry.used == 0

@@ -206,10 +206,10 @@ class SessionRuntime:
                 await self._retry_soon(session_id)
                 raise
             # A fault on the session's own path (a bug of ours or of a plugin, outside
-            # what the agent loop turns into the agent's information): retried on every
-            # sweep for ever, it would hold the session RUNNING with no one told. It is
-            # counted against the session's retry quota instead, with its backoff, and
-            # set aside for an operator once the quota is spent.
+            # what the agent loop turns into the agent's information; ``_passing``):
+            # retried on every sweep for ever, it would hold the session RUNNING with no
+            # one told. It is counted against the session's retry quota instead, with
+            # its backoff, and set aside for an operator once the quota is spent.
             log.exception("activation of %s failed", session_id)
             return await self._crashed(session_id, heartbeat, exc), None
         finally:
@@ -369,16 +369,15 @@ class SessionRuntime:
 
 
 def _passing(exc: BaseException) -> bool:
-    """Whether ``exc`` is trouble that passes by itself (a store or index that did not
-    answer, a network call that timed out), or was raised for such trouble (a plugin's
-    own error ``from`` a connection error): retried as it is, never counted."""
+    """Whether ``exc`` is retried as it is, never counted: any error torpor raises on
+    purpose (a store or index that did not answer; a conditional write whose answer was
+    lost, which the retry sorts out: counted, the chaos run's sessions were set aside),
+    trouble that passes by itself (a network call refused or timed out), or an error
+    raised ``from`` such trouble (a plugin's own). What is left is a fault: a bug."""
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
-        if isinstance(cause, TorporError):
-            if cause.retryable:
-                return True
-        elif isinstance(cause, OSError | TimeoutError):
+        if isinstance(cause, TorporError | OSError | TimeoutError):
             return True
         seen.add(id(cause))
         cause = cause.__cause__
