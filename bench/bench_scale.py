@@ -307,6 +307,7 @@ async def objects_and_repair(
         await sweeper.repair(now, periodic)
         periodic_s = time.perf_counter() - started
         await services.close()
+        await store.close()  # its log's thread would go on in a folder that is removed
     clear(client)
     client.close()
     return {
