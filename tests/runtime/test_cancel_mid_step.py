@@ -5,6 +5,7 @@ only then was the session cancelled (and the request compensated)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from tests.runtime.memory_env import memory_env, reset
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
 from torpor.lifecycle import SessionState
 from torpor.models import Message, ToolCall, ToolCallFunction
+from torpor.session.loop import INBOX_FRESH_S
 
 HOOK: list[Any] = []
 
@@ -31,6 +33,7 @@ class CancelledMidStep:
             return AgentTurn(Message(role="assistant", content="done"), result="done")
         for hook in HOOK:  # the client cancels while the LLM is thinking
             await hook(ctx.session_id)
+        await asyncio.sleep(INBOX_FRESH_S)  # ... and thinks on
         call = ToolCall(
             id="c1", function=ToolCallFunction(name="approve", arguments='{"doc":"D-1"}')
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,9 @@ from torpor.session.working import WorkingCopy, error_result, message_content
 from torpor.tools import LongRunningTool, Tool, ToolContext, WaitPlan
 
 MAX_STEPS_PER_ACTIVATION = 200
+# How long a read of the inbox stands for the agent loop's look for a cancel before it
+# runs the calls a turn chose (``AgentLoop.run``).
+INBOX_FRESH_S = 0.05
 
 
 def tool_arguments(raw: str | None) -> dict[str, Any]:
@@ -102,12 +106,16 @@ class AgentLoop:
         for _ in range(MAX_STEPS_PER_ACTIVATION):
             if self.work.snap.state is not SessionState.RUNNING:
                 return
-            # Before the calls too: a cancel that came while the agent chose them (an LLM
-            # step takes seconds) stops them, where they ran, and a long-running one sent
-            # its request, before the cancel was seen.
-            if await self.cancel_requested():
-                return
             calls = self.unanswered_calls()
+            # Before the calls too, once a while has passed since the inbox was read: a
+            # cancel that came while the agent chose them (an LLM step takes seconds)
+            # stops them, where they ran, and a long-running one sent its request, before
+            # the cancel was seen. Not after a step of a few milliseconds: a listing of
+            # the inbox was 10-20 % of a resume's CPU (a cancel within that window is
+            # seen by the next activation, as one after the last read always was).
+            stale = time.monotonic() - self.work.inbox_read_at >= INBOX_FRESH_S
+            if (not calls or stale) and await self.cancel_requested():
+                return
             if calls:
                 await self.run_calls(calls)
                 continue
@@ -119,6 +127,7 @@ class AgentLoop:
 
     async def cancel_requested(self) -> bool:
         work = self.work
+        work.inbox_read_at = time.monotonic()
         events = await self.deps.inbox.pending(
             work.snap.session_id, processed=set(work.snap.processed_events)
         )

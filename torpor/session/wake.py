@@ -14,6 +14,7 @@ deadline has passed it times out instead, so a failing guard can never outlive t
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from pydantic import JsonValue
@@ -61,6 +62,7 @@ class Wake:
     async def resume(self) -> None:
         """Apply what the inbox holds to the waits, through the gates, in order."""
         work = self.work
+        work.inbox_read_at = time.monotonic()
         events = await self.deps.inbox.pending(
             work.snap.session_id, processed=set(work.snap.processed_events)
         )

@@ -75,6 +75,9 @@ class WorkingCopy:
         self.heartbeat = heartbeat
         self.stats = Stats()
         self._committed_state = snapshot.state
+        # When this activation last read the session's inbox (``time.monotonic``; never:
+        # -inf): the agent loop reads it again for a cancel only once a while has passed.
+        self.inbox_read_at = float("-inf")
 
     @property
     def now(self) -> datetime:
