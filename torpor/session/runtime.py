@@ -371,9 +371,10 @@ class SessionRuntime:
 def _passing(exc: BaseException) -> bool:
     """Whether ``exc`` is retried as it is, never counted: any error torpor raises on
     purpose (a store or index that did not answer; a conditional write whose answer was
-    lost, which the retry sorts out: counted, the chaos run's sessions were set aside),
-    trouble that passes by itself (a network call refused or timed out), or an error
-    raised ``from`` such trouble (a plugin's own). What is left is a fault: a bug."""
+    lost, which the retry sorts out, and which, counted, would set aside sessions whose
+    store is merely unsteady), trouble that passes by itself (a network call refused or
+    timed out), or an error raised ``from`` such trouble (a plugin's own). What is left
+    is a fault: a bug."""
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
