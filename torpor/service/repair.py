@@ -48,7 +48,7 @@ from torpor.service.deliveries import timer_member
 from torpor.session.suspend import (
     binding_of,
     poll_member,
-    tool_timer_member,
+    schedule_tool_timers,
     unsent_starts,
 )
 from torpor.tools import LongRunningTool
@@ -297,14 +297,15 @@ class IndexRepair:
         tool = self._long_running(snapshot, wait.tool_name)
         if tool is None:
             return
-        for timer in tool.timers(wait):  # one that fired already delivers nothing twice
-            if past or timer.at > now:
-                await self.services.index.schedule(
-                    kind=TimerKind.TOOL,
-                    member=tool_timer_member(snapshot.session_id, wait.correlation_id, timer.name),
-                    at=timer.at,
-                    if_absent=True,
-                )
+        # A timer that fired already delivers nothing twice.
+        await schedule_tool_timers(
+            self.services.index,
+            snapshot.session_id,
+            wait,
+            tool,
+            if_absent=True,
+            after=None if past else now,
+        )
         if tool.can_poll:
             await self.services.index.schedule(
                 kind=TimerKind.POLL,

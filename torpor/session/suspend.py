@@ -9,7 +9,7 @@ its wait; on finish the waits are unbound after the commit that closed them.
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from pydantic import JsonValue
 
@@ -77,10 +77,14 @@ async def schedule_tool_timers(
     tool: LongRunningTool,
     *,
     if_absent: bool = False,
+    after: datetime | None = None,
 ) -> None:
     """The wait's tool timers; with ``if_absent`` each only where it is missing (repair:
-    one that exists may be leased, a taker at work on it)."""
+    one that exists may be leased, a taker at work on it); with ``after`` only those
+    due later (most earlier ones fired and were removed: put back, each fires again)."""
     for timer in tool.timers(wait):
+        if after is not None and timer.at <= after:
+            continue
         member = tool_timer_member(session_id, wait.correlation_id, timer.name)
         await index.schedule(kind=TimerKind.TOOL, member=member, at=timer.at, if_absent=if_absent)
 
