@@ -134,6 +134,7 @@ class RequestApproval(LongRunningTool):
         on_drift: str = "replan",
         fail_dispatch: bool = False,
         compensate_gate: str | None = None,
+        dispatch_gate: str | None = None,
     ) -> None:
         self.world = World(redis_url, prefix)
         self.sla_s = sla_s
@@ -141,6 +142,7 @@ class RequestApproval(LongRunningTool):
         self.on_drift = DriftPolicy(on_drift)
         self.fail_dispatch = fail_dispatch
         self.compensate_gate = compensate_gate  # undo fails (retryable) until this opens
+        self.dispatch_gate = dispatch_gate  # the request fails (retryable) until this opens
 
     async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
         doc = str(args["doc"])
@@ -158,6 +160,9 @@ class RequestApproval(LongRunningTool):
     async def dispatch(self, request: DispatchRequest) -> None:
         if self.fail_dispatch:
             raise ToolError("the OA system refused the request", retryable=False)
+        if self.dispatch_gate and not await self.world.gate(self.dispatch_gate):
+            await self.world.happened("dispatch_refused", request.idempotency_key, {})
+            raise ToolError("the OA system is down for maintenance", retryable=True)
         doc = str(request.request["doc"])
         await self.world.happened(
             "dispatch",

@@ -81,6 +81,8 @@ class Activation:
             await work.commit()
         if work.snap.state in WAITING_STATES:
             if work.snap.pending_outbox():
+                if await self.wake.cancel_first():
+                    return  # nothing owed goes out after a cancel (undos of what may have)
                 await self.suspender.complete_suspend()  # finish what a crashed suspend started
             await self.suspender.report_failed_starts()  # ...or a crashed failed dispatch
             await self.wake.resume()

@@ -442,15 +442,23 @@ class Suspender:
         then unbind the closed waits, then send."""
         work = self.work
         closing = list(work.snap.waits)
+        # An undo only for a request that may have gone out: one never tried (the suspend
+        # died before sending it, or a cancel came first) is withdrawn instead, and its
+        # far side, which never heard of it, is not asked to undo it.
         entries = [
             outbox.compensate_entry(work.snap, w, reason=reason, now=work.now)
             for w in (compensate or [])
-            if self._can_compensate(w)
+            if self._can_compensate(w) and outbox.maybe_sent(work.snap, w)
+        ]
+        unsent = unsent_starts(work.snap)
+        owed = [
+            outbox.withdraw(e, reason=f"not sent: the session ended first ({reason})")
+            if e.kind is OutboxKind.START and e.correlation_id in unsent
+            else e
+            for e in work.snap.outbox
         ]
         work.move(target, reason)
-        work.update(
-            waits=[], fan_ins=[], result=result, error=error, outbox=[*work.snap.outbox, *entries]
-        )
+        work.update(waits=[], fan_ins=[], result=result, error=error, outbox=[*owed, *entries])
         if "terminal" in self.deps.config.notify_on and work.snap.callback_url:
             work.update(
                 outbox=[

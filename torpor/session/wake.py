@@ -69,14 +69,7 @@ class Wake:
         now = work.now
         cancel = next((e for e in events if e.kind is EventKind.CANCEL), None)
         if cancel is not None:
-            work.update(processed_events=[*work.snap.processed_events, cancel.key])
-            await self.suspender.finish(
-                SessionState.CANCELLED,
-                reason="cancelled",
-                compensate=list(work.snap.waits),
-                error=None,
-                result=None,
-            )
+            await self._cancel(cancel)
             return
         overdue = expired_waits(work.snap, now=now)
         if not events and not overdue:
@@ -161,6 +154,32 @@ class Wake:
         if work.snap.pending_outbox():
             # compensations of closed fan-in members, a tool's notices (reminders): now
             await self.suspender.drain_outbox()
+
+    async def cancel_first(self) -> bool:
+        """End the session now if a cancel waits in the inbox; True if it did. Asked before
+        an activation sends what the outbox owes (a request retried after a failure, or
+        one a crash left unsent): a cancel accepted meanwhile must stop it going out."""
+        work = self.work
+        work.inbox_read_at = time.monotonic()
+        events = await self.deps.inbox.pending(
+            work.snap.session_id, processed=set(work.snap.processed_events)
+        )
+        cancel = next((e for e in events if e.kind is EventKind.CANCEL), None)
+        if cancel is None:
+            return False
+        await self._cancel(cancel)
+        return True
+
+    async def _cancel(self, cancel: InboxEvent) -> None:
+        work = self.work
+        work.update(processed_events=[*work.snap.processed_events, cancel.key])
+        await self.suspender.finish(
+            SessionState.CANCELLED,
+            reason="cancelled",
+            compensate=list(work.snap.waits),
+            error=None,
+            result=None,
+        )
 
     def tool_of(self, wait: Wait) -> LongRunningTool | None:
         tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
