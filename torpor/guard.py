@@ -45,9 +45,14 @@ OK = GuardVerdict(True)
 
 
 def evaluate(
-    baseline: GuardBaseline | None, current: ExternalState | None, *, now: datetime
+    baseline: GuardBaseline | None,
+    current: ExternalState | None,
+    *,
+    now: datetime,
+    asked: bool = False,
 ) -> GuardVerdict:
-    """Compare what the session relied on with what holds now."""
+    """Compare what the session relied on with what holds now. ``asked``: the tool was
+    asked for the current state (its ``current_state`` ran); None is then its answer."""
     if baseline is None:
         return OK
     reasons: list[str] = []
@@ -55,6 +60,11 @@ def evaluate(
         seconds=baseline.ttl_s
     ):
         reasons.append(f"baseline older than its {baseline.ttl_s:g}s TTL")
+    if current is None and asked:
+        # Asked, the tool had nothing to compare with the baseline: the entity is gone
+        # (a deleted budget, a withdrawn quote). Passing would act on an answer about a
+        # world that no longer exists: the guard fails closed.
+        reasons.append("the external state is gone: nothing to compare with the baseline")
     if current is not None:
         if baseline.version_tag is not None and current.version_tag != baseline.version_tag:
             reasons.append(f"version changed from {baseline.version_tag} to {current.version_tag}")

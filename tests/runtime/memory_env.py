@@ -51,6 +51,7 @@ class Probe:
     started: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     state_fails: bool = False  # current_state raises
+    state_gone: bool = False  # current_state finds nothing (the entity was deleted)
     dispatched: list[DispatchRequest] = field(default_factory=list)
     agent_hangs: bool = False
 
@@ -128,6 +129,8 @@ class Approve(LongRunningTool):
         PROBE.calls.append(("current_state", wait.correlation_id))
         if PROBE.state_fails:
             raise ToolError("the ERP is down", retryable=True)
+        if PROBE.state_gone:
+            return None
         return ExternalState(version_tag="v1")
 
 

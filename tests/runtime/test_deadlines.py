@@ -240,6 +240,21 @@ async def test_a_failing_guard_backs_off_and_the_sla_still_times_the_session_out
         assert [c for c, _ in probe.calls].count("current_state") == 3
 
 
+async def test_a_guard_whose_tool_finds_no_current_state_is_drift() -> None:
+    """The budget the approval was asked against was deleted while the session slept:
+    the tool's ``current_state`` finds nothing. The guard fails closed (it passed: the
+    approval was acted on as if nothing had changed)."""
+    async with open_env({"a": approve_agent()}) as env:
+        probe = reset()
+        sid = await env.submit("a")
+        probe.state_gone = True
+        await answer(env, sid)
+        snap = await env.load(sid)
+        assert snap.state is S.COMPLETED and isinstance(snap.result, dict), snap.state
+        assert snap.result["status"] == "drift", snap.result
+        assert any("gone" in str(r) for r in snap.result["reasons"]), snap.result
+
+
 async def test_a_guard_that_keeps_failing_is_quarantined_when_retries_run_out() -> None:
     agents = {"a": {**approve_agent(), "max_tool_retries": 1}}
     async with open_env(agents) as env:

@@ -53,6 +53,16 @@ def test_an_invalid_entity_the_baseline_relied_on_is_drift() -> None:
     assert verdict.reasons == ["approver u-17 no longer valid: left the company"]
 
 
+def test_no_current_state_from_a_tool_that_was_asked_is_drift() -> None:
+    verdict = guard.evaluate(BASELINE, None, now=NOW, asked=True)
+    assert not verdict.ok
+    assert verdict.reasons == ["the external state is gone: nothing to compare with the baseline"]
+
+
+def test_no_current_state_when_nothing_was_asked_compares_nothing() -> None:
+    assert guard.evaluate(BASELINE, None, now=NOW).ok
+
+
 def test_an_invalid_entity_the_baseline_did_not_rely_on_is_ignored() -> None:
     current = SAME.model_copy(update={"invalid_entities": {"supplier": "blacklisted"}})
     assert guard.evaluate(BASELINE, current, now=NOW).ok

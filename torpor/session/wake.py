@@ -237,7 +237,8 @@ class Wake:
         work = self.work
         tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
         current = None
-        if isinstance(tool, LongRunningTool) and tool.checks_state and guard.needs_state(wait):
+        asked = isinstance(tool, LongRunningTool) and tool.checks_state and guard.needs_state(wait)
+        if isinstance(tool, LongRunningTool) and asked:
             timeout_s = tool.timeout_s or self.deps.config.tool_timeout.total_seconds()
             try:
                 current = await call_out(
@@ -250,7 +251,7 @@ class Wake:
             except Exception as exc:
                 raise GuardUnavailable(f"{type(exc).__name__}: {exc}") from exc
             self.retrier.succeeded()
-        verdict = guard.evaluate(wait.guard, current, now=work.now)
+        verdict = guard.evaluate(wait.guard, current, now=work.now, asked=asked)
         content: JsonValue = review.answer if review is not None else event.data
         if not verdict.ok:
             work.stats.drifts += 1
