@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import httpx
 import pytest
+import redis.exceptions
 
 from storage import keys
 from storage.codec import SnapshotCodec
@@ -128,8 +130,12 @@ async def test_an_activation_that_keeps_failing_backs_off_then_is_set_aside(
         # A conditional write whose answer was lost (it committed): the retry sorts it
         # out. Counted, the chaos run's sessions were set aside.
         PreconditionFailed("the object changed since it was read"),
+        # A plugin's client let its transport error out (neither typed nor an OSError):
+        # counted, a few seconds of an unreachable service set the session aside.
+        httpx.ConnectError("[Errno 111] Connection refused"),
+        redis.exceptions.ConnectionError("Error 111 connecting to erp-cache:6379"),
     ],
-    ids=["unavailable", "ambiguous-write"],
+    ids=["unavailable", "ambiguous-write", "plugin-httpx", "plugin-redis"],
 )
 async def test_storage_trouble_in_an_activation_is_retried_and_never_counted(
     trouble: Exception,

@@ -34,6 +34,7 @@ from torpor.session.retry import Retrier
 from torpor.session.suspend import Suspender
 from torpor.session.working import WorkingCopy, error_result, message_content
 from torpor.tools import LongRunningTool, Tool, ToolContext, WaitPlan
+from torpor.transient import transient
 
 MAX_STEPS_PER_ACTIVATION = 200
 # How long a read of the inbox stands for the agent loop's look for a cancel before it
@@ -167,7 +168,13 @@ class AgentLoop:
         except TorporError as exc:
             await self.fail(exc.code, str(exc))
             return
-        except Exception as exc:  # the agent's own bug: fail the session, keep the process
+        except Exception as exc:
+            if transient(exc):
+                # The agent's backend was out of reach (its client's error let out, not
+                # turned into AgentUnavailable): retried with backoff, as that would be.
+                await self.retry_later(AgentUnavailable(f"{type(exc).__name__}: {exc}"))
+                return
+            # The agent's own bug: fail the session, keep the process.
             await self.fail("agent_crashed", f"{type(exc).__name__}: {exc}")
             return
         work.stats.agent_steps += 1

@@ -44,6 +44,7 @@ from torpor.session.heartbeat import Heartbeat
 from torpor.session.retry import Retrier, retry_delay
 from torpor.session.slots import leave_slot
 from torpor.session.working import StopActivation, WorkingCopy
+from torpor.transient import transient
 
 MAX_ROUNDS = 8
 RETRY_AT_CAP = 62  # a backoff attempt far past any cap: the capped delay, with jitter
@@ -372,17 +373,17 @@ def _passing(exc: BaseException) -> bool:
     """Whether ``exc`` is retried as it is, never counted: any error torpor raises on
     purpose (a store or index that did not answer; a conditional write whose answer was
     lost, which the retry sorts out, and which, counted, would set aside sessions whose
-    store is merely unsteady), trouble that passes by itself (a network call refused or
-    timed out), or an error raised ``from`` such trouble (a plugin's own). What is left
-    is a fault: a bug."""
+    store is merely unsteady), trouble that passes by itself (``torpor.transient``: a
+    network call refused or timed out, a client's transport error), or an error raised
+    ``from`` either. What is left is a fault: a bug."""
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
-        if isinstance(cause, TorporError | OSError | TimeoutError):
+        if isinstance(cause, TorporError):
             return True
         seen.add(id(cause))
         cause = cause.__cause__
-    return False
+    return transient(exc)
 
 
 async def _discard(loading: asyncio.Future[SessionSnapshot]) -> None:

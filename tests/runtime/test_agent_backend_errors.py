@@ -1,0 +1,68 @@
+"""An agent whose backend is out of reach is retried; an agent's bug fails its session.
+
+A custom agent calls its LLM with a client of its own and lets the client's transport
+error out (not ``AgentUnavailable``): the session failed for good at the first refused
+connection. It is retried with the session core's backoff now, as ``AgentUnavailable``
+is, and carries on once the backend answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import httpx
+from pydantic import JsonValue
+
+from tests.runtime.memory_env import memory_env, reset
+from torpor.agent import AgentContext, AgentTurn, default_initial_messages
+from torpor.lifecycle import SessionState
+from torpor.models import Message
+from torpor.ports import Reason, TimerKind
+
+S = SessionState
+
+
+class FlakyBackend:
+    """Its first steps raise what the test puts in ``FAILURES``; then it finishes."""
+
+    name = "flaky"
+    version = "1"
+    FAILURES: ClassVar[list[Exception]] = []
+
+    def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
+        return default_initial_messages(input, None)
+
+    async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
+        if self.FAILURES:
+            raise self.FAILURES.pop(0)
+        return AgentTurn(Message(role="assistant", content="done"), result="done")
+
+
+AGENTS = {"flaky": {"factory": "tests.runtime.test_agent_backend_errors:FlakyBackend"}}
+
+
+async def test_a_refused_connection_to_the_agents_backend_is_retried_not_fatal() -> None:
+    async with memory_env(AGENTS) as env:
+        reset()
+        FlakyBackend.FAILURES[:] = [httpx.ConnectError("[Errno 111] Connection refused")]
+        sid = await env.submit("flaky")
+        snap = await env.load(sid)
+        assert snap.state is S.RUNNING, (snap.state, snap.error)
+        assert snap.retry.used == 1
+        later = env.clock.now() + env.services.config.retry_cap
+        assert await env.services.index.due(kind=TimerKind.RETRY, now=later, limit=9) == [sid]
+        env.clock.advance(env.services.config.retry_cap.total_seconds())
+        await env.runtime.activate(sid, reason=Reason.RETRY)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED and done.result == "done"
+
+
+async def test_an_agents_own_bug_still_fails_its_session() -> None:
+    async with memory_env(AGENTS) as env:
+        reset()
+        FlakyBackend.FAILURES[:] = [KeyError("choices")]
+        sid = await env.submit("flaky")
+        snap = await env.load(sid)
+        assert snap.state is S.FAILED
+        assert snap.error is not None and snap.error.code == "agent_crashed"
