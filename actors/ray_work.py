@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -96,6 +97,9 @@ MAX_ATTEMPTS = 40
 STATE_TIMEOUT_S = 5.0
 JOB_STATUS_PERIOD_S = 0.5  # how often a watcher asks Ray about its own job (no reconciler)
 SUBMIT_ATTEMPTS = 12  # about 45 s for a cluster's job agents to come up
+# Each request to the Jobs API (connect, then each read); a submit that uploads a
+# working directory streams it in reads of its own, so this bounds silence, not size.
+JOB_CALL_TIMEOUT_S = 30.0
 # The lost cause a watcher records for a run claimed by a watcher that is gone: what that
 # one started is not known to have ended (an actor's method may still run, ``status``).
 WATCHER_GONE = "the process running it is gone"
@@ -425,10 +429,26 @@ def _stopped_elsewhere(what: str) -> dict[str, JsonValue]:
 
 
 def _job_client(launch: Launch) -> Any:
+    """A Jobs API client whose every request has a deadline (``JOB_CALL_TIMEOUT_S``)."""
+    address = launch.job_address or _dashboard_url()
+    return _deadline_client()(address)
+
+
+@functools.cache
+def _deadline_client() -> type:
+    """Ray's ``JobSubmissionClient`` sends its requests with no timeout: a dashboard that
+    accepts and never answers held the watcher's status poll (and a thread) for ever,
+    and the session waited on a job nobody watched until its SLA. Each request now
+    fails after the deadline; the watcher's run is then lost, and the next run adopts
+    the job still running (``_running_job``)."""
     from ray.job_submission import JobSubmissionClient
 
-    address = launch.job_address or _dashboard_url()
-    return JobSubmissionClient(address)
+    class DeadlineJobClient(JobSubmissionClient):
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            kwargs.setdefault("timeout", JOB_CALL_TIMEOUT_S)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return DeadlineJobClient
 
 
 def _dashboard_url() -> str:
