@@ -506,6 +506,15 @@ class DeliveryNotResendable(PermanentError):
     status, title, public = 409, "Delivery not dead or disabled", True
 
 
+class OutboxEntryNotSendable(PermanentError):
+    """A resend of a dead letter this cluster cannot send: the session's agent (whose
+    activation sends it) or the long-running tool that undoes is not configured here.
+    Revived, it would sit PENDING for ever, gone from the dead letters without a word."""
+
+    code = "outbox_entry_not_sendable"
+    status, title, public = 409, "Outbox entry cannot be sent here", True
+
+
 class BatchExpired(PermanentError):
     """A batch older than the retention period (``storage.retention_s``) takes no retry:
     its sessions may be gone, and retention may be deleting the batch itself."""

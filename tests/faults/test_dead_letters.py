@@ -17,7 +17,7 @@ import pytest
 from actors.wiring import session_runtime
 from tests.support.harness import Env, local_env
 from torpor import outbox
-from torpor.errors import InvalidRequest
+from torpor.errors import InvalidRequest, OutboxEntryNotSendable
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus, OutboxEntry, OutboxKind, SessionSnapshot
 from torpor.ports import Observer, Reason
@@ -91,3 +91,23 @@ async def test_an_operator_resends_a_dead_letter_once_the_far_side_is_back(env: 
     with pytest.raises(InvalidRequest, match="no outbox entry"):
         await env.control.resend_outbox(sid, "nope")
     assert (await env.load(sid)).state is SessionState.TIMED_OUT
+
+
+async def test_a_dead_letter_whose_agent_is_gone_is_refused_not_left_pending(
+    env: Env, tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """The resend's activation sends an undo through the agent's tool: on a cluster where
+    the agent is no longer configured nothing would ever send it, and the entry, PENDING,
+    would leave the operator's dead letters without a word."""
+    sid, entry = await exhaust_the_compensation(env)
+    await env.world.open_gate("undo-up")
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"agents": {}}) as gone:
+        gone.clock.set(env.clock.now())
+        with pytest.raises(OutboxEntryNotSendable, match="not configured"):
+            await gone.control.resend_outbox(sid, entry.entry_id)
+    still = undo_of(await env.load(sid))
+    assert still.status is DispatchStatus.DEAD, "still a dead letter, on the operator's list"
+    # Back where the agent is configured, the same resend sends it.
+    await env.control.resend_outbox(sid, entry.entry_id)
+    assert undo_of(await env.load(sid)).status is DispatchStatus.DISPATCHED
+    assert await env.world.counts("compensate") == {UNDO_KEY: 1}

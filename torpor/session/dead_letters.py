@@ -16,12 +16,19 @@ from __future__ import annotations
 import contextlib
 
 from torpor import outbox
-from torpor.errors import IndexUnavailable, InvalidRequest, SessionBusy
-from torpor.models import DispatchStatus, OutboxEntry
+from torpor.errors import (
+    IndexUnavailable,
+    InvalidRequest,
+    OutboxEntryNotSendable,
+    PluginNotFound,
+    SessionBusy,
+)
+from torpor.models import DispatchStatus, OutboxEntry, OutboxKind, SessionSnapshot
 from torpor.ports.services import Services
 from torpor.session.heartbeat import Heartbeat
 from torpor.session.runtime import lease_name
 from torpor.session.working import WorkingCopy
+from torpor.tools import LongRunningTool
 
 
 async def resend(deps: Services, session_id: str, entry_id: str, *, owner: str) -> OutboxEntry:
@@ -29,7 +36,8 @@ async def resend(deps: Services, session_id: str, entry_id: str, *, owner: str) 
 
     Idempotent: an entry already PENDING (resent before) is returned as it is. Raises
     ``SessionBusy`` while an activation holds the session, ``InvalidRequest`` for an entry
-    that does not exist or is not a dead letter."""
+    that does not exist or is not a dead letter, ``OutboxEntryNotSendable`` for one this
+    cluster cannot send (it stays a dead letter)."""
     config, index = deps.config, deps.index
     lease = await index.acquire_lease(
         name=lease_name(session_id), owner=owner, ttl=config.lease_ttl, now=deps.clock.now()
@@ -52,6 +60,7 @@ async def resend(deps: Services, session_id: str, entry_id: str, *, owner: str) 
             raise InvalidRequest(
                 f"outbox entry {entry_id!r} is {entry.status.value}, not a dead letter"
             )
+        ensure_sendable(deps, snapshot, entry)
         revived = outbox.revive(entry)
         work = WorkingCopy(deps, snapshot, heartbeat)
         work.update(outbox=[revived if e.entry_id == entry_id else e for e in snapshot.outbox])
@@ -62,3 +71,24 @@ async def resend(deps: Services, session_id: str, entry_id: str, *, owner: str) 
         await heartbeat.stop()
         with contextlib.suppress(IndexUnavailable):  # it expires by itself anyway
             await index.release_lease(heartbeat.lease)
+
+
+def ensure_sendable(deps: Services, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
+    """Refuse a resend nothing here would send. The activation that sends an outbox entry
+    sends nothing for a session whose agent is not configured, and an undo goes through
+    the agent's long-running tool: revived regardless, the entry would sit PENDING for
+    ever, and leave the operator's dead letters as if it had been sent."""
+    name = snapshot.agent.name
+    try:
+        loaded = deps.plugins.agent(name)
+    except PluginNotFound:
+        raise OutboxEntryNotSendable(
+            f"agent {name!r} is not configured on this cluster: configure it, then resend"
+        ) from None
+    if entry.kind is OutboxKind.NOTIFY:
+        return
+    tool = loaded.tools.get(entry.tool_name or "")
+    if not isinstance(tool, LongRunningTool):
+        raise OutboxEntryNotSendable(
+            f"tool {entry.tool_name!r} of agent {name!r} is not a long-running tool here"
+        )
