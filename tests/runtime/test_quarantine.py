@@ -17,6 +17,7 @@ from torpor.errors import PreconditionFailed, StorageUnavailable
 from torpor.lifecycle import SessionState
 from torpor.models import SCHEMA_VERSION
 from torpor.ports import Reason, TimerKind
+from torpor.service import sweeper as sweeper_module
 from torpor.service.sweeper import Sweeper
 from torpor.session import ActivationOutcome
 from torpor.session.activation import Activation
@@ -29,6 +30,18 @@ PLAN = {
     ]
 }
 AGENTS = {"a": plan_agent(PLAN, {"tests.runtime.memory_env:Approve": {}})}
+# The same plan, the document from the input: two sessions wait on two business keys.
+PER_DOC = {
+    "a": plan_agent(
+        {
+            "steps": [
+                {"id": "approve", "calls": [{"tool": "approve", "args": {"doc": "${input}"}}]},
+                {"id": "done", "finish": "${results.approve}"},
+            ]
+        },
+        {"tests.runtime.memory_env:Approve": {}},
+    )
+}
 FAR = datetime(2100, 1, 1, tzinfo=UTC)
 
 
@@ -234,3 +247,59 @@ async def test_a_fault_raised_from_a_connection_error_is_retried_and_never_count
                 with pytest.raises(RuntimeError):
                     await env.runtime.activate(sid, reason=Reason.RETRY)
         assert (await env.load(sid)).retry.used == 0
+
+
+async def test_set_aside_sessions_past_their_deadline_hide_no_later_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A set-aside session's due deadline stays first in the SLA set (its waits stay
+    bound): a full batch of them (``DEADLINE_BATCH``, ``BATCH``), read first on every
+    look, hid every later deadline until their grace ran out, a week later."""
+    monkeypatch.setattr(sweeper_module, "DEADLINE_BATCH", 1)
+    monkeypatch.setattr(sweeper_module, "BATCH", 1)
+    async with memory_env(PER_DOC) as env:
+        reset()
+        aside = await env.submit("a", "D-1")
+
+        async def fails(self: Activation, reason: Reason) -> None:
+            raise RuntimeError("a bug on the path")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Activation, "_drive", fails)
+            while (await env.load(aside)).state is not S.QUARANTINED:
+                await env.runtime.activate(aside, reason=Reason.RETRY)
+        env.clock.advance(10)
+        later = await env.submit("a", "D-2")
+        [wait] = (await env.load(later)).waits
+        env.clock.advance((wait.deadline - env.clock.now()).total_seconds() + 1)
+        sweeper = Sweeper(env.control)
+        assert await sweeper.deadlines_once() == 1, "the later deadline is acted on"
+        assert (await env.load(later)).state is S.TIMED_OUT
+        assert (await env.load(aside)).state is S.QUARANTINED, "left for its operator"
+        await env.control.retry(aside, tenant="acme")  # its deadline is past all the same
+        assert (await env.load(aside)).state is S.TIMED_OUT
+
+
+async def test_a_full_sweep_is_not_hidden_behind_set_aside_sessions_either(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sweeper_module, "BATCH", 1)
+    async with memory_env(PER_DOC) as env:
+        reset()
+        aside = await env.submit("a", "D-1")
+
+        async def fails(self: Activation, reason: Reason) -> None:
+            raise RuntimeError("a bug on the path")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Activation, "_drive", fails)
+            while (await env.load(aside)).state is not S.QUARANTINED:
+                await env.runtime.activate(aside, reason=Reason.RETRY)
+        env.clock.advance(10)
+        later = await env.submit("a", "D-2")
+        [wait] = (await env.load(later)).waits
+        env.clock.advance((wait.deadline - env.clock.now()).total_seconds() + 1)
+        sweeper = Sweeper(env.control)
+        reports = [await sweeper.sweep_once() for _ in range(2)]
+        assert sum(r.timeouts for r in reports) == 1
+        assert (await env.load(later)).state is S.TIMED_OUT

@@ -149,7 +149,7 @@ class Sweeper:
         for _ in range(DEADLINE_ROUNDS):  # a full batch may hide more due behind it
             due = await self.services.index.due_deadlines(now=now, limit=DEADLINE_BATCH)
             fresh = [sid for sid in dict.fromkeys(b.session_id for b in due) if sid not in seen]
-            live = await self._live(fresh)
+            live = await self._live([b for b in due if b.session_id in fresh])
             await self._request_all([(sid, Reason.TIMEOUT) for sid in live])
             seen.update(fresh)
             asked += len(live)
@@ -157,14 +157,28 @@ class Sweeper:
                 break
         return asked
 
-    async def _live(self, session_ids: list[str]) -> list[str]:
-        """Those not set aside: a QUARANTINED session waits for its operator, and its due
-        deadlines (its waits stay bound) asked for a timeout it never takes four times a
-        second, each an activation, until the grace ran out a week later."""
+    async def _live(self, due: list[WaitBinding]) -> list[str]:
+        """The sessions of these due bindings that are not set aside. A QUARANTINED session
+        waits for its operator: asked to time out, it never would (four times a second, an
+        activation each, until the grace ran out a week later). Its due bindings leave the
+        index instead: left there, they came first in every look at the SLA set, and a full
+        batch of them hid every later deadline for that week. Nothing needs them: the
+        operator's retry times out a wait whose deadline passed from the snapshot alone,
+        and an answer still finds the session by its wait's durable correlation record."""
+        session_ids = list(dict.fromkeys(b.session_id for b in due))
         if not session_ids:
             return []
         states = await self.services.index.session_states(session_ids)
-        return [sid for sid in session_ids if states.get(sid) is not SessionState.QUARANTINED]
+        aside = {sid for sid in session_ids if states.get(sid) is SessionState.QUARANTINED}
+        for binding in due:
+            if binding.session_id in aside:
+                await self.services.index.unbind(
+                    tenant=binding.tenant,
+                    correlation_id=binding.correlation_id,
+                    business_key=None,
+                    deadline=binding.deadline,
+                )
+        return [sid for sid in session_ids if sid not in aside]
 
     # -- activation requests --------------------------------------------------------------
 
@@ -199,8 +213,8 @@ class Sweeper:
                 return await self._still_waiting(session_id, by_session[session_id])
 
         checks = await asyncio.gather(*(waiting(sid) for sid in by_session))
-        sessions = [sid for sid, live in zip(by_session, checks, strict=True) if live]
-        sessions = await self._live(sessions)
+        still = [sid for sid, live in zip(by_session, checks, strict=True) if live]
+        sessions = await self._live([b for sid in still for b in by_session[sid]])
         await self._request_all([(sid, Reason.TIMEOUT) for sid in sessions])
         report.timeouts += len(sessions)
 
