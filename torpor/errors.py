@@ -507,9 +507,9 @@ class DeliveryNotResendable(PermanentError):
 
 
 class OutboxEntryNotSendable(PermanentError):
-    """A resend of a dead letter this cluster cannot send: the session's agent (whose
-    activation sends it) or the long-running tool that undoes is not configured here.
-    Revived, it would sit PENDING for ever, gone from the dead letters without a word."""
+    """A resend of a dead undo this cluster cannot send: the long-running tool that
+    undoes (its session's agent's) is not configured here. Revived, it would sit PENDING
+    for ever, gone from the dead letters without a word."""
 
     code = "outbox_entry_not_sendable"
     status, title, public = 409, "Outbox entry cannot be sent here", True

@@ -12,13 +12,15 @@ from typing import Any
 import pytest
 import standardwebhooks
 
+from storage import keys
+from storage.codec import SnapshotCodec
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Received, Receiver
 from torpor.deliveries import Delivery, DeliveryStatus
 from torpor.errors import DeliveryNotResendable, UnsafeUrl
 from torpor.lifecycle import SessionState
-from torpor.models import OutboxKind
-from torpor.ports import Observer, TimerKind
+from torpor.models import DispatchStatus, OutboxKind
+from torpor.ports import Observer, Reason, TimerKind
 from torpor.service.deliveries import DeliveryNotifier, DeliveryWorker, secret_for, tenant_view
 
 
@@ -371,3 +373,33 @@ async def test_a_replayed_notice_or_an_early_timer_keeps_the_receivers_retry_aft
             ]
     finally:
         hook.close()
+
+
+async def test_a_session_whose_agent_is_gone_still_notifies_its_end(
+    tmp_path: Path, redis_url: str, redis_prefix: str, hook: Receiver
+) -> None:
+    """A notice needs no tool: the session that FAILED for want of its agent told its
+    submitter nothing (the notice stayed PENDING, no timer, every repair woke it again),
+    and an operator's resend of a dead notice there was refused."""
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        sid = await env.submit(doc="PR-G", callback_url=hook.url)
+        async with local_env(tmp_path, redis_url, redis_prefix, extra={"agents": {}}) as gone:
+            gone.clock.set(env.clock.now())
+            await gone.control.activate(sid, reason=Reason.EVENT)
+            snap = await env.load(sid)
+            assert snap.state is SessionState.FAILED
+            [notice] = [e for e in snap.outbox if e.kind is OutboxKind.NOTIFY]
+            assert notice.status is DispatchStatus.DISPATCHED
+            assert await DeliveryWorker(gone.services).due(gone.clock.now()) == 1
+            [got] = hook.received
+            assert verify_signed(env, got, hook.url)["type"] == "session.failed"
+            # The same notice given up (a dead letter), resent by an operator there.
+            dead = notice.model_copy(update={"status": DispatchStatus.DEAD})
+            await env.services.store.put(
+                keys.snapshot(sid),
+                SnapshotCodec().encode(snap.model_copy(update={"outbox": [dead]})),
+            )
+            revived = await gone.control.resend_outbox(sid, notice.entry_id)
+            assert revived.status is DispatchStatus.PENDING
+            [sent] = (await env.load(sid)).outbox
+            assert sent.status is DispatchStatus.DISPATCHED

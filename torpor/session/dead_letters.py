@@ -74,10 +74,12 @@ async def resend(deps: Services, session_id: str, entry_id: str, *, owner: str) 
 
 
 def ensure_sendable(deps: Services, snapshot: SessionSnapshot, entry: OutboxEntry) -> None:
-    """Refuse a resend nothing here would send. The activation that sends an outbox entry
-    sends nothing for a session whose agent is not configured, and an undo goes through
-    the agent's long-running tool: revived regardless, the entry would sit PENDING for
-    ever, and leave the operator's dead letters as if it had been sent."""
+    """Refuse a resend nothing here would send. An undo goes out through the agent's
+    long-running tool, and the activation sends none for a session whose agent is not
+    configured: revived regardless, the entry would sit PENDING for ever, and leave the
+    operator's dead letters as if it had been sent. A notice needs no tool."""
+    if entry.kind is OutboxKind.NOTIFY:
+        return
     name = snapshot.agent.name
     try:
         loaded = deps.plugins.agent(name)
@@ -85,8 +87,6 @@ def ensure_sendable(deps: Services, snapshot: SessionSnapshot, entry: OutboxEntr
         raise OutboxEntryNotSendable(
             f"agent {name!r} is not configured on this cluster: configure it, then resend"
         ) from None
-    if entry.kind is OutboxKind.NOTIFY:
-        return
     tool = loaded.tools.get(entry.tool_name or "")
     if not isinstance(tool, LongRunningTool):
         raise OutboxEntryNotSendable(

@@ -37,7 +37,7 @@ from torpor.models import (
 from torpor.plugins import LoadedAgent
 from torpor.ports import TimerIndex, TimerKind, WaitBinding
 from torpor.session.working import WorkingCopy, error_result, message_content
-from torpor.tools import LongRunningTool, MemberPlan, WaitPlan
+from torpor.tools import LongRunningTool, MemberPlan, ToolRegistry, WaitPlan
 
 log = logging.getLogger(__name__)
 
@@ -364,15 +364,17 @@ class Suspender:
         due = [e for e in work.snap.outbox if outbox.is_due(e, work.now)]
         if not due:
             return
-        tools = self.loaded.tools if self.loaded else None
         settled: dict[str, OutboxEntry] = {}
         for entry in due:
-            if tools is None:
-                break
+            if self.loaded is None and entry.kind is not OutboxKind.NOTIFY:
+                # Its tool is the agent's, not configured here: left for a node that has
+                # it. A notice needs none: a session that ended for want of its agent
+                # still tells its submitter so.
+                continue
             result = await outbox.send(
                 entry,
                 work.snap,
-                tools=tools,
+                tools=self.loaded.tools if self.loaded else ToolRegistry(),
                 router=self.deps.router,
                 notifier=self.deps.notifier,
                 now=work.now,
