@@ -13,9 +13,9 @@ from storage import keys
 from storage.codec import SnapshotCodec
 from tests.runtime.memory_env import MemEnv, memory_env, plan_agent, reset
 from torpor.clock import to_ms
-from torpor.errors import PreconditionFailed, StorageUnavailable
+from torpor.errors import OutboxEntryNotSendable, PreconditionFailed, StorageUnavailable
 from torpor.lifecycle import SessionState
-from torpor.models import SCHEMA_VERSION
+from torpor.models import SCHEMA_VERSION, DispatchStatus, OutboxEntry, OutboxKind
 from torpor.ports import Reason, TimerKind
 from torpor.service import sweeper as sweeper_module
 from torpor.service.sweeper import Sweeper
@@ -303,3 +303,41 @@ async def test_a_full_sweep_is_not_hidden_behind_set_aside_sessions_either(
         reports = [await sweeper.sweep_once() for _ in range(2)]
         assert sum(r.timeouts for r in reports) == 1
         assert (await env.load(later)).state is S.TIMED_OUT
+
+
+async def test_a_dead_letter_of_a_set_aside_session_is_not_resent_until_it_is_taken_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Resent, it was answered as PENDING and left the dead letters, but a set-aside
+    session has no timers and no activation sends anything for it: it sat there unsent.
+    Refused (409) until the operator retries or cancels the session."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+
+        async def fails(self: Activation, reason: Reason) -> None:
+            raise RuntimeError("a bug on the path")
+
+        monkeypatch.setattr(Activation, "_drive", fails)
+        for _ in range(10):
+            if (await env.load(sid)).state is S.QUARANTINED:
+                break
+            await env.runtime.activate(sid, reason=Reason.RETRY)
+        monkeypatch.undo()
+        aside = await env.load(sid)
+        dead = OutboxEntry(
+            entry_id="o_dead",
+            kind=OutboxKind.NOTIFY,
+            idempotency_key=f"{sid}:resumed:1",
+            payload={"event": "resumed"},
+            status=DispatchStatus.DEAD,
+            created_at=env.clock.now(),
+        )
+        await env.services.snapshots.save(
+            aside.model_copy(update={"outbox": [*aside.outbox, dead]}),
+            expected_generation=aside.generation,
+        )
+        with pytest.raises(OutboxEntryNotSendable):
+            await env.control.resend_outbox(sid, "o_dead", tenant="acme")
+        [entry] = [e for e in (await env.load(sid)).outbox if e.entry_id == "o_dead"]
+        assert entry.status is DispatchStatus.DEAD, "still on the operator's dead letters"

@@ -23,6 +23,7 @@ from torpor.errors import (
     PluginNotFound,
     SessionBusy,
 )
+from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus, OutboxEntry, OutboxKind, SessionSnapshot
 from torpor.ports.services import Services
 from torpor.session.heartbeat import Heartbeat
@@ -77,7 +78,13 @@ def ensure_sendable(deps: Services, snapshot: SessionSnapshot, entry: OutboxEntr
     """Refuse a resend nothing here would send. An undo goes out through the agent's
     long-running tool, and the activation sends none for a session whose agent is not
     configured: revived regardless, the entry would sit PENDING for ever, and leave the
-    operator's dead letters as if it had been sent. A notice needs no tool."""
+    operator's dead letters as if it had been sent. A notice needs no tool. A session
+    set aside sends nothing until an operator takes it back (its timers are gone): the
+    resend is refused until then, not left PENDING."""
+    if snapshot.state is SessionState.QUARANTINED:
+        raise OutboxEntryNotSendable(
+            f"session {snapshot.session_id} is QUARANTINED: retry or cancel it first"
+        )
     if entry.kind is OutboxKind.NOTIFY:
         return
     name = snapshot.agent.name
