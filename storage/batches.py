@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from datetime import datetime
 
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
@@ -48,6 +49,14 @@ class ObjectBatches:
             return BatchManifest.model_validate_json(obj.data)
         except (ObjectNotFound, ValidationError, InvalidKey):
             raise NotFound(f"no batch {batch_id[:80]!r}") from None
+
+    async def mark_accepting(self, batch_id: str, at: datetime) -> None:
+        # Unconditional: a retried request (same batch id) starts the clock again, so a
+        # purge does not take its documents for an old attempt's.
+        await self.store.put(keys.batch_accepting(batch_id), at.isoformat().encode())
+
+    async def mark_accepted(self, batch_id: str) -> None:
+        await self.store.delete(keys.batch_accepting(batch_id))
 
     async def put_documents(
         self, batch_id: str, fingerprint: str, documents: list[JsonValue]

@@ -201,6 +201,17 @@ def fanout(batch_id: str) -> str:
     return FANOUTS + safe(batch_id, "batch id")
 
 
+BATCH_ACCEPTS = "batch-accepts/"
+
+
+def batch_accepting(batch_id: str) -> str:
+    """Written (with the time) before a batch's first document and removed once its
+    manifest is: documents whose manifest never came (an accept or a driver that died
+    between the two, a batch refused after its rows were stored by reference) are found
+    through it, as nothing else names them."""
+    return BATCH_ACCEPTS + safe(batch_id, "batch id")
+
+
 def batch_document(batch_id: str, index: int) -> str:
     """A document passed by reference (``Client.submit_dataset(..., by_reference=True)``)."""
     return f"{batch_data(batch_id)}docs/{index:08d}.json"

@@ -9,7 +9,8 @@ markers, and the records and progress of its compute work (``torpor.work``). Eac
 also visits a few batches (round robin over their manifests): one created more than
 the period and an hour ago, fanned out (or cancelled), with no session left goes whole,
 its documents, fan-out cursor, retry generations, results and cancel marker first, its
-manifest last (so a batch cancelled before any session was made goes too). And it
+manifest last (so a batch cancelled before any session was made goes too); and the
+documents of a batch whose manifest never came (found through its accept note). And it
 compacts the old blocks of a few audit streams into archives
 (``storage.audit_archive``): audit records are kept, in fewer objects.
 
@@ -94,6 +95,7 @@ class ObjectRetention:
         self._cursor: str | None = None
         self._audit_cursor: str | None = None
         self._batch_cursor: str | None = None
+        self._accept_cursor: str | None = None
         # How many of each batch's sessions (in the order they are looked at) are known
         # gone: the next visit starts there, at the one found still stored last time.
         self._batch_gone: OrderedDict[str, int] = OrderedDict()
@@ -132,6 +134,42 @@ class ObjectRetention:
             if deleted:
                 report.batches += 1
                 report.objects += deleted
+        await self._sweep_unaccepted(cutoff - BATCH_GRACE, report)
+
+    async def _sweep_unaccepted(self, cutoff: datetime, report: RetentionReport) -> None:
+        """Visit a few accept notes (round robin): documents whose manifest never came
+        are named by nothing else."""
+        page = await self.store.list(
+            keys.BATCH_ACCEPTS, start_after=self._accept_cursor, limit=BATCHES_PER_SWEEP
+        )
+        self._accept_cursor = page.next_token
+        for key in page.keys:
+            report.objects += await self._unaccepted(key, cutoff)
+
+    async def _unaccepted(self, note: str, cutoff: datetime) -> int:
+        """Delete the documents of a batch whose accept began before ``cutoff`` and never
+        wrote its manifest (it died, or the batch was refused after its rows were stored
+        by reference), then the note; a note beside a manifest only goes itself (the
+        accept died after the manifest: the batch is judged by its manifest). Past the
+        period, no accept of the batch is still under way: a retry of the request starts
+        again, and writes its note again first."""
+        batch_id = note.removeprefix(keys.BATCH_ACCEPTS)
+        if await exists(self.store, keys.batch(batch_id)):
+            await self.store.delete(note)
+            return 1
+        data = await self._data(note)
+        try:
+            at = datetime.fromisoformat(data.decode()) if data is not None else None
+        except ValueError:
+            return 0  # unreadable: an operator looks first
+        if at is None or at > cutoff:
+            return 0  # gone since the listing, or an accept perhaps still under way
+        beside = await self._list(keys.batch_data(batch_id))
+        await self._delete(beside)
+        # A fan-out marker of an accept that died between it and the manifest.
+        await self.store.delete(keys.fanout(batch_id))
+        await self.store.delete(note)
+        return len(beside) + 1
 
     async def _batch(self, key: str, cutoff: datetime) -> int:
         manifest = await self._read(key, BatchManifest)

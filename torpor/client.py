@@ -230,6 +230,9 @@ class AsyncClient:
         batch_id = new_batch_id()
         documents: list[JsonValue] = list(rows)
         if by_reference:
+            # The rows are stored before the batch is accepted (or refused): noted first,
+            # so those of a batch that never gets its manifest are deleted in time.
+            await self._services.batches.mark_accepting(batch_id, self._services.clock.now())
             documents = []
             for i, row in enumerate(rows):
                 key = await self._services.batches.put_document(batch_id, i, row)

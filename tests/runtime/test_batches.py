@@ -435,3 +435,73 @@ async def test_a_batch_past_its_retention_period_takes_no_retry(world: World) ->
     with pytest.raises(BatchExpired):
         await world.batches.retry(manifest.batch_id)
     assert await world.services.batches.generations(manifest.batch_id) == []
+
+
+class KilledBeforeTheManifest(Exception):
+    pass
+
+
+async def test_a_batch_whose_accept_died_before_its_manifest_leaves_nothing_behind(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The documents are written before the manifest: an accept killed in between (no
+    Idempotency-Key to retry it under) left them under no manifest, which is what
+    retention visits batches through, so they stayed for ever."""
+    store = world.services.store
+    create = store.put_if_absent
+
+    async def killed(key: str, data: bytes, *, durable: bool = True) -> str:
+        if key.startswith(keys.BATCHES):
+            raise KilledBeforeTheManifest(key)
+        return await create(key, data, durable=durable)
+
+    monkeypatch.setattr(store, "put_if_absent", killed)
+    with pytest.raises(KilledBeforeTheManifest):
+        await world.batches.accept(
+            tenant="acme", agent="fin", documents=[{"doc": 0}], batch_id="b_killed"
+        )
+    monkeypatch.undo()
+    assert await batch_keys(world, "b_killed")  # its documents (and fan-out marker)
+    await world.sweeper.sweep_once()
+    await world.sweeper.batches.drain()
+    clock = cast(ManualClock, world.services.clock)
+    clock.advance(29 * DAY.total_seconds())
+    await world.sweeper.sweep_once()
+    assert await batch_keys(world, "b_killed")  # inside the period: a retry may still come
+    clock.advance(2 * DAY.total_seconds())
+    await world.sweeper.sweep_once()
+    await world.sweeper.batches.drain()
+    assert await batch_keys(world, "b_killed") == []
+
+
+class Rows:
+    """The part of a ``ray.data.Dataset`` that ``submit_dataset`` reads."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def iter_rows(self) -> list[dict[str, Any]]:
+        return self.rows
+
+
+async def test_documents_stored_by_reference_for_a_refused_batch_go_after_the_period(
+    world: World,
+) -> None:
+    """``submit_dataset(by_reference=True)`` stores every row before the batch is
+    accepted; a batch then refused (no such agent) or a driver that dies half way left
+    the rows under no manifest, for ever."""
+    from torpor.client import AsyncClient
+    from torpor.errors import UnknownAgent
+
+    client = AsyncClient.__new__(AsyncClient)  # no Ray: only the services are used
+    client.tenant, client._services, client._batches = "acme", world.services, world.batches
+    with pytest.raises(UnknownAgent):
+        await client.submit_dataset(
+            Rows([{"id": "d0"}, {"id": "d1"}]), agent="nope", by_reference=True
+        )
+    stored = await all_keys(world.services.store, keys.BATCH_DATA)
+    assert len(stored) == 2
+    clock = cast(ManualClock, world.services.clock)
+    clock.advance(MONTH.total_seconds() + 2 * 3600)
+    await world.sweeper.sweep_once()
+    assert await all_keys(world.services.store, keys.BATCH_DATA) == []

@@ -290,3 +290,14 @@ async def test_a_batch_from_before_documents_were_kept_goes_too() -> None:
     later = NOW + KEEP + timedelta(days=1)
     await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
     assert (await store.list("")).keys == []
+
+
+async def test_an_accept_note_left_beside_a_manifest_goes_and_the_batch_stays() -> None:
+    """An accept that died after its manifest, before it removed its note: the note goes
+    on the next visit, whatever its age; the batch is judged by its manifest."""
+    store = MemoryObjectStore()
+    batch_id = await fanned_out_batch(store, cancelled=False)
+    await ObjectBatches(store).mark_accepting(batch_id, NOW)
+    await ObjectRetention(store).sweep(now=NOW, keep=KEEP, windows=WINDOWS, limit=10)
+    assert (await store.list(keys.BATCH_ACCEPTS)).keys == []
+    assert keys.batch(batch_id) in (await store.list(keys.BATCHES)).keys

@@ -174,6 +174,15 @@ class BatchRepository(Protocol):
         """Raise ``NotFound`` if there is no such (readable) batch."""
         ...
 
+    async def mark_accepting(self, batch_id: str, at: datetime) -> None:
+        """Note durably, before the batch's first document, that its documents are being
+        written at ``at``: retention deletes those whose manifest never came."""
+        ...
+
+    async def mark_accepted(self, batch_id: str) -> None:
+        """Remove that note: the manifest is written (it names the documents now)."""
+        ...
+
     async def put_documents(
         self, batch_id: str, fingerprint: str, documents: list[JsonValue]
     ) -> str:

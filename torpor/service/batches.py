@@ -161,8 +161,11 @@ class BatchService:
         existing = await self._existing(batch_id, tenant, fp)
         if existing is not None:
             return existing
-        key = await self.services.batches.put_documents(batch_id, fp, documents)
         now = self.services.clock.now()
+        # Before the documents: an accept that dies before its manifest leaves documents
+        # nothing else names; retention finds them through this note (and deletes them).
+        await self.services.batches.mark_accepting(batch_id, now)
+        key = await self.services.batches.put_documents(batch_id, fp, documents)
         manifest = BatchManifest(
             batch_id=batch_id,
             tenant=tenant,
@@ -189,11 +192,14 @@ class BatchService:
         # fan-out is unfinished; repair finds the batch again through this marker.
         await self.services.batches.mark_fanning_out(batch_id)
         if not await self.services.batches.create(manifest):
+            await self.services.batches.mark_accepted(batch_id)  # a manifest names them
             found = await self._existing(batch_id, tenant, fp)
             if found is None:  # pragma: no cover - create-only said it exists
                 raise NotFound(f"no batch {batch_id!r}")
             return found
         crash_point(CrashPoint.BATCH_MANIFEST)
+        # A crash before this leaves the note beside a manifest: retention removes it.
+        await self.services.batches.mark_accepted(batch_id)
         return manifest
 
     async def _existing(self, batch_id: str, tenant: str, fp: str) -> BatchManifest | None:
