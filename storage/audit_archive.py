@@ -6,7 +6,8 @@ verbatim and in order, into one create-only archive ``audit-archives/{stream}/
 (``ObjectAudit.verify`` reads the archive and skips the leftover blocks, and the next
 compaction deletes them). The records and their hash links are unchanged, so the chain
 still verifies end to end, and the checkpoints still vouch for the heads of archived
-blocks: removing an archive is a missing block, like removing a block.
+blocks: removing an archive is a missing block, like removing a block (unless an
+overlapping archive, written by a concurrent compaction, holds the same blocks).
 
 The newest ``KEEP_BLOCKS`` blocks of a stream are never compacted: a live writer reads
 only the block after its own head, and nothing here touches it.
@@ -20,7 +21,7 @@ import zlib
 from dataclasses import dataclass
 
 from storage import keys
-from torpor.errors import ObjectExists
+from torpor.errors import ObjectExists, ObjectNotFound
 from torpor.ports import ObjectStore
 
 ARCHIVES = "audit-archives/"
@@ -83,9 +84,15 @@ async def archives(store: ObjectStore, stream: str) -> list[Archive]:
 
 
 async def compact(store: ObjectStore, stream: str) -> int:
-    """Archive one run of ``stream``'s old blocks; returns how many blocks it archived."""
+    """Archive one run of ``stream``'s old blocks; returns how many blocks it archived.
+
+    Two compactions of a stream at once (two reconcilers overlapping in a restart) may
+    both start after the same archive and end at different blocks (the later listing saw
+    more): their archives then overlap, each a verbatim copy of the same create-only
+    blocks, and ``ObjectAudit.verify`` takes each block once. Every archive starts right
+    after one that was there (or at block 1), so together they never leave a gap."""
     done = await archives(store, stream)
-    archived = done[-1].last if done else 0
+    archived = max((a.last for a in done), default=0)
     # Finish an interrupted compaction: blocks an archive already holds go first.
     for key in await all_keys(store, keys.audit_prefix(stream)):
         if int(key.rsplit("/", 1)[-1]) > archived:
@@ -103,7 +110,10 @@ async def compact(store: ObjectStore, stream: str) -> int:
         run.append(key)
     if len(run) < MIN_BLOCKS:
         return 0
-    blocks = [(await store.get(key)).data for key in run]
+    try:
+        blocks = [(await store.get(key)).data for key in run]
+    except ObjectNotFound:  # another compaction archived them since the listing
+        return 0
     target = archive_key(stream, archived + 1, archived + len(run))
     with contextlib.suppress(ObjectExists):  # an earlier attempt wrote this very run
         await store.put_if_absent(target, encode(blocks))

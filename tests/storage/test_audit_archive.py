@@ -3,6 +3,8 @@ shows a cut, and survives a compaction that stopped half way."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from storage import audit_archive, keys
@@ -10,7 +12,7 @@ from storage.audit import ObjectAudit
 from storage.local_store import LocalObjectStore
 from storage.retention import ObjectRetention
 from tests.storage.test_audit import fields
-from torpor.ports import ObjectStore
+from torpor.ports import ObjectStore, StoredObject
 
 BLOCKS = 24
 
@@ -90,3 +92,83 @@ async def test_a_compaction_stopped_half_way_verifies_and_is_finished_next_time(
     assert len(await blocks(store, "wd")) == audit_archive.KEEP_BLOCKS
     check = await log.verify()
     assert check.ok and check.records == BLOCKS
+
+
+class Held(LocalObjectStore):
+    """Stops the first write (or read) of a key starting with ``at`` until released: a
+    compactor caught there while another one (a second reconciler) runs."""
+
+    def __init__(self, root: object, at: str, on: str) -> None:
+        from pathlib import Path
+
+        super().__init__(Path(str(root)))
+        self.at, self.on = at, on
+        self.reached, self.release = asyncio.Event(), asyncio.Event()
+
+    async def _hold(self, key: str, op: str) -> None:
+        if op == self.on and key.startswith(self.at) and not self.reached.is_set():
+            self.reached.set()
+            await self.release.wait()
+
+    async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
+        await self._hold(key, "put")
+        return await super().put_if_absent(key, data, durable=durable)
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        await self._hold(key, "get")
+        return await super().get(key, max_bytes=max_bytes)
+
+
+async def test_two_compactions_at_once_write_overlapping_archives_that_still_verify(
+    tmp_path: object,
+) -> None:
+    """A compaction lists the blocks, a second one (it listed later, so it saw more
+    blocks) archives and deletes a longer run, then the first writes its shorter archive
+    of the same blocks. The archives overlap; the chain is intact."""
+    store = Held(tmp_path, audit_archive.ARCHIVES, "put")
+    log = await written(store, "wf")
+    first = asyncio.create_task(audit_archive.compact(store, "wf"))
+    await store.reached.wait()  # it read blocks 1..20 and is about to archive them
+    for i in range(4):
+        await log.append(**fields(100 + i))
+    assert await audit_archive.compact(store, "wf") == BLOCKS  # blocks 1..24
+    store.release.set()
+    await first
+    assert len(await audit_archive.archives(store, "wf")) == 2
+    check = await log.verify()
+    assert check.ok, check.why
+    assert check.records == BLOCKS + 4
+    await audit_archive.compact(store, "wf")  # and compaction carries on after both
+    assert (await log.verify()).ok
+
+
+async def test_a_compaction_whose_blocks_another_one_archived_meanwhile_stops_quietly(
+    tmp_path: object,
+) -> None:
+    store = Held(tmp_path, keys.audit_prefix("wg"), "get")
+    log = await written(store, "wg")
+    first = asyncio.create_task(audit_archive.compact(store, "wg"))
+    await store.reached.wait()  # it listed the blocks, and reads the first of them
+    assert await audit_archive.compact(store, "wg") == BLOCKS - audit_archive.KEEP_BLOCKS
+    store.release.set()
+    assert await first == 0  # the other one archived them: nothing to do, no error
+    check = await log.verify()
+    assert check.ok and check.records == BLOCKS
+
+
+async def test_an_overlapping_archive_that_disagrees_shows(store: ObjectStore) -> None:
+    """Overlapping archives are copies of the same blocks: one whose copy differs (its
+    last archived block replaced by another stream's) breaks the chain there."""
+    log = await written(store, "wh")
+    await audit_archive.compact(store, "wh")
+    [archive] = await audit_archive.archives(store, "wh")
+    blocks = audit_archive.decode((await store.get(archive.key)).data)
+    assert blocks is not None
+    other = await ObjectAudit(store, writer="other").append(**fields(7))
+    after = (await store.get(keys.audit_record("wh", archive.last + 1))).data
+    forged = [*blocks[:-1], other.model_dump_json().encode(), after]
+    await store.put(
+        audit_archive.archive_key("wh", 1, archive.last + 1), audit_archive.encode(forged)
+    )
+    check = await log.verify()
+    assert not check.ok and "disagree" in check.why
