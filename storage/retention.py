@@ -27,9 +27,11 @@ Deletion order makes a crash harmless: the records first, then what decided they
 (correlation records, work outcomes and stop markers), then what they were found through
 (inbox events, refs), then the snapshot, its history chunks (a session loads whole
 until its snapshot goes), any inbox event a late callback wrote meanwhile, and its live
-marker, the ended marker last. A retry finds the
-marker and resumes with every object left still findable and judged as before; a marker
-whose snapshot is gone means only the chunks and the live marker may be left.
+marker, the ended marker last, a window after the snapshot (a callback that found the
+session before the purge may store its event later; each visit meanwhile looks again).
+A retry finds the marker and resumes with every object left still findable and judged
+as before; a marker whose snapshot is gone means only the chunks, late inbox events and
+the live marker may be left.
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ class ObjectRetention:
             # As stored, without its history chunks: what judges it is all in there.
             snapshot = await self.snapshots.load_stored(session_id)
         except SessionNotFound:  # an earlier sweep got as far as the snapshot
-            await self._after_snapshot(session_id, marker)
+            report.objects += await self._after_snapshot(session_id, marker, now, windows)
             return
         except SnapshotError:  # corrupt, or a newer torpor's (mid-upgrade: it judges)
             report.kept += 1  # never delete what cannot be read: an operator looks first
@@ -304,22 +306,44 @@ class ObjectRetention:
         await self._delete(doomed.deciding)
         await self._delete(doomed.finders)
         await self.store.delete(keys.snapshot(session_id))
-        chunks = await self._after_snapshot(session_id, marker)
-        report.objects += len(doomed) + chunks + 2
+        chunks = await self._after_snapshot(session_id, marker, now, windows)
+        report.objects += len(doomed) + chunks + 1
         report.purged.append((snapshot.tenant, session_id))
 
-    async def _after_snapshot(self, session_id: str, marker: str) -> int:
+    async def _after_snapshot(
+        self, session_id: str, marker: str, now: datetime, windows: timedelta
+    ) -> int:
         """What goes after the snapshot: its history chunks (until the snapshot is gone
         a late webhook may still activate the session, whose load needs them: without
         them it read as corrupt and was quarantined, and a quarantined session is not
-        ended, so the purge never finished), its live marker, then the ended marker a
-        retry after a crash finds all of this through. The chunks deleted."""
+        ended, so the purge never finished), late inbox events, its live marker, then the
+        ended marker a retry after a crash finds all of this through, once it is
+        ``windows`` old (``_settled``). The objects deleted."""
         chunks = await self._list(keys.chunk_prefix(session_id))
         await self._delete(chunks)
         late = await self._late_events(session_id)
         await self.store.delete(keys.live(session_id))
+        if not await self._settled(marker, now, windows):
+            return len(chunks) + late
         await self.store.delete(marker)
-        return len(chunks) + late
+        return len(chunks) + late + 1
+
+    async def _settled(self, marker: str, now: datetime, windows: timedelta) -> bool:
+        """Whether the ended marker may go: its session's snapshot went ``windows`` ago.
+        A callback that found the session before the purge (its correlation record, its
+        header) stores its event and replay marker after that, at any time its request
+        takes: one stored after ``_late_events`` looked was named by nothing once the
+        marker went. So the marker stays a window, stamped with when the snapshot was
+        found gone, and each visit meanwhile looks for late events again."""
+        data = await self._data(marker)
+        try:
+            gone_at = datetime.fromisoformat(data.decode()) if data else None
+        except ValueError:
+            gone_at = None
+        if gone_at is None:  # the snapshot went just now (or before a crash): stamp it
+            await self.store.put(marker, now.isoformat().encode())
+            return False
+        return now - gone_at >= windows
 
     async def _late_events(self, session_id: str) -> int:
         """Inbox events (and their replay markers) written after the inbox was listed: a

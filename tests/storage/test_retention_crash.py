@@ -24,7 +24,7 @@ from torpor.events import EventKind, InboxEvent
 from torpor.ids import business_idempotency_key, new_correlation_id, new_trace_id
 from torpor.lifecycle import SessionState
 from torpor.models import SCHEMA_VERSION
-from torpor.ports import StoredObject, WaitBinding
+from torpor.ports import ListPage, StoredObject, WaitBinding
 from torpor.work import Progress, WorkOrder, work_id
 
 KEEP, WINDOWS = timedelta(days=30), timedelta(hours=24)
@@ -120,8 +120,12 @@ async def test_a_crash_mid_purge_is_finished_by_the_next_sweep(crash_at: str) ->
     later = NOW + KEEP + timedelta(days=1)
 
     store.crash_at = crash_at
-    with pytest.raises(Crash):
+    crash_at_time = later
+    if crash_at == "ended/":  # the ended marker goes a window after the rest
         await retention.sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+        crash_at_time = later + WINDOWS
+    with pytest.raises(Crash):
+        await retention.sweep(now=crash_at_time, keep=KEEP, windows=WINDOWS, limit=10)
     if crash_at not in ("snapshots/", "chunks/", "live/", "ended/"):
         # Stopped before its snapshot: the session still loads whole, history and all
         # (a late webhook's activation must not find it corrupt and quarantine it).
@@ -130,6 +134,9 @@ async def test_a_crash_mid_purge_is_finished_by_the_next_sweep(crash_at: str) ->
 
     with pytest.raises(SessionNotFound):
         await ObjectSnapshots(store).load(sid)
+    # The ended marker stays a window after the snapshot (late callbacks), then goes.
+    assert (await store.list("")).keys == (await store.list(keys.ENDED)).keys
+    await ObjectRetention(store).sweep(now=later + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
     assert (await store.list("")).keys == []
 
 
@@ -301,3 +308,51 @@ async def test_an_accept_note_left_beside_a_manifest_goes_and_the_batch_stays() 
     await ObjectRetention(store).sweep(now=NOW, keep=KEEP, windows=WINDOWS, limit=10)
     assert (await store.list(keys.BATCH_ACCEPTS)).keys == []
     assert keys.batch(batch_id) in (await store.list(keys.BATCHES)).keys
+
+
+class LateCallback(CrashingDeletes):
+    """A gateway that found the session (its correlation record and header) before the
+    purge, and stores its CLOSED answer, then its replay marker, only after the purge
+    listed the inbox the last time (a paused replica, a slow store)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session_id: str | None = None
+        self.inbox_listings = 0
+
+    async def list(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        page = await super().list(prefix, start_after=start_after, limit=limit)
+        if self.session_id is not None and prefix == keys.inbox_prefix(self.session_id):
+            self.inbox_listings += 1
+            if self.inbox_listings == 2:  # the purge's look for late events
+                late = InboxEvent.new(
+                    kind=EventKind.CALLBACK,
+                    session_id=self.session_id,
+                    source="oa",
+                    event_id="e-late",
+                    type="t",
+                    received_at=NOW + KEEP,
+                ).model_copy(update={"content_digest": "d" * 64})
+                await ObjectInbox(self).deliver(late)
+                await ObjectInbox(self).remember_accepted(source="oa", content_digest="d" * 64)
+        return page
+
+
+async def test_a_late_callback_stored_after_the_purges_last_look_goes_too() -> None:
+    """Nothing finds a session's inbox once its snapshot and ended marker are gone: an
+    event (and replay marker) a late callback stored after the purge's last listing of
+    the inbox stayed for ever. The purge now looks again a window later."""
+    store = LateCallback()
+    sid = await ended(store)
+    store.session_id = sid
+    later = NOW + KEEP + timedelta(days=1)
+    retention = ObjectRetention(store)
+    await retention.sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    with pytest.raises(SessionNotFound):
+        await ObjectSnapshots(store).load(sid)
+    late = (await store.list(keys.inbox_prefix(sid))).keys
+    assert late and (await store.list(keys.ENDED)).keys  # its marker finds it again
+    await retention.sweep(now=later + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
+    assert (await store.list("")).keys == []
