@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from pydantic import JsonValue
 
+from torpor.errors import InvalidRequest
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import ErrorInfo, SessionSnapshot
@@ -230,8 +231,12 @@ class AsyncClient:
         batch_id = new_batch_id()
         documents: list[JsonValue] = list(rows)
         if by_reference:
-            # The rows are stored before the batch is accepted (or refused): noted first,
-            # so those of a batch that never gets its manifest are deleted in time.
+            # A batch refused for what it names stores nothing: checked before the rows.
+            self._batches.ensure_agent(agent)
+            if not rows:
+                raise InvalidRequest("a batch needs at least one document")
+            # The rows are stored before the batch is accepted: noted first, so those of
+            # a batch that never gets its manifest (a driver that died) go in time.
             await self._services.batches.mark_accepting(batch_id, self._services.clock.now())
             documents = []
             for i, row in enumerate(rows):

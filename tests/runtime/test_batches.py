@@ -485,11 +485,12 @@ class Rows:
 
 
 async def test_documents_stored_by_reference_for_a_refused_batch_go_after_the_period(
-    world: World,
+    world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``submit_dataset(by_reference=True)`` stores every row before the batch is
     accepted; a batch then refused (no such agent) or a driver that dies half way left
-    the rows under no manifest, for ever."""
+    the rows under no manifest, for ever. A refused one stores nothing now, and what a
+    driver that failed half way stored goes after the period."""
     from torpor.client import AsyncClient
     from torpor.errors import UnknownAgent
 
@@ -499,8 +500,22 @@ async def test_documents_stored_by_reference_for_a_refused_batch_go_after_the_pe
         await client.submit_dataset(
             Rows([{"id": "d0"}, {"id": "d1"}]), agent="nope", by_reference=True
         )
+    assert await all_keys(world.services.store, keys.BATCH_DATA) == [], "refused: stored"
+    batches = world.services.batches
+    put_document = batches.put_document
+
+    async def dies_at_the_second(batch_id: str, index: int, document: object) -> str:
+        if index == 1:
+            raise OSError("the driver's node went away")
+        return await put_document(batch_id, index, document)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batches, "put_document", dies_at_the_second)
+    with pytest.raises(OSError):
+        await client.submit_dataset(
+            Rows([{"id": "d0"}, {"id": "d1"}]), agent="fin", by_reference=True
+        )
     stored = await all_keys(world.services.store, keys.BATCH_DATA)
-    assert len(stored) == 2
+    assert len(stored) == 1
     clock = cast(ManualClock, world.services.clock)
     clock.advance(MONTH.total_seconds() + 2 * 3600)
     await world.sweeper.sweep_once()

@@ -117,6 +117,14 @@ class BatchService:
             await self.fan_out(manifest.batch_id)
         return manifest
 
+    def ensure_agent(self, agent: str) -> None:
+        """``UnknownAgent`` unless ``agent`` is configured: checked before anything of the
+        batch is stored."""
+        try:
+            self.services.plugins.agent(agent)
+        except PluginNotFound as exc:
+            raise UnknownAgent(f"no agent named {agent!r} is configured") from exc
+
     async def accept(
         self,
         *,
@@ -131,10 +139,7 @@ class BatchService:
         """Durably accept a batch; creates no session. Idempotent by ``batch_id``."""
         if not documents:
             raise InvalidRequest("a batch needs at least one document")
-        try:
-            self.services.plugins.agent(agent)
-        except PluginNotFound as exc:
-            raise UnknownAgent(f"no agent named {agent!r} is configured") from exc
+        self.ensure_agent(agent)
         metadata = dict(metadata or {})
         if callback_url is not None:  # checked once here, not once per document
             if self.services.settings.notifications.key is None:
