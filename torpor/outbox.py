@@ -240,21 +240,6 @@ def settle(entry: OutboxEntry, result: SendResult, *, now: datetime) -> OutboxEn
             )
 
 
-def maybe_sent(snapshot: SessionSnapshot, wait: Wait) -> bool:
-    """Whether the wait's request may have reached the far side: sent, or tried at least
-    once (a timeout or a refusal may still have arrived). Only a request never tried is
-    known not to have gone out; one with no entry left (trimmed) is taken as sent."""
-    start = next(
-        (
-            e
-            for e in reversed(snapshot.outbox)
-            if e.kind is OutboxKind.START and e.correlation_id == wait.correlation_id
-        ),
-        None,
-    )
-    return start is None or start.status is not DispatchStatus.PENDING or start.attempts > 0
-
-
 def withdraw(entry: OutboxEntry, *, reason: str) -> OutboxEntry:
     """A start never to be sent (again): its session ended first. FAILED, so nothing sends
     it, and its last error says why (it was not a far side's refusal)."""

@@ -2,9 +2,9 @@
 
 An activation sent what the outbox owed (a request retried after a failure, one a crash
 left unsent) before it looked at the inbox, so a cancel accepted meanwhile let the request
-reach the far side first, and an undo followed it. Now the cancel comes first: a request
-that was tried (it may have arrived) is undone and never sent again; one never tried is
-withdrawn, and its far side is not asked to undo what it never heard of.
+reach the far side first, and an undo followed it. Now the cancel comes first: the owed
+request is withdrawn (never sent), and undone all the same, since it may have arrived
+(a timeout, or a crash between its send and the commit of its status).
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ async def test_a_request_due_again_when_the_cancel_comes_is_undone_not_sent(env:
     assert start.status is DispatchStatus.FAILED and "not sent" in (start.last_error or "")
 
 
-async def test_a_request_never_tried_is_withdrawn_not_undone(env: Env) -> None:
+async def test_a_request_a_crash_left_unmarked_is_withdrawn_and_undone(env: Env) -> None:
     await env.world.open_gate(GATE)
     sid = await env.submit(doc="PR-N")
     snap = await env.load(sid)
     assert await env.world.counts("dispatch") == {"acme:approve:PR-N:1": 1}
-    # What a process that died between the suspend's commit and the send leaves: the
-    # request pending, never tried.
+    # What a process that died after the send, before the commit of its status, leaves:
+    # the request pending, never marked tried (the OA system has it).
     unsent = [
         e.model_copy(
             update={"status": DispatchStatus.PENDING, "attempts": 0, "dispatched_at": None}
@@ -68,7 +68,7 @@ async def test_a_request_never_tried_is_withdrawn_not_undone(env: Env) -> None:
     snap = await env.load(sid)
     assert snap.state is SessionState.CANCELLED
     assert await env.world.counts("dispatch_refused") == {}, "the request was sent after the cancel"
-    assert await env.world.counts("compensate") == {}, "an undo of a request never tried"
+    assert await env.world.counts("compensate") == {"acme:approve:PR-N:1:compensate": 1}
     [start] = [e for e in snap.outbox if e.kind is OutboxKind.START]
     assert start.status is DispatchStatus.FAILED and "not sent" in (start.last_error or "")
 

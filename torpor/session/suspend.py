@@ -444,14 +444,15 @@ class Suspender:
         then unbind the closed waits, then send."""
         work = self.work
         closing = list(work.snap.waits)
-        # An undo only for a request that may have gone out: one never tried (the suspend
-        # died before sending it, or a cancel came first) is withdrawn instead, and its
-        # far side, which never heard of it, is not asked to undo it.
         entries = [
             outbox.compensate_entry(work.snap, w, reason=reason, now=work.now)
             for w in (compensate or [])
-            if self._can_compensate(w) and outbox.maybe_sent(work.snap, w)
+            if self._can_compensate(w)
         ]
+        # A request still owed is never sent now (its wait is closed); it is undone all
+        # the same, as one that went out: even one never marked tried may have (a crash
+        # between its send and the commit of its status), and an undo the far side finds
+        # nothing for costs less than a request left open for a session that ended.
         unsent = unsent_starts(work.snap)
         owed = [
             outbox.withdraw(e, reason=f"not sent: the session ended first ({reason})")
