@@ -262,6 +262,29 @@ async def test_kill_after_dispatch_before_its_status_commit(make_crash: Any) -> 
     await assert_one_request_per_key(crash.world, "dispatch", START_KEY, 2)
 
 
+async def test_a_cancel_after_a_kill_between_send_and_status_sends_nothing_and_undoes(
+    make_crash: Any,
+) -> None:
+    """Killed after its request went out, before the send was recorded; the client
+    cancels before any recovery. The recovering activation used to send the owed request
+    again before it saw the cancel; now the cancel comes first: the request is not sent
+    again, and it is undone (it reached the OA system, though never marked so)."""
+    crash: Crash = await make_crash()
+    sid = await crash.kill_at(CrashPoint.START_SENT, "submit")
+    assert (await crash.load(sid)).pending_outbox(), "the send was not recorded"
+    await assert_one_request_per_key(crash.world, "dispatch", START_KEY, 1)
+    await crash.control.cancel(sid)  # the dead holder's lease: nothing runs it yet
+
+    def cancelled(snap: SessionSnapshot) -> bool:
+        return snap.state is S.CANCELLED and not snap.pending_outbox()
+
+    snap = await crash.recover(sid, cancelled)
+    await assert_one_request_per_key(crash.world, "dispatch", START_KEY, 1)
+    await assert_one_request_per_key(crash.world, "compensate", UNDO_KEY, 1)
+    [start] = [e for e in snap.outbox if e.kind is OutboxKind.START]
+    assert start.status is DispatchStatus.FAILED and "not sent" in (start.last_error or "")
+
+
 async def test_kill_after_the_terminal_commit_mid_compensation(make_crash: Any) -> None:
     crash: Crash = await make_crash()
     code, out = await crash.drive("submit")  # no crash: suspended, request sent
