@@ -18,13 +18,33 @@ from storage.redis_index.connection import RedisConnection, opt_text, texts, tra
 from torpor.clock import to_ms
 from torpor.ports import WaitBinding
 
+# A pointer's holder, looked at by a second try (``_HOLDER_GONE``): KEYS[5] the bucket of
+# the correlation id ARGV[10] the first try found in the pointer. A pointer outlives its
+# wait when the wait was unbound without its business key (the sweeper unbinds left-over
+# and set-aside waits so: their key is not in the binding), and its own expiry then held
+# the key from every other session until the grace ran out; the memory and SQLite
+# indexes, which look at the holder's binding, gave it free at once. Only a binding that
+# is gone or expired frees the key (one this version cannot read still holds it).
+_HOLDER_GONE = """
+local function holder_gone(cid, now)
+  if #KEYS < 5 or cid ~= ARGV[10] then return false end
+  local raw = redis.call('HGET', KEYS[5], cid)
+  if not raw then return true end
+  local deadline, rest = string.match(raw, '|([0-9a-z]+)|([0-9a-z]+)$')
+  if not deadline then return false end
+  return tonumber(deadline, 36) + tonumber(rest, 36) * 1000 <= now
+end
+"""
+
 # ARGV[6] is the time to live of the new entry: a bucket's TTL only ever grows.
 # The business-key pointer is "correlation id|session id|expiry ms", so the script can
 # tell, without another key, whether another session's unexpired wait holds the key: then
 # it keeps it (checked and written in one script, so two sessions binding at once cannot
 # both take it) and the script returns 0. A pointer written before it named its session
 # (a bare correlation id) is taken over, as it always was.
-_BIND = """
+_BIND = (
+    _HOLDER_GONE
+    + """
 local function extend(key, ttl)
   if redis.call('PTTL', key) < tonumber(ttl) then redis.call('PEXPIRE', key, ttl) end
 end
@@ -33,8 +53,9 @@ if KEYS[2] ~= '' then
   local held = redis.call('HGET', KEYS[2], ARGV[3])
   if held then
     local cid, sid, exp = string.match(held, '^([^|]*)|([^|]*)|(%d+)$')
-    if cid and cid ~= ARGV[1] and sid ~= ARGV[8] and tonumber(exp) > tonumber(ARGV[7]) then
-      taken = true
+    local now = tonumber(ARGV[7])
+    if cid and cid ~= ARGV[1] and sid ~= ARGV[8] and tonumber(exp) > now then
+      taken = not holder_gone(cid, now)
     end
   end
 end
@@ -50,6 +71,7 @@ redis.call('ZADD', KEYS[4], ARGV[5], ARGV[5])
 if taken then return 0 end
 return 1
 """
+)
 
 BIND_SCRIPT = _BIND  # for a bulk writer that pipelines ``RedisWaits.bind_call``
 
@@ -60,7 +82,9 @@ BIND_SCRIPT = _BIND  # for a bulk writer that pipelines ``RedisWaits.bind_call``
 # (its own expiry: the deadline, then the grace in seconds). The pointer is taken as
 # _BIND takes it: not from another session's unexpired wait. -1: not bound so, nothing
 # changed; else how many entries were put back.
-_MEND = """
+_MEND = (
+    _HOLDER_GONE
+    + """
 local function extend(key, ttl)
   if redis.call('PTTL', key) < tonumber(ttl) then redis.call('PEXPIRE', key, ttl) end
 end
@@ -87,7 +111,7 @@ if KEYS[2] ~= '' then
     if owner == ARGV[1] or cid == ARGV[1] then
       taken = true
     elseif cid and sid ~= ARGV[8] and tonumber(exp) > now then
-      taken = true
+      taken = not holder_gone(cid, now)
     end
   end
   if not taken then
@@ -98,6 +122,7 @@ if KEYS[2] ~= '' then
 end
 return mended
 """
+)
 
 # Unbind removes the business-key pointer only if it still names this wait: a newer wait
 # with the same business key may have taken it over.
@@ -172,8 +197,11 @@ class RedisWaits(RedisConnection):
         self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime
     ) -> bool:
         keys, args = self.bind_call(binding, business_key=business_key, grace=grace, now=now)
-        bound = await self.script(_BIND)(keys=keys, args=args)
-        return bool(int(bound))
+        bound = int(await self.script(_BIND)(keys=keys, args=args))
+        if not bound and await self._holder_of(keys, args):
+            # Refused: once more, looking at the holder's binding (``_HOLDER_GONE``).
+            bound = int(await self.script(_BIND)(keys=keys, args=args))
+        return bool(bound)
 
     @translate
     async def mend_wait(
@@ -181,7 +209,23 @@ class RedisWaits(RedisConnection):
     ) -> int | None:
         keys, args = self.bind_call(binding, business_key=business_key, grace=grace, now=now)
         mended = int(await self.script(_MEND)(keys=keys, args=args))
+        if mended == 0 and business_key and await self._holder_of(keys, args):
+            # Nothing put back, perhaps for a pointer whose wait is gone: once more,
+            # looking at the holder's binding (``_HOLDER_GONE``).
+            mended = int(await self.script(_MEND)(keys=keys, args=args))
         return None if mended < 0 else mended
+
+    async def _holder_of(self, keys: list[str], args: list[str | int]) -> bool:
+        """Add the bucket and correlation id of the wait another session's pointer names
+        to a bind's ``keys`` and ``args``, for a second try; False if there is none."""
+        if not keys[1]:
+            return False
+        holder = pointed(opt_text(await self.batched("HGET", keys[1], args[2])))
+        if holder is None or holder == args[0]:
+            return False
+        keys.append(self.keys.correlation(holder))
+        args.append(holder)
+        return True
 
     def bind_call(
         self, binding: WaitBinding, *, business_key: str | None, grace: timedelta, now: datetime

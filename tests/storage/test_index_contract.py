@@ -182,6 +182,38 @@ class IndexContract:
         other = binding(session="s_4")
         assert await index.bind_wait(other, business_key="PO-2", grace=GRACE, now=NOW)
 
+    @pytest.mark.parametrize("knows_deadline", [True, False])
+    async def test_a_wait_unbound_without_its_business_key_frees_the_key(
+        self, index: Index, knows_deadline: bool
+    ) -> None:
+        """The sweeper unbinds left-over and set-aside waits by correlation id alone (the
+        binding does not name its key): the key is then no one's, for a bind and for a
+        mend, as the holder's binding is gone. (Redis kept the pointer's own expiry, and
+        refused every other session the key until the grace ran out.)"""
+        gone = binding(session="s_1")
+        assert await index.bind_wait(gone, business_key="PO-1", grace=GRACE, now=NOW)
+        await index.unbind(
+            tenant="acme",
+            correlation_id=gone.correlation_id,
+            business_key=None,
+            deadline=gone.deadline if knows_deadline else None,
+        )
+        taker = binding(session="s_2")
+        assert await index.bind_wait(taker, business_key="PO-1", grace=GRACE, now=NOW)
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") == taker
+        # And a mend takes such a key back for its wait, as a bind would.
+        await index.bind_wait(gone, business_key="PO-2", grace=GRACE, now=NOW)
+        await index.unbind(tenant="acme", correlation_id=gone.correlation_id, business_key=None)
+        mended = binding(session="s_3")
+        await index.bind_wait(mended, business_key=None, grace=GRACE, now=NOW)
+        assert await index.mend_wait(mended, business_key="PO-2", grace=GRACE, now=NOW) == 1
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-2") == mended
+        # A holder still bound keeps its key, looked at twice or not.
+        assert not await index.bind_wait(
+            binding(session="s_4"), business_key="PO-1", grace=GRACE, now=NOW
+        )
+        assert await index.resolve(now=NOW, tenant="acme", business_key="PO-1") == taker
+
     async def test_a_business_key_is_per_tenant(self, index: Index) -> None:
         assert await index.bind_wait(binding(), business_key="PO-1", grace=GRACE, now=NOW)
         theirs = binding("other", session="s_2")
