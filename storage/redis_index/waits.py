@@ -348,8 +348,11 @@ class RedisWaits(RedisConnection):
             for (key, cid), raw in zip(due, raws, strict=True):
                 entry = opt_text(raw)
                 stored = decode_binding(cid, entry) if entry else None
-                if stored is None:
-                    # The binding is gone but its deadline entry is not: garbage.
+                if stored is None or _hour(stored.binding.deadline) != hour:
+                    # The binding is gone but its deadline entry is not: garbage. Or it
+                    # was bound again with a deadline in another hour (a bind adds the new
+                    # hour's entry and cannot find the old one): this entry is stale, and
+                    # was a not-yet-due wait timed out at every sweep until its deadline.
                     await self._redis.zrem(key, cid)
                 elif stored.expires_ms <= now_ms:
                     await self._remove(stored.binding, None)  # logical TTL passed

@@ -263,6 +263,24 @@ class IndexContract:
             late.correlation_id
         ]
 
+    async def test_a_wait_bound_again_with_another_deadline_is_due_at_that_one_only(
+        self, index: Index
+    ) -> None:
+        """Bound again under the same correlation id, the wait's deadline is the new one:
+        neither the old (earlier) one nor a duplicate entry makes it due."""
+        moved = binding(deadline_in=60)
+        await index.bind_wait(moved, business_key=None, grace=GRACE, now=NOW)
+        later = moved.model_copy(update={"deadline": moved.deadline + timedelta(hours=5)})
+        await index.bind_wait(later, business_key=None, grace=GRACE, now=NOW)
+        assert await index.due_deadlines(now=NOW + timedelta(minutes=5), limit=10) == []
+        sooner = binding(deadline_in=5 * 3600)
+        await index.bind_wait(sooner, business_key=None, grace=GRACE, now=NOW)
+        early = sooner.model_copy(update={"deadline": NOW + timedelta(seconds=60)})
+        await index.bind_wait(early, business_key=None, grace=GRACE, now=NOW)
+        assert await index.due_deadlines(now=NOW + timedelta(minutes=5), limit=10) == [early]
+        at = NOW + timedelta(hours=6)
+        assert await index.due_deadlines(now=at, limit=10) == [early, later]
+
     async def test_several_waits_of_one_session_route_and_unbind_independently(
         self, index: Index
     ) -> None:
