@@ -1,4 +1,11 @@
-"""Leases with fencing tokens in SQLite: one row per name, ``held`` cleared on release."""
+"""Leases with fencing tokens in SQLite: one row per name, ``held`` cleared on release.
+
+``held`` is 1 for a lease in the expiry set (what ``expired_leases`` lists), 2 for one
+still held but forgotten there (``forget_lease``: its session was dealt with), 0 once
+released. A forgotten lease is still its holder's, as in the Redis and memory indexes:
+a late heartbeat whom nobody replaced renews it (and puts it back in the set) and its
+holder can release it.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +44,8 @@ class SqliteLeases(SqliteConnection):
         exp = to_ms(now) + ms(ttl)
         cur = await self._run(
             lambda c: c.execute(
-                "UPDATE leases SET expires_ms=? WHERE name=? AND owner=? AND token=? AND held=1",
+                "UPDATE leases SET expires_ms=?, held=1 "
+                "WHERE name=? AND owner=? AND token=? AND held>0",
                 (exp, lease.name, lease.owner, lease.token),
             )
         )
@@ -51,8 +59,8 @@ class SqliteLeases(SqliteConnection):
         token, exp = max(lease.token, floor) + 1, to_ms(now) + ms(ttl)
         cur = await self._run(
             lambda c: c.execute(
-                "UPDATE leases SET token=?, expires_ms=? "
-                "WHERE name=? AND owner=? AND token=? AND held=1",
+                "UPDATE leases SET token=?, expires_ms=?, held=1 "
+                "WHERE name=? AND owner=? AND token=? AND held>0",
                 (token, exp, lease.name, lease.owner, lease.token),
             )
         )
@@ -61,7 +69,7 @@ class SqliteLeases(SqliteConnection):
     async def release_lease(self, lease: Lease) -> bool:
         cur = await self._run(
             lambda c: c.execute(
-                "UPDATE leases SET held=0 WHERE name=? AND owner=? AND token=? AND held=1",
+                "UPDATE leases SET held=0 WHERE name=? AND owner=? AND token=? AND held>0",
                 (lease.name, lease.owner, lease.token),
             )
         )
@@ -81,7 +89,7 @@ class SqliteLeases(SqliteConnection):
     async def forget_lease(self, *, name: str, now: datetime) -> None:
         await self._run(
             lambda c: c.execute(
-                "UPDATE leases SET held=0 WHERE name=? AND held=1 AND expires_ms<=?",
+                "UPDATE leases SET held=2 WHERE name=? AND held=1 AND expires_ms<=?",
                 (name, to_ms(now)),
             )
         )

@@ -661,6 +661,25 @@ class CallerClockLeases:
         await index.forget_lease(name="session:dead", now=later)
         assert await index.expired_leases(now=later, limit=10) == []
 
+    async def test_a_forgotten_lease_is_still_its_holders(self, index: Index) -> None:
+        """Forgetting takes a lease off the expiry list only: a late heartbeat whom nobody
+        replaced renews it (back on the list), and its holder can release it."""
+        ttl = timedelta(seconds=45)
+        a = await index.acquire_lease(name="session:slow", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        late = NOW + timedelta(seconds=50)
+        await index.forget_lease(name="session:slow", now=late)
+        assert await index.expired_leases(now=late, limit=10) == []
+        renewed = await index.renew_lease(a, ttl=ttl, now=late)
+        assert renewed is not None
+        assert await index.acquire_lease(name="session:slow", owner="b", ttl=ttl, now=late) is None
+        later = late + timedelta(seconds=46)
+        assert await index.expired_leases(now=later, limit=10) == ["session:slow"]
+        await index.forget_lease(name="session:slow", now=later)
+        assert await index.release_lease(renewed)
+        b = await index.acquire_lease(name="session:slow", owner="b", ttl=ttl, now=later)
+        assert b is not None and b.token > a.token
+
 
 async def server_now(index: RedisIndex) -> datetime:
     seconds, micros = await index.client.time()
@@ -734,6 +753,18 @@ class ServerClockLeases:
         assert await index.expired_leases(now=NOW, limit=10) == ["session:dead"]
         await index.forget_lease(name="session:dead", now=NOW)
         assert await index.expired_leases(now=NOW, limit=10) == []
+
+    async def test_a_forgotten_lease_is_still_its_holders(self, redis_index: RedisIndex) -> None:
+        index, ttl = redis_index, timedelta(milliseconds=200)
+        a = await index.acquire_lease(name="session:slow", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        await until_server_time(index, a.expires_at + timedelta(milliseconds=1))
+        await index.forget_lease(name="session:slow", now=NOW)
+        assert await index.expired_leases(now=NOW, limit=10) == []
+        renewed = await index.renew_lease(a, ttl=timedelta(seconds=30), now=NOW)
+        assert renewed is not None
+        assert await index.acquire_lease(name="session:slow", owner="b", ttl=ttl, now=NOW) is None
+        assert await index.release_lease(renewed)
 
 
 class TestRedisIndex(IndexContract, ServerClockLeases):
