@@ -17,6 +17,9 @@ _SCHEDULE_KEEP_EARLIER = (
     "DO UPDATE SET at_ms=min(at_ms, excluded.at_ms)"
 )
 _SCHEDULE_IF_ABSENT = "INSERT INTO timers VALUES (?,?,?) ON CONFLICT(kind, member) DO NOTHING"
+# Ties in member order, as Redis' sorted set and the memory index give them: which of
+# several timers due at once a limited take gets does not depend on the index.
+_DUE = "SELECT member FROM timers WHERE kind=? AND at_ms<=? ORDER BY at_ms, member LIMIT ?"
 
 
 class SqliteTimers(SqliteConnection):
@@ -48,7 +51,7 @@ class SqliteTimers(SqliteConnection):
     async def due(self, *, kind: TimerKind, now: datetime, limit: int) -> list[str]:
         rows = await self._run(
             lambda c: c.execute(
-                "SELECT member FROM timers WHERE kind=? AND at_ms<=? ORDER BY at_ms LIMIT ?",
+                _DUE,
                 (kind.value, to_ms(now), limit),
             ).fetchall(),
             write=False,
@@ -61,7 +64,7 @@ class SqliteTimers(SqliteConnection):
         def op(c: sqlite3.Connection) -> list[str]:
             # One write transaction: two takers never both get a member.
             rows = c.execute(
-                "SELECT member FROM timers WHERE kind=? AND at_ms<=? ORDER BY at_ms LIMIT ?",
+                _DUE,
                 (kind.value, to_ms(now), limit),
             ).fetchall()
             members = [r[0] for r in rows]

@@ -337,6 +337,23 @@ class IndexContract:
         # Its taker never confirmed: it comes due again when the lease runs out.
         assert await index.due(kind=TimerKind.RETRY, now=later, limit=10) == ["s_a"]
 
+    async def test_timers_due_at_once_come_in_member_order(self, index: Index) -> None:
+        for member in ("s_c", "s_a", "s_b"):
+            await index.schedule(kind=TimerKind.RETRY, member=member, at=NOW)
+        await index.schedule(kind=TimerKind.RETRY, member="s_0", at=NOW + timedelta(seconds=1))
+        later = NOW + timedelta(seconds=1)
+        assert await index.due(kind=TimerKind.RETRY, now=later, limit=10) == [
+            "s_a",
+            "s_b",
+            "s_c",
+            "s_0",
+        ]
+        until = NOW + timedelta(seconds=30)
+        assert await index.lease_due(kind=TimerKind.RETRY, now=later, limit=2, until=until) == [
+            "s_a",
+            "s_b",
+        ]
+
     async def test_a_leased_timer_is_removed_only_if_nobody_moved_it(self, index: Index) -> None:
         later = NOW + timedelta(seconds=30)
         for member in ("s_a", "s_b"):
