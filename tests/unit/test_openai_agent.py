@@ -404,6 +404,32 @@ async def test_key_never_appears_in_exception_text() -> None:
     assert pickle.loads(pickle.dumps(agent))._api_key.get_secret_value() == KEY
 
 
+async def test_a_key_ending_in_a_line_break_is_sent_without_it(llm: FakeLLM) -> None:
+    """A key read from a file often ends so: http.client refused each step with a
+    ValueError quoting the header, key included (the failed session's detail)."""
+    await make_agent(llm, api_key=KEY + "\n").step(user("doc"), ctx())
+
+    assert llm.requests[0].headers["authorization"] == f"Bearer {KEY}"
+
+
+@pytest.mark.parametrize(
+    ("key", "headers"),
+    [
+        (KEY[:10] + "\n" + KEY[10:], None),
+        (KEY + "\u2019", None),
+        (KEY, {"api-key": KEY + "\r\nX-Injected: 1"}),
+        (KEY, {"X-Bad\n": "v"}),
+    ],
+)
+def test_a_key_or_header_no_http_header_can_carry_is_a_config_error(
+    key: str, headers: dict[str, str] | None
+) -> None:
+    with pytest.raises(ConfigError, match="cannot carry") as info:
+        OpenAIAgent(base_url="http://llm/v1", model="m", api_key=key, extra_headers=headers)
+
+    assert KEY[:16] not in str(info.value)
+
+
 def test_from_env_reads_the_three_variables() -> None:
     agent = OpenAIAgent.from_env(
         {

@@ -45,6 +45,13 @@ _MAX_BACKOFF_S = 30.0
 _MAX_RETRY_AFTER_S = 60.0
 
 
+def _header_safe(text: str, *, ascii_only: bool = False) -> bool:
+    """Whether http.client sends ``text`` as a header name or value: no control character
+    (a line break would end the header), latin-1 (ASCII for a name or a key) only."""
+    top = 0x7E if ascii_only else 0xFF
+    return all(c == "\t" or (0x20 <= ord(c) <= top and ord(c) != 0x7F) for c in text)
+
+
 def _retryable(status: int) -> bool:
     # 408 is a timeout by another name; every other 4xx will fail the same way again.
     return status in (408, 429) or status >= 500
@@ -83,6 +90,17 @@ class OpenAIAgent:
         self.base_url = base_url.rstrip("/")
         self._url = f"{self.base_url}/chat/completions"
         key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
+        # A key read from a file or a secret often ends in a line break. Sent so, http.client
+        # refused every step with a ValueError quoting the whole header, key included, into
+        # the failed session's detail; checked here, the error never shows it.
+        key = key.strip() if key else key
+        if key and not _header_safe(key, ascii_only=True):
+            raise ConfigError("api_key holds a character an HTTP header cannot carry")
+        for header, value in (extra_headers or {}).items():
+            if not _header_safe(header, ascii_only=True) or not _header_safe(value):
+                raise ConfigError(
+                    f"extra header {header!r} holds a character an HTTP header cannot carry"
+                )
         # Held as a SecretStr so vars(), debuggers and logged reprs of this object show stars.
         self._api_key = SecretStr(key) if key else None
         self._system_prompt = system_prompt
