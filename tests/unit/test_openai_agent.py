@@ -364,6 +364,15 @@ def _call(**overrides: Any) -> dict[str, Any]:
             {"choices": [{"message": {"content": None, "refusal": "I can't help with that."}}]},
             "refused",
         ),
+        # Neither an answer nor a call: the session completed with the result None.
+        (
+            {"choices": [{"message": {"role": "assistant"}, "finish_reason": "stop"}]},
+            "no content and no tool calls",
+        ),
+        (
+            {"choices": [{"message": {"content": None, "tool_calls": []}}]},
+            "no content and no tool calls",
+        ),
     ],
 )
 async def test_malformed_answers_are_agent_errors(llm: FakeLLM, body: Any, why: str) -> None:

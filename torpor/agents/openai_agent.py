@@ -268,6 +268,10 @@ def _parse_message(body: bytes, redact: Callable[[str], str]) -> Message:
     refusal = raw.get("refusal")
     if isinstance(refusal, str) and refusal and not content and not calls:
         raise fail(f"the model refused: {refusal[:200]}")
+    # Neither an answer nor a call (a message of nulls, a reasoning model's budget spent
+    # on reasoning): it completed the session with the result None, as if that were one.
+    if content is None and not calls:
+        raise fail("no content and no tool calls")
     # vLLM sends tool_calls: [] on plain answers; OpenAI rejects [] when it is sent back.
     return Message(role="assistant", content=content, tool_calls=calls or None)
 
