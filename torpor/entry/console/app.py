@@ -36,6 +36,9 @@ STATIC = Path(__file__).parent / "static"
 FORM_MAX_BYTES = 64 * 1024
 LIVE_TICK_S = 2.0
 SOON = timedelta(hours=1)
+# The "deadline due within" filter, in minutes either way: ten years covers every wait,
+# and keeps ``now + due`` a datetime (1e10 minutes, inf or nan was a 500).
+MAX_DUE_MINUTES = 10 * 366 * 24 * 60
 _JSON = TypeAdapter(JsonValue)
 
 
@@ -126,9 +129,12 @@ def _filters(
 ) -> reads.Filters:
     try:
         chosen = SessionState(state) if state else None
-        due_s = float(due) * 60 if due not in (None, "") else None
+        minutes = float(due) if due not in (None, "") else None
     except ValueError:
         raise InvalidRequest("unknown state or due-within value") from None
+    if minutes is not None and not abs(minutes) <= MAX_DUE_MINUTES:  # nan fails it too
+        raise InvalidRequest(f"due-within is at most {MAX_DUE_MINUTES} minutes either way")
+    due_s = None if minutes is None else minutes * 60
     return reads.Filters(tenant or None, agent or None, batch or None, chosen, due_s)
 
 

@@ -1,0 +1,54 @@
+"""Hostile input at the HTTP edge, driven in-process (``tests.runtime.api_app``): every
+refusal is a 4xx problem (or the console's error page), says what was wrong, and leaves
+nothing stored or changed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.api_app import App, api_app
+from torpor.lifecycle import SessionState
+
+
+@pytest.fixture
+async def app(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[App]:
+    async with api_app(tmp_path, redis_url, redis_prefix, monkeypatch) as a:
+        yield a
+
+
+async def suspended(app: App, doc: str = "PR-1") -> str:
+    """A session of tenant acme waiting on its approval."""
+    answer = await app.http.post(
+        "/v1/sessions",
+        headers={**app.auth(), "Idempotency-Key": doc},
+        json={"agent": "purchase", "input": {"doc": doc, "amount": 5}},
+    )
+    assert answer.status_code == 202, answer.text
+    session_id: str = answer.json()["session_id"]
+    for _ in range(100):
+        if (await app.env.load(session_id)).state is SessionState.SUSPENDED:
+            return session_id
+        await asyncio.sleep(0.02)
+    raise AssertionError("the session never suspended")
+
+
+@pytest.mark.parametrize("due", ["nan", "inf", "-inf", "1e10", "-1e10", "1e300"])
+async def test_a_due_within_filter_out_of_range_is_a_400_page_not_a_500(
+    app: App, due: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    await suspended(app)  # the filter is applied to listed sessions: one is needed
+    await app.console_login(app.keys["acme"])
+    with caplog.at_level(logging.ERROR):
+        answer = await app.http.get("/console/", params={"due": due})
+    assert answer.status_code == 400, answer.text[:300]
+    assert "due-within" in answer.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # In range it filters, as before.
+    assert (await app.http.get("/console/", params={"due": "-5"})).status_code == 200
