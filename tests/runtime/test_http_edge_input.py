@@ -8,11 +8,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
 from tests.runtime.api_app import App, api_app
 from torpor.lifecycle import SessionState
+
+FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 
 
 @pytest.fixture
@@ -52,3 +55,23 @@ async def test_a_due_within_filter_out_of_range_is_a_400_page_not_a_500(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     # In range it filters, as before.
     assert (await app.http.get("/console/", params={"due": "-5"})).status_code == 200
+
+
+@pytest.mark.parametrize("payload", ["NaN", "1e999", '{"status": "approved", "note": -Infinity}'])
+async def test_a_force_resolve_with_a_number_json_cannot_hold_is_refused_and_delivers_nothing(
+    app: App, payload: str
+) -> None:
+    # The parser took NaN, Infinity and 1e999; stored, each became null: the session
+    # resumed on an answer the operator never gave (decision null, COMPLETED).
+    session_id = await suspended(app)
+    wait = (await app.env.load(session_id)).waits[0]
+    csrf = await app.console_login(app.operator_key)
+    form = f"csrf={csrf}&reason=r&correlation_id={wait.correlation_id}&payload={quote(payload)}"
+    answer = await app.http.post(
+        f"/console/sessions/{session_id}/resolve", content=form, headers=FORM
+    )
+    assert answer.status_code == 400, answer.text[:300]
+    assert "JSON" in answer.text
+    snap = await app.env.load(session_id)
+    assert snap.state is SessionState.SUSPENDED and snap.waits == [wait]
+    assert await app.env.services.inbox.pending(session_id, processed=()) == []

@@ -24,7 +24,7 @@ from torpor.entry.console import pages, reads
 from torpor.entry.console.actions import OperatorActions
 from torpor.entry.console.live import LiveCounts
 from torpor.entry.console.login import COOKIE, LIFETIME, CookieSigner, Principal, authenticate
-from torpor.entry.http import install_problem_handlers, read_body
+from torpor.entry.http import ensure_finite_json, install_problem_handlers, read_body
 from torpor.errors import InvalidRequest, TorporError, Unauthenticated
 from torpor.lifecycle import SessionState
 from torpor.problems import problem_for
@@ -352,10 +352,14 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
     @app.post("/sessions/{session_id}/resolve")
     async def resolve(request: Request, session_id: str) -> Response:
         async def act(p: Principal, f: dict[str, str]) -> Response:
+            raw = f.get("payload", "")
             try:
-                payload = _JSON.validate_json(f.get("payload", ""))
+                payload = _JSON.validate_json(raw)
             except ValidationError:
                 raise InvalidRequest("the payload must be a JSON document") from None
+            # As the API refuses them: NaN or 1e999 was stored as null, and the wait was
+            # answered with a value the operator never gave.
+            ensure_finite_json(raw, "payload")
             new = await c.actions.force_resolve(
                 p,
                 session_id,
