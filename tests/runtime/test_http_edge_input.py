@@ -75,3 +75,22 @@ async def test_a_force_resolve_with_a_number_json_cannot_hold_is_refused_and_del
     snap = await app.env.load(session_id)
     assert snap.state is SessionState.SUSPENDED and snap.waits == [wait]
     assert await app.env.services.inbox.pending(session_id, processed=()) == []
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("PUT", "/v1/sessions", {"GET", "POST"}),
+        ("DELETE", "/v1/sessions/s_1", {"GET"}),
+        ("GET", "/v1/sessions/s_1/cancel", {"POST"}),
+    ],
+)
+async def test_a_method_not_allowed_names_the_allowed_ones(
+    app: App, method: str, path: str, allowed: set[str]
+) -> None:
+    # RFC 9110 15.5.6: a 405 MUST carry Allow. Starlette sets it on its exception; the
+    # problem handler dropped the exception's headers.
+    answer = await app.http.request(method, path, headers=app.auth())
+    assert answer.status_code == 405
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert {m.strip() for m in answer.headers["allow"].split(",")} == allowed

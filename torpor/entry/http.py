@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
 from typing import Any, Final
 
@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from torpor.errors import InvalidRequest, RejectReason, TorporError, WebhookRejected
 from torpor.problems import ProblemSpec, problem, problem_for
@@ -52,13 +53,17 @@ def json_body(model: type[Any] | None = None) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def problem_response(spec: ProblemSpec, request: Request) -> JSONResponse:
-    headers = {"Retry-After": str(spec.retry_after)} if spec.retry_after else None
+def problem_response(
+    spec: ProblemSpec, request: Request, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    answer = dict(headers or {})
+    if spec.retry_after:
+        answer["Retry-After"] = str(spec.retry_after)
     return JSONResponse(
         spec.body(redact_path(request.url.path)),
         status_code=spec.status,
         media_type=PROBLEM,
-        headers=headers,
+        headers=answer or None,
     )
 
 
@@ -80,7 +85,27 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return problem_response(problem(exc.status_code, code, str(exc.detail)), request)
+    # Its headers too: a 405's Allow is one the RFC requires (9110 15.5.6).
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405 and "Allow" in headers:
+        headers["Allow"] = ", ".join(_allowed(request)) or headers["Allow"]
+    spec = problem(exc.status_code, code, str(exc.detail))
+    return problem_response(spec, request, headers)
+
+
+def _allowed(request: Request) -> list[str]:
+    """Every method some route of this path takes: Starlette's 405 names only the first
+    route's (``POST`` for /v1/sessions, which ``GET`` lists too). Asked of each route's
+    own ``matches``, as the router asks it (FastAPI nests included routes)."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in _METHODS
+        if any(r.matches({**request.scope, "method": method})[0] is Match.FULL for r in routes)
+    ]
+
+
+_METHODS: Final = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
