@@ -11,6 +11,13 @@ from torpor.errors import Unauthenticated
 from torpor.settings import TenantConfig
 
 KEY_PREFIX = "tpk_"
+# A 401 names the scheme it wants (RFC 9110 15.5.2, RFC 6750 3): the edge sends this as
+# WWW-Authenticate for the refusals below.
+CHALLENGE = 'Bearer realm="torpor"'
+
+
+def _refused(message: str) -> Unauthenticated:
+    return Unauthenticated(message, challenge=CHALLENGE)
 
 
 def new_api_key() -> tuple[str, str]:
@@ -28,10 +35,10 @@ def hash_key(key: str) -> str:
 def tenant_for(authorization: str | None, tenants: Mapping[str, TenantConfig]) -> str:
     """The tenant whose key is presented as ``Authorization: Bearer <key>``."""
     if not authorization:
-        raise Unauthenticated("an API key is required (Authorization: Bearer <key>)")
+        raise _refused("an API key is required (Authorization: Bearer <key>)")
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthenticated("use Authorization: Bearer <key>")
+        raise _refused("use Authorization: Bearer <key>")
     presented = hash_key(token.strip()).encode()
     found: str | None = None
     # Compare against every stored hash, without stopping early, in constant time each.
@@ -40,7 +47,7 @@ def tenant_for(authorization: str | None, tenants: Mapping[str, TenantConfig]) -
             if hmac.compare_digest(presented, stored.encode()):
                 found = tenant
     if found is None:
-        raise Unauthenticated("the API key is not valid")
+        raise _refused("the API key is not valid")
     return found
 
 
@@ -64,11 +71,11 @@ def operator_for(authorization: str | None, operator_keys: list[str]) -> str:
     """The operator presenting ``Authorization: Bearer <key>``, named by a prefix of the
     key's hash (what the audit and the session's record show, never the key)."""
     if not authorization:
-        raise Unauthenticated("an operator key is required (Authorization: Bearer <key>)")
+        raise _refused("an operator key is required (Authorization: Bearer <key>)")
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthenticated("use Authorization: Bearer <key>")
+        raise _refused("use Authorization: Bearer <key>")
     found = match_key(token, operator_keys)
     if found is None:
-        raise Unauthenticated("the operator key is not valid")
+        raise _refused("the operator key is not valid")
     return "operator:" + key_id(found)

@@ -94,3 +94,23 @@ async def test_a_method_not_allowed_names_the_allowed_ones(
     assert answer.status_code == 405
     assert answer.headers["content-type"] == "application/problem+json"
     assert {m.strip() for m in answer.headers["allow"].split(",")} == allowed
+
+
+@pytest.mark.parametrize(
+    "authorization", [None, "Basic YTpi", "Bearer", "Bearer tpk_not-a-key", "operator"]
+)
+async def test_an_api_401_names_the_bearer_scheme(app: App, authorization: str | None) -> None:
+    # RFC 9110 15.5.2 / RFC 6750 3: a 401 MUST carry WWW-Authenticate.
+    value = f"Bearer {app.operator_key}" if authorization == "operator" else authorization
+    headers = {} if value is None else {"Authorization": value}
+    answer = await app.http.get("/v1/sessions", headers=headers)
+    assert answer.status_code == 401
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert answer.headers["www-authenticate"].startswith("Bearer")
+    # The operator routes likewise; there a tenant's key is the one that is not valid.
+    if authorization == "operator":
+        headers = app.auth()
+    operator = await app.http.post(
+        "/v1/operator/sessions/s_1/waits/c_1/reassign", headers=headers, json={"approvers": ["x"]}
+    )
+    assert operator.status_code == 401 and operator.headers["www-authenticate"].startswith("Bearer")

@@ -21,7 +21,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from torpor.errors import InvalidRequest, RejectReason, TorporError, WebhookRejected
+from torpor.errors import (
+    InvalidRequest,
+    RejectReason,
+    TorporError,
+    Unauthenticated,
+    WebhookRejected,
+)
 from torpor.problems import ProblemSpec, problem, problem_for
 from torpor.service.gateway import WebhookGateway
 
@@ -71,7 +77,9 @@ async def _torpor_error(request: Request, exc: TorporError) -> JSONResponse:
     spec = problem_for(exc)
     if spec.status >= 500:
         log.error("request failed: %s", exc, exc_info=exc)
-    return problem_response(spec, request)
+    # A 401 MUST say which scheme it wants (RFC 9110 15.5.2): the API key's, Bearer.
+    challenge = exc.context.get("challenge") if isinstance(exc, Unauthenticated) else None
+    return problem_response(spec, request, {"WWW-Authenticate": challenge} if challenge else None)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
