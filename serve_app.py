@@ -55,7 +55,7 @@ from torpor.entry.http import (
     redact_path,
     require_idempotency_key,
 )
-from torpor.errors import ConfigError, RejectReason, WebhookRejected
+from torpor.errors import ConfigError, InvalidRequest, RejectReason, WebhookRejected
 from torpor.ids import digest
 from torpor.lifecycle import SessionState
 from torpor.problems import problem
@@ -477,7 +477,11 @@ class Ingress:
         authorization: Annotated[str | None, Header()] = None,
     ) -> dict[str, str]:
         """The secret our notifications to ``url`` are signed with (Standard Webhooks)."""
-        return {"url": url, "secret": secret_for(self.settings, self._tenant(authorization), url)}
+        tenant = self._tenant(authorization)
+        if self.settings.notifications.key is None:
+            # As a submit with a callback_url is refused here: not a failure (it was a 500).
+            raise InvalidRequest("notifications are not set up here (notify_key)")
+        return {"url": url, "secret": secret_for(self.settings, tenant, url)}
 
 
 class AppArgs(BaseModel):

@@ -114,3 +114,26 @@ async def test_an_api_401_names_the_bearer_scheme(app: App, authorization: str |
         "/v1/operator/sessions/s_1/waits/c_1/reassign", headers=headers, json={"approvers": ["x"]}
     )
     assert operator.status_code == 401 and operator.headers["www-authenticate"].startswith("Bearer")
+
+
+async def test_the_notification_secret_without_notifications_set_up_is_a_400_not_a_500(
+    tmp_path: Path,
+    redis_url: str,
+    redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # As a submit with a callback_url there is refused: the caller asked for what this
+    # deployment does not do; nothing failed inside it.
+    unset = {"notifications": {"key": None}}
+    async with api_app(tmp_path, redis_url, redis_prefix, monkeypatch, extra=unset) as app:
+        with caplog.at_level(logging.ERROR):
+            answer = await app.http.get(
+                "/v1/notifications/secret",
+                params={"url": "https://example.com/"},
+                headers=app.auth(),
+            )
+        assert answer.status_code == 400, answer.text
+        assert answer.headers["content-type"] == "application/problem+json"
+        assert "notify_key" in answer.json()["detail"]
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
