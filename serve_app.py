@@ -43,6 +43,7 @@ from torpor.auth import operator_for, tenant_for
 from torpor.deliveries import DeliveryStatus
 from torpor.entry.batches import ResultFormat, batch_out, result_chunks
 from torpor.entry.console import ConsoleDeps, ConsoleMount
+from torpor.entry.head import HeadAsGet
 from torpor.entry.hooks import HookFastPath, HookRoute
 from torpor.entry.http import (
     PROBLEM,
@@ -85,6 +86,7 @@ api.mount("/console", CONSOLE)
 # bound to the replica's gateway in its constructor; the route below until then.
 HOOKS = HookRoute()
 api.add_middleware(HookFastPath, route=HOOKS)
+api.add_middleware(HeadAsGet)  # HEAD on every GET route (a load balancer's health check)
 
 
 @serve.deployment(

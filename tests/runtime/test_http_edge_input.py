@@ -80,8 +80,8 @@ async def test_a_force_resolve_with_a_number_json_cannot_hold_is_refused_and_del
 @pytest.mark.parametrize(
     ("method", "path", "allowed"),
     [
-        ("PUT", "/v1/sessions", {"GET", "POST"}),
-        ("DELETE", "/v1/sessions/s_1", {"GET"}),
+        ("PUT", "/v1/sessions", {"GET", "HEAD", "POST"}),
+        ("DELETE", "/v1/sessions/s_1", {"GET", "HEAD"}),
         ("GET", "/v1/sessions/s_1/cancel", {"POST"}),
     ],
 )
@@ -137,3 +137,31 @@ async def test_the_notification_secret_without_notifications_set_up_is_a_400_not
         assert answer.headers["content-type"] == "application/problem+json"
         assert "notify_key" in answer.json()["detail"]
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/v1/sessions"])
+async def test_head_answers_as_get_without_a_body(app: App, path: str) -> None:
+    # RFC 9110 9.3.2: a load balancer or uptime probe checking /healthz with HEAD was
+    # answered 405 (FastAPI routes take only the methods they name).
+    get = await app.http.get(path, headers=app.auth())
+    head = await app.http.head(path, headers=app.auth())
+    assert head.status_code == get.status_code, head.text
+    assert head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+
+
+async def test_head_on_a_stream_answers_and_stops_it(app: App) -> None:
+    # The session's event stream runs until the client leaves: HEAD gets its headers and
+    # the stream is stopped, not streamed into nothing while the connection lives.
+    session_id = await suspended(app)
+    head = await asyncio.wait_for(
+        app.http.head(f"/v1/sessions/{session_id}/events", headers=app.auth()), timeout=10
+    )
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"].startswith("text/event-stream")
+
+
+async def test_head_on_a_path_without_get_is_still_405(app: App) -> None:
+    answer = await app.http.head("/v1/sessions/s_1/cancel", headers=app.auth())
+    assert answer.status_code == 405
+    assert {m.strip() for m in answer.headers["allow"].split(",")} == {"POST"}

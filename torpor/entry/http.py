@@ -106,11 +106,14 @@ def _allowed(request: Request) -> list[str]:
     route's (``POST`` for /v1/sessions, which ``GET`` lists too). Asked of each route's
     own ``matches``, as the router asks it (FastAPI nests included routes)."""
     routes = request.app.router.routes
-    return [
+    allowed = [
         method
         for method in _METHODS
         if any(r.matches({**request.scope, "method": method})[0] is Match.FULL for r in routes)
     ]
+    if "GET" in allowed and "HEAD" not in allowed:  # served as a GET (``entry.head``)
+        allowed.insert(allowed.index("GET") + 1, "HEAD")
+    return allowed
 
 
 _METHODS: Final = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
