@@ -165,3 +165,28 @@ async def test_head_on_a_path_without_get_is_still_405(app: App) -> None:
     answer = await app.http.head("/v1/sessions/s_1/cancel", headers=app.auth())
     assert answer.status_code == 405
     assert {m.strip() for m in answer.headers["allow"].split(",")} == {"POST"}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"agent": "purchase", "agent": "nope", "input": {"doc": "PR-9"}}',
+        '{"agent": "purchase", "input": {"doc": "PR-9", "amount": 5, "amount": 50000}}',
+    ],
+    ids=["top", "nested"],
+)
+async def test_a_name_twice_in_one_json_object_is_refused_and_nothing_is_made(
+    app: App, body: str
+) -> None:
+    # The last of two equal names won, where a proxy in front may have checked the first
+    # (a smuggling vector the webhooks already refuse).
+    answer = await app.http.post(
+        "/v1/sessions",
+        headers={**app.auth(), "Idempotency-Key": "dup", "Content-Type": "application/json"},
+        content=body,
+    )
+    assert answer.status_code == 400, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert "appears twice" in answer.json()["detail"]
+    listed = await app.http.get("/v1/sessions", headers=app.auth())
+    assert listed.json()["items"] == []
