@@ -82,11 +82,13 @@ install_problem_handlers(api)
 # The operator console (server-rendered pages); bound to the services in the replica.
 CONSOLE = ConsoleMount()
 api.mount("/console", CONSOLE)
+# HEAD on every GET route (a load balancer's health check); inside the webhook fast path,
+# which is added last and so runs first: a webhook passes nothing more.
+api.add_middleware(HeadAsGet)
 # POST /v1/hooks/{source} answered in front of FastAPI's routing (``torpor.entry.hooks``):
 # bound to the replica's gateway in its constructor; the route below until then.
 HOOKS = HookRoute()
 api.add_middleware(HookFastPath, route=HOOKS)
-api.add_middleware(HeadAsGet)  # HEAD on every GET route (a load balancer's health check)
 
 
 @serve.deployment(
