@@ -40,7 +40,7 @@ from actors.config_ref import ConfigRef
 from actors.named import named_actors
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
-from actors.standby import StandbySet, left_by, standby_name
+from actors.standby import START_TIMEOUT_S, StandbySet, left_by, standby_name
 from storage.factory import check_embedded_allowed
 from torpor import tracing
 from torpor.backoff import Backoff
@@ -365,6 +365,11 @@ class RayActivator:
                     scheduling_strategy="SPREAD",
                 ).remote(self.config, session_id)
                 try:
+                    # Started first, with the time a process start may take: the answer's
+                    # deadline below counted it too, and a burst of starts on a busy node
+                    # (each longer than that) killed every actor before it answered and
+                    # made it again: no session ever ran. One that runs answers at once.
+                    await asyncio.wait_for(handle.ready.remote(), timeout=START_TIMEOUT_S)
                     answer = await asyncio.wait_for(
                         # the caller's trace crosses into the actor as a traceparent
                         handle.activate.remote(reason.value, requested_at, tracing.traceparent()),
