@@ -15,9 +15,11 @@ from tests.runtime import approval_tools
 from tests.runtime.approval_tools import SENT, WITHDRAWN, approval_agent
 from tests.support.harness import Env, callback, local_env
 from tests.support.receiver import Receiver
+from torpor.approval.tool import REASSIGN
+from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason, SessionSnapshot, Wait
-from torpor.ports import Observer, TimerKind
+from torpor.ports import Observer, Reason, TimerKind
 from torpor.service.deliveries import DeliveryWorker, secret_for
 from torpor.service.sweeper import Sweeper, SweepReport
 from torpor.webhooks.signing import Scheme, verify
@@ -257,3 +259,56 @@ async def test_a_rebuilt_index_gets_the_approvals_timers_back(make: Any, bound: 
         env.clock.advance(1201)
         await sweeper.sweep_once(env.clock.now())
         assert (await env.load(sid)).waits[0].request["approvers"] == ["cfo"]
+
+
+async def together(env: Env, sid: str, *votes: str) -> SessionSnapshot:
+    """Votes that land in the inbox before the session wakes: one activation takes them."""
+    wait = (await env.load(sid)).waits[0]
+    for cast in votes:
+        approver, _, status = cast.partition(":")
+        data = {"status": status or "approved", "approver": approver}
+        event = callback(sid, wait, event_id=f"e{next(count)}", data=data, at=env.clock.now())
+        assert await env.services.inbox.deliver(event)  # durable, no activation yet
+    await env.control.activate(sid, reason=Reason.EVENT)
+    return await env.load(sid)
+
+
+async def test_votes_in_one_activation_decide_a_stage_once(make: Any) -> None:
+    """fd's approval decides stage 1 (any of fd, bob) and puts the request to the cfo:
+    bob's approval, in the same activation, answers the request being replaced. It is
+    stale, as it would be had the session woken for each vote: stage 1 is decided once."""
+    stages = [{"approvers": ["fd", "bob"]}, {"approvers": ["cfo"], "above": 1000}]
+    async with make(stages=stages) as env:
+        sid = await submit(env, amount=5000)
+        snap = await together(env, sid, "fd", "bob")
+        [second] = snap.waits
+        assert snap.state is S.SUSPENDED and second.request["stage"] == 2
+        assert reasons(snap) == [R.COUNTED, R.STALE]
+        assert (await vote(env, sid, "cfo")).state is S.COMPLETED
+        decided = (await env.load(sid)).result["stages"]  # type: ignore[index,call-overload]
+        assert [(s["stage"], s["by"]) for s in decided] == [(1, {"fd": "fd"}), (2, {"cfo": "cfo"})]
+
+
+async def test_a_vote_after_a_reassignment_in_one_activation_is_stale(make: Any) -> None:
+    """The operator reassigns fd's request to bob; fd's approval lands behind it in the
+    inbox, before the session wakes. It answers the withdrawn request: stale, not the
+    decision (nor a vote carried into bob's request)."""
+    async with make(stages=[{"approvers": ["fd"]}]) as env:
+        sid = await submit(env)
+        old = (await env.load(sid)).waits[0]
+        reassign = InboxEvent.answering(
+            old,
+            kind=EventKind.OPERATOR,
+            session_id=sid,
+            source="torpor",
+            event_id="reassign:1",
+            type=REASSIGN,
+            received_at=env.clock.now(),
+            data={"approvers": ["bob"], "by": "operator:abc", "why": "fd on leave"},
+        )
+        assert await env.services.inbox.deliver(reassign)
+        snap = await together(env, sid, "fd")
+        [new] = snap.waits
+        assert snap.state is S.SUSPENDED and new.request["approvers"] == ["bob"]
+        assert reasons(snap) == [R.REASSIGNED, R.STALE] and new.progress["votes"] == {}
+        assert (await vote(env, sid, "bob")).state is S.COMPLETED

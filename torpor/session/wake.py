@@ -86,6 +86,9 @@ class Wake:
                 await self.observe(event, ObservationReason.LATE)
                 overdue.append(decision.wait)
                 continue
+            if self.replaced(decision.wait):
+                await self.observe(event, ObservationReason.STALE)
+                continue
             review = self.review(event, decision.wait)
             if review is not None and review.action is not ReviewAction.APPLY:
                 await self.settle_review(event, decision.wait, review)
@@ -215,13 +218,26 @@ class Wake:
         if review.action is ReviewAction.REISSUE and review.request is not None:
             self._reissue, self._reissued = review, wait
 
+    def replaced(self, wait: Wait) -> bool:
+        """Whether this activation already reissues ``wait`` (a stage decided, an
+        escalation, a reassignment): a later event for it answers the request being
+        replaced, and is stale, as it would be had the session woken for each event (a
+        second vote must not decide the same stage again). Only where the reissue can be
+        done (``reissue``: the session waits on this one wait)."""
+        reissued = self._reissued
+        return reissued is not None and reissued.wait_id == wait.wait_id and self._alone(wait)
+
+    def _alone(self, wait: Wait) -> bool:
+        waits = self.work.snap.waits
+        return len(waits) == 1 and waits[0].wait_id == wait.wait_id
+
     async def reissue(self, wait: Wait, review: Review) -> bool:
         """Send the wait's request anew (a new epoch). Only for a session waiting on this
         one wait: a reissue closes the session's epoch, which would strand its others."""
         work = self.work
         tool = self.tool_of(wait)
         current = work.snap.wait_for(wait.correlation_id)
-        if tool is None or current is None or len(work.snap.waits) != 1 or review.request is None:
+        if tool is None or current is None or not self._alone(wait) or review.request is None:
             return False
         await self.suspender.unbind(self._closed)
         self._closed = []
