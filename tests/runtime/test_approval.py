@@ -312,3 +312,17 @@ async def test_a_vote_after_a_reassignment_in_one_activation_is_stale(make: Any)
         assert snap.state is S.SUSPENDED and new.request["approvers"] == ["bob"]
         assert reasons(snap) == [R.REASSIGNED, R.STALE] and new.progress["votes"] == {}
         assert (await vote(env, sid, "bob")).state is S.COMPLETED
+
+
+async def test_an_approver_named_twice_in_a_reassignment_votes_once(make: Any) -> None:
+    """Reassigned to fd, cfo and fd again, two of them must approve: fd is one."""
+    quorum = {"mode": "n_of_m", "required": 2}
+    async with make(stages=[{"approvers": ["bob"], "quorum": quorum}]) as env:
+        sid = await submit(env)
+        old = (await env.load(sid)).waits[0]
+        await env.control.reassign_approval(
+            sid, old.correlation_id, approvers=["fd", "cfo", "fd"], by="operator:abc"
+        )
+        assert (await env.load(sid)).waits[0].request["required"] == 2
+        assert (await vote(env, sid, "fd")).state is S.SUSPENDED
+        assert (await vote(env, sid, "cfo")).state is S.COMPLETED

@@ -87,3 +87,15 @@ def test_operator_keys_are_checked_and_never_named() -> None:
     for bad in (None, "Bearer tpk_wrong", "Basic abc", f"bearer{key}"):
         with pytest.raises(Unauthenticated):
             operator_for(bad, [hash_key(key)])
+
+
+@pytest.mark.parametrize("mode", [Mode.ALL, Mode.N_OF_M])
+def test_a_name_asked_twice_is_one_vote(mode: Mode) -> None:
+    """An approver named twice (a stage's list, an operator's reassignment) votes once:
+    their approval is not two of the quorum."""
+    quorum = Quorum(mode=mode, required=2)
+    asked = ["a", "b", "a"]
+    assert quorum.needed(asked) == 2
+    assert quorum.tally(asked, {"a": "approved"}) is Outcome.OPEN
+    assert quorum.tally(asked, {"a": "approved", "b": "approved"}) is Outcome.APPROVED
+    assert quorum.tally(asked, {"a": "rejected"}) is Outcome.REJECTED

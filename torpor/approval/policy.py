@@ -109,20 +109,28 @@ class Quorum(_Policy):
     required: int = Field(default=1, ge=1)  # N, for n_of_m
 
     def needed(self, asked: list[str]) -> int:
+        people = _distinct(asked)
         if self.mode is Mode.ALL:
-            return len(asked)
+            return len(people)
         if self.mode is Mode.ANY:
             return 1
-        return min(self.required, len(asked))
+        return min(self.required, len(people))
 
     def tally(self, asked: list[str], votes: dict[str, str]) -> Outcome:
         """Approved once enough principals approved; rejected once too many rejected for
         the rest to reach the quorum. Order does not matter: the votes are a set."""
-        approved = sum(1 for p in asked if votes.get(p) == "approved")
-        rejected = sum(1 for p in asked if votes.get(p) == "rejected")
-        need = self.needed(asked)
+        people = _distinct(asked)
+        approved = sum(1 for p in people if votes.get(p) == "approved")
+        rejected = sum(1 for p in people if votes.get(p) == "rejected")
+        need = self.needed(people)
         if approved >= need:
             return Outcome.APPROVED
-        if len(asked) - rejected < need:
+        if len(people) - rejected < need:
             return Outcome.REJECTED
         return Outcome.OPEN
+
+
+def _distinct(asked: list[str]) -> list[str]:
+    """Each person once: one named twice (in a stage's list, an operator's reassignment)
+    has one vote, so is neither two of a quorum nor a second vote ``all`` waits for."""
+    return list(dict.fromkeys(asked))
