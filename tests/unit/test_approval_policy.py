@@ -99,3 +99,28 @@ def test_a_name_asked_twice_is_one_vote(mode: Mode) -> None:
     assert quorum.tally(asked, {"a": "approved"}) is Outcome.OPEN
     assert quorum.tally(asked, {"a": "approved", "b": "approved"}) is Outcome.APPROVED
     assert quorum.tally(asked, {"a": "rejected"}) is Outcome.REJECTED
+
+
+def test_a_delegate_asked_in_their_own_right_may_still_act_for_their_principal() -> None:
+    """The clerk (up to 1000) is asked beside fd, and acts for fd: above the clerk's own
+    limit the vote counts for fd, whose authority it has, instead of being refused."""
+    policy = POLICY.model_copy(
+        update={
+            "delegations": [
+                *POLICY.delegations,
+                *AuthorityPolicy.model_validate(
+                    {"delegations": [{"delegate": "clerk", "for": "fd"}]}
+                ).delegations,
+            ]
+        }
+    )
+    acting = policy.authority(
+        "clerk", asked=["clerk", "fd"], amount=9000, cost_centre=None, now=NOW
+    )
+    assert acting.ok and acting.principal == "fd"
+    own = policy.authority("clerk", asked=["clerk", "fd"], amount=500, cost_centre=None, now=NOW)
+    assert own.ok and own.principal == "clerk"
+    refused = POLICY.authority(
+        "clerk", asked=["clerk", "fd"], amount=9000, cost_centre=None, now=NOW
+    )
+    assert not refused.ok and "no authority for 9000" in refused.why

@@ -80,16 +80,18 @@ class AuthorityPolicy(_Policy):
         now: datetime,
     ) -> Authority:
         """Whether ``approver`` may decide a request put to ``asked``: as one of them (or
-        acting for one of them), with authority for the amount."""
+        acting for one of them), with authority for the amount. One asked in their own
+        right without authority for it may still vote for a principal they act for."""
+        refused: Authority | None = None
         for principal in self.principals(approver, now=now):
             if principal not in asked:
                 continue
             if self.may_approve(principal, amount=amount, cost_centre=cost_centre):
                 return Authority(True, principal, "")
-            return Authority(
+            refused = refused or Authority(
                 False, principal, f"{approver} has no authority for {amount:g} ({cost_centre})"
             )
-        return Authority(False, None, f"{approver} is not an approver of this request")
+        return refused or Authority(False, None, f"{approver} is not an approver of this request")
 
 
 class Mode(StrEnum):
