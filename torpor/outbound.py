@@ -287,7 +287,9 @@ def retry_after_s(value: str | None, *, now: datetime, cap_s: float | None = Non
     else:
         try:
             when = parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
+        except (TypeError, ValueError, IndexError, OverflowError):
+            # OverflowError: a zone, year or hour no datetime holds (``+99999999999999999999``).
+            # Raised, it failed a delivery's attempt after its POST, uncounted, for ever.
             return None
         if when.tzinfo is None:
             when = when.replace(tzinfo=UTC)

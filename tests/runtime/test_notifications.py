@@ -375,6 +375,32 @@ async def test_a_replayed_notice_or_an_early_timer_keeps_the_receivers_retry_aft
         hook.close()
 
 
+async def test_a_retry_after_no_date_can_hold_is_ignored_not_an_endless_uncounted_retry(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """A receiver answered 503 with a Retry-After date whose parsing overflows: the
+    attempt raised after its POST, was never counted nor given its next time, and its
+    leased timer brought it back every lease for ever (never a dead letter)."""
+    hook = Receiver(script=[503], retry_after="Sun, 01 Mar 2026 11:00:00 +99999999999999999999")
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix) as env:
+            await finished_session(env, hook.url)
+            worker = DeliveryWorker(env.services)
+            await worker.due(env.clock.now())
+            assert len(hook.received) == 1
+            [delivery], _ = await env.services.deliveries.list(
+                "acme", status=None, cursor=None, limit=5
+            )
+            assert delivery.status is DeliveryStatus.PENDING and delivery.attempts == 1
+            assert delivery.last_category == "http_5xx"
+            # The schedule's first step (5 s ±20 %), the unreadable header ignored.
+            assert delivery.next_attempt_at is not None
+            wait = (delivery.next_attempt_at - env.clock.now()).total_seconds()
+            assert 3.9 <= wait <= 6.1, wait
+    finally:
+        hook.close()
+
+
 async def test_a_session_whose_agent_is_gone_still_notifies_its_end(
     tmp_path: Path, redis_url: str, redis_prefix: str, hook: Receiver
 ) -> None:

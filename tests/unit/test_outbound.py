@@ -190,6 +190,10 @@ def test_retry_after_as_an_http_date_from_the_server(server: Server) -> None:
         ("1.5", None),  # delay-seconds is 1*DIGIT (RFC 9110)
         (" 7 ", 7.0),
         ("Sun, 01 Mar 2026 11:00:00 GMT", 0.0),  # a date in the past: no wait
+        # Dates no datetime can hold: the stdlib parser raises OverflowError for them.
+        ("Sun, 01 Mar 2026 11:00:00 +99999999999999999999", None),
+        ("Sun, 01 Mar 99999999999999999999 11:00:00 GMT", None),
+        ("Sun, 01 Mar 2026 99999999999999999999:00:00 GMT", None),
     ],
 )
 def test_retry_after_values(value: str | None, expected: float | None) -> None:
