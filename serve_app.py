@@ -47,6 +47,7 @@ from torpor.entry.head import HeadAsGet
 from torpor.entry.hooks import HookFastPath, HookRoute
 from torpor.entry.http import (
     PROBLEM,
+    HeldStreamingResponse,
     install_problem_handlers,
     json_body,
     parse_json_body,
@@ -296,7 +297,7 @@ class Ingress:
         tenant = self._tenant(authorization)
         await self.control.get(session_id, tenant=tenant)  # 404 before the stream opens
         after = parse_last_event_id(last_event_id)
-        return StreamingResponse(
+        return HeldStreamingResponse(  # closed however it ends: the slot goes back
             self.streams.open(session_id, tenant, after),  # 429 past the tenant's cap
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

@@ -190,3 +190,70 @@ async def test_a_name_twice_in_one_json_object_is_refused_and_nothing_is_made(
     assert "appears twice" in answer.json()["detail"]
     listed = await app.http.get("/v1/sessions", headers=app.auth())
     assert listed.json()["items"] == []
+
+
+class StalledClient:
+    """An ASGI client that reads the answer's headers, then stops reading (its send
+    waits to drain, as uvicorn's does for a full write buffer) and leaves."""
+
+    def __init__(self) -> None:
+        self.requested, self.stalled, self.gone = False, asyncio.Event(), False
+        self.statuses: list[object] = []
+
+    async def receive(self) -> dict[str, object]:
+        if not self.requested:
+            self.requested = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await self.stalled.wait()
+        self.gone = True
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, object]) -> None:
+        if message["type"] == "http.response.start":
+            self.statuses.append(message["status"])
+        elif message.get("more_body"):
+            self.stalled.set()
+            await asyncio.Event().wait()  # never drains
+
+
+@pytest.mark.parametrize("stream", ["events", "console"])
+async def test_a_client_gone_while_its_stream_was_being_sent_gives_the_slot_back(
+    app: App, stream: str
+) -> None:
+    # uvicorn (ASGI 2.3) has Starlette stream in a task beside a listener for the
+    # disconnect. A client that stopped reading holds a send (uvicorn waits for its
+    # write buffer to drain); when it leaves, the listener cancels the task inside that
+    # send, outside the stream's own iteration, and nothing closed the stream: its slot
+    # was never given back. A few such clients and the tenant (the console's login key)
+    # was refused (429) every stream on the replica until it restarted.
+    import serve_app
+
+    session_id = await suspended(app)
+    if stream == "events":
+        path, cap = f"/v1/sessions/{session_id}/events", 4  # api_app's max_per_tenant
+        credential = (b"authorization", app.auth()["Authorization"].encode())
+    else:
+        await app.console_login(app.keys["acme"])
+        path = "/console/live"
+        cap = app.env.services.settings.security.max_streams_per_tenant
+        cookies = "; ".join(f"{k}={v}" for k, v in app.http.cookies.items())
+        credential = (b"cookie", cookies.encode())
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test"), credential],
+        "client": ("127.0.0.1", 50000),
+        "server": ("test", 80),
+    }
+    for _ in range(cap + 1):
+        client = StalledClient()
+        call = serve_app.api(dict(scope), client.receive, client.send)  # a mount changes it
+        await asyncio.wait_for(call, timeout=10)
+        assert client.statuses == [200] and client.gone

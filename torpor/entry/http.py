@@ -16,10 +16,11 @@ from typing import Any, Final
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import Receive, Scope, Send
 
 from torpor.errors import (
     InvalidRequest,
@@ -241,3 +242,21 @@ def require_idempotency_key(value: str | None) -> str:
     if len(value) > 255:
         raise InvalidRequest("the Idempotency-Key header is longer than 255 characters")
     return value
+
+
+class HeldStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` of a stream that holds a slot (``HeldStream``): the stream
+    is closed once the response is over, however it ended, and so gives its slot back.
+
+    Starlette only iterates the stream. Under ASGI 2.3 (uvicorn) it streams in a task
+    that a client's disconnect cancels wherever that task is: inside a ``send`` waiting
+    for a client that reads no more to drain, the stream was neither read again nor
+    closed, and its slot was held until the replica restarted."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()

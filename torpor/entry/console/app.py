@@ -17,14 +17,19 @@ from typing import Annotated, Any
 from urllib.parse import parse_qs, quote
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from torpor.entry.console import pages, reads
 from torpor.entry.console.actions import OperatorActions
 from torpor.entry.console.live import LiveCounts
 from torpor.entry.console.login import COOKIE, LIFETIME, CookieSigner, Principal, authenticate
-from torpor.entry.http import ensure_finite_json, install_problem_handlers, read_body
+from torpor.entry.http import (
+    HeldStreamingResponse,
+    ensure_finite_json,
+    install_problem_handlers,
+    read_body,
+)
 from torpor.errors import InvalidRequest, TorporError, Unauthenticated
 from torpor.lifecycle import SessionState
 from torpor.problems import problem_for
@@ -413,7 +418,7 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
         tenants = p.tenants(c.settings)
         if session is not None:
             await reads.get_snapshot(c.services, session, tenants=tenants)  # 404 first
-        return StreamingResponse(
+        return HeldStreamingResponse(  # closed however it ends: the share goes back
             c.live.open(p.key_id, tenants, session),  # 429 past the key's share
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
