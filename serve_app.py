@@ -293,10 +293,14 @@ class Ingress:
         session_id: str,
         authorization: Annotated[str | None, Header()] = None,
         last_event_id: Annotated[str | None, Header()] = None,
-    ) -> StreamingResponse:
+    ) -> Response:
         tenant = self._tenant(authorization)
-        await self.control.get(session_id, tenant=tenant)  # 404 before the stream opens
+        snapshot = await self.control.get(session_id, tenant=tenant)  # 404 before it opens
         after = parse_last_event_id(last_event_id)
+        if snapshot.terminal and all(entry.seq <= after for entry in snapshot.history):
+            # Ended, and the client has seen the end: 204 is what stops an EventSource
+            # reconnecting (WHATWG HTML); an empty 200 had it reconnect for ever.
+            return Response(status_code=204)
         return HeldStreamingResponse(  # closed however it ends: the slot goes back
             self.streams.open(session_id, tenant, after),  # 429 past the tenant's cap
             media_type="text/event-stream",

@@ -257,3 +257,23 @@ async def test_a_client_gone_while_its_stream_was_being_sent_gives_the_slot_back
         call = serve_app.api(dict(scope), client.receive, client.send)  # a mount changes it
         await asyncio.wait_for(call, timeout=10)
         assert client.statuses == [200] and client.gone
+
+
+async def test_a_reconnect_to_an_ended_stream_with_nothing_missed_is_a_204(app: App) -> None:
+    # An EventSource reconnects whenever its stream closes, for ever, unless answered
+    # 204 No Content (WHATWG HTML, server-sent events): a browser following a session
+    # that ended reconnected every few seconds, each time an empty 200.
+    session_id = await suspended(app)
+    cancel = await app.http.post(f"/v1/sessions/{session_id}/cancel", headers=app.auth())
+    assert cancel.status_code == 202, cancel.text
+    path = f"/v1/sessions/{session_id}/events"
+    whole = await asyncio.wait_for(app.http.get(path, headers=app.auth()), timeout=10)
+    assert whole.status_code == 200 and '"state": "CANCELLED"' in whole.text
+    last = [line for line in whole.text.splitlines() if line.startswith("id: ")][-1][4:]
+    again = {**app.auth(), "Last-Event-ID": last}
+    answer = await asyncio.wait_for(app.http.get(path, headers=again), timeout=10)
+    assert answer.status_code == 204 and answer.content == b""
+    # One that missed the end still gets it.
+    missed = {**app.auth(), "Last-Event-ID": str(int(last) - 1)}
+    answer = await asyncio.wait_for(app.http.get(path, headers=missed), timeout=10)
+    assert answer.status_code == 200 and '"state": "CANCELLED"' in answer.text
