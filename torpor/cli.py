@@ -488,7 +488,7 @@ def parser() -> argparse.ArgumentParser:
 
     d = command("demo", help="run the document-batch demo on this machine")
     d.add_argument("--documents", type=int, default=50)
-    d.add_argument("--placement", choices=["dedicated", "pooled"], default="dedicated")
+    d.add_argument("--placement", choices=["dedicated", "pooled"], default="pooled")
     d.add_argument("--redis", help="use this Redis instead of the embedded SQLite index")
     d.add_argument("--s3", help="use s3://bucket/prefix instead of a local folder")
     d.add_argument("--s3-endpoint", help="S3 endpoint URL (MinIO, …)")
