@@ -172,6 +172,21 @@ async def test_storage_trouble_in_an_activation_is_retried_and_never_counted(
         assert await env.services.index.due(kind=TimerKind.RETRY, now=FAR, limit=10) == [sid]
 
 
+async def set_aside(env: MemEnv, sid: str) -> None:
+    """Activate ``sid`` with a fault on its path until it is QUARANTINED."""
+
+    async def fails(self: Activation, reason: Reason) -> None:
+        raise RuntimeError("a bug on the path")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Activation, "_drive", fails)
+        for _ in range(10):
+            if (await env.load(sid)).state is S.QUARANTINED:
+                return
+            await env.runtime.activate(sid, reason=Reason.RETRY)
+    raise AssertionError(f"{sid} was never set aside")
+
+
 async def retry_due_in(env: MemEnv, sid: str) -> float:
     """Seconds from now to the session's RETRY timer."""
     timers = env.services.index._timers[TimerKind.RETRY]  # type: ignore[attr-defined]
@@ -204,23 +219,14 @@ async def test_a_session_set_aside_before_its_first_step_starts_afresh_on_retry(
         assert ran.state is S.SUSPENDED and ran.messages, "started from its input"
 
 
-async def test_a_set_aside_sessions_due_deadline_asks_for_nothing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_set_aside_sessions_due_deadline_asks_for_nothing() -> None:
     """Its waits stay bound while an operator looks; past their deadline the deadline
     loop asked it to time out four times a second, an activation each, for a week."""
     async with memory_env(AGENTS) as env:
         reset()
         sid = await env.submit("a")
         [wait] = (await env.load(sid)).waits
-
-        async def fails(self: Activation, reason: Reason) -> None:
-            raise RuntimeError("a bug on the path")
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Activation, "_drive", fails)
-            while (await env.load(sid)).state is not S.QUARANTINED:
-                await env.runtime.activate(sid, reason=Reason.RETRY)
+        await set_aside(env, sid)
         env.clock.advance((wait.deadline - env.clock.now()).total_seconds() + 1)
         sweeper = Sweeper(env.control)
         assert [await sweeper.deadlines_once() for _ in range(3)] == [0, 0, 0]
@@ -260,14 +266,7 @@ async def test_set_aside_sessions_past_their_deadline_hide_no_later_deadline(
     async with memory_env(PER_DOC) as env:
         reset()
         aside = await env.submit("a", "D-1")
-
-        async def fails(self: Activation, reason: Reason) -> None:
-            raise RuntimeError("a bug on the path")
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Activation, "_drive", fails)
-            while (await env.load(aside)).state is not S.QUARANTINED:
-                await env.runtime.activate(aside, reason=Reason.RETRY)
+        await set_aside(env, aside)
         env.clock.advance(10)
         later = await env.submit("a", "D-2")
         [wait] = (await env.load(later)).waits
@@ -287,14 +286,7 @@ async def test_a_full_sweep_is_not_hidden_behind_set_aside_sessions_either(
     async with memory_env(PER_DOC) as env:
         reset()
         aside = await env.submit("a", "D-1")
-
-        async def fails(self: Activation, reason: Reason) -> None:
-            raise RuntimeError("a bug on the path")
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Activation, "_drive", fails)
-            while (await env.load(aside)).state is not S.QUARANTINED:
-                await env.runtime.activate(aside, reason=Reason.RETRY)
+        await set_aside(env, aside)
         env.clock.advance(10)
         later = await env.submit("a", "D-2")
         [wait] = (await env.load(later)).waits
@@ -305,25 +297,14 @@ async def test_a_full_sweep_is_not_hidden_behind_set_aside_sessions_either(
         assert (await env.load(later)).state is S.TIMED_OUT
 
 
-async def test_a_dead_letter_of_a_set_aside_session_is_not_resent_until_it_is_taken_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_dead_letter_of_a_set_aside_session_is_not_resent_until_it_is_taken_back() -> None:
     """Resent, it was answered as PENDING and left the dead letters, but a set-aside
     session has no timers and no activation sends anything for it: it sat there unsent.
     Refused (409) until the operator retries or cancels the session."""
     async with memory_env(AGENTS) as env:
         reset()
         sid = await env.submit("a")
-
-        async def fails(self: Activation, reason: Reason) -> None:
-            raise RuntimeError("a bug on the path")
-
-        monkeypatch.setattr(Activation, "_drive", fails)
-        for _ in range(10):
-            if (await env.load(sid)).state is S.QUARANTINED:
-                break
-            await env.runtime.activate(sid, reason=Reason.RETRY)
-        monkeypatch.undo()
+        await set_aside(env, sid)
         aside = await env.load(sid)
         dead = OutboxEntry(
             entry_id="o_dead",

@@ -23,7 +23,6 @@ from torpor import tracing
 from torpor.agent import AgentContext, AgentTurn
 from torpor.deadlines import call_out
 from torpor.errors import AgentUnavailable, CallTimedOut, TorporError
-from torpor.events import EventKind
 from torpor.faults import CrashPoint, crash_point
 from torpor.ids import tool_call_key
 from torpor.lifecycle import SessionState
@@ -128,11 +127,7 @@ class AgentLoop:
 
     async def cancel_requested(self) -> bool:
         work = self.work
-        work.inbox_read_at = time.monotonic()
-        events = await self.deps.inbox.pending(
-            work.snap.session_id, processed=set(work.snap.processed_events)
-        )
-        cancel = next((e for e in events if e.kind is EventKind.CANCEL), None)
+        cancel = await work.pending_cancel()
         if cancel is None:
             return False
         work.update(processed_events=[*work.snap.processed_events, cancel.key])

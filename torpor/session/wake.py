@@ -162,12 +162,7 @@ class Wake:
         """End the session now if a cancel waits in the inbox; True if it did. Asked before
         an activation sends what the outbox owes (a request retried after a failure, or
         one a crash left unsent): a cancel accepted meanwhile must stop it going out."""
-        work = self.work
-        work.inbox_read_at = time.monotonic()
-        events = await self.deps.inbox.pending(
-            work.snap.session_id, processed=set(work.snap.processed_events)
-        )
-        cancel = next((e for e in events if e.kind is EventKind.CANCEL), None)
+        cancel = await self.work.pending_cancel()
         if cancel is None:
             return False
         await self._cancel(cancel)

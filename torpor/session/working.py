@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,6 +21,7 @@ from pydantic import JsonValue
 
 from torpor import outbox
 from torpor.errors import LeaseLost
+from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState, transition
 from torpor.models import SessionSnapshot
 from torpor.ports.services import Services
@@ -82,6 +84,14 @@ class WorkingCopy:
     @property
     def now(self) -> datetime:
         return self.deps.clock.now()
+
+    async def pending_cancel(self) -> InboxEvent | None:
+        """The cancel waiting in the session's inbox, if one does (read now)."""
+        self.inbox_read_at = time.monotonic()
+        events = await self.deps.inbox.pending(
+            self.snap.session_id, processed=set(self.snap.processed_events)
+        )
+        return next((e for e in events if e.kind is EventKind.CANCEL), None)
 
     def state(self) -> SessionState:
         return self.snap.state
