@@ -109,14 +109,22 @@ def malformed(detail: str | None = None) -> WebhookRejected:
     return WebhookRejected(RejectReason.MALFORMED_BODY, detail)
 
 
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # Two parsers disagreeing on which duplicate wins is a classic smuggling vector.
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError("duplicate key")
-        result[key] = value
-    return result
+class DuplicateName(ValueError):
+    """A JSON object names a member twice; the name (JSON-quoted, cut at 40) is ``str``."""
+
+
+def unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook`` that refuses a name twice in one object: two
+    parsers disagreeing on which duplicate wins is a classic smuggling vector (the
+    webhooks' bodies, and the API's, which Pydantic parses taking the last)."""
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise DuplicateName(json.dumps(name[:40]))
+            seen.add(name)
+    return found
 
 
 def _reject_constant(_: str) -> Any:
@@ -156,7 +164,7 @@ def loads_json(raw: bytes) -> Any:
     try:
         value = json.loads(
             raw.decode("utf-8"),
-            object_pairs_hook=_reject_duplicate_keys,
+            object_pairs_hook=unique_names,
             parse_constant=_reject_constant,
         )
     except (UnicodeDecodeError, ValueError, RecursionError):
