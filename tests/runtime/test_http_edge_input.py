@@ -12,6 +12,7 @@ from urllib.parse import quote
 
 import pytest
 
+from tests.conftest import eventually
 from tests.runtime.api_app import App, api_app
 from torpor.lifecycle import SessionState
 
@@ -35,11 +36,12 @@ async def suspended(app: App, doc: str = "PR-1") -> str:
     )
     assert answer.status_code == 202, answer.text
     session_id: str = answer.json()["session_id"]
-    for _ in range(100):
-        if (await app.env.load(session_id)).state is SessionState.SUSPENDED:
-            return session_id
-        await asyncio.sleep(0.02)
-    raise AssertionError("the session never suspended")
+
+    async def asleep() -> bool:
+        return (await app.env.load(session_id)).state is SessionState.SUSPENDED
+
+    await eventually(asleep, timeout_s=2.0, interval_s=0.02, what=f"{session_id} suspends")
+    return session_id
 
 
 @pytest.mark.parametrize("due", ["nan", "inf", "-inf", "1e10", "-1e10", "1e300"])
