@@ -159,9 +159,8 @@ class ObjectRetention:
         if await exists(self.store, keys.batch(batch_id)):
             await self.store.delete(note)
             return 1
-        data = await self._data(note)
         try:
-            at = datetime.fromisoformat(data.decode()) if data is not None else None
+            at = await self._stored_time(note)
         except ValueError:
             return 0  # unreadable: an operator looks first
         if at is None or at > cutoff:
@@ -335,10 +334,9 @@ class ObjectRetention:
         takes: one stored after ``_late_events`` looked was named by nothing once the
         marker went. So the marker stays a window, stamped with when the snapshot was
         found gone, and each visit meanwhile looks for late events again."""
-        data = await self._data(marker)
         try:
-            gone_at = datetime.fromisoformat(data.decode()) if data else None
-        except ValueError:
+            gone_at = await self._stored_time(marker)
+        except ValueError:  # empty, as every ended marker is until its snapshot goes
             gone_at = None
         if gone_at is None:  # the snapshot went just now (or before a crash): stamp it
             await self.store.put(marker, now.isoformat().encode())
@@ -530,6 +528,12 @@ class ObjectRetention:
             return (await self.store.get(keys.check_object_key(key))).data
         except ObjectNotFound:
             return None
+
+    async def _stored_time(self, key: str) -> datetime | None:
+        """The time ``key`` holds (ISO 8601), None if it is gone; ValueError if it holds
+        none (the accept notes and the ended markers of purged sessions are stamped)."""
+        data = await self._data(key)
+        return None if data is None else datetime.fromisoformat(data.decode())
 
     async def _read(self, key: str, model: type[T]) -> T | None:
         data = await self._data(key)
