@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 
 from pydantic import JsonValue
 
-from torpor.errors import InvalidRequest
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import ErrorInfo, SessionSnapshot
@@ -232,9 +231,7 @@ class AsyncClient:
         documents: list[JsonValue] = list(rows)
         if by_reference:
             # A batch refused for what it names stores nothing: checked before the rows.
-            self._batches.ensure_agent(agent)
-            if not rows:
-                raise InvalidRequest("a batch needs at least one document")
+            self._batches.ensure_acceptable(agent, rows)
             # The rows are stored before the batch is accepted: noted first, so those of
             # a batch that never gets its manifest (a driver that died) go in time.
             await self._services.batches.mark_accepting(batch_id, self._services.clock.now())

@@ -179,11 +179,11 @@ def parse_json_body(raw: bytes, model: type[Any]) -> Any:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise InvalidRequest(f"{where}: {first['msg']}"[:300]) from None
-    ensure_finite_json(raw, "body")
+    ensure_strict_json(raw, "body")
     return value
 
 
-def ensure_finite_json(raw: bytes | str, where: str) -> None:
+def ensure_strict_json(raw: bytes | str, where: str) -> None:
     """InvalidRequest if the JSON document ``raw``, which Pydantic parsed, holds NaN, an
     infinity or a number past a float's range, or an object with a name twice.
 

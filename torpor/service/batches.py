@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Sized
 from datetime import timedelta
 
 from pydantic import JsonValue
@@ -117,9 +118,11 @@ class BatchService:
             await self.fan_out(manifest.batch_id)
         return manifest
 
-    def ensure_agent(self, agent: str) -> None:
-        """``UnknownAgent`` unless ``agent`` is configured: checked before anything of the
-        batch is stored."""
+    def ensure_acceptable(self, agent: str, documents: Sized) -> None:
+        """``InvalidRequest`` for no documents, ``UnknownAgent`` unless ``agent`` is
+        configured: checked before anything of the batch is stored."""
+        if not documents:
+            raise InvalidRequest("a batch needs at least one document")
         try:
             self.services.plugins.agent(agent)
         except PluginNotFound as exc:
@@ -137,9 +140,7 @@ class BatchService:
         max_running: int | None = None,
     ) -> BatchManifest:
         """Durably accept a batch; creates no session. Idempotent by ``batch_id``."""
-        if not documents:
-            raise InvalidRequest("a batch needs at least one document")
-        self.ensure_agent(agent)
+        self.ensure_acceptable(agent, documents)
         metadata = dict(metadata or {})
         if callback_url is not None:  # checked once here, not once per document
             if self.services.settings.notifications.key is None:

@@ -26,7 +26,7 @@ from torpor.entry.console.live import LiveCounts
 from torpor.entry.console.login import COOKIE, LIFETIME, CookieSigner, Principal, authenticate
 from torpor.entry.http import (
     HeldStreamingResponse,
-    ensure_finite_json,
+    ensure_strict_json,
     install_problem_handlers,
     read_body,
 )
@@ -364,7 +364,7 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
                 raise InvalidRequest("the payload must be a JSON document") from None
             # As the API refuses them: NaN or 1e999 was stored as null, and the wait was
             # answered with a value the operator never gave.
-            ensure_finite_json(raw, "payload")
+            ensure_strict_json(raw, "payload")
             new = await c.actions.force_resolve(
                 p,
                 session_id,
