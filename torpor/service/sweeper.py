@@ -170,15 +170,19 @@ class Sweeper:
             return []
         states = await self.services.index.session_states(session_ids)
         aside = {sid for sid in session_ids if states.get(sid) is SessionState.QUARANTINED}
-        for binding in due:
-            if binding.session_id in aside:
-                await self.services.index.unbind(
-                    tenant=binding.tenant,
-                    correlation_id=binding.correlation_id,
-                    business_key=None,
-                    deadline=binding.deadline,
-                )
+        await self._unbind([b for b in due if b.session_id in aside])
         return [sid for sid in session_ids if sid not in aside]
+
+    async def _unbind(self, bindings: list[WaitBinding]) -> None:
+        """Take due bindings out of the index by correlation id (a binding does not name
+        its business key; the index frees a key whose holder is gone)."""
+        for binding in bindings:
+            await self.services.index.unbind(
+                tenant=binding.tenant,
+                correlation_id=binding.correlation_id,
+                business_key=None,
+                deadline=binding.deadline,
+            )
 
     # -- activation requests --------------------------------------------------------------
 
@@ -232,13 +236,7 @@ class Sweeper:
             return True  # cannot tell: the activation decides, as it always did
         open_ids = {w.correlation_id for w in snapshot.waits}
         left_over = [b for b in due if b.correlation_id not in open_ids]
-        for binding in left_over:
-            await self.services.index.unbind(
-                tenant=binding.tenant,
-                correlation_id=binding.correlation_id,
-                business_key=None,
-                deadline=binding.deadline,
-            )
+        await self._unbind(left_over)
         return len(left_over) < len(due)
 
     async def _leases(self, now: datetime, report: SweepReport) -> None:
