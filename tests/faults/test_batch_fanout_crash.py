@@ -3,6 +3,7 @@ every document ends with exactly one session."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,35 @@ async def test_a_fan_out_killed_mid_way_and_then_its_index_lost_is_resumed_after
         assert report.fan_outs == 1
         await sweeper.batches.drain()
         await _every_document_has_one_session(env, sweeper)
+
+
+async def test_an_accept_killed_before_its_manifest_leaves_nothing_after_the_period(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Killed -9 between the documents and the manifest: nothing names the documents but
+    the accept note written before them, through which retention deletes them (and the
+    note) once the period is over."""
+    run_killed_at(
+        CrashPoint.BATCH_DOCUMENTS,
+        FAN_OUT_IN_CHILD,
+        str(tmp_path),
+        redis_url,
+        redis_prefix,
+        str(DOCS),
+    )
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=EXTRA) as env:
+        store = env.services.store
+        assert (await store.list(keys.BATCHES)).keys == [], "died before its manifest"
+        assert (await store.list(keys.batch_data("b_crash"))).keys, "its documents stay"
+        assert (await store.list(keys.BATCH_ACCEPTS)).keys == [keys.batch_accepting("b_crash")]
+        sweeper = Sweeper(env.control)
+        await sweeper.sweep_once()  # within the period: kept
+        assert (await store.list(keys.batch_data("b_crash"))).keys
+        retention = timedelta(seconds=env.services.settings.storage.retention_s)
+        env.clock.advance((retention + timedelta(hours=2)).total_seconds())
+        await sweeper.sweep_once()
+        assert (await store.list(keys.batch_data("b_crash"))).keys == []
+        assert (await store.list(keys.BATCH_ACCEPTS)).keys == []
 
 
 def killed_mid_fan_out(tmp_path: Path, redis_url: str, redis_prefix: str) -> None:

@@ -172,6 +172,7 @@ class BatchService:
         # nothing else names; retention finds them through this note (and deletes them).
         await self.services.batches.mark_accepting(batch_id, now)
         key = await self.services.batches.put_documents(batch_id, fp, documents)
+        crash_point(CrashPoint.BATCH_DOCUMENTS)
         manifest = BatchManifest(
             batch_id=batch_id,
             tenant=tenant,
