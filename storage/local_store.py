@@ -15,6 +15,10 @@ the host:
   writers never both pass the etag check, and a reader checks after its read that the
   key still names the file it read (``_unchanged``).
 
+The objects every webhook creates (its inbox event, its replay marker) are not files:
+they are rows of one SQLite table in ``.small`` (``storage.small_objects``), chosen by
+key prefix, with the same semantics; a listing that spans both kinds merges them.
+
 Etags are the MD5 of the content, as S3 computes them for single-part uploads.
 Blocking file I/O runs in worker threads of the store's own so the caller's event loop
 keeps serving; the exceptions are a whole read of a small object (``_read_small``) and
@@ -65,7 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, ParamSpec, TypeVar
 
-from storage import blanks, cursors, folder_pages, wal
+from storage import blanks, cursors, folder_pages, small_objects, wal
 from storage.keys import check_object_key
 from torpor.errors import (
     ConfigError,
@@ -83,6 +87,7 @@ T = TypeVar("T")
 _LOCKS = ".locks"
 _TMP = ".tmp"
 _WAL = ".wal"
+_SMALL = ".small"
 # One pool per process, shared by every store in it (threads are started as needed).
 WRITER_THREADS = 32
 CREATES_AT_ONCE = 64
@@ -104,6 +109,12 @@ _THREADS: dict[int, ThreadPoolExecutor] = {}
 # key, body, whether the caller stages it (``stage_if_absent``), and the caller's answer:
 # the etag and the log's ticket still to be flushed for it (0: durable already).
 _Create = tuple[str, bytes, bool, "asyncio.Future[tuple[str, int]]"]
+# A small object's create (``storage.small_objects``): key, body, etag, and the caller's
+# answer, the commit's ticket.
+_RowCreate = tuple[str, bytes, str, "asyncio.Future[int]"]
+# (Inside the class, ``list`` names its method.)
+_RowCreates = list[_RowCreate]
+_Keys = list[str]
 
 
 def _threads() -> ThreadPoolExecutor:
@@ -312,11 +323,34 @@ class LocalObjectStore:
         except OSError as exc:
             raise ConfigError(f"local object store {self.root}: log replay failed: {exc}") from exc
         self._log = wal.WriteAheadLog(folder, flush=self._inline.log_flushed, boot=boot)
+        # The objects every webhook creates, as rows (``storage.small_objects``): what an
+        # older version left as files under their prefixes moved in first, the log's
+        # replay included.
+        try:
+            self._rows = small_objects.SmallObjects(str(self.root / _SMALL))
+            self._rows.adopt(self._objects)
+        except (OSError, StorageUnavailable) as exc:
+            raise ConfigError(f"local object store {self.root}: {exc}") from exc
+        self._row_creates: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, list[_RowCreate]
+        ] = weakref.WeakKeyDictionary()
+        self._row_creators: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, asyncio.Task[None]
+        ] = weakref.WeakKeyDictionary()
+        self._row_syncs: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, asyncio.Future[None]
+        ] = weakref.WeakKeyDictionary()
         # Descriptors held for the store's life (lock files, log segments): given back
         # when it is closed or collected, so that a process that opens many stores (a
         # test run) does not run out of them.
         self._finalizer = weakref.finalize(
-            self, _release, self._locks, self._log, self._blanks, self._blank_folders
+            self,
+            _release,
+            self._locks,
+            self._log,
+            self._blanks,
+            self._blank_folders,
+            rows=self._rows,
         )
 
     @property
@@ -639,6 +673,8 @@ class LocalObjectStore:
     # -- async protocol -------------------------------------------------------------
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        if small_objects.holds(key):
+            return await self._row(key, max_bytes)
         small = self._read_small(key)
         if small is not None:
             if max_bytes is not None:  # the etag names the whole object, as S3's does
@@ -671,6 +707,8 @@ class LocalObjectStore:
         return StoredObject(data, etag_of(data))
 
     async def put(self, key: str, data: bytes) -> str:
+        if small_objects.holds(key):
+            return (await self._row_replaced(key, data, expect=None)).etag
         return await self._write(functools.partial(self._put, key, data), size=len(data))
 
     async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
@@ -678,6 +716,11 @@ class LocalObjectStore:
         writes them all and makes each durable, then links each into place. A small
         object that need not be ``durable`` is created at once on the caller's thread
         (``_create_now``)."""
+        if small_objects.holds(key):
+            etag, ticket = await self._row_created(key, data)
+            if durable:
+                await self._rows_durable(ticket)
+            return etag
         if not durable and len(data) <= INLINE_READ_BYTES:
             return self._create_now(key, data)
         etag, _ = await self._queued(key, data, staged=False)
@@ -690,7 +733,12 @@ class LocalObjectStore:
         before it). Queued like any create: alone, it is placed (on the caller's thread
         when ``_Inline`` allows, else in a worker thread) and not flushed; with other
         creates waiting beside it, it is made durable with them, one hop and one flush
-        for all, as under load."""
+        for all, as under load. A small object (``storage.small_objects``) is committed,
+        and its flush begun at once, beside whatever the caller writes next."""
+        if small_objects.holds(key):
+            etag, ticket = await self._row_created(key, data)
+            self._rows_flush()
+            return Staged(etag, functools.partial(self._rows_durable, ticket))
         etag, ticket = await self._queued(key, data, staged=True)
         return Staged(etag, functools.partial(self._durable, ticket) if ticket else already_durable)
 
@@ -775,6 +823,8 @@ class LocalObjectStore:
                     done.set_exception(_translated(result))
 
     async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
+        if small_objects.holds(key):
+            return (await self._row_replaced(key, data, expect=etag)).etag
         return await self._write(
             functools.partial(self._put_if_match, key, data, etag), size=len(data)
         )
@@ -783,6 +833,8 @@ class LocalObjectStore:
         """``put_if_match`` that returns once the object is in place and logged, before
         the log's flush: ``durable()`` waits for a flush that covers it, usually that of
         a write the caller made meanwhile (a session's last commit: its marker's move)."""
+        if small_objects.holds(key):
+            return await self._row_replaced(key, data, expect=etag, staged=True)
         new_etag, ticket = await self._write(
             functools.partial(self._swap_if_match, key, data, etag), size=len(data)
         )
@@ -793,6 +845,15 @@ class LocalObjectStore:
     async def list(
         self, prefix: str, *, start_after: str | None = None, limit: int = 1000
     ) -> ListPage:
+        files, rows = small_objects.reach(prefix)
+        if not rows:
+            return await self._list_files(prefix, start_after, limit)
+        keys = await self._row_keys(prefix, start_after, limit)
+        if not files:
+            return _page(keys, prefix, start_after, limit)
+        return _merged(await self._list_files(prefix, start_after, limit), keys, limit)
+
+    async def _list_files(self, prefix: str, start_after: str | None, limit: int) -> ListPage:
         small = self._list_small(prefix, start_after, limit)
         if small is not None:
             return small
@@ -824,12 +885,26 @@ class LocalObjectStore:
     ) -> ListPage:
         """``list`` for a walk of the whole prefix: a large folder is listed once for the
         walk, not once per page (``storage.cursors``)."""
-        return await self._off_loop(self._walk, prefix, start_after, limit)
+        files, rows = small_objects.reach(prefix)
+        if not rows:
+            return await self._off_loop(self._walk, prefix, start_after, limit)
+        keys = await self._row_keys(prefix, start_after, limit)
+        if not files:
+            return _page(keys, prefix, start_after, limit)
+        walked = await self._off_loop(self._walk, prefix, start_after, limit)
+        return _merged(walked, keys, limit)
 
     async def delete(self, key: str) -> None:
+        if small_objects.holds(key):
+            check_object_key(key)
+            ticket = await self._rows_now(lambda wait: self._rows.remove(key, wait=wait))
+            await self._rows_durable(ticket)
+            return
         await self._write(functools.partial(self._delete, key), size=0)
 
     async def move(self, key: str, to: str, *, after: Staged | None = None) -> bool:
+        if small_objects.holds(key) or small_objects.holds(to):
+            return await self._row_moved(key, to, after)
         ticket = 0
         if isinstance(after, _Logged) and after.log is self._log and after.pid == os.getpid():
             ticket = after.ticket  # ordered in the log: ``_move``
@@ -840,6 +915,122 @@ class LocalObjectStore:
         except OSError:
             size = 0  # missing: ``_move`` says so under the locks
         return await self._write(functools.partial(self._move, key, to, after=ticket), size=size)
+
+    # -- small objects, as rows (``storage.small_objects``) ------------------------------
+
+    async def _rows_now(self, call: Callable[[bool], T]) -> T:
+        """``call(wait)`` on the caller's thread (a few microseconds) unless another
+        process holds the table's write lock: then in a worker thread, which waits."""
+        try:
+            return call(False)
+        except small_objects.Busy:
+            return await self._off_loop(call, True)
+
+    async def _row(self, key: str, max_bytes: int | None) -> StoredObject:
+        check_object_key(key)
+        found = await self._rows_now(lambda wait: self._rows.get(key, wait=wait))
+        if found is None:
+            raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key)
+        data, etag = found
+        return StoredObject(data if max_bytes is None else data[:max_bytes], etag)
+
+    async def _row_keys(self, prefix: str, start_after: str | None, limit: int) -> _Keys:
+        """One more than ``limit`` if there are more: ``_page`` and ``_merged`` tell so."""
+        return await self._rows_now(
+            lambda wait: self._rows.keys(prefix, start_after, limit + 1, wait=wait)
+        )
+
+    async def _row_created(self, key: str, data: bytes) -> tuple[str, int]:
+        """A create handed to ``_create_rows`` with the others waiting in this event
+        loop (one transaction for all): its etag and its commit's ticket."""
+        check_object_key(key)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
+        etag = etag_of(data)
+        queue = self._row_creates.setdefault(loop, [])
+        queue.append((key, data, etag, done))
+        creator = self._row_creators.get(loop)
+        if creator is None or creator.done():
+            self._row_creators[loop] = loop.create_task(self._create_rows(queue))
+        return etag, await done
+
+    async def _create_rows(self, queue: _RowCreates) -> None:
+        while queue:
+            batch = queue[:CREATES_AT_ONCE]
+            del queue[:CREATES_AT_ONCE]
+            items = [(key, data, etag) for key, data, etag, _ in batch]
+            try:
+                made, ticket = await self._rows_now(
+                    functools.partial(_create_rows_in, self._rows, items)
+                )
+            except Exception as exc:  # the transaction failed: every create in it
+                for *_, done in batch:
+                    if not done.done():
+                        done.set_exception(_translated(exc))
+                continue
+            for (key, _, _, done), won in zip(batch, made, strict=True):
+                if done.done():
+                    continue
+                if won:
+                    done.set_result(ticket)
+                else:
+                    done.set_exception(ObjectExists(f"object {key!r} already exists", key=key))
+
+    async def _row_replaced(
+        self, key: str, data: bytes, *, expect: str | None, staged: bool = False
+    ) -> Staged:
+        check_object_key(key)
+        etag = etag_of(data)
+        ticket = await self._rows_now(
+            lambda wait: self._rows.replace(key, data, etag, expect=expect, wait=wait)
+        )
+        if staged:
+            self._rows_flush()
+        else:
+            await self._rows_durable(ticket)
+        return Staged(etag, functools.partial(self._rows_durable, ticket))
+
+    async def _row_moved(self, key: str, to: str, after: Staged | None) -> bool:
+        """``move`` where either key is a row's: one transaction if both are (durable
+        on return), else a put of ``to`` and then a delete of ``key`` (a crash between
+        leaves it at both; the move done again completes it)."""
+        if key == to:
+            raise ValueError(f"a move needs two keys, not {key!r} twice")
+        check_object_key(key)
+        check_object_key(to)
+        if after is not None:
+            await after.durable()
+        if small_objects.holds(key) and small_objects.holds(to):
+            ticket = await self._rows_now(lambda wait: self._rows.rename(key, to, wait=wait))
+            if ticket is None:
+                return False
+            await self._rows_durable(ticket)
+            return True
+        try:
+            found = await self.get(key)
+        except ObjectNotFound:
+            return False
+        await self.put(to, found.data)
+        await self.delete(key)
+        return True
+
+    def _rows_flush(self) -> asyncio.Future[None]:
+        """This event loop's flush of the rows' log, begun if none is under way: it
+        covers every commit made before it begins."""
+        loop = asyncio.get_running_loop()
+        flush = self._row_syncs.get(loop)
+        if flush is None or flush.done():
+            flush = asyncio.ensure_future(self._off_loop(self._rows.sync, self._rows.committed))
+            # A flush begun ahead (``stage_if_absent``) may end with no one waiting.
+            flush.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._row_syncs[loop] = flush
+        return flush
+
+    async def _rows_durable(self, ticket: int) -> None:
+        """Return once the rows' commit ``ticket`` is durable: flushes of one event loop
+        go one at a time, each for everything committed before it."""
+        while self._rows.synced < ticket:
+            await asyncio.shield(self._rows_flush())
 
     async def _write(self, write: Callable[[bool], T], *, size: int) -> T:
         """A locked write, ``write(wait)``: on the caller's thread when ``_Inline`` allows
@@ -900,17 +1091,27 @@ def _unflushed(
     return [(r, ticket) if isinstance(r, str) else r for r in results]
 
 
-def _release(locks: _Stripes, log: wal.WriteAheadLog, *made: blanks.Blanks) -> None:
+def _release(
+    locks: _Stripes,
+    log: wal.WriteAheadLog,
+    *made: blanks.Blanks,
+    rows: small_objects.SmallObjects,
+) -> None:
     if wal.own_thread():
         # The store was collected on one of its log's own threads, which may hold the
         # log's lock (a collection set off by an allocation under it): released there,
         # it would wait for itself. Another thread waits for the lock instead.
         threading.Thread(
-            target=_release, args=(locks, log, *made), name="torpor-store-release", daemon=True
+            target=_release,
+            args=(locks, log, *made),
+            kwargs={"rows": rows},
+            name="torpor-store-release",
+            daemon=True,
         ).start()
         return
     locks.close()
     log.release()
+    rows.close()
     for made_ahead in made:
         made_ahead.close()
 
@@ -1020,6 +1221,22 @@ def _page(keys: list[str], prefix: str, start_after: str | None, limit: int) -> 
     )
     page = found[:limit]
     return ListPage(page, page[-1] if len(found) > limit else None)
+
+
+def _merged(files: ListPage, rows: list[str], limit: int) -> ListPage:
+    """A page of files and the rows after the same position (one more than ``limit`` if
+    there are more), as one page: each source holds every key of its own up to its last,
+    so the first ``limit`` keys of both are the first ``limit`` of the two together."""
+    both = sorted({*files.keys, *rows})
+    page = both[:limit]
+    more = files.next_token is not None or len(rows) > limit or len(both) > limit
+    return ListPage(page, page[-1] if more and page else None)
+
+
+def _create_rows_in(
+    rows: small_objects.SmallObjects, items: list[tuple[str, bytes, str]], wait: bool
+) -> tuple[list[bool], int]:
+    return rows.create(items, wait=wait)
 
 
 def _translated(exc: Exception) -> Exception:

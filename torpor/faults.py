@@ -51,6 +51,7 @@ class CrashPoint(StrEnum):
     STORE_AFTER_MOVE = "store.after_move"  # a deleted object's file is in .tmp; unlogged
     STORE_AFTER_LINK = "store.after_link"  # a moved object is at both keys; unlogged
     STORE_MOVE_LOGGED = "store.move_logged"  # a move is logged and flushed; its old name left
+    STORE_ROWS_COMMITTED = "store.rows_committed"  # small objects committed, not yet flushed
 
 
 @cache

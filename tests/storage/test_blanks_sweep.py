@@ -25,7 +25,7 @@ WRITER = """
 import asyncio, sys, time
 from storage.local_store import LocalObjectStore
 store = LocalObjectStore(sys.argv[1])
-asyncio.run(store.put("inbox/s/e", b"x"))  # writes: files and folders are made ahead
+asyncio.run(store.put("queue/s/e", b"x"))  # writes: files and folders are made ahead
 print("written", flush=True)
 time.sleep(600)
 """
@@ -70,7 +70,7 @@ def test_a_killed_writers_blanks_and_half_done_writes_are_swept_at_the_next_open
     (tmp / "0123456789abcdef01234567").write_bytes(b"half")  # a write it never finished
 
     running = LocalObjectStore(str(tmp_path))  # a live process's blanks: this one's
-    asyncio.run(running.put("inbox/s/f", b"x"))
+    asyncio.run(running.put("queue/s/f", b"x"))
     asyncio.run(
         eventually(lambda: made_by(tmp, os.getpid()), what="this process made blanks ahead")
     )

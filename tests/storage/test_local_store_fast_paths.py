@@ -80,14 +80,14 @@ def test_creates_of_one_key_in_one_batch_have_one_winner(tmp_path: Path) -> None
 
     async def both() -> list[object]:
         return await asyncio.gather(
-            store.put_if_absent("inbox/s/e", b"first"),
-            store.put_if_absent("inbox/s/e", b"second"),
+            store.put_if_absent("queue/s/e", b"first"),
+            store.put_if_absent("queue/s/e", b"second"),
             return_exceptions=True,
         )
 
     first, second = asyncio.run(both())
     assert isinstance(first, str) and isinstance(second, ObjectExists)
-    assert asyncio.run(store.get("inbox/s/e")).data == b"first"
+    assert asyncio.run(store.get("queue/s/e")).data == b"first"
 
 
 def test_small_objects_are_read_inline_and_large_ones_whole(tmp_path: Path) -> None:
@@ -124,27 +124,27 @@ def test_small_flat_folders_are_listed_inline_exactly_as_walked(tmp_path: Path) 
     store = LocalObjectStore(str(tmp_path))
 
     async def fill() -> None:
-        for key in ("inbox/s/a1", "inbox/s/a2", "inbox/s/b1", "inbox/t/a1", "deep/x/y/z"):
+        for key in ("queue/s/a1", "queue/s/a2", "queue/s/b1", "queue/t/a1", "deep/x/y/z"):
             await store.put_if_absent(key, b"x")
 
     asyncio.run(fill())
     cases = [
-        ("inbox/s/", None, 1000),
-        ("inbox/s/a", None, 1000),
-        ("inbox/s/", "inbox/s/a1", 1000),
-        ("inbox/s/", None, 2),
-        ("inbox/missing/", None, 1000),
+        ("queue/s/", None, 1000),
+        ("queue/s/a", None, 1000),
+        ("queue/s/", "queue/s/a1", 1000),
+        ("queue/s/", None, 2),
+        ("queue/missing/", None, 1000),
     ]
     for prefix, start_after, limit in cases:
         inline = store._list_small(prefix, start_after, limit)
         assert inline is not None, prefix
         assert inline == store._list(prefix, start_after, limit), prefix
-    assert store._list_small("inbox/s/", None, 2) == ListPage(
-        ["inbox/s/a1", "inbox/s/a2"], "inbox/s/a2"
+    assert store._list_small("queue/s/", None, 2) == ListPage(
+        ["queue/s/a1", "queue/s/a2"], "queue/s/a2"
     )
     assert store._list_small("deep/", None, 1000) is None, "a folder of folders is walked"
     assert store._list_small("inbox", None, 1000) is None, "the root is walked"
-    assert store._list_small("inbox//s/", None, 1000) is None, "unlike any key: walked"
+    assert store._list_small("queue//s/", None, 1000) is None, "unlike any key: walked"
 
 
 def test_a_large_folder_is_listed_off_the_loop(tmp_path: Path) -> None:
@@ -224,7 +224,7 @@ def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
     batches = batches_of(store, monkeypatch)
 
     async def both() -> None:
-        await store.put_if_absent("inbox/s/e", b"event")  # flushed, as every create
+        await store.put_if_absent("queue/s/e", b"event")  # flushed, as every create
         assert (len(synced), batches) == (1, [1])
         # Neither flushed nor queued behind the creates in flight (their fsyncs).
         await store.put_if_absent("accepted/h/d", b"accepted", durable=False)
@@ -248,16 +248,16 @@ def test_a_write_alone_is_made_on_the_callers_thread(
     store = primed(LocalObjectStore(str(tmp_path)), flushes)
 
     async def one_of_each() -> None:
-        etag = await store.put_if_absent("inbox/s/e", b"event")
-        etag = await store.put_if_match("inbox/s/e", b"event 2", etag=etag)
+        etag = await store.put_if_absent("queue/s/e", b"event")
+        etag = await store.put_if_match("queue/s/e", b"event 2", etag=etag)
         await store.put("sessions/s", b"snapshot")
-        await store.delete("inbox/s/e")
+        await store.delete("queue/s/e")
 
     asyncio.run(one_of_each())
     # One flush each, the delete's included (it is logged too), on the caller's thread.
     assert flushes.threads == [threading.get_ident()] * 4, "every flush on the caller's thread"
     assert asyncio.run(store.get("sessions/s")).data == b"snapshot"
-    assert not asyncio.run(store.list("inbox/")).keys
+    assert not asyncio.run(store.list("queue/")).keys
 
 
 def test_writes_come_back_to_the_callers_thread_once_flushes_are_quick_again(
@@ -368,7 +368,7 @@ def test_a_create_whose_write_fails_whole_fails_its_caller(
 
     monkeypatch.setattr(store, "_create_all", broken)
     with pytest.raises(StorageUnavailable):
-        asyncio.run(asyncio.wait_for(store.put_if_absent("inbox/s/e", b"x"), timeout=5))
+        asyncio.run(asyncio.wait_for(store.put_if_absent("queue/s/e", b"x"), timeout=5))
 
 
 @pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "link-then-unlink"])
@@ -402,7 +402,7 @@ def test_a_write_takes_a_file_made_ahead(tmp_path: Path, monkeypatch: pytest.Mon
     folder, into place."""
     store = LocalObjectStore(str(tmp_path))
     asyncio.run(store.put("k/first", b"x"))  # the first write starts making them
-    asyncio.run(store.put("inbox/first-session/e1", b"x"))
+    asyncio.run(store.put("queue/first-session/e1", b"x"))
     made = (store._blanks, store._blank_folders)
     done = eventually(
         lambda: not any(m._making or len(m._ready) < blanks.LOW for m in made),
@@ -437,11 +437,11 @@ def test_a_write_takes_a_file_made_ahead(tmp_path: Path, monkeypatch: pytest.Mon
         etag = await store.put_if_absent("k/a", b"created")
         await store.put_if_match("k/a", b"swapped", etag=etag)
         await store.put("k/b", b"put")
-        await store.put("inbox/new-session/e1", b"in a new folder")
+        await store.put("queue/new-session/e1", b"in a new folder")
 
     asyncio.run(writes())
     assert created == [], "no file or folder created on the write's path"
-    assert asyncio.run(store.get("inbox/new-session/e1")).data == b"in a new folder"
+    assert asyncio.run(store.get("queue/new-session/e1")).data == b"in a new folder"
     assert asyncio.run(store.get("k/a")).data == b"swapped"
     assert len(store._blanks._ready) == ready - 4
     asyncio.run(store.close())
@@ -457,18 +457,18 @@ def test_a_staged_create_is_visible_at_once_and_durable_with_the_next_flush(
     store = primed(LocalObjectStore(str(tmp_path)), flushes)
 
     async def staged_then_created() -> None:
-        staged = await store.stage_if_absent("inbox/s/e", b"event")
+        staged = await store.stage_if_absent("queue/s/e", b"event")
         assert flushes.threads == [], "staged: nothing flushed yet"
-        assert (await LocalObjectStore(str(tmp_path)).get("inbox/s/e")).data == b"event"
+        assert (await LocalObjectStore(str(tmp_path)).get("queue/s/e")).data == b"event"
         with pytest.raises(ObjectExists):
-            await store.stage_if_absent("inbox/s/e", b"again")
+            await store.stage_if_absent("queue/s/e", b"again")
         await store.put_if_absent("audit/w/1", b"record")
         assert len(flushes.threads) == 1
         await staged.durable()
         assert len(flushes.threads) == 1, "the record's flush covered the staged event"
 
     asyncio.run(staged_then_created())
-    assert asyncio.run(store.get("inbox/s/e")).data == b"event"
+    assert asyncio.run(store.get("queue/s/e")).data == b"event"
     assert not leftovers(store), "no temporary file is left behind"
 
 
@@ -477,7 +477,7 @@ def test_a_staged_create_alone_is_flushed_when_awaited(tmp_path: Path, flushes: 
     logged = store._log
 
     async def alone() -> None:
-        staged = await store.stage_if_absent("inbox/s/e", b"event")
+        staged = await store.stage_if_absent("queue/s/e", b"event")
         ticket = logged._appended
         assert not logged.synced(ticket)
         await staged.durable()
@@ -492,11 +492,11 @@ def test_a_staged_create_whose_key_is_locked_elsewhere_is_made_durable_off_the_l
     """Another process holds the key's stripe: the create waits for it in a worker
     thread, as ``put_if_absent``, and returns durable."""
     store = primed(LocalObjectStore(str(tmp_path)), flushes)
-    held = os.open(store._locks.path("inbox/s/e"), os.O_RDWR | os.O_CREAT, 0o600)
+    held = os.open(store._locks.path("queue/s/e"), os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(held, fcntl.LOCK_EX)
 
     async def contended() -> None:
-        staged = asyncio.ensure_future(store.stage_if_absent("inbox/s/e", b"event"))
+        staged = asyncio.ensure_future(store.stage_if_absent("queue/s/e", b"event"))
         await eventually(lambda: store._inline.in_flight > 0, what="the create leaves the loop")
         assert not staged.done()
         fcntl.flock(held, fcntl.LOCK_UN)
@@ -509,7 +509,7 @@ def test_a_staged_create_whose_key_is_locked_elsewhere_is_made_durable_off_the_l
         asyncio.run(asyncio.wait_for(contended(), timeout=10))
     finally:
         os.close(held)
-    assert asyncio.run(store.get("inbox/s/e")).data == b"event"
+    assert asyncio.run(store.get("queue/s/e")).data == b"event"
 
 
 def test_a_staged_replace_is_visible_at_once_and_durable_with_the_next_flush(
@@ -641,7 +641,7 @@ def test_a_last_commit_whose_snapshot_another_writers_flush_lost_keeps_its_live_
         staged = await real_stage(key, data, etag=etag)
         failures.append(OSError(errno.EIO, "Input/output error"))
         with pytest.raises(StorageUnavailable):
-            await store.put("inbox/other/e", b"its flush covers the snapshot, and fails")
+            await store.put("queue/other/e", b"its flush covers the snapshot, and fails")
         return staged
 
     async def last_commit() -> str:

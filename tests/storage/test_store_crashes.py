@@ -116,8 +116,8 @@ def test_a_writer_killed_between_the_move_and_its_log_record_leaves_the_key_whol
     assert read(store, "sessions/k") == left
     # This store's own writes never take a dead writer's file: it is not theirs to empty.
     for i in range(50):
-        asyncio.run(store.put(f"inbox/s/e{i}", b"%d" % i))
-        asyncio.run(store.delete(f"inbox/s/e{i}"))
+        asyncio.run(store.put(f"queue/s/e{i}", b"%d" % i))
+        asyncio.run(store.delete(f"queue/s/e{i}"))
     assert holding(tmp, OLD) == [old]
     asyncio.run(store.put("sessions/k", b"v3"))
     assert read(store, "sessions/k") == b"v3"

@@ -25,7 +25,7 @@ async def test_a_warmed_store_has_its_log_and_its_blanks_before_the_first_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = LocalObjectStore(tmp_path)
-    await store.put_if_absent("inbox/s_0/e_0", b"before")  # a store in use: its folders exist
+    await store.put_if_absent("queue/s_0/e_0", b"before")  # a store in use: its folders exist
     await store.close()
     store = LocalObjectStore(tmp_path)  # a new process's
     await store.warm()
@@ -51,11 +51,11 @@ async def test_a_warmed_store_has_its_log_and_its_blanks_before_the_first_write(
 
     monkeypatch.setattr(os, "open", watched_open)
     monkeypatch.setattr(os, "mkdir", watched_mkdir)
-    await store.put_if_absent("inbox/s_1/e_1", b"event")
+    await store.put_if_absent("queue/s_1/e_1", b"event")
     monkeypatch.undo()
     assert made == [], "the first write took what was made ahead"
     assert log._segment is segment, "and appended to the segment put in place"
-    assert (await store.get("inbox/s_1/e_1")).data == b"event"
+    assert (await store.get("queue/s_1/e_1")).data == b"event"
     await store.close()
 
 
@@ -66,7 +66,7 @@ async def test_a_log_readied_and_never_written_leaves_no_segment_behind(tmp_path
     await store.close()
     assert not [n for n in os.listdir(tmp_path / ".wal") if n.endswith(".log")]
     reopened = LocalObjectStore(tmp_path)  # nothing to replay, nothing refused
-    assert (await reopened.list("inbox/")).keys == []
+    assert (await reopened.list("queue/")).keys == []
     await reopened.close()
 
 
@@ -156,13 +156,13 @@ async def test_a_process_killed_right_after_warming_leaves_nothing_the_next_must
     assert len(blanks_left) >= 2 * blanks.HIGH
 
     same_boot = LocalObjectStore(tmp_path)  # the next process, before any reboot
-    await same_boot.put_if_absent("inbox/s_1/e_1", b"after")
-    assert (await same_boot.get("inbox/s_1/e_1")).data == b"after"
+    await same_boot.put_if_absent("queue/s_1/e_1", b"after")
+    assert (await same_boot.get("queue/s_1/e_1")).data == b"after"
     await same_boot.close()
 
     monkeypatch.setattr(wal, "boot_id", lambda: "a-later-boot")
     rebooted = LocalObjectStore(tmp_path)  # replays the killed process's log: nothing
-    assert (await rebooted.get("inbox/s_1/e_1")).data == b"after"
+    assert (await rebooted.get("queue/s_1/e_1")).data == b"after"
     assert not any(p.exists() for p in left), "its segment is replayed and removed"
     await rebooted.close()
     # Its blanks are a dead process's: the sweep takes them (past its age bound).

@@ -80,12 +80,12 @@ def test_every_acknowledged_change_survives_a_power_cut(
     large = os.urandom(wal.RECORD_MAX_BYTES + 1)
 
     async def changes() -> None:
-        etag = await store.put_if_absent("inbox/s/e1", b"event 1")
-        await store.put_if_absent("inbox/s/e2", b"event 2")
+        etag = await store.put_if_absent("queue/s/e1", b"event 1")
+        await store.put_if_absent("queue/s/e2", b"event 2")
         await asyncio.gather(*(store.put_if_absent(f"batch/{i}", b"%d" % i) for i in range(20)))
-        await store.put_if_match("inbox/s/e1", b"event 1, v2", etag=etag)
+        await store.put_if_match("queue/s/e1", b"event 1, v2", etag=etag)
         await store.put("sessions/s", b"snapshot")
-        await store.delete("inbox/s/e2")
+        await store.delete("queue/s/e2")
         await store.put("big/object", large)
 
     asyncio.run(changes())
@@ -95,17 +95,17 @@ def test_every_acknowledged_change_survives_a_power_cut(
     assert len(flushed) >= 6, "one flush per change awaited alone (the burst shares one)"
     # The power cut: the files written since the last flush are lost or emptied, and the
     # removed one is back (its removal never reached the disk).
-    (objects(tmp_path) / "inbox/s/e1").unlink()
+    (objects(tmp_path) / "queue/s/e1").unlink()
     (objects(tmp_path) / "sessions/s").write_bytes(b"")
     for i in range(0, 20, 2):
         (objects(tmp_path) / f"batch/{i}").unlink()
-    (objects(tmp_path) / "inbox/s/e2").write_bytes(b"event 2")
+    (objects(tmp_path) / "queue/s/e2").write_bytes(b"event 2")
 
     boot[0] = "boot-b"
     after = LocalObjectStore(tmp_path)
-    assert get(after, "inbox/s/e1") == b"event 1, v2"
+    assert get(after, "queue/s/e1") == b"event 1, v2"
     assert get(after, "sessions/s") == b"snapshot"
-    assert get(after, "inbox/s/e2") is None
+    assert get(after, "queue/s/e2") is None
     assert [get(after, f"batch/{i}") for i in range(20)] == [b"%d" % i for i in range(20)]
     assert get(after, "big/object") == large  # flushed in place: logged, not copied
     assert not segments(tmp_path), "the replayed logs are removed"
@@ -231,7 +231,7 @@ def test_a_torn_record_ends_the_log(tmp_path: Path, boot: list[str]) -> None:
 
 def test_records_decode_as_encoded_and_stop_at_the_preallocated_zeros() -> None:
     records = [
-        wal.Record(1, wal.Op.PUT, "inbox/s/é", b"\x00data"),
+        wal.Record(1, wal.Op.PUT, "queue/s/é", b"\x00data"),
         wal.Record(2, wal.Op.DELETE, "k"),
         wal.Record(3, wal.Op.DURABLE, "big"),
     ]

@@ -36,10 +36,12 @@ def _open(spec: Spec) -> Any:
     raise ValueError(kind)
 
 
-async def _attempt(target: Any, op: str, round_no: int, worker: int, etag: str | None) -> bool:
+async def _attempt(
+    target: Any, op: str, round_no: int, worker: int, etag: str | None, key_prefix: str
+) -> bool:
     from torpor.errors import PreconditionFailed
 
-    key = f"race/round-{round_no}"
+    key = f"{key_prefix}round-{round_no}"
     try:
         if op == "put_if_absent":
             await target.put_if_absent(key, f"worker {worker}".encode())
@@ -98,7 +100,14 @@ async def _attempt(target: Any, op: str, round_no: int, worker: int, etag: str |
 
 
 def _worker(
-    spec: Spec, op: str, rounds: int, worker: int, barrier: Any, etags: list[str | None], out: Any
+    spec: Spec,
+    op: str,
+    rounds: int,
+    worker: int,
+    barrier: Any,
+    etags: list[str | None],
+    out: Any,
+    key_prefix: str,
 ) -> None:
     async def main() -> None:
         target = _open(spec)
@@ -106,7 +115,7 @@ def _worker(
             # The first round waits for every spawned worker to import and connect, which
             # takes long on a loaded 2-core machine; later rounds only for the others' tries.
             barrier.wait(timeout=300 if r == 0 else 60)
-            won = await _attempt(target, op, r, worker, etags[r])
+            won = await _attempt(target, op, r, worker, etags[r], key_prefix)
             out.put((r, worker, won))
         await target.close()
 
@@ -114,9 +123,16 @@ def _worker(
 
 
 def race(
-    spec: Spec, op: str, *, workers: int, rounds: int, etags: list[str | None] | None = None
+    spec: Spec,
+    op: str,
+    *,
+    workers: int,
+    rounds: int,
+    etags: list[str | None] | None = None,
+    key_prefix: str = "race/",
 ) -> dict[int, list[int]]:
-    """Winners per round: {round: [worker, ...]}."""
+    """Winners per round: {round: [worker, ...]}. Round ``r`` races on the key
+    ``{key_prefix}round-{r}``."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         barrier = manager.Barrier(workers)
@@ -124,7 +140,7 @@ def race(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(spec, op, rounds, w, barrier, etags or [None] * rounds, out),
+                args=(spec, op, rounds, w, barrier, etags or [None] * rounds, out, key_prefix),
             )
             for w in range(workers)
         ]

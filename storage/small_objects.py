@@ -1,0 +1,337 @@
+"""The local store's per-webhook objects as rows of one SQLite table, not a file each.
+
+Every webhook the gateway accepts creates two small objects: its inbox event and its
+request's replay marker. As files (``storage.local_store``) each cost a temporary file
+readied, written and renamed into a folder, and the store's threads readying the next
+ones: 0.3-0.5 ms of CPU a webhook of the path's 0.6-0.8 in one process, more than
+verifying, parsing, routing and the audit record together (README, "Speed", twenty-
+eighth pass). Here they are rows of one table of one SQLite database in WAL mode, shared
+by every process on the host as the folder is:
+
+* create-only is the table's primary key: an INSERT that meets the key fails, so exactly
+  one creator wins, whichever processes race;
+* a reader never sees half a row and never waits for a writer (WAL);
+* the creates waiting in one event loop share one transaction (``LocalObjectStore``
+  queues them), committed without a flush (``synchronous=NORMAL``): visible to every
+  process, and safe from any process's crash, at once (the kernel holds the log's pages);
+* ``sync`` makes them durable against a power cut: one ``fdatasync`` of the database's
+  log for every commit made before it, by any process, taken outside SQLite's write lock
+  so no writer waits for the disk meanwhile. A committed frame leaves the log only
+  through a checkpoint, which flushes the log before it copies anything and the
+  database before the log is reused, so flushing the log's file covers every commit
+  that preceded the flush, wherever it now lives.
+
+Which keys live here is fixed by their prefix (``PREFIXES``), never by size or by
+caller, so every process looks for a key in the one place it can be; a listing whose
+prefix spans both kinds merges the two (``LocalObjectStore.list``). Objects that an
+older version wrote as files under those prefixes are moved in when a store opens the
+folder (``adopt``): every process on a host must run this version or none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+
+from torpor.errors import EtagMismatch, StorageUnavailable
+from torpor.faults import CrashPoint, crash_point
+
+PREFIXES = ("inbox/", "replays/")
+DATABASE = "objects.db"
+# A passive checkpoint after this many of a process's commits: the log stays short
+# (a reader's lookups walk it) without a checkpoint's two flushes on every sync.
+CHECKPOINT_EVERY = 256
+# How long a write made off the caller's thread waits for another process's transaction.
+BUSY_WAIT_MS = 30_000
+ADOPT_BATCH = 1000
+
+
+class Busy(Exception):
+    """Another process holds the write lock (or the caller's thread's connection is in
+    use): the call is made again in a worker thread, which may wait."""
+
+
+def holds(key: str) -> bool:
+    """Whether ``key`` lives here (rather than in a file of the folder)."""
+    return key.startswith(PREFIXES)
+
+
+def reach(prefix: str) -> tuple[bool, bool]:
+    """Whether a listing of ``prefix`` can find files, and whether it can find rows."""
+    if prefix.startswith(PREFIXES):
+        return False, True
+    return True, any(p.startswith(prefix) for p in PREFIXES)
+
+
+def _after_all(prefix: str) -> str | None:
+    """The least string above every key that starts with ``prefix`` (None for "")."""
+    if not prefix:
+        return None
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def _connect(path: str, *, busy_ms: int) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.execute(f"PRAGMA busy_timeout={busy_ms}")
+    # Checkpoints only from ``sync``, in a worker thread: one inside a commit made on the
+    # caller's thread would hold its event loop for two flushes of the disk.
+    db.execute("PRAGMA wal_autocheckpoint=0")
+    return db
+
+
+class SmallObjects:
+    """The rows. Every method is blocking; ``wait=False`` ones may be called on an event
+    loop's thread: they raise ``Busy`` rather than wait for another process."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.path = os.path.join(folder, DATABASE)
+        self._counted = threading.Lock()
+        self._flushing = threading.Lock()
+        self.committed = 0  # this process's commits, numbered: a commit's ticket
+        self.synced = 0  # every commit up to this ticket is durable
+        self._since_checkpoint = 0
+        self._log_fd = -1
+        self._pid = 0
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            self._quick = _connect(self.path, busy_ms=0)
+            self._waiting = _connect(self.path, busy_ms=BUSY_WAIT_MS)
+            if self._waiting.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                self._waiting.execute("PRAGMA journal_mode=WAL")
+            for db in (self._quick, self._waiting):
+                db.execute("PRAGMA synchronous=NORMAL")
+            self._waiting.execute(
+                "CREATE TABLE IF NOT EXISTS objects"
+                " (key TEXT PRIMARY KEY, etag TEXT NOT NULL, data BLOB NOT NULL) WITHOUT ROWID"
+            )
+        except (OSError, sqlite3.Error) as exc:
+            raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
+        self._quick_lock = threading.Lock()
+        self._waiting_lock = threading.Lock()
+        self._pid = os.getpid()
+        self._flush_folder()  # the database's name in its folder, on disk before any ack
+
+    # -- connections ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _db(self, wait: bool) -> Iterator[sqlite3.Connection]:
+        """A connection of this process's: the caller's thread's never waits (``Busy``),
+        the worker threads' waits up to ``BUSY_WAIT_MS`` for another process."""
+        if self._pid != os.getpid():  # a forked child: its parent's connections are not its own
+            self._open()
+        lock = self._waiting_lock if wait else self._quick_lock
+        if not lock.acquire(blocking=wait):
+            raise Busy
+        try:
+            yield self._waiting if wait else self._quick
+        except sqlite3.OperationalError as exc:
+            if not wait and _locked(exc):
+                raise Busy from exc
+            raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
+        except sqlite3.DatabaseError as exc:  # a damaged file: unavailable, not a bug here
+            raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
+        finally:
+            lock.release()
+
+    @contextlib.contextmanager
+    def _transaction(self, wait: bool) -> Iterator[sqlite3.Connection]:
+        with self._db(wait) as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+
+    def _ticket(self) -> int:
+        with self._counted:
+            self.committed += 1
+            return self.committed
+
+    # -- reads ------------------------------------------------------------------------
+
+    def get(self, key: str, *, wait: bool) -> tuple[bytes, str] | None:
+        with self._db(wait) as db:
+            row = db.execute("SELECT data, etag FROM objects WHERE key = ?", (key,)).fetchone()
+        return None if row is None else (bytes(row[0]), row[1])
+
+    def keys(self, prefix: str, start_after: str | None, limit: int, *, wait: bool) -> list[str]:
+        """Up to ``limit`` keys under ``prefix`` after ``start_after``, in key order (the
+        order of their UTF-8 bytes, as S3 and the folder list them)."""
+        sql, args = "SELECT key FROM objects WHERE key >= ?", [prefix]
+        if start_after is not None:
+            sql, args = sql + " AND key > ?", [*args, start_after]
+        if (above := _after_all(prefix)) is not None:
+            sql, args = sql + " AND key < ?", [*args, above]
+        with self._db(wait) as db:
+            rows = db.execute(sql + " ORDER BY key LIMIT ?", [*args, limit]).fetchall()
+        return [r[0] for r in rows]
+
+    # -- writes: each returns the commit's ticket, durable once ``sync(ticket)`` returns --
+
+    def create(
+        self, items: Sequence[tuple[str, bytes, str]], *, wait: bool
+    ) -> tuple[list[bool], int]:
+        """Each ``(key, data, etag)`` created unless its key exists, in one transaction:
+        whether each was, and the commit's ticket."""
+        made = []
+        with self._transaction(wait) as db:
+            for key, data, etag in items:
+                try:
+                    db.execute("INSERT INTO objects VALUES (?, ?, ?)", (key, etag, data))
+                    made.append(True)
+                except sqlite3.IntegrityError:
+                    made.append(False)
+        crash_point(CrashPoint.STORE_ROWS_COMMITTED)
+        return made, self._ticket()
+
+    def replace(self, key: str, data: bytes, etag: str, *, expect: str | None, wait: bool) -> int:
+        """The object at ``key`` replaced, or created; only if its etag is ``expect``,
+        when given (``EtagMismatch`` otherwise, and nothing written)."""
+        with self._transaction(wait) as db:
+            if expect is None:
+                db.execute("INSERT OR REPLACE INTO objects VALUES (?, ?, ?)", (key, etag, data))
+            else:
+                row = db.execute("SELECT etag FROM objects WHERE key = ?", (key,)).fetchone()
+                if row is None:
+                    raise EtagMismatch(f"object {key!r} no longer exists", key=key)
+                if row[0].strip('"') != expect.strip('"'):
+                    raise EtagMismatch(f"object {key!r} changed since it was read", key=key)
+                db.execute("UPDATE objects SET etag = ?, data = ? WHERE key = ?", (etag, data, key))
+        return self._ticket()
+
+    def remove(self, key: str, *, wait: bool) -> int:
+        with self._transaction(wait) as db:
+            db.execute("DELETE FROM objects WHERE key = ?", (key,))
+        return self._ticket()
+
+    def rename(self, key: str, to: str, *, wait: bool) -> int | None:
+        """The row at ``key`` moved to ``to`` (replacing it) in one transaction; None,
+        and nothing changed, if there is none."""
+        with self._transaction(wait) as db:
+            moved = db.execute(
+                "INSERT OR REPLACE INTO objects SELECT ?, etag, data FROM objects WHERE key = ?",
+                (to, key),
+            ).rowcount
+            db.execute("DELETE FROM objects WHERE key = ?", (key,))
+        ticket = self._ticket()
+        return ticket if moved else None
+
+    # -- durability -------------------------------------------------------------------
+
+    def sync(self, ticket: int) -> None:
+        """Return once the commit ``ticket`` (and every commit before it) is durable."""
+        if self.synced >= ticket:
+            return
+        with self._flushing:
+            if self.synced >= ticket:
+                return  # a flush that covered it ended while this one waited
+            target = self.committed
+            fd = self._log()
+            if fd >= 0:
+                os.fdatasync(fd)
+            self.synced = max(self.synced, target)
+            self._since_checkpoint += 1
+            if self._since_checkpoint >= CHECKPOINT_EVERY:
+                self._since_checkpoint = 0
+                with self._db(True) as db:  # copies what no reader needs; waits for none
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def _log(self) -> int:
+        """A descriptor of the database's log, its name flushed into the folder when it
+        is first seen (a log whose name a power cut takes holds no commits either); -1
+        if there is none: nothing was written since every commit was checkpointed."""
+        path = self.path + "-wal"
+        try:
+            named = os.stat(path)
+        except FileNotFoundError:
+            return -1
+        if self._log_fd >= 0 and os.path.samestat(named, os.fstat(self._log_fd)):
+            return self._log_fd
+        if self._log_fd >= 0:
+            os.close(self._log_fd)
+            self._log_fd = -1
+        self._log_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._flush_folder()
+        return self._log_fd
+
+    def _flush_folder(self) -> None:
+        fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- the files an older version wrote -----------------------------------------------
+
+    def adopt(self, objects: str) -> int:
+        """Move the files under ``PREFIXES`` in ``objects`` (the store's folder of files)
+        into the table, once, whichever processes open the store at once: each is
+        inserted unless its key is here already, made durable, and only then removed.
+        A crash midway leaves files the next open moves in. The number moved."""
+        tops = [os.path.join(objects, p.rstrip("/")) for p in PREFIXES]
+        if not any(os.path.isdir(t) for t in tops):
+            return 0  # the common case: one stat per prefix
+        with open(os.path.join(self.folder, "adopt.lock"), "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            moved = 0
+            for top in tops:
+                files = sorted(_files_under(top))
+                for start in range(0, len(files), ADOPT_BATCH):
+                    batch = files[start : start + ADOPT_BATCH]
+                    items = []
+                    for path in batch:
+                        with open(path, "rb") as fh:
+                            data = fh.read()
+                        key = os.path.relpath(path, objects).replace(os.sep, "/")
+                        digest = hashlib.md5(data, usedforsecurity=False).hexdigest()
+                        items.append((key, data, f'"{digest}"'))
+                    _, ticket = self.create(items, wait=True)
+                    self.sync(ticket)
+                    for path in batch:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(path)
+                    moved += len(batch)
+                _remove_empty(top)
+            return moved
+
+    def close(self) -> None:
+        for db in (self._quick, self._waiting):
+            with contextlib.suppress(sqlite3.Error):
+                db.close()
+        if self._log_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._log_fd)
+            self._log_fd = -1
+
+
+def _locked(exc: sqlite3.OperationalError) -> bool:
+    """Whether SQLite refused for a lock another connection holds (SQLITE_BUSY)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+def _files_under(top: str) -> Iterator[str]:
+    for folder, _, names in os.walk(top):
+        for name in names:
+            yield os.path.join(folder, name)
+
+
+def _remove_empty(top: str) -> None:
+    """The adopted folders removed, deepest first: no file of these prefixes is made again."""
+    for folder, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)

@@ -1,0 +1,309 @@
+"""The local store's per-webhook objects as rows of one SQLite table
+(``storage.small_objects``): the same create-only and compare-and-swap semantics as its
+files, for every process on the host; listings that span rows and files; what an older
+version left as files moved in; a writer killed after its commit; and a table locked by
+another process, which the caller's event loop does not wait for."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage import small_objects
+from storage.local_store import LocalObjectStore
+from tests.support.race import race
+from torpor.errors import EtagMismatch, InvalidKey, ObjectExists, ObjectNotFound
+from torpor.faults import ENV, CrashPoint
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_which_keys_are_rows_is_fixed_by_prefix() -> None:
+    assert small_objects.holds("inbox/s/e") and small_objects.holds("replays/src/d")
+    assert not small_objects.holds("snapshots/s") and not small_objects.holds("inbox-x/a")
+    assert small_objects.reach("inbox/s/") == (False, True)
+    assert small_objects.reach("") == (True, True)
+    assert small_objects.reach("in") == (True, True)
+    assert small_objects.reach("snapshots/") == (True, False)
+
+
+async def test_the_rows_are_not_files(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    await store.put_if_absent("inbox/s/e", b"event")
+    await store.put_if_absent("replays/src/d", b"accepted", durable=False)
+    assert not (LocalObjectStore.objects_in(tmp_path) / "inbox").exists()
+    assert not (LocalObjectStore.objects_in(tmp_path) / "replays").exists()
+    reopened = LocalObjectStore(tmp_path)
+    assert (await reopened.get("inbox/s/e")).data == b"event"
+    assert (await reopened.get("replays/src/d")).data == b"accepted"
+    await store.close()
+    await reopened.close()
+
+
+async def test_rows_keep_the_stores_semantics(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    etag = await store.put_if_absent("inbox/s/e", b"one")
+    assert etag == '"' + hashlib.md5(b"one").hexdigest() + '"'
+    with pytest.raises(ObjectExists):
+        await store.put_if_absent("inbox/s/e", b"two")
+    assert (await store.get("inbox/s/e")).data == b"one"
+    assert (await store.get("inbox/s/e", max_bytes=2)).data == b"on"
+    assert (await store.get("inbox/s/e", max_bytes=2)).etag == etag  # the whole object's
+    with pytest.raises(EtagMismatch):
+        await store.put_if_match("inbox/s/e", b"x", etag='"0000"')
+    with pytest.raises(EtagMismatch):
+        await store.put_if_match("inbox/s/missing", b"x", etag=etag)
+    new = await store.put_if_match("inbox/s/e", b"three", etag=etag)
+    staged = await store.stage_if_match("inbox/s/e", b"four", etag=new)
+    await staged.durable()
+    assert (await store.get("inbox/s/e")).data == b"four"
+    await store.put("inbox/s/e", b"five")
+    assert (await store.get("inbox/s/e")).data == b"five"
+    await store.delete("inbox/s/e")
+    await store.delete("inbox/s/e")  # idempotent, as S3's
+    with pytest.raises(ObjectNotFound):
+        await store.get("inbox/s/e")
+    with pytest.raises(InvalidKey):
+        await store.put_if_absent("inbox/../snapshots/x", b"x")
+    with pytest.raises(InvalidKey):
+        await store.get("inbox//e")
+    await store.close()
+
+
+async def test_creates_in_one_tick_share_a_transaction_and_each_is_answered(
+    tmp_path: Path,
+) -> None:
+    store = LocalObjectStore(tmp_path)
+    await store.put_if_absent("inbox/s/taken", b"first")
+    results = await asyncio.gather(
+        *(store.put_if_absent(f"inbox/s/{i:03d}", b"%d" % i) for i in range(100)),
+        store.put_if_absent("inbox/s/taken", b"second"),
+        store.put_if_absent("inbox/s/twice", b"a"),
+        store.put_if_absent("inbox/s/twice", b"b"),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, str) for r in results[:100])
+    assert isinstance(results[100], ObjectExists)
+    assert sorted(type(r).__name__ for r in results[101:]) == ["ObjectExists", "str"]
+    assert (await store.get("inbox/s/taken")).data == b"first"
+    assert len((await store.list("inbox/s/")).keys) == 102
+    await store.close()
+
+
+async def test_a_staged_row_is_visible_at_once_and_durable_when_awaited(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    other = LocalObjectStore(tmp_path)
+    staged = await store.stage_if_absent("inbox/s/e", b"event")
+    assert (await other.get("inbox/s/e")).data == b"event"  # before any flush
+    await staged.durable()
+    assert store._rows.synced >= store._rows.committed
+    with pytest.raises(ObjectExists):
+        await other.stage_if_absent("inbox/s/e", b"again")
+    await store.close()
+    await other.close()
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 1000])
+async def test_a_listing_across_rows_and_files_is_one_sorted_paged_listing(
+    tmp_path: Path, limit: int
+) -> None:
+    store = LocalObjectStore(tmp_path)
+    names = [
+        "a/1",
+        "inbox-x/1",  # a file beside the rows' prefix
+        "inbox/s/1",
+        "inbox/s/2",
+        "inbox/t/1",
+        "inbox0",
+        "replays/r/1",
+        "snapshots/s",
+        "z/9",
+    ]
+    for name in names:
+        await store.put_if_absent(name, name.encode())
+    for prefix in ("", "in", "inbox", "inbox/", "inbox/s/", "r", "replays/r/1", "zz"):
+        listed, token = [], None
+        while True:
+            page = await store.list(prefix, start_after=token, limit=limit)
+            assert len(page.keys) <= limit
+            listed += page.keys
+            if page.next_token is None:
+                break
+            token = page.next_token
+        assert listed == sorted(n for n in names if n.startswith(prefix)), prefix
+        walked = await store.walk(prefix, limit=10_000)
+        assert walked.keys == listed and walked.next_token is None
+    await store.close()
+
+
+async def test_moves_between_rows_and_files(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    await store.put_if_absent("inbox/s/a", b"a")
+    assert await store.move("inbox/s/a", "inbox/s/b")
+    assert (await store.get("inbox/s/b")).data == b"a"
+    assert not await store.move("inbox/s/a", "inbox/s/c")  # gone: nothing changed
+    with pytest.raises(ObjectNotFound):
+        await store.get("inbox/s/c")
+    assert await store.move("inbox/s/b", "kept/b")  # a row to a file
+    assert (await store.get("kept/b")).data == b"a"
+    assert await store.move("kept/b", "inbox/s/d")  # and back
+    assert (await store.get("inbox/s/d")).data == b"a"
+    assert (await store.list("")).keys == ["inbox/s/d"]
+    await store.close()
+
+
+def test_rows_have_exactly_one_creator_across_processes(tmp_path: Path) -> None:
+    spec = ("local", {"root": str(tmp_path / "race")})
+    winners = race(spec, "put_if_absent", workers=6, rounds=20, key_prefix="inbox/race/")
+    assert all(len(w) == 1 for w in winners.values()), winners
+
+
+async def test_rows_compare_and_swap_has_exactly_one_winner_across_processes(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "race"
+    store = LocalObjectStore(root)
+    etags = [await store.put_if_absent(f"inbox/race/round-{r}", b"base") for r in range(20)]
+    winners = race(
+        ("local", {"root": str(root)}),
+        "put_if_match",
+        workers=6,
+        rounds=20,
+        etags=list(etags),
+        key_prefix="inbox/race/",
+    )
+    assert all(len(w) == 1 for w in winners.values()), winners
+    await store.close()
+
+
+CHILD = """
+import asyncio, sys
+from storage.local_store import LocalObjectStore
+
+async def main(folder):
+    store = LocalObjectStore(folder)
+    await store.put_if_absent("inbox/s/e", b"the event")
+    print("survived", flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_writer_killed_after_its_commit_leaves_the_row_for_every_process(
+    tmp_path: Path,
+) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT), ENV: CrashPoint.STORE_ROWS_COMMITTED.value},
+    )
+    assert child.returncode == -9, child.stderr.decode()[-2000:]
+    assert b"survived" not in child.stdout
+
+    async def after() -> None:
+        store = LocalObjectStore(tmp_path)
+        assert (await store.get("inbox/s/e")).data == b"the event"
+        with pytest.raises(ObjectExists):  # the dead writer's create still wins
+            await store.put_if_absent("inbox/s/e", b"another")
+        await store.close()
+
+    asyncio.run(after())
+
+
+async def test_files_an_older_version_wrote_are_moved_in_once(tmp_path: Path) -> None:
+    objects = LocalObjectStore.objects_in(tmp_path)
+    old = {
+        "inbox/s1/e1": b"one",
+        "inbox/s1/e2": b"two",
+        "inbox/s2/e1": b"three",
+        "replays/src/abc": b"accepted",
+    }
+    for key, data in old.items():
+        (objects / key).parent.mkdir(parents=True, exist_ok=True)
+        (objects / key).write_bytes(data)
+    (objects / "snapshots").mkdir()
+    (objects / "snapshots" / "s1").write_bytes(b"snapshot")
+
+    store = LocalObjectStore(tmp_path)
+    for key, data in old.items():
+        found = await store.get(key)
+        assert found.data == data
+        assert found.etag == '"' + hashlib.md5(data).hexdigest() + '"'
+    assert (await store.list("inbox/s1/")).keys == ["inbox/s1/e1", "inbox/s1/e2"]
+    assert not (objects / "inbox").exists() and not (objects / "replays").exists()
+    assert (await store.get("snapshots/s1")).data == b"snapshot"  # files stay files
+    with pytest.raises(ObjectExists):
+        await store.put_if_absent("inbox/s1/e1", b"again")
+    assert store._rows.adopt(str(objects)) == 0  # nothing left to move
+    await store.close()
+
+
+async def test_a_table_another_process_holds_does_not_stall_the_event_loop(
+    tmp_path: Path,
+) -> None:
+    """Another process's write transaction (a purge, say): the create waits for it in
+    a worker thread, while the loop goes on serving; then it completes."""
+    store = LocalObjectStore(tmp_path)
+    await store.put_if_absent("inbox/s/first", b"x")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys, time\n"
+            "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "db.execute('BEGIN IMMEDIATE')\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "db.execute('COMMIT')\n",
+            str(tmp_path / ".small" / small_objects.DATABASE),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline() == b"held\n"
+        create = asyncio.ensure_future(store.put_if_absent("inbox/s/second", b"y"))
+        ticks, started = 0, time.monotonic()
+        while time.monotonic() - started < 0.5:  # the loop keeps turning meanwhile
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert not create.done()  # it waits for the lock, off the loop
+        assert ticks >= 20
+        assert (await store.get("inbox/s/first")).data == b"x"  # reads never wait
+        holder.stdin.write(b"go\n")
+        holder.stdin.flush()
+        await asyncio.wait_for(create, timeout=30)
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert (await store.get("inbox/s/second")).data == b"y"
+    await store.close()
+
+
+def test_a_damaged_table_is_the_store_unavailable_not_a_crash(tmp_path: Path) -> None:
+    folder = tmp_path / ".small"
+    folder.mkdir()
+    (folder / small_objects.DATABASE).write_bytes(b"not a database at all" * 100)
+    from torpor.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="small objects"):
+        LocalObjectStore(tmp_path)
+
+
+def test_sqlite_refusals_for_a_lock_are_told_apart() -> None:
+    locked = sqlite3.OperationalError("database is locked")
+    assert small_objects._locked(locked)
+    assert not small_objects._locked(sqlite3.OperationalError("disk I/O error"))
