@@ -327,7 +327,9 @@ class LocalObjectStore:
         # older version left as files under their prefixes moved in first, the log's
         # replay included.
         try:
-            self._rows = small_objects.SmallObjects(str(self.root / _SMALL))
+            self._rows = small_objects.SmallObjects(
+                str(self.root / _SMALL), flush=self._inline.log_flushed
+            )
             self._rows.adopt(self._objects)
         except (OSError, StorageUnavailable) as exc:
             raise ConfigError(f"local object store {self.root}: {exc}") from exc
@@ -734,10 +736,9 @@ class LocalObjectStore:
         when ``_Inline`` allows, else in a worker thread) and not flushed; with other
         creates waiting beside it, it is made durable with them, one hop and one flush
         for all, as under load. A small object (``storage.small_objects``) is committed,
-        and its flush begun at once, beside whatever the caller writes next."""
-        if small_objects.holds(key):
+        the same way."""
+        if small_objects.holds(key):  # flushed by the caller's next durable write, as here
             etag, ticket = await self._row_created(key, data)
-            self._rows_flush()
             return Staged(etag, functools.partial(self._rows_durable, ticket))
         etag, ticket = await self._queued(key, data, staged=True)
         return Staged(etag, functools.partial(self._durable, ticket) if ticket else already_durable)
@@ -959,10 +960,13 @@ class LocalObjectStore:
             batch = queue[:CREATES_AT_ONCE]
             del queue[:CREATES_AT_ONCE]
             items = [(key, data, etag) for key, data, etag, _ in batch]
+            create = functools.partial(_create_rows_in, self._rows, items)
             try:
-                made, ticket = await self._rows_now(
-                    functools.partial(_create_rows_in, self._rows, items)
-                )
+                # A large block (an audit block under load) is copied off the loop.
+                if sum(len(data) for _, data, _ in items) <= INLINE_READ_BYTES:
+                    made, ticket = await self._rows_now(create)
+                else:
+                    made, ticket = await self._off_loop(create, True)
             except Exception as exc:  # the transaction failed: every create in it
                 for *_, done in batch:
                     if not done.done():
@@ -984,9 +988,7 @@ class LocalObjectStore:
         ticket = await self._rows_now(
             lambda wait: self._rows.replace(key, data, etag, expect=expect, wait=wait)
         )
-        if staged:
-            self._rows_flush()
-        else:
+        if not staged:
             await self._rows_durable(ticket)
         return Staged(etag, functools.partial(self._rows_durable, ticket))
 
@@ -1014,23 +1016,23 @@ class LocalObjectStore:
         await self.delete(key)
         return True
 
-    def _rows_flush(self) -> asyncio.Future[None]:
-        """This event loop's flush of the rows' log, begun if none is under way: it
-        covers every commit made before it begins."""
-        loop = asyncio.get_running_loop()
-        flush = self._row_syncs.get(loop)
-        if flush is None or flush.done():
-            flush = asyncio.ensure_future(self._off_loop(self._rows.sync, self._rows.committed))
-            # A flush begun ahead (``stage_if_absent``) may end with no one waiting.
-            flush.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._row_syncs[loop] = flush
-        return flush
-
     async def _rows_durable(self, ticket: int) -> None:
         """Return once the rows' commit ``ticket`` is durable: flushes of one event loop
-        go one at a time, each for everything committed before it."""
+        go one at a time, each for everything committed before it; alone, with nothing
+        else in flight and the disk quick (``_Inline``), on the caller's thread."""
         while self._rows.synced < ticket:
-            await asyncio.shield(self._rows_flush())
+            loop = asyncio.get_running_loop()
+            flush = self._row_syncs.get(loop)
+            if flush is None or flush.done():
+                if self._inline.allows(0):
+                    try:
+                        self._inline.run(functools.partial(self._rows.sync, ticket))
+                    except OSError as exc:
+                        _raise_translated(exc)
+                    continue
+                flush = asyncio.ensure_future(self._off_loop(self._rows.sync, self._rows.committed))
+                self._row_syncs[loop] = flush
+            await asyncio.shield(flush)
 
     async def _write(self, write: Callable[[bool], T], *, size: int) -> T:
         """A locked write, ``write(wait)``: on the caller's thread when ``_Inline`` allows

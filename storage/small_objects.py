@@ -1,12 +1,13 @@
 """The local store's per-webhook objects as rows of one SQLite table, not a file each.
 
-Every webhook the gateway accepts creates two small objects: its inbox event and its
-request's replay marker. As files (``storage.local_store``) each cost a temporary file
-readied, written and renamed into a folder, and the store's threads readying the next
-ones: 0.3-0.5 ms of CPU a webhook of the path's 0.6-0.8 in one process, more than
-verifying, parsing, routing and the audit record together (README, "Speed", twenty-
-eighth pass). Here they are rows of one table of one SQLite database in WAL mode, shared
-by every process on the host as the folder is:
+Every webhook the gateway accepts creates two small objects, its inbox event and its
+request's replay marker, and adds a record to an audit block. As files
+(``storage.local_store``) each object cost a temporary file readied, written and renamed
+into a folder, and each webhook a flush of the store's log: 0.49-0.52 ms of CPU a
+webhook in one process under load (``bench/profile_gateway.py --concurrency 32``), 0.26-
+0.30 ms as rows (docs/performance-history.md, twenty-eighth pass). Here they are rows
+of one table of one SQLite database in WAL mode, shared by every process on the host as
+the folder is:
 
 * create-only is the table's primary key: an INSERT that meets the key fails, so exactly
   one creator wins, whichever processes race;
@@ -14,6 +15,7 @@ by every process on the host as the folder is:
 * the creates waiting in one event loop share one transaction (``LocalObjectStore``
   queues them), committed without a flush (``synchronous=NORMAL``): visible to every
   process, and safe from any process's crash, at once (the kernel holds the log's pages);
+  an inbox event and its audit block, both here, are then made durable by one flush;
 * ``sync`` makes them durable against a power cut: one ``fdatasync`` of the database's
   log for every commit made before it, by any process, taken outside SQLite's write lock
   so no writer waits for the disk meanwhile. A committed frame leaves the log only
@@ -36,12 +38,15 @@ import hashlib
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from torpor.errors import EtagMismatch, StorageUnavailable
 from torpor.faults import CrashPoint, crash_point
 
-PREFIXES = ("inbox/", "replays/")
+# The inbox events and replay markers, and the audit log's blocks: an event's audit
+# record is written beside it, and one flush of this table's log makes both durable (as
+# files and rows, each webhook waited for a flush of each).
+PREFIXES = ("inbox/", "replays/", "audit/")
 DATABASE = "objects.db"
 # A passive checkpoint after this many of a process's commits: the log stays short
 # (a reader's lookups walk it) without a checkpoint's two flushes on every sync.
@@ -49,6 +54,7 @@ CHECKPOINT_EVERY = 256
 # How long a write made off the caller's thread waits for another process's transaction.
 BUSY_WAIT_MS = 30_000
 ADOPT_BATCH = 1000
+_INHERITED: list[sqlite3.Connection] = []  # a forked parent's connections (``_db``)
 
 
 class Busy(Exception):
@@ -88,8 +94,10 @@ class SmallObjects:
     """The rows. Every method is blocking; ``wait=False`` ones may be called on an event
     loop's thread: they raise ``Busy`` rather than wait for another process."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, *, flush: Callable[[int], None] = os.fdatasync) -> None:
+        """``flush(fd)`` makes the table's log durable (the store times it)."""
         self.folder = folder
+        self._flush = flush
         self.path = os.path.join(folder, DATABASE)
         self._counted = threading.Lock()
         self._flushing = threading.Lock()
@@ -126,7 +134,14 @@ class SmallObjects:
     def _db(self, wait: bool) -> Iterator[sqlite3.Connection]:
         """A connection of this process's: the caller's thread's never waits (``Busy``),
         the worker threads' waits up to ``BUSY_WAIT_MS`` for another process."""
-        if self._pid != os.getpid():  # a forked child: its parent's connections are not its own
+        if self._pid != os.getpid():
+            # A forked child: its parent's connections are not its own. Closing them here
+            # would close descriptors of the database's files, and a POSIX lock belongs to
+            # the process, not the descriptor: the child's new connections would lose
+            # theirs. They are kept open, unused, for the child's life.
+            _INHERITED.extend((self._quick, self._waiting))
+            self._log_fd = -1
+            self.committed = self.synced = 0
             self._open()
         lock = self._waiting_lock if wait else self._quick_lock
         if not lock.acquire(blocking=wait):
@@ -240,7 +255,7 @@ class SmallObjects:
             target = self.committed
             fd = self._log()
             if fd >= 0:
-                os.fdatasync(fd)
+                self._flush(fd)
             self.synced = max(self.synced, target)
             self._since_checkpoint += 1
             if self._since_checkpoint >= CHECKPOINT_EVERY:

@@ -462,7 +462,7 @@ def test_a_staged_create_is_visible_at_once_and_durable_with_the_next_flush(
         assert (await LocalObjectStore(str(tmp_path)).get("queue/s/e")).data == b"event"
         with pytest.raises(ObjectExists):
             await store.stage_if_absent("queue/s/e", b"again")
-        await store.put_if_absent("audit/w/1", b"record")
+        await store.put_if_absent("records/w/1", b"record")
         assert len(flushes.threads) == 1
         await staged.durable()
         assert len(flushes.threads) == 1, "the record's flush covered the staged event"

@@ -113,6 +113,45 @@ async def test_a_staged_row_is_visible_at_once_and_durable_when_awaited(tmp_path
     await other.close()
 
 
+async def test_an_inbox_event_and_its_audit_block_share_one_flush(tmp_path: Path) -> None:
+    """The gateway stages the event, then writes its audit block durably: one flush of
+    the table's log covers both (as files, each webhook waited for one more)."""
+    store = LocalObjectStore(tmp_path)
+    flushed: list[int] = []
+    flush = store._rows._flush
+    store._rows._flush = lambda fd: (flushed.append(fd), flush(fd))[1]
+    staged = await store.stage_if_absent("inbox/s/e", b"event")
+    assert flushed == []
+    await store.put_if_absent("audit/w/000000000001", b"block")
+    assert len(flushed) == 1
+    await staged.durable()
+    assert len(flushed) == 1, "the block's flush covered the event"
+    await store.close()
+
+
+def test_a_forked_child_uses_the_rows_through_its_own_connections(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put_if_absent("inbox/s/parent", b"p"))
+    pid = os.fork()
+    if pid == 0:  # the child: its own connections, the parent's left alone
+        code = 1
+        try:
+
+            async def child() -> None:
+                assert (await store.get("inbox/s/parent")).data == b"p"
+                await store.put_if_absent("inbox/s/child", b"c")
+
+            asyncio.run(child())
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert asyncio.run(store.get("inbox/s/child")).data == b"c"
+    asyncio.run(store.put_if_absent("inbox/s/parent-again", b"p2"))  # the parent's still work
+    asyncio.run(store.close())
+
+
 @pytest.mark.parametrize("limit", [1, 2, 3, 1000])
 async def test_a_listing_across_rows_and_files_is_one_sorted_paged_listing(
     tmp_path: Path, limit: int
