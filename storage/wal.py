@@ -63,6 +63,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 
+from torpor.faults import CrashPoint, crash_point
 from torpor.logs import Repeated
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,18 @@ def read_mark(folder: str, boot: str) -> int:
             return int(fh.read().strip() or 0)
     except (OSError, ValueError):
         return 0
+
+
+def _write_mark(folder: str, boot: str, mark: int) -> None:
+    """Set the boot's checkpoint mark to ``mark``, durably (in place of the old one)."""
+    path = _mark_file(folder, boot)
+    tmp = f"{path}.{secrets.token_hex(4)}"
+    with open(tmp, "w") as fh:
+        fh.write(str(mark))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(folder)
 
 
 def _fsync_dir(folder: str) -> None:
@@ -476,14 +489,7 @@ class WriteAheadLog:
             os.close(fd)
         with _folder_lock(self.folder, ".marks.lock"):
             if mark > read_mark(self.folder, self.boot):
-                path = _mark_file(self.folder, self.boot)
-                tmp = f"{path}.{secrets.token_hex(4)}"
-                with open(tmp, "w") as fh:
-                    fh.write(str(mark))
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-                _fsync_dir(self.folder)
+                _write_mark(self.folder, self.boot, mark)
         for path in [s.path for s in retired] + exited:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -704,8 +710,16 @@ def recover(
             syncfs(fd)
         finally:
             os.close(fd)
+        # Everything the old boots logged is on disk now: their marks say so before any
+        # log goes. Removed one by one, a log holding a key's last change could go before
+        # one holding an older change of it, which a recovery killed (or a power cut)
+        # in between would then replay over the newer content.
+        for old_boot, newest in _newest(earlier).items():
+            if newest > marks[old_boot]:
+                _write_mark(folder, old_boot, newest)
         for _, _, path, _ in earlier:
             os.unlink(path)
+            crash_point(CrashPoint.STORE_REPLAY_REMOVING)
         for old_boot in boot_order:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(_mark_file(folder, old_boot))
@@ -717,6 +731,15 @@ def recover(
             folder,
         )
         return Replayed(len(earlier), len(latest))
+
+
+def _newest(earlier: list[tuple[float, str, str, bytes]]) -> dict[str, int]:
+    """The latest timestamp each boot's segments hold (created, boot, path, content)."""
+    newest: dict[str, int] = {}
+    for _, old_boot, _, content in earlier:
+        for record in decode(content):
+            newest[old_boot] = max(record.at_ns, newest.get(old_boot, 0))
+    return newest
 
 
 def _age_s(path: str) -> float:

@@ -52,6 +52,7 @@ class CrashPoint(StrEnum):
     STORE_AFTER_LINK = "store.after_link"  # a moved object is at both keys; unlogged
     STORE_MOVE_LOGGED = "store.move_logged"  # a move is logged and flushed; its old name left
     STORE_ROWS_COMMITTED = "store.rows_committed"  # small objects committed, not yet flushed
+    STORE_REPLAY_REMOVING = "store.replay_removing"  # a replay is on disk; one log removed
 
 
 @cache

@@ -30,6 +30,7 @@ from storage import wal
 from storage.local_store import LocalObjectStore
 from tests.conftest import eventually
 from torpor.errors import ObjectNotFound
+from torpor.faults import ENV, CrashPoint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -801,3 +802,44 @@ def test_an_ager_on_a_disk_that_stays_broken_logs_once_and_once_when_it_heals(
     assert len(lines) == 2, lines
     assert lines[1].startswith(f"{what}: works again")
     log.close()
+
+
+_REPLAYER = """
+import sys
+from storage import wal
+from storage.local_store import LocalObjectStore
+wal.boot_id = lambda: "boot-b"
+LocalObjectStore(sys.argv[1])
+print("survived", flush=True)
+"""
+
+
+def test_a_replay_killed_while_it_removed_its_logs_is_not_undone_by_the_next(
+    tmp_path: Path, boot: list[str]
+) -> None:
+    """The first store after a reboot replays, flushes, then removes the old logs one by
+    one. Killed after removing the one that held a key's last change, it leaves an older
+    record of that key in a log not yet removed: the next store must not replay it over
+    the newer content the first replay put on disk."""
+    newer, older = LocalObjectStore(tmp_path), LocalObjectStore(tmp_path)
+    asyncio.run(newer.put("first", b"x"))  # its segment is made first: removed first
+    asyncio.run(older.put("k", b"v1"))
+    asyncio.run(newer.put("k", b"v2"))
+    asyncio.run(newer.close())
+    asyncio.run(older.close())
+    (objects(tmp_path) / "k").unlink()  # the power cut
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root, ENV: CrashPoint.STORE_REPLAY_REMOVING.value}
+    child = subprocess.run(
+        [sys.executable, "-c", _REPLAYER, str(tmp_path)],
+        cwd=root,
+        capture_output=True,
+        timeout=30,
+        env=env,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    assert (objects(tmp_path) / "k").read_bytes() == b"v2", "the first replay put it back"
+
+    boot[0] = "boot-b"
+    assert get(LocalObjectStore(tmp_path), "k") == b"v2"
