@@ -190,6 +190,7 @@ class _Stripes:
     def __init__(self, folder: str) -> None:
         self.folder = folder
         self._reset()
+        os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def _reset(self) -> None:
         self._closed = False  # by ``close``: ``open_all`` opens nothing after it
@@ -270,6 +271,19 @@ class _Stripes:
             return
         with self.held(a, wait=wait), self.held(b, wait=wait):
             yield
+
+
+def _forked(ref: weakref.ref[_Stripes]) -> None:
+    """In a forked child: its copies of the parent's lock files closed. A ``flock``
+    belongs to the open file, which a copy keeps open: a parent killed holding a key's
+    lock would otherwise leave it held for as long as the child runs."""
+    stripes = ref()
+    if stripes is None:
+        return
+    for fd in stripes._fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    stripes._reset()
 
 
 class LocalObjectStore:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from storage import blanks, keys
-from storage.local_store import LocalObjectStore
+from storage.local_store import LocalObjectStore, _Contended
 from storage.snapshots import ObjectSnapshots, ended_day
 from tests.conftest import eventually
 from tests.support.factories import NOW
@@ -66,7 +66,7 @@ def killed_at(point: CrashPoint, folder: Path, op: str) -> int:
 
 LAST_COMMIT = """
 import asyncio, sys
-from storage.local_store import LocalObjectStore
+from storage.local_store import LocalObjectStore, _Contended
 from storage.snapshots import ObjectSnapshots
 from tests.support.factories import snapshot
 from torpor.lifecycle import SessionState, transition
@@ -186,3 +186,51 @@ def test_a_process_killed_in_a_sessions_last_commit_leaves_it_ended_and_findable
     assert read(store, keys.ended(ended_day(NOW), sid)) == b""
     assert os.stat(store._file(keys.ended(ended_day(NOW), sid))).st_nlink == 1
     asyncio.run(store.close())
+
+
+FORKING_WRITER = """
+import asyncio, os, signal, sys
+from storage.local_store import LocalObjectStore, _Contended
+
+store = LocalObjectStore(sys.argv[1])
+asyncio.run(store.put_if_absent("sessions/k", b"v1"))  # its lock file open from here on
+forked = os.fork()
+if forked == 0:  # a child that outlives its parent (a pool's worker, say)
+    quiet = os.open(os.devnull, os.O_RDWR)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    signal.pause()
+    os._exit(0)
+print(forked, flush=True)
+asyncio.run(store.put("sessions/k", b"v2"))  # killed here, the key's lock held
+"""
+
+
+def test_a_writer_killed_holding_a_keys_lock_frees_it_though_its_forked_child_lives(
+    tmp_path: Path,
+) -> None:
+    """A lock file's ``flock`` belongs to its open file, shared with every child forked
+    since it was opened: the lock goes with the last descriptor of it. A writer killed
+    holding a key's lock must leave it free though a child it forked before still runs,
+    or every write of that key (and of its stripe) waits for that child for ever."""
+    child = subprocess.run(
+        [sys.executable, "-c", FORKING_WRITER, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": str(ROOT), ENV: CrashPoint.STORE_AFTER_SWAP.value},
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    forked = int(child.stdout.split()[0])
+    try:
+        store = LocalObjectStore(tmp_path)
+        try:
+            with store._locked("sessions/k", wait=False):
+                pass
+        except _Contended:
+            pytest.fail("the killed writer's lock is held by its child's copy of the file")
+        asyncio.run(store.put("sessions/k", b"v3"))
+        assert read(store, "sessions/k") == b"v3"
+        asyncio.run(store.close())
+    finally:
+        os.kill(forked, signal.SIGKILL)
