@@ -25,14 +25,20 @@ class _Full(Exception):
     """The page holds one key more than asked for: the walk is over."""
 
 
+def spelled_as_keys(folder: str) -> bool:
+    """Whether ``folder`` could be the folder of a key: one spelled otherwise ("a//",
+    "a/./b", "../.wal") names none, and as a path it may lead out of the objects."""
+    return all(part not in ("", ".", "..") for part in folder.split("/"))
+
+
 def page_of(
     root: str, prefix: str, start_after: str | None, limit: int
 ) -> tuple[list[str], str | None]:
     """The keys under ``prefix`` after ``start_after``, sorted, at most ``limit``, and the
     token for the next page (None at the end). ``root`` holds the keys as paths."""
     folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-    if folder and any(part in ("", ".", "..") for part in folder.split("/")):
-        return [], None  # spelled unlike any key ("a//", "a/./b/", "../"): names none
+    if folder and not spelled_as_keys(folder):
+        return [], None
     found: list[str] = []
 
     def visit(path: str, rel: str) -> None:

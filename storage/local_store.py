@@ -879,8 +879,8 @@ class LocalObjectStore:
         activation) on the caller's thread: a few microseconds against 0.5 ms for the
         hop to a worker thread and back. None for anything larger or deeper."""
         folder, _, _ = prefix.rpartition("/")
-        if not folder or os.path.normpath(folder) != folder:
-            return None  # the root, or a prefix spelled unlike the keys ("a//b/", "a/./b/")
+        if not folder or not folder_pages.spelled_as_keys(folder):
+            return None  # the root, or a prefix spelled unlike the keys ("a//b/", "../")
         top = self.root / "objects" / folder
         keys: list[str] = []
         try:

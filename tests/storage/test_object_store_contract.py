@@ -132,6 +132,16 @@ class ObjectStoreContract:
         await store.put_if_absent("kept/two", b"2")  # and writes go on as before
         assert (await store.get("kept/two")).data == b"2"
 
+    @pytest.mark.parametrize("prefix", ["../", "../.wal/", "../.locks/", "./", "a/../.wal/"])
+    async def test_a_prefix_no_key_can_start_with_lists_nothing(
+        self, store: ObjectStore, prefix: str
+    ) -> None:
+        """No key has a ``..`` or ``.`` part: such a prefix names nothing, here or
+        beside the objects (the local store's own files, or the host's)."""
+        await store.put_if_absent("a/b", b"x")
+        page = await store.list(prefix)
+        assert page.keys == [] and page.next_token is None
+
     @pytest.mark.parametrize(
         "bad", ["", "/abs", "../up", "a//b", "a/../b", "a/./b", "sp ace", "a/"]
     )
