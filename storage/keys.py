@@ -14,12 +14,13 @@ from torpor.ids import digest
 from torpor.lifecycle import SessionState
 from torpor.ports import TimerKind
 
-_SAFE = re.compile(r"^[A-Za-z0-9_\-.]{1,128}$")
-_KEY = re.compile(r"^[A-Za-z0-9_\-.=/]{1,1024}$")
+# Matched whole (``fullmatch``): ``$`` would also match before a final line feed.
+_SAFE = re.compile(r"[A-Za-z0-9_\-.]{1,128}")
+_KEY = re.compile(r"[A-Za-z0-9_\-.=/]{1,1024}")
 
 
 def safe(value: str, what: str = "identifier") -> str:
-    if not _SAFE.match(value) or value in {".", ".."}:
+    if not _SAFE.fullmatch(value) or value in {".", ".."}:
         raise InvalidKey(f"{what} {value[:80]!r} is not a safe identifier ([A-Za-z0-9_-.], 1-128)")
     return value
 
@@ -27,7 +28,7 @@ def safe(value: str, what: str = "identifier") -> str:
 def check_object_key(key: str) -> str:
     """Refuse keys a local folder or S3 would interpret differently."""
     parts = key.split("/")
-    if not _KEY.match(key) or any(p in {"", ".", ".."} for p in parts):
+    if not _KEY.fullmatch(key) or any(p in {"", ".", ".."} for p in parts):
         raise InvalidKey(f"object key {key[:120]!r} is not a valid relative key")
     return key
 

@@ -143,7 +143,7 @@ class ObjectStoreContract:
         assert page.keys == [] and page.next_token is None
 
     @pytest.mark.parametrize(
-        "bad", ["", "/abs", "../up", "a//b", "a/../b", "a/./b", "sp ace", "a/"]
+        "bad", ["", "/abs", "../up", "a//b", "a/../b", "a/./b", "sp ace", "a/", "a\n", "a/b\n"]
     )
     async def test_unsafe_keys_are_refused(self, store: ObjectStore, bad: str) -> None:
         with pytest.raises(InvalidKey):
