@@ -17,6 +17,9 @@ from torpor.ports import TimerKind
 # Matched whole (``fullmatch``): ``$`` would also match before a final line feed.
 _SAFE = re.compile(r"[A-Za-z0-9_\-.]{1,128}")
 _KEY = re.compile(r"[A-Za-z0-9_\-.=/]{1,1024}")
+# The longest file name a folder holds (NAME_MAX): the local store keeps a key's parts as
+# folder and file names, and a key every store holds alike is one it can hold too.
+_PART_MAX = 255
 
 
 def safe(value: str, what: str = "identifier") -> str:
@@ -28,7 +31,7 @@ def safe(value: str, what: str = "identifier") -> str:
 def check_object_key(key: str) -> str:
     """Refuse keys a local folder or S3 would interpret differently."""
     parts = key.split("/")
-    if not _KEY.fullmatch(key) or any(p in {"", ".", ".."} for p in parts):
+    if not _KEY.fullmatch(key) or any(p in {"", ".", ".."} or len(p) > _PART_MAX for p in parts):
         raise InvalidKey(f"object key {key[:120]!r} is not a valid relative key")
     return key
 

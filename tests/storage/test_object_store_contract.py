@@ -149,6 +149,22 @@ class ObjectStoreContract:
         with pytest.raises(InvalidKey):
             await store.put_if_absent(bad, b"x")
 
+    @pytest.mark.parametrize("key", ["x" * 256, "a/" + "x" * 256 + "/b"])
+    async def test_a_key_with_a_part_no_folder_can_name_is_refused_everywhere(
+        self, store: ObjectStore, key: str
+    ) -> None:
+        """A part longer than a file name may be (255 bytes): refused alike by every
+        store, not a raw OSError from the local folder's file system alone."""
+        with pytest.raises(InvalidKey):
+            await store.put_if_absent(key, b"x")
+        with pytest.raises(InvalidKey):
+            await store.put(key, b"x")
+        with pytest.raises(InvalidKey):
+            await store.get(key)
+        with pytest.raises(InvalidKey):
+            await store.delete(key)
+        await store.put_if_absent("x" * 255, b"the longest part a folder holds")
+
 
 class TestLocalObjectStore(ObjectStoreContract):
     @pytest.fixture
