@@ -106,6 +106,10 @@ INLINE_FLUSH_BUDGET_S = 0.002
 INLINE_SHARE = 0.25
 INLINE_BURST_S = 0.005
 _THREADS: dict[int, ThreadPoolExecutor] = {}
+# What opening a key's path raises when no object is there: nothing at it, a file where
+# one of its folders would be ("a/b" when "a" is an object), or a folder at it ("q" when
+# "q/w" is). No key names a folder, so the last is missing too, to a read.
+_NO_OBJECT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 # key, body, whether the caller stages it (``stage_if_absent``), and the caller's answer:
 # the etag and the log's ticket still to be flushed for it (0: durable already).
 _Create = tuple[str, bytes, bool, "asyncio.Future[tuple[str, int]]"]
@@ -528,7 +532,7 @@ class LocalObjectStore:
         for _ in range(READ_ATTEMPTS):
             try:
                 fh = open(path, "rb")  # noqa: SIM115 - closed below, after its status
-            except FileNotFoundError:
+            except _NO_OBJECT:
                 raise ObjectNotFound(f"no object {key!r} in {self.url}", key=key) from None
             with fh:
                 opened = os.fstat(fh.fileno())
@@ -580,7 +584,7 @@ class LocalObjectStore:
             with self._locked(key, wait=wait):
                 try:
                     current = etag_of(Path(path).read_bytes())
-                except FileNotFoundError:
+                except _NO_OBJECT:
                     raise EtagMismatch(f"object {key!r} no longer exists", key=key) from None
                 if _normal(current) != _normal(etag):
                     raise EtagMismatch(f"object {key!r} changed since it was read", key=key)
@@ -1144,7 +1148,7 @@ def _occupant(path: str) -> os.stat_result | None:
     folder is refused before anything moves, as ``os.replace`` and ``unlink`` refuse it."""
     try:
         there = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a file where a folder would be
         return None
     if stat.S_ISDIR(there.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)

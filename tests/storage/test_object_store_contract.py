@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from storage import blocking
-from storage.local_store import LocalObjectStore
+from storage.local_store import LocalObjectStore, etag_of
 from storage.memory_store import MemoryObjectStore
 from storage.s3_store import S3ObjectStore
 from tests.support.race import race
@@ -70,6 +70,23 @@ class ObjectStoreContract:
             await store.put_if_match("ghost", b"x", etag='"0123456789abcdef0123456789abcdef"')
         with pytest.raises(ObjectNotFound):
             await store.get("ghost")
+
+    async def test_a_key_below_an_object_or_above_one_names_no_object(
+        self, store: ObjectStore
+    ) -> None:
+        """``a/b`` when ``a`` is an object, ``q`` when ``q/w`` is: missing, as any
+        missing key (the local folder met a file or a folder on the way)."""
+        await store.put_if_absent("a", b"x")
+        await store.put_if_absent("q/w", b"y")
+        for missing in ("a/b", "q"):
+            with pytest.raises(ObjectNotFound):
+                await store.get(missing)
+            with pytest.raises(ObjectNotFound):
+                await store.get(missing, max_bytes=1)
+            with pytest.raises(EtagMismatch):
+                await store.put_if_match(missing, b"z", etag=etag_of(b"x"))
+        await store.delete("a/b")  # nothing there: nothing to do
+        assert (await store.get("a")).data == b"x"
 
     async def test_unconditional_put_overwrites(self, store: ObjectStore) -> None:
         await store.put("p", b"1")
