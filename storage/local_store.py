@@ -1081,7 +1081,10 @@ class LocalObjectStore:
         self._blank_folders.fill()
 
     async def close(self) -> None:
-        self._finalizer()
+        if self._finalizer.alive:
+            self._finalizer()
+        else:  # used again since it was closed: what that reopened is given back too
+            _release(self._locks, self._log, self._blanks, self._blank_folders)
 
     async def _off_loop(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()

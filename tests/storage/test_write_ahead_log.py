@@ -360,6 +360,30 @@ def test_a_closed_or_collected_store_gives_its_descriptors_back(tmp_path: Path) 
     wait_for(lambda: open_fds() <= before, "collected: its descriptors are given back")
 
 
+def test_a_store_used_again_after_its_close_gives_its_descriptors_back_when_closed_again(
+    tmp_path: Path,
+) -> None:
+    """Its lock files and its log reopen when a closed store is used again: closing it
+    again gives them back, and leaves its segment to the next checkpoint (unlocked)."""
+
+    def open_fds() -> list[str]:
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                path = os.readlink(f"/proc/self/fd/{fd}")
+                if path.startswith(str(tmp_path)):
+                    held.append(path)
+        return held
+
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put("k", b"1"))
+    asyncio.run(store.close())
+    wait_for(lambda: not open_fds(), "closed: its descriptors are given back")
+    asyncio.run(store.put("k", b"2"))
+    asyncio.run(store.close())
+    wait_for(lambda: not open_fds(), "closed again: its descriptors are given back")
+
+
 def test_a_forked_child_neither_removes_nor_waits_for_its_parents_log(
     tmp_path: Path, boot: list[str]
 ) -> None:
