@@ -1084,7 +1084,7 @@ class LocalObjectStore:
         if self._finalizer.alive:
             self._finalizer()
         else:  # used again since it was closed: what that reopened is given back too
-            _release(self._locks, self._log, self._blanks, self._blank_folders)
+            _release(self._locks, self._log, self._blanks, self._blank_folders, rows=self._rows)
 
     async def _off_loop(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()

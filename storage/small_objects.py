@@ -126,6 +126,7 @@ class SmallObjects:
         self._quick_lock = threading.Lock()
         self._waiting_lock = threading.Lock()
         self._pid = os.getpid()
+        self._closed = False
         self._flush_folder()  # the database's name in its folder, on disk before any ack
 
     # -- connections ------------------------------------------------------------------
@@ -134,7 +135,9 @@ class SmallObjects:
     def _db(self, wait: bool) -> Iterator[sqlite3.Connection]:
         """A connection of this process's: the caller's thread's never waits (``Busy``),
         the worker threads' waits up to ``BUSY_WAIT_MS`` for another process."""
-        if self._pid != os.getpid():
+        if self._closed:  # used again after ``close``: open again, as the store's files do
+            self._open()
+        elif self._pid != os.getpid():
             # A forked child: its parent's connections are not its own. Closing them here
             # would close descriptors of the database's files, and a POSIX lock belongs to
             # the process, not the descriptor: the child's new connections would lose
@@ -322,6 +325,7 @@ class SmallObjects:
             return moved
 
     def close(self) -> None:
+        self._closed = True
         for db in (self._quick, self._waiting):
             with contextlib.suppress(sqlite3.Error):
                 db.close()

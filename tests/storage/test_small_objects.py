@@ -346,3 +346,13 @@ def test_sqlite_refusals_for_a_lock_are_told_apart() -> None:
     locked = sqlite3.OperationalError("database is locked")
     assert small_objects._locked(locked)
     assert not small_objects._locked(sqlite3.OperationalError("disk I/O error"))
+
+
+async def test_rows_used_again_after_close_open_again(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    await store.put_if_absent("inbox/s/a", b"a")
+    await store.close()
+    await store.put_if_absent("inbox/s/b", b"b")  # as the store's files do
+    assert (await store.list("inbox/s/")).keys == ["inbox/s/a", "inbox/s/b"]
+    await store.close()
+    await store.close()
