@@ -114,7 +114,15 @@ class SourceConfig(_Section):
     secrets: list[SecretStr] = Field(
         min_length=1, description="every active secret; several during a rotation"
     )
-    tolerance_s: float = Field(300.0, description="accepted clock skew of the timestamp, both ways")
+    # Finite and positive: NaN compares false both ways and turned the window off; a day
+    # at most, as the replay claims and lookup windows are sized from it.
+    tolerance_s: float = Field(
+        300.0,
+        gt=0,
+        le=24 * 3600,
+        allow_inf_nan=False,
+        description="accepted clock skew of the timestamp, both ways",
+    )
     max_body_bytes: int = Field(256 * 1024, description="larger webhook bodies are refused (413)")
     mapping: PayloadMapping | None = Field(
         None, description="for non-CloudEvents JSON: where id, type, correlation id, … are"

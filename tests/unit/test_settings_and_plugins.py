@@ -171,3 +171,12 @@ def test_a_source_may_not_take_a_reserved_event_source_name(name: str) -> None:
     with pytest.raises(ConfigError, match="reserved") as refused:
         Settings.build({"sources": {name: source}})
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("tolerance_s", ["nan", "inf", "-inf", -1, 0, 2 * 86_400, 1e20])
+def test_a_sources_timestamp_window_is_finite_and_positive(tolerance_s: object) -> None:
+    # NaN turned the window off (every comparison with it is false); 1e20 overflowed the
+    # replay claims' TTL, failing every delivery after its signature was checked.
+    source = {"tenant": "acme", "secrets": ["s" * 32], "tolerance_s": tolerance_s}
+    with pytest.raises(ConfigError, match=r"tolerance_s"):
+        Settings.build({"sources": {"oa": source}})

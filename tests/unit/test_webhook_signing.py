@@ -6,6 +6,7 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import math
 import pickle
 import re
 from collections.abc import Callable, Mapping
@@ -580,3 +581,13 @@ def test_mutating_one_valid_header_only_raises_rejections(
     headers[name] = value
     with contextlib.suppress(WebhookRejected):
         verify(scheme, BODY, headers, [SECRETS[scheme]], now=NOW)
+
+
+@pytest.mark.parametrize("tolerance_s", [math.nan, math.inf, -1.0])
+def test_a_window_that_cannot_be_checked_is_a_programming_error(tolerance_s: float) -> None:
+    """NaN compares false both ways: a day-old delivery verified as if it had no window."""
+    headers = signed(Scheme.TORPOR, now=NOW - timedelta(days=1))
+    with pytest.raises(ValueError, match="tolerance_s"):
+        verify(
+            Scheme.TORPOR, BODY, headers, [SECRETS[Scheme.TORPOR]], now=NOW, tolerance_s=tolerance_s
+        )

@@ -313,10 +313,13 @@ def verify(
 
     Raises ``WebhookRejected`` for anything the sender controls, ``WebhookSecretInvalid``
     for a bad configured secret (never showing its value) and ``ValueError`` for a naive
-    ``now``.
+    ``now`` or a ``tolerance_s`` that is not a finite, non-negative number.
     """
     scheme = Scheme(scheme)
     _require_aware(now)
+    if not (math.isfinite(tolerance_s) and tolerance_s >= 0):
+        # NaN compares false both ways: every timestamp would pass the window.
+        raise ValueError("tolerance_s must be a finite number of seconds, not negative")
     if isinstance(secrets, str):
         # A bare string is a Sequence[str]: each character would become a one-byte key.
         raise TypeError("secrets must be a sequence of secrets, not one string")
