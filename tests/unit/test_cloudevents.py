@@ -119,6 +119,17 @@ def test_extensions_win_over_data_conventions() -> None:
     assert (parsed.business_key, parsed.status, parsed.correlation_id) == ("12345", None, None)
 
 
+@pytest.mark.parametrize("member", ["correlationId", "business_key", "status"])
+def test_an_id_read_from_data_is_bounded_as_a_mapped_payloads_is(member: str) -> None:
+    """The extension and the mapped payload were held to MAX_TEXT_CHARS; the same id read
+    from a CloudEvent's data was not, and went on into the index lookup, the inbox event
+    and the audit record at whatever length the body allowed."""
+    error = rejected(event(data={member: "x" * 2049}))
+    assert error.reason is R.MALFORMED_BODY
+    assert "too long" in error.public_detail
+    assert len(parse(event(data={member: "x" * 2048}))) == 1  # the limit itself is fine
+
+
 def test_extension_values_of_json_types_become_text() -> None:
     [parsed] = parse(event(retries=3, urgent=True, quiet=False, dropped=None))
     assert parsed.extensions == {"retries": "3", "urgent": "true", "quiet": "false"}

@@ -25,13 +25,13 @@ from torpor.webhooks.payloads import (
     MAX_TEXT_CHARS,
     InboundEvent,
     PayloadMapping,
+    bounded_text,
     echoed_epoch,
     from_mapping,
     loads_json,
     loads_object,
     malformed,
     parse_rfc3339,
-    text_value,
 )
 from torpor.webhooks.rejections import ensure_body_size
 
@@ -130,11 +130,12 @@ def _build(attrs: dict[str, str], data: JsonValue, now: datetime) -> InboundEven
     extensions = {k: v for k, v in attrs.items() if k not in _CORE_ATTRIBUTES}
     payload = data if isinstance(data, dict) else {}
     # Conventions, not spec: an extension wins over the same field inside data.
-    correlation = extensions.get("correlationid") or text_value(
-        payload.get("correlationId", payload.get("correlation_id"))
+    # Bounded as the extensions are (above): these go on into the index and the audit.
+    correlation = extensions.get("correlationid") or bounded_text(
+        payload.get("correlationId", payload.get("correlation_id")), "correlation id"
     )
-    business_key = extensions.get("businesskey") or text_value(
-        payload.get("businessKey", payload.get("business_key"))
+    business_key = extensions.get("businesskey") or bounded_text(
+        payload.get("businessKey", payload.get("business_key")), "business key"
     )
     return InboundEvent(
         event_id=attrs["id"],
@@ -144,7 +145,7 @@ def _build(attrs: dict[str, str], data: JsonValue, now: datetime) -> InboundEven
         time=time,
         correlation_id=correlation,
         business_key=business_key,
-        status=text_value(payload.get("status")),
+        status=bounded_text(payload.get("status"), "status"),
         # Which request the event answers, if the sender says: stale answers are observed.
         epoch=echoed_epoch(extensions.get("epoch"), extensions.get("idempotencykey")),
         data=data,

@@ -221,6 +221,15 @@ def text_value(value: Any) -> str | None:
     return None
 
 
+def bounded_text(value: Any, field: str) -> str | None:
+    """``text_value``, refused (``malformed_body``) past ``MAX_TEXT_CHARS``: an id read out
+    of a payload goes on into index lookups, the inbox event and the audit record."""
+    text = text_value(value)
+    if text is not None and len(text) > MAX_TEXT_CHARS:
+        raise malformed(f"the payload's {field} is too long")
+    return text
+
+
 _MISSING: Final = object()
 
 
@@ -245,12 +254,9 @@ def _mapped_text(document: Any, path: str | None, field: str) -> str | None:
     value = _lookup(document, path)
     if value is _MISSING or value is None:
         return None
-    text = text_value(value)
-    if text is None:
+    if text_value(value) is None:
         raise malformed(f"the payload's {field} is not a string or integer")
-    if len(text) > MAX_TEXT_CHARS:
-        raise malformed(f"the payload's {field} is too long")
-    return text
+    return bounded_text(value, field)
 
 
 def echoed_epoch(epoch: str | None, idempotency_key: str | None) -> int | None:
