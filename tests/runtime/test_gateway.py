@@ -349,3 +349,47 @@ async def test_one_cloudevent_id_from_two_producers_is_two_events(
             }
         ]
         assert len(stored) == 2
+
+
+async def test_a_batch_of_one_is_answered_as_a_batch(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """The answer followed the number of events, not the mode: a batch holding one event
+    got a single event's answer (no ``events``), and one naming no wait failed the
+    request with 404 where a longer batch reports it as that event's outcome."""
+    secret = generate_secret(Scheme.STANDARD)
+    sources = {**SOURCES, "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]}}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit()
+        cid = (await env.load(sid)).waits[0].correlation_id
+        now = env.clock.now()
+
+        async def post(event_id: str, correlation_id: str) -> tuple[int, object]:
+            batch = [
+                {
+                    "specversion": "1.0",
+                    "id": event_id,
+                    "source": "erp",
+                    "type": "oa.approval.decided",
+                    "correlationid": correlation_id,
+                    "data": {"status": "approved"},
+                }
+            ]
+            raw = json.dumps(batch).encode()
+            headers = {
+                **sign(Scheme.STANDARD, raw, secret, now=now),
+                "Content-Type": "application/cloudevents-batch+json",
+            }
+            result = await gateway.receive("ce", raw, headers, now=now)
+            return result.status, result.body.get("events")
+
+        assert await post("nobody-1", "Q" * 22) == (
+            200,
+            [{"event_id": "nobody-1", "status": 404, "duplicate": False, "outcome": "unknown"}],
+        )
+        assert await post("ok-2", cid) == (
+            202,
+            [{"event_id": "ok-2", "status": 202, "duplicate": False, "outcome": "accepted"}],
+        )
+        assert (await env.load(sid)).state is SessionState.COMPLETED

@@ -69,7 +69,7 @@ from torpor.service.replay import ReplayClaims, ReplayGuard, replay_claims
 from torpor.service.sessions import SessionService
 from torpor.settings import SourceConfig
 from torpor.webhooks.capability import open_token
-from torpor.webhooks.cloudevents import parse_http
+from torpor.webhooks.cloudevents import is_batch, parse_http
 from torpor.webhooks.payloads import InboundEvent, loads_json
 from torpor.webhooks.rejections import ensure_body_size
 from torpor.webhooks.signing import Scheme, Verified, verify
@@ -259,7 +259,8 @@ class WebhookGateway:
                 await self._audited(routed, remember=None)
                 await self._activate(routed)
                 raise WebhookRejected(RejectReason.REPLAYED)
-            result = await self._answer(routed, batch=len(events) > 1, source=source)
+            # A batch of one is answered as a batch: its sender reads ``events``.
+            result = await self._answer(routed, batch=is_batch(headers), source=source)
             # A webhook alone in an HTTP handler asks for its activation (which runs
             # behind the answer) before the audit record and the replay marker are
             # awaited: the wake timers are armed already, and the session's load overlaps

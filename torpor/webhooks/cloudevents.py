@@ -262,6 +262,12 @@ def _normalise(headers: Mapping[str, str]) -> dict[str, str]:
     return result
 
 
+def is_batch(headers: Mapping[str, str]) -> bool:
+    """Whether the request is in batched mode: decided by Content-Type, as ``parse_http``
+    decides it, never by how many events it held (a batch may hold one)."""
+    return _media_type(_normalise(headers).get("content-type", "")) == BATCH_MEDIA_TYPE
+
+
 def parse_http(
     body: bytes,
     headers: Mapping[str, str],
