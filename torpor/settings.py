@@ -130,7 +130,9 @@ class SourceConfig(_Section):
     allowed_origins: list[str] = Field(
         default_factory=list, description="origins allowed by the CloudEvents OPTIONS handshake"
     )
-    allowed_rate: int | None = Field(None, description="`WebHook-Allowed-Rate` in the handshake")
+    allowed_rate: int | None = Field(
+        None, description="`WebHook-Allowed-Rate` in the handshake (`*` if unset)"
+    )
     receives_result: bool = Field(
         False, description="late and duplicate answers carry the session's result, not only state"
     )

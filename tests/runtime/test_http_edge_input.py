@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import eventually
 from tests.runtime.api_app import App, api_app
+from tests.runtime.test_gateway import SOURCES
 from torpor.lifecycle import SessionState
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
@@ -279,3 +280,19 @@ async def test_a_reconnect_to_an_ended_stream_with_nothing_missed_is_a_204(app: 
     missed = {**app.auth(), "Last-Event-ID": str(int(last) - 1)}
     answer = await asyncio.wait_for(app.http.get(path, headers=missed), timeout=10)
     assert answer.status_code == 200 and '"state": "CANCELLED"' in answer.text
+
+
+async def test_the_handshake_grants_a_rate_whenever_the_sender_asked_for_one(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CloudEvents webhook spec 4.2.2: ``WebHook-Allowed-Rate`` MUST be returned if the
+    request carried ``WebHook-Request-Rate``. A source with no rate configured answered
+    without it, so a conforming sender read the grant as incomplete."""
+    source = {"tenant": "acme", "secrets": ["s" * 32], "allowed_origins": ["emitter.example"]}
+    extra = {"sources": {**SOURCES, "ce": source}}
+    async with api_app(tmp_path, redis_url, redis_prefix, monkeypatch, extra=extra) as app:
+        asked = {"WebHook-Request-Origin": "emitter.example", "WebHook-Request-Rate": "120"}
+        answer = await app.http.options("/v1/hooks/ce", headers=asked)
+        assert answer.status_code == 200
+        assert answer.headers["WebHook-Allowed-Origin"] == "emitter.example"
+        assert answer.headers["WebHook-Allowed-Rate"] == "*"  # none configured: no limit

@@ -575,7 +575,12 @@ def test_handshake_allowed() -> None:
         allowed_origins=ORIGINS,
         allowed_rate=None,
     )
-    assert response == {"WebHook-Allowed-Origin": "hooks.partner.io", "Allow": "POST, OPTIONS"}
+    # A rate asked for is always answered (spec 4.2.2): "*" when none is configured.
+    assert response == {
+        "WebHook-Allowed-Origin": "hooks.partner.io",
+        "WebHook-Allowed-Rate": "*",
+        "Allow": "POST, OPTIONS",
+    }
 
 
 @pytest.mark.parametrize(

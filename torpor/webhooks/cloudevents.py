@@ -316,8 +316,9 @@ def handshake(
 ) -> dict[str, str] | None:
     """Answer the CloudEvents webhook abuse-protection ``OPTIONS`` handshake.
 
-    Returns the response headers for a registered ``WebHook-Request-Origin``, or None when
-    the origin is absent or not registered (the caller answers 405).
+    Returns the response headers for a registered ``WebHook-Request-Origin`` (the rate
+    ``*`` when ``allowed_rate`` is None), or None when the origin is absent or not
+    registered (the caller answers 405).
     """
     if isinstance(allowed_origins, str):
         # A bare string is a Sequence[str]: membership would match single characters.
@@ -331,7 +332,11 @@ def handshake(
     # Host names compare case-insensitively (RFC 4343).
     if origin.lower() not in {allowed.strip().lower() for allowed in allowed_origins}:
         return None
-    response = {"WebHook-Allowed-Origin": origin, "Allow": "POST, OPTIONS"}
-    if allowed_rate:
-        response["WebHook-Allowed-Rate"] = str(allowed_rate)
-    return response
+    # The rate always: the spec requires it whenever the sender asked for one (4.2.2),
+    # and "*" is its word for no limit, which is what an unconfigured rate means.
+    rate = str(allowed_rate) if allowed_rate else "*"
+    return {
+        "WebHook-Allowed-Origin": origin,
+        "WebHook-Allowed-Rate": rate,
+        "Allow": "POST, OPTIONS",
+    }
