@@ -68,6 +68,19 @@ def record(group: FanIn, wait_id: str, status: MemberStatus, answer: JsonValue =
     return group.model_copy(update={"members": members})
 
 
+def reissued(group: FanIn, wait_id: str, new: Wait) -> FanIn:
+    """The group after member ``wait_id``'s request was reissued in the session's epoch
+    (its next approval stage): the member, still OPEN, now waits on ``new``, so an answer
+    to the request it replaced finds no member (stale, not a duplicate)."""
+    members = [
+        m.model_copy(update={"wait_id": new.wait_id, "correlation_id": new.correlation_id})
+        if m.wait_id == wait_id and m.status is MemberStatus.OPEN
+        else m
+        for m in group.members
+    ]
+    return group.model_copy(update={"members": members})
+
+
 def close_rest(group: FanIn) -> FanIn:
     """The group with every member still open cancelled (the group resolved)."""
     members = [

@@ -117,9 +117,14 @@ def tool_call_key(session_id: str, step: int, tool_call_id: str) -> str:
     return digest(session_id, str(step), tool_call_id)
 
 
-def business_idempotency_key(tenant: str, action_key: str, epoch: int) -> str:
-    """``tenant:action_key:epoch``: what an external system dedupes a dispatched action on."""
-    return f"{tenant}:{action_key}:{epoch}"
+def business_idempotency_key(tenant: str, action_key: str, epoch: int, *, reissued: int = 0) -> str:
+    """``tenant:action_key:epoch``: what an external system dedupes a dispatched action on.
+
+    A request reissued in its epoch (a fan-in member's next approval stage) is another
+    request, so ``reissued`` (how many came before it) names it: ``tenant:action_key#n:
+    epoch``. The epoch stays the last part, where ``torpor.work.epoch_of`` reads it."""
+    action = f"{action_key}#{reissued}" if reissued else action_key
+    return f"{tenant}:{action}:{epoch}"
 
 
 def event_key(source: str, event_id: str, *, producer: str | None = None) -> str:

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from torpor.ids import MIN_CORRELATION_ID_BITS, correlation_id_bits
+from torpor.ids import MIN_CORRELATION_ID_BITS, business_idempotency_key, correlation_id_bits
 from torpor.lifecycle import MAX_HISTORY, HistoryEntry, SessionState
 
 # 2 (0.4): the header carries the session's trace id and its open waits' routes, which
@@ -127,15 +127,26 @@ class Wait(_Model):
     # State the wait's tool keeps while the wait is open (an approval tool: the approvals
     # collected so far), committed with the snapshot like everything else.
     progress: dict[str, JsonValue] = Field(default_factory=dict)
+    # How many requests this wait's tool call sent before this one in the same epoch: a
+    # request reissued without moving the epoch (a fan-in member's next approval stage,
+    # whose group's other members hang on the epoch) needs idempotency keys of its own.
+    reissued: int = 0
 
     @model_serializer(mode="wrap")
     def _single_wait_as_before(self, handler: SerializerFunctionWrapHandler) -> Any:
         # A wait outside any group is written byte for byte as before fan-in existed, so
-        # a node still on the earlier version (extra="forbid") can read it mid-upgrade.
+        # a node still on the earlier version (extra="forbid") can read it mid-upgrade;
+        # so is one never reissued in its epoch.
         data = handler(self)
         if self.group_id is None and isinstance(data, dict):
             data.pop("group_id", None)
+        if not self.reissued and isinstance(data, dict):
+            data.pop("reissued", None)
         return data
+
+    def idempotency_key(self, tenant: str) -> str:
+        """The key the far side dedupes this wait's request on (its undo adds a suffix)."""
+        return business_idempotency_key(tenant, self.action_key, self.epoch, reissued=self.reissued)
 
     @field_validator("correlation_id")
     @classmethod

@@ -5,7 +5,8 @@ the snapshot as a PENDING entry by the commit that makes them necessary, and sen
 after that commit. If the process dies in between, the entry is still there and the next
 activation (or the reconciler) sends it. Every send carries an idempotency key derived
 from the entry, so a resend after a crash is deduplicated by the far side:
-``tenant:action_key:epoch`` for a start, the same with ``:compensate`` for an undo.
+``tenant:action_key:epoch`` for a start (``Wait.idempotency_key``), the same with
+``:compensate`` for an undo.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torpor import tracing
 from torpor.backoff import Backoff
 from torpor.deadlines import call_out
 from torpor.errors import DispatchImpossible, TorporError
-from torpor.ids import business_idempotency_key, new_entry_id
+from torpor.ids import new_entry_id
 from torpor.models import (
     DispatchStatus,
     OutboxEntry,
@@ -55,7 +56,7 @@ def start_entry(snapshot: SessionSnapshot, wait: Wait, *, now: datetime) -> Outb
         tool_name=wait.tool_name,
         tool_call_id=wait.tool_call_id,
         correlation_id=wait.correlation_id,
-        idempotency_key=business_idempotency_key(snapshot.tenant, wait.action_key, wait.epoch),
+        idempotency_key=wait.idempotency_key(snapshot.tenant),
         payload=wait.request,
         created_at=now,
     )
@@ -64,7 +65,7 @@ def start_entry(snapshot: SessionSnapshot, wait: Wait, *, now: datetime) -> Outb
 def compensate_entry(
     snapshot: SessionSnapshot, wait: Wait, *, reason: str, now: datetime
 ) -> OutboxEntry:
-    key = business_idempotency_key(snapshot.tenant, wait.action_key, wait.epoch)
+    key = wait.idempotency_key(snapshot.tenant)
     return OutboxEntry(
         entry_id=new_entry_id(),
         kind=OutboxKind.COMPENSATE,

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from torpor.deadlines import call_out
-from torpor.ids import business_idempotency_key, digest
+from torpor.ids import digest
 from torpor.models import Wait
 from torpor.settings import Settings
 from torpor.tools import (
@@ -257,7 +257,7 @@ class WorkTool(LongRunningTool):
 
     async def poll(self, wait: Wait, *, tenant: str) -> PollOutcome | None:
         """The safety net: an outcome whose delivery was lost, or a lost run."""
-        work = work_id(business_idempotency_key(tenant, wait.action_key, wait.epoch))
+        work = work_id(wait.idempotency_key(tenant))
         status = await self.runner.status(work)
         if status.state is WorkState.DONE and status.outcome is not None:
             return PollOutcome(event_id=work, type=event_type(status.outcome), data=status.outcome)
@@ -279,9 +279,7 @@ class WorkTool(LongRunningTool):
     async def compensate(
         self, wait: Wait, *, tenant: str, reason: str, idempotency_key: str
     ) -> None:
-        await self.runner.stop(
-            work_id(business_idempotency_key(tenant, wait.action_key, wait.epoch)), reason=reason
-        )
+        await self.runner.stop(work_id(wait.idempotency_key(tenant)), reason=reason)
 
 
 def _rerun(order: WorkOrder, run: int) -> WorkOrder:

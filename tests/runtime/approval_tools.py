@@ -62,3 +62,31 @@ def approval_agent(**options: Any) -> dict[str, Any]:
         "tools": [path],
         "tool_options": {path: {"answered_by": ["oa"], **options}},
     }
+
+
+def approval_pair_agent(**options: Any) -> dict[str, Any]:
+    """A plan agent that asks for two approvals in one turn (a fan-in group of two waits)
+    and finishes with both decisions: ``big`` (5,000, above the threshold of a second
+    stage) and ``small`` (500)."""
+    docs = {"big": ("PR-BIG", 5000), "small": ("PR-SMALL", 500)}
+    calls = [
+        {
+            "tool": "request_approval",
+            "args": {"subject": doc, "amount": amount, "cost_centre": "CC-7"},
+            "as": name,
+        }
+        for name, (doc, amount) in docs.items()
+    ]
+    plan = {
+        "steps": [
+            {"id": "approve", "calls": calls},
+            {"id": "done", "finish": {name: f"${{results.{name}}}" for name in docs}},
+        ]
+    }
+    path = "tests.runtime.approval_tools:OA"
+    return {
+        "factory": "torpor.agents.plan:PlanAgent",
+        "options": {"plan": plan, "name": "approval-pair", "version": "1"},
+        "tools": [path],
+        "tool_options": {path: {"answered_by": ["oa"], **options}},
+    }

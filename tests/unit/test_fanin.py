@@ -101,6 +101,20 @@ def test_a_member_closes_once_so_a_duplicate_never_overwrites_the_first_answer()
     assert fanin.outcome(g) is Outcome.PENDING
 
 
+def test_a_reissued_member_stays_open_under_its_new_request() -> None:
+    """Its next approval stage: the member now answers to the new wait's correlation id,
+    so an answer to the one it replaced finds no member (stale, not a duplicate)."""
+    g = fanin.record(group(ALL), "w1", A, "first")
+    new = waits(1)[0].model_copy(update={"wait_id": "w0-2"})
+    again = fanin.reissued(g, "w0", new)
+    assert (again.members[0].wait_id, again.members[0].correlation_id) == (
+        "w0-2",
+        new.correlation_id,
+    )
+    assert again.members[0].status is MemberStatus.OPEN and again.members[1:] == g.members[1:]
+    assert fanin.reissued(again, "w1", new) == again, "a closed member is not reopened"
+
+
 def test_a_quorum_larger_than_the_group_needs_every_member() -> None:
     big = FanInSpec(condition=FanInCondition.N_OF_M, n=5)
     assert fanin.needed(big, 2) == 2

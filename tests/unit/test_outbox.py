@@ -18,6 +18,7 @@ from torpor.tools import (
     ToolSpec,
     WaitPlan,
 )
+from torpor.work import epoch_of
 
 
 def sleeping() -> tuple[SessionSnapshot, Wait]:
@@ -80,6 +81,18 @@ def test_a_compensation_keeps_a_copy_of_the_wait_under_its_own_key() -> None:
     assert entry.idempotency_key == "acme:approve:PR-00042:9:compensate"
     assert entry.payload["reason"] == "deadline passed"
     assert Wait.model_validate(entry.payload["wait"]) == wait
+
+
+def test_a_request_reissued_in_its_epoch_has_keys_of_its_own() -> None:
+    """A fan-in member's next approval stage keeps the session's epoch: without the
+    count of requests before it, the far side would dedupe it into the first stage's."""
+    snap, wait = sleeping()
+    again = wait.model_copy(update={"reissued": 1})
+    assert outbox.start_entry(snap, again, now=NOW).idempotency_key == "acme:approve:PR-00042#1:9"
+    undo = outbox.compensate_entry(snap, again, reason="escalated", now=NOW)
+    assert undo.idempotency_key == "acme:approve:PR-00042#1:9:compensate"
+    assert epoch_of(again.idempotency_key("acme")) == 9
+    assert "reissued" not in wait.model_dump() and again.model_dump()["reissued"] == 1
 
 
 def test_a_notification_is_keyed_by_session_event_and_epoch() -> None:

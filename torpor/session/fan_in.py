@@ -53,6 +53,12 @@ class FanInWake:
         missing; the group resolves if too few are left to meet its condition."""
         return self._close(wait, MemberStatus.EXPIRED, None)
 
+    def reissued(self, wait: Wait, new: Wait) -> None:
+        """Member ``wait``'s request was reissued in place: the member waits on ``new``."""
+        group = self.group_of(wait)
+        if group is not None:
+            self._replace(fanin.reissued(group, wait.wait_id, new))
+
     def _close(self, wait: Wait, status: MemberStatus, answer: JsonValue) -> list[Wait]:
         work = self.work
         group = self.group_of(wait)

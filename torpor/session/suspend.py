@@ -65,6 +65,11 @@ def unsent_starts(snapshot: SessionSnapshot | WaitingSession) -> set[str | None]
     }
 
 
+def _call_of(wait: Wait) -> ToolCall:
+    """The tool call ``wait`` answers, as a reissue plans it again."""
+    return ToolCall(id=wait.tool_call_id, function=ToolCallFunction(name=wait.tool_name))
+
+
 def tool_timer_member(session_id: str, correlation_id: str, name: str) -> str:
     """The TOOL timer entry of a wait: who, which wait, which of its tool's timers."""
     return f"{session_id}|{correlation_id}|{name}"
@@ -278,11 +283,58 @@ class Suspender:
             outbox=[*work.snap.outbox, *withdrawal],
         )
         work.move(SessionState.RUNNING, reason)
-        plan = WaitPlan(
+        await self.suspend([(_call_of(wait), tool, self._replacement(wait, request))])
+        await self.unbind([wait])
+
+    def reopen(
+        self,
+        wait: Wait,
+        tool: LongRunningTool,
+        request: dict[str, JsonValue],
+        *,
+        reason: str,
+        withdraw: bool = True,
+    ) -> Wait:
+        """Withdraw ``wait``'s request and owe ``request`` in its place, in the session's
+        epoch: ``reissue`` moves the epoch, which would strand the session's other waits
+        (their bindings and in-flight answers carry it). The new wait (a new correlation
+        id, the old one's deadline, step and group) takes the old one's place in the
+        working copy with its START entry; the caller commits, then unbinds the old wait
+        and binds the new one before the request is sent (``complete_suspend``)."""
+        work = self.work
+        new = self.open_wait(_call_of(wait), tool, self._replacement(wait, request), wait.epoch)
+        new = new.model_copy(
+            update={
+                "waiting_step_id": wait.waiting_step_id,
+                "deadline": wait.deadline,
+                "group_id": wait.group_id,
+                # another request of the same call in the same epoch: its own key
+                "reissued": wait.reissued + 1,
+            }
+        )
+        withdrawal = (
+            [outbox.compensate_entry(work.snap, wait, reason=reason, now=work.now)]
+            if withdraw and tool.can_compensate
+            else []
+        )
+        work.update(
+            waits=[new if w.wait_id == wait.wait_id else w for w in work.snap.waits],
+            outbox=[
+                *work.snap.outbox,
+                *withdrawal,
+                outbox.start_entry(work.snap, new, now=work.now),
+            ],
+        )
+        return new
+
+    def _replacement(self, wait: Wait, request: dict[str, JsonValue]) -> WaitPlan:
+        """The plan of ``wait`` with ``request`` in place of its own: the deadline, route
+        and tool state stay the wait's."""
+        return WaitPlan(
             action_key=wait.action_key,
             request=request,
             business_key=wait.business_key,
-            sla_s=max(0.001, (wait.deadline - work.now).total_seconds()),
+            sla_s=max(0.001, (wait.deadline - self.work.now).total_seconds()),
             expected_duration_s=wait.expected_duration_s,
             expected_types=wait.expected_types,
             allowed_sources=wait.allowed_sources,
@@ -290,9 +342,6 @@ class Suspender:
             on_drift=wait.on_drift,
             progress=wait.progress,
         )
-        call = ToolCall(id=wait.tool_call_id, function=ToolCallFunction(name=wait.tool_name))
-        await self.suspend([(call, tool, plan)])
-        await self.unbind([wait])
 
     def answer_sources(self, tool: LongRunningTool, plan: WaitPlan) -> list[str]:
         """Who may answer the wait: the plan's sources, else the agent's configuration for

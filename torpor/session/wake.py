@@ -58,6 +58,7 @@ class Wake:
         self.fan_in = FanInWake(work, loaded)
         self._reissue: Review | None = None
         self._reissued: Wait | None = None
+        self._reopened = False  # a wait's request was reissued in place: bind, then send
 
     async def resume(self) -> None:
         """Apply what the inbox holds to the waits, through the gates, in order."""
@@ -154,7 +155,11 @@ class Wake:
         # The answered waits are unbound beside the registry's record of the new state:
         # one round trip for both (``WorkingCopy.commit``).
         await work.commit(beside=unbind_closed)
-        if work.snap.pending_outbox():
+        if self._reopened:
+            # A request reissued in place: its new wait is bound before it goes out, as
+            # on suspend (a crash in between leaves it to the next activation's).
+            await self.suspender.complete_suspend()
+        elif work.snap.pending_outbox():
             # compensations of closed fan-in members, a tool's notices (reminders): now
             await self.suspender.drain_outbox()
 
@@ -210,15 +215,20 @@ class Wake:
             work.update(outbox=[*work.snap.outbox, *entries])
         if review.alert:
             await self.deps.observer.security_alert(work.snap, wait, review.alert)
-        if review.action is ReviewAction.REISSUE and review.request is not None:
-            self._reissue, self._reissued = review, wait
+        if review.action is not ReviewAction.REISSUE or review.request is None:
+            return
+        if self._alone(wait) and self.fan_in.group_of(wait) is None:
+            self._reissue, self._reissued = review, wait  # after the other events
+        else:
+            self.reissue_in_place(wait, review)
 
     def replaced(self, wait: Wait) -> bool:
         """Whether this activation already reissues ``wait`` (a stage decided, an
         escalation, a reassignment): a later event for it answers the request being
         replaced, and is stale, as it would be had the session woken for each event (a
-        second vote must not decide the same stage again). Only where the reissue can be
-        done (``reissue``: the session waits on this one wait)."""
+        second vote must not decide the same stage again). Only for a reissue that waits
+        for the end of the activation (``reissue``); one done in place has removed the
+        wait already, so a later event for it finds none and is stale all the same."""
         reissued = self._reissued
         return reissued is not None and reissued.wait_id == wait.wait_id and self._alone(wait)
 
@@ -228,7 +238,8 @@ class Wake:
 
     async def reissue(self, wait: Wait, review: Review) -> bool:
         """Send the wait's request anew (a new epoch). Only for a session waiting on this
-        one wait: a reissue closes the session's epoch, which would strand its others."""
+        one wait, outside any group: a reissue closes the session's epoch, which would
+        strand its others (and drop a group's answers); those reissue in place."""
         work = self.work
         tool = self.tool_of(wait)
         current = work.snap.wait_for(wait.correlation_id)
@@ -241,6 +252,26 @@ class Wake:
             current, tool, review.request, reason=reason, withdraw=review.withdraw
         )
         return True
+
+    def reissue_in_place(self, wait: Wait, review: Review) -> None:
+        """Reissue the request of a wait that is not the session's only one (a fan-in
+        member's next approval stage) in the session's epoch, now: the other waits keep
+        theirs. Not once the wait's deadline has passed: it times out with the others
+        (``resume``), as a session waiting on it alone would rather than reissue."""
+        work = self.work
+        tool = self.tool_of(wait)
+        current = work.snap.wait_for(wait.correlation_id)
+        if tool is None or current is None or review.request is None:
+            return
+        if current.deadline <= work.now:
+            return
+        reason = (review.reason or ObservationReason.ESCALATED).value
+        new = self.suspender.reopen(
+            current, tool, review.request, reason=reason, withdraw=review.withdraw
+        )
+        self.fan_in.reissued(current, new)
+        self._closed = [*self._closed, current]
+        self._reopened = True
 
     async def apply(self, event: InboxEvent, wait: Wait, review: Review | None = None) -> bool:
         """Run the guard, then inject the event (or the answer its tool's review made of
