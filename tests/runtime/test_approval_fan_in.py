@@ -6,6 +6,7 @@ once both members are decided. On the real runtime (Redis index, local object st
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,16 @@ import pytest
 
 from tests.runtime import approval_tools
 from tests.runtime.approval_tools import SENT, WITHDRAWN, approval_pair_agent
+from tests.runtime.test_gateway import JSON, SECRET, SOURCES
 from tests.support.harness import Env, callback, local_env
+from torpor.errors import AmbiguousEvent
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus, ObservationReason, OutboxKind, SessionSnapshot, Wait
 from torpor.ports import Reason
+from torpor.service.gateway import WebhookGateway
 from torpor.service.sweeper import Sweeper
+from torpor.webhooks.signing import Scheme, sign
 
 S, R = SessionState, ObservationReason
 POLICY = {"tiers": [{"approvers": ["cfo", "bob"]}]}
@@ -36,9 +41,10 @@ def oa() -> Iterator[None]:
 
 @pytest.fixture
 def make(tmp_path: Path, redis_url: str, redis_prefix: str) -> Any:
-    def make(**options: Any) -> Any:
+    def make(sources: dict[str, Any] | None = None, **options: Any) -> Any:
         agents = {"pair": approval_pair_agent(**{"policy": POLICY, "stages": STAGES, **options})}
-        return local_env(tmp_path, redis_url, redis_prefix, extra={"agents": agents})
+        extra = {"agents": agents, "sources": sources or {}}
+        return local_env(tmp_path, redis_url, redis_prefix, extra=extra)
 
     return make
 
@@ -264,3 +270,31 @@ async def test_an_escalation_inside_a_group_withdraws_and_reissues_each_member_i
         snap = await vote(env, sid, "PR-BIG", "cfo")
         assert snap.state is S.COMPLETED
         assert decisions(snap, "big") == [(1, "approved"), (2, "approved")]
+
+
+async def test_an_answer_by_business_key_alone_is_ambiguous_after_a_reissue_in_place(
+    make: Any,
+) -> None:
+    """The key now names the second stage's request, in the same epoch: a webhook that
+    names only the key may answer the first stage's (a late or repeated delivery), so
+    only its sender can say which; it is refused, as for a re-planned single wait."""
+    mapping = {**SOURCES["oa"]["mapping"], "business_key_path": "businessKey"}  # type: ignore[dict-item]
+    async with make(sources={"oa": {**SOURCES["oa"], "mapping": mapping}}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await submit(env)
+        await vote(env, sid, "PR-BIG", "bob")
+        now = env.clock.now()
+        raw = json.dumps(
+            {
+                "eventId": "key-only",
+                "eventType": "oa.approval.decided",
+                "businessKey": "PR-BIG",
+                "decision": {"status": "approved", "approver": "cfo"},
+            }
+        ).encode()
+        headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
+        with pytest.raises(AmbiguousEvent):
+            await gateway.receive("oa", raw, headers, now=now)
+        snap = await env.load(sid)
+        assert request_for(snap, "PR-BIG").progress["votes"] == {}
+        assert [m.status.value for m in snap.fan_ins[0].members] == ["open", "open"]

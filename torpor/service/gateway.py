@@ -401,11 +401,15 @@ class WebhookGateway:
             # Knowing the correlation id or business key is not enough: only the sources
             # the wait names may answer it (the gate observes anything else as UNEXPECTED).
             return Outcome.UNEXPECTED
-        if event.epoch is None and event.correlation_id is None and binding.epoch > 1:
-            # Found by business key alone, and the session has waited before. If an earlier
-            # wait used the same key (a re-plan), the key now names the new wait and a late
-            # answer to the superseded request would be applied to it: only the sender can
-            # say which it answers.
+        key_only = event.epoch is None and event.correlation_id is None
+        replanned = wait is not None and wait.replanned
+        if key_only and (binding.epoch > 1 or replanned):
+            # Found by business key alone, and the session has waited before (in an earlier
+            # epoch, or in this one: a fan-in member's request reissued in place). If an
+            # earlier wait used the same key (a re-plan), the key now names the new wait
+            # and a late answer to the superseded request would be applied to it: only the
+            # sender can say which it answers (for a request reissued in place, only by
+            # the correlation id: an echoed epoch names both).
             if wait is None:
                 return Outcome.CLOSED
             if wait.replanned:
