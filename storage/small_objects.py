@@ -38,6 +38,7 @@ import hashlib
 import os
 import sqlite3
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 from torpor.errors import EtagMismatch, StorageUnavailable
@@ -54,7 +55,9 @@ CHECKPOINT_EVERY = 256
 # How long a write made off the caller's thread waits for another process's transaction.
 BUSY_WAIT_MS = 30_000
 ADOPT_BATCH = 1000
-_INHERITED: list[sqlite3.Connection] = []  # a forked parent's connections (``_db``)
+_INHERITED: list[sqlite3.Connection] = []  # a forked parent's, in use at the fork
+_EVERY: weakref.WeakSet[SmallObjects] = weakref.WeakSet()  # this process's (a fork's too)
+_LEAVING: dict[int, threading.Lock] = {}  # per process: a lock a parent held is no child's
 
 
 class Busy(Exception):
@@ -107,8 +110,10 @@ class SmallObjects:
         self._log_fd = -1
         self._pid = 0
         self._open()
+        _EVERY.add(self)
 
     def _open(self) -> None:
+        _leave_the_parents()  # before any connection of this process's opens
         try:
             os.makedirs(self.folder, exist_ok=True)
             self._quick = _connect(self.path, busy_ms=0)
@@ -135,16 +140,9 @@ class SmallObjects:
     def _db(self, wait: bool) -> Iterator[sqlite3.Connection]:
         """A connection of this process's: the caller's thread's never waits (``Busy``),
         the worker threads' waits up to ``BUSY_WAIT_MS`` for another process."""
+        if self._pid != os.getpid():
+            _leave_the_parents()  # a forked child: every store's, then opened anew
         if self._closed:  # used again after ``close``: open again, as the store's files do
-            self._open()
-        elif self._pid != os.getpid():
-            # A forked child: its parent's connections are not its own. Closing them here
-            # would close descriptors of the database's files, and a POSIX lock belongs to
-            # the process, not the descriptor: the child's new connections would lose
-            # theirs. They are kept open, unused, for the child's life.
-            _INHERITED.extend((self._quick, self._waiting))
-            self._log_fd = -1
-            self.committed = self.synced = 0
             self._open()
         lock = self._waiting_lock if wait else self._quick_lock
         if not lock.acquire(blocking=wait):
@@ -333,6 +331,33 @@ class SmallObjects:
             with contextlib.suppress(OSError):
                 os.close(self._log_fd)
             self._log_fd = -1
+
+
+def _leave_the_parents() -> None:
+    """In a forked child, the connections it inherited closed, every store's, before it
+    opens one of its own. SQLite keeps the locks its connections hold per process, in the
+    library's memory, by file: the child's copy says it holds the parent's locks, which
+    the kernel does not give a child. A connection the child opened beside an inherited
+    one would take none, and the parent's close, finding itself the last user, would
+    checkpoint and remove the table's log under the child, whose next commits go to a
+    file no name leads to. Closed before the child opens any, they release nothing of
+    the child's. One a parent's thread was using at the fork is left open, untouched:
+    its state is that thread's, mid-call."""
+    pid = os.getpid()
+    with _LEAVING.setdefault(pid, threading.Lock()):
+        for rows in list(_EVERY):
+            if rows._pid in (0, pid):
+                continue
+            for db, lock in ((rows._quick, rows._quick_lock), (rows._waiting, rows._waiting_lock)):
+                if lock.locked():
+                    _INHERITED.append(db)
+                else:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.close()
+            rows._log_fd = -1
+            rows.committed = rows.synced = 0
+            rows._pid = pid
+            rows._closed = True  # its next use opens its own
 
 
 def _locked(exc: sqlite3.OperationalError) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -356,3 +357,47 @@ async def test_rows_used_again_after_close_open_again(tmp_path: Path) -> None:
     assert (await store.list("inbox/s/")).keys == ["inbox/s/a", "inbox/s/b"]
     await store.close()
     await store.close()
+
+
+def test_a_forked_childs_durable_row_outlives_its_parents_close_and_its_own_crash(
+    tmp_path: Path,
+) -> None:
+    """SQLite keeps its locks' bookkeeping per process: a child whose new connections
+    share it with the parent's, inherited, takes no lock of its own. The parent's close
+    then finds itself the last user, checkpoints and removes the table's log, and the
+    child commits on into a log no name leads to: lost with the child."""
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put_if_absent("inbox/s/parent", b"p"))
+    to_parent_r, to_parent = os.pipe()
+    to_child, to_child_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a row, then (once its parent closed) a durable one
+        try:
+
+            async def child() -> None:
+                await store.put_if_absent("inbox/s/child-1", b"c1")
+                os.write(to_parent, b"1")
+                os.read(to_child, 1)
+                await store.put_if_absent("inbox/s/child-2", b"c2")
+                os.write(to_parent, b"2")
+
+            asyncio.run(child())
+            os.read(to_child, 1)  # killed here
+        finally:
+            os._exit(1)
+    try:
+        assert os.read(to_parent_r, 1) == b"1"
+        asyncio.run(store.close())
+        os.write(to_child_w, b"go")
+        assert os.read(to_parent_r, 1) == b"2", "the child's create failed"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+    async def after() -> None:
+        fresh = LocalObjectStore(tmp_path)
+        assert (await fresh.get("inbox/s/child-1")).data == b"c1"
+        assert (await fresh.get("inbox/s/child-2")).data == b"c2"
+        await fresh.close()
+
+    asyncio.run(after())
