@@ -248,6 +248,8 @@ class SmallObjects:
 
     def sync(self, ticket: int) -> None:
         """Return once the commit ``ticket`` (and every commit before it) is durable."""
+        if self._pid != os.getpid():
+            _leave_the_parents()  # its locks may be a parent's thread's
         if self.synced >= ticket:
             return
         with self._flushing:
@@ -356,6 +358,9 @@ def _leave_the_parents() -> None:
                         db.close()
             rows._log_fd = -1
             rows.committed = rows.synced = 0
+            # Held at the fork by a parent's thread (a flush in a worker), they would
+            # stay held for ever: that thread is not here to release them.
+            rows._counted, rows._flushing = threading.Lock(), threading.Lock()
             rows._pid = pid
             rows._closed = True  # its next use opens its own
 

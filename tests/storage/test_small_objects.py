@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import multiprocessing
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -401,3 +403,40 @@ def test_a_forked_childs_durable_row_outlives_its_parents_close_and_its_own_cras
         await fresh.close()
 
     asyncio.run(after())
+
+
+def _create_and_sync(rows: small_objects.SmallObjects) -> None:
+    _, ticket = rows.create([("inbox/s/child", b"c", '"c"')], wait=True)
+    rows.sync(ticket)
+
+
+def test_a_child_forked_while_a_thread_flushes_the_rows_flushes_its_own(tmp_path: Path) -> None:
+    """A lock a parent's thread held at the fork stays held in the child, where that
+    thread does not exist: the child's first flush waited for it for ever."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_flush(fd: int) -> None:
+        if threading.current_thread().name == "flusher":
+            entered.set()
+            release.wait()
+        os.fdatasync(fd)
+
+    rows = small_objects.SmallObjects(str(tmp_path / ".small"), flush=slow_flush)
+    _, ticket = rows.create([("inbox/s/parent", b"p", '"p"')], wait=True)
+    flusher = threading.Thread(target=rows.sync, args=(ticket,), name="flusher")
+    flusher.start()
+    try:
+        assert entered.wait(30)
+        child = multiprocessing.get_context("fork").Process(target=_create_and_sync, args=(rows,))
+        child.start()
+        child.join(30)
+        stuck = child.is_alive()
+        if stuck:
+            child.kill()
+            child.join()
+        assert not stuck, "the child waited for its parent's flush"
+        assert child.exitcode == 0
+    finally:
+        release.set()
+        flusher.join()
+        rows.close()
