@@ -357,7 +357,9 @@ def _leave_the_parents() -> None:
                     with contextlib.suppress(sqlite3.Error):
                         db.close()
             rows._log_fd = -1
-            rows.committed = rows.synced = 0
+            # Its tickets numbered on from the parent's: a flush of the one log covers the
+            # commits the parent made before the fork too, and a ticket it handed out
+            # (a staged row) is reached.
             # Held at the fork by a parent's thread (a flush in a worker), they would
             # stay held for ever: that thread is not here to release them.
             rows._counted, rows._flushing = threading.Lock(), threading.Lock()

@@ -25,6 +25,7 @@ from storage.local_store import LocalObjectStore
 from tests.support.race import race
 from torpor.errors import EtagMismatch, InvalidKey, ObjectExists, ObjectNotFound
 from torpor.faults import ENV, CrashPoint
+from torpor.ports import Staged
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -440,3 +441,27 @@ def test_a_child_forked_while_a_thread_flushes_the_rows_flushes_its_own(tmp_path
         release.set()
         flusher.join()
         rows.close()
+
+
+def _durable_in_child(store: LocalObjectStore, staged: Staged) -> None:
+    async def child() -> None:
+        await store.get("inbox/s/staged")  # the child's own connections, opened
+        await asyncio.wait_for(staged.durable(), 20)
+
+    asyncio.run(child())
+
+
+async def test_a_row_staged_before_a_fork_is_made_durable_in_the_child(tmp_path: Path) -> None:
+    """The child numbered its commits from zero again: a ticket its parent handed out
+    was never reached, and waiting for it flushed on for ever."""
+    store = LocalObjectStore(tmp_path)
+    for n in range(3):
+        await store.put_if_absent(f"inbox/s/{n}", b"n")
+    staged = await store.stage_if_absent("inbox/s/staged", b"event")
+    child = multiprocessing.get_context("fork").Process(
+        target=_durable_in_child, args=(store, staged)
+    )
+    child.start()
+    await asyncio.to_thread(child.join, 60)
+    assert child.exitcode == 0
+    await store.close()
