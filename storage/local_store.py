@@ -348,7 +348,7 @@ class LocalObjectStore:
             self._rows = small_objects.SmallObjects(
                 str(self.root / _SMALL), flush=self._inline.log_flushed
             )
-            self._rows.adopt(self._objects)
+            self._rows.adopt(self._objects, forget=self._forget)
         except (OSError, StorageUnavailable) as exc:
             raise ConfigError(f"local object store {self.root}: {exc}") from exc
         self._row_creates: weakref.WeakKeyDictionary[
@@ -421,6 +421,16 @@ class LocalObjectStore:
         finally:
             os.close(fd)
         return self._log.append(wal.Op.DURABLE, key)
+
+    def _forget(self, keys: list[str]) -> None:
+        """Removals of files moved into the table (``SmallObjects.adopt``) logged and
+        flushed before the files go: a replay ends on them, not on the file's put."""
+        ticket = 0
+        for key in keys:
+            with self._locked(key):
+                ticket = self._log.append(wal.Op.DELETE, key)
+        if ticket:
+            self._log.sync(ticket)
 
     def _replay(self, record: wal.Record) -> None:
         """One change from a log of an earlier boot, made again (flushed by the caller)."""

@@ -293,11 +293,16 @@ class SmallObjects:
 
     # -- the files an older version wrote -----------------------------------------------
 
-    def adopt(self, objects: str) -> int:
+    def adopt(
+        self, objects: str, *, forget: Callable[[list[str]], None] = lambda keys: None
+    ) -> int:
         """Move the files under ``PREFIXES`` in ``objects`` (the store's folder of files)
         into the table, once, whichever processes open the store at once: each is
-        inserted unless its key is here already, made durable, and only then removed.
-        A crash midway leaves files the next open moves in. The number moved."""
+        inserted unless its key is here already, made durable, its removal made durable
+        by ``forget(keys)`` (the files' own log: a replay of the older version's record
+        of the file after a reboot would write it again, to be moved in again, after a
+        delete of its row), and only then removed. A crash midway leaves files the next
+        open moves in. The number moved."""
         tops = [os.path.join(objects, p.rstrip("/")) for p in PREFIXES]
         if not any(os.path.isdir(t) for t in tops):
             return 0  # the common case: one stat per prefix
@@ -317,6 +322,7 @@ class SmallObjects:
                         items.append((key, data, f'"{digest}"'))
                     _, ticket = self.create(items, wait=True)
                     self.sync(ticket)
+                    forget([key for key, _, _ in items])
                     for path in batch:
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(path)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import small_objects
+from storage import small_objects, wal
 from storage.local_store import LocalObjectStore
 from tests.support.race import race
 from torpor.errors import EtagMismatch, InvalidKey, ObjectExists, ObjectNotFound
@@ -465,3 +465,26 @@ async def test_a_row_staged_before_a_fork_is_made_durable_in_the_child(tmp_path:
     await asyncio.to_thread(child.join, 60)
     assert child.exitcode == 0
     await store.close()
+
+
+async def test_a_file_moved_in_and_then_deleted_stays_deleted_after_a_reboot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older version logged its files' writes (``storage.wal``); moving one in removed
+    the file without logging it, so the next boot's replay of that log, its last word on
+    the key a put, wrote the file again and the next open moved it in again: an inbox
+    event the purge had deleted came back."""
+    boot = ["boot-a"]
+    monkeypatch.setattr(wal, "boot_id", lambda: boot[0])
+    old = LocalObjectStore(tmp_path)
+    old._put("inbox/s/e", b"event")  # as the older version wrote it: a file, logged
+    await old.close()
+    store = LocalObjectStore(tmp_path)  # this version, the same boot: moved in
+    assert (await store.get("inbox/s/e")).data == b"event"
+    await store.delete("inbox/s/e")  # purged
+    await store.close()
+    boot[0] = "boot-b"
+    rebooted = LocalObjectStore(tmp_path)
+    with pytest.raises(ObjectNotFound):
+        await rebooted.get("inbox/s/e")
+    await rebooted.close()
