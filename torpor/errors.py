@@ -368,9 +368,13 @@ class WebhookSecretInvalid(ConfigError):
     """A configured webhook secret or capability key is empty, too short or not decodable.
 
     The message names the secret's position in the configured list, never its value.
+    Inline secrets are refused when the settings load; an ``env:`` one can only be
+    checked where it is resolved, and a delivery meeting it is answered 503: the sender
+    retries, and its delivery is taken once the operator fixes the variable.
     """
 
     code = "webhook_secret_invalid"
+    status, title = 503, "Webhook source misconfigured"
 
 
 # --- client requests -----------------------------------------------------------------

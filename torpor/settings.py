@@ -27,7 +27,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -38,11 +46,11 @@ from pydantic_settings import (
 )
 from pydantic_settings.sources.utils import parse_env_vars
 
-from torpor.errors import ConfigError
+from torpor.errors import ConfigError, WebhookSecretInvalid
 from torpor.models import FanInSpec
 from torpor.settings_compat import legacy_environment, upgrade_flat_keys
 from torpor.webhooks.payloads import PayloadMapping
-from torpor.webhooks.signing import Scheme
+from torpor.webhooks.signing import Scheme, decode_key
 
 ENV_PREFIX = "TORPOR_"
 ENV_NESTING = "__"
@@ -137,8 +145,36 @@ class SourceConfig(_Section):
         False, description="late and duplicate answers carry the session's result, not only state"
     )
 
-    def secret_values(self) -> list[str]:
-        return [resolve_secret(s) for s in self.secrets]
+    @field_validator("secrets")
+    @classmethod
+    def _secrets_make_keys(cls, value: list[SecretStr], info: ValidationInfo) -> list[SecretStr]:
+        # A secret no delivery could verify with (empty, or not base64 for `standard`)
+        # failed every request with a 500. An `env:` one is checked where it is resolved
+        # (secret_values): the process that loads the settings may not have the variable.
+        scheme = info.data.get("scheme")
+        if scheme is None:
+            return value  # the scheme itself was refused; that is the error reported
+        for index, secret in enumerate(value):
+            raw = secret.get_secret_value()
+            if not raw.startswith("env:"):
+                try:
+                    decode_key(scheme, raw, index)
+                except WebhookSecretInvalid as exc:
+                    raise ValueError(str(exc)) from None
+        return value
+
+    def secret_values(self, source: str) -> list[str]:
+        """The secrets, resolved now; ``WebhookSecretInvalid`` naming ``source`` (never a
+        value) if one is unset or unusable, so the delivery is refused as misconfigured."""
+        values = []
+        for index, secret in enumerate(self.secrets):
+            try:
+                value = resolve_secret(secret)
+                decode_key(self.scheme, value, index)
+            except ConfigError as exc:
+                raise WebhookSecretInvalid(f"source {source!r}: {exc}") from None
+            values.append(value)
+        return values
 
 
 class TenantConfig(_Section):

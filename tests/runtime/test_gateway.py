@@ -15,10 +15,11 @@ from storage.audit import ObjectAudit
 from storage.codec import SnapshotCodec
 from tests.support.harness import local_env
 from torpor.entry.http import read_audited_body
-from torpor.errors import UnknownCorrelation, WebhookRejected
+from torpor.errors import UnknownCorrelation, WebhookRejected, WebhookSecretInvalid
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.ports import Observer
+from torpor.problems import problem_for
 from torpor.service.gateway import WebhookGateway
 from torpor.webhooks.signing import Scheme, generate_secret, sign
 
@@ -393,3 +394,23 @@ async def test_a_batch_of_one_is_answered_as_a_batch(
             [{"event_id": "ok-2", "status": 202, "duplicate": False, "outcome": "accepted"}],
         )
         assert (await env.load(sid)).state is SessionState.COMPLETED
+
+
+async def test_a_source_secret_from_the_environment_that_makes_no_key_is_a_503_naming_it(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Inline secrets are refused at load; an env: one is only known where it resolves.
+    # Not base64 for the standard scheme, it failed every delivery as an internal error.
+    monkeypatch.setenv("TP_TEST_WHSEC", "whsec_not*base64!")
+    sources = {"std": {"tenant": "acme", "scheme": "standard", "secrets": ["env:TP_TEST_WHSEC"]}}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
+        observer = Handled()
+        env.services.observer = observer
+        gateway = WebhookGateway(env.control)
+        raw = body("c" * 32, "e1")
+        headers = sign(Scheme.STANDARD, raw, generate_secret(Scheme.STANDARD), now=env.clock.now())
+        with pytest.raises(WebhookSecretInvalid, match=r"source 'std'.*not valid base64") as failed:
+            await gateway.receive("std", raw, headers, now=env.clock.now())
+        assert "not*base64" not in str(failed.value)
+        assert problem_for(failed.value).status == 503  # the sender retries; 500 is a bug
+        assert observer.seen == [("std", "error", "WebhookSecretInvalid")]

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from storage.factory import check_embedded_allowed
-from torpor.errors import ConfigError, EmbeddedBackendOnCluster, PluginNotFound
+from torpor.errors import (
+    ConfigError,
+    EmbeddedBackendOnCluster,
+    PluginNotFound,
+    WebhookSecretInvalid,
+)
 from torpor.plugins import PluginResolver, load_object, resolve_env
 from torpor.settings import Settings, resolve_secret
 
@@ -180,3 +185,32 @@ def test_a_sources_timestamp_window_is_finite_and_positive(tolerance_s: object) 
     source = {"tenant": "acme", "secrets": ["s" * 32], "tolerance_s": tolerance_s}
     with pytest.raises(ConfigError, match=r"tolerance_s"):
         Settings.build({"sources": {"oa": source}})
+
+
+@pytest.mark.parametrize(
+    ("scheme", "secret", "problem"),
+    [
+        ("standard", "whsec_not*base64!", "not valid base64"),
+        ("standard", "whsec_", "empty"),
+        ("torpor", "", "empty"),
+        ("stripe", "", "empty"),
+        ("github", "", "empty"),
+    ],
+)
+def test_a_source_secret_no_delivery_could_verify_with_is_refused_at_load(
+    scheme: str, secret: str, problem: str
+) -> None:
+    # It was accepted, and every delivery to the source then failed with a 500.
+    source = {"tenant": "acme", "scheme": scheme, "secrets": ["s" * 32, secret]}
+    with pytest.raises(ConfigError, match=rf"sources\.oa\.secrets.*#1 is {problem}") as refused:
+        Settings.build({"sources": {"oa": source}})
+    assert "not*base64" not in str(refused.value)
+
+
+def test_a_source_secret_from_the_environment_is_checked_where_it_is_resolved() -> None:
+    # The loading process may not have the variable: refused only once it resolves.
+    settings = Settings.build(
+        {"sources": {"oa": {"tenant": "acme", "scheme": "standard", "secrets": ["env:TP_NONE"]}}}
+    )
+    with pytest.raises(WebhookSecretInvalid, match=r"source 'oa'.*TP_NONE"):
+        settings.sources["oa"].secret_values("oa")

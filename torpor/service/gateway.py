@@ -188,7 +188,7 @@ class WebhookGateway:
                 source.scheme,
                 body,
                 headers,
-                source.secret_values(),
+                source.secret_values(source_name),
                 now=now,
                 tolerance_s=source.tolerance_s,
             )

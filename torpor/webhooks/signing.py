@@ -124,8 +124,12 @@ def _require_aware(now: datetime) -> None:
         raise ValueError("now must be a timezone-aware datetime")
 
 
-def _decode_key(scheme: Scheme, secret: str, index: int) -> bytes:
-    """Turn a configured secret into HMAC key bytes; the error names the index only."""
+def decode_key(scheme: Scheme, secret: str, index: int = 0) -> bytes:
+    """Turn a configured secret into HMAC key bytes; the error names the index only.
+
+    Settings call it when they load (inline secrets) and when they resolve ``env:``
+    ones, so a secret no delivery could use is refused before a request meets it.
+    """
     if not isinstance(secret, str):
         raise WebhookSecretInvalid(f"webhook secret #{index} is not a string")
     if scheme is Scheme.STANDARD:
@@ -325,7 +329,7 @@ def verify(
         raise TypeError("secrets must be a sequence of secrets, not one string")
     if not secrets:
         raise WebhookSecretInvalid("no webhook secret is configured for this source")
-    keys = [_decode_key(scheme, secret, index) for index, secret in enumerate(secrets)]
+    keys = [decode_key(scheme, secret, index) for index, secret in enumerate(secrets)]
 
     parsed = _PARSERS[scheme](_Headers(headers), body)
 
@@ -371,7 +375,7 @@ def sign(
     if nonce is not None and msg_id is not None and nonce != msg_id:
         raise ValueError("nonce and msg_id name the same header; give one")
     delivery = nonce if nonce is not None else msg_id
-    key = _decode_key(scheme, secret, 0)
+    key = decode_key(scheme, secret, 0)
     timestamp = str(math.floor(now.timestamp()))
 
     if scheme is Scheme.TORPOR:
