@@ -131,7 +131,10 @@ class SourceConfig(_Section):
         allow_inf_nan=False,
         description="accepted clock skew of the timestamp, both ways",
     )
-    max_body_bytes: int = Field(256 * 1024, description="larger webhook bodies are refused (413)")
+    # Positive: 0 or less refused every delivery (413) while the source looked configured.
+    max_body_bytes: int = Field(
+        256 * 1024, gt=0, description="larger webhook bodies are refused (413); at least 1"
+    )
     mapping: PayloadMapping | None = Field(
         None, description="for non-CloudEvents JSON: where id, type, correlation id, … are"
     )

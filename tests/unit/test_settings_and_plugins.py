@@ -214,3 +214,12 @@ def test_a_source_secret_from_the_environment_is_checked_where_it_is_resolved() 
     )
     with pytest.raises(WebhookSecretInvalid, match=r"source 'oa'.*TP_NONE"):
         settings.sources["oa"].secret_values("oa")
+
+
+@pytest.mark.parametrize("max_body_bytes", [0, -1])
+def test_a_sources_body_limit_is_positive(max_body_bytes: int) -> None:
+    # 0 was accepted and refused every delivery as too large (413).
+    source = {"tenant": "acme", "secrets": ["s" * 32], "max_body_bytes": max_body_bytes}
+    with pytest.raises(ConfigError, match=r"sources\.oa\.max_body_bytes"):
+        Settings.build({"sources": {"oa": source}})
+    assert Settings.build({"sources": {"oa": {**source, "max_body_bytes": 1}}})
