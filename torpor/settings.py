@@ -49,6 +49,7 @@ from pydantic_settings.sources.utils import parse_env_vars
 from torpor.errors import ConfigError, WebhookSecretInvalid
 from torpor.models import FanInSpec
 from torpor.settings_compat import legacy_environment, upgrade_flat_keys
+from torpor.webhooks.capability import check_key
 from torpor.webhooks.payloads import PayloadMapping
 from torpor.webhooks.signing import Scheme, decode_key
 
@@ -269,9 +270,11 @@ class SecuritySettings(_Section):
     """Keys and limits at the HTTP edge."""
 
     capability_keys: list[SecretStr] = Field(
-        default_factory=list, description="sign capability links; the first signs, all verify"
+        default_factory=list,
+        description="sign capability links; the first signs, all verify; 16 bytes at least",
     )
     max_request_bytes: int = Field(1024 * 1024, description="larger API bodies are refused")
+
     audit_key: SecretStr | None = Field(
         None,
         description="signs the audit log's checkpoints (HMAC-SHA256); without it they are unsigned",
@@ -295,6 +298,21 @@ class SecuritySettings(_Section):
         None,
         description="signs console login cookies; unset: a random key per replica (re-login)",
     )
+
+    @field_validator("capability_keys")
+    @classmethod
+    def _capability_keys_are_long_enough(cls, value: list[SecretStr]) -> list[SecretStr]:
+        # A short key was accepted, and every session that suspended then failed to mint
+        # its callback link. An `env:` one is checked where it resolves
+        # (Settings.capability_key_bytes, when a process opens its services).
+        for index, key in enumerate(value):
+            raw = key.get_secret_value()
+            if not raw.startswith("env:"):
+                try:
+                    check_key(raw.encode(), index)
+                except WebhookSecretInvalid as exc:
+                    raise ValueError(str(exc)) from None
+        return value
 
 
 class RuntimeSettings(_Section):
@@ -463,7 +481,12 @@ class Settings(BaseSettings):
             raise ConfigError(f"invalid setting: {exc}") from exc
 
     def capability_key_bytes(self) -> list[bytes]:
-        return [resolve_secret(k).encode() for k in self.security.capability_keys]
+        """The capability keys, resolved now; ``WebhookSecretInvalid`` (never a value) if
+        one is too short."""
+        keys = [resolve_secret(k).encode() for k in self.security.capability_keys]
+        for index, key in enumerate(keys):
+            check_key(key, index)
+        return keys
 
     @property
     def embedded(self) -> bool:

@@ -223,3 +223,18 @@ def test_a_sources_body_limit_is_positive(max_body_bytes: int) -> None:
     with pytest.raises(ConfigError, match=r"sources\.oa\.max_body_bytes"):
         Settings.build({"sources": {"oa": source}})
     assert Settings.build({"sources": {"oa": {**source, "max_body_bytes": 1}}})
+
+
+def test_a_capability_key_shorter_than_16_bytes_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It was accepted, and every session that suspended then failed to mint its link.
+    with pytest.raises(ConfigError, match=r"capability_keys.*#1 must be at least 16 bytes"):
+        Settings.build({"security": {"capability_keys": ["k" * 16, "k" * 15]}})
+    # An env: key is checked where it resolves: when a process opens its services.
+    settings = Settings.build({"security": {"capability_keys": ["env:TP_TEST_CAP"]}})
+    monkeypatch.setenv("TP_TEST_CAP", "k" * 15)
+    with pytest.raises(WebhookSecretInvalid, match="#0 must be at least 16 bytes"):
+        settings.capability_key_bytes()
+    monkeypatch.setenv("TP_TEST_CAP", "é" * 8)  # bytes, not characters
+    assert settings.capability_key_bytes() == ["é".encode() * 8]

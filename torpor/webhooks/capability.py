@@ -89,10 +89,16 @@ def _check_keys(keys: Sequence[bytes]) -> None:
     if not keys:
         raise WebhookSecretInvalid("no capability key is configured")
     for index, key in enumerate(keys):
-        if not isinstance(key, bytes) or len(key) < _MIN_KEY_BYTES:
-            raise WebhookSecretInvalid(
-                f"capability key #{index} must be at least {_MIN_KEY_BYTES} bytes"
-            )
+        check_key(key, index)
+
+
+def check_key(key: bytes, index: int = 0) -> None:
+    """Refuse a key too short to sign with; the error names the index only. Settings
+    call it when they load (inline keys) and when they resolve ``env:`` ones."""
+    if not isinstance(key, bytes) or len(key) < _MIN_KEY_BYTES:
+        raise WebhookSecretInvalid(
+            f"capability key #{index} must be at least {_MIN_KEY_BYTES} bytes"
+        )
 
 
 def _require_aware(value: datetime, name: str) -> None:
