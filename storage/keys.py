@@ -10,12 +10,11 @@ import re
 import zlib
 
 from torpor.errors import InvalidKey
-from torpor.ids import digest
+from torpor.ids import digest, is_safe_identifier
 from torpor.lifecycle import SessionState
 from torpor.ports import TimerKind
 
 # Matched whole (``fullmatch``): ``$`` would also match before a final line feed.
-_SAFE = re.compile(r"[A-Za-z0-9_\-.]{1,128}")
 _KEY = re.compile(r"[A-Za-z0-9_\-.=/]{1,1024}")
 # The longest file name a folder holds (NAME_MAX): the local store keeps a key's parts as
 # folder and file names, and a key every store holds alike is one it can hold too.
@@ -23,7 +22,7 @@ _PART_MAX = 255
 
 
 def safe(value: str, what: str = "identifier") -> str:
-    if not _SAFE.fullmatch(value) or value in {".", ".."}:
+    if not is_safe_identifier(value):
         raise InvalidKey(f"{what} {value[:80]!r} is not a safe identifier ([A-Za-z0-9_-.], 1-128)")
     return value
 

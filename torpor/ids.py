@@ -8,9 +8,21 @@ random bits (the bar is 96).
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import time
 from functools import lru_cache
+
+# What may name a thing that becomes part of an object key or Redis key: ASCII letters,
+# digits, ``_-.``, 1-128 of them, never ``.`` or ``..``. ``storage.keys.safe`` refuses any
+# other; settings hold configured names (webhook sources) to it when they load.
+_SAFE_IDENTIFIER = re.compile(r"[A-Za-z0-9_\-.]{1,128}")
+
+
+def is_safe_identifier(value: str) -> bool:
+    # fullmatch: ``$`` would also match before a final line feed.
+    return bool(_SAFE_IDENTIFIER.fullmatch(value)) and value not in {".", ".."}
+
 
 CORRELATION_ID_BYTES = 16
 MIN_CORRELATION_ID_BITS = 96

@@ -47,6 +47,7 @@ from pydantic_settings import (
 from pydantic_settings.sources.utils import parse_env_vars
 
 from torpor.errors import ConfigError, WebhookSecretInvalid
+from torpor.ids import is_safe_identifier
 from torpor.models import FanInSpec
 from torpor.settings_compat import legacy_environment, upgrade_flat_keys
 from torpor.webhooks.capability import check_key
@@ -407,7 +408,7 @@ class Settings(BaseSettings):
     )
     agents: dict[str, AgentConfig] = Field(default_factory=dict, description="agents by name")
     sources: dict[str, SourceConfig] = Field(
-        default_factory=dict, description="webhook senders by name"
+        default_factory=dict, description="webhook senders by name ([A-Za-z0-9_-.], 1-128)"
     )
     tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="API tenants")
     storage: StorageSettings = Field(default_factory=StorageSettings, description="storage")
@@ -433,6 +434,14 @@ class Settings(BaseSettings):
         taken = sorted(set(value) & RESERVED_SOURCE_NAMES)
         if taken:
             raise ValueError(f"source name {taken[0]!r} is reserved for torpor's own events")
+        # A source's name is part of its replay markers' object keys: one outside their
+        # alphabet was accepted here and failed every delivery once its signature passed.
+        for name in value:
+            if not is_safe_identifier(name):
+                raise ValueError(
+                    f"source name {name[:80]!r} is not 1-128 of [A-Za-z0-9_-.] "
+                    "(nor '.' or '..'): it names objects in storage"
+                )
         return value
 
     @classmethod

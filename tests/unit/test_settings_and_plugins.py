@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from storage import keys
 from storage.factory import check_embedded_allowed
 from torpor.errors import (
     ConfigError,
     EmbeddedBackendOnCluster,
+    InvalidKey,
     PluginNotFound,
     WebhookSecretInvalid,
 )
@@ -238,3 +240,20 @@ def test_a_capability_key_shorter_than_16_bytes_is_refused(
         settings.capability_key_bytes()
     monkeypatch.setenv("TP_TEST_CAP", "é" * 8)  # bytes, not characters
     assert settings.capability_key_bytes() == ["é".encode() * 8]
+
+
+@pytest.mark.parametrize(
+    "name", ["my source", "é", "a/b", ".", "..", "x" * 129, "line\n", "", "ok-name_1.v2", "x" * 128]
+)
+def test_a_source_name_is_held_to_the_object_key_alphabet_at_load(name: str) -> None:
+    # A name outside it was accepted, and every delivery failed once its signature had
+    # passed, when the replay marker's key (storage.keys.safe) refused the name.
+    source = {"tenant": "acme", "secrets": ["s" * 32]}
+    try:
+        keys.accepted_content(name, "0" * 64)
+    except InvalidKey:
+        with pytest.raises(ConfigError, match="source name") as refused:
+            Settings.build({"sources": {name: source}})
+        assert "\n" not in str(refused.value)
+    else:
+        assert name in Settings.build({"sources": {name: source}}).sources
