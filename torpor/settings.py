@@ -52,7 +52,7 @@ from torpor.models import FanInSpec
 from torpor.settings_compat import legacy_environment, upgrade_flat_keys
 from torpor.webhooks.capability import check_key
 from torpor.webhooks.payloads import PayloadMapping
-from torpor.webhooks.signing import Scheme, decode_key
+from torpor.webhooks.signing import Scheme, decode_key, signed_shape
 
 ENV_PREFIX = "TORPOR_"
 ENV_NESTING = "__"
@@ -442,6 +442,31 @@ class Settings(BaseSettings):
                     f"source name {name[:80]!r} is not 1-128 of [A-Za-z0-9_-.] "
                     "(nor '.' or '..'): it names objects in storage"
                 )
+        return value
+
+    @field_validator("sources")
+    @classmethod
+    def _no_key_signs_for_two_sources(
+        cls, value: dict[str, SourceConfig]
+    ) -> dict[str, SourceConfig]:
+        # Replay claims are per source: with one key and schemes that sign the same bytes
+        # (the same scheme, or torpor and Stripe), a delivery accepted by one source is
+        # accepted again by the other, into its tenant. Keys are compared as the verifier
+        # uses them (a `standard` secret decoded); an `env:` one by the variable it names,
+        # its value being unknown here. The error names the sources, never the secret.
+        holder: dict[tuple[str, bytes], str] = {}
+        for name, source in value.items():
+            shape = signed_shape(source.scheme)
+            for secret in source.secrets:
+                raw = secret.get_secret_value()
+                key = raw.encode() if raw.startswith("env:") else decode_key(source.scheme, raw)
+                other = holder.setdefault((shape, key), name)
+                if other != name:
+                    raise ValueError(
+                        f"sources {other!r} and {name!r} share a secret and sign the same "
+                        f"bytes ({shape}): a delivery to one would be accepted by the other; "
+                        "give each its own secret"
+                    )
         return value
 
     @classmethod

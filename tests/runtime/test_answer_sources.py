@@ -13,12 +13,14 @@ from tests.support.harness import local_env
 from torpor.errors import RejectReason, SourceNotAllowed, WebhookRejected
 from torpor.lifecycle import SessionState
 from torpor.service.gateway import WebhookGateway
-from torpor.webhooks.signing import Scheme, sign
+from torpor.webhooks.signing import Scheme, generate_secret, sign
 
 MAPPING = {**SOURCES["oa"]["mapping"], "business_key_path": "businessKey"}  # type: ignore[dict-item]
 
-# Another sender of the same tenant, which the test tool does not name.
-WITH_ERP = {**SOURCES, "erp": {**SOURCES["oa"]}}
+# Another sender of the same tenant, which the test tool does not name; with its own
+# secret, as settings refuse two sources that would accept each other's deliveries.
+ERP_SECRET = generate_secret(Scheme.TORPOR)
+WITH_ERP = {**SOURCES, "erp": {**SOURCES["oa"], "secrets": [ERP_SECRET]}}
 
 
 async def test_a_source_the_wait_does_not_name_cannot_answer_it(
@@ -30,11 +32,12 @@ async def test_a_source_the_wait_does_not_name_cannot_answer_it(
         wait = (await env.load(sid)).waits[0]
         now = env.clock.now()
         raw = body(wait.correlation_id, "e1")
-        headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
+        from_erp = {**sign(Scheme.TORPOR, raw, ERP_SECRET, now=now), "Content-Type": JSON}
         with pytest.raises(SourceNotAllowed) as refused:
-            await gateway.receive("erp", raw, headers, now=now)
+            await gateway.receive("erp", raw, from_erp, now=now)
         assert refused.value.status == 403
         assert (await env.load(sid)).state is SessionState.SUSPENDED
+        headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
         assert (await gateway.receive("oa", raw, headers, now=now)).status == 202
 
 

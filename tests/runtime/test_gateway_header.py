@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from storage import keys
-from tests.runtime.test_answer_sources import WITH_ERP
+from tests.runtime.test_answer_sources import ERP_SECRET, WITH_ERP
 from tests.runtime.test_gateway import JSON, SECRET, body
 from tests.support.harness import Env, local_env
 from torpor.errors import SourceNotAllowed
@@ -63,7 +63,11 @@ async def answer(env: Env, *, old_header: bool = False) -> tuple[str, bytes, dic
     if old_header:
         await as_written_before_0_4(env, sid)
     raw = body(wait.correlation_id, "e1")
-    return sid, raw, {**sign(Scheme.TORPOR, raw, SECRET, now=env.clock.now()), "Content-Type": JSON}
+    return sid, raw, signed(env, raw, SECRET)
+
+
+def signed(env: Env, raw: bytes, secret: str) -> dict[str, str]:
+    return {**sign(Scheme.TORPOR, raw, secret, now=env.clock.now()), "Content-Type": JSON}
 
 
 @pytest.fixture
@@ -80,7 +84,7 @@ async def test_a_webhook_is_judged_from_the_header_before_anything_is_decompress
     calls: list[str] = []
     recorded(env, calls)
     with pytest.raises(SourceNotAllowed):
-        await gateway.receive("erp", raw, headers, now=now)
+        await gateway.receive("erp", raw, signed(env, raw, ERP_SECRET), now=now)
     assert calls == ["header"], "refused from the header alone"
     calls.clear()
     assert (await gateway.receive("oa", raw, headers, now=now)).status == 202
@@ -94,7 +98,7 @@ async def test_a_header_from_before_0_4_sends_the_gateway_to_the_snapshot(env: E
     calls: list[str] = []
     recorded(env, calls)
     with pytest.raises(SourceNotAllowed):
-        await gateway.receive("erp", raw, headers, now=now)
+        await gateway.receive("erp", raw, signed(env, raw, ERP_SECRET), now=now)
     assert calls == ["header", "load"], "an old header names no routes: the snapshot decides"
     assert (await gateway.receive("oa", raw, headers, now=now)).status == 202
     assert (await env.load(sid)).state is SessionState.COMPLETED

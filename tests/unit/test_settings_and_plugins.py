@@ -257,3 +257,40 @@ def test_a_source_name_is_held_to_the_object_key_alphabet_at_load(name: str) -> 
         assert "\n" not in str(refused.value)
     else:
         assert name in Settings.build({"sources": {name: source}}).sources
+
+
+SHARED = "shared-webhook-secret-0123456789"
+STANDARD_KEY = "c2hhcmVkLXdlYmhvb2sta2V5LWJ5dGVzLTAxMjM0NTY3"  # base64 of 33 bytes
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (("torpor", SHARED), ("stripe", SHARED)),  # both sign hex HMAC of timestamp.body
+        (("stripe", SHARED), ("stripe", SHARED)),
+        (("standard", "whsec_" + STANDARD_KEY), ("standard", STANDARD_KEY + "=")),  # one key
+        (("torpor", "env:TP_HOOK_SECRET"), ("stripe", "env:TP_HOOK_SECRET")),
+    ],
+)
+def test_two_sources_that_would_accept_each_others_deliveries_are_refused(
+    a: tuple[str, str], b: tuple[str, str]
+) -> None:
+    # Replay claims are per source: a delivery accepted by one was accepted again by the
+    # other. The error names the sources, never the secret.
+    sources = {
+        "one": {"tenant": "acme", "scheme": a[0], "secrets": ["x" * 32, a[1]]},
+        "two": {"tenant": "beta", "scheme": b[0], "secrets": [b[1]]},
+    }
+    with pytest.raises(ConfigError, match="sources 'one' and 'two' share a secret") as refused:
+        Settings.build({"sources": sources})
+    assert SHARED not in str(refused.value) and STANDARD_KEY not in str(refused.value)
+
+
+@pytest.mark.parametrize("other", ["github", "standard"])
+def test_sources_signing_different_bytes_may_share_a_secret(other: str) -> None:
+    secret = "whsec_" + STANDARD_KEY
+    sources = {
+        "one": {"tenant": "acme", "scheme": "torpor", "secrets": [secret, secret]},
+        "two": {"tenant": "acme", "scheme": other, "secrets": [secret]},
+    }
+    assert set(Settings.build({"sources": sources}).sources) == {"one", "two"}

@@ -28,6 +28,7 @@ from torpor.webhooks import (
     sign,
     verify,
 )
+from torpor.webhooks.signing import signed_shape
 
 R = RejectReason
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -591,3 +592,16 @@ def test_a_window_that_cannot_be_checked_is_a_programming_error(tolerance_s: flo
         verify(
             Scheme.TORPOR, BODY, headers, [SECRETS[Scheme.TORPOR]], now=NOW, tolerance_s=tolerance_s
         )
+
+
+def test_torpor_and_stripe_sign_the_same_bytes_so_one_secret_verifies_for_both() -> None:
+    # Why settings refuse two sources of one signed shape sharing a secret: a delivery
+    # to one, its signature moved into the other's header, verifies there.
+    secret = SECRETS[Scheme.TORPOR]
+    torpor = sign(Scheme.TORPOR, BODY, secret, now=NOW)
+    moved = {
+        "Stripe-Signature": f"t={torpor['X-Torpor-Timestamp']},v1={torpor['X-Torpor-Signature']}"
+    }
+    assert verify(Scheme.STRIPE, BODY, moved, [secret], now=NOW).scheme is Scheme.STRIPE
+    assert signed_shape(Scheme.TORPOR) == signed_shape(Scheme.STRIPE)
+    assert len({signed_shape(s) for s in Scheme}) == 3

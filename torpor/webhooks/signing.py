@@ -284,6 +284,22 @@ def _parse_stripe(headers: _Headers, body: bytes) -> _Parsed:
     )
 
 
+# What each scheme's MAC covers. Two schemes of one shape with one key verify each
+# other's signatures: torpor and Stripe both sign hex HMAC-SHA256 of ``timestamp.body``.
+_SIGNED_SHAPE: Final = {
+    Scheme.TORPOR: "timestamp.body",
+    Scheme.STANDARD: "id.timestamp.body",
+    Scheme.GITHUB: "body",
+    Scheme.STRIPE: "timestamp.body",
+}
+
+
+def signed_shape(scheme: Scheme) -> str:
+    """What the scheme's MAC covers; schemes of one shape sharing a key accept each
+    other's deliveries (settings refuse such a configuration)."""
+    return _SIGNED_SHAPE[Scheme(scheme)]
+
+
 _PARSERS: Final = {
     Scheme.TORPOR: _parse_torpor,
     Scheme.STANDARD: _parse_standard,
