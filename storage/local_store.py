@@ -56,6 +56,7 @@ import errno
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import stat
 import sys
@@ -81,6 +82,7 @@ from torpor.errors import (
 from torpor.faults import CrashPoint, crash_point
 from torpor.ports import ListPage, Staged, StoredObject, already_durable
 
+log = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -965,6 +967,8 @@ class LocalObjectStore:
 
     async def _row_keys(self, prefix: str, start_after: str | None, limit: int) -> _Keys:
         """One more than ``limit`` if there are more: ``_page`` and ``_merged`` tell so."""
+        if not prefix.isascii():
+            return []  # keys are ASCII (``keys.check_object_key``): none starts with it
         return await self._rows_now(
             lambda wait: self._rows.keys(prefix, start_after, limit + 1, wait=wait)
         )
@@ -1013,9 +1017,15 @@ class LocalObjectStore:
     ) -> Staged:
         check_object_key(key)
         etag = etag_of(data)
-        ticket = await self._rows_now(
-            lambda wait: self._rows.replace(key, data, etag, expect=expect, wait=wait)
-        )
+
+        def replace(wait: bool) -> int:
+            return self._rows.replace(key, data, etag, expect=expect, wait=wait)
+
+        # A large object (a long session's snapshot) is copied off the loop.
+        if len(data) <= INLINE_READ_BYTES:
+            ticket = await self._rows_now(replace)
+        else:
+            ticket = await self._off_loop(replace, True)
         if not staged:
             await self._rows_durable(ticket)
         return Staged(etag, functools.partial(self._rows_durable, ticket))
@@ -1061,6 +1071,8 @@ class LocalObjectStore:
                 flush = asyncio.ensure_future(self._off_loop(self._rows.sync, self._rows.committed))
                 self._row_syncs[loop] = flush
             await asyncio.shield(flush)
+        if self._rows.checkpoint_due():
+            _threads().submit(_checkpoint, self._rows)
 
     async def _write(self, write: Callable[[bool], T], *, size: int) -> T:
         """A locked write, ``write(wait)``: on the caller's thread when ``_Inline`` allows
@@ -1264,6 +1276,13 @@ def _merged(files: ListPage, rows: list[str], limit: int) -> ListPage:
     page = both[:limit]
     more = files.next_token is not None or len(rows) > limit or len(both) > limit
     return ListPage(page, page[-1] if more and page else None)
+
+
+def _checkpoint(rows: small_objects.SmallObjects) -> None:
+    try:
+        rows.checkpoint()
+    except (OSError, StorageUnavailable) as exc:  # the next one tries again; nothing lost
+        log.warning("local object store: a checkpoint of the rows' log failed: %s", exc)
 
 
 def _create_rows_in(

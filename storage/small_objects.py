@@ -261,10 +261,19 @@ class SmallObjects:
                 self._flush(fd)
             self.synced = max(self.synced, target)
             self._since_checkpoint += 1
-            if self._since_checkpoint >= CHECKPOINT_EVERY:
-                self._since_checkpoint = 0
-                with self._db(True) as db:  # copies what no reader needs; waits for none
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def checkpoint_due(self) -> bool:
+        """Whether enough flushes went by for a checkpoint (``checkpoint``)."""
+        return self._since_checkpoint >= CHECKPOINT_EVERY
+
+    def checkpoint(self) -> None:
+        """Copy into the database what no reader needs from the log any more, so the log
+        stays short; waits for no reader or writer. Called in a worker thread, apart
+        from any write: it flushes twice, and a failure of it loses no commit (they are
+        in the log, durable), so no write is reported failed for it."""
+        self._since_checkpoint = 0
+        with self._db(True) as db:
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def _log(self) -> int:
         """A descriptor of the database's log, its name flushed into the folder when it

@@ -22,6 +22,7 @@ import pytest
 
 from storage import small_objects, wal
 from storage.local_store import LocalObjectStore
+from tests.conftest import eventually
 from tests.support.race import race
 from torpor.errors import EtagMismatch, InvalidKey, ObjectExists, ObjectNotFound
 from torpor.faults import ENV, CrashPoint
@@ -488,3 +489,37 @@ async def test_a_file_moved_in_and_then_deleted_stays_deleted_after_a_reboot(
     with pytest.raises(ObjectNotFound):
         await rebooted.get("inbox/s/e")
     await rebooted.close()
+
+
+async def test_the_rows_log_is_checkpointed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint flushes twice: never on the caller's thread, where a quiet store
+    flushes its rows (``_Inline``), and never as part of a write."""
+    monkeypatch.setattr(small_objects, "CHECKPOINT_EVERY", 4)
+    store = LocalObjectStore(tmp_path)
+    threads: list[str] = []
+    checkpoint = store._rows.checkpoint
+
+    def recorded() -> None:
+        threads.append(threading.current_thread().name)
+        checkpoint()
+
+    store._rows.checkpoint = recorded  # type: ignore[method-assign]
+    for i in range(12):
+        await store.put_if_absent(f"inbox/s/{i}", b"x")
+    await eventually(lambda: len(threads) >= 2, what="checkpoints")
+    assert threading.current_thread().name not in threads
+    assert all(name.startswith("torpor-files") for name in threads)
+    wal = tmp_path / ".small" / (small_objects.DATABASE + "-wal")
+    assert wal.stat().st_size < 4096 * 64  # copied back, the log reused
+    await store.close()
+
+
+async def test_a_prefix_no_key_can_start_with_lists_no_row(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    await store.put_if_absent("inbox/s/e", b"x")
+    for prefix in ("inbox/\U0010ffff", "inbox/\ud7ff", "inbox/é"):
+        assert (await store.list(prefix)).keys == []
+        assert (await store.walk(prefix)).keys == []
+    await store.close()
