@@ -273,14 +273,9 @@ class Suspender:
         commit, so an answer to the old request is stale from then on. The SLA deadline
         stays the wait's."""
         work = self.work
-        withdrawal = (
-            [outbox.compensate_entry(work.snap, wait, reason=reason, now=work.now)]
-            if withdraw and tool.can_compensate
-            else []
-        )
         work.update(
             waits=[w for w in work.snap.waits if w.wait_id != wait.wait_id],
-            outbox=[*work.snap.outbox, *withdrawal],
+            outbox=[*work.snap.outbox, *self._withdrawal(wait, tool, reason, withdraw)],
         )
         work.move(SessionState.RUNNING, reason)
         await self.suspend([(_call_of(wait), tool, self._replacement(wait, request))])
@@ -312,20 +307,24 @@ class Suspender:
                 "reissued": wait.reissued + 1,
             }
         )
-        withdrawal = (
-            [outbox.compensate_entry(work.snap, wait, reason=reason, now=work.now)]
-            if withdraw and tool.can_compensate
-            else []
-        )
         work.update(
             waits=[new if w.wait_id == wait.wait_id else w for w in work.snap.waits],
             outbox=[
                 *work.snap.outbox,
-                *withdrawal,
+                *self._withdrawal(wait, tool, reason, withdraw),
                 outbox.start_entry(work.snap, new, now=work.now),
             ],
         )
         return new
+
+    def _withdrawal(
+        self, wait: Wait, tool: LongRunningTool, reason: str, withdraw: bool
+    ) -> list[OutboxEntry]:
+        """The undo of ``wait``'s request that a reissue owes, if asked for and the tool
+        can undo."""
+        if not (withdraw and tool.can_compensate):
+            return []
+        return [outbox.compensate_entry(self.work.snap, wait, reason=reason, now=self.work.now)]
 
     def _replacement(self, wait: Wait, request: dict[str, JsonValue]) -> WaitPlan:
         """The plan of ``wait`` with ``request`` in place of its own: the deadline, route
