@@ -263,15 +263,19 @@ class SmallObjects:
             self._since_checkpoint += 1
 
     def checkpoint_due(self) -> bool:
-        """Whether enough flushes went by for a checkpoint (``checkpoint``)."""
-        return self._since_checkpoint >= CHECKPOINT_EVERY
+        """Whether enough flushes went by for a checkpoint: True once each time, and the
+        caller runs ``checkpoint`` (each flush after it asking again would send a burst
+        of them to the worker threads before the first one ran)."""
+        if self._since_checkpoint < CHECKPOINT_EVERY:
+            return False
+        self._since_checkpoint = 0
+        return True
 
     def checkpoint(self) -> None:
         """Copy into the database what no reader needs from the log any more, so the log
         stays short; waits for no reader or writer. Called in a worker thread, apart
         from any write: it flushes twice, and a failure of it loses no commit (they are
         in the log, durable), so no write is reported failed for it."""
-        self._since_checkpoint = 0
         with self._db(True) as db:
             db.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
