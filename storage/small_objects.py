@@ -126,13 +126,20 @@ class SmallObjects:
                 "CREATE TABLE IF NOT EXISTS objects"
                 " (key TEXT PRIMARY KEY, etag TEXT NOT NULL, data BLOB NOT NULL) WITHOUT ROWID"
             )
+            self._waiting.execute(
+                "CREATE TABLE IF NOT EXISTS log_starts (id INTEGER PRIMARY KEY, n INTEGER)"
+            )
+            _start_log(self._waiting)
+            # Best effort for the caller's thread's own first frame: it never waits.
+            with contextlib.suppress(sqlite3.OperationalError):
+                _start_log(self._quick)
+            self._flush_folder()  # the database's name in its folder, on disk before any ack
         except (OSError, sqlite3.Error) as exc:
             raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
         self._quick_lock = threading.Lock()
         self._waiting_lock = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
-        self._flush_folder()  # the database's name in its folder, on disk before any ack
 
     # -- connections ------------------------------------------------------------------
 
@@ -278,6 +285,7 @@ class SmallObjects:
         in the log, durable), so no write is reported failed for it."""
         with self._db(True) as db:
             db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            _start_log(db)
 
     def _log(self) -> int:
         """A descriptor of the database's log, its name flushed into the folder when it
@@ -348,10 +356,13 @@ class SmallObjects:
         for db in (self._quick, self._waiting):
             with contextlib.suppress(sqlite3.Error):
                 db.close()
-        if self._log_fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._log_fd)
-            self._log_fd = -1
+        # Not under a flush: a descriptor number closed under it, and reused, would be
+        # flushed in its place and the commits it was for reported durable.
+        with self._flushing:
+            if self._log_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self._log_fd)
+                self._log_fd = -1
 
 
 def _leave_the_parents() -> None:
@@ -384,6 +395,21 @@ def _leave_the_parents() -> None:
             rows._counted, rows._flushing = threading.Lock(), threading.Lock()
             rows._pid = pid
             rows._closed = True  # its next use opens its own
+
+
+def _start_log(db: sqlite3.Connection) -> None:
+    """One small write, so that the log is (re)started here and not inside a commit on an
+    event loop's thread: SQLite flushes a new log's header (and, a connection's first
+    time, the folder) in the commit that writes its first frame, whatever ``synchronous``
+    says. Called at open and after each checkpoint, which may have emptied the log."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute("INSERT OR REPLACE INTO log_starts VALUES (1, 1)")
+        db.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
+        raise
 
 
 def _locked(exc: sqlite3.OperationalError) -> bool:
