@@ -106,6 +106,7 @@ class SmallObjects:
         self._flushing = threading.Lock()
         self.committed = 0  # this process's commits, numbered: a commit's ticket
         self.synced = 0  # every commit up to this ticket is durable
+        self._failed: str | None = None  # why a flush of the log failed, if one did
         self._since_checkpoint = 0
         self._log_fd = -1
         self._pid = 0
@@ -262,10 +263,23 @@ class SmallObjects:
         with self._flushing:
             if self.synced >= ticket:
                 return  # a flush that covered it ended while this one waited
+            if self._failed is not None:
+                raise StorageUnavailable(
+                    f"small objects at {self.path}: a flush of the log failed"
+                    f" ({self._failed}); nothing committed since it can be made durable"
+                )
             target = self.committed
             fd = self._log()
             if fd >= 0:
-                self._flush(fd)
+                try:
+                    self._flush(fd)
+                except OSError as exc:
+                    # The kernel may have dropped the pages it could not write and report
+                    # the next flush clean: that flush would cover nothing, and a log
+                    # that lost a frame is read back only up to it, later commits
+                    # included. No commit here is reported durable again.
+                    self._failed = exc.strerror or str(exc)
+                    raise
             self.synced = max(self.synced, target)
             self._since_checkpoint += 1
 

@@ -24,7 +24,13 @@ from storage import small_objects, wal
 from storage.local_store import LocalObjectStore
 from tests.conftest import eventually
 from tests.support.race import race
-from torpor.errors import EtagMismatch, InvalidKey, ObjectExists, ObjectNotFound
+from torpor.errors import (
+    EtagMismatch,
+    InvalidKey,
+    ObjectExists,
+    ObjectNotFound,
+    StorageUnavailable,
+)
 from torpor.faults import ENV, CrashPoint
 from torpor.ports import Staged
 
@@ -525,4 +531,31 @@ async def test_a_prefix_no_key_can_start_with_lists_no_row(tmp_path: Path) -> No
     for prefix in ("inbox/\U0010ffff", "inbox/\ud7ff", "inbox/é"):
         assert (await store.list(prefix)).keys == []
         assert (await store.walk(prefix)).keys == []
+    await store.close()
+
+
+async def test_after_a_failed_flush_no_row_is_reported_durable_again(tmp_path: Path) -> None:
+    """A flush that failed may have dropped the log's pages, and the next one then
+    reports success for nothing written (and the log is read back only up to the hole):
+    every later durable write fails, typed, where it was acknowledged."""
+    import errno
+
+    store = LocalObjectStore(tmp_path)
+    flush = store._rows._flush
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def once_failing(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        flush(fd)
+
+    store._rows._flush = once_failing
+    with pytest.raises(StorageUnavailable):
+        await store.put_if_absent("inbox/s/a", b"a")
+    with pytest.raises(StorageUnavailable, match="a flush of the log failed"):
+        await store.put_if_absent("inbox/s/b", b"b")  # the disk answers again: not enough
+    with pytest.raises(StorageUnavailable):
+        await store.delete("inbox/s/a")
+    assert (await store.get("inbox/s/b")).data == b"b"  # visible, never acknowledged
+    await store.put_if_absent("snapshots/s", b"files have their own log")
     await store.close()
