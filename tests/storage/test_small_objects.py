@@ -557,5 +557,5 @@ async def test_after_a_failed_flush_no_row_is_reported_durable_again(tmp_path: P
     with pytest.raises(StorageUnavailable):
         await store.delete("inbox/s/a")
     assert (await store.get("inbox/s/b")).data == b"b"  # visible, never acknowledged
-    await store.put_if_absent("snapshots/s", b"files have their own log")
+    await store.put_if_absent("kept/s", b"files have their own log")
     await store.close()
