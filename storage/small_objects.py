@@ -55,6 +55,9 @@ CHECKPOINT_EVERY = 256
 # How long a write made off the caller's thread waits for another process's transaction.
 BUSY_WAIT_MS = 30_000
 ADOPT_BATCH = 1000
+# Why a flush of a table's log failed, per database: for every store of this process
+# that opens it (the pages the kernel dropped were this process's page cache's too).
+_FAILED: dict[str, str] = {}
 _INHERITED: list[sqlite3.Connection] = []  # a forked parent's, in use at the fork
 _EVERY: weakref.WeakSet[SmallObjects] = weakref.WeakSet()  # this process's (a fork's too)
 _LEAVING: dict[int, threading.Lock] = {}  # per process: a lock a parent held is no child's
@@ -106,7 +109,6 @@ class SmallObjects:
         self._flushing = threading.Lock()
         self.committed = 0  # this process's commits, numbered: a commit's ticket
         self.synced = 0  # every commit up to this ticket is durable
-        self._failed: str | None = None  # why a flush of the log failed, if one did
         self._since_checkpoint = 0
         self._log_fd = -1
         self._pid = 0
@@ -263,10 +265,11 @@ class SmallObjects:
         with self._flushing:
             if self.synced >= ticket:
                 return  # a flush that covered it ended while this one waited
-            if self._failed is not None:
+            failed = _FAILED.get(self.path)
+            if failed is not None:
                 raise StorageUnavailable(
                     f"small objects at {self.path}: a flush of the log failed"
-                    f" ({self._failed}); nothing committed since it can be made durable"
+                    f" ({failed}); nothing committed since it can be made durable"
                 )
             target = self.committed
             fd = self._log()
@@ -278,7 +281,7 @@ class SmallObjects:
                     # the next flush clean: that flush would cover nothing, and a log
                     # that lost a frame is read back only up to it, later commits
                     # included. No commit here is reported durable again.
-                    self._failed = exc.strerror or str(exc)
+                    _FAILED[self.path] = exc.strerror or str(exc)
                     raise
             self.synced = max(self.synced, target)
             self._since_checkpoint += 1

@@ -557,5 +557,9 @@ async def test_after_a_failed_flush_no_row_is_reported_durable_again(tmp_path: P
     with pytest.raises(StorageUnavailable):
         await store.delete("inbox/s/a")
     assert (await store.get("inbox/s/b")).data == b"b"  # visible, never acknowledged
+    other = LocalObjectStore(tmp_path)  # another store of this process: the same
+    with pytest.raises(StorageUnavailable, match="a flush of the log failed"):
+        await other.put_if_absent("inbox/s/c", b"c")
+    await other.close()
     await store.put_if_absent("kept/s", b"files have their own log")
     await store.close()
