@@ -112,13 +112,18 @@ class SmallObjects:
         self._since_checkpoint = 0
         self._log_fd = -1
         self._pid = 0
+        self._opening = threading.Lock()
         self._open()
         _EVERY.add(self)
 
     def _open(self) -> None:
         _leave_the_parents()  # before any connection of this process's opens
         try:
-            os.makedirs(self.folder, exist_ok=True)
+            if not os.path.isdir(self.folder):
+                os.makedirs(self.folder, exist_ok=True)
+                # The folder's own name in the store's root, on disk before its database
+                # holds anything acknowledged.
+                _flush_dir(os.path.dirname(self.folder))
             self._quick = _connect(self.path, busy_ms=0)
             self._waiting = _connect(self.path, busy_ms=BUSY_WAIT_MS)
             if self._waiting.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
@@ -153,7 +158,9 @@ class SmallObjects:
         if self._pid != os.getpid():
             _leave_the_parents()  # a forked child: every store's, then opened anew
         if self._closed:  # used again after ``close``: open again, as the store's files do
-            self._open()
+            with self._opening:  # once, whichever threads come at once
+                if self._closed:
+                    self._open()
         lock = self._waiting_lock if wait else self._quick_lock
         if not lock.acquire(blocking=wait):
             raise Busy
@@ -323,11 +330,7 @@ class SmallObjects:
         return self._log_fd
 
     def _flush_folder(self) -> None:
-        fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _flush_dir(self.folder)
 
     # -- the files an older version wrote -----------------------------------------------
 
@@ -412,6 +415,14 @@ def _leave_the_parents() -> None:
             rows._counted, rows._flushing = threading.Lock(), threading.Lock()
             rows._pid = pid
             rows._closed = True  # its next use opens its own
+
+
+def _flush_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _start_log(db: sqlite3.Connection) -> None:
