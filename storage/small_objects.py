@@ -41,6 +41,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
+from storage import wal
 from torpor.errors import EtagMismatch, StorageUnavailable
 from torpor.faults import CrashPoint, crash_point
 
@@ -123,7 +124,7 @@ class SmallObjects:
                 os.makedirs(self.folder, exist_ok=True)
                 # The folder's own name in the store's root, on disk before its database
                 # holds anything acknowledged.
-                _flush_dir(os.path.dirname(self.folder))
+                wal.fsync_dir(os.path.dirname(self.folder))
             self._quick = _connect(self.path, busy_ms=0)
             self._waiting = _connect(self.path, busy_ms=BUSY_WAIT_MS)
             if self._waiting.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
@@ -141,7 +142,7 @@ class SmallObjects:
             # Best effort for the caller's thread's own first frame: it never waits.
             with contextlib.suppress(sqlite3.OperationalError):
                 _start_log(self._quick)
-            self._flush_folder()  # the database's name in its folder, on disk before any ack
+            wal.fsync_dir(self.folder)  # the database's name in its folder, on disk before any ack
         except (OSError, sqlite3.Error) as exc:
             raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
         self._quick_lock = threading.Lock()
@@ -177,15 +178,8 @@ class SmallObjects:
 
     @contextlib.contextmanager
     def _transaction(self, wait: bool) -> Iterator[sqlite3.Connection]:
-        with self._db(wait) as db:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                yield db
-                db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                raise
+        with self._db(wait) as db, _immediate(db):
+            yield db
 
     def _ticket(self) -> int:
         with self._counted:
@@ -326,11 +320,8 @@ class SmallObjects:
             os.close(self._log_fd)
             self._log_fd = -1
         self._log_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self._flush_folder()
+        wal.fsync_dir(self.folder)
         return self._log_fd
-
-    def _flush_folder(self) -> None:
-        _flush_dir(self.folder)
 
     # -- the files an older version wrote -----------------------------------------------
 
@@ -417,22 +408,23 @@ def _leave_the_parents() -> None:
             rows._closed = True  # its next use opens its own
 
 
-def _flush_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _start_log(db: sqlite3.Connection) -> None:
     """One small write, so that the log is (re)started here and not inside a commit on an
     event loop's thread: SQLite flushes a new log's header (and, a connection's first
     time, the folder) in the commit that writes its first frame, whatever ``synchronous``
     says. Called at open and after each checkpoint, which may have emptied the log."""
+    with _immediate(db):
+        db.execute("INSERT OR REPLACE INTO log_starts VALUES (1, 1)")
+
+
+@contextlib.contextmanager
+def _immediate(db: sqlite3.Connection) -> Iterator[None]:
+    """A write transaction on ``db``: committed if the block ends, rolled back if it
+    raises (a failed ``BEGIN`` or ``COMMIT`` included, so the connection is never left
+    inside one)."""
     db.execute("BEGIN IMMEDIATE")
     try:
-        db.execute("INSERT OR REPLACE INTO log_starts VALUES (1, 1)")
+        yield
         db.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(sqlite3.Error):

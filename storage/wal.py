@@ -165,10 +165,11 @@ def _write_mark(folder: str, boot: str, mark: int) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
+    """A folder's entries (names made, renamed, removed) flushed to disk."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -404,7 +405,7 @@ class WriteAheadLog:
             os.posix_fallocate(fd, 0, size)
             os.pwrite(fd, header, 0)
             os.fsync(fd)
-            _fsync_dir(self.folder)  # the segment itself survives a power cut
+            fsync_dir(self.folder)  # the segment itself survives a power cut
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -723,7 +724,7 @@ def recover(
         for old_boot in boot_order:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(_mark_file(folder, old_boot))
-        _fsync_dir(folder)
+        fsync_dir(folder)
         log.warning(
             "replayed %d changes from %d write-ahead log segments of an earlier boot in %s",
             len(latest),
