@@ -349,7 +349,9 @@ class Chaos:
         async def all_dispatched(wanted: set[str], after: dict[str, str]) -> bool:
             return len(await self.dispatched(wanted, after=after)) == len(wanted)
 
-        await self.until("every first request", lambda: all_dispatched(everyone, {}), 600)
+        await self.until(
+            "every first request", lambda: all_dispatched(everyone, {}), args.wait_timeout_s
+        )
         first = await self.dispatched(everyone, after={})
         first_keys = {doc: entry["key"] for doc, entry in first.items()}
         t_submitted = time.monotonic()
@@ -395,7 +397,9 @@ class Chaos:
 
         # Round 2: the re-planned sessions ask again (epoch 2); the first request's late
         # answer arrives addressed by business key only, then the real answer.
-        await self.until("every re-plan", lambda: all_dispatched(replan, first_keys), 300)
+        await self.until(
+            "every re-plan", lambda: all_dispatched(replan, first_keys), args.wait_timeout_s
+        )
         second = await self.dispatched(replan, after=first_keys)
         stale = [("stale", *self.signed({"id": f"late1-{d}", "doc": d, "status": "rejected"}))
                  for d in sorted(replan)]  # fmt: skip
@@ -508,6 +512,12 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--drain-timeout-s", type=float, default=180.0)
+    parser.add_argument(
+        "--wait-timeout-s",
+        type=float,
+        default=600.0,
+        help="how long each round may take to send its requests before the run gives up",
+    )
     parser.add_argument("--seed", type=int, default=9)
     args = parser.parse_args()
     report = asyncio.run(Chaos(args).run())

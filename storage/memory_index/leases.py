@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 from storage.memory_index.waits import ms
@@ -29,7 +30,9 @@ class MemoryLeases:
         if current is not None and to_ms(current.expires_at) > to_ms(now):
             return None
         token = self._fences[name] = self._fences.get(name, 0) + 1
-        return self._grant(name, owner, token, to_ms(now) + ms(ttl))
+        granted = self._grant(name, owner, token, to_ms(now) + ms(ttl))
+        # Released leases are removed, so one still here expired in its holder's hands.
+        return replace(granted, taken_over=current is not None)
 
     async def renew_lease(self, lease: Lease, *, ttl: timedelta, now: datetime) -> Lease | None:
         # Still ours is enough: a late heartbeat whom nobody replaced may go on.

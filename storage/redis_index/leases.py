@@ -32,7 +32,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 # A lease is free if absent or expired. The fencing counter only ever increases, so a
-# stale holder's token is always smaller than the current one.
+# stale holder's token is always smaller than the current one. An expired record still
+# there was never released (a release deletes it): the third value says it was taken over.
 _ACQUIRE = (
     _NOW
     + """
@@ -43,7 +44,7 @@ local new_exp = now + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'exp', new_exp)
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[3], new_exp, ARGV[3])
-return {token, new_exp}
+return {token, new_exp, exp > 0 and 1 or 0}
 """
 )
 
@@ -117,8 +118,8 @@ class RedisLeases(RedisConnection):
         )
         if got is None:
             return None
-        token, expires = got
-        return Lease(name, owner, int(token), from_ms(int(expires)))
+        token, expires, taken_over = got
+        return Lease(name, owner, int(token), from_ms(int(expires)), taken_over=bool(taken_over))
 
     @translate
     async def renew_lease(self, lease: Lease, *, ttl: timedelta, now: datetime) -> Lease | None:

@@ -36,7 +36,9 @@ class SqliteLeases(SqliteConnection):
                 "expires_ms=excluded.expires_ms, held=1",
                 (name, owner, token, exp),
             )
-            return Lease(name, owner, token, from_ms(exp))
+            # Still held (1, or 2 once forgotten) but expired: its holder never released it.
+            taken_over = current is not None and bool(current[2])
+            return Lease(name, owner, token, from_ms(exp), taken_over=taken_over)
 
         return await self._run(op)
 

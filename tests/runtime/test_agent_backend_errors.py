@@ -9,6 +9,7 @@ is, and carries on once the backend answers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import ClassVar
 
 import httpx
@@ -56,6 +57,21 @@ async def test_a_refused_connection_to_the_agents_backend_is_retried_not_fatal()
         await env.runtime.activate(sid, reason=Reason.RETRY)
         done = await env.load(sid)
         assert done.state is S.COMPLETED and done.result == "done"
+
+
+async def test_a_session_waiting_out_its_backoff_is_not_woken_before_it() -> None:
+    """The retry timer brings it back after the backoff. The wake-up its start armed
+    stayed until now: it came every ``wake_grace_s`` and spent the retry quota in
+    minutes, whatever the backoff said."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        FlakyBackend.FAILURES[:] = [httpx.ConnectError("[Errno 111] Connection refused")]
+        sid = await env.submit("flaky")
+        assert (await env.load(sid)).retry.used == 1
+        far = env.clock.now() + timedelta(days=365)
+        index = env.services.index
+        assert await index.due(kind=TimerKind.WAKE, now=far, limit=9) == []
+        assert await index.due(kind=TimerKind.RETRY, now=far, limit=9) == [sid]
 
 
 async def test_an_agents_own_bug_still_fails_its_session() -> None:

@@ -171,6 +171,101 @@ async def test_an_expired_lease_is_forgotten_only_once_its_recovery_was_taken(en
     assert await index.expired_leases(now=env.clock.now(), limit=10) == []
 
 
+# -- requests taken, then lost -----------------------------------------------------------
+#
+# "Taken" is only queued: a pool host takes a request off its channel, then dies before it
+# leases the session. What made the sweep ask (a retry timer, an expired lease's entry, a
+# lost index) was let go once the request was taken, so nothing asked again and the
+# session stayed RUNNING for ever (the chaos run, host 1 killed). Each such request now
+# arms the session's wake-up timer first.
+
+
+class Lost(Recording):
+    """Takes every request, then loses it: a host killed after it took it off its channel."""
+
+
+async def asked_again_after_the_grace(env: Env, sid: str) -> None:
+    index = env.services.index
+    assert await due(env, TimerKind.WAKE) == [], "not before the grace"
+    env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
+    again = Lost()
+    await sweeper(env, again).sweep_once()
+    assert (sid, Reason.EVENT) in again.requests, again.requests
+    # Left armed (leased forward) until an activation runs to its end: then it goes.
+    await env.control.activate(sid, reason=Reason.EVENT)
+    assert await index.due(kind=TimerKind.WAKE, now=env.clock.now() + FAR, limit=9) == []
+
+
+async def test_a_recovery_taken_then_lost_is_asked_for_again(env: Env) -> None:
+    sid, index = await env.submit(), env.services.index
+    name = f"session:{sid}"
+    lease = await index.acquire_lease(
+        name=name, owner="dead-host", ttl=timedelta(milliseconds=200), now=env.clock.now()
+    )
+    assert lease is not None
+    await eventually(
+        lambda: index.expired_leases(now=env.clock.now(), limit=10),
+        timeout_s=10,
+        what="the lease expired on the server's clock",
+    )
+    lost = Lost()
+    await sweeper(env, lost).sweep_once()
+    assert (sid, Reason.RECOVER) in lost.requests
+    assert await index.expired_leases(now=env.clock.now(), limit=10) == [], "forgotten"
+    await asked_again_after_the_grace(env, sid)
+
+
+async def test_a_retry_taken_then_lost_is_asked_for_again(env: Env) -> None:
+    sid, index = await env.submit(), env.services.index
+    await index.schedule(kind=TimerKind.RETRY, member=sid, at=env.clock.now())
+    lost = Lost()
+    await sweeper(env, lost).sweep_once()
+    assert (sid, Reason.RETRY) in lost.requests
+    assert await due(env, TimerKind.RETRY, FAR) == [], "removed once taken"
+    await asked_again_after_the_grace(env, sid)
+
+
+async def test_a_repairs_request_taken_then_lost_is_asked_for_again(
+    env: Env, redis_url: str, redis_prefix: str
+) -> None:
+    # Submitted, never activated (its request lost too): PENDING in the store.
+    made = await SessionService(env.services, Lost()).submit(  # type: ignore[arg-type]
+        tenant="acme", agent="purchase", input={"doc": "PR-1", "amount": 100.0}
+    )
+    sid = made.session_id
+    await flush_index(redis_url, redis_prefix)  # its wake-up timer with it
+    lost = Lost()
+    report = await sweeper(env, lost).sweep_once()
+    assert report.repaired_sessions == 1 and (sid, Reason.SUBMIT) in lost.requests
+    await asked_again_after_the_grace(env, sid)
+    assert (await env.load(sid)).state is SessionState.SUSPENDED
+
+
+async def test_a_holder_that_died_after_its_commit_leaves_the_registry_right(
+    env: Env,
+) -> None:
+    """It committed a new state and died before the registry's record of it (the next
+    round trip). Whoever takes its lease over records the state it finds."""
+    sid, index = await env.submit(), env.services.index
+    snap = await env.load(sid)
+    await index.forget_session(tenant="acme", session_id=sid)
+    await index.record_session(
+        tenant="acme", session_id=sid, state=SessionState.RUNNING, generation=snap.generation - 1
+    )
+    lease = await index.acquire_lease(
+        name=f"session:{sid}", owner="dead-host", ttl=timedelta(milliseconds=200),
+        now=env.clock.now(),
+    )  # fmt: skip
+    assert lease is not None
+    await eventually(
+        lambda: index.expired_leases(now=env.clock.now(), limit=10),
+        timeout_s=10,
+        what="the lease expired on the server's clock",
+    )
+    await env.control.activate(sid, reason=Reason.RECOVER)
+    assert await index.session_states([sid]) == {sid: SessionState.SUSPENDED}
+
+
 # -- delivery timers --------------------------------------------------------------------
 
 

@@ -648,6 +648,18 @@ class CallerClockLeases:
         c = await index.acquire_lease(name="session:s1", owner="c", ttl=ttl, now=later)
         assert c is not None and c.token > b.token
 
+    async def test_a_lease_its_holder_never_released_is_taken_over(self, index: Index) -> None:
+        ttl = timedelta(seconds=45)
+        a = await index.acquire_lease(name="session:t", owner="a", ttl=ttl, now=NOW)
+        assert a is not None and not a.taken_over
+        later = NOW + timedelta(seconds=46)
+        await index.forget_lease(name="session:t", now=later)  # the sweep dealt with it
+        b = await index.acquire_lease(name="session:t", owner="b", ttl=ttl, now=later)
+        assert b is not None and b.taken_over
+        assert await index.release_lease(b)
+        c = await index.acquire_lease(name="session:t", owner="c", ttl=ttl, now=later)
+        assert c is not None and not c.taken_over, "released: nothing taken over"
+
     async def test_late_renewal_succeeds_only_if_nobody_took_over(self, index: Index) -> None:
         ttl = timedelta(seconds=45)
         a = await index.acquire_lease(name="session:late", owner="a", ttl=ttl, now=NOW)
@@ -732,6 +744,20 @@ class ServerClockLeases:
         assert await index.release_lease(b)
         c = await index.acquire_lease(name="session:s1", owner="c", ttl=ttl, now=NOW)
         assert c is not None and c.token > b.token
+
+    async def test_a_lease_its_holder_never_released_is_taken_over(
+        self, redis_index: RedisIndex
+    ) -> None:
+        index, ttl = redis_index, timedelta(milliseconds=200)
+        a = await index.acquire_lease(name="session:t", owner="a", ttl=ttl, now=NOW)
+        assert a is not None and not a.taken_over
+        await until_server_time(index, a.expires_at + timedelta(milliseconds=1))
+        await index.forget_lease(name="session:t", now=NOW)  # the sweep dealt with it
+        b = await index.acquire_lease(name="session:t", owner="b", ttl=ttl, now=NOW)
+        assert b is not None and b.taken_over
+        assert await index.release_lease(b)
+        c = await index.acquire_lease(name="session:t", owner="c", ttl=ttl, now=NOW)
+        assert c is not None and not c.taken_over, "released: nothing taken over"
 
     async def test_late_renewal_succeeds_only_if_nobody_took_over(
         self, redis_index: RedisIndex

@@ -31,7 +31,10 @@ def run_bench(args: list[str], phrase: str, *, env: dict[str, str], timeout_s: f
     except subprocess.TimeoutExpired:
         os.killpg(bench.pid, signal.SIGKILL)
         stdout, stderr = bench.communicate()
-        raise AssertionError(f"{args[0]} ran past {timeout_s} s:\n{stderr[-4000:]}") from None
+        raise AssertionError(
+            f"{args[0]} ran past {timeout_s} s:\nstdout:\n{stdout[-2000:]}\n"
+            f"stderr:\n{stderr[-4000:]}"
+        ) from None
     said = f"stdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-4000:]}"
     assert bench.returncode == 0, said
     assert phrase in stdout, said

@@ -41,6 +41,10 @@ class Lease:
     owner: str
     token: int  # fencing token: strictly increasing per lease name
     expires_at: datetime
+    # Set by ``acquire_lease`` when it took over a lease whose holder never released it
+    # (it died, or was cut off): that holder may have committed the session's snapshot
+    # without recording the new state in the registry, so the new holder records it.
+    taken_over: bool = False
 
 
 class IdempotencyStatus(StrEnum):

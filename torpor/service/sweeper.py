@@ -17,7 +17,9 @@
 
 Nothing is consumed before its work is confirmed: a timer is *leased* (pushed out by the
 timer lease) when taken and removed only once its activation request was taken; an
-expired lease entry is forgotten only then. Each step is isolated: one that raises is
+expired lease entry is forgotten only then. A request taken is only queued, so each of
+those first arms the session's wake-up timer, which only an activation that ran to its
+end removes (``_request_all``). Each step is isolated: one that raises is
 logged with its traceback and counted, and the others still run. A sweep in which every
 step ran is recorded in the index (``/healthz`` reports its age).
 
@@ -28,6 +30,7 @@ detached reconciler actor, from ``torpor reconcile``, and in tests with a manual
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -96,7 +99,7 @@ class Sweeper:
         self._last_full_repair: datetime | None = None
         self.deliveries = deliveries or DeliveryWorker(self.services)
         self._fallback = Fallback.of(self.services)
-        self._repair = IndexRepair(self.services, self._request_all)
+        self._repair = IndexRepair(self.services, functools.partial(self._request_all, net=True))
         self.batches = BatchService(sessions)
 
     @property
@@ -186,14 +189,32 @@ class Sweeper:
 
     # -- activation requests --------------------------------------------------------------
 
-    async def _request_all(self, wanted: list[tuple[str, Reason]]) -> list[bool]:
+    async def _request_all(
+        self, wanted: list[tuple[str, Reason]], *, net: bool = False
+    ) -> list[bool]:
         """Ask for these activations, a bounded number at once; True where one was taken.
-        One not taken leaves a retry timer behind (the caller may also keep its own)."""
+        One not taken leaves a retry timer behind (the caller may also keep its own).
+
+        ``net``: for a caller that lets go of what made it ask once the request is taken
+        (a retry timer, an expired lease's entry, a lost index's repair). Taken means
+        queued, not run: a pool host that took the request off its channel and died
+        before it leased the session lost it, and with nothing left to ask again the
+        session stayed RUNNING for ever (seen in the chaos run). Each such request first
+        makes sure of a wake-up timer within the grace, which only an activation that
+        ran to its end removes (as for an answer's)."""
         gate = asyncio.Semaphore(REQUESTS_AT_ONCE)
         activator = self.sessions.activator
+        grace = timedelta(seconds=self.services.settings.reconciler.wake_grace_s)
 
         async def one(session_id: str, reason: Reason) -> bool:
             async with gate:
+                if net:
+                    await self.services.index.schedule(
+                        kind=TimerKind.WAKE,
+                        member=session_id,
+                        at=self.services.clock.now() + grace,
+                        keep_earlier=True,
+                    )
                 taken = await request_activation(activator, session_id, reason, None)
             if not taken:
                 await self._fallback.arm(session_id, "request_failed")
@@ -243,7 +264,7 @@ class Sweeper:
         index = self.services.index
         names = await index.expired_leases(now=now, limit=BATCH)
         wanted = [(name.removeprefix("session:"), Reason.RECOVER) for name in names]
-        for name, taken in zip(names, await self._request_all(wanted), strict=True):
+        for name, taken in zip(names, await self._request_all(wanted, net=True), strict=True):
             # Forgotten only once a recovery was taken: one that was not finds the entry
             # again next sweep. If the recovery took the lease, its expiry moved past
             # ``now`` and this does nothing.
@@ -254,7 +275,7 @@ class Sweeper:
     async def _retries(self, now: datetime, report: SweepReport) -> None:
         index, until = self.services.index, now + self.timer_lease
         due = await index.lease_due(kind=TimerKind.RETRY, now=now, limit=BATCH, until=until)
-        taken = await self._request_all([(sid, Reason.RETRY) for sid in due])
+        taken = await self._request_all([(sid, Reason.RETRY) for sid in due], net=True)
         for session_id, ok in zip(due, taken, strict=True):
             if ok:  # an activation the session asked for meanwhile moved the timer: kept
                 await index.unschedule(kind=TimerKind.RETRY, member=session_id, if_at=until)

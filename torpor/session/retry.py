@@ -55,6 +55,11 @@ class Retrier:
             member=work.snap.session_id,
             at=work.now + retry_delay(self.deps.config, quota.used),
         )
+        # The retry timer is what brings the session back, after the backoff. A wake-up
+        # left armed (by the answer that woke it, or by the sweep that asked for it)
+        # would come every ``wake_grace_s`` instead and spend the quota in minutes, as
+        # ``SessionRuntime._crashed`` says; an event that arrives later arms its own.
+        await self.deps.index.unschedule(kind=TimerKind.WAKE, member=work.snap.session_id)
         # The session keeps its state; this activation ends and the timer brings it back.
         raise StopActivation("retry scheduled")
 

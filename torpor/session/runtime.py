@@ -180,6 +180,17 @@ class SessionRuntime:
                 release = True
                 return await self._quarantine_poison(session_id, exc), None
             logs.update(trace_id=snapshot.trace_id)
+            if lease.taken_over:
+                # Its last holder died holding the lease, perhaps between a commit and the
+                # registry's record of the state it committed (the next round trip): the
+                # registry would show the old state until a full repair. Recorded now;
+                # the registry keeps the highest generation, so this never goes back.
+                await index.record_session(
+                    tenant=snapshot.tenant,
+                    session_id=session_id,
+                    state=snapshot.state,
+                    generation=snapshot.generation,
+                )
             if snapshot.lease_fence >= heartbeat.lease.token:
                 # The index handed out a token some holder already committed with: it lost
                 # its fencing counter (flushed). Seed it from the snapshot, which survives.
