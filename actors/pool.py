@@ -29,6 +29,7 @@ from actors.observer import RayObserver
 from actors.wiring import open_services, session_runtime, warm_services
 from torpor import tracing
 from torpor.backoff import Backoff
+from torpor.faults import CrashPoint, crash_point
 from torpor.ports import Reason
 from torpor.ports.services import Services
 from torpor.session import SessionRuntime
@@ -113,6 +114,7 @@ class PoolHost:
                 continue
             failures = 0
             for wanted in found:
+                crash_point(f"{CrashPoint.POOL_TAKEN}.{wanted.reason.value}")
                 self._want(
                     wanted.session_id, wanted.reason, wanted.requested_at, wanted.traceparent
                 )

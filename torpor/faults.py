@@ -10,6 +10,12 @@ check that the next holder finishes the work from durable state: no mock stands 
 the crash, and no cleanup (``finally``, ``atexit``, buffered writes) runs, exactly as
 with a ``kill -9`` or a lost host.
 
+A process that is started again with the same environment (a Ray actor with
+``max_restarts``, a pool host) would die at the same point for ever. With
+``TORPOR_CRASH_ONCE_DIR`` also set, a point kills only the first process that reaches
+it: each claims a file of that name in the folder first (create-only, so one process
+across every restart and host wins).
+
 Never set ``TORPOR_CRASH_AT`` in a deployment.
 """
 
@@ -21,6 +27,7 @@ from enum import StrEnum
 from functools import cache
 
 ENV = "TORPOR_CRASH_AT"
+ONCE_ENV = "TORPOR_CRASH_ONCE_DIR"
 
 
 class CrashPoint(StrEnum):
@@ -53,6 +60,9 @@ class CrashPoint(StrEnum):
     STORE_MOVE_LOGGED = "store.move_logged"  # a move is logged and flushed; its old name left
     STORE_ROWS_COMMITTED = "store.rows_committed"  # small objects committed, not yet flushed
     STORE_REPLAY_REMOVING = "store.replay_removing"  # a replay is on disk; one log removed
+    # a pool host took a request of this reason off its channel; the session not leased:
+    # ``pool.taken.<reason>`` (e.g. ``pool.taken.recover``)
+    POOL_TAKEN = "pool.taken"
 
 
 @cache
@@ -62,5 +72,18 @@ def _armed() -> frozenset[str]:
 
 def crash_point(name: str) -> None:
     """Die here, at once and without cleanup, if this process was told to."""
-    if name in _armed():
+    if name in _armed() and _first(name):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first(name: str) -> bool:
+    """Whether this process is the one to die at ``name``: always, unless the points are
+    armed once (``ONCE_ENV``), when only the first to claim its file is."""
+    folder = os.environ.get(ONCE_ENV)
+    if not folder:
+        return True
+    try:
+        os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True

@@ -22,7 +22,8 @@ import ray
 import redis
 
 from actors import ray_activator
-from actors.pool import host_name, pool_channel
+from actors.config_ref import ConfigRef
+from actors.pool import PoolHost, host_name, pool_channel
 from actors.ray_activator import RayActivator, pool_slot
 from actors.reconciler import NAME as RECONCILER
 from actors.reconciler import ensure_reconciler
@@ -30,6 +31,7 @@ from tests.conftest import eventually
 from tests.ray.conftest import RayEnv, session_actors
 from tests.support.harness import callback
 from torpor.events import EventKind, InboxEvent
+from torpor.faults import ENV, ONCE_ENV, CrashPoint
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
 from torpor.ports import Reason, Wanted
@@ -439,6 +441,60 @@ async def test_a_pool_host_takes_requests_from_its_channel(make_ray_env: Any) ->
         channel = pool_channel(env.settings.namespace, slot)
         await queue.push(channel, Wanted(sid, Reason.EVENT, time.time()))
         await reach(env, sid, S.COMPLETED)
+
+
+async def test_a_host_killed_after_it_took_a_recovery_off_its_channel_loses_nothing(
+    make_ray_env: Any, tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """A host dies holding a session, the index is lost, and the repair asks for the
+    session's recovery; the host takes the request off its channel and is killed before
+    it leases the session (the chaos run that failed CI: host 1 killed, index flushed).
+    The repair had let go once the request was taken: nothing asked again, and the
+    session stayed RUNNING for ever. The wake-up timer it now arms first asks again."""
+    async with make_ray_env(placement="pooled", hold="extract") as env:
+        # Hosts of the test's own, made before the activator asks: each dies the first
+        # time any of them takes a recovery off its channel, and only then (restarted by
+        # Ray with the same environment, it goes on).
+        config = ConfigRef.of(env.settings)
+        crash = {
+            "PYTHONPATH": str(ROOT),
+            ENV: f"{CrashPoint.POOL_TAKEN}.{Reason.RECOVER.value}",
+            ONCE_ENV: str(tmp_path),
+        }
+        for slot in range(env.settings.pool.size):
+            PoolHost.options(  # type: ignore[attr-defined]
+                name=host_name(slot),
+                namespace=env.settings.namespace,
+                get_if_exists=True,
+                lifetime="detached",
+                runtime_env={"env_vars": crash},
+            ).remote(config, slot)
+        sid = await env.submit(doc="PR-T")
+
+        async def held() -> bool:
+            return "PR-T" in await env.world.entries("held")
+
+        await eventually(held, what="the sync tool ran its side effect and is held")
+        host = ray.get_actor(
+            host_name(pool_slot(sid, env.settings.pool.size)), namespace=env.settings.namespace
+        )
+        os.kill((await host.where.remote())["pid"], signal.SIGKILL)  # dies holding the lease
+        await env.world.open_gate("extract")
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(match=redis_prefix + "*"):
+            if b"world:" not in key:  # keep the simulated OA/ERP world; lose the index
+                client.delete(key)
+        client.close()
+        killed = tmp_path / f"{CrashPoint.POOL_TAKEN}.{Reason.RECOVER.value}"
+
+        async def recovered() -> bool:
+            await env.sweeper.sweep_once()
+            await env.control.drain()
+            return await state_of(env, sid) is S.SUSPENDED
+
+        await eventually(recovered, timeout_s=60, interval_s=0.5, what="recovered by the sweeper")
+        assert killed.exists(), "a host took the recovery and was killed there"
+        assert len(await env.world.counts("extract")) == 1
 
 
 async def test_a_pool_host_gone_for_good_is_made_again(
