@@ -75,6 +75,7 @@ from storage.keys import check_object_key
 from torpor.errors import (
     ConfigError,
     EtagMismatch,
+    InvalidKey,
     ObjectExists,
     ObjectNotFound,
     StorageUnavailable,
@@ -515,7 +516,7 @@ class LocalObjectStore:
                         placed.add(i)
                         ticket = self._logged(key, path, data)
                 except FileExistsError:
-                    out[i] = ObjectExists(f"object {key!r} already exists", key=key)
+                    out[i] = _taken(key, path)
                 except (OSError, _Contended) as exc:
                     out[i] = exc
         finally:
@@ -534,7 +535,10 @@ class LocalObjectStore:
             if blank is None or not _place_folder(blank, parent):
                 if blank is not None and os.path.isdir(blank):  # there already, or no parent
                     self._blank_folders.give_back(blank)
-                os.makedirs(parent, exist_ok=True)
+                try:
+                    os.makedirs(parent, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):  # an object's file on the way
+                    raise _in_the_way(os.path.relpath(path, self._objects)) from None
         self._dirs.add(parent)
 
     # -- blocking implementations ---------------------------------------------------
@@ -567,7 +571,7 @@ class LocalObjectStore:
         placed, old = tmp, None
         try:
             with self._locked(key, wait=wait):
-                old = _swap_in(tmp, path)
+                old = _swap_in(tmp, path, key)
                 tmp = ""
                 crash_point(CrashPoint.STORE_AFTER_SWAP)
                 ticket = self._logged(key, path, data)
@@ -600,7 +604,7 @@ class LocalObjectStore:
                     raise EtagMismatch(f"object {key!r} no longer exists", key=key) from None
                 if _normal(current) != _normal(etag):
                     raise EtagMismatch(f"object {key!r} changed since it was read", key=key)
-                old = _swap_in(tmp, path)
+                old = _swap_in(tmp, path, key)
                 tmp = ""
                 crash_point(CrashPoint.STORE_AFTER_SWAP)
                 ticket = self._logged(key, path, data)
@@ -634,7 +638,7 @@ class LocalObjectStore:
         gone, old = "", None
         try:
             with self._locked(key, wait=wait):
-                there = _occupant(path)
+                there = _occupant(path, key)
                 if there is not None:
                     try:
                         gone = self._blanks.name()
@@ -669,7 +673,7 @@ class LocalObjectStore:
                 size = os.stat(source).st_size
             except FileNotFoundError:
                 return False
-            _occupant(target)  # a folder there is refused before anything moves
+            _occupant(target, to)  # a folder there is refused before anything moves
             try:
                 os.link(source, target)
             except FileExistsError:
@@ -808,7 +812,7 @@ class LocalObjectStore:
                     os.unlink(tmp)
                 raise
         except FileExistsError:
-            raise ObjectExists(f"object {key!r} already exists", key=key) from None
+            raise _taken(key, path) from None
         except OSError as exc:
             _raise_translated(exc)
         return etag_of(data)
@@ -1168,7 +1172,24 @@ _libc: list[ctypes.CDLL | None] = []
 _no_exchange: list[bool] = []  # set once the file system has refused to swap
 
 
-def _occupant(path: str) -> os.stat_result | None:
+def _in_the_way(key: str) -> InvalidKey:
+    """A key the local folder cannot hold beside another: below an object (``a/b`` when
+    ``a`` is one) or where objects' folder is (``q`` when ``q/w`` is). An object store
+    holds both; torpor's own keys never meet this, so it is the caller's key that is
+    refused, with a typed error rather than the file system's."""
+    return InvalidKey(
+        f"{key!r}: the local folder holds no object below another, nor at another's folder"
+    )
+
+
+def _taken(key: str, path: str) -> ObjectExists | InvalidKey:
+    """Why a create found its name taken: the object exists, or objects' folder is there."""
+    if os.path.isdir(path):
+        return _in_the_way(key)
+    return ObjectExists(f"object {key!r} already exists", key=key)
+
+
+def _occupant(path: str, key: str) -> os.stat_result | None:
     """The status of what is at ``path`` (not followed if a link), None if nothing. A
     folder is refused before anything moves, as ``os.replace`` and ``unlink`` refuse it."""
     try:
@@ -1176,17 +1197,17 @@ def _occupant(path: str) -> os.stat_result | None:
     except (FileNotFoundError, NotADirectoryError):  # a file where a folder would be
         return None
     if stat.S_ISDIR(there.st_mode):
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        raise _in_the_way(key)
     return there
 
 
-def _swap_in(tmp: str, path: str) -> os.stat_result | None:
+def _swap_in(tmp: str, path: str, key: str) -> os.stat_result | None:
     """Put the file ``tmp`` at ``path``, atomically, as ``os.replace`` does. The status
     of the file that was at ``path`` if it is now at ``tmp`` (one
     ``renameat2(RENAME_EXCHANGE)``): its inode is kept to be recycled, not freed
     (``storage.blanks``). None if there was none, or the kernel or the file system
     cannot swap (then ``os.replace``)."""
-    there = _occupant(path)
+    there = _occupant(path, key)
     libc = _kernel()
     if there is not None and libc is not None and not _no_exchange:
         swap = _AT_FDCWD, tmp.encode(), _AT_FDCWD, path.encode(), _RENAME_EXCHANGE

@@ -18,6 +18,7 @@ import storage.local_store as local_store
 from storage import blanks, wal
 from storage.local_store import INLINE_READ_BYTES, LocalObjectStore
 from tests.storage.conftest import refills_done, until
+from torpor.errors import InvalidKey
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -281,11 +282,11 @@ def test_a_clock_stepped_back_leaves_fresh_objects_readable(
 
 def test_a_folder_at_a_key_is_neither_replaced_nor_removed(store: LocalObjectStore) -> None:
     """A swap or a rename would move a whole folder where ``os.replace`` and ``unlink``
-    refused: still refused, and nothing under it moves."""
+    refused: still refused (a typed ``InvalidKey``), and nothing under it moves."""
     asyncio.run(store.put("a/b", b"inside"))
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(InvalidKey):
         asyncio.run(store.delete("a"))
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(InvalidKey):
         asyncio.run(store.put("a", b"over"))
     assert asyncio.run(store.get("a/b")).data == b"inside"
     assert not store._blanks._cooling

@@ -202,6 +202,24 @@ class TestLocalObjectStore(ObjectStoreContract):
         )
         assert all(len(w) == 1 for w in winners.values()), winners
 
+    @pytest.mark.parametrize("op", ["put_if_absent", "put", "move"])
+    @pytest.mark.parametrize(("there", "key"), [("queue/a", "queue/a/b"), ("queue/q/w", "queue/q")])
+    async def test_a_key_the_folder_cannot_hold_beside_another_is_refused_typed(
+        self, local_store: LocalObjectStore, op: str, there: str, key: str
+    ) -> None:
+        """An object store holds ``a`` and ``a/b`` both; a folder cannot. The write is
+        refused with ``InvalidKey`` (it raised the file system's FileExistsError or
+        IsADirectoryError), and nothing already there changes."""
+        await local_store.put_if_absent(there, b"kept")
+        await local_store.put_if_absent("queue/src", b"moved?")
+        with pytest.raises(InvalidKey, match="below another"):
+            if op == "move":
+                await local_store.move("queue/src", key)
+            else:
+                await getattr(local_store, op)(key, b"x")
+        assert (await local_store.get(there)).data == b"kept"
+        assert (await local_store.get("queue/src")).data == b"moved?"
+
 
 class TestMemoryObjectStore(ObjectStoreContract):
     @pytest.fixture
