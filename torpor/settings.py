@@ -182,6 +182,42 @@ class SourceConfig(_Section):
         return values
 
 
+def verifying_secrets(sources: Mapping[str, SourceConfig], name: str) -> list[str]:
+    """The secrets source ``name`` verifies with, resolved now (``secret_values``), and
+    checked against the other sources whose schemes sign the same bytes: two that share
+    a key accept each other's deliveries. Settings refuse that at load for the secrets
+    written inline; an ``env:`` one is only known here, where it resolves. Refused as
+    misconfigured (``WebhookSecretInvalid``, naming the sources, never a value)."""
+    source = sources[name]
+    values = source.secret_values(name)
+    shape = signed_shape(source.scheme)
+    others = [
+        (other, config)
+        for other, config in sources.items()
+        if other != name and signed_shape(config.scheme) == shape
+    ]
+    if not any(_from_env(config) for _, config in [(name, source), *others]):
+        return values  # all inline: compared when the settings loaded
+    mine = {decode_key(source.scheme, value) for value in values}
+    for other, config in others:
+        for secret in config.secrets:
+            try:
+                key = decode_key(config.scheme, resolve_secret(secret))
+            except (ConfigError, WebhookSecretInvalid):
+                continue  # unusable there: refused when that source is used
+            if key in mine:
+                first, second = sorted((other, name))
+                raise WebhookSecretInvalid(
+                    f"sources {first!r} and {second!r} share a secret and sign the same bytes "
+                    f"({shape}): a delivery to one would be accepted by the other"
+                )
+    return values
+
+
+def _from_env(source: SourceConfig) -> bool:
+    return any(secret.get_secret_value().startswith("env:") for secret in source.secrets)
+
+
 class TenantConfig(_Section):
     api_keys: list[str] = Field(
         default_factory=list, description="bearer API keys as `sha256:` hashes (`torpor keys api`)"

@@ -414,3 +414,34 @@ async def test_a_source_secret_from_the_environment_that_makes_no_key_is_a_503_n
         assert "not*base64" not in str(failed.value)
         assert problem_for(failed.value).status == 503  # the sender retries; 500 is a bug
         assert observer.seen == [("std", "error", "WebhookSecretInvalid")]
+
+
+async def test_two_sources_whose_environment_gives_them_one_secret_accept_nothing(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two variables holding one secret, for schemes that sign the same bytes: a delivery
+    to one source was accepted again by the other, into its tenant (replay claims are per
+    source). Settings cannot see it at load; the gateway refuses both as misconfigured."""
+    secret = "s" * 32
+    monkeypatch.setenv("TP_TEST_HOOK_A", secret)
+    monkeypatch.setenv("TP_TEST_HOOK_B", secret)
+    sources = {
+        "one": {**SOURCES["oa"], "secrets": ["env:TP_TEST_HOOK_A"]},
+        "two": {**SOURCES["oa"], "scheme": "stripe", "secrets": ["env:TP_TEST_HOOK_B"]},
+    }
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
+        gateway = WebhookGateway(env.control)
+        raw = body("c" * 32, "e1")
+        for name, scheme in (("one", Scheme.TORPOR), ("two", Scheme.STRIPE)):
+            headers = sign(scheme, raw, secret, now=env.clock.now())
+            with pytest.raises(WebhookSecretInvalid, match="'one' and 'two' share") as refused:
+                await gateway.receive(name, raw, headers, now=env.clock.now())
+            assert secret not in str(refused.value)
+            assert problem_for(refused.value).status == 503
+        monkeypatch.setenv("TP_TEST_HOOK_B", "t" * 32)  # given its own: both verify again
+        headers = {
+            **sign(Scheme.TORPOR, raw, secret, now=env.clock.now()),
+            "Content-Type": "application/json",
+        }
+        with pytest.raises(UnknownCorrelation):  # verified, and it names no wait
+            await gateway.receive("one", raw, headers, now=env.clock.now())

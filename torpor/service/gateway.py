@@ -67,7 +67,7 @@ from torpor.models import SessionHeader, Wait, WaitRoute
 from torpor.ports import Reason, WaitBinding
 from torpor.service.replay import ReplayClaims, ReplayGuard, replay_claims
 from torpor.service.sessions import SessionService
-from torpor.settings import SourceConfig
+from torpor.settings import SourceConfig, verifying_secrets
 from torpor.webhooks.capability import open_token
 from torpor.webhooks.cloudevents import is_batch, parse_http
 from torpor.webhooks.payloads import InboundEvent, loads_json
@@ -188,7 +188,7 @@ class WebhookGateway:
                 source.scheme,
                 body,
                 headers,
-                source.secret_values(source_name),
+                verifying_secrets(self.services.settings.sources, source_name),
                 now=now,
                 tolerance_s=source.tolerance_s,
             )
