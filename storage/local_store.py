@@ -72,6 +72,7 @@ from typing import NoReturn, ParamSpec, TypeVar
 
 from storage import blanks, cursors, folder_pages, small_objects, wal
 from storage.keys import check_object_key
+from storage.loop_batches import LoopBatches
 from torpor.errors import (
     ConfigError,
     EtagMismatch,
@@ -113,14 +114,15 @@ _THREADS: dict[int, ThreadPoolExecutor] = {}
 # one of its folders would be ("a/b" when "a" is an object), or a folder at it ("q" when
 # "q/w" is). No key names a folder, so the last is missing too, to a read.
 _NO_OBJECT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
-# key, body, whether the caller stages it (``stage_if_absent``), and the caller's answer:
-# the etag and the log's ticket still to be flushed for it (0: durable already).
-_Create = tuple[str, bytes, bool, "asyncio.Future[tuple[str, int]]"]
-# A small object's create (``storage.small_objects``): key, body, etag, and the caller's
-# answer, the commit's ticket.
-_RowCreate = tuple[str, bytes, str, "asyncio.Future[int]"]
+# key, body, and whether the caller stages it (``stage_if_absent``).
+_Create = tuple[str, bytes, bool]
+# A small object's create (``storage.small_objects``): key, body, etag.
+_RowCreate = tuple[str, bytes, str]
 # (Inside the class, ``list`` names its method.)
+_Creates = list[_Create]
+_Created = list[tuple[str, int] | Exception]  # each one's etag and log ticket, or error
 _RowCreates = list[_RowCreate]
+_RowsCreated = list[int | Exception]  # each one's commit ticket, or error
 _Keys = list[str]
 
 
@@ -313,13 +315,9 @@ class LocalObjectStore:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"local object store {self.root} is not writable: {exc}") from exc
-        # Creates waiting for the worker thread, and the task that hands them over, per
-        # event loop (a store may outlive the loop that first used it: tests, scripts).
-        self._creates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Create]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._creators: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]] = (
-            weakref.WeakKeyDictionary()
+        # Creates asked for together in an event loop, made together (``storage.loop_batches``).
+        self._creates: LoopBatches[_Create, tuple[str, int]] = LoopBatches(
+            at_once=CREATES_AT_ONCE, failed=_translated
         )
         self._inline = _Inline()
         self._cursors = cursors.Cursors()
@@ -354,12 +352,9 @@ class LocalObjectStore:
             self._rows.adopt(self._objects, forget=self._forget)
         except (OSError, StorageUnavailable) as exc:
             raise ConfigError(f"local object store {self.root}: {exc}") from exc
-        self._row_creates: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, list[_RowCreate]
-        ] = weakref.WeakKeyDictionary()
-        self._row_creators: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, asyncio.Task[None]
-        ] = weakref.WeakKeyDictionary()
+        self._row_creates: LoopBatches[_RowCreate, int] = LoopBatches(
+            at_once=CREATES_AT_ONCE, failed=_translated
+        )
         self._row_syncs: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, asyncio.Future[None]
         ] = weakref.WeakKeyDictionary()
@@ -783,16 +778,8 @@ class LocalObjectStore:
             await self._write(lambda _wait: self._log.sync(ticket), size=0)
 
     async def _queued(self, key: str, data: bytes, *, staged: bool) -> tuple[str, int]:
-        """A create handed to ``_create_queued`` with the others waiting in this loop."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[tuple[str, int]] = loop.create_future()
-        # A queue per event loop: a future is only ever resolved on its own loop.
-        queue = self._creates.setdefault(loop, [])
-        queue.append((key, data, staged, done))
-        creator = self._creators.get(loop)
-        if creator is None or creator.done():
-            self._creators[loop] = loop.create_task(self._create_queued(queue))
-        return await done
+        """A create made with the others asked for in this loop (``_create_batch``)."""
+        return await self._creates.call((key, data, staged), self._create_batch)
 
     def _create_now(self, key: str, data: bytes) -> str:
         """Create-only without the flush to disk: written to a temporary file and linked
@@ -817,45 +804,38 @@ class LocalObjectStore:
             _raise_translated(exc)
         return etag_of(data)
 
-    async def _create_queued(self, queue: list[_Create]) -> None:
-        while queue:
-            batch = queue[:CREATES_AT_ONCE]
-            del queue[:CREATES_AT_ONCE]
-            items = [(key, data) for key, data, _, _ in batch]
-            # A create staged alone is placed and logged, not flushed: its caller's next
-            # create flushes both (``stage_if_absent``). Together, all are flushed.
-            staged = len(batch) == 1 and batch[0][2]
-            results: Sequence[str | tuple[str, int] | Exception]
-            try:
-                if len(items) == 1 and self._inline.allows(len(items[0][1])):
-                    # Alone a tick after it was asked for, with nothing else in flight:
-                    # made here, flush included (``_Inline``); creates that came together
-                    # go to a worker thread, one hop for all, while the loop serves on.
-                    if staged:
-                        results = _unflushed(
-                            *self._inline.run(functools.partial(self._place_all, items, False))
-                        )
-                    else:
-                        results = self._inline.run(
-                            functools.partial(self._create_all, items, False)
-                        )
-                    if isinstance(results[0], _Contended):  # locked elsewhere: wait off the loop
-                        results = await self._off_loop(self._create_all, items)
-                elif staged:
-                    results = _unflushed(*await self._off_loop(self._place_all, items, True))
-                else:
-                    results = await self._off_loop(self._create_all, items)
-            except Exception as exc:  # the write itself failed: every create with it
-                results = [exc] * len(batch)
-            for (_, _, _, done), result in zip(batch, results, strict=True):
-                if done.done():
-                    continue
-                if isinstance(result, str):
-                    done.set_result((result, 0))
-                elif isinstance(result, tuple):
-                    done.set_result(result)
-                else:
-                    done.set_exception(_translated(result))
+    async def _create_batch(self, batch: _Creates) -> _Created:
+        """Creates asked for together: each one's etag and the log's ticket still to be
+        flushed for it (0: durable already), or its error."""
+        items = [(key, data) for key, data, _ in batch]
+        # A create staged alone is placed and logged, not flushed: its caller's next
+        # create flushes both (``stage_if_absent``). Together, all are flushed.
+        staged = len(batch) == 1 and batch[0][2]
+        results: Sequence[str | tuple[str, int] | Exception]
+        if len(items) == 1 and self._inline.allows(len(items[0][1])):
+            # Alone a tick after it was asked for, with nothing else in flight: made here,
+            # flush included (``_Inline``); creates that came together go to a worker
+            # thread, one hop for all, while the loop serves on.
+            if staged:
+                results = _unflushed(
+                    *self._inline.run(functools.partial(self._place_all, items, False))
+                )
+            else:
+                results = self._inline.run(functools.partial(self._create_all, items, False))
+            if isinstance(results[0], _Contended):  # locked elsewhere: wait off the loop
+                results = await self._off_loop(self._create_all, items)
+        elif staged:
+            results = _unflushed(*await self._off_loop(self._place_all, items, True))
+        else:
+            results = await self._off_loop(self._create_all, items)
+        return [
+            (result, 0)
+            if isinstance(result, str)
+            else result
+            if isinstance(result, tuple)
+            else _translated(result)
+            for result in results
+        ]
 
     async def put_if_match(self, key: str, data: bytes, *, etag: str) -> str:
         if small_objects.holds(key):
@@ -978,43 +958,25 @@ class LocalObjectStore:
         )
 
     async def _row_created(self, key: str, data: bytes) -> tuple[str, int]:
-        """A create handed to ``_create_rows`` with the others waiting in this event
-        loop (one transaction for all): its etag and its commit's ticket."""
+        """A create made with the others asked for in this event loop (one transaction
+        for all, ``_create_row_batch``): its etag and its commit's ticket."""
         check_object_key(key)
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[int] = loop.create_future()
         etag = etag_of(data)
-        queue = self._row_creates.setdefault(loop, [])
-        queue.append((key, data, etag, done))
-        creator = self._row_creators.get(loop)
-        if creator is None or creator.done():
-            self._row_creators[loop] = loop.create_task(self._create_rows(queue))
-        return etag, await done
+        return etag, await self._row_creates.call((key, data, etag), self._create_row_batch)
 
-    async def _create_rows(self, queue: _RowCreates) -> None:
-        while queue:
-            batch = queue[:CREATES_AT_ONCE]
-            del queue[:CREATES_AT_ONCE]
-            items = [(key, data, etag) for key, data, etag, _ in batch]
-            create = functools.partial(_create_rows_in, self._rows, items)
-            try:
-                # A large block (an audit block under load) is copied off the loop.
-                if sum(len(data) for _, data, _ in items) <= INLINE_READ_BYTES:
-                    made, ticket = await self._rows_now(create)
-                else:
-                    made, ticket = await self._off_loop(create, True)
-            except Exception as exc:  # the transaction failed: every create in it
-                for *_, done in batch:
-                    if not done.done():
-                        done.set_exception(_translated(exc))
-                continue
-            for (key, _, _, done), won in zip(batch, made, strict=True):
-                if done.done():
-                    continue
-                if won:
-                    done.set_result(ticket)
-                else:
-                    done.set_exception(ObjectExists(f"object {key!r} already exists", key=key))
+    async def _create_row_batch(self, items: _RowCreates) -> _RowsCreated:
+        """Rows created in one transaction: its ticket for each row made, ``ObjectExists``
+        for each whose key was taken. Should the transaction fail, every create fails."""
+        create = functools.partial(_create_rows_in, self._rows, items)
+        # A large block (an audit block under load) is copied off the loop.
+        if sum(len(data) for _, data, _ in items) <= INLINE_READ_BYTES:
+            made, ticket = await self._rows_now(create)
+        else:
+            made, ticket = await self._off_loop(create, True)
+        return [
+            ticket if won else ObjectExists(f"object {key!r} already exists", key=key)
+            for (key, _, _), won in zip(items, made, strict=True)
+        ]
 
     async def _row_replaced(
         self, key: str, data: bytes, *, expect: str | None, staged: bool = False
