@@ -281,6 +281,10 @@ class SessionRuntime:
         log.warning("session %s waits for a newer torpor: %s", session_id, exc)
         at = self.deps.clock.now() + retry_delay(self.deps.config, RETRY_AT_CAP)
         await self.deps.index.schedule(kind=TimerKind.RETRY, member=session_id, at=at)
+        # The retry timer alone brings it back: a wake-up left armed (an answer's, or the
+        # sweep's net under its retry) would ask every ``wake_grace_s`` instead, for as
+        # long as no newer torpor takes it.
+        await self.deps.index.unschedule(kind=TimerKind.WAKE, member=session_id)
         return ActivationResult(session_id, ActivationOutcome.STOPPED)
 
     async def _quarantine_poison(self, session_id: str, exc: SnapshotCorrupt) -> ActivationResult:
