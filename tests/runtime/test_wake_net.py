@@ -4,9 +4,16 @@ ever, and the net must not cost what a lease taken over is meant to repair."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+import httpx
+
 from storage import keys
 from storage.codec import SnapshotCodec
 from tests.runtime.memory_env import memory_env, plan_agent, reset
+from tests.runtime.test_agent_backend_errors import AGENTS as FLAKY
+from tests.runtime.test_agent_backend_errors import FlakyBackend
+from torpor.lifecycle import SessionState
 from torpor.models import SCHEMA_VERSION
 from torpor.ports import TimerKind
 from torpor.service.sweeper import Sweeper
@@ -45,3 +52,24 @@ async def test_a_snapshot_from_a_newer_torpor_retried_by_its_timer_is_not_woken_
         # And again a grace later: the sweep does not ask for it.
         env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
         assert (await Sweeper(env.control).sweep_once()).woken == 0
+
+
+async def test_a_session_set_aside_by_its_retry_is_not_woken_again() -> None:
+    """``Retrier.quarantine``: "no timer brings it back". Its last retry was asked for by
+    the sweep, whose net armed a wake-up; the quarantine ends the activation STOPPED,
+    which left it: the set-aside session was activated once more a grace later."""
+    async with memory_env(FLAKY) as env:
+        reset()
+        FlakyBackend.FAILURES[:] = [httpx.ConnectError("refused")] * 50
+        sid = await env.submit("flaky")
+        index, sweep = env.services.index, Sweeper(env.control)
+        await sweep.sweep_once()  # its first full repair: out of the way
+        for _ in range(50):  # each retry asked for by the sweep, as in production
+            if (await env.load(sid)).state is SessionState.QUARANTINED:
+                break
+            env.clock.advance(env.services.config.retry_cap.total_seconds() * 1.3)
+            assert (await sweep.sweep_once()).woken == 0
+        assert (await env.load(sid)).state is SessionState.QUARANTINED
+        far = env.clock.now() + timedelta(days=365)
+        assert await index.due(kind=TimerKind.RETRY, now=far, limit=9) == []
+        assert await index.due(kind=TimerKind.WAKE, now=far, limit=9) == [], "woken again"

@@ -88,4 +88,9 @@ class Retrier:
         )
         work.move(SessionState.QUARANTINED, code)
         await work.commit()
+        # It ends STOPPED, so the runtime's own clean-up of a set-aside session does not
+        # run: a wake-up left armed (an answer's, or the sweep's net under the retry that
+        # brought it here) would activate it once more.
+        for kind in (TimerKind.WAKE, TimerKind.RETRY):
+            await self.deps.index.unschedule(kind=kind, member=work.snap.session_id)
         raise StopActivation("quarantined")
