@@ -4,19 +4,27 @@ ever, and the net must not cost what a lease taken over is meant to repair."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
+from pathlib import Path
 
 import httpx
+import pytest
 
+from actors.wiring import session_runtime
 from storage import keys
 from storage.codec import SnapshotCodec
+from tests.conftest import eventually
 from tests.runtime.memory_env import memory_env, plan_agent, reset
 from tests.runtime.test_agent_backend_errors import AGENTS as FLAKY
 from tests.runtime.test_agent_backend_errors import FlakyBackend
+from tests.support.harness import local_env
+from torpor.errors import StorageUnavailable
 from torpor.lifecycle import SessionState
-from torpor.models import SCHEMA_VERSION
-from torpor.ports import TimerKind
+from torpor.models import SCHEMA_VERSION, SessionSnapshot
+from torpor.ports import Reason, TimerKind
 from torpor.service.sweeper import Sweeper
+from torpor.session import ActivationOutcome
 
 PLAN = {
     "steps": [
@@ -73,3 +81,58 @@ async def test_a_session_set_aside_by_its_retry_is_not_woken_again() -> None:
         far = env.clock.now() + timedelta(days=365)
         assert await index.due(kind=TimerKind.RETRY, now=far, limit=9) == []
         assert await index.due(kind=TimerKind.WAKE, now=far, limit=9) == [], "woken again"
+
+
+async def test_a_takeover_that_failed_before_its_record_leaves_the_next_one_to_make_it(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """``Lease.taken_over`` is told once, to the first holder after the dead one. That
+    holder failed before it re-recorded the state (the store did not answer its read)
+    and released the lease: the next holder took a released lease, was told nothing,
+    and the registry kept the dead holder's old state until the hourly full repair."""
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        sid, index = await env.submit(), env.services.index
+        snap = await env.load(sid)
+        await index.forget_session(tenant="acme", session_id=sid)
+        await index.record_session(
+            tenant="acme",
+            session_id=sid,
+            state=SessionState.RUNNING,
+            generation=snap.generation - 1,
+        )
+        lease = await index.acquire_lease(
+            name=f"session:{sid}",
+            owner="dead-host",
+            ttl=timedelta(milliseconds=200),
+            now=env.clock.now(),
+        )
+        assert lease is not None
+        await eventually(
+            lambda: index.expired_leases(now=env.clock.now(), limit=10),
+            timeout_s=10,
+            what="the lease expired on the server's clock",
+        )
+        snapshots = env.services.snapshots
+        real = snapshots.load
+        calls = 0
+
+        async def unsteady(session_id: str) -> SessionSnapshot:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise StorageUnavailable("the store did not answer")
+            return await real(session_id)
+
+        runtime = session_runtime(env.services, "test-runtime")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(snapshots, "load", unsteady)
+            with pytest.raises(StorageUnavailable):
+                await runtime.activate(sid, reason=Reason.RECOVER)
+        # Its retry (or, were the lease left to expire, the recovery) comes round.
+        for _ in range(100):
+            result = await runtime.activate(sid, reason=Reason.RETRY)
+            if result.outcome is not ActivationOutcome.BUSY:
+                break
+            await asyncio.sleep(0.1)
+        assert result.outcome is ActivationOutcome.RAN
+        assert await index.session_states([sid]) == {sid: SessionState.SUSPENDED}

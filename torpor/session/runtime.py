@@ -163,6 +163,10 @@ class SessionRuntime:
         # Whether the session's wake-up timer goes with the lease (a drive that ran to its
         # end, the session not set aside): ``_activate`` then looks at the inbox once more.
         ran = False
+        # A lease taken over is the one sign that its last holder may have left the
+        # registry stale, told to its first next holder only: until the state is recorded
+        # it is not released (it expires, and whoever recovers it is told again).
+        recorded = not lease.taken_over
         try:
             try:
                 snapshot = await loading
@@ -191,6 +195,7 @@ class SessionRuntime:
                     state=snapshot.state,
                     generation=snapshot.generation,
                 )
+                recorded = True
             if snapshot.lease_fence >= heartbeat.lease.token:
                 # The index handed out a token some holder already committed with: it lost
                 # its fencing counter (flushed). Seed it from the snapshot, which survives.
@@ -212,11 +217,12 @@ class SessionRuntime:
         except StopActivation:
             outcome, release = ActivationOutcome.STOPPED, True
         except Exception as exc:
-            release = True
+            release = recorded
             if activation is None or _passing(exc):
                 # Storage trouble mid-run: schedule the retry, and only then let the lease go.
                 await self._retry_soon(session_id)
                 raise
+            release = True
             # A fault on the session's own path (a bug of ours or of a plugin, outside
             # what the agent loop turns into the agent's information; ``_passing``):
             # retried on every sweep for ever, it would hold the session RUNNING with no
