@@ -5,11 +5,14 @@ ever, and the net must not cost what a lease taken over is meant to repair."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import pytest
+from pydantic import JsonValue
 
 from actors.wiring import session_runtime
 from storage import keys
@@ -19,9 +22,10 @@ from tests.runtime.memory_env import memory_env, plan_agent, reset
 from tests.runtime.test_agent_backend_errors import AGENTS as FLAKY
 from tests.runtime.test_agent_backend_errors import FlakyBackend
 from tests.support.harness import local_env
+from torpor.agent import AgentContext, AgentTurn, default_initial_messages
 from torpor.errors import StorageUnavailable
 from torpor.lifecycle import SessionState
-from torpor.models import SCHEMA_VERSION, SessionSnapshot
+from torpor.models import SCHEMA_VERSION, Message, SessionSnapshot
 from torpor.ports import Reason, TimerKind
 from torpor.service.sweeper import Sweeper
 from torpor.session import ActivationOutcome
@@ -136,3 +140,42 @@ async def test_a_takeover_that_failed_before_its_record_leaves_the_next_one_to_m
             await asyncio.sleep(0.1)
         assert result.outcome is ActivationOutcome.RAN
         assert await index.session_states([sid]) == {sid: SessionState.SUSPENDED}
+
+
+class CancelledWhileFailing:
+    """Its backend refuses every step; while the first refusal is on its way, the
+    session's user cancels it (the cancel finds the session busy: its lease is held)."""
+
+    name = "cancelled"
+    version = "1"
+    CANCEL: ClassVar[list[Callable[[str], Awaitable[object]]]] = []
+
+    def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
+        return default_initial_messages(input, None)
+
+    async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
+        while self.CANCEL:
+            await self.CANCEL.pop(0)(ctx.session_id)
+        raise httpx.ConnectError("[Errno 111] Connection refused")
+
+
+CANCELLED = {"cancelled": {"factory": "tests.runtime.test_wake_net:CancelledWhileFailing"}}
+
+
+async def test_a_cancel_that_came_while_the_activation_failed_is_not_held_back() -> None:
+    """``Retrier.later`` drops the wake-up so that only the retry, after its backoff,
+    brings the session back. A cancel delivered while that activation ran found it busy
+    (no re-check follows a STOPPED activation) and had armed that very wake-up: it was
+    dropped with it, and the cancel waited out the whole backoff (up to
+    ``retry_backoff_cap_s``, ten minutes) instead of the grace."""
+    async with memory_env(CANCELLED, retry_backoff_base_s=300.0) as env:
+        reset()
+        sweep = Sweeper(env.control)
+        await sweep.sweep_once()  # its first full repair: out of the way
+        CancelledWhileFailing.CANCEL[:] = [env.control.cancel]
+        sid = await env.submit("cancelled")
+        snap = await env.load(sid)
+        assert snap.state is SessionState.RUNNING and snap.retry.used == 1
+        env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
+        await sweep.sweep_once()
+        assert (await env.load(sid)).state is SessionState.CANCELLED

@@ -60,6 +60,19 @@ class Retrier:
         # would come every ``wake_grace_s`` instead and spend the quota in minutes, as
         # ``SessionRuntime._crashed`` says; an event that arrives later arms its own.
         await self.deps.index.unschedule(kind=TimerKind.WAKE, member=work.snap.session_id)
+        # But a cancel that came while this activation ran found it busy, and armed the
+        # wake-up just dropped (no re-check follows a stopped activation): it is not held
+        # back behind the backoff. Looked for only now, so one written after the look
+        # arms its own after the unschedule. Any other event waits for the retry (a
+        # running session reads its inbox only when it next waits anyway).
+        if await work.pending_cancel() is not None:
+            grace = timedelta(seconds=self.deps.settings.reconciler.wake_grace_s)
+            await self.deps.index.schedule(
+                kind=TimerKind.WAKE,
+                member=work.snap.session_id,
+                at=work.now + grace,
+                keep_earlier=True,
+            )
         # The session keeps its state; this activation ends and the timer brings it back.
         raise StopActivation("retry scheduled")
 

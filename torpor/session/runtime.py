@@ -343,11 +343,8 @@ class SessionRuntime:
                 await Retrier(work).later("activation_failed", f"{type(exc).__name__}: {exc}")
             state, generation = work.snap.state, work.snap.generation
             # The retry timer (after the backoff) brings it back, or, set aside, only an
-            # operator: a wake-up left armed would come every ``wake_grace_s`` and spend
-            # the quota in seconds. An event that arrives later arms its own.
-            kinds = (TimerKind.WAKE, TimerKind.RETRY)
-            for kind in kinds if state is SessionState.QUARANTINED else kinds[:1]:
-                await self.deps.index.unschedule(kind=kind, member=session_id)
+            # operator: ``Retrier`` dropped the wake-up (kept only for a cancel that came
+            # meanwhile) and, setting it aside, the retry timer too.
         except Exception:
             log.exception("the failed activation of %s could not be counted", session_id)
             await self._retry_soon(session_id)
