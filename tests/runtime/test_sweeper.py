@@ -241,6 +241,22 @@ async def test_a_repairs_request_taken_then_lost_is_asked_for_again(
     assert (await env.load(sid)).state is SessionState.SUSPENDED
 
 
+async def test_a_periodic_repair_of_an_intact_index_arms_no_wake_up(env: Env) -> None:
+    """Its leases and timers are there: a session it asks for may be running (held by a
+    live activation), and a wake-up armed under it would come back every grace, busy."""
+    made = await SessionService(env.services, Lost()).submit(  # type: ignore[arg-type]
+        tenant="acme", agent="purchase", input={"doc": "PR-2", "amount": 100.0}
+    )
+    index = env.services.index
+    await sweeper(env, Lost()).sweep_once()  # the first repair notes the index intact
+    assert await index.is_intact()
+    await index.unschedule(kind=TimerKind.WAKE, member=made.session_id)
+    lost = Lost()
+    report = await sweeper(env, lost).sweep_once()  # a new sweeper repairs at once
+    assert report.repaired_sessions == 1 and (made.session_id, Reason.SUBMIT) in lost.requests
+    assert await index.due(kind=TimerKind.WAKE, now=env.clock.now() + FAR, limit=9) == []
+
+
 async def test_a_holder_that_died_after_its_commit_leaves_the_registry_right(
     env: Env,
 ) -> None:

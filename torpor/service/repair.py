@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from torpor.batches import Attempts
 from torpor.deliveries import DeliveryStatus
@@ -53,7 +53,11 @@ from torpor.session.suspend import (
 )
 from torpor.tools import LongRunningTool
 
-Request = Callable[[list[tuple[str, Reason]]], Awaitable[object]]
+
+class Request(Protocol):
+    def __call__(self, wanted: list[tuple[str, Reason]], *, net: bool) -> Awaitable[object]: ...
+
+
 Item = TypeVar("Item")
 PAGE = 200
 AT_ONCE = 32
@@ -171,8 +175,12 @@ class IndexRepair:
         # The sessions that were RUNNING first: their slots went with the index, and each
         # may still be running; were the PENDING ones to take the slots first, the batch
         # would run over its cap until those ended.
-        await self.request([w for w in wanted if w[1] is Reason.RECOVER])
-        await self.request([w for w in wanted if w[1] is not Reason.RECOVER])
+        # After a loss, nothing else in the index remembers these sessions (their leases,
+        # timers and activation requests went with it): each request arms a wake-up first
+        # (``Sweeper._request_all``). An intact index has their leases and timers, and a
+        # wake-up armed under a live activation would only come back every grace, busy.
+        await self.request([w for w in wanted if w[1] is Reason.RECOVER], net=lost)
+        await self.request([w for w in wanted if w[1] is not Reason.RECOVER], net=lost)
         if not await index.mark_intact(token):
             # Lost again while this ran (the note went with it): what was rebuilt before
             # that is gone. Not marked, so the next sweep repairs again.

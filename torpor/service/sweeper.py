@@ -30,7 +30,6 @@ detached reconciler actor, from ``torpor reconcile``, and in tests with a manual
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -99,7 +98,7 @@ class Sweeper:
         self._last_full_repair: datetime | None = None
         self.deliveries = deliveries or DeliveryWorker(self.services)
         self._fallback = Fallback.of(self.services)
-        self._repair = IndexRepair(self.services, functools.partial(self._request_all, net=True))
+        self._repair = IndexRepair(self.services, self._request_all)
         self.batches = BatchService(sessions)
 
     @property
@@ -282,8 +281,9 @@ class Sweeper:
         report.retried += len(due)
 
     async def _activation_timers(self, now: datetime, report: SweepReport) -> None:
-        # Leased, never removed here: only a finished activation that saw an empty inbox
-        # removes an activation timer.
+        # Leased, never removed here: an activation that ran to its end removes it (its
+        # inbox seen), as does one that hands the session to another timer: a retry's
+        # backoff (``Retrier``), quarantine, admission's queue, a newer torpor.
         index, until = self.services.index, now + self.timer_lease
         due = await index.lease_due(kind=TimerKind.WAKE, now=now, limit=BATCH, until=until)
         await self._request_all([(sid, Reason.EVENT) for sid in due])
