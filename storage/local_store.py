@@ -664,10 +664,12 @@ class LocalObjectStore:
         source, target = self._file(key), self._file(to)
         self._parent(target)
         with self._locks.held_both(key, to, wait=wait):
-            try:
-                size = os.stat(source).st_size
-            except FileNotFoundError:
+            # Nothing below an object, and no object at a folder (a folder there is
+            # refused, as a delete refuses it: a link of it would fail with EPERM).
+            there = _occupant(source, key)
+            if there is None:
                 return False
+            size = there.st_size
             _occupant(target, to)  # a folder there is refused before anything moves
             try:
                 os.link(source, target)

@@ -220,6 +220,22 @@ class TestLocalObjectStore(ObjectStoreContract):
         assert (await local_store.get(there)).data == b"kept"
         assert (await local_store.get("queue/src")).data == b"moved?"
 
+    async def test_a_move_from_a_key_the_folder_cannot_hold_is_typed(
+        self, local_store: LocalObjectStore
+    ) -> None:
+        """From below an object there is nothing to move (as ``get`` says: not found);
+        from objects' folder it is refused as ``delete`` refuses it, not with the file
+        system's NotADirectoryError or PermissionError (a folder cannot be linked)."""
+        await local_store.put_if_absent("queue/a", b"kept")
+        await local_store.put_if_absent("queue/q/w", b"kept too")
+        assert await local_store.move("queue/a/b", "queue/to") is False
+        with pytest.raises(InvalidKey, match="below another"):
+            await local_store.move("queue/q", "queue/to")
+        assert (await local_store.get("queue/a")).data == b"kept"
+        assert (await local_store.get("queue/q/w")).data == b"kept too"
+        with pytest.raises(ObjectNotFound):
+            await local_store.get("queue/to")
+
 
 class TestMemoryObjectStore(ObjectStoreContract):
     @pytest.fixture
