@@ -434,7 +434,9 @@ class LocalObjectStore:
         """One change from a log of an earlier boot, made again (flushed by the caller)."""
         path = self._file(record.key)
         if record.op is wal.Op.DELETE:
-            with contextlib.suppress(FileNotFoundError):
+            # Gone already, or its name is objects' folder now (``a`` removed, then
+            # ``a/b`` put): no object there either way.
+            with contextlib.suppress(*_NO_OBJECT):
                 os.unlink(path)
             return
         self._parent(path)

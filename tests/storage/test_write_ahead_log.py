@@ -211,6 +211,22 @@ def test_a_move_from_nothing_onto_itself_or_onto_a_folder_changes_nothing(
     assert get(store, "live/t") == b"marker"
 
 
+def test_a_removed_object_whose_name_became_a_folder_does_not_fail_the_replay(
+    tmp_path: Path, boot: list[str]
+) -> None:
+    """``a`` put, removed, then ``a/b`` put: the log's last word on ``a`` is its removal,
+    and ``a`` is a folder now. The replay's unlink of it raised IsADirectoryError, and
+    every later open of the store failed with "log replay failed"."""
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put("ended/a", b"file"))
+    asyncio.run(store.delete("ended/a"))
+    asyncio.run(store.put("ended/a/b", b"below"))
+    boot[0] = "boot-b"
+    reopened = LocalObjectStore(tmp_path)
+    assert get(reopened, "ended/a/b") == b"below"
+    assert get(reopened, "ended/a") is None
+
+
 def test_a_torn_record_ends_the_log(tmp_path: Path, boot: list[str]) -> None:
     """A crash in the middle of an append leaves a record whose CRC fails: it and all
     after it were never acknowledged; those before it are replayed."""
