@@ -12,6 +12,7 @@ only ever resolved on its own loop, and a store may outlive the loop that first 
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
@@ -48,7 +49,9 @@ class LoopBatches(Generic[Item, Result]):
         queue.append((item, done))
         drainer = self._drainers.get(loop)
         if drainer is None or drainer.done():
-            self._drainers[loop] = loop.create_task(self._drain(queue, run))
+            drainer = self._drainers[loop] = loop.create_task(self._drain(queue, run))
+            # Not kept once done: a task holds its loop, which the weak key would not free.
+            drainer.add_done_callback(functools.partial(_forget, self._drainers))
         return await done
 
     async def _drain(
@@ -69,3 +72,13 @@ class LoopBatches(Generic[Item, Result]):
                     done.set_exception(outcome)
                 else:
                     done.set_result(outcome)
+
+
+def _forget(
+    held: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]],
+    done: asyncio.Task[None],
+) -> None:
+    """A finished drainer let go (unless a newer one is its loop's already)."""
+    loop = done.get_loop()
+    if held.get(loop) is done:
+        del held[loop]

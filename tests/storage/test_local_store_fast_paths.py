@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import gc
 import os
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -701,3 +703,26 @@ def test_a_move_to_a_free_key_links_the_object_there_at_once(
     assert asyncio.run(store.get("ended/d/s")).data == b""
     assert asyncio.run(store.list("live/")).keys == []
     assert not leftovers(store), "no temporary name is left behind"
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_the_loops_a_store_outlived_are_not_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inline: bool
+) -> None:
+    """A store outlives the loops that used it (tests, scripts, ``blocking``): its
+    creates' batchers and its rows' flushes were kept by loop weakly, but the finished
+    task or future kept there holds its loop, so each loop stayed for the store's life."""
+    store = LocalObjectStore(tmp_path)
+    if not inline:  # creates and the rows' flush off the loop, as under load
+        monkeypatch.setattr(store._inline, "allows", lambda size: False)
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def go(n: int) -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        await store.put_if_absent(f"queue/{n}", b"file")
+        await asyncio.gather(*(store.put_if_absent(f"inbox/{n}-{i}", b"row") for i in range(3)))
+
+    for n in range(3):
+        asyncio.run(go(n))
+    gc.collect()
+    assert [ref() for ref in loops] == [None, None, None]

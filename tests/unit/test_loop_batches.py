@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -86,3 +88,19 @@ def test_each_event_loop_has_its_own_queue() -> None:
         thread.join(timeout=30)
     assert results == {"a": [0, 20, 40], "b": [100, 120, 140]}
     assert all(set(b) <= {0, 2, 4} or set(b) <= {10, 12, 14} for b in work.batches)
+
+
+def test_a_loop_that_is_gone_is_not_held() -> None:
+    """The queues are held weakly by loop; the finished drainer held its loop (a task
+    holds its loop), so every loop that ever made a call was kept while the batches
+    lived (a store outlives many loops: tests, scripts)."""
+    work, batches = Work(), LoopBatches[int, int](at_once=8)
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def go() -> int:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        return await batches.call(2, work.run)
+
+    assert [asyncio.run(go()) for _ in range(3)] == [20, 20, 20]
+    gc.collect()
+    assert [ref() for ref in loops] == [None, None, None]
