@@ -72,7 +72,7 @@ from typing import NoReturn, ParamSpec, TypeVar
 
 from storage import blanks, cursors, folder_pages, small_objects, wal
 from storage.keys import check_object_key
-from storage.loop_batches import LoopBatches
+from storage.loop_batches import LoopBatches, forget_when_done
 from torpor.errors import (
     ConfigError,
     EtagMismatch,
@@ -1042,7 +1042,7 @@ class LocalObjectStore:
                 self._row_syncs[loop] = flush
                 # Not kept once done: a future holds its loop, which the weak key would
                 # not free (a store outlives the loops that used it).
-                flush.add_done_callback(functools.partial(_let_go, self._row_syncs))
+                flush.add_done_callback(functools.partial(forget_when_done, self._row_syncs))
             await asyncio.shield(flush)
         if self._rows.checkpoint_due():
             _threads().submit(_checkpoint, self._rows)
@@ -1279,16 +1279,6 @@ def _create_rows_in(
     rows: small_objects.SmallObjects, items: list[tuple[str, bytes, str]], wait: bool
 ) -> tuple[list[bool], int]:
     return rows.create(items, wait=wait)
-
-
-def _let_go(
-    held: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Future[None]],
-    done: asyncio.Future[None],
-) -> None:
-    """A finished flush let go (unless a newer one is its loop's already)."""
-    loop = done.get_loop()
-    if held.get(loop) is done:
-        del held[loop]
 
 
 def _translated(exc: Exception) -> Exception:

@@ -15,10 +15,11 @@ import asyncio
 import functools
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+Work = TypeVar("Work", bound="asyncio.Future[Any]")
 
 
 Run = Callable[[list[Item]], Awaitable[Sequence[Result | BaseException]]]
@@ -51,7 +52,7 @@ class LoopBatches(Generic[Item, Result]):
         if drainer is None or drainer.done():
             drainer = self._drainers[loop] = loop.create_task(self._drain(queue, run))
             # Not kept once done: a task holds its loop, which the weak key would not free.
-            drainer.add_done_callback(functools.partial(_forget, self._drainers))
+            drainer.add_done_callback(functools.partial(forget_when_done, self._drainers))
         return await done
 
     async def _drain(
@@ -74,11 +75,12 @@ class LoopBatches(Generic[Item, Result]):
                     done.set_result(outcome)
 
 
-def _forget(
-    held: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]],
-    done: asyncio.Task[None],
+def forget_when_done(
+    held: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Work], done: Work
 ) -> None:
-    """A finished drainer let go (unless a newer one is its loop's already)."""
+    """A loop's finished task or future let go (unless a newer one is its loop's
+    already): a future holds its loop, which the weak key would then never free. Added
+    as ``done``'s callback with ``held`` bound."""
     loop = done.get_loop()
     if held.get(loop) is done:
         del held[loop]

@@ -146,23 +146,30 @@ async def test_a_retry_the_session_asks_for_meanwhile_is_kept(env: Env) -> None:
     assert await due(env, TimerKind.RETRY, timedelta(seconds=100)) == ["s_x"]
 
 
+async def held_by_a_dead_holder(env: Env, sid: str) -> None:
+    """The session's lease, taken by a holder that died: it expires unreleased, by the
+    Redis server's clock (leases follow it, not the caller's), so this waits for that
+    clock rather than advance ours."""
+    index = env.services.index
+    lease = await index.acquire_lease(
+        name=f"session:{sid}", owner="dead-host", ttl=timedelta(milliseconds=200),
+        now=env.clock.now(),
+    )  # fmt: skip
+    assert lease is not None
+    await eventually(
+        lambda: index.expired_leases(now=env.clock.now(), limit=10),
+        timeout_s=10,
+        what="the lease expired on the server's clock",
+    )
+
+
 # -- lease entries ----------------------------------------------------------------------
 
 
 async def test_an_expired_lease_is_forgotten_only_once_its_recovery_was_taken(env: Env) -> None:
     sid, index = await env.submit(), env.services.index
     name = f"session:{sid}"
-    lease = await index.acquire_lease(
-        name=name, owner="dead-host", ttl=timedelta(milliseconds=200), now=env.clock.now()
-    )
-    assert lease is not None
-    # Its holder died: the lease expires unreleased, by the Redis server's clock (leases
-    # follow it, not the caller's), so wait for that clock rather than advance ours.
-    await eventually(
-        lambda: index.expired_leases(now=env.clock.now(), limit=10),
-        timeout_s=10,
-        what="the lease expired on the server's clock",
-    )
+    await held_by_a_dead_holder(env, sid)
     env.clock.advance(3)
     await sweeper(env, Unavailable()).sweep_once()
     assert await index.expired_leases(now=env.clock.now(), limit=10) == [name]
@@ -198,16 +205,7 @@ async def asked_again_after_the_grace(env: Env, sid: str) -> None:
 
 async def test_a_recovery_taken_then_lost_is_asked_for_again(env: Env) -> None:
     sid, index = await env.submit(), env.services.index
-    name = f"session:{sid}"
-    lease = await index.acquire_lease(
-        name=name, owner="dead-host", ttl=timedelta(milliseconds=200), now=env.clock.now()
-    )
-    assert lease is not None
-    await eventually(
-        lambda: index.expired_leases(now=env.clock.now(), limit=10),
-        timeout_s=10,
-        what="the lease expired on the server's clock",
-    )
+    await held_by_a_dead_holder(env, sid)
     lost = Lost()
     await sweeper(env, lost).sweep_once()
     assert (sid, Reason.RECOVER) in lost.requests
@@ -268,16 +266,7 @@ async def test_a_holder_that_died_after_its_commit_leaves_the_registry_right(
     await index.record_session(
         tenant="acme", session_id=sid, state=SessionState.RUNNING, generation=snap.generation - 1
     )
-    lease = await index.acquire_lease(
-        name=f"session:{sid}", owner="dead-host", ttl=timedelta(milliseconds=200),
-        now=env.clock.now(),
-    )  # fmt: skip
-    assert lease is not None
-    await eventually(
-        lambda: index.expired_leases(now=env.clock.now(), limit=10),
-        timeout_s=10,
-        what="the lease expired on the server's clock",
-    )
+    await held_by_a_dead_holder(env, sid)
     await env.control.activate(sid, reason=Reason.RECOVER)
     assert await index.session_states([sid]) == {sid: SessionState.SUSPENDED}
 
