@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import eventually
-from tests.support.harness import Env, local_env
+from tests.support.harness import Env, held_by_a_dead_holder, local_env
 from tests.support.receiver import Receiver
 from torpor.auth import new_api_key
 from torpor.deliveries import DeliveryStatus
@@ -144,23 +143,6 @@ async def test_a_retry_the_session_asks_for_meanwhile_is_kept(env: Env) -> None:
     await index.schedule(kind=TimerKind.RETRY, member="s_x", at=env.clock.now())
     await sweeper(env, AsksAgain()).sweep_once()
     assert await due(env, TimerKind.RETRY, timedelta(seconds=100)) == ["s_x"]
-
-
-async def held_by_a_dead_holder(env: Env, sid: str) -> None:
-    """The session's lease, taken by a holder that died: it expires unreleased, by the
-    Redis server's clock (leases follow it, not the caller's), so this waits for that
-    clock rather than advance ours."""
-    index = env.services.index
-    lease = await index.acquire_lease(
-        name=f"session:{sid}", owner="dead-host", ttl=timedelta(milliseconds=200),
-        now=env.clock.now(),
-    )  # fmt: skip
-    assert lease is not None
-    await eventually(
-        lambda: index.expired_leases(now=env.clock.now(), limit=10),
-        timeout_s=10,
-        what="the lease expired on the server's clock",
-    )
 
 
 # -- lease entries ----------------------------------------------------------------------

@@ -4,7 +4,6 @@ ever, and the net must not cost what a lease taken over is meant to repair."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +20,7 @@ from tests.conftest import eventually
 from tests.runtime.memory_env import memory_env, plan_agent, reset
 from tests.runtime.test_agent_backend_errors import AGENTS as FLAKY
 from tests.runtime.test_agent_backend_errors import FlakyBackend
-from tests.support.harness import local_env
+from tests.support.harness import held_by_a_dead_holder, local_env
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
 from torpor.errors import StorageUnavailable
 from torpor.lifecycle import SessionState
@@ -104,18 +103,7 @@ async def test_a_takeover_that_failed_before_its_record_leaves_the_next_one_to_m
             state=SessionState.RUNNING,
             generation=snap.generation - 1,
         )
-        lease = await index.acquire_lease(
-            name=f"session:{sid}",
-            owner="dead-host",
-            ttl=timedelta(milliseconds=200),
-            now=env.clock.now(),
-        )
-        assert lease is not None
-        await eventually(
-            lambda: index.expired_leases(now=env.clock.now(), limit=10),
-            timeout_s=10,
-            what="the lease expired on the server's clock",
-        )
+        await held_by_a_dead_holder(env, sid)
         snapshots = env.services.snapshots
         real = snapshots.load
         calls = 0
@@ -133,12 +121,14 @@ async def test_a_takeover_that_failed_before_its_record_leaves_the_next_one_to_m
             with pytest.raises(StorageUnavailable):
                 await runtime.activate(sid, reason=Reason.RECOVER)
         # Its retry (or, were the lease left to expire, the recovery) comes round.
-        for _ in range(100):
-            result = await runtime.activate(sid, reason=Reason.RETRY)
-            if result.outcome is not ActivationOutcome.BUSY:
-                break
-            await asyncio.sleep(0.1)
-        assert result.outcome is ActivationOutcome.RAN
+        outcomes: list[ActivationOutcome] = []
+
+        async def taken() -> bool:
+            outcomes.append((await runtime.activate(sid, reason=Reason.RETRY)).outcome)
+            return outcomes[-1] is not ActivationOutcome.BUSY
+
+        await eventually(taken, timeout_s=10, interval_s=0.1, what="the lease came free")
+        assert outcomes[-1] is ActivationOutcome.RAN
         assert await index.session_states([sid]) == {sid: SessionState.SUSPENDED}
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from actors.wiring import open_services, session_runtime
+from tests.conftest import eventually
 from tests.support.tools import World, agent_config
 from torpor.clock import ManualClock
 from torpor.events import EventKind, InboxEvent
@@ -123,6 +124,23 @@ class Env:
                 data=data,
             )
         )
+
+
+async def held_by_a_dead_holder(env: Env, sid: str) -> None:
+    """The session's lease, taken by a holder that died: it expires unreleased, by the
+    Redis server's clock (leases follow it, not the caller's), so this waits for that
+    clock rather than advance ours."""
+    index = env.services.index
+    lease = await index.acquire_lease(
+        name=f"session:{sid}", owner="dead-host", ttl=timedelta(milliseconds=200),
+        now=env.clock.now(),
+    )  # fmt: skip
+    assert lease is not None
+    await eventually(
+        lambda: index.expired_leases(now=env.clock.now(), limit=10),
+        timeout_s=10,
+        what="the lease expired on the server's clock",
+    )
 
 
 @asynccontextmanager
