@@ -106,10 +106,15 @@ async def reach(env: RayEnv, sid: str, state: SessionState) -> None:
 
 
 async def exited(handle: Any) -> bool:
+    """Whether the actor is gone. A call to one that is exiting can go unanswered (it
+    hung a CI run until pytest's 300 s timeout): asked with a deadline, and silence is
+    "not yet", so the caller's ``eventually`` asks again and its own deadline bounds it."""
     try:
-        await handle.where.remote()
+        await asyncio.wait_for(handle.where.remote(), timeout=5)
     except RayActorError:
         return True
+    except TimeoutError:
+        return False
     return False
 
 
