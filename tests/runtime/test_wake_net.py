@@ -169,3 +169,31 @@ async def test_a_cancel_that_came_while_the_activation_failed_is_not_held_back()
         env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
         await sweep.sweep_once()
         assert (await env.load(sid)).state is SessionState.CANCELLED
+
+
+async def test_a_takeover_left_to_a_newer_torpor_is_told_to_it() -> None:
+    """A newer torpor's holder died holding the lease (perhaps between its commit and
+    the registry's record). An older one took the lease over, could not read the
+    snapshot to record its state, and released the lease: the newer holder that came
+    next took a released lease, was told nothing, and the registry kept the dead
+    holder's old state until the hourly full repair. Such a lease is now kept until it
+    expires, as for any takeover whose record was not made."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        newer = (await env.load(sid)).model_copy(update={"schema_version": SCHEMA_VERSION + 1})
+        await env.services.store.put(keys.snapshot(sid), SnapshotCodec().encode(newer))
+        index, ttl = env.services.index, env.services.config.lease_ttl
+        dead = await index.acquire_lease(
+            name=f"session:{sid}", owner="newer-host", ttl=ttl, now=env.clock.now()
+        )
+        assert dead is not None
+        env.clock.advance(ttl.total_seconds() + 1)  # it died: its lease expired unreleased
+        result = await env.runtime.activate(sid, reason=Reason.RECOVER)
+        assert result.outcome is ActivationOutcome.STOPPED
+        env.clock.advance(ttl.total_seconds() + 1)
+        after = await index.acquire_lease(
+            name=f"session:{sid}", owner="newer-host-2", ttl=ttl, now=env.clock.now()
+        )
+        assert after is not None
+        assert after.taken_over, "the newer holder after the old one was not told"

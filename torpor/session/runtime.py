@@ -178,7 +178,9 @@ class SessionRuntime:
                     await self.deps.index.unschedule(kind=kind, member=session_id)
                 return ActivationResult(session_id, ActivationOutcome.MISSING), None
             except SnapshotSchemaTooNew as exc:
-                release = True
+                # Not recorded (nothing here reads its state): a lease taken over is kept
+                # until it expires, so the newer torpor that takes it next is told.
+                release = recorded
                 return await self._leave_to_newer(session_id, exc), None
             except SnapshotCorrupt as exc:
                 release = True
