@@ -226,6 +226,11 @@ def request(
         try:
             with _open(method, url, body, headers, timeout_s, deadline, connect_to) as response:
                 data = _read(response, max_body_bytes) if max_body_bytes > 0 else b""
+                if max_body_bytes > 0 and deadline.expired:
+                    # A body with no length ends where the connection does, and the cut
+                    # socket reads as that end: what came so far is no complete answer.
+                    # (Unread, the body cannot be short: a status read in time stands.)
+                    raise TimeoutError(f"no complete answer within {timeout_s:g} s")
                 found = {k.lower(): v for k, v in (response.headers or {}).items()}
                 return Response(int(response.status or response.code), data, found)
         except (OSError, http.client.HTTPException) as exc:

@@ -4,6 +4,8 @@ It speaks raw bytes over a real socket so it can misbehave the ways a real serve
 
 * ``/garbage``: answers a status line that is not HTTP at all;
 * ``/drip``: answers one byte every ``drip_every_s`` seconds, for minutes (until closed);
+* ``/drip-body``: answers its status and headers at once, then a body with no length
+  (it ends where the connection does) one byte every ``drip_every_s`` seconds;
 * ``/redirect-local`` and ``/redirect-metadata``: a 302 to ``127.0.0.1`` (this very server's
   ``/internal``, so following it would show up in ``hits``) or to the cloud metadata
   address ``169.254.169.254``;
@@ -84,13 +86,10 @@ class HostileServer:
         elif path == "/drip":
             # A long header: dripped, it would take minutes to finish.
             answer = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 4096 + b"\r\nContent-Length: 0\r\n\r\n"
-            for byte in answer:
-                if self.closed.wait(self.drip_every_s):
-                    return
-                try:
-                    sock.sendall(bytes([byte]))
-                except OSError:
-                    return
+            self._drip(sock, answer)
+        elif path == "/drip-body":
+            sock.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+            self._drip(sock, b'{"answer": "' + b"a" * 4096 + b'"}')
         elif path == "/redirect-local":
             self._status(sock, "302 Found", f"Location: {self.base}/internal\r\n")
         elif path == "/redirect-metadata":
@@ -101,6 +100,15 @@ class HostileServer:
             self._status(sock, "200 OK")
         else:
             self._status(sock, "200 OK")
+
+    def _drip(self, sock: socket.socket, data: bytes) -> None:
+        for byte in data:
+            if self.closed.wait(self.drip_every_s):
+                return
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                return
 
     @staticmethod
     def _status(sock: socket.socket, status: str, headers: str = "") -> None:

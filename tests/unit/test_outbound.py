@@ -131,6 +131,15 @@ async def test_a_dripping_server_cuts_the_async_form_too(hostile: HostileServer)
     assert time.monotonic() - started < 4.0
 
 
+def test_a_body_cut_at_the_deadline_is_a_timeout_not_a_short_answer(
+    hostile: HostileServer,
+) -> None:
+    """A body with no Content-Length ends where the connection does, and the deadline's
+    cut of the socket reads as that end: the bytes read so far came back as a whole 200."""
+    with pytest.raises(TimeoutError):
+        request("GET", hostile.url("/drip-body"), timeout_s=1.0)
+
+
 def test_a_garbage_status_line_is_a_protocol_error(hostile: HostileServer) -> None:
     with pytest.raises(http.client.HTTPException):
         request("POST", hostile.url("/garbage"), body=b"{}", timeout_s=5)
