@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from asyncio import FIRST_COMPLETED
 from collections.abc import Callable, Sequence
@@ -38,7 +39,16 @@ _V4_TRANSLATED = ipaddress.ip_network("::ffff:0:0:0/96")  # SIIT (RFC 2765): ::f
 _NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 
 
+# What http.client refuses in a request target (it raises rather than send it).
+_UNSENDABLE = re.compile(r"[\x00-\x20\x7f]")
+
+
 def check_url_shape(url: str) -> tuple[str, int]:
+    # Looked for in the URL as given: urlsplit drops tabs and line feeds unseen. Such a
+    # URL (or a non-ASCII path or query) passed here and failed every attempt to send to
+    # it, for a day, into a dead letter. A non-ASCII host is fine (IDNA-encoded).
+    if _UNSENDABLE.search(url):
+        raise UnsafeUrl("callback_url must not contain spaces or control characters")
     try:  # a bracketed host that is no IPv6 address, a netloc that NFKC changes...
         parts = urlsplit(url)
         host = parts.hostname
@@ -46,6 +56,8 @@ def check_url_shape(url: str) -> tuple[str, int]:
         raise UnsafeUrl("callback_url is not a valid URL") from exc
     if parts.scheme not in {"http", "https"} or not host:
         raise UnsafeUrl("callback_url must be an absolute http(s) URL")
+    if not (parts.path + parts.query).isascii():
+        raise UnsafeUrl("callback_url path and query must be ASCII (percent-encoded)")
     if parts.username or parts.password:
         raise UnsafeUrl("callback_url must not carry credentials")
     try:

@@ -159,6 +159,18 @@ async def test_private_callback_urls_are_refused_unless_allowed(
                 await env.submit(doc="PR-X", callback_url=url)
 
 
+@pytest.mark.parametrize("path", ["/a b", "/a\tb", "/a\x7fb", "/caf\u00e9", "/x?q=\u00e9"])
+async def test_a_callback_url_no_request_can_carry_is_refused_at_submit(
+    tmp_path: Path, redis_url: str, redis_prefix: str, hook: Receiver, path: str
+) -> None:
+    """http.client sends no request target holding a space, a control character or a
+    non-ASCII one (and urlsplit drops a tab unseen, so the check passed it): accepted
+    with a 202, such a URL failed every attempt for a day and ended a dead letter."""
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        with pytest.raises(UnsafeUrl):
+            await env.submit(doc="PR-X", callback_url=hook.url + path)
+
+
 async def test_suspend_and_resume_can_be_notified_too(
     tmp_path: Path, redis_url: str, redis_prefix: str, hook: Receiver
 ) -> None:
