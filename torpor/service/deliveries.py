@@ -40,6 +40,7 @@ from torpor.errors import (
     ResponseTooLarge,
     UnsafeUrl,
 )
+from torpor.faults import CrashPoint, crash_point
 from torpor.models import OutboxEntry, SessionSnapshot
 from torpor.notify import MAX_RETRY_AFTER_S, RETRY_BACKOFF, endpoint_secret, payload
 from torpor.outbound import Response, request_async, retry_after_s
@@ -391,8 +392,13 @@ class DeliveryWorker:
                 update={"status": DeliveryStatus.PENDING, "attempts": 0, "next_attempt_at": now}
             )
 
+        # The timer before the change: set after it only, a crash or an index error in
+        # between left a pending delivery that no timer brought, and that a second resend
+        # refused (it is pending). A timer that fires first finds it dead: nothing sent.
+        member = timer_member(tenant, delivery_id)
+        await self.services.index.schedule(kind=TimerKind.DELIVER, member=member, at=now)
         updated = await self.deliveries.update(tenant, delivery_id, change)
-        await self.services.index.schedule(
-            kind=TimerKind.DELIVER, member=timer_member(tenant, delivery_id), at=now
-        )
+        crash_point(CrashPoint.DELIVERY_RESENT)
+        # Again: an attempt that took the first timer before the change removed it.
+        await self.services.index.schedule(kind=TimerKind.DELIVER, member=member, at=now)
         return updated
