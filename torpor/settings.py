@@ -35,6 +35,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import (
     BaseSettings,
@@ -83,7 +84,9 @@ class Placement(StrEnum):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No NaN or infinity anywhere: NaN compares false both ways (a deadline never due, a
+    # window never closed) and an infinite duration overflows the first timedelta.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class AgentConfig(_Section):
@@ -102,7 +105,7 @@ class AgentConfig(_Section):
     placement: Placement = Field(
         Placement.DEDICATED, description="`dedicated` (one actor per session) or `pooled`"
     )
-    max_tool_retries: int = Field(3, description="attempts of a failing sync tool call")
+    max_tool_retries: int = Field(3, ge=0, description="attempts of a failing sync tool call")
     answer_sources: dict[str, list[str]] = Field(
         default_factory=dict,
         description="webhook sources that may answer each long-running tool's waits, by tool",
@@ -144,7 +147,7 @@ class SourceConfig(_Section):
         default_factory=list, description="origins allowed by the CloudEvents OPTIONS handshake"
     )
     allowed_rate: int | None = Field(
-        None, description="`WebHook-Allowed-Rate` in the handshake (`*` if unset)"
+        None, ge=1, description="`WebHook-Allowed-Rate` in the handshake (`*` if unset)"
     )
     receives_result: bool = Field(
         False, description="late and duplicate answers carry the session's result, not only state"
@@ -243,16 +246,18 @@ class StorageSettings(_Section):
     )
     s3: S3Settings = Field(default_factory=S3Settings, description="S3 client options")
     redis_prefix: str = Field("tp:", description="Redis key prefix (a `{tag}` on Redis Cluster)")
-    index_buckets: int = Field(512, description="hash buckets of the wait index; raise past ~60k")
-    index_deadline_shards: int = Field(128, description="shards of the SLA deadline set")
+    index_buckets: int = Field(
+        512, ge=1, description="hash buckets of the wait index; raise past ~60k"
+    )
+    index_deadline_shards: int = Field(128, ge=1, description="shards of the SLA deadline set")
     binding_grace_s: float = Field(
-        7 * 24 * 3600, description="index entries outlive their deadline by this much"
+        7 * 24 * 3600, ge=0, description="index entries outlive their deadline by this much"
     )
     retention_s: float = Field(
         30 * 24 * 3600,
         description="ended sessions and all their records are deleted this long after they end",
     )
-    retention_per_sweep: int = Field(100, description="sessions one sweep deletes at most")
+    retention_per_sweep: int = Field(100, ge=1, description="sessions one sweep deletes at most")
 
     @field_validator("retention_s")
     @classmethod
@@ -267,7 +272,7 @@ class LeaseSettings(_Section):
     """The single-writer lease a running activation holds."""
 
     ttl_s: float = Field(45.0, description="lease lifetime (three missed heartbeats)")
-    heartbeat_s: float = Field(15.0, description="lease renewal period")
+    heartbeat_s: float = Field(15.0, gt=0, description="lease renewal period")
 
     @field_validator("ttl_s")
     @classmethod
@@ -276,18 +281,40 @@ class LeaseSettings(_Section):
             raise ValueError("ttl_s must be positive")
         return value
 
+    @model_validator(mode="after")
+    def _heartbeat_renews_in_time(self) -> LeaseSettings:
+        # Renewed no sooner than it expires, a lease lapsed between two heartbeats: every
+        # activation longer than the TTL lost it to the reconciler's recovery, again and
+        # again (LEASE_LOST), while it still ran.
+        if self.heartbeat_s >= self.ttl_s:
+            raise ValueError(
+                f"heartbeat_s ({self.heartbeat_s:g}) must be shorter than ttl_s "
+                f"({self.ttl_s:g}): a lease would lapse between its renewals"
+            )
+        return self
+
 
 class ReconcilerSettings(_Section):
     """The detached sweeper: timeouts, polls, lost leases, repairs."""
 
-    interval_s: float = Field(5.0, description="sweep period")
-    poll_backoff_base_s: float = Field(60.0, description="first poll of an overdue wait")
-    poll_backoff_cap_s: float = Field(6 * 3600.0, description="longest gap between polls")
-    wake_grace_s: float = Field(30.0, description="an event with no activation after this wakes")
-    full_repair_interval_s: float = Field(3600.0, description="index rebuild from object storage")
-    deadline_interval_s: float = Field(
-        0.25, description="due SLA deadlines are also looked up this often between sweeps"
+    # Positive: at 0 or less a loop that sleeps for it spins, and a backoff never grows.
+    interval_s: float = Field(5.0, gt=0, description="sweep period")
+    poll_backoff_base_s: float = Field(60.0, gt=0, description="first poll of an overdue wait")
+    poll_backoff_cap_s: float = Field(6 * 3600.0, gt=0, description="longest gap between polls")
+    wake_grace_s: float = Field(
+        30.0, gt=0, description="an event with no activation after this wakes"
     )
+    full_repair_interval_s: float = Field(
+        3600.0, gt=0, description="index rebuild from object storage"
+    )
+    deadline_interval_s: float = Field(
+        0.25, gt=0, description="due SLA deadlines are also looked up this often between sweeps"
+    )
+
+    @model_validator(mode="after")
+    def _cap_is_not_below_base(self) -> ReconcilerSettings:
+        _ordered(self.poll_backoff_base_s, self.poll_backoff_cap_s, "poll_backoff")
+        return self
 
 
 class NotificationSettings(_Section):
@@ -297,7 +324,8 @@ class NotificationSettings(_Section):
     on: list[str] = Field(
         default_factory=lambda: ["terminal"], description="`terminal`, `suspended`, `resumed`"
     )
-    timeout_s: float = Field(15.0, description="deadline of one delivery attempt")
+    # Positive: at 0 every attempt timed out, and every delivery ended a dead letter.
+    timeout_s: float = Field(15.0, gt=0, description="deadline of one delivery attempt")
     allow_private_callbacks: bool = Field(
         False, description="permit private/loopback callback URLs (SSRF guard off)"
     )
@@ -310,14 +338,16 @@ class SecuritySettings(_Section):
         default_factory=list,
         description="sign capability links; the first signs, all verify; 16 bytes at least",
     )
-    max_request_bytes: int = Field(1024 * 1024, description="larger API bodies are refused")
+    max_request_bytes: int = Field(1024 * 1024, gt=0, description="larger API bodies are refused")
 
     audit_key: SecretStr | None = Field(
         None,
         description="signs the audit log's checkpoints (HMAC-SHA256); without it they are unsigned",
     )
     max_streams_per_tenant: int = Field(
-        16, description="event streams (SSE) one tenant may hold open on one replica; then 429"
+        16,
+        ge=0,
+        description="event streams (SSE) one tenant may hold open on one replica; then 429",
     )
     inline_secrets_in_ray: bool = Field(
         False,
@@ -356,18 +386,26 @@ class RuntimeSettings(_Section):
     """Deadlines and retries of the session core."""
 
     tool_timeout_s: float = Field(
-        60.0, description="deadline of a tool call (a tool's `timeout_s` wins)"
+        60.0, gt=0, description="deadline of a tool call (a tool's `timeout_s` wins)"
     )
-    agent_step_timeout_s: float = Field(300.0, description="deadline of one agent step")
+    agent_step_timeout_s: float = Field(300.0, gt=0, description="deadline of one agent step")
     activation_max_s: float = Field(
-        900.0, description="wall-time cap of one activation; past it the session is retried later"
+        900.0,
+        gt=0,
+        description="wall-time cap of one activation; past it the session is retried later",
     )
-    retry_backoff_base_s: float = Field(2.0, description="first retry delay of the session core")
+    retry_backoff_base_s: float = Field(
+        2.0, gt=0, description="first retry delay of the session core"
+    )
     retry_backoff_cap_s: float = Field(
-        600.0, description="longest retry delay; `max_tool_retries` per agent, then QUARANTINED"
+        600.0,
+        gt=0,
+        description="longest retry delay; `max_tool_retries` per agent, then QUARANTINED",
     )
     max_live_session_actors: int = Field(
-        256, description="dedicated session actors one activator keeps alive; more wait as timers"
+        256,
+        ge=1,
+        description="dedicated session actors one activator keeps alive; more wait as timers",
     )
     otlp_endpoint: str | None = Field(
         None,
@@ -381,6 +419,7 @@ class RuntimeSettings(_Section):
     )
     standby_session_actors: int = Field(
         0,
+        ge=0,
         description="pre-started dedicated session actors one activator keeps ready to adopt "
         "a session (0: start one per activation)",
     )
@@ -391,6 +430,17 @@ class RuntimeSettings(_Section):
         "kept it (every quarter of it while the activator lives), unless it was adopted; "
         "0: never",
     )
+
+    @model_validator(mode="after")
+    def _cap_is_not_below_base(self) -> RuntimeSettings:
+        _ordered(self.retry_backoff_base_s, self.retry_backoff_cap_s, "retry_backoff")
+        return self
+
+
+def _ordered(base: float, cap: float, name: str) -> None:
+    # A cap below the base contradicts it: every delay was the cap, shorter than the first.
+    if cap < base:
+        raise ValueError(f"{name}_cap_s ({cap:g}) must not be below {name}_base_s ({base:g})")
 
 
 class BatchSettings(_Section):
@@ -413,8 +463,8 @@ class BatchSettings(_Section):
 class PoolSettings(_Section):
     """The `pooled` placement's long-lived host actors."""
 
-    size: int = Field(2, description="pooled host actors")
-    max_concurrency: int = Field(64, description="activations one host runs at once")
+    size: int = Field(2, ge=1, description="pooled host actors")
+    max_concurrency: int = Field(64, ge=1, description="activations one host runs at once")
 
 
 @dataclass(frozen=True)
@@ -440,7 +490,7 @@ class Settings(BaseSettings):
         "http://127.0.0.1:8000", description="where webhook senders reach this deployment"
     )
     max_inflight_activations: int = Field(
-        256, description="per ingress replica; beyond it the reconciler activates"
+        256, ge=0, description="per ingress replica; beyond it the reconciler activates"
     )
     agents: dict[str, AgentConfig] = Field(default_factory=dict, description="agents by name")
     sources: dict[str, SourceConfig] = Field(
