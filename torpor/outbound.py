@@ -13,9 +13,10 @@ shuts the connection's socket down when it passes, so a server that drips one by
 few seconds is cut at the deadline (``TimeoutError``) instead of holding the caller and
 its worker thread for as long as it likes.
 
-``connect_to`` pins the connection to an address vetted beforehand (``torpor.ssrf``):
-the socket dials that address instead of resolving the URL's host again, while the
-``Host`` header, TLS SNI and the certificate check keep the URL's host name.
+``connect_to`` pins the connection to addresses vetted beforehand (``torpor.ssrf``):
+the socket dials those (the next when one fails) instead of resolving the URL's host
+again, while the ``Host`` header, TLS SNI and the certificate check keep the URL's host
+name.
 
 ``retry_after_s`` reads a ``Retry-After`` header in both of its forms.
 """
@@ -43,6 +44,9 @@ from torpor.errors import ResponseTooLarge, UnsafeUrl
 from torpor.threads import ProcessPool
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+# Where a pinned request connects (``connect_to``): one vetted address, or several tried
+# in order (``torpor.ssrf.vet_callback_url``).
+Pinned = str | tuple[str, ...]
 
 
 class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
@@ -109,7 +113,7 @@ class _Deadline:
 
 
 def _deadline_connection(
-    base: type[http.client.HTTPConnection], deadline: _Deadline, connect_to: str | None
+    base: type[http.client.HTTPConnection], deadline: _Deadline, connect_to: Pinned | None
 ) -> type[http.client.HTTPConnection]:
     class Connection(base):  # type: ignore[valid-type, misc]
         def connect(self) -> None:
@@ -126,16 +130,24 @@ def _deadline_connection(
 
 
 def _dial(
-    address: str,
+    addresses: Pinned,
     host_port: tuple[str, int],
     timeout: float | None = None,
     source_address: tuple[str, int] | None = None,
 ) -> socket.socket:
-    return socket.create_connection((address, host_port[1]), timeout, source_address)
+    """The first of the vetted addresses that answers, in order, as an unpinned
+    ``create_connection`` tries those the name resolves to; the last failure if none."""
+    failure: OSError | None = None
+    for address in (addresses,) if isinstance(addresses, str) else addresses:
+        try:
+            return socket.create_connection((address, host_port[1]), timeout, source_address)
+        except OSError as exc:
+            failure = exc
+    raise failure or OSError("no address to connect to")
 
 
 class _DeadlineHTTP(urllib.request.HTTPHandler):
-    def __init__(self, deadline: _Deadline, connect_to: str | None) -> None:
+    def __init__(self, deadline: _Deadline, connect_to: Pinned | None) -> None:
         super().__init__()
         self._connection = _deadline_connection(http.client.HTTPConnection, deadline, connect_to)
 
@@ -144,7 +156,7 @@ class _DeadlineHTTP(urllib.request.HTTPHandler):
 
 
 class _DeadlineHTTPS(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: _Deadline, connect_to: str | None) -> None:
+    def __init__(self, deadline: _Deadline, connect_to: Pinned | None) -> None:
         super().__init__()
         self._connection = _deadline_connection(http.client.HTTPSConnection, deadline, connect_to)
 
@@ -177,7 +189,7 @@ def _open(
     headers: Mapping[str, str] | None,
     timeout_s: float,
     deadline: _Deadline | None = None,
-    connect_to: str | None = None,
+    connect_to: Pinned | None = None,
 ) -> Any:
     if urlsplit(url).scheme not in ("http", "https"):
         raise UnsafeUrl("only http(s) URLs are called")
@@ -216,12 +228,13 @@ def request(
     headers: Mapping[str, str] | None = None,
     timeout_s: float,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    connect_to: str | None = None,
+    connect_to: Pinned | None = None,
 ) -> Response:
     """One blocking request. ``timeout_s`` is its overall deadline, from connect to the
     last byte read (``TimeoutError`` past it); a body past ``max_body_bytes`` raises
     ``ResponseTooLarge``; ``max_body_bytes=0`` leaves the body unread (the status is all
-    the caller wants); ``connect_to`` dials that address instead of resolving the host."""
+    the caller wants); ``connect_to`` dials that address (those, in order) instead of
+    resolving the host."""
     with _Deadline(timeout_s) as deadline:
         try:
             with _open(method, url, body, headers, timeout_s, deadline, connect_to) as response:
@@ -254,7 +267,7 @@ async def request_async(
     headers: Mapping[str, str] | None = None,
     timeout_s: float,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    connect_to: str | None = None,
+    connect_to: Pinned | None = None,
 ) -> Response:
     """``request`` in an outbound thread. A cancelled caller leaves the thread to finish
     within ``timeout_s`` (the deadline cuts it there)."""

@@ -3,8 +3,8 @@
 A callback URL is chosen by a client; without this check a tenant could make torpor POST
 to the metadata service or an internal admin port. The check runs at submission and
 again at delivery on the addresses the name resolves to then (DNS can change). At
-delivery, ``vet_callback_url`` returns the address it vetted and the request dials that
-address (``torpor.outbound``'s ``connect_to``): resolving the name a second time to
+delivery, ``vet_callback_url`` returns the addresses it vetted and the request dials those
+addresses (``torpor.outbound``'s ``connect_to``): resolving the name a second time to
 connect would let a name with a zero TTL answer a public address to the check and
 127.0.0.1 to the connection (DNS rebinding).
 """
@@ -94,11 +94,14 @@ def is_public(address: str) -> bool:
 
 def vet_callback_url(
     url: str, *, allow_private: bool, resolve: Resolver | None = None
-) -> str | None:
-    """The address to connect to for ``url``: the first it resolves to, once every
-    address it resolves to may be called (``UnsafeUrl`` otherwise). None when private
-    addresses are allowed (nothing to pin). A failed resolution raises ``OSError``
-    (``socket.gaierror``) unchanged: it may pass, so the caller retries it."""
+) -> tuple[str, ...] | None:
+    """The addresses to connect to for ``url``, each once, in the resolver's order, once
+    every address it resolves to may be called (``UnsafeUrl`` otherwise). All of them,
+    not the first: a host with an IPv6 address this machine cannot reach, or a dead one
+    among several, failed every attempt dialled at that one, where an unpinned connection
+    tries the next. None when private addresses are allowed (nothing to pin). A failed
+    resolution raises ``OSError`` (``socket.gaierror``) unchanged: it may pass, so the
+    caller retries it."""
     host, port = check_url_shape(url)
     if allow_private:
         return None
@@ -112,12 +115,12 @@ def vet_callback_url(
     for address in addresses:
         if not is_public(address):
             raise UnsafeUrl("callback_url points to a private or reserved address")
-    return addresses[0]
+    return tuple(dict.fromkeys(addresses))  # one socket type may list an address twice
 
 
 async def vetted_address(
     url: str, *, allow_private: bool, timeout_s: float, resolve: Resolver | None = None
-) -> str | None:
+) -> tuple[str, ...] | None:
     """``vet_callback_url`` in a resolver thread, the resolution within ``timeout_s``: a
     resolver that does not answer is a failed resolution (``OSError``, so retried), not
     a wait without end outside the attempt's deadline. The deadline starts when a thread
@@ -127,7 +130,7 @@ async def vetted_address(
     loop = asyncio.get_running_loop()
     taken = asyncio.Event()
 
-    def resolve_now() -> str | None:
+    def resolve_now() -> tuple[str, ...] | None:
         loop.call_soon_threadsafe(taken.set)
         return vet_callback_url(url, allow_private=allow_private, resolve=resolve)
 

@@ -77,10 +77,23 @@ async def test_a_malformed_url_is_refused_as_unsafe_not_raised_as_a_value_error(
 
 def test_vetting_returns_the_address_it_checked() -> None:
     url = "https://hooks.example/x"
-    assert vet_callback_url(url, allow_private=False, resolve=answering("8.8.8.8")) == "8.8.8.8"
+    assert vet_callback_url(url, allow_private=False, resolve=answering("8.8.8.8")) == ("8.8.8.8",)
     with pytest.raises(UnsafeUrl):
         vet_callback_url(url, allow_private=False, resolve=answering("8.8.8.8", "127.0.0.1"))
     assert vet_callback_url(url, allow_private=True, resolve=answering("127.0.0.1")) is None
+
+
+def test_vetting_returns_every_address_it_checked_in_order() -> None:
+    """A pinned connection dialled the first address only: a host whose first answer
+    this machine cannot reach (an IPv6 address without an IPv6 route, a dead node among
+    several) failed every attempt, where an unpinned one would try the next."""
+    url = "https://hooks.example/x"
+    answers = answering("2001:4860:4860::8888", "8.8.8.8", "8.8.8.8", "1.1.1.1")
+    assert vet_callback_url(url, allow_private=False, resolve=answers) == (
+        "2001:4860:4860::8888",
+        "8.8.8.8",
+        "1.1.1.1",
+    )
 
 
 async def test_a_failed_resolution_is_not_a_policy_refusal() -> None:
@@ -126,6 +139,18 @@ def test_a_pinned_request_dials_the_address_and_keeps_the_host(
     url = f"http://callback.invalid:{port}/ok"
     assert request("GET", url, timeout_s=5, connect_to="127.0.0.1").status == 200
     assert seen == [f"callback.invalid:{port}"]
+
+
+def test_a_pinned_request_tries_the_next_address_when_one_refuses(
+    hosts: tuple[int, list[str]],
+) -> None:
+    port, seen = hosts
+    url = f"http://callback.invalid:{port}/ok"
+    # 127.0.0.2 is loopback too, where nothing listens on this port: refused at once.
+    assert request("GET", url, timeout_s=5, connect_to=("127.0.0.2", "127.0.0.1")).status == 200
+    assert seen == [f"callback.invalid:{port}"]
+    with pytest.raises(OSError, match="refused"):  # none answers: the last failure
+        request("GET", url, timeout_s=5, connect_to=("127.0.0.2", "127.0.0.3"))
 
 
 def test_a_pinned_request_goes_direct_whatever_proxy_the_environment_names(

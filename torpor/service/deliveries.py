@@ -308,13 +308,13 @@ class DeliveryWorker:
     async def _post(self, delivery: Delivery, now: datetime) -> Response:
         settings = self.services.settings
         body = json.dumps(delivery.payload, separators=(",", ":")).encode()
-        # The address vetted here is the one dialled: resolving again to connect would
+        # The addresses vetted here are those dialled: resolving again to connect would
         # let a rebinding name swap in a private address after the check.
         # One deadline for the attempt, the name's resolution included (a resolver that
         # does not answer held the attempt, and a thread, for as long as it liked).
         timeout_s = settings.notifications.timeout_s
         started = time.monotonic()
-        address = await vetted_address(
+        addresses = await vetted_address(
             delivery.url,
             allow_private=settings.notifications.allow_private_callbacks,
             timeout_s=timeout_s,
@@ -338,7 +338,7 @@ class DeliveryWorker:
             headers=headers,
             timeout_s=left_s,
             max_body_bytes=0,
-            connect_to=address,
+            connect_to=addresses,
         )
 
     async def _settle(
