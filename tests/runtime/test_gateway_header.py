@@ -22,13 +22,19 @@ from torpor.webhooks.signing import Scheme, sign
 
 
 def recorded(env: Env, calls: list[str]) -> None:
-    """Note, in order, every snapshot load, header read and inbox write."""
+    """Note, in order, every snapshot load (whole or as stored), header read and inbox
+    write."""
     snapshots, inbox = env.services.snapshots, env.services.inbox
-    load, header, stage = snapshots.load, snapshots.header, inbox.stage
+    load, stored = snapshots.load, snapshots.load_stored
+    header, stage = snapshots.header, inbox.stage
 
     async def loading(session_id: str) -> Any:
         calls.append("load")
         return await load(session_id)
+
+    async def loading_stored(session_id: str) -> Any:
+        calls.append("load")
+        return await stored(session_id)
 
     async def heading(session_id: str) -> Any:
         calls.append("header")
@@ -39,6 +45,7 @@ def recorded(env: Env, calls: list[str]) -> None:
         return await stage(event)
 
     snapshots.load = loading  # type: ignore[method-assign]
+    snapshots.load_stored = loading_stored  # type: ignore[method-assign]
     snapshots.header = heading  # type: ignore[method-assign]
     inbox.stage = delivering  # type: ignore[method-assign]
 

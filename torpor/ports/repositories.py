@@ -29,6 +29,13 @@ class SnapshotRepository(Protocol):
         """Raise ``SessionNotFound`` if there is no such session."""
         ...
 
+    async def load_stored(self, session_id: str) -> SessionSnapshot:
+        """The snapshot as stored: a long session's sealed history (its oldest messages,
+        tool-log entries and processed event ids, in chunks) left out, so one read
+        whatever its age. For reads of its state; never ``save`` it (``load`` for that).
+        Raise ``SessionNotFound`` if there is no such session."""
+        ...
+
     async def load_waiting(self, session_id: str) -> WaitingSession:
         """What repair needs of the session (its waits, outbox and the processed event ids
         held in the snapshot), read without its conversation and tool log. Raise

@@ -275,8 +275,8 @@ class SessionService:
         return now - claimed_at >= SUBMIT_CLAIM_GRACE
 
     async def _created(self, session_id: str) -> SessionSnapshot | None:
-        try:
-            return await self.services.snapshots.load(session_id)
+        try:  # its state and generation only (``get``)
+            return await self.services.snapshots.load_stored(session_id)
         except SessionNotFound:
             return None
 
@@ -301,9 +301,14 @@ class SessionService:
     # -- inspect ----------------------------------------------------------------------
 
     async def get(self, session_id: str, *, tenant: str | None = None) -> SessionSnapshot:
-        """A tenant never sees another tenant's session: it is simply not found."""
+        """A tenant never sees another tenant's session: it is simply not found.
+
+        The snapshot as stored, a long session's sealed history left out: what is shown,
+        waited on and streamed is its state, waits, result and transitions, and reading
+        its chunks made every GET, poll and streamed change of a session 1,000 steps old
+        58 more reads (a lost chunk is found by the activation that loads it whole)."""
         try:
-            snapshot = await self.services.snapshots.load(session_id)
+            snapshot = await self.services.snapshots.load_stored(session_id)
         except InvalidKey:  # not a session id at all: as not found as any other
             raise SessionNotFound(f"no session {session_id[:80]!r}") from None
         except SnapshotCorrupt as exc:
