@@ -206,9 +206,10 @@ class Suspender:
             return None
         # The index may keep a pointer its session never removed (it died between the
         # commit that closed the wait and the unbind): the holder's snapshot decides, and
-        # a pointer to a closed wait is dropped rather than refusing a valid call.
+        # a pointer to a closed wait is dropped rather than refusing a valid call. Its
+        # waits only: the whole holder is all its history, chunk by chunk.
         try:
-            holder = await self.deps.snapshots.load(found.session_id)
+            holder = await self.deps.snapshots.load_waiting(found.session_id)
         except SessionNotFound:
             holder = None
         if holder is None or holder.wait_for(found.correlation_id) is None:
