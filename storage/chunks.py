@@ -117,10 +117,13 @@ async def write(store: ObjectStore, sealed: list[SealedChunk]) -> None:
     await asyncio.gather(*(one(c) for c in sealed))
 
 
-async def restore(store: ObjectStore, stored: SessionSnapshot) -> SessionSnapshot:
-    """The whole snapshot: its chunks' items in front of the stored tails."""
+async def restore(
+    store: ObjectStore, stored: SessionSnapshot, *, kinds: tuple[str, ...] = KINDS
+) -> SessionSnapshot:
+    """The whole snapshot: its chunks' items in front of the stored tails (of ``kinds``
+    only; the others' tails stay as stored)."""
     refs = stored.chunks
-    if not (refs.messages or refs.tool_log or refs.processed_events):
+    if not any(getattr(refs, kind) for kind in kinds):
         return stored  # a young session, or one stored before chunks existed
     gate = asyncio.Semaphore(READ_CONCURRENCY)
     sid = stored.session_id
@@ -137,7 +140,7 @@ async def restore(store: ObjectStore, stored: SessionSnapshot) -> SessionSnapsho
         return _decode(obj.data, digest, size=refs.size, what=key)
 
     update: dict[str, Any] = {}
-    for kind in KINDS:
+    for kind in kinds:
         digests: list[str] = getattr(refs, kind)
         if not digests:
             continue

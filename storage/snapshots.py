@@ -78,6 +78,19 @@ class ObjectSnapshots:
         return first
 
     async def load(self, session_id: str) -> SessionSnapshot:
+        snapshot, etag = await self._restored(session_id, chunks.KINDS)
+        self._remember(session_id, snapshot.generation, etag, snapshot.state)
+        return snapshot
+
+    async def processed_events(self, session_id: str) -> list[str]:
+        """Every event id the session processed, its sealed ones too: only those chunks
+        are read, not its conversation's and tool log's (most of a long session)."""
+        snapshot, _ = await self._restored(session_id, ("processed_events",))
+        return snapshot.processed_events
+
+    async def _restored(
+        self, session_id: str, kinds: tuple[str, ...]
+    ) -> tuple[SessionSnapshot, str]:
         key = keys.snapshot(session_id)
         try:
             obj = await self.store.get(key)
@@ -85,15 +98,13 @@ class ObjectSnapshots:
             raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
         stored = self.codec.decode(obj.data, what=f"snapshot of {session_id}")
         try:
-            snapshot = await chunks.restore(self.store, stored)
+            return await chunks.restore(self.store, stored, kinds=kinds), obj.etag
         except SnapshotCorrupt:
             # Retention deletes the snapshot, then its chunks: read in between, the
             # session is gone, not damaged.
             if not await exists(self.store, key):
                 raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
             raise
-        self._remember(session_id, snapshot.generation, obj.etag, snapshot.state)
-        return snapshot
 
     async def load_waiting(self, session_id: str) -> WaitingSession:
         try:

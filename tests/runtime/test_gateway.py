@@ -13,14 +13,16 @@ from starlette.requests import Request
 from storage import keys
 from storage.audit import ObjectAudit
 from storage.codec import SnapshotCodec
+from tests.storage.test_history_chunks import age
 from tests.support.harness import local_env
 from torpor.entry.http import read_audited_body
 from torpor.errors import UnknownCorrelation, WebhookRejected, WebhookSecretInvalid
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
-from torpor.ports import Observer
+from torpor.ports import Observer, StoredObject
 from torpor.problems import problem_for
 from torpor.service.gateway import WebhookGateway
+from torpor.session.runtime import lease_name
 from torpor.webhooks.signing import Scheme, generate_secret, sign
 
 SECRET = generate_secret(Scheme.TORPOR)
@@ -445,3 +447,55 @@ async def test_two_sources_whose_environment_gives_them_one_secret_accept_nothin
         }
         with pytest.raises(UnknownCorrelation):  # verified, and it names no wait
             await gateway.receive("one", raw, headers, now=env.clock.now())
+
+
+async def test_a_resent_answer_to_a_long_session_reads_only_its_processed_ids(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """A sender's retry of an answer asks whether its session processed the event: the
+    session's processed ids decide, sealed ones too, and its conversation and tool log
+    are not read (58 more chunks for a session 1,000 steps old, at every retry)."""
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit(doc="PR-1")
+        held = await env.services.index.acquire_lease(
+            name=lease_name(sid),
+            owner="someone-else",
+            ttl=timedelta(minutes=1),
+            now=env.clock.now(),
+        )
+        assert held is not None  # busy: the first delivery is stored, not taken
+        snap = await env.load(sid)
+        raw = body(snap.waits[0].correlation_id, "evt-1")
+
+        async def deliver(status: int) -> None:
+            now = env.clock.now()
+            headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
+            result = await gateway.receive("oa", raw, headers, now=now)
+            assert result.status == status and result.body["duplicate"] is (status == 200)
+            env.clock.advance(1)
+
+        await deliver(202)
+        [event] = await env.services.inbox.pending(sid, processed=())
+        # Taken a thousand steps ago (as if): its id is sealed in a chunk.
+        snap = await env.load(sid)
+        snap = await env.services.snapshots.save(
+            snap.model_copy(update={"processed_events": [*snap.processed_events, event.key]}),
+            expected_generation=snap.generation,
+        )
+        aged = await age(env.services.snapshots, snap, 1000)
+        assert aged.chunks.processed_events and event.key not in aged.processed_events[-128:]
+        store, read = env.services.store, []
+        original = store.get
+
+        async def get(key: str, *, max_bytes: int | None = None) -> StoredObject:
+            read.append(key)
+            return await original(key, max_bytes=max_bytes)
+
+        store.get = get  # type: ignore[method-assign]
+        woken = env.control.activate_for_event
+        env.control.activate_for_event = lambda session_id: pytest.fail("processed: not woken")  # type: ignore[method-assign]
+        await deliver(200)
+        env.control.activate_for_event = woken  # type: ignore[method-assign]
+        chunks = [k.removeprefix(keys.chunk_prefix(sid)) for k in read if "chunks/" in k]
+        assert chunks and all(k.startswith("processed_events/") for k in chunks)

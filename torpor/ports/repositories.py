@@ -36,6 +36,12 @@ class SnapshotRepository(Protocol):
         Raise ``SessionNotFound`` if there is no such session."""
         ...
 
+    async def processed_events(self, session_id: str) -> list[str]:
+        """Every event id the session processed (the sealed ones too), read without its
+        conversation and tool log. Raise ``SessionNotFound`` if there is no such
+        session, ``SnapshotCorrupt`` if they cannot be read."""
+        ...
+
     async def load_waiting(self, session_id: str) -> WaitingSession:
         """What repair needs of the session (its waits, outbox and the processed event ids
         held in the snapshot), read without its conversation and tool log. Raise

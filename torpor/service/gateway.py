@@ -534,8 +534,8 @@ class WebhookGateway:
     async def _wake_if_pending(self, session_id: str, key: str) -> None:
         """A redelivered event the session has not processed yet: its first delivery may
         have died between the inbox write and the wake timer, so arm it (again)."""
-        try:
-            snapshot = await self.services.snapshots.load(session_id)
+        try:  # its processed ids only: the whole session is all its history
+            processed = await self.services.snapshots.processed_events(session_id)
         except SnapshotCorrupt:
             # Set aside, or about to be: the event is stored all the same, and an
             # activation is what quarantines the session (again) or, once an operator
@@ -543,7 +543,7 @@ class WebhookGateway:
             # at every retry of an event it already delivered.
             await self._wake(session_id)
             return
-        if key not in snapshot.processed_events:
+        if key not in processed:
             await self._wake(session_id)
 
     async def _answer(

@@ -215,7 +215,7 @@ class IndexRepair:
             return True
         processed = snapshot.processed_events
         if snapshot.chunks.processed_events:  # a long session's older ids, sealed apart
-            processed = (await self.services.snapshots.load(snapshot.session_id)).processed_events
+            processed = await self.services.snapshots.processed_events(snapshot.session_id)
         pending = await self.services.inbox.pending(snapshot.session_id, processed=set(processed))
         return bool(pending)
 
