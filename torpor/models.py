@@ -335,7 +335,9 @@ class HistoryChunks(_Model):
     bounded. A snapshot stored before chunks existed has none, which is this default.
     """
 
-    size: int = 64
+    # Positive: ``seal`` steps through each list this many items at a time, and at 0 or
+    # less it looped for ever (a damaged snapshot is refused on load instead).
+    size: int = Field(64, ge=1)
     messages: list[str] = Field(default_factory=list)
     tool_log: list[str] = Field(default_factory=list)
     processed_events: list[str] = Field(default_factory=list)

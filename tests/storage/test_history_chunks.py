@@ -217,3 +217,20 @@ async def test_a_snapshot_stored_before_chunks_existed_loads() -> None:
     aged = await age(snapshots, loaded, 100)  # and keeps working, now in chunks
     assert await ObjectSnapshots(store).load(old.session_id) == aged
     assert SnapshotCodec().decode(data + zlib.compress(json.dumps(document).encode())) == old
+
+
+@pytest.mark.parametrize("size", [0, -64])
+async def test_a_snapshot_whose_chunk_size_is_not_positive_is_corrupt_not_a_hang(
+    size: int,
+) -> None:
+    """``seal`` steps through a list ``size`` items at a time: a stored size of 0 or less
+    (a damaged snapshot that still passes its checksum, or one written by hand) looped
+    for ever in the first commit after the load, holding the lease by its heartbeat."""
+    store = MemoryObjectStore()
+    snapshots = ObjectSnapshots(store)
+    snap = await snapshots.create(snapshot())
+    chunks = snap.chunks.model_copy(update={"size": size})  # unchecked, as damage is
+    bad = snap.model_copy(update={"chunks": chunks})
+    await store.put(keys.snapshot(snap.session_id), SnapshotCodec().encode(bad))
+    with pytest.raises(SnapshotCorrupt):
+        await ObjectSnapshots(store).load(snap.session_id)
