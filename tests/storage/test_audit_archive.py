@@ -12,7 +12,7 @@ from storage.audit import ObjectAudit
 from storage.local_store import LocalObjectStore
 from storage.retention import ObjectRetention
 from tests.storage.test_audit import fields
-from torpor.ports import ObjectStore, StoredObject
+from torpor.ports import ListPage, ObjectStore, StoredObject
 
 BLOCKS = 24
 
@@ -172,3 +172,49 @@ async def test_an_overlapping_archive_that_disagrees_shows(store: ObjectStore) -
     )
     check = await log.verify()
     assert not check.ok and "disagree" in check.why
+
+
+class CompactsDuringListing(LocalObjectStore):
+    """Runs a whole compaction of ``stream`` right after the first listing of ``prefix``
+    is taken: a reconciler compacting while an operator verifies or reads the stream."""
+
+    def __init__(self, root: object, stream: str, prefix: str) -> None:
+        from pathlib import Path
+
+        super().__init__(Path(str(root)))
+        self.stream, self.prefix, self.armed = stream, prefix, False
+
+    async def list(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        page = await super().list(prefix, start_after=start_after, limit=limit)
+        if self.armed and prefix == self.prefix:
+            self.armed = False
+            assert await audit_archive.compact(self, self.stream) > 0
+        return page
+
+
+@pytest.mark.parametrize("between", ["archives", "blocks"])
+async def test_a_compaction_during_a_verify_is_no_broken_chain(
+    tmp_path: object, between: str
+) -> None:
+    """The verifier listed the archives (or the blocks), then a compaction archived and
+    deleted blocks: the chain is intact and must verify, not show a gap or fail."""
+    prefix = (
+        audit_archive.archives_prefix("wv") if between == "archives" else keys.audit_prefix("wv")
+    )
+    store = CompactsDuringListing(tmp_path, "wv", prefix)
+    log = await written(store, "wv")
+    store.armed = True
+    check = await log.verify()
+    assert not store.armed  # the compaction ran mid-verify
+    assert check.ok and check.records == BLOCKS, check.why
+
+
+async def test_the_recent_records_are_read_while_a_compaction_runs(tmp_path: object) -> None:
+    store = CompactsDuringListing(tmp_path, "wr", keys.audit_prefix("wr"))
+    log = await written(store, "wr")
+    store.armed = True
+    records = await log.recent(blocks=8)
+    assert not store.armed
+    assert [r.seq for r in records] == list(range(BLOCKS - 3, BLOCKS + 1))
