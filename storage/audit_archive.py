@@ -93,11 +93,19 @@ async def compact(store: ObjectStore, stream: str) -> int:
     after one that was there (or at block 1), so together they never leave a gap."""
     done = await archives(store, stream)
     archived = max((a.last for a in done), default=0)
-    # Finish an interrupted compaction: blocks an archive already holds go first.
-    for key in await all_keys(store, keys.audit_prefix(stream)):
-        if int(key.rsplit("/", 1)[-1]) > archived:
+    # Finish an interrupted compaction: blocks an archive already holds go first. They
+    # sort first, so a page at a time up to the first block past them: listed whole, a
+    # stream far behind (a busy writer, one from before archives) cost every visit a
+    # listing of its whole backlog while each archived one run of it.
+    token: str | None = None
+    while archived:
+        page = await store.list(keys.audit_prefix(stream), start_after=token, limit=MAX_BLOCKS)
+        held = [k for k in page.keys if int(k.rsplit("/", 1)[-1]) <= archived]
+        for key in held:
+            await store.delete(key)
+        if len(held) < len(page.keys) or page.next_token is None:
             break
-        await store.delete(key)
+        token = page.next_token
     page = await store.list(
         keys.audit_prefix(stream),
         start_after=keys.audit_record(stream, archived) if archived else None,
