@@ -36,7 +36,7 @@ def parquet(lines: list[ResultLine]) -> bytes:
             "index": [line.index for line in lines],
             "document_id": [line.document_id for line in lines],
             "session_id": [line.session_id for line in lines],
-            "state": [line.state.value for line in lines],
+            "state": [line.state.value if line.state else None for line in lines],
             "result": [None if line.result is None else json.dumps(line.result) for line in lines],
             "error": [line.error for line in lines],
         },

@@ -137,6 +137,7 @@ class BatchOut(BaseModel):
     cancelled: bool = False
     eta_s: float | None = None  # at the rate so far; None until a first document ended
     admission: BatchAdmission | None = None  # None where caps are off (embedded SQLite)
+    purged: int = 0  # documents whose ended session retention deleted (done, not by_state)
 
 
 class ApprovalReassign(_Body):

@@ -113,10 +113,12 @@ class BatchProgress:
     created: int = -1  # documents whose session exists (-1: all of them)
     cancelled: bool = False
     eta_s: float | None = None  # at the rate so far; None until something finished
+    # Documents whose session ended and was deleted by retention (in none of by_state).
+    purged: int = 0
 
     @property
     def done(self) -> int:
-        return sum(n for s, n in self.by_state.items() if SessionState(s).terminal)
+        return self.purged + sum(n for s, n in self.by_state.items() if SessionState(s).terminal)
 
     @property
     def finished(self) -> bool:
@@ -140,6 +142,6 @@ class ResultLine(BaseModel):
     index: int
     document_id: str | None = None  # the document's own "id", when it has one
     session_id: str
-    state: SessionState
+    state: SessionState | None  # None: retention deleted the session before the export
     result: JsonValue = None
     error: str | None = None

@@ -520,3 +520,27 @@ async def test_documents_stored_by_reference_for_a_refused_batch_go_after_the_pe
     clock.advance(MONTH.total_seconds() + 2 * 3600)
     await world.sweeper.sweep_once()
     assert await all_keys(world.services.store, keys.BATCH_DATA) == []
+
+
+async def test_a_finished_batch_stays_finished_while_its_sessions_go_one_by_one(
+    world: World,
+) -> None:
+    """Retention deletes a batch's sessions each on its own schedule, and only ended ones:
+    a document whose session went has ended. The batch still reads finished (not its
+    purged documents back to PENDING), and its results can still be exported."""
+    manifest = await finished(world, "fin", [{"doc": i} for i in range(3)])
+    bid = manifest.batch_id
+    cast(ManualClock, world.services.clock).advance(MONTH.total_seconds())
+    retention = world.services.retention
+    assert retention is not None
+    done = await retention.sweep(
+        now=world.services.clock.now(), keep=timedelta(days=30), windows=DAY, limit=1
+    )
+    [(tenant, gone)] = done.purged
+    await world.services.index.forget_session(tenant=tenant, session_id=gone)  # as the sweeper
+    progress = await world.batches.progress(bid)
+    assert progress.finished and progress.done == 3, progress.by_state
+    assert progress.purged == 1 and progress.by_state == {"COMPLETED": 2}
+    lines = {line["session_id"]: line for line in map(json.loads, await _lines(world, bid))}
+    assert lines[gone]["state"] is None and "retention" in lines[gone]["error"]
+    assert [line["state"] for sid, line in lines.items() if sid != gone] == ["COMPLETED"] * 2

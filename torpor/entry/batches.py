@@ -47,6 +47,7 @@ async def batch_out(batches: BatchService, batch_id: str, tenant: str) -> BatchO
         created=progress.created,
         cancelled=progress.cancelled,
         eta_s=progress.eta_s,
+        purged=progress.purged,
         admission=None
         if usage is None
         else BatchAdmission(

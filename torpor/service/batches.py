@@ -52,6 +52,8 @@ from torpor.service.sessions import SessionService, fingerprint
 from torpor.ssrf import check_callback
 
 SUBMITS_AT_ONCE = 32  # session creations one fan-out has in flight
+# A result line whose session retention deleted before the results were first exported.
+PURGED = "the session ended and was deleted by retention (storage.retention_s) before export"
 log = logging.getLogger(__name__)
 
 
@@ -342,14 +344,19 @@ class BatchService:
         created = await self.created(manifest)
         cancelled = await self.services.batches.is_cancelled(batch_id)
         attempts = await self.attempts(manifest)
-        states = await self._states(attempts.all_current(created))
+        made = attempts.all_current(created)
+        states = await self._states(made)
         counts = Counter(state.value for state in states.values())
+        # Past the period, a made document's session that is gone has ended and been
+        # deleted (retention takes a batch's sessions one by one, ended ones only): done,
+        # not back to PENDING (a finished batch read unfinished, its results refused).
+        purged = len(made) - len(states) if self._expired(manifest) else 0
         # Documents whose session is not there yet wait as PENDING (as CANCELLED once the
         # batch is: its fan-out stops and never makes them).
-        unmade = manifest.size - sum(counts.values())
+        unmade = manifest.size - sum(counts.values()) - purged
         if unmade:
             counts[(SessionState.CANCELLED if cancelled else SessionState.PENDING).value] += unmade
-        done = sum(n for s, n in counts.items() if SessionState(s).terminal)
+        done = sum(n for s, n in counts.items() if SessionState(s).terminal) + purged
         elapsed = (self.services.clock.now() - manifest.created_at).total_seconds()
         return BatchProgress(
             batch_id,
@@ -358,7 +365,14 @@ class BatchService:
             created=created,
             cancelled=cancelled,
             eta_s=eta_seconds(total=manifest.size, done=done, elapsed_s=elapsed),
+            purged=purged,
         )
+
+    def _expired(self, manifest: BatchManifest) -> bool:
+        """Whether the batch is older than the retention period: its sessions may have
+        gone, and it takes no retry."""
+        retention = timedelta(seconds=self.services.settings.storage.retention_s)
+        return self.services.clock.now() - manifest.created_at >= retention
 
     async def usage(self, manifest: BatchManifest) -> tuple[SlotUsage, SlotUsage] | None:
         """Running and waiting sessions of the batch and of its tenant's batches."""
@@ -404,10 +418,10 @@ class BatchService:
         manifest = await self.get(batch_id, tenant=tenant)
         if await self.services.batches.is_cancelled(batch_id):
             raise BatchCancelled(f"batch {batch_id} is cancelled")
-        retention = timedelta(seconds=self.services.settings.storage.retention_s)
-        if self.services.clock.now() - manifest.created_at >= retention:
+        if self._expired(manifest):
             # Its sessions may have gone (retention), and a retry would take a purged
             # one for a retry that died before making it, and make it again.
+            retention = timedelta(seconds=self.services.settings.storage.retention_s)
             raise BatchExpired(
                 f"batch {batch_id} is older than the retention period ({retention}): "
                 "submit its failed documents as a new batch"
@@ -465,6 +479,7 @@ class BatchService:
         manifest = await self.get(batch_id, tenant=tenant)
         attempts = await self.attempts(manifest)
         documents = await self._documents(manifest) if manifest.documents_key else []
+        created, expired = await self.created(manifest), self._expired(manifest)
         gate = asyncio.Semaphore(SUBMITS_AT_ONCE)
 
         async def line(i: int) -> ResultLine:
@@ -474,8 +489,16 @@ class BatchService:
             async with gate:
                 try:
                     snap = await self.sessions.get(session_id)
-                except SessionNotFound:  # never made: the batch was cancelled first
-                    return ResultLine(
+                except SessionNotFound:
+                    if expired and i < created:  # ended and deleted (``progress``)
+                        return ResultLine(
+                            index=i,
+                            document_id=None if doc_id is None else str(doc_id),
+                            session_id=session_id,
+                            state=None,
+                            error=PURGED,
+                        )
+                    return ResultLine(  # never made: the batch was cancelled first
                         index=i,
                         document_id=None if doc_id is None else str(doc_id),
                         session_id=session_id,
