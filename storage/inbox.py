@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Collection
+from datetime import datetime
 
 from pydantic import ValidationError
 
@@ -62,7 +63,9 @@ class ObjectInbox:
     async def find(self, session_id: str, event_key: str) -> InboxEvent | None:
         return await self._read(keys.inbox_event(session_id, event_key))
 
-    async def remember_accepted(self, *, source: str, content_digest: str) -> bool:
+    async def remember_accepted(
+        self, *, source: str, content_digest: str, at: datetime | None = None
+    ) -> bool:
         # Not flushed to disk on its own (``durable=False``): the inbox event it follows
         # is, and dedups a replay routed to it again. Any process crash leaves the marker
         # in place; a power cut may take it, and then a replay inside the signature's
@@ -71,9 +74,12 @@ class ObjectInbox:
         # answer a newer wait that took the key meanwhile. Narrow (a power cut, seconds
         # of write-back, a replay within minutes); flushed, the marker cost every webhook
         # a second fsync, in line behind the audit block's.
+        # Stamped with when: retention deletes a marker by its age, as no inbox event
+        # names the marker of a request that stored nothing new (a resent duplicate).
+        stamp = b"accepted" if at is None else at.isoformat().encode()
         try:
             await self.store.put_if_absent(
-                keys.accepted_content(source, content_digest), b"accepted", durable=False
+                keys.accepted_content(source, content_digest), stamp, durable=False
             )
         except ObjectExists:  # remembered already (a retry after a lost answer)
             return False

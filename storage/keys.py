@@ -105,9 +105,12 @@ def inbox_event(session_id: str, event_key: str) -> str:
     return inbox_prefix(session_id) + safe(event_key, "event key")
 
 
+REPLAYS = "replays/"
+
+
 def accepted_content(source: str, content_digest: str) -> str:
     """The replay marker of one accepted webhook: its source and signed-content digest."""
-    return f"replays/{safe(source, 'source')}/{safe(content_digest, 'content digest')}"
+    return f"{REPLAYS}{safe(source, 'source')}/{safe(content_digest, 'content digest')}"
 
 
 def correlation(correlation_id: str) -> str:

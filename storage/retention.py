@@ -62,6 +62,7 @@ from torpor.work import WorkOrder, work_id
 DELETES_AT_ONCE = 16
 AUDIT_STREAMS_PER_SWEEP = 8
 BATCHES_PER_SWEEP = 8
+REPLAYS_PER_SWEEP = 256  # replay markers one sweep looks at (one read each)
 # A batch's sessions looked for at most in one visit (a sweep is one step of the
 # reconciler's loop, which wakes sessions and fires timers: it must stay short).
 SESSIONS_PER_BATCH_VISIT = 256
@@ -98,6 +99,7 @@ class ObjectRetention:
         self._audit_cursor: str | None = None
         self._batch_cursor: str | None = None
         self._accept_cursor: str | None = None
+        self._replay_cursor: str | None = None
         # How many of each batch's sessions (in the order they are looked at) are known
         # gone: the next visit starts there, at the one found still stored last time.
         self._batch_gone: OrderedDict[str, int] = OrderedDict()
@@ -118,7 +120,35 @@ class ObjectRetention:
                 break
             await self._one(marker, session_id, now, cutoff, windows, report)
         await self.sweep_batches(cutoff, report)
+        await self._sweep_replays(cutoff, report)
         return report
+
+    async def _sweep_replays(self, cutoff: datetime, report: RetentionReport) -> None:
+        """Visit a page of replay markers (round robin) and delete those stamped before
+        ``cutoff``. A session's purge deletes the markers its inbox events name, but a
+        request that stored nothing new (a duplicate resent signed afresh, a batch whose
+        events all named no wait) is answered 2xx and remembered all the same, by a
+        marker no event names. Past the retention period (24 h at least) no signature
+        window is open for it. Unstamped markers (before stamps) are left to the purge."""
+        page = await self.store.list(
+            keys.REPLAYS, start_after=self._replay_cursor, limit=REPLAYS_PER_SWEEP
+        )
+        self._replay_cursor = page.next_token
+        gate = asyncio.Semaphore(DELETES_AT_ONCE)
+
+        async def old(key: str) -> bool:
+            async with gate:
+                try:
+                    at = await self._stored_time(key)
+                except ValueError:
+                    return False  # unstamped (b"accepted"), or not ours to judge
+                # Ours are aware (the index's clock); a naive one does not compare.
+                return at is not None and at.tzinfo is not None and at < cutoff
+
+        found = await asyncio.gather(*(old(k) for k in page.keys))
+        doomed = [k for k, gone in zip(page.keys, found, strict=True) if gone]
+        await self._delete(doomed)
+        report.objects += len(doomed)
 
     async def sweep_batches(self, cutoff: datetime, report: RetentionReport) -> None:
         """Visit a few batches (round robin over the manifests) and delete those created

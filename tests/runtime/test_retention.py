@@ -15,6 +15,7 @@ from storage import keys, retention, submit_keys
 from storage.listing import all_keys
 from storage.work import ObjectProgress, WorkRecords
 from tests.faults.index_loss import flush_index
+from tests.runtime.test_gateway import JSON, SECRET, SOURCES, body
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Receiver
 from torpor.errors import ConfigError, SessionNotFound
@@ -22,8 +23,10 @@ from torpor.events import EventKind, InboxEvent
 from torpor.ids import business_idempotency_key, new_correlation_id, new_trace_id
 from torpor.lifecycle import SessionState
 from torpor.ports import TimerKind
+from torpor.service.gateway import WebhookGateway
 from torpor.service.sweeper import Sweeper
 from torpor.settings import Settings
+from torpor.webhooks.signing import Scheme, sign
 from torpor.work import Progress, WorkOrder, work_id
 
 DAY = 24 * 3600.0
@@ -357,3 +360,32 @@ async def test_a_callback_landing_mid_purge_leaves_nothing_behind(
     assert left == []
     later = env.clock.now() + timedelta(days=365)
     assert sid not in await env.services.index.due(kind=TimerKind.WAKE, now=later, limit=100)
+
+
+async def test_the_replay_marker_of_a_resent_duplicate_goes_too(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """A sender resends an answer already stored, signed afresh (a new timestamp): the
+    request is a duplicate (200) and is remembered by its own replay marker, which no
+    inbox event names. It goes after the retention period, as the stored one's does."""
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit(doc="PR-DUP")
+        cid = (await env.load(sid)).waits[0].correlation_id
+        now = env.clock.now()
+        for later_s, status in [(0, 202), (1, 200)]:
+            raw = body(cid, "e1")
+            at = now + timedelta(seconds=later_s)
+            headers = {**sign(Scheme.TORPOR, raw, SECRET, now=at), "Content-Type": JSON}
+            assert (await gateway.receive("oa", raw, headers, now=now)).status == status
+        assert (await env.load(sid)).state is SessionState.COMPLETED
+        assert len(await all_keys(env.services.store, keys.REPLAYS)) == 2
+        sweeper = Sweeper(env.control)
+        env.clock.advance(29 * DAY)
+        await sweeper.sweep_once()
+        assert len(await all_keys(env.services.store, keys.REPLAYS)) == 2  # inside the period
+        env.clock.advance(2 * DAY)
+        assert (await sweeper.sweep_once()).purged == 1
+        env.clock.advance(2 * DAY)
+        await sweeper.sweep_once()
+        assert await all_keys(env.services.store, keys.REPLAYS) == []

@@ -136,12 +136,14 @@ class InboxRepository(Protocol):
         """The delivered event with this key, if any."""
         ...
 
-    async def remember_accepted(self, *, source: str, content_digest: str) -> bool:
+    async def remember_accepted(
+        self, *, source: str, content_digest: str, at: datetime | None = None
+    ) -> bool:
         """Record that the request with this signed content was accepted (the replay
         memory that outlives the index and any process crash; a power cut may take it on
         a local disk, which only turns a replay's 409 into a 200 duplicate, since the
-        inbox dedups it). Idempotent: True if this call recorded it, False if it was
-        recorded already."""
+        inbox dedups it), ``at`` the time it was received (retention deletes it by that).
+        Idempotent: True if this call recorded it, False if it was recorded already."""
         ...
 
     async def forget_accepted(self, *, source: str, content_digest: str) -> None:

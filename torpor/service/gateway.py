@@ -256,7 +256,7 @@ class WebhookGateway:
                     )
                 )
             if any(r.replayed for r in routed):  # woken if need be; still a replay
-                await self._audited(routed, remember=None)
+                await self._audited(routed, remember=None, at=now)
                 await self._activate(routed)
                 raise WebhookRejected(RejectReason.REPLAYED)
             # A batch of one is answered as a batch: its sender reads ``events``.
@@ -272,7 +272,7 @@ class WebhookGateway:
             if early:
                 await self._activate(routed)
             # Remembered only by a request that did all of it (a 2xx answer).
-            await self._audited(routed, remember=claims if result.status < 300 else None)
+            await self._audited(routed, remember=claims if result.status < 300 else None, at=now)
             if not early:
                 await self._activate(routed)
             return result
@@ -285,7 +285,9 @@ class WebhookGateway:
                 await self.replays.release(claims)
             raise
 
-    async def _audited(self, routed: list[Routed], *, remember: ReplayClaims | None) -> None:
+    async def _audited(
+        self, routed: list[Routed], *, remember: ReplayClaims | None, at: datetime
+    ) -> None:
         """The stored events' audit records (started in ``_route``) and, for a request
         answered 2xx, its replay marker, awaited together: one wait for durable writes,
         not two. The marker is started only now, after every event is in the inbox with
@@ -294,7 +296,7 @@ class WebhookGateway:
         event that fails takes back the marker if this request wrote it: the request is
         answered 5xx and its retry must be let through."""
         pending = [r.audit for r in routed if r.audit is not None]
-        marker = [self.replays.remember(remember)] if remember is not None else []
+        marker = [self.replays.remember(remember, at=at)] if remember is not None else []
         results = await asyncio.gather(*pending, *marker, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if not failed:

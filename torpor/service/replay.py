@@ -81,11 +81,11 @@ class ReplayGuard:
         for scope, nonce in claims.pairs:
             await self.services.index.release_nonce(scope=scope, nonce=nonce)
 
-    async def remember(self, claims: ReplayClaims) -> bool:
-        """The request was accepted in full: its bytes are a replay from now on. True if
-        this call wrote the marker (False: it was there already)."""
+    async def remember(self, claims: ReplayClaims, *, at: datetime) -> bool:
+        """The request (received ``at``) was accepted in full: its bytes are a replay from
+        now on. True if this call wrote the marker (False: it was there already)."""
         return await self.services.inbox.remember_accepted(
-            source=claims.source, content_digest=claims.content_digest
+            source=claims.source, content_digest=claims.content_digest, at=at
         )
 
     async def forget(self, claims: ReplayClaims) -> None:
