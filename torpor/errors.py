@@ -241,6 +241,15 @@ class ResolversBusy(RetryableError, OSError):
     status, title = 503, "Name resolution busy"
 
 
+class OutboundBusy(RetryableError, TimeoutError):
+    """No outbound thread took a call within its deadline (every one busy with slow
+    calls): the call was never made. A ``TimeoutError``, as a call cut at its deadline
+    is, for callers that retry those."""
+
+    code = "outbound_busy"
+    status, title = 503, "Outbound calls busy"
+
+
 class ActivationUnavailable(RetryableError):
     """No activator took the request (its actor or host did not answer in time)."""
 

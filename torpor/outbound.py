@@ -23,6 +23,7 @@ name.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
@@ -40,7 +41,7 @@ from functools import partial
 from typing import IO, Any
 from urllib.parse import urlsplit
 
-from torpor.errors import ResponseTooLarge, UnsafeUrl
+from torpor.errors import OutboundBusy, ResponseTooLarge, UnsafeUrl
 from torpor.threads import ProcessPool
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
@@ -259,6 +260,28 @@ def request(
 OUTBOUND = ProcessPool(32, "torpor-outbound")
 
 
+class _Claim:
+    """Who comes first to a queued call: a thread taking it, or its caller giving up the
+    wait. Decided under a lock, so a thread that starts as the caller gives up never
+    sends what the caller has already reported as not sent."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by: str | None = None
+
+    def take(self) -> bool:
+        return self._first("thread")
+
+    def give_up(self) -> bool:
+        return self._first("caller")
+
+    def _first(self, who: str) -> bool:
+        with self._lock:
+            if self._by is None:
+                self._by = who
+            return self._by == who
+
+
 async def request_async(
     method: str,
     url: str,
@@ -269,18 +292,43 @@ async def request_async(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     connect_to: Pinned | None = None,
 ) -> Response:
-    """``request`` in an outbound thread. A cancelled caller leaves the thread to finish
-    within ``timeout_s`` (the deadline cuts it there)."""
-    return await OUTBOUND.run(
-        request,
-        method,
-        url,
-        body=body,
-        headers=headers,
-        timeout_s=timeout_s,
-        max_body_bytes=max_body_bytes,
-        connect_to=connect_to,
-    )
+    """``request`` in an outbound thread, ``timeout_s`` counted from this call: the wait
+    for a free thread is part of it (``OutboundBusy``, nothing sent, when none is free
+    within it) and the request has what is left. A cancelled caller leaves a thread that
+    took the call to finish within the deadline (it cuts the request there)."""
+    queued = time.monotonic()
+    claim = _Claim()
+
+    def call() -> Response:
+        if not claim.take():  # the caller stopped waiting: it was told nothing was sent
+            raise OutboundBusy("the caller stopped waiting for an outbound thread")
+        left = timeout_s - (time.monotonic() - queued)
+        if left <= 0:
+            raise TimeoutError(f"no complete answer within {timeout_s:g} s")
+        return request(
+            method,
+            url,
+            body=body,
+            headers=headers,
+            timeout_s=left,
+            max_body_bytes=max_body_bytes,
+            connect_to=connect_to,
+        )
+
+    # Waiting for a thread without a bound let the 32 threads' slow calls (LLM steps)
+    # hold a delivery attempt past its deadline and its timer's lease: another process
+    # then took the timer and posted the same delivery again.
+    running = asyncio.ensure_future(OUTBOUND.run(call))
+    try:
+        await asyncio.wait({running}, timeout=timeout_s)
+    except BaseException:  # cancelled: a call no thread took yet is never made
+        if claim.give_up():
+            running.cancel()
+        raise
+    if not running.done() and claim.give_up():
+        running.cancel()
+        raise OutboundBusy(f"no outbound thread was free within {timeout_s:g} s")
+    return await running
 
 
 @contextmanager

@@ -138,6 +138,10 @@ async def vetted_address(
     waiting = asyncio.ensure_future(taken.wait())
     try:
         await asyncio.wait({call, waiting}, timeout=timeout_s, return_when=FIRST_COMPLETED)
+    except BaseException:  # cancelled (a delivery attempt's deadline): never started now
+        if not taken.is_set():
+            call.cancel()
+        raise
     finally:
         waiting.cancel()
     if not taken.is_set() and not call.done():

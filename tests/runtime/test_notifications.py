@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -16,12 +18,14 @@ from storage import keys
 from storage.codec import SnapshotCodec
 from tests.support.harness import Env, local_env
 from tests.support.receiver import Received, Receiver
+from torpor import outbound
 from torpor.deliveries import Delivery, DeliveryStatus
 from torpor.errors import DeliveryNotResendable, UnsafeUrl
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus, OutboxKind
 from torpor.ports import Observer, Reason, TimerKind
 from torpor.service.deliveries import DeliveryNotifier, DeliveryWorker, secret_for, tenant_view
+from torpor.threads import ProcessPool
 
 
 @pytest.fixture
@@ -441,3 +445,68 @@ async def test_a_session_whose_agent_is_gone_still_notifies_its_end(
             assert revived.status is DispatchStatus.PENDING
             [sent] = (await env.load(sid)).outbox
             assert sent.status is DispatchStatus.DISPATCHED
+
+
+async def test_an_attempt_ends_within_its_deadline_while_outbound_threads_are_busy(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every outbound thread busy (slow LLM calls) held an attempt past its deadline and
+    its timer's lease, and it was posted once a thread came free: by then another process
+    could have taken the timer and posted the same delivery."""
+    hook = Receiver()
+    monkeypatch.setattr(outbound, "OUTBOUND", ProcessPool(1, "test-outbound"))
+    extra = {"notifications": {"timeout_s": 0.5}}
+    release = threading.Event()
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+            await finished_session(env, hook.url)
+            busy = asyncio.ensure_future(outbound.OUTBOUND.run(release.wait))
+            asyncio.get_running_loop().call_later(5, release.set)  # a failing wait ends
+            await DeliveryWorker(env.services).due(env.clock.now())
+            assert not release.is_set(), "the attempt waited for the busy thread"
+            [delivery], _ = await env.services.deliveries.list(
+                "acme", status=None, cursor=None, limit=5
+            )
+            assert delivery.status is DeliveryStatus.PENDING and delivery.attempts == 1
+            release.set()
+            await busy
+            await outbound.OUTBOUND.run(lambda: None)  # after the queued call, if any
+            assert hook.received == [], "the attempt given up on was posted later"
+    finally:
+        release.set()
+        hook.close()
+
+
+async def test_a_notification_is_signed_after_its_host_resolved(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Signed with the time the attempt began, a notification whose resolution took long
+    carried a timestamp that old to a receiver that refuses stale ones."""
+    hook = Receiver()  # stands for the public host PUBLIC (the test has no network)
+    real, real_connect = socket.getaddrinfo, socket.create_connection
+    envs: list[Env] = []
+
+    def resolve(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "slow.test":
+            return real(host, port, *args, **kwargs)
+        if envs:  # at delivery: the resolution takes (the manual clock's) four minutes
+            envs[0].clock.advance(240)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (PUBLIC, int(port)))]
+
+    def connect(address: Any, *args: Any, **kwargs: Any) -> socket.socket:
+        host = "127.0.0.1" if address[0] == PUBLIC else address[0]
+        return real_connect((host, address[1]), *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(socket, "create_connection", connect)
+    url = hook.url.replace("127.0.0.1", "slow.test")
+    extra = {"notifications": {"allow_private_callbacks": False}}
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+            await finished_session(env, url)
+            envs.append(env)
+            await DeliveryWorker(env.services).due(env.clock.now())
+            [received] = hook.received
+            assert int(received.headers["webhook-timestamp"]) == int(env.clock.now().timestamp())
+    finally:
+        hook.close()

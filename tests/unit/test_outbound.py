@@ -18,9 +18,10 @@ import pytest
 
 from tests.support.hostile import HostileServer
 from torpor import outbound
-from torpor.errors import ResponseTooLarge, UnsafeUrl
+from torpor.errors import OutboundBusy, ResponseTooLarge, UnsafeUrl
 from torpor.outbound import request, request_async, retry_after_s, stream_lines
 from torpor.ssrf import vetted_address
+from torpor.threads import ProcessPool
 
 BIG = 64 * 1024
 
@@ -258,3 +259,24 @@ async def test_a_resolver_that_does_not_answer_is_cut_at_the_deadline() -> None:
             )
     finally:
         release.set()
+
+
+async def test_the_wait_for_an_outbound_thread_counts_against_the_deadline(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every outbound thread busy (slow LLM calls) held a call for as long as they
+    lasted, its deadline not even started; given up on, it must never be sent later."""
+    monkeypatch.setattr(outbound, "OUTBOUND", ProcessPool(1, "test-outbound"))
+    release = threading.Event()
+    busy = asyncio.ensure_future(outbound.OUTBOUND.run(release.wait))
+    asyncio.get_running_loop().call_later(5, release.set)  # a failing wait ends, at least
+    try:
+        with pytest.raises(OutboundBusy):
+            await request_async("POST", server.url("/hook"), body=b"late", timeout_s=0.3)
+        assert not release.is_set(), "the call waited for the busy thread"
+    finally:
+        release.set()
+        await busy
+    # The one thread runs queued calls in order: the call given up on came before this.
+    await outbound.OUTBOUND.run(lambda: None)
+    assert server.paths == [], "a call given up on was sent once a thread was free"

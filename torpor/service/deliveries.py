@@ -267,7 +267,7 @@ class DeliveryWorker:
             )
         failure: Failure | None
         try:
-            response = await self._post(delivery, now)
+            response = await self._post(delivery)
         except UnsafeUrl as exc:  # policy: no later attempt can be allowed either
             refusal = f"{Failure.POLICY}: {exc}"[:300]
             return await self._settle(
@@ -305,38 +305,42 @@ class DeliveryWorker:
         )
         return updated
 
-    async def _post(self, delivery: Delivery, now: datetime) -> Response:
+    async def _post(self, delivery: Delivery) -> Response:
         settings = self.services.settings
         body = json.dumps(delivery.payload, separators=(",", ":")).encode()
-        # The addresses vetted here are those dialled: resolving again to connect would
-        # let a rebinding name swap in a private address after the check.
-        # One deadline for the attempt, the name's resolution included (a resolver that
-        # does not answer held the attempt, and a thread, for as long as it liked).
+        # One deadline for the whole attempt: the wait for a resolver thread, the name's
+        # resolution, the wait for an outbound thread and the request. Each bounded on
+        # its own, they added up past the timer's lease (timeout_s + wake_grace_s), and
+        # another process took the timer and posted the same delivery again.
         timeout_s = settings.notifications.timeout_s
-        started = time.monotonic()
-        addresses = await vetted_address(
-            delivery.url,
-            allow_private=settings.notifications.allow_private_callbacks,
-            timeout_s=timeout_s,
-        )
-        left_s = max(0.001, timeout_s - (time.monotonic() - started))
+        ends = time.monotonic() + timeout_s
+        async with asyncio.timeout(timeout_s):
+            # The addresses vetted here are those dialled: resolving again to connect
+            # would let a rebinding name swap in a private address after the check.
+            addresses = await vetted_address(
+                delivery.url,
+                allow_private=settings.notifications.allow_private_callbacks,
+                timeout_s=timeout_s,
+            )
+        # Signed now, not when the attempt began: receivers refuse a stale timestamp.
         headers = sign(
             Scheme.STANDARD,
             body,
             secret_for(settings, delivery.tenant, delivery.url),
-            now=now,
+            now=self.services.clock.now(),
             msg_id=delivery.delivery_id,
         )
         headers["Content-Type"] = "application/json"
         headers["User-Agent"] = "torpor-notifier/1"
         # A 3xx is a failed attempt: the helper never follows it. The answer's body is of
-        # no interest, so it is not read. ``timeout_s`` is the attempt's overall deadline.
+        # no interest, so it is not read. The wait for an outbound thread counts against
+        # what is left of the deadline (``request_async``).
         return await request_async(
             "POST",
             delivery.url,
             body=body,
             headers=headers,
-            timeout_s=left_s,
+            timeout_s=max(0.001, ends - time.monotonic()),
             max_body_bytes=0,
             connect_to=addresses,
         )
