@@ -8,10 +8,11 @@ against wherever the ``Location`` points. Non-2xx statuses are answers, not exce
 transport failures raise ``OSError`` (a refused connection, a timeout as ``TimeoutError``
 or ``URLError``) or ``http.client.HTTPException`` (a garbled answer), unchanged.
 
-``timeout_s`` of ``request`` is an *overall* deadline, not a per-socket one: a watchdog
-shuts the connection's socket down when it passes, so a server that drips one byte every
-few seconds is cut at the deadline (``TimeoutError``) instead of holding the caller and
-its worker thread for as long as it likes.
+``timeout_s`` of ``request`` is an *overall* deadline, the host name's resolution
+included, not a per-socket one: a watchdog shuts the connection's socket down when it
+passes, so a server that drips one byte every few seconds is cut at the deadline
+(``TimeoutError``) instead of holding the caller and its worker thread for as long as it
+likes.
 
 ``connect_to`` pins the connection to addresses vetted beforehand (``torpor.ssrf``):
 the socket dials those (the next when one fails) instead of resolving the URL's host
@@ -91,6 +92,11 @@ class _Deadline:
             raise TimeoutError(f"no complete answer within {self.seconds:g} s")
         return left
 
+    @property
+    def passed(self) -> bool:
+        # Also before the timer has run: a resolution cut at the deadline may fail first.
+        return self.expired or time.monotonic() >= self._at
+
     def watch(self, sock: socket.socket) -> None:
         with self._lock:
             self._sockets.append(sock)
@@ -124,6 +130,8 @@ def _deadline_connection(
                 # the Host header and (HTTPS) server_hostname for SNI and the certificate
                 # check are unchanged. Only the address dialled is the vetted one.
                 self._create_connection = partial(_dial, connect_to)
+            else:
+                self._create_connection = partial(_dial_resolved, deadline)
             super().connect()
             deadline.watch(self.sock)
 
@@ -145,6 +153,32 @@ def _dial(
         except OSError as exc:
             failure = exc
     raise failure or OSError("no address to connect to")
+
+
+# Names of unpinned requests are resolved in threads of their own. Resolved inside the
+# socket's connect, as create_connection does, a name was beyond every deadline: no
+# socket timeout bounds getaddrinfo and there is no socket yet for the watchdog to cut.
+# A resolver that does not answer holds one of these threads, not the caller's.
+NAMES = ProcessPool(16, "torpor-outbound-dns")
+
+
+def _dial_resolved(
+    deadline: _Deadline,
+    host_port: tuple[str, int],
+    timeout: float | None = None,
+    source_address: tuple[str, int] | None = None,
+) -> socket.socket:
+    """``create_connection``, the name resolved within the request's deadline."""
+    host, port = host_port
+    left = deadline.remaining()
+    resolving = NAMES.executor().submit(socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
+    try:
+        infos = resolving.result(timeout=left)
+    except TimeoutError:
+        resolving.cancel()  # not started: it never will be
+        raise TimeoutError(f"no DNS answer for {host!r} within {deadline.seconds:g} s") from None
+    addresses = tuple(dict.fromkeys(str(info[4][0]) for info in infos))
+    return _dial(addresses, host_port, timeout, source_address)
 
 
 class _DeadlineHTTP(urllib.request.HTTPHandler):
@@ -248,7 +282,7 @@ def request(
                 found = {k.lower(): v for k, v in (response.headers or {}).items()}
                 return Response(int(response.status or response.code), data, found)
         except (OSError, http.client.HTTPException) as exc:
-            if deadline.expired:  # whatever the cut socket raised, the cause is the deadline
+            if deadline.passed:  # whatever the cut socket raised, the cause is the deadline
                 raise TimeoutError(f"no complete answer within {timeout_s:g} s") from exc
             raise
 

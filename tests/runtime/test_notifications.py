@@ -17,6 +17,7 @@ import standardwebhooks
 from storage import keys
 from storage.codec import SnapshotCodec
 from tests.support.harness import Env, local_env
+from tests.support.hostile import Hanging
 from tests.support.receiver import Received, Receiver
 from torpor import outbound
 from torpor.deliveries import Delivery, DeliveryStatus
@@ -509,4 +510,29 @@ async def test_a_notification_is_signed_after_its_host_resolved(
             [received] = hook.received
             assert int(received.headers["webhook-timestamp"]) == int(env.clock.now().timestamp())
     finally:
+        hook.close()
+
+
+async def test_an_attempt_to_a_private_callback_is_cut_at_its_deadline_while_resolving(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With private callbacks allowed nothing is vetted, and the host was resolved inside
+    the socket's connect: a resolver that did not answer held the attempt, and an
+    outbound thread, past notifications.timeout_s."""
+    hook = Receiver()
+    resolver = Hanging()
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    extra = {"notifications": {"timeout_s": 0.5, "allow_private_callbacks": True}}
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+            await finished_session(env, hook.url.replace("127.0.0.1", "hang.test"))
+            await DeliveryWorker(env.services).due(env.clock.now())
+            assert not resolver.answered.is_set(), "the attempt waited for the resolver"
+            [delivery], _ = await env.services.deliveries.list(
+                "acme", status=None, cursor=None, limit=5
+            )
+            assert delivery.status is DeliveryStatus.PENDING
+            assert delivery.last_category == "timeout"
+    finally:
+        resolver.release.set()
         hook.close()

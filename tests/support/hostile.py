@@ -11,6 +11,8 @@ It speaks raw bytes over a real socket so it can misbehave the ways a real serve
   address ``169.254.169.254``;
 * ``/hold``: answers 200 once ``release`` is set;
 * anything else: ``200``.
+
+``Hanging`` is a name resolver that does not answer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import socket
 import socketserver
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -119,3 +122,21 @@ class HostileServer:
         self.release.set()
         self._tcp.shutdown()
         self._tcp.server_close()
+
+
+class Hanging:
+    """A resolver (``socket.getaddrinfo``) for ``hang.test`` that answers 127.0.0.1 only
+    once ``release`` is set (after 5 s at the latest: a failing run ends); other names
+    resolve for real."""
+
+    def __init__(self) -> None:
+        self.real = socket.getaddrinfo
+        self.release = threading.Event()
+        self.answered = threading.Event()
+
+    def __call__(self, host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "hang.test":
+            return self.real(host, port, *args, **kwargs)
+        self.release.wait(5)
+        self.answered.set()
+        return self.real("127.0.0.1", port, *args, **kwargs)

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.support.hostile import HostileServer
+from tests.support.hostile import Hanging, HostileServer
 from torpor import outbound
 from torpor.errors import OutboundBusy, ResponseTooLarge, UnsafeUrl
 from torpor.outbound import request, request_async, retry_after_s, stream_lines
@@ -280,3 +280,19 @@ async def test_the_wait_for_an_outbound_thread_counts_against_the_deadline(
     # The one thread runs queued calls in order: the call given up on came before this.
     await outbound.OUTBOUND.run(lambda: None)
     assert server.paths == [], "a call given up on was sent once a thread was free"
+
+
+def test_an_unpinned_request_is_cut_at_its_deadline_while_its_host_resolves(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name was resolved inside the socket's connect, where no timeout and no
+    watchdog reach: a resolver that did not answer held the request, and its thread, for
+    as long as it liked."""
+    resolver = Hanging()
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    try:
+        with pytest.raises(TimeoutError):
+            request("GET", server.url("/ok").replace("127.0.0.1", "hang.test"), timeout_s=0.3)
+        assert not resolver.answered.is_set(), "the request waited for the resolver"
+    finally:
+        resolver.release.set()
