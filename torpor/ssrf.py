@@ -15,6 +15,7 @@ import asyncio
 import ipaddress
 import re
 import socket
+import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -119,14 +120,21 @@ def vet_callback_url(
 
 
 async def vetted_address(
-    url: str, *, allow_private: bool, timeout_s: float, resolve: Resolver | None = None
+    url: str,
+    *,
+    allow_private: bool,
+    timeout_s: float,
+    resolve: Resolver | None = None,
+    ends: float | None = None,
 ) -> tuple[str, ...] | None:
     """``vet_callback_url`` in a resolver thread, the resolution within ``timeout_s``: a
     resolver that does not answer is a failed resolution (``OSError``, so retried), not
     a wait without end outside the attempt's deadline. The deadline starts when a thread
     takes the call (waiting for one is not the resolver's slowness), and the wait for a
-    thread is bounded by it too (``ResolversBusy``). A thread that times out is left to
-    its resolver."""
+    thread is bounded by it too (``ResolversBusy``). ``ends`` (a ``time.monotonic()``, a
+    delivery attempt's deadline) bounds the whole call, the wait included. A thread that
+    times out is left to its resolver."""
+    wait_s = timeout_s if ends is None else max(0.0, min(timeout_s, ends - time.monotonic()))
     loop = asyncio.get_running_loop()
     taken = asyncio.Event()
 
@@ -137,7 +145,7 @@ async def vetted_address(
     call = asyncio.ensure_future(RESOLVERS.run(resolve_now))
     waiting = asyncio.ensure_future(taken.wait())
     try:
-        await asyncio.wait({call, waiting}, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        await asyncio.wait({call, waiting}, timeout=wait_s, return_when=FIRST_COMPLETED)
     except BaseException:  # cancelled (a delivery attempt's deadline): never started now
         if not taken.is_set():
             call.cancel()
@@ -146,9 +154,10 @@ async def vetted_address(
         waiting.cancel()
     if not taken.is_set() and not call.done():
         call.cancel()  # not started: it never will be
-        raise ResolversBusy(f"no resolver thread was free within {timeout_s:g} s")
+        raise ResolversBusy(f"no resolver thread was free within {wait_s:g} s")
+    resolve_s = timeout_s if ends is None else max(0.0, ends - time.monotonic())
     try:
-        return await asyncio.wait_for(call, timeout_s)
+        return await asyncio.wait_for(call, resolve_s)
     except TimeoutError:
         raise socket.gaierror(socket.EAI_AGAIN, f"no DNS answer within {timeout_s:g} s") from None
 

@@ -19,7 +19,7 @@ from storage.codec import SnapshotCodec
 from tests.support.harness import Env, local_env
 from tests.support.hostile import Hanging
 from tests.support.receiver import Received, Receiver
-from torpor import outbound
+from torpor import outbound, ssrf
 from torpor.deliveries import Delivery, DeliveryStatus
 from torpor.errors import DeliveryNotResendable, UnsafeUrl
 from torpor.lifecycle import SessionState
@@ -469,6 +469,7 @@ async def test_an_attempt_ends_within_its_deadline_while_outbound_threads_are_bu
                 "acme", status=None, cursor=None, limit=5
             )
             assert delivery.status is DeliveryStatus.PENDING and delivery.attempts == 1
+            assert delivery.last_category == "internal", "our capacity, not their endpoint"
             release.set()
             await busy
             await outbound.OUTBOUND.run(lambda: None)  # after the queued call, if any
@@ -535,4 +536,32 @@ async def test_an_attempt_to_a_private_callback_is_cut_at_its_deadline_while_res
             assert delivery.last_category == "timeout"
     finally:
         resolver.release.set()
+        hook.close()
+
+
+async def test_no_resolver_thread_free_is_our_failure_not_the_tenants_connection(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ResolversBusy is an OSError: an attempt that found every resolver thread busy
+    was shown to its tenant as a failed connection to their endpoint."""
+    hook = Receiver()
+    monkeypatch.setattr(ssrf, "RESOLVERS", ProcessPool(1, "test-dns"))
+    extra = {"notifications": {"timeout_s": 0.5}}
+    release = threading.Event()
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix, extra=extra) as env:
+            await finished_session(env, hook.url)
+            busy = asyncio.ensure_future(ssrf.RESOLVERS.run(release.wait))
+            asyncio.get_running_loop().call_later(5, release.set)  # a failing wait ends
+            await DeliveryWorker(env.services).due(env.clock.now())
+            [delivery], _ = await env.services.deliveries.list(
+                "acme", status=None, cursor=None, limit=5
+            )
+            assert delivery.status is DeliveryStatus.PENDING and hook.received == []
+            assert delivery.last_category == "internal"
+            assert "ResolversBusy" in (delivery.last_error or "")
+            release.set()
+            await busy
+    finally:
+        release.set()
         hook.close()

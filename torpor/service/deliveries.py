@@ -37,6 +37,8 @@ from torpor.errors import (
     ConfigError,
     DeliveryNotResendable,
     NotFound,
+    OutboundBusy,
+    ResolversBusy,
     ResponseTooLarge,
     UnsafeUrl,
 )
@@ -135,7 +137,7 @@ class Failure(StrEnum):
     HTTP_5XX = "http_5xx"
     POLICY = "refused_by_policy"  # the callback resolves to a private address
     DISABLED = "endpoint_disabled"
-    INTERNAL = "internal"  # our own side failed (signing, configuration)
+    INTERNAL = "internal"  # our own side failed (signing, configuration, no free thread)
 
 
 def classify(exc: BaseException) -> Failure:
@@ -143,6 +145,11 @@ def classify(exc: BaseException) -> Failure:
         exc = exc.reason  # urllib wraps the transport's own exception
     if isinstance(exc, UnsafeUrl):
         return Failure.POLICY
+    if isinstance(exc, (ResolversBusy, OutboundBusy)):
+        # Checked first: an OSError and a TimeoutError. No thread of ours was free in
+        # time; told "connection" or "timeout", a tenant looked for a fault in its own
+        # endpoint.
+        return Failure.INTERNAL
     if isinstance(exc, TimeoutError):
         return Failure.TIMEOUT
     if isinstance(exc, (http.client.HTTPException, ResponseTooLarge)):
@@ -314,14 +321,14 @@ class DeliveryWorker:
         # another process took the timer and posted the same delivery again.
         timeout_s = settings.notifications.timeout_s
         ends = time.monotonic() + timeout_s
-        async with asyncio.timeout(timeout_s):
-            # The addresses vetted here are those dialled: resolving again to connect
-            # would let a rebinding name swap in a private address after the check.
-            addresses = await vetted_address(
-                delivery.url,
-                allow_private=settings.notifications.allow_private_callbacks,
-                timeout_s=timeout_s,
-            )
+        # The addresses vetted here are those dialled: resolving again to connect would
+        # let a rebinding name swap in a private address after the check.
+        addresses = await vetted_address(
+            delivery.url,
+            allow_private=settings.notifications.allow_private_callbacks,
+            timeout_s=timeout_s,
+            ends=ends,
+        )
         # Signed now, not when the attempt began: receivers refuse a stale timestamp.
         headers = sign(
             Scheme.STANDARD,
