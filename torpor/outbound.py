@@ -367,13 +367,27 @@ async def request_async(
 
 @contextmanager
 def stream_lines(
-    url: str, *, headers: Mapping[str, str] | None = None, timeout_s: float
+    url: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    timeout_s: float,
+    max_line_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Iterator[tuple[int, Iterator[bytes]]]:
     """A GET whose body is read line by line as it arrives (Server-Sent Events):
-    ``timeout_s`` bounds each read, so a server gone silent ends the stream."""
+    ``timeout_s`` bounds each read, so a server gone silent ends the stream; a line
+    longer than ``max_line_bytes`` raises ``ResponseTooLarge``."""
     with _open("GET", url, None, headers, timeout_s) as response:
         status = int(response.status or response.code)
-        yield status, iter(response.readline, b"")
+        yield status, _lines(response, max_line_bytes)
+
+
+def _lines(stream: IO[bytes], limit: int) -> Iterator[bytes]:
+    # A line read with no limit grew for as long as the server sent no newline, until
+    # the reader (``torpor events``) ran out of memory.
+    while line := stream.readline(limit + 1):
+        if len(line) > limit:
+            raise ResponseTooLarge(f"a line of the stream exceeds {limit} bytes", limit=limit)
+        yield line
 
 
 def retry_after_s(value: str | None, *, now: datetime, cap_s: float | None = None) -> float | None:

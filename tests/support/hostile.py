@@ -10,6 +10,7 @@ It speaks raw bytes over a real socket so it can misbehave the ways a real serve
   ``/internal``, so following it would show up in ``hits``) or to the cloud metadata
   address ``169.254.169.254``;
 * ``/hold``: answers 200 once ``release`` is set;
+* ``/endless-line``: answers a stream whose line never ends (4 MiB with no newline);
 * anything else: ``200``.
 
 ``Hanging`` is a name resolver that does not answer.
@@ -98,6 +99,14 @@ class HostileServer:
         elif path == "/redirect-metadata":
             location = "http://169.254.169.254/latest/meta-data/"
             self._status(sock, "302 Found", f"Location: {location}\r\n")
+        elif path == "/endless-line":
+            sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+            sock.sendall(b"Connection: close\r\n\r\ndata: ")
+            for _ in range(64):
+                try:
+                    sock.sendall(b"a" * 65536)
+                except OSError:  # the client stopped reading: the normal end
+                    return
         elif path == "/hold":
             self.release.wait(30)
             self._status(sock, "200 OK")

@@ -217,6 +217,15 @@ def test_a_stream_is_read_line_by_line(server: Server) -> None:
     assert status == 200 and data == [b"data: one\n", b"data: two\n"]
 
 
+def test_a_stream_line_past_the_cap_is_refused(hostile: HostileServer) -> None:
+    """A line was read whole however long it was: a server that never sent a newline
+    grew the CLI's memory (``torpor events``) until it ran out."""
+    with stream_lines(hostile.url("/endless-line"), timeout_s=5) as (status, lines):
+        assert status == 200
+        with pytest.raises(ResponseTooLarge):
+            next(lines)
+
+
 def test_there_is_one_retry_after_parser() -> None:
     import torpor.agents.openai_agent as openai_agent
     import torpor.notify as notify
