@@ -129,7 +129,7 @@ def _deadline_connection(
                 # http.client dials through this hook; self.host stays the URL's host, so
                 # the Host header and (HTTPS) server_hostname for SNI and the certificate
                 # check are unchanged. Only the address dialled is the vetted one.
-                self._create_connection = partial(_dial, connect_to)
+                self._create_connection = partial(_dial, connect_to, deadline=deadline)
             else:
                 self._create_connection = partial(_dial_resolved, deadline)
             super().connect()
@@ -143,13 +143,19 @@ def _dial(
     host_port: tuple[str, int],
     timeout: float | None = None,
     source_address: tuple[str, int] | None = None,
+    *,
+    deadline: _Deadline | None = None,
 ) -> socket.socket:
     """The first of the vetted addresses that answers, in order, as an unpinned
-    ``create_connection`` tries those the name resolves to; the last failure if none."""
+    ``create_connection`` tries those the name resolves to; the last failure if none.
+    With a ``deadline`` each try has what is left of it, not a whole ``timeout`` of its
+    own: three addresses that never answer would have held the request three times its
+    deadline before the watchdog had a socket to cut."""
     failure: OSError | None = None
     for address in (addresses,) if isinstance(addresses, str) else addresses:
+        left = timeout if deadline is None else deadline.remaining()
         try:
-            return socket.create_connection((address, host_port[1]), timeout, source_address)
+            return socket.create_connection((address, host_port[1]), left, source_address)
         except OSError as exc:
             failure = exc
     raise failure or OSError("no address to connect to")
@@ -178,7 +184,7 @@ def _dial_resolved(
         resolving.cancel()  # not started: it never will be
         raise TimeoutError(f"no DNS answer for {host!r} within {deadline.seconds:g} s") from None
     addresses = tuple(dict.fromkeys(str(info[4][0]) for info in infos))
-    return _dial(addresses, host_port, timeout, source_address)
+    return _dial(addresses, host_port, timeout, source_address, deadline=deadline)
 
 
 class _DeadlineHTTP(urllib.request.HTTPHandler):

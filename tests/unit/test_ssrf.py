@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -191,3 +193,32 @@ def test_a_pinned_https_request_sends_the_url_host_as_sni() -> None:
     finally:
         listener.close()
     assert hello and b"callback.invalid" in hello[0]
+
+
+def test_pinned_addresses_that_never_answer_share_one_deadline() -> None:
+    """Each address dialled had a whole ``timeout_s`` of its own: three that never
+    answer held the request three times its deadline, since the watchdog has no socket
+    to cut before one connects."""
+    # A listener whose backlog is full: the kernel drops further handshakes, so a
+    # connect to it waits (as to an address that never answers) until its timeout.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    queued = []
+    try:
+        for _ in range(4):  # fill the queue (no accept: they stay there)
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", port))
+            queued.append(sock)
+        url = f"http://callback.invalid:{port}/"
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            request("GET", url, timeout_s=1.0, connect_to=("127.0.0.1",) * 3)
+        assert time.monotonic() - started < 2.0, "each address had the whole deadline"
+    finally:
+        for sock in queued:
+            sock.close()
+        listener.close()
