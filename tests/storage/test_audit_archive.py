@@ -4,6 +4,9 @@ shows a cut, and survives a compaction that stopped half way."""
 from __future__ import annotations
 
 import asyncio
+import json
+import zlib
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -246,3 +249,41 @@ async def test_a_compaction_lists_a_bounded_number_of_blocks_however_long_the_ba
         store.listed = 0
         assert await audit_archive.compact(store, "wl") == audit_archive.MAX_BLOCKS
         assert store.listed <= 2 * run
+
+
+async def test_a_block_that_is_not_utf8_is_archived_as_it_is_and_shows_as_a_broken_chain(
+    store: ObjectStore,
+) -> None:
+    """A tampered (or bit-rotten) block whose bytes are not UTF-8 is compacted like any
+    other: copied as it is, so ``verify`` shows the same break, and the sweep goes on.
+    Compaction decoded it strictly: the whole retention sweep raised UnicodeDecodeError
+    at every visit of the stream, before it purged a single session."""
+    log = await written(store, "wt")
+    key = keys.audit_record("wt", 3)
+    tampered = (await store.get(key)).data + b"\n\xff\xfe not utf-8\n"
+    await store.delete(key)
+    await store.put(key, tampered)
+    before = await log.verify()
+    assert not before.ok and before.why == "a record is unreadable"
+
+    report = await ObjectRetention(store).sweep(
+        now=datetime.now(UTC), keep=timedelta(days=30), windows=timedelta(hours=24), limit=10
+    )
+    assert report.archived == BLOCKS - audit_archive.KEEP_BLOCKS
+    [archive] = await audit_archive.archives(store, "wt")
+    held = audit_archive.decode((await store.get(archive.key)).data)
+    assert held is not None and held[2] == tampered  # the evidence, byte for byte
+    assert await log.verify() == before
+
+
+async def test_an_archive_holding_a_string_no_block_encodes_to_is_unreadable(
+    store: ObjectStore,
+) -> None:
+    log = await written(store, "wu")
+    await audit_archive.compact(store, "wu")
+    [archive] = await audit_archive.archives(store, "wu")
+    forged = zlib.compress(json.dumps(["\ud800"]).encode())  # a lone surrogate
+    await store.delete(archive.key)
+    await store.put(archive.key, forged)
+    check = await log.verify()
+    assert not check.ok and check.why == "an archive is unreadable"
