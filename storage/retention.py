@@ -79,6 +79,10 @@ class Doomed:
     later phase deletes, so a crash between phases leaves the rest findable."""
 
     records: list[str] = field(default_factory=list)
+    # Business-key pointers → the correlation ids that make each ours (waits of several
+    # epochs may have used one key). Deleted with the records, each only if it still
+    # names one of them when it goes (``_delete_pointers``).
+    pointers: dict[str, set[str]] = field(default_factory=dict)
     # What told the records may go: correlation records (a 0.2 business-key pointer is
     # known to be ours by the record it names) and work outcomes and stop markers (work
     # with neither may still run, see ``_work_over``).
@@ -87,7 +91,7 @@ class Doomed:
     finders: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.records) + len(self.deciding) + len(self.finders)
+        return len(self.records) + len(self.pointers) + len(self.deciding) + len(self.finders)
 
 
 class ObjectRetention:
@@ -332,6 +336,7 @@ class ObjectRetention:
             report.kept += 1
             return
         await self._delete(doomed.records)
+        await self._delete_pointers(doomed.pointers)
         await self._delete(doomed.deciding)
         await self._delete(doomed.finders)
         await self.store.delete(keys.snapshot(session_id))
@@ -416,8 +421,8 @@ class ObjectRetention:
                 referenced.add(rest)
                 doomed.deciding.append(keys.correlation(rest))
                 pointer = await self._data(ref)
-                if pointer and await self._data(pointer.decode()) == rest.encode():
-                    doomed.records.append(pointer.decode())  # the business key still names ours
+                if pointer:  # goes only if the business key still names ours then
+                    doomed.pointers.setdefault(pointer.decode(), set()).add(rest)
             elif kind == "d":
                 tenant, _, delivery_id = rest.partition("/")
                 delivered.add(delivery_id)
@@ -468,16 +473,14 @@ class ObjectRetention:
                 doomed.deciding.append(keys.correlation(cid))
         for business_key in snapshot.business_keys:
             pointer = keys.business_key(snapshot.tenant, business_key)
-            if pointer in doomed.records:
-                continue  # a ref named it already
             named = await self._data(pointer)
             if named is None:
                 continue
             cid = named.decode(errors="replace")
             if cid in mine or cid in ours:
-                doomed.records.append(pointer)
+                doomed.pointers.setdefault(pointer, set()).add(cid)
             elif await self._names_session(cid, sid):  # a wait the outbox no longer names
-                doomed.records.append(pointer)
+                doomed.pointers.setdefault(pointer, set()).add(cid)
                 doomed.deciding.append(keys.correlation(cid))
 
     async def _unreferenced_deliveries(
@@ -540,6 +543,25 @@ class ObjectRetention:
         except (ValueError, TypeError, KeyError):
             return False  # never delete what cannot be read: an operator looks first
         return order.deadline <= cutoff
+
+    async def _delete_pointers(self, pointers: dict[str, set[str]]) -> None:
+        """Delete each business-key pointer that still names its correlation id. The key
+        is free since the session's waits closed: another session's new wait may take it
+        at any time, and its pointer (what routes a webhook by business key after an
+        index miss, and what repair mends the key's index entry from) replaces ours.
+        Judged when the purge began and deleted blind, that pointer went. Read again
+        right before its delete: the store has no conditional delete, so a take in the
+        one round trip between the two can still lose it (the index routes it still,
+        and a full repair writes it back)."""
+        gate = asyncio.Semaphore(DELETES_AT_ONCE)
+
+        async def one(pointer: str, ours: set[str]) -> None:
+            async with gate:
+                named = await self._data(pointer)
+                if named is not None and named.decode(errors="replace") in ours:
+                    await self.store.delete(pointer)
+
+        await asyncio.gather(*(one(p, ids) for p, ids in pointers.items()))
 
     async def _delete(self, doomed: list[str]) -> None:
         gate = asyncio.Semaphore(DELETES_AT_ONCE)

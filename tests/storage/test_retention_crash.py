@@ -356,3 +356,59 @@ async def test_a_late_callback_stored_after_the_purges_last_look_goes_too() -> N
     assert late and (await store.list(keys.ENDED)).keys  # its marker finds it again
     await retention.sweep(now=later + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
     assert (await store.list("")).keys == []
+
+
+class KeyTakenMidPurge(MemoryObjectStore):
+    """Another session's new wait takes business key ``PR-C`` while the purge runs:
+    after the purge found the pointer naming its session's wait, before it deleted it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session_id = ""
+        self.taken: WaitBinding | None = None
+
+    async def list(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        # Listed after the purge judged the pointer, before its first delete.
+        mid_purge = self.session_id and prefix == keys.progress_prefix(self.session_id)
+        if mid_purge and self.taken is None:
+            self.taken = WaitBinding(
+                tenant="acme",
+                correlation_id=new_correlation_id(),
+                session_id="s_other",
+                epoch=1,
+                step_id="1",
+                deadline=NOW + KEEP + timedelta(days=2),
+            )
+            await ObjectCorrelations(self).record(self.taken, business_key="PR-C")
+        return await super().list(prefix, start_after=start_after, limit=limit)
+
+
+@pytest.mark.parametrize("refs", [True, False], ids=["refs", "0.2-no-refs"])
+async def test_a_business_key_taken_by_another_wait_mid_purge_keeps_its_pointer(
+    refs: bool,
+) -> None:
+    """The pointer was judged the purged session's early and deleted unconditionally
+    later: the new wait's pointer went, and after an index miss a webhook addressed by
+    the business key found no wait (nor did repair mend the key's index entry)."""
+    store = KeyTakenMidPurge()
+    sid = await ended(store)
+    if not refs:  # as 0.2 left it: found through the snapshot's business keys
+        snap = await ObjectSnapshots(store).load(sid)
+        refs_of = (await store.list(keys.refs_prefix(sid))).keys
+        [cid] = [r.rsplit("/", 1)[1] for r in refs_of if "/c/" in r]
+        stored = snap.model_copy(update={"business_keys": {"PR-C": 1}})
+        await store.delete(keys.snapshot(sid))
+        await store.put(keys.snapshot(sid), SnapshotCodec().encode(stored))
+        for ref in refs_of:
+            await store.delete(ref)
+        assert (
+            await ObjectCorrelations(store).business_key_target(tenant="acme", business_key="PR-C")
+        ) == cid
+    store.session_id = sid
+    later = NOW + KEEP + timedelta(days=1)
+    report = await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert [s for _, s in report.purged] == [sid] and store.taken is not None
+    found = await ObjectCorrelations(store).lookup_business_key(tenant="acme", business_key="PR-C")
+    assert found == store.taken
