@@ -355,7 +355,7 @@ class ObjectRetention:
         ``windows`` old (``_settled``). The objects deleted."""
         chunks = await self._list(keys.chunk_prefix(session_id))
         await self._delete(chunks)
-        late = await self._late_events(session_id)
+        late = await self._late_events(session_id, now - windows)
         await self.store.delete(keys.live(session_id))
         if not await self._settled(marker, now, windows):
             return len(chunks) + late
@@ -378,16 +378,30 @@ class ObjectRetention:
             return False
         return now - gone_at >= windows
 
-    async def _late_events(self, session_id: str) -> int:
+    async def _late_events(self, session_id: str, window_start: datetime) -> int:
         """Inbox events (and their replay markers) written after the inbox was listed: a
         resent callback routed through a correlation record before that went. Nothing
-        would find them once the snapshot and the markers are gone."""
+        would find them once the snapshot and the markers are gone.
+
+        A marker stamped after ``window_start`` stays: its request was signed moments
+        ago, and a captured copy replayed within the signature's tolerance gets past the
+        index's claim (a held claim is no replay without the marker), so, addressed by
+        business key alone, it could answer a newer wait that took the key. Named by no
+        event now, it goes by its own stamp (``_sweep_replays``), as a resent
+        duplicate's does."""
         found = await self._list(keys.inbox_prefix(session_id))
         replays: list[str] = []
         for event_key in found:
             event = await self._read(event_key, InboxEvent)
-            if event is not None and event.content_digest:
-                replays.append(keys.accepted_content(event.source, event.content_digest))
+            if event is None or not event.content_digest:
+                continue
+            replay = keys.accepted_content(event.source, event.content_digest)
+            try:
+                at = await self._stored_time(replay)
+            except ValueError:
+                at = None  # unstamped (before stamps): nothing else would delete it
+            if at is None or at.tzinfo is None or at <= window_start:
+                replays.append(replay)
         await self._delete(replays)
         await self._delete(found)
         return len(found) + len(replays)

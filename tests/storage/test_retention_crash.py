@@ -3,7 +3,7 @@ session is never left half-deleted yet invisible to retention."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from pydantic import JsonValue
@@ -412,3 +412,53 @@ async def test_a_business_key_taken_by_another_wait_mid_purge_keeps_its_pointer(
     assert [s for _, s in report.purged] == [sid] and store.taken is not None
     found = await ObjectCorrelations(store).lookup_business_key(tenant="acme", business_key="PR-C")
     assert found == store.taken
+
+
+class CallbackDuringPurge(MemoryObjectStore):
+    """A late callback, routed through the correlation record before it went, stored
+    (event, then replay marker stamped as the gateway stamps it) just before the purge's
+    look for late events: a request signed moments ago."""
+
+    def __init__(self, at: datetime) -> None:
+        super().__init__()
+        self.session_id, self.at, self.inbox_listings = "", at, 0
+
+    async def list(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        if self.session_id and prefix == keys.inbox_prefix(self.session_id):
+            self.inbox_listings += 1
+            if self.inbox_listings == 2:  # the purge's look for late events
+                late = InboxEvent.new(
+                    kind=EventKind.CALLBACK,
+                    session_id=self.session_id,
+                    source="oa",
+                    event_id="e-late",
+                    type="t",
+                    received_at=self.at,
+                ).model_copy(update={"content_digest": "d" * 64})
+                await ObjectInbox(self).deliver(late)
+                await ObjectInbox(self).remember_accepted(
+                    source="oa", content_digest="d" * 64, at=self.at
+                )
+        return await super().list(prefix, start_after=start_after, limit=limit)
+
+
+async def test_a_late_callbacks_replay_marker_outlives_its_signature_window() -> None:
+    """The purge deleted a late event's replay marker with the event, seconds after its
+    request: a captured copy replayed within the signature's tolerance got past the
+    index's claim (a held claim is no replay without the marker) and, addressed by
+    business key alone, could answer a newer wait that took the key. It now stays until
+    its own stamp is past the period (``_sweep_replays``), as every other marker does."""
+    later = NOW + KEEP + timedelta(days=1)
+    store = CallbackDuringPurge(at=later)
+    sid = await ended(store)
+    store.session_id = sid
+    inbox, retention = ObjectInbox(store), ObjectRetention(store)
+    await retention.sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert (await store.list(keys.inbox_prefix(sid))).keys == []  # the late event went
+    assert await inbox.was_accepted(source="oa", content_digest="d" * 64)
+    await retention.sweep(now=later + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
+    assert await inbox.was_accepted(source="oa", content_digest="d" * 64)
+    await retention.sweep(now=later + KEEP + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
+    assert (await store.list("")).keys == []
