@@ -308,6 +308,16 @@ class ObjectRetention:
         report: RetentionReport,
     ) -> None:
         try:
+            # The header first: a session that ended on the cutoff's day, after the
+            # cutoff, is visited by every sweep that day, and needs nothing more.
+            header = await self.snapshots.header(session_id)
+            if not header.state.terminal:  # a stale marker; the session is not ended
+                await self.store.delete(marker)
+                return
+            if header.updated_at > cutoff:
+                await self._refile(marker, session_id, header.updated_at)
+                report.kept += 1
+                return
             # As stored, without its history chunks: what judges it is all in there.
             snapshot = await self.snapshots.load_stored(session_id)
         except SessionNotFound:  # an earlier sweep got as far as the snapshot
@@ -316,18 +326,11 @@ class ObjectRetention:
         except SnapshotError:  # corrupt, or a newer torpor's (mid-upgrade: it judges)
             report.kept += 1  # never delete what cannot be read: an operator looks first
             return
-        if not snapshot.terminal:  # a stale marker; the session is not ended after all
-            await self.store.delete(marker)
+        if not snapshot.terminal or snapshot.updated_at > cutoff:
+            report.kept += 1  # changed since its header was read: the next visit judges
             return
         born_ms = session_id_ms(session_id)
         young = born_ms is not None and born_ms > (now - windows).timestamp() * 1000
-        if snapshot.updated_at > cutoff:
-            # Changed after it ended (e.g. its outbox settled): file it under that day.
-            await self.snapshots.mark_ended(session_id, snapshot.updated_at)
-            if marker != keys.ended(ended_day(snapshot.updated_at), session_id):
-                await self.store.delete(marker)
-            report.kept += 1
-            return
         if young:  # only with a retention shorter than the windows, which settings refuse
             report.kept += 1
             return
@@ -343,6 +346,16 @@ class ObjectRetention:
         chunks = await self._after_snapshot(session_id, marker, now, windows)
         report.objects += len(doomed) + chunks + 1
         report.purged.append((snapshot.tenant, session_id))
+
+    async def _refile(self, marker: str, session_id: str, updated_at: datetime) -> None:
+        """A session changed after it ended (e.g. its outbox settled): its marker filed
+        under that day. Left alone when it is already: rewritten, it cost a (flushed)
+        write at every sweep until the cutoff passed."""
+        filed = keys.ended(ended_day(updated_at), session_id)
+        if marker == filed:
+            return
+        await self.snapshots.mark_ended(session_id, updated_at)
+        await self.store.delete(marker)
 
     async def _after_snapshot(
         self, session_id: str, marker: str, now: datetime, windows: timedelta

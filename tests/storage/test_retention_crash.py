@@ -15,7 +15,7 @@ from storage.correlations import ObjectCorrelations
 from storage.inbox import ObjectInbox
 from storage.memory_store import MemoryObjectStore
 from storage.retention import BATCH_GRACE, SESSIONS_PER_BATCH_VISIT, ObjectRetention
-from storage.snapshots import ObjectSnapshots
+from storage.snapshots import ObjectSnapshots, ended_day
 from storage.work import ObjectProgress, WorkRecords
 from tests.support.factories import NOW, snapshot
 from torpor.batches import BatchManifest, FanOutCursor, RetryGeneration
@@ -462,3 +462,40 @@ async def test_a_late_callbacks_replay_marker_outlives_its_signature_window() ->
     assert await inbox.was_accepted(source="oa", content_digest="d" * 64)
     await retention.sweep(now=later + KEEP + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
     assert (await store.list("")).keys == []
+
+
+class CountsWork(MemoryObjectStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.marker_writes = self.whole_reads = 0
+
+    async def put(self, key: str, data: bytes) -> str:
+        self.marker_writes += key.startswith(keys.ENDED)
+        return await super().put(key, data)
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        self.whole_reads += key.startswith(keys.SNAPSHOTS) and max_bytes is None
+        return await super().get(key, max_bytes=max_bytes)
+
+
+async def test_a_session_that_ended_after_the_cutoff_on_its_day_costs_a_header_read() -> None:
+    """Ended on the cutoff's day, after the cutoff: every sweep (every 5 s, all that
+    day) read the whole snapshot and wrote its ended marker again, where it already was
+    (a flushed write on the local folder each time)."""
+    store = CountsWork()
+    sid = await ended(store)
+    header = await ObjectSnapshots(store).header(sid)
+    marker = keys.ended(ended_day(header.updated_at), sid)
+    assert (await store.list(keys.ENDED)).keys == [marker]
+    retention = ObjectRetention(store)
+    store.marker_writes = store.whole_reads = 0
+    now = header.updated_at + KEEP - timedelta(minutes=1)  # the cutoff: a minute before
+    for _ in range(3):
+        report = await retention.sweep(now=now, keep=KEEP, windows=WINDOWS, limit=10)
+        assert report.kept == 1 and report.purged == []
+    assert (store.marker_writes, store.whole_reads) == (0, 0)
+    assert (await store.list(keys.ENDED)).keys == [marker]
+    report = await retention.sweep(
+        now=now + timedelta(minutes=2), keep=KEEP, windows=WINDOWS, limit=10
+    )
+    assert [s for _, s in report.purged] == [sid]
