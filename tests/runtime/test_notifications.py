@@ -6,7 +6,8 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import standardwebhooks
 
 from storage import keys
 from storage.codec import SnapshotCodec
+from tests.conftest import eventually
 from tests.support.harness import Env, local_env
 from tests.support.hostile import Hanging
 from tests.support.receiver import Received, Receiver
@@ -145,6 +147,63 @@ async def test_dead_letter_then_resend(tmp_path: Path, redis_url: str, redis_pre
             assert len(hook.received) == 9
     finally:
         hook.close()
+
+
+async def test_a_delivery_waiting_for_its_turn_is_not_posted_again_by_a_second_sweeper(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """A worker took every due delivery timer at once (each leased for timeout_s +
+    wake_grace_s, 45 s) but attempted only ``concurrency`` at a time. Behind slow
+    receivers, one that waited for its turn outlived its lease while still to be posted:
+    a second reconciler (``torpor reconcile``) took the timer and posted it, and so did
+    the first once its turn came. Here one lane, four deliveries, each receiver taking
+    14 s of its 15 s deadline: the fourth starts 42 s after the take."""
+    hold = threading.Semaphore(0)
+    hook = Receiver(hold=hold)
+    try:
+        async with local_env(tmp_path, redis_url, redis_prefix) as env:
+            for n in range(4):
+                await finished_session(env, hook.url, doc=f"PR-{n}")
+            first, second = (
+                DeliveryWorker(env.services, concurrency=1),
+                DeliveryWorker(env.services, concurrency=1),
+            )
+
+            def posted(n: int) -> Callable[[], bool]:
+                return lambda: len(hook.received) == n
+
+            await first.start_due(env.clock.now())
+            for n in range(1, 5):
+                await eventually(posted(n), timeout_s=10)
+                env.clock.advance(14)  # the receiver takes its time, within the deadline
+                if n < 4:
+                    hold.release()
+            # 56 s after the first take, the fourth attempt still under way: a second
+            # sweeper finds nothing of its to take.
+            await second.start_due(env.clock.now())
+            hold.release()
+            await first.drain()
+            await second.drain()
+            posts = Counter(r.headers["webhook-id"] for r in hook.received)
+            assert sorted(posts.values()) == [1, 1, 1, 1], posts
+            delivered, _ = await env.services.deliveries.list(
+                "acme", status=DeliveryStatus.DELIVERED, cursor=None, limit=10
+            )
+            assert [d.attempts for d in delivered] == [1, 1, 1, 1]
+    finally:
+        hold.release(10)
+        hook.close()
+
+
+async def test_a_free_lane_takes_the_next_due_delivery_as_its_attempt_ends(
+    tmp_path: Path, redis_url: str, redis_prefix: str, hook: Receiver
+) -> None:
+    """Taking only what a lane can attempt now does not leave a backlog to later sweeps."""
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        for n in range(3):
+            await finished_session(env, hook.url, doc=f"PR-{n}")
+        assert await DeliveryWorker(env.services, concurrency=1).due(env.clock.now()) == 3
+        assert len(hook.received) == 3
 
 
 async def test_private_callback_urls_are_refused_unless_allowed(

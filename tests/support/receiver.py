@@ -17,10 +17,13 @@ class Received:
 
 @dataclass
 class Receiver:
-    """Answers each POST with the next status in ``script`` (the last one repeats)."""
+    """Answers each POST with the next status in ``script`` (the last one repeats).
+    With ``hold``, each POST is recorded at once but answered only once the test
+    releases ``hold`` for it: a receiver as slow as the test says."""
 
     script: list[int] = field(default_factory=lambda: [200])
     retry_after: str | None = None
+    hold: threading.Semaphore | None = None
     received: list[Received] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -34,6 +37,8 @@ class Receiver:
                     Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body)
                 )
                 index = min(len(receiver.received) - 1, len(receiver.script) - 1)
+                if receiver.hold is not None:
+                    receiver.hold.acquire(timeout=10)  # bounded: a failing run ends
                 self.send_response(receiver.script[index])
                 if receiver.retry_after:
                     self.send_header("Retry-After", receiver.retry_after)

@@ -27,9 +27,9 @@ import socket
 import ssl
 import time
 import urllib.error
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from functools import partial
 from typing import Any
 
 from torpor.deliveries import Delivery, DeliveryStatus, EndpointState, delivery_id_for
@@ -184,21 +184,32 @@ def tenant_view(delivery: Delivery) -> dict[str, Any]:
     return view
 
 
+@dataclass
+class _Round:
+    """What one ``start_due`` may still take, shared by the lanes it started."""
+
+    left: int
+    taken: int = 0
+
+
 class DeliveryWorker:
     """Attempts due deliveries and resends dead ones (an operator).
 
     The sweeper hands it due deliveries with ``start_due``, which returns at once: the
-    attempts run in this worker, ``concurrency`` at once, each under an overall deadline
-    (``notifications.timeout_s``). A delivery timer is leased while its attempt runs and
-    removed only once the attempt settled the delivery, so an attempt cut short by a
-    crash is made again.
+    attempts run in this worker's lanes, ``concurrency`` at once, each under an overall
+    deadline (``notifications.timeout_s``). A lane takes a delivery timer only when it is
+    free to attempt it, and the timer is leased from then for the attempt's deadline and
+    the grace, so no attempt outlives its lease; it is removed only once the attempt
+    settled the delivery, so an attempt cut short by a crash is made again.
     """
 
     def __init__(self, services: Services, *, concurrency: int = CONCURRENT_ATTEMPTS) -> None:
         self.services = services
         self.deliveries = services.deliveries
-        self._gate = asyncio.Semaphore(concurrency)
-        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._concurrency = concurrency
+        self._taking = asyncio.Lock()
+        self._lanes: set[asyncio.Task[None]] = set()
+        self._attempting: set[str] = set()
 
     @property
     def lease(self) -> timedelta:
@@ -209,41 +220,75 @@ class DeliveryWorker:
         )
 
     async def start_due(self, now: datetime, limit: int = 100) -> int:
-        """Take the due deliveries and attempt them in the background; returns how many
-        were started."""
-        until = now + self.lease
-        members = await self.services.index.lease_due(
-            kind=TimerKind.DELIVER, now=now, limit=limit, until=until
-        )
-        started = 0
-        for member in members:
-            if member in self._inflight:  # still being attempted here: its lease ran out
-                continue
-            task = asyncio.create_task(self._attempt_member(member, until))
-            self._inflight[member] = task
-            task.add_done_callback(partial(self._settled, member))
-            started += 1
-        return started
+        """Take due deliveries, as many as there are free lanes, and attempt them in the
+        background; each lane then takes the next due one as its attempt ends, ``limit``
+        in all. Returns how many were started now."""
+        return (await self._start(now, limit)).taken
 
-    def _settled(self, member: str, _: asyncio.Task[None]) -> None:
-        self._inflight.pop(member, None)
+    async def _start(self, now: datetime, limit: int) -> _Round:
+        round_ = _Round(left=limit)
+        # Under the lock: two calls at once never see the same lanes free.
+        async with self._taking:
+            members, until = await self._take(now, self._concurrency - len(self._lanes), round_)
+            for member in members:
+                lane = asyncio.create_task(self._lane(member, until, round_))
+                self._lanes.add(lane)
+                lane.add_done_callback(self._lanes.discard)
+        return round_
+
+    async def _take(self, now: datetime, room: int, round_: _Round) -> tuple[list[str], datetime]:
+        """Lease up to ``room`` due timers for attempts that start now. Only a free lane
+        takes one: taken ahead of their turn (100 for 8 lanes), those that waited behind
+        slow receivers outlived their lease, and another sweeper posted them too."""
+        room = min(room, round_.left)
+        # The lease runs from the take (the clock, not a sweep's ``now``: an earlier step
+        # of that sweep may have taken a while).
+        until = self.services.clock.now() + self.lease
+        if room <= 0:
+            return [], until
+        members = await self.services.index.lease_due(
+            kind=TimerKind.DELIVER, now=now, limit=room, until=until
+        )
+        round_.left -= len(members)
+        # One still being attempted here (its lease ran out) is not attempted twice.
+        fresh = [member for member in members if member not in self._attempting]
+        round_.taken += len(fresh)
+        return fresh, until
+
+    async def _lane(self, member: str, until: datetime, round_: _Round) -> None:
+        """Attempt ``member``, then the next due delivery, one at a time, while the round
+        allows and one is due."""
+        while True:
+            self._attempting.add(member)
+            try:
+                await self._attempt_member(member, until)
+            finally:
+                self._attempting.discard(member)
+            try:
+                members, until = await self._take(self.services.clock.now(), 1, round_)
+            except Exception:  # storage trouble: the next sweep takes them
+                log.exception("due deliveries could not be taken")
+                return
+            if not members:
+                return
+            [member] = members
 
     async def due(self, now: datetime, limit: int = 100) -> int:
-        """Attempt every due delivery and wait for the attempts (the CLI, tests)."""
-        started = await self.start_due(now, limit)
+        """Attempt every due delivery and wait for the attempts (the CLI, tests); returns
+        how many were attempted."""
+        round_ = await self._start(now, limit)
         await self.drain()
-        return started
+        return round_.taken
 
     async def drain(self) -> None:
         """Wait for the attempts under way."""
-        while self._inflight:
-            await asyncio.gather(*list(self._inflight.values()), return_exceptions=True)
+        while self._lanes:
+            await asyncio.gather(*list(self._lanes), return_exceptions=True)
 
     async def _attempt_member(self, member: str, leased_until: datetime) -> None:
         tenant, _, delivery_id = member.partition("|")
         try:
-            async with self._gate:
-                delivery = await self.attempt(tenant, delivery_id, now=self.services.clock.now())
+            delivery = await self.attempt(tenant, delivery_id, now=self.services.clock.now())
             if delivery.status is not DeliveryStatus.PENDING:
                 await self.services.index.unschedule(
                     kind=TimerKind.DELIVER, member=member, if_at=leased_until
