@@ -9,11 +9,12 @@ the host:
   only to log the change in order with the key's other changes). The
   creates waiting in one event loop are handed to a worker thread together
   (``_create_all``): one hop for all of them (0.08 ms of CPU per create, was 0.37).
-* ``put_if_match`` and ``delete`` take an exclusive ``flock`` on a per-key lock file,
-  compare the current etag and swap the new content in (``_swap_in``: the old file is
-  kept to be recycled, ``storage.blanks``): readers never see a half-written file, two
-  writers never both pass the etag check, and a reader checks after its read that the
-  key still names the file it read (``_unchanged``).
+* ``put_if_match``, ``delete`` and ``delete_if_match`` take an exclusive ``flock`` on a
+  per-key lock file, compare the current etag and swap the new content in, or the object
+  out (``_swap_in``: the old file is kept to be recycled, ``storage.blanks``): readers
+  never see a half-written file, two writers never both pass the etag check, and a
+  reader checks after its read that the key still names the file it read
+  (``_unchanged``).
 
 The objects every webhook creates (its inbox event, its replay marker) are not files:
 they are rows of one SQLite table in ``.small`` (``storage.small_objects``), chosen by
@@ -630,11 +631,24 @@ class LocalObjectStore:
         # have (listed all the same by the first page) must not fail a later one.
         return os.path.isfile(f"{self._objects}/{key}")
 
-    def _delete(self, key: str, wait: bool = True) -> None:
+    def _delete(self, key: str, wait: bool = True, *, etag: str | None = None) -> bool:
+        """``key``'s object removed, the removal logged and flushed; whether there was
+        one. With ``etag``, only if that is its etag still, compared under the key's
+        lock as ``_swap_if_match`` compares: another write of the key waits for the
+        lock and then finds no object, or went first and the etag differs (False:
+        nothing removed, nothing logged). The removal itself is ``delete``'s, and so is
+        its crash safety: the file moved out to ``.tmp``, then logged, then flushed."""
         path = self._file(key)
         gone, old = "", None
         try:
             with self._locked(key, wait=wait):
+                if etag is not None:
+                    try:
+                        current = etag_of(Path(path).read_bytes())
+                    except _NO_OBJECT:
+                        return False  # gone, or objects' folder is there: no object
+                    if _normal(current) != _normal(etag):
+                        return False
                 there = _occupant(path, key)
                 if there is not None:
                     try:
@@ -649,6 +663,7 @@ class LocalObjectStore:
             if old is not None:
                 self._blanks.recycle(gone, old)
         self._log.sync(ticket)
+        return there is not None
 
     def _move(self, key: str, to: str, wait: bool = True, *, after: int = 0) -> bool:
         """``key``'s file linked at ``to`` under both keys' locks, both changes logged, the
@@ -920,6 +935,18 @@ class LocalObjectStore:
             await self._rows_durable(ticket)
             return
         await self._write(functools.partial(self._delete, key), size=0)
+
+    async def delete_if_match(self, key: str, *, etag: str) -> bool:
+        if small_objects.holds(key):
+            check_object_key(key)
+            ticket = await self._rows_now(
+                lambda wait: self._rows.remove_if_match(key, etag, wait=wait)
+            )
+            if ticket is None:
+                return False
+            await self._rows_durable(ticket)
+            return True
+        return await self._write(functools.partial(self._delete, key, etag=etag), size=0)
 
     async def move(self, key: str, to: str, *, after: Staged | None = None) -> bool:
         if small_objects.holds(key) or small_objects.holds(to):

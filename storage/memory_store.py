@@ -71,6 +71,13 @@ class MemoryObjectStore:
     async def delete(self, key: str) -> None:
         self._objects.pop(check_object_key(key), None)
 
+    async def delete_if_match(self, key: str, *, etag: str) -> bool:
+        current = self._objects.get(check_object_key(key))
+        if current is None or _etag(current).strip('"') != etag.strip('"'):
+            return False
+        del self._objects[key]
+        return True
+
     async def warm(self) -> None:
         return None  # nothing made ahead in memory
 

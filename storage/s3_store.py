@@ -1,8 +1,11 @@
 """``s3://bucket/prefix``: the object store on any S3-compatible service (AWS, MinIO, …).
 
 Create-only and compare-and-swap are S3 conditional writes (``If-None-Match: *`` and
-``If-Match: <etag>``), which AWS S3, MinIO and the moto test server honour. boto3 is
-blocking, so every call runs in a worker thread; the client itself is thread-safe.
+``If-Match: <etag>``), which AWS S3, MinIO and the moto test server honour. A
+conditional delete is ``If-Match`` on DeleteObject, which AWS S3 and moto honour; a
+service that ignores it deletes unconditionally (``storage.probe`` does not look).
+boto3 is blocking, so every call runs in a worker thread; the client itself is
+thread-safe.
 """
 
 from __future__ import annotations
@@ -173,6 +176,28 @@ class S3ObjectStore:
         except (ClientError, BotoCoreError) as exc:
             raise self._fail(exc, key, ObjectExists) from exc
 
+    def _delete_if_match(self, key: str, etag: str) -> bool:
+        for attempt in range(CONFLICT_ATTEMPTS):
+            try:
+                # S3 compares the etag and deletes in one step: a replace that lands
+                # before it makes it a 412, one after it finds no object to replace.
+                self._client.delete_object(Bucket=self.bucket, Key=self._full(key), IfMatch=etag)
+                return True
+            except ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                if code == _IN_FLIGHT and attempt + 1 < CONFLICT_ATTEMPTS:
+                    time.sleep(CONFLICT_BACKOFF.delay_s(attempt))  # a worker thread
+                    continue
+                # 412: replaced since it was read; 404: gone. Nothing deleted either way,
+                # unless botocore sent the request again after a first try that deleted
+                # and lost its answer: that one finds it gone too (the port says so).
+                if code in _LOST_RACE or code in _MISSING:
+                    return False
+                raise self._fail(exc, key, EtagMismatch) from exc
+            except BotoCoreError as exc:
+                raise self._fail(exc, key, EtagMismatch) from exc
+        raise StorageUnavailable(f"conditional delete of {key!r} kept conflicting ({self.url})")
+
     # -- async protocol -------------------------------------------------------------
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
@@ -194,6 +219,9 @@ class S3ObjectStore:
 
     async def delete(self, key: str) -> None:
         await off_loop(self._delete, key)
+
+    async def delete_if_match(self, key: str, *, etag: str) -> bool:
+        return await off_loop(self._delete_if_match, key, etag)
 
     async def warm(self) -> None:
         # Nothing made ahead: the connection pool fills on demand, and a process's first

@@ -243,6 +243,18 @@ class SmallObjects:
             db.execute("DELETE FROM objects WHERE key = ?", (key,))
         return self._ticket()
 
+    def remove_if_match(self, key: str, etag: str, *, wait: bool) -> int | None:
+        """The row at ``key`` removed only if its etag is ``etag``: the commit's ticket,
+        or None, and nothing removed, if it changed or is gone. One statement compares
+        and removes, so a replace commits wholly before it or finds no row."""
+        with self._transaction(wait) as db:
+            removed = db.execute(
+                "DELETE FROM objects WHERE key = ? AND trim(etag, '\"') = ?",
+                (key, etag.strip('"')),
+            ).rowcount
+        ticket = self._ticket()
+        return ticket if removed else None
+
     def rename(self, key: str, to: str, *, wait: bool) -> int | None:
         """The row at ``key`` moved to ``to`` (replacing it) in one transaction; None,
         and nothing changed, if there is none."""

@@ -71,6 +71,41 @@ class ObjectStoreContract:
         with pytest.raises(ObjectNotFound):
             await store.get("ghost")
 
+    @pytest.mark.parametrize("key", ["pointers/k", "inbox/s/e"], ids=["file", "row"])
+    async def test_a_conditional_delete_deletes_only_the_object_it_names(
+        self, store: ObjectStore, key: str
+    ) -> None:
+        """``delete_if_match`` with the etag of a replaced object deletes nothing: the
+        replace stays. With the current etag it deletes, once. (The local folder keeps
+        ``inbox/`` keys as rows: both kinds.)"""
+        etag1 = await store.put_if_absent(key, b"v1")
+        etag2 = await store.put_if_match(key, b"v2", etag=etag1)
+        assert await store.delete_if_match(key, etag=etag1) is False
+        assert (await store.get(key)).data == b"v2"
+        assert await store.delete_if_match(key, etag=etag2) is True
+        with pytest.raises(ObjectNotFound):
+            await store.get(key)
+        assert await store.delete_if_match(key, etag=etag2) is False  # gone: nothing to do
+        await store.put_if_absent(key, b"again")  # create-only works again after it
+
+    async def test_a_conditional_delete_after_a_blind_put_of_other_content_refuses(
+        self, store: ObjectStore
+    ) -> None:
+        """What a business-key pointer meets: read, then ``put`` (naming another wait)
+        by someone else, then the delete with the etag read. It refuses."""
+        read = await store.put("pointer", b"ours")
+        await store.put("pointer", b"theirs")
+        assert await store.delete_if_match("pointer", etag=read) is False
+        assert (await store.get("pointer")).data == b"theirs"
+
+    async def test_a_conditional_delete_of_a_missing_object_deletes_nothing(
+        self, store: ObjectStore
+    ) -> None:
+        assert await store.delete_if_match("ghost", etag=etag_of(b"x")) is False
+        assert await store.delete_if_match("inbox/ghost", etag=etag_of(b"x")) is False
+        with pytest.raises(ObjectNotFound):
+            await store.get("ghost")
+
     async def test_a_key_below_an_object_or_above_one_names_no_object(
         self, store: ObjectStore
     ) -> None:
@@ -85,8 +120,10 @@ class ObjectStoreContract:
                 await store.get(missing, max_bytes=1)
             with pytest.raises(EtagMismatch):
                 await store.put_if_match(missing, b"z", etag=etag_of(b"x"))
+            assert await store.delete_if_match(missing, etag=etag_of(b"y")) is False
         await store.delete("a/b")  # nothing there: nothing to do
         assert (await store.get("a")).data == b"x"
+        assert (await store.get("q/w")).data == b"y"
 
     async def test_unconditional_put_overwrites(self, store: ObjectStore) -> None:
         await store.put("p", b"1")
@@ -202,6 +239,23 @@ class TestLocalObjectStore(ObjectStoreContract):
         )
         assert all(len(w) == 1 for w in winners.values()), winners
 
+    async def test_conditional_delete_race_has_exactly_one_winner(self, tmp_path: Path) -> None:
+        """Processes deleting one object with the etag each read: the key's lock makes
+        the compare and the removal one step, so one deletes and the rest find it gone."""
+        root = tmp_path / "race"
+        store = LocalObjectStore(root)
+        etags = [await store.put_if_absent(f"race/round-{r}", b"base") for r in range(20)]
+        winners = race(
+            ("local", {"root": str(root)}),
+            "delete_if_match",
+            workers=6,
+            rounds=20,
+            etags=list(etags),
+        )
+        assert all(len(w) == 1 for w in winners.values()), winners
+        assert (await store.list("race/")).keys == []
+        await store.close()
+
     @pytest.mark.parametrize("op", ["put_if_absent", "put", "move"])
     @pytest.mark.parametrize(("there", "key"), [("queue/a", "queue/a/b"), ("queue/q/w", "queue/q")])
     async def test_a_key_the_folder_cannot_hold_beside_another_is_refused_typed(
@@ -262,6 +316,17 @@ class TestS3ObjectStore(ObjectStoreContract):
         spec = ("s3", {"bucket": s3_bucket, "prefix": "r", "boto": s3_server.boto_kwargs()})
         winners = race(spec, "put_if_match", workers=6, rounds=10, etags=list(etags))
         assert all(len(w) == 1 for w in winners.values()), winners
+        await store.close()
+
+    async def test_conditional_delete_race_has_exactly_one_winner(
+        self, s3_server: S3TestServer, s3_bucket: str
+    ) -> None:
+        store = S3ObjectStore(s3_bucket, "r", **s3_server.boto_kwargs())
+        etags = [await store.put_if_absent(f"race/round-{r}", b"base") for r in range(10)]
+        spec = ("s3", {"bucket": s3_bucket, "prefix": "r", "boto": s3_server.boto_kwargs()})
+        winners = race(spec, "delete_if_match", workers=6, rounds=10, etags=list(etags))
+        assert all(len(w) == 1 for w in winners.values()), winners
+        assert (await store.list("race/")).keys == []
         await store.close()
 
     async def test_as_many_requests_as_the_pool_is_wide_are_in_flight_at_once(

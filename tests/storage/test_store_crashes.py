@@ -42,6 +42,8 @@ async def main(folder, op, old, new):
         await store.put("sessions/k", new)
     elif op == "cas":
         await store.put_if_match("sessions/k", new, etag=etag)
+    elif op == "cad":
+        await store.delete_if_match("sessions/k", etag=etag)
     else:
         await store.delete("sessions/k")
     print("survived", flush=True)
@@ -102,6 +104,7 @@ def read(store: LocalObjectStore, key: str) -> bytes | None:
         (CrashPoint.STORE_AFTER_SWAP, "put", NEW),
         (CrashPoint.STORE_AFTER_SWAP, "cas", NEW),
         (CrashPoint.STORE_AFTER_MOVE, "delete", None),
+        (CrashPoint.STORE_AFTER_MOVE, "cad", None),
     ],
 )
 def test_a_writer_killed_between_the_move_and_its_log_record_leaves_the_key_whole(

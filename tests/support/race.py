@@ -48,6 +48,9 @@ async def _attempt(
         elif op == "put_if_match":
             assert etag is not None
             await target.put_if_match(key, f"worker {worker}".encode(), etag=etag)
+        elif op == "delete_if_match":
+            assert etag is not None
+            return bool(await target.delete_if_match(key, etag=etag))
         elif op == "nonce":
             admission = await target.admit(
                 claims=[("race", key)],

@@ -39,7 +39,8 @@ class ObjectStore(Protocol):
     Conditional writes are the only way torpor changes shared state in the store:
     ``put_if_absent`` is create-only (``If-None-Match: *``), ``put_if_match`` is a
     compare-and-swap on the etag (``If-Match``). Each raises a ``PreconditionFailed``
-    subclass when it loses, and writes nothing.
+    subclass when it loses, and writes nothing. ``delete_if_match`` is the delete's
+    compare-and-swap: it answers False when it loses, and deletes nothing.
     """
 
     @property
@@ -75,6 +76,14 @@ class ObjectStore(Protocol):
 
     async def delete(self, key: str) -> None:
         """Idempotent: deleting a missing key is not an error."""
+        ...
+
+    async def delete_if_match(self, key: str, *, etag: str) -> bool:
+        """Delete only if the current etag is ``etag`` (``If-Match`` on the delete), for
+        an object another writer may replace meanwhile: True if this call deleted it;
+        False, and nothing deleted, if it changed or is gone. (On S3, a request that
+        botocore sent again after its first try deleted and lost the answer finds it
+        gone: False, though the object went.)"""
         ...
 
     async def warm(self) -> None:
