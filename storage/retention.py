@@ -55,7 +55,7 @@ from torpor.errors import InvalidKey, ObjectNotFound, SessionNotFound, SnapshotE
 from torpor.events import InboxEvent
 from torpor.ids import session_id_ms
 from torpor.models import OutboxKind, SessionSnapshot
-from torpor.ports import ObjectStore, WaitBinding
+from torpor.ports import ObjectStore, StoredObject, WaitBinding
 from torpor.ports.repositories import RetentionReport
 from torpor.work import WorkOrder, work_id
 
@@ -576,17 +576,17 @@ class ObjectRetention:
         is free since the session's waits closed: another session's new wait may take it
         at any time, and its pointer (what routes a webhook by business key after an
         index miss, and what repair mends the key's index entry from) replaces ours.
-        Judged when the purge began and deleted blind, that pointer went. Read again
-        right before its delete: the store has no conditional delete, so a take in the
-        one round trip between the two can still lose it (the index routes it still,
-        and a full repair writes it back)."""
+        Judged when the purge began and deleted blind, that pointer went. Each is read
+        again right before its delete, and the delete is conditional on the etag read:
+        a take between the two replaced the object (it names another correlation id,
+        so its etag differs), and the delete refuses."""
         gate = asyncio.Semaphore(DELETES_AT_ONCE)
 
         async def one(pointer: str, ours: set[str]) -> None:
             async with gate:
-                named = await self._data(pointer)
-                if named is not None and named.decode(errors="replace") in ours:
-                    await self.store.delete(pointer)
+                found = await self._stored(pointer)
+                if found is not None and found.data.decode(errors="replace") in ours:
+                    await self.store.delete_if_match(pointer, etag=found.etag)
 
         await asyncio.gather(*(one(p, ids) for p, ids in pointers.items()))
 
@@ -603,8 +603,12 @@ class ObjectRetention:
         return await all_keys(self.store, prefix)
 
     async def _data(self, key: str) -> bytes | None:
+        found = await self._stored(key)
+        return None if found is None else found.data
+
+    async def _stored(self, key: str) -> StoredObject | None:
         try:
-            return (await self.store.get(keys.check_object_key(key))).data
+            return await self.store.get(keys.check_object_key(key))
         except ObjectNotFound:
             return None
 

@@ -39,11 +39,18 @@ class CrashingDeletes(MemoryObjectStore):
         super().__init__()
         self.crash_at: str | None = None
 
-    async def delete(self, key: str) -> None:
+    def _maybe_crash(self, key: str) -> None:
         if self.crash_at is not None and key.startswith(self.crash_at):
             self.crash_at = None
             raise Crash(key)
+
+    async def delete(self, key: str) -> None:
+        self._maybe_crash(key)
         await super().delete(key)
+
+    async def delete_if_match(self, key: str, *, etag: str) -> bool:
+        self._maybe_crash(key)  # a business-key pointer's delete
+        return await super().delete_if_match(key, etag=etag)
 
 
 async def ended(store: CrashingDeletes) -> str:
@@ -499,3 +506,50 @@ async def test_a_session_that_ended_after_the_cutoff_on_its_day_costs_a_header_r
         now=now + timedelta(minutes=2), keep=KEEP, windows=WINDOWS, limit=10
     )
     assert [s for _, s in report.purged] == [sid]
+
+
+class KeyTakenAtItsDelete(MemoryObjectStore):
+    """Another session's new wait takes business key ``PR-C`` at the last moment: after
+    the purge read the pointer again (still naming its session's wait), before the
+    pointer's delete reaches the store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pointer = keys.business_key("acme", "PR-C")
+        self.armed = False
+        self.taken: WaitBinding | None = None
+
+    async def _take_first(self, key: str) -> None:
+        if self.armed and key == self.pointer and self.taken is None:
+            self.taken = WaitBinding(
+                tenant="acme",
+                correlation_id=new_correlation_id(),
+                session_id="s_other",
+                epoch=1,
+                step_id="1",
+                deadline=NOW + KEEP + timedelta(days=2),
+            )
+            await ObjectCorrelations(self).record(self.taken, business_key="PR-C")
+
+    async def delete(self, key: str) -> None:
+        await self._take_first(key)
+        await super().delete(key)
+
+    async def delete_if_match(self, key: str, *, etag: str) -> bool:
+        await self._take_first(key)
+        return await super().delete_if_match(key, etag=etag)
+
+
+async def test_a_business_key_taken_just_before_its_pointers_delete_keeps_it() -> None:
+    """The pointer was read again right before its delete, but deleted unconditionally:
+    a wait that took the key in that one round trip lost its pointer (after an index
+    miss a webhook addressed by the business key found no wait). The delete is
+    conditional on the etag read: the new pointer stays."""
+    store = KeyTakenAtItsDelete()
+    sid = await ended(store)
+    store.armed = True
+    later = NOW + KEEP + timedelta(days=1)
+    report = await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert [s for _, s in report.purged] == [sid] and store.taken is not None
+    found = await ObjectCorrelations(store).lookup_business_key(tenant="acme", business_key="PR-C")
+    assert found == store.taken
