@@ -71,6 +71,9 @@ class CountingStore:
     async def delete(self, key: str) -> None:
         await self.inner.delete(key)
 
+    async def delete_if_match(self, key: str, *, etag: str) -> bool:
+        return await self.inner.delete_if_match(key, etag=etag)
+
     async def close(self) -> None:
         return None
 

@@ -72,6 +72,9 @@ class Reads:
     async def delete(self, key: str) -> None:
         await self.inner.delete(key)
 
+    async def delete_if_match(self, key: str, *, etag: str) -> bool:
+        return await self.inner.delete_if_match(key, etag=etag)
+
     async def close(self) -> None:
         await self.inner.close()
 
