@@ -12,10 +12,9 @@ import pytest
 from storage import keys
 from tests.faults.index_loss import flush_index
 from tests.storage.test_history_chunks import age
-from tests.support.harness import Env, local_env
+from tests.support.harness import Env, keys_read, local_env
 from torpor.ids import new_session_id
 from torpor.lifecycle import SessionState
-from torpor.ports import StoredObject
 from torpor.service.sweeper import Sweeper
 from torpor.session.suspend import Suspender
 
@@ -143,14 +142,7 @@ async def test_the_holder_of_a_key_is_judged_without_reading_its_history(env: En
     first = await env.submit(doc="PR-1")
     aged = await age(env.services.snapshots, await env.load(first), 1000)
     assert aged.chunks.messages and aged.waits
-    store, read = env.services.store, []
-    original = store.get
-
-    async def get(key: str, *, max_bytes: int | None = None) -> StoredObject:
-        read.append(key)
-        return await original(key, max_bytes=max_bytes)
-
-    store.get = get  # type: ignore[method-assign]
+    read = keys_read(env.services.store)
     second = await env.submit(doc="PR-1")
     assert (await env.load(second)).state is SessionState.COMPLETED  # refused, as above
     assert keys.snapshot(first) in read

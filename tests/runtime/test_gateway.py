@@ -14,12 +14,12 @@ from storage import keys
 from storage.audit import ObjectAudit
 from storage.codec import SnapshotCodec
 from tests.storage.test_history_chunks import age
-from tests.support.harness import local_env
+from tests.support.harness import keys_read, local_env
 from torpor.entry.http import read_audited_body
 from torpor.errors import UnknownCorrelation, WebhookRejected, WebhookSecretInvalid
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
-from torpor.ports import Observer, StoredObject
+from torpor.ports import Observer
 from torpor.problems import problem_for
 from torpor.service.gateway import WebhookGateway
 from torpor.session.runtime import lease_name
@@ -485,14 +485,7 @@ async def test_a_resent_answer_to_a_long_session_reads_only_its_processed_ids(
         )
         aged = await age(env.services.snapshots, snap, 1000)
         assert aged.chunks.processed_events and event.key not in aged.processed_events[-128:]
-        store, read = env.services.store, []
-        original = store.get
-
-        async def get(key: str, *, max_bytes: int | None = None) -> StoredObject:
-            read.append(key)
-            return await original(key, max_bytes=max_bytes)
-
-        store.get = get  # type: ignore[method-assign]
+        read = keys_read(env.services.store)
         woken = env.control.activate_for_event
         env.control.activate_for_event = lambda session_id: pytest.fail("processed: not woken")  # type: ignore[method-assign]
         await deliver(200)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from storage import keys
 from tests.runtime.memory_env import MemEnv, memory_env, plan_agent, reset
 from tests.storage.test_history_chunks import age
+from tests.support.harness import keys_read
 from torpor.lifecycle import SessionState
-from torpor.ports import ObjectStore, StoredObject
 
 PLAN = {
     "steps": [
@@ -16,20 +16,6 @@ PLAN = {
     ]
 }
 AGENTS = {"a": plan_agent(PLAN, {"tests.runtime.memory_env:Approve": {}})}
-
-
-def count_chunk_reads(env: MemEnv, sid: str) -> list[int]:
-    reads = [0]
-    store: ObjectStore = env.services.store
-    original = store.get
-
-    async def get(key: str, *, max_bytes: int | None = None) -> StoredObject:
-        if key.startswith(keys.chunk_prefix(sid)):
-            reads[0] += 1
-        return await original(key, max_bytes=max_bytes)
-
-    store.get = get  # type: ignore[method-assign]
-    return reads
 
 
 async def long_waiting_session(env: MemEnv) -> str:
@@ -46,7 +32,7 @@ async def test_showing_a_long_session_reads_none_of_its_history_chunks() -> None
     async with memory_env(AGENTS) as env:
         reset()
         sid = await long_waiting_session(env)
-        reads = count_chunk_reads(env, sid)
+        read = keys_read(env.services.store)
         shown = await env.control.get(sid, tenant="acme")
         assert shown.state is SessionState.SUSPENDED and len(shown.waits) == 1
-        assert reads == [0]
+        assert not [k for k in read if k.startswith(keys.chunk_prefix(sid))]

@@ -365,6 +365,20 @@ async def test_a_late_callback_stored_after_the_purges_last_look_goes_too() -> N
     assert (await store.list("")).keys == []
 
 
+async def another_wait_takes_the_key(store: MemoryObjectStore) -> WaitBinding:
+    """Another session's new wait takes business key ``PR-C`` (its pointer rewritten)."""
+    taken = WaitBinding(
+        tenant="acme",
+        correlation_id=new_correlation_id(),
+        session_id="s_other",
+        epoch=1,
+        step_id="1",
+        deadline=NOW + KEEP + timedelta(days=2),
+    )
+    await ObjectCorrelations(store).record(taken, business_key="PR-C")
+    return taken
+
+
 class KeyTakenMidPurge(MemoryObjectStore):
     """Another session's new wait takes business key ``PR-C`` while the purge runs:
     after the purge found the pointer naming its session's wait, before it deleted it."""
@@ -380,15 +394,7 @@ class KeyTakenMidPurge(MemoryObjectStore):
         # Listed after the purge judged the pointer, before its first delete.
         mid_purge = self.session_id and prefix == keys.progress_prefix(self.session_id)
         if mid_purge and self.taken is None:
-            self.taken = WaitBinding(
-                tenant="acme",
-                correlation_id=new_correlation_id(),
-                session_id="s_other",
-                epoch=1,
-                step_id="1",
-                deadline=NOW + KEEP + timedelta(days=2),
-            )
-            await ObjectCorrelations(self).record(self.taken, business_key="PR-C")
+            self.taken = await another_wait_takes_the_key(self)
         return await super().list(prefix, start_after=start_after, limit=limit)
 
 
@@ -521,15 +527,7 @@ class KeyTakenAtItsDelete(MemoryObjectStore):
 
     async def _take_first(self, key: str) -> None:
         if self.armed and key == self.pointer and self.taken is None:
-            self.taken = WaitBinding(
-                tenant="acme",
-                correlation_id=new_correlation_id(),
-                session_id="s_other",
-                epoch=1,
-                step_id="1",
-                deadline=NOW + KEEP + timedelta(days=2),
-            )
-            await ObjectCorrelations(self).record(self.taken, business_key="PR-C")
+            self.taken = await another_wait_takes_the_key(self)
 
     async def delete(self, key: str) -> None:
         await self._take_first(key)

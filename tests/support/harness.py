@@ -15,6 +15,7 @@ from tests.support.tools import World, agent_config
 from torpor.clock import ManualClock
 from torpor.events import EventKind, InboxEvent
 from torpor.models import SessionSnapshot, Wait
+from torpor.ports import ObjectStore, StoredObject
 from torpor.ports.services import Services
 from torpor.service.activator import InlineActivator
 from torpor.service.sessions import SessionService
@@ -124,6 +125,20 @@ class Env:
                 data=data,
             )
         )
+
+
+def keys_read(store: ObjectStore) -> list[str]:
+    """Every key ``store.get`` is asked for from now on, in order (a live list): what a
+    read path fetched, for tests that bound it."""
+    read: list[str] = []
+    original = store.get
+
+    async def get(key: str, *, max_bytes: int | None = None) -> StoredObject:
+        read.append(key)
+        return await original(key, max_bytes=max_bytes)
+
+    store.get = get  # type: ignore[method-assign]
+    return read
 
 
 async def held_by_a_dead_holder(env: Env, sid: str) -> None:
