@@ -326,3 +326,17 @@ async def test_an_approver_named_twice_in_a_reassignment_votes_once(make: Any) -
         assert (await env.load(sid)).waits[0].request["required"] == 2
         assert (await vote(env, sid, "fd")).state is S.SUSPENDED
         assert (await vote(env, sid, "cfo")).state is S.COMPLETED
+
+
+@pytest.mark.parametrize("amount", ["NaN", "inf", "-Infinity"])
+async def test_an_amount_that_is_no_finite_number_is_refused_not_taken_as_small(
+    make: Any, amount: str
+) -> None:
+    """NaN is above no threshold and inf is stored as null (read back as 0): either way the
+    CFO's stage was skipped and a clerk's tier had authority. The call fails instead."""
+    stages = [{"approvers": ["clerk", "fd"]}, {"approvers": ["cfo"], "above": 10_000}]
+    async with make(stages=stages) as env:
+        sid = await submit(env, amount=amount)  # type: ignore[arg-type]
+        snap = await env.load(sid)
+        assert snap.waits == [] and SENT == []
+        assert snap.state is S.COMPLETED and snap.result == {"decision": "error"}

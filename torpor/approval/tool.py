@@ -28,6 +28,7 @@ POST the request as JSON to ``request_url``) and ``withdraw`` (default: POST to
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -136,6 +137,10 @@ class ApprovalTool(LongRunningTool):
             amount = float(args.get("amount") or 0)
         except (TypeError, ValueError):
             raise ToolError("amount must be a number") from None
+        if not math.isfinite(amount):
+            # NaN is above no stage's threshold and within no tier, and inf is stored as
+            # null (read back as 0): either would skip the stages a large amount needs.
+            raise ToolError("amount must be a finite number")
         stages = self.stages_for(amount)
         request: dict[str, JsonValue] = {
             **{k: v for k, v in args.items() if isinstance(k, str)},
