@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from pydantic import ValidationError
 
 from torpor.approval.policy import AuthorityPolicy, Mode, Outcome, Quorum
 from torpor.auth import hash_key, operator_for
@@ -124,3 +125,15 @@ def test_a_delegate_asked_in_their_own_right_may_still_act_for_their_principal()
         "clerk", asked=["clerk", "fd"], amount=9000, cost_centre=None, now=NOW
     )
     assert not refused.ok and "no authority for 9000" in refused.why
+
+
+@pytest.mark.parametrize("until", ["2026-12-31T00:00:00", datetime(2026, 12, 31)])
+def test_a_delegation_end_without_a_time_zone_is_refused_when_the_policy_loads(
+    until: object,
+) -> None:
+    """A TOML local date-time (no ``Z``) was kept naive: every answer of the delegate then
+    failed its session's activation (naive compared with the aware clock), retried until
+    the session was quarantined, the answers behind it in the inbox unread."""
+    delegation = {"delegate": "deputy", "for": "fd", "until": until}
+    with pytest.raises(ValidationError, match="timezone"):
+        AuthorityPolicy.model_validate({"delegations": [delegation]})

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 
 class _Policy(BaseModel):
@@ -31,7 +31,9 @@ class Delegation(_Policy):
 
     delegate: str
     principal: str = Field(alias="for")
-    until: datetime | None = None
+    # Aware, refused on load otherwise: a naive end (a TOML local date-time) cannot be
+    # compared with the clock, and failed the session of every answer the delegate gave.
+    until: AwareDatetime | None = None
 
 
 @dataclass(frozen=True)
