@@ -331,6 +331,15 @@ class NotificationSettings(_Section):
     )
 
 
+# As for capability keys: a console cookie's HMAC key an attacker cannot guess offline.
+CONSOLE_KEY_MIN_BYTES = 16
+
+
+def _check_console_key(key: bytes) -> None:
+    if len(key) < CONSOLE_KEY_MIN_BYTES:
+        raise ConfigError(f"security.console_key must be at least {CONSOLE_KEY_MIN_BYTES} bytes")
+
+
 class SecuritySettings(_Section):
     """Keys and limits at the HTTP edge."""
 
@@ -363,8 +372,25 @@ class SecuritySettings(_Section):
     )
     console_key: SecretStr | None = Field(
         None,
-        description="signs console login cookies; unset: a random key per replica (re-login)",
+        description=(
+            "signs console login cookies; 16 bytes at least; unset: a random key per replica"
+            " (re-login)"
+        ),
     )
+
+    @field_validator("console_key")
+    @classmethod
+    def _console_key_is_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        # Every console user holds a cookie signed with it, payload and MAC: a short key
+        # was found offline from a tenant's own login, and then signed an operator's. An
+        # `env:` one is checked where it resolves (Settings.console_key_bytes).
+        raw = value.get_secret_value() if value is not None else ""
+        if raw and not raw.startswith("env:"):
+            try:
+                _check_console_key(raw.encode())
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return value
 
     @field_validator("capability_keys")
     @classmethod
@@ -607,6 +633,16 @@ class Settings(BaseSettings):
         for index, key in enumerate(keys):
             check_key(key, index)
         return keys
+
+    def console_key_bytes(self) -> bytes | None:
+        """The console's cookie key, resolved now; None when unset; ``ConfigError`` (never
+        the value) if it is too short."""
+        configured = self.security.console_key
+        if not configured:
+            return None
+        key = resolve_secret(configured).encode()
+        _check_console_key(key)
+        return key
 
     @property
     def embedded(self) -> bool:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from torpor.auth import new_api_key
 from torpor.entry.console.login import LIFETIME, CookieSigner, Role, authenticate
+from torpor.errors import ConfigError
 from torpor.settings import Settings
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -79,3 +82,23 @@ def test_a_csrf_token_belongs_to_one_login() -> None:
     # The form is the sender's: a non-ASCII token is wrong, not a TypeError (a 500).
     assert not signer.csrf_ok(first, "\u00e9")
     assert not signer.csrf_ok(first, "\udce9")
+
+
+def test_a_console_key_too_short_to_sign_with_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every console user holds a cookie signed with it, payload and MAC: a short key is
+    # found offline from a tenant's own login, and then signs an operator's cookie.
+    op_key, op_hash = new_api_key()
+    _, acme_hash = new_api_key()
+    with pytest.raises(ConfigError, match="console_key") as refused:
+        settings(op_hash, acme_hash, key="hunter2")
+    assert "hunter2" not in str(refused.value)  # named, never shown
+    # An `env:` key is checked where it resolves: when the console's signer is made.
+    monkeypatch.setenv("TORPOR_TEST_CONSOLE_KEY", "hunter2")
+    later = settings(op_hash, acme_hash, key="env:TORPOR_TEST_CONSOLE_KEY")
+    with pytest.raises(ConfigError, match="console_key"):
+        CookieSigner(later)
+    monkeypatch.setenv("TORPOR_TEST_CONSOLE_KEY", "a-console-key-of-32-bytes-000000")
+    principal = authenticate(later, op_key, now=NOW)
+    assert principal is not None
+    signer = CookieSigner(later)
+    assert signer.open(signer.issue(principal), now=NOW) == principal

@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 
 from torpor.auth import key_id, match_key
-from torpor.settings import Settings, resolve_secret
+from torpor.settings import Settings
 
 COOKIE = "torpor_console"
 LIFETIME = timedelta(hours=8)
@@ -81,9 +81,9 @@ def _still_configured(settings: Settings, principal: Principal) -> bool:
 
 class CookieSigner:
     def __init__(self, settings: Settings) -> None:
-        configured = settings.security.console_key
+        configured = settings.console_key_bytes()
         # Without a configured key, logins last as long as this process (one replica).
-        self._key = resolve_secret(configured).encode() if configured else secrets.token_bytes(32)
+        self._key = configured if configured is not None else secrets.token_bytes(32)
         self.settings = settings
 
     def _mac(self, purpose: str, payload: bytes) -> str:
