@@ -48,6 +48,9 @@ class MemoryClaims(MemoryWaits):
     async def release_nonce(self, *, scope: str, nonce: str) -> None:
         self._nonces.pop((scope, nonce), None)
 
+    async def holds_nonce(self, *, scope: str, nonce: str, now: datetime) -> bool:
+        return self._nonces.get((scope, nonce), 0) > to_ms(now)
+
     async def claim_idempotency(
         self,
         *,

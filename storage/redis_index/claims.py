@@ -80,6 +80,10 @@ class RedisClaims(RedisConnection):
         await self._redis.delete(self.keys.nonce(scope, nonce))
 
     @translate
+    async def holds_nonce(self, *, scope: str, nonce: str, now: datetime) -> bool:
+        return bool(await self._redis.exists(self.keys.nonce(scope, nonce)))
+
+    @translate
     async def claim_idempotency(
         self,
         *,

@@ -59,6 +59,15 @@ class SqliteClaims(SqliteConnection):
         key = _nonce_key(scope, nonce)
         await self._run(lambda c: c.execute("DELETE FROM nonces WHERE key=?", (key,)))
 
+    async def holds_nonce(self, *, scope: str, nonce: str, now: datetime) -> bool:
+        key, now_ms = _nonce_key(scope, nonce), to_ms(now)
+        held = await self._run(
+            lambda c: c.execute(
+                "SELECT 1 FROM nonces WHERE key=? AND expires_ms>?", (key, now_ms)
+            ).fetchone()
+        )
+        return held is not None
+
     async def claim_idempotency(
         self,
         *,

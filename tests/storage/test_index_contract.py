@@ -438,6 +438,15 @@ class IndexContract:
         await index.release_nonce(scope="oa", nonce="n-1")
         assert await claim(index, [("oa", "n-1")])
 
+    async def test_holds_nonce_reads_a_claim_without_taking_it(self, index: Index) -> None:
+        assert not await index.holds_nonce(scope="oa", nonce="n-2", now=NOW)
+        assert not await index.holds_nonce(scope="oa", nonce="n-2", now=NOW)  # still free
+        assert await claim(index, [("oa", "n-2")])
+        assert await index.holds_nonce(scope="oa", nonce="n-2", now=NOW)
+        assert not await index.holds_nonce(scope="erp", nonce="n-2", now=NOW)
+        await index.release_nonce(scope="oa", nonce="n-2")
+        assert not await index.holds_nonce(scope="oa", nonce="n-2", now=NOW)
+
     async def test_admit_claims_and_resolves_together(self, index: Index) -> None:
         ttl = timedelta(minutes=10)
         b = binding()

@@ -205,6 +205,11 @@ class ClaimIndex(Protocol):
         """Give a claim back (the request failed before anything was accepted)."""
         ...
 
+    async def holds_nonce(self, *, scope: str, nonce: str, now: datetime) -> bool:
+        """Whether a claim on (scope, nonce) is held and unexpired, claiming nothing (an
+        ended console login, looked up on each of its cookie's requests)."""
+        ...
+
     async def claim_idempotency(
         self,
         *,

@@ -23,7 +23,14 @@ from pydantic import JsonValue, TypeAdapter, ValidationError
 from torpor.entry.console import pages, reads
 from torpor.entry.console.actions import OperatorActions
 from torpor.entry.console.live import LiveCounts
-from torpor.entry.console.login import COOKIE, LIFETIME, CookieSigner, Principal, authenticate
+from torpor.entry.console.login import (
+    COOKIE,
+    LIFETIME,
+    LOGOUT_SCOPE,
+    CookieSigner,
+    Principal,
+    authenticate,
+)
 from torpor.entry.http import (
     HeldStreamingResponse,
     ensure_strict_json,
@@ -72,8 +79,25 @@ class _Console:
             tick_s=deps.live_tick_s,
         )
 
-    def principal(self, request: Request) -> Principal | None:
-        return self.signer.open(request.cookies.get(COOKIE), now=self.services.clock.now())
+    async def principal(self, request: Request) -> Principal | None:
+        now = self.services.clock.now()
+        principal = self.signer.open(request.cookies.get(COOKIE), now=now)
+        if principal is None or await self.services.index.holds_nonce(
+            scope=LOGOUT_SCOPE, nonce=principal.nonce, now=now
+        ):
+            return None
+        return principal
+
+    async def end(self, principal: Principal) -> None:
+        """Log ``principal`` out: its cookie, copied anywhere, opens nothing from now on."""
+        await self.services.index.admit(
+            claims=[(LOGOUT_SCOPE, principal.nonce)],
+            ttl=LIFETIME,
+            now=self.services.clock.now(),
+            tenant=principal.tenant or "",
+            correlation_id=None,
+            business_key=None,
+        )
 
     async def form(self, request: Request, principal: Principal | None) -> dict[str, str]:
         """The urlencoded form, bounded; with a principal, its CSRF token is required."""
@@ -153,7 +177,7 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
     async def guarded(
         request: Request, page: Callable[[Principal], Awaitable[Response]]
     ) -> Response:
-        principal = c.principal(request)
+        principal = await c.principal(request)
         if principal is None:
             if request.method == "GET":
                 return c.to_login()
@@ -190,9 +214,11 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
 
     @app.post("/logout")
     async def logout(request: Request) -> Response:
-        principal = c.principal(request)
+        principal = await c.principal(request)
         if principal is not None:
             await c.form(request, principal)
+            # Deleting the cookie ends it in this browser only.
+            await c.end(principal)
         answer = c.to_login()
         answer.delete_cookie(COOKIE, path=base)
         return answer
@@ -412,7 +438,7 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
     async def live(
         request: Request, session: Annotated[str | None, Query(max_length=128)] = None
     ) -> Response:
-        p = c.principal(request)
+        p = await c.principal(request)
         if p is None:
             raise Unauthenticated("sign in to the console first")
         tenants = p.tenants(c.settings)

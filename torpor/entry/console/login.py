@@ -4,7 +4,8 @@ An operator key (``security.operator_keys``) sees and steers every tenant; a ten
 key sees that tenant only, read-only. The key itself never leaves the login request: the
 cookie carries the role, the tenant and a short key id, signed with HMAC-SHA256 under
 ``security.console_key`` (or a per-process random key), with an expiry and a per-login
-nonce from which the CSRF token of that login is derived.
+nonce from which the CSRF token of that login is derived. A logout ends that login for
+every copy of its cookie (``LOGOUT_SCOPE``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from torpor.settings import Settings
 
 COOKIE = "torpor_console"
 LIFETIME = timedelta(hours=8)
+# A signed cookie is valid until it expires, wherever a copy of it is: its logout is a
+# claim on the login's nonce in this scope of the index, held for a whole lifetime (so
+# for longer than any cookie of that login), and looked up on every request.
+LOGOUT_SCOPE = "console-logout"
 
 
 class Role(StrEnum):
