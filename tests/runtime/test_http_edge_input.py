@@ -296,3 +296,22 @@ async def test_the_handshake_grants_a_rate_whenever_the_sender_asked_for_one(
         assert answer.status_code == 200
         assert answer.headers["WebHook-Allowed-Origin"] == "emitter.example"
         assert answer.headers["WebHook-Allowed-Rate"] == "*"  # none configured: no limit
+
+
+async def test_a_notice_in_a_link_is_shown_only_as_an_action_gave_it(app: App) -> None:
+    # The session page shows its action's outcome from the address it was sent to: any
+    # link could put any words in the console's mouth, in its status box.
+    session_id = await suspended(app)
+    csrf = await app.console_login(app.operator_key)
+    lure = "Your login expired: paste your operator key at https://evil.example/console"
+    page = await app.http.get(f"/console/sessions/{session_id}", params={"notice": lure})
+    assert page.status_code == 200
+    assert "evil.example" not in page.text
+    # An action's own outcome still shows after its redirect.
+    done = await app.http.post(
+        f"/console/sessions/{session_id}/cancel",
+        content=f"csrf={csrf}&reason=duplicate",
+        headers=FORM,
+        follow_redirects=True,
+    )
+    assert 'role="status">cancel requested</p>' in done.text

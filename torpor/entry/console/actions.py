@@ -35,6 +35,9 @@ from torpor.service.sessions import SessionService
 
 OPERATOR_SOURCE = "operator"
 MAX_REASON = 500
+# What retry now did, as the session page then says it.
+TAKEN_BACK = "quarantined session taken back"
+ACTIVATED = "activation requested"
 
 
 class Forbidden(PermanentError):
@@ -129,14 +132,14 @@ class OperatorActions:
         indexed = (await self.services.index.session_states([session_id])).get(session_id)
         if SessionState.QUARANTINED in (snapshot.state, indexed):
             await self.control.retry(session_id)
-            return "quarantined session taken back"
+            return TAKEN_BACK
         if snapshot.terminal:
             raise InvalidRequest(f"session {session_id} is {snapshot.state}: nothing to retry")
         await self.services.index.schedule(
             kind=TimerKind.RETRY, member=session_id, at=self.services.clock.now()
         )
         await self.control.activate(session_id, reason=Reason.RETRY)
-        return "activation requested"
+        return ACTIVATED
 
     async def force_resolve(
         self,

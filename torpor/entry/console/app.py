@@ -21,7 +21,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from torpor.entry.console import pages, reads
-from torpor.entry.console.actions import OperatorActions
+from torpor.entry.console.actions import ACTIVATED, TAKEN_BACK, OperatorActions
 from torpor.entry.console.live import LiveCounts
 from torpor.entry.console.login import (
     COOKIE,
@@ -52,6 +52,20 @@ SOON = timedelta(hours=1)
 # and keeps ``now + due`` a datetime (1e10 minutes, inf or nan was a 500).
 MAX_DUE_MINUTES = 10 * 366 * 24 * 60
 _JSON = TypeAdapter(JsonValue)
+# The outcomes an action's redirect names to the session page. The page shows these and
+# nothing else from its address: a link could put any words in the console's status box
+# ("your login expired: paste your key at ...").
+NOTICES = frozenset(
+    {
+        "cancel requested",
+        TAKEN_BACK,
+        ACTIVATED,
+        "answer delivered",
+        "already delivered",
+        "approval reassigned",
+        "outbox entry resent",
+    }
+)
 
 
 @dataclass
@@ -344,10 +358,12 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
         session_id: str,
         notice: Annotated[str | None, Query(max_length=200)] = None,
     ) -> Response:
-        return await guarded(request, lambda p: _session(p, session_id, notice))
+        shown = notice if notice in NOTICES else None
+        return await guarded(request, lambda p: _session(p, session_id, shown))
 
     def _after(session_id: str, notice: str) -> Response:
-        # Post/redirect/get: a reload never repeats the action.
+        # Post/redirect/get: a reload never repeats the action. The notice is one of
+        # NOTICES, or the page would not show it.
         return RedirectResponse(
             f"{base}/sessions/{quote(session_id)}?notice={quote(notice)}", status_code=303
         )
