@@ -76,6 +76,24 @@ async def test_a_fan_out_killed_mid_way_and_then_its_index_lost_is_resumed_after
         await _every_document_has_one_session(env, sweeper)
 
 
+async def test_a_batch_cancelled_after_its_fan_out_was_killed_mid_way_ends_every_session(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Killed -9 after a chunk's sessions, before its cursor: the cancel reads the cursor
+    (0) and sees none of them, and the resumed fan-out, finding the batch cancelled, made
+    nothing more; the chunk's sessions stayed SUSPENDED (running on) in a cancelled batch."""
+    killed_mid_fan_out(tmp_path, redis_url, redis_prefix)
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=EXTRA) as env:
+        await BatchService(env.control).cancel("b_crash")
+        sweeper = Sweeper(env.control)
+        env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
+        assert (await sweeper.sweep_once()).fan_outs == 1
+        await sweeper.batches.drain()
+        made = [k.rpartition("/")[2] for k in (await env.services.store.list("snapshots/")).keys]
+        assert len(made) == 3
+        assert [(await env.load(sid)).state.value for sid in made] == ["CANCELLED"] * 3
+
+
 async def test_an_accept_killed_before_its_manifest_leaves_nothing_after_the_period(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:

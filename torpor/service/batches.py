@@ -261,6 +261,7 @@ class BatchService:
         documents = await batches.documents(manifest.documents_key)
         made = 0
         chunk = self.settings.fanout_chunk
+        reached = cursor.next
         for start in range(cursor.next, manifest.total, chunk):
             if await batches.is_cancelled(batch_id):
                 break
@@ -278,6 +279,18 @@ class BatchService:
             )
             crash_point(CrashPoint.BATCH_FANOUT_CHUNK)
             await batches.save_cursor(batch_id, FanOutCursor(next=end))
+            reached = end
+        if await batches.is_cancelled(batch_id):
+            # A cancel ends the sessions below the cursor it reads (after its marker). Those
+            # made beyond it, by this fan-out after that read or by one killed before its
+            # cursor write (up to a chunk past the cursor), only the fan-out can see: and a
+            # fan-out that checks the marker after its cursor write misses none of them.
+            await self._cancel_sessions(
+                [
+                    manifest.session_id(i)
+                    for i in range(cursor.next, min(reached + chunk, manifest.total))
+                ]
+            )
         await self._finished(batch_id)
         return made
 
@@ -398,7 +411,12 @@ class BatchService:
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
         attempts = await self.attempts(manifest)
-        ids = attempts.all_current(await self.created(manifest))
+        # Below the cursor only: the fan-out ends those it makes past it (``fan_out``).
+        await self._cancel_sessions(attempts.all_current(await self.created(manifest)))
+        return await self.progress(batch_id, tenant=tenant)
+
+    async def _cancel_sessions(self, ids: list[str]) -> None:
+        """Cancel those of ``ids`` that exist and have not ended."""
         states = await self._states(ids)
         gate = asyncio.Semaphore(SUBMITS_AT_ONCE)
 
@@ -409,7 +427,6 @@ class BatchService:
         await asyncio.gather(
             *(one(sid) for sid in ids if sid in states and not states[sid].terminal)
         )
-        return await self.progress(batch_id, tenant=tenant)
 
     async def retry(self, batch_id: str, *, tenant: str | None = None) -> list[int]:
         """New sessions for the documents whose session FAILED or TIMED_OUT; the document
