@@ -157,14 +157,19 @@ class ObjectBatches:
                 return out
             start = page.next_token
 
-    async def put_results(self, batch_id: str, lines: list[ResultLine]) -> None:
+    async def put_results(
+        self, batch_id: str, lines: list[ResultLine], *, generation: int = 0
+    ) -> None:
         # Parquet first, JSONL last: JSONL is what ``results`` checks for, so an export
         # that died half-way is written again in full.
-        await self.store.put(keys.batch_results(batch_id, "parquet"), results.parquet(lines))
-        await self.store.put(keys.batch_results(batch_id, "jsonl"), results.jsonl(lines))
+        parquet = keys.batch_results(batch_id, "parquet", generation=generation)
+        await self.store.put(parquet, results.parquet(lines))
+        jsonl = keys.batch_results(batch_id, "jsonl", generation=generation)
+        await self.store.put(jsonl, results.jsonl(lines))
 
-    async def results(self, batch_id: str, fmt: str) -> bytes | None:
+    async def results(self, batch_id: str, fmt: str, *, generation: int = 0) -> bytes | None:
         try:
-            return (await self.store.get(keys.batch_results(batch_id, fmt))).data
+            key = keys.batch_results(batch_id, fmt, generation=generation)
+            return (await self.store.get(key)).data
         except ObjectNotFound:
             return None

@@ -193,8 +193,11 @@ def batch_retry(batch_id: str, generation: int) -> str:
     return f"{batch_retries(batch_id)}{generation:06d}"
 
 
-def batch_results(batch_id: str, fmt: str) -> str:
-    return f"{batch_data(batch_id)}results.{safe(fmt, 'format')}"
+def batch_results(batch_id: str, fmt: str, *, generation: int = 0) -> str:
+    """The export as of ``generation`` retries (a retry makes the one before it stale);
+    before any retry, the name exports always had."""
+    name = "results" if generation == 0 else f"results-{generation:06d}"
+    return f"{batch_data(batch_id)}{name}.{safe(fmt, 'format')}"
 
 
 FANOUTS = "fanouts/"

@@ -285,6 +285,38 @@ async def test_retry_makes_new_sessions_for_failed_documents_once(world: World) 
     assert first.state is S.FAILED and first.error is not None
 
 
+async def test_results_exported_before_a_retry_are_exported_again_after_it(
+    world: World,
+) -> None:
+    """The export is written once and kept: one read before a retry had every later read
+    answer the first attempts' FAILED lines, whatever the retried sessions did."""
+    FLAKY["on"] = True
+    docs: list[Any] = [{"doc": 0}, {"doc": 1, "fail": 1}]
+    manifest = await world.batches.submit(tenant="acme", agent="flaky", documents=docs)
+
+    async def settled(expect: dict[str, int]) -> bool:
+        await world.sweeper.sweep_once()
+        return (await world.batches.progress(manifest.batch_id)).by_state == expect
+
+    await eventually(lambda: settled({"COMPLETED": 1, "FAILED": 1}), timeout_s=10, what="fail")
+    before = [json.loads(x)["state"] for x in await _lines(world, manifest.batch_id)]
+    assert before == ["COMPLETED", "FAILED"]
+    FLAKY["on"] = False
+    try:
+        assert await world.batches.retry(manifest.batch_id) == [1]
+        await eventually(lambda: settled({"COMPLETED": 2}), timeout_s=10, what="retried")
+    finally:
+        FLAKY["on"] = True
+    rows = [json.loads(x) for x in await _lines(world, manifest.batch_id)]
+    assert [(r["session_id"], r["state"]) for r in rows] == [
+        (manifest.session_id(0), "COMPLETED"),
+        (manifest.session_id(1, attempt=1), "COMPLETED"),
+    ]
+    data = await world.batches.results(manifest.batch_id, "parquet")
+    table = pq.read_table(io.BytesIO(data))
+    assert table.column("state").to_pylist() == ["COMPLETED", "COMPLETED"]
+
+
 async def _lines(world: World, batch_id: str) -> list[str]:
     return (await world.batches.results(batch_id, "jsonl")).decode().splitlines()
 

@@ -244,12 +244,16 @@ class BatchRepository(Protocol):
 
     async def generations(self, batch_id: str) -> list[RetryGeneration]: ...
 
-    async def put_results(self, batch_id: str, lines: list[ResultLine]) -> None:
-        """Write the export in every format (JSONL, Parquet)."""
+    async def put_results(
+        self, batch_id: str, lines: list[ResultLine], *, generation: int = 0
+    ) -> None:
+        """Write the export in every format (JSONL, Parquet), as of ``generation``
+        retries of the batch."""
         ...
 
-    async def results(self, batch_id: str, fmt: str) -> bytes | None:
-        """The export in ``fmt`` (jsonl, parquet); None if it was not written yet."""
+    async def results(self, batch_id: str, fmt: str, *, generation: int = 0) -> bytes | None:
+        """The export in ``fmt`` (jsonl, parquet) as of ``generation`` retries; None if it
+        was not written yet."""
         ...
 
 

@@ -478,23 +478,30 @@ class BatchService:
     async def results(self, batch_id: str, fmt: str, *, tenant: str | None = None) -> bytes:
         """The batch's results in ``fmt`` (jsonl, parquet), exported once it finished."""
         await self.get(batch_id, tenant=tenant)
-        found = await self.services.batches.results(batch_id, fmt)
+        # Exports are kept per retry generation: a retry's sessions change the results,
+        # and an export written before it must not be answered after it.
+        generation = len(await self.services.batches.generations(batch_id))
+        found = await self.services.batches.results(batch_id, fmt, generation=generation)
         if found is None:
-            await self.export(batch_id, tenant=tenant)
-            found = await self.services.batches.results(batch_id, fmt)
+            generation = await self.export(batch_id, tenant=tenant)
+            found = await self.services.batches.results(batch_id, fmt, generation=generation)
         if found is None:  # pragma: no cover - export just wrote it
             raise NotFound(f"no {fmt} results for batch {batch_id}")
         return found
 
-    async def export(self, batch_id: str, *, tenant: str | None = None) -> None:
-        """Write the results of a finished batch (one line per document) to the store."""
+    async def export(self, batch_id: str, *, tenant: str | None = None) -> int:
+        """Write the results of a finished batch (one line per document) to the store; the
+        retry generations it is the export of."""
+        # Read once, before anything: the lines and the export's name agree on them even if
+        # a retry comes meanwhile (its sessions, not made yet, would read as cancelled).
+        generations = await self.services.batches.generations(batch_id)
         progress = await self.progress(batch_id, tenant=tenant)
         if not progress.finished:
             raise BatchNotFinished(
                 f"batch {batch_id}: {progress.done} of {progress.total} documents done"
             )
         manifest = await self.get(batch_id, tenant=tenant)
-        attempts = await self.attempts(manifest)
+        attempts = Attempts.of(manifest, generations)
         documents = await self._documents(manifest) if manifest.documents_key else []
         created, expired = await self.created(manifest), self._expired(manifest)
         gate = asyncio.Semaphore(SUBMITS_AT_ONCE)
@@ -531,4 +538,5 @@ class BatchService:
             )
 
         lines = await asyncio.gather(*(line(i) for i in range(manifest.size)))
-        await self.services.batches.put_results(batch_id, list(lines))
+        await self.services.batches.put_results(batch_id, list(lines), generation=len(generations))
+        return len(generations)
