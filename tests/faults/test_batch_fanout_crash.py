@@ -3,6 +3,7 @@ every document ends with exactly one session."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from tests.runtime.test_sweeper import flush_index
 from tests.support.crash import run_killed_at
 from tests.support.harness import Env, local_env
 from torpor.batches import FanOutCursor
+from torpor.errors import BatchNotFinished
 from torpor.faults import CrashPoint
 from torpor.service.batches import BatchService
 from torpor.service.sweeper import Sweeper
@@ -92,6 +94,26 @@ async def test_a_batch_cancelled_after_its_fan_out_was_killed_mid_way_ends_every
         made = [k.rpartition("/")[2] for k in (await env.services.store.list("snapshots/")).keys]
         assert len(made) == 3
         assert [(await env.load(sid)).state.value for sid in made] == ["CANCELLED"] * 3
+
+
+async def test_results_read_while_a_cancel_is_under_way_are_not_kept(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Read right after the cancel, the batch counts the documents past its cursor as
+    cancelled, but the killed fan-out's sessions are still SUSPENDED: that export was
+    kept, and every later read answered SUSPENDED for documents that ended CANCELLED."""
+    killed_mid_fan_out(tmp_path, redis_url, redis_prefix)
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=EXTRA) as env:
+        batches = BatchService(env.control)
+        await batches.cancel("b_crash")
+        with pytest.raises(BatchNotFinished):
+            await batches.results("b_crash", "jsonl")
+        sweeper = Sweeper(env.control)
+        env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
+        await sweeper.sweep_once()  # the fan-out resumes and ends what it made
+        await sweeper.batches.drain()
+        lines = (await batches.results("b_crash", "jsonl")).decode().splitlines()
+        assert [json.loads(line)["state"] for line in lines] == ["CANCELLED"] * DOCS
 
 
 async def test_an_accept_killed_before_its_manifest_leaves_nothing_after_the_period(

@@ -538,5 +538,11 @@ class BatchService:
             )
 
         lines = await asyncio.gather(*(line(i) for i in range(manifest.size)))
+        # Progress counts a cancelled batch's documents past its cursor as cancelled, while
+        # sessions a fan-out made there may still be ending (``fan_out``): an export is
+        # kept, so it is written only once every line has its final state.
+        running = sum(1 for x in lines if x.state is not None and not x.state.terminal)
+        if running:
+            raise BatchNotFinished(f"batch {batch_id}: {running} sessions not ended yet")
         await self.services.batches.put_results(batch_id, list(lines), generation=len(generations))
         return len(generations)
