@@ -279,21 +279,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    query = urllib.parse.urlencode(
-        {k: v for k, v in {"state": args.state, "limit": args.limit}.items() if v}
-    )
-    _, page = _request(args, "GET", f"/v1/sessions?{query}")
-    if args.json:
-        for item in page["items"]:
-            _print(item, args)
-        if page.get("next_cursor"):
-            _print({"next_cursor": page["next_cursor"]}, args)
-        return 0
-    for item in page["items"]:
-        print(f"{item['session_id']}  {item['state']}")
+def _query(**params: Any) -> str:
+    return urllib.parse.urlencode({k: v for k, v in params.items() if v})
+
+
+def _more(page: dict[str, Any], args: argparse.Namespace) -> None:
+    """The cursor of the next page, for ``--cursor``: a page that ends without it looked
+    like the whole list."""
     if page.get("next_cursor"):
-        print(f"... more: --cursor {page['next_cursor']}")
+        if args.json:
+            _print({"next_cursor": page["next_cursor"]}, args)
+        else:
+            print(f"... more: --cursor {page['next_cursor']}")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    query = _query(state=args.state, limit=args.limit, cursor=args.cursor)
+    _, page = _request(args, "GET", f"/v1/sessions?{query}")
+    for item in page["items"]:
+        if args.json:
+            _print(item, args)
+        else:
+            print(f"{item['session_id']}  {item['state']}")
+    _more(page, args)
     return 0
 
 
@@ -393,16 +401,17 @@ def cmd_deliveries(args: argparse.Namespace) -> int:
             args,
         )
         return 0
-    _, page = _request(args, "GET", f"/v1/deliveries?status={args.status}")
-    if args.json:
-        for d in page["items"]:
-            _print(d, args)
-        return 0
+    query = _query(status=args.status, limit=args.limit, cursor=args.cursor)
+    _, page = _request(args, "GET", f"/v1/deliveries?{query}")
     for d in page["items"]:
-        print(
-            f"{d['delivery_id']}  {d['status']:<9} attempts {d['attempts']}  "
-            f"last {d['last_category']}  {d['url']}"
-        )
+        if args.json:
+            _print(d, args)
+        else:
+            print(
+                f"{d['delivery_id']}  {d['status']:<9} attempts {d['attempts']}  "
+                f"last {d['last_category']}  {d['url']}"
+            )
+    _more(page, args)
     return 0
 
 
@@ -514,6 +523,7 @@ def parser() -> argparse.ArgumentParser:
     s = api("ls", cmd_ls, "list sessions")
     s.add_argument("--state")
     s.add_argument("--limit", type=int, default=50)
+    s.add_argument("--cursor", help="the next page: the cursor the last one ended with")
     api("events", cmd_events, "follow a session's transitions").add_argument("session")
     api("cancel", cmd_cancel, "cancel a session").add_argument("session")
     api("retry", cmd_retry, "retry a QUARANTINED session").add_argument("session")
@@ -536,6 +546,8 @@ def parser() -> argparse.ArgumentParser:
     s = api("deliveries", cmd_deliveries, "list failed notifications, or resend one")
     s.add_argument("--status", default="dead", choices=["pending", "delivered", "dead", "disabled"])
     s.add_argument("--resend", metavar="DELIVERY_ID")
+    s.add_argument("--limit", type=int, default=50)
+    s.add_argument("--cursor", help="the next page: the cursor the last one ended with")
 
     s = command("reconcile", help="run one reconciler sweep now")
     s.add_argument("--address", help="Ray address (default: auto, the running cluster)")

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -173,3 +174,63 @@ def test_public_url_follows_the_listener_unless_it_names_another_host() -> None:
     assert cli.serving_url("http://localhost:8080/", "0.0.0.0", 8080) == "http://localhost:8080/"
     public = "https://torpor.example.com"  # behind a proxy: whatever port it forwards to
     assert cli.serving_url(public, "0.0.0.0", 8000) == public
+
+
+@pytest.fixture
+def paged_api() -> Iterator[str]:
+    """Sessions and dead deliveries, two pages of each: the second after cursor ``c2``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            parts = urllib.parse.urlsplit(self.path)
+            cursor = urllib.parse.parse_qs(parts.query).get("cursor", [None])[0]
+            if parts.path == "/v1/sessions":
+                ids = ["s_3"] if cursor == "c2" else ["s_1", "s_2"]
+                items: list[dict[str, object]] = [
+                    {"session_id": i, "state": "RUNNING"} for i in ids
+                ]
+            else:
+                ids = ["d_3"] if cursor == "c2" else ["d_1", "d_2"]
+                items = [
+                    {
+                        "delivery_id": i,
+                        "status": "dead",
+                        "attempts": 8,
+                        "last_category": "timeout",
+                        "url": "https://example.com/hook",
+                    }
+                    for i in ids
+                ]
+            page = {"items": items, "next_cursor": None if cursor == "c2" else "c2"}
+            body = json.dumps(page).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(("command", "last"), [("ls", "s_3"), ("deliveries", "d_3")])
+def test_ls_and_deliveries_page_on_with_the_cursor_they_print(
+    paged_api: str, command: str, last: str
+) -> None:
+    first = run(command, "--url", paged_api)
+    assert first.returncode == 0, first.stderr
+    assert "--cursor c2" in first.stdout  # the hint names the option that takes it on
+    second = run(command, "--url", paged_api, "--cursor", "c2")
+    assert second.returncode == 0, second.stderr
+    assert last in second.stdout and "--cursor" not in second.stdout
+    lines = run("--json", command, "--url", paged_api).stdout.splitlines()
+    assert json.loads(lines[-1]) == {"next_cursor": "c2"}
