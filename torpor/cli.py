@@ -19,6 +19,7 @@ traceback, and the exit code says which kind of failure it was (:data:`EXIT_CODE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -174,11 +175,25 @@ def _request(
     raise CliError(f"{method} {path}: {response.status} {detail}")
 
 
+class OutputClosed(Exception):
+    """The reader of stdout went away (``torpor ls | head``). Not an ``OSError``: as a
+    BrokenPipeError it was caught as an unreachable API, or escaped as a bug."""
+
+
+def _out(text: str) -> None:
+    try:
+        # Flushed line by line: a pipe closed under a buffer failed at the interpreter's
+        # exit instead, past main, with "Exception ignored" and exit 120.
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise OutputClosed from None
+
+
 def _print(value: Any, args: argparse.Namespace | None = None) -> None:
     if args is not None and args.json:
-        print(json.dumps(value, ensure_ascii=False, default=str))
+        _out(json.dumps(value, ensure_ascii=False, default=str))
     else:
-        print(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+        _out(json.dumps(value, indent=2, ensure_ascii=False, default=str))
 
 
 # -- commands -------------------------------------------------------------------------
@@ -251,7 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Replicas and actors read their settings themselves: tell them too.
         os.environ["TORPOR_PUBLIC_URL"] = public_url
         settings = settings.model_copy(update={"public_url": public_url})
-    print(f"torpor: serving on http://{args.host}:{args.port}, public_url {public_url}")
+    _out(f"torpor: serving on http://{args.host}:{args.port}, public_url {public_url}")
     from ray import serve
 
     from actors.config_ref import ConfigRef
@@ -290,7 +305,7 @@ def _more(page: dict[str, Any], args: argparse.Namespace) -> None:
         if args.json:
             _print({"next_cursor": page["next_cursor"]}, args)
         else:
-            print(f"... more: --cursor {page['next_cursor']}")
+            _out(f"... more: --cursor {page['next_cursor']}")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -300,7 +315,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if args.json:
             _print(item, args)
         else:
-            print(f"{item['session_id']}  {item['state']}")
+            _out(f"{item['session_id']}  {item['state']}")
     _more(page, args)
     return 0
 
@@ -338,14 +353,14 @@ def cmd_events(args: argparse.Namespace) -> int:
                 if line.startswith("data: "):
                     event = json.loads(line[6:])
                     if args.json:
-                        print(json.dumps(event, ensure_ascii=False), flush=True)
+                        _out(json.dumps(event, ensure_ascii=False))
                         continue
                     if "fraction" in event:  # progress of the session's running work
                         share = f"{100 * event['fraction']:.0f}%"
-                        print(f"{event['at']}  {'PROGRESS':<10} {share:>4}  {event['message']}")
+                        _out(f"{event['at']}  {'PROGRESS':<10} {share:>4}  {event['message']}")
                         continue
                     at, state = event["at"], event["state"]
-                    print(f"{at}  {state:<10} epoch {event['epoch']}  {event['reason']}")
+                    _out(f"{at}  {state:<10} epoch {event['epoch']}  {event['reason']}")
     except TRANSPORT_ERRORS as exc:
         raise Unreachable(f"cannot reach torpor at {base}: {exc}") from None
     return 0
@@ -369,7 +384,7 @@ def _signed(args: argparse.Namespace) -> tuple[bytes, dict[str, str]]:
 def cmd_sign(args: argparse.Namespace) -> int:
     _, headers = _signed(args)
     for name, value in headers.items():
-        print(f"{name}: {value}")
+        _out(f"{name}: {value}")
     return 0
 
 
@@ -390,7 +405,7 @@ def cmd_send(args: argparse.Namespace) -> int:
         text = response.body.decode(errors="replace")
         _print({"status": response.status, "body": text}, args)
     else:
-        print(f"{response.status} {response.body.decode(errors='replace')}")
+        _out(f"{response.status} {response.body.decode(errors='replace')}")
     return EXIT_OK if response.ok else EXIT_FAILED
 
 
@@ -407,7 +422,7 @@ def cmd_deliveries(args: argparse.Namespace) -> int:
         if args.json:
             _print(d, args)
         else:
-            print(
+            _out(
                 f"{d['delivery_id']}  {d['status']:<9} attempts {d['attempts']}  "
                 f"last {d['last_category']}  {d['url']}"
             )
@@ -436,12 +451,12 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
     if args.kind == "api":
         key, hashed = new_api_key()
-        print(f"api key (give to the client): {key}")
-        print(f'hash (put in tenants.<name>.api_keys): "{hashed}"')
+        _out(f"api key (give to the client): {key}")
+        _out(f'hash (put in tenants.<name>.api_keys): "{hashed}"')
     elif args.kind == "source":
-        print(generate_secret(Scheme(args.scheme)))
+        _out(generate_secret(Scheme(args.scheme)))
     else:
-        print(random.token_hex(32))
+        _out(random.token_hex(32))
     return 0
 
 
@@ -455,11 +470,11 @@ def cmd_console(args: argparse.Namespace) -> int:
     if args.json:
         _print({"url": url, "login_url": login}, args)
         return EXIT_OK
-    print(f"console: {url}")
+    _out(f"console: {url}")
     if login:
-        print(f"login:   {login}")
+        _out(f"login:   {login}")
     else:
-        print("login:   give --operator-key or set TORPOR_OPERATOR_KEY for a login link")
+        _out("login:   give --operator-key or set TORPOR_OPERATOR_KEY for a login link")
     return EXIT_OK
 
 
@@ -587,6 +602,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except OutputClosed:
+        # The reader has what it wanted. Python flushes stdout again at exit, which would
+        # fail and print "Exception ignored": what is left goes to /dev/null instead.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except (ConnectionError, TimeoutError) as exc:
         print(f"torpor: error: cannot connect: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_UNREACHABLE

@@ -234,3 +234,37 @@ def test_ls_and_deliveries_page_on_with_the_cursor_they_print(
     assert last in second.stdout and "--cursor" not in second.stdout
     lines = run("--json", command, "--url", paged_api).stdout.splitlines()
     assert json.loads(lines[-1]) == {"next_cursor": "c2"}
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_reader_that_goes_away_ends_the_command_quietly(
+    paged_api: str, sse_server: str, buffered: bool
+) -> None:
+    """``torpor ls | head``: the reader closed the pipe, which is neither an unreachable
+    API nor a bug; nothing on stderr and success, as ``head`` got what it wanted."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORPOR_")}
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    for argv in (
+        ("keys", "api"),
+        ("ls", "--url", paged_api),
+        ("--json", "ls", "--url", paged_api),
+        ("events", "s_1", "--url", sse_server),
+    ):
+        read, write = os.pipe()
+        os.close(read)  # gone before the command writes: every write to it fails
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "torpor", *argv],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                check=False,
+                timeout=120,
+                env=env,
+            )
+        finally:
+            os.close(write)
+        assert (result.returncode, result.stderr) == (cli.EXIT_OK, ""), argv
