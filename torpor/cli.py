@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import itertools
 import json
 import os
 import sys
@@ -38,6 +39,7 @@ TIMEOUT_S = 30.0
 # The SSE stream sends a keep-alive every 15 s; this much silence means it is gone.
 STREAM_TIMEOUT_S = 60.0
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
+MAX_REFUSAL_LINES = 64  # of a refused stream's body: a problem+json is one or a few
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 
 
@@ -161,18 +163,19 @@ def _request(
         raise Unreachable(f"cannot reach torpor at {base}: {exc}") from None
     if response.ok:
         return response.status, response.json()
+    raise _refused(f"{method} {path}", response.status, response.body)
+
+
+def _refused(what: str, status: int, body: bytes) -> CliError:
+    """The API's refusal, with its problem detail (the README promises it)."""
     try:
-        problem = response.json() or {}
+        problem = json.loads(body or b"null") or {}
     except ValueError:
         problem = {}
     if not isinstance(problem, dict):
         problem = {}
-    detail = (
-        problem.get("detail")
-        or problem.get("title")
-        or http.client.responses.get(response.status, "")
-    )
-    raise CliError(f"{method} {path}: {response.status} {detail}")
+    detail = problem.get("detail") or problem.get("title") or http.client.responses.get(status, "")
+    return CliError(f"{what}: {status} {detail}")
 
 
 class OutputClosed(Exception):
@@ -347,7 +350,9 @@ def cmd_events(args: argparse.Namespace) -> int:
             lines,
         ):
             if not 200 <= status < 300:
-                raise CliError(f"GET events: {status}")
+                # The body is the problem+json: read, capped, for its detail.
+                body = b"".join(itertools.islice(lines, MAX_REFUSAL_LINES))
+                raise _refused("GET events", status, body)
             for raw in lines:
                 line = raw.decode().rstrip("\n")
                 if line.startswith("data: "):

@@ -268,3 +268,37 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(
         finally:
             os.close(write)
         assert (result.returncode, result.stderr) == (cli.EXIT_OK, ""), argv
+
+
+def test_events_refused_prints_the_problem_detail() -> None:
+    """Like every other API command: the detail says why (which key, which session)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(
+                {
+                    "type": "about:blank",
+                    "title": "Not Found",
+                    "status": 404,
+                    "detail": "session s_gone not found",
+                }
+            ).encode()
+            self.send_response(404)
+            self.send_header("Content-Type", "application/problem+json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = run("events", "s_gone", "--url", f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == cli.EXIT_FAILED
+    assert "404 session s_gone not found" in one_line_error(result)
