@@ -25,7 +25,7 @@ from tests.faults.index_loss import flush_index
 from tests.runtime import memory_env
 from tests.runtime.memory_env import plan_agent, reset
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
-from torpor.batches import BatchManifest
+from torpor.batches import BatchManifest, RetryGeneration
 from torpor.clock import ManualClock
 from torpor.errors import BatchExpired, BatchNotFinished, SessionNotFound
 from torpor.lifecycle import SessionState
@@ -283,6 +283,34 @@ async def test_retry_makes_new_sessions_for_failed_documents_once(world: World) 
     # The first attempts stay as they were: FAILED, with their error.
     first = await world.services.snapshots.load(manifest.session_id(1))
     assert first.state is S.FAILED and first.error is not None
+
+
+async def test_documents_of_every_retry_cut_short_are_made_by_the_next_one(
+    world: World,
+) -> None:
+    """A retry records its generation, then makes its sessions. Killed in between twice
+    (each time with other documents failed), the next retry finished only the latest
+    generation: the earlier one's documents were never made, and the batch never ended."""
+    FLAKY["on"] = True
+    docs: list[Any] = [{"doc": 0}, {"doc": 1, "fail": 1}, {"doc": 2, "fail": 1}]
+    manifest = await world.batches.submit(tenant="acme", agent="flaky", documents=docs)
+    bid = manifest.batch_id
+
+    async def settled(expect: dict[str, int]) -> bool:
+        await world.sweeper.sweep_once()
+        return (await world.batches.progress(bid)).by_state == expect
+
+    await eventually(lambda: settled({"COMPLETED": 1, "FAILED": 2}), timeout_s=10, what="fail")
+    now = world.services.clock.now()
+    for generation, document in ((1, 1), (2, 2)):  # two retries, each killed right there
+        cut = RetryGeneration(generation=generation, documents=[document], created_at=now)
+        assert await world.services.batches.add_generation(bid, cut)
+    FLAKY["on"] = False
+    try:
+        assert await world.batches.retry(bid) == []  # nothing newly failed: it finishes
+        await eventually(lambda: settled({"COMPLETED": 3}), timeout_s=10, what="both made")
+    finally:
+        FLAKY["on"] = True
 
 
 async def test_results_exported_before_a_retry_are_exported_again_after_it(

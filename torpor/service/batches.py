@@ -447,9 +447,11 @@ class BatchService:
         attempts = Attempts.of(manifest, generations)
         ids = attempts.all_current(await self.created(manifest))
         states = await self._states(ids)
-        # A retry that died before it created its sessions: finish it first.
-        latest = max(generations, key=lambda g: g.generation) if generations else None
-        unfinished = [i for i in (latest.documents if latest else []) if ids[i] not in states]
+        # Retries that died before they created their sessions: finish them first. Every
+        # generation's, not the latest's alone: two cut short in a row (the second with
+        # other documents failed) left the first one's documents unmade for ever.
+        retried = {i for g in generations for i in g.documents}
+        unfinished = [i for i in sorted(retried) if ids[i] not in states]
         failed = [i for i, sid in enumerate(ids) if states.get(sid) in RETRYABLE_STATES]
         if failed:
             generation = RetryGeneration(
