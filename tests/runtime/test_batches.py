@@ -313,6 +313,46 @@ async def test_documents_of_every_retry_cut_short_are_made_by_the_next_one(
         FLAKY["on"] = True
 
 
+async def test_a_cancel_that_lands_while_a_retry_makes_its_sessions_ends_them(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry looked for the cancel marker only before it started; a cancel that came
+    after that look, before the retry made its sessions, found none of them to cancel,
+    and they ran on in a batch that said CANCELLED."""
+    FLAKY["on"] = True
+    docs: list[Any] = [{"doc": 0}, {"doc": 1, "fail": 1}]
+    manifest = await world.batches.submit(tenant="acme", agent="flaky", documents=docs)
+    bid = manifest.batch_id
+
+    async def settled(expect: dict[str, int]) -> bool:
+        await world.sweeper.sweep_once()
+        return (await world.batches.progress(bid)).by_state == expect
+
+    await eventually(lambda: settled({"COMPLETED": 1, "FAILED": 1}), timeout_s=10, what="fail")
+    create = world.batches._create
+
+    async def cancelled_first(*args: Any, **kwargs: Any) -> None:
+        await world.batches.cancel(bid)  # the operator's cancel, just before the creates
+        await create(*args, **kwargs)
+
+    monkeypatch.setattr(world.batches, "_create", cancelled_first)
+    FLAKY["on"] = False  # left alone, the retried document would now complete
+    try:
+        assert await world.batches.retry(bid) == [1]
+
+        retried, seen = manifest.session_id(1, attempt=1), []
+
+        async def ended() -> bool:
+            await world.sweeper.sweep_once()
+            seen.append((await world.services.snapshots.load(retried)).state)
+            return seen[-1].terminal
+
+        await eventually(ended, timeout_s=10, what="the retried session ended")
+        assert seen[-1] is S.CANCELLED, f"it ran on: {seen[-1]}"
+    finally:
+        FLAKY["on"] = True
+
+
 async def test_results_exported_before_a_retry_are_exported_again_after_it(
     world: World,
 ) -> None:

@@ -468,6 +468,11 @@ class BatchService:
         documents = await self._documents(manifest)
         await self._register(manifest, {attempts.current(i): i for i in todo})
         await self._create(manifest, [(i, attempts.current(i), documents[i]) for i in todo])
+        if await self.services.batches.is_cancelled(batch_id):
+            # A cancel that came after the look above, before these were made, found none
+            # of them to cancel: they ran on in a cancelled batch. (One that comes after
+            # this look reads this generation, recorded first, and cancels them itself.)
+            await self._cancel_sessions([attempts.current(i) for i in todo])
         return failed
 
     async def _documents(self, manifest: BatchManifest) -> list[JsonValue]:
