@@ -40,6 +40,8 @@ def encode_binding(binding: WaitBinding, *, expires_ms: int) -> str:
     if any("|" in part for part in fixed):
         raise InvalidKey("tenant, session and step ids may not contain '|'")
     deadline = to_ms(binding.deadline)
+    if deadline < 0:  # base 36 here has no sign: a negative number was divided for ever
+        raise InvalidKey("a wait's deadline before 1970 cannot be indexed")
     return "|".join(
         (
             VERSION,

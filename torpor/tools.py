@@ -90,6 +90,13 @@ def _complete_action_key(value: str) -> str:
     return value
 
 
+# The longest SLA a wait may ask for: a century. A deadline must stay a time every
+# index can store, with the binding grace added (``now + sla_s`` past year 9999
+# overflowed in the activation, and one within the grace of it overflowed at the bind,
+# after the commit that opened the wait); a negative one is no SLA either.
+MAX_SLA_S = 100 * 365.25 * 24 * 3600
+
+
 class MemberPlan(BaseModel):
     """One member of a fan-in wait: its own request, action key and route; what it leaves
     unset (sources, SLA, guard) it takes from the ``WaitPlan`` it belongs to."""
@@ -101,7 +108,7 @@ class MemberPlan(BaseModel):
     request: dict[str, JsonValue] = Field(default_factory=dict)
     business_key: str | None = None
     allowed_sources: list[str] = Field(default_factory=list)
-    sla_s: float | None = None
+    sla_s: float | None = Field(None, ge=0, le=MAX_SLA_S, allow_inf_nan=False)
     guard: GuardBaseline | None = None
 
     @field_validator("action_key")
@@ -121,7 +128,7 @@ class WaitPlan(BaseModel):
     action_key: str
     request: dict[str, JsonValue] = Field(default_factory=dict)
     business_key: str | None = None
-    sla_s: float = 24 * 3600
+    sla_s: float = Field(24 * 3600, ge=0, le=MAX_SLA_S, allow_inf_nan=False)
     expected_duration_s: float = 3600
     expected_types: list[str] = Field(default_factory=list)
     allowed_sources: list[str] = Field(default_factory=list)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,34 @@ async def test_sla_expiry_times_out_and_compensates_once(make_env: MakeEnv) -> N
             )
             is None
         )
+
+
+LAST_DAY = datetime(9999, 12, 31, tzinfo=UTC)
+# SLAs, from now, that no index can hold a deadline for.
+UNHOLDABLE_SLAS: dict[str, Callable[[datetime], float]] = {
+    "past 9999": lambda now: 1e12,
+    "within the grace of 9999": lambda now: (LAST_DAY - timedelta(days=2) - now).total_seconds(),
+    "before 1970": lambda now: -(now - datetime(1960, 1, 1, tzinfo=UTC)).total_seconds(),
+    "inf": lambda now: float("inf"),
+    "nan": lambda now: float("nan"),
+}
+
+
+@pytest.mark.parametrize("when", list(UNHOLDABLE_SLAS))
+async def test_an_sla_no_deadline_can_hold_is_the_calls_error_not_a_crash(
+    make_env: MakeEnv, when: str
+) -> None:
+    """An SLA that reaches past year 9999, or within the binding grace of it, before 1970,
+    or that is not a number, made no storable deadline: the activation crashed
+    (OverflowError) before or after the commit that opened the wait, or, before 1970, the
+    bind never returned. It is refused where the tool makes its plan: the call's answer
+    is the error."""
+    async with make_env(sla_s=UNHOLDABLE_SLAS[when](datetime.now(UTC))) as env:
+        sid = await env.submit()
+        snap = await env.load(sid)
+        assert not snap.waits and snap.state is not S.QUARANTINED
+        answers = [m.content or "" for m in snap.messages if m.role == "tool"]
+        assert answers and "sla_s" in answers[-1]
 
 
 async def test_callback_received_after_deadline_times_out(make_env: MakeEnv) -> None:
