@@ -20,9 +20,10 @@ from tests.support.receiver import Receiver
 from torpor.auth import new_api_key
 from torpor.deliveries import DeliveryStatus
 from torpor.errors import ActivationUnavailable, StorageUnavailable
+from torpor.ids import new_correlation_id
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus
-from torpor.ports import Observer, Reason, TimerKind
+from torpor.ports import Observer, Reason, TimerKind, WaitBinding
 from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper
 
@@ -352,3 +353,28 @@ async def test_repair_rebuilds_delivery_timers(env: Env, redis_url: str, redis_p
         assert len(hook.received) == 1, "the pending delivery was found and attempted"
     finally:
         hook.close()
+
+
+async def test_a_due_binding_of_a_session_that_is_gone_is_unbound_not_timed_out_for_ever(
+    env: Env,
+) -> None:
+    """A wait's binding outlives its session when the session ended and its process died
+    before the unbind, and retention deleted the session before the wait's deadline (an
+    SLA of weeks). Due, it asked for a timeout activation, which found no session, at
+    every sweep and four times a second until the binding's grace ran out a week later."""
+    now = env.clock.now()
+    binding = WaitBinding(
+        tenant="acme",
+        correlation_id=new_correlation_id(),
+        session_id="s_purged",
+        epoch=1,
+        step_id="2",
+        deadline=now + timedelta(seconds=60),
+    )
+    grace = timedelta(days=7)
+    await env.services.index.bind_wait(binding, business_key=None, grace=grace, now=now)
+    env.clock.advance(61)
+    activator = Recording()
+    report = await sweeper(env, activator).sweep_once()
+    assert report.errors == [] and activator.requests == []
+    assert await env.services.index.due_deadlines(now=env.clock.now(), limit=10) == []

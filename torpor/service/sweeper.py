@@ -252,6 +252,12 @@ class Sweeper:
         opened it, and a correlation id never names a wait again once it closed."""
         try:
             snapshot = await self.services.snapshots.load_waiting(session_id)
+        except SessionNotFound:
+            # Deleted by retention (it ended; its process died before the unbind): no
+            # wait of it is open. Its activation finds nothing to run and unbinds nothing,
+            # so, kept, the binding asked for one at every look until its grace ran out.
+            await self._unbind(due)
+            return False
         except TorporError:
             return True  # cannot tell: the activation decides, as it always did
         open_ids = {w.correlation_id for w in snapshot.waits}
