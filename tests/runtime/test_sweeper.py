@@ -22,10 +22,11 @@ from torpor.deliveries import DeliveryStatus
 from torpor.errors import ActivationUnavailable, StorageUnavailable
 from torpor.ids import new_correlation_id
 from torpor.lifecycle import SessionState
-from torpor.models import DispatchStatus
+from torpor.models import DispatchStatus, Wait
 from torpor.ports import Observer, Reason, TimerKind, WaitBinding
 from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper
+from torpor.tools import PollOutcome
 
 FAR = timedelta(days=365)
 
@@ -378,3 +379,29 @@ async def test_a_due_binding_of_a_session_that_is_gone_is_unbound_not_timed_out_
     report = await sweeper(env, activator).sweep_once()
     assert report.errors == [] and activator.requests == []
     assert await env.services.index.due_deadlines(now=env.clock.now(), limit=10) == []
+
+
+async def test_a_poll_answered_after_the_deadline_does_not_resume_the_wait(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll's answer is received when the poll returns, not when the sweep started: the
+    sweep's earlier steps (a repair, the deliveries) and the poll itself (up to 30 s) can
+    take the time past the wait's deadline. Stamped with the sweep's start, an answer the
+    far side gave after the deadline passed the SLA gate and completed the session."""
+    sid = await env.submit(doc="PR-LATE")
+    [wait] = (await env.load(sid)).waits
+    await env.world.decide("PR-LATE", {"status": "approved"})
+    env.clock.advance((wait.deadline - env.clock.now()).total_seconds() - 1)
+    tool = env.services.plugins.agent("purchase").tools.get(wait.tool_name)
+    asked = tool.poll  # type: ignore[union-attr]
+
+    async def slow_poll(polled: Wait, *, tenant: str) -> PollOutcome | None:
+        env.clock.advance(5)  # the far side answers, after the deadline
+        return await asked(polled, tenant=tenant)
+
+    monkeypatch.setattr(tool, "poll", slow_poll)
+    report = await sweeper(env).sweep_once(env.clock.now())
+    assert (report.polls, report.poll_hits, report.errors) == (1, 1, [])
+    done = await env.load(sid)
+    assert done.state is SessionState.TIMED_OUT and done.error is not None
+    assert done.error.code == "sla_expired"

@@ -343,6 +343,9 @@ class Sweeper:
             outcome = None
         if outcome is not None:
             report.poll_hits += 1
+            # Received now, not at the sweep's start: the steps before and the poll itself
+            # may have taken the time past the deadline, and the SLA gate must see that.
+            received_at = max(now, self.services.clock.now())
             await self.sessions.deliver(
                 InboxEvent.answering(
                     wait,
@@ -351,7 +354,7 @@ class Sweeper:
                     source=f"poll:{wait.tool_name}",
                     event_id=outcome.event_id,
                     type=outcome.type,
-                    received_at=now,
+                    received_at=received_at,
                     data=outcome.data,
                 )
             )
