@@ -250,8 +250,13 @@ class StorageSettings(_Section):
         512, ge=1, description="hash buckets of the wait index; raise past ~60k"
     )
     index_deadline_shards: int = Field(128, ge=1, description="shards of the SLA deadline set")
+    # A century at most: a deadline (up to a century away) plus the grace must stay a
+    # date, or every bind failed with OverflowError instead of the settings at load.
     binding_grace_s: float = Field(
-        7 * 24 * 3600, ge=0, description="index entries outlive their deadline by this much"
+        7 * 24 * 3600,
+        ge=0,
+        le=100 * 365 * 24 * 3600,
+        description="index entries outlive their deadline by this much",
     )
     retention_s: float = Field(
         30 * 24 * 3600,

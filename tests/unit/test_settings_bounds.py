@@ -77,6 +77,12 @@ def test_an_agents_tool_retries_are_not_negative() -> None:
         Settings.build({"agents": {"a": agent}})
 
 
+def test_a_binding_grace_past_any_date_is_refused() -> None:
+    # A deadline plus a grace of 10,000 years is no date: every bind raised OverflowError.
+    with pytest.raises(ConfigError, match="binding_grace_s"):
+        build("storage", "binding_grace_s", 10_000 * 365 * 24 * 3600)
+
+
 def test_a_heartbeat_not_shorter_than_its_lease_is_refused() -> None:
     """A holder renews its lease every ``heartbeat_s``: at or past ``ttl_s`` the lease
     expired between two renewals, and every long activation lost its lease (LEASE_LOST)
