@@ -31,6 +31,7 @@ from torpor.errors import (
 from torpor.lifecycle import SessionState
 from torpor.ports import Stored
 from torpor.service.gateway import WebhookGateway
+from torpor.service.replay import ReplayGuard, replay_claims
 from torpor.webhooks.capability import mint
 from torpor.webhooks.signing import Scheme, generate_secret, sign, verify
 
@@ -191,13 +192,83 @@ async def test_a_nonce_reused_by_another_request_is_still_a_replay(env: Env) -> 
         {**sign(Scheme.TORPOR, r, SECRET, now=at, nonce=nonce), "Content-Type": JSON} for r in raws
     ]
     assert (await gateway.receive("oa", raws[0], headers[0], now=at)).status == 202
-    with pytest.raises(WebhookRejected) as refused:
-        await gateway.receive("oa", raws[1], headers[1], now=at)
-    assert refused.value.reason is RejectReason.REPLAYED
+    for _ in range(2):  # a refusal gives back no claim it did not take: the nonce stays taken
+        with pytest.raises(WebhookRejected) as refused:
+            await gateway.receive("oa", raws[1], headers[1], now=at)
+        assert refused.value.reason is RejectReason.REPLAYED
     assert await state(env, second) is SessionState.SUSPENDED
     # and the refusal took no claim of its own: the content of the second is still free
     fresh = {**sign(Scheme.TORPOR, raws[1], SECRET, now=at), "Content-Type": JSON}
     assert (await gateway.receive("oa", raws[1], fresh, now=at)).status == 202
+
+
+async def test_a_retry_after_a_failed_request_gave_back_only_its_content_is_let_through(
+    env: Env,
+) -> None:
+    # A request that stored nothing gives its claims back; if that is cut short, what is
+    # left must read as "its holder never finished", never as a nonce another request took.
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-release", correlationId=cid)
+    headers = signed(env, raw)
+    index = env.services.index
+    release = index.release_nonce
+
+    async def nonce_lost(*, scope: str, nonce: str) -> None:
+        if scope.startswith("nonce:"):
+            index.release_nonce = release  # type: ignore[method-assign]
+            raise IndexUnavailable("injected: the connection dropped")
+        await release(scope=scope, nonce=nonce)
+
+    fail_once(env.services.inbox, "stage", after=False)  # nothing is stored
+    index.release_nonce = nonce_lost  # type: ignore[method-assign]
+    with pytest.raises(IndexUnavailable):
+        await gateway.receive("oa", raw, headers, now=env.clock.now())
+    assert await state(env, sid) is SessionState.SUSPENDED
+    result = await gateway.receive("oa", raw, headers, now=env.clock.now())  # byte-identical
+    assert result.status == 202
+    assert await state(env, sid) is SessionState.COMPLETED
+
+
+async def test_a_retry_whose_first_try_gave_its_claims_back_meanwhile_is_let_through(
+    env: Env,
+) -> None:
+    # The sender's retry meets the claims of its first try, which then fails and gives
+    # them back: the retry is no replay (nothing was accepted), and goes on holding them.
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    cid = (await env.load(sid)).waits[0].correlation_id
+    raw = body("e-meanwhile", correlationId=cid)
+    headers = signed(env, raw)
+    at = env.clock.now()
+    verified = verify(Scheme.TORPOR, raw, headers, [SECRET], now=at)
+    claims = replay_claims("oa", env.services.settings.sources["oa"], verified)
+    index = env.services.index
+    first_try = await index.admit(
+        claims=claims.pairs,
+        ttl=claims.ttl,
+        now=at,
+        tenant="",
+        correlation_id=None,
+        business_key=None,
+    )
+    assert first_try.fresh
+    admit = index.admit
+
+    async def then_first_try_fails(**kwargs: Any) -> Any:
+        index.admit = admit  # type: ignore[method-assign]
+        seen = await admit(**kwargs)
+        await ReplayGuard(env.services).release(claims)  # the first try failed
+        return seen
+
+    index.admit = then_first_try_fails  # type: ignore[method-assign]
+    assert (await gateway.receive("oa", raw, headers, now=at)).status == 202
+    assert await state(env, sid) is SessionState.COMPLETED
+    # the retry held the claims as its own: a replay of it is refused
+    with pytest.raises(WebhookRejected) as refused:
+        await gateway.receive("oa", raw, headers, now=at)
+    assert refused.value.reason is RejectReason.REPLAYED
 
 
 # -- stale answers by business key (seed 004) -----------------------------------------------

@@ -231,9 +231,11 @@ class WebhookGateway:
                 # One clock for every replica (the index's): received_at, lateness and the
                 # audit record no longer depend on which replica took the request.
                 now = admission.at
-            if not admission.fresh:
-                owned = False
-                await self.replays.held(claims, now=now)
+            # Claims another request holds are not this one's to give back, a refusal's
+            # included (a nonce given back would let the next reuse of it through).
+            owned = admission.fresh
+            if not owned:
+                owned = await self.replays.held(claims, now=now)
             crash_point(CrashPoint.GATEWAY_AFTER_CLAIM)
             trace = _trace_id(headers)
             body_sha = hashlib.sha256(body).hexdigest()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from torpor.errors import RejectReason, WebhookRejected
+from torpor.ports import Admission
 from torpor.ports.services import Services
 from torpor.settings import SourceConfig
 from torpor.webhooks.signing import Scheme, Verified
@@ -51,34 +52,47 @@ class ReplayGuard:
     def __init__(self, services: Services) -> None:
         self.services = services
 
-    async def held(self, claims: ReplayClaims, *, now: datetime) -> None:
+    async def held(self, claims: ReplayClaims, *, now: datetime) -> bool:
         """A claim was already held. Refuse if this exact request was accepted, or if only
         the nonce is held (another request used it); otherwise the holder never finished
         (it died, or is still at it) and this request goes on: the inbox is create-only,
-        so the two cannot store an event twice."""
+        so the two cannot store an event twice. True if this request now holds the claims
+        itself (its holder gave them back meanwhile): it gives them back if it fails."""
         if await self.services.inbox.was_accepted(
             source=claims.source, content_digest=claims.content_digest
         ):
             raise WebhookRejected(RejectReason.REPLAYED)
         if len(claims.pairs) == 1:
-            return
-        index = self.services.index
-        [(scope, digest)] = claims.pairs[:1]
-        alone = await index.admit(
-            claims=[(scope, digest)],
+            return False
+        content, nonce = claims.pairs
+        if not (await self._take([content], claims, now=now)).fresh:
+            return False
+        # The content was free. A free nonce too is not another request's: this request's
+        # earlier try gave both back since the first look (``release`` gives the nonce
+        # back first, so a free content means a freed nonce). Only a nonce still held is.
+        if (await self._take([nonce], claims, now=now)).fresh:
+            return True
+        await self.services.index.release_nonce(scope=content[0], nonce=content[1])
+        raise WebhookRejected(RejectReason.REPLAYED)
+
+    async def _take(
+        self, pairs: list[tuple[str, str]], claims: ReplayClaims, *, now: datetime
+    ) -> Admission:
+        return await self.services.index.admit(
+            claims=pairs,
             ttl=claims.ttl,
             now=now,
             tenant="",
             correlation_id=None,
             business_key=None,
         )
-        if alone.fresh:  # the content was free, so the nonce is what is taken
-            await index.release_nonce(scope=scope, nonce=digest)
-            raise WebhookRejected(RejectReason.REPLAYED)
 
     async def release(self, claims: ReplayClaims) -> None:
-        """Give the claims back: the request failed, a retry must get through."""
-        for scope, nonce in claims.pairs:
+        """Give the claims back: the request failed, a retry must get through. The nonce
+        first: a release cut short then leaves the content held, which ``held`` reads as a
+        holder that never finished; a nonce left alone it would read as another request's,
+        and refuse the sender's retry of a request that stored nothing as a replay."""
+        for scope, nonce in reversed(claims.pairs):
             await self.services.index.release_nonce(scope=scope, nonce=nonce)
 
     async def remember(self, claims: ReplayClaims, *, at: datetime) -> bool:
