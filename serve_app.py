@@ -442,9 +442,17 @@ class Ingress:
         # The token (signature, expiry) before the body: an unauthenticated sender must
         # not make the replica read and buffer anything. The gateway checks it again.
         keys = self.settings.capability_key_bytes()
-        if not keys:
-            raise WebhookRejected(RejectReason.INVALID_TOKEN)
-        open_token(token, keys=keys, now=now)
+        try:
+            if not keys:
+                raise WebhookRejected(RejectReason.INVALID_TOKEN)
+            open_token(token, keys=keys, now=now)
+        except WebhookRejected as exc:
+            # On the record like every refusal the gateway makes (without a body digest:
+            # none was read), or probing for tokens would leave no trace in the audit log.
+            await self.gateway.refused_unread(
+                CAPABILITY_SOURCE, exc.reason, request.headers, now=now
+            )
+            raise
         body = await read_audited_body(
             request, CAPABILITY_MAX_BYTES, gateway=self.gateway, source=CAPABILITY_SOURCE, now=now
         )

@@ -5,6 +5,7 @@ nothing stored or changed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -315,3 +316,22 @@ async def test_a_notice_in_a_link_is_shown_only_as_an_action_gave_it(app: App) -
         follow_redirects=True,
     )
     assert 'role="status">cancel requested</p>' in done.text
+
+
+async def test_a_forged_capability_link_is_on_the_audit_record(app: App) -> None:
+    # Refused before its body is read (an unauthenticated sender must not make the replica
+    # buffer anything), and audited all the same, as every other webhook refusal is:
+    # someone probing for tokens shows in the audit log.
+    answer = await app.http.post("/v1/callbacks/v1.forged.token", json={"status": "approved"})
+    assert answer.status_code == 401
+    services = app.env.services
+    await services.audit.close()
+    blocks = (await services.store.list("audit/")).keys
+    records = [
+        json.loads(line)
+        for key in blocks
+        for line in (await services.store.get(key)).data.decode().splitlines()
+    ]
+    assert [(r["source"], r["verdict"], r["body_sha256"]) for r in records] == [
+        ("capability", "rejected:invalid_token", "")
+    ]

@@ -622,8 +622,9 @@ class WebhookGateway:
         self, source: str, reason: RejectReason, headers: Mapping[str, str], *, now: datetime
     ) -> None:
         """A request the edge refused before it had read the whole body (too large while
-        streaming it): observed and audited like any rejection, with an empty body digest,
-        since the body was never read in full."""
+        streaming it, or a capability link whose token is refused before its body is
+        read): observed and audited like any rejection, with an empty body digest, since
+        the body was never read in full."""
         await self._handled(source, "rejected", reason.value)
         await self._audit_rejection(source, reason, None, headers, now)
 
