@@ -11,15 +11,15 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import urllib.parse
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 import torpor
+from tests.support.served import served
 from torpor import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,14 +67,8 @@ def sse_server() -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             return
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with served(Handler) as url:
+        yield url
 
 
 def test_python_m_torpor_prints_the_version() -> None:
@@ -212,14 +206,8 @@ def paged_api() -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             return
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with served(Handler) as url:
+        yield url
 
 
 @pytest.mark.parametrize(("command", "last"), [("ls", "s_3"), ("deliveries", "d_3")])
@@ -292,13 +280,7 @@ def test_events_refused_prints_the_problem_detail() -> None:
         def log_message(self, *args: object) -> None:
             return
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        result = run("events", "s_gone", "--url", f"http://127.0.0.1:{server.server_address[1]}")
-    finally:
-        server.shutdown()
-        server.server_close()
+    with served(Handler) as url:
+        result = run("events", "s_gone", "--url", url)
     assert result.returncode == cli.EXIT_FAILED
     assert "404 session s_gone not found" in one_line_error(result)
