@@ -317,6 +317,26 @@ async def test_an_accept_note_left_beside_a_manifest_goes_and_the_batch_stays() 
     assert keys.batch(batch_id) in (await store.list(keys.BATCHES)).keys
 
 
+async def store_late_callback(
+    store: MemoryObjectStore, session_id: str, at: datetime, *, stamped: bool
+) -> None:
+    """What a gateway stores for a CLOSED answer to ``session_id``: its event, then its
+    replay marker (with the time it was received, as the gateway stamps it now, or
+    without, as markers were written before)."""
+    late = InboxEvent.new(
+        kind=EventKind.CALLBACK,
+        session_id=session_id,
+        source="oa",
+        event_id="e-late",
+        type="t",
+        received_at=at,
+    ).model_copy(update={"content_digest": "d" * 64})
+    inbox = ObjectInbox(store)
+    await inbox.deliver(late)
+    stamp = at if stamped else None
+    await inbox.remember_accepted(source="oa", content_digest="d" * 64, at=stamp)
+
+
 class LateCallback(CrashingDeletes):
     """A gateway that found the session (its correlation record and header) before the
     purge, and stores its CLOSED answer, then its replay marker, only after the purge
@@ -334,16 +354,7 @@ class LateCallback(CrashingDeletes):
         if self.session_id is not None and prefix == keys.inbox_prefix(self.session_id):
             self.inbox_listings += 1
             if self.inbox_listings == 2:  # the purge's look for late events
-                late = InboxEvent.new(
-                    kind=EventKind.CALLBACK,
-                    session_id=self.session_id,
-                    source="oa",
-                    event_id="e-late",
-                    type="t",
-                    received_at=NOW + KEEP,
-                ).model_copy(update={"content_digest": "d" * 64})
-                await ObjectInbox(self).deliver(late)
-                await ObjectInbox(self).remember_accepted(source="oa", content_digest="d" * 64)
+                await store_late_callback(self, self.session_id, NOW + KEEP, stamped=False)
         return page
 
 
@@ -442,18 +453,7 @@ class CallbackDuringPurge(MemoryObjectStore):
         if self.session_id and prefix == keys.inbox_prefix(self.session_id):
             self.inbox_listings += 1
             if self.inbox_listings == 2:  # the purge's look for late events
-                late = InboxEvent.new(
-                    kind=EventKind.CALLBACK,
-                    session_id=self.session_id,
-                    source="oa",
-                    event_id="e-late",
-                    type="t",
-                    received_at=self.at,
-                ).model_copy(update={"content_digest": "d" * 64})
-                await ObjectInbox(self).deliver(late)
-                await ObjectInbox(self).remember_accepted(
-                    source="oa", content_digest="d" * 64, at=self.at
-                )
+                await store_late_callback(self, self.session_id, self.at, stamped=True)
         return await super().list(prefix, start_after=start_after, limit=limit)
 
 
