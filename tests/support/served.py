@@ -9,6 +9,20 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 
+class Answering(BaseHTTPRequestHandler):
+    """A handler that answers whole bodies and logs nothing to the test's output."""
+
+    def answer(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
 @contextmanager
 def served(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """The server's base URL while the block runs; shut down and closed after it."""

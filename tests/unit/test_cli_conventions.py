@@ -13,13 +13,12 @@ import subprocess
 import sys
 import urllib.parse
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 import torpor
-from tests.support.served import served
+from tests.support.served import Answering, served
 from torpor import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,19 +52,12 @@ def sse_server() -> Iterator[str]:
         {"at": "2026-01-01T00:00:01Z", "state": "COMPLETED", "epoch": 1, "reason": "done"},
     ]
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(Answering):
         def do_GET(self) -> None:
             body = b"".join(
                 f"id: {i}\ndata: {json.dumps(e)}\n\n".encode() for i, e in enumerate(events)
             )
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            return
+            self.answer(200, body, "text/event-stream")
 
     with served(Handler) as url:
         yield url
@@ -174,7 +166,7 @@ def test_public_url_follows_the_listener_unless_it_names_another_host() -> None:
 def paged_api() -> Iterator[str]:
     """Sessions and dead deliveries, two pages of each: the second after cursor ``c2``."""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(Answering):
         def do_GET(self) -> None:
             parts = urllib.parse.urlsplit(self.path)
             cursor = urllib.parse.parse_qs(parts.query).get("cursor", [None])[0]
@@ -197,14 +189,7 @@ def paged_api() -> Iterator[str]:
                 ]
             page = {"items": items, "next_cursor": None if cursor == "c2" else "c2"}
             body = json.dumps(page).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            return
+            self.answer(200, body, "application/json")
 
     with served(Handler) as url:
         yield url
@@ -261,7 +246,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(
 def test_events_refused_prints_the_problem_detail() -> None:
     """Like every other API command: the detail says why (which key, which session)."""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(Answering):
         def do_GET(self) -> None:
             body = json.dumps(
                 {
@@ -271,14 +256,7 @@ def test_events_refused_prints_the_problem_detail() -> None:
                     "detail": "session s_gone not found",
                 }
             ).encode()
-            self.send_response(404)
-            self.send_header("Content-Type", "application/problem+json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            return
+            self.answer(404, body, "application/problem+json")
 
     with served(Handler) as url:
         result = run("events", "s_gone", "--url", url)
