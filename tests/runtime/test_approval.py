@@ -340,3 +340,68 @@ async def test_an_amount_that_is_no_finite_number_is_refused_not_taken_as_small(
         snap = await env.load(sid)
         assert snap.waits == [] and SENT == []
         assert snap.state is S.COMPLETED and snap.result == {"decision": "error"}
+
+
+async def test_a_reassignment_to_someone_without_authority_is_refused_and_alerted(
+    make: Any,
+) -> None:
+    """The clerk may approve up to 1,000: a 5,000 request reassigned to the clerk alone
+    could never be approved. The reassignment is refused and alerted; fd's request stays
+    open, is not withdrawn, and fd's approval still decides it."""
+    async with make(stages=[{"approvers": ["fd"]}]) as env:
+        alerts = Alerts()
+        env.services.observer = alerts
+        sid = await submit(env, amount=5000)
+        old = (await env.load(sid)).waits[0]
+        await env.control.reassign_approval(
+            sid, old.correlation_id, approvers=["clerk"], by="operator:abc", why="fd on leave"
+        )
+        snap = await env.load(sid)
+        [wait] = snap.waits
+        assert (wait.epoch, wait.request["approvers"]) == (old.epoch, ["fd"])
+        assert reasons(snap) == [R.UNAUTHORIZED] and WITHDRAWN == []
+        assert len(alerts.alerts) == 1 and "reassignment refused" in alerts.alerts[0][0]
+        assert (await vote(env, sid, "fd")).state is S.COMPLETED
+
+
+@pytest.mark.parametrize(
+    ("mode", "accepted"), [("any", True), ("n_of_m", False)], ids=["one-of-them", "two-of-them"]
+)
+async def test_a_reassignment_stands_when_enough_of_its_people_have_authority(
+    make: Any, mode: str, accepted: bool
+) -> None:
+    """Reassigned to the clerk and bob for 5,000: bob alone has authority. Enough when one
+    of them must approve; not when two must."""
+    quorum = {"mode": mode, "required": 2}
+    async with make(stages=[{"approvers": ["fd"], "quorum": quorum}]) as env:
+        sid = await submit(env, amount=5000)
+        old = (await env.load(sid)).waits[0]
+        await env.control.reassign_approval(
+            sid, old.correlation_id, approvers=["clerk", "bob"], by="operator:abc"
+        )
+        snap = await env.load(sid)
+        assert (snap.waits[0].request["approvers"] == ["clerk", "bob"]) is accepted
+        assert reasons(snap) == [R.REASSIGNED if accepted else R.UNAUTHORIZED]
+
+
+@pytest.mark.parametrize("amount", [None, -5000], ids=["missing", "negative"])
+async def test_an_amount_missing_or_negative_is_refused_where_the_rules_depend_on_it(
+    make: Any, amount: float | None
+) -> None:
+    """Read as 0 (or taken as it is), the CFO's stage above 10,000 was skipped and the
+    clerk's tier had authority: the rules failed open. The call fails instead."""
+    stages = [{"approvers": ["clerk", "fd"]}, {"approvers": ["cfo"], "above": 10_000}]
+    async with make(stages=stages) as env:
+        sid = await submit(env, amount=amount)  # type: ignore[arg-type]
+        snap = await env.load(sid)
+        assert snap.waits == [] and SENT == []
+        assert snap.state is S.COMPLETED and snap.result == {"decision": "error"}
+
+
+async def test_an_amount_may_be_left_out_where_no_rule_depends_on_it(make: Any) -> None:
+    anyone = {"tiers": [{"approvers": ["fd"]}]}
+    async with make(stages=[{"approvers": ["fd"]}], policy=anyone) as env:
+        sid = await submit(env, amount=None)  # type: ignore[arg-type]
+        [wait] = (await env.load(sid)).waits
+        assert wait.request["amount"] == 0
+        assert (await vote(env, sid, "fd")).state is S.COMPLETED

@@ -105,7 +105,7 @@ class ApprovalTool(LongRunningTool):
                 "type": "object",
                 "properties": {
                     "subject": {"type": "string"},
-                    "amount": {"type": "number"},
+                    "amount": {"type": "number", "minimum": 0},
                     "cost_centre": {"type": "string"},
                 },
                 "required": ["subject"],
@@ -131,16 +131,43 @@ class ApprovalTool(LongRunningTool):
     def stages_for(self, amount: float) -> list[Stage]:
         return [s for s in self.stages if s.above is None or amount > s.above]
 
-    async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
-        subject = str(args.get("subject") or args.get("doc_id") or args.get("doc") or "")
+    @property
+    def amount_matters(self) -> bool:
+        """Whether a stage or an approver's authority depends on the amount."""
+        policy = self.policy
+        return (
+            any(s.above is not None for s in self.stages)
+            or any(t.up_to is not None for t in policy.tiers)
+            or (bool(policy.cost_centre_owners) and policy.cost_centre_limit is not None)
+        )
+
+    def _amount(self, args: dict[str, Any]) -> float:
+        raw = args.get("amount")
+        if raw is None or raw == "":
+            if self.amount_matters:
+                # Read as 0 it skipped the stages a large amount needs and gave the lowest
+                # tier authority: the rules failed open for a call that left it out.
+                raise ToolError("amount is required: this approval's rules depend on it")
+            return 0.0
+        if isinstance(raw, bool):
+            raise ToolError("amount must be a number")
         try:
-            amount = float(args.get("amount") or 0)
+            amount = float(raw)
         except (TypeError, ValueError):
             raise ToolError("amount must be a number") from None
         if not math.isfinite(amount):
             # NaN is above no stage's threshold and within no tier, and inf is stored as
             # null (read back as 0): either would skip the stages a large amount needs.
             raise ToolError("amount must be a finite number")
+        if amount < 0:
+            # Below every threshold and within every tier: a negative amount would be
+            # decided by the lowest tier alone, whatever its size.
+            raise ToolError("amount must not be negative")
+        return amount
+
+    async def begin(self, args: dict[str, Any], ctx: ToolContext) -> WaitPlan:
+        subject = str(args.get("subject") or args.get("doc_id") or args.get("doc") or "")
+        amount = self._amount(args)
         stages = self.stages_for(amount)
         request: dict[str, JsonValue] = {
             **{k: v for k, v in args.items() if isinstance(k, str)},
@@ -226,7 +253,30 @@ class ApprovalTool(LongRunningTool):
         approvers = _text_list(_dict(event.data).get("approvers"))
         if event.type != REASSIGN or not approvers:
             return Review(ReviewAction.OBSERVE, reason=ObservationReason.UNEXPECTED)
+        short = self._short_of_authority(wait, approvers)
+        if short:
+            # Put to people who cannot reach the stage's quorum with authority for the
+            # amount, the request could only be rejected or run out its SLA: the old
+            # request stays open, and the attempt is on the record as an alert.
+            why = f"approval {wait.correlation_id}: reassignment refused, {short}"
+            return Review(ReviewAction.OBSERVE, reason=ObservationReason.UNAUTHORIZED, alert=[why])
         return self._reissue(wait, approvers, dict(wait.progress), ObservationReason.REASSIGNED)
+
+    def _short_of_authority(self, wait: Wait, approvers: list[str]) -> str:
+        """Why ``approvers`` could not approve the wait's stage (enough of them with
+        authority for its amount and cost centre to reach its quorum), or ""."""
+        amount = float(str(wait.request.get("amount") or 0))
+        cost_centre = wait.request.get("cost_centre")
+        centre = str(cost_centre) if cost_centre is not None else None
+        stages = self.stages_for(amount)
+        index = int(str(wait.request.get("stage", 1))) - 1
+        quorum = stages[min(max(index, 0), len(stages) - 1)].quorum
+        people = list(dict.fromkeys(approvers))
+        able = [p for p in people if self.policy.may_approve(p, amount=amount, cost_centre=centre)]
+        need = quorum.needed(people)
+        if len(able) >= need:
+            return ""
+        return f"{need} of {', '.join(people)} must approve {amount:g} ({centre}), {len(able)} may"
 
     def _reissue(
         self,
