@@ -180,7 +180,8 @@ async def page(browser: Browser) -> AsyncIterator[Page]:
 async def operator(console: Console) -> AsyncIterator[httpx.AsyncClient]:
     """An HTTP client signed in with the operator key (no browser: pages as text)."""
     async with httpx.AsyncClient(base_url=console.url, timeout=30) as client:
-        answer = await client.post("/login", data={"key": console.operator_key})
+        form = csrf_of((await client.get("/login")).text)
+        answer = await client.post("/login", data={"key": console.operator_key, "csrf": form})
         assert answer.status_code == 303
         yield client
 

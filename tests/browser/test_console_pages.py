@@ -4,6 +4,7 @@ the due-within filter, cursor paging, retry now."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -299,3 +300,22 @@ async def test_reassign_approval_is_audited_and_opens_a_new_epoch(
     assert action["detail"] == {"correlation_id": old.correlation_id, "approver": "bob"}
     timeline = (await operator.get(f"/sessions/{sid}")).text
     assert "operator:reassign_approval" in timeline
+
+
+async def test_a_live_stream_open_at_logout_ends_with_the_login(
+    operator: httpx.AsyncClient,
+) -> None:
+    """A tab left open kept its live counts streaming after its logout: the stream
+    checked the login only when it opened. It now ends at its next tick."""
+    async with operator.stream("GET", "/live") as live:
+        assert live.status_code == 200
+        lines = live.aiter_lines()
+        assert (await anext(lines)).startswith("event: counts")
+        csrf = csrf_of((await operator.get("/")).text)
+        assert (await operator.post("/logout", data={"csrf": csrf})).status_code == 303
+
+        async def rest() -> list[str]:
+            return [line async for line in lines]
+
+        # Bounded: the console's tick is 0.3 s; the old stream ran until the client left.
+        await asyncio.wait_for(rest(), timeout=10)

@@ -44,12 +44,19 @@ class App:
         """Sign in to the console with ``key`` (the client keeps the cookie); the login's
         CSRF token."""
         form = {"Content-Type": "application/x-www-form-urlencoded"}
-        answer = await self.http.post("/console/login", content=f"key={key}", headers=form)
+        token = csrf_in((await self.http.get("/console/login")).text)
+        answer = await self.http.post(
+            "/console/login", content=f"key={key}&csrf={token}", headers=form
+        )
         assert answer.status_code == 303, answer.text
-        page = await self.http.get("/console/")
-        found = re.search(r'name="csrf" value="([^"]+)"', page.text)
-        assert found is not None, page.text[:500]
-        return found.group(1)
+        return csrf_in((await self.http.get("/console/")).text)
+
+
+def csrf_in(html: str) -> str:
+    """The CSRF token of a console page's forms."""
+    found = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert found is not None, html[:500]
+    return found.group(1)
 
 
 def _ingress_class() -> type:

@@ -9,6 +9,7 @@ actions need an operator login (403 otherwise).
 
 # No ``from __future__ import annotations``: FastAPI reads annotations at run time.
 import asyncio
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +27,8 @@ from torpor.entry.console.live import LiveCounts
 from torpor.entry.console.login import (
     COOKIE,
     LIFETIME,
+    LOGIN_COOKIE,
+    LOGIN_FORM_LIFETIME,
     LOGOUT_SCOPE,
     CookieSigner,
     Principal,
@@ -96,11 +99,20 @@ class _Console:
     async def principal(self, request: Request) -> Principal | None:
         now = self.services.clock.now()
         principal = self.signer.open(request.cookies.get(COOKIE), now=now)
-        if principal is None or await self.services.index.holds_nonce(
-            scope=LOGOUT_SCOPE, nonce=principal.nonce, now=now
-        ):
+        if principal is None or await self.ended(principal):
             return None
         return principal
+
+    async def ended(self, principal: Principal) -> bool:
+        return await self.services.index.holds_nonce(
+            scope=LOGOUT_SCOPE, nonce=principal.nonce, now=self.services.clock.now()
+        )
+
+    async def signed_in(self, principal: Principal) -> bool:
+        """Whether ``principal``'s login still holds: unexpired, its key still configured,
+        not logged out."""
+        now = self.services.clock.now()
+        return self.signer.holds(principal, now=now) and not await self.ended(principal)
 
     async def end(self, principal: Principal) -> None:
         """Log ``principal`` out: its cookie, copied anywhere, opens nothing from now on."""
@@ -201,20 +213,40 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
         except TorporError as exc:
             return c.error_page(principal, exc)
 
+    def secure(request: Request) -> bool:
+        return request.url.scheme == "https" or (
+            request.headers.get("x-forwarded-proto", "").lower() == "https"
+        )
+
+    def login_page(request: Request, error: str | None = None, status: int = 200) -> Response:
+        """The sign-in form, with a fresh nonce in its own cookie and its token in the form."""
+        nonce = secrets.token_urlsafe(16)
+        answer = c.html(pages.login(base, c.signer.login_csrf(nonce), error), status)
+        answer.set_cookie(
+            LOGIN_COOKIE,
+            nonce,
+            max_age=int(LOGIN_FORM_LIFETIME.total_seconds()),
+            path=f"{base}/login",
+            httponly=True,
+            samesite="strict",
+            secure=secure(request),
+        )
+        return answer
+
     @app.get("/login", response_class=HTMLResponse)
-    async def login_form() -> Response:
-        return c.html(pages.login(base))
+    async def login_form(request: Request) -> Response:
+        return login_page(request)
 
     @app.post("/login")
     async def login(request: Request) -> Response:
         fields = await c.form(request, None)
+        # Checked before the key: a forged sign-in learns nothing about it either.
+        if not c.signer.login_csrf_ok(request.cookies.get(LOGIN_COOKIE), fields.get("csrf")):
+            return login_page(request, "The sign-in form expired or came from elsewhere.", 403)
         principal = authenticate(c.settings, fields.get("key", ""), now=c.services.clock.now())
         if principal is None:
-            return c.html(pages.login(base, "That key is not valid here."), 401)
+            return login_page(request, "That key is not valid here.", 401)
         answer = RedirectResponse(f"{base}/", status_code=303)
-        secure = request.url.scheme == "https" or (
-            request.headers.get("x-forwarded-proto", "").lower() == "https"
-        )
         answer.set_cookie(
             COOKIE,
             c.signer.issue(principal),
@@ -222,8 +254,9 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
             path=base,
             httponly=True,
             samesite="strict",
-            secure=secure,
+            secure=secure(request),
         )
+        answer.delete_cookie(LOGIN_COOKIE, path=f"{base}/login")
         return answer
 
     @app.post("/logout")
@@ -461,7 +494,8 @@ def console_app(deps: ConsoleDeps) -> FastAPI:
         if session is not None:
             await reads.get_snapshot(c.services, session, tenants=tenants)  # 404 first
         return HeldStreamingResponse(  # closed however it ends: the share goes back
-            c.live.open(p.key_id, tenants, session),  # 429 past the key's share
+            # 429 past the key's share; ends once the login does
+            c.live.open(p.key_id, tenants, session, signed_in=lambda: c.signed_in(p)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

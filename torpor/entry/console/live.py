@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from torpor.entry.console import reads
@@ -25,14 +25,22 @@ class LiveCounts:
         self.tick_s = tick_s
         self._open: dict[str, int] = {}
 
-    def open(self, key: str, tenants: list[str], session_id: str | None) -> AsyncIterator[str]:
+    def open(
+        self,
+        key: str,
+        tenants: list[str],
+        session_id: str | None,
+        *,
+        signed_in: Callable[[], Awaitable[bool]],
+    ) -> AsyncIterator[str]:
         if self._open.get(key, 0) >= self.max_per_key:
             raise TooManyStreams(
                 f"at most {self.max_per_key} live console streams per login key at once",
                 retry_after=RETRY_AFTER_S,
             )
         self._open[key] = self._open.get(key, 0) + 1
-        return HeldStream(self._events(tenants, session_id), lambda: self._release(key))
+        events = self._events(tenants, session_id, signed_in)
+        return HeldStream(events, lambda: self._release(key))
 
     def _release(self, key: str) -> None:
         self._open[key] -= 1
@@ -40,11 +48,17 @@ class LiveCounts:
             del self._open[key]
 
     async def _events(
-        self, tenants: list[str], session_id: str | None
+        self,
+        tenants: list[str],
+        session_id: str | None,
+        signed_in: Callable[[], Awaitable[bool]],
     ) -> AsyncGenerator[str, None]:
         last: str | None = None
         quiet = 0.0
-        while True:
+        # The login is checked at every tick, not only when the stream opened: a stream
+        # open in a tab outlived its logout (or its key's removal, or its expiry), and
+        # went on showing the tenants' counts to whoever had the tab.
+        while await signed_in():
             data: dict[str, Any] = {"counts": await reads.counts(self.services, tenants)}
             if session_id is not None:
                 state = (await self.services.index.session_states([session_id])).get(session_id)

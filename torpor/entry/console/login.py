@@ -23,6 +23,9 @@ from torpor.auth import key_id, match_key
 from torpor.settings import Settings
 
 COOKIE = "torpor_console"
+# The sign-in form's own cookie: a nonce the form's token is bound to (see ``login_csrf``).
+LOGIN_COOKIE = "torpor_console_login"
+LOGIN_FORM_LIFETIME = timedelta(hours=1)
 LIFETIME = timedelta(hours=8)
 # A signed cookie is valid until it expires, wherever a copy of it is: its logout is a
 # claim on the login's nonce in this scope of the index, held for a whole lifetime (so
@@ -122,13 +125,28 @@ class CookieSigner:
             )
         except (ValueError, KeyError, TypeError):
             return None
-        if principal.expires <= now.timestamp() or not _still_configured(self.settings, principal):
-            return None
-        return principal
+        return principal if self.holds(principal, now=now) else None
+
+    def holds(self, principal: Principal, *, now: datetime) -> bool:
+        """Whether a login is unexpired and its key still configured."""
+        return principal.expires > now.timestamp() and _still_configured(self.settings, principal)
 
     def csrf(self, principal: Principal) -> str:
         """The token every form of this login carries: bound to its nonce."""
         return self._mac("csrf", principal.nonce.encode())
+
+    def login_csrf(self, nonce: str) -> str:
+        """The sign-in form's token, bound to the nonce of the form's cookie. Without it a
+        page on another site could post its own key to ``/login`` and sign the browser in
+        as the attacker (login CSRF): the operator then typed into an attacker's tenant."""
+        return self._mac("login", nonce.encode("utf-8", "surrogateescape"))
+
+    def login_csrf_ok(self, nonce: str | None, token: str | None) -> bool:
+        if not nonce or token is None or len(nonce) > 64:
+            return False
+        return hmac.compare_digest(
+            self.login_csrf(nonce).encode(), token.encode("utf-8", "surrogateescape")
+        )
 
     def csrf_ok(self, principal: Principal, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(

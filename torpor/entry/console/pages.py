@@ -52,7 +52,7 @@ def layout(base: str, principal: Principal | None, title: str, body: str, csrf: 
     )
 
 
-def login(base: str, error: str | None = None) -> str:
+def login(base: str, csrf: str, error: str | None = None) -> str:
     note = f'<p class="error" role="alert">{e(error)}</p>' if error else ""
     body = (
         '<section class="login"><h1>Sign in</h1>'
@@ -60,6 +60,7 @@ def login(base: str, error: str | None = None) -> str:
         "read-only view of that tenant.</p>"
         f"{note}"
         f'<form method="post" action="{base}/login">'
+        f'<input type="hidden" name="csrf" value="{e(csrf)}">'
         '<label>Key <input type="password" name="key" autocomplete="off" required '
         'autofocus></label> <button type="submit">Sign in</button></form></section>'
     )
