@@ -581,12 +581,18 @@ class RayWorkRunner:
         return await self.records.order(work)
 
     async def _alive(self, work: str) -> bool:
+        """False only for a watcher known gone (no actor by its name, or a dead one). One
+        unreachable for a moment (unavailable, or no answer in time) may still run the
+        work: taken for lost, an actor call's wait (or a last run's) was answered
+        ``work_lost`` while the work ran on, and its real answer came too late."""
         try:
             handle = ray.get_actor(watcher_name(work), namespace=self.settings.namespace)
             state: dict[str, Any] = await asyncio.wait_for(
                 handle.state.remote(), timeout=STATE_TIMEOUT_S
             )
-        except (*_GONE, TimeoutError):
+        except (ActorUnavailableError, TimeoutError):
+            return True  # not known gone: the next poll asks again
+        except _GONE:
             return False
         return bool(state.get("running"))
 

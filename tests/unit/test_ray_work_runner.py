@@ -1,0 +1,83 @@
+"""The Ray work runner's own decisions, with Ray's calls replaced (no cluster started):
+what it reads as a lost run, and what its task executor keeps between calls."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from ray.exceptions import ActorUnavailableError
+
+from actors import ray_work
+from actors.ray_work import Kind, Launch, RayWorkRunner
+from storage.memory_store import MemoryObjectStore
+from storage.work import WorkRecords
+from torpor.ids import business_idempotency_key
+from torpor.settings import Settings
+from torpor.work import WorkOrder, WorkState, work_id
+
+NOW = datetime(2026, 11, 30, tzinfo=UTC)
+
+
+def an_order() -> WorkOrder:
+    key = business_idempotency_key("acme", "embed:s1:call_1", 1)
+    return WorkOrder(
+        work_id=work_id(key),
+        idempotency_key=key,
+        tool_name="embed",
+        session_id="s1",
+        tenant="acme",
+        correlation_id="c" * 32,
+        epoch=1,
+        request={},
+        deadline=NOW + timedelta(hours=1),
+        trace_id="t",
+    )
+
+
+async def a_runner(launch: Launch, order: WorkOrder) -> RayWorkRunner:
+    """A runner whose records are in memory, with run 1 of ``order`` claimed."""
+    runner = RayWorkRunner(launch)
+    runner.configure(Settings())
+    runner._records = WorkRecords(MemoryObjectStore())
+    await runner.records.save_order(order)
+    assert await runner.records.claim_run(order.work_id, 1, by="watcher")
+    return runner
+
+
+class Watcher:
+    """A watcher handle whose ``state`` call fails as ``answer`` says."""
+
+    def __init__(self, answer: Any) -> None:
+        self.state = self
+        self._answer = answer
+
+    def remote(self) -> Any:
+        return self._answer()
+
+
+async def unreachable() -> dict[str, Any]:
+    raise ActorUnavailableError("the actor is temporarily unavailable", None)
+
+
+async def silent() -> dict[str, Any]:
+    await asyncio.sleep(3600)
+    return {"running": True}
+
+
+@pytest.mark.parametrize("answer", [unreachable, silent], ids=["unavailable", "no_answer"])
+async def test_a_watcher_that_cannot_be_reached_for_a_moment_is_not_a_lost_run(
+    answer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An actor call's watcher, alive but unreachable for a moment (a network blip, a busy
+    node): its run is not lost. Taken for lost, the poll answered the wait with
+    ``work_lost`` (an actor call is never run again beside itself) while the call ran on,
+    and its real answer, arriving later, found the wait already closed."""
+    monkeypatch.setattr(ray_work, "STATE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(ray_work.ray, "get_actor", lambda name, namespace=None: Watcher(answer))
+    order = an_order()
+    runner = await a_runner(Launch(Kind.ACTOR, actor="model", method="embed"), order)
+    status = await runner.status(order.work_id)
+    assert status.state is not WorkState.LOST, status
