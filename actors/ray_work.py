@@ -723,12 +723,14 @@ class RayTaskExecutor:
         except asyncio.CancelledError:
             # The loop's deadline passed: stop the task, its outcome is unknown.
             ray.cancel(ref, force=True)
-            self._inflight.pop(key, None)
             raise
         except RayTaskError as exc:
-            self._inflight.pop(key, None)
             raise exc.as_instanceof_cause() from None  # type: ignore[no-untyped-call]
-        self._inflight.pop(key, None)
+        finally:
+            # However it ended (a Ray failure too: a crashed worker, a memory kill), the
+            # call is over: a ref kept would be joined by the same call again, dead.
+            if self._inflight.get(key) is ref:
+                del self._inflight[key]
         log.debug("task tool call %s took %.3f s", key, time.monotonic() - started)
         return out
 

@@ -8,15 +8,16 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorUnavailableError
+from ray.exceptions import ActorUnavailableError, WorkerCrashedError
 
 from actors import ray_work
-from actors.ray_work import Kind, Launch, RayWorkRunner
+from actors.ray_work import Kind, Launch, RayTaskExecutor, RayWorkRunner
 from storage.memory_store import MemoryObjectStore
 from storage.work import WorkRecords
 from torpor.ids import business_idempotency_key
 from torpor.settings import Settings
-from torpor.work import WorkOrder, WorkState, work_id
+from torpor.tools import ToolContext
+from torpor.work import TaskExecution, WorkOrder, WorkState, work_id
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 
@@ -81,3 +82,55 @@ async def test_a_watcher_that_cannot_be_reached_for_a_moment_is_not_a_lost_run(
     runner = await a_runner(Launch(Kind.ACTOR, actor="model", method="embed"), order)
     status = await runner.status(order.work_id)
     assert status.state is not WorkState.LOST, status
+
+
+class Tasks:
+    """``ray.remote`` for the task executor: each task started fails as ``failure`` says."""
+
+    def __init__(self, failure: BaseException) -> None:
+        self.failure = failure
+        self.started = 0
+
+    def __call__(self, fn: Any) -> Tasks:
+        return self
+
+    def options(self, **options: Any) -> Tasks:
+        return self
+
+    def remote(self, *args: Any) -> asyncio.Future[Any]:
+        self.started += 1
+        ended: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        ended.set_exception(self.failure)
+        return ended
+
+
+def a_call() -> ToolContext:
+    return ToolContext(
+        session_id="s1",
+        tenant="acme",
+        step=1,
+        tool_call_id="call_1",
+        idempotency_key="k" * 32,
+        trace_id="t",
+        now=NOW,
+        fence=1,
+        variables={},
+    )
+
+
+async def test_a_task_call_that_died_of_a_ray_failure_is_not_joined_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call whose task died of a Ray failure (its worker crashed, killed for memory) is
+    over: its ref is let go. It was kept for ever (one per such call in a long-lived
+    process, the error pinned with it), and the same call again in that process (a
+    retried activation on a pooled host) joined the dead ref and failed without running."""
+    tasks = Tasks(WorkerCrashedError())
+    monkeypatch.setattr(ray_work.ray, "remote", tasks)
+    executor = RayTaskExecutor()
+    execution = TaskExecution(execution="task")
+    for _ in range(2):
+        with pytest.raises(WorkerCrashedError):
+            await executor.run(lambda args, ctx: None, {}, a_call(), execution=execution)
+    assert tasks.started == 2
+    assert executor._inflight == {}
