@@ -275,9 +275,15 @@ class WorkWatcher:
                 self._ref = self._launched(ctx, run)
             except (ValueError, AttributeError, TypeError) as exc:
                 # No such actor (ValueError) or method, options Ray refuses: another run
-                # would meet them again. Anything else (Ray's control plane unavailable)
-                # is raised: the run is lost, and the policy may run it again.
+                # would meet them again.
                 return _failed("work_not_started", "the work could not be started", exc)
+            except Exception as exc:
+                # Anything else (Ray's control plane unavailable): the run is lost, and the
+                # policy may run it again. Its cause is recorded: with none, an actor call
+                # that never started read as one that may still run, and was never rerun.
+                why = f"not started: {type(exc).__name__}: {exc}"[:1000]
+                await records.record_lost(order.work_id, run, why)
+                return None
             value = await self._ref
         except TaskCancelledError:
             if self._stopping or await records.stopped(order.work_id):

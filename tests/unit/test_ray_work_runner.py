@@ -4,20 +4,30 @@ what it reads as a lost run, and what its task executor keeps between calls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorUnavailableError, WorkerCrashedError
+from ray.exceptions import ActorUnavailableError, RaySystemError, WorkerCrashedError
 
 from actors import ray_work
-from actors.ray_work import Kind, Launch, RayTaskExecutor, RayWorkRunner
+from actors.config_ref import ConfigRef
+from actors.ray_work import Kind, Launch, RayTaskExecutor, RayWorkRunner, WorkWatcher
 from storage.memory_store import MemoryObjectStore
 from storage.work import WorkRecords
 from torpor.ids import business_idempotency_key
 from torpor.settings import Settings
 from torpor.tools import ToolContext
-from torpor.work import TaskExecution, WorkOrder, WorkState, work_id
+from torpor.work import (
+    Rerun,
+    RetryPolicy,
+    TaskExecution,
+    WorkOrder,
+    WorkState,
+    after_loss,
+    work_id,
+)
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 
@@ -134,3 +144,33 @@ async def test_a_task_call_that_died_of_a_ray_failure_is_not_joined_again(
             await executor.run(lambda args, ctx: None, {}, a_call(), execution=execution)
     assert tasks.started == 2
     assert executor._inflight == {}
+
+
+def gone(name: str, namespace: str | None = None) -> Any:
+    raise ValueError(f"Failed to look up actor with name {name!r}")
+
+
+async def test_an_actor_call_that_ray_could_not_make_is_run_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watcher could not make the actor call at all (Ray's control plane did not
+    answer the actor's look-up): the call never started, so the policy runs it again.
+    Nothing recorded why run 1 ended, and the poll took it for a call that may still run
+    beside its lost watcher: the wait was answered ``work_lost`` and never run again."""
+    order = an_order()
+    launch = Launch(Kind.ACTOR, actor="model", method="embed")
+    runner = await a_runner(launch, order)
+    watcher = WorkWatcher.__ray_metadata__.modified_class(  # type: ignore[attr-defined]
+        ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch
+    )
+
+    def no_control_plane(name: str, namespace: str | None = None) -> Any:
+        raise RaySystemError("the GCS did not answer")
+
+    monkeypatch.setattr(ray_work.ray, "get_actor", no_control_plane)
+    with contextlib.suppress(Exception):  # as the watcher's main does: it logs and exits
+        await watcher._execute(runner.records, 1)
+    monkeypatch.setattr(ray_work.ray, "get_actor", gone)  # the watcher has exited
+    status = await runner.status(order.work_id)
+    assert status.state is WorkState.LOST
+    assert after_loss(RetryPolicy(max_runs=2), status) == Rerun(run=2), status
