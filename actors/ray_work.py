@@ -46,6 +46,7 @@ from ray.exceptions import (
     ObjectLostError,
     OwnerDiedError,
     RayActorError,
+    RayError,
     RayTaskError,
     TaskCancelledError,
     WorkerCrashedError,
@@ -297,7 +298,9 @@ class WorkWatcher:
                 ok=False,
                 value={"code": "work_error", "message": f"{type(cause).__name__}: {cause}"[:1000]},
             )
-        except _LOST as exc:
+        except (*_LOST, RayError) as exc:
+            # Every other Ray failure too (a task its node's memory monitor killed, a
+            # runtime_env that could not be set up): lost with its cause on the record.
             if self._stopping:
                 return None
             await records.record_lost(order.work_id, run, f"{type(exc).__name__}: {exc}"[:1000])

@@ -9,7 +9,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorUnavailableError, RaySystemError, WorkerCrashedError
+from ray.exceptions import (
+    ActorUnavailableError,
+    OutOfMemoryError,
+    RaySystemError,
+    WorkerCrashedError,
+)
 
 from actors import ray_work
 from actors.config_ref import ConfigRef
@@ -174,3 +179,25 @@ async def test_an_actor_call_that_ray_could_not_make_is_run_again(
     status = await runner.status(order.work_id)
     assert status.state is WorkState.LOST
     assert after_loss(RetryPolicy(max_runs=2), status) == Rerun(run=2), status
+
+
+async def test_a_task_killed_for_memory_is_lost_with_its_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A task Ray's memory monitor killed (or whose runtime_env could not be set up) is a
+    lost run whose cause is on the record, so the wait's answer (after the policy's last
+    run) says why. Neither is one of the losses the watcher caught: raised to its main,
+    nothing was recorded, and the answer said "its node or process died"."""
+    order = an_order()
+    launch = Launch(Kind.TASK, fn=lambda args, ctx: None)
+    runner = await a_runner(launch, order)
+    watcher = WorkWatcher.__ray_metadata__.modified_class(  # type: ignore[attr-defined]
+        ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch
+    )
+    monkeypatch.setattr(ray_work.ray, "remote", Tasks(OutOfMemoryError("killed: node low")))
+    with contextlib.suppress(Exception):  # as the watcher's main does: it logs and exits
+        await watcher._execute(runner.records, 1)
+    monkeypatch.setattr(ray_work.ray, "get_actor", gone)  # the watcher has exited
+    status = await runner.status(order.work_id)
+    assert status.state is WorkState.LOST
+    assert "OutOfMemoryError" in (status.cause or ""), status
