@@ -550,6 +550,11 @@ class RayWorkRunner:
             return WorkStatus(WorkState.CANCELLED, runs=runs)
         if await self._alive(work):
             return WorkStatus(WorkState.RUNNING, runs=runs)
+        # Looked again: its watcher may have recorded the outcome and exited since the
+        # first look; taken for lost, the wait could be answered work_lost beside it.
+        outcome = await records.outcome(work)
+        if outcome is not None:
+            return WorkStatus(WorkState.DONE, runs=runs, outcome=outcome)
         if await records.order(work) is None:
             return WorkStatus(WorkState.UNKNOWN, runs=runs)
         cause = await records.lost_cause(work, runs) if runs else None

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from pydantic import JsonValue
 from ray.exceptions import (
     ActorUnavailableError,
     OutOfMemoryError,
@@ -201,3 +202,23 @@ async def test_a_task_killed_for_memory_is_lost_with_its_cause(
     status = await runner.status(order.work_id)
     assert status.state is WorkState.LOST
     assert "OutOfMemoryError" in (status.cause or ""), status
+
+
+async def test_an_outcome_recorded_while_the_status_is_read_is_the_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watcher records its outcome and exits between the status's read of the outcome
+    and its look for the watcher: the work is done, not lost. Taken for lost, an actor
+    call's wait (or a last run's) was answered ``work_lost`` beside a real answer; if the
+    watcher's own delivery had failed, ``work_lost`` was the only answer."""
+    order = an_order()
+    runner = await a_runner(Launch(Kind.ACTOR, actor="model", method="embed"), order)
+    done: dict[str, JsonValue] = {"status": "ok", "result": {"vectors": 3}}
+
+    async def finished_meanwhile(work: str) -> bool:
+        await runner.records.record_outcome(work, done)  # recorded, then it exited
+        return False
+
+    monkeypatch.setattr(runner, "_alive", finished_meanwhile)
+    status = await runner.status(order.work_id)
+    assert (status.state, status.outcome) == (WorkState.DONE, done), status
