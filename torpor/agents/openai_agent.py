@@ -272,8 +272,22 @@ def _parse_message(body: bytes, redact: Callable[[str], str]) -> Message:
     # on reasoning): it completed the session with the result None, as if that were one.
     if content is None and not calls:
         raise fail("no content and no tool calls")
+    # An escaped lone surrogate ("\\ud83d", half an emoji) is valid JSON but no Unicode
+    # text: the snapshot holding the turn could not be encoded, the commit raised, and
+    # every replay met it again, the session RUNNING for good.
+    kept = [content, *(t for c in calls for t in (c.id, c.function.name, c.function.arguments))]
+    if any(_has_surrogate(text) for text in kept if text is not None):
+        raise fail("the answer holds a lone UTF-16 surrogate")
     # vLLM sends tool_calls: [] on plain answers; OpenAI rejects [] when it is sent back.
     return Message(role="assistant", content=content, tool_calls=calls or None)
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _parse_tool_call(item: object, fail: Callable[[str], AgentError]) -> ToolCall:
