@@ -45,13 +45,19 @@ def tool_arguments(raw: str | None) -> dict[str, Any]:
     """A call's arguments: a JSON object, else ``ValueError`` (the model's to correct, as
     a tool error). A document nested too deeply for the parser is one: its
     RecursionError escaped the activation, which then failed again on every replay of
-    the same committed turn, the session RUNNING for good."""
+    the same committed turn, the session RUNNING for good. So is one holding an escaped
+    lone surrogate (``"\\ud83d"``): a tool that echoed it made a result no snapshot could
+    encode, and every replay ran the tool again and failed at the same commit."""
     try:
         args = json.loads(raw or "{}")
     except RecursionError:
         raise ValueError("arguments are nested too deeply") from None
     if not isinstance(args, dict):
         raise ValueError("arguments must be a JSON object")
+    try:
+        json.dumps(args, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ValueError("arguments hold a lone UTF-16 surrogate") from None
     return args
 
 
