@@ -66,3 +66,26 @@ def test_an_action_key_with_a_missing_segment_is_refused(key: str) -> None:
 
 def test_a_complete_action_key_is_kept() -> None:
     assert WaitPlan(action_key="approve:PR-1:v2").action_key == "approve:PR-1:v2"
+
+
+async def test_a_failed_call_is_not_hidden_by_a_later_call_of_its_step() -> None:
+    """Two calls of one step without ``as`` both store under the step's id: the second's
+    success overwrote the first's error, and the plan flowed on as if both had worked."""
+    steps = [
+        {"id": "fetch", "calls": [{"tool": "fetch_a"}, {"tool": "fetch_b"}]},
+        {"id": "done", "finish": "${results.fetch}"},
+    ]
+    agent = PlanAgent(plan={"steps": steps})
+    context = ctx({})
+    first = await agent.step([], context)
+    failed, worked = first.message.tool_calls or []
+    answers = [
+        Message(
+            role="tool",
+            tool_call_id=failed.id,
+            content=json.dumps({"error": {"code": "tool_error", "message": "a is down"}}),
+        ),
+        Message(role="tool", tool_call_id=worked.id, content=json.dumps({"b": 1})),
+    ]
+    with pytest.raises(UnhandledToolError, match="a is down"):
+        await agent.step([first.message, *answers], context)

@@ -207,10 +207,12 @@ class PlanAgent:
         else:
             current = self._steps[str(cursor)]
             answers = self._answers(messages)
+            answered: list[tuple[str, Any]] = []
             for i, call in enumerate(current.calls):
                 call_id = self._call_id(current.id, int(visits.get(current.id, 1)), i)
+                answered.append((call.name or current.id, answers.get(call_id)))
                 results[call.name or current.id] = answers.get(call_id)
-            target = self._next(current, scope)
+            target = self._next(current, scope, answered)
         turn = self._enter(target, visits, scope)
         ctx.variables["plan"] = {"cursor": target, "visits": visits, "results": results}
         return turn
@@ -229,17 +231,17 @@ class PlanAgent:
             if m.role == "tool" and m.tool_call_id
         }
 
-    def _next(self, step: PlanStep, scope: dict[str, Any]) -> str | None:
+    def _next(
+        self, step: PlanStep, scope: dict[str, Any], answered: list[tuple[str, Any]]
+    ) -> str | None:
         for branch in step.branches:
             if all(holds(c, scope) for c in branch.when):
                 return branch.goto
         # A failed call that no branch took must not flow on: the next step would run on
-        # the missing values (an approval asked for ``doc_id: null``).
-        failed = [
-            (call.name or step.id, result)
-            for call in step.calls
-            if _is_error(result := scope["results"].get(call.name or step.id))
-        ]
+        # the missing values (an approval asked for ``doc_id: null``). Each call's own
+        # answer, not ``results``: calls of one step without ``as`` share a name there,
+        # and a later one's success hid an earlier one's failure.
+        failed = [(name, result) for name, result in answered if _is_error(result)]
         if failed:
             if step.on_error is not None:
                 return step.on_error
