@@ -13,10 +13,12 @@ from datetime import timedelta
 from typing import ClassVar
 
 import httpx
+import pytest
 from pydantic import JsonValue
 
 from tests.runtime.memory_env import memory_env, reset
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
+from torpor.errors import ResolversBusy, StorageUnavailable, TorporError
 from torpor.lifecycle import SessionState
 from torpor.models import Message
 from torpor.ports import Reason, TimerKind
@@ -82,3 +84,32 @@ async def test_an_agents_own_bug_still_fails_its_session() -> None:
         snap = await env.load(sid)
         assert snap.state is S.FAILED
         assert snap.error is not None and snap.error.code == "agent_crashed"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ResolversBusy("every resolver thread is busy"),  # an OSError too
+        StorageUnavailable("the object store did not answer"),
+        TorporError("the agent's backend asks for a pause", retryable=True),
+    ],
+    ids=type,
+)
+async def test_a_retryable_torpor_error_from_the_agent_is_retried_not_fatal(
+    error: TorporError,
+) -> None:
+    """Every ``TorporError`` but ``AgentUnavailable`` and ``CallTimedOut`` failed the
+    session for good, whatever its ``retryable`` said: a busy resolver of an agent that
+    vets its endpoint (``torpor.ssrf``), an OSError, ended the session where a refused
+    connection is retried."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        FlakyBackend.FAILURES[:] = [error]
+        sid = await env.submit("flaky")
+        snap = await env.load(sid)
+        assert snap.state is S.RUNNING, (snap.state, snap.error)
+        assert snap.retry.used == 1
+        env.clock.advance(env.services.config.retry_cap.total_seconds())
+        await env.runtime.activate(sid, reason=Reason.RETRY)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED and done.result == "done"

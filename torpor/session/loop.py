@@ -167,7 +167,12 @@ class AgentLoop:
             await self.retry_later(exc)
             return
         except TorporError as exc:
-            await self.fail(exc.code, str(exc))
+            # Its own ``retryable`` decides, as everywhere: a busy resolver (an OSError
+            # too) or a store that did not answer failed the session for good.
+            if exc.retryable:
+                await self.retry_later(exc)
+            else:
+                await self.fail(exc.code, str(exc))
             return
         except Exception as exc:
             if transient(exc):
