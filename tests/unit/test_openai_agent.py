@@ -413,6 +413,30 @@ async def test_key_never_appears_in_exception_text() -> None:
     assert pickle.loads(pickle.dumps(agent))._api_key.get_secret_value() == KEY
 
 
+@pytest.mark.parametrize("header", ["api-key", "x-api-key", "Helicone-Auth", "X-Gateway-Token"])
+async def test_a_key_sent_in_an_extra_header_never_appears_in_exception_text(
+    llm: FakeLLM, header: str
+) -> None:
+    """Azure OpenAI and most gateways take their key in a header of their own, passed as
+    an extra header: a gateway that echoed it in an error body put it in the failed
+    session's detail, only the Bearer key being redacted."""
+    llm.responder = lambda request: FakeReply(401, f"bad credentials: {header}: {KEY}")
+    with pytest.raises(AgentError) as rejected:
+        await make_agent(llm, extra_headers={header: KEY}).step(user("doc"), ctx())
+    llm.responder = lambda request: FakeReply(502, f"upstream said {KEY}")
+    with pytest.raises(AgentUnavailable) as unavailable:
+        agent = make_agent(llm, Sleeps(), extra_headers={header: KEY}, max_retries=1)
+        await agent.step(user("doc"), ctx())
+    llm.responder = lambda request: FakeReply(200, f"{{not json {KEY}")
+    with pytest.raises(AgentError) as malformed:
+        await make_agent(llm, extra_headers={header: KEY}).step(user("doc"), ctx())
+
+    assert llm.requests[0].headers[header.lower()] == KEY
+    assert "bad credentials" in str(rejected.value)
+    for error in (rejected.value, unavailable.value, malformed.value):
+        assert KEY[:16] not in str(error)
+
+
 async def test_a_key_ending_in_a_line_break_is_sent_without_it(llm: FakeLLM) -> None:
     """A key read from a file often ends so: http.client refused each step with a
     ValueError quoting the header, key included (the failed session's detail)."""

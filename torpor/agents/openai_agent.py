@@ -17,6 +17,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
@@ -43,6 +44,8 @@ _MAX_BACKOFF_S = 30.0
 # A server may ask for a long pause; holding an activation that long is worse than giving
 # up with a retryable error the runtime reschedules, so the honoured delay is capped.
 _MAX_RETRY_AFTER_S = 60.0
+# Extra headers whose values are credentials, by name.
+_CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|passw|cookie|signature", re.IGNORECASE)
 
 
 def _header_safe(text: str, *, ascii_only: bool = False) -> bool:
@@ -103,6 +106,21 @@ class OpenAIAgent:
                 )
         # Held as a SecretStr so vars(), debuggers and logged reprs of this object show stars.
         self._api_key = SecretStr(key) if key else None
+        # Azure OpenAI and most gateways take their key in a header of their own (api-key,
+        # x-api-key, ...): redacted from error text as the Bearer key is.
+        secrets = sorted(
+            {
+                secret
+                for header, value in (extra_headers or {}).items()
+                if _CREDENTIAL_HEADER.search(header) and value.strip()
+                # "Bearer <token>": an echo may carry the token alone.
+                for secret in (value, value.split()[-1])
+            }
+            | ({key} if key else set()),
+            key=len,
+            reverse=True,  # a longer secret first: it may contain a shorter one
+        )
+        self._secrets = tuple(SecretStr(secret) for secret in secrets)
         self._system_prompt = system_prompt
         self._temperature = temperature
         self._timeout_s = timeout_s
@@ -226,9 +244,9 @@ class OpenAIAgent:
 
     def _redact(self, text: str) -> str:
         # Some gateways echo request headers in error bodies; the key must never travel on.
-        if self._api_key is None:
-            return text
-        return text.replace(self._api_key.get_secret_value(), "***")
+        for secret in self._secrets:
+            text = text.replace(secret.get_secret_value(), "***")
+        return text
 
 
 # --- response parsing (a trust boundary: every malformed answer becomes AgentError) --------
