@@ -291,6 +291,13 @@ class AgentLoop:
                 result = error_result(exc)
             else:
                 self.retrier.succeeded()
+                # A result no snapshot can hold (a lone surrogate, as text read with
+                # surrogateescape carries; an object JSON has no form for) made the commit
+                # raise, and every replay ran the tool again into the same commit.
+                try:
+                    json.dumps(result, ensure_ascii=False).encode()
+                except (TypeError, ValueError) as exc:
+                    result = error_result(f"the tool's result cannot be stored: {exc}")
         entry = ToolLogEntry(
             key=key,
             tool_name=call.function.name,
