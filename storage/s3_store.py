@@ -120,6 +120,7 @@ class S3ObjectStore:
 
     def _put(self, key: str, data: bytes, condition: dict[str, str]) -> str:
         lost: type[TorporError] = ObjectExists if "IfNoneMatch" in condition else EtagMismatch
+        sent_again = False  # some request of this call was sent more than once
         for attempt in range(CONFLICT_ATTEMPTS):
             try:
                 response = self._client.put_object(
@@ -131,13 +132,16 @@ class S3ObjectStore:
                 return response["ETag"]
             except ClientError as exc:
                 code = str(exc.response.get("Error", {}).get("Code", ""))
+                sent_again = sent_again or _was_retried(exc)
                 if code == _IN_FLIGHT and attempt + 1 < CONFLICT_ATTEMPTS:
                     time.sleep(CONFLICT_BACKOFF.delay_s(attempt))  # a worker thread
                     continue
-                if code in _LOST_RACE and condition and _was_retried(exc):
+                if code in _LOST_RACE and condition and sent_again:
                     # Ambiguous write: an earlier attempt of this very call may have committed
                     # and lost its answer (a reset connection), so the retry met our own
                     # object. Identical bytes mean it is ours: report the success it was.
+                    # The earlier attempt may be one botocore retried into a 409 (our own
+                    # write still in flight), whose 412 comes on this loop's next request.
                     etag = self._landed(key, data)
                     if etag is not None:
                         return etag

@@ -15,7 +15,7 @@ from actors.wiring import ensure_conditional_writes, open_services
 from storage.probe import verify_conditional_writes
 from storage.s3_store import S3ObjectStore
 from tests.conftest import eventually
-from tests.support.fault_proxy import FaultProxy
+from tests.support.fault_proxy import FaultProxy, conditional_put
 from tests.support.s3_server import S3TestServer
 from torpor.errors import (
     ConditionalWritesIgnored,
@@ -169,3 +169,29 @@ async def test_a_slow_write_is_retried_and_its_late_original_changes_nothing(
         assert stored.data == b"gen-1" and stored.etag == etag
     finally:
         await store.close()
+
+
+async def test_create_only_whose_answer_was_lost_then_met_a_conflict_is_our_success(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    # The first PUT lands and its answer is lost; botocore's retry meets a 409 (our own
+    # write still in flight at the service, as AWS answers), so the adapter asks again
+    # and meets its own object: 412 on a request botocore sent once. Still our success.
+    s3_proxy.reset_after_commit()
+    s3_proxy.fail(409, "ConditionalRequestConflict", times=1, match=conditional_put)
+    etag = await faulty_s3.put_if_absent("a/ours-409", b"payload-1")
+    assert s3_proxy.stats.reset == 1 and s3_proxy.stats.failed == 1
+    stored = await faulty_s3.get("a/ours-409")
+    assert stored.data == b"payload-1" and stored.etag == etag
+
+
+async def test_compare_and_swap_whose_answer_was_lost_then_met_a_conflict_is_our_success(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    first = await faulty_s3.put_if_absent("a/cas-409", b"gen-0")
+    s3_proxy.reset_after_commit()
+    s3_proxy.fail(409, "ConditionalRequestConflict", times=1, match=conditional_put)
+    etag = await faulty_s3.put_if_match("a/cas-409", b"gen-1", etag=first)
+    assert s3_proxy.stats.reset == 1 and s3_proxy.stats.failed == 1
+    stored = await faulty_s3.get("a/cas-409")
+    assert stored.data == b"gen-1" and stored.etag == etag
