@@ -87,8 +87,7 @@ class S3ObjectStore:
 
     def _fail(self, exc: Exception, key: str, on_lost_race: type[TorporError]) -> TorporError:
         if isinstance(exc, ClientError):
-            err: dict[str, Any] = dict(exc.response.get("Error", {}))
-            code = str(err.get("Code", ""))
+            code = _code(exc)
             if code == "NoSuchBucket":
                 return BucketNotFound(f"bucket {self.bucket!r} does not exist ({self.url})")
             if code in _LOST_RACE:
@@ -112,7 +111,7 @@ class S3ObjectStore:
             response = self._client.get_object(**args)
             return StoredObject(response["Body"].read(), response["ETag"])
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") == "InvalidRange":  # empty object
+            if _code(exc) == "InvalidRange":  # empty object
                 return self._get(key, None)
             raise self._fail(exc, key, ObjectExists) from exc
         except BotoCoreError as exc:
@@ -131,7 +130,7 @@ class S3ObjectStore:
                 )
                 return response["ETag"]
             except ClientError as exc:
-                code = str(exc.response.get("Error", {}).get("Code", ""))
+                code = _code(exc)
                 sent_again = sent_again or _was_retried(exc)
                 if code == _IN_FLIGHT and attempt + 1 < CONFLICT_ATTEMPTS:
                     time.sleep(CONFLICT_BACKOFF.delay_s(attempt))  # a worker thread
@@ -188,7 +187,7 @@ class S3ObjectStore:
                 self._client.delete_object(Bucket=self.bucket, Key=self._full(key), IfMatch=etag)
                 return True
             except ClientError as exc:
-                code = str(exc.response.get("Error", {}).get("Code", ""))
+                code = _code(exc)
                 if code == _IN_FLIGHT and attempt + 1 < CONFLICT_ATTEMPTS:
                     time.sleep(CONFLICT_BACKOFF.delay_s(attempt))  # a worker thread
                     continue
@@ -234,6 +233,16 @@ class S3ObjectStore:
 
     async def close(self) -> None:
         await off_loop(self._client.close)
+
+
+# An error answered without an XML body (a gateway in front of the store): botocore names
+# it by its bare status, which means the same here as the code S3 would have sent.
+_BARE_STATUS = {"412": "PreconditionFailed", "409": _IN_FLIGHT}
+
+
+def _code(exc: ClientError) -> str:
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    return _BARE_STATUS.get(code, code)
 
 
 def _was_retried(exc: ClientError) -> bool:

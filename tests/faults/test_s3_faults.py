@@ -195,3 +195,30 @@ async def test_compare_and_swap_whose_answer_was_lost_then_met_a_conflict_is_our
     assert s3_proxy.stats.reset == 1 and s3_proxy.stats.failed == 1
     stored = await faulty_s3.get("a/cas-409")
     assert stored.data == b"gen-1" and stored.etag == etag
+
+
+@pytest.mark.parametrize("op", ["put_if_absent", "put_if_match"])
+async def test_a_412_without_an_error_body_is_a_lost_race(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy, op: str
+) -> None:
+    # A gateway in front of the store (or a store) that answers 412 with no XML body:
+    # botocore names the error by its status ("412"). Still the lost race it is, typed
+    # for the caller, not a retryable StorageUnavailable that retries into the same 412.
+    first = await faulty_s3.put_if_absent("a/bare", b"gen-0")
+    s3_proxy.fail(412, "", match=conditional_put)
+    lost = ObjectExists if op == "put_if_absent" else EtagMismatch
+    with pytest.raises(lost):
+        if op == "put_if_absent":
+            await faulty_s3.put_if_absent("a/bare", b"other")
+        else:
+            await faulty_s3.put_if_match("a/bare", b"other", etag=first)
+    assert s3_proxy.stats.failed == 1
+
+
+async def test_a_409_without_an_error_body_is_asked_again(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    s3_proxy.fail(409, "", match=conditional_put)
+    await faulty_s3.put_if_absent("a/bare-409", b"x")
+    assert s3_proxy.stats.failed == 1
+    assert (await faulty_s3.get("a/bare-409")).data == b"x"

@@ -4,7 +4,8 @@ Each request is matched against the armed faults, first match wins, each fault f
 set number of times:
 
 * ``fail(status, code)``: answer at once with an S3-style XML error, forward nothing
-  (503 SlowDown bursts, 409 ConditionalRequestConflict);
+  (503 SlowDown bursts, 409 ConditionalRequestConflict); with ``code=""``, the status
+  alone and no body (a gateway or proxy in front of the store answering for it);
 * ``delay(seconds)``: forward after a pause;
 * ``reset_after_commit()``: forward the request, let the upstream commit it, read its
   answer, then reset the client's connection instead of answering. The client's retry
@@ -197,6 +198,11 @@ class FaultProxy:
                     self.wfile.write(data)
 
             def _error(self, status: int, code: str) -> None:
+                if not code:  # the status line alone, as a proxy in front of S3 answers
+                    self.send_response(status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 payload = (
                     f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
                     f"<Message>injected fault</Message></Error>"
