@@ -103,16 +103,23 @@ class S3ObjectStore:
 
     # -- blocking implementations ---------------------------------------------------
 
-    def _get(self, key: str, max_bytes: int | None) -> StoredObject:
+    def _get(self, key: str, max_bytes: int | None, *, ranged: bool = True) -> StoredObject:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key)}
-        if max_bytes is not None:
-            args["Range"] = f"bytes=0-{max_bytes - 1}"
+        if max_bytes is not None and ranged:
+            # "bytes=0--1" (max_bytes 0) is no range at all: S3 answers the whole object.
+            args["Range"] = f"bytes=0-{max(max_bytes, 1) - 1}"
         try:
             response = self._client.get_object(**args)
-            return StoredObject(response["Body"].read(), response["ETag"])
+            body = response["Body"]
+            try:
+                # Never more than asked for, even from a service that ignored the Range.
+                data = body.read() if max_bytes is None else body.read(max_bytes)
+            finally:
+                body.close()
+            return StoredObject(data, response["ETag"])
         except ClientError as exc:
-            if _code(exc) == "InvalidRange":  # empty object
-                return self._get(key, None)
+            if _code(exc) == "InvalidRange" and ranged:  # empty object
+                return self._get(key, max_bytes, ranged=False)
             raise self._fail(exc, key, ObjectExists) from exc
         except BotoCoreError as exc:
             raise self._fail(exc, key, ObjectExists) from exc

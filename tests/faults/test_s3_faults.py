@@ -222,3 +222,15 @@ async def test_a_409_without_an_error_body_is_asked_again(
     await faulty_s3.put_if_absent("a/bare-409", b"x")
     assert s3_proxy.stats.failed == 1
     assert (await faulty_s3.get("a/bare-409")).data == b"x"
+
+
+async def test_a_prefix_read_answered_with_the_whole_object_keeps_only_the_prefix(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    # A gateway that ignores Range answers 200 with the whole object: get(max_bytes=...)
+    # returns the prefix asked for (as the other stores do), not the whole body.
+    etag = await faulty_s3.put_if_absent("a/big", b"0123456789" * 1000)
+    s3_proxy.strip_headers("range")
+    head = await faulty_s3.get("a/big", max_bytes=16)
+    assert head.data == b"0123456789012345"
+    assert head.etag == etag

@@ -167,6 +167,12 @@ class ObjectStoreContract:
         assert head.data == b"0123456789012345"
         assert head.etag.strip('"') == etag.strip('"')
 
+    async def test_a_prefix_read_of_no_bytes_reads_none(self, store: ObjectStore) -> None:
+        etag = await store.put_if_absent("big0", b"0123456789")
+        head = await store.get("big0", max_bytes=0)
+        assert head.data == b""
+        assert head.etag.strip('"') == etag.strip('"')
+
     async def test_empty_object(self, store: ObjectStore) -> None:
         await store.put_if_absent("empty", b"")
         assert (await store.get("empty")).data == b""

@@ -11,7 +11,8 @@ set number of times:
   answer, then reset the client's connection instead of answering. The client's retry
   meets its own earlier write: the ambiguous-write case ("412 on a PUT that landed");
 * ``strip_conditions()``: forward without ``If-None-Match``/``If-Match``, like a store or
-  gateway that ignores conditional writes.
+  gateway that ignores conditional writes; ``strip_headers(*names)`` any other headers
+  (``Range``: a gateway that answers a ranged GET with the whole object).
 
 It speaks HTTP/1.1 with keep-alive so boto3's connection pool works through it, and
 counts what it did, so tests can assert that a fault really fired.
@@ -69,6 +70,7 @@ class Fault:
     code: str = "SlowDown"
     seconds: float = 0.0
     fired: int = 0
+    headers: frozenset[str] = frozenset({"if-none-match", "if-match"})  # what "strip" drops
 
 
 @dataclass
@@ -122,6 +124,12 @@ class FaultProxy:
 
     def strip_conditions(self, *, times: int = 1_000_000, match: Match | None = None) -> Fault:
         return self._arm(Fault("strip", match or conditional_put, times))
+
+    def strip_headers(
+        self, *names: str, times: int = 1_000_000, match: Match | None = None
+    ) -> Fault:
+        dropped = frozenset(n.lower() for n in names)
+        return self._arm(Fault("strip", match or any_request, times, headers=dropped))
 
     def clear(self) -> None:
         with self._lock:
@@ -179,9 +187,7 @@ class FaultProxy:
                     time.sleep(fault.seconds)
                 if fault is not None and fault.kind == "strip":
                     proxy._record(method, path, "strip conditions")
-                    headers = {
-                        k: v for k, v in headers.items() if k not in {"if-none-match", "if-match"}
-                    }
+                    headers = {k: v for k, v in headers.items() if k not in fault.headers}
                 status, reason, out_headers, data = proxy._forward(method, path, headers, body)
                 if fault is not None and fault.kind == "reset":
                     proxy._record(method, path, f"reset after {status}")
