@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
 
 from storage.blocking import off_loop
 from storage.keys import check_object_key
@@ -58,6 +63,14 @@ class S3ObjectStore:
     ) -> None:
         if not bucket:
             raise ConfigError("an s3:// URL needs a bucket name")
+        if (access_key_id is None) != (secret_access_key is None):
+            # boto3 would raise its PartialCredentialsError from here; name the gap instead.
+            given, missing = (
+                ("access key id", "secret access key")
+                if secret_access_key is None
+                else ("secret access key", "access key id")
+            )
+            raise ConfigError(f"S3 configuration names the {given} but no {missing}")
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self._endpoint = endpoint_url
@@ -99,6 +112,9 @@ class S3ObjectStore:
             if code in _CREDENTIALS:
                 return ConfigError(f"S3 rejected the configured credentials for {self.url}")
             return StorageUnavailable(f"S3 error {code or 'unknown'} on {key!r} ({self.url})")
+        if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+            # The client resolved its credentials when it was made and does not look again.
+            return ConfigError(f"no S3 credentials found for {self.url} (configuration, env, role)")
         return StorageUnavailable(f"S3 at {self.url} did not answer: {type(exc).__name__}")
 
     # -- blocking implementations ---------------------------------------------------

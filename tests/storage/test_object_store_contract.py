@@ -377,3 +377,36 @@ class TestS3ObjectStore(ObjectStoreContract):
             await store.get("k")
         assert info.value.retryable
         await store.close()
+
+    @pytest.fixture
+    def no_ambient_credentials(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """No credentials anywhere boto3 looks (environment, files, instance metadata)."""
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            monkeypatch.delenv(name, raising=False)
+        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", raising=False)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+        monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+    @pytest.mark.usefixtures("no_ambient_credentials")
+    async def test_no_credentials_at_all_is_a_configuration_error(self) -> None:
+        """The client found none when it was made, and never looks again: a permanent
+        ConfigError naming the cause, not a retryable "S3 did not answer"."""
+        from torpor.errors import ConfigError
+
+        store = S3ObjectStore("b", endpoint_url="http://127.0.0.1:9", region="us-east-1")
+        with pytest.raises(ConfigError, match="credentials") as info:
+            await store.get("k")
+        assert not info.value.retryable
+        await store.close()
+
+    def test_a_key_id_without_its_secret_is_a_configuration_error(self) -> None:
+        """Not botocore's PartialCredentialsError from the constructor; and the message
+        names neither value."""
+        from torpor.errors import ConfigError
+
+        with pytest.raises(ConfigError, match="secret") as info:
+            S3ObjectStore("b", region="us-east-1", access_key_id="AKIAEXAMPLEKEYID")
+        assert "AKIAEXAMPLEKEYID" not in str(info.value)
