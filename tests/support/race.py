@@ -8,6 +8,7 @@ that every round had exactly one winner.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import multiprocessing as mp
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -118,7 +119,12 @@ def _worker(
             # The first round waits for every spawned worker to import and connect, which
             # takes long on a loaded 2-core machine; later rounds only for the others' tries.
             barrier.wait(timeout=300 if r == 0 else 60)
+            # An attempt that hangs leaves every thread's stack on stderr (in the test's
+            # report) and exits: a hung race showed only the barrier's EOFError, two
+            # minutes later, which said nothing of where the worker was.
+            faulthandler.dump_traceback_later(90, exit=True)
             won = await _attempt(target, op, r, worker, etags[r], key_prefix)
+            faulthandler.cancel_dump_traceback_later()
             out.put((r, worker, won))
         await target.close()
 
