@@ -106,6 +106,12 @@ class AgentConfig(_Section):
         Placement.DEDICATED, description="`dedicated` (one actor per session) or `pooled`"
     )
     max_tool_retries: int = Field(3, ge=0, description="attempts of a failing sync tool call")
+    max_steps: int = Field(
+        1000,
+        ge=1,
+        description="agent steps one session may take in all; past them it fails "
+        "(`step_limit`): a model that never stops calling tools does not run for ever",
+    )
     answer_sources: dict[str, list[str]] = Field(
         default_factory=dict,
         description="webhook sources that may answer each long-running tool's waits, by tool",

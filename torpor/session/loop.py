@@ -145,6 +145,18 @@ class AgentLoop:
     async def agent_step(self) -> None:
         assert self.loaded is not None
         work = self.work
+        limit = self.loaded.config.max_steps
+        if work.snap.step >= limit:
+            # Each activation stops at MAX_STEPS_PER_ACTIVATION and is retried at once, so
+            # an agent that never finishes (a model calling tools in a loop) ran, and was
+            # billed for a history resent whole at every step, for ever.
+            self.drop_ahead()
+            await self.fail(
+                "step_limit",
+                f"the agent took {limit} steps without finishing"
+                f" (agents.{self.loaded.name}.max_steps)",
+            )
+            return
         if work.stats.first_step_at is None:
             work.stats.first_step_at = work.now
         await self.deps.observer.agent_step(work.snap)
