@@ -31,6 +31,7 @@ from torpor.errors import (
     EtagMismatch,
     ObjectExists,
     ObjectNotFound,
+    StorageRefused,
     StorageUnavailable,
     TorporError,
 )
@@ -46,6 +47,18 @@ CONFLICT_ATTEMPTS = 5
 CONFLICT_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _CREDENTIALS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}
+# Refused for what the request is: the same request is refused again, however often sent.
+# Taken for an outage (retryable), a webhook was answered 503 and resent for days, and a
+# session retried to its quarantine.
+_REFUSED = {
+    "InvalidArgument",
+    "EntityTooLarge",
+    "KeyTooLongError",
+    "InvalidObjectName",
+    "MalformedXML",
+    "413",
+}
+_UNSUPPORTED = {"NotImplemented", "501"}
 
 
 class S3ObjectStore:
@@ -111,6 +124,13 @@ class S3ObjectStore:
                 return ObjectNotFound(f"no object {key!r} in {self.url}", key=key)
             if code in _CREDENTIALS:
                 return ConfigError(f"S3 rejected the configured credentials for {self.url}")
+            if code in _REFUSED:
+                return StorageRefused(f"S3 refused the request on {key!r}: {code} ({self.url})")
+            if code in _UNSUPPORTED:
+                return ConfigError(
+                    f"the store at {self.url} does not implement a request torpor makes"
+                    f" ({code} on {key!r}): it needs S3's conditional writes and ranged reads"
+                )
             return StorageUnavailable(f"S3 error {code or 'unknown'} on {key!r} ({self.url})")
         if isinstance(exc, NoCredentialsError | PartialCredentialsError):
             # The client resolved its credentials when it was made and does not look again.
@@ -260,7 +280,7 @@ class S3ObjectStore:
 
 # An error answered without an XML body (a gateway in front of the store): botocore names
 # it by its bare status, which means the same here as the code S3 would have sent.
-_BARE_STATUS = {"412": "PreconditionFailed", "409": _IN_FLIGHT}
+_BARE_STATUS = {"412": "PreconditionFailed", "409": _IN_FLIGHT, "501": "NotImplemented"}
 
 
 def _code(exc: ClientError) -> str:

@@ -112,6 +112,13 @@ class IndexUnavailable(StorageUnavailable):
     title = "Index unavailable"
 
 
+class StorageRefused(PermanentError):
+    """The object store refused a request for good (too large, a key it cannot hold, an
+    argument it does not take): sent again, it is refused again."""
+
+    code = "storage_refused"
+
+
 class BucketNotFound(PermanentError):
     code = "bucket_not_found"
 

@@ -22,6 +22,7 @@ from torpor.errors import (
     ConfigError,
     EtagMismatch,
     ObjectExists,
+    StorageRefused,
     StorageUnavailable,
 )
 from torpor.problems import problem_for
@@ -234,3 +235,27 @@ async def test_a_prefix_read_answered_with_the_whole_object_keeps_only_the_prefi
     head = await faulty_s3.get("a/big", max_bytes=16)
     assert head.data == b"0123456789012345"
     assert head.etag == etag
+
+
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [(400, "InvalidArgument"), (400, "EntityTooLarge"), (400, "KeyTooLongError"), (413, "")],
+)
+async def test_a_request_the_store_refuses_for_good_is_not_an_outage(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy, status: int, code: str
+) -> None:
+    """Refused for what it is, the same request is refused again: as a retryable outage
+    a webhook was answered 503 and resent for days, a session retried to quarantine."""
+    s3_proxy.fail(status, code, match=conditional_put)
+    with pytest.raises(StorageRefused) as refused:
+        await faulty_s3.put_if_absent("a/refused", b"x")
+    assert not refused.value.retryable
+    assert problem_for(refused.value).status == 500
+
+
+async def test_a_store_that_does_not_implement_a_request_is_a_configuration_error(
+    faulty_s3: S3ObjectStore, s3_proxy: FaultProxy
+) -> None:
+    s3_proxy.fail(501, "NotImplemented", match=conditional_put)
+    with pytest.raises(ConfigError, match="does not implement"):
+        await faulty_s3.put_if_absent("a/unsupported", b"x")
