@@ -10,7 +10,7 @@ import pytest
 
 from torpor.agent import AgentContext
 from torpor.agents.plan import PlanAgent
-from torpor.errors import ActionKeyIncomplete, UnhandledToolError
+from torpor.errors import ActionKeyIncomplete, AgentError, UnhandledToolError
 from torpor.models import Message
 from torpor.tools import WaitPlan
 
@@ -89,3 +89,12 @@ async def test_a_failed_call_is_not_hidden_by_a_later_call_of_its_step() -> None
     ]
     with pytest.raises(UnhandledToolError, match="a is down"):
         await agent.step([first.message, *answers], context)
+
+
+async def test_a_session_at_a_step_the_plan_no_longer_has_is_told_so() -> None:
+    """Stood at ``approve`` when the plan was edited to drop it: a clear AgentError, where a
+    bare KeyError('approve') failed the session as the agent's crash."""
+    agent = PlanAgent(plan={"steps": [STEPS[0]]})
+    context = ctx({"plan": {"cursor": "approve", "visits": {"approve": 1}, "results": {}}})
+    with pytest.raises(AgentError, match="no step 'approve'"):
+        await agent.step([], context)

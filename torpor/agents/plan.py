@@ -205,7 +205,14 @@ class PlanAgent:
         if cursor is None:
             target: str | None = self._order[0]
         else:
-            current = self._steps[str(cursor)]
+            current = self._steps.get(str(cursor))
+            if current is None:
+                # The plan changed under a session that stood at a step it no longer has:
+                # said so, where a bare KeyError failed the session as the agent's crash.
+                raise AgentError(
+                    f"the plan has no step {str(cursor)[:100]!r}, where this session stood:"
+                    " a plan a running session follows needs a new version, not an edit"
+                )
             answers = self._answers(messages)
             answered: list[tuple[str, Any]] = []
             for i, call in enumerate(current.calls):
