@@ -57,12 +57,14 @@ from actors.ray_activator import RayActivator
 from actors.wiring import open_services
 from storage.factory import open_object_store
 from storage.work import ObjectProgress, WorkRecords
+from torpor.backoff import Backoff
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import crash_point
 from torpor.ports import ObjectStore
 from torpor.service.sessions import SessionService
 from torpor.settings import Settings
 from torpor.tools import ToolContext, ToolSpec
+from torpor.transient import transient
 from torpor.work import (
     INLINE_RESULT_BYTES,
     WORK_SOURCE,
@@ -242,7 +244,7 @@ class WorkWatcher:
                 outcome = await records.record_outcome(work, outcome)
                 crash_point("work.outcome_recorded")
                 await self._clear_progress(services.store)
-                await deliver(services, self._config, self._order, outcome)
+                await deliver_patiently(services, self._config, self._order, outcome)
             elif self._stopping:
                 await self._clear_progress(services.store)
         except Exception:
@@ -491,6 +493,37 @@ async def deliver(
     # nobody adopts; the replicas' and the reconciler's sets serve the sessions).
     control = SessionService(services, RayActivator(services, config, standbys=False))
     return await control.deliver(event)
+
+
+# A delivery that met a passing fault (the index or the store not answering for a moment)
+# is tried again for about half a minute: given up at once, the recorded outcome waited
+# for the reconciler's poll, at twice the work's expected duration (hours for a job).
+DELIVER_ATTEMPTS = 6
+DELIVER_BACKOFF = Backoff(base_s=0.5, cap_s=10.0)
+
+
+async def deliver_patiently(
+    services: Any, config: ConfigRef, order: WorkOrder, outcome: dict[str, JsonValue]
+) -> None:
+    """``deliver``, again after a retryable failure; one that stored the event and failed
+    at the activation is woken by the next attempt (the event is already in the inbox)."""
+    for attempt in range(DELIVER_ATTEMPTS):
+        try:
+            if await deliver(services, config, order, outcome) or attempt == 0:
+                return
+            control = SessionService(services, RayActivator(services, config, standbys=False))
+            await control.activate_for_event(order.session_id)
+            return
+        except Exception as exc:
+            retryable = bool(getattr(exc, "retryable", False)) or transient(exc)
+            if not retryable or attempt + 1 == DELIVER_ATTEMPTS:
+                raise
+            log.warning(
+                "work %s: delivering its outcome failed (%s), trying again",
+                order.work_id,
+                type(exc).__name__,
+            )
+            await asyncio.sleep(DELIVER_BACKOFF.delay_s(attempt))
 
 
 # --- the runner (used wherever the agent's tools are loaded) ----------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from pydantic import JsonValue
@@ -22,6 +22,8 @@ from actors.config_ref import ConfigRef
 from actors.ray_work import Kind, Launch, RayTaskExecutor, RayWorkRunner, WorkWatcher
 from storage.memory_store import MemoryObjectStore
 from storage.work import WorkRecords
+from torpor.backoff import fixed
+from torpor.errors import SessionNotFound, StorageUnavailable
 from torpor.ids import business_idempotency_key
 from torpor.settings import Settings
 from torpor.tools import ToolContext
@@ -222,3 +224,70 @@ async def test_an_outcome_recorded_while_the_status_is_read_is_the_answer(
     monkeypatch.setattr(runner, "_alive", finished_meanwhile)
     status = await runner.status(order.work_id)
     assert (status.state, status.outcome) == (WorkState.DONE, done), status
+
+
+class Deliveries:
+    """``deliver`` as a list of what each attempt does: raise, or answer new/duplicate."""
+
+    def __init__(self, *steps: BaseException | bool) -> None:
+        self.steps = list(steps)
+        self.calls = 0
+
+    async def __call__(self, *args: Any) -> bool:
+        self.calls += 1
+        step = self.steps.pop(0)
+        if isinstance(step, BaseException):
+            raise step
+        return step
+
+
+class Woken:
+    sessions: ClassVar[list[str]] = []
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    async def activate_for_event(self, session_id: str) -> None:
+        Woken.sessions.append(session_id)
+
+
+@pytest.fixture
+def woken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    Woken.sessions = []
+    monkeypatch.setattr(ray_work, "SessionService", Woken)
+    monkeypatch.setattr(ray_work, "RayActivator", lambda *a, **k: None)
+    return Woken.sessions
+
+
+async def test_an_outcome_whose_delivery_met_a_passing_fault_is_delivered_again(
+    monkeypatch: pytest.MonkeyPatch, woken: list[str]
+) -> None:
+    """The index did not answer for a moment: the watcher gave up at once, and the answer
+    waited for the reconciler's poll, at twice the work's expected duration."""
+    order = an_order()
+    attempts = Deliveries(StorageUnavailable("index down"), ConnectionResetError(), True)
+    monkeypatch.setattr(ray_work, "deliver", attempts)
+    with fixed(0):
+        await ray_work.deliver_patiently(None, None, order, {"ok": True})  # type: ignore[arg-type]
+    assert attempts.calls == 3 and woken == []
+
+
+async def test_a_delivery_that_stored_the_event_before_it_failed_wakes_the_session(
+    monkeypatch: pytest.MonkeyPatch, woken: list[str]
+) -> None:
+    order = an_order()
+    attempts = Deliveries(StorageUnavailable("activation failed"), False)  # stored already
+    monkeypatch.setattr(ray_work, "deliver", attempts)
+    with fixed(0):
+        await ray_work.deliver_patiently(None, None, order, {"ok": True})  # type: ignore[arg-type]
+    assert attempts.calls == 2 and woken == [order.session_id]
+
+
+async def test_a_delivery_refused_for_good_is_not_tried_again(
+    monkeypatch: pytest.MonkeyPatch, woken: list[str]
+) -> None:
+    attempts = Deliveries(SessionNotFound("gone"), True)
+    monkeypatch.setattr(ray_work, "deliver", attempts)
+    with fixed(0), pytest.raises(SessionNotFound):
+        await ray_work.deliver_patiently(None, None, an_order(), {"ok": True})  # type: ignore[arg-type]
+    assert attempts.calls == 1
