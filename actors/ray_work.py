@@ -364,12 +364,13 @@ class WorkWatcher:
             # ``ray job stop`` by someone else: the answer, not a loss to run again.
             return _stopped_elsewhere(f"its job {submission_id} was stopped")
         info = await asyncio.to_thread(client.get_job_info, submission_id)
-        logs = await asyncio.to_thread(client.get_job_logs, submission_id)
         value: dict[str, JsonValue] = {
             "submission_id": submission_id,
             "status": str(status.value),
             "message": str(info.message or ""),
-            "logs_tail": logs[-2000:],
+            "logs_tail": await asyncio.to_thread(
+                _logs_tail, submission_id, getattr(info, "driver_node_id", None)
+            ),
         }
         return outcome_data(ok=status is JobStatus.SUCCEEDED, value=value)
 
@@ -470,6 +471,31 @@ def _dashboard_url() -> str:
     # (``get_dashboard_url``) assumes the default port even when the dashboard is elsewhere.
     url = get_webui_url_from_internal_kv() or get_dashboard_url()  # type: ignore[no-untyped-call]
     return str(url) if str(url).startswith("http") else f"http://{url}"
+
+
+LOGS_TAIL_CHARS = 2000
+LOGS_TAIL_LINES = 200
+
+
+def _logs_tail(submission_id: str, node_id: str | None) -> str:
+    """The end of a job's driver log, read from its end: ``get_job_logs`` returned the
+    whole log, and a job that ran for hours logging gigabytes took the watcher's memory
+    (it declares none) to keep 2,000 characters of it."""
+    from ray.util.state import get_log  # only a job's end needs the state API
+
+    tail = ""
+    try:
+        for chunk in get_log(
+            submission_id=submission_id,
+            node_id=node_id,
+            tail=LOGS_TAIL_LINES,
+            errors="replace",
+            timeout=30,
+        ):
+            tail = (tail + chunk)[-LOGS_TAIL_CHARS:]
+    except Exception as exc:  # the answer stands without its logs
+        return f"(logs unavailable: {type(exc).__name__})"
+    return tail
 
 
 async def deliver(

@@ -291,3 +291,21 @@ async def test_a_delivery_refused_for_good_is_not_tried_again(
     with fixed(0), pytest.raises(SessionNotFound):
         await ray_work.deliver_patiently(None, None, an_order(), {"ok": True})  # type: ignore[arg-type]
     assert attempts.calls == 1
+
+
+def test_a_jobs_log_is_read_from_its_end_and_kept_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``get_job_logs`` returned a job's whole log (gigabytes after hours of logging) to
+    keep 2,000 characters: now the driver log's last lines are asked for, and however
+    much comes back, no more than the tail is held."""
+    asked: dict[str, Any] = {}
+
+    def get_log(**options: Any) -> Any:
+        asked.update(options)
+        for i in range(10_000):
+            yield f"line {i}\n"
+
+    monkeypatch.setattr("ray.util.state.get_log", get_log)
+    tail = ray_work._logs_tail("job-1", "node-1")
+    assert tail.endswith("line 9999\n") and len(tail) == ray_work.LOGS_TAIL_CHARS
+    assert asked["submission_id"] == "job-1" and asked["node_id"] == "node-1"
+    assert 0 < asked["tail"] <= ray_work.LOGS_TAIL_LINES
