@@ -44,6 +44,8 @@ _LOST_RACE = {"PreconditionFailed"}
 # 409: another conditional write to the key was in flight. Nothing is decided yet: ask again.
 _IN_FLIGHT = "ConditionalRequestConflict"
 CONFLICT_ATTEMPTS = 5
+# Empty pages a listing follows before it gives up (a bound, not a figure S3 names).
+EMPTY_PAGES = 100
 CONFLICT_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _CREDENTIALS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}
@@ -208,13 +210,24 @@ class S3ObjectStore:
         }
         if start_after:
             args["StartAfter"] = self.prefix + start_after
-        try:
-            response = self._client.list_objects_v2(**args)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._fail(exc, prefix, ObjectExists) from exc
-        keys = [obj["Key"][len(self.prefix) :] for obj in response.get("Contents", [])]
-        more = bool(response.get("IsTruncated")) and bool(keys)
-        return ListPage(keys, keys[-1] if more else None)
+        for _ in range(EMPTY_PAGES):
+            try:
+                response = self._client.list_objects_v2(**args)
+            except (ClientError, BotoCoreError) as exc:
+                raise self._fail(exc, prefix, ObjectExists) from exc
+            keys = [obj["Key"][len(self.prefix) :] for obj in response.get("Contents", [])]
+            truncated = bool(response.get("IsTruncated"))
+            if keys or not truncated:
+                return ListPage(keys, keys[-1] if truncated else None)
+            # A truncated page with no keys (S3 Express directory buckets answer these):
+            # no key to resume after, so the page after it, by its token. Ended here, the
+            # listing stopped early and a caller's walk missed every key after it.
+            token = response.get("NextContinuationToken")
+            if not token:
+                break
+            args.pop("StartAfter", None)
+            args["ContinuationToken"] = token
+        raise StorageUnavailable(f"S3 listed {EMPTY_PAGES} empty pages in a row ({self.url})")
 
     def _delete(self, key: str) -> None:
         try:

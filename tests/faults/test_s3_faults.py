@@ -8,6 +8,7 @@ object (412). That must read as success, not as "someone else got there first".
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -259,3 +260,38 @@ async def test_a_store_that_does_not_implement_a_request_is_a_configuration_erro
     s3_proxy.fail(501, "NotImplemented", match=conditional_put)
     with pytest.raises(ConfigError, match="does not implement"):
         await faulty_s3.put_if_absent("a/unsupported", b"x")
+
+
+class EmptyPageFirst:
+    """The S3 client, except that each listing's first answer is a truncated page with no
+    keys and only a continuation token (as S3 Express directory buckets answer)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.held: dict[str, dict[str, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def list_objects_v2(self, **args: Any) -> Any:
+        token = args.pop("ContinuationToken", None)
+        if token is None:
+            self.held[token := f"empty-{len(self.held)}"] = dict(args)
+            return {"IsTruncated": True, "NextContinuationToken": token, "KeyCount": 0}
+        return self.client.list_objects_v2(**self.held.pop(token))
+
+
+async def test_a_listing_goes_on_past_a_truncated_page_with_no_keys(
+    s3_store: S3ObjectStore,
+) -> None:
+    for name in ("a", "b", "c"):
+        await s3_store.put(f"list/{name}", b"x")
+    s3_store._client = EmptyPageFirst(s3_store._client)  # type: ignore[assignment]
+    keys, cursor = [], None
+    while True:
+        page = await s3_store.list("list/", start_after=cursor, limit=2)
+        keys += page.keys
+        if page.next_token is None:
+            break
+        cursor = page.next_token
+    assert keys == ["list/a", "list/b", "list/c"]
