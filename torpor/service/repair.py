@@ -232,6 +232,7 @@ class IndexRepair:
         rebound = 0
         correlations = self.services.correlations
         unsent = unsent_starts(snapshot)
+        bound: list[Wait] = []
         for wait in snapshot.waits:
             binding = binding_of(snapshot, wait)
             if await index.resolve(
@@ -267,9 +268,43 @@ class IndexRepair:
             # that is over), and one the suspend wrote for this wait stands.
             if key is not None and took_key and not (recorded and target == wait.correlation_id):
                 await correlations.record_business_key(binding, business_key=key)
+            bound.append(wait)
+        for wait in await self._still_open(snapshot, bound):
             await self._timers(snapshot, wait, now)
             rebound += 1
         return rebound
+
+    async def _still_open(self, snapshot: WaitingSession, bound: list[Wait]) -> list[Wait]:
+        """The waits just bound that are still open. The snapshot was read a while ago (a
+        page of the walk, then its turn): a commit meanwhile may have closed a wait and
+        its activation unbound it before the bind above, which bound it again; a late or
+        replayed answer to it was then accepted until its deadline, not told it closed.
+        One header read confirms the session has not moved on; if it has, the waits it no
+        longer holds are unbound here (a correlation id never names a wait again)."""
+        if not bound:
+            return []
+        snapshots = self.services.snapshots
+        try:
+            header = await snapshots.header(snapshot.session_id)
+            if header.generation == snapshot.generation:
+                return bound
+            current = await snapshots.load_waiting(snapshot.session_id)
+        except SessionNotFound:
+            current = None
+        held = (
+            set()
+            if current is None or current.terminal
+            else {w.correlation_id for w in current.waits}
+        )
+        for wait in bound:
+            if wait.correlation_id not in held:
+                await self.services.index.unbind(
+                    tenant=snapshot.tenant,
+                    correlation_id=wait.correlation_id,
+                    business_key=wait.business_key,
+                    deadline=wait.deadline,
+                )
+        return [wait for wait in bound if wait.correlation_id in held]
 
     async def _mend(
         self, snapshot: WaitingSession, wait: Wait, binding: WaitBinding, now: datetime
