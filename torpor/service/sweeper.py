@@ -384,7 +384,15 @@ class Sweeper:
         index, until = self.services.index, now + self.timer_lease
         due = await index.lease_due(kind=TimerKind.TOOL, now=now, limit=BATCH, until=until)
         for member in due:
-            await self._tool_timer(member, now, until)
+            # One at a time, each on its own: a snapshot that cannot be read (damaged, or
+            # a newer torpor's mid-upgrade) raised out of the loop at its member, and
+            # every timer after it, leased already, was never delivered, at every sweep.
+            # It stays leased, and comes back after the lease as any unconfirmed one.
+            try:
+                await self._tool_timer(member, now, until)
+            except Exception as exc:
+                log.exception("tool timer %s failed", member)
+                report.errors.append(f"tool timer {member}: {type(exc).__name__}: {exc}")
 
     async def _tool_timer(self, member: str, now: datetime, until: datetime) -> None:
         """The timer becomes an inbox event addressed to its wait (create-only by its name,
