@@ -39,3 +39,19 @@ async def test_a_tool_timer_of_an_unreadable_snapshot_does_not_stall_the_others(
     report = await sweeper.sweep_once()
     pending = await env.services.inbox.pending(good, processed=set())
     assert [e.type for e in pending] == ["torpor.timer.remind"], report.errors
+
+
+async def test_a_poll_timer_of_an_unreadable_snapshot_does_not_fail_every_sweep(
+    env: Env,
+) -> None:
+    """A poll timer of a damaged snapshot raised out of the poll step at every sweep: no
+    sweep was ever recorded complete again (``/healthz`` reported the reconciler stale)."""
+    index, now = env.services.index, env.clock.now()
+    bad = await env.submit(doc="PR-1")
+    wait = (await env.load(bad)).waits[0]
+    await env.services.store.put(keys.snapshot(bad), b"not a snapshot")
+    await index.schedule(kind=TimerKind.POLL, member=f"{bad}|{wait.correlation_id}", at=now)
+    sweeper = Sweeper(SessionService(env.services, Recording()))  # type: ignore[arg-type]
+    await sweeper.sweep_once()
+    report = await sweeper.sweep_once()
+    assert not any(e.startswith("polls:") for e in report.errors), report.errors
