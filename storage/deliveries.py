@@ -23,6 +23,10 @@ from torpor.errors import EtagMismatch, NotFound, ObjectExists, ObjectNotFound
 from torpor.ports import ObjectStore
 
 MAX_CAS_ATTEMPTS = 10
+# The most deliveries one filtered page reads: past it the page ends short, and its cursor
+# goes on from the last one read (a filter that matches little read every delivery the
+# tenant had, one object at a time, in one request).
+SCAN_MAX = 1000
 
 
 class ObjectDeliveries:
@@ -106,17 +110,21 @@ class ObjectDeliveries:
         out: list[Delivery] = []
         token = keys.delivery(tenant, cursor) if cursor else None
         prefix = keys.delivery_prefix(tenant)
+        scanned = 0
         while len(out) < limit:
             page = await self.store.list(prefix, start_after=token, limit=200)
             for key in page.keys:
+                scanned += 1
                 try:
                     delivery = Delivery.model_validate_json((await self.store.get(key)).data)
                 except (ObjectNotFound, ValidationError):
-                    continue
-                if status is None or delivery.status is status:
+                    delivery = None
+                if delivery is not None and (status is None or delivery.status is status):
                     out.append(delivery)
                     if len(out) == limit:
                         return out, delivery.delivery_id
+                if scanned >= SCAN_MAX:
+                    return out, key[len(prefix) :]
             if page.next_token is None:
                 return out, None
             token = page.next_token

@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import eventually
 from tests.runtime.api_app import App, api_app
 from tests.runtime.test_gateway import SOURCES
+from torpor.deliveries import Delivery, DeliveryStatus
 from torpor.lifecycle import SessionState
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
@@ -335,3 +336,55 @@ async def test_a_forged_capability_link_is_on_the_audit_record(app: App) -> None
     assert [(r["source"], r["verdict"], r["body_sha256"]) for r in records] == [
         ("capability", "rejected:invalid_token", "")
     ]
+
+
+async def test_a_filtered_deliveries_page_reads_a_bounded_number_of_deliveries(
+    app: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A status filter made one request read every delivery the tenant ever had, one
+    # object at a time, until a page filled: a tenant with a year of delivered
+    # notifications and no pending one had ``?status=pending`` read all of them.
+    now = app.env.services.clock.now()
+    delivered = [
+        Delivery(
+            delivery_id=f"d_{i:05d}",
+            tenant="acme",
+            session_id="s_1",
+            url="https://example.com/hook",
+            event_type="session.completed",
+            payload={},
+            status=DeliveryStatus.DELIVERED,
+            created_at=now,
+        )
+        for i in range(1_100)
+    ]
+    pending = delivered[0].model_copy(
+        update={"delivery_id": "d_99999", "status": DeliveryStatus.PENDING}
+    )
+    repo = app.env.services.deliveries
+    for start in range(0, len(delivered), 100):
+        await asyncio.gather(*(repo.create(d) for d in delivered[start : start + 100]))
+    await repo.create(pending)
+    store = repo.store  # type: ignore[attr-defined]
+    reads = 0
+    real_get = store.get
+
+    async def counted(key: str, **kw: object) -> object:
+        nonlocal reads
+        reads += 1
+        return await real_get(key, **kw)
+
+    monkeypatch.setattr(store, "get", counted)
+    found: list[str] = []
+    cursor: str | None = None
+    for _ in range(10):
+        reads = 0
+        params = {"status": "pending", "limit": "10", **({"cursor": cursor} if cursor else {})}
+        answer = await app.http.get("/v1/deliveries", params=params, headers=app.auth())
+        assert answer.status_code == 200, answer.text
+        assert reads <= 1_000, f"one page read {reads} deliveries"
+        found += [d["delivery_id"] for d in answer.json()["items"]]
+        cursor = answer.json()["next_cursor"]
+        if cursor is None:
+            break
+    assert found == ["d_99999"], "following the cursor still finds every match"
