@@ -567,6 +567,23 @@ class Settings(BaseSettings):
                 )
         return value
 
+    @field_validator("tenants")
+    @classmethod
+    def _no_api_key_for_two_tenants(cls, value: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+        # A request is the tenant its key is found under: a key listed under two was taken
+        # for the last one, and its holder read and changed that tenant's sessions. The
+        # error names the tenants, never the hash.
+        holder: dict[str, str] = {}
+        for name, tenant in value.items():
+            for hashed in tenant.api_keys:
+                other = holder.setdefault(hashed, name)
+                if other != name:
+                    raise ValueError(
+                        f"tenants {other!r} and {name!r} share an API key: each key must "
+                        "belong to one tenant"
+                    )
+        return value
+
     @field_validator("sources")
     @classmethod
     def _no_key_signs_for_two_sources(

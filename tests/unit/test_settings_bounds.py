@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from torpor.auth import new_api_key
 from torpor.errors import ConfigError
 from torpor.settings import Settings
 
@@ -98,3 +99,14 @@ def test_a_backoff_cap_below_its_base_is_refused() -> None:
         Settings.build({"reconciler": {"poll_backoff_base_s": 60, "poll_backoff_cap_s": 10}})
     with pytest.raises(ConfigError, match="retry_backoff_cap_s"):
         Settings.build({"runtime": {"retry_backoff_base_s": 60, "retry_backoff_cap_s": 10}})
+
+
+def test_one_api_key_under_two_tenants_is_refused() -> None:
+    # The key's holder was taken for whichever tenant came last in the file, and read and
+    # changed that tenant's sessions, batches and deliveries.
+    _, hashed = new_api_key()
+    with pytest.raises(ConfigError, match="'acme' and 'beta'"):
+        Settings.build(
+            {"tenants": {"acme": {"api_keys": [hashed]}, "beta": {"api_keys": [hashed]}}}
+        )
+    Settings.build({"tenants": {"acme": {"api_keys": [hashed]}, "beta": {"api_keys": []}}})
