@@ -575,6 +575,13 @@ class Settings(BaseSettings):
         # error names the tenants, never the hash.
         holder: dict[str, str] = {}
         for name, tenant in value.items():
+            # Its name is part of its object keys (submit keys, deliveries): one outside
+            # their alphabet was accepted, and then every keyed submit of it was refused.
+            if not is_safe_identifier(name):
+                raise ValueError(
+                    f"tenant name {name[:80]!r} is not 1-128 of [A-Za-z0-9_-.] "
+                    "(nor '.' or '..'): it names objects in storage"
+                )
             for hashed in tenant.api_keys:
                 other = holder.setdefault(hashed, name)
                 if other != name:

@@ -110,3 +110,12 @@ def test_one_api_key_under_two_tenants_is_refused() -> None:
             {"tenants": {"acme": {"api_keys": [hashed]}, "beta": {"api_keys": [hashed]}}}
         )
     Settings.build({"tenants": {"acme": {"api_keys": [hashed]}, "beta": {"api_keys": []}}})
+
+
+@pytest.mark.parametrize("name", ["acme corp", "a/b", "..", "ü", "a" * 129])
+def test_a_tenant_name_that_cannot_name_objects_is_refused(name: str) -> None:
+    # A tenant's name is part of its object keys (submit keys, deliveries): one outside
+    # their alphabet was accepted here, and then every submit of it with an
+    # Idempotency-Key was refused (400 Invalid identifier) after its claim was taken.
+    with pytest.raises(ConfigError, match="tenant name"):
+        Settings.build({"tenants": {name: {"api_keys": []}}})
