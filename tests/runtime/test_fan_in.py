@@ -411,3 +411,21 @@ async def test_a_left_over_binding_of_a_closed_member_is_unbound_without_waking_
         after = await env.load(sid)
         assert after.generation == mid.generation and after.state is S.SUSPENDED
         assert await bound(env, member(snap, "b")), "the open members stay bound"
+
+
+async def test_members_whose_deadlines_passed_together_all_count_as_expired() -> None:
+    """Two members miss the same deadline (the plan's one SLA): both are expired, not one
+    expired and the other cancelled (and undone) by whichever was looked at first."""
+    fan_in = {"condition": "all", "on_expiry": "proceed_with_arrived"}
+    async with open_env({"t": tool_agent(fan_in)}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        await answer(env, sid, member(snap, "a"), 10)
+        env.clock.advance((member(snap, "b").deadline - env.clock.now()).total_seconds() + 1)
+        await env.runtime.activate(sid, reason=Reason.TIMEOUT)
+        done = await env.load(sid)
+        assert done.state is S.COMPLETED and done.result is not None
+        assert done.result["expired"] == ["b", "c"]  # type: ignore[index,call-overload]
+        assert done.result["cancelled"] == []  # type: ignore[index,call-overload]
+        assert record.compensated == [], "b and c are treated alike"

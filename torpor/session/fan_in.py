@@ -46,12 +46,19 @@ class FanInWake:
         """Record ``content`` as the answer of member ``wait`` (it passed every gate);
         resolve the group if that decides it. Returns the waits this closed."""
         status = MemberStatus.FAILED if failed else MemberStatus.ANSWERED
-        return self._close(wait, status, content)
+        return self._close([wait], status, content)
 
-    def expired(self, wait: Wait) -> list[Wait]:
-        """Member ``wait``'s deadline passed under ``proceed_with_arrived``: it counts as
-        missing; the group resolves if too few are left to meet its condition."""
-        return self._close(wait, MemberStatus.EXPIRED, None)
+    def expired(self, waits: list[Wait]) -> list[Wait]:
+        """Members ``waits``' deadlines passed under ``proceed_with_arrived``: they count
+        as missing, all of them before any group is decided (a member that missed the
+        same deadline as another is expired too, not cancelled because its group resolved
+        on the first one looked at); a group resolves if too few are left."""
+        closed: list[Wait] = []
+        for group in list(self.work.snap.fan_ins):
+            mine = list({w.wait_id: w for w in waits if w.group_id == group.group_id}.values())
+            if mine:
+                closed += self._close(mine, MemberStatus.EXPIRED, None)
+        return closed
 
     def reissued(self, wait: Wait, new: Wait) -> None:
         """Member ``wait``'s request was reissued in place: the member waits on ``new``."""
@@ -59,14 +66,17 @@ class FanInWake:
         if group is not None:
             self._replace(fanin.reissued(group, wait.wait_id, new))
 
-    def _close(self, wait: Wait, status: MemberStatus, answer: JsonValue) -> list[Wait]:
+    def _close(self, waits: list[Wait], status: MemberStatus, answer: JsonValue) -> list[Wait]:
+        """Close ``waits``, members of one group, with ``status``; then decide the group."""
         work = self.work
-        group = self.group_of(wait)
+        group = self.group_of(waits[0])
         if group is None:  # its group is gone (resolved): nothing left to record
             return []
-        group = fanin.record(group, wait.wait_id, status, answer)
-        closed = [wait]
-        work.update(waits=[w for w in work.snap.waits if w.wait_id != wait.wait_id])
+        for wait in waits:
+            group = fanin.record(group, wait.wait_id, status, answer)
+        closed = list(waits)
+        ids = {w.wait_id for w in waits}
+        work.update(waits=[w for w in work.snap.waits if w.wait_id not in ids])
         result = fanin.outcome(group)
         if result is Outcome.PENDING:
             self._replace(group)

@@ -106,11 +106,16 @@ class Wake:
                 await self.retrier.later(exc.code, str(exc))
             if not applied:
                 return  # the guard ended the session
-        for wait in overdue:
-            # A fan-in member under proceed_with_arrived counts as missing; its group
-            # resolves once too few members are left (which may close other overdue ones).
-            if work.snap.wait_for(wait.correlation_id) and self.fan_in.proceeds_on_expiry(wait):
-                self._closed = [*self._closed, *self.fan_in.expired(wait)]
+        # A fan-in member under proceed_with_arrived counts as missing; its group resolves
+        # once too few members are left. All of them at once: which overdue member is
+        # looked at first must not decide which are expired and which cancelled.
+        lapsed = [
+            w
+            for w in overdue
+            if work.snap.wait_for(w.correlation_id) and self.fan_in.proceeds_on_expiry(w)
+        ]
+        if lapsed:
+            self._closed = [*self._closed, *self.fan_in.expired(lapsed)]
         still_open = [w for w in overdue if work.snap.wait_for(w.correlation_id)]
         reissue, reissued = self._reissue, self._reissued
         self._reissue = self._reissued = None
