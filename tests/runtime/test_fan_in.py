@@ -429,3 +429,36 @@ async def test_members_whose_deadlines_passed_together_all_count_as_expired() ->
         assert done.result["expired"] == ["b", "c"]  # type: ignore[index,call-overload]
         assert done.result["cancelled"] == []  # type: ignore[index,call-overload]
         assert record.compensated == [], "b and c are treated alike"
+
+
+async def test_one_action_asked_twice_in_a_turn_opens_one_wait_not_two_under_one_key() -> None:
+    """An agent repeats a call in one turn (an LLM's parallel calls often do): both ask
+    for the action ``quote:a`` in one epoch, so both requests would go out under one
+    business key, which the far side dedups into one request answered once. The second
+    wait would never be answered and ``all`` never met; the repeat is refused instead."""
+    calls = [
+        {"tool": "quote", "args": {"vendor": "a"}, "as": "a"},
+        {"tool": "quote", "args": {"vendor": "a"}, "as": "again"},
+        {"tool": "quote", "args": {"vendor": "b"}, "as": "b"},
+    ]
+    plan = {
+        "steps": [
+            {"id": "q", "calls": calls},
+            {"id": "done", "finish": {n: f"${{results.{n}}}" for n in ("a", "b")}},
+        ]
+    }
+    async with open_env({"t": plan_agent(plan, {QUOTE: {}})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        keys = [w.idempotency_key("acme") for w in snap.waits]
+        assert sorted(keys) == ["acme:quote:a:1", "acme:quote:b:1"]
+        assert sorted(record.dispatched) == ["acme:quote:a:1", "acme:quote:b:1"]
+        # the far side answers each request once
+        await answer(env, sid, member(snap, "a"), 10)
+        await answer(env, sid, member(snap, "b"), 20)
+        done = await env.load(sid)
+        assert done.state is not S.SUSPENDED and done.waits == [] and done.fan_ins == []
+        results = dict(tool_messages(done))
+        assert results["call_q_1_0"] == {"price": 10} and results["call_q_1_2"] == {"price": 20}
+        assert results["call_q_1_1"]["error"]["code"] == "action_repeated"

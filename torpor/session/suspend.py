@@ -117,7 +117,7 @@ class Suspender:
     async def suspend(self, plans: list[tuple[ToolCall, LongRunningTool, WaitPlan]]) -> None:
         """One commit: SUSPENDED + the waits + their outbox entries. Then bind, then send."""
         work = self.work
-        plans = await self.refuse_taken_keys(plans)
+        plans = await self.refuse_taken_keys(self.refuse_repeated_actions(plans))
         if not plans:
             await work.commit()  # the refusals are the calls' answers: the agent goes on
             return
@@ -161,6 +161,36 @@ class Suspender:
         await work.commit()
         crash_point(CrashPoint.SUSPEND_COMMITTED)
         await self.complete_suspend()
+
+    def refuse_repeated_actions(
+        self, plans: list[tuple[ToolCall, LongRunningTool, WaitPlan]]
+    ) -> list[tuple[ToolCall, LongRunningTool, WaitPlan]]:
+        """Fail each call that asks for an action an earlier call of this turn asked for
+        (an agent that repeats a call): both requests would go out under the one key
+        ``tenant:action_key:epoch``, which the far side dedups into one request answered
+        once, so the repeat's wait would never be answered (nor its group met). The
+        refusal is the call's tool message; the first call's wait stays."""
+        work = self.work
+        seen: set[str] = set()
+        kept: list[tuple[ToolCall, LongRunningTool, WaitPlan]] = []
+        for call, tool, plan in plans:
+            actions = [m.action_key for m in plan.members] or [plan.action_key]
+            repeated = [a for a in actions if a in seen]
+            if not repeated:
+                seen.update(actions)
+                kept.append((call, tool, plan))
+                continue
+            error = error_result(
+                f"action {repeated[0]!r} is already asked for by another call of this turn",
+                code="action_repeated",
+            )
+            work.update(
+                messages=[
+                    *work.snap.messages,
+                    Message(role="tool", tool_call_id=call.id, content=message_content(error)),
+                ]
+            )
+        return kept
 
     async def refuse_taken_keys(
         self, plans: list[tuple[ToolCall, LongRunningTool, WaitPlan]]
