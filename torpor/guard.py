@@ -50,12 +50,19 @@ def evaluate(
     *,
     now: datetime,
     asked: bool = False,
+    unchecked: bool = False,
 ) -> GuardVerdict:
     """Compare what the session relied on with what holds now. ``asked``: the tool was
-    asked for the current state (its ``current_state`` ran); None is then its answer."""
+    asked for the current state (its ``current_state`` ran); None is then its answer.
+    ``unchecked``: the baseline names state that no tool can report (a tool that neither
+    says it ``checks_state`` nor has a ``current_state``, or one no longer configured)."""
     if baseline is None:
         return OK
     reasons: list[str] = []
+    if unchecked:
+        # Passing would apply the answer as if the world had been compared and found
+        # unchanged: a baseline nobody can check fails closed, as a gone state does.
+        reasons.append("no tool can report the external state the baseline names")
     if baseline.ttl_s is not None and now > baseline.captured_at + timedelta(
         seconds=baseline.ttl_s
     ):

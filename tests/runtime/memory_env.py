@@ -134,6 +134,19 @@ class Approve(LongRunningTool):
         return ExternalState(version_tag="v1")
 
 
+class UnflaggedApprove(Approve):
+    """``Approve`` with its ``current_state`` but ``checks_state`` left at its default."""
+
+    checks_state = False
+
+
+class BlindApprove(Approve):
+    """``Approve``'s baseline (a version tag) from a tool that cannot report the state."""
+
+    checks_state = False
+    current_state = LongRunningTool.current_state
+
+
 class RecordingApproval(Approve):
     """The demo's ``request_approval`` as its plan calls it, recording what it is asked."""
 

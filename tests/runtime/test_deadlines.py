@@ -255,6 +255,37 @@ async def test_a_guard_whose_tool_finds_no_current_state_is_drift() -> None:
         assert any("gone" in str(r) for r in snap.result["reasons"]), snap.result
 
 
+async def test_a_tool_with_a_current_state_is_asked_whatever_its_checks_state_says() -> None:
+    """A tool that reports the state but left ``checks_state`` at its default: the guard
+    never asked it and passed an approval against a budget that had been deleted."""
+    tool = "tests.runtime.memory_env:UnflaggedApprove"
+    async with open_env(
+        {"a": {**plan_agent(APPROVE_PLAN, {tool: {}}), "max_tool_retries": 5}}
+    ) as env:
+        probe = reset()
+        sid = await env.submit("a")
+        probe.state_gone = True
+        await answer(env, sid)
+        snap = await env.load(sid)
+        assert [c for c, _ in probe.calls].count("current_state") == 1
+        assert isinstance(snap.result, dict) and snap.result["status"] == "drift", snap.result
+
+
+async def test_a_baseline_no_tool_can_check_is_drift_not_a_pass() -> None:
+    """The baseline names a version the tool cannot report (no ``current_state``): the
+    guard passed every answer as if it had compared and found nothing changed."""
+    tool = "tests.runtime.memory_env:BlindApprove"
+    async with open_env(
+        {"a": {**plan_agent(APPROVE_PLAN, {tool: {}}), "max_tool_retries": 5}}
+    ) as env:
+        reset()
+        sid = await env.submit("a")
+        await answer(env, sid)
+        snap = await env.load(sid)
+        assert isinstance(snap.result, dict) and snap.result["status"] == "drift", snap.result
+        assert any("no tool can report" in str(r) for r in snap.result["reasons"]), snap.result
+
+
 async def test_a_guard_that_keeps_failing_is_quarantined_when_retries_run_out() -> None:
     agents = {"a": {**approve_agent(), "max_tool_retries": 1}}
     async with open_env(agents) as env:

@@ -104,3 +104,9 @@ def test_the_drift_notice_names_the_policy_the_reasons_and_both_states() -> None
         "baseline": {"version_tag": "budget-v17", "fingerprint": None},
         "current": {"version_tag": "budget-v19", "fingerprint": None},
     }
+
+
+def test_a_baseline_no_tool_can_check_fails_closed() -> None:
+    verdict = guard.evaluate(BASELINE, None, now=NOW, unchecked=True)
+    assert not verdict.ok
+    assert verdict.reasons == ["no tool can report the external state the baseline names"]

@@ -284,7 +284,13 @@ class Wake:
         work = self.work
         tool = self.loaded.tools.get(wait.tool_name) if self.loaded else None
         current = None
-        asked = isinstance(tool, LongRunningTool) and tool.checks_state and guard.needs_state(wait)
+        needed = guard.needs_state(wait)
+        # A tool with a ``current_state`` of its own reports the state whether or not it
+        # set ``checks_state``: left at its default, the guard passed every answer unasked.
+        reports = isinstance(tool, LongRunningTool) and (
+            tool.checks_state or type(tool).current_state is not LongRunningTool.current_state
+        )
+        asked = needed and reports
         if isinstance(tool, LongRunningTool) and asked:
             timeout_s = tool.timeout_s or self.deps.config.tool_timeout.total_seconds()
             try:
@@ -298,7 +304,9 @@ class Wake:
             except Exception as exc:
                 raise GuardUnavailable(f"{type(exc).__name__}: {exc}") from exc
             self.retrier.succeeded()
-        verdict = guard.evaluate(wait.guard, current, now=work.now, asked=asked)
+        verdict = guard.evaluate(
+            wait.guard, current, now=work.now, asked=asked, unchecked=needed and not reports
+        )
         content: JsonValue = review.answer if review is not None else event.data
         if not verdict.ok:
             work.stats.drifts += 1
