@@ -237,3 +237,34 @@ async def test_a_caller_that_swallowed_an_earlier_cancel_still_stops_cleanly(
     task.cancel()
     assert await task == "stopped"
     assert beats(lease) == []
+
+
+async def test_an_index_out_of_reach_for_a_whole_ttl_is_a_lost_lease(
+    sqlite_index: SqliteIndex,
+) -> None:
+    """Cut off from the index past the lease's TTL, the holder went on renewing in vain
+    and calling tools, while the reconciler recovered the session elsewhere: each tool
+    call of the last step ran twice. From a TTL after its last renewal it is lost (on the
+    process's steady clock: the index's or a test's clock jumping is no lapse)."""
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    down = FlakyIndex(sqlite_index, failures=1_000_000)
+    steady = [100.0]  # this process's steady clock, in seconds
+    heartbeat = Heartbeat(
+        down,  # type: ignore[arg-type]
+        lease,
+        clock=clock,
+        period=PERIOD,
+        ttl=TTL,
+        elapsed=lambda: steady[0],
+    ).start()
+    try:
+        steady[0] += TTL.total_seconds() - 1
+        await until(lambda: down.calls >= 3)
+        assert not heartbeat.lapsed() and not heartbeat.lost  # still within its TTL
+        steady[0] += 1
+        assert heartbeat.lapsed()  # asked before a tool call: no renewal needed to know
+        await until(lambda: not beats(lease))  # and the renewals end
+        assert heartbeat.lost
+    finally:
+        await heartbeat.stop()

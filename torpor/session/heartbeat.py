@@ -3,13 +3,15 @@
 The lease is renewed every ``period``; it is written with a TTL of three periods, so a
 holder that stops (crash, kill -9, a partition) is considered gone after three missed
 heartbeats and the reconciler re-activates the session from its last checkpoint. If a
-renewal says the lease is no longer ours, ``lost`` is set and the activation stops before
-its next commit.
+renewal says the lease is no longer ours, or none has held for a whole TTL (the index cut
+off), ``lost`` is set and the activation stops before its next tool call or commit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from torpor.errors import IndexUnavailable, LeaseLost
@@ -18,7 +20,14 @@ from torpor.ports import Clock, Lease, LeaseIndex
 
 class Heartbeat:
     def __init__(
-        self, index: LeaseIndex, lease: Lease, *, clock: Clock, period: timedelta, ttl: timedelta
+        self,
+        index: LeaseIndex,
+        lease: Lease,
+        *,
+        clock: Clock,
+        period: timedelta,
+        ttl: timedelta,
+        elapsed: Callable[[], float] = time.monotonic,
     ) -> None:
         self._index = index
         self.lease = lease
@@ -26,6 +35,13 @@ class Heartbeat:
         self._period = period.total_seconds()
         self._ttl = ttl
         self.lost = False
+        # When the last renewal that held was sent (at first, about when the lease was
+        # taken), on this process's own steady clock: the lease may be another's a TTL
+        # after it. Not the clock's now, nor the lease's expiry: either may come from
+        # another clock (the index's time, a test's), and a jump of one is not a lapse.
+        self._elapsed = elapsed
+        self._ttl_s = ttl.total_seconds()
+        self._held_since = elapsed()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -42,16 +58,29 @@ class Heartbeat:
         # activation's lease for ever while stop() waits for it.
         while not self.lost and not self._stopping:
             await asyncio.sleep(self._period)
+            sent = self._elapsed()
             try:
                 renewed = await self._index.renew_lease(
                     self.lease, ttl=self._ttl, now=self._clock.now()
                 )
             except IndexUnavailable:
-                continue  # try again next period; the TTL covers two more misses
+                # Try again next period; the TTL covers two more misses. Past it the lease
+                # may be someone else's (the reconciler recovers the session), and this
+                # holder must not go on calling tools beside the new one.
+                self.lapsed()
+                continue
             if renewed is None:
                 self.lost = True
             else:
                 self.lease = renewed
+                self._held_since = sent
+
+    def lapsed(self) -> bool:
+        """Whether the lease is lost, or may be: no renewal has held for a whole TTL (the
+        index unreachable meanwhile). Sets ``lost`` once it is."""
+        if not self.lost and self._elapsed() - self._held_since >= self._ttl_s:
+            self.lost = True
+        return self.lost
 
     async def refence(self, floor: int) -> None:
         """Re-take the lease under a token above ``floor`` (the fence the snapshot
@@ -61,6 +90,7 @@ class Heartbeat:
         The renewals pause meanwhile: a renewal in flight with the old token would find
         the lease re-issued and take it for lost."""
         await self.stop()
+        sent = self._elapsed()
         raised = await self._index.raise_fence(
             self.lease, floor=floor, ttl=self._ttl, now=self._clock.now()
         )
@@ -68,6 +98,7 @@ class Heartbeat:
             self.lost = True
             raise LeaseLost(f"lease {self.lease.name} was taken over before it was re-fenced")
         self.lease = raised
+        self._held_since = sent
         self.start()
 
     async def stop(self) -> None:

@@ -22,7 +22,7 @@ from pydantic import JsonValue
 from torpor import tracing
 from torpor.agent import AgentContext, AgentTurn
 from torpor.deadlines import call_out
-from torpor.errors import AgentUnavailable, CallTimedOut, TorporError
+from torpor.errors import AgentUnavailable, CallTimedOut, LeaseLost, TorporError
 from torpor.faults import CrashPoint, crash_point
 from torpor.ids import tool_call_key
 from torpor.lifecycle import SessionState
@@ -277,6 +277,11 @@ class AgentLoop:
             return logged.result  # replay after a crash: never run a completed call twice
         if tool is None:
             return {"error": {"code": "unknown_tool", "message": f"no tool {call.function.name!r}"}}
+        if work.heartbeat.lapsed():
+            # The lease may be another holder's by now (the index was out of reach for a
+            # whole TTL): that holder runs this call from the last checkpoint, and running
+            # it here too would call the tool twice.
+            raise LeaseLost(f"lease on {work.snap.session_id} lapsed; not calling {key}")
         result: JsonValue
         try:
             args = tool_arguments(call.function.arguments)

@@ -103,7 +103,7 @@ class WorkingCopy:
         waits it closed), started with the registry's record of the new state, so that
         the two share one round trip to the index; both run, and the first error is
         raised."""
-        if self.heartbeat.lost:
+        if self.heartbeat.lapsed():
             raise LeaseLost(f"lease on {self.snap.session_id} was lost; not committing")
         token = self.heartbeat.lease.token
         if token < self.snap.lease_fence:
