@@ -157,6 +157,12 @@ class WaitPlan(BaseModel):
         quorum = spec.n if spec is not None and spec.condition is FanInCondition.N_OF_M else 0
         if (quorum or 0) > len(self.members):
             raise ValueError(f"a quorum of {quorum} needs at least {quorum} members")
+        # A baseline stamped without a time zone (``datetime.now()``) cannot be compared
+        # with the clock: the guard raised TypeError at every wake, and the session retried
+        # its way to quarantine. Refused here, the tool's call fails at once, and says why.
+        for baseline in (self.guard, *(m.guard for m in self.members)):
+            if baseline is not None and baseline.captured_at.utcoffset() is None:
+                raise ValueError("a guard baseline's captured_at needs a time zone (use ctx.now)")
         return self
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
 
 from tests.support.factories import NOW, busy_snapshot
 from torpor import guard
 from torpor.models import DriftPolicy, GuardBaseline
-from torpor.tools import ExternalState
+from torpor.tools import ExternalState, WaitPlan
 
 BASELINE = GuardBaseline(
     version_tag="budget-v17",
@@ -110,3 +114,23 @@ def test_a_baseline_no_tool_can_check_fails_closed() -> None:
     verdict = guard.evaluate(BASELINE, None, now=NOW, unchecked=True)
     assert not verdict.ok
     assert verdict.reasons == ["no tool can report the external state the baseline names"]
+
+
+@pytest.mark.parametrize("where", ["plan", "member"])
+def test_a_baseline_stamped_without_a_time_zone_is_refused_when_planned(where: str) -> None:
+    """``captured_at=datetime.now()`` passed every check until the wake, where comparing
+    it with the clock raised TypeError: retried to quarantine, never a clear error."""
+    naive = GuardBaseline(version_tag="v1", captured_at=datetime(2026, 12, 6, 9, 0))
+    plan: dict[str, Any] = {"action_key": "approve:PR-1", "request": {}}
+    if where == "plan":
+        plan["guard"] = naive
+    else:
+        plan["members"] = [{"label": "a", "action_key": "approve:PR-1:a", "guard": naive}]
+    with pytest.raises(ValidationError, match="needs a time zone"):
+        WaitPlan.model_validate(plan)
+    aware = naive.model_copy(update={"captured_at": NOW})
+    WaitPlan.model_validate(
+        {**plan, "guard": aware}
+        if where == "plan"
+        else plan | {"members": [{"label": "a", "action_key": "approve:PR-1:a", "guard": aware}]}
+    )
