@@ -8,6 +8,7 @@ failing mid-attempt, a flushed index), and checks the work comes back.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from tests.conftest import eventually
 from tests.support.harness import Env, held_by_a_dead_holder, local_env
 from tests.support.receiver import Receiver
 from torpor.auth import new_api_key
@@ -25,7 +27,7 @@ from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus, Wait
 from torpor.ports import Observer, Reason, TimerKind, WaitBinding
 from torpor.service.sessions import SessionService
-from torpor.service.sweeper import Sweeper
+from torpor.service.sweeper import POLLS_AT_ONCE, Sweeper, SweepReport
 from torpor.tools import PollOutcome
 
 FAR = timedelta(days=365)
@@ -405,3 +407,53 @@ async def test_a_poll_answered_after_the_deadline_does_not_resume_the_wait(
     done = await env.load(sid)
     assert done.state is SessionState.TIMED_OUT and done.error is not None
     assert done.error.code == "sla_expired"
+
+
+async def test_two_reconcilers_sweeping_at_once_ask_the_vendor_once(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted reconciler beside the old one: both read the same due poll entry and
+    both asked the vendor. The entry is now taken by the first; the second finds none."""
+    sid = await env.submit(doc="PR-POLL")
+    [wait] = (await env.load(sid)).waits
+    env.clock.advance((wait.deadline - env.clock.now()).total_seconds() - 1)
+    tool = env.services.plugins.agent("purchase").tools.get(wait.tool_name)
+    asked: list[str] = []
+    release = asyncio.Event()
+
+    async def slow_poll(polled: Wait, *, tenant: str) -> PollOutcome | None:
+        asked.append(polled.correlation_id)
+        await release.wait()  # the vendor takes its time
+        return None
+
+    monkeypatch.setattr(tool, "poll", slow_poll)
+    now = env.clock.now()
+    first = asyncio.create_task(sweeper(env)._polls(now, SweepReport()))
+    await eventually(lambda: len(asked) == 1)
+    second = SweepReport()
+    await sweeper(env)._polls(now, second)
+    release.set()
+    await first
+    assert asked == [wait.correlation_id] and second.polls == 0
+
+
+async def test_a_sweep_polls_a_bounded_number_at_once(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sids = [await env.submit(doc=f"PR-P{i}") for i in range(20)]
+    deadline = min([(await env.load(s)).waits[0].deadline for s in sids])
+    env.clock.advance((deadline - env.clock.now()).total_seconds() - 1)
+    tool = env.services.plugins.agent("purchase").tools.get("request_approval")
+    in_flight, most = [0], [0]
+
+    async def counted_poll(polled: Wait, *, tenant: str) -> PollOutcome | None:
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        await asyncio.sleep(0.01)
+        in_flight[0] -= 1
+        return None
+
+    monkeypatch.setattr(tool, "poll", counted_poll)
+    report = SweepReport()
+    await sweeper(env)._polls(env.clock.now(), report)
+    assert report.polls == 20 and most[0] == POLLS_AT_ONCE

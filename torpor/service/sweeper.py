@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 BATCH = 500
 POLL_TIMEOUT_S = 30.0
+POLL_BATCH = 64  # polls a sweep takes; the rest are due at the next sweep
+POLLS_AT_ONCE = 16
 REQUESTS_AT_ONCE = 32  # activation requests a sweep has in flight
 DEADLINE_ROUNDS = 8  # batches of due deadlines one ``deadlines_once`` takes at most
 # Two seconds' worth at a thousand deadlines a second: a loop every half second catches
@@ -314,8 +316,23 @@ class Sweeper:
     # -- polling -------------------------------------------------------------------------
 
     async def _polls(self, now: datetime, report: SweepReport) -> None:
-        due = await self.services.index.due(kind=TimerKind.POLL, now=now, limit=BATCH)
-        await asyncio.gather(*(self._poll_alone(member, now, report) for member in due))
+        # Taken, not only read: a second reconciler (a restarted one beside the old) read
+        # the same due entries and asked the vendor the same question at the same time.
+        # The lease covers the rounds a batch takes at POLLS_AT_ONCE; each poll moves its
+        # entry on (the backoff) or off (answered), and one whose poller died is due again.
+        until = now + timedelta(seconds=POLL_TIMEOUT_S * (POLL_BATCH // POLLS_AT_ONCE + 1))
+        due = await self.services.index.lease_due(
+            kind=TimerKind.POLL, now=now, limit=POLL_BATCH, until=until
+        )
+        # A bounded number at once: 500 polls of 30 s each to one slow vendor were all in
+        # flight together.
+        slots = asyncio.Semaphore(POLLS_AT_ONCE)
+
+        async def one(member: str) -> None:
+            async with slots:
+                await self._poll_alone(member, now, report)
+
+        await asyncio.gather(*(one(member) for member in due))
 
     async def _poll_alone(self, member: str, now: datetime, report: SweepReport) -> None:
         """One poll on its own: a snapshot that cannot be read (damaged, or a newer
