@@ -79,6 +79,19 @@ class Unreachable(CliError):
         super().__init__(message, EXIT_UNREACHABLE)
 
 
+def _positive(text: str) -> int:
+    """A count of one or more, refused as a usage error (exit 2) before anything runs: 0
+    went to the server (a page of nothing refused as a problem, a demo of no documents
+    that failed half-way with the API's 400 as an internal error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
+    return value
+
+
 def _payload(value: str) -> bytes:
     if value == "-":
         return sys.stdin.buffer.read()
@@ -516,7 +529,7 @@ def parser() -> argparse.ArgumentParser:
         return s
 
     d = command("demo", help="run the document-batch demo on this machine")
-    d.add_argument("--documents", type=int, default=50)
+    d.add_argument("--documents", type=_positive, default=50)
     d.add_argument("--placement", choices=["dedicated", "pooled"], default="pooled")
     d.add_argument("--redis", help="use this Redis instead of the embedded SQLite index")
     d.add_argument("--s3", help="use s3://bucket/prefix instead of a local folder")
@@ -542,7 +555,7 @@ def parser() -> argparse.ArgumentParser:
     api("status", cmd_status, "show a session").add_argument("session")
     s = api("ls", cmd_ls, "list sessions")
     s.add_argument("--state")
-    s.add_argument("--limit", type=int, default=50)
+    s.add_argument("--limit", type=_positive, default=50)
     s.add_argument("--cursor", help="the next page: the cursor the last one ended with")
     api("events", cmd_events, "follow a session's transitions").add_argument("session")
     api("cancel", cmd_cancel, "cancel a session").add_argument("session")
@@ -566,7 +579,7 @@ def parser() -> argparse.ArgumentParser:
     s = api("deliveries", cmd_deliveries, "list failed notifications, or resend one")
     s.add_argument("--status", default="dead", choices=["pending", "delivered", "dead", "disabled"])
     s.add_argument("--resend", metavar="DELIVERY_ID")
-    s.add_argument("--limit", type=int, default=50)
+    s.add_argument("--limit", type=_positive, default=50)
     s.add_argument("--cursor", help="the next page: the cursor the last one ended with")
 
     s = command("reconcile", help="run one reconciler sweep now")

@@ -262,3 +262,16 @@ def test_events_refused_prints_the_problem_detail() -> None:
         result = run("events", "s_gone", "--url", url)
     assert result.returncode == cli.EXIT_FAILED
     assert "404 session s_gone not found" in one_line_error(result)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["ls", "--limit", "0"], ["deliveries", "--limit", "-3"], ["demo", "--documents", "0"]],
+    ids=["ls", "deliveries", "demo"],
+)
+def test_a_count_below_one_is_a_usage_error_before_anything_runs(argv: list[str]) -> None:
+    """``demo --documents 0`` started Ray and Serve and failed half-way with the API's
+    400 shown as an internal error; ``ls --limit 0`` went to the server."""
+    result = run(*argv, "--url", "http://127.0.0.1:1") if argv[0] != "demo" else run(*argv)
+    assert result.returncode == 2, result
+    assert "is not 1 or more" in result.stderr and "Traceback" not in result.stderr
