@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt
 
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
@@ -27,8 +27,9 @@ class BatchCreate(_Body):
     documents: list[JsonValue] = Field(min_length=1, max_length=10_000)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
     callback_url: str | None = Field(default=None, max_length=2048)
-    # Lower than the configured cap only: configuration bounds every batch.
-    max_running: int | None = Field(default=None, ge=1, le=100_000)
+    # Lower than the configured cap only: configuration bounds every batch. Strict: true
+    # was taken as 1 and "5" as 5, a cap the sender never wrote.
+    max_running: StrictInt | None = Field(default=None, ge=1, le=100_000)
 
 
 class Accepted(BaseModel):

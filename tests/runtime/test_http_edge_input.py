@@ -388,3 +388,28 @@ async def test_a_filtered_deliveries_page_reads_a_bounded_number_of_deliveries(
         if cursor is None:
             break
     assert found == ["d_99999"], "following the cursor still finds every match"
+
+
+@pytest.mark.parametrize("cap", ["true", '"5"', "5.0"])
+async def test_a_batch_cap_that_is_no_whole_number_is_refused_and_nothing_is_made(
+    app: App, cap: str
+) -> None:
+    """``"max_running": true`` was taken as a cap of 1, ``"5"`` as 5: a cap the sender
+    never wrote, one running document at a time for a whole batch."""
+    body = f'{{"agent": "purchase", "documents": [{{"doc": "a"}}], "max_running": {cap}}}'
+    answer = await app.http.post(
+        "/v1/batches",
+        headers={**app.auth(), "Idempotency-Key": f"cap-{cap}", "Content-Type": "application/json"},
+        content=body,
+    )
+    assert answer.status_code in (400, 422), answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert "max_running" in answer.text
+    # Nothing was made under the key: the sender's corrected request is a new batch.
+    fixed = body.replace(f'"max_running": {cap}', '"max_running": 5')
+    again = await app.http.post(
+        "/v1/batches",
+        headers={**app.auth(), "Idempotency-Key": f"cap-{cap}", "Content-Type": "application/json"},
+        content=fixed,
+    )
+    assert again.status_code == 202, again.text
