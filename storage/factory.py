@@ -9,7 +9,7 @@ for unit tests that need neither a folder nor a service.
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit
 
 from storage.local_store import LocalObjectStore
 from storage.memory_index import MemoryIndex
@@ -18,6 +18,22 @@ from storage.sqlite_index import SqliteIndex
 from torpor.errors import ConfigError, EmbeddedBackendOnCluster
 from torpor.ports import ActivationQueue, Index, ObjectStore, RunningSlots
 from torpor.settings import Settings, resolve_secret
+
+
+def shown_url(url: str) -> str:
+    """``url`` safe to show in an error or a log: without the ``user:password@`` or the
+    query (redis-py reads ``?password=``) a URL may carry; ``env:NAME`` as written."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "[unparsable URL]"
+    if "@" not in parts.netloc and not parts.query:
+        return url
+    if "@" in parts.netloc:
+        parts = parts._replace(netloc="[redacted]@" + parts.netloc.rpartition("@")[2])
+    if parts.query:
+        parts = parts._replace(query="[redacted]")
+    return parts.geturl()
 
 
 def _local_path(url: str, scheme: str) -> Path:
@@ -116,8 +132,8 @@ def check_embedded_allowed(settings: Settings, *, alive_nodes: int) -> None:
     if alive_nodes > 1 and settings.embedded:
         raise EmbeddedBackendOnCluster(
             f"this Ray cluster has {alive_nodes} nodes, but torpor is configured with "
-            f"embedded storage ({settings.storage.object_store_url}, "
-            f"{settings.storage.index_url}), which only works on one host. Set "
+            f"embedded storage ({shown_url(settings.storage.object_store_url)}, "
+            f"{shown_url(settings.storage.index_url)}), which only works on one host. Set "
             "TORPOR_STORAGE__OBJECT_STORE_URL=s3://bucket/prefix and "
             "TORPOR_STORAGE__INDEX_URL=redis://host:6379/0 (see README, Configuration)."
         )

@@ -32,3 +32,20 @@ def test_memory_storage_is_refused_under_ray() -> None:
     )
     with pytest.raises(ConfigError, match="memory://"):
         check_embedded_allowed(index_only, alive_nodes=1)
+
+
+def test_embedded_refusal_does_not_show_the_index_password() -> None:
+    # A file:// object store beside a Redis index with a password is still "embedded":
+    # the refusal named both URLs as written, the password with them.
+    settings = Settings.build(
+        {
+            "storage": {
+                "object_store_url": "file:///tmp/objects",
+                "index_url": "redis://torpor:hunter2-secret@redis.internal:6379/0",
+            }
+        }
+    )
+    with pytest.raises(ConfigError) as caught:
+        check_embedded_allowed(settings, alive_nodes=3)
+    assert "hunter2-secret" not in str(caught.value)
+    assert "redis.internal:6379/0" in str(caught.value)
