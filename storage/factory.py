@@ -65,7 +65,7 @@ def open_object_store(settings: Settings) -> ObjectStore:
         return LocalObjectStore(_local_path(url, "file"))
     if url.startswith("memory://"):
         return MemoryObjectStore()
-    raise ConfigError(f"object store URL {url!r}: use s3://bucket/prefix or file://path")
+    raise ConfigError(f"object store URL {shown_url(url)!r}: use s3://bucket/prefix or file://path")
 
 
 def open_index(settings: Settings) -> Index:
@@ -85,7 +85,7 @@ def open_index(settings: Settings) -> Index:
         return SqliteIndex(_local_path(url, "sqlite"))
     if url.startswith("memory://"):
         return MemoryIndex()
-    raise ConfigError(f"index URL {url!r}: use redis://host:port/db or sqlite://path")
+    raise ConfigError(f"index URL {shown_url(url)!r}: use redis://host:port/db or sqlite://path")
 
 
 def open_slots(settings: Settings, index: Index) -> RunningSlots | None:

@@ -49,3 +49,16 @@ def test_embedded_refusal_does_not_show_the_index_password() -> None:
         check_embedded_allowed(settings, alive_nodes=3)
     assert "hunter2-secret" not in str(caught.value)
     assert "redis.internal:6379/0" in str(caught.value)
+
+
+def test_unknown_index_scheme_does_not_show_the_resolved_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An `env:` index URL is resolved before its scheme is checked: a mistyped scheme
+    # echoed the resolved URL, password and all, that the env: indirection kept out.
+    monkeypatch.setenv("TORPOR_TEST_INDEX_URL", "reddis://:hunter2-secret@redis.internal:6379/0")
+    settings = Settings.build({"storage": {"index_url": "env:TORPOR_TEST_INDEX_URL"}})
+    with pytest.raises(ConfigError) as caught:
+        open_index(settings)
+    assert "hunter2-secret" not in str(caught.value)
+    assert "reddis://" in str(caught.value)
