@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel, SecretStr
 
@@ -74,9 +74,15 @@ def inline_secrets(settings: Settings) -> list[str]:
     found = [where for where, raw in _secrets(settings, "") if not raw.startswith("env:")]
     for name in ("index_url", "object_store_url"):
         url = getattr(settings.storage, name)
-        if not url.startswith("env:") and urlsplit(url).password:
+        if not url.startswith("env:") and _has_password(url):
             found.append(f"storage.{name}")
     return found
+
+
+def _has_password(url: str) -> bool:
+    """A password in the URL's userinfo, or in its query (redis-py reads ``?password=``)."""
+    parts = urlsplit(url)
+    return bool(parts.password) or "password" in parse_qs(parts.query)
 
 
 def _secrets(value: object, where: str) -> list[tuple[str, str]]:

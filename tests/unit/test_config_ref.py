@@ -67,6 +67,8 @@ def test_settings_with_env_references_travel_and_resolve_where_used(
         {"sources": {"oa": {"tenant": "a", "secrets": [SECRET]}}},
         {"storage": {"s3": {"secret_access_key": SECRET}}},
         {"storage": {"index_url": f"redis://:{SECRET}@127.0.0.1:6379/0"}},
+        # redis-py takes the password from the query too
+        {"storage": {"index_url": f"redis://127.0.0.1:6379/0?password={SECRET}"}},
     ],
 )
 def test_an_inline_secret_is_refused_at_the_ray_boundary(data: dict[str, object]) -> None:
