@@ -78,9 +78,11 @@ class RedisConnection:
 
     @property
     def url(self) -> str:
-        # Never show a password that may be in the URL.
+        # Never show a password that may be in the URL: in its userinfo, or in its
+        # query (redis-py reads ?password=), which is left out whole.
         scheme, _, rest = self._url.partition("://")
-        return f"{scheme}://{rest.rpartition('@')[2]}"
+        rest, query, _ = rest.partition("?")
+        return f"{scheme}://{rest.rpartition('@')[2]}{query and '?[redacted]'}"
 
     @property
     def client(self) -> aioredis.Redis:

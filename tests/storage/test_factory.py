@@ -62,3 +62,17 @@ def test_unknown_index_scheme_does_not_show_the_resolved_password(
         open_index(settings)
     assert "hunter2-secret" not in str(caught.value)
     assert "reddis://" in str(caught.value)
+
+
+async def test_a_redis_index_url_shows_no_password_held_in_its_query() -> None:
+    # redis-py reads ?password= as the password; the index's url (in every
+    # IndexUnavailable message: logs, CLI stderr) showed it.
+    settings = Settings.build(
+        {"storage": {"index_url": "redis://127.0.0.1:6379/0?password=hunter2-secret"}}
+    )
+    index = open_index(settings)
+    try:
+        assert "hunter2-secret" not in index.url
+        assert index.url.startswith("redis://127.0.0.1:6379/0")
+    finally:
+        await index.close()
