@@ -275,3 +275,11 @@ def test_a_count_below_one_is_a_usage_error_before_anything_runs(argv: list[str]
     result = run(*argv, "--url", "http://127.0.0.1:1") if argv[0] != "demo" else run(*argv)
     assert result.returncode == 2, result
     assert "is not 1 or more" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_demos_title_shows_no_part_of_the_index_url_that_may_be_a_secret() -> None:
+    from torpor.entry.demo import _shown
+
+    shown = _shown("redis://user:pw-in-userinfo@cache:6380/2?password=pw-in-query")
+    assert shown == "redis://cache:6380/2"
+    assert _shown("sqlite:///tmp/state/index.db") == "sqlite:///tmp/state/index.db"

@@ -220,7 +220,12 @@ class OpenAIAgent:
         try:
             with tracing.span(
                 "torpor.llm.call",
-                **{"gen_ai.request.model": self.model, "server.address": self._url},
+                # The host alone (as the semantic conventions name it): the URL may hold a
+                # key in its user part or query, and spans go to a collector as they are.
+                **{
+                    "gen_ai.request.model": self.model,
+                    "server.address": urllib.parse.urlsplit(self._url).hostname or "",
+                },
             ) as span:
                 tracing.inject(headers)  # the endpoint may continue the trace
                 response = await request_async(

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from torpor import outbound
 from torpor.auth import new_api_key
@@ -192,7 +193,7 @@ def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
     sys.stdout = sys.stderr = chatter
     title = (
         f"torpor demo: {len(docs)} documents, {opts.placement} placement, storage "
-        f"{settings.storage.object_store_url} + {settings.storage.index_url.split('@')[-1]}, "
+        f"{settings.storage.object_store_url} + {_shown(settings.storage.index_url)}, "
         + ingress.label
     )
     print(ingress.message, file=chatter, flush=True)
@@ -393,3 +394,11 @@ def verdict(
     }
     rows = [(name, "ok" if good else "FAIL", detail) for name, (good, detail) in checks.items()]
     return rows, all(good for good, _ in checks.values())
+
+
+def _shown(url: str) -> str:
+    """The index's URL without what may be a secret: its user and password, and its query
+    (redis-py reads ``?password=``; splitting at ``@`` left that in the demo's title)."""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"
