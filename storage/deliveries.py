@@ -9,6 +9,13 @@ deliveries instead of every delivery of the tenant. The marker is written *befor
 delivery turns dead and removed *after* it leaves that state, so a crash in between
 leaves at worst a stale marker (the listing checks each delivery's status and skips it),
 never a dead letter the listing cannot find.
+
+Pending deliveries are indexed the same way (``pending-deliveries/{tenant}/{id}``, written
+before a delivery is made or turned pending, removed after it leaves that state): the
+reconciler's repair restores their timers from a page of markers, where it read every
+delivery the tenant ever had at every periodic repair. Deliveries made before the
+markers existed have none: ``list(status=PENDING, full=True)`` still reads them all, as
+the repair does once the index was lost.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class ObjectDeliveries:
         await self.store.put(
             keys.delivery_ref(delivery.session_id, delivery.tenant, delivery.delivery_id), b""
         )
+        if delivery.status is DeliveryStatus.PENDING:
+            await self.store.put(keys.pending_delivery(delivery.tenant, delivery.delivery_id), b"")
         try:
             await self.store.put_if_absent(
                 keys.delivery(delivery.tenant, delivery.delivery_id),
@@ -68,26 +77,32 @@ class ObjectDeliveries:
                 raise NotFound(f"no delivery {delivery_id[:80]!r}") from None
             old = Delivery.model_validate_json(obj.data)
             new = change(old)
-            dead = keys.dead_letter(tenant, delivery_id)
-            if new.status is DeliveryStatus.DEAD and old.status is not DeliveryStatus.DEAD:
-                await self.store.put(dead, b"")
+            markers = {
+                DeliveryStatus.DEAD: keys.dead_letter(tenant, delivery_id),
+                DeliveryStatus.PENDING: keys.pending_delivery(tenant, delivery_id),
+            }
+            if new.status in markers and old.status is not new.status:
+                await self.store.put(markers[new.status], b"")  # before: never unfindable
             try:
                 await self.store.put_if_match(key, new.model_dump_json().encode(), etag=obj.etag)
             except EtagMismatch:
                 continue
-            if old.status is DeliveryStatus.DEAD and new.status is not DeliveryStatus.DEAD:
-                await self.store.delete(dead)
+            if old.status in markers and new.status is not old.status:
+                await self.store.delete(markers[old.status])  # after: at worst a stale one
             return new
         raise EtagMismatch(f"delivery {delivery_id} is too contended to update")
 
-    async def _dead(
-        self, tenant: str, *, cursor: str | None, limit: int
+    async def _marked(
+        self, tenant: str, status: DeliveryStatus, *, cursor: str | None, limit: int
     ) -> tuple[list[Delivery], str | None]:
-        """Dead letters through their markers: reads ``limit`` markers and deliveries
-        (plus any stale marker met on the way)."""
+        """Dead letters or pending deliveries through their markers: reads ``limit``
+        markers and deliveries (plus any stale marker met on the way)."""
         out: list[Delivery] = []
-        prefix = keys.dead_letter_prefix(tenant)
-        token = keys.dead_letter(tenant, cursor) if cursor else None
+        if status is DeliveryStatus.DEAD:
+            prefix = keys.dead_letter_prefix(tenant)
+        else:
+            prefix = keys.pending_delivery_prefix(tenant)
+        token = prefix + keys.safe(cursor, "delivery id") if cursor else None
         while len(out) < limit:
             page = await self.store.list(prefix, start_after=token, limit=limit - len(out))
             for key in page.keys:
@@ -95,7 +110,7 @@ class ObjectDeliveries:
                     delivery = await self.get(tenant, key[len(prefix) :])
                 except NotFound:
                     continue
-                if delivery.status is DeliveryStatus.DEAD:
+                if delivery.status is status:
                     out.append(delivery)
             if page.next_token is None or not page.keys:
                 return out, None
@@ -103,10 +118,19 @@ class ObjectDeliveries:
         return out, out[-1].delivery_id
 
     async def list(
-        self, tenant: str, *, status: DeliveryStatus | None, cursor: str | None, limit: int
+        self,
+        tenant: str,
+        *,
+        status: DeliveryStatus | None,
+        cursor: str | None,
+        limit: int,
+        full: bool = False,
     ) -> tuple[list[Delivery], str | None]:
-        if status is DeliveryStatus.DEAD:
-            return await self._dead(tenant, cursor=cursor, limit=limit)
+        """A page of the tenant's deliveries, of ``status`` if given. Dead and pending
+        ones through their markers, unless ``full`` (every delivery read: those made
+        before the markers existed have none)."""
+        if status is DeliveryStatus.DEAD or (status is DeliveryStatus.PENDING and not full):
+            return await self._marked(tenant, status, cursor=cursor, limit=limit)
         out: list[Delivery] = []
         token = keys.delivery(tenant, cursor) if cursor else None
         prefix = keys.delivery_prefix(tenant)

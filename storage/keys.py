@@ -243,6 +243,16 @@ def dead_letter(tenant: str, delivery_id: str) -> str:
     return dead_letter_prefix(tenant) + safe(delivery_id, "delivery id")
 
 
+def pending_delivery_prefix(tenant: str) -> str:
+    """Empty marker objects, one per delivery still to be attempted, so the repair's
+    look for pending deliveries reads those, not every delivery the tenant ever had."""
+    return f"pending-deliveries/{safe(tenant, 'tenant')}/"
+
+
+def pending_delivery(tenant: str, delivery_id: str) -> str:
+    return pending_delivery_prefix(tenant) + safe(delivery_id, "delivery id")
+
+
 def endpoint_state(tenant: str, url: str) -> str:
     return f"endpoints/{safe(tenant, 'tenant')}/{digest(url)}"
 

@@ -458,6 +458,7 @@ class ObjectRetention:
                     return None  # still being attempted
                 doomed.records.append(keys.delivery(tenant, delivery_id))
                 doomed.records.append(keys.dead_letter(tenant, delivery_id))
+                doomed.records.append(keys.pending_delivery(tenant, delivery_id))
             elif kind == "w":
                 works.add(rest)
             elif kind == "i":
@@ -529,6 +530,7 @@ class ObjectRetention:
                 return False
             doomed.records.append(keys.delivery(snapshot.tenant, delivery_id))
             doomed.records.append(keys.dead_letter(snapshot.tenant, delivery_id))
+            doomed.records.append(keys.pending_delivery(snapshot.tenant, delivery_id))
         return True
 
     async def _names(self, submit_key: str, session_id: str) -> bool:

@@ -16,6 +16,7 @@ from storage.inbox import ObjectInbox
 from storage.memory_store import MemoryObjectStore
 from storage.snapshots import ObjectSnapshots, ended_day
 from tests.support.factories import NOW, busy_snapshot, snapshot
+from tests.support.harness import keys_read
 from torpor.batches import BatchManifest, FanOutCursor
 from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
 from torpor.errors import (
@@ -291,3 +292,50 @@ async def test_deliveries_update_by_compare_and_swap(store: ObjectStore) -> None
     assert not (await deliveries.endpoint("acme", delivery.url)).disabled
     await deliveries.set_endpoint("acme", EndpointState(url=delivery.url, disabled=True))
     assert (await deliveries.endpoint("acme", delivery.url)).disabled
+
+
+def a_delivery(delivery_id: str) -> Delivery:
+    return Delivery(
+        delivery_id=delivery_id,
+        tenant="acme",
+        session_id=f"s_{delivery_id}",
+        url="https://example.com/hook",
+        event_type="session.completed",
+        payload={"type": "session.completed"},
+        created_at=NOW,
+    )
+
+
+async def test_the_pending_deliveries_are_found_without_reading_the_settled_ones(
+    store: ObjectStore,
+) -> None:
+    """The repair looks for pending deliveries at every periodic pass: it read every
+    delivery the tenant ever had (30 days of them), one object each. Through the pending
+    markers it reads the pending ones, whatever the history."""
+    deliveries = ObjectDeliveries(store)
+    for i in range(40):
+        assert await deliveries.create(a_delivery(f"d_{i:03d}"))
+        if i % 10:  # all but four are delivered
+            await deliveries.update(
+                "acme",
+                f"d_{i:03d}",
+                lambda d: d.model_copy(update={"status": DeliveryStatus.DELIVERED}),
+            )
+    read = keys_read(store)
+    page, cursor = await deliveries.list(
+        "acme", status=DeliveryStatus.PENDING, cursor=None, limit=100
+    )
+    assert [d.delivery_id for d in page] == ["d_000", "d_010", "d_020", "d_030"]
+    assert cursor is None and len(read) == 4, read
+    # Sent again by an operator: pending again, and found again.
+    await deliveries.update(
+        "acme", "d_001", lambda d: d.model_copy(update={"status": DeliveryStatus.PENDING})
+    )
+    page, _ = await deliveries.list("acme", status=DeliveryStatus.PENDING, cursor=None, limit=100)
+    assert "d_001" in [d.delivery_id for d in page]
+    # A full read still finds what has no marker (a delivery stored before they existed).
+    await store.delete(keys.pending_delivery("acme", "d_000"))
+    page, _ = await deliveries.list(
+        "acme", status=DeliveryStatus.PENDING, cursor=None, limit=100, full=True
+    )
+    assert "d_000" in [d.delivery_id for d in page]

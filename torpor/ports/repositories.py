@@ -292,9 +292,17 @@ class DeliveryRepository(Protocol):
         ...
 
     async def list(
-        self, tenant: str, *, status: DeliveryStatus | None, cursor: str | None, limit: int
+        self,
+        tenant: str,
+        *,
+        status: DeliveryStatus | None,
+        cursor: str | None,
+        limit: int,
+        full: bool = False,
     ) -> tuple[list[Delivery], str | None]:
-        """One page of a tenant's deliveries and the cursor of the next (None at the end)."""
+        """One page of a tenant's deliveries and the cursor of the next (None at the end).
+        ``full``: read every delivery, not an index of those in ``status`` (deliveries
+        stored before such an index existed are not in it)."""
         ...
 
     async def endpoint(self, tenant: str, url: str) -> EndpointState: ...

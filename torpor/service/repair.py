@@ -167,7 +167,7 @@ class IndexRepair:
         # ended past the binding grace is pending, with no walked session to name it.
         configured = set(self.services.settings.tenants) if lost else set()
         for tenant in sorted(tenants | configured):
-            await self._delivery_timers(tenant, now)
+            await self._delivery_timers(tenant, now, full=lost)
         await self._fan_out_timers(now)
         # Before any activation: a batch's PENDING sessions wait for a running slot.
         for batch_id in sorted(batched) if lost else ():
@@ -400,13 +400,15 @@ class IndexRepair:
                 kind=TimerKind.FANOUT, member=batch_id, at=now + grace, keep_earlier=True
             )
 
-    async def _delivery_timers(self, tenant: str, now: datetime) -> None:
+    async def _delivery_timers(self, tenant: str, now: datetime, *, full: bool) -> None:
         """Every pending delivery gets its timer back; an earlier one (or a leased one
-        whose attempt is under way) is never pushed later."""
+        whose attempt is under way) is never pushed later. Through the pending markers
+        (a page of what is pending), or, once the index was lost (``full``), through every
+        delivery: one made before the markers existed has none."""
         cursor: str | None = None
         while True:
             page, cursor = await self.services.deliveries.list(
-                tenant, status=DeliveryStatus.PENDING, cursor=cursor, limit=PAGE
+                tenant, status=DeliveryStatus.PENDING, cursor=cursor, limit=PAGE, full=full
             )
             for delivery in page:
                 await self.services.index.schedule(
