@@ -127,17 +127,23 @@ class SmallObjects:
                 wal.fsync_dir(os.path.dirname(self.folder))
             self._quick = _connect(self.path, busy_ms=0)
             self._waiting = _connect(self.path, busy_ms=BUSY_WAIT_MS)
-            if self._waiting.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                self._waiting.execute("PRAGMA journal_mode=WAL")
+            # One process at a time: SQLite's switch into WAL mode waits for no busy
+            # handler, and failed at once ("database is locked") when processes opened a
+            # new folder together (a race's workers; replicas started at once).
+            with open(os.path.join(self.folder, "open.lock"), "a+b") as lock:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+                if self._waiting.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    self._waiting.execute("PRAGMA journal_mode=WAL")
+                self._waiting.execute(
+                    "CREATE TABLE IF NOT EXISTS objects"
+                    " (key TEXT PRIMARY KEY, etag TEXT NOT NULL, data BLOB NOT NULL)"
+                    " WITHOUT ROWID"
+                )
+                self._waiting.execute(
+                    "CREATE TABLE IF NOT EXISTS log_starts (id INTEGER PRIMARY KEY, n INTEGER)"
+                )
             for db in (self._quick, self._waiting):
                 db.execute("PRAGMA synchronous=NORMAL")
-            self._waiting.execute(
-                "CREATE TABLE IF NOT EXISTS objects"
-                " (key TEXT PRIMARY KEY, etag TEXT NOT NULL, data BLOB NOT NULL) WITHOUT ROWID"
-            )
-            self._waiting.execute(
-                "CREATE TABLE IF NOT EXISTS log_starts (id INTEGER PRIMARY KEY, n INTEGER)"
-            )
             _start_log(self._waiting)
             # Best effort for the caller's thread's own first frame: it never waits.
             with contextlib.suppress(sqlite3.OperationalError):

@@ -563,3 +563,34 @@ async def test_after_a_failed_flush_no_row_is_reported_durable_again(tmp_path: P
     await other.close()
     await store.put_if_absent("kept/s", b"files have their own log")
     await store.close()
+
+
+def _open_rows_at(folder: str, start: object, answers: object) -> None:
+    start.wait()  # type: ignore[attr-defined]
+    try:
+        small_objects.SmallObjects(folder).close()
+        answers.put("")  # type: ignore[attr-defined]
+    except Exception as exc:  # reported to the test
+        answers.put(repr(exc))  # type: ignore[attr-defined]
+
+
+def test_processes_that_open_a_new_table_together_all_open_it(tmp_path: Path) -> None:
+    """Workers of a race, or replicas started at once, opening a folder no one used
+    yet: SQLite's switch into WAL mode waits for no busy handler, and one in a dozen
+    such starts failed with "database is locked" (a race's workers then waited at
+    their barrier for the one that died, until the test's timeout)."""
+    ctx = multiprocessing.get_context("fork")
+    failed = []
+    for attempt in range(40):
+        folder = str(tmp_path / f"{attempt}" / ".small")
+        start, answers = ctx.Event(), ctx.Queue()
+        workers = [
+            ctx.Process(target=_open_rows_at, args=(folder, start, answers)) for _ in range(8)
+        ]
+        for worker in workers:
+            worker.start()
+        start.set()
+        failed += [e for e in (answers.get(timeout=60) for _ in workers) if e]
+        for worker in workers:
+            worker.join(timeout=60)
+    assert failed == []
