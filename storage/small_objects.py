@@ -422,6 +422,7 @@ def _leave_the_parents() -> None:
             # Held at the fork by a parent's thread (a flush in a worker), they would
             # stay held for ever: that thread is not here to release them.
             rows._counted, rows._flushing = threading.Lock(), threading.Lock()
+            rows._opening = threading.Lock()  # a parent's thread may be reopening them
             rows._pid = pid
             rows._closed = True  # its next use opens its own
 

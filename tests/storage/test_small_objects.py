@@ -594,3 +594,24 @@ def test_processes_that_open_a_new_table_together_all_open_it(tmp_path: Path) ->
         for worker in workers:
             worker.join(timeout=60)
     assert failed == []
+
+
+def test_a_child_forked_while_a_thread_reopens_the_rows_opens_its_own(tmp_path: Path) -> None:
+    """A parent's thread reopening the rows (used again after ``close``) holds their
+    ``_opening`` lock at the fork: the child's first use opens them too, and must not
+    wait for a lock no thread of its own will ever release."""
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put_if_absent("inbox/s/parent", b"p"))
+    with store._rows._opening:  # as the parent's reopening thread holds it
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(20)  # a child that waits for ever is killed, and fails
+                assert asyncio.run(store.get("inbox/s/parent")).data == b"p"
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    asyncio.run(store.close())
