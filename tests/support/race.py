@@ -128,7 +128,14 @@ def _worker(
             out.put((r, worker, won))
         await target.close()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except BaseException:
+        # The others stop waiting at once, and this worker's own error is what the test
+        # reports: before, they waited at the barrier past the test's timeout, and the
+        # failure read as the Manager's EOFError two minutes later.
+        barrier.abort()
+        raise
 
 
 def race(
