@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 import pytest
@@ -22,9 +22,9 @@ from actors.config_ref import ConfigRef
 from actors.ray_work import Kind, Launch, RayTaskExecutor, RayWorkRunner, WorkWatcher
 from storage.memory_store import MemoryObjectStore
 from storage.work import WorkRecords
+from tests.unit.test_work import order
 from torpor.backoff import fixed
 from torpor.errors import SessionNotFound, StorageUnavailable
-from torpor.ids import business_idempotency_key
 from torpor.settings import Settings
 from torpor.tools import ToolContext
 from torpor.work import (
@@ -34,26 +34,14 @@ from torpor.work import (
     WorkOrder,
     WorkState,
     after_loss,
-    work_id,
 )
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 
 
 def an_order() -> WorkOrder:
-    key = business_idempotency_key("acme", "embed:s1:call_1", 1)
-    return WorkOrder(
-        work_id=work_id(key),
-        idempotency_key=key,
-        tool_name="embed",
-        session_id="s1",
-        tenant="acme",
-        correlation_id="c" * 32,
-        epoch=1,
-        request={},
-        deadline=NOW + timedelta(hours=1),
-        trace_id="t",
-    )
+    """A work order of one tool call (the work module's own tests' order)."""
+    return order()
 
 
 async def a_runner(launch: Launch, order: WorkOrder) -> RayWorkRunner:
