@@ -96,22 +96,28 @@ class ObjectDeliveries:
         self, tenant: str, status: DeliveryStatus, *, cursor: str | None, limit: int
     ) -> tuple[list[Delivery], str | None]:
         """Dead letters or pending deliveries through their markers: reads ``limit``
-        markers and deliveries (plus any stale marker met on the way)."""
+        markers and deliveries, plus any stale marker met on the way, up to SCAN_MAX in
+        all (then the page ends short, its cursor at the last marker read: a run of stale
+        markers was read whole in one request)."""
         out: list[Delivery] = []
         if status is DeliveryStatus.DEAD:
             prefix = keys.dead_letter_prefix(tenant)
         else:
             prefix = keys.pending_delivery_prefix(tenant)
         token = prefix + keys.safe(cursor, "delivery id") if cursor else None
+        scanned = 0
         while len(out) < limit:
             page = await self.store.list(prefix, start_after=token, limit=limit - len(out))
             for key in page.keys:
+                scanned += 1
                 try:
                     delivery = await self.get(tenant, key[len(prefix) :])
                 except NotFound:
-                    continue
-                if delivery.status is status:
+                    delivery = None
+                if delivery is not None and delivery.status is status:
                     out.append(delivery)
+                if scanned >= SCAN_MAX and len(out) < limit:
+                    return out, key[len(prefix) :]
             if page.next_token is None or not page.keys:
                 return out, None
             token = page.keys[-1]

@@ -11,7 +11,7 @@ import pytest
 from storage import keys
 from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
-from storage.deliveries import ObjectDeliveries
+from storage.deliveries import SCAN_MAX, ObjectDeliveries
 from storage.inbox import ObjectInbox
 from storage.memory_store import MemoryObjectStore
 from storage.snapshots import ObjectSnapshots, ended_day
@@ -339,3 +339,24 @@ async def test_the_pending_deliveries_are_found_without_reading_the_settled_ones
         "acme", status=DeliveryStatus.PENDING, cursor=None, limit=100, full=True
     )
     assert "d_000" in [d.delivery_id for d in page]
+
+
+async def test_a_run_of_stale_markers_is_read_a_bounded_part_at_a_time() -> None:
+    """Markers whose delivery left the state (or is gone) are skipped: a run of them was
+    read whole in one request. A page now stops at SCAN_MAX, its cursor going on."""
+    store = MemoryObjectStore()
+    deliveries = ObjectDeliveries(store)
+    for i in range(SCAN_MAX + 20):
+        await store.put(keys.dead_letter("acme", f"d_{i:05d}"), b"")  # stale: no delivery
+    dead = a_delivery("d_zzzzz")
+    assert await deliveries.create(dead)
+    await deliveries.update(
+        "acme", dead.delivery_id, lambda d: d.model_copy(update={"status": DeliveryStatus.DEAD})
+    )
+    read = keys_read(store)
+    page, cursor = await deliveries.list("acme", status=DeliveryStatus.DEAD, cursor=None, limit=10)
+    assert page == [] and cursor is not None and len(read) <= SCAN_MAX
+    page, cursor = await deliveries.list(
+        "acme", status=DeliveryStatus.DEAD, cursor=cursor, limit=10
+    )
+    assert [d.delivery_id for d in page] == ["d_zzzzz"] and cursor is None
