@@ -514,3 +514,19 @@ def test_fake_rejects_what_openai_rejects(body: dict[str, Any], why: str) -> Non
     problem = validate_request(body)
 
     assert problem is not None and why in problem
+
+
+@pytest.mark.parametrize(
+    "base_url",
+    [f"http://127.0.0.1:9/v1?api-key={KEY}", f"http://gateway:{KEY}@127.0.0.1:9/v1"],
+    ids=["query", "userinfo"],
+)
+async def test_a_key_in_the_base_url_never_appears_in_exception_text(base_url: str) -> None:
+    """Some gateways take their key in the URL: every error of the endpoint names it."""
+    agent = OpenAIAgent(
+        base_url=base_url, model="fake-model", sleep=Sleeps(), max_retries=1, backoff_s=0.001
+    )
+    with pytest.raises((AgentUnavailable, AgentError)) as failed:
+        await agent.step(user("doc"), ctx())
+    assert "127.0.0.1" in str(failed.value) or "gateway" in str(failed.value)
+    assert KEY[:16] not in str(failed.value)

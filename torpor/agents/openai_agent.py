@@ -48,6 +48,15 @@ _MAX_RETRY_AFTER_S = 60.0
 _CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|passw|cookie|signature", re.IGNORECASE)
 
 
+def _secrets_in_url(url: str) -> set[str]:
+    """What of a base URL may be a key: its password and its query's values (a gateway
+    that takes ``?api-key=``). The URL is named in every error of the endpoint."""
+    parts = urllib.parse.urlsplit(url)
+    found = {parts.password} if parts.password else set()
+    found |= {v for _, v in urllib.parse.parse_qsl(parts.query) if len(v) >= 8}
+    return found
+
+
 def _header_safe(text: str, *, ascii_only: bool = False) -> bool:
     """Whether http.client sends ``text`` as a header name or value: no control character
     (a line break would end the header), latin-1 (ASCII for a name or a key) only."""
@@ -116,7 +125,8 @@ class OpenAIAgent:
                 # "Bearer <token>": an echo may carry the token alone.
                 for secret in (value, value.split()[-1])
             }
-            | ({key} if key else set()),
+            | ({key} if key else set())
+            | _secrets_in_url(base_url),
             key=len,
             reverse=True,  # a longer secret first: it may contain a shorter one
         )
