@@ -529,4 +529,4 @@ async def test_a_key_in_the_base_url_never_appears_in_exception_text(base_url: s
     with pytest.raises((AgentUnavailable, AgentError)) as failed:
         await agent.step(user("doc"), ctx())
     assert "127.0.0.1" in str(failed.value) or "gateway" in str(failed.value)
-    assert KEY[:16] not in str(failed.value)
+    assert KEY[:16] not in str(failed.value) and KEY[:16] not in repr(agent)

@@ -158,7 +158,7 @@ class OpenAIAgent:
     def __repr__(self) -> str:
         return (
             f"OpenAIAgent(name={self.name!r}, version={self.version!r}, "
-            f"model={self.model!r}, base_url={self.base_url!r})"
+            f"model={self.model!r}, base_url={self._redact(self.base_url)!r})"
         )
 
     def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
