@@ -405,3 +405,34 @@ async def test_an_amount_may_be_left_out_where_no_rule_depends_on_it(make: Any) 
         [wait] = (await env.load(sid)).waits
         assert wait.request["amount"] == 0
         assert (await vote(env, sid, "fd")).state is S.COMPLETED
+
+
+async def test_a_stage_put_to_the_escalation_target_is_not_escalated_to_them_again(
+    make: Any,
+) -> None:
+    """Stage 2 goes to the CFO, whom stage 1 escalates to: the chain started again at the
+    second stage, and after ``escalate_after_s`` the CFO's request was withdrawn and sent
+    to the CFO again, an answer to the first one then stale."""
+    stages = [{"approvers": ["fd"]}, {"approvers": ["cfo"], "above": 1000}]
+    async with make(stages=stages, escalation=["cfo"], escalate_after_s=1200) as env:
+        sid = await submit(env, amount=5000)
+        second = (await vote(env, sid, "fd")).waits[0]
+        assert second.request["approvers"] == ["cfo"] and second.request["stage"] == 2
+        env.clock.advance(1201)
+        await Sweeper(env.control).sweep_once(env.clock.now())
+        [still] = (await env.load(sid)).waits
+        assert (still.epoch, still.correlation_id) == (second.epoch, second.correlation_id)
+        assert WITHDRAWN == []
+        assert (await vote(env, sid, "cfo")).state is S.COMPLETED
+
+
+async def test_an_escalation_chain_skips_whom_the_stage_is_put_to_already(make: Any) -> None:
+    stages = [{"approvers": ["fd"]}, {"approvers": ["cfo"], "above": 1000}]
+    chain = ["cfo", "bob"]
+    async with make(stages=stages, escalation=chain, escalate_after_s=1200) as env:
+        sid = await submit(env, amount=5000)
+        await vote(env, sid, "fd")
+        env.clock.advance(1201)
+        await Sweeper(env.control).sweep_once(env.clock.now())
+        [wait] = (await env.load(sid)).waits
+        assert wait.request["approvers"] == ["bob"] and wait.request["stage"] == 2

@@ -204,12 +204,24 @@ class ApprovalTool(LongRunningTool):
             for i, before in enumerate(self.remind_before_s)
             if wait.opened_at < (at := wait.deadline - timedelta(seconds=before))
         ]
-        escalations = int(str(wait.progress.get("escalations", 0)))
-        if self.escalate_after_s is not None and escalations < len(self.escalation):
+        target = self._next_escalation(wait)
+        if self.escalate_after_s is not None and target is not None:
             at = wait.opened_at + timedelta(seconds=self.escalate_after_s)
             if at < wait.deadline:
-                out.append(ToolTimer(f"escalate-{escalations + 1}", at))
+                out.append(ToolTimer(f"escalate-{target + 1}", at))
         return out
+
+    def _next_escalation(self, wait: Wait) -> int | None:
+        """The index in ``escalation`` of whom the request goes to next: past those it
+        went to already, and past anyone it is put to now. A second stage put to the CFO
+        was escalated to the CFO (the chain starts again at each stage): the CFO's request
+        withdrawn and sent again, and an answer to the first one was stale."""
+        asked = set(_text_list(wait.request.get("approvers")))
+        start = int(str(wait.progress.get("escalations", 0)))
+        for i in range(start, len(self.escalation)):
+            if self.escalation[i] not in asked:
+                return i
+        return None
 
     # -- review (pure) -------------------------------------------------------------------
 
@@ -241,11 +253,11 @@ class ApprovalTool(LongRunningTool):
                     )
                 )
             return Review(ReviewAction.OBSERVE, reason=ObservationReason.REMINDER, notices=notices)
-        escalations = int(str(wait.progress.get("escalations", 0)))
-        if name == f"escalate-{escalations + 1}" and escalations < len(self.escalation):
-            progress = {**wait.progress, "escalations": escalations + 1}
+        target = self._next_escalation(wait)
+        if target is not None and name == f"escalate-{target + 1}":
+            progress = {**wait.progress, "escalations": target + 1}
             return self._reissue(
-                wait, [self.escalation[escalations]], progress, ObservationReason.ESCALATED
+                wait, [self.escalation[target]], progress, ObservationReason.ESCALATED
             )
         return Review(ReviewAction.OBSERVE, reason=ObservationReason.STALE)
 
