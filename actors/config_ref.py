@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -76,7 +77,36 @@ def inline_secrets(settings: Settings) -> list[str]:
         url = getattr(settings.storage, name)
         if not url.startswith("env:") and _has_password(url):
             found.append(f"storage.{name}")
+    # An agent's or a tool's options are plain data: a key written in them as it is (an
+    # LLM's api_key, a header's token) went to Ray with the rest, unseen.
+    for agent, config in settings.agents.items():
+        found += _named_secrets(config.options, f"agents.{agent}.options")
+        for tool, options in config.tool_options.items():
+            found += _named_secrets(options, f"agents.{agent}.tool_options.{tool}")
     return found
+
+
+_SECRET_NAME = re.compile(
+    r"(^|[_-])(api[_-]?key|access[_-]?key|secret|password|passwd|token|authorization)$",
+    re.IGNORECASE,
+)
+
+
+def _named_secrets(value: object, where: str) -> list[str]:
+    """Where an option named like a credential holds a value itself, not ``env:NAME``."""
+    if isinstance(value, dict):
+        found = []
+        for k, v in value.items():
+            here = f"{where}.{k}"
+            if isinstance(v, str) and _SECRET_NAME.search(str(k)):
+                if v.strip() and not v.startswith("env:"):
+                    found.append(here)
+            else:
+                found += _named_secrets(v, here)
+        return found
+    if isinstance(value, list | tuple):
+        return [f for i, v in enumerate(value) for f in _named_secrets(v, f"{where}[{i}]")]
+    return []
 
 
 def _has_password(url: str) -> bool:

@@ -127,3 +127,36 @@ def test_the_settings_digest_tells_apart_any_change_and_only_a_change(
     before = settings_digest(ConfigRef.from_file(str(toml)).load())
     toml.write_text("[runtime]\nstandby_idle_s = 60.0\n")
     assert settings_digest(ConfigRef.from_file(str(toml)).load()) != before
+
+
+LLM = {"factory": "torpor.agents.openai_agent:OpenAIAgent"}
+
+
+@pytest.mark.parametrize(
+    "agent",
+    [
+        {**LLM, "options": {"api_key": SECRET}},
+        {**LLM, "options": {"extra_headers": {"x-api-key": SECRET}}},
+        {**LLM, "tool_options": {"my.tools:Erp": {"client": {"password": SECRET}}}},
+        {**LLM, "tool_options": {"my.tools:Erp": {"auth_token": SECRET}}},
+    ],
+    ids=["api_key", "header", "nested-password", "token"],
+)
+def test_a_key_written_in_an_agents_options_is_refused_at_the_ray_boundary(
+    agent: dict[str, object],
+) -> None:
+    """Options are plain data: an LLM key written in them went to Ray's control store with
+    the actors' arguments, where every SecretStr and storage URL is checked."""
+    with pytest.raises(ConfigError, match="env:NAME"):
+        ConfigRef.of(Settings.build({"agents": {"assistant": agent}}))
+
+
+def test_options_named_like_keys_but_not_secrets_travel() -> None:
+    options = {
+        "api_key": "env:LLM_KEY",
+        "business_key_path": "doc_id",
+        "max_tokens": 512,
+        "token": "",
+    }
+    ref = ConfigRef.of(Settings.build({"agents": {"assistant": {**LLM, "options": options}}}))
+    assert ref.load().agents["assistant"].options == options
