@@ -268,3 +268,17 @@ async def test_an_index_out_of_reach_for_a_whole_ttl_is_a_lost_lease(
         assert heartbeat.lost
     finally:
         await heartbeat.stop()
+
+
+async def test_renewals_that_were_only_late_are_no_lapse(sqlite_index: SqliteIndex) -> None:
+    """A loop too busy to renew for a while (a loaded host) has not lost its lease by
+    that alone: its next renewal says whether the lease is still its own."""
+    clock = ManualClock(NOW)
+    lease = await take(sqlite_index, clock)
+    steady = [100.0]
+    heartbeat = Heartbeat(
+        sqlite_index, lease, clock=clock, period=timedelta(hours=1), ttl=TTL,
+        elapsed=lambda: steady[0],
+    )  # fmt: skip
+    steady[0] += TTL.total_seconds() + 1
+    assert not heartbeat.lapsed() and not heartbeat.lost

@@ -42,6 +42,7 @@ class Heartbeat:
         self._elapsed = elapsed
         self._ttl_s = ttl.total_seconds()
         self._held_since = elapsed()
+        self._unreachable = False  # the last renewal failed: the index did not answer
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -67,8 +68,10 @@ class Heartbeat:
                 # Try again next period; the TTL covers two more misses. Past it the lease
                 # may be someone else's (the reconciler recovers the session), and this
                 # holder must not go on calling tools beside the new one.
+                self._unreachable = True
                 self.lapsed()
                 continue
+            self._unreachable = False
             if renewed is None:
                 self.lost = True
             else:
@@ -76,9 +79,15 @@ class Heartbeat:
                 self._held_since = sent
 
     def lapsed(self) -> bool:
-        """Whether the lease is lost, or may be: no renewal has held for a whole TTL (the
-        index unreachable meanwhile). Sets ``lost`` once it is."""
-        if not self.lost and self._elapsed() - self._held_since >= self._ttl_s:
+        """Whether the lease is lost, or may be: the index is out of reach, and no renewal
+        has held for a whole TTL. Sets ``lost`` once it is. A holder whose renewals were
+        only late (its loop busy) is not judged here: its next renewal says whether the
+        lease is still its own."""
+        if (
+            not self.lost
+            and self._unreachable
+            and self._elapsed() - self._held_since >= self._ttl_s
+        ):
             self.lost = True
         return self.lost
 
