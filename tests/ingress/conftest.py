@@ -52,8 +52,8 @@ class Deployment:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
 
 
-def start_ray_and_serve(port: int) -> None:
-    """A local Ray of the test module's own, and Serve on it listening on ``port``."""
+def start_ray() -> None:
+    """A local Ray of the test module's own."""
     ray.init(
         address="local",  # never a cluster someone else started on this machine
         num_cpus=2,
@@ -62,11 +62,14 @@ def start_ray_and_serve(port: int) -> None:
         # The replicas run the app on their own loop, as under `torpor serve`.
         runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), USER_LOOP: "0"}},
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
 
 
 @pytest.fixture(scope="module")
 def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
+    # Ray first, the port after: Ray's own processes bind ports as they start, and one
+    # took the port chosen before them (Serve's proxy then failed to bind it, and every
+    # test of the module erred in its setup).
+    start_ray()
     prefix = f"tpin:{secrets.token_hex(4)}:"
     bucket = "in-" + secrets.token_hex(4)
     make_bucket(s3_server, bucket)
@@ -158,7 +161,7 @@ def deployment(s3_server: S3TestServer, redis_url: str) -> Iterator[Deployment]:
             "pool": {"size": 2},
         }
     )
-    start_ray_and_serve(port)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(application(settings, start_reconciler=False), name="torpor", route_prefix="/")
     yield Deployment(
         f"http://127.0.0.1:{port}",

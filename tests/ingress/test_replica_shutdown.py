@@ -17,7 +17,7 @@ from ray.util import list_named_actors
 from actors.standby import STANDBY_PREFIX
 from serve_app import application
 from tests.conftest import eventually
-from tests.ingress.conftest import start_ray_and_serve
+from tests.ingress.conftest import start_ray
 from tests.support.s3_server import free_port
 from torpor.settings import Settings
 
@@ -29,7 +29,8 @@ STANDBYS = 2
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Settings]:
     tmp = tmp_path_factory.mktemp("replica-shutdown")
-    start_ray_and_serve(free_port())
+    start_ray()  # before the port is chosen: Ray's processes bind ports as they start
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     yield Settings.build(
         {
             "storage": {
