@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -283,3 +284,13 @@ def test_the_demos_title_shows_no_part_of_the_index_url_that_may_be_a_secret() -
     shown = _shown("redis://user:pw-in-userinfo@cache:6380/2?password=pw-in-query")
     assert shown == "redis://cache:6380/2"
     assert _shown("sqlite:///tmp/state/index.db") == "sqlite:///tmp/state/index.db"
+
+
+def test_the_demos_ports_are_outside_the_ranges_ray_binds_from() -> None:
+    """The kernel's ephemeral ports (Ray's processes bind them as they start, after the
+    demo chose its port: one took it, and Serve's proxy could not bind it) and Ray's
+    worker ports are both left alone."""
+    from torpor.entry.demo import _free_port
+
+    ports = {_free_port(random.Random(seed)) for seed in range(50)}
+    assert all(20000 <= port < 32768 for port in ports) and len(ports) > 40

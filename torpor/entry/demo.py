@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import secrets
 import shutil
 import subprocess
@@ -53,12 +54,26 @@ class DemoOptions:
     keep: bool = False
 
 
-def _free_port() -> int:
+# Ports the demo listens on are taken from below the kernel's ephemeral range (32768 and
+# up on Linux) and above Ray's worker ports (10002-19999): a port the kernel gave out was
+# free when chosen, but Ray's own processes bind ephemeral ports as they start, before
+# Serve's proxy binds the one chosen, and one of them could take it first.
+DEMO_PORTS = range(20000, 32768)
+
+
+def _free_port(rng: random.Random | None = None) -> int:
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    pick = rng or random.Random()  # noqa: S311 - a port number, not a secret
+    for _ in range(200):
+        port = pick.randrange(DEMO_PORTS.start, DEMO_PORTS.stop)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use: another
+            return port
+    raise SystemExit("torpor: no free port for the demo between 20000 and 32767")
 
 
 def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
