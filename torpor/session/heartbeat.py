@@ -40,7 +40,6 @@ class Heartbeat:
         # after it. Not the clock's now, nor the lease's expiry: either may come from
         # another clock (the index's time, a test's), and a jump of one is not a lapse.
         self._elapsed = elapsed
-        self._ttl_s = ttl.total_seconds()
         self._held_since = elapsed()
         self._unreachable = False  # the last renewal failed: the index did not answer
         self._task: asyncio.Task[None] | None = None
@@ -86,7 +85,7 @@ class Heartbeat:
         if (
             not self.lost
             and self._unreachable
-            and self._elapsed() - self._held_since >= self._ttl_s
+            and self._elapsed() - self._held_since >= self._ttl.total_seconds()
         ):
             self.lost = True
         return self.lost
