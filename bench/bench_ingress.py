@@ -453,7 +453,9 @@ def offcpu_file(path: str, proxy: str, proxies: list[str]) -> str:
 
 def profile_replica(out: str, duration_s: int, name: str) -> subprocess.Popen[bytes]:
     """py-spy on the Serve replica for the accept phase: a flame graph (``.svg``) or
-    collapsed stacks (``.txt``), native frames left out (Python's own work is the point)."""
+    collapsed stacks (``.txt``), native frames left out (Python's own work is the point).
+    A name with ``.gil.`` in it samples only the thread that holds the GIL: the replica's
+    I/O threads blocked in a system call are then not counted as work."""
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True)
     pid = next(line.split()[0] for line in ps.stdout.splitlines() if name in line)
     fmt = "raw" if out.endswith(".txt") else "flamegraph"
@@ -472,6 +474,7 @@ def profile_replica(out: str, duration_s: int, name: str) -> subprocess.Popen[by
             "-o",
             out,
             "--nonblocking",
+            *(["--gil"] if ".gil." in Path(out).name else []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -680,7 +683,9 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=3000, help="unique webhooks per phase")
     parser.add_argument("--sequential", type=int, default=300, help="one-at-a-time webhooks")
     parser.add_argument(
-        "--profile", help="py-spy the replica in the accept phase into this .svg (or .txt)"
+        "--profile",
+        help="py-spy the replica in the accept phase into this .svg (or .txt; a name with"
+        " .gil. in it: only the thread holding the GIL)",
     )
     parser.add_argument("--replicas", type=int, default=1, help="ingress replicas per app")
     parser.add_argument(
