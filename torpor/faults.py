@@ -55,6 +55,8 @@ class CrashPoint(StrEnum):
     GATEWAY_AFTER_WAKE = "gateway.after_wake"  # the wake timer is set; no replay marker
     # deliveries (a Serve replica or the console resending a dead letter)
     DELIVERY_RESENT = "delivery.resent"  # a resend made the delivery pending; no timer set
+    # the reconciler's sweep
+    POLLS_LEASED = "sweep.polls_leased"  # a sweep took its due polls; no vendor asked yet
     # the local folder store (any process that writes through it)
     STORE_AFTER_SWAP = "store.after_swap"  # a replace is at its key; its old file in .tmp, unlogged
     STORE_AFTER_MOVE = "store.after_move"  # a deleted object's file is in .tmp; unlogged

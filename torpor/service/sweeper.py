@@ -39,6 +39,7 @@ from datetime import datetime, timedelta
 from torpor.backoff import Backoff
 from torpor.errors import PluginNotFound, SessionNotFound, TorporError
 from torpor.events import EventKind, InboxEvent
+from torpor.faults import CrashPoint, crash_point
 from torpor.lifecycle import SessionState
 from torpor.models import WaitingSession
 from torpor.ports import Reason, TimerKind, WaitBinding
@@ -324,6 +325,8 @@ class Sweeper:
         due = await self.services.index.lease_due(
             kind=TimerKind.POLL, now=now, limit=POLL_BATCH, until=until
         )
+        if due:
+            crash_point(CrashPoint.POLLS_LEASED)
         # A bounded number at once: 500 polls of 30 s each to one slow vendor were all in
         # flight together.
         slots = asyncio.Semaphore(POLLS_AT_ONCE)
