@@ -55,6 +55,7 @@ class CrashPoint(StrEnum):
     GATEWAY_AFTER_WAKE = "gateway.after_wake"  # the wake timer is set; no replay marker
     # deliveries (a Serve replica or the console resending a dead letter)
     DELIVERY_RESENT = "delivery.resent"  # a resend made the delivery pending; no timer set
+    DELIVERY_CREATED = "delivery.created"  # a notice's delivery is stored; no timer set
     # the reconciler's sweep
     POLLS_LEASED = "sweep.polls_leased"  # a sweep took its due polls; no vendor asked yet
     # the local folder store (any process that writes through it)

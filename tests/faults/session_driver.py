@@ -8,8 +8,8 @@ and exits 0. With ``TORPOR_CRASH_AT`` set it dies by SIGKILL at that point inste
 
 SPEC is JSON: ``tmp``, ``redis_url``, ``prefix``, ``action`` ("submit", "deliver" or
 "cancel"), ``session_id`` (for "cancel"), ``event`` (an ``InboxEvent`` as JSON, for
-"deliver"), and optionally ``approval`` (options of the approval tool) and ``extra``
-(more settings).
+"deliver"), and optionally ``approval`` (options of the approval tool), ``extra``
+(more settings) and ``callback_url`` (for "submit": where the session's notices go).
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ async def run(spec: dict[str, Any]) -> None:
     try:
         if spec["action"] == "submit":
             submitted = await control.submit(
-                tenant="acme", agent="purchase", input={"doc": "PR-1", "amount": 100.0}
+                tenant="acme",
+                agent="purchase",
+                input={"doc": "PR-1", "amount": 100.0},
+                callback_url=spec.get("callback_url"),
             )
             print(submitted.session_id)
         elif spec["action"] == "deliver":

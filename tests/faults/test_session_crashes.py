@@ -28,13 +28,16 @@ from actors.wiring import open_services, session_runtime
 from storage import keys
 from tests.faults.index_loss import flush_index
 from tests.support.harness import settings_for
+from tests.support.receiver import Receiver
 from tests.support.tools import World
 from torpor.clock import SystemClock
+from torpor.deliveries import DeliveryStatus
 from torpor.errors import ObjectNotFound
 from torpor.faults import ENV, CrashPoint
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.models import DispatchStatus, OutboxKind, SessionSnapshot
+from torpor.ports import TimerKind
 from torpor.ports.services import Services
 from torpor.service.activator import InlineActivator
 from torpor.service.sessions import SessionService
@@ -326,3 +329,41 @@ async def test_kill_after_a_failed_start_is_committed_still_tells_the_agent(
     failed_key = event_key("torpor", f"dispatch-failed:{wait.correlation_id}")
     assert snap.waits == [] and failed_key in snap.processed_events
     assert await crash.world.counts("dispatch") == {}
+
+
+async def test_kill_after_a_notice_is_stored_before_its_timer_still_delivers_it_once(
+    make_crash: Any,
+) -> None:
+    """Killed between storing the cancel notice's delivery and arming its timer: nothing
+    would ever attempt it (the delivery worker finds work by its timers). The reconciler
+    gives it its timer back (the recovered session's outbox replay, and the repair through
+    the pending-delivery marker, each do), and it is delivered once."""
+    hook = Receiver(script=[200])
+    try:
+        crash: Crash = await make_crash()
+        code, out = await crash.drive("submit", callback_url=hook.url)
+        assert code == 0, out
+        sid = await crash.only_session()
+        await crash.kill_at(CrashPoint.DELIVERY_CREATED, "cancel", session_id=sid)
+        dead = await crash.load(sid)
+        assert dead.state is S.CANCELLED
+        assert any(e.kind is OutboxKind.NOTIFY for e in dead.pending_outbox())
+        [stored], _ = await crash.services.deliveries.list(
+            "acme", status=None, cursor=None, limit=5
+        )
+        assert stored.status is DeliveryStatus.PENDING and hook.received == []
+        now = crash.services.clock.now()
+        assert await crash.services.index.due(kind=TimerKind.DELIVER, now=now, limit=5) == []
+
+        def drained_and_delivered(snap: SessionSnapshot) -> bool:
+            return not snap.pending_outbox() and len(hook.received) > 0
+
+        await crash.recover(sid, drained_and_delivered)
+        await crash.sweeper.deliveries.drain()
+        await crash.sweeper.sweep_once()
+        await crash.sweeper.deliveries.drain()
+        delivered = await crash.services.deliveries.get("acme", stored.delivery_id)
+        assert delivered.status is DeliveryStatus.DELIVERED and delivered.attempts == 1
+        assert len(hook.received) == 1, "once"
+    finally:
+        hook.close()

@@ -110,6 +110,7 @@ class DeliveryNotifier:
             created_at=now,
         )
         created = await self.deliveries.create(delivery)
+        crash_point(CrashPoint.DELIVERY_CREATED)
         # An outbox replay finds it there already, maybe attempted and backed off (a
         # receiver's Retry-After): its timer is made sure of, never moved to now. (One
         # that a crash left without a timer gets one now; ``attempt`` keeps to the
