@@ -417,6 +417,14 @@ class IdempotencyInProgress(RetryableError):
     public = True
 
 
+class ReassignmentRefused(PermanentError):
+    """An operator's reassignment the wait's tool refuses (people without authority for
+    the amount, or a wait that is no approval): nothing was delivered to the session."""
+
+    code = "reassignment_refused"
+    status, title, public = 422, "Reassignment refused", True
+
+
 class UnknownAgent(PermanentError):
     code = "unknown_agent"
     status, title, public = 422, "Unknown agent", True

@@ -307,6 +307,13 @@ class LongRunningTool:
         ``tool_timer`` event named after it, if the wait is still open then."""
         return []
 
+    def reassignment_refused(self, wait: Wait, approvers: list[str]) -> str | None:
+        """Why an operator may not give ``wait`` to ``approvers`` (pure: no I/O), or None.
+        Asked where the operator asks, so a refusal is their answer and not only an alert
+        later; the tool's ``review`` decides again in the session, under its lease. A
+        tool that takes no reassignment (every tool but a reviewing one) refuses it."""
+        return "this wait's tool takes no reassignment"
+
     async def close(self) -> None:
         return None
 

@@ -413,3 +413,26 @@ async def test_a_batch_cap_that_is_no_whole_number_is_refused_and_nothing_is_mad
         content=fixed,
     )
     assert again.status_code == 202, again.text
+
+
+async def test_a_reassignment_of_a_wait_that_is_no_approval_is_a_422_and_delivers_nothing(
+    app: App,
+) -> None:
+    """The purchase agent's wait is no approval: its tool takes no reassignment. Before,
+    the operator was answered 202 and the instruction was stored in the session's inbox,
+    where the session only observed it: the operator never learned it did nothing."""
+    sid = await suspended(app, "PR-RA")
+    [wait] = (await app.env.load(sid)).waits
+    answer = await app.http.post(
+        f"/v1/operator/sessions/{sid}/waits/{wait.correlation_id}/reassign",
+        headers={"Authorization": f"Bearer {app.operator_key}"},
+        json={"approvers": ["bob"], "reason": "fd on leave"},
+    )
+    assert answer.status_code == 422, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    problem = answer.json()
+    assert problem["type"].endswith("/reassignment_refused")
+    assert "no reassignment" in problem["detail"]
+    assert await app.env.services.inbox.pending(sid, processed=()) == []
+    after = await app.env.load(sid)
+    assert after.state is SessionState.SUSPENDED and after.waits == [wait]

@@ -274,6 +274,10 @@ class ApprovalTool(LongRunningTool):
             return Review(ReviewAction.OBSERVE, reason=ObservationReason.UNAUTHORIZED, alert=[why])
         return self._reissue(wait, approvers, dict(wait.progress), ObservationReason.REASSIGNED)
 
+    def reassignment_refused(self, wait: Wait, approvers: list[str]) -> str | None:
+        short = self._short_of_authority(wait, list(dict.fromkeys(approvers)))
+        return f"reassignment refused, {short}" if short else None
+
     def _short_of_authority(self, wait: Wait, approvers: list[str]) -> str:
         """Why ``approvers`` could not approve the wait's stage (enough of them with
         authority for its amount and cost centre to reach its quorum), or ""."""

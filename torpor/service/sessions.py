@@ -28,6 +28,7 @@ from torpor.errors import (
     InvalidRequest,
     ObjectExists,
     PluginNotFound,
+    ReassignmentRefused,
     SessionNotFound,
     SnapshotCorrupt,
     UnknownAgent,
@@ -51,6 +52,7 @@ from torpor.service.admission import AdmittingActivator
 from torpor.service.coalescing import Coalescer, Fallback, request_activation
 from torpor.session import dead_letters
 from torpor.ssrf import check_callback
+from torpor.tools import LongRunningTool
 from torpor.work import Progress
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
@@ -391,6 +393,17 @@ class SessionService:
             raise UnknownCorrelation("the session has no such open wait")
         if not approvers or not all(isinstance(a, str) and 0 < len(a) <= 256 for a in approvers):
             raise InvalidRequest("approvers: one or more names of at most 256 characters")
+        # Asked here too, so that the operator hears a refusal (before, a 202 and only an
+        # alert later); the session's tool decides again under the lease, with the wait
+        # as it is then. An agent not configured here is left to the session.
+        try:
+            tool = self.services.plugins.agent(snapshot.agent.name).tools.get(wait.tool_name)
+        except PluginNotFound:
+            tool = None
+        if isinstance(tool, LongRunningTool):
+            refused = tool.reassignment_refused(wait, list(approvers))
+            if refused:
+                raise ReassignmentRefused(refused)
         event_id = f"reassign:{new_trace_id()}"
         await self.deliver(
             InboxEvent.answering(
