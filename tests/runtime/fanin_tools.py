@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torpor.errors import ToolError
-from torpor.models import FanInSpec, Wait
+from torpor.models import DriftPolicy, FanInSpec, GuardBaseline, Wait
 from torpor.tools import (
     DispatchRequest,
+    ExternalState,
     LongRunningTool,
     MemberPlan,
     ToolContext,
@@ -74,10 +75,16 @@ class Quotes(_Recording):
     spec = ToolSpec(name="quotes")
 
     def __init__(
-        self, sla: dict[str, float] | None = None, refuse: list[str] | None = None
+        self,
+        sla: dict[str, float] | None = None,
+        refuse: list[str] | None = None,
+        drifted: list[str] | None = None,
     ) -> None:
         self.sla = sla or {}
         self.refuse = refuse or []  # vendors whose request is refused for good
+        # Given: every member is guarded (version v1, on_drift compensate), and these
+        # vendors' quotes are found at v2 when their answer comes.
+        self.drifted = drifted
 
     async def dispatch(self, request: DispatchRequest) -> None:
         if request.request["vendor"] in self.refuse:
@@ -97,4 +104,14 @@ class Quotes(_Recording):
                 for vendor in args["vendors"]
             ],
             fan_in=FanInSpec.model_validate(args.get("fan_in") or {}),
+            guard=(
+                None
+                if self.drifted is None
+                else GuardBaseline(version_tag="v1", captured_at=ctx.now)
+            ),
+            on_drift=DriftPolicy.COMPENSATE,
         )
+
+    async def current_state(self, wait: Wait, *, tenant: str) -> ExternalState | None:
+        drifted = wait.request["vendor"] in (self.drifted or [])
+        return ExternalState(version_tag="v2" if drifted else "v1")

@@ -462,3 +462,71 @@ async def test_one_action_asked_twice_in_a_turn_opens_one_wait_not_two_under_one
         results = dict(tool_messages(done))
         assert results["call_q_1_0"] == {"price": 10} and results["call_q_1_2"] == {"price": 20}
         assert results["call_q_1_1"]["error"]["code"] == "action_repeated"
+
+
+async def test_members_closed_by_an_activation_that_times_the_session_out_are_unbound() -> None:
+    """Member a expires under ``proceed_with_arrived`` (its group then resolves, cancelling
+    b and c) in the same activation as the session's other wait z times it out: every
+    member closed on the way is unbound with z, not left routing answers to a session
+    that no longer waits for them."""
+    plan = {
+        "steps": [
+            {
+                "id": "q",
+                "calls": [
+                    {
+                        "tool": "quotes",
+                        "args": {
+                            "vendors": VENDORS,
+                            "fan_in": {"condition": "all", "on_expiry": "proceed_with_arrived"},
+                        },
+                    },
+                    {"tool": "quote", "args": {"vendor": "z"}, "as": "z"},
+                ],
+            },
+            {"id": "done", "finish": {"q": "${results.q}", "z": "${results.z}"}},
+        ]
+    }
+    tools = {QUOTES: {"sla": {"a": 60}}, QUOTE: {"sla": {"z": 60}}}
+    async with open_env({"t": plan_agent(plan, tools)}) as env:
+        fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        assert len(snap.waits) == 4 and len(snap.fan_ins) == 1
+        env.clock.advance(61)
+        await env.runtime.activate(sid, reason=Reason.TIMEOUT)
+        done = await env.load(sid)
+        assert done.state is S.TIMED_OUT and done.waits == []
+        for vendor in [*VENDORS, "z"]:
+            assert not await bound(env, member(snap, vendor)), vendor
+
+
+async def test_a_member_answered_in_the_activation_a_drift_ends_is_unbound() -> None:
+    """a's answer and b's land before the session wakes; b's guard finds drift under
+    ``compensate`` and ends the session. a, recorded in its group just before, is unbound
+    with the rest: left bound, a second answer to it would still route to a session that
+    failed."""
+    agents = {"t": tool_agent({"condition": "all"}, drifted=["b"])}
+    async with open_env(agents) as env:
+        fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        for vendor, price in (("a", 10), ("b", 20)):
+            event = InboxEvent.answering(
+                member(snap, vendor),
+                kind=EventKind.CALLBACK,
+                session_id=sid,
+                source="vendor",
+                event_id=f"evt-{vendor}",
+                type="vendor.quote",
+                received_at=env.clock.now(),
+                data={"price": price},
+            )
+            assert await env.services.inbox.deliver(event)  # durable, no activation yet
+            env.clock.advance(1)  # a's first: the inbox hands events over as received
+        await env.runtime.activate(sid, reason=Reason.EVENT)
+        done = await env.load(sid)
+        assert done.state is S.FAILED and done.error is not None
+        assert done.error.code == "state_drift"
+        for vendor in VENDORS:
+            assert not await bound(env, member(snap, vendor)), vendor

@@ -518,11 +518,16 @@ class Suspender:
         result: JsonValue = None,
         error: ErrorInfo | None = None,
         compensate: list[Wait] | None = None,
+        closed: list[Wait] | None = None,
     ) -> None:
         """End the session: one commit with the compensations and the terminal notice,
-        then unbind the closed waits, then send."""
+        then unbind the closed waits, then send.
+
+        ``closed``: waits the caller already took out of the snapshot in this activation
+        (fan-in members answered, expired or cancelled on the way) and has not unbound
+        yet; they are unbound with the rest, since no later commit of this session will."""
         work = self.work
-        closing = list(work.snap.waits)
+        closing = [*(closed or []), *work.snap.waits]
         entries = [
             outbox.compensate_entry(work.snap, w, reason=reason, now=work.now)
             for w in (compensate or [])

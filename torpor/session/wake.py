@@ -127,7 +127,7 @@ class Wake:
         ):
             return
         if still_open:
-            await self.suspender.finish(
+            await self.finish(
                 SessionState.TIMED_OUT,
                 reason="deadline passed",
                 compensate=list(work.snap.waits),
@@ -168,6 +168,28 @@ class Wake:
             # compensations of closed fan-in members, a tool's notices (reminders): now
             await self.suspender.drain_outbox()
 
+    async def finish(
+        self,
+        target: SessionState,
+        *,
+        reason: str,
+        error: ErrorInfo | None,
+        compensate: list[Wait] | None = None,
+        result: JsonValue = None,
+    ) -> None:
+        """End the session (``Suspender.finish``) with the waits this activation closed
+        before it: they are out of the snapshot but still bound, and the resume's own
+        commit, which would unbind them, never comes."""
+        closed, self._closed = self._closed, []
+        await self.suspender.finish(
+            target,
+            reason=reason,
+            error=error,
+            compensate=compensate,
+            result=result,
+            closed=closed,
+        )
+
     async def cancel_first(self) -> bool:
         """End the session now if a cancel waits in the inbox; True if it did. Asked before
         an activation sends what the outbox owes (a request retried after a failure, or
@@ -181,7 +203,7 @@ class Wake:
     async def _cancel(self, cancel: InboxEvent) -> None:
         work = self.work
         work.update(processed_events=[*work.snap.processed_events, cancel.key])
-        await self.suspender.finish(
+        await self.finish(
             SessionState.CANCELLED,
             reason="cancelled",
             compensate=list(work.snap.waits),
@@ -313,7 +335,7 @@ class Wake:
             if wait.on_drift is DriftPolicy.BLOCK:
                 await self.deps.observer.security_alert(work.snap, wait, verdict.reasons)
                 work.update(processed_events=[*work.snap.processed_events, event.key])
-                await self.suspender.finish(
+                await self.finish(
                     SessionState.FAILED,
                     reason="guard blocked",
                     error=ErrorInfo(code="guard_blocked", message="; ".join(verdict.reasons)),
@@ -321,7 +343,7 @@ class Wake:
                 return False
             if wait.on_drift is DriftPolicy.COMPENSATE:
                 work.update(processed_events=[*work.snap.processed_events, event.key])
-                await self.suspender.finish(
+                await self.finish(
                     SessionState.FAILED,
                     reason="state drift",
                     compensate=list(work.snap.waits),
