@@ -22,7 +22,14 @@ from datetime import datetime
 from enum import StrEnum
 
 from torpor.events import EventKind, InboxEvent
-from torpor.models import MemberStatus, ObservationReason, SessionSnapshot, Wait, WaitRoute
+from torpor.models import (
+    FanInMember,
+    MemberStatus,
+    ObservationReason,
+    SessionSnapshot,
+    Wait,
+    WaitRoute,
+)
 
 # Events only torpor itself writes (never a webhook): no source or type filter applies.
 TORPOR_KINDS = frozenset(
@@ -64,8 +71,13 @@ def classify(
         or (event.step_id is not None and event.step_id != wait.waiting_step_id)
         or wait.epoch != snapshot.epoch
     )
-    if wait is None and answered_member(snapshot, event.correlation_id):
-        # A fan-in member that already answered: its wait closed, its group is still open.
+    member = closed_member(snapshot, event.correlation_id) if wait is None else None
+    if member is not None:
+        # A fan-in member whose wait closed while its group is still open. One that
+        # expired was not answered: an answer now came after its deadline (late, as a
+        # single wait's would be), and calling it a duplicate would claim one arrived.
+        if member.status is MemberStatus.EXPIRED:
+            return Decision(Verdict.OBSERVE, reason=ObservationReason.LATE)
         return Decision(Verdict.OBSERVE, reason=ObservationReason.DUPLICATE)
     if stale or wait is None:
         return Decision(Verdict.OBSERVE, reason=ObservationReason.STALE)
@@ -91,12 +103,19 @@ def classify(
     return Decision(Verdict.APPLY, wait)
 
 
-def answered_member(snapshot: SessionSnapshot, correlation_id: str | None) -> bool:
-    """Whether ``correlation_id`` is a member of an open fan-in group that has answered."""
-    return correlation_id is not None and any(
-        m.correlation_id == correlation_id and m.status is not MemberStatus.OPEN
-        for g in snapshot.fan_ins
-        for m in g.members
+def closed_member(snapshot: SessionSnapshot, correlation_id: str | None) -> FanInMember | None:
+    """The member ``correlation_id`` names in an open fan-in group, if it is closed there
+    (answered, failed or expired)."""
+    if correlation_id is None:
+        return None
+    return next(
+        (
+            m
+            for g in snapshot.fan_ins
+            for m in g.members
+            if m.correlation_id == correlation_id and m.status is not MemberStatus.OPEN
+        ),
+        None,
     )
 
 

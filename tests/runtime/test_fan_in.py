@@ -530,3 +530,23 @@ async def test_a_member_answered_in_the_activation_a_drift_ends_is_unbound() -> 
         assert done.error.code == "state_drift"
         for vendor in VENDORS:
             assert not await bound(env, member(snap, vendor)), vendor
+
+
+async def test_an_answer_to_an_expired_member_is_observed_late_not_as_a_duplicate() -> None:
+    """a expired under ``proceed_with_arrived`` and its group waits on b and c: a's
+    answer, arriving now, came after its deadline. No answer of a's was ever recorded, so
+    it is late; a duplicate would claim one had been."""
+    fan_in = {"condition": "any", "on_expiry": "proceed_with_arrived"}
+    async with open_env({"t": tool_agent(fan_in, sla={"a": 60})}) as env:
+        fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        env.clock.advance(61)
+        await env.runtime.activate(sid, reason=Reason.TIMEOUT)
+        mid = await env.load(sid)
+        [group] = mid.fan_ins
+        assert [m.status.value for m in group.members] == ["expired", "open", "open"]
+        await answer(env, sid, member(snap, "a"), 10)
+        after = await env.load(sid)
+        assert after.state is S.SUSPENDED and after.fan_ins == mid.fan_ins
+        assert after.observations[-1].reason is ObservationReason.LATE
