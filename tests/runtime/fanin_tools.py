@@ -79,12 +79,16 @@ class Quotes(_Recording):
         sla: dict[str, float] | None = None,
         refuse: list[str] | None = None,
         drifted: list[str] | None = None,
+        unreadable: list[str] | None = None,
     ) -> None:
         self.sla = sla or {}
         self.refuse = refuse or []  # vendors whose request is refused for good
-        # Given: every member is guarded (version v1, on_drift compensate), and these
-        # vendors' quotes are found at v2 when their answer comes.
-        self.drifted = drifted
+        # Either given: every member is guarded (version v1, on_drift compensate). The
+        # drifted vendors' quotes are found at v2 when their answer comes; the unreadable
+        # vendors' state cannot be read at all.
+        self.drifted = drifted or []
+        self.unreadable = unreadable or []
+        self.guarded = drifted is not None or unreadable is not None
 
     async def dispatch(self, request: DispatchRequest) -> None:
         if request.request["vendor"] in self.refuse:
@@ -104,14 +108,12 @@ class Quotes(_Recording):
                 for vendor in args["vendors"]
             ],
             fan_in=FanInSpec.model_validate(args.get("fan_in") or {}),
-            guard=(
-                None
-                if self.drifted is None
-                else GuardBaseline(version_tag="v1", captured_at=ctx.now)
-            ),
+            guard=(GuardBaseline(version_tag="v1", captured_at=ctx.now) if self.guarded else None),
             on_drift=DriftPolicy.COMPENSATE,
         )
 
     async def current_state(self, wait: Wait, *, tenant: str) -> ExternalState | None:
-        drifted = wait.request["vendor"] in (self.drifted or [])
+        if wait.request["vendor"] in self.unreadable:
+            raise ConnectionError("the vendor portal does not answer")
+        drifted = wait.request["vendor"] in self.drifted
         return ExternalState(version_tag="v2" if drifted else "v1")

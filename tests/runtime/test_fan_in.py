@@ -550,3 +550,32 @@ async def test_an_answer_to_an_expired_member_is_observed_late_not_as_a_duplicat
         after = await env.load(sid)
         assert after.state is S.SUSPENDED and after.fan_ins == mid.fan_ins
         assert after.observations[-1].reason is ObservationReason.LATE
+
+
+async def test_a_member_answered_before_a_guard_retry_is_unbound() -> None:
+    """a's answer and b's land before the session wakes; b's guard cannot read the
+    vendor's state, so the activation checkpoints and ends to retry later. a, closed in
+    that checkpoint, is unbound with it: no later activation knows to unbind it."""
+    agents = {"t": tool_agent({"condition": "all"}, unreadable=["b"])}
+    async with open_env(agents) as env:
+        fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        for vendor, price in (("a", 10), ("b", 20)):
+            event = InboxEvent.answering(
+                member(snap, vendor),
+                kind=EventKind.CALLBACK,
+                session_id=sid,
+                source="vendor",
+                event_id=f"evt-{vendor}",
+                type="vendor.quote",
+                received_at=env.clock.now(),
+                data={"price": price},
+            )
+            assert await env.services.inbox.deliver(event)  # durable, no activation yet
+            env.clock.advance(1)  # a's first: the inbox hands events over as received
+        await env.runtime.activate(sid, reason=Reason.EVENT)
+        mid = await env.load(sid)
+        assert mid.retry.used == 1 and [w.request["vendor"] for w in mid.waits] == ["b", "c"]
+        assert not await bound(env, member(snap, "a"))
+        assert await bound(env, member(snap, "b")), "b still waits for its retry"

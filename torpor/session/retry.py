@@ -9,6 +9,7 @@ QUARANTINED with the reason, and stays there until an operator retries or cancel
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import NoReturn
 
@@ -42,14 +43,20 @@ class Retrier:
     def exhausted(self) -> bool:
         return self.work.snap.retry.exhausted
 
-    async def later(self, code: str, message: str) -> NoReturn:
-        """Checkpoint, schedule the retry and end this activation (or quarantine)."""
+    async def later(
+        self, code: str, message: str, *, beside: Callable[[], Awaitable[None]] | None = None
+    ) -> NoReturn:
+        """Checkpoint, schedule the retry and end this activation (or quarantine).
+        ``beside``: what must follow the checkpoint's commit (``WorkingCopy.commit``), as
+        unbinding the waits it closes: the activation ends here, before its own would."""
         work = self.work
         quota = work.snap.retry
         if quota.exhausted:
-            await self.quarantine(code, f"gave up after {quota.used} retries: {message}")
+            await self.quarantine(
+                code, f"gave up after {quota.used} retries: {message}", beside=beside
+            )
         work.update(retry=quota.model_copy(update={"used": quota.used + 1}))
-        await work.commit()
+        await work.commit(beside=beside)
         await self.deps.index.schedule(
             kind=TimerKind.RETRY,
             member=work.snap.session_id,
@@ -83,8 +90,11 @@ class Retrier:
         if quota.used:
             self.work.update(retry=quota.model_copy(update={"used": 0}))
 
-    async def quarantine(self, code: str, reason: str) -> NoReturn:
-        """Set the session aside with ``reason``; no timer brings it back."""
+    async def quarantine(
+        self, code: str, reason: str, *, beside: Callable[[], Awaitable[None]] | None = None
+    ) -> NoReturn:
+        """Set the session aside with ``reason``; no timer brings it back. ``beside``: as
+        for ``later``."""
         work = self.work
         state = work.snap.state
         resume_to = SessionState.SUSPENDED if state in WAITING_STATES else SessionState.RUNNING
@@ -100,7 +110,7 @@ class Retrier:
             )
         )
         work.move(SessionState.QUARANTINED, code)
-        await work.commit()
+        await work.commit(beside=beside)
         # It ends STOPPED, so the runtime's own clean-up of a set-aside session does not
         # run: a wake-up left armed (an answer's, or the sweep's net under the retry that
         # brought it here) would activate it once more.

@@ -103,7 +103,9 @@ class Wake:
                     await self.observe(event, ObservationReason.LATE)
                     overdue.append(decision.wait)
                     continue
-                await self.retrier.later(exc.code, str(exc))
+                # The checkpoint commits the waits closed so far (members answered
+                # before this one): they are unbound after it, as at the end of resume.
+                await self.retrier.later(exc.code, str(exc), beside=self._unbind_closed)
             if not applied:
                 return  # the guard ended the session
         # A fan-in member under proceed_with_arrived counts as missing; its group resolves
@@ -189,6 +191,10 @@ class Wake:
             result=result,
             closed=closed,
         )
+
+    async def _unbind_closed(self) -> None:
+        closed, self._closed = self._closed, []
+        await self.suspender.unbind(closed)
 
     async def cancel_first(self) -> bool:
         """End the session now if a cancel waits in the inbox; True if it did. Asked before
