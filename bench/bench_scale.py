@@ -1,6 +1,6 @@
 """One million sleeping sessions (issue 13, target 4), measured piece by piece.
 
-    .venv/bin/python bench/bench_scale.py [--sessions 100000] [--object-sessions 20000]
+    .venv/bin/python bench/bench_scale.py [--sessions 1000000] [--object-sessions 20000]
         [--ended 20000] [--rate 1000] [--seconds 10]
 
 1. Redis bytes per bound wait with ``--sessions`` waits in the index (deadlines spread
@@ -394,13 +394,19 @@ async def deadline_lag(rate: int, seconds: int) -> tuple[list[float], float]:
     return activator.lags, interval
 
 
+# The scale target 4 names: a figure at fewer waits is printed, not judged.
+SCALE_WAITS = 1_000_000
+
+
 def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sessions", type=int, default=100_000, help="waits in Redis")
+    parser.add_argument(
+        "--sessions", type=int, default=SCALE_WAITS, help="waits in Redis (the target's scale)"
+    )
     parser.add_argument("--object-sessions", type=int, default=20_000)
     parser.add_argument("--ended", type=int, default=20_000)
     parser.add_argument("--rate", type=int, default=1000, help="deadlines due per second")
@@ -423,8 +429,14 @@ async def main() -> None:
         print(
             f"Redis bytes per wait, {args.sessions:,} waits ({buckets} buckets, bound at "
             f"{rate:,.0f}/s): {by_key:.0f} B by MEMORY USAGE of its keys, {per_wait:.0f} B by "
-            f"INFO used_memory (target <= {TARGET_BYTES_PER_WAIT} B) -> "
-            f"{verdict(max(by_key, per_wait) <= TARGET_BYTES_PER_WAIT)}"
+            f"INFO used_memory (target <= {TARGET_BYTES_PER_WAIT} B at {SCALE_WAITS:,}) -> "
+            + (
+                verdict(max(by_key, per_wait) <= TARGET_BYTES_PER_WAIT)
+                if args.sessions >= SCALE_WAITS
+                # Fewer waits spread the buckets' fixed cost over fewer of them (at
+                # 100,000 about 256 B, at 1,000,000 about 135 B, 2026-12-06).
+                else "not judged (fewer waits than the target's scale)"
+            )
         )
     if "objects" not in skip:
         server = S3TestServer().start() if args.s3 or args.s3_rtt_ms else None
