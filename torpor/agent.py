@@ -30,6 +30,10 @@ class AgentContext:
     tools: list[ToolSpec]
     # Mutable on purpose: whatever the agent stores here is checkpointed with the session.
     variables: dict[str, JsonValue] = field(default_factory=dict)
+    # When the runtime abandons this step (``time.monotonic()`` seconds; None: never). An
+    # agent that calls out and retries must end by then: past it, its answer is not
+    # waited for, and an attempt still running is a thread and a request wasted.
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ class Probe:
     state_gone: bool = False  # current_state finds nothing (the entity was deleted)
     dispatched: list[DispatchRequest] = field(default_factory=list)
     agent_hangs: bool = False
+    # Each agent step: the deadline its context carried, and ``time.monotonic()`` then.
+    agent_deadlines: list[tuple[float | None, float]] = field(default_factory=list)
 
 
 PROBE = Probe()
@@ -168,6 +171,7 @@ class SlowAgent:
         return default_initial_messages(input, None)
 
     async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
+        PROBE.agent_deadlines.append((ctx.deadline, time.monotonic()))
         if PROBE.agent_hangs:
             await asyncio.Event().wait()
         return AgentTurn(Message(role="assistant", content="done"), result="done")

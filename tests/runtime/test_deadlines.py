@@ -172,6 +172,20 @@ async def test_a_hung_agent_step_backs_off_then_is_quarantined_and_an_operator_r
         assert done.state is S.COMPLETED and done.quarantine is None and done.retry.used == 0
 
 
+async def test_an_agent_step_is_told_the_deadline_it_runs_under() -> None:
+    """Without it an agent's own retries (an LLM client's) ran on past the step's
+    deadline, for nobody, and ended in the runtime's timeout instead of their error."""
+    async with open_env({"slow": SLOW_AGENT}, agent_step_timeout_s=120.0) as env:
+        probe = reset()
+        sid = await asyncio.wait_for(env.submit("slow"), LIMIT_S)
+        assert (await env.load(sid)).state is S.COMPLETED
+        [(deadline, called_at)] = probe.agent_deadlines
+        assert deadline is not None
+        # Set as the call starts: at most the step's timeout ahead, less only the moment
+        # between setting it and the step reading the clock.
+        assert 119.0 < deadline - called_at <= 120.0
+
+
 async def test_cancel_ends_a_quarantined_session() -> None:
     async with open_env(
         {"slow": {**SLOW_AGENT, "max_tool_retries": 0}}, agent_step_timeout_s=0.05

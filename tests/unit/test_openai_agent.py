@@ -22,6 +22,7 @@ from tests.support.fake_llm import (
     validate_request,
 )
 from torpor.agent import Agent, AgentContext
+from torpor.agents import openai_agent
 from torpor.agents.openai_agent import OpenAIAgent
 from torpor.errors import AgentError, AgentUnavailable, ConfigError
 from torpor.models import Message, ToolCall, ToolCallFunction
@@ -45,6 +46,28 @@ class Sleeps:
         self.delays.append(seconds)
 
 
+class Clock:
+    """Monotonic seconds that move only when a backoff is slept through."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ClockSleeps(Sleeps):
+    """Records each delay and moves ``clock`` past it, at once."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    async def __call__(self, seconds: float) -> None:
+        self.delays.append(seconds)
+        self.clock.now += seconds
+
+
 @pytest.fixture
 def llm() -> Iterator[FakeLLM]:
     with FakeLLM() as server:
@@ -61,7 +84,7 @@ def make_agent(server: FakeLLM, sleeps: Sleeps | None = None, **kwargs: Any) -> 
     return OpenAIAgent(base_url=server.base_url, model="fake-model", sleep=sleeps, **kwargs)
 
 
-def ctx(tools: list[ToolSpec] | None = None) -> AgentContext:
+def ctx(tools: list[ToolSpec] | None = None, deadline: float | None = None) -> AgentContext:
     return AgentContext(
         session_id="s-1",
         tenant="t-1",
@@ -69,6 +92,7 @@ def ctx(tools: list[ToolSpec] | None = None) -> AgentContext:
         input="hello",
         metadata={},
         tools=[SUMMARIZE] if tools is None else tools,
+        deadline=deadline,
     )
 
 
@@ -313,6 +337,61 @@ async def test_timeout_is_agent_unavailable(llm: FakeLLM, sleeps: Sleeps) -> Non
         await make_agent(llm, sleeps, timeout_s=0.1, max_retries=1).step(user("doc"), ctx())
 
     assert len(llm.requests) == 2
+
+
+def throttled_for(seconds: int) -> Any:
+    """Every answer a 503 asking for ``seconds`` of pause: exact delays, no jitter."""
+    return lambda request: FakeReply(503, "busy", headers={"Retry-After": str(seconds)})
+
+
+async def test_retries_stop_when_the_next_attempt_would_start_past_the_step_deadline(
+    llm: FakeLLM,
+) -> None:
+    """Four attempts of 60 s and three pauses of up to 60 s ran about 420 s against the
+    runtime's 300 s step deadline: the step timed out while the client still waited."""
+    clock = Clock()
+    sleeps = ClockSleeps(clock)
+    llm.responder = throttled_for(60)
+    agent = make_agent(llm, sleeps, timeout_s=60, max_retries=3, monotonic=clock)
+
+    with pytest.raises(AgentUnavailable, match="2 attempts before the step's deadline") as info:
+        await agent.step(user("doc"), ctx(deadline=clock.now + 100))
+
+    # Attempt 0 at 0 s, its pause to 60 s, attempt 1; its pause would end at 120 s.
+    assert len(llm.requests) == 2 and sleeps.delays == [60.0]
+    assert info.value.retryable and info.value.context["attempts"] == 2
+    assert clock.now == 1060.0
+
+
+async def test_each_attempt_has_only_what_is_left_of_the_step(
+    llm: FakeLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timeouts: list[float] = []
+    real = openai_agent.request_async
+
+    async def spy(*args: Any, timeout_s: float, **kwargs: Any) -> Any:
+        timeouts.append(timeout_s)
+        return await real(*args, timeout_s=timeout_s, **kwargs)
+
+    monkeypatch.setattr("torpor.agents.openai_agent.request_async", spy)
+    clock = Clock()
+    llm.responder = throttled_for(30)
+    agent = make_agent(llm, ClockSleeps(clock), timeout_s=60, max_retries=3, monotonic=clock)
+
+    with pytest.raises(AgentUnavailable):
+        await agent.step(user("doc"), ctx(deadline=clock.now + 45))
+
+    assert timeouts == [45.0, 15.0]
+
+
+async def test_a_step_past_its_deadline_sends_nothing(llm: FakeLLM, sleeps: Sleeps) -> None:
+    clock = Clock()
+    agent = make_agent(llm, sleeps, monotonic=clock)
+
+    with pytest.raises(AgentUnavailable, match="no time left") as info:
+        await agent.step(user("doc"), ctx(deadline=clock.now))
+
+    assert info.value.retryable and llm.requests == [] and sleeps.delays == []
 
 
 # --- malformed answers -------------------------------------------------------------------

@@ -7,7 +7,8 @@ between any two of them.
 
 HTTP goes through ``torpor.outbound`` (stdlib, off the event loop, redirects refused,
 the answer capped). Transport trouble (429, 5xx, refused connections,
-timeouts) is retried with jittered backoff and then surfaces as ``AgentUnavailable``;
+timeouts) is retried with jittered backoff, never past the step's deadline
+(``AgentContext.deadline``), and then surfaces as ``AgentUnavailable``;
 anything a retry cannot fix (other 4xx, a malformed answer) is ``AgentError``.
 """
 
@@ -18,6 +19,7 @@ import http.client
 import json
 import os
 import re
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
@@ -37,6 +39,7 @@ ENV_MODEL = "TORPOR_LLM_MODEL"
 ENV_API_KEY = "TORPOR_LLM_API_KEY"
 
 Sleep = Callable[[float], Awaitable[None]]
+Monotonic = Callable[[], float]
 
 _EXCERPT_CHARS = 300
 _MAX_RESPONSE_BYTES = 16 * 1024 * 1024  # a chat completion is kilobytes; refuse to buffer more
@@ -88,6 +91,7 @@ class OpenAIAgent:
         extra_headers: Mapping[str, str] | None = None,
         max_tokens: int | None = None,
         sleep: Sleep | None = None,
+        monotonic: Monotonic = time.monotonic,
     ) -> None:
         parsed = urllib.parse.urlsplit(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -139,8 +143,10 @@ class OpenAIAgent:
         self._backoff = Backoff(base_s=backoff_s, cap_s=_MAX_BACKOFF_S)
         self._extra_headers = dict(extra_headers or {})
         self._max_tokens = max_tokens
-        # Time is a parameter: tests pass a recorder instead of waiting out the backoff.
+        # Time is a parameter: tests pass a recorder instead of waiting out the backoff,
+        # and a clock of their own to move the step's deadline closer.
         self._sleep = sleep
+        self._monotonic = monotonic
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OpenAIAgent:
@@ -176,22 +182,36 @@ class OpenAIAgent:
             payload["tool_choice"] = "auto"
         if self._max_tokens is not None:
             payload["max_tokens"] = self._max_tokens
-        body = await self._complete(json.dumps(payload, ensure_ascii=False).encode())
+        body = await self._complete(
+            json.dumps(payload, ensure_ascii=False).encode(), deadline=ctx.deadline
+        )
         message = _parse_message(body, self._redact)
         return AgentTurn(message, result=None if message.tool_calls else message.content)
 
     # --- transport ---------------------------------------------------------------------
 
-    async def _complete(self, body: bytes) -> bytes:
+    async def _complete(self, body: bytes, *, deadline: float | None) -> bytes:
+        """POST ``body`` until an answer, retrying what a retry can fix, all before
+        ``deadline`` (``monotonic`` seconds; None: the attempts alone bound it)."""
         attempts = self._max_retries + 1
-        last_error = ""
+        made = 0
+        last_error = "no time left before the step's deadline"
         last_exc: BaseException | None = None
         for attempt in range(attempts):
+            timeout_s = self._timeout_s
+            if deadline is not None:
+                # The runtime stops waiting at the step's deadline: an attempt allowed
+                # longer would go on in its thread for nobody, and its error would be
+                # lost to the runtime's timeout.
+                timeout_s = min(timeout_s, deadline - self._monotonic())
+                if timeout_s <= 0:
+                    break
+            made += 1
             hint: float | None = None
             try:
                 # A cancelled step leaves this thread running until timeout_s; harmless,
                 # since the request has no side effects the runtime relies on.
-                status, data, retry_after = await self._post(body)
+                status, data, retry_after = await self._post(body, timeout_s=timeout_s)
             except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout
                 last_exc, last_error = exc, f"{type(exc).__name__}: {exc}"
             else:
@@ -209,17 +229,21 @@ class OpenAIAgent:
                         retry_after, now=datetime.now(UTC), cap_s=_MAX_RETRY_AFTER_S
                     )
             if attempt + 1 < attempts:
-                await (self._sleep or asyncio.sleep)(
-                    hint if hint is not None else self._backoff.delay_s(attempt)
-                )
+                delay = hint if hint is not None else self._backoff.delay_s(attempt)
+                if deadline is not None and self._monotonic() + delay >= deadline:
+                    # The next attempt would start past the deadline: give up now with
+                    # the retryable error, and the runtime reschedules the step.
+                    break
+                await (self._sleep or asyncio.sleep)(delay)
+        cut = " before the step's deadline" if made < attempts else ""
         raise AgentUnavailable(
             self._redact(
-                f"LLM endpoint {self._url} failed {attempts} attempts; last: {last_error}"
+                f"LLM endpoint {self._url} failed {made} attempts{cut}; last: {last_error}"
             ),
-            attempts=attempts,
+            attempts=made,
         ) from last_exc
 
-    async def _post(self, body: bytes) -> tuple[int, bytes, str | None]:
+    async def _post(self, body: bytes, *, timeout_s: float) -> tuple[int, bytes, str | None]:
         """One POST: status, body, Retry-After. A chat endpoint has no business
         redirecting a POST (urllib would carry the Authorization header along to another
         host): the helper answers a 3xx as it is, an HTTP error here."""
@@ -243,7 +267,7 @@ class OpenAIAgent:
                     self._url,
                     body=body,
                     headers=headers,
-                    timeout_s=self._timeout_s,
+                    timeout_s=timeout_s,
                     max_body_bytes=_MAX_RESPONSE_BYTES,
                 )
                 span.set_attribute("http.response.status_code", response.status)

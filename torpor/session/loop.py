@@ -213,6 +213,10 @@ class AgentLoop:
     async def _call_agent(self, messages: list[Message], ctx: AgentContext) -> AgentTurn:
         assert self.loaded is not None
         session_id = self.work.snap.session_id
+        timeout_s = self.deps.config.agent_step_timeout.total_seconds()
+        # Set here, as the call starts, not when ``ctx`` was built: a step called ahead
+        # may be built a while before it runs.
+        ctx.deadline = time.monotonic() + timeout_s
         with tracing.span(
             "torpor.agent.step", **{"torpor.session_id": session_id, "torpor.step": ctx.step}
         ):
@@ -220,7 +224,7 @@ class AgentLoop:
                 self.loaded.agent.step,
                 messages,
                 ctx,
-                timeout_s=self.deps.config.agent_step_timeout.total_seconds(),
+                timeout_s=timeout_s,
                 what="agent.step",
             )
         return turn
