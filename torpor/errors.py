@@ -484,6 +484,13 @@ class UnhandledToolError(AgentError):
     code = "unhandled_tool_error"
 
 
+class PlanPathMissing(AgentError):
+    """A plan's ``${path}`` names nothing in the session (a field a result lacks, a typo):
+    the session fails naming it rather than send the call, or finish, with a null."""
+
+    code = "plan_path_missing"
+
+
 class SourceNotAllowed(PermanentError):
     """A signed webhook from a source the wait does not name as one that may answer it:
     recorded, never applied (the wait's ``allowed_sources``, declared by its tool or its

@@ -49,12 +49,33 @@ async def test_an_error_branch_takes_a_failed_call() -> None:
         assert snap.result == {"decision": "error", "why": "tool_error"}
 
 
-async def test_a_wait_keyed_on_a_missing_value_fails_the_call_not_the_process() -> None:
+async def test_a_call_naming_a_missing_value_fails_the_session_before_it_goes_out() -> None:
+    """``${input.nope}`` was rendered as null and the approval asked with ``doc_id: null``;
+    only the tool's own check of its action key kept the wait from going out."""
     plan = {
         "steps": [
             {
                 "id": "approve",
                 "calls": [{"tool": "request_approval", "args": {"doc_id": "${input.nope}"}}],
+            },
+            {"id": "done", "finish": {"decision": "ok"}},
+        ]
+    }
+    async with memory_env({"p": plan_agent(plan, DEMO_TOOLS)}) as env:
+        probe = reset()
+        snap = await env.load(await env.submit("p", {"doc": "PR-1"}))
+        assert snap.state is S.FAILED
+        assert snap.error is not None and snap.error.code == "plan_path_missing"
+        assert "${input.nope}" in snap.error.message
+        assert probe.calls == [] and probe.dispatched == [] and snap.waits == []
+
+
+async def test_a_wait_keyed_on_a_null_value_fails_the_call_not_the_process() -> None:
+    plan = {
+        "steps": [
+            {
+                "id": "approve",
+                "calls": [{"tool": "request_approval", "args": {"doc_id": "${input.doc_id}"}}],
                 "branches": [
                     {"when": {"path": "results.approve.error", "op": "exists"}, "goto": "failed"}
                 ],
@@ -65,7 +86,7 @@ async def test_a_wait_keyed_on_a_missing_value_fails_the_call_not_the_process() 
     }
     async with memory_env({"p": plan_agent(plan, DEMO_TOOLS)}) as env:
         probe = reset()
-        snap = await env.load(await env.submit("p", {"doc": "PR-1"}))
+        snap = await env.load(await env.submit("p", {"doc": "PR-1", "doc_id": None}))
         assert len(probe.calls) == 1, "begin was called, with doc_id null"
         assert snap.state is S.COMPLETED and snap.result == "action_key_incomplete"
         assert probe.dispatched == [] and snap.waits == []

@@ -1,5 +1,6 @@
 """PlanAgent: a failed call goes to a branch that takes it, else ``on_error``, else the
-session fails with the cause; WaitPlan refuses an action key with a missing segment."""
+session fails with the cause; a ``${path}`` that names nothing fails it too; WaitPlan
+refuses an action key with a missing segment."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from torpor.agent import AgentContext
 from torpor.agents.plan import PlanAgent
-from torpor.errors import ActionKeyIncomplete, AgentError, UnhandledToolError
+from torpor.errors import ActionKeyIncomplete, AgentError, PlanPathMissing, UnhandledToolError
 from torpor.models import Message
 from torpor.tools import WaitPlan
 
@@ -98,3 +99,63 @@ async def test_a_session_at_a_step_the_plan_no_longer_has_is_told_so() -> None:
     context = ctx({"plan": {"cursor": "approve", "visits": {"approve": 1}, "results": {}}})
     with pytest.raises(AgentError, match="no step 'approve'"):
         await agent.step([], context)
+
+
+async def after_extract(steps: list[dict[str, Any]], result: Any, input: Any = None) -> Any:
+    """The turn that follows ``extract``'s answer ``result``."""
+    agent = PlanAgent(plan={"steps": steps})
+    context = ctx({})
+    context.input = input
+    first = await agent.step([], context)
+    [call] = first.message.tool_calls or []
+    answer = Message(role="tool", tool_call_id=call.id, content=json.dumps(result))
+    return await agent.step([first.message, answer], context)
+
+
+def approve_with(args: dict[str, Any]) -> list[dict[str, Any]]:
+    return [STEPS[0], {"id": "approve", "calls": [{"tool": "request_approval", "args": args}]}]
+
+
+async def test_a_call_argument_naming_a_missing_field_is_an_error_naming_the_path() -> None:
+    """It was rendered as null and the call went out with ``doc_id: null``."""
+    steps = approve_with({"doc_id": "${results.extract.doc_id}"})
+    with pytest.raises(PlanPathMissing, match="doc_id") as info:
+        await after_extract(steps, {"amount": 10})
+    assert info.value.code == "plan_path_missing"
+    assert info.value.context["path"] == "results.extract.doc_id"
+    assert "plan step 'approve', call 'request_approval'" in str(info.value)
+    assert "results.extract has no 'doc_id'" in str(info.value)
+
+
+async def test_a_missing_path_inside_a_longer_string_is_an_error_not_empty_text() -> None:
+    """It was interpolated as "" (``"PR-"`` where ``"PR-17"`` was meant)."""
+    steps = approve_with({"doc_id": "PR-${results.extract.number}"})
+    with pytest.raises(PlanPathMissing, match=r"\$\{results.extract.number\}"):
+        await after_extract(steps, {"amount": 10})
+
+
+async def test_a_path_through_a_missing_step_result_is_an_error() -> None:
+    steps = approve_with({"approver": "${results.review.approver}"})
+    with pytest.raises(PlanPathMissing, match="results has no 'review'"):
+        await after_extract(steps, {"amount": 10})
+
+
+async def test_a_finish_naming_a_missing_field_is_an_error() -> None:
+    steps = [STEPS[0], {"id": "done", "finish": {"po": "${results.extract.po_number}"}}]
+    with pytest.raises(PlanPathMissing, match="plan step 'done', finish"):
+        await after_extract(steps, {"amount": 10})
+
+
+async def test_a_present_null_is_still_rendered_as_null() -> None:
+    """Only a path that names nothing is an error: a value that is there and null is one."""
+    steps = approve_with({"doc_id": "${results.extract.doc_id}", "note": "${input.note}"})
+    turn = await after_extract(steps, {"doc_id": None}, input={"note": None})
+    [call] = turn.message.tool_calls or []
+    assert json.loads(call.function.arguments) == {"doc_id": None, "note": None}
+
+
+async def test_a_path_marked_optional_may_name_nothing() -> None:
+    steps = approve_with({"doc_id": "${results.extract.doc_id?}", "ref": "PR-${input.n?}"})
+    turn = await after_extract(steps, {"amount": 10}, input={})
+    [call] = turn.message.tool_calls or []
+    assert json.loads(call.function.arguments) == {"doc_id": None, "ref": "PR-"}

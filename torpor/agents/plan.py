@@ -15,7 +15,10 @@ and no model is needed. The plan is data (from configuration)::
 A call whose result is a tool error (``{"error": ...}``) goes where a branch that matches
 it says, else to the step's ``on_error``; with neither, the session fails with the cause.
 ``${path}`` alone in a string is replaced by the value (any JSON type); inside a longer
-string it is interpolated as text. Paths start at ``input``, ``results`` or ``vars``.
+string it is interpolated as text. Paths start at ``input``, ``results`` or ``vars``; one
+that names nothing fails the session (``PlanPathMissing``) rather than go on as a null
+argument. A path that may name nothing says so, ``${input.note?}``: null alone, no text
+inside a longer string; ``exists``/``missing`` branch on it.
 Tool-call ids are derived from the step and its visit count, so a replay after a crash
 produces the very same calls.
 """
@@ -30,11 +33,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
-from torpor.errors import AgentError, ConfigError, UnhandledToolError
+from torpor.errors import AgentError, ConfigError, PlanPathMissing, UnhandledToolError
 from torpor.models import Message, ToolCall, ToolCallFunction
 
-_WHOLE = re.compile(r"^\$\{([A-Za-z0-9_.\-]+)\}$")
-_PART = re.compile(r"\$\{([A-Za-z0-9_.\-]+)\}")
+# ``${path}``, or ``${path?}``: a path that may name nothing.
+_WHOLE = re.compile(r"^\$\{([A-Za-z0-9_.\-]+)(\??)\}$")
+_PART = re.compile(r"\$\{([A-Za-z0-9_.\-]+)(\??)\}")
 _MISSING = object()
 
 
@@ -104,25 +108,53 @@ def lookup(scope: dict[str, Any], path: str) -> Any:
     return node
 
 
-def render(template: Any, scope: dict[str, Any]) -> Any:
+def render(template: Any, scope: dict[str, Any], *, where: str) -> Any:
+    """``template`` with each ``${path}`` replaced from ``scope``; ``where`` names the
+    template's place in the plan for the error a path that names nothing raises."""
     if isinstance(template, str):
         whole = _WHOLE.match(template)
         if whole:
-            value = lookup(scope, whole.group(1))
-            return None if value is _MISSING else value
+            return _resolve(scope, whole.group(1), bool(whole.group(2)), where)
 
         def text(match: re.Match[str]) -> str:
-            value = lookup(scope, match.group(1))
-            if value is _MISSING or value is None:
+            value = _resolve(scope, match.group(1), bool(match.group(2)), where)
+            if value is None:
                 return ""
             return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
         return _PART.sub(text, template)
     if isinstance(template, dict):
-        return {k: render(v, scope) for k, v in template.items()}
+        return {k: render(v, scope, where=where) for k, v in template.items()}
     if isinstance(template, list):
-        return [render(v, scope) for v in template]
+        return [render(v, scope, where=where) for v in template]
     return template
+
+
+def _resolve(scope: dict[str, Any], path: str, optional: bool, where: str) -> Any:
+    # A missing value rendered as null went on as the argument (a call with
+    # ``doc_id: null``, a finish with a null field) and failed, if at all, far from here;
+    # only a path marked optional may name nothing.
+    value = lookup(scope, path)
+    if value is not _MISSING:
+        return value
+    if optional:
+        return None
+    parts = path.split(".")
+    # The longest part of the path that is there, to say which step of it found nothing.
+    known = next(
+        (
+            n
+            for n in range(len(parts) - 1, 0, -1)
+            if lookup(scope, ".".join(parts[:n])) is not _MISSING
+        ),
+        0,
+    )
+    why = (
+        f"{'.'.join(parts[:known])} has no {parts[known]!r}"
+        if known
+        else f"paths start at input, results or vars, not {parts[0]!r}"
+    )
+    raise PlanPathMissing(f"{where}: ${{{path}}} names nothing ({why})"[:500], path=path[:200])
 
 
 def holds(cond: Condition, scope: dict[str, Any]) -> bool:
@@ -269,7 +301,11 @@ class PlanAgent:
     ) -> AgentTurn:
         step = self._steps[target] if target is not None else None
         if step is None or not step.calls:
-            result = render(step.finish, scope) if step and step.finish is not None else None
+            result = (
+                render(step.finish, scope, where=f"plan step {step.id!r}, finish")
+                if step and step.finish is not None
+                else None
+            )
             if result is None:
                 result = scope["results"]
             text = json.dumps(result, ensure_ascii=False, sort_keys=True)
@@ -283,7 +319,12 @@ class PlanAgent:
                 id=self._call_id(step.id, visit, i),
                 function=ToolCallFunction(
                     name=call.tool,
-                    arguments=json.dumps(render(call.args, scope), ensure_ascii=False),
+                    arguments=json.dumps(
+                        render(
+                            call.args, scope, where=f"plan step {step.id!r}, call {call.tool!r}"
+                        ),
+                        ensure_ascii=False,
+                    ),
                 ),
             )
             for i, call in enumerate(step.calls)
