@@ -1,4 +1,5 @@
-"""A sync tool's result that no snapshot can hold is a tool error the agent sees."""
+"""A sync tool's result that no snapshot can hold is a tool error the agent sees; a
+result that is a str reaches the agent as that str."""
 
 from __future__ import annotations
 
@@ -48,3 +49,41 @@ async def test_a_result_no_snapshot_can_hold_is_a_tool_error(tool: str) -> None:
         snap = await env.load(sid)
         assert snap.state is SessionState.COMPLETED, (snap.state, snap.error)
         assert snap.result == {"failed": "tool_error"}
+
+
+def _echo(args: dict[str, Any], ctx: ToolContext) -> JsonValue:
+    return args["text"]  # type: ignore[no-any-return]
+
+
+echo = sync_tool("echo")(_echo)
+
+ECHO_PLAN = {
+    "steps": [
+        {"id": "echo", "calls": [{"tool": "echo", "args": {"text": "${input}"}}]},
+        {"id": "done", "finish": {"echoed": "${results.echo}"}},
+    ]
+}
+
+
+@pytest.mark.parametrize(
+    "text", ["123", "true", "null", "NaN", "1e3", '"quoted"', '{"a": 1}', "[1]", " 7 "]
+)
+async def test_a_str_result_that_reads_as_json_stays_a_str(text: str) -> None:
+    """The tool message carried the str as its text, and the plan agent read that text
+    as JSON: the tool's "123" came back as the number 123, "true" as True, "null" as no
+    result at all."""
+    tools: dict[str, dict[str, Any]] = {"tests.runtime.test_tool_result_text:echo": {}}
+    async with memory_env({"p": plan_agent(ECHO_PLAN, tools)}) as env:
+        snap = await env.load(await env.submit("p", text))
+        assert snap.state is SessionState.COMPLETED, (snap.state, snap.error)
+        assert snap.result == {"echoed": text}
+
+
+async def test_a_str_result_that_is_plain_text_is_sent_as_it_is() -> None:
+    """What a model reads: the tool's own text, not a JSON string literal of it."""
+    tools: dict[str, dict[str, Any]] = {"tests.runtime.test_tool_result_text:echo": {}}
+    async with memory_env({"p": plan_agent(ECHO_PLAN, tools)}) as env:
+        snap = await env.load(await env.submit("p", 'PO 17 "approved"'))
+        [tool] = [m for m in snap.messages if m.role == "tool"]
+        assert tool.content == 'PO 17 "approved"'
+        assert snap.result == {"echoed": 'PO 17 "approved"'}

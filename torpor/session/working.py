@@ -57,8 +57,26 @@ def error_result(exc: Exception | str, code: str = "tool_error") -> JsonValue:
 
 
 def message_content(value: JsonValue) -> str:
-    """A tool result as the text of a tool message."""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    """A tool result as the text of a tool message: a str as it is, so a model reads the
+    tool's own text; anything else, or a str that JSON reads as something else, as JSON.
+
+    An agent that reads the content as JSON (the plan agent) then gets back what the tool
+    returned: a str "123" sent as it was came back as the number 123, "true" as True."""
+    if isinstance(value, str) and not _reads_as_json(value):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _reads_as_json(text: str) -> bool:
+    # ``json.loads`` itself, as the reader uses it: it also takes NaN, Infinity and
+    # surrounding whitespace, which a narrower test would let through as text.
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    except RecursionError:  # nesting too deep to parse: encoded, a reader parses it as a str
+        return True
+    return True
 
 
 async def _together(*steps: Awaitable[None]) -> None:
