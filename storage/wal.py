@@ -703,7 +703,11 @@ def recover(
                 seen = latest.get(record.key)
                 if seen is None or order > seen[:2]:
                     latest[record.key] = (*order, record)
-        for _, _, record in latest.values():
+        # In the order they were made, not the order their keys were first met (segments
+        # are read by name, one process's after another's): ``a`` removed, then ``a/b``
+        # put by a process whose segment sorts first, with the removal lost on disk,
+        # would otherwise meet the file ``a`` in its way, and fail every open after.
+        for _, _, record in sorted(latest.values(), key=lambda seen: seen[:2]):
             if record.op is not Op.DURABLE:
                 apply(record)
         fd = os.open(flush_root, os.O_RDONLY | os.O_DIRECTORY)

@@ -883,3 +883,27 @@ def test_a_replay_killed_while_it_removed_its_logs_is_not_undone_by_the_next(
 
     boot[0] = "boot-b"
     assert get(LocalObjectStore(tmp_path), "k") == b"v2"
+
+
+def test_a_replay_makes_its_changes_in_the_order_they_were_made(
+    tmp_path: Path, boot: list[str]
+) -> None:
+    """``a`` removed by one process, then ``a/b`` put by another whose segment sorts
+    first; a power cut loses both on disk (``a`` is a file again). Replayed in the order
+    the keys were first met, ``a/b`` came first, found the file ``a`` in its way, and
+    every open of the store failed from then on."""
+    first, second = LocalObjectStore(tmp_path), LocalObjectStore(tmp_path)
+    asyncio.run(first.put("earlier", b"x"))  # its segment is made first: read first
+    asyncio.run(second.put("ended/a", b"file"))
+    asyncio.run(second.delete("ended/a"))
+    asyncio.run(first.put("ended/a/b", b"below"))
+    asyncio.run(first.close())
+    asyncio.run(second.close())
+    # The power cut: the removal of ``a`` and the folder made for ``a/b`` never reached it.
+    (objects(tmp_path) / "ended/a/b").unlink()
+    (objects(tmp_path) / "ended/a").rmdir()
+    (objects(tmp_path) / "ended/a").write_bytes(b"file")
+
+    boot[0] = "boot-b"
+    reopened = LocalObjectStore(tmp_path)
+    assert (get(reopened, "ended/a/b"), get(reopened, "ended/a")) == (b"below", None)
