@@ -725,6 +725,11 @@ def recover(
         for _, _, path, _ in earlier:
             os.unlink(path)
             crash_point(CrashPoint.STORE_REPLAY_REMOVING)
+        # The logs' removal on disk before the marks': a file system without a journal
+        # writes a folder's changes back in any order, and a power cut could otherwise
+        # keep a mark's removal and not that of a log it covers, which the next replay
+        # would then make again over newer content.
+        fsync_dir(folder)
         for old_boot in boot_order:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(_mark_file(folder, old_boot))

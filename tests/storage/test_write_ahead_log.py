@@ -907,3 +907,64 @@ def test_a_replay_makes_its_changes_in_the_order_they_were_made(
     boot[0] = "boot-b"
     reopened = LocalObjectStore(tmp_path)
     assert (get(reopened, "ended/a/b"), get(reopened, "ended/a")) == (b"below", None)
+
+
+def test_a_power_cut_as_a_replay_ends_never_leaves_a_log_without_its_mark(
+    tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system without a journal writes a folder's changes back in any order
+    until the folder is flushed. The replay removed the marks before the removal of the
+    logs was on disk: a power cut could then keep the mark's removal and that of the log
+    holding ``k``'s last change, but not that of an older log of ``k``, and the next
+    replay put the older content back. Every cut after the replay's flush is tried:
+    what each flush of the folder made durable, plus any part of what changed since."""
+    newer, older = LocalObjectStore(tmp_path), LocalObjectStore(tmp_path)
+    asyncio.run(newer.put("first", b"x"))
+    asyncio.run(older.put("k", b"v1"))
+    asyncio.run(newer.put("k", b"v2"))
+    asyncio.run(newer.close())
+    asyncio.run(older.close())
+    (objects(tmp_path) / "k").unlink()  # the power cut that makes the replay needed
+
+    folder = tmp_path / ".wal"
+
+    def state() -> dict[str, bytes]:  # the old logs and the marks
+        return {
+            p.name: p.read_bytes()
+            for p in folder.iterdir()
+            if p.name.startswith("mark-boot-a") or p.name.endswith(".log")
+        }
+
+    flushed: list[dict[str, bytes]] = []
+    real_fsync_dir = wal.fsync_dir
+
+    def fsync_dir(path: str) -> None:
+        real_fsync_dir(path)
+        if Path(path) == folder:
+            flushed.append(state())
+
+    monkeypatch.setattr(wal, "fsync_dir", fsync_dir)
+    boot[0] = "boot-b"
+    asyncio.run(LocalObjectStore(tmp_path).close())
+    monkeypatch.setattr(wal, "fsync_dir", real_fsync_dir)
+    assert (objects(tmp_path) / "k").read_bytes() == b"v2"
+    assert flushed, "the replay flushed the folder"
+
+    for before, after in zip(flushed, [*flushed[1:], state()], strict=True):
+        changed = sorted(set(before) ^ set(after))
+        for mask in range(1 << len(changed)):
+            cut = dict(before)
+            for i, name in enumerate(changed):
+                if mask >> i & 1:  # this change reached the disk
+                    if name in after:
+                        cut[name] = after[name]
+                    else:
+                        cut.pop(name, None)
+            for name in state():
+                (folder / name).unlink()
+            for name, content in cut.items():
+                (folder / name).write_bytes(content)
+            boot[0] = f"boot-{len(before)}-{mask}"
+            reopened = LocalObjectStore(tmp_path)
+            assert get(reopened, "k") == b"v2", f"the cut kept {sorted(cut)}"
+            asyncio.run(reopened.close())
