@@ -36,7 +36,9 @@ Replay skips records before the mark (a later change of the same key by another
 process, made durable by the checkpoint, must not be overwritten by an older record from
 a log still open), and the segments that hold nothing after it are removed: the
 process's own retired ones, and those of processes that have exited (the lock each holds
-on its segment is gone).
+on its segment is gone). A checkpoint whose flush fails leaves ``failed-<boot>`` beside
+the marks: a later flush that succeeds proves nothing about what the failed one lost, so
+from then on no checkpoint of that boot moves its mark or removes a log.
 
 A change too large to log whole (``RECORD_MAX_BYTES``) is flushed in place, file and
 folder, and logged as ``DURABLE``: at replay it overrides older records of its key and
@@ -156,6 +158,18 @@ def read_mark(folder: str, boot: str) -> int:
         return 0
 
 
+def _failed_file(folder: str, boot: str) -> str:
+    return f"{folder}/failed-{boot}"
+
+
+def _record_failure(folder: str, boot: str) -> None:
+    """Say, durably, that a flush of the file system failed in ``boot``: no checkpoint of
+    the boot may vouch for what it covered (best effort: the disk is failing)."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(_failed_file(folder, boot), os.O_WRONLY | os.O_CREAT, 0o600))
+        fsync_dir(folder)
+
+
 def _write_mark(folder: str, boot: str, mark: int) -> None:
     """Set the boot's checkpoint mark to ``mark``, durably (in place of the old one)."""
     path = _mark_file(folder, boot)
@@ -242,6 +256,7 @@ class WriteAheadLog:
         self._synced = 0
         self._syncing = False
         self._checkpointing = False
+        self._sync_failed = False  # a checkpoint's flush failed: none vouches for anything
         self._next_size = SEGMENT_MIN_BYTES
         self._pid = os.getpid()
 
@@ -486,9 +501,26 @@ class WriteAheadLog:
         fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
             syncfs(fd)
+        except OSError:
+            # Linux reports a failed writeback once and then counts the pages clean, so
+            # a later flush that succeeds proves nothing about the changes this one
+            # covered: no checkpoint of this boot, in any process, may vouch for them
+            # again (a mark past them, their segments removed). The logs stay, to be
+            # replayed after a reboot.
+            self._sync_failed = True
+            with _folder_lock(self.folder, ".marks.lock"):
+                _record_failure(self.folder, self.boot)
+            raise
         finally:
             os.close(fd)
         with _folder_lock(self.folder, ".marks.lock"):
+            if self._sync_failed or os.path.exists(_failed_file(self.folder, self.boot)):
+                raise OSError(
+                    errno.EIO,
+                    "a flush of the file system failed in this boot: its logs are kept"
+                    " for a replay after the next reboot",
+                    self.folder,
+                )
             if mark > read_mark(self.folder, self.boot):
                 _write_mark(self.folder, self.boot, mark)
         for path in [s.path for s in retired] + exited:
@@ -731,8 +763,9 @@ def recover(
         # would then make again over newer content.
         fsync_dir(folder)
         for old_boot in boot_order:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(_mark_file(folder, old_boot))
+            for done in (_mark_file(folder, old_boot), _failed_file(folder, old_boot)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(done)
         fsync_dir(folder)
         log.warning(
             "replayed %d changes from %d write-ahead log segments of an earlier boot in %s",

@@ -968,3 +968,39 @@ def test_a_power_cut_as_a_replay_ends_never_leaves_a_log_without_its_mark(
             reopened = LocalObjectStore(tmp_path)
             assert get(reopened, "k") == b"v2", f"the cut kept {sorted(cut)}"
             asyncio.run(reopened.close())
+
+
+def test_after_a_checkpoint_whose_flush_failed_no_later_one_vouches_for_its_changes(
+    tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux reports a failed writeback once and then counts the pages clean: the next
+    ``syncfs`` succeeds without having written them. A checkpoint whose flush failed
+    kept its segment, but closed it (its lock gone, it read as an exited process's),
+    and the next checkpoint, of any log of the boot, removed it and set the mark past
+    its records: the object, never on disk, was lost to a power cut for good."""
+    failures = [OSError(errno.EIO, "Input/output error")]
+    real_syncfs = wal.syncfs
+
+    def syncfs(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        real_syncfs(fd)
+
+    monkeypatch.setattr(wal, "syncfs", syncfs)
+    first = LocalObjectStore(tmp_path)
+    asyncio.run(first.put("k", b"acknowledged"))
+    first._log.close()  # retired: a checkpoint in the background, whose flush fails
+    wait_for(lambda: not failures and not first._log._checkpointing, "the checkpoint ran")
+    assert segments(tmp_path), "the failed checkpoint removed nothing"
+
+    second = LocalObjectStore(tmp_path)
+    asyncio.run(second.put("j", b"later"))
+    second._log.close()  # a checkpoint whose flush succeeds
+    wait_for(lambda: not second._log._checkpointing, "the second checkpoint ran")
+    # The power cut: the writeback that failed never put ``k`` on disk.
+    (objects(tmp_path) / "k").unlink()
+
+    boot[0] = "boot-b"
+    after = LocalObjectStore(tmp_path)
+    assert (get(after, "k"), get(after, "j")) == (b"acknowledged", b"later")
+    assert not segments(tmp_path) and not list((tmp_path / ".wal").glob("failed-*"))
