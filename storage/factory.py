@@ -9,7 +9,7 @@ for unit tests that need neither a folder nor a service.
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import urlparse, urlsplit
+from urllib.parse import urlparse
 
 from storage.local_store import LocalObjectStore
 from storage.memory_index import MemoryIndex
@@ -17,23 +17,7 @@ from storage.memory_store import MemoryObjectStore
 from storage.sqlite_index import SqliteIndex
 from torpor.errors import ConfigError, EmbeddedBackendOnCluster
 from torpor.ports import ActivationQueue, Index, ObjectStore, RunningSlots
-from torpor.settings import Settings, resolve_secret
-
-
-def shown_url(url: str) -> str:
-    """``url`` safe to show in an error or a log: without the ``user:password@`` or the
-    query (redis-py reads ``?password=``) a URL may carry; ``env:NAME`` as written."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "[unparsable URL]"
-    if "@" not in parts.netloc and not parts.query:
-        return url
-    if "@" in parts.netloc:
-        parts = parts._replace(netloc="[redacted]@" + parts.netloc.rpartition("@")[2])
-    if parts.query:
-        parts = parts._replace(query="[redacted]")
-    return parts.geturl()
+from torpor.settings import Settings, resolve_secret, shown_url
 
 
 def _local_path(url: str, scheme: str) -> Path:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -76,6 +77,22 @@ def resolve_secret(value: SecretStr | str, environ: Mapping[str, str] | None = N
     if name not in env:
         raise ConfigError(f"env:{name} refers to environment variable {name}, which is not set")
     return env[name]
+
+
+def shown_url(url: str) -> str:
+    """``url`` safe to show in an error or a log: without the ``user:password@`` or the
+    query (redis-py reads ``?password=``) a URL may carry; ``env:NAME`` as written."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "[unparsable URL]"
+    if "@" not in parts.netloc and not parts.query:
+        return url
+    if "@" in parts.netloc:
+        parts = parts._replace(netloc="[redacted]@" + parts.netloc.rpartition("@")[2])
+    if parts.query:
+        parts = parts._replace(query="[redacted]")
+    return parts.geturl()
 
 
 class Placement(StrEnum):
@@ -269,6 +286,15 @@ class StorageSettings(_Section):
         description="ended sessions and all their records are deleted this long after they end",
     )
     retention_per_sweep: int = Field(100, ge=1, description="sessions one sweep deletes at most")
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        # The URLs stay plain strings (every adapter and check reads them as such), but
+        # one written with its password inline showed it whole in repr() and str() of the
+        # settings, and so in any log line or traceback that held them.
+        for name, value in super().__repr_args__():
+            if name in ("index_url", "object_store_url") and isinstance(value, str):
+                value = shown_url(value)
+            yield name, value
 
     @field_validator("retention_s")
     @classmethod

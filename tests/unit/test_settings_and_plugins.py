@@ -126,6 +126,24 @@ def test_secrets_resolve_from_the_environment_and_never_print() -> None:
         resolve_secret(settings.security.capability_keys[0], {})
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:pw-in-userinfo@redis.internal:6379/0",
+        "rediss://torpor:pw-in-userinfo@redis.internal:6380/1",
+        "redis://redis.internal:6379/0?password=pw-in-query",
+    ],
+)
+def test_a_password_in_the_index_url_never_prints_with_the_settings(url: str) -> None:
+    # A plain str field: repr(settings), or a log line holding the settings, showed the
+    # Redis password whole.
+    settings = Settings.build({"storage": {"index_url": url}})
+    for shown in (repr(settings), str(settings), repr(settings.storage), str(settings.storage)):
+        assert "pw-in-" not in shown, shown
+        assert "redis.internal" in shown  # still says where the index is
+    assert settings.storage.index_url == url  # the value itself is unchanged for its users
+
+
 def test_plugin_options_resolve_env_references(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLM_KEY", "sk-test")
     assert resolve_env({"api_key": "env:LLM_KEY", "n": [1, "env:LLM_KEY"]}) == {
