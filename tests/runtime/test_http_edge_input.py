@@ -284,6 +284,78 @@ async def test_a_reconnect_to_an_ended_stream_with_nothing_missed_is_a_204(app: 
     assert answer.status_code == 200 and '"state": "CANCELLED"' in answer.text
 
 
+async def test_a_stream_whose_session_retention_deletes_ends_cleanly_then_404s(app: App) -> None:
+    # The route looks the session up before its 200; the stream read it again after,
+    # and once retention had deleted it SessionNotFound escaped the app mid-response
+    # (a traceback in the server's log, the connection cut without its last chunk).
+    from datetime import timedelta
+
+    import ray.serve
+
+    from torpor.service.streams import SessionStreams
+
+    session_id = await suspended(app)
+    ingress = ray.serve.get_replica_context().servable_object  # api_app's, in-process
+
+    async def purge(seconds: float) -> None:  # the stream's sleep: no wall time passes
+        if (await app.env.load(session_id)).state is SessionState.CANCELLED:
+            return
+        await ingress.control.cancel(session_id, tenant="acme")
+
+        async def cancelled() -> bool:
+            return (await app.env.load(session_id)).state is SessionState.CANCELLED
+
+        await eventually(cancelled, timeout_s=5.0, interval_s=0.02, what="cancelled")
+        retention = app.env.services.retention
+        assert retention is not None
+        now, day = app.env.clock.now() + timedelta(days=31), timedelta(hours=24)
+        report = await retention.sweep(now=now, keep=30 * day, windows=day, limit=10)
+        assert report.purged == [("acme", session_id)]
+
+    ingress.streams = SessionStreams(ingress.control, max_per_tenant=4, sleep=purge)
+    path = f"/v1/sessions/{session_id}/events"
+    sent: list[dict[str, object]] = []
+    asked = False
+
+    async def receive() -> dict[str, object]:  # a client that stays for the whole answer
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test"), (b"authorization", app.auth()["Authorization"].encode())],
+        "client": ("127.0.0.1", 50000),
+        "server": ("test", 80),
+    }
+    import serve_app
+
+    await asyncio.wait_for(serve_app.api(scope, receive, send), timeout=10)  # nothing raised
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    body = b"".join(m.get("body", b"") for m in sent[1:])  # type: ignore[misc]
+    assert b'"state": "SUSPENDED"' in body  # what the stream showed before the purge
+    last = [line for line in body.decode().splitlines() if line.startswith("id: ")][-1][4:]
+    again = await app.http.get(path, headers={**app.auth(), "Last-Event-ID": last})
+    assert again.status_code == 404, again.text
+    assert again.headers["content-type"] == "application/problem+json"
+    assert again.json()["type"].endswith("session_not_found")
+
+
 async def test_the_handshake_grants_a_rate_whenever_the_sender_asked_for_one(
     tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -116,3 +116,44 @@ async def test_a_waiting_sessions_work_progress_is_streamed_without_waking_it() 
         shown = [e for e in events if e.startswith("event: progress")]
         assert len(shown) == 1 and '"fraction":0.4' in shown[0] and "page 12/30" in shown[0]
         assert (await env.load(sid)).generation == generation + 1  # only the cancel moved it
+
+
+async def purge(env: MemEnv, sid: str) -> None:
+    """The session ends and retention deletes it, as a sweep a month later does."""
+    from datetime import timedelta
+
+    await env.control.cancel(sid, tenant="acme")
+    assert (await env.load(sid)).state is SessionState.CANCELLED
+    retention = env.services.retention
+    assert retention is not None
+    now, day = env.clock.now() + timedelta(days=31), timedelta(hours=24)
+    report = await retention.sweep(now=now, keep=30 * day, windows=day, limit=10)
+    assert report.purged == [("acme", sid)]
+
+
+@pytest.mark.parametrize("when", ["before-its-first-read", "while-it-waits"])
+async def test_a_stream_whose_session_is_deleted_ends_instead_of_raising(when: str) -> None:
+    # The route answers 404 for a session it cannot find, but the stream reads the
+    # session again after the 200 went out: SessionNotFound raised out of the stream,
+    # a traceback in the server's log and a connection cut mid-response. Ended, the
+    # client reconnects and is answered 404 (problem+json): the session is gone.
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        assert (await env.load(sid)).state is SessionState.SUSPENDED
+
+        async def gone() -> None:
+            await purge(env, sid)
+
+        ticks = Ticks({3: gone})
+        streams = SessionStreams(env.control, max_per_tenant=4, sleep=ticks)
+        stream = streams.open(sid, "acme", 0)
+        if when == "before-its-first-read":
+            await gone()  # between the route's look and the stream's first read
+        events = [e async for e in stream]
+        transitions = [e for e in events if "event: transition" in e]
+        if when == "before-its-first-read":
+            assert events == []
+        else:
+            assert ticks.count == 3 and transitions  # what it showed before the purge
+        assert streams.streams("acme") == 0  # its slot is back

@@ -19,8 +19,9 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import ClassVar
 
-from torpor.errors import TorporError
+from torpor.errors import SessionNotFound, TorporError
 from torpor.lifecycle import HistoryEntry
+from torpor.models import SessionSnapshot
 from torpor.service.sessions import SessionService
 
 TICK_S = 0.5  # how soon a change shows
@@ -82,10 +83,10 @@ class SessionStreams:
         # The registry's generation is read before the snapshot: a commit in between
         # only costs one more read, never a missed change.
         seen = await registry.session_generation(session_id)
-        snapshot = await self.control.get(session_id, tenant=tenant)
+        snapshot = await self._read(session_id, tenant)
         shown: list[str] = []  # the progress reports last sent
         since_progress = PROGRESS_S
-        while True:
+        while snapshot is not None:
             for entry in snapshot.history:
                 if entry.seq > after:
                     yield _transition(session_id, entry)
@@ -113,7 +114,18 @@ class SessionStreams:
                 if generation != seen or unread >= SAFETY_READ_S:
                     break
             seen, unread = generation, 0.0
-            snapshot = await self.control.get(session_id, tenant=tenant)
+            snapshot = await self._read(session_id, tenant)
+
+    async def _read(self, session_id: str, tenant: str) -> SessionSnapshot | None:
+        """The session, or None once it is gone. The route found it before the 200 went
+        out, but retention may delete it since (between that look and the first read, or
+        while the stream waits): raised, SessionNotFound cut the response mid-stream with
+        a traceback in the server's log. The stream ends instead; the client's reconnect
+        is answered 404, as a session it never had is."""
+        try:
+            return await self.control.get(session_id, tenant=tenant)
+        except SessionNotFound:
+            return None
 
 
 class HeldStream:
