@@ -265,6 +265,140 @@ def test_events_refused_prints_the_problem_detail() -> None:
     assert "404 session s_gone not found" in one_line_error(result)
 
 
+TRANSITIONS = [
+    {"at": "2026-01-01T00:00:00Z", "state": "RUNNING", "epoch": 1, "reason": "start"},
+    {"at": "2026-01-01T00:00:01Z", "state": "SUSPENDED", "epoch": 1, "reason": "waits"},
+    {"at": "2026-01-01T00:00:02Z", "state": "COMPLETED", "epoch": 2, "reason": "done"},
+]
+
+
+def dropping_sse(asked: list[str | None], *, drop: str, honours: bool) -> type[Answering]:
+    """An events endpoint whose first stream breaks after the first two transitions
+    (``drop``: "closed", a clean end of a body without a length; "cut", a chunked body
+    whose connection goes without its last chunk); a reconnect gets what follows its
+    Last-Event-ID (or, ``honours`` False, everything again)."""
+
+    class Handler(Answering):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            asked.append(self.headers.get("Last-Event-ID"))
+            after = int(self.headers.get("Last-Event-ID") or 0) if honours else 0
+            first = len(asked) == 1
+            events = [(i, e) for i, e in enumerate(TRANSITIONS, 1) if i > after]
+            if first:
+                events = events[:2]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            chunked = not (first and drop == "closed")
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            for i, event in events:
+                data = f"id: {i}\nevent: transition\ndata: {json.dumps(event)}\n\n".encode()
+                self.wfile.write(
+                    f"{len(data):x}\r\n".encode() + data + b"\r\n" if chunked else data
+                )
+            if first:
+                self.close_connection = True  # gone, without the chunked body's end
+            else:
+                self.wfile.write(b"0\r\n\r\n")
+
+    return Handler
+
+
+@pytest.mark.parametrize("honours", [True, False], ids=["resumed", "replayed"])
+@pytest.mark.parametrize("drop", ["closed", "cut"])
+def test_events_reconnects_after_a_drop_with_the_last_event_id_and_shows_each_event_once(
+    drop: str, honours: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A dropped stream ended the command: silently (a clean close, exit 0 before the
+    # session ended) or as an unreachable API (a cut one), and the transitions after the
+    # drop were never shown.
+    from torpor import backoff
+
+    asked: list[str | None] = []
+    with served(dropping_sse(asked, drop=drop, honours=honours)) as url, backoff.fixed(0):
+        code = cli.main(["--json", "events", "s_1", "--url", url])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_OK, err
+    assert [json.loads(line)["state"] for line in out.splitlines()] == [
+        "RUNNING",
+        "SUSPENDED",
+        "COMPLETED",
+    ]
+    assert asked == [None, "2"]
+
+
+def test_events_gives_up_after_a_bounded_number_of_reconnects(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from torpor import backoff
+
+    asked: list[str | None] = []
+
+    class Handler(Answering):
+        def do_GET(self) -> None:  # a stream that closes at once, every time
+            asked.append(self.headers.get("Last-Event-ID"))
+            self.answer(200, b"", "text/event-stream")
+
+    with served(Handler) as url, backoff.fixed(0):
+        code = cli.main(["events", "s_1", "--url", url])
+    assert code == cli.EXIT_UNREACHABLE
+    assert len(asked) == cli.STREAM_RECONNECTS + 1
+    assert "the event stream of s_1 closed" in capsys.readouterr().err
+
+
+def test_events_follows_a_long_wait_through_any_number_of_idle_streams_cut(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A proxy that cuts idle streams: each says something (a keep-alive) before it is
+    # cut, and the command goes on following past the reconnects' bound.
+    from torpor import backoff
+
+    asked: list[str | None] = []
+    cuts = cli.STREAM_RECONNECTS + 3
+
+    class Handler(Answering):
+        def do_GET(self) -> None:
+            asked.append(self.headers.get("Last-Event-ID"))
+            if len(asked) <= cuts:
+                self.answer(200, b": keep-alive\n\n", "text/event-stream")
+            else:
+                event = json.dumps(TRANSITIONS[2])
+                self.answer(200, f"id: 3\ndata: {event}\n\n".encode(), "text/event-stream")
+
+    with served(Handler) as url, backoff.fixed(0):
+        assert cli.main(["events", "s_1", "--url", url]) == cli.EXIT_OK
+    assert len(asked) == cuts + 1
+    assert "COMPLETED" in capsys.readouterr().out
+
+
+def test_events_stops_at_a_204_the_server_answers_once_nothing_was_missed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from torpor import backoff
+
+    asked: list[str | None] = []
+
+    class Handler(Answering):
+        def do_GET(self) -> None:
+            asked.append(self.headers.get("Last-Event-ID"))
+            if len(asked) > 1:
+                self.send_response(204)
+                self.end_headers()
+                return
+            event = json.dumps(TRANSITIONS[1])
+            self.answer(200, f"id: 7\ndata: {event}\n\n".encode(), "text/event-stream")
+
+    with served(Handler) as url, backoff.fixed(0):
+        assert cli.main(["events", "s_1", "--url", url]) == cli.EXIT_OK
+    assert asked == [None, "7"]
+    assert "SUSPENDED" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv",
     [["ls", "--limit", "0"], ["deliveries", "--limit", "-3"], ["demo", "--documents", "0"]],
