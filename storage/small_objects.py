@@ -119,38 +119,51 @@ class SmallObjects:
 
     def _open(self) -> None:
         _leave_the_parents()  # before any connection of this process's opens
+        opened: list[sqlite3.Connection] = []
         try:
             if not os.path.isdir(self.folder):
                 os.makedirs(self.folder, exist_ok=True)
                 # The folder's own name in the store's root, on disk before its database
                 # holds anything acknowledged.
                 wal.fsync_dir(os.path.dirname(self.folder))
-            self._quick = _connect(self.path, busy_ms=0)
-            self._waiting = _connect(self.path, busy_ms=BUSY_WAIT_MS)
+            quick = _connect(self.path, busy_ms=0)
+            opened.append(quick)
+            waiting = _connect(self.path, busy_ms=BUSY_WAIT_MS)
+            opened.append(waiting)
             # One process at a time: SQLite's switch into WAL mode waits for no busy
             # handler, and failed at once ("database is locked") when processes opened a
             # new folder together (a race's workers; replicas started at once).
             with open(os.path.join(self.folder, "open.lock"), "a+b") as lock:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-                if self._waiting.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                    self._waiting.execute("PRAGMA journal_mode=WAL")
-                self._waiting.execute(
+                if waiting.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    waiting.execute("PRAGMA journal_mode=WAL")
+                waiting.execute(
                     "CREATE TABLE IF NOT EXISTS objects"
                     " (key TEXT PRIMARY KEY, etag TEXT NOT NULL, data BLOB NOT NULL)"
                     " WITHOUT ROWID"
                 )
-                self._waiting.execute(
+                waiting.execute(
                     "CREATE TABLE IF NOT EXISTS log_starts (id INTEGER PRIMARY KEY, n INTEGER)"
                 )
-            for db in (self._quick, self._waiting):
+            for db in (quick, waiting):
                 db.execute("PRAGMA synchronous=NORMAL")
-            _start_log(self._waiting)
+            _start_log(waiting)
             # Best effort for the caller's thread's own first frame: it never waits.
             with contextlib.suppress(sqlite3.OperationalError):
-                _start_log(self._quick)
+                _start_log(quick)
             wal.fsync_dir(self.folder)  # the database's name in its folder, on disk before any ack
-        except (OSError, sqlite3.Error) as exc:
-            raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
+        except BaseException as exc:
+            # Closed here: a failed open left both connections open (a damaged file, a
+            # full disk), two more on every use of a closed store that opens it again.
+            for db in opened:
+                with contextlib.suppress(sqlite3.Error):
+                    db.close()
+            if isinstance(exc, OSError | sqlite3.Error):
+                raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
+            raise
+        # Kept only once open: a failed reopen leaves the closed ones, and ``close`` and
+        # the next use see a store that is still closed.
+        self._quick, self._waiting = quick, waiting
         self._quick_lock = threading.Lock()
         self._waiting_lock = threading.Lock()
         self._pid = os.getpid()

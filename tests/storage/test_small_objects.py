@@ -353,6 +353,42 @@ def test_a_damaged_table_is_the_store_unavailable_not_a_crash(tmp_path: Path) ->
         LocalObjectStore(tmp_path)
 
 
+def connections_to(path: Path) -> int:
+    """How many of this process's descriptors are open on ``path``: each SQLite
+    connection holds one on its database file while it is open."""
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(path.resolve()))
+
+
+@pytest.mark.parametrize("when", ["first-open", "reopen-after-close"])
+def test_an_open_that_fails_leaves_no_connection_open(tmp_path: Path, when: str) -> None:
+    # ``_open`` made both connections before the steps that may fail (the switch to
+    # WAL, the schema, the log's first write): a failure raised StorageUnavailable and
+    # left them open. Reopening after ``close`` (every use of a closed store does) left
+    # two more open on each failed call, while the store counted itself closed.
+    folder = tmp_path / "rows"
+    database = folder / small_objects.DATABASE
+    if when == "first-open":
+        folder.mkdir()
+        database.write_bytes(b"not a database at all" * 100)
+        with pytest.raises(StorageUnavailable) as failed:
+            small_objects.SmallObjects(str(folder))
+        assert connections_to(database) == 0, failed.value
+        return
+    rows = small_objects.SmallObjects(str(folder))
+    rows.create([("inbox/s/a", b"a", "e")], wait=True)
+    assert connections_to(database) == 2  # the count sees the store's own two
+    rows.close()
+    assert connections_to(database) == 0
+    for name in (small_objects.DATABASE + "-wal", small_objects.DATABASE + "-shm"):
+        (folder / name).unlink(missing_ok=True)
+    database.write_bytes(b"not a database at all" * 100)  # damaged while closed
+    for _ in range(3):
+        with pytest.raises(StorageUnavailable):
+            rows.get("inbox/s/a", wait=True)
+        assert connections_to(database) == 0
+
+
 def test_sqlite_refusals_for_a_lock_are_told_apart() -> None:
     locked = sqlite3.OperationalError("database is locked")
     assert small_objects._locked(locked)
