@@ -375,23 +375,21 @@ class WorkWatcher:
         return outcome_data(ok=status is JobStatus.SUCCEEDED, value=value)
 
     async def _running_job(self, client: Any, run: int) -> str | None:
-        """This run's job, or an earlier run's job that is still running or succeeded: a
-        job outlives its watcher, so a re-run after a lost watcher adopts it rather than
-        submitting a second one. A failed or stopped earlier job is not adopted."""
-        from ray.job_submission import JobStatus
-
+        """This run's job, or the latest earlier run's job Ray knows, whatever its status:
+        a job outlives its watcher, so a run after a lost watcher adopts it and answers
+        with its end. A job that failed or was stopped on its own ended; submitted
+        again, it ran twice. Only a run whose job Ray never had is submitted anew."""
         for earlier in range(run, 0, -1):
             submission_id = f"{self._order.work_id}-{earlier}"
             try:
-                info = await asyncio.to_thread(client.get_job_info, submission_id)
-            except RuntimeError:
-                continue  # never submitted under this run
-            if earlier == run or info.status in (
-                JobStatus.PENDING,
-                JobStatus.RUNNING,
-                JobStatus.SUCCEEDED,
-            ):
-                return submission_id
+                await asyncio.to_thread(client.get_job_info, submission_id)
+            except RuntimeError as exc:
+                if not _no_such_job(exc):
+                    # The dashboard failed (not "no such job"): the job may be there, so
+                    # nothing is submitted; the run is lost and the next one looks again.
+                    raise
+                continue
+            return submission_id
         return None
 
     async def _submit(
@@ -424,6 +422,12 @@ class WorkWatcher:
                     raise  # the dashboard failed, or its agents never came up: lost
             await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
         return None  # pragma: no cover - the loop returns or raises
+
+
+def _no_such_job(exc: RuntimeError) -> bool:
+    """The Jobs API's answer for a submission id it never had (its client raises every
+    failed request as a ``RuntimeError`` carrying the status code)."""
+    return "status code 404" in str(exc)
 
 
 def _failed(code: str, what: str, exc: BaseException) -> dict[str, JsonValue]:

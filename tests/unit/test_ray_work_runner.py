@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
@@ -16,6 +17,7 @@ from ray.exceptions import (
     RaySystemError,
     WorkerCrashedError,
 )
+from ray.job_submission import JobStatus
 
 from actors import ray_work
 from actors.config_ref import ConfigRef
@@ -297,3 +299,109 @@ def test_a_jobs_log_is_read_from_its_end_and_kept_bounded(monkeypatch: pytest.Mo
     assert tail.endswith("line 9999\n") and len(tail) == ray_work.LOGS_TAIL_CHARS
     assert asked["submission_id"] == "job-1" and asked["node_id"] == "node-1"
     assert 0 < asked["tail"] <= ray_work.LOGS_TAIL_LINES
+
+
+class Jobs:
+    """A Jobs API client: the jobs it knows by submission id (each at its status), and the
+    ones submitted or stopped through it. A job submitted through it has succeeded by the
+    first look; every other stays as it is."""
+
+    def __init__(self, **jobs: Any) -> None:
+        self.jobs: dict[str, Any] = dict(jobs)
+        self.submitted: list[str] = []
+        self.stopped: list[str] = []
+
+    def _known(self, submission_id: str) -> Any:
+        if submission_id not in self.jobs:
+            raise RuntimeError(f"Request failed with status code 404: {submission_id}.")
+        return self.jobs[submission_id]
+
+    def get_job_info(self, submission_id: str) -> Any:
+        status = self._known(submission_id)
+        return SimpleNamespace(status=status, message=f"job {status}", driver_node_id=None)
+
+    def get_job_status(self, submission_id: str) -> Any:
+        return self._known(submission_id)
+
+    def submit_job(self, *, submission_id: str, **options: Any) -> str:
+        self.submitted.append(submission_id)
+        self.jobs[submission_id] = JobStatus.SUCCEEDED
+        return submission_id
+
+    def stop_job(self, submission_id: str) -> bool:
+        self.stopped.append(submission_id)
+        return not self._known(submission_id).is_terminal()
+
+
+def a_job_watcher(
+    runner: RayWorkRunner, order: WorkOrder, launch: Launch, jobs: Jobs, monkeypatch: Any
+) -> Any:
+    """A job's watcher (the class itself, no actor) talking to ``jobs``."""
+    monkeypatch.setattr(ray_work, "_job_client", lambda launch: jobs)
+    monkeypatch.setattr(ray_work, "_logs_tail", lambda submission_id, node_id: "")
+    return WorkWatcher.__ray_metadata__.modified_class(  # type: ignore[attr-defined]
+        ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch
+    )
+
+
+@pytest.mark.parametrize("ended", [JobStatus.FAILED, JobStatus.STOPPED, JobStatus.SUCCEEDED])
+async def test_a_job_that_ended_before_its_watcher_was_lost_is_answered_not_submitted_again(
+    ended: JobStatus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run 1's job ended on its own (its entrypoint exited non-zero, an operator stopped
+    it) and its watcher was lost before recording it: run 2 answers with that job's end.
+    Only a running or succeeded job was adopted; a failed or stopped one was submitted
+    again as run 2's, and the job ran twice."""
+    order = an_order()
+    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
+    runner = await a_runner(launch, order)
+    jobs = Jobs(**{f"{order.work_id}-1": ended})
+    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    assert await runner.records.claim_run(order.work_id, 2, by="watcher")
+    outcome = await watcher._execute(runner.records, 2)
+    assert jobs.submitted == []
+    assert outcome is not None and outcome["status"] == ("ok" if ended == "SUCCEEDED" else "error")
+    if ended is not JobStatus.STOPPED:  # stopped outside torpor: answered as such
+        assert outcome[("result" if ended == "SUCCEEDED" else "error")] == {
+            "submission_id": f"{order.work_id}-1",
+            "status": str(ended.value),
+            "message": f"job {ended}",
+            "logs_tail": "",
+        }
+
+
+async def test_a_job_ray_never_heard_of_is_submitted_for_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Run 1's job was never submitted (its watcher was lost first): run 2 submits its own."""
+    order = an_order()
+    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
+    runner = await a_runner(launch, order)
+    jobs = Jobs()
+    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    assert await runner.records.claim_run(order.work_id, 2, by="watcher")
+    outcome = await watcher._execute(runner.records, 2)
+    assert jobs.submitted == [f"{order.work_id}-2"]
+    assert outcome is not None and outcome["status"] == "ok"
+
+
+async def test_a_job_the_dashboard_failed_to_look_up_is_not_submitted_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dashboard failed to answer for run 1's job (a 500, not "no such job"): it may
+    run, so run 2 submits nothing and is lost (the next run looks again). Every failed
+    look-up was read as "never submitted", and a running job was submitted again."""
+    order = an_order()
+    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
+    runner = await a_runner(launch, order)
+    jobs = Jobs()
+    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+
+    def dashboard_failed(submission_id: str) -> Any:
+        raise RuntimeError("Request failed with status code 500: internal error.")
+
+    monkeypatch.setattr(jobs, "get_job_info", dashboard_failed)
+    assert await runner.records.claim_run(order.work_id, 2, by="watcher")
+    with pytest.raises(RuntimeError, match="500"):
+        await watcher._execute(runner.records, 2)
+    assert jobs.submitted == []
