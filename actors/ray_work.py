@@ -86,6 +86,8 @@ log = logging.getLogger(__name__)
 ACCEPTED = "accepted"
 CLOSING = "closing"
 # A run's process or node is gone: the run is lost (the retry policy decides), not failed.
+# ``ActorUnavailableError`` is a ``RayActorError`` too, but it proves no death: it is
+# caught before these (``_execute``).
 _LOST = (
     WorkerCrashedError,
     NodeDiedError,
@@ -106,6 +108,9 @@ JOB_CALL_TIMEOUT_S = 30.0
 # The lost cause a watcher records for a run claimed by a watcher that is gone: what that
 # one started is not known to have ended (an actor's method may still run, ``status``).
 WATCHER_GONE = "the process running it is gone"
+# The lost cause of an actor call cut off by an actor that could not be reached, and was
+# still there after: the call's answer is lost, but the call may still run in it.
+CALL_CUT_OFF = "its actor could not be reached"
 
 
 def watcher_name(work_id: str) -> str:
@@ -292,6 +297,17 @@ class WorkWatcher:
             if self._stopping or await records.stopped(order.work_id):
                 return None
             return _stopped_elsewhere("its task was cancelled")
+        except ActorUnavailableError as exc:
+            # The actor was unreachable (a network blip, a node under load): the call may
+            # have reached it and still run there. Unless the actor is known dead, the
+            # run is recorded as one that may still run, which the policy never runs
+            # again beside itself; read as lost, run 2 called the actor a second time.
+            if self._stopping:
+                return None
+            cut_off = launch.kind is Kind.ACTOR and not _actor_dead(launch)
+            why = CALL_CUT_OFF if cut_off else f"{type(exc).__name__}: {exc}"[:1000]
+            await records.record_lost(order.work_id, run, why)
+            return None
         except RayTaskError as exc:  # the work's own exception: its answer
             if self._stopping:
                 return None
@@ -422,6 +438,18 @@ class WorkWatcher:
                     raise  # the dashboard failed, or its agents never came up: lost
             await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
         return None  # pragma: no cover - the loop returns or raises
+
+
+def _actor_dead(launch: Launch) -> bool:
+    """True only when no actor answers to the launch's name any more (a dead actor's name
+    is let go): an actor Ray cannot look up right now is not known dead."""
+    try:
+        ray.get_actor(str(launch.actor), namespace=launch.actor_namespace)
+    except ValueError:
+        return True
+    except Exception:
+        return False
+    return False
 
 
 def _no_such_job(exc: RuntimeError) -> bool:
@@ -621,14 +649,20 @@ class RayWorkRunner:
         if await records.order(work) is None:
             return WorkStatus(WorkState.UNKNOWN, runs=runs)
         cause = await records.lost_cause(work, runs) if runs else None
-        if self.launch.kind is Kind.ACTOR and runs and cause in (None, WATCHER_GONE):
-            # Its watcher is gone, and the call it made goes on without it (an actor's
-            # method is no child of its caller, and a running one cannot be cancelled):
-            # a run again could do the work twice, side by side.
+        if self.launch.kind is Kind.ACTOR and runs and cause in (None, WATCHER_GONE, CALL_CUT_OFF):
+            # Its watcher is gone, or the actor was unreachable when the call's answer was
+            # due, and the call may go on without it (an actor's method is no child of
+            # its caller, and a running one cannot be cancelled): a run again could do the
+            # work twice, side by side.
+            what = (
+                "was cut off (the actor could not be reached)"
+                if cause == CALL_CUT_OFF
+                else "lost its watcher"
+            )
             return WorkStatus(
                 WorkState.LOST,
                 runs=runs,
-                cause=f"the watcher of its call to actor {self.launch.actor!r} was lost; "
+                cause=f"its call to actor {self.launch.actor!r} {what}; "
                 "the call may still run there, so it is not started again",
                 rerunnable=False,
             )

@@ -30,6 +30,7 @@ from torpor.errors import SessionNotFound, StorageUnavailable
 from torpor.settings import Settings
 from torpor.tools import ToolContext
 from torpor.work import (
+    Fail,
     Rerun,
     RetryPolicy,
     TaskExecution,
@@ -405,3 +406,64 @@ async def test_a_job_the_dashboard_failed_to_look_up_is_not_submitted_again(
     with pytest.raises(RuntimeError, match="500"):
         await watcher._execute(runner.records, 2)
     assert jobs.submitted == []
+
+
+class Model:
+    """A named actor whose method's call ends as ``failure`` says, and whose look-ups
+    after that call find it, or (``dead``) find no actor by its name."""
+
+    def __init__(self, failure: BaseException, *, dead: bool = False) -> None:
+        self.embed = self
+        self.failure = failure
+        self.dead = dead
+        self.calls = 0
+
+    def remote(self, *args: Any) -> asyncio.Future[Any]:
+        self.calls += 1
+        ended: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        ended.set_exception(self.failure)
+        return ended
+
+    def look_up(self, name: str, namespace: str | None = None) -> Any:
+        if self.calls and self.dead:
+            return gone(name, namespace)
+        return self
+
+
+async def a_lost_actor_call(model: Model, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Run 1 of an actor call whose call ends as ``model`` says; the status once its
+    watcher has exited."""
+    order = an_order()
+    launch = Launch(Kind.ACTOR, actor="model", method="embed")
+    runner = await a_runner(launch, order)
+    watcher = WorkWatcher.__ray_metadata__.modified_class(  # type: ignore[attr-defined]
+        ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch
+    )
+    monkeypatch.setattr(ray_work.ray, "get_actor", model.look_up)
+    assert await watcher._execute(runner.records, 1) is None
+    assert model.calls == 1
+    monkeypatch.setattr(ray_work.ray, "get_actor", gone)  # the watcher has exited
+    return await runner.status(order.work_id)
+
+
+async def test_an_actor_call_cut_off_by_an_unreachable_actor_is_not_run_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The actor could not be reached for a moment (``ActorUnavailableError``) and is
+    still there: the call may still run in it, so the policy does not call it again
+    beside itself. It was read as a lost process, and run 2 called the actor anew."""
+    unavailable = ActorUnavailableError("the actor is temporarily unavailable", None)
+    status = await a_lost_actor_call(Model(unavailable), monkeypatch)
+    assert status.state is WorkState.LOST
+    assert not status.rerunnable, status
+    assert isinstance(after_loss(RetryPolicy(max_runs=2), status), Fail), status
+
+
+async def test_an_actor_call_whose_actor_is_known_dead_is_run_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unreachable, then no actor by its name: its process is gone, and the call with it."""
+    unavailable = ActorUnavailableError("the actor is temporarily unavailable", None)
+    status = await a_lost_actor_call(Model(unavailable, dead=True), monkeypatch)
+    assert status.state is WorkState.LOST
+    assert after_loss(RetryPolicy(max_runs=2), status) == Rerun(run=2), status
