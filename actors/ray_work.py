@@ -58,6 +58,7 @@ from actors.wiring import open_services
 from storage.factory import open_object_store
 from storage.work import ObjectProgress, WorkRecords
 from torpor.backoff import Backoff
+from torpor.errors import WorkStopFailed
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import crash_point
 from torpor.ports import ObjectStore
@@ -228,8 +229,7 @@ class WorkWatcher:
         if self._ref is not None:
             ray.cancel(self._ref, force=self._launch.kind is Kind.TASK)
         if self._job is not None:
-            client = _job_client(self._launch)
-            await asyncio.to_thread(client.stop_job, self._job)
+            await _stop_job(_job_client(self._launch), self._job)
 
     async def _main(self, run: int) -> None:
         services = open_services(self._settings)
@@ -360,7 +360,7 @@ class WorkWatcher:
         submission_id = adopted or f"{self._order.work_id}-{run}"
         if self._stopping:  # stopped while it looked: nothing is submitted now
             if adopted is not None:
-                await asyncio.to_thread(client.stop_job, adopted)
+                await _stop_job(client, adopted)
             return None
         self._job = submission_id
         if adopted is None:
@@ -368,7 +368,7 @@ class WorkWatcher:
             if refused is not None:
                 return _failed("work_not_started", "the job was refused", refused)
             if self._stopping:  # stopped while it was submitted: ``stop`` found no job
-                await asyncio.to_thread(client.stop_job, submission_id)
+                await _stop_job(client, submission_id)
         while True:
             status = await asyncio.to_thread(client.get_job_status, submission_id)
             if status.is_terminal():
@@ -450,6 +450,30 @@ def _actor_dead(launch: Launch) -> bool:
     except Exception:
         return False
     return False
+
+
+async def _stop_job(client: Any, submission_id: str) -> None:
+    """Stop a job. One never submitted, or over already (the dashboard may refuse to stop
+    it: its agent went with it), is stopped; any other failure is ``WorkStopFailed``:
+    it may still run, and the caller asks again."""
+    try:
+        await asyncio.to_thread(client.stop_job, submission_id)
+        return
+    except RuntimeError as exc:  # the client's every refused request
+        if _no_such_job(exc):
+            return
+        failure: Exception = exc
+    except OSError as exc:  # requests' own: no connection, no answer in time
+        failure = exc
+    try:
+        status = await asyncio.to_thread(client.get_job_status, submission_id)
+    except (RuntimeError, OSError):
+        status = None  # not known to have ended: the stop's failure stands
+    if status is not None and status.is_terminal():
+        return
+    raise WorkStopFailed(
+        f"job {submission_id} could not be stopped: {type(failure).__name__}: {failure}"[:1000]
+    ) from failure
 
 
 def _no_such_job(exc: RuntimeError) -> bool:
@@ -677,6 +701,13 @@ class RayWorkRunner:
         try:
             handle = ray.get_actor(watcher_name(work), namespace=self.settings.namespace)
             await asyncio.wait_for(handle.stop.remote(), timeout=STATE_TIMEOUT_S)
+        except RayTaskError as exc:
+            # The watcher's own stop failed (its job's): Ray's wrapper is no answer for a
+            # caller, who retries a typed retryable error (a compensation does).
+            cause = exc.cause if exc.cause is not None else exc
+            raise WorkStopFailed(
+                f"work {work}: its stop failed: {type(cause).__name__}: {cause}"[:1000]
+            ) from exc
         except (*_GONE, TimeoutError):
             # No watcher: a task died with it, but a job outlives it (``_running_job``).
             if self.launch.kind is Kind.JOB:
@@ -685,8 +716,7 @@ class RayWorkRunner:
     async def _stop_jobs(self, work: str) -> None:
         client = _job_client(self.launch)
         for run in range(1, await self.records.runs(work) + 1):
-            with contextlib.suppress(RuntimeError):  # never submitted, or over already
-                await asyncio.to_thread(client.stop_job, f"{work}-{run}")
+            await _stop_job(client, f"{work}-{run}")
 
     async def order(self, work: str) -> WorkOrder | None:
         return await self.records.order(work)

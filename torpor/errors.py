@@ -257,6 +257,14 @@ class OutboundBusy(RetryableError, TimeoutError):
     status, title = 503, "Outbound calls busy"
 
 
+class WorkStopFailed(RetryableError):
+    """A work's stop did not reach it (a job's stop failed, its dashboard did not
+    answer) and nothing says it ended: it may still run, so the stop is asked again."""
+
+    code = "work_stop_failed"
+    status, title = 503, "Work stop failed"
+
+
 class ActivationUnavailable(RetryableError):
     """No activator took the request (its actor or host did not answer in time)."""
 

@@ -10,11 +10,13 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
+import requests
 from pydantic import JsonValue
 from ray.exceptions import (
     ActorUnavailableError,
     OutOfMemoryError,
     RaySystemError,
+    RayTaskError,
     WorkerCrashedError,
 )
 from ray.job_submission import JobStatus
@@ -26,7 +28,7 @@ from storage.memory_store import MemoryObjectStore
 from storage.work import WorkRecords
 from tests.unit.test_work import order
 from torpor.backoff import fixed
-from torpor.errors import SessionNotFound, StorageUnavailable
+from torpor.errors import SessionNotFound, StorageUnavailable, WorkStopFailed
 from torpor.settings import Settings
 from torpor.tools import ToolContext
 from torpor.work import (
@@ -467,3 +469,78 @@ async def test_an_actor_call_whose_actor_is_known_dead_is_run_again(
     status = await a_lost_actor_call(Model(unavailable, dead=True), monkeypatch)
     assert status.state is WorkState.LOST
     assert after_loss(RetryPolicy(max_runs=2), status) == Rerun(run=2), status
+
+
+def unreachable_dashboard(submission_id: str) -> Any:
+    raise requests.ConnectionError("Failed to establish a new connection: refused")
+
+
+def agent_gone(submission_id: str) -> Any:
+    # The dashboard's answer when the agent that ran a job is gone with it (it finished).
+    raise RuntimeError("Request failed with status code 500: No available agent.")
+
+
+async def test_a_stop_of_a_job_that_ended_already_is_no_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The job ended while its stop was asked for, and the dashboard refused the stop (its
+    agent went with the job): the work is stopped all the same. The refusal came back
+    to the cancel as a raw error."""
+    order = an_order()
+    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
+    runner = await a_runner(launch, order)
+    jobs = Jobs(**{f"{order.work_id}-1": JobStatus.FAILED})
+    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    monkeypatch.setattr(jobs, "stop_job", agent_gone)
+    watcher._job = f"{order.work_id}-1"
+    await watcher.stop()
+
+
+@pytest.mark.parametrize("failure", [unreachable_dashboard, agent_gone], ids=["unreachable", "500"])
+async def test_a_stop_the_dashboard_did_not_take_is_a_retryable_torpor_error(
+    failure: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job still runs (or nothing says it ended) and its stop failed: the stop raises
+    ``WorkStopFailed``, retryable, so the compensation asks again. It raised the
+    client's own ``ConnectionError``/``RuntimeError``, which nothing retries."""
+    order = an_order()
+    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
+    runner = await a_runner(launch, order)
+    jobs = Jobs(**{f"{order.work_id}-1": JobStatus.RUNNING})
+    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    monkeypatch.setattr(jobs, "stop_job", failure)
+    watcher._job = f"{order.work_id}-1"
+    with pytest.raises(WorkStopFailed) as raised:
+        await watcher.stop()
+    assert raised.value.retryable
+    # With no watcher, the runner stops each run's job itself, and fails alike.
+    monkeypatch.setattr(ray_work.ray, "get_actor", gone)
+    with pytest.raises(WorkStopFailed):
+        await runner.stop(order.work_id, reason="cancelled")
+
+
+class StoppingWatcher:
+    """A watcher handle whose ``stop`` fails in the actor with ``cause``."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.stop = self
+        self.cause = cause
+
+    def remote(self) -> asyncio.Future[None]:
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ended.set_exception(RayTaskError("stop", "Traceback ...", self.cause))
+        return ended
+
+
+async def test_a_watchers_failed_stop_reaches_the_caller_as_a_torpor_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watcher's stop failed in the actor: the runner's caller got Ray's wrapper,
+    ``RayTaskError``; now a ``WorkStopFailed``."""
+    order = an_order()
+    runner = await a_runner(Launch(Kind.JOB, entrypoint=lambda args: "true"), order)
+    handle = StoppingWatcher(WorkStopFailed("its job's stop failed"))
+    monkeypatch.setattr(ray_work.ray, "get_actor", lambda name, namespace=None: handle)
+    with pytest.raises(WorkStopFailed) as raised:
+        await runner.stop(order.work_id, reason="cancelled")
+    assert raised.value.retryable
