@@ -544,3 +544,35 @@ async def test_a_watchers_failed_stop_reaches_the_caller_as_a_torpor_error(
     with pytest.raises(WorkStopFailed) as raised:
         await runner.stop(order.work_id, reason="cancelled")
     assert raised.value.retryable
+
+
+async def test_a_long_jobs_watcher_asks_about_it_less_and_less_up_to_a_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A watcher asked the dashboard about its job every 0.5 s for the job's whole life:
+    100 hour-long jobs were 200 requests a second to one dashboard. Now the first look
+    still comes 0.5 s after the submit (a quick job is seen quickly), the period grows,
+    and an hour-long job is asked about a few hundred times, at most every 15 s."""
+    order = an_order()
+    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
+    runner = await a_runner(launch, order)
+    jobs = Jobs()
+    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def clock(delay: float) -> None:  # time passes as the watcher waits, at once
+        slept.append(delay)
+        await real_sleep(0)
+
+    def status(submission_id: str) -> JobStatus:
+        return JobStatus.RUNNING if sum(slept) < 3600 else JobStatus.SUCCEEDED
+
+    monkeypatch.setattr(ray_work.asyncio, "sleep", clock)
+    monkeypatch.setattr(jobs, "get_job_status", status)
+    with fixed():
+        outcome = await watcher._execute(runner.records, 1)
+    assert outcome is not None and outcome["status"] == "ok"
+    assert slept[0] == 0.5
+    assert slept == sorted(slept) and 10 <= max(slept) <= 15, slept
+    assert len(slept) <= 3600 / 10, len(slept)
