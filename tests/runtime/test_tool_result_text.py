@@ -87,3 +87,15 @@ async def test_a_str_result_that_is_plain_text_is_sent_as_it_is() -> None:
         [tool] = [m for m in snap.messages if m.role == "tool"]
         assert tool.content == 'PO 17 "approved"'
         assert snap.result == {"echoed": 'PO 17 "approved"'}
+
+
+async def test_a_str_result_nested_deeper_than_python_parses_stays_a_str() -> None:
+    """Valid JSON nested deeper than Python's parser goes raises RecursionError, not
+    ValueError: it escaped the check that decides how a str result is sent, and the
+    plan agent's read of the tool message, and the step failed at every replay."""
+    deep = "[" * 100_000 + "]" * 100_000
+    tools: dict[str, dict[str, Any]] = {"tests.runtime.test_tool_result_text:echo": {}}
+    async with memory_env({"p": plan_agent(ECHO_PLAN, tools)}) as env:
+        snap = await env.load(await env.submit("p", deep))
+        assert snap.state is SessionState.COMPLETED, (snap.state, snap.error)
+        assert snap.result == {"echoed": deep}
