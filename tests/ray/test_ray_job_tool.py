@@ -12,7 +12,6 @@ the work records.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from storage.work import WorkRecords
 from tests.conftest import eventually, make_bucket
 from tests.ray.conftest import session_actors
 from tests.support.job_tools import job_agents
-from tests.support.s3_server import S3TestServer
+from tests.support.s3_server import S3TestServer, free_port
 from torpor.clock import SystemClock
 from torpor.ids import business_idempotency_key
 from torpor.lifecycle import SessionState
@@ -48,7 +47,7 @@ def jobs() -> Iterator[JobSubmissionClient]:
         head_node_args={
             "num_cpus": 2,
             "include_dashboard": True,
-            "dashboard_port": _free_port(),
+            "dashboard_port": free_port(),
             "dashboard_agent_listen_port": 0,  # any free port: 52365 may be taken
         },
     )
@@ -62,12 +61,6 @@ def jobs() -> Iterator[JobSubmissionClient]:
     yield JobSubmissionClient(f"http://{url}")
     ray.shutdown()
     head.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Rig:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -59,9 +58,13 @@ def main() -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free now, outside the kernel's ephemeral range and Ray's worker ports (as
+    the demo's, ``quiet_port``): one the kernel hands out (bind to 0) is free when chosen,
+    but any process's next outgoing connection (a Redis client's, one of Ray's own as it
+    starts) may take it as its source port before the server chosen for it binds it."""
+    from torpor.entry.ports import quiet_port
+
+    return quiet_port()
 
 
 class S3TestServer:

@@ -424,7 +424,7 @@ def test_the_demos_ports_are_outside_the_ranges_ray_binds_from() -> None:
     """The kernel's ephemeral ports (Ray's processes bind them as they start, after the
     demo chose its port: one took it, and Serve's proxy could not bind it) and Ray's
     worker ports are both left alone."""
-    from torpor.entry.demo import _free_port
+    from torpor.entry.ports import quiet_port
 
-    ports = {_free_port(random.Random(seed)) for seed in range(50)}
+    ports = {quiet_port(random.Random(seed)) for seed in range(50)}
     assert all(20000 <= port < 32768 for port in ports) and len(ports) > 40

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import secrets
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from torpor import outbound
 from torpor.auth import new_api_key
 from torpor.demo.scenario import DocPlan, Story, documents, plan_documents
 from torpor.entry.ingress import Ingress, choose_ingress, restore
+from torpor.entry.ports import quiet_port
 from torpor.entry.view import Frame, Screen, render
 from torpor.settings import Settings
 from torpor.webhooks.signing import Scheme, generate_secret
@@ -52,28 +52,6 @@ class DemoOptions:
     timeout_s: float = 900.0
     state_dir: str | None = None
     keep: bool = False
-
-
-# Ports the demo listens on are taken from below the kernel's ephemeral range (32768 and
-# up on Linux) and above Ray's worker ports (10002-19999): a port the kernel gave out was
-# free when chosen, but Ray's own processes bind ephemeral ports as they start, before
-# Serve's proxy binds the one chosen, and one of them could take it first.
-DEMO_PORTS = range(20000, 32768)
-
-
-def _free_port(rng: random.Random | None = None) -> int:
-    import socket
-
-    pick = rng or random.Random()  # noqa: S311 - a port number, not a secret
-    for _ in range(200):
-        port = pick.randrange(DEMO_PORTS.start, DEMO_PORTS.stop)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use: another
-            return port
-    raise SystemExit("torpor: no free port for the demo between 20000 and 32767")
 
 
 def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
@@ -172,7 +150,7 @@ def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
     if len(docs) < opts.documents:
         raise SystemExit(f"torpor: only {len(docs)} sample documents are shipped")
     plans = plan_documents([d["doc_id"] for d in docs], seed=opts.seed)
-    port, sim_port = opts.port or _free_port(), _free_port()
+    port, sim_port = opts.port or quiet_port(), quiet_port()
     api_key, api_hash = new_api_key()
     secret = generate_secret(Scheme.TORPOR)
     settings = build_settings(opts, state, port, sim_port, api_hash, secret)
