@@ -15,10 +15,12 @@ and no model is needed. The plan is data (from configuration)::
 A call whose result is a tool error (``{"error": ...}``) goes where a branch that matches
 it says, else to the step's ``on_error``; with neither, the session fails with the cause.
 ``${path}`` alone in a string is replaced by the value (any JSON type); inside a longer
-string it is interpolated as text. Paths start at ``input``, ``results`` or ``vars``; one
-that names nothing fails the session (``PlanPathMissing``) rather than go on as a null
-argument. A path that may name nothing says so, ``${input.note?}``: null alone, no text
-inside a longer string; ``exists``/``missing`` branch on it.
+string it is interpolated as text. Paths start at ``input``, ``results`` or ``vars``. In a
+call's arguments one that names nothing fails the session (``PlanPathMissing``) rather
+than go out as a null argument (a tool acting on ``doc_id: null``); a path that may name
+nothing says so, ``${input.note?}``: null alone, no text inside a longer string. In a
+``finish`` (the session's result: data, not an action) every path may name nothing, as
+if marked. ``exists``/``missing`` branch on either.
 Tool-call ids are derived from the step and its visit count, so a replay after a crash
 produces the very same calls.
 """
@@ -108,25 +110,28 @@ def lookup(scope: dict[str, Any], path: str) -> Any:
     return node
 
 
-def render(template: Any, scope: dict[str, Any], *, where: str) -> Any:
+def render(template: Any, scope: dict[str, Any], *, where: str, strict: bool = True) -> Any:
     """``template`` with each ``${path}`` replaced from ``scope``; ``where`` names the
-    template's place in the plan for the error a path that names nothing raises."""
+    template's place in the plan for the error a path that names nothing raises (only
+    when ``strict``, and not marked ``?``)."""
     if isinstance(template, str):
         whole = _WHOLE.match(template)
         if whole:
-            return _resolve(scope, whole.group(1), bool(whole.group(2)), where)
+            optional = bool(whole.group(2)) or not strict
+            return _resolve(scope, whole.group(1), optional, where)
 
         def text(match: re.Match[str]) -> str:
-            value = _resolve(scope, match.group(1), bool(match.group(2)), where)
+            optional = bool(match.group(2)) or not strict
+            value = _resolve(scope, match.group(1), optional, where)
             if value is None:
                 return ""
             return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
         return _PART.sub(text, template)
     if isinstance(template, dict):
-        return {k: render(v, scope, where=where) for k, v in template.items()}
+        return {k: render(v, scope, where=where, strict=strict) for k, v in template.items()}
     if isinstance(template, list):
-        return [render(v, scope, where=where) for v in template]
+        return [render(v, scope, where=where, strict=strict) for v in template]
     return template
 
 
@@ -302,7 +307,9 @@ class PlanAgent:
         step = self._steps[target] if target is not None else None
         if step is None or not step.calls:
             result = (
-                render(step.finish, scope, where=f"plan step {step.id!r}, finish")
+                # Lenient: the result is data, and a plan's error path (a finish naming
+                # what a failed step did not give) must still end the session with it.
+                render(step.finish, scope, where=f"plan step {step.id!r}, finish", strict=False)
                 if step and step.finish is not None
                 else None
             )
