@@ -281,8 +281,12 @@ class StorageSettings(_Section):
         le=100 * 365 * 24 * 3600,
         description="index entries outlive their deadline by this much",
     )
+    # A century at most: the sweep takes the period from its clock (``now - keep``), and
+    # a period reaching back past year 1 raised OverflowError at every sweep, so nothing
+    # was ever deleted again, while the settings loaded without a word.
     retention_s: float = Field(
         30 * 24 * 3600,
+        le=100 * 365 * 24 * 3600,
         description="ended sessions and all their records are deleted this long after they end",
     )
     retention_per_sweep: int = Field(100, ge=1, description="sessions one sweep deletes at most")

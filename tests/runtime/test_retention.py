@@ -196,6 +196,14 @@ def test_retention_shorter_than_the_24_hour_windows_is_refused() -> None:
     assert Settings.build({}).storage.retention_s == 30 * 24 * 3600
 
 
+def test_a_retention_period_past_a_century_is_refused() -> None:
+    """A period the sweep cannot subtract from its clock (``now - keep`` before year 1)
+    was accepted, and every sweep then failed with OverflowError: nothing was purged."""
+    with pytest.raises(ConfigError, match="retention_s"):
+        Settings.build({"storage": {"retention_s": 1e12}})
+    assert Settings.build({"storage": {"retention_s": 100 * 365 * DAY}}).storage.retention_s
+
+
 def work_order(sid: str, *, deadline: datetime, call: str = "call_w1") -> WorkOrder:
     """The order a work tool's dispatch records, for a call of session ``sid``."""
     key = business_idempotency_key("acme", f"crunch:{sid}:{call}", 1)
