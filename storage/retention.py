@@ -321,7 +321,10 @@ class ObjectRetention:
             # As stored, without its history chunks: what judges it is all in there.
             snapshot = await self.snapshots.load_stored(session_id)
         except SessionNotFound:  # an earlier sweep got as far as the snapshot
-            report.objects += await self._after_snapshot(session_id, marker, now, windows)
+            objects, tenant = await self._after_snapshot(session_id, marker, now, windows)
+            report.objects += objects
+            if tenant is not None:  # its index entry may have outlived that sweep
+                report.forget.append((tenant, session_id))
             return
         except SnapshotError:  # corrupt, or a newer torpor's (mid-upgrade: it judges)
             report.kept += 1  # never delete what cannot be read: an operator looks first
@@ -342,8 +345,12 @@ class ObjectRetention:
         await self._delete_pointers(doomed.pointers)
         await self._delete(doomed.deciding)
         await self._delete(doomed.finders)
+        # The tenant into the ended marker before the snapshot goes: the index entry is
+        # dropped after this pass (``Sweeper._retention``), and a kill before that left
+        # it for ever unless a later visit, which finds no snapshot, can name it again.
+        await self.store.put(marker, _note(snapshot.tenant, None))
         await self.store.delete(keys.snapshot(session_id))
-        chunks = await self._after_snapshot(session_id, marker, now, windows)
+        chunks, _ = await self._after_snapshot(session_id, marker, now, windows)
         report.objects += len(doomed) + chunks + 1
         report.purged.append((snapshot.tenant, session_id))
 
@@ -359,37 +366,38 @@ class ObjectRetention:
 
     async def _after_snapshot(
         self, session_id: str, marker: str, now: datetime, windows: timedelta
-    ) -> int:
+    ) -> tuple[int, str | None]:
         """What goes after the snapshot: its history chunks (until the snapshot is gone
         a late webhook may still activate the session, whose load needs them: without
         them it read as corrupt and was quarantined, and a quarantined session is not
         ended, so the purge never finished), late inbox events, its live marker, then the
         ended marker a retry after a crash finds all of this through, once it is
-        ``windows`` old (``_settled``). The objects deleted."""
+        ``windows`` old (``_settled``). The objects deleted, and the session's tenant if
+        the marker names it."""
         chunks = await self._list(keys.chunk_prefix(session_id))
         await self._delete(chunks)
         late = await self._late_events(session_id, now - windows)
         await self.store.delete(keys.live(session_id))
-        if not await self._settled(marker, now, windows):
-            return len(chunks) + late
+        settled, tenant = await self._settled(marker, now, windows)
+        if not settled:
+            return len(chunks) + late, tenant
         await self.store.delete(marker)
-        return len(chunks) + late + 1
+        return len(chunks) + late + 1, tenant
 
-    async def _settled(self, marker: str, now: datetime, windows: timedelta) -> bool:
+    async def _settled(
+        self, marker: str, now: datetime, windows: timedelta
+    ) -> tuple[bool, str | None]:
         """Whether the ended marker may go: its session's snapshot went ``windows`` ago.
         A callback that found the session before the purge (its correlation record, its
         header) stores its event and replay marker after that, at any time its request
         takes: one stored after ``_late_events`` looked was named by nothing once the
         marker went. So the marker stays a window, stamped with when the snapshot was
         found gone, and each visit meanwhile looks for late events again."""
-        try:
-            gone_at = await self._stored_time(marker)
-        except ValueError:  # empty, as every ended marker is until its snapshot goes
-            gone_at = None
+        tenant, gone_at = _noted(await self._data(marker) or b"")
         if gone_at is None:  # the snapshot went just now (or before a crash): stamp it
-            await self.store.put(marker, now.isoformat().encode())
-            return False
-        return now - gone_at >= windows
+            await self.store.put(marker, _note(tenant, now))
+            return False, tenant
+        return now - gone_at >= windows, tenant
 
     async def _late_events(self, session_id: str, window_start: datetime) -> int:
         """Inbox events (and their replay markers) written after the inbox was listed: a
@@ -642,3 +650,27 @@ def _stopped_without_order(snapshot: SessionSnapshot, works: set[str]) -> list[s
         if work not in works:
             stopped.append(keys.work_stopped(work))
     return stopped
+
+
+def _note(tenant: str | None, gone_at: datetime | None) -> bytes:
+    """An ended marker's content once its purge reaches the snapshot: the session's
+    tenant (what its index entry is forgotten by) and when the snapshot was found gone."""
+    return json.dumps({"tenant": tenant, "gone_at": gone_at and gone_at.isoformat()}).encode()
+
+
+def _noted(data: bytes) -> tuple[str | None, datetime | None]:
+    """(tenant, gone at) of an ended marker: neither while it is empty (its session not
+    purged) or unreadable; a bare time, as markers were stamped before tenants were
+    noted, names no tenant."""
+    try:
+        text = data.decode()
+        if not text.startswith("{"):
+            return None, datetime.fromisoformat(text) if text else None
+        note = json.loads(text)
+        tenant, at = note.get("tenant"), note.get("gone_at")
+        return (
+            tenant if isinstance(tenant, str) else None,
+            datetime.fromisoformat(at) if isinstance(at, str) else None,
+        )
+    except (ValueError, AttributeError):
+        return None, None

@@ -58,6 +58,7 @@ class CrashPoint(StrEnum):
     DELIVERY_CREATED = "delivery.created"  # a notice's delivery is stored; no timer set
     # the reconciler's sweep
     POLLS_LEASED = "sweep.polls_leased"  # a sweep took its due polls; no vendor asked yet
+    RETENTION_PURGED = "sweep.retention_purged"  # sessions purged; the index not told yet
     # the local folder store (any process that writes through it)
     STORE_AFTER_SWAP = "store.after_swap"  # a replace is at its key; its old file in .tmp, unlogged
     STORE_AFTER_MOVE = "store.after_move"  # a deleted object's file is in .tmp; unlogged

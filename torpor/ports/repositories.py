@@ -90,6 +90,10 @@ class RetentionReport:
     """What one retention pass did."""
 
     purged: list[tuple[str, str]] = field(default_factory=list)  # (tenant, session id)
+    # Sessions an earlier pass purged whose ended marker still waits out its window: the
+    # index forgets them again (idempotent), in case a kill or an index error came between
+    # that pass's deletes and its forgetting them.
+    forget: list[tuple[str, str]] = field(default_factory=list)
     kept: int = 0  # due, but something of theirs is still needed
     objects: int = 0  # objects deleted
     archived: int = 0  # audit blocks compacted into archives

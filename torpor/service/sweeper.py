@@ -470,7 +470,11 @@ class Sweeper:
             windows=lookup_windows(self.services.settings),
             limit=storage.retention_per_sweep,
         )
-        for tenant, session_id in done.purged:  # after the objects: repair cannot undo it
+        # After the objects: repair cannot undo it. Those purged by an earlier pass too:
+        # a reconciler killed (or an index error) between that pass's deletes and these
+        # left the index listing a session that is gone, and repair never drops one.
+        for tenant, session_id in [*done.purged, *done.forget]:
+            crash_point(CrashPoint.RETENTION_PURGED)
             await self.services.index.forget_session(tenant=tenant, session_id=session_id)
         report.purged += len(done.purged)
         report.purged_batches += done.batches
