@@ -319,7 +319,7 @@ class ObjectRetention:
                 report.kept += 1
                 return
             # As stored, without its history chunks: what judges it is all in there.
-            snapshot = await self.snapshots.load_stored(session_id)
+            snapshot, etag = await self.snapshots.load_stored_tagged(session_id)
         except SessionNotFound:  # an earlier sweep got as far as the snapshot
             objects, tenant = await self._after_snapshot(session_id, marker, now, windows)
             report.objects += objects
@@ -349,7 +349,13 @@ class ObjectRetention:
         # dropped after this pass (``Sweeper._retention``), and a kill before that left
         # it for ever unless a later visit, which finds no snapshot, can name it again.
         await self.store.put(marker, _note(snapshot.tenant, None))
-        await self.store.delete(keys.snapshot(session_id))
+        # Only the snapshot judged: an operator's resend of a dead letter commits the
+        # ended session again (its outbox entry back to PENDING, to be sent) while the
+        # purge ran, and a blind delete took it, answered as done, with the session. The
+        # session stays; the next visit judges it as it is now (a recent change: kept).
+        if not await self.store.delete_if_match(keys.snapshot(session_id), etag=etag):
+            report.kept += 1
+            return
         chunks, _ = await self._after_snapshot(session_id, marker, now, windows)
         report.objects += len(doomed) + chunks + 1
         report.purged.append((snapshot.tenant, session_id))

@@ -114,13 +114,19 @@ class ObjectSnapshots:
         return self.codec.decode_waiting(obj.data, what=f"snapshot of {session_id}")
 
     async def load_stored(self, session_id: str) -> SessionSnapshot:
-        """The snapshot as stored, its sealed history chunks left out (what retention
-        reads: it needs none of them, and deletes them after the snapshot)."""
+        """The snapshot as stored, its sealed history chunks left out."""
+        snapshot, _ = await self.load_stored_tagged(session_id)
+        return snapshot
+
+    async def load_stored_tagged(self, session_id: str) -> tuple[SessionSnapshot, str]:
+        """``load_stored`` and the etag read with it (what retention reads: it needs no
+        chunk, deletes them after the snapshot, and the snapshot only if it is still the
+        one it judged)."""
         try:
             obj = await self.store.get(keys.snapshot(session_id))
         except ObjectNotFound:
             raise SessionNotFound(f"no session {session_id}", session_id=session_id) from None
-        return self.codec.decode(obj.data, what=f"snapshot of {session_id}")
+        return self.codec.decode(obj.data, what=f"snapshot of {session_id}"), obj.etag
 
     async def save(self, snapshot: SessionSnapshot, *, expected_generation: int) -> SessionSnapshot:
         sid = snapshot.session_id

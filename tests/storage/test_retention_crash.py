@@ -551,3 +551,43 @@ async def test_a_business_key_taken_just_before_its_pointers_delete_keeps_it() -
     assert [s for _, s in report.purged] == [sid] and store.taken is not None
     found = await ObjectCorrelations(store).lookup_business_key(tenant="acme", business_key="PR-C")
     assert found == store.taken
+
+
+class ResentMidPurge(MemoryObjectStore):
+    """An operator resends a dead letter of the ended session (``dead_letters.resend``
+    commits it again) after the purge judged it, before it deleted the snapshot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session_id = ""
+        self.resent_at: datetime | None = None
+
+    async def delete(self, key: str) -> None:
+        judged = self.session_id and key.startswith(keys.refs_prefix(self.session_id))
+        if judged and self.resent_at is None:
+            self.resent_at = NOW + KEEP + timedelta(days=1)
+            stored = await ObjectSnapshots(self).load_stored(self.session_id)
+            revived = stored.model_copy(
+                update={"generation": stored.generation + 1, "updated_at": self.resent_at}
+            )
+            await super().put(keys.snapshot(self.session_id), SnapshotCodec().encode(revived))
+        await super().delete(key)
+
+
+async def test_a_session_committed_again_mid_purge_keeps_its_snapshot() -> None:
+    """The snapshot was judged early and deleted unconditionally last: the operator's
+    resend was answered as done, and the session it revived was deleted with it."""
+    store = ResentMidPurge()
+    sid = await ended(store)
+    store.session_id = sid
+    later = NOW + KEEP + timedelta(days=1)
+    retention = ObjectRetention(store)
+    report = await retention.sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert store.resent_at is not None
+    assert report.purged == [] and report.kept == 1
+    kept = await ObjectSnapshots(store).load(sid)
+    assert kept.updated_at == store.resent_at
+    # Judged again as it is now: changed a moment ago, so kept a whole period more.
+    report = await retention.sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert report.purged == [] and report.kept == 1
+    assert (await ObjectSnapshots(store).load(sid)).updated_at == store.resent_at
