@@ -79,6 +79,9 @@ class Doomed:
     later phase deletes, so a crash between phases leaves the rest findable."""
 
     records: list[str] = field(default_factory=list)
+    # Deliveries → the etag each was judged settled at: each goes only if unchanged since
+    # (``_delete_deliveries``), before the other records.
+    deliveries: dict[str, str] = field(default_factory=dict)
     # Business-key pointers → the correlation ids that make each ours (waits of several
     # epochs may have used one key). Deleted with the records, each only if it still
     # names one of them when it goes (``_delete_pointers``).
@@ -91,7 +94,13 @@ class Doomed:
     finders: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.records) + len(self.pointers) + len(self.deciding) + len(self.finders)
+        return (
+            len(self.records)
+            + len(self.deliveries)
+            + len(self.pointers)
+            + len(self.deciding)
+            + len(self.finders)
+        )
 
 
 class ObjectRetention:
@@ -341,6 +350,9 @@ class ObjectRetention:
         if doomed is None:
             report.kept += 1
             return
+        if not await self._delete_deliveries(doomed.deliveries):
+            report.kept += 1  # resent meanwhile: the next visit finds it pending
+            return
         await self._delete(doomed.records)
         await self._delete_pointers(doomed.pointers)
         await self._delete(doomed.deciding)
@@ -467,10 +479,8 @@ class ObjectRetention:
             elif kind == "d":
                 tenant, _, delivery_id = rest.partition("/")
                 delivered.add(delivery_id)
-                delivery = await self._read(keys.delivery(tenant, delivery_id), Delivery)
-                if delivery is not None and delivery.status is DeliveryStatus.PENDING:
+                if not await self._settled_delivery(tenant, delivery_id, doomed):
                     return None  # still being attempted
-                doomed.records.append(keys.delivery(tenant, delivery_id))
                 doomed.records.append(keys.dead_letter(tenant, delivery_id))
                 doomed.records.append(keys.pending_delivery(tenant, delivery_id))
             elif kind == "w":
@@ -537,15 +547,47 @@ class ObjectRetention:
             delivery_id = delivery_id_for(entry.idempotency_key)
             if delivery_id in delivered:
                 continue
-            delivery = await self._read(keys.delivery(snapshot.tenant, delivery_id), Delivery)
-            if delivery is None or delivery.session_id != snapshot.session_id:
+            key = keys.delivery(snapshot.tenant, delivery_id)
+            found = await self._stored(key)
+            delivery = None if found is None else _parsed(found.data, Delivery)
+            if found is None or delivery is None or delivery.session_id != snapshot.session_id:
                 continue
             if delivery.status is DeliveryStatus.PENDING:
                 return False
-            doomed.records.append(keys.delivery(snapshot.tenant, delivery_id))
+            doomed.deliveries[key] = found.etag
             doomed.records.append(keys.dead_letter(snapshot.tenant, delivery_id))
             doomed.records.append(keys.pending_delivery(snapshot.tenant, delivery_id))
         return True
+
+    async def _settled_delivery(self, tenant: str, delivery_id: str, doomed: Doomed) -> bool:
+        """Whether a delivery is no longer being attempted; if it is stored, noted with
+        its etag to go."""
+        key = keys.delivery(tenant, delivery_id)
+        found = await self._stored(key)
+        if found is None:
+            return True
+        delivery = _parsed(found.data, Delivery)
+        if delivery is not None and delivery.status is DeliveryStatus.PENDING:
+            return False
+        doomed.deliveries[key] = found.etag
+        return True
+
+    async def _delete_deliveries(self, deliveries: dict[str, str]) -> bool:
+        """Delete each delivery if it is still as judged; False if one changed (and
+        stays). An operator's resend of a dead letter turns it PENDING, by a
+        compare-and-swap, and sets its timer: landing while the purge ran, the delivery
+        was deleted blind, the resend answered as done and nothing ever sent. A delivery
+        already gone (a purge that crashed after it) is no change."""
+        gate = asyncio.Semaphore(DELETES_AT_ONCE)
+
+        async def one(key: str, etag: str) -> bool:
+            async with gate:
+                return await self.store.delete_if_match(key, etag=etag) or not await exists(
+                    self.store, key
+                )
+
+        found = await asyncio.gather(*(one(k, e) for k, e in deliveries.items()))
+        return all(found)
 
     async def _names(self, submit_key: str, session_id: str) -> bool:
         data = await self._data(submit_key)
@@ -636,12 +678,14 @@ class ObjectRetention:
 
     async def _read(self, key: str, model: type[T]) -> T | None:
         data = await self._data(key)
-        if data is None:
-            return None
-        try:
-            return model.model_validate_json(data)
-        except ValidationError:
-            return None
+        return None if data is None else _parsed(data, model)
+
+
+def _parsed(data: bytes, model: type[T]) -> T | None:
+    try:
+        return model.model_validate_json(data)
+    except ValidationError:
+        return None
 
 
 def _stopped_without_order(snapshot: SessionSnapshot, works: set[str]) -> list[str]:

@@ -12,6 +12,7 @@ from storage import keys
 from storage.batches import ObjectBatches
 from storage.codec import SnapshotCodec
 from storage.correlations import ObjectCorrelations
+from storage.deliveries import ObjectDeliveries
 from storage.inbox import ObjectInbox
 from storage.memory_store import MemoryObjectStore
 from storage.retention import BATCH_GRACE, SESSIONS_PER_BATCH_VISIT, ObjectRetention
@@ -19,6 +20,7 @@ from storage.snapshots import ObjectSnapshots, ended_day
 from storage.work import ObjectProgress, WorkRecords
 from tests.support.factories import NOW, snapshot
 from torpor.batches import BatchManifest, FanOutCursor, RetryGeneration
+from torpor.deliveries import Delivery, DeliveryStatus
 from torpor.errors import SessionNotFound
 from torpor.events import EventKind, InboxEvent
 from torpor.ids import business_idempotency_key, new_correlation_id, new_trace_id
@@ -591,3 +593,54 @@ async def test_a_session_committed_again_mid_purge_keeps_its_snapshot() -> None:
     report = await retention.sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
     assert report.purged == [] and report.kept == 1
     assert (await ObjectSnapshots(store).load(sid)).updated_at == store.resent_at
+
+
+class DeliveryResentMidPurge(MemoryObjectStore):
+    """An operator resends the session's dead delivery (a compare-and-swap to PENDING)
+    after the purge judged it settled, before the purge's first delete."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session_id = ""
+        self.resent: Delivery | None = None
+
+    async def list(
+        self, prefix: str, *, start_after: str | None = None, limit: int = 1000
+    ) -> ListPage:
+        mid_purge = self.session_id and prefix == keys.progress_prefix(self.session_id)
+        if mid_purge and self.resent is None:
+            self.resent = await ObjectDeliveries(self).update(
+                "acme",
+                "d_dead",
+                lambda d: d.model_copy(update={"status": DeliveryStatus.PENDING, "attempts": 0}),
+            )
+        return await super().list(prefix, start_after=start_after, limit=limit)
+
+
+async def test_a_delivery_resent_mid_purge_is_kept_with_its_session() -> None:
+    """The delivery was judged dead early and deleted blind with the other records: the
+    resend was answered as done, and nothing was ever sent."""
+    store = DeliveryResentMidPurge()
+    sid = await ended(store)
+    await ObjectDeliveries(store).create(
+        Delivery(
+            delivery_id="d_dead",
+            tenant="acme",
+            session_id=sid,
+            url="https://hooks.example/x",
+            event_type="session.completed",
+            payload={},
+            status=DeliveryStatus.DEAD,
+            created_at=NOW,
+        )
+    )
+    store.session_id = sid
+    later = NOW + KEEP + timedelta(days=1)
+    retention = ObjectRetention(store)
+    report = await retention.sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert store.resent is not None
+    assert report.purged == [] and report.kept == 1
+    pending = await ObjectDeliveries(store).get("acme", "d_dead")
+    assert pending.status is DeliveryStatus.PENDING
+    assert keys.pending_delivery("acme", "d_dead") in (await store.list("pending-")).keys
+    assert (await ObjectSnapshots(store).load(sid)).session_id == sid
