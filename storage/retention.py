@@ -133,7 +133,10 @@ class ObjectRetention:
                 break
             await self._one(marker, session_id, now, cutoff, windows, report)
         await self.sweep_batches(cutoff, report)
-        await self._sweep_replays(cutoff, report)
+        # Never inside the replay window: the settings take a period of 24 h while a
+        # source's tolerance (up to a day) makes the window up to three days, and a
+        # marker gone within it lets a captured copy of its request through again.
+        await self._sweep_replays(min(cutoff, now - windows), report)
         return report
 
     async def _sweep_replays(self, cutoff: datetime, report: RetentionReport) -> None:
@@ -141,7 +144,7 @@ class ObjectRetention:
         ``cutoff``. A session's purge deletes the markers its inbox events name, but a
         request that stored nothing new (a duplicate resent signed afresh, a batch whose
         events all named no wait) is answered 2xx and remembered all the same, by a
-        marker no event names. Past the retention period (24 h at least) no signature
+        marker no event names. Past the retention period and the window no signature
         window is open for it. Unstamped markers (before stamps) are left to the purge."""
         page = await self.store.list(
             keys.REPLAYS, start_after=self._replay_cursor, limit=REPLAYS_PER_SWEEP
@@ -343,7 +346,7 @@ class ObjectRetention:
             return
         born_ms = session_id_ms(session_id)
         young = born_ms is not None and born_ms > (now - windows).timestamp() * 1000
-        if young:  # only with a retention shorter than the windows, which settings refuse
+        if young:  # only with a period shorter than the windows (a tolerance past 8 h)
             report.kept += 1
             return
         doomed = await self._records(snapshot, now - windows, cutoff)

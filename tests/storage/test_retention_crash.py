@@ -644,3 +644,18 @@ async def test_a_delivery_resent_mid_purge_is_kept_with_its_session() -> None:
     assert pending.status is DeliveryStatus.PENDING
     assert keys.pending_delivery("acme", "d_dead") in (await store.list("pending-")).keys
     assert (await ObjectSnapshots(store).load(sid)).session_id == sid
+
+
+async def test_a_replay_marker_stays_for_a_window_longer_than_the_period() -> None:
+    """A source's tolerance (up to a day) makes the replay window up to three days, and
+    the settings take a period of a day: markers went by the period alone, inside the
+    window, and a captured copy of the request was accepted again."""
+    store = MemoryObjectStore()
+    inbox = ObjectInbox(store)
+    await inbox.remember_accepted(source="oa", content_digest="e" * 64, at=NOW)
+    day, windows = timedelta(days=1), timedelta(hours=36)
+    retention = ObjectRetention(store)
+    await retention.sweep(now=NOW + timedelta(hours=30), keep=day, windows=windows, limit=10)
+    assert await inbox.was_accepted(source="oa", content_digest="e" * 64)
+    await retention.sweep(now=NOW + timedelta(hours=37), keep=day, windows=windows, limit=10)
+    assert not await inbox.was_accepted(source="oa", content_digest="e" * 64)
