@@ -63,6 +63,7 @@ DELETES_AT_ONCE = 16
 AUDIT_STREAMS_PER_SWEEP = 8
 BATCHES_PER_SWEEP = 8
 REPLAYS_PER_SWEEP = 256  # replay markers one sweep looks at (one read each)
+SUBMIT_KEYS_PER_SWEEP = 256  # submit-key records one sweep looks at (one read each)
 # A batch's sessions looked for at most in one visit (a sweep is one step of the
 # reconciler's loop, which wakes sessions and fires timers: it must stay short).
 SESSIONS_PER_BATCH_VISIT = 256
@@ -113,6 +114,7 @@ class ObjectRetention:
         self._batch_cursor: str | None = None
         self._accept_cursor: str | None = None
         self._replay_cursor: str | None = None
+        self._submit_cursor: str | None = None
         # How many of each batch's sessions (in the order they are looked at) are known
         # gone: the next visit starts there, at the one found still stored last time.
         self._batch_gone: OrderedDict[str, int] = OrderedDict()
@@ -137,7 +139,47 @@ class ObjectRetention:
         # source's tolerance (up to a day) makes the window up to three days, and a
         # marker gone within it lets a captured copy of its request through again.
         await self._sweep_replays(min(cutoff, now - windows), report)
+        await self._sweep_submit_keys(min(cutoff, now - windows), report)
         return report
+
+    async def _sweep_submit_keys(self, cutoff: datetime, report: RetentionReport) -> None:
+        """Visit a page of submit-key records (round robin) and delete those written
+        before ``cutoff`` whose session was never made: the record is written before the
+        session, so a create that failed (an outage) and that no retry of the key took
+        over left it, and its ref, naming a session no purge would ever visit. A record
+        whose session exists goes with it (``_records``)."""
+        page = await self.store.list(
+            keys.SUBMIT_KEYS, start_after=self._submit_cursor, limit=SUBMIT_KEYS_PER_SWEEP
+        )
+        self._submit_cursor = page.next_token
+        gate = asyncio.Semaphore(DELETES_AT_ONCE)
+
+        async def one(key: str) -> int:
+            async with gate:
+                found = await self._stored(key)
+                if found is None:
+                    return 0
+                try:
+                    record = submit_keys.decode(found.data)
+                except (ValueError, KeyError, TypeError, InvalidKey):
+                    return 0  # unreadable: left for an operator, as other records are
+                at = record.created_at
+                if at.tzinfo is None or at > cutoff:
+                    return 0  # its request may still make the session
+                try:
+                    await self.snapshots.header(record.session_id)
+                    return 0
+                except SessionNotFound:
+                    pass
+                except (SnapshotError, InvalidKey):
+                    return 0  # stored, if unreadable: an operator looks first
+                tenant, _, hashed = key.removeprefix(keys.SUBMIT_KEYS).partition("/")
+                await self.store.delete(keys.submit_key_ref(record.session_id, tenant, hashed))
+                # Conditional: a later request may take the key over (its 24 h are long
+                # past) for a session it is making right now.
+                return 1 + await self.store.delete_if_match(key, etag=found.etag)
+
+        report.objects += sum(await asyncio.gather(*(one(k) for k in page.keys)))
 
     async def _sweep_replays(self, cutoff: datetime, report: RetentionReport) -> None:
         """Visit a page of replay markers (round robin) and delete those stamped before

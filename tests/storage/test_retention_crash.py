@@ -17,6 +17,7 @@ from storage.inbox import ObjectInbox
 from storage.memory_store import MemoryObjectStore
 from storage.retention import BATCH_GRACE, SESSIONS_PER_BATCH_VISIT, ObjectRetention
 from storage.snapshots import ObjectSnapshots, ended_day
+from storage.submit_keys import ObjectSubmitKeys, key_digest
 from storage.work import ObjectProgress, WorkRecords
 from tests.support.factories import NOW, snapshot
 from torpor.batches import BatchManifest, FanOutCursor, RetryGeneration
@@ -26,7 +27,7 @@ from torpor.events import EventKind, InboxEvent
 from torpor.ids import business_idempotency_key, new_correlation_id, new_trace_id
 from torpor.lifecycle import SessionState
 from torpor.models import SCHEMA_VERSION
-from torpor.ports import ListPage, StoredObject, WaitBinding
+from torpor.ports import ListPage, StoredObject, SubmitKey, WaitBinding
 from torpor.work import Progress, WorkOrder, work_id
 
 KEEP, WINDOWS = timedelta(days=30), timedelta(hours=24)
@@ -659,3 +660,27 @@ async def test_a_replay_marker_stays_for_a_window_longer_than_the_period() -> No
     assert await inbox.was_accepted(source="oa", content_digest="e" * 64)
     await retention.sweep(now=NOW + timedelta(hours=37), keep=day, windows=windows, limit=10)
     assert not await inbox.was_accepted(source="oa", content_digest="e" * 64)
+
+
+async def test_a_submit_key_whose_session_was_never_made_goes_after_the_period() -> None:
+    """The record is written before the session: a create that failed, and that no retry
+    of the key took over, left the record and its ref naming a session that no purge
+    ever visits, for good."""
+    store = MemoryObjectStore()
+    made = await ObjectSnapshots(store).create(snapshot(state=SessionState.RUNNING))
+    never = snapshot().session_id  # its create failed: never stored
+    claims = ObjectSubmitKeys(store)
+    for key, sid in (("order-1", never), ("order-2", made.session_id)):
+        record = SubmitKey(session_id=sid, fingerprint="f", created_at=NOW)
+        await claims.claim(tenant="acme", key=key, record=record, ttl=WINDOWS)
+    lost = [
+        keys.submit_key("acme", key_digest("order-1")),
+        keys.submit_key_ref(never, "acme", key_digest("order-1")),
+    ]
+    retention = ObjectRetention(store)
+    await retention.sweep(now=NOW + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
+    assert set(lost) <= set((await store.list("")).keys), "inside the period: kept"
+    await retention.sweep(now=NOW + KEEP + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
+    left = (await store.list("")).keys
+    assert not set(lost) & set(left)
+    assert keys.submit_key("acme", key_digest("order-2")) in left, "its session exists"
