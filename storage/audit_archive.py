@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import zlib
 from dataclasses import dataclass
 
@@ -95,6 +96,13 @@ async def archives(store: ObjectStore, stream: str) -> list[Archive]:
     return [a for a in found if a is not None]
 
 
+def _block_of(key: str) -> int:
+    """The block number a key under a stream's prefix names; past every block for a key
+    that names none (a stray object, a store's "folder" marker): it is left alone."""
+    tail = key.rsplit("/", 1)[-1]
+    return int(tail) if tail.isascii() and tail.isdigit() else sys.maxsize
+
+
 async def compact(store: ObjectStore, stream: str) -> int:
     """Archive one run of ``stream``'s old blocks; returns how many blocks it archived.
 
@@ -112,7 +120,7 @@ async def compact(store: ObjectStore, stream: str) -> int:
     token: str | None = None
     while archived:
         page = await store.list(keys.audit_prefix(stream), start_after=token, limit=MAX_BLOCKS)
-        held = [k for k in page.keys if int(k.rsplit("/", 1)[-1]) <= archived]
+        held = [k for k in page.keys if _block_of(k) <= archived]
         for key in held:
             await store.delete(key)
         if len(held) < len(page.keys) or page.next_token is None:

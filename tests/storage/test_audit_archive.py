@@ -287,3 +287,40 @@ async def test_an_archive_holding_a_string_no_block_encodes_to_is_unreadable(
     await store.put(archive.key, forged)
     check = await log.verify()
     assert not check.ok and check.why == "an archive is unreadable"
+
+
+async def test_a_stray_key_under_a_streams_prefix_stops_no_compaction(
+    store: ObjectStore,
+) -> None:
+    """A key under a stream's prefix that names no block (a store's folder marker, a
+    stray object) raised ValueError at every compaction of the stream after its first
+    archive: retention's pass runs the compaction first, so it stopped every pass."""
+    log = await written(store, "wx")
+    assert await audit_archive.compact(store, "wx") == BLOCKS - audit_archive.KEEP_BLOCKS
+    await store.put(keys.audit_prefix("wx") + "notes", b"not a block")
+    assert await audit_archive.compact(store, "wx") == 0
+    assert (await store.get(keys.audit_prefix("wx") + "notes")).data == b"not a block"
+    assert (await log.verify()).records == BLOCKS
+
+
+async def test_a_stream_whose_compaction_fails_stops_neither_the_others_nor_the_pass(
+    store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One stream's error raised out of ``sweep_audit``, and so out of every retention
+    pass: no ended session was deleted again while that stream stayed as it was."""
+    await written(store, "wb")
+    await written(store, "wc")
+    compact = audit_archive.compact
+
+    async def failing(on: ObjectStore, stream: str) -> int:
+        if stream == "wb":
+            raise OSError("the disk said no")
+        return await compact(on, stream)
+
+    monkeypatch.setattr(audit_archive, "compact", failing)
+    retention = ObjectRetention(store)
+    report = await retention.sweep(
+        now=datetime.now(UTC), keep=timedelta(days=30), windows=timedelta(days=1), limit=10
+    )
+    assert report.archived == BLOCKS - audit_archive.KEEP_BLOCKS  # the other stream's
+    assert len(report.errors) == 1 and "wb" in report.errors[0] and "OSError" in report.errors[0]

@@ -98,6 +98,7 @@ class RetentionReport:
     objects: int = 0  # objects deleted
     archived: int = 0  # audit blocks compacted into archives
     batches: int = 0  # batches deleted (their manifest and everything beside it)
+    errors: list[str] = field(default_factory=list)  # what failed on its own (the rest went on)
 
 
 class RetentionRepository(Protocol):

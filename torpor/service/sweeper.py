@@ -478,6 +478,7 @@ class Sweeper:
             await self.services.index.forget_session(tenant=tenant, session_id=session_id)
         report.purged += len(done.purged)
         report.purged_batches += done.batches
+        report.errors += done.errors
 
     # -- index repair --------------------------------------------------------------------
 
