@@ -289,7 +289,11 @@ class StorageSettings(_Section):
         le=100 * 365 * 24 * 3600,
         description="ended sessions and all their records are deleted this long after they end",
     )
-    retention_per_sweep: int = Field(100, ge=1, description="sessions one sweep deletes at most")
+    # Bounded: a sweep is one step of the reconciler's loop, which also fires the
+    # deadlines; a huge page made one pass list and purge every ended session at once.
+    retention_per_sweep: int = Field(
+        100, ge=1, le=10_000, description="sessions one sweep deletes at most"
+    )
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         # The URLs stay plain strings (every adapter and check reads them as such), but

@@ -204,6 +204,14 @@ def test_a_retention_period_past_a_century_is_refused() -> None:
     assert Settings.build({"storage": {"retention_s": 100 * 365 * DAY}}).storage.retention_s
 
 
+def test_a_retention_page_past_ten_thousand_sessions_is_refused() -> None:
+    """A sweep is one step of the reconciler's loop (the deadlines fire in it too): a
+    page of a billion sessions was accepted, and one pass then purged without end."""
+    with pytest.raises(ConfigError, match="retention_per_sweep"):
+        Settings.build({"storage": {"retention_per_sweep": 10**9}})
+    assert Settings.build({"storage": {"retention_per_sweep": 10_000}}).storage
+
+
 def work_order(sid: str, *, deadline: datetime, call: str = "call_w1") -> WorkOrder:
     """The order a work tool's dispatch records, for a call of session ``sid``."""
     key = business_idempotency_key("acme", f"crunch:{sid}:{call}", 1)
