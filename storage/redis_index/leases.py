@@ -34,12 +34,22 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # A lease is free if absent or expired. The fencing counter only ever increases, so a
 # stale holder's token is always smaller than the current one. An expired record still
 # there was never released (a release deletes it): the third value says it was taken over.
+# The counter is a key of its own and can be lost alone (evicted under an allkeys-*
+# policy, deleted) while the record of an expired lease stays: INCR would then start again
+# at 1, below the token its dead holder may still commit with. A counter behind the
+# record's token is moved past it.
 _ACQUIRE = (
     _NOW
     + """
-local exp = tonumber(redis.call('HGET', KEYS[1], 'exp') or '0')
+local cur = redis.call('HMGET', KEYS[1], 'exp', 'token')
+local exp = tonumber(cur[1] or '0')
 if exp > now then return nil end
 local token = redis.call('INCR', KEYS[2])
+local held = tonumber(cur[2] or '0')
+if token <= held then
+  token = held + 1
+  redis.call('SET', KEYS[2], token)
+end
 local new_exp = now + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'exp', new_exp)
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[4]))
@@ -63,16 +73,17 @@ return new_exp
 """
 )
 
-# Like a renewal, but the lease is re-issued under a token above both the counter and the
-# fence the snapshot recorded (ARGV[3]): the counter is raised with it, so it never again
-# hands out a token at or below a fence that committed.
+# Like a renewal, but the lease is re-issued under a token above the counter, the fence
+# the snapshot recorded (ARGV[3]) and the token it replaces (the counter may have been
+# lost alone: see _ACQUIRE): the counter is raised with it, so it never again hands out a
+# token at or below a fence that committed.
 _RAISE = (
     _NOW
     + """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
 if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return nil end
 local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
-local token = math.max(counter, tonumber(ARGV[3])) + 1
+local token = math.max(counter, tonumber(ARGV[3]), tonumber(cur[2])) + 1
 redis.call('SET', KEYS[2], token)
 local new_exp = now + tonumber(ARGV[4])
 redis.call('HSET', KEYS[1], 'token', token, 'exp', new_exp)

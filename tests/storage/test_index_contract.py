@@ -905,6 +905,37 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         assert await redis_index._redis.pttl(bk_key) > 7 * day_ms
         assert await redis_index.resolve(now=later, tenant="acme", business_key="PO-9") == b
 
+    async def test_a_lost_fence_counter_never_hands_out_a_token_below_the_last_holders(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """The counter lost alone (evicted, deleted) while the record of a lease its holder
+        never released stays: the next holder's token is still above the dead one's."""
+        index, ttl = redis_index, timedelta(milliseconds=200)
+        a = await index.acquire_lease(name="session:lf", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        a = await index.raise_fence(a, floor=10, ttl=ttl, now=NOW)
+        assert a is not None and a.token == 11
+        await index.client.delete(index.keys.fence("session:lf"))
+        await until_server_time(index, a.expires_at + timedelta(milliseconds=1))
+        b = await index.acquire_lease(name="session:lf", owner="b", ttl=ttl, now=NOW)
+        assert b is not None and b.token > a.token
+        # and the counter moved with it: the next token is above b's
+        assert await index.release_lease(b)
+        c = await index.acquire_lease(name="session:lf", owner="c", ttl=ttl, now=NOW)
+        assert c is not None and c.token > b.token
+
+    async def test_raising_the_fence_after_the_counter_was_lost_never_lowers_the_token(
+        self, redis_index: RedisIndex
+    ) -> None:
+        index, ttl = redis_index, timedelta(seconds=30)
+        a = await index.acquire_lease(name="session:lr", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        a = await index.raise_fence(a, floor=10, ttl=ttl, now=NOW)
+        assert a is not None and a.token == 11
+        await index.client.delete(index.keys.fence("session:lr"))
+        raised = await index.raise_fence(a, floor=0, ttl=ttl, now=NOW)
+        assert raised is not None and raised.token > a.token
+
     @pytest.mark.parametrize("entry", ["9|acme|s_1|3|2|zz|1", "3|acme|s_1|3|2|!!|1", "3|acme"])
     async def test_unbind_knowing_the_deadline_leaves_an_unreadable_entry_alone(
         self, redis_index: RedisIndex, entry: str
