@@ -38,10 +38,12 @@ CREATE TABLE IF NOT EXISTS timers (
     PRIMARY KEY (kind, member));
 CREATE INDEX IF NOT EXISTS timers_due ON timers(kind, at_ms);
 CREATE TABLE IF NOT EXISTS nonces (key TEXT PRIMARY KEY, expires_ms INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS nonces_expiry ON nonces(expires_ms);
 CREATE TABLE IF NOT EXISTS idempotency (
     tenant TEXT NOT NULL, key TEXT NOT NULL, session_id TEXT NOT NULL,
     fingerprint TEXT NOT NULL, status TEXT NOT NULL, expires_ms INTEGER NOT NULL,
     PRIMARY KEY (tenant, key));
+CREATE INDEX IF NOT EXISTS idempotency_expiry ON idempotency(expires_ms);
 CREATE TABLE IF NOT EXISTS leases (
     name TEXT PRIMARY KEY, owner TEXT NOT NULL, token INTEGER NOT NULL,
     expires_ms INTEGER NOT NULL, held INTEGER NOT NULL);

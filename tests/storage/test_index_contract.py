@@ -9,6 +9,8 @@ the single-process indexes decide it by the caller's ``now`` (``CallerClockLease
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -972,6 +974,39 @@ class TestSqliteIndex(IndexContract, CallerClockLeases):
     def test_races_have_exactly_one_winner(self, op: str, tmp_path: Path) -> None:
         winners = race(("sqlite", {"path": str(tmp_path / "race.db")}), op, workers=6, rounds=20)
         assert all(len(w) == 1 for w in winners.values()), winners
+
+    async def test_expired_claims_are_deleted_not_kept_for_ever(
+        self, sqlite_index: SqliteIndex
+    ) -> None:
+        """Redis' TTLs forget replay nonces and idempotency keys; here each claim deletes
+        expired rows, not only a row of its own key (rarely claimed twice: the tables grew
+        with every request ever taken)."""
+        index, ttl = sqlite_index, timedelta(minutes=10)
+        for n in range(3):
+            assert await claim(index, [("hook:gh", f"old-{n}")])
+            await index.claim_idempotency(
+                tenant="acme", key=f"old-{n}", fingerprint="f", session_id="s", ttl=ttl, now=NOW
+            )
+        later = NOW + ttl + timedelta(seconds=1)
+        fresh = await index.admit(
+            claims=[("hook:gh", "new")],
+            ttl=ttl,
+            now=later,
+            tenant="acme",
+            correlation_id=None,
+            business_key=None,
+        )
+        assert fresh.fresh
+        await index.claim_idempotency(
+            tenant="acme", key="new", fingerprint="f", session_id="s", ttl=ttl, now=later
+        )
+
+        def count(table: str) -> int:
+            with closing(sqlite3.connect(index.path)) as db:
+                [(rows,)] = db.execute(f"SELECT count(*) FROM {table}").fetchall()
+                return int(rows)
+
+        assert (count("nonces"), count("idempotency")) == (1, 1)
 
 
 class TestMemoryIndex(IndexContract, CallerClockLeases):
