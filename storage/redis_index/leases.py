@@ -34,6 +34,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # A lease is free if absent or expired. The fencing counter only ever increases, so a
 # stale holder's token is always smaller than the current one. An expired record still
 # there was never released (a release deletes it): the third value says it was taken over.
+# So does the lease's entry in the expiry set (a release removes it too) once the record's
+# GC TTL has collected it: a holder that died before a day-long outage was still one that
+# never released, and its successor must re-record the session's state.
 # The counter is a key of its own and can be lost alone (evicted under an allkeys-*
 # policy, deleted) while the record of an expired lease stays: INCR would then start again
 # at 1, below the token its dead holder may still commit with. A counter behind the
@@ -53,8 +56,9 @@ end
 local new_exp = now + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'exp', new_exp)
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[4]))
+local unreleased = exp > 0 or redis.call('ZSCORE', KEYS[3], ARGV[3])
 redis.call('ZADD', KEYS[3], new_exp, ARGV[3])
-return {token, new_exp, exp > 0 and 1 or 0}
+return {token, new_exp, unreleased and 1 or 0}
 """
 )
 

@@ -19,6 +19,7 @@ import pytest
 
 from storage.memory_index import MemoryIndex
 from storage.redis_index import RedisIndex
+from storage.redis_index import leases as leases_module
 from storage.sqlite_index import SqliteIndex
 from tests.support.race import race
 from torpor.errors import IndexUnavailable
@@ -925,6 +926,28 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         assert await index.release_lease(b)
         c = await index.acquire_lease(name="session:lf", owner="c", ttl=ttl, now=NOW)
         assert c is not None and c.token > b.token
+
+    async def test_a_lease_never_released_is_taken_over_after_its_record_was_collected(
+        self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The record of an expired lease is collected (a day later, here at once) while
+        its entry in the expiry set waits for a sweep: its holder still never released
+        it, and the next holder must be told (it re-records the session's state)."""
+        monkeypatch.setattr(leases_module, "LEASE_GC", 1)
+        index, ttl = redis_index, timedelta(milliseconds=200)
+        a = await index.acquire_lease(name="session:gc", owner="a", ttl=ttl, now=NOW)
+        assert a is not None
+        record = index.keys.lease("session:gc")
+        deadline = asyncio.get_running_loop().time() + 10
+        while await index.client.exists(record):  # expires by the server's clock
+            assert asyncio.get_running_loop().time() < deadline, "the record never expired"
+            await asyncio.sleep(0.01)
+        assert await index.expired_leases(now=NOW, limit=10) == ["session:gc"]
+        b = await index.acquire_lease(name="session:gc", owner="b", ttl=ttl, now=NOW)
+        assert b is not None and b.taken_over and b.token > a.token
+        assert await index.release_lease(b)
+        c = await index.acquire_lease(name="session:gc", owner="c", ttl=ttl, now=NOW)
+        assert c is not None and not c.taken_over, "released: nothing taken over"
 
     async def test_raising_the_fence_after_the_counter_was_lost_never_lowers_the_token(
         self, redis_index: RedisIndex
