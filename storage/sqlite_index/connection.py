@@ -30,9 +30,16 @@ CREATE TABLE IF NOT EXISTS bindings (
     correlation_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, encoded TEXT NOT NULL,
     deadline_ms INTEGER NOT NULL, expires_ms INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS bindings_deadline ON bindings(deadline_ms);
+-- Expiry indexes: the deadline loop (4 times a second) collects expired bindings and
+-- pointers, a claim expired nonces and idempotency keys; an unbind (every resume) drops
+-- the pointer naming its wait. Each by index, not a scan of every wait bound. A file made
+-- before they existed gets them at its next open.
+CREATE INDEX IF NOT EXISTS bindings_expiry ON bindings(expires_ms);
 CREATE TABLE IF NOT EXISTS business_keys (
     tenant TEXT NOT NULL, bk TEXT NOT NULL, correlation_id TEXT NOT NULL,
     expires_ms INTEGER NOT NULL, PRIMARY KEY (tenant, bk));
+CREATE INDEX IF NOT EXISTS business_keys_wait ON business_keys(tenant, correlation_id);
+CREATE INDEX IF NOT EXISTS business_keys_expiry ON business_keys(expires_ms);
 CREATE TABLE IF NOT EXISTS timers (
     kind TEXT NOT NULL, member TEXT NOT NULL, at_ms INTEGER NOT NULL,
     PRIMARY KEY (kind, member));
