@@ -348,6 +348,11 @@ class RedisWaits(RedisConnection):
             for (key, cid), raw in zip(due, raws, strict=True):
                 entry = opt_text(raw)
                 stored = decode_binding(cid, entry) if entry else None
+                if entry and stored is None:
+                    # Bound, but not in a form this version reads (a newer torpor's, mid-
+                    # upgrade): its deadline is not ours to drop, as an unbind leaves the
+                    # binding alone. Removed here, the newer torpor never saw it fall due.
+                    continue
                 if stored is None or _hour(stored.binding.deadline) != hour:
                     # The binding is gone but its deadline entry is not: garbage. Or it
                     # was bound again with a deadline in another hour (a bind adds the new

@@ -961,6 +961,25 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         raised = await index.raise_fence(a, floor=0, ttl=ttl, now=NOW)
         assert raised is not None and raised.token > a.token
 
+    async def test_a_binding_this_version_cannot_read_keeps_its_deadline_entry(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """A newer torpor's binding, mid-upgrade: this one's deadline loop neither returns
+        it nor drops its deadline entry (the newer one would never see it fall due)."""
+        b = binding(deadline_in=60)
+        await redis_index.bind_wait(b, business_key=None, grace=GRACE, now=NOW)
+        cid, bucket = b.correlation_id, redis_index.keys.correlation(b.correlation_id)
+        stored = await redis_index.client.hget(bucket, cid)
+        await redis_index.client.hset(bucket, cid, "9" + stored[1:] + "|newer")
+        shard = redis_index.keys.deadline_set(cid, int(b.deadline.timestamp()) // 3600)
+        due_at = NOW + timedelta(seconds=61)
+        assert await redis_index.due_deadlines(now=due_at, limit=10) == []
+        assert await redis_index.client.zscore(shard, cid) is not None
+        # a binding that is gone is still collected
+        await redis_index.client.hdel(bucket, cid)
+        assert await redis_index.due_deadlines(now=due_at, limit=10) == []
+        assert await redis_index.client.zscore(shard, cid) is None
+
     @pytest.mark.parametrize("entry", ["9|acme|s_1|3|2|zz|1", "3|acme|s_1|3|2|!!|1", "3|acme"])
     async def test_unbind_knowing_the_deadline_leaves_an_unreadable_entry_alone(
         self, redis_index: RedisIndex, entry: str
