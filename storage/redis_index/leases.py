@@ -112,12 +112,24 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(AR
 """
 )
 
+# Forgotten, a lease its holder never released is still one (as in the other indexes): if
+# its record was collected, the expiry set's entry was the last sign of that, so a record
+# of its expiry alone is written back (for the GC time again) before the entry goes, and
+# the recovery that takes the lease next is told it took it over (_ACQUIRE).
 _FORGET = (
     _NOW
     + """
 local exp = tonumber(redis.call('HGET', KEYS[1], 'exp') or '0')
-if exp <= now then redis.call('ZREM', KEYS[2], ARGV[1]) return 1 end
-return 0
+if exp > now then return 0 end
+if exp == 0 then
+  local was = redis.call('ZSCORE', KEYS[2], ARGV[1])
+  if was then
+    redis.call('HSET', KEYS[1], 'exp', was)
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  end
+end
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
 """
 )
 
@@ -175,4 +187,4 @@ class RedisLeases(RedisConnection):
     @translate
     async def forget_lease(self, *, name: str, now: datetime) -> None:
         keys = [self.keys.lease(name), self.keys.lease_expiry]
-        await self.script(_FORGET)(keys=keys, args=[name])
+        await self.script(_FORGET)(keys=keys, args=[name, LEASE_GC])

@@ -927,12 +927,15 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         c = await index.acquire_lease(name="session:lf", owner="c", ttl=ttl, now=NOW)
         assert c is not None and c.token > b.token
 
+    @pytest.mark.parametrize("forgotten", [False, True])
     async def test_a_lease_never_released_is_taken_over_after_its_record_was_collected(
-        self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
+        self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch, forgotten: bool
     ) -> None:
         """The record of an expired lease is collected (a day later, here at once) while
         its entry in the expiry set waits for a sweep: its holder still never released
-        it, and the next holder must be told (it re-records the session's state)."""
+        it, and the next holder must be told (it re-records the session's state), before
+        the sweep forgot the lease or after."""
+        gc = leases_module.LEASE_GC
         monkeypatch.setattr(leases_module, "LEASE_GC", 1)
         index, ttl = redis_index, timedelta(milliseconds=200)
         a = await index.acquire_lease(name="session:gc", owner="a", ttl=ttl, now=NOW)
@@ -942,7 +945,11 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         while await index.client.exists(record):  # expires by the server's clock
             assert asyncio.get_running_loop().time() < deadline, "the record never expired"
             await asyncio.sleep(0.01)
+        monkeypatch.setattr(leases_module, "LEASE_GC", gc)  # what forget writes back stays
         assert await index.expired_leases(now=NOW, limit=10) == ["session:gc"]
+        if forgotten:  # the sweep queued its recovery and forgot it first
+            await index.forget_lease(name="session:gc", now=NOW)
+            assert await index.expired_leases(now=NOW, limit=10) == []
         b = await index.acquire_lease(name="session:gc", owner="b", ttl=ttl, now=NOW)
         assert b is not None and b.taken_over and b.token > a.token
         assert await index.release_lease(b)
