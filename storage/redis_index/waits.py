@@ -171,6 +171,10 @@ return 1
 """
 
 
+# The fewest bindings the deadline loop reads in one round trip (``due_deadlines``).
+MIN_BINDING_READS = 16
+
+
 def _hour(deadline: datetime) -> int:
     return to_ms(deadline) // 3_600_000
 
@@ -334,35 +338,24 @@ class RedisWaits(RedisConnection):
             shards = [self.keys.deadline_shard(hour, i) for i in range(self.keys.deadline_shards)]
             async with self._redis.pipeline(transaction=False) as pipe:
                 for key in shards:
-                    pipe.zrangebyscore(key, "-inf", now_ms, start=0, num=limit)
+                    pipe.zrangebyscore(key, "-inf", now_ms, start=0, num=limit, withscores=True)
                 found = await pipe.execute()
             # The earliest deadlines of an hour may sit in any shard: read every shard up
-            # to ``limit`` and sort the union.
-            due = [(k, cid) for k, cids in zip(shards, found, strict=True) for cid in texts(cids)]
-            # One round trip for every due entry's binding, not one each: at a thousand
-            # deadlines a second the lookups are most of a sweep's time.
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for _, cid in due:
-                    pipe.hget(self.keys.correlation(cid), cid)
-                raws = await pipe.execute() if due else []
-            for (key, cid), raw in zip(due, raws, strict=True):
-                entry = opt_text(raw)
-                stored = decode_binding(cid, entry) if entry else None
-                if entry and stored is None:
-                    # Bound, but not in a form this version reads (a newer torpor's, mid-
-                    # upgrade): its deadline is not ours to drop, as an unbind leaves the
-                    # binding alone. Removed here, the newer torpor never saw it fall due.
-                    continue
-                if stored is None or _hour(stored.binding.deadline) != hour:
-                    # The binding is gone but its deadline entry is not: garbage. Or it
-                    # was bound again with a deadline in another hour (a bind adds the new
-                    # hour's entry and cannot find the old one): this entry is stale, and
-                    # was a not-yet-due wait timed out at every sweep until its deadline.
-                    await self._redis.zrem(key, cid)
-                elif stored.expires_ms <= now_ms:
-                    await self._remove(stored.binding, None)  # logical TTL passed
-                else:
-                    out.append(stored.binding)
+            # to ``limit`` and sort the union. Only the bindings of its earliest entries
+            # are read, as many as are still wanted (then more, only where some were not
+            # live): reading every entry's binding cost up to 128 times ``limit`` HGETs a
+            # pass, four passes a second in a backlog, to return ``limit``.
+            due = sorted(
+                (score, cid, key)
+                for key, entries in zip(shards, found, strict=True)
+                for cid, score in entries
+            )
+            while due and len(out) < limit:
+                # At least a few at a time: many entries that are not live (garbage left
+                # by a crash) behind a nearly full ``out`` were one round trip each.
+                size = max(limit - len(out), MIN_BINDING_READS)
+                chunk, due = due[:size], due[size:]
+                await self._take_due(chunk, hour=hour, now_ms=now_ms, out=out)
             if hour < now_hour and not any(found):
                 await self.script(_RETIRE_HOUR)(
                     keys=[self.keys.deadline_hours, *shards], args=[hour]
@@ -371,3 +364,33 @@ class RedisWaits(RedisConnection):
                 break
         out.sort(key=lambda b: b.deadline)
         return out[:limit]
+
+    async def _take_due(
+        self, due: list[tuple[float, str, str]], *, hour: int, now_ms: int, out: list[WaitBinding]
+    ) -> None:
+        """Read the bindings of due deadline entries (score, correlation id, shard) of
+        ``hour``: live ones go to ``out``, the entries of gone or expired ones are dropped."""
+        # One round trip for every entry's binding, not one each: at a thousand deadlines
+        # a second the lookups are most of a sweep's time.
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for _, cid, _ in due:
+                pipe.hget(self.keys.correlation(cid), cid)
+            raws = await pipe.execute()
+        for (_, cid, key), raw in zip(due, raws, strict=True):
+            entry = opt_text(raw)
+            stored = decode_binding(cid, entry) if entry else None
+            if entry and stored is None:
+                # Bound, but not in a form this version reads (a newer torpor's, mid-
+                # upgrade): its deadline is not ours to drop, as an unbind leaves the
+                # binding alone. Removed here, the newer torpor never saw it fall due.
+                continue
+            if stored is None or _hour(stored.binding.deadline) != hour:
+                # The binding is gone but its deadline entry is not: garbage. Or it was
+                # bound again with a deadline in another hour (a bind adds the new hour's
+                # entry and cannot find the old one): this entry is stale, and was a
+                # not-yet-due wait timed out at every sweep until its deadline.
+                await self._redis.zrem(key, cid)
+            elif stored.expires_ms <= now_ms:
+                await self._remove(stored.binding, None)  # logical TTL passed
+            else:
+                out.append(stored.binding)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.asyncio.client import Pipeline
 
 from storage.memory_index import MemoryIndex
 from storage.redis_index import RedisIndex
@@ -986,6 +987,36 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         await redis_index.client.hdel(bucket, cid)
         assert await redis_index.due_deadlines(now=due_at, limit=10) == []
         assert await redis_index.client.zscore(shard, cid) is None
+
+    async def test_due_deadlines_reads_the_bindings_of_the_earliest_entries_only(
+        self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A backlog of due deadlines spread over the shards: a pass reads the bindings of
+        the ``limit`` earliest (and of more only for those that are not live), not of
+        every entry each shard returned, up to 128 times ``limit``."""
+        waits = [binding(deadline_in=60 + n) for n in range(60)]
+        for b in waits:
+            await redis_index.bind_wait(b, business_key=None, grace=GRACE, now=NOW)
+        gone = waits[1]  # its binding gone, its deadline entry left: garbage to drop
+        await redis_index.client.hdel(
+            redis_index.keys.correlation(gone.correlation_id), gone.correlation_id
+        )
+        reads: list[Any] = []
+        hget = Pipeline.hget
+
+        def counted(pipe: Pipeline, *args: Any) -> Any:
+            reads.append(args)
+            return hget(pipe, *args)
+
+        monkeypatch.setattr(Pipeline, "hget", counted)
+        due = await redis_index.due_deadlines(now=NOW + timedelta(hours=1), limit=5)
+        assert due == [waits[0], *waits[2:6]]
+        # one round trip of a few (``waits.MIN_BINDING_READS``), the 5 wanted among them
+        assert len(reads) <= 16
+        shard = redis_index.keys.deadline_set(
+            gone.correlation_id, int(gone.deadline.timestamp()) // 3600
+        )
+        assert await redis_index.client.zscore(shard, gone.correlation_id) is None
 
     @pytest.mark.parametrize("entry", ["9|acme|s_1|3|2|zz|1", "3|acme|s_1|3|2|!!|1", "3|acme"])
     async def test_unbind_knowing_the_deadline_leaves_an_unreadable_entry_alone(
