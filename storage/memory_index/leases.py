@@ -64,6 +64,11 @@ class MemoryLeases:
             :limit
         ]
 
+    async def drop_lease(self, *, name: str) -> None:
+        self._leases.pop(name, None)
+        self._fences.pop(name, None)
+        self._expiry.pop(name, None)
+
     async def forget_lease(self, *, name: str, now: datetime) -> None:
         if self._expiry.get(name, 0) <= to_ms(now):
             self._expiry.pop(name, None)

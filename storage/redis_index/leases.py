@@ -185,6 +185,13 @@ class RedisLeases(RedisConnection):
         return texts(await self.script(_EXPIRED)(keys=[self.keys.lease_expiry], args=[limit]))
 
     @translate
+    async def drop_lease(self, *, name: str) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self.keys.lease(name), self.keys.fence(name))
+        pipe.zrem(self.keys.lease_expiry, name)
+        await pipe.execute()
+
+    @translate
     async def forget_lease(self, *, name: str, now: datetime) -> None:
         keys = [self.keys.lease(name), self.keys.lease_expiry]
         await self.script(_FORGET)(keys=keys, args=[name, LEASE_GC])

@@ -88,6 +88,9 @@ class SqliteLeases(SqliteConnection):
         )
         return [r[0] for r in rows]
 
+    async def drop_lease(self, *, name: str) -> None:
+        await self._run(lambda c: c.execute("DELETE FROM leases WHERE name=?", (name,)))
+
     async def forget_lease(self, *, name: str, now: datetime) -> None:
         await self._run(
             lambda c: c.execute(

@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
 from storage import keys, retention, submit_keys
 from storage.listing import all_keys
@@ -25,6 +26,7 @@ from torpor.lifecycle import SessionState
 from torpor.ports import TimerKind
 from torpor.service.gateway import WebhookGateway
 from torpor.service.sweeper import Sweeper
+from torpor.session.runtime import lease_name
 from torpor.settings import Settings
 from torpor.webhooks.signing import Scheme, sign
 from torpor.work import Progress, WorkOrder, work_id
@@ -103,6 +105,15 @@ async def test_an_ended_session_and_all_its_records_go_after_the_retention_perio
         assert not await env.services.inbox.was_accepted(source="oa", content_digest="d" * 64)
         assert await env.services.correlations.lookup(cid) is None
         assert await env.services.index.session_states([sid]) == {}
+        # Nor its lease's fencing counter, an index key kept for every session ever
+        # leased; a live session's stays.
+        fences = env.services.settings.storage.redis_prefix + "lf:"
+        redis = aioredis.Redis.from_url(env.services.settings.storage.index_url)
+        try:
+            assert not await redis.exists(fences + lease_name(sid))
+            assert await redis.exists(fences + lease_name(sleeping))
+        finally:
+            await redis.aclose()
         # Its one-hour SLA passed four weeks ago (no sweep ran): timed out by the sweeps
         # above, so ended only now, and kept.
         assert (await env.load(sleeping)).state is SessionState.TIMED_OUT

@@ -554,6 +554,18 @@ class IndexContract:
         b = await index.acquire_lease(name="session:f", owner="b", ttl=ttl, now=NOW)
         assert b is not None and b.token == again.token + 1
 
+    async def test_a_dropped_lease_name_keeps_no_counter(self, index: Index) -> None:
+        """A purged session's lease: its fencing counter (kept past every release so that
+        tokens only grow) goes with it, and the name counts from the start again."""
+        ttl = timedelta(seconds=45)
+        for _ in range(3):
+            held = await index.acquire_lease(name="session:gone", owner="a", ttl=ttl, now=NOW)
+            assert held is not None and await index.release_lease(held)
+        assert held.token == 3
+        await index.drop_lease(name="session:gone")
+        again = await index.acquire_lease(name="session:gone", owner="b", ttl=ttl, now=NOW)
+        assert again is not None and again.token == 1
+
     # -- session registry, integrity --
 
     async def test_session_generation_is_the_last_recorded(self, index: Index) -> None:

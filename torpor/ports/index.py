@@ -267,6 +267,13 @@ class LeaseIndex(Protocol):
         was dealt with and nobody re-acquired it)."""
         ...
 
+    async def drop_lease(self, *, name: str) -> None:
+        """Forget a lease name for good: its record, its expiry entry and its fencing
+        counter. Only for a name nothing takes again (a session retention purged): the
+        counter outlives every release so that tokens only grow, and was kept for every
+        session ever leased."""
+        ...
+
 
 class SessionRegistry(Protocol):
     """Session states for listings and batch progress; rebuildable from the snapshots."""

@@ -49,6 +49,7 @@ from torpor.service.deliveries import DeliveryWorker
 from torpor.service.repair import IndexRepair
 from torpor.service.replay import GITHUB_REPLAY_TTL
 from torpor.service.sessions import IDEMPOTENCY_TTL, SessionService
+from torpor.session.runtime import lease_name
 from torpor.session.suspend import poll_member
 from torpor.settings import Settings
 from torpor.tools import LongRunningTool
@@ -476,6 +477,10 @@ class Sweeper:
         for tenant, session_id in [*done.purged, *done.forget]:
             crash_point(CrashPoint.RETENTION_PURGED)
             await self.services.index.forget_session(tenant=tenant, session_id=session_id)
+            # Its lease's fencing counter too: kept past every release so that tokens
+            # only grow, it was one index key for every session ever leased. Nothing
+            # takes a purged session's lease again (it has no snapshot to commit).
+            await self.services.index.drop_lease(name=lease_name(session_id))
         report.purged += len(done.purged)
         report.purged_batches += done.batches
         report.errors += done.errors
