@@ -96,6 +96,27 @@ async def test_a_batch_cancelled_after_its_fan_out_was_killed_mid_way_ends_every
         assert [(await env.load(sid)).state.value for sid in made] == ["CANCELLED"] * 3
 
 
+async def test_a_cancelled_batch_counts_the_sessions_its_killed_fan_out_left_running(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Killed -9 after a chunk's sessions, before its cursor: progress counted every
+    document past the cursor as CANCELLED once the batch was, the chunk's three SUSPENDED
+    sessions among them, and called the batch finished while they ran on (and its results
+    answered 409 meanwhile)."""
+    killed_mid_fan_out(tmp_path, redis_url, redis_prefix)
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=EXTRA) as env:
+        batches = BatchService(env.control)
+        progress = await batches.cancel("b_crash")
+        assert progress.by_state == {"SUSPENDED": 3, "CANCELLED": DOCS - 3}
+        assert not progress.finished
+        sweeper = Sweeper(env.control)
+        env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
+        await sweeper.sweep_once()  # the fan-out resumes and ends what it made
+        await sweeper.batches.drain()
+        progress = await batches.progress("b_crash")
+        assert progress.by_state == {"CANCELLED": DOCS} and progress.finished
+
+
 async def test_results_read_while_a_cancel_is_under_way_are_not_kept(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:

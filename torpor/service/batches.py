@@ -364,6 +364,12 @@ class BatchService:
         # deleted (retention takes a batch's sessions one by one, ended ones only): done,
         # not back to PENDING (a finished batch read unfinished, its results refused).
         purged = len(made) - len(states) if self._expired(manifest) else 0
+        # Sessions a fan-out made past the cursor (one killed before its cursor write, or
+        # one running now: up to a chunk) count as what they are. Counted as unmade, a
+        # cancelled batch read finished, all CANCELLED, while those ran on until the
+        # resumed fan-out ended them. The index only: a cheap look, read on every GET.
+        ahead = self._ahead(manifest, created)
+        counts.update(s.value for s in (await self.services.index.session_states(ahead)).values())
         # Documents whose session is not there yet wait as PENDING (as CANCELLED once the
         # batch is: its fan-out stops and never makes them).
         unmade = manifest.size - sum(counts.values()) - purged
@@ -380,6 +386,14 @@ class BatchService:
             eta_s=eta_seconds(total=manifest.size, done=done, elapsed_s=elapsed),
             purged=purged,
         )
+
+    def _ahead(self, manifest: BatchManifest, created: int) -> list[str]:
+        """The first sessions of the chunk past the cursor ``created``: those a fan-out
+        may have made without having saved its cursor yet."""
+        if not manifest.documents_key:
+            return []
+        end = min(created + self.settings.fanout_chunk, manifest.size)
+        return [manifest.session_id(i) for i in range(created, end)]
 
     def _expired(self, manifest: BatchManifest) -> bool:
         """Whether the batch is older than the retention period: its sessions may have
