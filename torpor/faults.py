@@ -46,6 +46,7 @@ class CrashPoint(StrEnum):
     SUBMIT_AFTER_CLAIM = "submit.after_claim"  # Idempotency-Key claimed; no snapshot yet
     SUBMIT_AFTER_CREATE = "submit.after_create"  # snapshot created; the key not finished
     # batches (a Serve replica or the reconciler fanning a batch out)
+    BATCH_RETRY = "batch.retry"  # a retry's generation is recorded; no session of it made
     BATCH_DOCUMENTS = "batch.documents"  # the documents are written; no manifest yet
     BATCH_MANIFEST = "batch.manifest"  # the manifest is written; no session created yet
     BATCH_FANOUT_CHUNK = "batch.fanout_chunk"  # a chunk of sessions made; cursor not saved

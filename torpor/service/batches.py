@@ -7,7 +7,9 @@ after each. Each document's session id is a function of the manifest, and creati
 session is create-only, so a fan-out resumed after a crash (the reconciler finds the
 batch by its ``FANOUT`` timer, set before the manifest) never makes a document's session
 twice. Sessions are registered under the batch's and tenant's running caps before they
-are created; their activation then waits for a slot (``torpor.service.admission``).
+are created; their activation then waits for a slot (``torpor.service.admission``). A retry
+sets the same timer before it records its generation: the fan-out also makes the sessions
+of a retry killed before it made them.
 """
 
 from __future__ import annotations
@@ -247,18 +249,32 @@ class BatchService:
             await asyncio.gather(*list(self._fan_outs.values()), return_exceptions=True)
 
     async def fan_out(self, batch_id: str) -> int:
-        """Create the batch's sessions from its cursor on; the number created now."""
-        batches, index = self.services.batches, self.services.index
+        """Create the batch's sessions from its cursor on, and those of retries cut short;
+        the number created now."""
+        batches = self.services.batches
         try:
             manifest = await batches.get(batch_id)
         except NotFound:  # the timer was set, the manifest never written: nothing to do
             await self._finished(batch_id)
             return 0
-        cursor = await batches.cursor(batch_id) if manifest.documents_key else None
-        if cursor is None or manifest.documents_key is None or cursor.next >= manifest.total:
-            await self._finished(batch_id)
-            return 0
-        documents = await batches.documents(manifest.documents_key)
+        made = 0
+        if manifest.documents_key is not None:
+            cursor = await batches.cursor(batch_id)
+            if cursor.next < manifest.total:
+                made += await self._fan_out_from(manifest, manifest.documents_key, cursor)
+            # A retry sets this timer before it records its generation: one killed before
+            # it made the generation's sessions is finished here (else by nothing but a
+            # second retry, which no one may ever ask for).
+            # Past the period no retry is taken, and a session gone then was purged, not
+            # left unmade (``retry``): none is made again.
+            if not self._expired(manifest) and not await batches.is_cancelled(batch_id):
+                made += await self._finish_retries(manifest)
+        await self._finished(batch_id)
+        return made
+
+    async def _fan_out_from(self, manifest: BatchManifest, key: str, cursor: FanOutCursor) -> int:
+        batches, index, batch_id = self.services.batches, self.services.index, manifest.batch_id
+        documents = await batches.documents(key)
         made = 0
         chunk = self.settings.fanout_chunk
         reached = cursor.next
@@ -291,8 +307,20 @@ class BatchService:
                     for i in range(cursor.next, min(reached + chunk, manifest.total))
                 ]
             )
-        await self._finished(batch_id)
         return made
+
+    async def _finish_retries(self, manifest: BatchManifest) -> int:
+        """Make the sessions of every retry generation that has not made them all."""
+        generations = await self.services.batches.generations(manifest.batch_id)
+        if not generations:
+            return 0
+        attempts = Attempts.of(manifest, generations)
+        retried = sorted({i for g in generations for i in g.documents})
+        states = await self._states([attempts.current(i) for i in retried])
+        todo = [i for i in retried if attempts.current(i) not in states]
+        if not todo:
+            return 0
+        return await self._make(manifest, attempts, todo)
 
     async def _finished(self, batch_id: str) -> None:
         """The fan-out is done (or cancelled, or has nothing to do): its marker first, so
@@ -467,6 +495,14 @@ class BatchService:
         retried = {i for g in generations for i in g.documents}
         unfinished = [i for i in sorted(retried) if ids[i] not in states]
         failed = [i for i, sid in enumerate(ids) if states.get(sid) in RETRYABLE_STATES]
+        if failed or unfinished:
+            # The fan-out's safety net, before the generation: a retry killed before it
+            # made its sessions is finished by the reconciler (``fan_out``). Left to fire:
+            # the fan-out it starts finds nothing to make, and takes it away.
+            await self.services.index.schedule(
+                kind=TimerKind.FANOUT, member=batch_id, at=self.services.clock.now() + self._grace
+            )
+            await self.services.batches.mark_fanning_out(batch_id)
         if failed:
             generation = RetryGeneration(
                 generation=len(generations) + 1,
@@ -479,15 +515,21 @@ class BatchService:
         todo = sorted(set(unfinished) | set(failed))
         if not todo:
             return []
+        crash_point(CrashPoint.BATCH_RETRY)
+        await self._make(manifest, attempts, todo)
+        return failed
+
+    async def _make(self, manifest: BatchManifest, attempts: Attempts, todo: list[int]) -> int:
+        """Make the current sessions of the documents ``todo`` (a retry's); those made."""
         documents = await self._documents(manifest)
         await self._register(manifest, {attempts.current(i): i for i in todo})
-        await self._create(manifest, [(i, attempts.current(i), documents[i]) for i in todo])
-        if await self.services.batches.is_cancelled(batch_id):
+        made = await self._create(manifest, [(i, attempts.current(i), documents[i]) for i in todo])
+        if await self.services.batches.is_cancelled(manifest.batch_id):
             # A cancel that came after the look above, before these were made, found none
             # of them to cancel: they ran on in a cancelled batch. (One that comes after
             # this look reads this generation, recorded first, and cancels them itself.)
             await self._cancel_sessions([attempts.current(i) for i in todo])
-        return failed
+        return made
 
     async def _documents(self, manifest: BatchManifest) -> list[JsonValue]:
         if manifest.documents_key is None:
