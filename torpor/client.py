@@ -231,7 +231,7 @@ class AsyncClient:
         documents: list[JsonValue] = list(rows)
         if by_reference:
             # A batch refused for what it names stores nothing: checked before the rows.
-            self._batches.ensure_acceptable(agent, rows)
+            self._batches.ensure_acceptable(agent, rows, metadata)
             # The rows are stored before the batch is accepted: noted first, so those of
             # a batch that never gets its manifest (a driver that died) go in time.
             await self._services.batches.mark_accepting(batch_id, self._services.clock.now())

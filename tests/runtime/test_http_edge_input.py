@@ -487,6 +487,25 @@ async def test_a_batch_cap_that_is_no_whole_number_is_refused_and_nothing_is_mad
     assert again.status_code == 202, again.text
 
 
+async def test_batch_metadata_copied_into_every_session_is_bounded_and_nothing_is_stored(
+    app: App,
+) -> None:
+    """A batch's metadata is copied into each document's session (and rewritten with its
+    every commit): 1 MB of it beside 100 empty documents, a 1 MB request, was accepted
+    and made 100 MB of sessions, and 10,000 documents 10 GB."""
+    body = {"agent": "purchase", "documents": [{}] * 100, "metadata": {"k": "x" * 1_000_000}}
+    headers = {**app.auth(), "Idempotency-Key": "big-metadata"}
+    answer = await app.http.post("/v1/batches", headers=headers, json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert "metadata" in answer.text
+    store = app.env.services.store
+    assert (await store.list("batch")).keys == [], "nothing of the batch is stored"
+    body["metadata"] = {"k": "x" * 100}
+    again = await app.http.post("/v1/batches", headers=headers, json=body)
+    assert again.status_code == 202, again.text
+
+
 async def test_a_reassignment_of_a_wait_that_is_no_approval_is_a_422_and_delivers_nothing(
     app: App,
 ) -> None:

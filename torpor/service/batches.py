@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections import Counter
-from collections.abc import Sized
+from collections.abc import Mapping, Sized
 from datetime import timedelta
 
 from pydantic import JsonValue
@@ -54,6 +55,10 @@ from torpor.service.sessions import SessionService, fingerprint
 from torpor.ssrf import check_callback
 
 SUBMITS_AT_ONCE = 32  # session creations one fan-out has in flight
+# A batch's metadata, JSON-encoded, at most: it is copied into every document's session and
+# rewritten with each of its commits, so unbounded, 1 MB of it beside 10,000 documents
+# (a 1 MB request) made 10 GB of sessions.
+METADATA_MAX_BYTES = 16 * 1024
 # A result line whose session retention deleted before the results were first exported.
 PURGED = "the session ended and was deleted by retention (storage.retention_s) before export"
 log = logging.getLogger(__name__)
@@ -122,11 +127,19 @@ class BatchService:
             await self.fan_out(manifest.batch_id)
         return manifest
 
-    def ensure_acceptable(self, agent: str, documents: Sized) -> None:
-        """``InvalidRequest`` for no documents, ``UnknownAgent`` unless ``agent`` is
-        configured: checked before anything of the batch is stored."""
+    def ensure_acceptable(
+        self, agent: str, documents: Sized, metadata: Mapping[str, str] | None = None
+    ) -> None:
+        """``InvalidRequest`` for no documents or metadata past ``METADATA_MAX_BYTES``,
+        ``UnknownAgent`` unless ``agent`` is configured: checked before anything of the
+        batch is stored."""
         if not documents:
             raise InvalidRequest("a batch needs at least one document")
+        if metadata and len(json.dumps(dict(metadata)).encode()) > METADATA_MAX_BYTES:
+            raise InvalidRequest(
+                f"metadata: at most {METADATA_MAX_BYTES} bytes as JSON (every document's "
+                "session carries a copy)"
+            )
         try:
             self.services.plugins.agent(agent)
         except PluginNotFound as exc:
@@ -144,7 +157,7 @@ class BatchService:
         max_running: int | None = None,
     ) -> BatchManifest:
         """Durably accept a batch; creates no session. Idempotent by ``batch_id``."""
-        self.ensure_acceptable(agent, documents)
+        self.ensure_acceptable(agent, documents, metadata)
         metadata = dict(metadata or {})
         if callback_url is not None:  # checked once here, not once per document
             if self.services.settings.notifications.key is None:
