@@ -4,6 +4,7 @@ point here; the crash-resume of the fan-out is in tests/faults, HTTP in tests/in
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from collections import Counter
@@ -644,3 +645,46 @@ async def test_a_finished_batch_stays_finished_while_its_sessions_go_one_by_one(
     lines = {line["session_id"]: line for line in map(json.loads, await _lines(world, bid))}
     assert lines[gone]["state"] is None and "retention" in lines[gone]["error"]
     assert [line["state"] for sid, line in lines.items() if sid != gone] == ["COMPLETED"] * 2
+
+
+async def test_a_cancel_request_cancelled_itself_leaves_the_fan_out_running(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel waits for this process's fan-out to stop at its next chunk. Cancelled
+    while it waited (Serve cancels the handler of a client that went away), it cancelled
+    the fan-out mid-chunk, whose own look at the marker then never ran: the sessions it
+    had made past the cursor ran on in the cancelled batch. And the cancel swallowed its
+    own cancellation and went on."""
+    accept = await world.batches.accept(
+        tenant="acme", agent="blk", documents=[{"doc": i} for i in range(DOCS)]
+    )
+    create, entered, release = world.batches._create, asyncio.Event(), asyncio.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> int:
+        made = await create(*args, **kwargs)
+        entered.set()
+        await release.wait()  # the chunk's sessions are made; its cursor not yet saved
+        return made
+
+    monkeypatch.setattr(world.batches, "_create", held)
+    world.batches.start_fan_out(accept.batch_id)
+    fan_out = world.batches._fan_outs[accept.batch_id]
+    await entered.wait()
+    cancel = asyncio.create_task(world.batches.cancel(accept.batch_id))
+    while not await world.services.batches.is_cancelled(accept.batch_id):
+        await asyncio.sleep(0)  # the cancel wrote its marker and now waits for the fan-out
+    cancel.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancel
+    assert not fan_out.done(), "the fan-out goes on to its look at the marker"
+    release.set()
+    assert await fan_out == 4  # the first chunk, then it stopped
+    memory_env.PROBE.release.set()  # those running (the cap's) go on to their end
+    made = [accept.session_id(i) for i in range(4)]
+
+    async def ended() -> bool:
+        await world.activator.drain()
+        loaded = [await world.services.snapshots.load(s) for s in made]
+        return [x.state for x in loaded] == [S.CANCELLED] * 4
+
+    await eventually(ended, timeout_s=10, what="the chunk's sessions cancelled")

@@ -15,7 +15,6 @@ of a retry killed before it made them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections import Counter
@@ -461,10 +460,12 @@ class BatchService:
         # The marker first: a fan-out running now stops at its next chunk, and one that
         # resumes later makes nothing more.
         await self.services.batches.mark_cancelled(batch_id)
-        with contextlib.suppress(asyncio.CancelledError):
-            task = self._fan_outs.get(batch_id)
-            if task is not None:
-                await asyncio.gather(task, return_exceptions=True)
+        task = self._fan_outs.get(batch_id)
+        if task is not None:
+            # ``wait``, not ``gather``: a cancel cancelled while it waits (Serve cancels the
+            # handler of a client that went away) must not take the fan-out with it, cut
+            # off mid-chunk before its own look at the marker ends what it made.
+            await asyncio.wait({task})
         attempts = await self.attempts(manifest)
         # Below the cursor only: the fan-out ends those it makes past it (``fan_out``).
         await self._cancel_sessions(attempts.all_current(await self.created(manifest)))
