@@ -17,6 +17,7 @@ from tests.conftest import eventually
 from tests.runtime.api_app import App, api_app
 from tests.runtime.test_gateway import SOURCES
 from torpor.deliveries import Delivery, DeliveryStatus
+from torpor.errors import UnsafeUrl
 from torpor.lifecycle import SessionState
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
@@ -504,6 +505,32 @@ async def test_batch_metadata_copied_into_every_session_is_bounded_and_nothing_i
     body["metadata"] = {"k": "x" * 100}
     again = await app.http.post("/v1/batches", headers=headers, json=body)
     assert again.status_code == 202, again.text
+
+
+async def test_a_retried_batch_submit_finds_its_batch_while_its_callback_host_does_not_resolve(
+    app: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The callback URL was resolved again before the batch was looked for: the retry of
+    a request whose answer was lost, sent while the callback host's DNS failed, was
+    refused 400 ("does not resolve"), though its batch was accepted and running; a client
+    taking the 4xx for final never followed the batch it had."""
+    body = {"agent": "purchase", "documents": [{"doc": "a"}], "callback_url": "http://127.0.0.1/cb"}
+    headers = {**app.auth(), "Idempotency-Key": "retried-with-callback"}
+    first = await app.http.post("/v1/batches", headers=headers, json=body)
+    assert first.status_code == 202, first.text
+
+    async def unresolvable(url: str, **kwargs: object) -> None:
+        raise UnsafeUrl("callback_url host '127.0.0.1' does not resolve")
+
+    monkeypatch.setattr("torpor.service.batches.check_callback", unresolvable)
+    again = await app.http.post("/v1/batches", headers=headers, json=body)
+    assert again.status_code == 202, again.text
+    assert again.json()["batch_id"] == first.json()["batch_id"]
+    # A new batch is still checked.
+    other = await app.http.post(
+        "/v1/batches", headers={**app.auth(), "Idempotency-Key": "another"}, json=body
+    )
+    assert other.status_code == 400, other.text
 
 
 async def test_a_reassignment_of_a_wait_that_is_no_approval_is_a_422_and_delivers_nothing(

@@ -158,15 +158,6 @@ class BatchService:
         """Durably accept a batch; creates no session. Idempotent by ``batch_id``."""
         self.ensure_acceptable(agent, documents, metadata)
         metadata = dict(metadata or {})
-        if callback_url is not None:  # checked once here, not once per document
-            if self.services.settings.notifications.key is None:
-                raise InvalidRequest("callback_url needs notifications set up (notify_key)")
-            notifications = self.services.settings.notifications
-            await check_callback(
-                callback_url,
-                allow_private=notifications.allow_private_callbacks,
-                timeout_s=notifications.timeout_s,
-            )
         cap = min(
             max_running or self.settings.max_running_per_batch, self.settings.max_running_per_batch
         )
@@ -183,6 +174,17 @@ class BatchService:
         existing = await self._existing(batch_id, tenant, fp)
         if existing is not None:
             return existing
+        # After the look for the batch: its host is resolved again, and a retry of an
+        # accepted request, sent while that resolution fails, must still find its batch.
+        if callback_url is not None:  # checked once here, not once per document
+            if self.services.settings.notifications.key is None:
+                raise InvalidRequest("callback_url needs notifications set up (notify_key)")
+            notifications = self.services.settings.notifications
+            await check_callback(
+                callback_url,
+                allow_private=notifications.allow_private_callbacks,
+                timeout_s=notifications.timeout_s,
+            )
         now = self.services.clock.now()
         # Before the documents: an accept that dies before its manifest leaves documents
         # nothing else names; retention finds them through this note (and deletes them).
