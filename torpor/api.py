@@ -132,7 +132,7 @@ class BatchOut(BaseModel):
     done: int
     finished: bool
     by_state: dict[str, int]
-    session_ids: list[str]  # one per document, in the order they were submitted
+    session_ids: list[str]  # each document's current session (its latest retry's), in order
     links: dict[str, str]
     created: int = 0  # documents whose session exists (the fan-out runs behind the 202)
     cancelled: bool = False

@@ -28,6 +28,7 @@ from tests.runtime.memory_env import plan_agent, reset
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
 from torpor.batches import BatchManifest, RetryGeneration
 from torpor.clock import ManualClock
+from torpor.entry.batches import batch_out
 from torpor.errors import BatchExpired, BatchNotFinished, SessionNotFound
 from torpor.lifecycle import SessionState
 from torpor.models import Message
@@ -688,3 +689,30 @@ async def test_a_cancel_request_cancelled_itself_leaves_the_fan_out_running(
         return [x.state for x in loaded] == [S.CANCELLED] * 4
 
     await eventually(ended, timeout_s=10, what="the chunk's sessions cancelled")
+
+
+async def test_a_batch_lists_each_documents_current_session_after_a_retry(world: World) -> None:
+    """The batch listed each document's first session for ever: after a retry it counted
+    the document COMPLETED, and its results named the retried session, while the list a
+    client follows to each document's session still led to the FAILED attempt."""
+    FLAKY["on"] = True
+    docs: list[Any] = [{"doc": 0}, {"doc": 1, "fail": 1}]
+    manifest = await world.batches.submit(tenant="acme", agent="flaky", documents=docs)
+    bid = manifest.batch_id
+
+    async def settled(expect: dict[str, int]) -> bool:
+        await world.sweeper.sweep_once()
+        return (await world.batches.progress(bid)).by_state == expect
+
+    await eventually(lambda: settled({"COMPLETED": 1, "FAILED": 1}), timeout_s=10, what="fail")
+    FLAKY["on"] = False
+    try:
+        assert await world.batches.retry(bid) == [1]
+        await eventually(lambda: settled({"COMPLETED": 2}), timeout_s=10, what="retried")
+    finally:
+        FLAKY["on"] = True
+    out = await batch_out(world.batches, bid, "acme")
+    current = [manifest.session_id(0), manifest.session_id(1, attempt=1)]
+    assert out.session_ids == current
+    rows = [json.loads(x) for x in await _lines(world, bid)]
+    assert [r["session_id"] for r in rows] == current

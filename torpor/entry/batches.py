@@ -28,6 +28,9 @@ async def batch_out(batches: BatchService, batch_id: str, tenant: str) -> BatchO
     manifest = await batches.get(batch_id, tenant=tenant)
     progress = await batches.progress(batch_id, tenant=tenant)
     usage = await batches.usage(manifest)
+    # Each document's current session (its latest retry's), as progress counts it and the
+    # results name it: the first ones led a client to a FAILED attempt after a retry.
+    current = (await batches.attempts(manifest)).all_current()
     settings = batches.settings
     base = f"/v1/batches/{batch_id}"
     return BatchOut(
@@ -37,7 +40,7 @@ async def batch_out(batches: BatchService, batch_id: str, tenant: str) -> BatchO
         done=progress.done,
         finished=progress.finished,
         by_state=progress.by_state,
-        session_ids=manifest.sessions(),
+        session_ids=current,
         links={
             "self": base,
             "cancel": f"{base}/cancel",
