@@ -716,3 +716,39 @@ async def test_a_batch_lists_each_documents_current_session_after_a_retry(world:
     assert out.session_ids == current
     rows = [json.loads(x) for x in await _lines(world, bid)]
     assert [r["session_id"] for r in rows] == current
+
+
+async def test_a_session_made_after_its_batch_was_cancelled_never_starts(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry (or fan-out) looks for the cancel marker, then makes its sessions: a cancel
+    in between found none of them to cancel, and a made session with a free running slot
+    started at once and ran its document through (here to COMPLETED) before the maker's
+    second look at the marker delivered its cancel."""
+    FLAKY["on"] = True
+    docs: list[Any] = [{"doc": 0}, {"doc": 1, "fail": 1}]
+    manifest = await world.batches.submit(tenant="acme", agent="flaky", documents=docs)
+    bid = manifest.batch_id
+
+    async def settled(expect: dict[str, int]) -> bool:
+        await world.sweeper.sweep_once()
+        return (await world.batches.progress(bid)).by_state == expect
+
+    await eventually(lambda: settled({"COMPLETED": 1, "FAILED": 1}), timeout_s=10, what="fail")
+    await world.activator.drain()  # the first sessions' slots are given back: one is free
+    create = world.batches._create
+
+    async def cancelled_first(*args: Any, **kwargs: Any) -> int:
+        await world.batches.cancel(bid)  # the operator's cancel, just before the creates
+        return await create(*args, **kwargs)
+
+    monkeypatch.setattr(world.batches, "_create", cancelled_first)
+    FLAKY["on"] = False  # left alone, the retried document would now complete
+    try:
+        assert await world.batches.retry(bid) == [1]
+        await world.activator.drain()
+        retried = await world.services.snapshots.load(manifest.session_id(1, attempt=1))
+        assert retried.state is S.CANCELLED
+        assert [h.state for h in retried.history] == [S.CANCELLED], "it never ran"
+    finally:
+        FLAKY["on"] = True

@@ -72,6 +72,13 @@ class Activation:
             )
             return
         if work.snap.state is SessionState.PENDING:
+            if snap.batch_id is not None and await self.deps.batches.is_cancelled(snap.batch_id):
+                # Made after its batch was cancelled, by a fan-out or retry that looked for
+                # the marker just before it was written: that cancel found no session to
+                # end, and its maker's second look comes after this one may have run its
+                # document through. One read, at a batch session's first start only.
+                await self.suspender.finish(SessionState.CANCELLED, reason="batch cancelled")
+                return
             ctx = self.loop.agent_context()
             work.update(
                 messages=loaded.agent.initial_messages(snap.input, ctx),
