@@ -752,3 +752,33 @@ async def test_a_session_made_after_its_batch_was_cancelled_never_starts(
         assert [h.state for h in retried.history] == [S.CANCELLED], "it never ran"
     finally:
         FLAKY["on"] = True
+
+
+async def test_progress_reads_the_snapshots_the_index_lacks_side_by_side(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sessions the index does not hold (it was lost; or retention deleted them past the
+    period) are looked for in their snapshots: one after the other, a GET of a 10,000-
+    document batch made 10,000 store reads in a row (minutes on S3), on every poll."""
+    manifest = await finished(world, "fin", [{"doc": i} for i in range(DOCS)])
+    in_flight = peak = 0
+    header = world.services.snapshots.header
+
+    async def counted(session_id: str) -> Any:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            await asyncio.sleep(0)  # a store read yields: the others may start meanwhile
+            return await header(session_id)
+        finally:
+            in_flight -= 1
+
+    async def lost(session_ids: list[str]) -> dict[str, SessionState]:
+        return {}
+
+    monkeypatch.setattr(world.services.snapshots, "header", counted)
+    monkeypatch.setattr(world.services.index, "session_states", lost)
+    progress = await world.batches.progress(manifest.batch_id)
+    assert progress.by_state == {"COMPLETED": DOCS}
+    assert peak == DOCS

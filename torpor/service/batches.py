@@ -386,12 +386,19 @@ class BatchService:
 
     async def _states(self, session_ids: list[str]) -> dict[str, SessionState]:
         states = await self.services.index.session_states(session_ids)
-        for sid in [s for s in session_ids if s not in states]:
-            # The index lost it (flushed), or its chunk is being created: the snapshot.
-            try:
-                states[sid] = (await self.services.snapshots.header(sid)).state
-            except SessionNotFound:
-                continue
+        gate = asyncio.Semaphore(SUBMITS_AT_ONCE)
+
+        async def header(sid: str) -> None:
+            # The index lost it (flushed), its chunk is being created, or retention deleted
+            # it: the snapshot. Side by side: a lost index, or a batch past the period,
+            # leaves up to every one of 10,000 to read, on every look at the batch.
+            async with gate:
+                try:
+                    states[sid] = (await self.services.snapshots.header(sid)).state
+                except SessionNotFound:
+                    return
+
+        await asyncio.gather(*(header(s) for s in session_ids if s not in states))
         return states
 
     async def progress(self, batch_id: str, *, tenant: str | None = None) -> BatchProgress:
