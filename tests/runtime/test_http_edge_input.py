@@ -533,6 +533,26 @@ async def test_a_retried_batch_submit_finds_its_batch_while_its_callback_host_do
     assert other.status_code == 400, other.text
 
 
+async def test_a_retried_batch_submit_finds_its_batch_under_limits_tightened_since(
+    app: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request was checked (its agent configured, its metadata's size) before its
+    batch was looked for: a retry of an accepted request whose answer was lost, sent after
+    a limit was tightened, was refused 400 though its batch was accepted and running."""
+    body = {"agent": "purchase", "documents": [{"doc": "a"}], "metadata": {"k": "x" * 1000}}
+    headers = {**app.auth(), "Idempotency-Key": "retried-under-a-new-limit"}
+    first = await app.http.post("/v1/batches", headers=headers, json=body)
+    assert first.status_code == 202, first.text
+    monkeypatch.setattr("torpor.service.batches.METADATA_MAX_BYTES", 100)
+    again = await app.http.post("/v1/batches", headers=headers, json=body)
+    assert again.status_code == 202, again.text
+    assert again.json()["batch_id"] == first.json()["batch_id"]
+    other = await app.http.post(
+        "/v1/batches", headers={**app.auth(), "Idempotency-Key": "under-the-new-limit"}, json=body
+    )
+    assert other.status_code == 400, other.text
+
+
 async def test_a_reassignment_of_a_wait_that_is_no_approval_is_a_422_and_delivers_nothing(
     app: App,
 ) -> None:

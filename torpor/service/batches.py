@@ -156,7 +156,6 @@ class BatchService:
         max_running: int | None = None,
     ) -> BatchManifest:
         """Durably accept a batch; creates no session. Idempotent by ``batch_id``."""
-        self.ensure_acceptable(agent, documents, metadata)
         metadata = dict(metadata or {})
         cap = min(
             max_running or self.settings.max_running_per_batch, self.settings.max_running_per_batch
@@ -174,8 +173,10 @@ class BatchService:
         existing = await self._existing(batch_id, tenant, fp)
         if existing is not None:
             return existing
-        # After the look for the batch: its host is resolved again, and a retry of an
-        # accepted request, sent while that resolution fails, must still find its batch.
+        # The checks after the look for the batch, before anything is stored: a retry of
+        # an accepted request finds its batch, whatever changed since (a limit tightened,
+        # the callback host's resolution failing now).
+        self.ensure_acceptable(agent, documents, metadata)
         if callback_url is not None:  # checked once here, not once per document
             if self.services.settings.notifications.key is None:
                 raise InvalidRequest("callback_url needs notifications set up (notify_key)")
