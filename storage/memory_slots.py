@@ -49,10 +49,14 @@ class MemorySlots:
             live = self._live(scope)
             if member not in live and len(live) >= self._caps[scope]:
                 self._queues.setdefault(found.queue, {})[member] = found.rank
+                # And in the full scope's queue: another batch giving a slot of it back
+                # wakes this one too (a tenant's cap, ``RedisSlots``).
+                self._queues.setdefault(scope, {})[member] = found.rank
                 return SlotEntry.WAITING
         until = time.monotonic() + ttl.total_seconds()
         for scope in found.scopes:
             self._slots[scope][member] = until
+            self._queues.get(scope, {}).pop(member, None)
         self._queues.get(found.queue, {}).pop(member, None)
         return SlotEntry.ADMITTED
 
@@ -62,11 +66,15 @@ class MemorySlots:
             return []
         for scope in found.scopes:
             self._slots.get(scope, {}).pop(member, None)
-        queue = self._queues.get(found.queue, {})
         if forget:
             del self._members[member]
-            queue.pop(member, None)
-        return sorted(queue, key=lambda m: queue[m])[:limit]
+            for name in (found.queue, *found.scopes):
+                self._queues.get(name, {}).pop(member, None)
+        heads: dict[str, None] = {}
+        for name in dict.fromkeys((found.queue, *found.scopes)):
+            queue = self._queues.get(name, {})
+            heads.update(dict.fromkeys(sorted(queue, key=lambda m: queue[m])[:limit]))
+        return list(heads)
 
     async def usage(self, *, scope: str, queue: str | None = None) -> SlotUsage:
         return SlotUsage(len(self._live(scope)), len(self._queues.get(queue or scope, {})))

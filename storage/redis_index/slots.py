@@ -3,8 +3,10 @@
 ``slot:m`` maps a member to ``queue<TAB>rank<TAB>scope...``; ``slot:cap`` a scope to its
 cap; ``slot:s:<scope>`` holds the live slots scored by expiry (server time, as leases:
 ``leases.py`` says why); ``slot:q:<queue>`` the members waiting, scored by rank (document
-order). Taking the slots of every scope, or queueing, is one script: two replicas
-admitting at once can never both take the last slot.
+order), and ``slot:q:<scope>`` those waiting for that full scope: a tenant's slot given
+back wakes every batch of the tenant waiting for one, not only the leaver's own. Taking
+the slots of every scope, or queueing, is one script: two replicas admitting at once can
+never both take the last slot.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ for i = 3, #f do
     local cap = tonumber(redis.call('HGET', KEYS[2], f[i]) or '0')
     if redis.call('ZCARD', key) >= cap then
       redis.call('ZADD', ARGV[3] .. 'q:' .. f[1], 'NX', f[2], ARGV[1])
+      redis.call('ZADD', ARGV[3] .. 'q:' .. f[i], 'NX', f[2], ARGV[1])
       return 'waiting'
     end
   end
 end
 for i = 3, #f do
   redis.call('ZADD', ARGV[3] .. 's:' .. f[i], now + tonumber(ARGV[2]), ARGV[1])
+  redis.call('ZREM', ARGV[3] .. 'q:' .. f[i], ARGV[1])
 end
 redis.call('ZREM', ARGV[3] .. 'q:' .. f[1], ARGV[1])
 return 'admitted'
@@ -65,8 +69,18 @@ local q = ARGV[3] .. 'q:' .. f[1]
 if ARGV[2] == '1' then
   redis.call('HDEL', KEYS[1], ARGV[1])
   redis.call('ZREM', q, ARGV[1])
+  for i = 3, #f do redis.call('ZREM', ARGV[3] .. 'q:' .. f[i], ARGV[1]) end
 end
-return redis.call('ZRANGE', q, 0, tonumber(ARGV[4]) - 1)
+local heads = redis.call('ZRANGE', q, 0, tonumber(ARGV[4]) - 1)
+for i = 3, #f do
+  local sq = ARGV[3] .. 'q:' .. f[i]
+  if sq ~= q then
+    for _, m in ipairs(redis.call('ZRANGE', sq, 0, tonumber(ARGV[4]) - 1)) do
+      table.insert(heads, m)
+    end
+  end
+end
+return heads
 """
 )
 
@@ -116,7 +130,7 @@ class RedisSlots(RedisConnection):
         heads = await self.script(_LEAVE)(
             keys=[self._base + "m"], args=[member, int(forget), self._base, max(1, limit)]
         )
-        return texts(heads) if limit > 0 else []
+        return list(dict.fromkeys(texts(heads))) if limit > 0 else []
 
     @translate
     async def usage(self, *, scope: str, queue: str | None = None) -> SlotUsage:

@@ -68,3 +68,29 @@ async def test_a_dead_holders_slot_expires_by_itself(slots: RunningSlots) -> Non
         return await slots.enter(member="b", ttl=LONG) is SlotEntry.ADMITTED
 
     await eventually(b_admitted, timeout_s=5, what="the expired slot is taken")
+
+
+async def test_a_tenant_slot_given_back_wakes_the_other_batches_waiting_for_it(
+    slots: RunningSlots,
+) -> None:
+    """A session waiting for its tenant's cap (its own batch's has room) waited in its
+    batch's queue alone, which only its own batch's sessions wake: a slot given back by
+    another batch woke that batch's queue, whose sessions took it every time, and this
+    batch waited (its sessions retried now and then, the slot taken again by then) for as
+    long as the others had sessions to run."""
+    for batch in ("x", "y"):
+        await slots.register(
+            members={f"{batch}1": 1, f"{batch}2": 2},
+            scopes={f"batch:{batch}": 5, "tenant:t3": 1},
+            queue=f"batch:{batch}",
+        )
+    assert await slots.enter(member="x1", ttl=LONG) is SlotEntry.ADMITTED
+    assert await slots.enter(member="x2", ttl=LONG) is SlotEntry.WAITING
+    assert await slots.enter(member="y1", ttl=LONG) is SlotEntry.WAITING
+    assert set(await slots.leave(member="x1", forget=True, limit=2)) == {"x2", "y1"}
+    assert await slots.enter(member="y1", ttl=LONG) is SlotEntry.ADMITTED
+    assert await slots.usage(scope="batch:y") == SlotUsage(running=1, waiting=0)
+    # And back: y1's slot given back wakes x's session, y having none waiting.
+    assert await slots.leave(member="y1", forget=True, limit=2) == ["x2"]
+    assert await slots.enter(member="x2", ttl=LONG) is SlotEntry.ADMITTED
+    assert await slots.leave(member="x2", forget=True, limit=2) == []

@@ -43,7 +43,8 @@ class RunningSlots(Protocol):
 
     async def leave(self, *, member: str, forget: bool, limit: int) -> list[str]:
         """Give the member's slots back (``forget``: and its registration, it has ended);
-        the first ``limit`` queued members of its queue, to be tried next."""
+        the first ``limit`` queued members of its queue and of each of its scopes' (those
+        of other batches waiting for its tenant's cap), to be tried next."""
         ...
 
     async def usage(self, *, scope: str, queue: str | None = None) -> SlotUsage: ...
