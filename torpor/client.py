@@ -218,16 +218,22 @@ class AsyncClient:
         by_reference: bool = False,
         metadata: dict[str, str] | None = None,
         max_running: int | None = None,
+        batch_id: str | None = None,
     ) -> str:
         """A batch of one session per row of the ``ray.data.Dataset`` ``ds``.
 
         ``by_reference``: each row is stored once in the object store and the session's
         input is ``{"id": ..., "document_ref": key}`` (read it with ``read_document``), so
-        large documents are not copied into every snapshot of the session."""
+        large documents are not copied into every snapshot of the session.
+
+        ``batch_id``: the batch's id, chosen by the caller (``torpor.ids.new_batch_id()``,
+        kept where a rerun finds it): a driver run again after a crash then finds the
+        batch it submitted, and no row is processed twice; without it every call is a new
+        batch."""
         from torpor.ids import new_batch_id
 
         rows = [plain(row) for row in ds.iter_rows()]
-        batch_id = new_batch_id()
+        batch_id = batch_id or new_batch_id()
         documents: list[JsonValue] = list(rows)
         if by_reference:
             # A batch refused for what it names stores nothing: checked before the rows.

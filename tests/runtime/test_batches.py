@@ -782,3 +782,29 @@ async def test_progress_reads_the_snapshots_the_index_lacks_side_by_side(
     progress = await world.batches.progress(manifest.batch_id)
     assert progress.by_state == {"COMPLETED": DOCS}
     assert peak == DOCS
+
+
+@pytest.mark.parametrize("by_reference", [False, True], ids=["inline", "by-reference"])
+async def test_a_dataset_submitted_again_under_its_batch_id_is_one_batch(
+    world: World, by_reference: bool
+) -> None:
+    """A driver that died after its submit and ran again made a second batch of the same
+    rows (a new id each call): every document processed twice. Named by the caller, the
+    second submit finds the first batch."""
+    from torpor.client import AsyncClient
+    from torpor.ids import new_batch_id
+
+    client = AsyncClient.__new__(AsyncClient)  # no Ray: only the services are used
+    client.tenant, client._services, client._batches = "acme", world.services, world.batches
+    rows = Rows([{"id": "d0"}, {"id": "d1"}])
+    batch_id = new_batch_id()
+    first = await client.submit_dataset(
+        rows, agent="fin", batch_id=batch_id, by_reference=by_reference
+    )
+    again = await client.submit_dataset(
+        rows, agent="fin", batch_id=batch_id, by_reference=by_reference
+    )
+    assert first == again == batch_id
+    assert (await client.progress(batch_id))["total"] == 2
+    sessions = [sid async for page in world.services.snapshots.session_ids() for sid in page]
+    assert len(sessions) == 2, "each row once"
