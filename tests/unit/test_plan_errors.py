@@ -162,3 +162,21 @@ async def test_a_path_marked_optional_may_name_nothing() -> None:
     turn = await after_extract(steps, {"amount": 10}, input={})
     [call] = turn.message.tool_calls or []
     assert json.loads(call.function.arguments) == {"doc_id": None, "ref": "PR-"}
+
+
+async def test_an_old_snapshots_deeply_nested_str_result_is_read_as_that_str() -> None:
+    """A tool's str result was sent as it was before results that read as JSON were
+    encoded: an old snapshot holds a message of valid JSON nested past Python's parser.
+    Its read raised RecursionError (no ValueError), and the step failed at every replay."""
+    deep = "[" * 100_000 + "]" * 100_000
+    steps = [
+        {"id": "extract", "calls": [{"tool": "extract_fields"}]},
+        {"id": "done", "finish": {"got": "${results.extract}"}},
+    ]
+    agent = PlanAgent(plan={"steps": steps})
+    context = ctx({})
+    first = await agent.step([], context)
+    [call] = first.message.tool_calls or []
+    answer = Message(role="tool", tool_call_id=call.id, content=deep)
+    turn = await agent.step([first.message, answer], context)
+    assert turn.final and turn.result == {"got": deep}
