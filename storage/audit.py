@@ -443,6 +443,12 @@ class ObjectAudit:
         while True:
             page = await self.store.list(keys.audit_prefix(stream), start_after=token)
             for key in page.keys:
+                if keys.audit_block_number(key) is None:
+                    # No block (a folder marker, a stray object), as compaction leaves it:
+                    # taken for the next block, it read as one missing, and the chain as
+                    # broken for good. A block that is missing still shows: the next
+                    # numbered key is not the one expected.
+                    continue
                 if key != keys.audit_record(stream, chain.block + 1):
                     return chain.broken(MISSING)
                 try:
@@ -460,7 +466,9 @@ class ObjectAudit:
         the operator console shows (it reads, it does not verify: ``verify`` does)."""
         found: list[AuditRecord] = []
         for stream in await self.streams():
-            for key in (await self._keys(keys.audit_prefix(stream)))[-blocks:]:
+            listed = await self._keys(keys.audit_prefix(stream))
+            numbered = [k for k in listed if keys.audit_block_number(k) is not None]
+            for key in numbered[-blocks:]:
                 try:
                     data = (await self.store.get(key)).data
                 except ObjectNotFound:  # archived since the listing (a compaction ran)

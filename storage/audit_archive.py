@@ -99,8 +99,8 @@ async def archives(store: ObjectStore, stream: str) -> list[Archive]:
 def _block_of(key: str) -> int:
     """The block number a key under a stream's prefix names; past every block for a key
     that names none (a stray object, a store's "folder" marker): it is left alone."""
-    tail = key.rsplit("/", 1)[-1]
-    return int(tail) if tail.isascii() and tail.isdigit() else sys.maxsize
+    number = keys.audit_block_number(key)
+    return sys.maxsize if number is None else number
 
 
 async def compact(store: ObjectStore, stream: str) -> int:

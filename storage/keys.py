@@ -155,6 +155,13 @@ def audit_record(stream: str, block: int) -> str:
     return f"{audit_prefix(stream)}{block:012d}"
 
 
+def audit_block_number(key: str) -> int | None:
+    """The block a key under a stream's prefix names, or None for one that names none (a
+    store's folder marker, a stray object): compaction and ``verify`` leave it alone."""
+    tail = key.rsplit("/", 1)[-1]
+    return int(tail) if tail.isascii() and tail.isdigit() else None
+
+
 BATCHES = "batches/"
 
 

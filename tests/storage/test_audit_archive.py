@@ -324,3 +324,21 @@ async def test_a_stream_whose_compaction_fails_stops_neither_the_others_nor_the_
     )
     assert report.archived == BLOCKS - audit_archive.KEEP_BLOCKS  # the other stream's
     assert len(report.errors) == 1 and "wb" in report.errors[0] and "OSError" in report.errors[0]
+
+
+@pytest.mark.parametrize("archived", [False, True], ids=["blocks-only", "after-an-archive"])
+async def test_a_stray_key_under_a_streams_prefix_is_no_missing_block(
+    store: ObjectStore, archived: bool
+) -> None:
+    """Compaction leaves a key that names no block alone; ``verify`` took it for the next
+    block and reported the chain broken ("a block is missing") though every block was
+    there, and so did every verify after. A block really missing still shows: the next
+    numbered key is not the one expected."""
+    log = await written(store, "ws")
+    if archived:
+        assert await audit_archive.compact(store, "ws") > 0
+    await store.put(keys.audit_prefix("ws") + "notes", b"not a block")
+    check = await log.verify()
+    assert check.ok and check.records == BLOCKS, check
+    await store.delete(keys.audit_record("ws", BLOCKS - 1))
+    assert not (await log.verify()).ok
