@@ -362,7 +362,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 def cmd_events(args: argparse.Namespace) -> int:
     """Follow the stream until the session ends. A stream that breaks before its end is
     opened again with ``Last-Event-ID`` (the server then sends only what came after it);
-    ``STREAM_RECONNECTS`` attempts in a row that bring nothing at all give up. The first
+    ``STREAM_RECONNECTS`` reconnects in a row that bring nothing at all give up. The first
     connection is not retried: an API that never answered is unreachable at once, as
     for every other command."""
     base = (args.url or _settings().public_url).rstrip("/")
@@ -372,7 +372,8 @@ def cmd_events(args: argparse.Namespace) -> int:
         headers["Authorization"] = f"Bearer {key}"
     url = f"{base}/v1/sessions/{urllib.parse.quote(args.session)}/events"
     followed = _Followed()
-    failed = 0  # attempts in a row that received nothing
+    failed = 0  # reconnects in a row that received nothing
+    reconnect = False
     while True:
         if followed.last is not None:
             headers["Last-Event-ID"] = str(followed.last)
@@ -386,10 +387,13 @@ def cmd_events(args: argparse.Namespace) -> int:
         if followed.ended:
             return 0
         # A stream that said anything (a keep-alive at least) was healthy until it broke:
-        # a proxy that cuts idle streams must not end the follow of a long wait.
-        failed = 0 if followed.heard != heard else failed + 1
-        if failed > STREAM_RECONNECTS:
+        # a proxy that cuts idle streams must not end the follow of a long wait. Only
+        # reconnects count: the first connection's silence counted as one, so a follow
+        # whose first stream was healthy made one reconnect more than the bound.
+        failed = failed + 1 if reconnect and followed.heard == heard else 0
+        if failed >= STREAM_RECONNECTS:
             raise Unreachable(f"the event stream of {args.session} {why}")
+        reconnect = True
         time.sleep(STREAM_BACKOFF.delay_s(max(failed - 1, 0)))
 
 

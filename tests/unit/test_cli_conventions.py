@@ -351,6 +351,33 @@ def test_events_gives_up_after_a_bounded_number_of_reconnects(
     assert "the event stream of s_1 closed" in capsys.readouterr().err
 
 
+def test_events_gives_up_after_as_many_empty_reconnects_after_a_healthy_stream(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The bound is on reconnects: a stream that showed a transition and broke, then
+    reconnects that bring nothing, gives up after ``STREAM_RECONNECTS`` of them, as after
+    a first connection that brought nothing (one more was made before: the first
+    connection's silence counted as one of them, a healthy one's did not)."""
+    from torpor import backoff
+
+    asked: list[str | None] = []
+
+    class Handler(Answering):
+        def do_GET(self) -> None:
+            asked.append(self.headers.get("Last-Event-ID"))
+            if len(asked) == 1:
+                event = json.dumps(TRANSITIONS[0])
+                self.answer(200, f"id: 1\ndata: {event}\n\n".encode(), "text/event-stream")
+            else:
+                self.answer(200, b"", "text/event-stream")
+
+    with served(Handler) as url, backoff.fixed(0):
+        code = cli.main(["events", "s_1", "--url", url])
+    assert code == cli.EXIT_UNREACHABLE
+    assert asked == [None] + ["1"] * cli.STREAM_RECONNECTS
+    assert "RUNNING" in capsys.readouterr().out
+
+
 def test_events_follows_a_long_wait_through_any_number_of_idle_streams_cut(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
