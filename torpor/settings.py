@@ -292,7 +292,7 @@ class StorageSettings(_Section):
     # Bounded: a sweep is one step of the reconciler's loop, which also fires the
     # deadlines; a huge page made one pass list and purge every ended session at once.
     retention_per_sweep: int = Field(
-        100, ge=1, le=10_000, description="sessions one sweep deletes at most"
+        100, ge=1, le=10_000, description="sessions one sweep deletes at most (1-10,000)"
     )
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
