@@ -387,6 +387,13 @@ class WorkWatcher:
             # ``ray job stop`` by someone else: the answer, not a loss to run again.
             return _stopped_elsewhere(f"its job {submission_id} was stopped")
         info = await asyncio.to_thread(client.get_job_info, submission_id)
+        if status is JobStatus.FAILED and _lost_to_ray(info):
+            # Ray lost the job (its supervisor died with its node, or it never started):
+            # no answer of the work's own, so the run is lost and the policy may run it
+            # again, under a new submission id; the dead job is never adopted again.
+            why = f"its job {submission_id} was lost: {info.error_type}: {info.message}"
+            await records.record_lost(self._order.work_id, run, why[:1000])
+            return None
         value: dict[str, JsonValue] = {
             "submission_id": submission_id,
             "status": str(status.value),
@@ -405,13 +412,15 @@ class WorkWatcher:
         for earlier in range(run, 0, -1):
             submission_id = f"{self._order.work_id}-{earlier}"
             try:
-                await asyncio.to_thread(client.get_job_info, submission_id)
+                info = await asyncio.to_thread(client.get_job_info, submission_id)
             except RuntimeError as exc:
                 if not _no_such_job(exc):
                     # The dashboard failed (not "no such job"): the job may be there, so
                     # nothing is submitted; the run is lost and the next one looks again.
                     raise
                 continue
+            if _lost_to_ray(info):
+                continue  # dead without an answer of its own: its run was lost (_job_run)
             return submission_id
         return None
 
@@ -481,6 +490,28 @@ async def _stop_job(client: Any, submission_id: str) -> None:
     raise WorkStopFailed(
         f"job {submission_id} could not be stopped: {type(failure).__name__}: {failure}"[:1000]
     ) from failure
+
+
+# How Ray says it lost a job rather than the job failing on its own: its supervisor died
+# (with its node) or the job never started. Not a runtime_env that could not be set up,
+# nor the entrypoint's own error: a run again would meet those again.
+_LOST_JOB_ERRORS = frozenset(
+    {
+        "JOB_SUPERVISOR_ACTOR_DIED",
+        "JOB_SUPERVISOR_ACTOR_START_TIMEOUT",
+        "JOB_SUPERVISOR_ACTOR_START_FAILURE",
+        "JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE",
+    }
+)
+
+
+def _lost_to_ray(info: Any) -> bool:
+    """Whether a FAILED job's info says Ray lost it (``_LOST_JOB_ERRORS``)."""
+    from ray.job_submission import JobStatus
+
+    error = getattr(info, "error_type", None)
+    name = str(getattr(error, "value", error) or "")
+    return getattr(info, "status", None) is JobStatus.FAILED and name in _LOST_JOB_ERRORS
 
 
 def _no_such_job(exc: RuntimeError) -> bool:

@@ -313,6 +313,8 @@ class Jobs:
         self.jobs: dict[str, Any] = dict(jobs)
         self.submitted: list[str] = []
         self.stopped: list[str] = []
+        self.errors: dict[str, str] = {}  # a failed job's error_type, by submission id
+        self.submits_end: tuple[Any, str | None] = (JobStatus.SUCCEEDED, None)
 
     def _known(self, submission_id: str) -> Any:
         if submission_id not in self.jobs:
@@ -321,14 +323,21 @@ class Jobs:
 
     def get_job_info(self, submission_id: str) -> Any:
         status = self._known(submission_id)
-        return SimpleNamespace(status=status, message=f"job {status}", driver_node_id=None)
+        return SimpleNamespace(
+            status=status,
+            message=f"job {status}",
+            driver_node_id=None,
+            error_type=self.errors.get(submission_id),
+        )
 
     def get_job_status(self, submission_id: str) -> Any:
         return self._known(submission_id)
 
     def submit_job(self, *, submission_id: str, **options: Any) -> str:
         self.submitted.append(submission_id)
-        self.jobs[submission_id] = JobStatus.SUCCEEDED
+        self.jobs[submission_id], error = self.submits_end
+        if error is not None:
+            self.errors[submission_id] = error
         return submission_id
 
     def stop_job(self, submission_id: str) -> bool:
@@ -576,3 +585,52 @@ async def test_a_long_jobs_watcher_asks_about_it_less_and_less_up_to_a_cap(
     assert slept[0] == 0.5
     assert slept == sorted(slept) and 10 <= max(slept) <= 15, slept
     assert len(slept) <= 3600 / 10, len(slept)
+
+
+async def test_a_job_ray_lost_with_its_node_is_a_lost_run_not_the_works_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The job's supervisor died (its node went): FAILED, with no answer of the work's
+    own. Answered as the work's failure, a job the infrastructure lost was never run
+    again; it is a lost run now, which the retry policy may run again."""
+    order = an_order()
+    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
+    runner = await a_runner(launch, order)
+    jobs = Jobs()
+    jobs.submits_end = (JobStatus.FAILED, "JOB_SUPERVISOR_ACTOR_DIED")
+    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    assert await runner.records.claim_run(order.work_id, 2, by="watcher")
+    assert await watcher._execute(runner.records, 2) is None
+    cause = await runner.records.lost_cause(order.work_id, 2)
+    assert cause is not None and "JOB_SUPERVISOR_ACTOR_DIED" in cause
+
+
+async def test_a_job_ray_lost_is_not_adopted_by_the_next_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Run 1's job was lost by Ray: run 2 submits its own rather than answer with the
+    dead one's failure (or record itself lost on it, at every run, to the last)."""
+    order = an_order()
+    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
+    runner = await a_runner(launch, order)
+    jobs = Jobs(**{f"{order.work_id}-1": JobStatus.FAILED})
+    jobs.errors[f"{order.work_id}-1"] = "JOB_SUPERVISOR_ACTOR_DIED"
+    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    assert await runner.records.claim_run(order.work_id, 2, by="watcher")
+    outcome = await watcher._execute(runner.records, 2)
+    assert jobs.submitted == [f"{order.work_id}-2"]
+    assert outcome is not None and outcome["status"] == "ok"
+
+
+async def test_a_job_whose_entrypoint_failed_is_the_works_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    order = an_order()
+    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
+    runner = await a_runner(launch, order)
+    jobs = Jobs()
+    jobs.submits_end = (JobStatus.FAILED, "JOB_ENTRYPOINT_COMMAND_ERROR")
+    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    assert await runner.records.claim_run(order.work_id, 2, by="watcher")
+    outcome = await watcher._execute(runner.records, 2)
+    assert outcome is not None and outcome["status"] == "error"
