@@ -48,6 +48,10 @@ class AgentTurn:
 
 @runtime_checkable
 class Agent(Protocol):
+    """An agent may also set ``reads_tool_results_as_json = True`` (the plan agent): its
+    tool messages then carry a str result that JSON reads as another value quoted, so it
+    parses back to the str (``torpor.session.working.message_content``)."""
+
     name: str
     version: str
 

@@ -3,6 +3,8 @@ result that is a str reaches the agent as that str."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -10,7 +12,9 @@ import pytest
 from pydantic import JsonValue
 
 from tests.runtime.memory_env import memory_env, plan_agent
+from torpor.agent import AgentContext, AgentTurn, default_initial_messages
 from torpor.lifecycle import SessionState
+from torpor.models import Message, ToolCall, ToolCallFunction
 from torpor.tools import ToolContext, sync_tool
 
 
@@ -99,3 +103,40 @@ async def test_a_str_result_nested_deeper_than_python_parses_stays_a_str() -> No
         snap = await env.load(await env.submit("p", deep))
         assert snap.state is SessionState.COMPLETED, (snap.state, snap.error)
         assert snap.result == {"echoed": deep}
+
+
+class Reader:
+    """An agent that reads tool messages as text, as a model does: it calls ``echo`` once
+    and finishes with the tool message's content exactly as it was given."""
+
+    name, version = "reader", "1"
+
+    async def step(self, messages: Sequence[Message], ctx: AgentContext) -> AgentTurn:
+        answers = [m.content for m in messages if m.role == "tool"]
+        if answers:
+            return AgentTurn(Message(role="assistant", content="done"), result=answers[0])
+        call = ToolCall(
+            id="call_echo",
+            function=ToolCallFunction(name="echo", arguments=json.dumps({"text": ctx.input})),
+        )
+        return AgentTurn(Message(role="assistant", tool_calls=[call]))
+
+    def initial_messages(self, input: JsonValue, ctx: AgentContext) -> list[Message]:
+        return default_initial_messages(input, None)
+
+
+@pytest.mark.parametrize("text", ['{"temperature": 20}', "[1, 2]", "123", "plain text"])
+async def test_a_model_reads_a_str_result_as_the_tool_wrote_it(text: str) -> None:
+    """A tool that returns JSON text (``json.dumps(...)``, common) reached every agent's
+    model quoted and escaped once str results were encoded for the plan agent's sake:
+    only an agent that reads tool messages back as JSON gets them quoted."""
+    agents = {
+        "r": {
+            "factory": "tests.runtime.test_tool_result_text:Reader",
+            "tools": ["tests.runtime.test_tool_result_text:echo"],
+        }
+    }
+    async with memory_env(agents) as env:
+        snap = await env.load(await env.submit("r", text))
+        assert snap.state is SessionState.COMPLETED, (snap.state, snap.error)
+        assert snap.result == text

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
@@ -213,6 +213,10 @@ def _parse_content(content: str | None) -> JsonValue:
 
 
 class PlanAgent:
+    # Reads each tool message back as JSON (``_parse_content``): a str result that JSON
+    # reads as something else is sent quoted, so it comes back the str it was.
+    reads_tool_results_as_json: ClassVar[bool] = True
+
     def __init__(
         self,
         *,

@@ -18,7 +18,7 @@ from torpor import fanin, outbox
 from torpor.fanin import Outcome
 from torpor.models import ExpiryPolicy, FanIn, MemberStatus, Message, Wait
 from torpor.plugins import LoadedAgent
-from torpor.session.working import WorkingCopy, message_content
+from torpor.session.working import WorkingCopy, message_content, quotes_json_text
 from torpor.tools import LongRunningTool
 
 RESOLVED = "fan-in resolved"  # the reason a closed member's compensation carries
@@ -98,7 +98,11 @@ class FanInWake:
             if self._can_compensate(w)
         ]
         results = [
-            Message(role="tool", tool_call_id=call_id, content=message_content(content))
+            Message(
+                role="tool",
+                tool_call_id=call_id,
+                content=message_content(content, quote_json_text=quotes_json_text(self.loaded)),
+            )
             for call_id, content in fanin.tool_results(group, result)
         ]
         work.update(

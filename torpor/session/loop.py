@@ -31,7 +31,7 @@ from torpor.plugins import LoadedAgent
 from torpor.ports import TimerKind
 from torpor.session.retry import Retrier
 from torpor.session.suspend import Suspender
-from torpor.session.working import WorkingCopy, error_result, message_content
+from torpor.session.working import WorkingCopy, error_result, message_content, quotes_json_text
 from torpor.tools import LongRunningTool, Tool, ToolContext, WaitPlan
 from torpor.transient import transient
 
@@ -266,7 +266,13 @@ class AgentLoop:
             work.update(
                 messages=[
                     *work.snap.messages,
-                    Message(role="tool", tool_call_id=call.id, content=message_content(result)),
+                    Message(
+                        role="tool",
+                        tool_call_id=call.id,
+                        content=message_content(
+                            result, quote_json_text=quotes_json_text(self.loaded)
+                        ),
+                    ),
                 ]
             )
             await work.commit()  # checkpoint at every tool boundary

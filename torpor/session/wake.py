@@ -31,7 +31,7 @@ from torpor.plugins import LoadedAgent
 from torpor.session.fan_in import FanInWake
 from torpor.session.retry import Retrier
 from torpor.session.suspend import Suspender
-from torpor.session.working import WorkingCopy, message_content
+from torpor.session.working import WorkingCopy, message_content, quotes_json_text
 from torpor.tools import LongRunningTool, Review, ReviewAction
 
 
@@ -374,7 +374,9 @@ class Wake:
             messages=[
                 *work.snap.messages,
                 Message(
-                    role="tool", tool_call_id=wait.tool_call_id, content=message_content(content)
+                    role="tool",
+                    tool_call_id=wait.tool_call_id,
+                    content=message_content(content, quote_json_text=quotes_json_text(self.loaded)),
                 ),
             ],
             waits=[w for w in work.snap.waits if w.wait_id != wait.wait_id],

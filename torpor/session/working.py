@@ -24,6 +24,7 @@ from torpor.errors import LeaseLost
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState, transition
 from torpor.models import SessionSnapshot
+from torpor.plugins import LoadedAgent
 from torpor.ports.services import Services
 from torpor.session.heartbeat import Heartbeat
 
@@ -56,15 +57,24 @@ def error_result(exc: Exception | str, code: str = "tool_error") -> JsonValue:
     return {"error": {"code": code, "message": message[:1000]}}
 
 
-def message_content(value: JsonValue) -> str:
+def message_content(value: JsonValue, *, quote_json_text: bool = False) -> str:
     """A tool result as the text of a tool message: a str as it is, so a model reads the
-    tool's own text; anything else, or a str that JSON reads as something else, as JSON.
+    tool's own text; anything else as JSON.
 
-    An agent that reads the content as JSON (the plan agent) then gets back what the tool
-    returned: a str "123" sent as it was came back as the number 123, "true" as True."""
-    if isinstance(value, str) and not _reads_as_json(value):
+    ``quote_json_text``, for an agent that reads the content back as JSON (the plan
+    agent, ``reads_tool_results_as_json``): a str that JSON reads as something else goes
+    as JSON too, so it comes back the str the tool returned (sent as it was, "123" came
+    back as the number 123, "true" as True). A model is not given the tool's JSON text
+    quoted and escaped."""
+    if isinstance(value, str) and not (quote_json_text and _reads_as_json(value)):
         return value
     return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def quotes_json_text(loaded: LoadedAgent | None) -> bool:
+    """Whether ``loaded``'s agent reads tool messages back as JSON (``message_content``)."""
+    agent = loaded.agent if loaded is not None else None
+    return bool(getattr(agent, "reads_tool_results_as_json", False))
 
 
 def _reads_as_json(text: str) -> bool:
