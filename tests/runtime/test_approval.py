@@ -17,8 +17,9 @@ from tests.runtime.approval_tools import SENT, WITHDRAWN, approval_agent
 from tests.support.harness import Env, callback, local_env
 from tests.support.receiver import Receiver
 from torpor.approval.tool import REASSIGN
-from torpor.errors import ReassignmentRefused
+from torpor.errors import ConfigError, ReassignmentRefused
 from torpor.events import EventKind, InboxEvent
+from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason, SessionSnapshot, Wait
 from torpor.ports import Observer, Reason, TimerKind
@@ -472,3 +473,26 @@ async def test_an_escalation_chain_skips_whom_the_stage_is_put_to_already(make: 
         await Sweeper(env.control).sweep_once(env.clock.now())
         [wait] = (await env.load(sid)).waits
         assert wait.request["approvers"] == ["bob"] and wait.request["stage"] == 2
+
+
+async def test_a_reassignment_where_the_agent_does_not_load_is_left_to_the_session(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asked where the operator asks, the tool's check needs the agent loaded there: one
+    that does not load in that process (a tool's option it cannot resolve) turned the
+    reassignment into an error, where the session, which loads it, decides anyway."""
+    async with make(stages=[{"approvers": ["fd"]}]) as env:
+        sid = await submit(env)
+        old = (await env.load(sid)).waits[0]
+
+        def broken(name: str) -> Any:
+            raise ConfigError("agent 'approval': a tool option did not resolve here")
+
+        loads = env.services.plugins.agent
+        monkeypatch.setattr(env.services.plugins, "agent", broken)
+        event_id = await env.control.reassign_approval(
+            sid, old.correlation_id, approvers=["bob"], by="operator:abc", why="fd on leave"
+        )
+        monkeypatch.setattr(env.services.plugins, "agent", loads)
+        assert event_id.startswith("reassign:")
+        assert await env.services.inbox.find(sid, event_key("torpor", event_id)) is not None

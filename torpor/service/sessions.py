@@ -22,6 +22,7 @@ from torpor import tracing
 from torpor.approval.tool import REASSIGN
 from torpor.backoff import Backoff
 from torpor.errors import (
+    ConfigError,
     IdempotencyInProgress,
     IdempotencyMismatch,
     InvalidKey,
@@ -395,10 +396,11 @@ class SessionService:
             raise InvalidRequest("approvers: one or more names of at most 256 characters")
         # Asked here too, so that the operator hears a refusal (before, a 202 and only an
         # alert later); the session's tool decides again under the lease, with the wait
-        # as it is then. An agent not configured here is left to the session.
+        # as it is then. An agent not configured here, or that does not load here, is
+        # left to the session.
         try:
             tool = self.services.plugins.agent(snapshot.agent.name).tools.get(wait.tool_name)
-        except PluginNotFound:
+        except (PluginNotFound, ConfigError):
             tool = None
         if isinstance(tool, LongRunningTool):
             refused = tool.reassignment_refused(wait, list(approvers))
