@@ -376,6 +376,11 @@ class LocalObjectStore:
     def url(self) -> str:
         return f"file://{self.root}"
 
+    def trouble(self) -> str | None:
+        """``ReportsTrouble``: why the log no longer checkpoints, if it does not."""
+        reason = self._log.not_checkpointing
+        return None if reason is None else f"write-ahead log not checkpointing: {reason}"
+
     # -- paths ----------------------------------------------------------------------
 
     def _path(self, key: str) -> Path:

@@ -38,7 +38,9 @@ a log still open), and the segments that hold nothing after it are removed: the
 process's own retired ones, and those of processes that have exited (the lock each holds
 on its segment is gone). A checkpoint whose flush fails leaves ``failed-<boot>`` beside
 the marks: a later flush that succeeds proves nothing about what the failed one lost, so
-from then on no checkpoint of that boot moves its mark or removes a log.
+from then on no checkpoint of that boot moves its mark or removes a log. The logs then
+grow until a reboot replays them: the log says so once (``not_checkpointing``, which the
+store's health reports), not at every checkpoint.
 
 A change too large to log whole (``RECORD_MAX_BYTES``) is flushed in place, file and
 folder, and logged as ``DURABLE``: at replay it overrides older records of its key and
@@ -158,6 +160,15 @@ def read_mark(folder: str, boot: str) -> int:
         return 0
 
 
+class CheckpointRefused(OSError):
+    """A checkpoint that wrote no mark and removed no log: a flush of the file system
+    failed earlier in this boot (``reason`` says which, where this process saw it)."""
+
+    def __init__(self, folder: str, reason: str) -> None:
+        super().__init__(errno.EIO, reason, folder)
+        self.reason = reason
+
+
 def _failed_file(folder: str, boot: str) -> str:
     return f"{folder}/failed-{boot}"
 
@@ -256,7 +267,9 @@ class WriteAheadLog:
         self._synced = 0
         self._syncing = False
         self._checkpointing = False
-        self._sync_failed = False  # a checkpoint's flush failed: none vouches for anything
+        # Why no checkpoint of this boot may move the mark or remove a log (a flush of
+        # the file system failed), once this process knows: for the store's health.
+        self.not_checkpointing: str | None = None
         self._next_size = SEGMENT_MIN_BYTES
         self._pid = os.getpid()
 
@@ -480,10 +493,25 @@ class WriteAheadLog:
                 if not retired:
                     self._checkpointing = False
                     return
+            reported = self.not_checkpointing is not None
             try:
                 self.checkpoint(retired)
-            except Exception:  # the segments stay: a replay will only do more work
-                log.warning("write-ahead log checkpoint failed in %s", self.folder, exc_info=True)
+            except Exception as exc:  # the segments stay: a replay will only do more work
+                if self.not_checkpointing is None:
+                    log.warning(
+                        "write-ahead log checkpoint failed in %s", self.folder, exc_info=True
+                    )
+                elif not reported:
+                    # Every checkpoint of the boot fails from now on, for the same
+                    # reason: one line (the flush's own traceback, if it failed here),
+                    # not one a checkpoint; the store's health says it while it lasts.
+                    log.warning(
+                        "write-ahead log in %s no longer checkpoints: %s; its logs are kept"
+                        " until a reboot replays them",
+                        self.folder,
+                        self.not_checkpointing,
+                        exc_info=not isinstance(exc, CheckpointRefused),
+                    )
             finally:
                 for segment in retired:
                     with contextlib.suppress(OSError):
@@ -501,26 +529,32 @@ class WriteAheadLog:
         fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
             syncfs(fd)
-        except OSError:
+        except OSError as exc:
             # Linux reports a failed writeback once and then counts the pages clean, so
             # a later flush that succeeds proves nothing about the changes this one
             # covered: no checkpoint of this boot, in any process, may vouch for them
             # again (a mark past them, their segments removed). The logs stay, to be
             # replayed after a reboot.
-            self._sync_failed = True
+            #
+            # Nor would a flush of each kept segment file clear them: the segments were
+            # flushed already (``_retire``), and what this flush failed to write is the
+            # objects' files (or folders), which the mark vouches for and which Linux
+            # now counts clean. Only each change made again in its object's file, that
+            # file flushed, would; and made now, over a newer change another process
+            # logged meanwhile, it would undo that one. The reboot's replay orders them.
+            self.not_checkpointing = f"a flush of the file system failed ({exc})"
             with _folder_lock(self.folder, ".marks.lock"):
                 _record_failure(self.folder, self.boot)
             raise
         finally:
             os.close(fd)
         with _folder_lock(self.folder, ".marks.lock"):
-            if self._sync_failed or os.path.exists(_failed_file(self.folder, self.boot)):
-                raise OSError(
-                    errno.EIO,
-                    "a flush of the file system failed in this boot: its logs are kept"
-                    " for a replay after the next reboot",
-                    self.folder,
-                )
+            if self.not_checkpointing is None and os.path.exists(
+                _failed_file(self.folder, self.boot)
+            ):
+                self.not_checkpointing = "a flush of the file system failed in another process"
+            if self.not_checkpointing is not None:
+                raise CheckpointRefused(self.folder, self.not_checkpointing)
             if mark > read_mark(self.folder, self.boot):
                 _write_mark(self.folder, self.boot, mark)
         for path in [s.path for s in retired] + exited:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from actors.wiring import open_services
+from storage.local_store import LocalObjectStore
 from storage.redis_index import RedisIndex
 from torpor.clock import ManualClock
 from torpor.errors import StorageUnavailable
@@ -75,3 +76,24 @@ async def test_an_unreachable_object_store_is_unhealthy(
     monkeypatch.setattr(services.store, "list", down)
     got = await answer(services, reconciler=None)
     assert got["status_code"] == 503 and "object store" in got["content"]["detail"]
+
+
+async def test_a_local_store_whose_log_no_longer_checkpoints_is_reported_not_unhealthy(
+    tmp_path: Path,
+) -> None:
+    """Its logs grow until a reboot: the answer says why, but stays 200 (the replica
+    serves, and neither a restart nor taking it out of service cures a failed flush)."""
+    settings = Settings.build(
+        {"storage": {"object_store_url": f"file://{tmp_path}", "index_url": "memory://"}}
+    )
+    services = open_services(settings, clock=ManualClock())
+    try:
+        store = services.store
+        assert isinstance(store, LocalObjectStore)
+        store._log.not_checkpointing = "a flush of the file system failed (EIO)"
+        got = await answer(services, reconciler=None)
+        assert got["status_code"] == 200
+        (warning,) = got["content"]["warnings"]
+        assert "not checkpointing" in warning and "EIO" in warning
+    finally:
+        await services.close()

@@ -1004,3 +1004,71 @@ def test_after_a_checkpoint_whose_flush_failed_no_later_one_vouches_for_its_chan
     after = LocalObjectStore(tmp_path)
     assert (get(after, "k"), get(after, "j")) == (b"acknowledged", b"later")
     assert not segments(tmp_path) and not list((tmp_path / ".wal").glob("failed-*"))
+
+
+def retire_and_checkpoint(store: LocalObjectStore, key: str) -> None:
+    """A change logged, its segment retired and the checkpoint that follows run out."""
+    asyncio.run(store.put(key, b"v"))
+    log_ = store._log
+    with log_._lock:
+        assert log_._segment is not None
+        log_._retire(log_._segment)
+        log_._segment = None
+    wait_for(lambda: not log_._checkpointing, "the checkpoint ran")
+
+
+def test_a_log_whose_checkpoint_flush_failed_says_so_once_and_in_its_trouble(
+    tmp_path: Path,
+    boot: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every checkpoint after a failed flush is refused until a reboot: the log grows,
+    so the store's health says why (``trouble``), and the log says it once, not a
+    warning with a traceback at each of the checkpoints that follow."""
+    failures = [OSError(errno.EIO, "Input/output error")]
+    real_syncfs = wal.syncfs
+
+    def syncfs(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        real_syncfs(fd)
+
+    monkeypatch.setattr(wal, "syncfs", syncfs)
+    store = LocalObjectStore(tmp_path)
+    assert store.trouble() is None
+    with caplog.at_level(logging.WARNING, logger="storage.wal"):
+        for n in range(4):
+            retire_and_checkpoint(store, f"k{n}")
+    assert len(segments(tmp_path)) == 4, "no refused checkpoint removed a log"
+    trouble = store.trouble()
+    assert trouble is not None and "not checkpointing" in trouble and "Input/output" in trouble
+    (line,) = [r for r in caplog.records if r.name == "storage.wal"]
+    assert "no longer checkpoints" in line.getMessage()
+    assert line.exc_info is not None  # the failed flush's own traceback, the one time
+    asyncio.run(store.close())
+
+
+def test_a_log_reports_a_checkpoint_flush_that_failed_in_another_process(
+    tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other process left ``failed-<boot>``: this one's checkpoints are refused too,
+    and its store says so (it would otherwise grow its log without a word)."""
+    failures = [OSError(errno.EIO, "Input/output error")]
+    real_syncfs = wal.syncfs
+
+    def syncfs(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        real_syncfs(fd)
+
+    monkeypatch.setattr(wal, "syncfs", syncfs)
+    failed = LocalObjectStore(tmp_path)
+    retire_and_checkpoint(failed, "k")
+    other = LocalObjectStore(tmp_path)
+    retire_and_checkpoint(other, "j")
+    trouble = other.trouble()
+    assert trouble is not None and "another process" in trouble
+    assert len(segments(tmp_path)) == 2
+    for store in (failed, other):
+        asyncio.run(store.close())

@@ -156,3 +156,15 @@ class StagesCreates(Protocol):
         """Create-only, as ``put_if_absent`` (``ObjectExists`` if the key exists), but
         it may return before the object is durable."""
         ...
+
+
+@runtime_checkable
+class ReportsTrouble(Protocol):
+    """A store that can be reachable and still be in trouble the operator must hear of:
+    the local folder whose log no longer checkpoints (a flush of its disk failed; its
+    logs grow until a reboot). Stores without it have nothing to report beyond whether
+    they answer."""
+
+    def trouble(self) -> str | None:
+        """What is wrong, or None (no I/O: read by every health check)."""
+        ...

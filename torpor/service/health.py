@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from torpor.ports.objects import ReportsTrouble
 from torpor.ports.services import Services
 from torpor.problems import UNAVAILABLE_RETRY_AFTER_S, ProblemSpec
 
@@ -27,6 +28,9 @@ PROBE_PREFIX = "health/"  # listing an empty prefix is the cheapest round trip t
 class Health:
     problems: list[str] = field(default_factory=list)
     last_sweep_age_s: float | None = None
+    # Trouble that does not make the replica unhealthy (it serves; a restart or taking
+    # it out of service would not cure it) but an operator must hear of.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -47,19 +51,22 @@ async def check_health(services: Services, *, now: datetime, sweeps: bool) -> He
     problems: list[str] = []
     index_ok = await _probe("index", services.index.ping(), problems)
     await _probe("object store", services.store.list(PROBE_PREFIX, limit=1), problems)
+    store = services.store
+    trouble = store.trouble() if isinstance(store, ReportsTrouble) else None
+    warnings = [] if trouble is None else [f"object store: {trouble}"]
     if not sweeps or not index_ok:
-        return Health(problems)
+        return Health(problems, warnings=warnings)
     try:
         last = await asyncio.wait_for(services.index.last_sweep(), timeout=CHECK_TIMEOUT_S)
     except Exception as exc:
-        return Health([*problems, f"index: {type(exc).__name__}"])
+        return Health([*problems, f"index: {type(exc).__name__}"], warnings=warnings)
     if last is None:
-        return Health([*problems, "reconciler: no complete sweep recorded"])
+        return Health([*problems, "reconciler: no complete sweep recorded"], warnings=warnings)
     age = (now - last).total_seconds()
     limit = STALE_AFTER_INTERVALS * services.settings.reconciler.interval_s
     if age > limit:
         problems.append(f"reconciler: last complete sweep {age:.0f} s ago")
-    return Health(problems, age)
+    return Health(problems, age, warnings)
 
 
 async def health_answer(services: Services, reconciler: object, version: str) -> dict[str, Any]:
@@ -76,9 +83,10 @@ async def health_answer(services: Services, reconciler: object, version: str) ->
             "version": version,
             "last_sweep_age_s": health.last_sweep_age_s,
             "audit_ok": services.audit.healthy,
+            "warnings": health.warnings,
         }
         return {"content": content, "status_code": 200}
-    detail = "; ".join(health.problems)
+    detail = "; ".join(health.problems + health.warnings)
     spec = ProblemSpec(503, "unhealthy", "Unhealthy", detail, UNAVAILABLE_RETRY_AFTER_S)
     return {
         "content": spec.body("/healthz"),

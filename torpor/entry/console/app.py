@@ -166,7 +166,7 @@ class _Console:
             for step, last in ((status or {}).get("step_errors") or {}).items():
                 steps[str(step)] = f"{last.get('at', '?')}: {last.get('error', '')}"
         return {
-            "problems": checked.problems,
+            "problems": checked.problems + checked.warnings,
             "last_sweep_age_s": checked.last_sweep_age_s,
             "steps": steps,
         }
