@@ -131,6 +131,15 @@ def submit_key(tenant: str, key_digest: str) -> str:
     return f"{SUBMIT_KEYS}{safe(tenant, 'tenant')}/{safe(key_digest, 'key digest')}"
 
 
+def submit_key_parts(key: str) -> tuple[str, str]:
+    """The tenant and key digest a listed ``submit_key`` names; ``InvalidKey`` for a key
+    under ``SUBMIT_KEYS`` that ``submit_key`` would not have made (a stray object)."""
+    tenant, _, digest = key.removeprefix(SUBMIT_KEYS).partition("/")
+    if not key.startswith(SUBMIT_KEYS) or submit_key(tenant, digest) != key:
+        raise InvalidKey(f"{key[:120]!r} names no submit-key record")
+    return tenant, digest
+
+
 def submit_key_ref(session_id: str, tenant: str, key_digest: str) -> str:
     """Names the session's submit-key record, for retention (``refs_prefix``)."""
     return f"{refs_prefix(session_id)}i/{safe(tenant, 'tenant')}/{safe(key_digest, 'key digest')}"

@@ -67,6 +67,11 @@ AUDIT_STREAMS_PER_SWEEP = 8
 BATCHES_PER_SWEEP = 8
 REPLAYS_PER_SWEEP = 256  # replay markers one sweep looks at (one read each)
 SUBMIT_KEYS_PER_SWEEP = 256  # submit-key records one sweep looks at (one read each)
+# A pass over every submit-key record starts at most this often. A record goes only a
+# retention period and a window after it was written, so an hour's wait delays no
+# deletion by much, and a deployment with many records is not read a page every sweep
+# (every 5 s) for ever.
+SUBMIT_KEYS_PASS_EVERY = timedelta(hours=1)
 # A batch's sessions looked for at most in one visit (a sweep is one step of the
 # reconciler's loop, which wakes sessions and fires timers: it must stay short).
 SESSIONS_PER_BATCH_VISIT = 256
@@ -118,6 +123,7 @@ class ObjectRetention:
         self._accept_cursor: str | None = None
         self._replay_cursor: str | None = None
         self._submit_cursor: str | None = None
+        self._submit_pass_after: datetime | None = None  # the next pass, not before
         # How many of each batch's sessions (in the order they are looked at) are known
         # gone: the next visit starts there, at the one found still stored last time.
         self._batch_gone: OrderedDict[str, int] = OrderedDict()
@@ -142,15 +148,22 @@ class ObjectRetention:
         # source's tolerance (up to a day) makes the window up to three days, and a
         # marker gone within it lets a captured copy of its request through again.
         await self._sweep_replays(min(cutoff, now - windows), report)
-        await self._sweep_submit_keys(min(cutoff, now - windows), report)
+        await self._sweep_submit_keys(min(cutoff, now - windows), report, now=now)
         return report
 
-    async def _sweep_submit_keys(self, cutoff: datetime, report: RetentionReport) -> None:
-        """Visit a page of submit-key records (round robin) and delete those written
-        before ``cutoff`` whose session was never made: the record is written before the
-        session, so a create that failed (an outage) and that no retry of the key took
-        over left it, and its ref, naming a session no purge would ever visit. A record
-        whose session exists goes with it (``_records``)."""
+    async def _sweep_submit_keys(
+        self, cutoff: datetime, report: RetentionReport, *, now: datetime
+    ) -> None:
+        """Visit a page of submit-key records (round robin, a pass over them all at most
+        once per ``SUBMIT_KEYS_PASS_EVERY``) and delete those written before ``cutoff``
+        whose session was never made: the record is written before the session, so a
+        create that failed (an outage) and that no retry of the key took over left it,
+        and its ref, naming a session no purge would ever visit. A record whose session
+        exists goes with it (``_records``)."""
+        if self._submit_cursor is None:
+            if self._submit_pass_after is not None and now < self._submit_pass_after:
+                return
+            self._submit_pass_after = now + SUBMIT_KEYS_PASS_EVERY
         page = await self.store.list(
             keys.SUBMIT_KEYS, start_after=self._submit_cursor, limit=SUBMIT_KEYS_PER_SWEEP
         )
@@ -158,6 +171,10 @@ class ObjectRetention:
         gate = asyncio.Semaphore(DELETES_AT_ONCE)
 
         async def one(key: str) -> int:
+            try:
+                tenant, hashed = keys.submit_key_parts(key)
+            except InvalidKey:
+                return 0  # not a record of ours (a stray object): left for an operator
             async with gate:
                 found = await self._stored(key)
                 if found is None:
@@ -176,7 +193,6 @@ class ObjectRetention:
                     pass
                 except (SnapshotError, InvalidKey):
                     return 0  # stored, if unreadable: an operator looks first
-                tenant, _, hashed = key.removeprefix(keys.SUBMIT_KEYS).partition("/")
                 await self.store.delete(keys.submit_key_ref(record.session_id, tenant, hashed))
                 # Conditional: a later request may take the key over (its 24 h are long
                 # past) for a session it is making right now.

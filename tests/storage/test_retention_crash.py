@@ -684,3 +684,58 @@ async def test_a_submit_key_whose_session_was_never_made_goes_after_the_period()
     left = (await store.list("")).keys
     assert not set(lost) & set(left)
     assert keys.submit_key("acme", key_digest("order-2")) in left, "its session exists"
+
+
+class SubmitKeyReads(MemoryObjectStore):
+    """Counts the reads of submit-key records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_reads = 0
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        self.record_reads += key.startswith(keys.SUBMIT_KEYS)
+        return await super().get(key, max_bytes=max_bytes)
+
+
+async def test_submit_key_records_are_read_in_one_pass_an_hour_not_at_every_sweep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass pages through every record, a page a sweep, then the records are left
+    alone until an hour after the pass began: a large deployment's records were read,
+    a page (and a snapshot header each) every 5 s, for ever."""
+    monkeypatch.setattr("storage.retention.SUBMIT_KEYS_PER_SWEEP", 2)
+    store = SubmitKeyReads()
+    made = await ObjectSnapshots(store).create(snapshot(state=SessionState.RUNNING))
+    claims = ObjectSubmitKeys(store)
+    for n in range(3):
+        record = SubmitKey(session_id=made.session_id, fingerprint="f", created_at=NOW)
+        await claims.claim(tenant="acme", key=f"order-{n}", record=record, ttl=WINDOWS)
+    retention = ObjectRetention(store)
+    start, reads = NOW + WINDOWS, []
+    for sweep in range(6):  # 5 s apart
+        store.record_reads = 0
+        now = start + timedelta(seconds=5 * sweep)
+        await retention.sweep(now=now, keep=KEEP, windows=WINDOWS, limit=10)
+        reads.append(store.record_reads)
+    assert sum(reads[:2]) == 3 and sum(reads[2:]) == 0, reads
+    store.record_reads = 0
+    await retention.sweep(now=start + timedelta(hours=1), keep=KEEP, windows=WINDOWS, limit=10)
+    assert store.record_reads == 2, "an hour on, the next pass begins"
+
+
+async def test_a_stray_key_among_the_submit_key_records_is_skipped_not_raised() -> None:
+    """A key under the records' prefix that ``keys.submit_key`` would not make (a stray
+    object) named a ref no key may name: ``InvalidKey`` raised out of the whole
+    retention pass, at every sweep that met it."""
+    store = MemoryObjectStore()
+    never = snapshot().session_id  # its create failed: never stored
+    old = SubmitKey(session_id=never, fingerprint="f", created_at=NOW)
+    await ObjectSubmitKeys(store).claim(tenant="acme", key="order-1", record=old, ttl=WINDOWS)
+    stray = f"{keys.SUBMIT_KEYS}acme/nested/{key_digest('order-2')}"
+    await store.put(stray, (await store.get(keys.submit_key("acme", key_digest("order-1")))).data)
+    retention = ObjectRetention(store)
+    await retention.sweep(now=NOW + KEEP + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
+    left = (await store.list("")).keys
+    assert keys.submit_key("acme", key_digest("order-1")) not in left, "the record went"
+    assert stray in left, "the stray is left for an operator"
