@@ -750,8 +750,11 @@ def recover(
             if first.key == boot:
                 continue
             created = float(json.loads(first.data).get("created", 0.0))
-            with open(path, "rb") as fh:
-                earlier.append((created, first.key, path, fh.read()))
+            try:
+                with open(path, "rb") as fh:
+                    earlier.append((created, first.key, path, fh.read()))
+            except FileNotFoundError:  # gone since its first read, as above
+                continue
         if not earlier:
             return Replayed(0, 0)
         # Boots in the order they ran (the first segment each created), records of one
@@ -789,7 +792,8 @@ def recover(
             if newest > marks[old_boot]:
                 _write_mark(folder, old_boot, newest)
         for _, _, path, _ in earlier:
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):  # its own store removed it meanwhile
+                os.unlink(path)
             crash_point(CrashPoint.STORE_REPLAY_REMOVING)
         # The logs' removal on disk before the marks': a file system without a journal
         # writes a folder's changes back in any order, and a power cut could otherwise

@@ -23,6 +23,7 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -1072,3 +1073,31 @@ def test_a_log_reports_a_checkpoint_flush_that_failed_in_another_process(
     assert len(segments(tmp_path)) == 2
     for store in (failed, other):
         asyncio.run(store.close())
+
+
+def test_a_replay_goes_on_past_a_log_removed_while_it_reads(
+    tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log that went between the replay's first read of it and its second (or before
+    its removal) failed the store's open with "log replay failed": its own store's
+    checkpoint had removed it, its changes on disk. It is skipped as one gone before the
+    listing already was. (Seen in a test whose first store's threads still ran as the
+    store was opened again under another boot.)"""
+    store = LocalObjectStore(tmp_path)
+    asyncio.run(store.put("k", b"v1"))
+    asyncio.run(store.close())
+    boot[0] = "boot-b"
+    opened: dict[str, int] = {}
+    real_open = open
+
+    def racing_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+        name = str(path)
+        if name.endswith(wal._SUFFIX):
+            opened[name] = opened.get(name, 0) + 1
+            if opened[name] == 2:
+                os.unlink(name)  # its store's checkpoint, between the two reads
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(wal, "open", racing_open, raising=False)
+    reopened = LocalObjectStore(tmp_path)
+    assert opened and get(reopened, "k") == b"v1"
