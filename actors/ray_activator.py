@@ -444,11 +444,19 @@ class RayActivator:
             return
         for attempt in range(MAX_ATTEMPTS):
             try:
-                await self._host(slot).activate.remote(
-                    session_id, reason.value, requested_at, tracing.traceparent()
+                # A live host answers at once (it only queues the session): silence is a
+                # node gone but not yet declared dead, and without a deadline the request
+                # (and the sweep or webhook awaiting it) waited for as long as that lasted.
+                # The host is not killed, as a dedicated actor would be: it runs others'
+                # sessions. A request it takes late only runs an activation more.
+                await asyncio.wait_for(
+                    self._host(slot).activate.remote(
+                        session_id, reason.value, requested_at, tracing.traceparent()
+                    ),
+                    timeout=ACTIVATE_TIMEOUT_S,
                 )
                 return
-            except _RETRYABLE:
-                self._hosts.pop(slot, None)  # restarting: look it up again
+            except (*_RETRYABLE, TimeoutError):
+                self._hosts.pop(slot, None)  # restarting or silent: look it up again
             await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
         raise ActivationUnavailable(f"pool host {slot} did not take {session_id}")
