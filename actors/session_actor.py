@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 ACCEPTED = "accepted"
 CLOSING = "closing"
+# How long an exiting actor waits for its services to close: the agents' and tools' own
+# ``close`` run in there. One that hangs must not keep the actor (and its session's name,
+# which answers ``closing`` to every request) alive for ever; the process exit frees the rest.
+CLOSE_TIMEOUT_S = 10.0
 
 
 def actor_name(session_id: str) -> str:
@@ -199,8 +203,9 @@ class SessionActor:
                     log.exception("activation of %s failed", session_id)
         finally:
             self._closing = True
-            with contextlib.suppress(Exception):
-                await services.close()
+            with contextlib.suppress(Exception):  # TimeoutError included
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                    await services.close()
             del runtime, services
             gc.collect()
             self._done.set()
