@@ -178,11 +178,18 @@ class SessionActor:
         from actors.wiring import session_runtime
         from torpor import tracing
 
-        services = self._services or self._open()
-        self._services = None
-        node = ray.get_runtime_context().get_node_id()[:8]
-        runtime: Any = session_runtime(services, owner=f"dedicated:{node}:{session_id}")
+        services: Services | None = None
+        runtime: Any = None
         try:
+            # Inside the ``try``: a named actor opens its services only now, and one whose
+            # open failed (a secret missing from its environment, a store it cannot reach)
+            # must still exit. It stayed, its task dead, answering every request
+            # "accepted" and running none, under the session's name for ever. The requests
+            # it drops are the wake timers' to bring back, to a new actor.
+            services = self._services or self._open()
+            self._services = None
+            node = ray.get_runtime_context().get_node_id()[:8]
+            runtime = session_runtime(services, owner=f"dedicated:{node}:{session_id}")
             while True:
                 if not self._wanted:
                     # Decided synchronously, with no await in between: a request that comes
@@ -201,11 +208,14 @@ class SessionActor:
                     # Typed storage errors included: the runtime already scheduled a
                     # retry timer; log and go on to exit.
                     log.exception("activation of %s failed", session_id)
+        except Exception:
+            log.exception("the actor of %s could not start its session", session_id)
         finally:
             self._closing = True
             with contextlib.suppress(Exception):  # TimeoutError included
                 async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                    await services.close()
+                    if services is not None:
+                        await services.close()
             del runtime, services
             gc.collect()
             self._done.set()
