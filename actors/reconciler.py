@@ -26,6 +26,7 @@ from actors import metrics
 from actors.config_ref import ConfigRef
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
+from actors.standby import START_TIMEOUT_S
 from actors.wiring import ensure_conditional_writes, open_services
 from torpor.ports.services import Services
 from torpor.service.sessions import SessionService
@@ -161,7 +162,10 @@ def ensure_reconciler(settings: Settings | ConfigRef, *, start: bool = True) -> 
         get_if_exists=True,
     ).remote(config)
     if start:
-        ray.get(handle.start.remote())
+        # With the time a process start may take on a busy node, and no more: a driver's
+        # ``Client()`` and the Serve app's starter wait here in their constructors, and a
+        # reconciler whose node is gone (not yet declared dead) held them for ever.
+        ray.get(handle.start.remote(), timeout=START_TIMEOUT_S)
     return handle
 
 
