@@ -168,7 +168,8 @@ class RayActivator:
         # What the holder's predecessor left: taken over (``_inherit_then_fill``), or
         # retired when this one keeps no set (``_retire_left``).
         self._predecessor: asyncio.Task[None] | None = None
-        # Sessions this activator handed to a standby, until their actor is done.
+        # Sessions this activator handed to an actor (a standby, or a named one while it
+        # keeps standbys), until their actor is done.
         self._adopted: dict[str, Any] = {}
         self._adopting: dict[str, _Turn] = {}  # a session's adoption under way
         self._watchers: set[asyncio.Task[None]] = set()
@@ -282,12 +283,17 @@ class RayActivator:
                 ray.kill(handle, no_restart=True)
                 continue
             if answer == ACCEPTED:
-                self._adopted[session_id] = handle
-                watcher = asyncio.create_task(self._forget_when_done(session_id, handle))
-                self._watchers.add(watcher)
-                watcher.add_done_callback(self._watchers.discard)
+                self._running(session_id, handle)
                 return True
         return False
+
+    def _running(self, session_id: str, handle: Any) -> None:
+        """``handle`` runs the session: this activator's next requests for it go there,
+        until it is done."""
+        self._adopted[session_id] = handle
+        watcher = asyncio.create_task(self._forget_when_done(session_id, handle))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
 
     async def _forget_when_done(self, session_id: str, handle: Any) -> None:
         with contextlib.suppress(*_RETRYABLE):
@@ -383,6 +389,12 @@ class RayActivator:
                     ray.kill(handle, no_restart=True)
                     continue
                 if answer == ACCEPTED:
+                    if self.standby is not None:
+                        # Remembered as an adopted one is: a request while it runs went
+                        # to a fresh standby (none was ready for the first, one is now),
+                        # which found the session leased and exited, a process started
+                        # per request for nothing.
+                        self._running(session_id, handle)
                     return
             except _RETRYABLE:
                 pass  # the actor died between lookup and call: make a new one
