@@ -29,7 +29,13 @@ from torpor.agent import AgentContext, AgentTurn, default_initial_messages
 from torpor.batches import BatchManifest, RetryGeneration
 from torpor.clock import ManualClock
 from torpor.entry.batches import batch_out
-from torpor.errors import BatchExpired, BatchNotFinished, SessionNotFound
+from torpor.errors import (
+    BatchExpired,
+    BatchNotFinished,
+    PluginNotFound,
+    SessionNotFound,
+    UnknownAgent,
+)
 from torpor.lifecycle import SessionState
 from torpor.models import Message
 from torpor.ports import RetentionReport, TimerKind
@@ -256,6 +262,41 @@ async def test_results_export_jsonl_and_parquet_once_finished(world: World) -> N
     table = pq.read_table(io.BytesIO(data))
     assert table.column("document_id").to_pylist() == ["d0", "d1", "d2"]
     assert [json.loads(v) for v in table.column("result").to_pylist()] == ["done"] * 3
+
+
+async def test_a_batch_whose_agent_was_removed_after_its_accept_ends_failed(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent was configured at the accept and removed before the fan-out: every
+    submit of the fan-out raised UnknownAgent, on every reconciler pass, and the batch
+    stayed PENDING for ever (never finished, never retained). Its documents end FAILED,
+    as a session whose agent went does, and a retry is refused while the agent is gone."""
+    docs: list[Any] = [{"id": f"d{i}", "doc": i} for i in range(3)]
+    manifest = await world.batches.accept(tenant="acme", agent="fin", documents=docs)
+    bid = manifest.batch_id
+    resolve = world.services.plugins.agent
+
+    def removed(name: str) -> Any:
+        if name == "fin":
+            raise PluginNotFound(f"no agent named {name!r} is configured")
+        return resolve(name)
+
+    monkeypatch.setattr(world.services.plugins, "agent", removed)
+    assert await world.batches.fan_out(bid) == 3
+    later = world.services.clock.now().replace(year=2100)
+    assert await world.services.index.due(kind=TimerKind.FANOUT, now=later, limit=10) == []
+
+    async def done() -> bool:
+        await world.sweeper.sweep_once()
+        return (await world.batches.progress(bid)).finished
+
+    await eventually(done, timeout_s=10, what="the batch finishes")
+    assert (await world.batches.progress(bid)).by_state == {"FAILED": 3}
+    rows = [json.loads(x) for x in await _lines(world, bid)]
+    assert [(r["document_id"], r["state"]) for r in rows] == [(f"d{i}", "FAILED") for i in range(3)]
+    assert all("'fin' is not configured" in r["error"] for r in rows)
+    with pytest.raises(UnknownAgent):
+        await world.batches.retry(bid)
 
 
 async def test_retry_makes_new_sessions_for_failed_documents_once(world: World) -> None:

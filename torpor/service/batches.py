@@ -139,6 +139,9 @@ class BatchService:
                 f"metadata: at most {METADATA_MAX_BYTES} bytes as JSON (every document's "
                 "session carries a copy)"
             )
+        self._ensure_agent(agent)
+
+    def _ensure_agent(self, agent: str) -> None:
         try:
             self.services.plugins.agent(agent)
         except PluginNotFound as exc:
@@ -361,6 +364,7 @@ class BatchService:
                     callback_url=manifest.callback_url,
                     batch_id=manifest.batch_id,
                     session_id=session_id,
+                    agent_checked=True,  # at the accept (``ensure_acceptable``)
                 )
                 return submitted.created
 
@@ -509,6 +513,8 @@ class BatchService:
                 f"batch {batch_id} is older than the retention period ({retention}): "
                 "submit its failed documents as a new batch"
             )
+        # Its agent removed since the accept, a retry's sessions would only fail again.
+        self._ensure_agent(manifest.agent)
         generations = await self.services.batches.generations(batch_id)
         attempts = Attempts.of(manifest, generations)
         ids = attempts.all_current(await self.created(manifest))

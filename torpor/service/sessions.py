@@ -39,6 +39,7 @@ from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.ids import new_session_id, new_trace_id, session_id_ms
 from torpor.models import AgentRef, OutboxEntry, SessionSnapshot
+from torpor.plugins import LoadedAgent
 from torpor.ports import (
     Activator,
     IdempotencyRecord,
@@ -121,16 +122,24 @@ class SessionService:
         idempotency_key: str | None = None,
         batch_id: str | None = None,
         session_id: str | None = None,
+        agent_checked: bool = False,
     ) -> Submitted:
         """Create a session and ask for its activation.
 
         ``session_id``: a caller-chosen id (a batch's document, ``batch_session_id``), for
         a caller that validated the request itself: creating it again finds it and only
-        finishes what the first try may not have (index, timer, activation)."""
+        finishes what the first try may not have (index, timer, activation).
+
+        ``agent_checked``: the agent was configured when the request was accepted (a
+        batch's fan-out, behind its 202). One removed since is no refusal then: the
+        session is made, and its activation ends it FAILED (``plugin_not_found``) as it
+        ends any session whose agent went; refused, the fan-out retried it for ever."""
         try:
-            loaded = self.services.plugins.agent(agent)
+            loaded: LoadedAgent | None = self.services.plugins.agent(agent)
         except PluginNotFound as exc:
-            raise UnknownAgent(f"no agent named {agent!r} is configured") from exc
+            if not agent_checked:
+                raise UnknownAgent(f"no agent named {agent!r} is configured") from exc
+            loaded = None
         metadata = dict(metadata or {})
         if callback_url is not None and session_id is None:
             if self.services.settings.notifications.key is None:
@@ -190,15 +199,15 @@ class SessionService:
         snapshot = SessionSnapshot(
             session_id=session_id,
             tenant=tenant,
-            agent=AgentRef(name=agent, version=loaded.agent.version),
+            agent=AgentRef(name=agent, version=loaded.agent.version if loaded else ""),
             # the caller's trace when it sent a traceparent, else a trace of its own
             trace_id=tracing.trace_id() or new_trace_id(),
             input=input,
             metadata=metadata,
             callback_url=callback_url,
             batch_id=batch_id,
-            variables={"tool_versions": dict(loaded.tools.versions())},
-            retry={"max_attempts": loaded.config.max_tool_retries},
+            variables={"tool_versions": dict(loaded.tools.versions()) if loaded else {}},
+            retry={"max_attempts": loaded.config.max_tool_retries} if loaded else {},
             created_at=now,
             updated_at=now,
         )
