@@ -16,6 +16,7 @@ from tests.support.harness import Env, local_env
 from torpor.batches import FanOutCursor
 from torpor.errors import BatchNotFinished
 from torpor.faults import CrashPoint
+from torpor.ports import SlotEntry
 from torpor.service.batches import BatchService
 from torpor.service.sweeper import Sweeper
 
@@ -76,6 +77,32 @@ async def test_a_fan_out_killed_mid_way_and_then_its_index_lost_is_resumed_after
         assert report.fan_outs == 1
         await sweeper.batches.drain()
         await _every_document_has_one_session(env, sweeper)
+
+
+async def test_a_resumed_fan_out_leaves_no_running_slot_registered_for_an_ended_session(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Killed -9 after a chunk's sessions, before its cursor: the resumed fan-out registers
+    the whole chunk under the batch's running caps again, sessions that ended meanwhile
+    too. Their creation finds each one made and asks for its activation again, and an
+    ended session's activation forgets its registration: without that request (or were
+    the registration written after it), nothing would ever take those records away."""
+    killed_mid_fan_out(tmp_path, redis_url, redis_prefix)
+    async with local_env(tmp_path, redis_url, redis_prefix, extra=EXTRA) as env:
+        manifest = await BatchService(env.control).get("b_crash")
+        ended = [manifest.session_id(i) for i in range(3)]  # the chunk the child made
+        for sid in ended:
+            await env.control.cancel(sid)
+        assert [(await env.load(sid)).state.value for sid in ended] == ["CANCELLED"] * 3
+        sweeper = Sweeper(env.control)
+        env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
+        assert (await sweeper.sweep_once()).fan_outs == 1
+        await sweeper.batches.drain()
+        slots = env.services.slots
+        assert slots is not None
+        # A member with no registration enters uncapped: nothing is left of theirs.
+        entries = [await slots.enter(member=sid, ttl=timedelta(minutes=1)) for sid in ended]
+        assert entries == [SlotEntry.UNCAPPED] * 3
 
 
 async def test_a_batch_cancelled_after_its_fan_out_was_killed_mid_way_ends_every_session(

@@ -307,6 +307,9 @@ class BatchService:
                 member=batch_id,
                 at=self.services.clock.now() + self._grace,
             )
+            # A resumed fan-out registers sessions of this chunk that may have ended since
+            # it was first made; ``_create`` then asks for each one's activation again, and
+            # an ended session's activation forgets its registration (``leave_slot``).
             await self._register(manifest, {manifest.session_id(i): i for i in range(start, end)})
             made += await self._create(
                 manifest, [(i, manifest.session_id(i), documents[i]) for i in range(start, end)]
