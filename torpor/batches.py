@@ -9,6 +9,8 @@ A retry of failed documents makes a *generation*: document ``i``'s session in ge
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -123,6 +125,38 @@ class BatchProgress:
     @property
     def finished(self) -> bool:
         return self.done == self.total
+
+
+def document_id(document: JsonValue) -> str | None:
+    """The document's own ``"id"`` as its result line names it (None: it has none). A
+    string as it is, an integer in decimal; any other value, which only a batch accepted
+    before ids were checked (``id_refusal``) can hold, as its JSON text (``true``, not
+    Python's ``True``), as every reader of the results parses it."""
+    raw = document.get("id") if isinstance(document, dict) else None
+    if raw is None:
+        return None
+    return raw if isinstance(raw, str) else json.dumps(raw, sort_keys=True)
+
+
+def id_refusal(documents: Iterable[JsonValue]) -> str | None:
+    """Why a batch's document ids are refused, or None: an id is a string or an integer
+    (or absent, or null), and names one document only. Ids are compared as the results
+    write them, so ``1`` and ``"1"`` are one id: two result lines with one
+    ``document_id`` leave a reader unable to tell whose result is whose."""
+    seen: dict[str, int] = {}
+    for i, document in enumerate(documents):
+        raw = document.get("id") if isinstance(document, dict) else None
+        if raw is None:
+            continue
+        if isinstance(raw, bool) or not isinstance(raw, str | int):
+            return f"documents[{i}].id: a string or an integer, not {json.dumps(raw)[:80]}"
+        key = raw if isinstance(raw, str) else str(raw)  # as ``document_id`` writes it
+        if key in seen:
+            return (
+                f"documents[{i}].id {key[:80]!r} is also documents[{seen[key]}].id: ids are unique"
+            )
+        seen[key] = i
+    return None
 
 
 def eta_seconds(*, total: int, done: int, elapsed_s: float) -> float | None:

@@ -299,6 +299,20 @@ async def test_a_batch_whose_agent_was_removed_after_its_accept_ends_failed(
         await world.batches.retry(bid)
 
 
+async def test_results_name_a_document_id_accepted_before_ids_were_checked_in_json(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch accepted before ids had to be strings or integers may hold any JSON id:
+    its results wrote Python's ``str()`` of it (``"True"``, ``"{'a': 1}"``), which no
+    reader of JSON results can match to the id it sent."""
+    # As before the check (``raising=False``: the code before it has no such name).
+    monkeypatch.setattr("torpor.service.batches.id_refusal", lambda _: None, raising=False)
+    docs: list[Any] = [{"id": True}, {"id": {"a": 1}}, {"id": 7}, {"id": "d"}, {"doc": 4}]
+    manifest = await finished(world, "fin", docs)
+    rows = [json.loads(x) for x in await _lines(world, manifest.batch_id)]
+    assert [r["document_id"] for r in rows] == ["true", '{"a": 1}', "7", "d", None]
+
+
 async def test_retry_makes_new_sessions_for_failed_documents_once(world: World) -> None:
     FLAKY["on"] = True
     docs: list[Any] = [{"doc": 0}, {"doc": 1, "fail": 1}, {"doc": 2, "fail": 1}]

@@ -488,6 +488,35 @@ async def test_a_batch_cap_that_is_no_whole_number_is_refused_and_nothing_is_mad
     assert again.status_code == 202, again.text
 
 
+@pytest.mark.parametrize(
+    ("ids", "said"),
+    [
+        (["a", "b", "a"], "documents[2].id 'a' is also documents[0].id"),
+        ([1, "1"], "documents[1].id '1' is also documents[0].id"),
+        ([True], "documents[0].id: a string or an integer, not true"),
+        ([{"a": 1}], "documents[0].id: a string or an integer, not {"),
+        ([1.5], "documents[0].id: a string or an integer, not 1.5"),
+    ],
+    ids=["repeated", "int-and-its-text", "bool", "object", "float"],
+)
+async def test_a_batch_whose_document_ids_repeat_or_are_not_strings_is_refused_unstored(
+    app: App, ids: list[object], said: str
+) -> None:
+    """Ids repeated were accepted, and the results then held several lines with one
+    document_id; ids neither strings nor integers were written as Python's ``str()``
+    (``"True"``, ``"{'a': 1}"``). Both are refused before anything is stored."""
+    body = {"agent": "purchase", "documents": [{"id": x, "doc": "a"} for x in ids]}
+    headers = {**app.auth(), "Idempotency-Key": "bad-ids"}
+    answer = await app.http.post("/v1/batches", headers=headers, json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert said in answer.json()["detail"]
+    assert (await app.env.services.store.list("batch")).keys == [], "nothing is stored"
+    body["documents"] = [{"id": "a", "doc": "a"}, {"id": 2, "doc": "b"}, {"doc": "c"}]
+    again = await app.http.post("/v1/batches", headers=headers, json=body)
+    assert again.status_code == 202, again.text
+
+
 async def test_batch_metadata_copied_into_every_session_is_bounded_and_nothing_is_stored(
     app: App,
 ) -> None:

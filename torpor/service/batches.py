@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sized
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 from pydantic import JsonValue
@@ -31,7 +31,9 @@ from torpor.batches import (
     FanOutCursor,
     ResultLine,
     RetryGeneration,
+    document_id,
     eta_seconds,
+    id_refusal,
 )
 from torpor.errors import (
     BatchCancelled,
@@ -127,13 +129,19 @@ class BatchService:
         return manifest
 
     def ensure_acceptable(
-        self, agent: str, documents: Sized, metadata: Mapping[str, str] | None = None
+        self,
+        agent: str,
+        documents: Sequence[JsonValue],
+        metadata: Mapping[str, str] | None = None,
     ) -> None:
-        """``InvalidRequest`` for no documents or metadata past ``METADATA_MAX_BYTES``,
-        ``UnknownAgent`` unless ``agent`` is configured: checked before anything of the
-        batch is stored."""
+        """``InvalidRequest`` for no documents, document ids that are not unique strings or
+        integers (``id_refusal``) or metadata past ``METADATA_MAX_BYTES``; ``UnknownAgent``
+        unless ``agent`` is configured: checked before anything of the batch is stored."""
         if not documents:
             raise InvalidRequest("a batch needs at least one document")
+        refusal = id_refusal(documents)
+        if refusal is not None:
+            raise InvalidRequest(refusal)
         if metadata and len(json.dumps(dict(metadata)).encode()) > METADATA_MAX_BYTES:
             raise InvalidRequest(
                 f"metadata: at most {METADATA_MAX_BYTES} bytes as JSON (every document's "
@@ -604,8 +612,7 @@ class BatchService:
 
         async def line(i: int) -> ResultLine:
             session_id = attempts.current(i)
-            doc = documents[i] if i < len(documents) else None
-            doc_id = doc.get("id") if isinstance(doc, dict) else None
+            doc_id = document_id(documents[i]) if i < len(documents) else None
             async with gate:
                 try:
                     snap = await self.sessions.get(session_id)
@@ -613,20 +620,20 @@ class BatchService:
                     if expired and i < created:  # ended and deleted (``progress``)
                         return ResultLine(
                             index=i,
-                            document_id=None if doc_id is None else str(doc_id),
+                            document_id=doc_id,
                             session_id=session_id,
                             state=None,
                             error=PURGED,
                         )
                     return ResultLine(  # never made: the batch was cancelled first
                         index=i,
-                        document_id=None if doc_id is None else str(doc_id),
+                        document_id=doc_id,
                         session_id=session_id,
                         state=SessionState.CANCELLED,
                     )
             return ResultLine(
                 index=i,
-                document_id=None if doc_id is None else str(doc_id),
+                document_id=doc_id,
                 session_id=session_id,
                 state=snap.state,
                 result=snap.result,
