@@ -10,40 +10,15 @@ the vendor's decision and the session resumes on it.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.faults.sweep_child import killed_sweep
 from tests.support.harness import local_env
 from torpor.faults import CrashPoint
 from torpor.lifecycle import SessionState
 from torpor.ports import TimerKind
 from torpor.service.sweeper import POLL_BATCH, POLL_TIMEOUT_S, POLLS_AT_ONCE, Sweeper
-
-ROOT = Path(__file__).resolve().parents[2]
-
-CHILD = """
-import asyncio, sys
-from datetime import datetime
-from pathlib import Path
-from actors.wiring import open_services, session_runtime
-from tests.support.harness import settings_for
-from torpor.clock import ManualClock
-from torpor.service.activator import InlineActivator
-from torpor.service.sessions import SessionService
-from torpor.service.sweeper import Sweeper
-
-async def main() -> None:
-    settings = settings_for(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
-    services = open_services(settings, clock=ManualClock(datetime.fromisoformat(sys.argv[4])))
-    runtime = session_runtime(services, "child")
-    await Sweeper(SessionService(services, InlineActivator(runtime))).sweep_once()
-
-asyncio.run(main())
-"""
 
 
 async def test_polls_taken_by_a_reconciler_killed_before_it_asked_are_polled_again(
@@ -57,13 +32,8 @@ async def test_polls_taken_by_a_reconciler_killed_before_it_asked_are_polled_aga
         env.clock.advance((wait.overdue_after - env.clock.now()).total_seconds() + 1)
         index, now = env.services.index, env.clock.now()
         assert len(await index.due(kind=TimerKind.POLL, now=now, limit=5)) == 1
-        child = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(tmp_path), redis_url, redis_prefix, now.isoformat()],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "TORPOR_CRASH_AT": CrashPoint.POLLS_LEASED},
-            stdout=subprocess.DEVNULL,
-        )
-        assert await asyncio.to_thread(child.wait, 60) == -signal.SIGKILL
+        code = await killed_sweep(CrashPoint.POLLS_LEASED, tmp_path, redis_url, redis_prefix, now)
+        assert code == -signal.SIGKILL
         assert await env.world.counts("poll") == {}, "killed before it asked the vendor"
         assert await index.due(kind=TimerKind.POLL, now=now, limit=5) == [], "leased"
         sweeper = Sweeper(env.control)
