@@ -26,6 +26,7 @@ from actors.config_ref import ConfigRef
 from actors.ray_work import Kind, Launch, RayTaskExecutor, RayWorkRunner, WorkWatcher
 from storage.memory_store import MemoryObjectStore
 from storage.work import WorkRecords
+from tests.support.actor_globals import patch_global
 from tests.unit.test_work import order
 from torpor.backoff import fixed
 from torpor.errors import SessionNotFound, StorageUnavailable, WorkStopFailed
@@ -349,11 +350,10 @@ def a_job_watcher(
     runner: RayWorkRunner, order: WorkOrder, launch: Launch, jobs: Jobs, monkeypatch: Any
 ) -> Any:
     """A job's watcher (the class itself, no actor) talking to ``jobs``."""
-    monkeypatch.setattr(ray_work, "_job_client", lambda launch: jobs)
-    monkeypatch.setattr(ray_work, "_logs_tail", lambda submission_id, node_id: "")
-    return WorkWatcher.__ray_metadata__.modified_class(  # type: ignore[attr-defined]
-        ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch
-    )
+    cls = WorkWatcher.__ray_metadata__.modified_class  # type: ignore[attr-defined]
+    patch_global(monkeypatch, cls, ray_work, "_job_client", lambda launch: jobs)
+    patch_global(monkeypatch, cls, ray_work, "_logs_tail", lambda submission_id, node_id: "")
+    return cls(ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch)
 
 
 @pytest.mark.parametrize("ended", [JobStatus.FAILED, JobStatus.STOPPED, JobStatus.SUCCEEDED])

@@ -11,6 +11,7 @@ import pytest
 
 from actors import session_actor, wiring
 from actors.session_actor import CLOSING, SessionActor
+from tests.support.actor_globals import patch_global
 
 
 class HangingServices:
@@ -64,7 +65,8 @@ async def test_an_actor_whose_services_never_close_still_exits(
     """It waited on the close for ever: never exited, a process held, and its session's
     name held by an actor that answers every request ``closing`` (no new actor could
     take the session)."""
-    monkeypatch.setattr(session_actor, "CLOSE_TIMEOUT_S", 0.05, raising=False)
+    cls = SessionActor.__ray_actor_class__  # type: ignore[attr-defined]
+    patch_global(monkeypatch, cls, session_actor, "CLOSE_TIMEOUT_S", 0.05)
     actor = bare_actor(monkeypatch)
     actor._services = services = HangingServices()
     async with asyncio.timeout(5):
