@@ -397,7 +397,11 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
         async def all_left_exited() -> bool:
             return all([await exited(h) for h in left])
 
-        await eventually(all_left_exited, what="the standbys on the old settings stop")
+        # Each look asks every one with a 5 s deadline (silence, an actor busy exiting on
+        # a loaded machine, is "not yet"): a few looks need more than the usual 20 s.
+        await eventually(
+            all_left_exited, timeout_s=60, what="the standbys on the old settings stop"
+        )
         # Restarted with no standby set at all: it stops what it finds, and starts none.
         abandon(third)
         left = list(renewed._ready)
@@ -406,7 +410,9 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
         fourth = holder.incarnation(ConfigRef.of(none), settings=none)
         fourth.start_standbys()
         assert fourth.standby is None
-        await eventually(all_left_exited, what="a holder with no set stops what it finds")
+        await eventually(
+            all_left_exited, timeout_s=60, what="a holder with no set stops what it finds"
+        )
         assert named_standbys(env.settings.namespace, holder.name) == []
 
 
