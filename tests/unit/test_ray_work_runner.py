@@ -346,14 +346,18 @@ class Jobs:
         return not self._known(submission_id).is_terminal()
 
 
-def a_job_watcher(
-    runner: RayWorkRunner, order: WorkOrder, launch: Launch, jobs: Jobs, monkeypatch: Any
-) -> Any:
-    """A job's watcher (the class itself, no actor) talking to ``jobs``."""
+async def a_job(monkeypatch: Any) -> tuple[WorkOrder, RayWorkRunner, Jobs, Any]:
+    """A job's order, its runner, the Jobs API (knowing no job yet: a test adds them) and
+    its watcher (the class itself, no actor) talking to that API."""
+    order = an_order()
+    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
+    runner = await a_runner(launch, order)
+    jobs = Jobs()
     cls = WorkWatcher.__ray_metadata__.modified_class  # type: ignore[attr-defined]
     patch_global(monkeypatch, cls, ray_work, "_job_client", lambda launch: jobs)
     patch_global(monkeypatch, cls, ray_work, "_logs_tail", lambda submission_id, node_id: "")
-    return cls(ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch)
+    watcher = cls(ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch)
+    return order, runner, jobs, watcher
 
 
 @pytest.mark.parametrize("ended", [JobStatus.FAILED, JobStatus.STOPPED, JobStatus.SUCCEEDED])
@@ -364,11 +368,8 @@ async def test_a_job_that_ended_before_its_watcher_was_lost_is_answered_not_subm
     it) and its watcher was lost before recording it: run 2 answers with that job's end.
     Only a running or succeeded job was adopted; a failed or stopped one was submitted
     again as run 2's, and the job ran twice."""
-    order = an_order()
-    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
-    runner = await a_runner(launch, order)
-    jobs = Jobs(**{f"{order.work_id}-1": ended})
-    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    order, runner, jobs, watcher = await a_job(monkeypatch)
+    jobs.jobs[f"{order.work_id}-1"] = ended
     assert await runner.records.claim_run(order.work_id, 2, by="watcher")
     outcome = await watcher._execute(runner.records, 2)
     assert jobs.submitted == []
@@ -386,11 +387,7 @@ async def test_a_job_ray_never_heard_of_is_submitted_for_the_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Run 1's job was never submitted (its watcher was lost first): run 2 submits its own."""
-    order = an_order()
-    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
-    runner = await a_runner(launch, order)
-    jobs = Jobs()
-    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    order, runner, jobs, watcher = await a_job(monkeypatch)
     assert await runner.records.claim_run(order.work_id, 2, by="watcher")
     outcome = await watcher._execute(runner.records, 2)
     assert jobs.submitted == [f"{order.work_id}-2"]
@@ -403,11 +400,7 @@ async def test_a_job_the_dashboard_failed_to_look_up_is_not_submitted_again(
     """The dashboard failed to answer for run 1's job (a 500, not "no such job"): it may
     run, so run 2 submits nothing and is lost (the next run looks again). Every failed
     look-up was read as "never submitted", and a running job was submitted again."""
-    order = an_order()
-    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
-    runner = await a_runner(launch, order)
-    jobs = Jobs()
-    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    order, runner, jobs, watcher = await a_job(monkeypatch)
 
     def dashboard_failed(submission_id: str) -> Any:
         raise RuntimeError("Request failed with status code 500: internal error.")
@@ -495,11 +488,8 @@ async def test_a_stop_of_a_job_that_ended_already_is_no_error(
     """The job ended while its stop was asked for, and the dashboard refused the stop (its
     agent went with the job): the work is stopped all the same. The refusal came back
     to the cancel as a raw error."""
-    order = an_order()
-    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
-    runner = await a_runner(launch, order)
-    jobs = Jobs(**{f"{order.work_id}-1": JobStatus.FAILED})
-    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    order, _runner, jobs, watcher = await a_job(monkeypatch)
+    jobs.jobs[f"{order.work_id}-1"] = JobStatus.FAILED
     monkeypatch.setattr(jobs, "stop_job", agent_gone)
     watcher._job = f"{order.work_id}-1"
     await watcher.stop()
@@ -512,11 +502,8 @@ async def test_a_stop_the_dashboard_did_not_take_is_a_retryable_torpor_error(
     """The job still runs (or nothing says it ended) and its stop failed: the stop raises
     ``WorkStopFailed``, retryable, so the compensation asks again. It raised the
     client's own ``ConnectionError``/``RuntimeError``, which nothing retries."""
-    order = an_order()
-    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
-    runner = await a_runner(launch, order)
-    jobs = Jobs(**{f"{order.work_id}-1": JobStatus.RUNNING})
-    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    order, runner, jobs, watcher = await a_job(monkeypatch)
+    jobs.jobs[f"{order.work_id}-1"] = JobStatus.RUNNING
     monkeypatch.setattr(jobs, "stop_job", failure)
     watcher._job = f"{order.work_id}-1"
     with pytest.raises(WorkStopFailed) as raised:
@@ -562,11 +549,7 @@ async def test_a_long_jobs_watcher_asks_about_it_less_and_less_up_to_a_cap(
     100 hour-long jobs were 200 requests a second to one dashboard. Now the first look
     still comes 0.5 s after the submit (a quick job is seen quickly), the period grows,
     and an hour-long job is asked about a few hundred times, at most every 15 s."""
-    order = an_order()
-    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
-    runner = await a_runner(launch, order)
-    jobs = Jobs()
-    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
+    _order, runner, jobs, watcher = await a_job(monkeypatch)
     slept: list[float] = []
     real_sleep = asyncio.sleep
 
@@ -593,12 +576,8 @@ async def test_a_job_ray_lost_with_its_node_is_a_lost_run_not_the_works_failure(
     """The job's supervisor died (its node went): FAILED, with no answer of the work's
     own. Answered as the work's failure, a job the infrastructure lost was never run
     again; it is a lost run now, which the retry policy may run again."""
-    order = an_order()
-    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
-    runner = await a_runner(launch, order)
-    jobs = Jobs()
+    order, runner, jobs, watcher = await a_job(monkeypatch)
     jobs.submits_end = (JobStatus.FAILED, "JOB_SUPERVISOR_ACTOR_DIED")
-    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
     assert await runner.records.claim_run(order.work_id, 2, by="watcher")
     assert await watcher._execute(runner.records, 2) is None
     cause = await runner.records.lost_cause(order.work_id, 2)
@@ -610,12 +589,9 @@ async def test_a_job_ray_lost_is_not_adopted_by_the_next_run(
 ) -> None:
     """Run 1's job was lost by Ray: run 2 submits its own rather than answer with the
     dead one's failure (or record itself lost on it, at every run, to the last)."""
-    order = an_order()
-    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
-    runner = await a_runner(launch, order)
-    jobs = Jobs(**{f"{order.work_id}-1": JobStatus.FAILED})
+    order, runner, jobs, watcher = await a_job(monkeypatch)
+    jobs.jobs[f"{order.work_id}-1"] = JobStatus.FAILED
     jobs.errors[f"{order.work_id}-1"] = "JOB_SUPERVISOR_ACTOR_DIED"
-    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
     assert await runner.records.claim_run(order.work_id, 2, by="watcher")
     outcome = await watcher._execute(runner.records, 2)
     assert jobs.submitted == [f"{order.work_id}-2"]
@@ -625,12 +601,8 @@ async def test_a_job_ray_lost_is_not_adopted_by_the_next_run(
 async def test_a_job_whose_entrypoint_failed_is_the_works_failure(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    order = an_order()
-    launch = Launch(Kind.JOB, entrypoint=lambda args: "python train.py")
-    runner = await a_runner(launch, order)
-    jobs = Jobs()
+    order, runner, jobs, watcher = await a_job(monkeypatch)
     jobs.submits_end = (JobStatus.FAILED, "JOB_ENTRYPOINT_COMMAND_ERROR")
-    watcher = a_job_watcher(runner, order, launch, jobs, monkeypatch)
     assert await runner.records.claim_run(order.work_id, 2, by="watcher")
     outcome = await watcher._execute(runner.records, 2)
     assert outcome is not None and outcome["status"] == "error"
