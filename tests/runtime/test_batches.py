@@ -727,8 +727,11 @@ async def test_a_cancel_request_cancelled_itself_leaves_the_fan_out_running(
     fan_out = world.batches._fan_outs[accept.batch_id]
     await entered.wait()
     cancel = asyncio.create_task(world.batches.cancel(accept.batch_id))
-    while not await world.services.batches.is_cancelled(accept.batch_id):
-        await asyncio.sleep(0)  # the cancel wrote its marker and now waits for the fan-out
+    await eventually(
+        lambda: world.services.batches.is_cancelled(accept.batch_id),
+        interval_s=0.001,
+        what="the cancel wrote its marker and now waits for the fan-out",
+    )
     cancel.cancel()
     with pytest.raises(asyncio.CancelledError):
         await cancel
