@@ -87,6 +87,23 @@ async def fd_or_clerk(make: Any) -> AsyncIterator[tuple[Env, Alerts]]:
         yield env, alerts
 
 
+def reassign_event(
+    env: Env, sid: str, wait: Wait, event_id: str, approvers: list[str]
+) -> InboxEvent:
+    """The operator's instruction to give ``wait`` to ``approvers``, as
+    ``SessionService.reassign_approval`` puts it in the inbox (without its own check)."""
+    return InboxEvent.answering(
+        wait,
+        kind=EventKind.OPERATOR,
+        session_id=sid,
+        source="torpor",
+        event_id=event_id,
+        type=REASSIGN,
+        received_at=env.clock.now(),
+        data={"approvers": approvers, "by": "operator:abc", "why": "fd on leave"},
+    )
+
+
 async def test_an_answer_without_authority_is_observed_alerted_and_never_applied(
     fd_or_clerk: tuple[Env, Alerts],
 ) -> None:
@@ -299,16 +316,7 @@ async def test_a_vote_after_a_reassignment_in_one_activation_is_stale(make: Any)
     async with make(stages=[{"approvers": ["fd"]}]) as env:
         sid = await submit(env)
         old = (await env.load(sid)).waits[0]
-        reassign = InboxEvent.answering(
-            old,
-            kind=EventKind.OPERATOR,
-            session_id=sid,
-            source="torpor",
-            event_id="reassign:1",
-            type=REASSIGN,
-            received_at=env.clock.now(),
-            data={"approvers": ["bob"], "by": "operator:abc", "why": "fd on leave"},
-        )
+        reassign = reassign_event(env, sid, old, "reassign:1", ["bob"])
         assert await env.services.inbox.deliver(reassign)
         snap = await together(env, sid, "fd")
         [new] = snap.waits
@@ -381,16 +389,7 @@ async def test_a_reassignment_without_authority_that_reaches_the_session_is_refu
         env.services.observer = alerts
         sid = await submit(env, amount=5000)
         old = (await env.load(sid)).waits[0]
-        reassign = InboxEvent.answering(
-            old,
-            kind=EventKind.OPERATOR,
-            session_id=sid,
-            source="torpor",
-            event_id="reassign:clerk",
-            type=REASSIGN,
-            received_at=env.clock.now(),
-            data={"approvers": ["clerk"], "by": "operator:abc", "why": "fd on leave"},
-        )
+        reassign = reassign_event(env, sid, old, "reassign:clerk", ["clerk"])
         assert await env.control.deliver(reassign)
         snap = await env.load(sid)
         [wait] = snap.waits
