@@ -32,11 +32,13 @@ process holds goes to a worker thread, and so do all writes while recent flushes
 slow or inline writes have had their share of the loop's time. A disk that stalls
 without warning holds the loop for the first inline write caught in it.
 
-Every durable change is logged (``storage.wal``): the object's file is written without a
-flush of its own, the change is appended to this process's write-ahead log under the
-key's lock, and one ``fdatasync`` of the log makes it durable, shared by every change
-logged meanwhile; a change is acknowledged only after that flush, and the first store to
-open the folder after a reboot replays what the file system may have lost. Removals are
+Every durable change is logged (``storage.wal``): the object's file is written and its
+bytes flushed (``_written``: a rename the disk keeps must never name bytes it lost; files
+written together start their writeback together), it is renamed into place, the change
+is appended to this process's write-ahead log under the key's lock, and one
+``fdatasync`` of the log makes the rename durable, shared by every change logged
+meanwhile; a change is acknowledged only after that flush, and the first store to open
+the folder after a reboot replays what the file system may have lost. Removals are
 logged (and so durable) too. An object larger than ``wal.RECORD_MAX_BYTES`` is flushed
 in place instead. A create can be staged (``stage_if_absent``): in place and logged, its
 flush awaited later, so that a webhook's inbox event and its audit record, whose verdict
@@ -396,18 +398,59 @@ class LocalObjectStore:
         return self._locks.held(key, wait=wait)
 
     def _write_tmp(self, data: bytes) -> str:
-        """A temporary file holding ``data``, flushed only if too large for the log."""
-        tmp, fd = self._open_tmp(data)
+        """A temporary file holding ``data``, its bytes flushed (``_written``)."""
+        (written,) = self._written([data])
+        if isinstance(written, BaseException):
+            raise written
+        return written
+
+    def _written(self, datas: list[bytes]) -> list[str | OSError]:
+        """A temporary file holding each of ``datas`` (or the error that stopped it), its
+        bytes flushed before it is renamed into place.
+
+        A change is logged only after its rename, and the folder's entries and the
+        files' bytes reach the disk in any order (no journal orders them here): a writer
+        killed between the rename and its record, then a power cut, would leave a name
+        the log can neither redo nor undo, pointing at bytes never written. A replace
+        lost the acknowledged object that way once a checkpoint had dropped its record,
+        and a create left an empty object where none was acknowledged. Flushed first,
+        whatever the disk kept of the rename names whole bytes.
+
+        Several files start their writeback together (``_start_writeback``) before any
+        is waited for: 16 flushed one after another took 6.0 ms here, 1.7 ms so."""
+        out: list[str | OSError] = []
+        opened: list[tuple[int, int]] = []  # (index in out, fd)
         try:
-            if len(data) > wal.RECORD_MAX_BYTES:
-                self._inline.flushed(fd)  # durable before it becomes visible under its key
+            for data in datas:
+                try:
+                    tmp, fd = self._open_tmp(data)
+                except OSError as exc:
+                    out.append(exc)
+                    continue
+                opened.append((len(out), fd))
+                out.append(tmp)
+                if len(datas) > 1:
+                    _start_writeback(fd)
+            for i, fd in opened:
+                # A large object's record says it is flushed in place (``DURABLE``): its
+                # size, like its bytes, must be on disk (``fsync``). The log has the rest.
+                large = len(datas[i]) > wal.RECORD_MAX_BYTES
+                try:
+                    self._inline.flushed(fd, None if large else os.fdatasync)
+                except OSError as exc:
+                    with contextlib.suppress(OSError):
+                        os.unlink(str(out[i]))
+                    out[i] = exc
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            for i, _ in opened:
+                if isinstance(out[i], str):
+                    with contextlib.suppress(OSError):
+                        os.unlink(str(out[i]))
             raise
         finally:
-            os.close(fd)
-        return tmp
+            for _, fd in opened:
+                os.close(fd)
+        return out
 
     def _logged(self, key: str, path: str, data: bytes) -> int:
         """Log the change just made to ``key`` (its lock held): its content, or for a
@@ -497,17 +540,23 @@ class LocalObjectStore:
         """Every body written, each moved into place and logged, none flushed: an etag or
         the error for each, and the log's ticket of the last one placed (0 if none)."""
         out: list[str | Exception] = []
-        opened: list[tuple[int, str, str]] = []  # (item, path, tmp)
+        paths: list[tuple[int, str]] = []  # (item, path)
         for i, (key, data) in enumerate(items):
             try:
                 path = self._file(key)
                 self._parent(path)
-                tmp = self._write_tmp(data)
             except Exception as exc:
                 out.append(exc)
                 continue
             out.append(etag_of(data))
-            opened.append((i, path, tmp))
+            paths.append((i, path))
+        opened: list[tuple[int, str, str]] = []  # (item, path, tmp)
+        written = self._written([items[i][1] for i, _ in paths])
+        for (i, path), tmp in zip(paths, written, strict=True):
+            if isinstance(tmp, str):
+                opened.append((i, path, tmp))
+            else:
+                out[i] = tmp
         ticket = 0
         placed: set[int] = set()
         try:
@@ -517,6 +566,7 @@ class LocalObjectStore:
                     with self._locked(key, wait=wait):
                         _place_new(tmp, path)
                         placed.add(i)
+                        crash_point(CrashPoint.STORE_AFTER_PLACE)
                         ticket = self._logged(key, path, data)
                 except FileExistsError:
                     out[i] = _taken(key, path)
@@ -1168,6 +1218,7 @@ def _release(
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
+_SYNC_WRITE = 2  # sync_file_range's SYNC_FILE_RANGE_WRITE: start the writeback, return
 _RENAME_EXCHANGE = 2
 _libc: list[ctypes.CDLL | None] = []
 _no_exchange: list[bool] = []  # set once the file system has refused to swap
@@ -1271,6 +1322,14 @@ def _place_folder(blank: str, path: str) -> bool:
     libc = _kernel()
     renamed = _AT_FDCWD, blank.encode(), _AT_FDCWD, path.encode(), _RENAME_NOREPLACE
     return libc is not None and libc.renameat2(*renamed) == 0
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing ``fd``'s dirty bytes to the disk, without waiting for them (a hint:
+    the flush that follows is what makes them durable, and reports what fails)."""
+    libc = _kernel()
+    if libc is not None and getattr(libc, "sync_file_range", None) is not None:
+        libc.sync_file_range(fd, ctypes.c_longlong(0), ctypes.c_longlong(0), _SYNC_WRITE)
 
 
 def _kernel() -> ctypes.CDLL | None:

@@ -1,14 +1,15 @@
-"""The local folder store's write-ahead log: one flush for a group of writes, none per file.
+"""The local folder store's write-ahead log: one flush for a group of changes' names.
 
 Every durable write of the folder store used to flush its own file before linking it into
-place: a journal commit each (0.34 ms here), and the directory entry itself was never
-flushed. Now the store writes the object's file without flushing it, and appends the
-change (key, whole content or removal, a timestamp) to a log of its process's own; one
-``fdatasync`` of that log, a preallocated file whose size does not change, makes every
-record appended meanwhile durable (0.13 ms here, for all of them at once). A write is
-acknowledged only after that flush. A flush that fails loses the records it covered for
-good (``sync`` raises for them ever after): Linux reports a failed writeback once and
-then counts the pages clean, so a later flush that succeeds proves nothing about them.
+place, and the directory entry itself was never flushed. Now the store renames the
+object's file into place (its bytes flushed first: ``local_store._written`` says why),
+and appends the change (key, whole content or removal, a timestamp) to a log of its
+process's own; one ``fdatasync`` of that log, a preallocated file whose size does not
+change, makes every record appended meanwhile durable (0.13 ms here, for all of them at
+once). A write is acknowledged only after that flush. A flush that fails loses the
+records it covered for good (``sync`` raises for them ever after): Linux reports a failed
+writeback once and then counts the pages clean, so a later flush that succeeds proves
+nothing about them.
 It loses their segment too: replay stops at the first record that is not whole, so the
 records after them go to a new segment, where a later flush makes them replayable.
 

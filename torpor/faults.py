@@ -62,6 +62,7 @@ class CrashPoint(StrEnum):
     RETENTION_PURGED = "sweep.retention_purged"  # sessions purged; the index not told yet
     # the local folder store (any process that writes through it)
     STORE_AFTER_SWAP = "store.after_swap"  # a replace is at its key; its old file in .tmp, unlogged
+    STORE_AFTER_PLACE = "store.after_place"  # a create is at its key; unlogged
     STORE_AFTER_MOVE = "store.after_move"  # a deleted object's file is in .tmp; unlogged
     STORE_AFTER_LINK = "store.after_link"  # a moved object is at both keys; unlogged
     STORE_MOVE_LOGGED = "store.move_logged"  # a move is logged and flushed; its old name left

@@ -163,13 +163,16 @@ def test_a_large_folder_is_listed_off_the_loop(tmp_path: Path) -> None:
 
 
 class Flushes:
-    """Every flush the store makes (a large object's fsync, or its log's fdatasync), by
-    the thread that made it (the caller's or a worker's), each taking at least
-    ``slow_s``. Once ``primed`` names the store, only that store's: a store of an
-    earlier test, collected meanwhile, flushes its log as it goes."""
+    """Every flush that makes writes durable (a large object's fsync, or its log's
+    fdatasync: one for all the changes logged meanwhile), by the thread that made it (the
+    caller's or a worker's), and apart (``files``) the flush of each small object's
+    bytes before its rename; each taking at least ``slow_s``. Once ``primed`` names the
+    store, only that store's: a store of an earlier test, collected meanwhile, flushes
+    its log as it goes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.threads: list[int] = []
+        self.files: list[int] = []
         self.slow_s = 0.0
         self.only: local_store._Inline | None = None
         real = local_store._Inline.flushed
@@ -178,7 +181,8 @@ class Flushes:
             inline: local_store._Inline, fd: int, how: Callable[[int], None] | None = None
         ) -> None:
             if self.only is None or inline is self.only:
-                self.threads.append(threading.get_ident())
+                small_file = how is not None and "/.tmp/" in os.readlink(f"/proc/self/fd/{fd}")
+                (self.files if small_file else self.threads).append(threading.get_ident())
 
             def slow(fd: int) -> None:
                 if self.slow_s:
@@ -227,10 +231,10 @@ def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
 
     async def both() -> None:
         await store.put_if_absent("queue/s/e", b"event")  # flushed, as every create
-        assert (len(synced), batches) == (1, [1])
+        assert (len(synced), len(flushes.files), batches) == (1, 1, [1])
         # Neither flushed nor queued behind the creates in flight (their fsyncs).
         await store.put_if_absent("accepted/h/d", b"accepted", durable=False)
-        assert (len(synced), batches) == (1, [1])
+        assert (len(synced), len(flushes.files), batches) == (1, 1, [1])
 
     asyncio.run(both())
     # Another process sees it at once (no cache of ours): a fresh store on the folder.
