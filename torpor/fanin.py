@@ -8,7 +8,8 @@ outbox entry, each answer gated on its own) and a condition: ``all``, ``any`` or
 
 The group resolves as soon as the outcome is decided: MET once enough members answered,
 UNMEETABLE once too few are left open to ever meet it. Either way the session wakes with
-what arrived; the members still open are closed (cancelled or compensated by the caller).
+what arrived; the members still open are closed (cancelled or compensated by the caller,
+as are the expired ones).
 Nothing here does I/O: the group in, a new group or a decision out.
 """
 

@@ -246,7 +246,10 @@ async def test_an_expired_member_under_proceed_resolves_all_with_what_arrived() 
             "expired": ["b"],
             "cancelled": ["c"],
         }
-        assert [a for a, _, _ in record.compensated] == ["quote:c"]
+        assert sorted((a, why) for a, why, _ in record.compensated) == [
+            ("quote:b", "deadline passed"),
+            ("quote:c", "fan-in resolved"),
+        ]
         assert not await bound(env, member(snap, "b"))
 
 
@@ -267,6 +270,26 @@ async def test_an_expired_member_under_proceed_leaves_any_waiting_for_the_others
         assert done.result is not None
         assert done.result["expired"] == ["a"]  # type: ignore[index,call-overload]
         assert done.result["answers"] == {"c": {"price": 30}}  # type: ignore[index,call-overload]
+
+
+async def test_an_expired_members_request_is_undone_while_its_group_waits_for_the_others() -> None:
+    """The session goes on without the expired member: its request is compensated at once,
+    as a lone wait's is when its SLA passes, not left open on the far side."""
+    fan_in = {"condition": "any", "on_expiry": "proceed_with_arrived"}
+    async with open_env({"t": tool_agent(fan_in, sla={"a": 60})}) as env:
+        record = fanin_tools.reset()
+        sid = await env.submit("t")
+        snap = await env.load(sid)
+        env.clock.advance(61)
+        await env.runtime.activate(sid, reason=Reason.TIMEOUT)
+        assert (await env.load(sid)).state is S.SUSPENDED
+        assert [(a, why) for a, why, _ in record.compensated] == [("quote:a", "deadline passed")]
+        await answer(env, sid, member(snap, "c"), 30)
+        assert (await env.load(sid)).state is S.COMPLETED
+        assert [(a, why) for a, why, _ in record.compensated] == [
+            ("quote:a", "deadline passed"),
+            ("quote:b", "fan-in resolved"),
+        ], "a is undone once; b, closed by c's answer, as before"
 
 
 async def test_turn_level_fan_in_is_configured_per_agent() -> None:
@@ -428,7 +451,10 @@ async def test_members_whose_deadlines_passed_together_all_count_as_expired() ->
         assert done.state is S.COMPLETED and done.result is not None
         assert done.result["expired"] == ["b", "c"]  # type: ignore[index,call-overload]
         assert done.result["cancelled"] == []  # type: ignore[index,call-overload]
-        assert record.compensated == [], "b and c are treated alike"
+        assert sorted((a, why) for a, why, _ in record.compensated) == [
+            ("quote:b", "deadline passed"),
+            ("quote:c", "deadline passed"),
+        ], "b and c are treated alike"
 
 
 async def test_one_action_asked_twice_in_a_turn_opens_one_wait_not_two_under_one_key() -> None:

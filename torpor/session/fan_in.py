@@ -22,6 +22,7 @@ from torpor.session.working import WorkingCopy, message_content, quotes_json_tex
 from torpor.tools import LongRunningTool
 
 RESOLVED = "fan-in resolved"  # the reason a closed member's compensation carries
+EXPIRED = "deadline passed"  # ... and an expired member's, as a lone wait's SLA
 
 
 class FanInWake:
@@ -53,11 +54,23 @@ class FanInWake:
         as missing, all of them before any group is decided (a member that missed the
         same deadline as another is expired too, not cancelled because its group resolved
         on the first one looked at); a group resolves if too few are left."""
+        work = self.work
         closed: list[Wait] = []
-        for group in list(self.work.snap.fan_ins):
+        for group in list(work.snap.fan_ins):
             mine = list({w.wait_id: w for w in waits if w.group_id == group.group_id}.values())
-            if mine:
-                closed += self._close(mine, MemberStatus.EXPIRED, None)
+            if not mine:
+                continue
+            # The session goes on without them, so their requests are undone where the
+            # tool can, as a lone wait's are when its SLA passes: left open, an approval
+            # could still be given (or a quote accepted) on the far side for a decision
+            # that no longer waits for it.
+            undo = [
+                outbox.compensate_entry(work.snap, w, reason=EXPIRED, now=work.now)
+                for w in mine
+                if self._can_compensate(w)
+            ]
+            closed += self._close(mine, MemberStatus.EXPIRED, None)
+            work.update(outbox=[*work.snap.outbox, *undo])
         return closed
 
     def reissued(self, wait: Wait, new: Wait) -> None:
