@@ -2,13 +2,45 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
+from storage import wal
 from storage.local_store import LocalObjectStore
+from torpor.faults import ENV, CrashPoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def boot(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The boot the next store opens in: ``boot[0] = ...`` is a reboot."""
+    current = ["boot-a"]
+    monkeypatch.setattr(wal, "boot_id", lambda: current[0])
+    return current
+
+
+def killed_child(script: str, *args: str, at: CrashPoint) -> bytes:
+    """Run ``script`` (Python, from the repo's root) in a child told to die at ``at``; it
+    must have died there, by SIGKILL, before printing ``survived``. Its output."""
+    child = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": str(ROOT), ENV: at.value},
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    assert b"survived" not in child.stdout
+    return child.stdout
 
 
 @pytest.fixture

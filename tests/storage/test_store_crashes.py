@@ -19,6 +19,7 @@ from storage import blanks, keys
 from storage.local_store import LocalObjectStore, _Contended
 from storage.snapshots import ObjectSnapshots, ended_day
 from tests.conftest import eventually
+from tests.storage.conftest import killed_child
 from tests.support.factories import NOW
 from torpor.errors import ObjectNotFound
 from torpor.faults import ENV, CrashPoint
@@ -54,16 +55,8 @@ asyncio.run(main(sys.argv[1], sys.argv[2], *(a.encode() for a in sys.argv[3:5]))
 
 def killed_at(point: CrashPoint, folder: Path, op: str) -> int:
     """Run ``op`` on a fresh key in a child told to die at ``point``; its pid."""
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(folder), op, OLD.decode(), NEW.decode()],
-        cwd=ROOT,
-        capture_output=True,
-        timeout=30,
-        env={**os.environ, "PYTHONPATH": str(ROOT), ENV: point.value},
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
-    assert b"survived" not in child.stdout
-    return int(child.stdout.split()[0])
+    out = killed_child(CHILD, str(folder), op, OLD.decode(), NEW.decode(), at=point)
+    return int(out.split()[0])
 
 
 LAST_COMMIT = """

@@ -14,10 +14,6 @@ file it flushed (by inode), and every object file it did not flush loses its byt
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +21,9 @@ import pytest
 from storage import wal
 from storage.local_store import LocalObjectStore
 from tests.conftest import eventually
+from tests.storage.conftest import killed_child
 from torpor.errors import ObjectNotFound
-from torpor.faults import ENV, CrashPoint
+from torpor.faults import CrashPoint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,13 +63,6 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
-@pytest.fixture
-def boot(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    current = ["boot-a"]
-    monkeypatch.setattr(wal, "boot_id", lambda: current[0])
-    return current
-
-
 def checkpointed(folder: Path) -> None:
     """``sessions/k = OLD``, acknowledged and then covered by a checkpoint: no record of
     it is left to replay, the file on disk is all there is of it."""
@@ -90,18 +80,6 @@ def checkpointed(folder: Path) -> None:
         return False
 
     asyncio.run(eventually(lambda: not logged(), timeout_s=10.0, what="the checkpoint"))
-
-
-def killed_writing(folder: Path, op: str, point: CrashPoint, flushed: Path) -> None:
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(folder), op, str(flushed), NEW.decode()],
-        cwd=ROOT,
-        capture_output=True,
-        timeout=30,
-        env={**os.environ, "PYTHONPATH": str(ROOT), ENV: point.value},
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
-    assert b"survived" not in child.stdout
 
 
 def inodes(folder: Path) -> set[int]:
@@ -125,33 +103,29 @@ def read(folder: Path, key: str) -> bytes | None:
         return None
 
 
+def killed_then_power_cut(folder: Path, boot: list[str], op: str, at: CrashPoint) -> None:
+    """``sessions/k = OLD`` checkpointed; ``op`` killed at ``at`` in a child; the power
+    cut; the next store opens in another boot."""
+    checkpointed(folder)
+    flushed = folder / "flushed"
+    flushed.touch()
+    durable = inodes(folder)
+    killed_child(CHILD, str(folder), op, str(flushed), NEW.decode(), at=at)
+    power_cut(folder, durable, flushed)
+    boot[0] = "boot-b"
+
+
 @pytest.mark.parametrize("op", ["put", "cas"])
 def test_a_replace_killed_before_its_record_leaves_an_object_whole_after_a_power_cut(
     tmp_path: Path, boot: list[str], op: str
 ) -> None:
-    checkpointed(tmp_path)
-    flushed = tmp_path / "flushed"
-    flushed.touch()
-    durable = inodes(tmp_path)
-
-    killed_writing(tmp_path, op, CrashPoint.STORE_AFTER_SWAP, flushed)
-    power_cut(tmp_path, durable, flushed)
-    boot[0] = "boot-b"
-
+    killed_then_power_cut(tmp_path, boot, op, CrashPoint.STORE_AFTER_SWAP)
     assert read(tmp_path, "sessions/k") in (OLD, NEW)
 
 
 def test_a_create_killed_before_its_record_leaves_no_torn_object_after_a_power_cut(
     tmp_path: Path, boot: list[str]
 ) -> None:
-    checkpointed(tmp_path)
-    flushed = tmp_path / "flushed"
-    flushed.touch()
-    durable = inodes(tmp_path)
-
-    killed_writing(tmp_path, "create", CrashPoint.STORE_AFTER_PLACE, flushed)
-    power_cut(tmp_path, durable, flushed)
-    boot[0] = "boot-b"
-
+    killed_then_power_cut(tmp_path, boot, "create", CrashPoint.STORE_AFTER_PLACE)
     assert read(tmp_path, "sessions/created") in (None, NEW)
     assert read(tmp_path, "sessions/k") == OLD

@@ -36,14 +36,6 @@ from torpor.faults import ENV, CrashPoint
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def boot(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The boot the next store opens in: ``boot[0] = ...`` is a reboot."""
-    current = ["boot-a"]
-    monkeypatch.setattr(wal, "boot_id", lambda: current[0])
-    return current
-
-
 def objects(root: Path) -> Path:
     return root / "objects"
 
