@@ -14,6 +14,8 @@ file it flushed (by inode), and every object file it did not flush loses its byt
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -22,12 +24,12 @@ from storage import wal
 from storage.local_store import LocalObjectStore
 from tests.conftest import eventually
 from tests.storage.conftest import killed_child
-from torpor.errors import ObjectNotFound
+from tests.storage.test_local_store_fast_paths import leftovers
+from torpor.errors import ObjectNotFound, StorageUnavailable
 from torpor.faults import CrashPoint
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[2]
 OLD, NEW = b"the old content, acknowledged", b"the new content, never acknowledged"
 
 CHILD = """
@@ -129,3 +131,48 @@ def test_a_create_killed_before_its_record_leaves_no_torn_object_after_a_power_c
     killed_then_power_cut(tmp_path, boot, "create", CrashPoint.STORE_AFTER_PLACE)
     assert read(tmp_path, "sessions/created") in (None, NEW)
     assert read(tmp_path, "sessions/k") == OLD
+
+
+def failing_flush_of(monkeypatch: pytest.MonkeyPatch, doomed: bytes) -> None:
+    """The disk fails the flush of any temporary file that holds ``doomed``."""
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if "/.tmp/" in path and Path(path).read_bytes() == doomed:
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+
+def test_a_create_whose_bytes_cannot_be_flushed_fails_alone_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalObjectStore(tmp_path)
+    failing_flush_of(monkeypatch, b"doomed")
+
+    async def together() -> list[object]:
+        bodies = [b"first", b"doomed", b"third"]
+        creates = (store.put_if_absent(f"sessions/{i}", body) for i, body in enumerate(bodies))
+        return await asyncio.gather(*creates, return_exceptions=True)
+
+    first, doomed, third = asyncio.run(together())
+    assert isinstance(first, str) and isinstance(third, str)
+    assert isinstance(doomed, StorageUnavailable)
+    assert (read(tmp_path, "sessions/0"), read(tmp_path, "sessions/2")) == (b"first", b"third")
+    assert read(tmp_path, "sessions/1") is None
+    assert leftovers(store) == [], "the file that could not be flushed is removed"
+
+
+def test_a_replace_whose_bytes_cannot_be_flushed_leaves_the_object_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalObjectStore(tmp_path)
+    etag = asyncio.run(store.put_if_absent("sessions/k", OLD))
+    failing_flush_of(monkeypatch, NEW)
+
+    with pytest.raises(StorageUnavailable):
+        asyncio.run(store.put_if_match("sessions/k", NEW, etag=etag))
+    assert read(tmp_path, "sessions/k") == OLD
+    assert leftovers(store) == []
