@@ -41,7 +41,10 @@ on its segment is gone). A checkpoint whose flush fails leaves ``failed-<boot>``
 the marks: a later flush that succeeds proves nothing about what the failed one lost, so
 from then on no checkpoint of that boot moves its mark or removes a log. The logs then
 grow until a reboot replays them: the log says so once (``not_checkpointing``, which the
-store's health reports), not at every checkpoint.
+store's health reports), not at every checkpoint. Every log's ager also looks for that
+file at each of its looks: a process that has not written since another one's flush
+failed runs no checkpoint to find it, and its health would stay clean while the folder
+no longer checkpoints.
 
 A change too large to log whole (``RECORD_MAX_BYTES``) is flushed in place, file and
 folder, and logged as ``DURABLE``: at replay it overrides older records of its key and
@@ -80,7 +83,8 @@ SEGMENT_MIN_BYTES = 1 << 20
 SEGMENT_MAX_BYTES = 64 << 20
 CHECKPOINT_AFTER_S = 30.0
 # How long the ager holds the log between looks: a log nothing else holds any more is
-# collected within this (a closed one is let go at once).
+# collected within this (a closed one is let go at once), and another process's failed
+# checkpoint (``failed-<boot>``) is known here within this too.
 AGE_POLL_S = 1.0
 RECORD_MAX_BYTES = 1 << 20
 _SUFFIX = ".log"
@@ -245,6 +249,8 @@ class WriteAheadLog:
         self._flush = flush
         os.makedirs(folder, exist_ok=True)
         self._reset()
+        with self._lock:  # now, not at the first append: it also watches for ``failed-<boot>``
+            self._start_ager()
         os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def _reset(self) -> None:
@@ -271,6 +277,10 @@ class WriteAheadLog:
         # Why no checkpoint of this boot may move the mark or remove a log (a flush of
         # the file system failed), once this process knows: for the store's health.
         self.not_checkpointing: str | None = None
+        # Orders the ager's look at ``failed-<boot>`` with a checkpoint's own failure (whose
+        # reason must not be taken for another process's), and says it once (``_said``).
+        self._told = threading.Lock()
+        self._said = False
         self._next_size = SEGMENT_MIN_BYTES
         self._pid = os.getpid()
 
@@ -384,12 +394,8 @@ class WriteAheadLog:
         """The segment to switch to (the lock is held): the spare, if one is ready and
         large enough (a switch then costs no flush on the caller's thread), else a new
         one; either way a spare is prepared for the switch after this one."""
-        if self._ager is None:  # first: a thread that cannot start has taken nothing
-            ager = threading.Thread(
-                target=_age_out, args=(weakref.ref(self),), name=f"{_THREAD}-age", daemon=True
-            )
-            ager.start()
-            self._ager = ager
+        # A forked child's ager: first, as a thread that cannot start has taken nothing.
+        self._start_ager()
         spare, self._spare = self._spare, None
         if spare is not None and spare.size - spare.used >= need:
             segment = spare
@@ -401,6 +407,16 @@ class WriteAheadLog:
             self._preparing = True
             threading.Thread(target=self._prepare, name=f"{_THREAD}-spare", daemon=True).start()
         return segment
+
+    def _start_ager(self) -> None:
+        """The log's ager, unless it runs (the lock is held): started with the log, and
+        again in a forked child's first ``_next`` (the parent's threads are not its)."""
+        if self._ager is None:
+            ager = threading.Thread(
+                target=_age_out, args=(weakref.ref(self),), name=f"{_THREAD}-age", daemon=True
+            )
+            ager.start()
+            self._ager = ager
 
     def _prepare(self) -> None:
         spare: _Segment | None = None
@@ -494,7 +510,6 @@ class WriteAheadLog:
                 if not retired:
                     self._checkpointing = False
                     return
-            reported = self.not_checkpointing is not None
             try:
                 self.checkpoint(retired)
             except Exception as exc:  # the segments stay: a replay will only do more work
@@ -502,21 +517,51 @@ class WriteAheadLog:
                     log.warning(
                         "write-ahead log checkpoint failed in %s", self.folder, exc_info=True
                     )
-                elif not reported:
-                    # Every checkpoint of the boot fails from now on, for the same
-                    # reason: one line (the flush's own traceback, if it failed here),
-                    # not one a checkpoint; the store's health says it while it lasts.
-                    log.warning(
-                        "write-ahead log in %s no longer checkpoints: %s; its logs are kept"
-                        " until a reboot replays them",
-                        self.folder,
-                        self.not_checkpointing,
-                        exc_info=not isinstance(exc, CheckpointRefused),
-                    )
+                else:  # the flush's own traceback, if it failed here
+                    self._say_not_checkpointing(traceback=not isinstance(exc, CheckpointRefused))
             finally:
                 for segment in retired:
                     with contextlib.suppress(OSError):
                         os.close(segment.fd)
+
+    def _say_not_checkpointing(self, *, traceback: bool) -> None:
+        """Log why the log no longer checkpoints, the first time only: every checkpoint of
+        the boot fails from now on, for the same reason, and a line a checkpoint would
+        say nothing new; the store's health says it while it lasts. ``traceback``: the
+        exception being handled, to log with it."""
+        with self._told:
+            if self._said:
+                return
+            self._said = True
+        log.warning(
+            "write-ahead log in %s no longer checkpoints: %s; its logs are kept"
+            " until a reboot replays them",
+            self.folder,
+            self.not_checkpointing,
+            exc_info=traceback,
+        )
+
+    def _look_for_failure(self) -> None:
+        """The ager's look for a checkpoint of another process that failed its flush in
+        this boot: a process that writes finds it at its next checkpoint, but one that
+        has not written since runs none, and would report a clean health for as long as
+        it stays quiet."""
+        if self._learn_of_failure():
+            self._say_not_checkpointing(traceback=False)
+
+    def _learn_of_failure(self) -> bool:
+        """Whether ``failed-<boot>`` is newly found beside the marks (a stat, until it is
+        found): ``not_checkpointing`` then says so."""
+        with self._told:
+            # Under ``_told``: a checkpoint of this process whose flush failed sets its own
+            # reason before it writes the file, so that one is never taken for another
+            # process's.
+            if self.not_checkpointing is not None:
+                return False
+            if not os.path.exists(_failed_file(self.folder, self.boot)):
+                return False
+            self.not_checkpointing = "a flush of the file system failed in another process"
+            return True
 
     def checkpoint(self, retired: list[_Segment]) -> None:
         """Flush the file system and remove ``retired`` and the segments of exited
@@ -543,17 +588,15 @@ class WriteAheadLog:
             # now counts clean. Only each change made again in its object's file, that
             # file flushed, would; and made now, over a newer change another process
             # logged meanwhile, it would undo that one. The reboot's replay orders them.
-            self.not_checkpointing = f"a flush of the file system failed ({exc})"
+            with self._told:
+                self.not_checkpointing = f"a flush of the file system failed ({exc})"
             with _folder_lock(self.folder, ".marks.lock"):
                 _record_failure(self.folder, self.boot)
             raise
         finally:
             os.close(fd)
         with _folder_lock(self.folder, ".marks.lock"):
-            if self.not_checkpointing is None and os.path.exists(
-                _failed_file(self.folder, self.boot)
-            ):
-                self.not_checkpointing = "a flush of the file system failed in another process"
+            self._learn_of_failure()  # said by ``_checkpoint``, not under the folder's lock
             if self.not_checkpointing is not None:
                 raise CheckpointRefused(self.folder, self.not_checkpointing)
             if mark > read_mark(self.folder, self.boot):
@@ -670,12 +713,14 @@ def _overdue(segment: _Segment) -> bool:
 
 def _age_out(ref: weakref.ref[WriteAheadLog]) -> None:
     """The ager: a thread per log, which holds it only while it looks (a log no one
-    else holds is collected), and ends with it."""
+    else holds is collected), and ends with it. Each look also learns of another
+    process's failed checkpoint (``_look_for_failure``)."""
     failing: Repeated | None = None  # made at the first failure: the folder names it
     while True:
         log_ = ref()
         if log_ is None:
             return
+        log_._look_for_failure()  # a stat, until it finds the file (never raises)
         try:
             if not log_._age_once():
                 return

@@ -1093,3 +1093,67 @@ def test_a_replay_goes_on_past_a_log_removed_while_it_reads(
     monkeypatch.setattr(wal, "open", racing_open, raising=False)
     reopened = LocalObjectStore(tmp_path)
     assert opened and get(reopened, "k") == b"v1"
+
+
+# A process whose checkpoint's flush of the file system fails (what a failed writeback
+# reports): it leaves ``failed-<boot>`` beside the marks, and exits.
+_FAILING_CHECKPOINT = """
+import asyncio, errno, sys
+from storage import wal
+from storage.local_store import LocalObjectStore
+
+def syncfs(fd):
+    raise OSError(errno.EIO, "Input/output error")
+
+wal.syncfs = syncfs
+store = LocalObjectStore(sys.argv[1])
+asyncio.run(store.put("from/child", b"child"))
+try:
+    store._log.checkpoint([])
+except OSError:
+    pass
+else:
+    sys.exit("the checkpoint's flush did not fail")
+"""
+
+
+def fail_a_checkpoint_in_another_process(root: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    subprocess.run(
+        [sys.executable, "-c", _FAILING_CHECKPOINT, str(root)], check=True, env=env, timeout=30
+    )
+    assert list((root / ".wal").glob("failed-*")), "the other process recorded its failure"
+
+
+def test_a_store_that_has_not_written_since_another_process_failed_a_checkpoint_reports_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It has no segment to retire, so it runs no checkpoint that would find
+    ``failed-<boot>``: its ager's looks must, or its health stays clean while the
+    folder's logs grow until a reboot."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
+    quiet = LocalObjectStore(tmp_path)
+    assert quiet.trouble() is None
+    fail_a_checkpoint_in_another_process(tmp_path)
+    wait_for(lambda: quiet.trouble() is not None, "the quiet store learns of the failure")
+    trouble = quiet.trouble()
+    assert trouble is not None and "not checkpointing" in trouble and "another process" in trouble
+    asyncio.run(quiet.close())
+
+
+def test_a_log_that_learned_of_another_processs_failed_checkpoint_says_so_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its ager says it when it finds ``failed-<boot>``; the checkpoints it runs after
+    that are refused for the same reason, and say nothing more."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
+    store = LocalObjectStore(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="storage.wal"):
+        fail_a_checkpoint_in_another_process(tmp_path)
+        wait_for(lambda: store.trouble() is not None, "the store learns of the failure")
+        for n in range(3):
+            retire_and_checkpoint(store, f"k{n}")
+    (line,) = [r for r in caplog.records if r.name == "storage.wal"]
+    assert "no longer checkpoints" in line.getMessage() and not line.exc_info
+    assert len(segments(tmp_path)) == 4, "the child's log and the three refused stay"
+    asyncio.run(store.close())
