@@ -106,6 +106,13 @@ SPECS: dict[str, Spec] = {
         "gauge",
         "Start of the last complete sweep; its age is time() minus this.",
     ),
+    "store_trouble": Spec(
+        "torpor_object_store_trouble",
+        "gauge",
+        "1 while the object store reports trouble it serves through (a local folder whose"
+        " write-ahead log no longer checkpoints; /healthz warnings say why), else 0;"
+        " set by each reconciler sweep.",
+    ),
     "sweep_duration": Spec(
         "torpor_reconciler_sweep_seconds",
         "histogram",
@@ -278,6 +285,8 @@ def activation(result: ActivationResult, *, placement: str) -> None:
 
 
 def sweep(report: SweepReport) -> None:
-    """Record what one reconciler sweep counted (the suspended sessions)."""
+    """Record what one reconciler sweep counted (the suspended sessions) and whether the
+    object store reports trouble."""
     if report.suspended is not None:
         gauge("suspended", report.suspended)
+    gauge("store_trouble", 0.0 if report.store_trouble is None else 1.0)

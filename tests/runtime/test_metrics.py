@@ -7,6 +7,7 @@ exported name. A test at the end checks that no metric is left untested.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -17,8 +18,12 @@ import pytest
 from actors import metrics
 from actors.observer import RayObserver
 from actors.wiring import session_runtime
+from storage import wal
+from storage.local_store import LocalObjectStore
+from tests.conftest import eventually
 from tests.faults.test_dead_letters import exhaust_the_compensation
 from tests.runtime.test_notifications import finished_session
+from tests.storage.test_write_ahead_log import fail_a_checkpoint_in_another_process
 from tests.support.harness import Env, callback, local_env
 from tests.support.receiver import Receiver
 from torpor.errors import StorageUnavailable, WebhookRejected
@@ -205,6 +210,28 @@ async def test_a_sweep_records_its_time_duration_suspended_and_failing_steps(
         "torpor_suspended_sessions",
         "torpor_sweep_step_failures_total",
     )
+
+
+async def test_a_sweep_records_whether_the_object_store_reports_trouble(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process's checkpoint failed its flush: the local folder's log no longer
+    checkpoints, /healthz says so among its warnings, and the gauge the alert
+    (TorporObjectStoreTrouble) reads goes from 0 to 1 at the next sweep."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
+    store = env.services.store
+    assert isinstance(store, LocalObjectStore)
+    with metrics.tap() as read:
+        metrics.sweep(await Sweeper(env.control).sweep_once())
+    assert read.gauge("torpor_object_store_trouble") == 0
+    await asyncio.to_thread(fail_a_checkpoint_in_another_process, store.root)
+    await eventually(lambda: store.trouble() is not None, what="the store learns of it")
+    with metrics.tap() as read:
+        report = await Sweeper(env.control).sweep_once()
+        metrics.sweep(report)
+    assert report.store_trouble is not None and "not checkpointing" in report.store_trouble
+    assert read.gauge("torpor_object_store_trouble") == 1
+    tested("torpor_object_store_trouble")
 
 
 async def test_a_notification_attempt_is_counted_by_outcome(env: Env) -> None:

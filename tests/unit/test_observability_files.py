@@ -4,7 +4,8 @@ Ray exports each torpor metric with its own ``ray_`` prefix (``torpor_x_total`` 
 scraped as ``ray_torpor_x_total``; histograms add ``_bucket``/``_sum``/``_count``), so an
 expression may name ``ray_<a name in actors.metrics.SPECS>[suffix]`` or a ``torpor:…``
 series recorded by the rules. ``promtool check rules`` validates the PromQL when it is
-installed (Debian's ``prometheus`` package); the structural check runs always.
+installed (Debian's ``prometheus`` package); the structural check runs always. An
+alert's firing is checked with ``promtool test rules`` against series written here.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ ALERTS = {
     "TorporSecurityAlerts",
     "TorporWebhook5xx",
     "TorporOutboxLagHigh",
+    "TorporObjectStoreTrouble",
 }
 SEED_004_RATIOS = {
     "torpor:stale_callback_drop_ratio:rate5m",
@@ -98,11 +100,56 @@ def test_the_check_fails_on_a_metric_that_does_not_exist() -> None:
     assert unknown_series("rate(ray_torpor_webhooks_total[5m])", set()) == set()
 
 
-def test_promtool_accepts_the_rules() -> None:
-    promtool = shutil.which("promtool")
+def promtool(*args: str) -> None:
+    """Run promtool (a minute at most); its output is the failure's message."""
+    found = shutil.which("promtool")
     # `make test` installs Debian's prometheus (which has promtool) when it is missing.
-    assert promtool is not None, "promtool not found: apt-get install prometheus"
-    done = subprocess.run(
-        [promtool, "check", "rules", str(RULES)], capture_output=True, text=True, check=False
-    )
+    assert found is not None, "promtool not found: apt-get install prometheus"
+    done = subprocess.run([found, *args], capture_output=True, text=True, check=False, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_promtool_accepts_the_rules() -> None:
+    promtool("check", "rules", str(RULES))
+
+
+def alert(name: str) -> dict[str, Any]:
+    (rule,) = [r for r in rules() if r.get("alert") == name]
+    return rule
+
+
+def test_a_store_that_no_longer_checkpoints_fires_its_alert_at_the_first_sweep_that_sees_it(
+    tmp_path: Path,
+) -> None:
+    """The reconciler sets ``torpor_object_store_trouble`` at each sweep; a failed flush
+    never passes by itself, so one series at 1 fires the alert at once, whatever the
+    other processes' series say, with its runbook; all at 0 fire nothing."""
+    rule = alert("TorporObjectStoreTrouble")
+    fired = {"exp_labels": rule["labels"], "exp_annotations": rule["annotations"]}
+    test = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {
+                        "series": 'ray_torpor_object_store_trouble{WorkerId="reconciler"}',
+                        "values": "0 0 1 1",
+                    },
+                    {
+                        "series": 'ray_torpor_object_store_trouble{WorkerId="restarted"}',
+                        "values": "0 0 0 0",
+                    },
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "1m", "alertname": rule["alert"], "exp_alerts": []},
+                    {"eval_time": "2m", "alertname": rule["alert"], "exp_alerts": [fired]},
+                    {"eval_time": "3m", "alertname": rule["alert"], "exp_alerts": [fired]},
+                ],
+            }
+        ],
+    }
+    tests = tmp_path / "store-trouble.test.yml"
+    tests.write_text(yaml.safe_dump(test))
+    promtool("test", "rules", str(tests))

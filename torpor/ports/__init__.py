@@ -34,6 +34,7 @@ from torpor.ports.objects import (
     StoredObject,
     WalksObjects,
     already_durable,
+    trouble_of,
 )
 from torpor.ports.observer import Observer
 from torpor.ports.repositories import (
@@ -99,4 +100,5 @@ __all__ = [
     "WalksObjects",
     "Wanted",
     "already_durable",
+    "trouble_of",
 ]

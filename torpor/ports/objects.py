@@ -168,3 +168,9 @@ class ReportsTrouble(Protocol):
     def trouble(self) -> str | None:
         """What is wrong, or None (no I/O: read by every health check)."""
         ...
+
+
+def trouble_of(store: object) -> str | None:
+    """What ``store`` reports is wrong (``ReportsTrouble``); None from a store that
+    reports nothing beyond whether it answers."""
+    return store.trouble() if isinstance(store, ReportsTrouble) else None

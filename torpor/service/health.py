@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from torpor.ports.objects import ReportsTrouble
+from torpor.ports.objects import trouble_of
 from torpor.ports.services import Services
 from torpor.problems import UNAVAILABLE_RETRY_AFTER_S, ProblemSpec
 
@@ -51,8 +51,7 @@ async def check_health(services: Services, *, now: datetime, sweeps: bool) -> He
     problems: list[str] = []
     index_ok = await _probe("index", services.index.ping(), problems)
     await _probe("object store", services.store.list(PROBE_PREFIX, limit=1), problems)
-    store = services.store
-    trouble = store.trouble() if isinstance(store, ReportsTrouble) else None
+    trouble = trouble_of(services.store)
     warnings = [] if trouble is None else [f"object store: {trouble}"]
     if not sweeps or not index_ok:
         return Health(problems, warnings=warnings)

@@ -42,7 +42,7 @@ from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.lifecycle import SessionState
 from torpor.models import WaitingSession
-from torpor.ports import Reason, TimerKind, WaitBinding
+from torpor.ports import Reason, TimerKind, WaitBinding, trouble_of
 from torpor.service.batches import BatchService
 from torpor.service.coalescing import Fallback, request_activation
 from torpor.service.deliveries import DeliveryWorker
@@ -83,6 +83,10 @@ class SweepReport:
     purged: int = 0
     purged_batches: int = 0  # batches deleted whole, past the retention period
     errors: list[str] = field(default_factory=list)
+    # What the object store reports is wrong while it serves (``ReportsTrouble``: a local
+    # folder whose log no longer checkpoints), as /healthz's warnings: read each sweep so
+    # that the reconciler exports it (``torpor_object_store_trouble``) for an alert.
+    store_trouble: str | None = None
 
 
 def lookup_windows(settings: Settings) -> timedelta:
@@ -127,7 +131,8 @@ class Sweeper:
 
     async def sweep_once(self, now: datetime | None = None) -> SweepReport:
         now = now or self.services.clock.now()
-        started, report = time.time(), SweepReport()
+        started = time.time()
+        report = SweepReport(store_trouble=trouble_of(self.services.store))
         failed = False
         for step in self.steps():
             name = step.__name__.strip("_")
