@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from storage import keys
-from storage.batches import ObjectBatches
+from storage.batches import GENERATION_READS_AT_ONCE, ObjectBatches
 from storage.correlations import ObjectCorrelations
 from storage.deliveries import SCAN_MAX, ObjectDeliveries
 from storage.inbox import ObjectInbox
@@ -17,7 +17,7 @@ from storage.memory_store import MemoryObjectStore
 from storage.snapshots import ObjectSnapshots, ended_day
 from tests.support.factories import NOW, busy_snapshot, snapshot
 from tests.support.harness import keys_read
-from torpor.batches import BatchManifest, FanOutCursor
+from torpor.batches import BatchManifest, FanOutCursor, RetryGeneration
 from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
 from torpor.errors import (
     CommitConflict,
@@ -247,6 +247,37 @@ async def test_a_fan_out_cursor_only_moves_forward(store: ObjectStore) -> None:
     # At once, as two fan-outs would: the furthest wins, whatever the order.
     await asyncio.gather(*(batches.save_cursor("b_1", FanOutCursor(next=n)) for n in (12, 9, 16)))
     assert await batches.cursor("b_1") == FanOutCursor(next=16)
+
+
+async def test_a_batchs_retry_generations_are_read_side_by_side_in_order(
+    store: ObjectStore,
+) -> None:
+    """Every look at a batch reads all its retry generations: one after the other, a batch
+    retried a hundred times waited for a hundred store round trips in a row (seconds on
+    S3) on every GET. They are read at once, up to a bound, and come back in order."""
+    batches = ObjectBatches(store)
+    made = [
+        RetryGeneration(generation=g, documents=[g], created_at=NOW)
+        for g in range(1, 2 * GENERATION_READS_AT_ONCE + 1)
+    ]
+    for generation in made:
+        assert await batches.add_generation("b_1", generation)
+    in_flight = peak = 0
+    get = store.get
+
+    async def counted(key: str, *, max_bytes: int | None = None) -> StoredObject:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            await asyncio.sleep(0)  # a store read yields: the others may start meanwhile
+            return await get(key, max_bytes=max_bytes)
+        finally:
+            in_flight -= 1
+
+    store.get = counted  # type: ignore[method-assign]
+    assert await batches.generations("b_1") == made
+    assert peak == GENERATION_READS_AT_ONCE
 
 
 class EndlessRace(MemoryObjectStore):
