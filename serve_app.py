@@ -34,14 +34,16 @@ from torpor.api import (
     ApprovalReassign,
     BatchCreate,
     BatchOut,
+    BatchSessionList,
     SessionCreate,
     SessionItem,
     SessionList,
     SessionOut,
 )
 from torpor.auth import operator_for, tenant_for
+from torpor.batches import SESSIONS_PAGE, SESSIONS_PAGE_MAX
 from torpor.deliveries import DeliveryStatus
-from torpor.entry.batches import ResultFormat, batch_out, result_chunks
+from torpor.entry.batches import ResultFormat, batch_out, batch_sessions, result_chunks
 from torpor.entry.console import ConsoleDeps, ConsoleMount
 from torpor.entry.head import HeadAsGet
 from torpor.entry.hooks import HookFastPath, HookRoute
@@ -357,6 +359,19 @@ class Ingress:
 
     async def _batch(self, batch_id: str, tenant: str) -> BatchOut:
         return await batch_out(self.batches, batch_id, tenant)
+
+    @api.get("/v1/batches/{batch_id}/sessions", response_model=BatchSessionList, tags=["batches"])
+    async def list_batch_sessions(
+        self,
+        batch_id: str,
+        authorization: Annotated[str | None, Header()] = None,
+        cursor: Annotated[str | None, Query(max_length=128)] = None,
+        limit: Annotated[int, Query(ge=1, le=SESSIONS_PAGE_MAX)] = SESSIONS_PAGE,
+    ) -> BatchSessionList:
+        """Each document's current session (its latest retry's), in document order, a
+        page at a time: pass ``next_cursor`` back as ``cursor`` until it is null."""
+        tenant = self._tenant(authorization)
+        return await batch_sessions(self.batches, batch_id, tenant, cursor=cursor, limit=limit)
 
     @api.post("/v1/batches/{batch_id}/cancel", status_code=202, tags=["batches"])
     async def cancel_batch(

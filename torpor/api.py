@@ -132,13 +132,26 @@ class BatchOut(BaseModel):
     done: int
     finished: bool
     by_state: dict[str, int]
-    session_ids: list[str]  # each document's current session (its latest retry's), in order
+    # The first documents' current sessions (their latest retry's), in order: a page of
+    # ``GET /v1/batches/{id}/sessions``. ``next_cursor`` continues it there (None: all).
+    session_ids: list[str]
     links: dict[str, str]
+    next_cursor: str | None = None
     created: int = 0  # documents whose session exists (the fan-out runs behind the 202)
     cancelled: bool = False
     eta_s: float | None = None  # at the rate so far; None until a first document ended
     admission: BatchAdmission | None = None  # None where caps are off (embedded SQLite)
     purged: int = 0  # documents whose ended session retention deleted (done, not by_state)
+
+
+class BatchSessionItem(BaseModel):
+    index: int  # the document's place in the batch
+    session_id: str  # its current session (its latest retry's)
+
+
+class BatchSessionList(BaseModel):
+    items: list[BatchSessionItem]
+    next_cursor: str | None
 
 
 class ApprovalReassign(_Body):

@@ -16,11 +16,17 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from torpor.errors import InvalidRequest
 from torpor.ids import batch_session_id
 from torpor.lifecycle import SessionState
 
 # States a retry of the batch's failed documents takes back.
 RETRYABLE_STATES: frozenset[SessionState] = frozenset({SessionState.FAILED, SessionState.TIMED_OUT})
+# A page of a batch's sessions (``sessions_page``), unless asked for another size, and the
+# most one holds. A batch holds 10,000 documents: listed whole, each GET of it answered
+# 10,000 ids (a third of a megabyte) while its caller polled only its progress.
+SESSIONS_PAGE = 100
+SESSIONS_PAGE_MAX = 1000
 
 
 class BatchManifest(BaseModel):
@@ -101,6 +107,10 @@ class Attempts:
         n = self.manifest.size if upto is None else min(upto, self.manifest.size)
         return [self.current(i) for i in range(n)]
 
+    def between(self, start: int, end: int) -> list[str]:
+        """The current sessions of documents ``start`` up to ``end`` (not included)."""
+        return [self.current(i) for i in range(start, min(end, self.manifest.size))]
+
     def ranks(self) -> dict[str, int]:
         """Each document's current session -> the document's index (its place in the
         batch's queue for a running slot)."""
@@ -125,6 +135,39 @@ class BatchProgress:
     @property
     def finished(self) -> bool:
         return self.done == self.total
+
+
+@dataclass(frozen=True)
+class SessionsPage:
+    """Some of a batch's documents' current sessions, in document order from ``start``;
+    ``next_cursor`` asks for the page after it (None: this one is the last)."""
+
+    start: int
+    session_ids: list[str]
+    next_cursor: str | None
+
+
+def sessions_page(attempts: Attempts, *, cursor: str | None, limit: int) -> SessionsPage:
+    """The page of the batch's sessions ``cursor`` names (None: the first), ``limit`` of
+    them at most. ``InvalidRequest`` for a limit out of range or a cursor no page of this
+    batch hands out. The cursor is the index of the page's first document, as text: a
+    batch's documents never change, so a cursor stays good for the batch's whole life."""
+    if not 1 <= limit <= SESSIONS_PAGE_MAX:
+        raise InvalidRequest(f"limit: from 1 to {SESSIONS_PAGE_MAX}, not {limit}")
+    total = attempts.manifest.size
+    start = _cursor_start(cursor, total=total)
+    end = min(start + limit, total)
+    return SessionsPage(start, attempts.between(start, end), str(end) if end < total else None)
+
+
+def _cursor_start(cursor: str | None, *, total: int) -> int:
+    if cursor is None:
+        return 0
+    # ASCII digits only (``isdigit`` takes "²" too, which int() refuses), and short: a
+    # number of a thousand digits must not be parsed to be refused.
+    if cursor.isascii() and cursor.isdigit() and len(cursor) <= 9 and int(cursor) < total:
+        return int(cursor)
+    raise InvalidRequest(f"cursor: {cursor[:40]!r} is not a cursor of this batch's sessions")
 
 
 def document_id(document: JsonValue) -> str | None:

@@ -26,12 +26,13 @@ from tests.faults.index_loss import flush_index
 from tests.runtime import memory_env
 from tests.runtime.memory_env import plan_agent, reset
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
-from torpor.batches import BatchManifest, RetryGeneration
+from torpor.batches import SESSIONS_PAGE, SESSIONS_PAGE_MAX, BatchManifest, RetryGeneration
 from torpor.clock import ManualClock
 from torpor.entry.batches import batch_out
 from torpor.errors import (
     BatchExpired,
     BatchNotFinished,
+    InvalidRequest,
     PluginNotFound,
     SessionNotFound,
     UnknownAgent,
@@ -774,6 +775,41 @@ async def test_a_batch_lists_each_documents_current_session_after_a_retry(world:
     assert out.session_ids == current
     rows = [json.loads(x) for x in await _lines(world, bid)]
     assert [r["session_id"] for r in rows] == current
+
+
+async def test_a_batch_of_thousands_shows_a_page_of_its_sessions_and_a_cursor_to_the_rest(
+    world: World,
+) -> None:
+    """A batch listed every document's session in each answer: 10,000 ids (a third
+    of a megabyte) on every poll of its progress. It lists the first page, and a cursor from
+    which a walk of its sessions, a bounded page at a time, finds every one in order."""
+    docs: list[Any] = [{"doc": i} for i in range(2 * SESSIONS_PAGE_MAX + 5)]
+    manifest = await world.batches.accept(tenant="acme", agent="fin", documents=docs)
+    bid = manifest.batch_id
+    out = await batch_out(world.batches, bid, "acme")
+    assert out.session_ids == manifest.sessions()[:SESSIONS_PAGE]
+    assert out.next_cursor is not None and out.links["sessions"] == f"/v1/batches/{bid}/sessions"
+    walked, cursor, pages = list(out.session_ids), out.next_cursor, 0
+    while cursor is not None:
+        page = await world.batches.session_page(bid, cursor=cursor, limit=SESSIONS_PAGE_MAX)
+        assert page.start == len(walked) and len(page.session_ids) <= SESSIONS_PAGE_MAX
+        walked.extend(page.session_ids)
+        cursor, pages = page.next_cursor, pages + 1
+    assert walked == manifest.sessions() and pages == 2  # 1,000 and the last 905
+
+
+@pytest.mark.parametrize(
+    ("cursor", "limit"),
+    [("x", 10), ("-1", 10), ("3", 10), ("²", 10), ("9" * 40, 10), ("0", 0), (None, 1001)],
+    ids=["text", "negative", "past-the-end", "unicode-digit", "huge", "no-limit", "over-max"],
+)
+async def test_a_cursor_or_limit_no_page_of_the_batch_hands_out_is_refused_typed(
+    world: World, cursor: str | None, limit: int
+) -> None:
+    docs: list[Any] = [{"doc": i} for i in range(3)]
+    manifest = await world.batches.accept(tenant="acme", agent="fin", documents=docs)
+    with pytest.raises(InvalidRequest):
+        await world.batches.session_page(manifest.batch_id, cursor=cursor, limit=limit)
 
 
 async def test_a_session_made_after_its_batch_was_cancelled_never_starts(

@@ -1,11 +1,13 @@
-"""What the HTTP edge shows of a batch: its progress, caps, links and results stream."""
+"""What the HTTP edge shows of a batch: its progress, caps, links, its sessions a page at a
+time and its results stream."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from enum import StrEnum
 
-from torpor.api import BatchAdmission, BatchOut
+from torpor.api import BatchAdmission, BatchOut, BatchSessionItem, BatchSessionList
+from torpor.batches import SESSIONS_PAGE, sessions_page
 from torpor.service.batches import BatchService
 
 RESULT_CHUNK = 64 * 1024
@@ -29,8 +31,9 @@ async def batch_out(batches: BatchService, batch_id: str, tenant: str) -> BatchO
     progress = await batches.progress(batch_id, tenant=tenant)
     usage = await batches.usage(manifest)
     # Each document's current session (its latest retry's), as progress counts it and the
-    # results name it: the first ones led a client to a FAILED attempt after a retry.
-    current = (await batches.attempts(manifest)).all_current()
+    # results name it: the first ones led a client to a FAILED attempt after a retry. The
+    # first page only: the rest are a walk of ``batch_sessions`` from ``next_cursor``.
+    first = sessions_page(await batches.attempts(manifest), cursor=None, limit=SESSIONS_PAGE)
     settings = batches.settings
     base = f"/v1/batches/{batch_id}"
     return BatchOut(
@@ -40,9 +43,11 @@ async def batch_out(batches: BatchService, batch_id: str, tenant: str) -> BatchO
         done=progress.done,
         finished=progress.finished,
         by_state=progress.by_state,
-        session_ids=current,
+        session_ids=first.session_ids,
+        next_cursor=first.next_cursor,
         links={
             "self": base,
+            "sessions": f"{base}/sessions",
             "cancel": f"{base}/cancel",
             "retry": f"{base}/retry",
             "results": f"{base}/results",
@@ -60,6 +65,19 @@ async def batch_out(batches: BatchService, batch_id: str, tenant: str) -> BatchO
             waiting=usage[0].waiting,
             tenant_running=usage[1].running,
         ),
+    )
+
+
+async def batch_sessions(
+    batches: BatchService, batch_id: str, tenant: str, *, cursor: str | None, limit: int
+) -> BatchSessionList:
+    page = await batches.session_page(batch_id, tenant=tenant, cursor=cursor, limit=limit)
+    return BatchSessionList(
+        items=[
+            BatchSessionItem(index=page.start + i, session_id=sid)
+            for i, sid in enumerate(page.session_ids)
+        ],
+        next_cursor=page.next_cursor,
     )
 
 

@@ -21,10 +21,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
 from torpor import outbound
 from torpor.auth import new_api_key
+from torpor.batches import SESSIONS_PAGE_MAX
 from torpor.demo.scenario import DocPlan, Story, documents, plan_documents
 from torpor.entry.ingress import Ingress, choose_ingress, restore
 from torpor.entry.ports import quiet_port
@@ -67,6 +68,19 @@ def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | Non
     if not response.ok:
         raise RuntimeError(f"{method} {url} answered {response.status}: {response.body[:300]!r}")
     return response.json()
+
+
+def _batch_session_ids(base: str, batch: dict[str, Any], auth: dict[str, str]) -> list[str]:
+    """Every document's session, in order: the batch's answer lists the first page, and
+    its ``next_cursor`` continues in ``GET /v1/batches/{id}/sessions``."""
+    ids: list[str] = list(batch["session_ids"])
+    cursor: str | None = batch.get("next_cursor")
+    while cursor is not None:
+        query = urlencode({"cursor": cursor, "limit": SESSIONS_PAGE_MAX})
+        page = _http("GET", f"{base}{batch['links']['sessions']}?{query}", headers=auth)
+        ids.extend(item["session_id"] for item in page["items"])
+        cursor = page["next_cursor"]
+    return ids
 
 
 def build_settings(
@@ -207,7 +221,8 @@ def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
             {"agent": AGENT, "documents": docs},
             {**auth, "Idempotency-Key": f"demo-{secrets.token_hex(4)}"},
         )
-        sessions = dict(zip([d["doc_id"] for d in docs], batch["session_ids"], strict=True))
+        ids = _batch_session_ids(base, batch, auth)
+        sessions = dict(zip([d["doc_id"] for d in docs], ids, strict=True))
         started = time.monotonic()
         cancelled: set[str] = set()
         waiting_samples: list[int] = []

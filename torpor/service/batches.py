@@ -25,15 +25,18 @@ from pydantic import JsonValue
 
 from torpor.batches import (
     RETRYABLE_STATES,
+    SESSIONS_PAGE,
     Attempts,
     BatchManifest,
     BatchProgress,
     FanOutCursor,
     ResultLine,
     RetryGeneration,
+    SessionsPage,
     document_id,
     eta_seconds,
     id_refusal,
+    sessions_page,
 )
 from torpor.errors import (
     BatchCancelled,
@@ -393,6 +396,19 @@ class BatchService:
 
     async def attempts(self, manifest: BatchManifest) -> Attempts:
         return Attempts.of(manifest, await self.services.batches.generations(manifest.batch_id))
+
+    async def session_page(
+        self,
+        batch_id: str,
+        *,
+        tenant: str | None = None,
+        cursor: str | None = None,
+        limit: int = SESSIONS_PAGE,
+    ) -> SessionsPage:
+        """A page of the documents' current sessions (their latest retry's), in document
+        order; ``InvalidRequest`` for a bad cursor or limit (``sessions_page``)."""
+        manifest = await self.get(batch_id, tenant=tenant)
+        return sessions_page(await self.attempts(manifest), cursor=cursor, limit=limit)
 
     async def created(self, manifest: BatchManifest) -> int:
         """How many documents have their (first) session."""
