@@ -43,7 +43,7 @@ from torpor.api import (
 from torpor.auth import operator_for, tenant_for
 from torpor.batches import SESSIONS_PAGE, SESSIONS_PAGE_MAX
 from torpor.deliveries import DeliveryStatus
-from torpor.entry.batches import ResultFormat, batch_out, batch_sessions, result_chunks
+from torpor.entry.batches import ResultFormat, batch_out, batch_sessions
 from torpor.entry.console import ConsoleDeps, ConsoleMount
 from torpor.entry.head import HeadAsGet
 from torpor.entry.hooks import HookFastPath, HookRoute
@@ -402,11 +402,13 @@ class Ingress:
     ) -> StreamingResponse:
         """One line (row) per document: index, id, session, state, result or error. 409
         until the batch finished."""
-        data = await self.batches.results(
+        # Read and encoded a page at a time as it is sent: the batch's results are never
+        # held whole here (its checks and its export are done before the first byte).
+        stream = await self.batches.result_stream(
             batch_id, format.value, tenant=self._tenant(authorization)
         )
         return StreamingResponse(
-            result_chunks(data),
+            stream,
             media_type=format.media_type,
             headers={"Content-Disposition": f'attachment; filename="{batch_id}.{format.value}"'},
         )

@@ -1,5 +1,10 @@
 """Batches in the object store: a create-only manifest per batch, and beside it the
-documents, the fan-out cursor, the cancel marker, retry generations and the exports."""
+documents, the fan-out cursor, the cancel marker, retry generations and the exports.
+
+An export is stored as pages of JSONL lines and a record, written last, of how many there
+are; it is read back a page at a time, encoded as it goes (``storage.results``). Written
+whole, a 10,000-document batch's export was held in memory at once by its writer and by
+every reader (and Parquet twice: built, then read back)."""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ import json
 from collections.abc import AsyncIterator
 from datetime import datetime
 
-from pydantic import JsonValue, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, JsonValue, TypeAdapter, ValidationError
 
-from storage import keys, results
+from storage import keys
 from storage.listing import each_key, exists
+from storage.results import ENCODERS, PageEncoder, jsonl
 from torpor.batches import BatchManifest, FanOutCursor, ResultLine, RetryGeneration
 from torpor.errors import (
     EtagMismatch,
@@ -169,19 +175,65 @@ class ObjectBatches:
                 return out
             start = page.next_token
 
-    async def put_results(
-        self, batch_id: str, lines: list[ResultLine], *, generation: int = 0
+    async def put_results_page(
+        self, batch_id: str, page: int, lines: list[ResultLine], *, generation: int
     ) -> None:
-        # Parquet first, JSONL last: JSONL is what ``results`` checks for, so an export
-        # that died half-way is written again in full.
-        parquet = keys.batch_results(batch_id, "parquet", generation=generation)
-        await self.store.put(parquet, results.parquet(lines))
-        jsonl = keys.batch_results(batch_id, "jsonl", generation=generation)
-        await self.store.put(jsonl, results.jsonl(lines))
+        # Unconditional: an export that died half-way, or one running beside this one,
+        # wrote (or writes) the same lines, from the same ended sessions.
+        key = keys.batch_export_page(batch_id, page, generation=generation)
+        await self.store.put(key, jsonl(lines))
 
-    async def results(self, batch_id: str, fmt: str, *, generation: int = 0) -> bytes | None:
+    async def seal_results(self, batch_id: str, *, generation: int, pages: int) -> None:
+        sealed = ExportRecord(pages=pages).model_dump_json().encode()
+        await self.store.put(keys.batch_export(batch_id, generation=generation), sealed)
+
+    async def results(
+        self, batch_id: str, fmt: str, *, generation: int = 0
+    ) -> AsyncIterator[bytes] | None:
+        encoder = ENCODERS.get(fmt)
+        if encoder is None:
+            return None
+        try:
+            record = await self.store.get(keys.batch_export(batch_id, generation=generation))
+        except ObjectNotFound:
+            return await self._whole(batch_id, fmt, generation)
+        pages = ExportRecord.model_validate_json(record.data).pages
+        return self._pages(batch_id, encoder(), pages=pages, generation=generation)
+
+    async def _pages(
+        self, batch_id: str, encoder: PageEncoder, *, pages: int, generation: int
+    ) -> AsyncIterator[bytes]:
+        for page in range(pages):
+            key = keys.batch_export_page(batch_id, page, generation=generation)
+            encoded = encoder.page((await self.store.get(key)).data)
+            if encoded:
+                yield encoded
+        end = encoder.end()
+        if end:
+            yield end
+
+    async def _whole(self, batch_id: str, fmt: str, generation: int) -> AsyncIterator[bytes] | None:
+        """An export written whole, before exports were paged: its batch's sessions may
+        have gone since (retention), so it is answered as it is, not made again."""
         try:
             key = keys.batch_results(batch_id, fmt, generation=generation)
-            return (await self.store.get(key)).data
+            data = (await self.store.get(key)).data
         except ObjectNotFound:
             return None
+        return _chunks(data)
+
+
+class ExportRecord(BaseModel):
+    """A whole export: its pages of lines, all written (``keys.batch_export``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pages: int
+
+
+WHOLE_CHUNK = 64 * 1024  # an export written whole is answered in pieces of this size
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), WHOLE_CHUNK):
+        yield data[start : start + WHOLE_CHUNK]

@@ -210,10 +210,27 @@ def batch_retry(batch_id: str, generation: int) -> str:
 
 
 def batch_results(batch_id: str, fmt: str, *, generation: int = 0) -> str:
-    """The export as of ``generation`` retries (a retry makes the one before it stale);
-    before any retry, the name exports always had."""
+    """An export written whole, in one format, as exports were before they were paged
+    (``batch_export``): read, never written now. As of ``generation`` retries (a retry
+    makes the one before it stale); before any retry, the name exports always had."""
     name = "results" if generation == 0 else f"results-{generation:06d}"
     return f"{batch_data(batch_id)}{name}.{safe(fmt, 'format')}"
+
+
+def _export(batch_id: str, generation: int) -> str:
+    return f"{batch_data(batch_id)}export-{generation:06d}/"
+
+
+def batch_export(batch_id: str, *, generation: int) -> str:
+    """The record that the export as of ``generation`` retries is whole (how many pages it
+    has): written after its last page (``batch_export_page``), so an export that died
+    half-way is not taken for one, and is written again."""
+    return _export(batch_id, generation) + "done"
+
+
+def batch_export_page(batch_id: str, page: int, *, generation: int) -> str:
+    """One page of the export's lines (JSONL), in document order."""
+    return f"{_export(batch_id, generation)}page-{page:06d}.jsonl"
 
 
 FANOUTS = "fanouts/"

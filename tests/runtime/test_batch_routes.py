@@ -3,12 +3,16 @@ a client reads of a batch, and what it is refused (problem+json, never a 500).""
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import eventually
 from tests.runtime.api_app import App, api_app
 
 
@@ -74,3 +78,33 @@ async def test_another_tenants_batch_has_no_sessions_to_list(app: App) -> None:
     answer = await app.http.get(batch["links"]["sessions"], headers=app.auth("beta"))
     assert answer.status_code == 404, answer.text
     assert answer.headers["content-type"] == "application/problem+json"
+
+
+async def test_a_finished_batchs_results_are_sent_a_page_of_documents_at_a_time(
+    app: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The export was built whole and sent from one buffer: Parquet as one row group of
+    every document. Each page of documents is now its own row group, encoded as sent."""
+    monkeypatch.setattr("torpor.service.batches.EXPORT_PAGE", 2)
+    batch = await a_batch(app, 5)
+    cancel = await app.http.post(batch["links"]["cancel"], headers=app.auth())
+    assert cancel.status_code == 202, cancel.text
+
+    async def exported() -> bool:  # its fan-out and cancel end every session first
+        answer = await app.http.get(batch["links"]["results"], headers=app.auth())
+        return answer.status_code == 200
+
+    await eventually(exported, timeout_s=10, what="the cancelled batch's results")
+    jsonl = await app.http.get(batch["links"]["results"], headers=app.auth())
+    assert jsonl.headers["content-type"] == "application/x-ndjson"
+    rows = [json.loads(line) for line in jsonl.content.splitlines()]
+    assert [(r["index"], r["session_id"], r["state"]) for r in rows] == [
+        (i, sid, "CANCELLED") for i, sid in enumerate(batch["session_ids"])
+    ]
+    answer = await app.http.get(
+        batch["links"]["results"], params={"format": "parquet"}, headers=app.auth()
+    )
+    assert answer.status_code == 200, answer.text
+    parquet = pq.ParquetFile(io.BytesIO(answer.content))
+    assert parquet.num_row_groups == 3
+    assert parquet.read().column("session_id").to_pylist() == batch["session_ids"]

@@ -25,6 +25,7 @@ from tests.conftest import eventually
 from tests.faults.index_loss import flush_index
 from tests.runtime import memory_env
 from tests.runtime.memory_env import plan_agent, reset
+from tests.support.harness import keys_read
 from torpor.agent import AgentContext, AgentTurn, default_initial_messages
 from torpor.batches import SESSIONS_PAGE, SESSIONS_PAGE_MAX, BatchManifest, RetryGeneration
 from torpor.clock import ManualClock
@@ -443,6 +444,51 @@ async def test_results_exported_before_a_retry_are_exported_again_after_it(
     assert table.column("state").to_pylist() == ["COMPLETED", "COMPLETED"]
 
 
+async def test_a_results_export_is_written_and_read_a_page_of_documents_at_a_time(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The export of a 10,000-document batch was built whole in the request (every line,
+    each a session's result, in memory at once), stored as one object per format, and
+    read back whole before its first byte was sent. It is stored a page of lines an
+    object, and streamed a page at a time: a reader holds one page of it, not the batch."""
+    monkeypatch.setattr("torpor.service.batches.EXPORT_PAGE", 2)
+    docs: list[Any] = [{"id": f"d{i}", "doc": i} for i in range(5)]
+    bid = (await finished(world, "fin", docs)).batch_id
+    jsonl = await world.batches.result_stream(bid, "jsonl")  # the export is written here
+    pages = [keys.batch_export_page(bid, p, generation=0) for p in range(3)]
+    stored = [(await world.services.store.get(k)).data.splitlines() for k in pages]
+    assert [len(lines) for lines in stored] == [2, 2, 1]
+    read = keys_read(world.services.store)
+    first = await anext(jsonl)
+    assert read == pages[:1], "one page read, then sent"
+    rest = [chunk async for chunk in jsonl]
+    assert read == pages
+    rows = [json.loads(x) for x in b"".join([first, *rest]).splitlines()]
+    assert [(r["index"], r["document_id"], r["state"]) for r in rows] == [
+        (i, f"d{i}", "COMPLETED") for i in range(5)
+    ]
+    parquet = await world.batches.result_stream(bid, "parquet")
+    read.clear()
+    chunks = [await anext(parquet)]
+    assert read == pages[:1], "a row group a page, each sent once encoded"
+    chunks.extend([chunk async for chunk in parquet])
+    exported = pq.ParquetFile(io.BytesIO(b"".join(chunks)))
+    assert exported.num_row_groups == 3
+    assert exported.read().column("document_id").to_pylist() == [f"d{i}" for i in range(5)]
+
+
+async def test_an_export_written_whole_before_exports_were_paged_is_still_answered(
+    world: World,
+) -> None:
+    """An export stored whole by an earlier torpor is answered as it is: made again, it
+    would name as purged the results of sessions retention deleted since."""
+    bid = (await finished(world, "fin", [{"doc": i} for i in range(3)])).batch_id
+    whole = b'{"index": 0, "written": "whole"}\n'
+    await world.services.store.put(keys.batch_results(bid, "jsonl"), whole)
+    assert await world.batches.results(bid, "jsonl") == whole
+    assert keys.batch_export(bid, generation=0) not in await batch_keys(world, bid)
+
+
 async def _lines(world: World, batch_id: str) -> list[str]:
     return (await world.batches.results(batch_id, "jsonl")).decode().splitlines()
 
@@ -488,7 +534,7 @@ async def test_a_finished_batch_goes_whole_after_the_retention_period(world: Wor
     await world.services.batches.mark_fanning_out(bid)
     stored = await batch_keys(world, bid)
     assert keys.batch(bid) in stored and keys.batch_cursor(bid) in stored
-    assert keys.batch_results(bid, "jsonl") in stored
+    assert keys.batch_export(bid, generation=0) in stored
     clock = cast(ManualClock, world.services.clock)
     clock.advance(29 * DAY.total_seconds())
     await purge(world)

@@ -4,8 +4,11 @@ and on S3."""
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 from datetime import timedelta
 
+import pyarrow.parquet as pq
 import pytest
 
 from storage import keys
@@ -17,7 +20,7 @@ from storage.memory_store import MemoryObjectStore
 from storage.snapshots import ObjectSnapshots, ended_day
 from tests.support.factories import NOW, busy_snapshot, snapshot
 from tests.support.harness import keys_read
-from torpor.batches import BatchManifest, FanOutCursor, RetryGeneration
+from torpor.batches import BatchManifest, FanOutCursor, ResultLine, RetryGeneration
 from torpor.deliveries import Delivery, DeliveryStatus, EndpointState
 from torpor.errors import (
     CommitConflict,
@@ -278,6 +281,33 @@ async def test_a_batchs_retry_generations_are_read_side_by_side_in_order(
     store.get = counted  # type: ignore[method-assign]
     assert await batches.generations("b_1") == made
     assert peak == GENERATION_READS_AT_ONCE
+
+
+async def test_an_export_is_found_once_sealed_and_read_back_a_page_at_a_time(
+    store: ObjectStore,
+) -> None:
+    batches = ObjectBatches(store)
+    lines = [
+        ResultLine(index=i, session_id=f"s_{i}", state=SessionState.COMPLETED, result={"n": i})
+        for i in range(5)
+    ]
+    for page, start in enumerate(range(0, 5, 2)):
+        await batches.put_results_page("b_1", page, lines[start : start + 2], generation=1)
+        assert await batches.results("b_1", "jsonl", generation=1) is None, "not whole yet"
+    await batches.seal_results("b_1", generation=1, pages=3)
+    jsonl = await batches.results("b_1", "jsonl", generation=1)
+    assert jsonl is not None
+    chunks = [chunk async for chunk in jsonl]
+    assert len(chunks) == 3, "one a page"
+    assert [ResultLine.model_validate_json(x) for x in b"".join(chunks).splitlines()] == lines
+    parquet = await batches.results("b_1", "parquet", generation=1)
+    assert parquet is not None
+    table = pq.read_table(io.BytesIO(b"".join([chunk async for chunk in parquet])))
+    assert [json.loads(r) for r in table.column("result").to_pylist()] == [
+        {"n": i} for i in range(5)
+    ]
+    assert await batches.results("b_1", "jsonl", generation=0) is None, "another generation's"
+    assert await batches.results("b_1", "csv", generation=1) is None
 
 
 class EndlessRace(MemoryObjectStore):

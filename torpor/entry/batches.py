@@ -1,16 +1,13 @@
-"""What the HTTP edge shows of a batch: its progress, caps, links, its sessions a page at a
-time and its results stream."""
+"""What the HTTP edge shows of a batch: its progress, caps, links and its sessions a page
+at a time."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from enum import StrEnum
 
 from torpor.api import BatchAdmission, BatchOut, BatchSessionItem, BatchSessionList
 from torpor.batches import SESSIONS_PAGE, sessions_page
 from torpor.service.batches import BatchService
-
-RESULT_CHUNK = 64 * 1024
 
 
 class ResultFormat(StrEnum):
@@ -79,8 +76,3 @@ async def batch_sessions(
         ],
         next_cursor=page.next_cursor,
     )
-
-
-async def result_chunks(data: bytes) -> AsyncIterator[bytes]:
-    for start in range(0, len(data), RESULT_CHUNK):
-        yield data[start : start + RESULT_CHUNK]

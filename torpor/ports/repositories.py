@@ -249,16 +249,25 @@ class BatchRepository(Protocol):
 
     async def generations(self, batch_id: str) -> list[RetryGeneration]: ...
 
-    async def put_results(
-        self, batch_id: str, lines: list[ResultLine], *, generation: int = 0
+    async def put_results_page(
+        self, batch_id: str, page: int, lines: list[ResultLine], *, generation: int
     ) -> None:
-        """Write the export in every format (JSONL, Parquet), as of ``generation``
-        retries of the batch."""
+        """Write page ``page`` of the export as of ``generation`` retries of the batch
+        (its lines in document order; the pages are written in any order, again in full
+        by an export that died before its end)."""
         ...
 
-    async def results(self, batch_id: str, fmt: str, *, generation: int = 0) -> bytes | None:
-        """The export in ``fmt`` (jsonl, parquet) as of ``generation`` retries; None if it
-        was not written yet."""
+    async def seal_results(self, batch_id: str, *, generation: int, pages: int) -> None:
+        """The export as of ``generation`` retries is whole: its ``pages`` pages written.
+        Only after its last page: until then ``results`` does not find it."""
+        ...
+
+    async def results(
+        self, batch_id: str, fmt: str, *, generation: int = 0
+    ) -> AsyncIterator[bytes] | None:
+        """The export in ``fmt`` (jsonl, parquet) as of ``generation`` retries, read and
+        encoded a page at a time as it is iterated; None if it is not whole yet (or
+        ``fmt`` is no format of it)."""
         ...
 
 

@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import timedelta
 
 from pydantic import JsonValue
@@ -59,6 +59,10 @@ from torpor.service.sessions import SessionService, fingerprint
 from torpor.ssrf import check_callback
 
 SUBMITS_AT_ONCE = 32  # session creations one fan-out has in flight
+# Documents an export reads the sessions of, and writes the lines of, at a time: what it
+# holds of the results, and what a reader of it holds (``BatchRepository.results``).
+# Whole, a 10,000-document batch's results were held at once, each a session's result.
+EXPORT_PAGE = 256
 # A batch's metadata, JSON-encoded, at most: it is copied into every document's session and
 # rewritten with each of its commits, so unbounded, 1 MB of it beside 10,000 documents
 # (a 1 MB request) made 10 GB of sessions.
@@ -595,8 +599,12 @@ class BatchService:
 
     # -- export -----------------------------------------------------------------------
 
-    async def results(self, batch_id: str, fmt: str, *, tenant: str | None = None) -> bytes:
-        """The batch's results in ``fmt`` (jsonl, parquet), exported once it finished."""
+    async def result_stream(
+        self, batch_id: str, fmt: str, *, tenant: str | None = None
+    ) -> AsyncIterator[bytes]:
+        """The batch's results in ``fmt`` (jsonl, parquet), exported once it finished, to
+        be read a page at a time. The checks (``NotFound``, ``BatchNotFinished``) and the
+        export are done before this returns: a stream answers nothing but its bytes."""
         await self.get(batch_id, tenant=tenant)
         # Exports are kept per retry generation: a retry's sessions change the results,
         # and an export written before it must not be answered after it.
@@ -605,13 +613,20 @@ class BatchService:
         if found is None:
             generation = await self.export(batch_id, tenant=tenant)
             found = await self.services.batches.results(batch_id, fmt, generation=generation)
-        if found is None:  # pragma: no cover - export just wrote it
-            raise NotFound(f"no {fmt} results for batch {batch_id}")
+        if found is None:  # export just wrote it: ``fmt`` is no format of it
+            raise NotFound(f"no {fmt[:20]!r} results for batch {batch_id}")
         return found
 
+    async def results(self, batch_id: str, fmt: str, *, tenant: str | None = None) -> bytes:
+        """The whole export, for a caller that wants it whole (the Python client): the
+        HTTP edge streams ``result_stream``."""
+        stream = await self.result_stream(batch_id, fmt, tenant=tenant)
+        return b"".join([chunk async for chunk in stream])
+
     async def export(self, batch_id: str, *, tenant: str | None = None) -> int:
-        """Write the results of a finished batch (one line per document) to the store; the
-        retry generations it is the export of."""
+        """Write the results of a finished batch (one line per document) to the store, a
+        page of ``EXPORT_PAGE`` documents at a time; the retry generations it is the
+        export of."""
         # Read once, before anything: the lines and the export's name agree on them even if
         # a retry comes meanwhile (its sessions, not made yet, would read as cancelled).
         generations = await self.services.batches.generations(batch_id)
@@ -656,12 +671,20 @@ class BatchService:
                 error=snap.error.message if snap.error else None,
             )
 
-        lines = await asyncio.gather(*(line(i) for i in range(manifest.size)))
-        # Progress counts a cancelled batch's documents past its cursor as cancelled, while
-        # sessions a fan-out made there may still be ending (``fan_out``): an export is
-        # kept, so it is written only once every line has its final state.
-        running = sum(1 for x in lines if x.state is not None and not x.state.terminal)
-        if running:
-            raise BatchNotFinished(f"batch {batch_id}: {running} sessions not ended yet")
-        await self.services.batches.put_results(batch_id, list(lines), generation=len(generations))
-        return len(generations)
+        generation = len(generations)
+        pages = range(0, manifest.size, EXPORT_PAGE)
+        for page, start in enumerate(pages):
+            end = min(start + EXPORT_PAGE, manifest.size)
+            lines = await asyncio.gather(*(line(i) for i in range(start, end)))
+            # Progress counts a cancelled batch's documents past its cursor as cancelled,
+            # while sessions a fan-out made there may still be ending (``fan_out``): an
+            # export is kept, so it is sealed only once every line has its final state
+            # (pages written before this one are written again by the next export).
+            running = sum(1 for x in lines if x.state is not None and not x.state.terminal)
+            if running:
+                raise BatchNotFinished(f"batch {batch_id}: {running} sessions not ended yet")
+            await self.services.batches.put_results_page(
+                batch_id, page, list(lines), generation=generation
+            )
+        await self.services.batches.seal_results(batch_id, generation=generation, pages=len(pages))
+        return generation
