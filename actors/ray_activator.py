@@ -256,7 +256,7 @@ class RayActivator:
         if running is not None:
             try:
                 answer = await asyncio.wait_for(
-                    running.activate.remote(reason.value, requested_at),
+                    running.activate.remote(reason.value, requested_at, tracing.traceparent()),
                     timeout=ACTIVATE_TIMEOUT_S,
                 )
                 if answer == ACCEPTED:
@@ -274,7 +274,10 @@ class RayActivator:
         while (handle := self.standby.take()) is not None:
             try:
                 answer = await asyncio.wait_for(
-                    handle.adopt.remote(session_id, reason.value, requested_at),
+                    # the caller's trace crosses into the standby, as into a named actor
+                    handle.adopt.remote(
+                        session_id, reason.value, requested_at, tracing.traceparent()
+                    ),
                     timeout=ACTIVATE_TIMEOUT_S,
                 )
             except _RETRYABLE:

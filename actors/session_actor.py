@@ -136,15 +136,22 @@ class SessionActor:
         with contextlib.suppress(Exception):
             await services.index.ping()
 
-    async def adopt(self, session_id: str, reason: str, requested_at: float | None = None) -> str:
-        """A standby takes ``session_id`` (it runs no other); ``closing`` if it is taken."""
+    async def adopt(
+        self,
+        session_id: str,
+        reason: str,
+        requested_at: float | None = None,
+        traceparent: str | None = None,
+    ) -> str:
+        """A standby takes ``session_id`` (it runs no other); ``closing`` if it is taken.
+        ``traceparent``: the requester's trace, which the activation continues."""
         if self._session_id is None and not self._closing:
             self._session_id = session_id
             if self._idle is not None:
                 self._idle.cancel()
         if self._session_id != session_id:
             return CLOSING
-        return await self.activate(reason, requested_at)
+        return await self.activate(reason, requested_at, traceparent)
 
     async def activate(
         self, reason: str, requested_at: float | None = None, traceparent: str | None = None
