@@ -12,12 +12,14 @@ import redis.exceptions
 from storage import keys
 from storage.codec import SnapshotCodec
 from tests.runtime.memory_env import MemEnv, memory_env, plan_agent, reset
+from tests.runtime.test_sweeper import Recording
 from torpor.clock import to_ms
 from torpor.errors import OutboxEntryNotSendable, PreconditionFailed, StorageUnavailable
 from torpor.lifecycle import SessionState
 from torpor.models import SCHEMA_VERSION, DispatchStatus, OutboxEntry, OutboxKind
 from torpor.ports import Reason, TimerKind
 from torpor.service import sweeper as sweeper_module
+from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper
 from torpor.session import ActivationOutcome
 from torpor.session.activation import Activation
@@ -74,6 +76,30 @@ async def test_a_corrupt_snapshot_is_quarantined_not_retried_for_ever() -> None:
         await env.control.retry(sid, tenant="acme")
         assert (await index.session_states([sid]))[sid] is S.SUSPENDED
         assert (await env.control.get(sid)).state is S.SUSPENDED
+
+
+async def test_a_poison_retry_whose_activation_is_lost_is_activated_by_the_reconciler() -> None:
+    """The operator's retry of a snapshot that did not decode puts its state back in the
+    index and asks for an activation. That request is lost (no actor took it, or the
+    process died after the index write): the session showed QUARANTINED (its snapshot
+    still does not decode) while the index said SUSPENDED, so a second retry was
+    refused, and nothing ever activated it to find out. The wake-up timer does."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        await corrupt_body(env, sid)
+        await env.runtime.activate(sid, reason=Reason.EVENT)
+        index = env.services.index
+        assert (await index.session_states([sid]))[sid] is S.QUARANTINED
+        lost = Recording()
+        await SessionService(env.services, lost).retry(sid, tenant="acme")
+        assert lost.requests == [(sid, Reason.RETRY)]
+        assert (await index.session_states([sid]))[sid] is S.SUSPENDED
+        env.clock.advance(env.services.settings.reconciler.wake_grace_s + 1)
+        assert (await Sweeper(env.control).sweep_once()).woken == 1
+        # Activated: its snapshot still does not decode, so it is set aside again, and
+        # the operator may retry it once more.
+        assert (await index.session_states([sid]))[sid] is S.QUARANTINED
 
 
 async def test_a_snapshot_from_a_newer_torpor_is_left_for_it_at_the_backoff_cap() -> None:

@@ -5,6 +5,8 @@ A session is set aside (QUARANTINED) by its runtime when its retries are spent, 
 reason in its snapshot; or, when its snapshot does not decode, in the index's session
 registry only, since such a snapshot cannot be rewritten: then the decode error is the
 reason, found again on every read. Cancel works on both through the usual inbox event.
+The operator's retry of either leaves a wake-up timer under its activation request, so a
+lost request is asked again by the reconciler.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class _Sessions(Protocol):
     ) -> None: ...
 
     async def deliver(self, event: InboxEvent) -> bool: ...
+
+    async def arm_wake(self, session_id: str) -> None: ...
 
 
 POISON = frozenset({SnapshotCorrupt.code})
@@ -73,7 +77,12 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         if indexed is not SessionState.QUARANTINED:
             raise InvalidRequest(f"session {session_id} is {snapshot.state}, not QUARANTINED")
         # Quarantined in the index only (its snapshot did not decode): put the state
-        # the snapshot holds back in the index, and let an activation try again.
+        # the snapshot holds back in the index, and let an activation try again. The
+        # wake-up timer first: once the index no longer says QUARANTINED, the operator
+        # cannot retry again, and a request lost after the record (the process died, no
+        # actor took it) left nothing to activate the session; it never found out
+        # whether its snapshot reads now. The activation removes the timer either way.
+        await control.arm_wake(session_id)
         await control.services.index.record_session(
             tenant=snapshot.tenant,
             session_id=session_id,
