@@ -92,12 +92,11 @@ class PoolHost:
 
     async def _listen(self) -> None:
         """Take the requests on this host's channel for as long as the host lives."""
-        self._ensure()
-        assert self._services is not None
+        services = await self._opened()
         # Before the first request on the channel (one sent as a Ray call meanwhile may
-        # run beside it: nothing is held back for the readying).
-        await warm_services(self._services)
-        queue = self._services.activations
+        # run beside it: nothing is held back for the readying). It never raises.
+        await warm_services(services)
+        queue = services.activations
         if queue is None:
             return  # no channel here: requests come as Ray calls (``activate``)
         channel = pool_channel(self._settings.namespace, self._slot)
@@ -118,6 +117,23 @@ class PoolHost:
                 self._want(
                     wanted.session_id, wanted.reason, wanted.requested_at, wanted.traceparent
                 )
+
+    async def _opened(self) -> Services:
+        """The host's services, opened again (less often) until they open. A failed
+        open (a secret not in this node's environment yet, a store it cannot reach)
+        ended the listener before its loop: the host then took nothing from its channel
+        until an activator found it stalled, ``STALLED_CHANNEL`` requests later."""
+        failures = 0
+        while True:
+            try:
+                self._ensure()
+            except Exception:
+                log.warning("pool host %s cannot open its services", self._slot, exc_info=True)
+            else:
+                assert self._services is not None
+                return self._services
+            await asyncio.sleep(LISTEN_BACKOFF.delay_s(failures))
+            failures += 1
 
     async def _run(self, session_id: str) -> None:
         runtime = self._ensure()
