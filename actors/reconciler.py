@@ -8,7 +8,8 @@ from anywhere, as often as you like; the Serve app calls it from ``ReconcilerSta
 Ray re-runs only ``__init__`` when it restarts the actor, so the sweep loop is started
 from there (a call the actor makes to itself): a reconciler whose process or node died
 sweeps again as soon as Ray has brought it back, without anyone calling ``start``. A
-sweep that raises is logged with its traceback and the loop goes on.
+sweep that raises (its services failing to open included) is logged with its traceback
+and the loop goes on.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class Reconciler:
 
     def _ensure(self) -> Sweeper:
         if self._sweeper is None:
-            self._services = open_services(self._settings, observer=RayObserver())
+            if self._services is None:  # kept when what follows fails: opened once
+                self._services = open_services(self._settings, observer=RayObserver())
             # Its standbys named after it: when Ray restarts it, the new incarnation takes
             # over the free ones the dead one kept, instead of starting a set anew.
             self._activator = activator = RayActivator(self._services, self._config, holder=NAME)
@@ -70,8 +72,11 @@ class Reconciler:
         return self._sweeper
 
     async def start(self) -> bool:
-        """Start sweeping if not already; True if this call started it."""
-        self._ensure()
+        """Start sweeping if not already; True if this call started it. The services
+        open in the loops, inside their ``try``: an open that failed here (a secret not
+        in the environment of the node Ray restarted it on, a store it could not reach)
+        raised out of the one call a restart makes, and the reconciler never swept
+        again. It is now a failed sweep, tried again at the next."""
         if self._loop is not None and not self._loop.done():
             return False
         self._loop = asyncio.create_task(self._run())
@@ -88,11 +93,10 @@ class Reconciler:
             await asyncio.sleep(self._settings.reconciler.interval_s)
 
     async def _run_deadlines(self) -> None:
-        sweeper = self._ensure()
         while True:
             await asyncio.sleep(self._settings.reconciler.deadline_interval_s)
             try:
-                await sweeper.deadlines_once()
+                await self._ensure().deadlines_once()
             except Exception:  # the whole sweep reports failures; this loop just goes on
                 log.debug("deadline lookup failed", exc_info=True)
 
