@@ -746,7 +746,19 @@ class RayWorkRunner:
             raise WorkStopFailed(
                 f"work {work}: its stop failed: {type(cause).__name__}: {cause}"[:1000]
             ) from exc
-        except (*_GONE, TimeoutError):
+        except (ActorUnavailableError, TimeoutError) as exc:
+            # Not known gone (as ``_alive`` reads it): the GCS did not answer the lookup
+            # within Ray's own deadline (``GetTimeoutError``), or the watcher did not take
+            # the stop. Read as "no watcher", the stop of a task or an actor call was
+            # reported done while the work ran on. A job is stopped through its own API;
+            # the others' stop is asked again.
+            if self.launch.kind is not Kind.JOB:
+                raise WorkStopFailed(
+                    f"work {work}: its watcher could not be reached to stop it: "
+                    f"{type(exc).__name__}: {exc}"[:1000]
+                ) from exc
+            await self._stop_jobs(work)
+        except _GONE:
             # No watcher: a task died with it, but a job outlives it (``_running_job``).
             if self.launch.kind is Kind.JOB:
                 await self._stop_jobs(work)

@@ -14,6 +14,7 @@ import requests
 from pydantic import JsonValue
 from ray.exceptions import (
     ActorUnavailableError,
+    GetTimeoutError,
     OutOfMemoryError,
     RaySystemError,
     RayTaskError,
@@ -540,6 +541,58 @@ async def test_a_watchers_failed_stop_reaches_the_caller_as_a_torpor_error(
     with pytest.raises(WorkStopFailed) as raised:
         await runner.stop(order.work_id, reason="cancelled")
     assert raised.value.retryable
+
+
+def gcs_silent(name: str, namespace: str | None = None) -> Any:
+    # What ``ray.get_actor`` raises once the GCS has not answered within Ray's deadline.
+    raise GetTimeoutError(
+        "There was timeout in getting the actor handle, probably because the GCS server "
+        "is dead or under high load ."
+    )
+
+
+class UnstoppableWatcher:
+    """A watcher handle whose ``stop`` fails as ``answer`` says (``Watcher``'s answers)."""
+
+    def __init__(self, answer: Any) -> None:
+        self.stop = Watcher(answer)
+
+
+@pytest.mark.parametrize(
+    "lookup",
+    [
+        gcs_silent,
+        lambda name, namespace=None: UnstoppableWatcher(unreachable),
+        lambda name, namespace=None: UnstoppableWatcher(silent),
+    ],
+    ids=["gcs_timeout", "unavailable", "no_answer"],
+)
+async def test_a_stop_that_did_not_reach_a_tasks_watcher_is_a_retryable_torpor_error(
+    lookup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GCS did not answer the watcher's lookup, or the watcher did not take the stop:
+    it was read as "no watcher" (a task dies with it), and the stop reported done while
+    the task ran on. Not known gone, as ``status`` reads it: ``WorkStopFailed``, which
+    the compensation asks again."""
+    monkeypatch.setattr(ray_work, "STATE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(ray_work.ray, "get_actor", lookup)
+    order = an_order()
+    runner = await a_runner(Launch(Kind.TASK, fn=lambda args, ctx: None), order)
+    with pytest.raises(WorkStopFailed) as raised:
+        await runner.stop(order.work_id, reason="cancelled")
+    assert raised.value.retryable
+    assert await runner.records.stopped(order.work_id)  # no later dispatch starts it
+
+
+async def test_a_stop_of_a_task_whose_watcher_is_gone_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No watcher by its name: its task died with it, and there is nothing left to stop."""
+    monkeypatch.setattr(ray_work.ray, "get_actor", gone)
+    order = an_order()
+    runner = await a_runner(Launch(Kind.TASK, fn=lambda args, ctx: None), order)
+    await runner.stop(order.work_id, reason="cancelled")
+    assert await runner.records.stopped(order.work_id)
 
 
 async def test_a_long_jobs_watcher_asks_about_it_less_and_less_up_to_a_cap(
