@@ -341,8 +341,8 @@ class RayActivator:
         try:
             left = left_by(holder, self.namespace)
             for handle in left:
-                # Asked, never killed: one running a session declines and runs it, and one
-                # too busy to answer is left to its idle time (as ``StandbySet.inherit``).
+                # Asked, never killed (as ``StandbySet.inherit``): one running a session
+                # declines and runs it, and one too busy to answer now takes it when it can.
                 handle.retire.remote()
             if left:
                 log.info("retired %d standby session actors left by the last holder", len(left))

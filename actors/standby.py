@@ -251,10 +251,10 @@ class StandbySet:
         as ``find`` lists them; call it before the first ``refill``, which it holds back
         until it is done (a standby this set started would be listed too). Each that is
         free and runs what ``settings`` and this code make (``inheritance_key``) joins
-        the set, up to its size, and is kept from now on; one free past the size, or
-        running other settings or code, is retired (it exits unless a session reached it
-        first). One that has a session is left to run it; one that does not answer, to
-        its own idle time. Returns how many joined."""
+        the set, up to its size, and is kept from now on; one free past the size,
+        running other settings or code, or not answering, is retired (it exits unless a
+        session reached it first). One that has a session is left to run it. Returns how
+        many joined."""
         self._inheriting = True
         try:
             handles = find()
@@ -271,8 +271,12 @@ class StandbySet:
             if answer is Standing.FREE and not self._closing and room:
                 self._ready.append(handle)
                 joined += 1
-            elif answer in (Standing.FREE, Standing.OTHER):
-                handle.retire.remote()  # exits unless it has a session by then
+            elif answer is not Standing.TAKEN:
+                # Free past the size, on other settings or code, or no answer (too busy
+                # to answer in time, or dead): asked to go, never killed: it exits unless
+                # it has a session by then. One that did not answer was left to its idle
+                # time, which with ``standby_idle_s = 0`` never comes: a process for ever.
+                handle.retire.remote()
         self.inherited += joined
         if joined:
             metrics.inc("standbys", {"event": "inherited"}, joined)
@@ -282,7 +286,7 @@ class StandbySet:
     @staticmethod
     async def _asked(handle: Any, salt: bytes, key: str, timeout_s: float) -> Standing | None:
         """A left standby's answer to whether it may be inherited (None: no answer, or
-        one this code does not know: left to its own idle time)."""
+        one this code does not know: it is retired)."""
         try:
             answer = await asyncio.wait_for(handle.inheritable.remote(salt, key), timeout=timeout_s)
             return Standing(answer)

@@ -1,5 +1,6 @@
-"""Which actor a dedicated session's request goes to when the activator keeps standbys
-(pure code, no Ray started: the actors are fakes)."""
+"""Which actor a dedicated session's request goes to when the activator keeps standbys,
+and what a restarted holder does with the standbys it finds (pure code, no Ray started:
+the actors are fakes)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from typing import Any
 import pytest
 
 from actors import ray_activator
+from actors import standby as standby_module
 from actors.ray_activator import Admission, RayActivator
 from actors.session_actor import ACCEPTED
-from actors.standby import StandbySet
+from actors.standby import StandbySet, Standing
 from torpor.ports import Reason
-from torpor.settings import Placement
+from torpor.settings import Placement, Settings
 
 
 class Method:
@@ -80,4 +82,35 @@ async def test_requests_while_a_named_actor_runs_go_to_it_not_to_a_standby(
     async with asyncio.timeout(5):
         while "s_1" in activator._adopted:
             await asyncio.sleep(0)
+    await standby.close()
+
+
+def left_standby(answer: Any) -> Actor:
+    """A standby a holder's predecessor left, answering ``inheritable`` with ``answer``
+    (a future never done: it does not answer)."""
+    left = Actor()
+    left.inheritable = Method(answer)
+    return left
+
+
+async def test_a_left_standby_that_does_not_answer_its_new_holder_is_asked_to_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restarted holder left a standby that did not answer whether it may be inherited
+    (too busy then, or dead) to its own idle time: with ``standby_idle_s = 0`` that never
+    comes, and nothing kept it or asked it to go, a process for ever. It is asked to
+    retire (it exits unless it has a session), as one on other settings is; one that has
+    a session is left to run it."""
+    context = SimpleNamespace(get_runtime_env_string=lambda: "{}")
+    monkeypatch.setattr(standby_module.ray, "get_runtime_context", lambda: context)
+    silent_answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    free = left_standby(Standing.FREE.value)
+    silent = left_standby(silent_answer)
+    taken = left_standby(Standing.TAKEN.value)
+    standby = StandbySet(2, Actor)
+    async with asyncio.timeout(10):
+        joined = await standby.inherit(lambda: [free, silent, taken], Settings(), timeout_s=0.05)
+    assert joined == 1 and list(standby._ready) == [free]
+    assert len(silent.retire.calls) == 1, "the silent one is asked to go"
+    assert not taken.retire.calls and not free.retire.calls
     await standby.close()
