@@ -157,9 +157,17 @@ class WorkContext:
 
     def progress(self, fraction: float, message: str = "") -> None:
         """Report progress: shown in the session's view and stream, wakes nothing.
-        Fire and forget: a lost report is replaced by the next one."""
+        Fire and forget: a lost report is replaced by the next one. A watcher that
+        cannot be looked up now (the GCS did not answer within Ray's deadline, or the
+        watcher is gone) loses this report and is looked up again at the next: the
+        lookup's error reached the work function, and a report, advisory, failed the
+        work for good (``work_error``)."""
         if self._watcher is None:
-            self._watcher = ray.get_actor(watcher_name(self.work_id), namespace=self.namespace)
+            try:
+                self._watcher = ray.get_actor(watcher_name(self.work_id), namespace=self.namespace)
+            except (RayError, ValueError):  # ValueError: no actor by that name
+                log.warning("work %s: its progress report is lost", self.work_id, exc_info=True)
+                return
         self._watcher.progress.remote(max(0.0, min(1.0, float(fraction))), str(message)[:500])
 
 

@@ -24,7 +24,14 @@ from ray.job_submission import JobStatus
 
 from actors import ray_work
 from actors.config_ref import ConfigRef
-from actors.ray_work import Kind, Launch, RayTaskExecutor, RayWorkRunner, WorkWatcher
+from actors.ray_work import (
+    Kind,
+    Launch,
+    RayTaskExecutor,
+    RayWorkRunner,
+    WorkContext,
+    WorkWatcher,
+)
 from storage.memory_store import MemoryObjectStore
 from storage.work import WorkRecords
 from tests.support.actor_globals import patch_global
@@ -593,6 +600,44 @@ async def test_a_stop_of_a_task_whose_watcher_is_gone_is_done(
     runner = await a_runner(Launch(Kind.TASK, fn=lambda args, ctx: None), order)
     await runner.stop(order.work_id, reason="cancelled")
     assert await runner.records.stopped(order.work_id)
+
+
+class Reports:
+    """A watcher handle that keeps the progress reports sent to it."""
+
+    def __init__(self) -> None:
+        self.progress = self
+        self.sent: list[tuple[float, str]] = []
+
+    def remote(self, fraction: float, message: str) -> None:
+        self.sent.append((fraction, message))
+
+
+@pytest.mark.parametrize("lookup", [gcs_silent, gone], ids=["gcs_timeout", "no_watcher"])
+def test_a_progress_report_whose_watcher_cannot_be_looked_up_is_lost_not_the_work(
+    lookup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The work function's report looked its watcher up and let the lookup's error out
+    (the GCS not answering within Ray's deadline, the name not found): the work failed
+    with it, answered ``work_error`` for good over an advisory report. That report is
+    lost; the next one looks the watcher up again."""
+    watcher = Reports()
+    lookups = iter([lookup, lambda name, namespace=None: watcher])
+    monkeypatch.setattr(
+        ray_work.ray, "get_actor", lambda name, namespace=None: next(lookups)(name, namespace)
+    )
+    ctx = WorkContext(
+        session_id="s1",
+        tenant="acme",
+        work_id="w1",
+        tool_name="embed",
+        idempotency_key="k",
+        run=1,
+        namespace="t",
+    )
+    ctx.progress(0.25, "a quarter")
+    ctx.progress(0.5, "half")
+    assert watcher.sent == [(0.5, "half")]
 
 
 async def test_a_long_jobs_watcher_asks_about_it_less_and_less_up_to_a_cap(
