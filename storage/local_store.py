@@ -461,12 +461,24 @@ class LocalObjectStore:
 
     def _logged_in_place(self, key: str, path: str) -> int:
         """Log a large object placed at ``key`` (its lock held), its file flushed when it
-        was written: its folder's entry is flushed now, and the record says so."""
-        fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            self._inline.flushed(fd)
-        finally:
-            os.close(fd)
+        was written: its folder's entry is flushed now, and the record says so.
+
+        So is every folder's above it, up to the store's root: a replay writes nothing
+        for a ``DURABLE`` record, and a folder made for the object (``_parent``: renamed
+        into place, or ``makedirs``) has an entry in its own parent that nothing else
+        flushes before the next checkpoint. Lost to a power cut, it took the
+        acknowledged object with it (and a move's removal of the old name, replayed,
+        the object itself). Large objects are rare; a clean folder's flush is cheap."""
+        folder = os.path.dirname(path)
+        while True:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                self._inline.flushed(fd)
+            finally:
+                os.close(fd)
+            if folder == str(self.root) or not folder.startswith(f"{self.root}/"):
+                break
+            folder = os.path.dirname(folder)
         return self._log.append(wal.Op.DURABLE, key)
 
     def _forget(self, keys: list[str]) -> None:

@@ -16,6 +16,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ import pytest
 from storage import wal
 from storage.local_store import LocalObjectStore
 from tests.conftest import eventually
-from tests.storage.conftest import killed_child
+from tests.storage.conftest import ROOT, killed_child
 from tests.storage.test_local_store_fast_paths import leftovers
 from torpor.errors import ObjectNotFound, StorageUnavailable
 from torpor.faults import CrashPoint
@@ -176,3 +179,82 @@ def test_a_replace_whose_bytes_cannot_be_flushed_leaves_the_object_as_it_was(
         asyncio.run(store.put_if_match("sessions/k", NEW, etag=etag))
     assert read(tmp_path, "sessions/k") == OLD
     assert leftovers(store) == []
+
+
+# A large object is flushed in place, file and folder, and logged as DURABLE: a replay
+# writes nothing for it. Its folder's own entry, in the folder above, must then be on
+# disk too: a folder made for it (``_parent``) is renamed into place and not flushed.
+LARGE_CHILD = """
+import asyncio, os, sys
+from storage import wal
+
+wal.boot_id = lambda: "boot-a"
+from storage.local_store import LocalObjectStore
+
+flushed = open(sys.argv[3], "a")
+
+def recording(flush):
+    def flushes(fd):
+        flush(fd)
+        flushed.write(f"{os.fstat(fd).st_ino}\\n")
+        flushed.flush()
+    return flushes
+
+os.fsync, os.fdatasync = recording(os.fsync), recording(os.fdatasync)
+
+async def main(folder, op):
+    store = LocalObjectStore(folder)
+    if op == "put":
+        await store.put("batch-data/b/documents.json", LARGE)
+    else:
+        assert await store.move("sessions/big", "ended/day/big")
+    print("acknowledged", flush=True)
+
+LARGE = b"L" * (wal.RECORD_MAX_BYTES + 1)
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+LARGE = b"L" * (wal.RECORD_MAX_BYTES + 1)
+
+
+def folders(folder: Path) -> set[int]:
+    return {path.stat().st_ino for path in (folder / "objects").rglob("*") if path.is_dir()}
+
+
+def folders_lost(folder: Path, durable: set[int], flushed: Path) -> None:
+    """The power cut, for folders: one made since the last flush of the file system
+    (not in ``durable``) whose entry's folder was not flushed since loses its entry (and
+    with it all below it; ``e2fsck`` would put it in ``lost+found``)."""
+    kept = {int(line) for line in flushed.read_text().split()}
+    made = [p for p in (folder / "objects").rglob("*") if p.is_dir()]
+    for path in sorted(made, key=lambda p: len(p.parts)):
+        if not path.exists() or path.stat().st_ino in durable:
+            continue
+        if path.parent.stat().st_ino not in kept:
+            shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("op", ["put", "move"])
+def test_a_large_object_acknowledged_in_a_new_folder_survives_a_power_cut(
+    tmp_path: Path, boot: list[str], op: str
+) -> None:
+    checkpointed(tmp_path)  # ``sessions/`` on disk
+    if op == "move":
+        store = LocalObjectStore(tmp_path)
+        asyncio.run(store.put("sessions/big", LARGE))  # flushed in place, durable
+        asyncio.run(store.close())
+    flushed = tmp_path / "flushed"
+    flushed.touch()
+    durable_files, durable_folders = inodes(tmp_path), folders(tmp_path)
+    child = subprocess.run(
+        [sys.executable, "-c", LARGE_CHILD, str(tmp_path), op, str(flushed)],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert b"acknowledged" in child.stdout, child.stderr.decode()[-2000:]
+    folders_lost(tmp_path, durable_folders, flushed)
+    power_cut(tmp_path, durable_files, flushed)
+    boot[0] = "boot-b"
+    key = "batch-data/b/documents.json" if op == "put" else "ended/day/big"
+    assert read(tmp_path, key) == LARGE, "acknowledged, then lost with its folder's entry"
