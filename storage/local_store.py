@@ -868,16 +868,17 @@ class LocalObjectStore:
         return await self._creates.call((key, data, staged), self._create_batch)
 
     def _create_now(self, key: str, data: bytes) -> str:
-        """Create-only without the flush to disk: written to a temporary file and linked
-        into place, so readers never see it half-written and one creator wins, as ever.
-        It outlives any process (the page cache is the kernel's), not a power cut. A
-        few syscalls on the caller's thread: queued behind a batch's fsyncs it cost the
-        replay marker a whole flush of waiting (``storage.inbox``)."""
+        """Create-only without a record in the log: written to a temporary file and
+        linked into place, so readers never see it half-written and one creator wins, as
+        ever. It outlives any process (the page cache is the kernel's), not a power cut,
+        which may take its name; its bytes are flushed before it is linked all the same
+        (``_written``: no power cut leaves its name on bytes never written). Made on the
+        caller's thread: queued behind a batch's flushes it cost the replay marker (a
+        file then, a row now: ``storage.small_objects``) a whole flush of waiting."""
         try:
             path = self._file(key)
             self._parent(path)
-            tmp, fd = self._open_tmp(data)
-            os.close(fd)
+            tmp = self._write_tmp(data)
             try:
                 _place_new(tmp, path)
             except BaseException:

@@ -220,7 +220,7 @@ def flushes(monkeypatch: pytest.MonkeyPatch) -> Flushes:
     return Flushes(monkeypatch)
 
 
-def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
+def test_a_create_that_need_not_be_durable_skips_the_logs_flush_and_the_queue(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = LocalObjectStore(str(tmp_path))
@@ -232,9 +232,10 @@ def test_a_create_that_need_not_be_flushed_skips_the_fsync_and_the_queue(
     async def both() -> None:
         await store.put_if_absent("queue/s/e", b"event")  # flushed, as every create
         assert (len(synced), len(flushes.files), batches) == (1, 1, [1])
-        # Neither flushed nor queued behind the creates in flight (their fsyncs).
+        # Neither logged (nor so flushed with the log) nor queued behind the creates in
+        # flight (their flushes); its own bytes are flushed before it is linked.
         await store.put_if_absent("accepted/h/d", b"accepted", durable=False)
-        assert (len(synced), len(flushes.files), batches) == (1, 1, [1])
+        assert (len(synced), len(flushes.files), batches) == (1, 2, [1])
 
     asyncio.run(both())
     # Another process sees it at once (no cache of ours): a fresh store on the folder.

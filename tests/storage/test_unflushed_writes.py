@@ -258,3 +258,20 @@ def test_a_large_object_acknowledged_in_a_new_folder_survives_a_power_cut(
     boot[0] = "boot-b"
     key = "batch-data/b/documents.json" if op == "put" else "ended/day/big"
     assert read(tmp_path, key) == LARGE, "acknowledged, then lost with its folder's entry"
+
+
+def test_a_create_that_need_not_be_durable_never_names_bytes_that_were_not_flushed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not logged, its name may be lost to a power cut; never its bytes under its name."""
+    store = LocalObjectStore(tmp_path)
+    flushed: set[int] = set()
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        real(fd)
+        flushed.add(os.fstat(fd).st_ino)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    asyncio.run(store.put_if_absent("sessions/marker", NEW, durable=False))
+    assert (tmp_path / "objects" / "sessions" / "marker").stat().st_ino in flushed
