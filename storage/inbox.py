@@ -5,13 +5,19 @@ the ingress or a second poll that finds the same outcome all land on the same ob
 are no-ops. The inbox is written before any activation is attempted, so an event that
 arrives while its session is running, or before its wait is committed, is never lost: it
 waits here until an activation reads it.
+
+Beside it, the replay markers of accepted requests (``remember_accepted``). A marker
+that no inbox event names is also listed under the hour it was stamped
+(``keys.replay_due``), which is how retention finds it once it may go: oldest hour
+first, never the ones not yet due. One that an event names goes with its session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Collection
-from datetime import datetime
+from datetime import UTC, datetime
 
 from pydantic import ValidationError
 
@@ -19,6 +25,11 @@ from storage import keys
 from torpor.errors import ObjectExists, ObjectNotFound
 from torpor.events import InboxEvent
 from torpor.ports import ObjectStore, StagesCreates, Stored, already_durable
+
+
+def replay_hour(at: datetime) -> str:
+    """The hour a replay marker stamped ``at`` is listed under (``keys.replay_due``)."""
+    return at.astimezone(UTC).strftime("%Y%m%d%H")
 
 
 class ObjectInbox:
@@ -64,7 +75,12 @@ class ObjectInbox:
         return await self._read(keys.inbox_event(session_id, event_key))
 
     async def remember_accepted(
-        self, *, source: str, content_digest: str, at: datetime | None = None
+        self,
+        *,
+        source: str,
+        content_digest: str,
+        at: datetime | None = None,
+        in_inbox: bool = False,
     ) -> bool:
         # Not flushed to disk on its own (``durable=False``): the inbox event it follows
         # is, and dedups a replay routed to it again. Any process crash leaves the marker
@@ -77,6 +93,18 @@ class ObjectInbox:
         # Stamped with when: retention deletes a marker by its age, as no inbox event
         # names the marker of a request that stored nothing new (a resent duplicate).
         stamp = b"accepted" if at is None else at.isoformat().encode()
+        if at is not None and not in_inbox:
+            # Named by no inbox event (a duplicate resent signed afresh, a batch whose
+            # events all named no wait): listed by its hour (``keys.replay_due``), so
+            # retention finds it once it is due without reading every marker at every
+            # sweep. A marker an event names goes with that event's session, and every
+            # webhook that stores one is spared this write. Before the marker: a crash
+            # between leaves an entry naming no marker (retention drops it), never a
+            # marker that nothing lists.
+            with contextlib.suppress(ObjectExists):  # a retry's, or another request's
+                await self.store.put_if_absent(
+                    keys.replay_due(replay_hour(at), source, content_digest), b"", durable=False
+                )
         try:
             await self.store.put_if_absent(
                 keys.accepted_content(source, content_digest), stamp, durable=False

@@ -113,6 +113,42 @@ def accepted_content(source: str, content_digest: str) -> str:
     return f"{REPLAYS}{safe(source, 'source')}/{safe(content_digest, 'content digest')}"
 
 
+def accepted_content_parts(key: str) -> tuple[str, str]:
+    """The source and content digest a listed ``accepted_content`` names; ``InvalidKey``
+    for a key under ``REPLAYS`` that ``accepted_content`` would not have made."""
+    source, _, content_digest = key.removeprefix(REPLAYS).partition("/")
+    if not key.startswith(REPLAYS) or accepted_content(source, content_digest) != key:
+        raise InvalidKey(f"{key[:120]!r} names no replay marker")
+    return source, content_digest
+
+
+REPLAYS_DUE = "replays-due/"
+# Written once every replay marker stored before ``replay_due`` entries existed has one
+# (or is gone): retention's one-time pass over ``REPLAYS`` is never made again.
+REPLAYS_LISTED = "markers/replays-listed"
+
+
+def replay_due(hour: str, source: str, content_digest: str) -> str:
+    """An empty entry per stamped replay marker that no inbox event names, under the hour
+    it was stamped (``YYYYMMDDHH``, UTC): what retention walks, oldest hour first,
+    stopping at the first hour not yet due, so a sweep with nothing to delete reads no
+    marker. (A marker an event names goes with the event's session.)"""
+    return (
+        f"{REPLAYS_DUE}{safe(hour, 'hour')}/{safe(source, 'source')}/"
+        f"{safe(content_digest, 'content digest')}"
+    )
+
+
+def replay_due_parts(key: str) -> tuple[str, str, str]:
+    """The hour, source and content digest a listed ``replay_due`` names; ``InvalidKey``
+    for a key under ``REPLAYS_DUE`` that ``replay_due`` would not have made."""
+    hour, _, rest = key.removeprefix(REPLAYS_DUE).partition("/")
+    source, _, content_digest = rest.partition("/")
+    if not key.startswith(REPLAYS_DUE) or replay_due(hour, source, content_digest) != key:
+        raise InvalidKey(f"{key[:120]!r} names no replay marker's due entry")
+    return hour, source, content_digest
+
+
 def correlation(correlation_id: str) -> str:
     return "correlations/" + safe(correlation_id, "correlation id")
 

@@ -10,9 +10,11 @@ also visits a few batches (round robin over their manifests): one created more t
 the period and an hour ago, fanned out (or cancelled), with no session left goes whole,
 its documents, fan-out cursor, retry generations, results and cancel marker first, its
 manifest last (so a batch cancelled before any session was made goes too); and the
-documents of a batch whose manifest never came (found through its accept note). And it
-compacts the old blocks of a few audit streams into archives
-(``storage.audit_archive``): audit records are kept, in fewer objects.
+documents of a batch whose manifest never came (found through its accept note). It
+deletes the replay markers no inbox event names once past the period and the windows,
+found through their due entries oldest hour first (``keys.replay_due``), so a sweep
+reads only the markers it may delete. And it compacts the old blocks of a few audit streams into
+archives (``storage.audit_archive``): audit records are kept, in fewer objects.
 
 What must outlive it is kept: a session with a delivery still being attempted, or with
 an inbox event received within ``windows`` (the 24 h idempotency and replay windows),
@@ -37,6 +39,7 @@ the live marker may be left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import OrderedDict
@@ -48,11 +51,18 @@ from pydantic import ValidationError
 
 from storage import audit_archive, keys, submit_keys
 from storage.audit import MANIFEST
+from storage.inbox import replay_hour
 from storage.listing import all_keys, exists
 from storage.snapshots import ObjectSnapshots, ended_day
 from torpor.batches import BatchManifest, FanOutCursor, RetryGeneration
 from torpor.deliveries import Delivery, DeliveryStatus, delivery_id_for
-from torpor.errors import InvalidKey, ObjectNotFound, SessionNotFound, SnapshotError
+from torpor.errors import (
+    InvalidKey,
+    ObjectExists,
+    ObjectNotFound,
+    SessionNotFound,
+    SnapshotError,
+)
 from torpor.events import InboxEvent
 from torpor.ids import session_id_ms
 from torpor.models import OutboxKind, SessionSnapshot
@@ -65,7 +75,7 @@ log = logging.getLogger(__name__)
 DELETES_AT_ONCE = 16
 AUDIT_STREAMS_PER_SWEEP = 8
 BATCHES_PER_SWEEP = 8
-REPLAYS_PER_SWEEP = 256  # replay markers one sweep looks at (one read each)
+REPLAYS_PER_SWEEP = 256  # replay markers one sweep may delete (one read each)
 SUBMIT_KEYS_PER_SWEEP = 256  # submit-key records one sweep looks at (one read each)
 # A pass over every submit-key record starts at most this often. A record goes only a
 # retention period and a window after it was written, so an hour's wait delays no
@@ -121,7 +131,8 @@ class ObjectRetention:
         self._audit_cursor: str | None = None
         self._batch_cursor: str | None = None
         self._accept_cursor: str | None = None
-        self._replay_cursor: str | None = None
+        self._replay_cursor: str | None = None  # the one-time pass over the markers
+        self._replays_indexed = False  # that pass was made (``keys.REPLAYS_LISTED``)
         self._submit_cursor: str | None = None
         self._submit_pass_after: datetime | None = None  # the next pass, not before
         # How many of each batch's sessions (in the order they are looked at) are known
@@ -201,31 +212,92 @@ class ObjectRetention:
         report.objects += sum(await asyncio.gather(*(one(k) for k in page.keys)))
 
     async def _sweep_replays(self, cutoff: datetime, report: RetentionReport) -> None:
-        """Visit a page of replay markers (round robin) and delete those stamped before
-        ``cutoff``. A session's purge deletes the markers its inbox events name, but a
-        request that stored nothing new (a duplicate resent signed afresh, a batch whose
-        events all named no wait) is answered 2xx and remembered all the same, by a
-        marker no event names. Past the retention period and the window no signature
-        window is open for it. Unstamped markers (before stamps) are left to the purge."""
+        """Delete replay markers stamped before ``cutoff``, up to a page of them. A
+        session's purge deletes the markers its inbox events name, but a request that
+        stored nothing new (a duplicate resent signed afresh, a batch whose events all
+        named no wait) is answered 2xx and remembered all the same, by a marker no event
+        names. Past the retention period and the window no signature window is open for
+        it. Unstamped markers (before stamps) are left to the purge.
+
+        The markers are found through their due entries (``keys.replay_due``), oldest
+        hour first, and the walk stops at the cutoff's hour: a sweep reads only markers
+        it may delete (an hour late at most), and one with none due costs one listing.
+        Round robin over the markers themselves, every sweep read a page of them for
+        ever, the same young ones again and again."""
+        if not await self._replays_listed():
+            await self._list_replays(cutoff, report)
+        last_hour = replay_hour(cutoff)
+        page = await self.store.list(keys.REPLAYS_DUE, limit=REPLAYS_PER_SWEEP)
+        due: list[tuple[str, str]] = []
+        for key in page.keys:
+            try:
+                hour, source, content_digest = keys.replay_due_parts(key)
+            except InvalidKey:
+                continue  # not an entry of ours (a stray object): left for an operator
+            if hour >= last_hour:
+                break  # every entry after it is as young or younger
+            due.append((key, keys.accepted_content(source, content_digest)))
+        gate = asyncio.Semaphore(DELETES_AT_ONCE)
+
+        async def one(entry: str, marker: str) -> int:
+            async with gate:
+                gone, _ = await self._delete_old_replay(marker, cutoff)
+                # After the marker: a crash between leaves the entry, which finds it again.
+                await self.store.delete(entry)
+                return gone + 1
+
+        report.objects += sum(await asyncio.gather(*(one(e, m) for e, m in due)))
+
+    async def _delete_old_replay(
+        self, marker: str, cutoff: datetime
+    ) -> tuple[int, datetime | None]:
+        """Delete ``marker`` if it is stamped before ``cutoff``: (1 if it went, else 0;
+        its stamp, None if it has none). Judged by its own stamp, not its entry's hour: a
+        marker deleted (a purge) and written again by a later request has a younger
+        stamp, and an entry of its own."""
+        found = await self._stored(marker)
+        # Gone: deleted with its session's inbox, or taken back by its request.
+        at = None if found is None else _stamp(found.data)
+        if found is None or at is None or at >= cutoff:
+            return 0, at
+        return int(await self.store.delete_if_match(marker, etag=found.etag)), at
+
+    async def _replays_listed(self) -> bool:
+        """Whether every marker stored before due entries existed has one by now."""
+        if not self._replays_indexed:
+            self._replays_indexed = await exists(self.store, keys.REPLAYS_LISTED)
+        return self._replays_indexed
+
+    async def _list_replays(self, cutoff: datetime, report: RetentionReport) -> None:
+        """One pass over the markers themselves, a page a sweep, made once per store:
+        a marker stored before due entries existed has none. One stamped before
+        ``cutoff`` goes, any other stamped one is given its entry; the pass's end is
+        recorded (``keys.REPLAYS_LISTED``). A process of an older version still writing
+        markers after that leaves them to the purge (those its inbox events name)."""
         page = await self.store.list(
             keys.REPLAYS, start_after=self._replay_cursor, limit=REPLAYS_PER_SWEEP
         )
-        self._replay_cursor = page.next_token
         gate = asyncio.Semaphore(DELETES_AT_ONCE)
 
-        async def old(key: str) -> bool:
+        async def one(marker: str) -> int:
+            try:
+                source, content_digest = keys.accepted_content_parts(marker)
+            except InvalidKey:
+                return 0  # not a marker of ours (a stray object): left for an operator
             async with gate:
-                try:
-                    at = await self._stored_time(key)
-                except ValueError:
-                    return False  # unstamped (b"accepted"), or not ours to judge
-                # Ours are aware (the index's clock); a naive one does not compare.
-                return at is not None and at.tzinfo is not None and at < cutoff
+                gone, at = await self._delete_old_replay(marker, cutoff)
+                if gone or at is None:
+                    return gone  # gone, or unstamped: left to the purge, as before
+                entry = keys.replay_due(replay_hour(at), source, content_digest)
+                with contextlib.suppress(ObjectExists):  # written by its request already
+                    await self.store.put_if_absent(entry, b"", durable=False)
+                return 0
 
-        found = await asyncio.gather(*(old(k) for k in page.keys))
-        doomed = [k for k, gone in zip(page.keys, found, strict=True) if gone]
-        await self._delete(doomed)
-        report.objects += len(doomed)
+        report.objects += sum(await asyncio.gather(*(one(k) for k in page.keys)))
+        self._replay_cursor = page.next_token
+        if page.next_token is None:
+            await self.store.put(keys.REPLAYS_LISTED, b"")
+            self._replays_indexed = True
 
     async def sweep_batches(self, cutoff: datetime, report: RetentionReport) -> None:
         """Visit a few batches (round robin over the manifests) and delete those created
@@ -499,7 +571,7 @@ class ObjectRetention:
         index's claim (a held claim is no replay without the marker), so, addressed by
         business key alone, it could answer a newer wait that took the key. Named by no
         event now, it goes by its own stamp (``_sweep_replays``), as a resent
-        duplicate's does."""
+        duplicate's does: it is listed by its hour here, before its event goes."""
         found = await self._list(keys.inbox_prefix(session_id))
         replays: list[str] = []
         for event_key in found:
@@ -513,6 +585,10 @@ class ObjectRetention:
                 at = None  # unstamped (before stamps): nothing else would delete it
             if at is None or at.tzinfo is None or at <= window_start:
                 replays.append(replay)
+            else:
+                entry = keys.replay_due(replay_hour(at), event.source, event.content_digest)
+                with contextlib.suppress(ObjectExists):
+                    await self.store.put_if_absent(entry, b"", durable=False)
         await self._delete(replays)
         await self._delete(found)
         return len(found) + len(replays)
@@ -751,6 +827,17 @@ class ObjectRetention:
     async def _read(self, key: str, model: type[T]) -> T | None:
         data = await self._data(key)
         return None if data is None else _parsed(data, model)
+
+
+def _stamp(data: bytes) -> datetime | None:
+    """A replay marker's stamp; None for one with none (b"accepted", written before
+    stamps), or not ours to judge. Ours are aware (the index's clock): a naive one does
+    not compare."""
+    try:
+        at = datetime.fromisoformat(data.decode())
+    except ValueError:
+        return None
+    return at if at.tzinfo is not None else None
 
 
 def _parsed(data: bytes, model: type[T]) -> T | None:

@@ -1,7 +1,7 @@
 """The local store's per-webhook objects as rows of one SQLite table, not a file each.
 
-Every webhook the gateway accepts creates two small objects, its inbox event and its
-request's replay marker, and adds a record to an audit block. As files
+Every webhook the gateway accepts creates three small objects, its inbox event, its
+request's replay marker and that marker's due entry, and adds a record to an audit block. As files
 (``storage.local_store``) each object cost a temporary file readied, written and renamed
 into a folder, and each webhook a flush of the store's log: 0.49-0.52 ms of CPU a
 webhook in one process under load (``bench/profile_gateway.py --concurrency 32``), 0.26-
@@ -47,8 +47,9 @@ from torpor.faults import CrashPoint, crash_point
 
 # The inbox events and replay markers, and the audit log's blocks: an event's audit
 # record is written beside it, and one flush of this table's log makes both durable (as
-# files and rows, each webhook waited for a flush of each).
-PREFIXES = ("inbox/", "replays/", "audit/")
+# files and rows, each webhook waited for a flush of each). A marker's due entry
+# (``keys.replay_due``) is written with it: a row too, not a file a webhook.
+PREFIXES = ("inbox/", "replays/", "replays-due/", "audit/")
 DATABASE = "objects.db"
 # A passive checkpoint after this many of a process's commits: the log stays short
 # (a reader's lookups walk it) without a checkpoint's two flushes on every sync.

@@ -37,6 +37,12 @@ class Crash(Exception):
     pass
 
 
+async def remaining(store: MemoryObjectStore) -> list[str]:
+    """Every key in the store but retention's own note that its one-time pass over the
+    replay markers was made (``keys.REPLAYS_LISTED``): no session's or batch's."""
+    return [k for k in (await store.list("")).keys if k != keys.REPLAYS_LISTED]
+
+
 class CrashingDeletes(MemoryObjectStore):
     def __init__(self) -> None:
         super().__init__()
@@ -145,9 +151,9 @@ async def test_a_crash_mid_purge_is_finished_by_the_next_sweep(crash_at: str) ->
     with pytest.raises(SessionNotFound):
         await ObjectSnapshots(store).load(sid)
     # The ended marker stays a window after the snapshot (late callbacks), then goes.
-    assert (await store.list("")).keys == (await store.list(keys.ENDED)).keys
+    assert await remaining(store) == (await store.list(keys.ENDED)).keys
     await ObjectRetention(store).sweep(now=later + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
-    assert (await store.list("")).keys == []
+    assert await remaining(store) == []
 
 
 async def fanned_out_batch(store: MemoryObjectStore, *, cancelled: bool, total: int = 2) -> str:
@@ -197,13 +203,13 @@ async def test_a_crash_mid_batch_purge_is_finished_by_the_next_sweep(
     store = CrashingDeletes()
     batch_id = await fanned_out_batch(store, cancelled=cancelled)
     later = NOW + KEEP + timedelta(days=1)
-    stored = (await store.list("")).keys
+    stored = await remaining(store)
     [store.crash_at] = [k for k in stored if crash_at in k]
     with pytest.raises(Crash):
         await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
-    assert keys.batch(batch_id) in (await store.list("")).keys
+    assert keys.batch(batch_id) in await remaining(store)
     await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
-    assert (await store.list("")).keys == []
+    assert await remaining(store) == []
 
 
 class CountingHeaders(MemoryObjectStore):
@@ -261,7 +267,7 @@ async def test_what_a_cancel_writes_beside_a_batch_while_it_goes_goes_too() -> N
     store.late = keys.batch_cancelled(batch_id)
     later = NOW + KEEP + timedelta(days=1)
     await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
-    assert (await store.list("")).keys == []
+    assert await remaining(store) == []
 
 
 async def test_a_batch_waits_an_hour_past_the_period_for_a_retry_begun_inside_it() -> None:
@@ -272,7 +278,7 @@ async def test_a_batch_waits_an_hour_past_the_period_for_a_retry_begun_inside_it
     await retention.sweep(now=inside, keep=KEEP, windows=WINDOWS, limit=10)
     assert keys.batch(batch_id) in (await store.list(keys.BATCHES)).keys
     await retention.sweep(now=inside + BATCH_GRACE, keep=KEEP, windows=WINDOWS, limit=10)
-    assert (await store.list("")).keys == []
+    assert await remaining(store) == []
 
 
 async def test_a_session_a_newer_torpor_wrote_is_kept_and_skipped_not_an_error() -> None:
@@ -306,7 +312,7 @@ async def test_a_batch_from_before_documents_were_kept_goes_too() -> None:
     assert await ObjectBatches(store).create(manifest)
     later = NOW + KEEP + timedelta(days=1)
     await ObjectRetention(store).sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
-    assert (await store.list("")).keys == []
+    assert await remaining(store) == []
 
 
 async def test_an_accept_note_left_beside_a_manifest_goes_and_the_batch_stays() -> None:
@@ -325,7 +331,7 @@ async def store_late_callback(
 ) -> None:
     """What a gateway stores for a CLOSED answer to ``session_id``: its event, then its
     replay marker (with the time it was received, as the gateway stamps it now, or
-    without, as markers were written before)."""
+    without, as markers were written before), named by the event."""
     late = InboxEvent.new(
         kind=EventKind.CALLBACK,
         session_id=session_id,
@@ -337,7 +343,7 @@ async def store_late_callback(
     inbox = ObjectInbox(store)
     await inbox.deliver(late)
     stamp = at if stamped else None
-    await inbox.remember_accepted(source="oa", content_digest="d" * 64, at=stamp)
+    await inbox.remember_accepted(source="oa", content_digest="d" * 64, at=stamp, in_inbox=True)
 
 
 class LateCallback(CrashingDeletes):
@@ -376,7 +382,7 @@ async def test_a_late_callback_stored_after_the_purges_last_look_goes_too() -> N
     late = (await store.list(keys.inbox_prefix(sid))).keys
     assert late and (await store.list(keys.ENDED)).keys  # its marker finds it again
     await retention.sweep(now=later + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
-    assert (await store.list("")).keys == []
+    assert await remaining(store) == []
 
 
 async def another_wait_takes_the_key(store: MemoryObjectStore) -> WaitBinding:
@@ -469,15 +475,18 @@ async def test_a_late_callbacks_replay_marker_outlives_its_signature_window() ->
     later = NOW + KEEP + timedelta(days=1)
     store = CallbackDuringPurge(at=later)
     sid = await ended(store)
-    store.session_id = sid
     inbox, retention = ObjectInbox(store), ObjectRetention(store)
+    # Markers written from now on are listed as they are made (the one-time pass over
+    # those stored before is over): the late one by the purge that keeps it.
+    await retention.sweep(now=NOW, keep=KEEP, windows=WINDOWS, limit=10)
+    store.session_id = sid
     await retention.sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
     assert (await store.list(keys.inbox_prefix(sid))).keys == []  # the late event went
     assert await inbox.was_accepted(source="oa", content_digest="d" * 64)
     await retention.sweep(now=later + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
     assert await inbox.was_accepted(source="oa", content_digest="d" * 64)
     await retention.sweep(now=later + KEEP + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
-    assert (await store.list("")).keys == []
+    assert await remaining(store) == []
 
 
 class CountsWork(MemoryObjectStore):
@@ -679,9 +688,9 @@ async def test_a_submit_key_whose_session_was_never_made_goes_after_the_period()
     ]
     retention = ObjectRetention(store)
     await retention.sweep(now=NOW + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
-    assert set(lost) <= set((await store.list("")).keys), "inside the period: kept"
+    assert set(lost) <= set(await remaining(store)), "inside the period: kept"
     await retention.sweep(now=NOW + KEEP + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
-    left = (await store.list("")).keys
+    left = await remaining(store)
     assert not set(lost) & set(left)
     assert keys.submit_key("acme", key_digest("order-2")) in left, "its session exists"
 
@@ -736,6 +745,81 @@ async def test_a_stray_key_among_the_submit_key_records_is_skipped_not_raised() 
     await store.put(stray, (await store.get(keys.submit_key("acme", key_digest("order-1")))).data)
     retention = ObjectRetention(store)
     await retention.sweep(now=NOW + KEEP + WINDOWS, keep=KEEP, windows=WINDOWS, limit=10)
-    left = (await store.list("")).keys
+    left = await remaining(store)
     assert keys.submit_key("acme", key_digest("order-1")) not in left, "the record went"
     assert stray in left, "the stray is left for an operator"
+
+
+class ReplayReads(MemoryObjectStore):
+    """Counts the reads of replay markers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marker_reads = 0
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:
+        self.marker_reads += key.startswith(keys.REPLAYS)
+        return await super().get(key, max_bytes=max_bytes)
+
+
+async def test_a_sweep_reads_only_the_replay_markers_it_may_delete(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Round robin over the markers, every sweep read a page of them (256), every 5 s
+    for ever, though none of them could go yet: a million sleeping sessions' markers were
+    read through again and again. Found through their due entries, oldest hour first, a
+    sweep with none due reads none, and one past their period reads each once."""
+    monkeypatch.setattr("storage.retention.REPLAYS_PER_SWEEP", 4)
+    store = ReplayReads()
+    retention = ObjectRetention(store)
+    await retention.sweep(now=NOW, keep=KEEP, windows=WINDOWS, limit=10)  # a new store's
+    inbox = ObjectInbox(store)
+    for n in range(6):
+        await inbox.remember_accepted(source="oa", content_digest=f"{n:064x}", at=NOW)
+    store.marker_reads = 0
+    for sweep in range(10):  # 5 s apart, a day on
+        now = NOW + WINDOWS + timedelta(seconds=5 * sweep)
+        await retention.sweep(now=now, keep=KEEP, windows=WINDOWS, limit=10)
+    assert store.marker_reads == 0
+    reads = []
+    for sweep in range(3):  # past the period (and the hour it ends in)
+        store.marker_reads = 0
+        now = NOW + KEEP + timedelta(hours=1, seconds=5 * sweep)
+        await retention.sweep(now=now, keep=KEEP, windows=WINDOWS, limit=10)
+        reads.append(store.marker_reads)
+    assert reads == [4, 2, 0]
+    assert (await store.list(keys.REPLAYS)).keys == []
+    assert (await store.list(keys.REPLAYS_DUE)).keys == [], "their entries went with them"
+
+
+async def test_replay_markers_stored_before_due_entries_go_after_the_period_too() -> None:
+    """A marker written by an older version has no due entry: a pass over the markers,
+    made once, deletes the old ones and lists the young ones by their hour."""
+    store = MemoryObjectStore()
+    stamps = {"a" * 64: NOW, "b" * 64: NOW + KEEP}
+    for content_digest, at in stamps.items():
+        marker = keys.accepted_content("oa", content_digest)
+        await store.put_if_absent(marker, at.isoformat().encode())
+    retention = ObjectRetention(store)
+    later = NOW + KEEP + timedelta(hours=1)
+    await retention.sweep(now=later, keep=KEEP, windows=WINDOWS, limit=10)
+    assert (await store.list(keys.REPLAYS)).keys == [keys.accepted_content("oa", "b" * 64)]
+    assert keys.REPLAYS_LISTED in (await store.list(keys.REPLAYS_LISTED)).keys
+    await retention.sweep(now=later + KEEP, keep=KEEP, windows=WINDOWS, limit=10)
+    assert (await store.list(keys.REPLAYS)).keys == []
+
+
+async def test_a_replay_marker_written_again_is_judged_by_its_own_stamp() -> None:
+    """A marker deleted with its session's inbox and written again by a later request
+    (a sender's redelivery a month on) is left by its first entry: it is as young as
+    its second one says."""
+    store = MemoryObjectStore()
+    inbox, retention = ObjectInbox(store), ObjectRetention(store)
+    await inbox.remember_accepted(source="oa", content_digest="c" * 64, at=NOW)
+    await inbox.forget_accepted(source="oa", content_digest="c" * 64)  # as a purge deletes it
+    again = NOW + KEEP
+    await inbox.remember_accepted(source="oa", content_digest="c" * 64, at=again)
+    await retention.sweep(now=again + timedelta(hours=2), keep=KEEP, windows=WINDOWS, limit=10)
+    assert await inbox.was_accepted(source="oa", content_digest="c" * 64)
+    [entry] = (await store.list(keys.REPLAYS_DUE)).keys
+    assert keys.replay_due_parts(entry)[0] == again.strftime("%Y%m%d%H")

@@ -142,12 +142,19 @@ class InboxRepository(Protocol):
         ...
 
     async def remember_accepted(
-        self, *, source: str, content_digest: str, at: datetime | None = None
+        self,
+        *,
+        source: str,
+        content_digest: str,
+        at: datetime | None = None,
+        in_inbox: bool = False,
     ) -> bool:
         """Record that the request with this signed content was accepted (the replay
         memory that outlives the index and any process crash; a power cut may take it on
         a local disk, which only turns a replay's 409 into a 200 duplicate, since the
         inbox dedups it), ``at`` the time it was received (retention deletes it by that).
+        ``in_inbox``: the request stored an inbox event (which names the memory, and
+        retention deletes the two together); otherwise retention must find it alone.
         Idempotent: True if this call recorded it, False if it was recorded already."""
         ...
 

@@ -298,7 +298,15 @@ class WebhookGateway:
         event that fails takes back the marker if this request wrote it: the request is
         answered 5xx and its retry must be let through."""
         pending = [r.audit for r in routed if r.audit is not None]
-        marker = [self.replays.remember(remember, at=at)] if remember is not None else []
+        # A request that stored an event (``activate``): the event names the marker, and
+        # retention deletes the two with its session. Any other marker is listed for
+        # retention to find on its own (``remember_accepted``).
+        in_inbox = any(r.activate is not None for r in routed)
+        marker = (
+            [self.replays.remember(remember, at=at, in_inbox=in_inbox)]
+            if remember is not None
+            else []
+        )
         results = await asyncio.gather(*pending, *marker, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if not failed:

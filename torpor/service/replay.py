@@ -95,11 +95,12 @@ class ReplayGuard:
         for scope, nonce in reversed(claims.pairs):
             await self.services.index.release_nonce(scope=scope, nonce=nonce)
 
-    async def remember(self, claims: ReplayClaims, *, at: datetime) -> bool:
+    async def remember(self, claims: ReplayClaims, *, at: datetime, in_inbox: bool) -> bool:
         """The request (received ``at``) was accepted in full: its bytes are a replay from
-        now on. True if this call wrote the marker (False: it was there already)."""
+        now on. True if this call wrote the marker (False: it was there already).
+        ``in_inbox``: it stored an inbox event, which names the marker."""
         return await self.services.inbox.remember_accepted(
-            source=claims.source, content_digest=claims.content_digest, at=at
+            source=claims.source, content_digest=claims.content_digest, at=at, in_inbox=in_inbox
         )
 
     async def forget(self, claims: ReplayClaims) -> None:
