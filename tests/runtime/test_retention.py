@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from storage import keys, retention, submit_keys
+from storage import audit, audit_archive, keys, retention, submit_keys
 from storage.listing import all_keys
 from storage.work import ObjectProgress, WorkRecords
 from tests.faults.index_loss import flush_index
@@ -416,3 +416,56 @@ async def test_the_replay_marker_of_a_resent_duplicate_goes_too(
         env.clock.advance(2 * DAY)
         await sweeper.sweep_once()
         assert await all_keys(env.services.store, keys.REPLAYS) == []
+
+
+# The audit log: one stream per writer process (``storage.audit``), each record a link
+# of its hash chain. A purged session's records stay in it, as evidence (compacted into
+# archives, never deleted: a deleted record or stream breaks or cuts the chain).
+AUDIT_LOG = (keys.AUDIT, audit.MANIFEST, audit.CHECKPOINTS, audit_archive.ARCHIVES)
+
+
+async def test_a_purged_session_leaves_nothing_behind_under_any_prefix_but_the_audit_log(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Everything its life wrote, through the real paths: its submit's Idempotency-Key
+    record, snapshot, chunks, live and ended markers, correlation record and business-key
+    pointer, the webhook that answered it (inbox event, replay marker and its due entry)
+    and a resend of it signed afresh (a marker no event names), its notification's
+    delivery, and the refs naming them. Once purged and the windows past, the store holds
+    what it held before the session, and the audit log's records of its webhooks."""
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        hook = Receiver()
+        try:
+            sweeper = Sweeper(env.control)
+            await sweeper.sweep_once()  # a store's own markers, made once
+            before = set(await every_key(env))
+            sid = await env.submit(doc="PR-ALL", callback_url=hook.url, idempotency_key="o-1")
+            cid = (await env.load(sid)).waits[0].correlation_id
+            now = env.clock.now()
+            gateway = WebhookGateway(env.control)
+            for later_s, status in [(0, 202), (1, 200)]:  # the answer, then a resend
+                raw = body(cid, "e1")
+                signed = sign(Scheme.TORPOR, raw, SECRET, now=now + timedelta(seconds=later_s))
+                headers = {**signed, "Content-Type": JSON}
+                assert (await gateway.receive("oa", raw, headers, now=now)).status == status
+            assert (await env.load(sid)).state is SessionState.COMPLETED
+            await sweeper.sweep_once()
+            await sweeper.deliveries.drain()
+            assert len(hook.received) == 1
+            written = set(await every_key(env)) - before
+            made = {k.split("/", 1)[0] + "/" for k in written if not k.startswith(AUDIT_LOG)}
+            assert {keys.SNAPSHOTS, keys.SUBMIT_KEYS, keys.REPLAYS, keys.REPLAYS_DUE} <= made
+            assert {"inbox/", "correlations/", "business-keys/", "deliveries/"} <= made
+            # The resend's marker alone is listed by its hour: the answer's, named by its
+            # inbox event, goes with the session.
+            assert len([k for k in written if k.startswith(keys.REPLAYS_DUE)]) == 1
+
+            env.clock.advance(31 * DAY)
+            assert (await sweeper.sweep_once()).purged == 1
+            env.clock.advance(2 * DAY)  # the ended marker's window
+            await sweeper.sweep_once()
+            left = set(await every_key(env)) - before
+            assert sorted(k for k in left if not k.startswith(AUDIT_LOG)) == []
+            assert await env.services.index.session_states([sid]) == {}
+        finally:
+            hook.close()
