@@ -9,8 +9,15 @@ still verifies end to end, and the checkpoints still vouch for the heads of arch
 blocks: removing an archive is a missing block, like removing a block (unless an
 overlapping archive, written by a concurrent compaction, holds the same blocks).
 
-The newest ``KEEP_BLOCKS`` blocks of a stream are never compacted: a live writer reads
-only the block after its own head, and nothing here touches it.
+The newest ``KEEP_BLOCKS`` blocks of a stream are left as they are while it is written
+(the operator console reads a stream's newest blocks, ``ObjectAudit.recent``), and
+fewer than ``MIN_BLOCKS`` waiting are not worth an archive yet. A stream whose newest
+record is older than the caller's ``quiet_before`` is compacted whole, however few its
+blocks: each writer process has a stream of its own, so every process that ever ran
+(each replica started, each restart) left one, and one that wrote fewer blocks than the
+two thresholds together stayed as loose blocks for ever. That is safe for a writer that
+is only quiet, too: a writer reads only the block after its own head (a write whose
+answer was lost), never the blocks before it, and the chain goes on from the archive.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import sys
 import zlib
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from storage import keys
 from torpor.errors import ObjectExists, ObjectNotFound
@@ -29,6 +37,8 @@ ARCHIVES = "audit-archives/"
 KEEP_BLOCKS = 4  # the newest blocks of a stream stay as they are
 MIN_BLOCKS = 16  # fewer than this waiting: not worth an archive yet
 MAX_BLOCKS = 512  # blocks per archive
+# No record for this long: the stream is compacted whole (its writer is gone, or idle).
+QUIET = timedelta(days=1)
 
 
 def archives_prefix(stream: str) -> str:
@@ -103,8 +113,10 @@ def _block_of(key: str) -> int:
     return sys.maxsize if number is None else number
 
 
-async def compact(store: ObjectStore, stream: str) -> int:
+async def compact(store: ObjectStore, stream: str, *, quiet_before: datetime | None = None) -> int:
     """Archive one run of ``stream``'s old blocks; returns how many blocks it archived.
+    A stream whose newest record was written before ``quiet_before`` gives all its
+    blocks, however few (without it, a stream's newest and a short run stay).
 
     Two compactions of a stream at once (two reconcilers overlapping in a restart) may
     both start after the same archive and end at different blocks (the later listing saw
@@ -131,13 +143,14 @@ async def compact(store: ObjectStore, stream: str) -> int:
         start_after=keys.audit_record(stream, archived) if archived else None,
         limit=MAX_BLOCKS + KEEP_BLOCKS,
     )
-    run: list[str] = []
-    for key in page.keys[: max(0, len(page.keys) - KEEP_BLOCKS)]:
-        if key != keys.audit_record(stream, archived + len(run) + 1):
-            break  # a gap: verify reports it; an archive never papers over one
-        run.append(key)
+    run = _run(stream, archived, page.keys[: max(0, len(page.keys) - KEEP_BLOCKS)])
     if len(run) < MIN_BLOCKS:
-        return 0
+        # Only then: a stream with a run to archive anyway costs no read of its head.
+        if page.next_token is not None or not await _quiet(store, page.keys, quiet_before):
+            return 0
+        run = _run(stream, archived, page.keys)
+        if not run:
+            return 0
     try:
         blocks = [(await store.get(key)).data for key in run]
     except ObjectNotFound:  # another compaction archived them since the listing
@@ -148,3 +161,29 @@ async def compact(store: ObjectStore, stream: str) -> int:
     for key in run:
         await store.delete(key)
     return len(run)
+
+
+def _run(stream: str, archived: int, listed: list[str]) -> list[str]:
+    """The blocks of ``listed`` that follow block ``archived`` one after another."""
+    run: list[str] = []
+    for key in listed:
+        if key != keys.audit_record(stream, archived + len(run) + 1):
+            break  # a gap: verify reports it; an archive never papers over one
+        run.append(key)
+    return run
+
+
+async def _quiet(store: ObjectStore, listed: list[str], quiet_before: datetime | None) -> bool:
+    """Whether the newest block of ``listed`` (a stream's last blocks, all of them) ends
+    with a record written before ``quiet_before``. A block that cannot be read so (gone
+    since the listing, tampered) is no quiet stream's: it waits for more blocks."""
+    numbered = [k for k in listed if keys.audit_block_number(k) is not None]
+    if quiet_before is None or not numbered:
+        return False
+    try:
+        lines = (await store.get(numbered[-1])).data.decode(errors="replace").splitlines()
+        at = datetime.fromisoformat(json.loads(lines[-1])["at"])
+    except (ObjectNotFound, IndexError, ValueError, KeyError, TypeError):
+        return False
+    # Records are stamped aware (the gateway's clock); a naive one does not compare.
+    return at.tzinfo is not None and at < quiet_before

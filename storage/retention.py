@@ -143,7 +143,7 @@ class ObjectRetention:
         self, *, now: datetime, keep: timedelta, windows: timedelta, limit: int
     ) -> RetentionReport:
         """Delete up to ``limit`` sessions that ended more than ``keep`` before ``now``."""
-        report = await self.sweep_audit()
+        report = await self.sweep_audit(quiet_before=now - audit_archive.QUIET)
         cutoff = now - keep
         last_day = ended_day(cutoff)
         page = await self.store.list(keys.ENDED, start_after=self._cursor, limit=limit)
@@ -432,8 +432,9 @@ class ObjectRetention:
             self._batch_gone.popitem(last=False)
         return True
 
-    async def sweep_audit(self) -> RetentionReport:
-        """Compact the old blocks of a few audit streams (round robin over the manifest)."""
+    async def sweep_audit(self, *, quiet_before: datetime | None = None) -> RetentionReport:
+        """Compact the old blocks of a few audit streams (round robin over the manifest);
+        a stream with no record since ``quiet_before`` whole (``audit_archive.compact``)."""
         page = await self.store.list(
             MANIFEST, start_after=self._audit_cursor, limit=AUDIT_STREAMS_PER_SWEEP
         )
@@ -445,7 +446,9 @@ class ObjectRetention:
             # error in one stream raised out of the pass, so no session, batch or replay
             # marker was deleted again while that stream stayed as it was.
             try:
-                report.archived += await audit_archive.compact(self.store, stream)
+                report.archived += await audit_archive.compact(
+                    self.store, stream, quiet_before=quiet_before
+                )
             except Exception as exc:
                 log.warning("audit compaction of stream %s failed", stream[:128], exc_info=True)
                 report.errors.append(f"audit stream {stream[:128]}: {type(exc).__name__}: {exc}")

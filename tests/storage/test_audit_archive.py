@@ -312,10 +312,10 @@ async def test_a_stream_whose_compaction_fails_stops_neither_the_others_nor_the_
     await written(store, "wc")
     compact = audit_archive.compact
 
-    async def failing(on: ObjectStore, stream: str) -> int:
+    async def failing(on: ObjectStore, stream: str, *, quiet_before: datetime | None) -> int:
         if stream == "wb":
             raise OSError("the disk said no")
-        return await compact(on, stream)
+        return await compact(on, stream, quiet_before=quiet_before)
 
     monkeypatch.setattr(audit_archive, "compact", failing)
     retention = ObjectRetention(store)
@@ -342,3 +342,46 @@ async def test_a_stray_key_under_a_streams_prefix_is_no_missing_block(
     assert check.ok and check.records == BLOCKS, check
     await store.delete(keys.audit_record("ws", BLOCKS - 1))
     assert not (await log.verify()).ok
+
+
+async def quiet_stream(store: ObjectStore, stream: str, *, at: datetime) -> ObjectAudit:
+    """A writer that wrote three blocks (each record stamped ``at``) and closed: a
+    process that lived an hour."""
+    log = ObjectAudit(store, writer=stream, key="k" * 32, checkpoint_every=2)
+    for i in range(3):
+        await log.append(**{**fields(i), "at": at})
+    await log.close()
+    return log
+
+
+async def test_a_quiet_stream_is_compacted_whole_however_few_its_blocks(
+    store: ObjectStore,
+) -> None:
+    """Each writer process has a stream of its own: one that wrote fewer blocks than
+    ``MIN_BLOCKS`` and ``KEEP_BLOCKS`` together (a replica that lived an hour, a restart)
+    was never compacted, its blocks loose in the store for ever, one set a process."""
+    at = datetime.now(UTC) - timedelta(days=2)
+    log = await quiet_stream(store, "wq", at=at)
+    report = await ObjectRetention(store).sweep(
+        now=at + timedelta(days=2), keep=timedelta(days=30), windows=timedelta(days=1), limit=10
+    )
+    assert report.archived == 3 and report.errors == []
+    assert await blocks(store, "wq") == []
+    [archive] = await audit_archive.archives(store, "wq")
+    assert (archive.first, archive.last) == (1, 3)
+    check = await log.verify()
+    assert check.ok and check.records == 3 and check.checkpoints == "signed"
+    await log.append(**fields(9))  # a writer that was only quiet goes on after it
+    assert (await log.verify()).records == 4
+
+
+async def test_a_stream_written_within_the_day_keeps_its_newest_blocks(
+    store: ObjectStore,
+) -> None:
+    at = datetime.now(UTC)
+    await quiet_stream(store, "wr", at=at)
+    report = await ObjectRetention(store).sweep(
+        now=at + timedelta(hours=23), keep=timedelta(days=30), windows=timedelta(days=1), limit=10
+    )
+    assert report.archived == 0
+    assert len(await blocks(store, "wr")) == 3
