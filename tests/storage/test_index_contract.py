@@ -268,6 +268,20 @@ class IndexContract:
             late.correlation_id
         ]
 
+    async def test_a_backlog_of_due_deadlines_comes_earliest_first_a_limit_at_a_time(
+        self, index: Index
+    ) -> None:
+        """An hour of deadlines left due (the deadline loop was down): each pass returns
+        the earliest ``limit`` of them, in order, wherever the index keeps them."""
+        waits = [binding(deadline_in=-3000 + n / 1000) for n in range(600)]
+        for b in waits:
+            await index.bind_wait(b, business_key=None, grace=GRACE, now=NOW)
+        due = await index.due_deadlines(now=NOW, limit=50)
+        assert due == waits[:50]
+        for b in due:
+            await index.unbind(tenant="acme", correlation_id=b.correlation_id, business_key=None)
+        assert await index.due_deadlines(now=NOW, limit=50) == waits[50:100]
+
     async def test_a_wait_bound_again_with_another_deadline_is_due_at_that_one_only(
         self, index: Index
     ) -> None:
@@ -1042,6 +1056,43 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         await redis_index._redis.hset(bucket, cid, entry)
         await redis_index.unbind(tenant="acme", correlation_id=cid, business_key=None, deadline=NOW)
         assert await redis_index._redis.hget(bucket, cid) == entry
+
+    async def test_a_backlog_of_due_deadlines_is_read_about_limit_entries_a_pass(
+        self, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Each pass read every shard of an hour up to ``limit`` entries and sorted the
+        union: after an outage, with an hour of deadlines due, 128 times ``limit`` entries
+        a pass (the whole backlog, 200,000 entries and 2.2 s a pass at ``limit`` 2,000),
+        four passes a second. A pass now reads about twice ``limit``. Eight shards here,
+        each holding 100 due entries, every eighth deadline."""
+        index = RedisIndex(redis_url, prefix=f"{redis_prefix}few:", deadline_shards=8)
+        hour = int(NOW.timestamp()) // 3600
+        by_shard: dict[str, list[str]] = {}
+        while min((len(c) for c in by_shard.values()), default=0) < 100 or len(by_shard) < 8:
+            cid = new_correlation_id()
+            by_shard.setdefault(index.keys.deadline_set(cid, hour), []).append(cid)
+        columns = [cids[:100] for cids in by_shard.values()]
+        in_order = [cid for row in zip(*columns, strict=True) for cid in row]
+        waits = [
+            binding(deadline_in=n / 1000).model_copy(update={"correlation_id": cid})
+            for n, cid in enumerate(in_order)
+        ]
+        for b in waits:
+            await index.bind_wait(b, business_key=None, grace=GRACE, now=NOW)
+        asked: list[int] = []
+        zrangebyscore = Pipeline.zrangebyscore
+
+        def counted(pipe: Pipeline, *args: Any, **kwargs: Any) -> Any:
+            asked.append(kwargs["num"])
+            return zrangebyscore(pipe, *args, **kwargs)
+
+        monkeypatch.setattr(Pipeline, "zrangebyscore", counted)
+        try:
+            due = await index.due_deadlines(now=NOW + timedelta(minutes=30), limit=50)
+        finally:
+            await index.close()
+        assert due == waits[:50]
+        assert sum(asked) <= 3 * 50, f"{sum(asked)} entries asked for in {len(asked)} reads"
 
     async def test_redis_down_is_a_typed_retryable_error(self) -> None:
         index = RedisIndex("redis://127.0.0.1:9/0")
