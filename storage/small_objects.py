@@ -1,7 +1,8 @@
 """The local store's per-webhook objects as rows of one SQLite table, not a file each.
 
-Every webhook the gateway accepts creates three small objects, its inbox event, its
-request's replay marker and that marker's due entry, and adds a record to an audit block. As files
+Every webhook the gateway accepts creates two small objects, its inbox event and its
+request's replay marker (and a marker no event names, its due entry: ``keys.replay_due``),
+and adds a record to an audit block. As files
 (``storage.local_store``) each object cost a temporary file readied, written and renamed
 into a folder, and each webhook a flush of the store's log: 0.49-0.52 ms of CPU a
 webhook in one process under load (``bench/profile_gateway.py --concurrency 32``), 0.26-
