@@ -7,7 +7,9 @@ change decides by the row count of its ``INSERT â€¦ ON CONFLICT`` or ``UPDATE â€
 never by a read followed by a separate write.
 
 sqlite3 blocks, so each index owns one connection used from one worker thread. Expiry is
-always decided against the caller's ``now``, never the wall clock.
+always decided against the caller's ``now``, never the wall clock. A failure of the file
+or of the disk under it (locked past ``busy_timeout``, full, read-only, damaged) is
+``IndexUnavailable``, with SQLite's reason.
 """
 
 from __future__ import annotations
@@ -126,8 +128,21 @@ class SqliteConnection:
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, call)
-        except sqlite3.OperationalError as exc:
+        except sqlite3.DatabaseError as exc:
+            if not _unavailable(exc):
+                raise
             raise IndexUnavailable(f"SQLite index at {self.path} failed: {exc}") from exc
+
+
+def _unavailable(exc: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite failed for the file or the disk under it (locked, full, read-only,
+    an I/O error, damaged pages), not for the statement asked of it: the index is
+    unavailable, not wrong. A damaged page raises a bare ``DatabaseError``, not an
+    ``OperationalError``, and reached the caller raw (a 500 and a traceback)."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return True
+    code = getattr(exc, "sqlite_errorcode", -1) & 0xFF
+    return code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
 def ms(delta: timedelta) -> int:
