@@ -15,6 +15,7 @@ or of the disk under it (locked past ``busy_timeout``, full, read-only, damaged)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import time
 from collections.abc import Callable
@@ -121,7 +122,7 @@ class SqliteConnection:
             try:
                 out = fn(conn)
             except BaseException:
-                conn.execute("ROLLBACK")
+                _roll_back(conn)
                 raise
             conn.execute("COMMIT")
             return out
@@ -132,6 +133,15 @@ class SqliteConnection:
             if not _unavailable(exc):
                 raise
             raise IndexUnavailable(f"SQLite index at {self.path} failed: {exc}") from exc
+
+
+def _roll_back(conn: sqlite3.Connection) -> None:
+    """End the failed transaction, if SQLite has not. After an I/O error or a full disk
+    SQLite rolls it back itself, and a ROLLBACK then fails ("no transaction is active"):
+    raised, its error replaced the one that said why the write failed."""
+    if conn.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
 
 
 def _unavailable(exc: sqlite3.DatabaseError) -> bool:

@@ -3,7 +3,10 @@ with SQLite's own reason, never a raw ``sqlite3`` error (a 500 and a traceback).
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import subprocess
+import sys
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,6 +16,7 @@ import pytest
 from storage.sqlite_index import SqliteIndex
 from torpor.errors import IndexUnavailable
 
+ROOT = Path(__file__).resolve().parents[2]
 NOW = datetime(2020, 1, 1, tzinfo=UTC)
 TTL = timedelta(days=1)
 
@@ -54,3 +58,46 @@ async def test_a_damaged_page_is_the_index_unavailable_not_a_raw_sqlite_error(
             await admit(index, "new")
     finally:
         await index.close()
+
+
+# A child whose files may not grow past the index's log as it is once opened, so the
+# next frames written to the log fail (EFBIG: SQLite's "disk I/O error"). A cache of a
+# few pages makes a write spill its pages into the log mid-transaction, as a large one's
+# do, so the disk refuses a statement rather than the commit.
+REFUSED_MIDWAY = """
+import asyncio, os, resource, signal, sys
+from storage.sqlite_index import SqliteIndex
+from torpor.errors import IndexUnavailable
+from torpor.lifecycle import SessionState
+
+async def main(path):
+    index = SqliteIndex(path)
+    index._conn.execute("PRAGMA cache_size=10")
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
+    log = os.path.getsize(path + "-wal")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (log, resource.RLIM_INFINITY))
+    try:
+        await index.record_session(
+            tenant="acme", session_id="s" * 200_000, state=SessionState.RUNNING, generation=1
+        )
+    except IndexUnavailable as exc:
+        print(exc)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_write_the_disk_refuses_midway_is_reported_with_the_disks_reason(
+    tmp_path: Path,
+) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", REFUSED_MIDWAY, str(tmp_path / "index.db")],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    reported = child.stdout.decode()
+    assert "disk I/O error" in reported, reported
+    assert "rollback" not in reported, reported
