@@ -2,9 +2,10 @@
 
 WAL mode lets readers run beside one writer; every change is one ``BEGIN IMMEDIATE``
 transaction, so it takes the database's write lock up front and processes on the same
-host serialise on it (``busy_timeout`` makes them wait instead of failing). A conditional
-change decides by the row count of its ``INSERT … ON CONFLICT`` or ``UPDATE … WHERE``,
-never by a read followed by a separate write.
+host serialise on it (``busy_timeout`` makes them wait instead of failing, for at most
+``BUSY_TIMEOUT_S`` from the call's ask, its turn on the worker thread included). A
+conditional change decides by the row count of its ``INSERT … ON CONFLICT`` or
+``UPDATE … WHERE``, never by a read followed by a separate write.
 
 sqlite3 blocks, so each index owns one connection used from one worker thread. Expiry is
 always decided against the caller's ``now``, never the wall clock. A failure of the file
@@ -68,6 +69,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 
 OPEN_RETRY_S = 30.0
+# How long a change waits for the write lock that another process holds, from its ask.
+BUSY_TIMEOUT_S = 30.0
 
 
 class SqliteConnection:
@@ -98,7 +101,7 @@ class SqliteConnection:
     def _open(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
-            conn.execute("PRAGMA busy_timeout = 30000")
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             # Several processes may open a fresh file at once: create the schema under the
@@ -114,8 +117,17 @@ class SqliteConnection:
         return f"sqlite://{self.path}"
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T], *, write: bool = True) -> T:
+        # Counted from the ask, not from the worker thread's turn: behind a change that
+        # waited out its whole busy timeout, each queued one waited out a whole one of its
+        # own, and the n-th of a burst answered after n of them.
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+
         def call() -> T:
             conn = self._conn
+            # A reader too: it waits for no writer (WAL), but may for another
+            # process's recovery of the log after a crash.
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            conn.execute(f"PRAGMA busy_timeout = {left_ms}")  # 0: the lock now, or never
             if not write:
                 return fn(conn)
             conn.execute("BEGIN IMMEDIATE")

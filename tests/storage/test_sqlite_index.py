@@ -3,18 +3,21 @@ with SQLite's own reason, never a raw ``sqlite3`` error (a 500 and a traceback).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sqlite3
 import subprocess
 import sys
+import time
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-from storage.sqlite_index import SqliteIndex
+from storage.sqlite_index import SqliteIndex, connection
 from torpor.errors import IndexUnavailable
+from torpor.lifecycle import SessionState
 
 ROOT = Path(__file__).resolve().parents[2]
 NOW = datetime(2020, 1, 1, tzinfo=UTC)
@@ -101,3 +104,46 @@ def test_a_write_the_disk_refuses_midway_is_reported_with_the_disks_reason(
     reported = child.stdout.decode()
     assert "disk I/O error" in reported, reported
     assert "rollback" not in reported, reported
+
+
+# Another process that takes the index's write lock and keeps it until its stdin closes
+# (stopped, or stuck on its disk, inside a transaction).
+HOLDS_THE_WRITE_LOCK = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+async def test_changes_queued_behind_a_held_write_lock_each_give_up_at_their_own_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One worker thread runs the index's calls in turn: each change that waited out its
+    busy timeout there made every one queued behind it start its own, so the n-th of a
+    burst answered after n timeouts."""
+    monkeypatch.setattr(connection, "BUSY_TIMEOUT_S", 0.5)
+    path = tmp_path / "index.db"
+    index = SqliteIndex(path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDS_THE_WRITE_LOCK, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+
+        async def waited(n: int) -> float:
+            asked = time.monotonic()
+            with pytest.raises(IndexUnavailable, match="locked"):
+                await index.record_session(
+                    tenant="acme", session_id=f"s{n}", state=SessionState.RUNNING, generation=1
+                )
+            return time.monotonic() - asked
+
+        waits = await asyncio.gather(*(waited(n) for n in range(6)))
+        assert max(waits) < 3 * connection.BUSY_TIMEOUT_S, waits  # 6 in turn: 6 of them
+    finally:
+        holder.communicate(b"", timeout=10)
+        await index.close()
