@@ -39,6 +39,7 @@ import hashlib
 import os
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -55,7 +56,8 @@ DATABASE = "objects.db"
 # A passive checkpoint after this many of a process's commits: the log stays short
 # (a reader's lookups walk it) without a checkpoint's two flushes on every sync.
 CHECKPOINT_EVERY = 256
-# How long a write made off the caller's thread waits for another process's transaction.
+# How long a write made off the caller's thread waits for another process's transaction,
+# counted from its call (its turn at the connection included).
 BUSY_WAIT_MS = 30_000
 ADOPT_BATCH = 1000
 # Why a flush of a table's log failed, per database: for every store of this process
@@ -176,18 +178,22 @@ class SmallObjects:
     @contextlib.contextmanager
     def _db(self, wait: bool) -> Iterator[sqlite3.Connection]:
         """A connection of this process's: the caller's thread's never waits (``Busy``),
-        the worker threads' waits up to ``BUSY_WAIT_MS`` for another process."""
+        the worker threads' waits up to ``BUSY_WAIT_MS`` from the call for another
+        process (``StorageUnavailable`` then)."""
         if self._pid != os.getpid():
             _leave_the_parents()  # a forked child: every store's, then opened anew
         if self._closed:  # used again after ``close``: open again, as the store's files do
             with self._opening:  # once, whichever threads come at once
                 if self._closed:
                     self._open()
-        lock = self._waiting_lock if wait else self._quick_lock
-        if not lock.acquire(blocking=wait):
-            raise Busy
+        if not wait:
+            if not self._quick_lock.acquire(blocking=False):
+                raise Busy
+            lock, db = self._quick_lock, self._quick
+        else:
+            lock, db = self._waiting_lock, self._waited_for(time.monotonic() + BUSY_WAIT_MS / 1000)
         try:
-            yield self._waiting if wait else self._quick
+            yield db
         except sqlite3.OperationalError as exc:
             if not wait and _locked(exc):
                 raise Busy from exc
@@ -196,6 +202,24 @@ class SmallObjects:
             raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
         finally:
             lock.release()
+
+    def _waited_for(self, deadline: float) -> sqlite3.Connection:
+        """The waiting connection, its lock held, given what is left until ``deadline``
+        to wait for another process. Counted from the call, not from its turn: behind a
+        thread that waited out another process's whole transaction, each thread queued
+        for the connection waited out a whole ``BUSY_WAIT_MS`` of its own, and the n-th
+        write of a burst answered after n of them."""
+        if not self._waiting_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise StorageUnavailable(
+                f"small objects at {self.path}: no turn at the table within {BUSY_WAIT_MS} ms"
+            )
+        try:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            self._waiting.execute(f"PRAGMA busy_timeout={left_ms}")  # 0: the lock now, or never
+        except sqlite3.Error as exc:
+            self._waiting_lock.release()
+            raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
+        return self._waiting
 
     @contextlib.contextmanager
     def _transaction(self, wait: bool) -> Iterator[sqlite3.Connection]:

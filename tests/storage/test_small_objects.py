@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -341,6 +342,45 @@ async def test_a_table_another_process_holds_does_not_stall_the_event_loop(
         holder.communicate()
     assert (await store.get("inbox/s/second")).data == b"y"
     await store.close()
+
+
+def test_writes_queued_behind_another_process_transaction_each_give_up_at_their_own_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker threads' writes share one connection, one at a time: each that waited
+    out its busy timeout behind another process's transaction made the next one start a
+    whole timeout of its own, so the n-th write of a burst answered after n of them."""
+    monkeypatch.setattr(small_objects, "BUSY_WAIT_MS", 500)
+    rows = small_objects.SmallObjects(str(tmp_path))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys\n"
+            "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "db.execute('BEGIN IMMEDIATE')\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n",
+            rows.path,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+
+    def waited(n: int) -> float:
+        called = time.monotonic()
+        with pytest.raises(StorageUnavailable):
+            rows.create([(f"inbox/s/{n}", b"x", '"e"')], wait=True)
+        return time.monotonic() - called
+
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        with ThreadPoolExecutor(6) as threads:
+            waits = list(threads.map(waited, range(6)))
+        assert max(waits) < 3 * small_objects.BUSY_WAIT_MS / 1000, waits  # 6 in turn: 6 of them
+    finally:
+        holder.communicate(b"", timeout=10)
+        rows.close()
 
 
 def test_a_damaged_table_is_the_store_unavailable_not_a_crash(tmp_path: Path) -> None:
