@@ -379,9 +379,16 @@ class LocalObjectStore:
         return f"file://{self.root}"
 
     def trouble(self) -> str | None:
-        """``ReportsTrouble``: why the log no longer checkpoints, if it does not."""
-        reason = self._log.not_checkpointing
-        return None if reason is None else f"write-ahead log not checkpointing: {reason}"
+        """``ReportsTrouble``: why the log no longer checkpoints, if it does not, and why
+        the rows' log can no longer be made durable, if it cannot (every inbox event,
+        replay marker and audit block is refused from then on: without this the store
+        answered its health checks clean while every webhook of the process failed)."""
+        found = []
+        if (reason := self._log.not_checkpointing) is not None:
+            found.append(f"write-ahead log not checkpointing: {reason}")
+        if (failed := self._rows.failed_flush) is not None:
+            found.append(f"small objects' log not durable, every row write refused: {failed}")
+        return "; ".join(found) or None
 
     # -- paths ----------------------------------------------------------------------
 

@@ -344,6 +344,12 @@ class SmallObjects:
             self.synced = max(self.synced, target)
             self._since_checkpoint += 1
 
+    @property
+    def failed_flush(self) -> str | None:
+        """Why a flush of the table's log failed in this process, if one did: from then
+        on no commit is reported durable (``sync``), so every row write fails."""
+        return _FAILED.get(self.path)
+
     def checkpoint_due(self) -> bool:
         """Whether enough flushes went by for a checkpoint: True once each time, and the
         caller runs ``checkpoint`` (each flush after it asking again would send a burst

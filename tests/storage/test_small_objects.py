@@ -641,6 +641,32 @@ async def test_after_a_failed_flush_no_row_is_reported_durable_again(tmp_path: P
     await store.close()
 
 
+async def test_a_failed_flush_of_the_rows_log_is_trouble_the_store_reports(
+    tmp_path: Path,
+) -> None:
+    """From a failed flush on, every row write of the process fails: its health checks
+    (/healthz warnings, the trouble gauge and its alert) must say so, not stay clean."""
+    import errno
+
+    store = LocalObjectStore(tmp_path)
+    assert store.trouble() is None
+    flush = store._rows._flush
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def once_failing(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        flush(fd)
+
+    store._rows._flush = once_failing
+    with pytest.raises(StorageUnavailable):
+        await store.put_if_absent("inbox/s/a", b"a")
+    trouble = store.trouble()
+    assert trouble is not None and "Input/output error" in trouble, trouble
+    assert "small objects" in trouble, trouble
+    await store.close()
+
+
 def _open_rows_at(folder: str, start: object, answers: object) -> None:
     start.wait()  # type: ignore[attr-defined]
     try:
