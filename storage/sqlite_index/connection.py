@@ -7,18 +7,23 @@ host serialise on it (``busy_timeout`` makes them wait instead of failing, for a
 conditional change decides by the row count of its ``INSERT … ON CONFLICT`` or
 ``UPDATE … WHERE``, never by a read followed by a separate write.
 
-sqlite3 blocks, so each index owns one connection used from one worker thread. Expiry is
-always decided against the caller's ``now``, never the wall clock. A failure of the file
-or of the disk under it (locked past ``busy_timeout``, full, read-only, damaged) is
-``IndexUnavailable``, with SQLite's reason.
+sqlite3 blocks, so each index owns one connection used from one worker thread (a forked
+child makes both anew, ``_forked``: neither the parent's thread nor its locks are the
+child's). Expiry is always decided against the caller's ``now``, never the wall clock. A
+failure of the file or of the disk under it (locked past ``busy_timeout``, full,
+read-only, damaged) is ``IndexUnavailable``, with SQLite's reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
 import sqlite3
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -69,6 +74,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 
 OPEN_RETRY_S = 30.0
+_INHERITED: list[sqlite3.Connection] = []  # a forked parent's, in use at the fork
 # How long a change waits for the write lock that another process holds, from its ask.
 BUSY_TIMEOUT_S = 30.0
 
@@ -78,12 +84,25 @@ class SqliteConnection:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser().resolve()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torpor-sqlite")
+        self._executor = _worker()
+        self._in_use = threading.Lock()  # held by the worker thread while it uses _conn
+        self._conn: sqlite3.Connection | None = None  # None: opened by the next call
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = self._executor.submit(self._connect).result()
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"SQLite index at {self.path} cannot be opened: {exc}") from exc
+        os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
+
+    def _close_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+    def _connection(self) -> sqlite3.Connection:
+        """The connection, opened on the worker thread if a fork left none."""
+        if self._conn is None:
+            self._conn = self._connect()
+        return self._conn
 
     def _connect(self) -> sqlite3.Connection:
         # Switching a fresh file to WAL while another process does the same can fail with
@@ -123,21 +142,22 @@ class SqliteConnection:
         deadline = time.monotonic() + BUSY_TIMEOUT_S
 
         def call() -> T:
-            conn = self._conn
-            # A reader too: it waits for no writer (WAL), but may for another
-            # process's recovery of the log after a crash.
-            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            conn.execute(f"PRAGMA busy_timeout = {left_ms}")  # 0: the lock now, or never
-            if not write:
-                return fn(conn)
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                out = fn(conn)
-            except BaseException:
-                _roll_back(conn)
-                raise
-            conn.execute("COMMIT")
-            return out
+            with self._in_use:
+                conn = self._connection()
+                # A reader too: it waits for no writer (WAL), but may for another
+                # process's recovery of the log after a crash.
+                left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                conn.execute(f"PRAGMA busy_timeout = {left_ms}")  # 0: the lock now, or never
+                if not write:
+                    return fn(conn)
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    out = fn(conn)
+                except BaseException:
+                    _roll_back(conn)
+                    raise
+                conn.execute("COMMIT")
+                return out
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, call)
@@ -145,6 +165,32 @@ class SqliteConnection:
             if not _unavailable(exc):
                 raise
             raise IndexUnavailable(f"SQLite index at {self.path} failed: {exc}") from exc
+
+
+def _worker() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="torpor-sqlite")
+
+
+def _forked(ref: weakref.ref[SqliteConnection]) -> None:
+    """In a forked child: a worker of its own, and its copy of the parent's connection
+    closed before the child opens one (its next call). The parent's worker thread is not
+    the child's: the pool counted it, started none, and every call waited for ever. And
+    SQLite keeps a process's locks in the library's memory, by file: the copy says it
+    holds the parent's, which the kernel does not give a child, and a connection opened
+    beside it would take none. One the parent's thread was using at the fork is left
+    open, untouched: its state, and the mutex SQLite holds for it, are that thread's."""
+    index = ref()
+    if index is None:
+        return
+    if index._conn is not None:
+        if index._in_use.locked():
+            _INHERITED.append(index._conn)
+        else:
+            with contextlib.suppress(sqlite3.Error):
+                index._conn.close()
+    index._conn = None
+    index._executor = _worker()
+    index._in_use = threading.Lock()
 
 
 def _roll_back(conn: sqlite3.Connection) -> None:

@@ -16,7 +16,7 @@ class SqliteHealth(SqliteConnection):
         await self._run(lambda c: c.execute("SELECT 1").fetchone(), write=False)
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._conn.close)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._close_connection)
         self._executor.shutdown(wait=False)
 
     async def begin_repair(self) -> str:

@@ -21,6 +21,7 @@ from torpor.lifecycle import SessionState
 
 ROOT = Path(__file__).resolve().parents[2]
 NOW = datetime(2020, 1, 1, tzinfo=UTC)
+RUNNING = SessionState.RUNNING
 TTL = timedelta(days=1)
 
 
@@ -147,3 +148,36 @@ async def test_changes_queued_behind_a_held_write_lock_each_give_up_at_their_own
     finally:
         holder.communicate(b"", timeout=10)
         await index.close()
+
+
+def test_a_forked_child_uses_the_index_through_its_own_connection(tmp_path: Path) -> None:
+    """A child forked from a process that used the index: the parent's worker thread is
+    not the child's (a pool that counted it would start none and queue every call for
+    ever), nor is its connection (SQLite's locks are the parent's)."""
+    index = SqliteIndex(tmp_path / "index.db")
+    first = index.record_session(tenant="acme", session_id="parent", state=RUNNING, generation=1)
+    asyncio.run(first)
+    pid = os.fork()
+    if pid == 0:  # the child: any failure is its exit status
+        code = 1
+        try:
+
+            async def child() -> None:
+                await index.record_session(
+                    tenant="acme", session_id="child", state=RUNNING, generation=1
+                )
+                assert await index.session_generation("parent") == 1
+
+            asyncio.run(asyncio.wait_for(child(), timeout=5))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+    async def parent() -> None:
+        assert await index.session_generation("child") == 1
+        await index.record_session(tenant="acme", session_id="again", state=RUNNING, generation=1)
+        await index.close()
+
+    asyncio.run(parent())
