@@ -84,7 +84,7 @@ class SqliteConnection:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser().resolve()
-        self._executor = _worker()
+        self._executor = worker()
         self._in_use = threading.Lock()  # held by the worker thread while it uses _conn
         self._conn: sqlite3.Connection | None = None  # None: opened by the next call
         try:
@@ -95,11 +95,15 @@ class SqliteConnection:
         os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def _close_connection(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+        """Closed after the calls asked before (a worker's queue is in order); the next
+        call opens one again."""
+        with self._in_use:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     def _connection(self) -> sqlite3.Connection:
-        """The connection, opened on the worker thread if a fork left none."""
+        """The connection, opened on the worker thread if a fork or ``close`` left none."""
         if self._conn is None:
             self._conn = self._connect()
         return self._conn
@@ -167,7 +171,8 @@ class SqliteConnection:
             raise IndexUnavailable(f"SQLite index at {self.path} failed: {exc}") from exc
 
 
-def _worker() -> ThreadPoolExecutor:
+def worker() -> ThreadPoolExecutor:
+    """The one thread an index's calls run on (started by its first call)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="torpor-sqlite")
 
 
@@ -189,7 +194,7 @@ def _forked(ref: weakref.ref[SqliteConnection]) -> None:
             with contextlib.suppress(sqlite3.Error):
                 index._conn.close()
     index._conn = None
-    index._executor = _worker()
+    index._executor = worker()
     index._in_use = threading.Lock()
 
 

@@ -7,7 +7,7 @@ import secrets
 import sqlite3
 from datetime import datetime
 
-from storage.sqlite_index.connection import SqliteConnection
+from storage.sqlite_index.connection import SqliteConnection, worker
 from torpor.clock import from_ms, to_ms
 
 
@@ -16,8 +16,13 @@ class SqliteHealth(SqliteConnection):
         await self._run(lambda c: c.execute("SELECT 1").fetchone(), write=False)
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._close_connection)
-        self._executor.shutdown(wait=False)
+        """Close the connection once the calls asked before are done. A call that comes
+        after (a request still in flight at shutdown) opens it again, as the other
+        indexes and the local store answer one; it was a RuntimeError from a worker
+        already shut down. A later ``close`` closes that too."""
+        executor, self._executor = self._executor, worker()
+        await asyncio.get_running_loop().run_in_executor(executor, self._close_connection)
+        executor.shutdown(wait=False)
 
     async def begin_repair(self) -> str:
         token = secrets.token_hex(8)

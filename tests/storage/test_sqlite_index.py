@@ -181,3 +181,25 @@ def test_a_forked_child_uses_the_index_through_its_own_connection(tmp_path: Path
         await index.close()
 
     asyncio.run(parent())
+
+
+def connections_to(path: Path) -> int:
+    """How many of this process's descriptors are open on ``path`` (a connection holds
+    one on its database file while it is open)."""
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(path.resolve()))
+
+
+async def test_an_index_used_again_after_close_opens_again(tmp_path: Path) -> None:
+    """A call that comes after ``close`` (a request still in flight at shutdown) is
+    answered, as the memory and Redis indexes and the local store answer it; it was a
+    RuntimeError from a worker already shut down. The next ``close`` closes it too."""
+    path = tmp_path / "index.db"
+    index = SqliteIndex(path)
+    await index.record_session(tenant="acme", session_id="s", state=RUNNING, generation=1)
+    await index.close()
+    assert connections_to(path) == 0
+    assert await index.session_generation("s") == 1
+    await index.record_session(tenant="acme", session_id="t", state=RUNNING, generation=1)
+    await index.close()
+    assert connections_to(path) == 0
