@@ -279,12 +279,17 @@ def test_writes_come_back_to_the_callers_thread_once_flushes_are_quick_again(
             await store.put_if_absent(f"a/{i}", b"x")
         flushes.slow_s = 0.0
         quick = 0
-        while store._inline.flush_s >= INLINE_FLUSH_BUDGET_S:  # quick flushes, off the loop
-            await store.put("b/1", b"x")
-            quick += 1
-        threads.clear()
-        await store.put("b/2", b"x")
-        await store.put_if_absent("b/3", b"x")
+        for attempt in range(5):
+            while store._inline.flush_s >= INLINE_FLUSH_BUDGET_S:  # quick flushes, off the loop
+                await store.put("b/1", b"x")
+                quick += 1
+            threads.clear()
+            await store.put(f"b/{attempt}/2", b"x")
+            await store.put_if_absent(f"b/{attempt}/3", b"x")
+            # A real flush slower than the budget on a loaded machine (each write flushes
+            # its file and the log) sends the next write off the loop again, as it should.
+            if threads == [loop_thread] * 2:
+                break
         return quick
 
     loop_thread = threading.get_ident()
