@@ -35,11 +35,13 @@ pytestmark = pytest.mark.timeout(60)
 
 OLD, NEW = b"the old content, acknowledged", b"the new content, never acknowledged"
 
-CHILD = """
+# A child's start: the test's boot (a reboot is a store opened in another), and every
+# flush recorded, by inode, in the file named by its third argument.
+RECORDING = """
 import asyncio, os, sys
 from storage import wal
 
-wal.boot_id = lambda: "boot-a"  # the test's boot: a reboot is a store opened in another
+wal.boot_id = lambda: "boot-a"
 from storage.local_store import LocalObjectStore
 
 flushed = open(sys.argv[3], "a")
@@ -52,6 +54,11 @@ def recording(flush):
     return flushes
 
 os.fsync, os.fdatasync = recording(os.fsync), recording(os.fdatasync)
+"""
+
+CHILD = (
+    RECORDING
+    + """
 
 async def main(folder, op):
     store = LocalObjectStore(folder)
@@ -66,6 +73,7 @@ async def main(folder, op):
 NEW = sys.argv[4].encode()
 asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
+)
 
 
 def checkpointed(folder: Path) -> None:
@@ -184,23 +192,9 @@ def test_a_replace_whose_bytes_cannot_be_flushed_leaves_the_object_as_it_was(
 # A large object is flushed in place, file and folder, and logged as DURABLE: a replay
 # writes nothing for it. Its folder's own entry, in the folder above, must then be on
 # disk too: a folder made for it (``_parent``) is renamed into place and not flushed.
-LARGE_CHILD = """
-import asyncio, os, sys
-from storage import wal
-
-wal.boot_id = lambda: "boot-a"
-from storage.local_store import LocalObjectStore
-
-flushed = open(sys.argv[3], "a")
-
-def recording(flush):
-    def flushes(fd):
-        flush(fd)
-        flushed.write(f"{os.fstat(fd).st_ino}\\n")
-        flushed.flush()
-    return flushes
-
-os.fsync, os.fdatasync = recording(os.fsync), recording(os.fdatasync)
+LARGE_CHILD = (
+    RECORDING
+    + """
 
 async def main(folder, op):
     store = LocalObjectStore(folder)
@@ -213,6 +207,7 @@ async def main(folder, op):
 LARGE = b"L" * (wal.RECORD_MAX_BYTES + 1)
 asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
+)
 LARGE = b"L" * (wal.RECORD_MAX_BYTES + 1)
 
 
