@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -26,6 +27,21 @@ def boot(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     current = ["boot-a"]
     monkeypatch.setattr(wal, "boot_id", lambda: current[0])
     return current
+
+
+class FailingOnce:
+    """``flush`` (a flush of a descriptor) that fails the first time, as a failing
+    writeback reports (EIO), and flushes every time after; ``failed`` once it has."""
+
+    def __init__(self, flush: Callable[[int], None]) -> None:
+        self._flush = flush
+        self.failed = False
+
+    def __call__(self, fd: int) -> None:
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.EIO, "Input/output error")
+        self._flush(fd)
 
 
 def killed_child(script: str, *args: str, at: CrashPoint) -> bytes:

@@ -24,6 +24,7 @@ import pytest
 from storage import small_objects, wal
 from storage.local_store import LocalObjectStore
 from tests.conftest import eventually
+from tests.storage.conftest import FailingOnce
 from tests.support.race import race
 from torpor.errors import (
     EtagMismatch,
@@ -635,18 +636,8 @@ async def test_after_a_failed_flush_no_row_is_reported_durable_again(tmp_path: P
     """A flush that failed may have dropped the log's pages, and the next one then
     reports success for nothing written (and the log is read back only up to the hole):
     every later durable write fails, typed, where it was acknowledged."""
-    import errno
-
     store = LocalObjectStore(tmp_path)
-    flush = store._rows._flush
-    failures = [OSError(errno.EIO, "Input/output error")]
-
-    def once_failing(fd: int) -> None:
-        if failures:
-            raise failures.pop()
-        flush(fd)
-
-    store._rows._flush = once_failing
+    store._rows._flush = FailingOnce(store._rows._flush)
     with pytest.raises(StorageUnavailable):
         await store.put_if_absent("inbox/s/a", b"a")
     with pytest.raises(StorageUnavailable, match="a flush of the log failed"):
@@ -667,19 +658,9 @@ async def test_a_failed_flush_of_the_rows_log_is_trouble_the_store_reports(
 ) -> None:
     """From a failed flush on, every row write of the process fails: its health checks
     (/healthz warnings, the trouble gauge and its alert) must say so, not stay clean."""
-    import errno
-
     store = LocalObjectStore(tmp_path)
     assert store.trouble() is None
-    flush = store._rows._flush
-    failures = [OSError(errno.EIO, "Input/output error")]
-
-    def once_failing(fd: int) -> None:
-        if failures:
-            raise failures.pop()
-        flush(fd)
-
-    store._rows._flush = once_failing
+    store._rows._flush = FailingOnce(store._rows._flush)
     with pytest.raises(StorageUnavailable):
         await store.put_if_absent("inbox/s/a", b"a")
     trouble = store.trouble()

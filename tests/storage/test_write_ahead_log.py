@@ -30,6 +30,7 @@ import pytest
 from storage import wal
 from storage.local_store import LocalObjectStore
 from tests.conftest import eventually
+from tests.storage.conftest import FailingOnce
 from torpor.errors import InvalidKey, ObjectNotFound
 from torpor.faults import ENV, CrashPoint
 
@@ -546,14 +547,7 @@ def test_a_store_collected_on_its_logs_own_thread_is_released_without_a_deadlock
 def fails_once() -> Callable[[int], None]:
     """A log's flush that fails the first time (what a failing writeback reports), then
     flushes."""
-    failures = [OSError(errno.EIO, "Input/output error")]
-
-    def flush(fd: int) -> None:
-        if failures:
-            raise failures.pop()
-        os.fdatasync(fd)
-
-    return flush
+    return FailingOnce(lambda fd: os.fdatasync(fd))
 
 
 class HeldThenFails:
@@ -971,19 +965,12 @@ def test_after_a_checkpoint_whose_flush_failed_no_later_one_vouches_for_its_chan
     kept its segment, but closed it (its lock gone, it read as an exited process's),
     and the next checkpoint, of any log of the boot, removed it and set the mark past
     its records: the object, never on disk, was lost to a power cut for good."""
-    failures = [OSError(errno.EIO, "Input/output error")]
-    real_syncfs = wal.syncfs
-
-    def syncfs(fd: int) -> None:
-        if failures:
-            raise failures.pop()
-        real_syncfs(fd)
-
+    syncfs = FailingOnce(wal.syncfs)
     monkeypatch.setattr(wal, "syncfs", syncfs)
     first = LocalObjectStore(tmp_path)
     asyncio.run(first.put("k", b"acknowledged"))
     first._log.close()  # retired: a checkpoint in the background, whose flush fails
-    wait_for(lambda: not failures and not first._log._checkpointing, "the checkpoint ran")
+    wait_for(lambda: syncfs.failed and not first._log._checkpointing, "the checkpoint ran")
     assert segments(tmp_path), "the failed checkpoint removed nothing"
 
     second = LocalObjectStore(tmp_path)
@@ -1019,14 +1006,7 @@ def test_a_log_whose_checkpoint_flush_failed_says_so_once_and_in_its_trouble(
     """Every checkpoint after a failed flush is refused until a reboot: the log grows,
     so the store's health says why (``trouble``), and the log says it once, not a
     warning with a traceback at each of the checkpoints that follow."""
-    failures = [OSError(errno.EIO, "Input/output error")]
-    real_syncfs = wal.syncfs
-
-    def syncfs(fd: int) -> None:
-        if failures:
-            raise failures.pop()
-        real_syncfs(fd)
-
+    syncfs = FailingOnce(wal.syncfs)
     monkeypatch.setattr(wal, "syncfs", syncfs)
     store = LocalObjectStore(tmp_path)
     assert store.trouble() is None
@@ -1047,14 +1027,7 @@ def test_a_log_reports_a_checkpoint_flush_that_failed_in_another_process(
 ) -> None:
     """The other process left ``failed-<boot>``: this one's checkpoints are refused too,
     and its store says so (it would otherwise grow its log without a word)."""
-    failures = [OSError(errno.EIO, "Input/output error")]
-    real_syncfs = wal.syncfs
-
-    def syncfs(fd: int) -> None:
-        if failures:
-            raise failures.pop()
-        real_syncfs(fd)
-
+    syncfs = FailingOnce(wal.syncfs)
     monkeypatch.setattr(wal, "syncfs", syncfs)
     failed = LocalObjectStore(tmp_path)
     retire_and_checkpoint(failed, "k")
