@@ -40,7 +40,7 @@ from actors.config_ref import ConfigRef
 from actors.named import named_actors
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
-from actors.standby import START_TIMEOUT_S, StandbySet, left_by, standby_name
+from actors.standby import START_TIMEOUT_S, StandbySet, ask_to_retire, left_by, standby_name
 from storage.factory import check_embedded_allowed
 from torpor import tracing
 from torpor.backoff import Backoff
@@ -340,12 +340,15 @@ class RayActivator:
         wait for sessions on the settings they were started with."""
         try:
             left = left_by(holder, self.namespace)
-            for handle in left:
-                # Asked, never killed (as ``StandbySet.inherit``): one running a session
-                # declines and runs it, and one too busy to answer now takes it when it can.
-                handle.retire.remote()
+            # Asked, never killed (as ``StandbySet.inherit``): one running a session
+            # declines and runs it, and one too busy to answer is asked again.
+            answered = await asyncio.gather(*(ask_to_retire(h) for h in left))
             if left:
-                log.info("retired %d standby session actors left by the last holder", len(left))
+                log.info(
+                    "asked %d standby session actors left by the last holder to go (%d answered)",
+                    len(left),
+                    sum(answered),
+                )
         except Exception:  # they still exit at the end of their idle time
             log.warning("retiring the standby session actors left failed", exc_info=True)
 

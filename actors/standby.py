@@ -64,6 +64,9 @@ STARTS_AT_ONCE = 1
 # How long a ready standby may take to answer that it lives before it is replaced, at
 # most (and at most one keeping period: a round never waits past the next one's time).
 KEEP_TIMEOUT_S = 20.0
+# How long a left standby may take to answer that it goes, and how often it is asked.
+RETIRE_TIMEOUT_S = 5.0
+RETIRE_ATTEMPTS = 3
 
 
 # How much a guess at the settings behind an inheritance key costs: the key travels in a
@@ -264,6 +267,7 @@ class StandbySet:
         finally:
             self._inheriting = False
         joined = 0
+        going: list[Any] = []
         for handle, answer in zip(handles, answers, strict=True):
             if handle in self._ready or handle in self._pending:
                 continue  # this set's own, started before it was asked to inherit
@@ -276,7 +280,8 @@ class StandbySet:
                 # to answer in time, or dead): asked to go, never killed: it exits unless
                 # it has a session by then. One that did not answer was left to its idle
                 # time, which with ``standby_idle_s = 0`` never comes: a process for ever.
-                handle.retire.remote()
+                going.append(handle)
+        await asyncio.gather(*(ask_to_retire(h) for h in going))
         self.inherited += joined
         if joined:
             metrics.inc("standbys", {"event": "inherited"}, joined)
@@ -303,6 +308,27 @@ class StandbySet:
         # by now (it runs it); one that does not answer is killed.
         ready, self._ready = list(self._ready), deque()
         await asyncio.gather(*(_retire(h) for h in ready))
+
+
+async def ask_to_retire(handle: Any) -> bool:
+    """Ask a standby another holder left to exit (it does unless it has a session), and
+    wait for its answer; asked again while it does not answer, never killed (it may be
+    running a session its dead holder handed it). True once it answered, or is gone.
+
+    Awaited, not sent and forgotten: the handle is one just looked up by name, and a
+    call on it whose reference and handle were dropped at once went unanswered under
+    load (the standby waited on for ever with ``standby_idle_s = 0``; a CI run's holder
+    with no standby set left its predecessor's running past a minute)."""
+    for _ in range(RETIRE_ATTEMPTS):
+        try:
+            await asyncio.wait_for(handle.retire.remote(), timeout=RETIRE_TIMEOUT_S)
+            return True
+        except RayError:  # it exited under the call, as asked, or was gone already
+            return True
+        except TimeoutError:
+            continue  # busy, or the request was lost: asked again
+    log.warning("a standby session actor left by the last holder did not answer its retire")
+    return False
 
 
 async def _retire(handle: Any, timeout_s: float = 5.0) -> None:

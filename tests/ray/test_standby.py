@@ -410,6 +410,10 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
         fourth = holder.incarnation(ConfigRef.of(none), settings=none)
         fourth.start_standbys()
         assert fourth.standby is None
+        assert fourth._predecessor is not None
+        # Its start ends once each it found has answered that it goes (or been asked its
+        # last time): then they exit.
+        await asyncio.wait_for(fourth._predecessor, timeout=60)
         await eventually(
             all_left_exited, timeout_s=60, what="a holder with no set stops what it finds"
         )

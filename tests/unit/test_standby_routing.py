@@ -114,3 +114,34 @@ async def test_a_left_standby_that_does_not_answer_its_new_holder_is_asked_to_go
     assert len(silent.retire.calls) == 1, "the silent one is asked to go"
     assert not taken.retire.calls and not free.retire.calls
     await standby.close()
+
+
+async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -> None:
+    """A holder that keeps no standbys asks the ones its predecessor left to go. The call
+    was sent and forgotten on a handle just looked up by name: under load it went
+    unanswered, and a standby on ``standby_idle_s = 0`` then ran for ever. Each is now
+    asked until it answers (never killed: it may run a session), and the holder's start
+    ends only once every one has answered or been asked its last time."""
+    lost: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # never answered
+    silent_once, quick = Actor(), Actor()
+    answers = iter([lost, True])
+
+    def remote(*args: object) -> asyncio.Future[Any]:
+        silent_once.retire.calls.append(args)
+        answer = next(answers)
+        if isinstance(answer, asyncio.Future):
+            return answer
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(answer)
+        return done
+
+    silent_once.retire.remote = remote  # type: ignore[method-assign]
+    activator: Any = RayActivator.__new__(RayActivator)
+    activator.namespace = "t"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ray_activator, "left_by", lambda holder, ns: [silent_once, quick])
+        patch.setattr(standby_module, "RETIRE_TIMEOUT_S", 0.05)
+        async with asyncio.timeout(10):
+            await activator._retire_left("holder")
+    assert len(silent_once.retire.calls) == 2, "asked again after no answer"
+    assert len(quick.retire.calls) == 1
