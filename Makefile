@@ -62,7 +62,9 @@ promtool:
 
 test: lint typecheck services browser promtool loadgen
 	# A crash of the runner itself (at exit, after the summary) prints every thread's stack.
-	PYTHONFAULTHANDLER=1 $(BIN)/pytest
+	# The slowest tests are listed after the summary: where the suite's time goes, in
+	# every CI log, so a slow hour's overrun can be told from a test that grew.
+	PYTHONFAULTHANDLER=1 $(BIN)/pytest --durations=30
 
 # The README's settings table, from the Field descriptions in torpor/settings.py.
 settings-table: install

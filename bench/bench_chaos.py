@@ -97,6 +97,7 @@ class Chaos:
         self.reconciler: subprocess.Popen[bytes] | None = None
         self.t0 = time.monotonic()
         self.chaos_log: list[str] = []  # what was done to the system, and when
+        self.stuck: set[str] = set()  # errors a delivery kept getting, said once each
 
     def note(self, what: str) -> None:
         self.chaos_log.append(f"{time.monotonic() - self.t0:6.1f}s {what}")
@@ -215,6 +216,13 @@ class Chaos:
                 status = exc.status
             except (TorporError, OSError) as exc:
                 self.tally.errors[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
+                said = f"{type(exc).__name__}: {exc}"[:300]
+                if attempt >= 10 and said not in self.stuck:
+                    # A sender refused this long is the run's story when it overruns: say
+                    # what it keeps getting while it happens, not only in the last report
+                    # (which a run cut off by its caller never prints). Once per error.
+                    self.stuck.add(said)
+                    self.note(f"a {kind} delivery refused {attempt} times, now: {said}")
                 retryable = isinstance(exc, OSError) or getattr(exc, "retryable", True)
                 status = getattr(exc, "status", 500)
                 if retryable or attempt < 2:
