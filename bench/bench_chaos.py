@@ -298,6 +298,10 @@ class Chaos:
     async def run(self) -> dict[str, Any]:
         import ray
 
+        from bench.stalls import watch
+
+        watch(asyncio.get_running_loop())
+
         from actors.ray_activator import RayActivator
         from actors.wiring import open_services
         from tests.support.fault_proxy import FaultProxy, conditional_put
