@@ -147,6 +147,7 @@ class RayActivator:
         self._placements: OrderedDict[str, Placement] = OrderedDict()
         self._hosts: dict[int, Any] = {}
         self._host_checked: dict[int, float] = {}  # slot -> monotonic time of the last check
+        self._host_checks: dict[int, asyncio.Task[None]] = {}  # slot -> its check under way
         self.admission = Admission(
             self.settings.runtime.max_live_session_actors, alive=self._live_sessions
         )
@@ -359,6 +360,10 @@ class RayActivator:
             await asyncio.gather(self._predecessor, return_exceptions=True)
         for watcher in list(self._watchers):
             watcher.cancel()
+        checks = list(self._host_checks.values())
+        for check in checks:
+            check.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
         if self.standby is not None:
             await self.standby.close()
 
@@ -429,6 +434,11 @@ class RayActivator:
             ).remote(self.config, slot)
         return self._hosts[slot]
 
+    def _host_checked_out(self, slot: int, check: asyncio.Task[None]) -> None:
+        self._host_checks.pop(slot, None)
+        if not check.cancelled() and (failed := check.exception()) is not None:
+            log.warning("checking pool host %s failed", slot, exc_info=failed)
+
     async def _check_host(self, slot: int) -> None:
         """Requests pile up on a host's channel: it may be gone for good (killed without
         a restart), and a cached handle would never notice. Ask it, at most once per
@@ -457,8 +467,14 @@ class RayActivator:
             self._host(slot)  # it exists (or is being made): it listens from its start
             wanted = Wanted(session_id, reason, requested_at, tracing.traceparent())
             waiting = await queue.push(pool_channel(self.namespace, slot), wanted)
-            if waiting >= STALLED_CHANNEL:
-                await self._check_host(slot)
+            if waiting >= STALLED_CHANNEL and slot not in self._host_checks:
+                # Behind the request, not on its path: the request is in the channel
+                # already, and a host that does not answer is asked for up to
+                # ``MAX_ATTEMPTS`` x ``ACTIVATE_TIMEOUT_S``. Awaited here, a webhook
+                # that found the channel stalled waited for all of it before its answer.
+                check = asyncio.create_task(self._check_host(slot))
+                self._host_checks[slot] = check
+                check.add_done_callback(functools.partial(self._host_checked_out, slot))
             return
         for attempt in range(MAX_ATTEMPTS):
             try:

@@ -1,0 +1,74 @@
+"""A request that finds its pool host's channel stalled is answered at once; the host
+is checked behind it (pure code, no Ray started: the queue and the host are fakes)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from actors import ray_activator
+from actors.ray_activator import RayActivator
+from torpor.ports import Reason
+from torpor.ports.activation import Wanted
+from torpor.settings import Settings
+
+
+class StalledChannel:
+    """A channel nobody takes from: every push finds the line long."""
+
+    def __init__(self) -> None:
+        self.pushed: list[Wanted] = []
+
+    async def push(self, channel: str, wanted: Wanted) -> int:
+        self.pushed.append(wanted)
+        return ray_activator.STALLED_CHANNEL + len(self.pushed)
+
+
+class SilentHost:
+    """A host that never answers ``listen`` (a node gone, not yet declared dead)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.listen = SimpleNamespace(remote=self._listen)
+
+    def _listen(self) -> asyncio.Future[bool]:
+        self.asked += 1
+        return asyncio.get_running_loop().create_future()  # never answered
+
+
+def pooled_activator(queue: StalledChannel, host: SilentHost) -> Any:
+    activator: Any = RayActivator.__new__(RayActivator)  # no Ray: the host is a fake
+    activator.settings = Settings()
+    activator.services = SimpleNamespace(activations=queue)
+    activator.namespace = "t"
+    activator._hosts = {}
+    activator._host_checked = {}
+    activator._host_checks = {}
+    activator._watchers = set()
+    activator._predecessor = None
+    activator.standby = None
+    activator._host = lambda slot: host
+    return activator
+
+
+async def test_a_request_to_a_stalled_channel_is_not_held_for_the_hosts_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check asks a host that does not answer for up to 40 x 20 s. Awaited on the
+    request's path, a webhook whose push found the line long waited for all of it
+    before its 202 (and an in-process sender's whole batch behind it)."""
+    monkeypatch.setattr(ray_activator, "ACTIVATE_TIMEOUT_S", 30.0)
+    queue, host = StalledChannel(), SilentHost()
+    activator = pooled_activator(queue, host)
+    async with asyncio.timeout(5):
+        await activator._pooled("s_1", Reason.EVENT, 0.0)
+        await activator._pooled("s_2", Reason.EVENT, 0.0)
+    assert len(queue.pushed) == 2
+    await asyncio.sleep(0)  # the check starts behind the requests
+    assert host.asked == 1, "one check at a time, not one per request"
+    assert len(activator._host_checks) == 1
+    await activator.close()
+    assert activator._host_checks == {}
