@@ -178,12 +178,21 @@ def _failed_file(folder: str, boot: str) -> str:
     return f"{folder}/failed-{boot}"
 
 
-def _record_failure(folder: str, boot: str) -> None:
-    """Say, durably, that a flush of the file system failed in ``boot``: no checkpoint of
-    the boot may vouch for what it covered (best effort: the disk is failing)."""
+def record_failure(folder: str, boot: str) -> None:
+    """Say, durably, that a flush of what ``folder`` holds failed in ``boot``: no later
+    flush of the boot, in any process, may vouch for what it covered (best effort: the
+    disk is failing). Seen by other processes as soon as the name is made, before the
+    folder's flush: they look for it with ``failure_recorded``."""
     with contextlib.suppress(OSError):
         os.close(os.open(_failed_file(folder, boot), os.O_WRONLY | os.O_CREAT, 0o600))
         fsync_dir(folder)
+
+
+def failure_recorded(folder: str, boot: str) -> bool:
+    """Whether a flush of what ``folder`` holds failed in ``boot``, in any process
+    (``record_failure``): one stat. A reboot's page cache holds none of the pages a
+    failed writeback dropped, so another boot's failure is not looked for."""
+    return os.path.exists(_failed_file(folder, boot))
 
 
 def _write_mark(folder: str, boot: str, mark: int) -> None:
@@ -558,7 +567,7 @@ class WriteAheadLog:
             # process's.
             if self.not_checkpointing is not None:
                 return False
-            if not os.path.exists(_failed_file(self.folder, self.boot)):
+            if not failure_recorded(self.folder, self.boot):
                 return False
             self.not_checkpointing = "a flush of the file system failed in another process"
             return True
@@ -591,7 +600,7 @@ class WriteAheadLog:
             with self._told:
                 self.not_checkpointing = f"a flush of the file system failed ({exc})"
             with _folder_lock(self.folder, ".marks.lock"):
-                _record_failure(self.folder, self.boot)
+                record_failure(self.folder, self.boot)
             raise
         finally:
             os.close(fd)
