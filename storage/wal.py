@@ -84,7 +84,8 @@ SEGMENT_MAX_BYTES = 64 << 20
 CHECKPOINT_AFTER_S = 30.0
 # How long the ager holds the log between looks: a log nothing else holds any more is
 # collected within this (a closed one is let go at once), and another process's failed
-# checkpoint (``failed-<boot>``) is known here within this too.
+# checkpoint (``failed-<boot>``) is known here within this too, as is any other failed
+# flush the log was asked to look for (``watch``).
 AGE_POLL_S = 1.0
 RECORD_MAX_BYTES = 1 << 20
 _SUFFIX = ".log"
@@ -256,6 +257,9 @@ class WriteAheadLog:
         self.folder = folder
         self.boot = boot if boot is not None else boot_id()
         self._flush = flush
+        # Other looks of the ager's (``watch``); kept by a forked child, whose ager calls
+        # them again once it runs.
+        self._watched: list[Callable[[], object]] = []
         os.makedirs(folder, exist_ok=True)
         self._reset()
         with self._lock:  # now, not at the first append: it also watches for ``failed-<boot>``
@@ -550,13 +554,22 @@ class WriteAheadLog:
             exc_info=traceback,
         )
 
+    def watch(self, look: Callable[[], object]) -> None:
+        """Have the ager call ``look`` at each of its looks (every ``AGE_POLL_S``), as it
+        looks for ``failed-<boot>``: another marker of a failed flush (``record_failure``)
+        that a process which does not write would otherwise never look for, and whose
+        health would stay clean. ``look`` must not raise, nor block for long."""
+        self._watched.append(look)
+
     def _look_for_failure(self) -> None:
         """The ager's look for a checkpoint of another process that failed its flush in
         this boot: a process that writes finds it at its next checkpoint, but one that
         has not written since runs none, and would report a clean health for as long as
-        it stays quiet."""
+        it stays quiet. The looks it was asked for too (``watch``)."""
         if self._learn_of_failure():
             self._say_not_checkpointing(traceback=False)
+        for look in tuple(self._watched):
+            look()
 
     def _learn_of_failure(self) -> bool:
         """Whether ``failed-<boot>`` is newly found beside the marks (a stat, until it is
