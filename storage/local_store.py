@@ -350,11 +350,14 @@ class LocalObjectStore:
         # replay included.
         try:
             self._rows = small_objects.SmallObjects(
-                str(self.root / _SMALL), flush=self._inline.log_flushed
+                str(self.root / _SMALL), flush=self._inline.log_flushed, boot=boot
             )
             self._rows.adopt(self._objects, forget=self._forget)
         except (OSError, StorageUnavailable) as exc:
             raise ConfigError(f"local object store {self.root}: {exc}") from exc
+        # Another process's failed flush of the rows' log, learned of by a process that
+        # does not write (its flushes look themselves), for its health (``trouble``).
+        self._log.watch(self._rows.look_for_failure)
         self._row_creates: LoopBatches[_RowCreate, int] = LoopBatches(
             at_once=CREATES_AT_ONCE, failed=_translated
         )
@@ -382,12 +385,16 @@ class LocalObjectStore:
         """``ReportsTrouble``: why the log no longer checkpoints, if it does not, and why
         the rows' log can no longer be made durable, if it cannot (every inbox event,
         replay marker and audit block is refused from then on: without this the store
-        answered its health checks clean while every webhook of the process failed)."""
+        answered its health checks clean while every webhook of the process failed), in
+        this process or, within ``wal.AGE_POLL_S``, another of the boot's."""
         found = []
         if (reason := self._log.not_checkpointing) is not None:
             found.append(f"write-ahead log not checkpointing: {reason}")
         if (failed := self._rows.failed_flush) is not None:
-            found.append(f"small objects' log not durable, every row write refused: {failed}")
+            found.append(
+                f"small objects' log not durable, every row write refused: a flush failed"
+                f" ({failed})"
+            )
         return "; ".join(found) or None
 
     # -- paths ----------------------------------------------------------------------

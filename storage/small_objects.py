@@ -22,7 +22,16 @@ the folder is:
   so no writer waits for the disk meanwhile. A committed frame leaves the log only
   through a checkpoint, which flushes the log before it copies anything and the
   database before the log is reused or emptied, so flushing the log's file covers
-  every commit that preceded the flush, wherever it now lives.
+  every commit that preceded the flush, wherever it now lives;
+* a flush that fails ends that for the rest of the boot, in every process: the kernel
+  may have dropped the pages it could not write, and a later flush, by any process of
+  the host, may then succeed without having written them. The failing process leaves
+  ``failed-<boot>`` beside the database (``wal.record_failure``, as the folder's
+  write-ahead log does for its checkpoints). Every other process looks for it at the
+  end of each flush, so no flush that ends after it was made reports a commit durable,
+  and its store's log's ager looks every ``wal.AGE_POLL_S`` for its health
+  (``look_for_failure``). A reboot's page cache holds none of the dropped pages: another
+  boot's marker counts for nothing.
 
 Which keys live here is fixed by their prefix (``PREFIXES``), never by size or by
 caller, so every process looks for a key in the one place it can be; a listing whose
@@ -66,7 +75,9 @@ BUSY_WAIT_MS = 30_000
 ADOPT_BATCH = 1000
 # Why a flush of a table's log failed, per database: for every store of this process
 # that opens it (the pages the kernel dropped were this process's page cache's too).
+# Other processes learn of it from the database's folder (``wal.record_failure``).
 _FAILED: dict[str, str] = {}
+_ELSEWHERE = "in another process of this boot"
 _INHERITED: list[sqlite3.Connection] = []  # a forked parent's, in use at the fork
 _EVERY: weakref.WeakSet[SmallObjects] = weakref.WeakSet()  # this process's (a fork's too)
 _LEAVING: dict[int, threading.Lock] = {}  # per process: a lock a parent held is no child's
@@ -109,10 +120,18 @@ class SmallObjects:
     """The rows. Every method is blocking; ``wait=False`` ones may be called on an event
     loop's thread: they raise ``Busy`` rather than wait for another process."""
 
-    def __init__(self, folder: str, *, flush: Callable[[int], None] = os.fdatasync) -> None:
-        """``flush(fd)`` makes the table's log durable (the store times it)."""
+    def __init__(
+        self,
+        folder: str,
+        *,
+        flush: Callable[[int], None] = os.fdatasync,
+        boot: str | None = None,
+    ) -> None:
+        """``flush(fd)`` makes the table's log durable (the store times it); ``boot``: the
+        boot this process runs in (``wal.boot_id``), whose failed flushes count."""
         self.folder = folder
         self._flush = flush
+        self.boot = boot if boot is not None else wal.boot_id()
         self.path = os.path.join(folder, DATABASE)
         self._counted = threading.Lock()
         self._flushing = threading.Lock()
@@ -329,10 +348,7 @@ class SmallObjects:
                 return  # a flush that covered it ended while this one waited
             failed = _FAILED.get(self.path)
             if failed is not None:
-                raise StorageUnavailable(
-                    f"small objects at {self.path}: a flush of the log failed"
-                    f" ({failed}); nothing committed since it can be made durable"
-                )
+                raise _refused(self.path, failed)
             target = self.committed
             fd = self._log()
             if fd >= 0:
@@ -342,17 +358,36 @@ class SmallObjects:
                     # The kernel may have dropped the pages it could not write and report
                     # the next flush clean: that flush would cover nothing, and a log
                     # that lost a frame is read back only up to it, later commits
-                    # included. No commit here is reported durable again.
+                    # included. No commit here is reported durable again, nor in any
+                    # other process: the pages were the host's page cache's.
                     _FAILED[self.path] = exc.strerror or str(exc)
+                    wal.record_failure(self.folder, self.boot)
                     raise
+            # Looked for after the flush, not before: a flush that ends after another
+            # process's (or another store's of this process) failed is the one that may
+            # have succeeded falsely.
+            if (failed := self.look_for_failure()) is not None:
+                raise _refused(self.path, failed)
             self.synced = max(self.synced, target)
             self._since_checkpoint += 1
 
     @property
     def failed_flush(self) -> str | None:
-        """Why a flush of the table's log failed in this process, if one did: from then
-        on no commit is reported durable (``sync``), so every row write fails."""
+        """Why a flush of the table's log failed in this boot, if one did in this process,
+        or in another and this one has looked since (``look_for_failure``): from then on
+        no commit is reported durable (``sync``), so every row write fails. No I/O: read
+        by every health check."""
         return _FAILED.get(self.path)
+
+    def look_for_failure(self) -> str | None:
+        """``failed_flush``, after a look (one stat, until one is found) for the
+        ``failed-<boot>`` another process's failed flush left. Made after each flush,
+        and, for a process that does not write, by its store's log's ager
+        (``wal.WriteAheadLog.watch``), every ``wal.AGE_POLL_S``. Never raises."""
+        failed = _FAILED.get(self.path)
+        if failed is None and wal.failure_recorded(self.folder, self.boot):
+            failed = _FAILED.setdefault(self.path, _ELSEWHERE)
+        return failed
 
     def checkpoint_due(self) -> bool:
         """Whether enough flushes went by for a checkpoint: True once each time, and the
@@ -477,6 +512,13 @@ def _leave_the_parents() -> None:
             rows._opening = threading.Lock()  # a parent's thread may be reopening them
             rows._pid = pid
             rows._closed = True  # its next use opens its own
+
+
+def _refused(path: str, failed: str) -> StorageUnavailable:
+    return StorageUnavailable(
+        f"small objects at {path}: a flush of the log failed ({failed});"
+        " nothing committed since it can be made durable"
+    )
 
 
 def _size(path: str) -> int:

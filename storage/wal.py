@@ -183,7 +183,8 @@ def record_failure(folder: str, boot: str) -> None:
     """Say, durably, that a flush of what ``folder`` holds failed in ``boot``: no later
     flush of the boot, in any process, may vouch for what it covered (best effort: the
     disk is failing). Seen by other processes as soon as the name is made, before the
-    folder's flush: they look for it with ``failure_recorded``."""
+    folder's flush: they look for it with ``failure_recorded``. Here, a checkpoint's flush
+    of the file system; in ``storage.small_objects``, a flush of its table's log."""
     with contextlib.suppress(OSError):
         os.close(os.open(_failed_file(folder, boot), os.O_WRONLY | os.O_CREAT, 0o600))
         fsync_dir(folder)

@@ -1,8 +1,9 @@
 """The local store's per-webhook objects as rows of one SQLite table
 (``storage.small_objects``): the same create-only and compare-and-swap semantics as its
 files, for every process on the host; listings that span rows and files; what an older
-version left as files moved in; a writer killed after its commit; and a table locked by
-another process, which the caller's event loop does not wait for."""
+version left as files moved in; a writer killed after its commit; a table locked by
+another process, which the caller's event loop does not wait for; and a failed flush of
+the table's log, which every process of the boot refuses row writes for."""
 
 from __future__ import annotations
 
@@ -666,6 +667,95 @@ async def test_a_failed_flush_of_the_rows_log_is_trouble_the_store_reports(
     trouble = store.trouble()
     assert trouble is not None and "Input/output error" in trouble, trouble
     assert "small objects" in trouble, trouble
+    await store.close()
+
+
+# A process whose flush of the rows' log fails (what a failed writeback reports), in the
+# boot it is told: its row write is refused, it leaves ``failed-<boot>`` beside the
+# table, and it exits.
+_FAILING_ROWS_FLUSH = """
+import asyncio, errno, sys
+from storage import wal
+from storage.local_store import LocalObjectStore
+from torpor.errors import StorageUnavailable
+
+wal.boot_id = lambda: sys.argv[2]
+
+def flush(fd):
+    raise OSError(errno.EIO, "Input/output error")
+
+store = LocalObjectStore(sys.argv[1])
+store._rows._flush = flush
+try:
+    asyncio.run(store.put_if_absent("inbox/child/e", b"child"))
+except StorageUnavailable:
+    print("refused")
+else:
+    sys.exit("the child's flush did not fail")
+"""
+
+
+def fail_a_rows_flush_in_another_process(root: Path, boot: str) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", _FAILING_ROWS_FLUSH, str(root), boot],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    assert child.stdout.strip() == b"refused", child.stdout
+
+
+async def test_a_rows_flush_failed_in_another_process_refuses_this_ones_row_writes(
+    tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failed flush may have dropped pages of the one log every process of the host
+    writes, and this process's next flush may then succeed without writing them: from
+    then on none of its row writes is acknowledged either, not only the failing
+    process's. Its flush looks, not only its ager: a flush that ends after another
+    process's failed is the one that may have succeeded falsely."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 3600.0)  # the ager's first look finds nothing
+    store = LocalObjectStore(tmp_path)
+    await store.put_if_absent("inbox/s/a", b"a")  # durable: the disk was fine
+    fail_a_rows_flush_in_another_process(tmp_path, boot[0])
+    with pytest.raises(StorageUnavailable, match="another process"):
+        await store.put_if_absent("inbox/s/b", b"b")
+    with pytest.raises(StorageUnavailable, match="another process"):
+        await store.delete("inbox/s/a")
+    await store.put_if_absent("kept/s", b"files have their own log")
+    await store.close()
+
+
+async def test_a_store_that_has_not_written_since_another_process_failed_a_rows_flush_reports_it(
+    tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It runs no flush that would find ``failed-<boot>``: its log's ager looks for it
+    (every ``wal.AGE_POLL_S``), or its health stays clean while every webhook it takes
+    would be refused."""
+    monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
+    quiet = LocalObjectStore(tmp_path)
+    assert quiet.trouble() is None
+    fail_a_rows_flush_in_another_process(tmp_path, boot[0])
+    await eventually(lambda: quiet.trouble() is not None, timeout_s=10, what="the quiet store")
+    trouble = quiet.trouble()
+    assert trouble is not None and "small objects" in trouble and "another process" in trouble
+    await quiet.close()
+
+
+async def test_a_rows_flush_failed_in_an_earlier_boot_refuses_nothing_after_a_reboot(
+    tmp_path: Path, boot: list[str]
+) -> None:
+    """After a reboot the page cache holds none of the pages the failed flush dropped:
+    the earlier boot's marker must not refuse the new boot's writes for ever."""
+    fail_a_rows_flush_in_another_process(tmp_path, "boot-a")
+    rows_folder = str(tmp_path / ".small")
+    assert wal.failure_recorded(rows_folder, "boot-a"), "the failing process left its marker"
+    boot[0] = "boot-b"
+    store = LocalObjectStore(tmp_path)
+    assert store._rows.look_for_failure() is None
+    await store.put_if_absent("inbox/s/a", b"a")
+    assert store.trouble() is None
     await store.close()
 
 
