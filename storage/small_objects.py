@@ -31,7 +31,7 @@ the folder is:
   end of each flush, so no flush that ends after it was made reports a commit durable,
   and its store's log's ager looks every ``wal.AGE_POLL_S`` for its health
   (``look_for_failure``). A reboot's page cache holds none of the dropped pages: another
-  boot's marker counts for nothing.
+  boot's marker counts for nothing, and the first open of the next boot removes it.
 
 Which keys live here is fixed by their prefix (``PREFIXES``), never by size or by
 caller, so every process looks for a key in the one place it can be; a listing whose
@@ -172,6 +172,9 @@ class SmallObjects:
                 waiting.execute(
                     "CREATE TABLE IF NOT EXISTS log_starts (id INTEGER PRIMARY KEY, n INTEGER)"
                 )
+                # An earlier boot's failed flush no longer counts: its marker would
+                # otherwise stay in the folder for good.
+                wal.forget_earlier_failures(self.folder, self.boot)
             for db in (quick, waiting):
                 db.execute("PRAGMA synchronous=NORMAL")
             _start_log(waiting)

@@ -175,8 +175,11 @@ class CheckpointRefused(OSError):
         self.reason = reason
 
 
+_FAILED_PREFIX = "failed-"
+
+
 def _failed_file(folder: str, boot: str) -> str:
-    return f"{folder}/failed-{boot}"
+    return f"{folder}/{_FAILED_PREFIX}{boot}"
 
 
 def record_failure(folder: str, boot: str) -> None:
@@ -195,6 +198,22 @@ def failure_recorded(folder: str, boot: str) -> bool:
     (``record_failure``): one stat. A reboot's page cache holds none of the pages a
     failed writeback dropped, so another boot's failure is not looked for."""
     return os.path.exists(_failed_file(folder, boot))
+
+
+def forget_earlier_failures(folder: str, boot: str) -> None:
+    """Remove the markers (``record_failure``) of every boot but ``boot``: what their
+    failed flushes dropped went with their page cache, and nothing looks for them again.
+    Never raises (a marker left is looked for by no one); a removal a power cut undoes
+    is made again by the next call."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    mine = os.path.basename(_failed_file(folder, boot))
+    for name in names:
+        if name.startswith(_FAILED_PREFIX) and name != mine:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
 
 
 def _write_mark(folder: str, boot: str, mark: int) -> None:

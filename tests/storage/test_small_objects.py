@@ -687,7 +687,7 @@ def flush(fd):
 store = LocalObjectStore(sys.argv[1])
 store._rows._flush = flush
 try:
-    asyncio.run(store.put_if_absent("inbox/child/e", b"child"))
+    asyncio.run(store.put_if_absent("inbox/child/" + sys.argv[2], b"child"))
 except StorageUnavailable:
     print("refused")
 else:
@@ -757,6 +757,20 @@ async def test_a_rows_flush_failed_in_an_earlier_boot_refuses_nothing_after_a_re
     await store.put_if_absent("inbox/s/a", b"a")
     assert store.trouble() is None
     await store.close()
+
+
+def test_an_earlier_boots_failed_rows_flush_leaves_no_marker_once_the_table_is_opened_again(
+    tmp_path: Path,
+) -> None:
+    """Each boot whose disk failed a flush would otherwise leave one more file beside
+    the table, for good; the current boot's own stays."""
+    rows_folder = str(tmp_path / ".small")
+    fail_a_rows_flush_in_another_process(tmp_path, "boot-a")
+    assert wal.failure_recorded(rows_folder, "boot-a")
+    # A process of the next boot opens the table, and its disk fails a flush too.
+    fail_a_rows_flush_in_another_process(tmp_path, "boot-b")
+    assert not wal.failure_recorded(rows_folder, "boot-a")
+    assert wal.failure_recorded(rows_folder, "boot-b")
 
 
 def _open_rows_at(folder: str, start: object, answers: object) -> None:
