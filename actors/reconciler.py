@@ -156,7 +156,9 @@ async def reconciler_status(namespace: str) -> dict[str, Any] | None:
     return status
 
 
-def ensure_reconciler(settings: Settings | ConfigRef, *, start: bool = True) -> Any:
+def ensure_reconciler(settings: Settings | ConfigRef) -> Any:
+    """The namespace's reconciler, made if there is none, and sweeping. (``torpor
+    reconcile`` only looks one up: made there, it swept on after the command.)"""
     config = ConfigRef.of(settings)
     namespace = (settings if isinstance(settings, Settings) else config.load()).namespace
     handle = Reconciler.options(  # type: ignore[attr-defined]
@@ -165,11 +167,10 @@ def ensure_reconciler(settings: Settings | ConfigRef, *, start: bool = True) -> 
         lifetime="detached",
         get_if_exists=True,
     ).remote(config)
-    if start:
-        # With the time a process start may take on a busy node, and no more: a driver's
-        # ``Client()`` and the Serve app's starter wait here in their constructors, and a
-        # reconciler whose node is gone (not yet declared dead) held them for ever.
-        ray.get(handle.start.remote(), timeout=START_TIMEOUT_S)
+    # With the time a process start may take on a busy node, and no more: a driver's
+    # ``Client()`` and the Serve app's starter wait here in their constructors, and a
+    # reconciler whose node is gone (not yet declared dead) held them for ever.
+    ray.get(handle.start.remote(), timeout=START_TIMEOUT_S)
     return handle
 
 

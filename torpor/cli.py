@@ -23,6 +23,7 @@ import contextlib
 import http.client
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -101,6 +102,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    """A duration above zero, refused as a usage error (exit 2) before anything runs."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0")
+    return value
+
+
 def _payload(value: str) -> bytes:
     if value == "-":
         return sys.stdin.buffer.read()
@@ -131,6 +143,8 @@ def _settings() -> Any:
 
 
 RAY_PROBE_TIMEOUT_S = 5.0
+# A sweep takes seconds; a full repair of a large deployment (hourly) can take minutes.
+RECONCILE_TIMEOUT_S = 120.0
 
 
 def _probe(address: str) -> None:
@@ -539,14 +553,35 @@ def cmd_deliveries(args: argparse.Namespace) -> int:
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
     import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
 
-    from actors.config_ref import ConfigRef
-    from actors.reconciler import ensure_reconciler
+    from actors.reconciler import NAME
 
     settings = _settings()
-    _ray_init(address=args.address or "auto", namespace=settings.namespace, log_to_driver=False)
-    handle = ensure_reconciler(ConfigRef.of_loaded(settings), start=False)
-    _print(ray.get(handle.sweep_once.remote()), args)
+    namespace = settings.namespace
+    _ray_init(address=args.address or "auto", namespace=namespace, log_to_driver=False)
+    try:
+        # Looked up, never made: made here, a detached reconciler started on this shell's
+        # configuration and swept on after the command, wherever that pointed.
+        handle = ray.get_actor(NAME, namespace=namespace)  # Ray's own deadline bounds it
+    except ValueError:
+        raise Unreachable(
+            f"no reconciler runs in namespace {namespace!r} (torpor serve starts one)"
+        ) from None
+    except GetTimeoutError as exc:
+        raise Unreachable(f"cannot look up the reconciler: {exc}") from None
+    try:
+        # A reconciler that is stuck, or being restarted (Ray retries the call until it is
+        # back), held the command for ever.
+        report: Any = ray.get(handle.sweep_once.remote(), timeout=args.timeout_s)
+    except GetTimeoutError:
+        raise Unreachable(
+            f"the reconciler did not answer within {args.timeout_s:g} s (stuck, or being "
+            "restarted); its sweep may still run (a long one needs a larger --timeout-s)"
+        ) from None
+    except RayActorError as exc:
+        raise Unreachable(f"the reconciler died during the sweep: {exc}") from None
+    _print(report, args)
     return 0
 
 
@@ -673,6 +708,12 @@ def parser() -> argparse.ArgumentParser:
 
     s = command("reconcile", help="run one reconciler sweep now")
     s.add_argument("--address", help="Ray address (default: auto, the running cluster)")
+    s.add_argument(
+        "--timeout-s",
+        type=_seconds,
+        default=RECONCILE_TIMEOUT_S,
+        help=f"wait this long for the sweep (default: {RECONCILE_TIMEOUT_S:g})",
+    )
     s.set_defaults(fn=cmd_reconcile)
 
     s = command("keys", help="generate an API key, a source secret or a capability key")
