@@ -1,22 +1,83 @@
-"""The names of a namespace's live named actors, by prefix.
+"""Named actors, looked up and listed off the event loop, each call with a deadline.
 
-Sessions (``session:<id>``) and standbys (``session-standby:<holder>:<hex>``) are found by
-their names: the activator counts its live sessions, a restarted holder finds the
-standbys its predecessor left. Both ask the GCS once for every named actor it knows and
-filter here: ``list_named_actors`` has no namespace-and-prefix query of its own.
+Sessions (``session:<id>``), standbys (``session-standby:<holder>:<hex>``), work watchers
+(``work:<id>``) and the reconciler are found by their names. ``ray.get_actor`` and
+``ray.util.list_named_actors`` are synchronous calls to the GCS, bounded only by Ray's
+own deadline (``gcs_server_request_timeout_seconds``, 60 s): made on an event loop, a
+slow GCS stalled every other coroutine of the process for that long (a Serve replica's
+webhooks, a pool host's activations, a watcher's progress writes). They run here in
+threads of their own (``torpor.threads``), and a call with no answer within
+``LOOKUP_TIMEOUT_S`` fails that one operation with ``ClusterUnavailable``; its thread
+is left to end within Ray's deadline.
+
+Ray allows both from any thread: its core worker's API is thread-safe (Ray's own Serve
+starts its controller from ``asyncio.to_thread`` for that reason), both calls let go of
+the GIL while they wait for the GCS, and an async actor's loop already runs on a thread
+that is not its process's main one. The one hazard is a thread still inside a Ray call
+when its process tears Ray down (ray#47864): the pool's threads are joined at exit
+before Ray's own exit hook runs, and only a lookup given up at its deadline is left.
+
+``list_named_actors`` has no namespace-and-prefix query of its own: it lists every named
+actor the GCS knows, and ``named_actors`` filters here.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import ray
+from ray.exceptions import GetTimeoutError
+
+from torpor.errors import ClusterUnavailable
+from torpor.threads import ProcessPool
+
+T = TypeVar("T")
+
+# A lookup answers in milliseconds from a GCS that works; this is a GCS failing over or
+# swamped, well before Ray's own 60 s, and soon enough for a caller to try again.
+LOOKUP_TIMEOUT_S = 10.0
+# Not asyncio's default executor (shared with sync tools and everything else): lookups
+# stuck on a GCS that does not answer hold these threads, and only these.
+LOOKUPS = ProcessPool(8, "torpor-ray-lookup")
 
 
-def named_actors(namespace: str, prefix: str) -> list[str]:
-    """The names in ``namespace`` that start with ``prefix``. One GCS call: on the
-    caller's thread (no Ray call from a loop's worker thread)."""
+async def _bounded(fn: Callable[[], T], what: str, timeout_s: float | None) -> T:
+    timeout_s = LOOKUP_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        # The wait for a free thread counts too: a queued lookup given up is never made.
+        async with asyncio.timeout(timeout_s):
+            return await LOOKUPS.run(fn)
+    except TimeoutError as exc:
+        if isinstance(exc, GetTimeoutError):
+            raise  # Ray's own deadline, reached first: the caller's to read as before
+        raise ClusterUnavailable(
+            f"{what}: the GCS did not answer within {timeout_s:g} s", timeout_s=timeout_s
+        ) from None
+
+
+async def get_actor(name: str, namespace: str | None, *, timeout_s: float | None = None) -> Any:
+    """``ray.get_actor(name, namespace=namespace)`` off the loop: ``ValueError`` when no
+    actor has that name (as Ray's), ``ClusterUnavailable`` past ``timeout_s`` (default:
+    ``LOOKUP_TIMEOUT_S``)."""
+    return await _bounded(
+        lambda: ray.get_actor(name, namespace=namespace), f"looking up actor {name!r}", timeout_s
+    )
+
+
+def _filtered(namespace: str, prefix: str) -> list[str]:
     named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
     return [
         actor["name"]
         for actor in named
         if actor.get("namespace") == namespace and actor["name"].startswith(prefix)
     ]
+
+
+async def named_actors(namespace: str, prefix: str, *, timeout_s: float | None = None) -> list[str]:
+    """The names in ``namespace`` that start with ``prefix``: one GCS call, off the loop,
+    ``ClusterUnavailable`` past ``timeout_s`` (default: ``LOOKUP_TIMEOUT_S``)."""
+    return await _bounded(
+        lambda: _filtered(namespace, prefix), f"listing the {prefix!r} actors", timeout_s
+    )

@@ -28,7 +28,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -80,14 +80,14 @@ class Admission:
     """How many dedicated session actors this activator has alive, against a cap.
 
     Actors exit on their own when their session sleeps, so once the cap is reached the
-    count is checked against Ray (``alive``: the session ids with a live actor, one call),
-    at most every ``refresh_s`` seconds."""
+    count is checked against Ray (``alive``: the session ids with a live actor, one call
+    off the loop), at most every ``refresh_s`` seconds."""
 
     def __init__(
         self,
         cap: int,
         *,
-        alive: Callable[[], set[str]],
+        alive: Callable[[], Awaitable[set[str]]],
         refresh_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -102,13 +102,14 @@ class Admission:
     def live(self) -> int:
         return len(self._live)
 
-    def admit(self, session_id: str) -> bool:
-        """May ``session_id`` have an actor now? One that is live already always may."""
+    async def admit(self, session_id: str) -> bool:
+        """May ``session_id`` have an actor now? One that is live already always may. A
+        check that Ray does not answer in time raises ``ClusterUnavailable``."""
         if session_id in self._live:
             return True
         if len(self._live) >= self.cap and self._clock() - self._checked_at >= self._refresh_s:
             self._checked_at = self._clock()
-            self._live &= self._alive()
+            self._live &= await self._alive()
         if len(self._live) >= self.cap:
             return False
         self._live.add(session_id)
@@ -187,7 +188,7 @@ class RayActivator:
         placement = await self._placement(session_id, agent)
         if placement is Placement.POOLED:
             await self._pooled(session_id, reason, requested_at)
-        elif self.admission.admit(session_id):
+        elif await self.admission.admit(session_id):
             await self._dedicated(session_id, reason, requested_at)
         else:
             await self._defer(session_id)
@@ -202,9 +203,9 @@ class RayActivator:
         at = self.services.clock.now() + timedelta(seconds=delay)
         await self.services.index.schedule(kind=TimerKind.RETRY, member=session_id, at=at)
 
-    def _live_sessions(self) -> set[str]:
+    async def _live_sessions(self) -> set[str]:
         prefix = actor_name("")
-        named = named_actors(self.namespace, prefix)
+        named = await named_actors(self.namespace, prefix)
         return {name.removeprefix(prefix) for name in named} | set(self._adopted)
 
     async def _placement(self, session_id: str, agent: str | None) -> Placement:
@@ -340,7 +341,7 @@ class RayActivator:
         retires the free ones its predecessor left: nothing would keep them, and they
         wait for sessions on the settings they were started with."""
         try:
-            left = left_by(holder, self.namespace)
+            left = await left_by(holder, self.namespace)
             # Asked, never killed (as ``StandbySet.inherit``): one running a session
             # declines and runs it, and one too busy to answer is asked again.
             answered = await asyncio.gather(*(ask_to_retire(h) for h in left))

@@ -25,6 +25,7 @@ from ray import serve
 
 from actors import metrics
 from actors.config_ref import ConfigRef
+from actors.named import get_actor
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.standby import START_TIMEOUT_S
@@ -149,7 +150,7 @@ async def reconciler_status(namespace: str) -> dict[str, Any] | None:
     """The running reconciler's counters and last sweep report (None if there is none);
     the operator console shows each step's last error from it. The caller bounds it."""
     try:
-        handle = await asyncio.to_thread(ray.get_actor, NAME, namespace=namespace)
+        handle = await get_actor(NAME, namespace)
     except ValueError:  # no such actor
         return None
     status: dict[str, Any] = await handle.status.remote()

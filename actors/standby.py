@@ -31,7 +31,7 @@ import logging
 import os
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -46,7 +46,7 @@ from ray.exceptions import (
 
 from actors import metrics
 from actors.config_ref import settings_digest
-from actors.named import named_actors
+from actors.named import get_actor, named_actors
 from torpor import __version__
 from torpor.settings import Settings
 
@@ -92,18 +92,20 @@ async def inheritance_key(settings: Settings, salt: bytes) -> bytes:
     Ray call, and must not make a weak inline secret cheap to guess. Never logged."""
     runtime_env: str = ray.get_runtime_context().get_runtime_env_string()  # type: ignore[no-untyped-call]
     runs = f"{settings_digest(settings)}:{__version__}:{runtime_env}".encode()
-    # Only the hashing leaves the loop's thread: Ray is asked nothing from a worker thread.
+    # The hashing leaves the loop's thread: a tenth of a second of CPU, on purpose.
     return await asyncio.to_thread(hashlib.pbkdf2_hmac, "sha256", runs, salt, KEY_ROUNDS)
 
 
-def left_by(holder: str, namespace: str) -> list[Any]:
+async def left_by(holder: str, namespace: str) -> list[Any]:
     """The standbys named after ``holder`` in ``namespace`` (its predecessor's, when a
     holder was restarted and has started none of its own yet): a few calls to the GCS,
-    once per holder's start, on the caller's thread (no Ray call from a worker thread)."""
+    once per holder's start, each off the loop with a deadline (``actors.named``: on
+    the loop, a slow GCS held the holder's every other coroutine, the reconciler's
+    sweeps among them); one past it fails the search with ``ClusterUnavailable``."""
     found = []
-    for name in named_actors(namespace, standby_prefix(holder)):
+    for name in await named_actors(namespace, standby_prefix(holder)):
         with contextlib.suppress(ValueError):  # gone since the listing
-            found.append(ray.get_actor(name, namespace=namespace))
+            found.append(await get_actor(name, namespace))
     return found
 
 
@@ -246,7 +248,7 @@ class StandbySet:
 
     async def inherit(
         self,
-        find: Callable[[], Sequence[Any]],
+        find: Callable[[], Awaitable[Sequence[Any]]],
         settings: Settings,
         timeout_s: float = KEEP_TIMEOUT_S,
     ) -> int:
@@ -260,7 +262,7 @@ class StandbySet:
         many joined."""
         self._inheriting = True
         try:
-            handles = find()
+            handles = await find()
             salt = os.urandom(16)
             key = (await inheritance_key(settings, salt)).hex()  # slow on purpose
             answers = await asyncio.gather(*(self._asked(h, salt, key, timeout_s) for h in handles))

@@ -272,6 +272,16 @@ class ActivationUnavailable(RetryableError):
     status, title = 503, "Activation unavailable"
 
 
+class ClusterUnavailable(RetryableError, TimeoutError):
+    """The cluster's control plane (Ray's GCS) did not answer a lookup of named actors
+    within its deadline: that one operation fails, and is asked again later. A
+    ``TimeoutError``, as Ray's own ``GetTimeoutError`` for the same lookup is, for the
+    callers that already read that one as "not known gone"."""
+
+    code = "cluster_unavailable"
+    status, title = 503, "Cluster unavailable"
+
+
 # --- webhooks ------------------------------------------------------------------------
 
 

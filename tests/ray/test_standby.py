@@ -382,7 +382,10 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
         # A set with one slot takes one of what it finds and stops the other.
         small = StandbySet(1, second._spawn_standby)
 
-        assert await small.inherit(lambda: left, env.settings) == 1
+        async def found() -> list[Any]:
+            return left
+
+        assert await small.inherit(found, env.settings) == 1
         stopped = [h for h in left if h not in small._ready]
         await eventually(lambda: exited(stopped[0]), what="the one past the size stops")
         # Restarted on other settings: what it finds is stopped, not handed sessions.

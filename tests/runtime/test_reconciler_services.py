@@ -43,7 +43,11 @@ async def test_a_reconciler_whose_services_did_not_open_at_first_sweeps_once_the
     again. The loops start, count the failed open as a failed sweep, and sweep once the
     services open."""
     monkeypatch.setattr(ray_activator, "alive_nodes", lambda: 1)
-    monkeypatch.setattr(ray_activator, "left_by", lambda holder, namespace: [])
+
+    async def none_left(holder: str, namespace: str) -> list[Any]:
+        return []
+
+    monkeypatch.setattr(ray_activator, "left_by", none_left)
     monkeypatch.delenv(SECRET_ENV, raising=False)
     extra = {"security": {"audit_key": f"env:{SECRET_ENV}"}, "reconciler": {"interval_s": 0.01}}
     actor = bare_reconciler(settings_for(tmp_path, redis_url, redis_prefix, extra=extra))

@@ -21,17 +21,21 @@ class Clock:
         return self.t
 
 
-def test_admits_up_to_the_cap_then_refuses_until_an_actor_is_gone() -> None:
+async def test_admits_up_to_the_cap_then_refuses_until_an_actor_is_gone() -> None:
     alive = {"a", "b"}
     clock = Clock()
-    admission = Admission(2, alive=lambda: set(alive), refresh_s=1.0, clock=clock)
-    assert admission.admit("a") and admission.admit("b")
-    assert admission.admit("a"), "a live actor takes more requests"
-    assert not admission.admit("c")
+
+    async def live() -> set[str]:
+        return set(alive)
+
+    admission = Admission(2, alive=live, refresh_s=1.0, clock=clock)
+    assert await admission.admit("a") and await admission.admit("b")
+    assert await admission.admit("a"), "a live actor takes more requests"
+    assert not await admission.admit("c")
     alive.discard("a")  # its session went to sleep and the actor exited
-    assert not admission.admit("c"), "Ray is asked at most once per refresh_s"
+    assert not await admission.admit("c"), "Ray is asked at most once per refresh_s"
     clock.t = 1.0
-    assert admission.admit("c") and admission.live == 2
+    assert await admission.admit("c") and admission.live == 2
 
 
 async def test_a_request_past_the_cap_leaves_a_retry_timer() -> None:
@@ -46,7 +50,11 @@ async def test_a_request_past_the_cap_leaves_a_retry_timer() -> None:
             "config": type("C", (), {"retry_delay": timedelta(seconds=5)})(),
         },
     )()
-    activator.admission = Admission(0, alive=set)
+
+    async def none_alive() -> set[str]:
+        return set()
+
+    activator.admission = Admission(0, alive=none_alive)
     activator._placements = {"s_1": Placement.DEDICATED}
 
     async def never(*_: object) -> None:

@@ -45,11 +45,15 @@ class Actor:
         self.retire = Method(True)
 
 
+async def nothing_alive() -> set[str]:
+    return set()
+
+
 def activator_with_standbys(named: Actor) -> tuple[Any, StandbySet]:
     activator: Any = RayActivator.__new__(RayActivator)  # no Ray: actors are fakes
     activator.namespace, activator.config = "t", object()
     activator._placements = {"s_1": Placement.DEDICATED}
-    activator.admission = Admission(10, alive=set)
+    activator.admission = Admission(10, alive=nothing_alive)
     activator.standby = standby = StandbySet(1, Actor)
     activator._adopted, activator._adopting, activator._watchers = {}, {}, set()
     return activator, standby
@@ -109,7 +113,11 @@ async def test_a_left_standby_that_does_not_answer_its_new_holder_is_asked_to_go
     taken = left_standby(Standing.TAKEN.value)
     standby = StandbySet(2, Actor)
     async with asyncio.timeout(10):
-        joined = await standby.inherit(lambda: [free, silent, taken], Settings(), timeout_s=0.05)
+
+        async def left() -> list[Any]:
+            return [free, silent, taken]
+
+        joined = await standby.inherit(left, Settings(), timeout_s=0.05)
     assert joined == 1 and list(standby._ready) == [free]
     assert len(silent.retire.calls) == 1, "the silent one is asked to go"
     assert not taken.retire.calls and not free.retire.calls
@@ -138,8 +146,12 @@ async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -
     silent_once.retire.remote = remote  # type: ignore[method-assign]
     activator: Any = RayActivator.__new__(RayActivator)
     activator.namespace = "t"
+
+    async def left_by(holder: str, namespace: str) -> list[Actor]:
+        return [silent_once, quick]
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ray_activator, "left_by", lambda holder, ns: [silent_once, quick])
+        patch.setattr(ray_activator, "left_by", left_by)
         patch.setattr(standby_module, "RETIRE_TIMEOUT_S", 0.05)
         async with asyncio.timeout(10):
             await activator._retire_left("holder")

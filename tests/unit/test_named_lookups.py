@@ -1,0 +1,147 @@
+"""Looking named actors up never stalls the event loop, and has a deadline (no Ray
+started: Ray's two GCS calls are replaced, at the module boundary, by slow ones).
+
+``ray.get_actor`` and ``ray.util.list_named_actors`` block their calling thread until
+the GCS answers (Ray's own deadline: 60 s). Made on the loop of a Serve replica, a pool
+host or the reconciler, a slow GCS stalled every other coroutine of the process: each
+test runs one operation that looks actors up while another coroutine ticks on the same
+loop, and measures the longest the ticks were held up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+import ray
+from ray.exceptions import GetTimeoutError
+
+from actors import named
+from actors.ray_activator import Admission, RayActivator
+from actors.standby import left_by, standby_prefix
+from torpor.errors import ClusterUnavailable
+
+SLOW_S = 1.0  # one GCS call under load
+TICK_S = 0.01
+
+
+class SlowGcs:
+    """Ray's two GCS calls, each taking ``SLOW_S`` in the thread that makes it. The
+    listing names ``names`` (in namespace ``t``); no actor is found by its name."""
+
+    def __init__(self, names: tuple[str, ...] = ()) -> None:
+        self.names = names
+        self.calls = 0
+
+    def get_actor(self, name: str, namespace: str | None = None) -> Any:
+        self.calls += 1
+        time.sleep(SLOW_S)
+        raise ValueError(f"Failed to look up actor with name {name!r}")
+
+    def list_named_actors(self, all_namespaces: bool = False) -> list[dict[str, str]]:
+        self.calls += 1
+        time.sleep(SLOW_S)
+        return [{"name": name, "namespace": "t"} for name in self.names]
+
+
+@pytest.fixture
+def gcs(monkeypatch: pytest.MonkeyPatch) -> SlowGcs:
+    slow = SlowGcs(names=(standby_prefix("holder") + "a",))
+    monkeypatch.setattr(ray, "get_actor", slow.get_actor)
+    monkeypatch.setattr(ray.util, "list_named_actors", slow.list_named_actors)
+    return slow
+
+
+async def longest_stall(operation: Callable[[], Awaitable[Any]]) -> float:
+    """The longest another coroutine on this loop waited for its turn while
+    ``operation`` ran (its own errors are not this measure's business)."""
+    ticks: list[float] = []
+    done = False
+
+    async def tick() -> None:
+        while not done:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(TICK_S)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # its first tick is in
+    try:
+        async with asyncio.timeout(30):
+            with contextlib.suppress(Exception):
+                await operation()
+    finally:
+        done = True
+        await ticker
+    ticks.append(time.monotonic())
+    return max(later - earlier for earlier, later in itertools.pairwise(ticks))
+
+
+async def admission_checked() -> None:
+    activator: Any = RayActivator.__new__(RayActivator)  # no Ray: only the admission path
+    activator.namespace, activator._adopted = "t", {}
+    admission = Admission(0, alive=activator._live_sessions)
+    await admission.admit("s_1")  # at the cap: the live session actors are listed
+
+
+async def standbys_left() -> None:
+    await left_by("holder", "t")  # a listing, then a lookup of the one it names
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        admission_checked,
+        standbys_left,
+    ],
+)
+async def test_a_slow_gcs_does_not_stall_the_event_loop(
+    operation: Callable[[], Awaitable[Any]], gcs: SlowGcs
+) -> None:
+    stall = await longest_stall(operation)
+    assert gcs.calls >= 1, "the operation asked the GCS nothing: this measured nothing"
+    assert stall < SLOW_S / 2, f"the loop was held {stall:.2f} s by a {SLOW_S} s GCS call"
+
+
+@pytest.fixture
+def silent_gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """A GCS that answers no lookup until the test ends (then: no such actor)."""
+    answer = threading.Event()
+
+    def get_actor(name: str, namespace: str | None = None) -> Any:
+        answer.wait(30)
+        raise ValueError(f"Failed to look up actor with name {name!r}")
+
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    monkeypatch.setattr(named, "LOOKUP_TIMEOUT_S", 0.2)
+    yield answer
+    answer.set()  # the threads given up on end now
+
+
+async def test_a_lookup_the_gcs_does_not_answer_fails_at_its_deadline_and_may_be_retried(
+    silent_gcs: threading.Event,
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(ClusterUnavailable) as raised:
+        await named.get_actor("work:w1", "t")
+    assert time.monotonic() - started < 5
+    assert raised.value.retryable
+    # A ``TimeoutError``, as Ray's own ``GetTimeoutError``: what callers read as
+    # "not known gone", never as "no such actor".
+    assert isinstance(raised.value, TimeoutError)
+
+
+def test_rays_own_deadline_reached_first_is_raised_as_ray_raised_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def gcs_timeout(name: str, namespace: str | None = None) -> Any:
+        raise GetTimeoutError("There was timeout in getting the actor handle")
+
+    monkeypatch.setattr(ray, "get_actor", gcs_timeout)
+    with pytest.raises(GetTimeoutError):
+        asyncio.run(named.get_actor("work:w1", "t"))
