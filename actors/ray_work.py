@@ -53,6 +53,7 @@ from ray.exceptions import (
 )
 
 from actors.config_ref import ConfigRef
+from actors.named import get_actor
 from actors.ray_activator import RayActivator
 from actors.wiring import open_services
 from storage.factory import open_object_store
@@ -292,13 +293,14 @@ class WorkWatcher:
             if launch.kind is Kind.JOB:
                 return await self._job_run(records, run)
             try:
-                self._ref = self._launched(ctx, run)
+                self._ref = await self._launched(ctx, run)
             except (ValueError, AttributeError, TypeError) as exc:
                 # No such actor (ValueError) or method, options Ray refuses: another run
                 # would meet them again.
                 return _failed("work_not_started", "the work could not be started", exc)
             except Exception as exc:
-                # Anything else (Ray's control plane unavailable): the run is lost, and the
+                # Anything else (Ray's control plane unavailable, ``ClusterUnavailable``
+                # from the actor's lookup): the run is lost, and the
                 # policy may run it again. Its cause is recorded: with none, an actor call
                 # that never started read as one that may still run, and was never rerun.
                 why = f"not started: {type(exc).__name__}: {exc}"[:1000]
@@ -316,7 +318,7 @@ class WorkWatcher:
             # again beside itself; read as lost, run 2 called the actor a second time.
             if self._stopping:
                 return None
-            cut_off = launch.kind is Kind.ACTOR and not _actor_dead(launch)
+            cut_off = launch.kind is Kind.ACTOR and not await _actor_dead(launch)
             why = CALL_CUT_OFF if cut_off else f"{type(exc).__name__}: {exc}"[:1000]
             await records.record_lost(order.work_id, run, why)
             return None
@@ -337,11 +339,11 @@ class WorkWatcher:
             return None
         return await self._answer(records, value)
 
-    def _launched(self, ctx: WorkContext, run: int) -> Any:
+    async def _launched(self, ctx: WorkContext, run: int) -> Any:
         """Start the run (a task, or the call of an actor's method): its object ref."""
         order, launch = self._order, self._launch
         if launch.kind is Kind.ACTOR:
-            handle = ray.get_actor(str(launch.actor), namespace=launch.actor_namespace)
+            handle = await get_actor(str(launch.actor), launch.actor_namespace)
             return getattr(handle, str(launch.method)).remote(dict(order.request), ctx)
         options = {**launch.resources.ray_options(), "max_retries": 0}
         options["name"] = f"work:{order.work_id}:{run}"
@@ -464,11 +466,11 @@ class WorkWatcher:
         return None  # pragma: no cover - the loop returns or raises
 
 
-def _actor_dead(launch: Launch) -> bool:
+async def _actor_dead(launch: Launch) -> bool:
     """True only when no actor answers to the launch's name any more (a dead actor's name
-    is let go): an actor Ray cannot look up right now is not known dead."""
+    is let go): an actor Ray cannot look up right now (in time, too) is not known dead."""
     try:
-        ray.get_actor(str(launch.actor), namespace=launch.actor_namespace)
+        await get_actor(str(launch.actor), launch.actor_namespace)
     except ValueError:
         return True
     except Exception:
@@ -745,7 +747,7 @@ class RayWorkRunner:
     async def stop(self, work: str, *, reason: str) -> None:
         await self.records.stop(work, reason)  # first: no later dispatch starts it again
         try:
-            handle = ray.get_actor(watcher_name(work), namespace=self.settings.namespace)
+            handle = await get_actor(watcher_name(work), self.settings.namespace)
             await asyncio.wait_for(handle.stop.remote(), timeout=STATE_TIMEOUT_S)
         except RayTaskError as exc:
             # The watcher's own stop failed (its job's): Ray's wrapper is no answer for a
@@ -756,7 +758,8 @@ class RayWorkRunner:
             ) from exc
         except (ActorUnavailableError, TimeoutError) as exc:
             # Not known gone (as ``_alive`` reads it): the GCS did not answer the lookup
-            # within Ray's own deadline (``GetTimeoutError``), or the watcher did not take
+            # within its deadline (``ClusterUnavailable``, or Ray's own
+            # ``GetTimeoutError``: both ``TimeoutError``s), or the watcher did not take
             # the stop. Read as "no watcher", the stop of a task or an actor call was
             # reported done while the work ran on. A job is stopped through its own API;
             # the others' stop is asked again.
@@ -785,7 +788,7 @@ class RayWorkRunner:
         work: taken for lost, an actor call's wait (or a last run's) was answered
         ``work_lost`` while the work ran on, and its real answer came too late."""
         try:
-            handle = ray.get_actor(watcher_name(work), namespace=self.settings.namespace)
+            handle = await get_actor(watcher_name(work), self.settings.namespace)
             state: dict[str, Any] = await asyncio.wait_for(
                 handle.state.remote(), timeout=STATE_TIMEOUT_S
             )

@@ -22,10 +22,14 @@ import pytest
 import ray
 from ray.exceptions import GetTimeoutError
 
-from actors import named
+from actors import named, ray_work
+from actors.config_ref import ConfigRef
 from actors.ray_activator import Admission, RayActivator
+from actors.ray_work import Kind, Launch, WorkWatcher
 from actors.standby import left_by, standby_prefix
-from torpor.errors import ClusterUnavailable
+from tests.unit.test_ray_work_runner import a_runner, an_order
+from torpor.errors import ClusterUnavailable, WorkStopFailed
+from torpor.work import WorkState
 
 SLOW_S = 1.0  # one GCS call under load
 TICK_S = 0.01
@@ -82,6 +86,32 @@ async def longest_stall(operation: Callable[[], Awaitable[Any]]) -> float:
     return max(later - earlier for earlier, later in itertools.pairwise(ticks))
 
 
+async def work_status() -> Any:
+    order = an_order()
+    runner = await a_runner(Launch(Kind.ACTOR, actor="model", method="embed"), order)
+    return await runner.status(order.work_id)  # looks its watcher up
+
+
+async def work_stop() -> None:
+    order = an_order()
+    runner = await a_runner(Launch(Kind.TASK, fn=lambda args, ctx: None), order)
+    await runner.stop(order.work_id, reason="cancelled")  # looks its watcher up
+
+
+async def actor_call_started() -> None:
+    order = an_order()
+    launch = Launch(Kind.ACTOR, actor="model", method="embed")
+    runner = await a_runner(launch, order)
+    watcher = WorkWatcher.__ray_metadata__.modified_class(  # type: ignore[attr-defined]
+        ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch
+    )
+    await watcher._execute(runner.records, 1)  # looks the actor up to call it
+
+
+async def actor_known_dead() -> None:
+    await ray_work._actor_dead(Launch(Kind.ACTOR, actor="model", method="embed"))
+
+
 async def admission_checked() -> None:
     activator: Any = RayActivator.__new__(RayActivator)  # no Ray: only the admission path
     activator.namespace, activator._adopted = "t", {}
@@ -96,6 +126,10 @@ async def standbys_left() -> None:
 @pytest.mark.parametrize(
     "operation",
     [
+        work_status,
+        work_stop,
+        actor_call_started,
+        actor_known_dead,
         admission_checked,
         standbys_left,
     ],
@@ -134,6 +168,28 @@ async def test_a_lookup_the_gcs_does_not_answer_fails_at_its_deadline_and_may_be
     # A ``TimeoutError``, as Ray's own ``GetTimeoutError``: what callers read as
     # "not known gone", never as "no such actor".
     assert isinstance(raised.value, TimeoutError)
+
+
+async def test_a_stop_whose_watcher_lookup_times_out_is_asked_again(
+    silent_gcs: threading.Event,
+) -> None:
+    """Read as "no watcher", a task's stop would be reported done while it ran on."""
+    order = an_order()
+    runner = await a_runner(Launch(Kind.TASK, fn=lambda args, ctx: None), order)
+    async with asyncio.timeout(5):
+        with pytest.raises(WorkStopFailed) as raised:
+            await runner.stop(order.work_id, reason="cancelled")
+    assert raised.value.retryable
+
+
+async def test_a_status_whose_watcher_lookup_times_out_is_not_a_lost_run(
+    silent_gcs: threading.Event,
+) -> None:
+    order = an_order()
+    runner = await a_runner(Launch(Kind.ACTOR, actor="model", method="embed"), order)
+    async with asyncio.timeout(5):
+        status = await runner.status(order.work_id)
+    assert status.state is WorkState.RUNNING, status
 
 
 def test_rays_own_deadline_reached_first_is_raised_as_ray_raised_it(
