@@ -158,11 +158,14 @@ class WorkContext:
 
     def progress(self, fraction: float, message: str = "") -> None:
         """Report progress: shown in the session's view and stream, wakes nothing.
-        Fire and forget: a lost report is replaced by the next one. A watcher that
-        cannot be looked up now (the GCS did not answer within Ray's deadline, or the
-        watcher is gone) loses this report and is looked up again at the next: the
-        lookup's error reached the work function, and a report, advisory, failed the
-        work for good (``work_error``)."""
+        Fire and forget: a lost report is replaced by the next one. The watcher hands
+        its own handle in the context, so a report asks the GCS nothing: looked up by
+        name in the work function, a slow GCS held the caller (an async actor's whole
+        loop, for an actor's method) for up to Ray's 60 s. A context without it looks
+        the watcher up; one that cannot be looked up now (the GCS did not answer within
+        Ray's deadline, or the watcher is gone) loses this report and is looked up
+        again at the next: the lookup's error reached the work function, and a report,
+        advisory, failed the work for good (``work_error``)."""
         if self._watcher is None:
             try:
                 self._watcher = ray.get_actor(watcher_name(self.work_id), namespace=self.namespace)
@@ -170,6 +173,16 @@ class WorkContext:
                 log.warning("work %s: its progress report is lost", self.work_id, exc_info=True)
                 return
         self._watcher.progress.remote(max(0.0, min(1.0, float(fraction))), str(message)[:500])
+
+
+def _own_handle() -> Any:
+    """The calling actor's own handle (no GCS call), or None outside an actor."""
+    if not ray.is_initialized():  # a test driving the class: asked, Ray would start one
+        return None
+    try:
+        return ray.get_runtime_context().current_actor
+    except (RuntimeError, RayError):  # not in an actor
+        return None
 
 
 def _run_task(fn: Callable[..., Any], args: dict[str, Any], ctx: WorkContext) -> Any:
@@ -284,6 +297,7 @@ class WorkWatcher:
             idempotency_key=order.idempotency_key,
             run=run,
             namespace=self._settings.namespace,
+            _watcher=_own_handle(),
         )
         if self._stopping:
             # Stopped while this run was being claimed (``stop`` found nothing started

@@ -25,9 +25,9 @@ from ray.exceptions import GetTimeoutError
 from actors import named, ray_work
 from actors.config_ref import ConfigRef
 from actors.ray_activator import Admission, RayActivator
-from actors.ray_work import Kind, Launch, WorkWatcher
+from actors.ray_work import Kind, Launch, WorkContext, WorkWatcher
 from actors.standby import left_by, standby_prefix
-from tests.unit.test_ray_work_runner import a_runner, an_order
+from tests.unit.test_ray_work_runner import Reports, Tasks, a_runner, an_order
 from torpor.errors import ClusterUnavailable, WorkStopFailed
 from torpor.work import WorkState
 
@@ -201,3 +201,37 @@ def test_rays_own_deadline_reached_first_is_raised_as_ray_raised_it(
     monkeypatch.setattr(ray, "get_actor", gcs_timeout)
     with pytest.raises(GetTimeoutError):
         asyncio.run(named.get_actor("work:w1", "t"))
+
+
+async def test_a_work_reports_progress_to_its_watcher_without_asking_the_gcs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watcher hands the work its own handle: a report looked the watcher up by name
+    in the work function, and a slow GCS held it there (an async actor's whole loop,
+    when the work is an actor's method) for up to Ray's 60 s."""
+    own = Reports()
+    context = type("Context", (), {"current_actor": own})()
+    cls = WorkWatcher.__ray_metadata__.modified_class  # type: ignore[attr-defined]
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # as in the watcher's actor
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: context)
+    gcs = SlowGcs()
+    monkeypatch.setattr(ray, "get_actor", gcs.get_actor)
+    handed: list[WorkContext] = []
+
+    class Recorded(Tasks):
+        def remote(self, *args: Any) -> asyncio.Future[Any]:
+            handed.append(args[2])  # (fn, request, ctx)
+            return super().remote(*args)
+
+    monkeypatch.setattr(ray_work.ray, "remote", Recorded(RuntimeError("not run here")))
+    order = an_order()
+    launch = Launch(Kind.TASK, fn=lambda args, ctx: None)
+    runner = await a_runner(launch, order)
+    watcher = cls(ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch)
+    with contextlib.suppress(Exception):
+        await watcher._execute(runner.records, 1)
+    [ctx] = handed
+    started = time.monotonic()
+    ctx.progress(0.5, "half")
+    assert time.monotonic() - started < SLOW_S / 2 and gcs.calls == 0
+    assert own.sent == [(0.5, "half")]
