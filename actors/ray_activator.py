@@ -109,6 +109,8 @@ class Admission:
             return True
         if len(self._live) >= self.cap and self._clock() - self._checked_at >= self._refresh_s:
             self._checked_at = self._clock()
+            # Requests meanwhile count against the set as it was: deferred at the cap (a
+            # RETRY timer), never admitted past it; nothing joins it until this answer.
             self._live &= await self._alive()
         if len(self._live) >= self.cap:
             return False
