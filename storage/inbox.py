@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from storage import keys
 from torpor.errors import ObjectExists, ObjectNotFound
 from torpor.events import InboxEvent
+from torpor.faults import CrashPoint, crash_point
 from torpor.ports import ObjectStore, StagesCreates, Stored, already_durable
 
 
@@ -105,6 +106,7 @@ class ObjectInbox:
                 await self.store.put_if_absent(
                     keys.replay_due(replay_hour(at), source, content_digest), b"", durable=False
                 )
+            crash_point(CrashPoint.REPLAY_DUE_WRITTEN)
         try:
             await self.store.put_if_absent(
                 keys.accepted_content(source, content_digest), stamp, durable=False

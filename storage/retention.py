@@ -64,6 +64,7 @@ from torpor.errors import (
     SnapshotError,
 )
 from torpor.events import InboxEvent
+from torpor.faults import CrashPoint, crash_point
 from torpor.ids import session_id_ms
 from torpor.models import OutboxKind, SessionSnapshot
 from torpor.ports import ObjectStore, StoredObject, WaitBinding
@@ -242,6 +243,7 @@ class ObjectRetention:
         async def one(entry: str, marker: str) -> int:
             async with gate:
                 gone, _ = await self._delete_old_replay(marker, cutoff)
+                crash_point(CrashPoint.REPLAY_MARKER_SWEPT)
                 # After the marker: a crash between leaves the entry, which finds it again.
                 await self.store.delete(entry)
                 return gone + 1

@@ -50,10 +50,24 @@ class CrashPoint(StrEnum):
     BATCH_DOCUMENTS = "batch.documents"  # the documents are written; no manifest yet
     BATCH_MANIFEST = "batch.manifest"  # the manifest is written; no session created yet
     BATCH_FANOUT_CHUNK = "batch.fanout_chunk"  # a chunk of sessions made; cursor not saved
+    # a page of a results export is written; the pages after it and the done record not:
+    # ``batch.export_page.<page>`` (e.g. ``batch.export_page.0``), so a test picks how far
+    # the writer got (a reader must not take the pages for a whole export)
+    BATCH_EXPORT_PAGE = "batch.export_page"
     # the webhook edge (a Serve replica)
     GATEWAY_AFTER_CLAIM = "gateway.after_claim"  # replay claims taken; nothing stored
     GATEWAY_AFTER_INBOX = "gateway.after_inbox"  # the event is in the inbox; no wake timer
     GATEWAY_AFTER_WAKE = "gateway.after_wake"  # the wake timer is set; no replay marker
+    # replay memory (any process that accepts a request, and the retention sweep): the
+    # due entry is written before its marker and deleted after it, so a death between
+    # leaves an entry naming no marker, never a marker that no sweep would find
+    REPLAY_DUE_WRITTEN = "replay.due_written"  # a marker's due entry is stored; no marker
+    REPLAY_MARKER_SWEPT = "sweep.replay_swept"  # a due marker is deleted (or gone); entry left
+    # the operator's retry of a session quarantined for an undecodable snapshot: the wake
+    # timer is armed before the index is told, so a death between, or before the
+    # activation request, leaves the sweeper a timer to wake it by
+    QUARANTINE_RETRY_ARMED = "quarantine.retry_armed"  # wake timer set; index QUARANTINED
+    QUARANTINE_RETRY_RECORDED = "quarantine.retry_recorded"  # index told; no activation
     # deliveries (a Serve replica or the console resending a dead letter)
     DELIVERY_RESENT = "delivery.resent"  # a resend made the delivery pending; no timer set
     DELIVERY_CREATED = "delivery.created"  # a notice's delivery is stored; no timer set

@@ -686,5 +686,6 @@ class BatchService:
             await self.services.batches.put_results_page(
                 batch_id, page, list(lines), generation=generation
             )
+            crash_point(f"{CrashPoint.BATCH_EXPORT_PAGE}.{page}")
         await self.services.batches.seal_results(batch_id, generation=generation, pages=len(pages))
         return generation

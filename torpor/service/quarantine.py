@@ -15,6 +15,7 @@ from typing import Protocol
 
 from torpor.errors import InvalidRequest, SnapshotCorrupt, SnapshotError
 from torpor.events import EventKind, InboxEvent
+from torpor.faults import CrashPoint, crash_point
 from torpor.lifecycle import SessionState
 from torpor.models import AgentRef, Quarantine, SessionSnapshot
 from torpor.ports import Reason
@@ -83,12 +84,14 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         # actor took it) left nothing to activate the session; it never found out
         # whether its snapshot reads now. The activation removes the timer either way.
         await control.arm_wake(session_id)
+        crash_point(CrashPoint.QUARANTINE_RETRY_ARMED)
         await control.services.index.record_session(
             tenant=snapshot.tenant,
             session_id=session_id,
             state=aside.resume_to if poison and aside else snapshot.state,
             generation=snapshot.generation,
         )
+        crash_point(CrashPoint.QUARANTINE_RETRY_RECORDED)
         await control.activate(session_id, reason=Reason.RETRY)
         return snapshot
     assert aside is not None
