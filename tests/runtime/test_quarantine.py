@@ -102,6 +102,26 @@ async def test_a_poison_retry_whose_activation_is_lost_is_activated_by_the_recon
         assert (await index.session_states([sid]))[sid] is S.QUARANTINED
 
 
+async def test_a_repair_leaves_a_poison_quarantine_in_the_index() -> None:
+    """A snapshot that does not decode is quarantined in the index's registry only. A
+    reconciler's full repair (at its start, then periodically) recorded the state its
+    header names (SUSPENDED) over it: the session still read QUARANTINED, the operator's
+    retry was refused ("is QUARANTINED, not QUARANTINED"), and nothing would ever wake
+    it. Repair records what the activation records for it: QUARANTINED."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        await corrupt_body(env, sid)
+        await env.runtime.activate(sid, reason=Reason.EVENT)
+        index = env.services.index
+        report = await Sweeper(env.control).sweep_once()  # a new reconciler: a full repair
+        assert [e.split(":")[0] for e in report.errors] == [f"repair {sid}"]
+        assert (await index.session_states([sid]))[sid] is S.QUARANTINED
+        assert (await env.control.get(sid)).state is S.QUARANTINED
+        await env.control.retry(sid, tenant="acme")  # allowed: it is set aside
+        assert (await index.session_states([sid]))[sid] is S.QUARANTINED  # still poison
+
+
 async def test_a_snapshot_from_a_newer_torpor_is_left_for_it_at_the_backoff_cap() -> None:
     async with memory_env(AGENTS) as env:
         reset()

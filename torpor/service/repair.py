@@ -124,10 +124,19 @@ class IndexRepair:
             tenants.add(header.tenant)
             if isinstance(header, WaitingSession) and header.batch_id is not None:
                 batched.setdefault(header.batch_id, []).append(header.session_id)
+            state = header.state
+            if not isinstance(header, WaitingSession) and not state.terminal:
+                # A live session listed by its header alone: its body does not decode
+                # (``list_live_waiting``). Recorded as the activation that finds it so
+                # records it (``_quarantine_poison``): the header's state, over a
+                # quarantine nothing can write into the snapshot, had the registry say
+                # SUSPENDED while every read showed QUARANTINED, and the operator's retry
+                # refused.
+                state = SessionState.QUARANTINED
             await index.record_session(
                 tenant=header.tenant,
                 session_id=header.session_id,
-                state=header.state,
+                state=state,
                 generation=header.generation,
             )
             if header.state is SessionState.PENDING:
