@@ -122,6 +122,23 @@ async def test_a_repair_leaves_a_poison_quarantine_in_the_index() -> None:
         assert (await index.session_states([sid]))[sid] is S.QUARANTINED  # still poison
 
 
+async def test_a_repair_leaves_a_newer_torpors_session_in_its_state_not_quarantined() -> None:
+    """A snapshot a newer torpor wrote (a rolling upgrade) is not poison: the activation
+    leaves it to the newer torpor, unrecorded, and a repair must not quarantine it either
+    (nothing would take it out but an operator). Repair quarantines a live session it
+    lists by its header alone; a newer torpor's is not listed at all (its header does
+    not decode here either), and this keeps it so."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        await env.runtime.activate(sid, reason=Reason.SUBMIT)
+        before = await env.load(sid)
+        newer = before.model_copy(update={"schema_version": SCHEMA_VERSION + 1})
+        await env.services.store.put(keys.snapshot(sid), SnapshotCodec().encode(newer))
+        await Sweeper(env.control).sweep_once()  # a new reconciler: a full repair
+        assert (await env.services.index.session_states([sid]))[sid] is before.state
+
+
 async def test_a_snapshot_from_a_newer_torpor_is_left_for_it_at_the_backoff_cap() -> None:
     async with memory_env(AGENTS) as env:
         reset()
