@@ -55,6 +55,14 @@ async def corrupt_body(env: MemEnv, sid: str) -> bytes:
     return good
 
 
+async def quarantined(env: MemEnv) -> str:
+    """A session its activation set aside: its snapshot does not decode."""
+    sid = await env.submit("a")
+    await corrupt_body(env, sid)
+    await env.runtime.activate(sid, reason=Reason.EVENT)
+    return sid
+
+
 async def test_a_corrupt_snapshot_is_quarantined_not_retried_for_ever() -> None:
     async with memory_env(AGENTS) as env:
         reset()
@@ -86,9 +94,7 @@ async def test_a_poison_retry_whose_activation_is_lost_is_activated_by_the_recon
     refused, and nothing ever activated it to find out. The wake-up timer does."""
     async with memory_env(AGENTS) as env:
         reset()
-        sid = await env.submit("a")
-        await corrupt_body(env, sid)
-        await env.runtime.activate(sid, reason=Reason.EVENT)
+        sid = await quarantined(env)
         index = env.services.index
         assert (await index.session_states([sid]))[sid] is S.QUARANTINED
         lost = Recording()
@@ -110,9 +116,7 @@ async def test_a_repair_leaves_a_poison_quarantine_in_the_index() -> None:
     it. Repair records what the activation records for it: QUARANTINED."""
     async with memory_env(AGENTS) as env:
         reset()
-        sid = await env.submit("a")
-        await corrupt_body(env, sid)
-        await env.runtime.activate(sid, reason=Reason.EVENT)
+        sid = await quarantined(env)
         index = env.services.index
         report = await Sweeper(env.control).sweep_once()  # a new reconciler: a full repair
         assert [e.split(":")[0] for e in report.errors] == [f"repair {sid}"]
