@@ -25,12 +25,15 @@ class ResultFormat(StrEnum):
 
 async def batch_out(batches: BatchService, batch_id: str, tenant: str) -> BatchOut:
     manifest = await batches.get(batch_id, tenant=tenant)
-    progress = await batches.progress(batch_id, tenant=tenant)
+    # The retry generations once, for the progress and the sessions both: the two agree
+    # on each document's current session, and a poll reads each generation once.
+    attempts = await batches.attempts(manifest)
+    progress = await batches.progress_of(manifest, attempts=attempts)
     usage = await batches.usage(manifest)
     # Each document's current session (its latest retry's), as progress counts it and the
     # results name it: the first ones led a client to a FAILED attempt after a retry. The
     # first page only: the rest are a walk of ``batch_sessions`` from ``next_cursor``.
-    first = sessions_page(await batches.attempts(manifest), cursor=None, limit=SESSIONS_PAGE)
+    first = sessions_page(attempts, cursor=None, limit=SESSIONS_PAGE)
     settings = batches.settings
     base = f"/v1/batches/{batch_id}"
     return BatchOut(

@@ -438,10 +438,19 @@ class BatchService:
         return states
 
     async def progress(self, batch_id: str, *, tenant: str | None = None) -> BatchProgress:
-        manifest = await self.get(batch_id, tenant=tenant)
+        return await self.progress_of(await self.get(batch_id, tenant=tenant))
+
+    async def progress_of(
+        self, manifest: BatchManifest, *, attempts: Attempts | None = None
+    ) -> BatchProgress:
+        """The progress of the batch ``manifest``; ``attempts``: its retry generations as
+        the caller read them. A GET of a batch shows its sessions too: reading them here
+        again read every generation twice per poll (100 retries, 200 store reads)."""
+        batch_id = manifest.batch_id
         created = await self.created(manifest)
         cancelled = await self.services.batches.is_cancelled(batch_id)
-        attempts = await self.attempts(manifest)
+        if attempts is None:
+            attempts = await self.attempts(manifest)
         made = attempts.all_current(created)
         states = await self._states(made)
         counts = Counter(state.value for state in states.values())

@@ -1,0 +1,51 @@
+"""What a look at a batch costs in store reads: a batch's GET, its results and its export
+read each object they need once (memory store, its reads counted; ``test_batches`` has
+what they answer)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from storage import keys
+from tests.runtime.test_batches import World, finished, opened
+from tests.support.harness import keys_read
+from torpor.batches import RetryGeneration
+from torpor.entry.batches import batch_out
+
+RETRIES = 5
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[World]:
+    async with opened({"index_url": "memory://"}) as w:
+        yield w
+
+
+async def retried(world: World, docs: int) -> str:
+    """A finished batch with ``RETRIES`` retry generations (of no document: what is read
+    is counted here, not what a retry does)."""
+    bid = (await finished(world, "fin", [{"id": f"d{i}"} for i in range(docs)])).batch_id
+    now = world.services.clock.now()
+    for g in range(1, RETRIES + 1):
+        made = RetryGeneration(generation=g, documents=[], created_at=now)
+        assert await world.services.batches.add_generation(bid, made)
+    return bid
+
+
+def retries_read(read: list[str], bid: str) -> list[str]:
+    return sorted(k for k in read if k.startswith(keys.batch_retries(bid)))
+
+
+async def test_a_get_of_a_batch_reads_its_manifest_and_each_retry_generation_once(
+    world: World,
+) -> None:
+    """The GET's progress read the manifest and every retry generation, and its page of
+    sessions read them all again: a batch retried 100 times cost 200 store reads a poll."""
+    bid = await retried(world, 3)
+    read = keys_read(world.services.store)
+    out = await batch_out(world.batches, bid, "acme")
+    assert out.finished and out.by_state == {"COMPLETED": 3} and len(out.session_ids) == 3
+    assert retries_read(read, bid) == [keys.batch_retry(bid, g) for g in range(1, RETRIES + 1)]
+    assert read.count(keys.batch(bid)) == 1
