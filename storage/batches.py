@@ -175,6 +175,15 @@ class ObjectBatches:
                 return out
             start = page.next_token
 
+    async def generation_count(self, batch_id: str) -> int:
+        """How many retry generations the batch has: their keys listed, none of them read
+        (generations are numbered from 1 without a gap: each is made create-only as the
+        one after those there are)."""
+        count = 0
+        async for _ in each_key(self.store, keys.batch_retries(batch_id)):
+            count += 1
+        return count
+
     async def put_results_page(
         self, batch_id: str, page: int, lines: list[ResultLine], *, generation: int
     ) -> None:

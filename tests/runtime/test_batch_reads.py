@@ -49,3 +49,25 @@ async def test_a_get_of_a_batch_reads_its_manifest_and_each_retry_generation_onc
     assert out.finished and out.by_state == {"COMPLETED": 3} and len(out.session_ids) == 3
     assert retries_read(read, bid) == [keys.batch_retry(bid, g) for g in range(1, RETRIES + 1)]
     assert read.count(keys.batch(bid)) == 1
+
+
+async def test_an_export_reads_each_retry_generation_once(world: World) -> None:
+    """The results GET read every retry generation to count them, the export read them
+    again, and its progress a third time: three reads of each, for an export's name and
+    one view of each document's current session."""
+    bid = await retried(world, 3)
+    read = keys_read(world.services.store)
+    rows = (await world.batches.results(bid, "jsonl")).splitlines()  # exported here
+    assert len(rows) == 3
+    assert retries_read(read, bid) == [keys.batch_retry(bid, g) for g in range(1, RETRIES + 1)]
+
+
+async def test_the_results_of_an_exported_batch_read_no_retry_generation(world: World) -> None:
+    """A download names the export by how many retries the batch had: it read each retry
+    generation whole for that number, on every download. A listing counts them."""
+    bid = await retried(world, 3)
+    first = await world.batches.results(bid, "jsonl")
+    read = keys_read(world.services.store)
+    assert await world.batches.results(bid, "jsonl") == first
+    assert retries_read(read, bid) == []
+    assert keys.batch_export(bid, generation=RETRIES) in read

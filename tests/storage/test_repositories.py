@@ -283,6 +283,22 @@ async def test_a_batchs_retry_generations_are_read_side_by_side_in_order(
     assert peak == GENERATION_READS_AT_ONCE
 
 
+async def test_a_batchs_retry_generations_are_counted_by_listing_none_read(
+    store: ObjectStore,
+) -> None:
+    batches = ObjectBatches(store)
+    assert await batches.generation_count("b_1") == 0
+    for g in (1, 2, 3):
+        made = RetryGeneration(generation=g, documents=[g], created_at=NOW)
+        assert await batches.add_generation("b_1", made)
+    await batches.add_generation(
+        "b_10", RetryGeneration(generation=1, documents=[], created_at=NOW)
+    )
+    read = keys_read(store)
+    assert await batches.generation_count("b_1") == 3
+    assert read == []
+
+
 async def test_an_export_is_found_once_sealed_and_read_back_a_page_at_a_time(
     store: ObjectStore,
 ) -> None:

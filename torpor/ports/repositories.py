@@ -256,6 +256,10 @@ class BatchRepository(Protocol):
 
     async def generations(self, batch_id: str) -> list[RetryGeneration]: ...
 
+    async def generation_count(self, batch_id: str) -> int:
+        """``len(generations(batch_id))``, none of them read (what names an export)."""
+        ...
+
     async def put_results_page(
         self, batch_id: str, page: int, lines: list[ResultLine], *, generation: int
     ) -> None:

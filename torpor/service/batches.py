@@ -616,8 +616,9 @@ class BatchService:
         export are done before this returns: a stream answers nothing but its bytes."""
         await self.get(batch_id, tenant=tenant)
         # Exports are kept per retry generation: a retry's sessions change the results,
-        # and an export written before it must not be answered after it.
-        generation = len(await self.services.batches.generations(batch_id))
+        # and an export written before it must not be answered after it. Counted, not
+        # read: every download of a batch retried 100 times read 100 objects for a number.
+        generation = await self.services.batches.generation_count(batch_id)
         found = await self.services.batches.results(batch_id, fmt, generation=generation)
         if found is None:
             generation = await self.export(batch_id, tenant=tenant)
@@ -638,14 +639,15 @@ class BatchService:
         export of."""
         # Read once, before anything: the lines and the export's name agree on them even if
         # a retry comes meanwhile (its sessions, not made yet, would read as cancelled).
+        # Its progress counts the sessions of these very generations (not read again).
         generations = await self.services.batches.generations(batch_id)
-        progress = await self.progress(batch_id, tenant=tenant)
+        manifest = await self.get(batch_id, tenant=tenant)
+        attempts = Attempts.of(manifest, generations)
+        progress = await self.progress_of(manifest, attempts=attempts)
         if not progress.finished:
             raise BatchNotFinished(
                 f"batch {batch_id}: {progress.done} of {progress.total} documents done"
             )
-        manifest = await self.get(batch_id, tenant=tenant)
-        attempts = Attempts.of(manifest, generations)
         documents = await self._documents(manifest) if manifest.documents_key else []
         created, expired = await self.created(manifest), self._expired(manifest)
         gate = asyncio.Semaphore(SUBMITS_AT_ONCE)
