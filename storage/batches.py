@@ -32,6 +32,7 @@ from torpor.ports import ObjectStore
 
 _DOCUMENTS: TypeAdapter[list[JsonValue]] = TypeAdapter(list[JsonValue])
 _DOCUMENT: TypeAdapter[JsonValue] = TypeAdapter(JsonValue)
+_IDS: TypeAdapter[list[str | None]] = TypeAdapter(list[str | None])
 
 
 CURSOR_ROUNDS = 20  # compare-and-swap rounds before a cursor write gives up
@@ -81,6 +82,23 @@ class ObjectBatches:
 
     async def documents(self, key: str) -> list[JsonValue]:
         return _DOCUMENTS.validate_json((await self.store.get(key)).data)
+
+    async def put_document_ids(
+        self, batch_id: str, fingerprint: str, ids: list[str | None]
+    ) -> None:
+        # Create-only, as the documents they are the ids of (``put_documents``).
+        key = keys.batch_document_ids(batch_id, fingerprint)
+        with contextlib.suppress(ObjectExists):
+            await self.store.put_if_absent(key, json.dumps(ids).encode())
+
+    async def document_ids(self, batch_id: str, fingerprint: str) -> list[str | None] | None:
+        if not fingerprint:  # a manifest from before requests had one: no ids object
+            return None
+        try:
+            obj = await self.store.get(keys.batch_document_ids(batch_id, fingerprint))
+        except ObjectNotFound:
+            return None
+        return _IDS.validate_json(obj.data)
 
     async def put_document(self, batch_id: str, index: int, document: JsonValue) -> str:
         key = keys.batch_document(batch_id, index)

@@ -229,6 +229,12 @@ def batch_documents(batch_id: str, fingerprint: str) -> str:
     return f"{batch_data(batch_id)}documents-{safe(fingerprint, 'fingerprint')}.json"
 
 
+def batch_document_ids(batch_id: str, fingerprint: str) -> str:
+    """The ids of one request's documents, in order (``batch_documents``' own key): what a
+    results export names its lines by, without reading every document for them."""
+    return f"{batch_data(batch_id)}ids-{safe(fingerprint, 'fingerprint')}.json"
+
+
 def batch_cursor(batch_id: str) -> str:
     return batch_data(batch_id) + "fanout"
 

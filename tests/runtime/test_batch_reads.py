@@ -4,7 +4,9 @@ what they answer)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -71,3 +73,36 @@ async def test_the_results_of_an_exported_batch_read_no_retry_generation(world: 
     assert await world.batches.results(bid, "jsonl") == first
     assert retries_read(read, bid) == []
     assert keys.batch_export(bid, generation=RETRIES) in read
+
+
+async def test_an_export_names_its_lines_by_their_documents_ids_without_reading_the_documents(
+    world: World,
+) -> None:
+    """The export read the batch's documents, every one of them whole, for their ids
+    alone: the ids are kept beside them at the accept, and read instead."""
+    docs: list[Any] = [{"id": f"d{i}", "text": "x" * 10_000} for i in range(4)]
+    manifest = await finished(world, "fin", docs)
+    assert manifest.documents_key is not None
+    read = keys_read(world.services.store)
+    rows = [
+        json.loads(x)
+        for x in (await world.batches.results(manifest.batch_id, "jsonl")).splitlines()
+    ]
+    assert [r["document_id"] for r in rows] == ["d0", "d1", "d2", "d3"]
+    assert manifest.documents_key not in read
+
+
+async def test_a_batch_accepted_before_the_ids_were_kept_names_its_lines_by_its_documents(
+    world: World,
+) -> None:
+    """Its export reads the documents for their ids, as every export did."""
+    manifest = await finished(world, "fin", [{"id": 7}, {"doc": 1}, {"id": "x"}])
+    ids = keys.batch_document_ids(manifest.batch_id, manifest.fingerprint)
+    await world.services.store.delete(ids)  # as an accept before this one left it
+    read = keys_read(world.services.store)
+    rows = [
+        json.loads(x)
+        for x in (await world.batches.results(manifest.batch_id, "jsonl")).splitlines()
+    ]
+    assert [r["document_id"] for r in rows] == ["7", None, "x"]
+    assert manifest.documents_key in read

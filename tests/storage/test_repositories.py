@@ -299,6 +299,18 @@ async def test_a_batchs_retry_generations_are_counted_by_listing_none_read(
     assert read == []
 
 
+async def test_a_batchs_document_ids_are_kept_once_beside_its_documents(
+    store: ObjectStore,
+) -> None:
+    batches = ObjectBatches(store)
+    assert await batches.document_ids("b_1", "fp") is None
+    await batches.put_document_ids("b_1", "fp", ["a", None, "7"])
+    await batches.put_document_ids("b_1", "fp", ["other"])  # create-only: the first stays
+    assert await batches.document_ids("b_1", "fp") == ["a", None, "7"]
+    assert await batches.document_ids("b_1", "other-fp") is None
+    assert await batches.document_ids("b_1", "") is None  # a manifest with no fingerprint
+
+
 async def test_an_export_is_found_once_sealed_and_read_back_a_page_at_a_time(
     store: ObjectStore,
 ) -> None:

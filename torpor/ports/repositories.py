@@ -218,6 +218,17 @@ class BatchRepository(Protocol):
 
     async def documents(self, key: str) -> list[JsonValue]: ...
 
+    async def put_document_ids(
+        self, batch_id: str, fingerprint: str, ids: list[str | None]
+    ) -> None:
+        """Write-once ids of one request's documents (``document_id`` of each, in order)."""
+        ...
+
+    async def document_ids(self, batch_id: str, fingerprint: str) -> list[str | None] | None:
+        """The ids ``put_document_ids`` wrote; None if it wrote none (a batch accepted
+        before they were kept, or an accept that died between its documents and them)."""
+        ...
+
     async def put_document(self, batch_id: str, index: int, document: JsonValue) -> str:
         """One document stored to be passed by reference; its key."""
         ...

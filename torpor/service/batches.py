@@ -209,6 +209,12 @@ class BatchService:
         # nothing else names; retention finds them through this note (and deletes them).
         await self.services.batches.mark_accepting(batch_id, now)
         key = await self.services.batches.put_documents(batch_id, fp, documents)
+        # Their ids beside them, for the results export: it names each line by its
+        # document's id, and read every document of the batch (up to 10,000, each as large
+        # as its sender made it) for those alone. Before the manifest, as the documents.
+        await self.services.batches.put_document_ids(
+            batch_id, fp, [document_id(document) for document in documents]
+        )
         crash_point(CrashPoint.BATCH_DOCUMENTS)
         manifest = BatchManifest(
             batch_id=batch_id,
@@ -606,6 +612,17 @@ class BatchService:
             raise InvalidRequest("this batch was made before documents were kept")
         return await self.services.batches.documents(manifest.documents_key)
 
+    async def _document_ids(self, manifest: BatchManifest) -> list[str | None]:
+        """Each document's id (``document_id``), in order; none for a batch made before
+        documents were kept."""
+        if not manifest.documents_key:
+            return []
+        batches = self.services.batches
+        ids = await batches.document_ids(manifest.batch_id, manifest.fingerprint)
+        if ids is None:  # accepted before the ids were kept beside the documents
+            ids = [document_id(document) for document in await self._documents(manifest)]
+        return ids
+
     # -- export -----------------------------------------------------------------------
 
     async def result_stream(
@@ -648,13 +665,13 @@ class BatchService:
             raise BatchNotFinished(
                 f"batch {batch_id}: {progress.done} of {progress.total} documents done"
             )
-        documents = await self._documents(manifest) if manifest.documents_key else []
+        ids = await self._document_ids(manifest)
         created, expired = await self.created(manifest), self._expired(manifest)
         gate = asyncio.Semaphore(SUBMITS_AT_ONCE)
 
         async def line(i: int) -> ResultLine:
             session_id = attempts.current(i)
-            doc_id = document_id(documents[i]) if i < len(documents) else None
+            doc_id = ids[i] if i < len(ids) else None
             async with gate:
                 try:
                     snap = await self.sessions.get(session_id)
