@@ -365,11 +365,16 @@ def cpu_share(
     return ", ".join(f"{k.strip()} {1000 * v / max(1, requests):.2f}" for k, v in top if v > 0)
 
 
-def settle(timeout_s: float = 60.0) -> None:
+SETTLE_S = 60.0  # ``--settle-s``
+
+
+def settle(timeout_s: float | None = None) -> None:
     """Until Ray's processes are quiet (under 5 % of a core for a second): a redeployed
     app's controller spends seconds of CPU after ``serve.run`` returns (health checks,
-    the old replica's shutdown), which the next phase would otherwise pay for."""
-    deadline = time.monotonic() + timeout_s
+    the old replica's shutdown), which the next phase would otherwise pay for. At most
+    ``SETTLE_S``: on a machine where Ray's own daemons never drop under it, each of the
+    three waits is that long."""
+    deadline = time.monotonic() + (SETTLE_S if timeout_s is None else timeout_s)
     before = cpu_by_process()
     while time.monotonic() < deadline:
         time.sleep(1.0)
@@ -677,6 +682,7 @@ async def child(
 
 
 def main() -> None:
+    global SETTLE_S
     parser = argparse.ArgumentParser()
     parser.add_argument("--proxy", choices=["default", "haproxy", "both"], default="both")
     parser.add_argument("--duration", type=int, default=10)
@@ -688,6 +694,13 @@ def main() -> None:
         " .gil. in it: only the thread holding the GIL)",
     )
     parser.add_argument("--replicas", type=int, default=1, help="ingress replicas per app")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=SETTLE_S,
+        help="how long each phase may wait for Ray's processes to go quiet before it starts"
+        " (0: not at all, for a run that only checks the phases work)",
+    )
     parser.add_argument(
         "--resume-duration",
         type=int,
@@ -712,6 +725,7 @@ def main() -> None:
     )
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
+    SETTLE_S = args.settle_s
     if args.child:
         result = asyncio.run(
             child(
@@ -762,6 +776,8 @@ def main() -> None:
                 *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
                 "--replicas",
                 str(args.replicas),
+                "--settle-s",
+                str(args.settle_s),
                 "--resume-duration",
                 str(args.resume_duration),
                 *(["--sender-nice", str(args.sender_nice)] if args.sender_nice is not None else []),
