@@ -1,4 +1,4 @@
-"""Named actors, looked up and listed off the event loop, each call with a deadline.
+"""Named actors, looked up, listed and made off the event loop, each call with a deadline.
 
 Sessions (``session:<id>``), standbys (``session-standby:<holder>:<hex>``), work watchers
 (``work:<id>``) and the reconciler are found by their names. ``ray.get_actor`` and
@@ -19,11 +19,17 @@ before Ray's own exit hook runs, and only a lookup given up at its deadline is l
 
 ``list_named_actors`` has no namespace-and-prefix query of its own: it lists every named
 actor the GCS knows, and ``named_actors`` filters here.
+
+Making a named actor is a GCS call too: ``.options(name=..., get_if_exists=True)`` looks
+the name up first (``ray.get_actor``), and Ray registers a new actor's name with the GCS
+before ``.remote()`` returns (a taken name is reported there and then). ``create_named``
+makes that call in the same threads, with the same deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -43,7 +49,9 @@ LOOKUP_TIMEOUT_S = 10.0
 LOOKUPS = ProcessPool(8, "torpor-ray-lookup")
 
 
-async def _bounded(fn: Callable[[], T], what: str, timeout_s: float | None) -> T:
+async def gcs_call(fn: Callable[[], T], what: str, *, timeout_s: float | None = None) -> T:
+    """``fn()``, a blocking call to the GCS, in this module's threads: its answer, its
+    error, or ``ClusterUnavailable`` past ``timeout_s`` (default: ``LOOKUP_TIMEOUT_S``)."""
     timeout_s = LOOKUP_TIMEOUT_S if timeout_s is None else timeout_s
     try:
         # The wait for a free thread counts too: a queued lookup given up is never made.
@@ -61,8 +69,10 @@ async def get_actor(name: str, namespace: str | None, *, timeout_s: float | None
     """``ray.get_actor(name, namespace=namespace)`` off the loop: ``ValueError`` when no
     actor has that name (as Ray's), ``ClusterUnavailable`` past ``timeout_s`` (default:
     ``LOOKUP_TIMEOUT_S``)."""
-    return await _bounded(
-        lambda: ray.get_actor(name, namespace=namespace), f"looking up actor {name!r}", timeout_s
+    return await gcs_call(
+        lambda: ray.get_actor(name, namespace=namespace),
+        f"looking up actor {name!r}",
+        timeout_s=timeout_s,
     )
 
 
@@ -78,6 +88,72 @@ def _filtered(namespace: str, prefix: str) -> list[str]:
 async def named_actors(namespace: str, prefix: str, *, timeout_s: float | None = None) -> list[str]:
     """The names in ``namespace`` that start with ``prefix``: one GCS call, off the loop,
     ``ClusterUnavailable`` past ``timeout_s`` (default: ``LOOKUP_TIMEOUT_S``)."""
-    return await _bounded(
-        lambda: _filtered(namespace, prefix), f"listing the {prefix!r} actors", timeout_s
+    return await gcs_call(
+        lambda: _filtered(namespace, prefix), f"listing the {prefix!r} actors", timeout_s=timeout_s
     )
+
+
+class _Handover:
+    """An actor handle made in a pool thread goes to its caller or, once the caller has
+    stopped waiting (its deadline, or cancelled), to ``abandoned``: never dropped between
+    the two. The lock makes "made" and "given up" one order: without it a handle made
+    just as its caller gave up reached neither."""
+
+    def __init__(self, abandoned: Callable[[Any], object] | None) -> None:
+        self._lock = threading.Lock()
+        self._abandoned = abandoned
+        self._given_up = False
+        self._handle: Any = None
+
+    def made(self, handle: Any) -> None:
+        """In the thread that made it."""
+        with self._lock:
+            if not self._given_up:
+                self._handle = handle  # held here until the caller takes it (ray#6265)
+                return
+        if self._abandoned is not None:
+            self._abandoned(handle)
+
+    def taken(self) -> Any:
+        with self._lock:
+            handle, self._handle = self._handle, None
+        return handle
+
+    def give_up(self) -> None:
+        with self._lock:
+            self._given_up = True
+            handle, self._handle = self._handle, None
+        if handle is not None and self._abandoned is not None:
+            self._abandoned(handle)
+
+
+async def create_named(
+    actor_class: Any,
+    /,
+    *args: Any,
+    name: str,
+    namespace: str,
+    abandoned: Callable[[Any], object] | None = None,
+    timeout_s: float | None = None,
+    **options: Any,
+) -> Any:
+    """``actor_class.options(name=name, namespace=namespace, **options).remote(*args)``
+    off the loop: the actor's handle, Ray's own errors, or ``ClusterUnavailable`` past
+    ``timeout_s`` (default: ``LOOKUP_TIMEOUT_S``). With ``get_if_exists=True`` in
+    ``options``, the live actor of that name if there is one.
+
+    An actor the GCS makes after its caller gave up (its deadline, or cancelled) is
+    handed to ``abandoned`` (in whichever thread it is then in). Without one it is left
+    to run: fit for an actor a later call finds by its name (a session's, a pool host's,
+    a work's watcher), never for one nobody can (a standby's name is random)."""
+    handover = _Handover(abandoned)
+
+    def make() -> None:
+        handover.made(actor_class.options(name=name, namespace=namespace, **options).remote(*args))
+
+    try:
+        await gcs_call(make, f"making actor {name!r}", timeout_s=timeout_s)
+    except BaseException:
+        handover.give_up()
+        raise
+    return handover.taken()

@@ -37,7 +37,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from actors.config_ref import ConfigRef
-from actors.named import named_actors
+from actors.named import create_named, named_actors
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from actors.standby import START_TIMEOUT_S, StandbySet, ask_to_retire, left_by, standby_name
@@ -69,6 +69,11 @@ HOST_CHECK_S = 5.0
 def alive_nodes() -> int:
     nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
     return len([node for node in nodes if node.get("Alive")])
+
+
+def _kill(handle: Any) -> None:
+    with contextlib.suppress(Exception):  # gone already
+        ray.kill(handle, no_restart=True)
 
 
 def pool_slot(session_id: str, size: int) -> int:
@@ -225,14 +230,22 @@ class RayActivator:
             self._placements.popitem(last=False)
         return placement
 
-    def _spawn_standby(self) -> Any:
-        return SessionActor.options(  # type: ignore[attr-defined]
+    async def _spawn_standby(self) -> Any:
+        return await create_named(
+            SessionActor,
+            self.config,
+            None,
+            self.settings.runtime.standby_idle_s,
             name=standby_name(self._holder),
             # No ``runtime_env`` of its own: it runs the holder's (``inheritance_key``).
             namespace=self.namespace,
             lifetime="detached",  # an adopted one outlives this activator
             scheduling_strategy="SPREAD",
-        ).remote(self.config, None, self.settings.runtime.standby_idle_s)
+            # Made after its start was given up (the set closed, or the GCS answered
+            # late): nobody knows its random name, and with ``standby_idle_s = 0`` it
+            # waited for a session for ever.
+            abandoned=_kill,
+        )
 
     async def _adopt(self, session_id: str, reason: Reason, requested_at: float) -> bool:
         """The session's request taken by its adopted actor, or by a fresh standby.
@@ -375,7 +388,14 @@ class RayActivator:
             return
         for attempt in range(MAX_ATTEMPTS):
             try:
-                handle = SessionActor.options(  # type: ignore[attr-defined]
+                # Off the loop (a lookup, then the name's registration: GCS calls a
+                # replica's webhooks waited behind). Past its deadline the request fails
+                # with ``ClusterUnavailable`` and its timer brings it round; an actor the
+                # GCS makes after that is found by its name then.
+                handle = await create_named(
+                    SessionActor,
+                    self.config,
+                    session_id,
                     name=actor_name(session_id),
                     namespace=self.namespace,
                     get_if_exists=True,
@@ -383,7 +403,7 @@ class RayActivator:
                     # Spread sessions over the cluster: losing a node then costs a slice
                     # of the running sessions, not all of them.
                     scheduling_strategy="SPREAD",
-                ).remote(self.config, session_id)
+                )
                 try:
                     # Started first, with the time a process start may take: the answer's
                     # deadline below counted it too, and a burst of starts on a busy node

@@ -123,12 +123,17 @@ class StandbySet:
     """Up to ``size`` ready actors; ``take`` hands one out and starts its replacement.
 
     ``spawn`` creates one actor (a Ray handle whose ``ready`` method answers once its
-    constructor has run, and whose ``keep`` restarts its idle time). With
+    constructor has run, and whose ``keep`` restarts its idle time), awaited: making a
+    named actor is a GCS call, made off the loop (``actors.named.create_named``). With
     ``keep_every_s``, the ready ones are kept alive from the first ``refill`` on. Counts
     what it started, lost and inherited (exported as ``torpor_standby_actors_total``)."""
 
     def __init__(
-        self, size: int, spawn: Callable[[], Any], *, keep_every_s: float | None = None
+        self,
+        size: int,
+        spawn: Callable[[], Awaitable[Any]],
+        *,
+        keep_every_s: float | None = None,
     ) -> None:
         self.size = size
         self._spawn = spawn
@@ -185,7 +190,7 @@ class StandbySet:
     async def _start(self) -> None:
         handle, ready = None, False
         try:
-            handle = self._spawn()
+            handle = await self._spawn()
             self._pending.add(handle)
             self.started += 1
             metrics.inc("standbys", {"event": "started"})

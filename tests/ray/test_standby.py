@@ -289,7 +289,7 @@ async def test_the_standbys_of_an_activator_that_is_gone_exit_after_their_idle_t
         activator = activator_of(env)
         orphans = StandbySet(SIZE, activator._spawn_standby)  # as an activator that died
         await orphans.filled()
-        unasked = activator._spawn_standby()
+        unasked = await activator._spawn_standby()
         handles = [*orphans._ready, unasked]
 
         async def all_exited() -> bool:

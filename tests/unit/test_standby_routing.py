@@ -49,12 +49,16 @@ async def nothing_alive() -> set[str]:
     return set()
 
 
+async def spawn() -> Actor:
+    return Actor()
+
+
 def activator_with_standbys(named: Actor) -> tuple[Any, StandbySet]:
     activator: Any = RayActivator.__new__(RayActivator)  # no Ray: actors are fakes
     activator.namespace, activator.config = "t", object()
     activator._placements = {"s_1": Placement.DEDICATED}
     activator.admission = Admission(10, alive=nothing_alive)
-    activator.standby = standby = StandbySet(1, Actor)
+    activator.standby = standby = StandbySet(1, spawn)
     activator._adopted, activator._adopting, activator._watchers = {}, {}, set()
     return activator, standby
 
@@ -111,7 +115,7 @@ async def test_a_left_standby_that_does_not_answer_its_new_holder_is_asked_to_go
     free = left_standby(Standing.FREE.value)
     silent = left_standby(silent_answer)
     taken = left_standby(Standing.TAKEN.value)
-    standby = StandbySet(2, Actor)
+    standby = StandbySet(2, spawn)
     async with asyncio.timeout(10):
 
         async def left() -> list[Any]:
