@@ -154,6 +154,7 @@ class RayActivator:
         check_embedded_allowed(self.settings, alive_nodes=alive_nodes())
         self._placements: OrderedDict[str, Placement] = OrderedDict()
         self._hosts: dict[int, Any] = {}
+        self._making_hosts: dict[int, asyncio.Task[Any]] = {}  # slot -> its get-or-create
         self._host_checked: dict[int, float] = {}  # slot -> monotonic time of the last check
         self._host_checks: dict[int, asyncio.Task[None]] = {}  # slot -> its check under way
         self.admission = Admission(
@@ -376,7 +377,7 @@ class RayActivator:
             await asyncio.gather(self._predecessor, return_exceptions=True)
         for watcher in list(self._watchers):
             watcher.cancel()
-        checks = list(self._host_checks.values())
+        checks = [*self._host_checks.values(), *self._making_hosts.values()]
         for check in checks:
             check.cancel()
         await asyncio.gather(*checks, return_exceptions=True)
@@ -440,22 +441,50 @@ class RayActivator:
         from then on). A host's start (a process, imports, its services: seconds on a busy
         node) is then paid here, once, instead of by every request routed to it meanwhile;
         hosts are detached, so this is a no-op wait once they run."""
-        slots = range(self.settings.pool.size)
-        await asyncio.wait_for(
-            asyncio.gather(*(self._host(slot).where.remote() for slot in slots)),
-            ACTIVATE_TIMEOUT_S,
-        )
 
-    def _host(self, slot: int) -> Any:
-        if slot not in self._hosts:
-            self._hosts[slot] = PoolHost.options(  # type: ignore[attr-defined]
-                name=host_name(slot),
-                namespace=self.namespace,
-                get_if_exists=True,
-                lifetime="detached",
-                scheduling_strategy="SPREAD",
-            ).remote(self.config, slot)
-        return self._hosts[slot]
+        async def answered(slot: int) -> Any:
+            host = await self._host(slot)  # held while it is called (ray#6265)
+            return await host.where.remote()
+
+        slots = range(self.settings.pool.size)
+        await asyncio.wait_for(asyncio.gather(*map(answered, slots)), ACTIVATE_TIMEOUT_S)
+
+    async def _host(self, slot: int) -> Any:
+        """Pool host ``slot``'s handle, got or made by name off the loop (GCS calls,
+        ``create_named``; ``ClusterUnavailable`` past their deadline). Kept once known:
+        every pooled request passes here, and a known host costs it no thread and no
+        GCS call. Requests that find none yet share one get-or-create: a burst at a
+        cold replica sent one each to the GCS."""
+        host = self._hosts.get(slot)
+        if host is not None:
+            return host
+        making = self._making_hosts.get(slot)
+        if making is None:
+            making = asyncio.create_task(self._make_host(slot))
+            self._making_hosts[slot] = making
+            making.add_done_callback(functools.partial(self._host_made, slot))
+        # Shielded: a request cancelled while it waits does not cancel the others' make.
+        return await asyncio.shield(making)
+
+    async def _make_host(self, slot: int) -> Any:
+        host = await create_named(
+            PoolHost,
+            self.config,
+            slot,
+            name=host_name(slot),
+            namespace=self.namespace,
+            get_if_exists=True,
+            lifetime="detached",
+            scheduling_strategy="SPREAD",
+        )
+        self._hosts[slot] = host
+        return host
+
+    def _host_made(self, slot: int, making: asyncio.Task[Any]) -> None:
+        if self._making_hosts.get(slot) is making:
+            del self._making_hosts[slot]
+        if not making.cancelled():
+            making.exception()  # its waiters' to raise; read here when none is left
 
     def _host_checked_out(self, slot: int, check: asyncio.Task[None]) -> None:
         self._host_checks.pop(slot, None)
@@ -474,7 +503,8 @@ class RayActivator:
         self._host_checked[slot] = now
         for attempt in range(MAX_ATTEMPTS):
             try:
-                await asyncio.wait_for(self._host(slot).listen.remote(), ACTIVATE_TIMEOUT_S)
+                host = await self._host(slot)  # held while it is called (ray#6265)
+                await asyncio.wait_for(host.listen.remote(), ACTIVATE_TIMEOUT_S)
                 return
             except (*_RETRYABLE, TimeoutError):
                 if attempt == 0:
@@ -487,7 +517,7 @@ class RayActivator:
         slot = pool_slot(session_id, self.settings.pool.size)
         queue = self.services.activations
         if queue is not None:
-            self._host(slot)  # it exists (or is being made): it listens from its start
+            await self._host(slot)  # it exists: it listens from its start
             wanted = Wanted(session_id, reason, requested_at, tracing.traceparent())
             waiting = await queue.push(pool_channel(self.namespace, slot), wanted)
             if waiting >= STALLED_CHANNEL and slot not in self._host_checks:
@@ -500,6 +530,9 @@ class RayActivator:
                 check.add_done_callback(functools.partial(self._host_checked_out, slot))
             return
         for attempt in range(MAX_ATTEMPTS):
+            # A GCS that did not make or find it in time (``ClusterUnavailable``) fails
+            # the request, as on the dedicated path: its timer brings it round.
+            host = await self._host(slot)  # held while it is called (ray#6265)
             try:
                 # A live host answers at once (it only queues the session): silence is a
                 # node gone but not yet declared dead, and without a deadline the request
@@ -507,7 +540,7 @@ class RayActivator:
                 # The host is not killed, as a dedicated actor would be: it runs others'
                 # sessions. A request it takes late only runs an activation more.
                 await asyncio.wait_for(
-                    self._host(slot).activate.remote(
+                    host.activate.remote(
                         session_id, reason.value, requested_at, tracing.traceparent()
                     ),
                     timeout=ACTIVATE_TIMEOUT_S,

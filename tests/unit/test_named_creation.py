@@ -16,6 +16,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ from actors.standby import StandbySet
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
 from torpor.errors import ClusterUnavailable
 from torpor.ports import Reason
+from torpor.ports.activation import Wanted
 from torpor.settings import Settings
 
 
@@ -52,6 +54,8 @@ class Actor:
         self.ready = Method(1234)
         self.activate = Method(ACCEPTED)
         self.retire = Method(True)
+        self.listen = Method(True)
+        self.where = Method("node")
 
 
 class SlowClass:
@@ -75,11 +79,25 @@ class SlowClass:
         return self.made
 
 
-def an_activator() -> Any:
+class Channel:
+    """A pool host's activation channel, taken from at once."""
+
+    def __init__(self) -> None:
+        self.pushed: list[Wanted] = []
+
+    async def push(self, channel: str, wanted: Wanted) -> int:
+        self.pushed.append(wanted)
+        return 1
+
+
+def an_activator(channel: Channel | None = None) -> Any:
     activator: Any = RayActivator.__new__(RayActivator)  # no Ray: the actors are fakes
     activator.namespace, activator.config, activator.settings = "t", object(), Settings()
-    activator.standby, activator._holder = None, None
+    activator.services = SimpleNamespace(activations=channel)
+    activator.standby, activator._holder, activator._predecessor = None, None, None
     activator._adopted, activator._adopting, activator._watchers = {}, {}, set()
+    activator._hosts, activator._making_hosts = {}, {}
+    activator._host_checked, activator._host_checks = {}, {}
     return activator
 
 
@@ -95,12 +113,39 @@ async def standby_started() -> None:
         await standby.close()
 
 
-@pytest.mark.parametrize("operation", [dedicated_activation, standby_started])
+async def pooled_through_its_channel() -> None:
+    await an_activator(Channel())._pooled("s_1", Reason.EVENT, 0.0)
+
+
+async def pooled_as_a_ray_call() -> None:
+    await an_activator()._pooled("s_1", Reason.EVENT, 0.0)
+
+
+async def pool_host_checked() -> None:
+    await an_activator()._check_host(0)
+
+
+async def pool_warmed() -> None:
+    await an_activator().warm()
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        dedicated_activation,
+        standby_started,
+        pooled_through_its_channel,
+        pooled_as_a_ray_call,
+        pool_host_checked,
+        pool_warmed,
+    ],
+)
 async def test_a_slow_gcs_does_not_stall_the_event_loop_while_an_actor_is_made(
     operation: Callable[[], Awaitable[Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     actor_class = SlowClass(Actor())
     monkeypatch.setattr(ray_activator, "SessionActor", actor_class)
+    monkeypatch.setattr(ray_activator, "PoolHost", actor_class)
     stall = await longest_stall(operation)
     assert actor_class.calls >= 1, "the operation made no actor: this measured nothing"
     assert stall < SLOW_S / 2, f"the loop was held {stall:.2f} s by a {SLOW_S} s GCS call"
@@ -182,3 +227,35 @@ async def test_an_actor_made_after_its_caller_was_cancelled_is_handed_over() -> 
         while not handed:
             await asyncio.sleep(0.01)
     assert handed == [made]
+
+
+async def test_a_known_pool_host_costs_a_request_no_gcs_call_and_no_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every pooled request (a webhook's resume) passes through its host's handle: once
+    known, it is handed back without a GCS call, and without leaving the loop."""
+    actor_class = SlowClass(Actor())
+    monkeypatch.setattr(ray_activator, "PoolHost", actor_class)
+    channel = Channel()
+    activator = an_activator(channel)
+    slot = ray_activator.pool_slot("s_1", activator.settings.pool.size)
+    for _ in range(3):
+        await activator._pooled("s_1", Reason.EVENT, 0.0)
+    assert actor_class.calls == 1 and len(channel.pushed) == 3
+    known = activator._host(slot)
+    with pytest.raises(StopIteration):  # done at its first step: it never suspended
+        known.send(None)
+
+
+async def test_requests_that_find_no_pool_host_yet_share_one_get_or_create(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst at a cold replica: one get-or-create for the slot, not one per request."""
+    actor_class = SlowClass(Actor())
+    monkeypatch.setattr(ray_activator, "PoolHost", actor_class)
+    channel = Channel()
+    activator = an_activator(channel)
+    async with asyncio.timeout(5):
+        await asyncio.gather(*(activator._pooled("s_1", Reason.EVENT, 0.0) for _ in range(5)))
+    assert actor_class.calls == 1 and len(channel.pushed) == 5
+    assert activator._making_hosts == {}

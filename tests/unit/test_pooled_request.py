@@ -44,7 +44,7 @@ def pooled_activator(hosts: list[Host]) -> Any:
     activator._hosts = {}
     looked_up = iter(hosts)
 
-    def host(slot: int) -> Host:
+    async def host(slot: int) -> Host:
         if slot not in activator._hosts:
             activator._hosts[slot] = next(looked_up)
         return activator._hosts[slot]

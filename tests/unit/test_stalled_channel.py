@@ -50,7 +50,12 @@ def pooled_activator(queue: StalledChannel, host: SilentHost) -> Any:
     activator._watchers = set()
     activator._predecessor = None
     activator.standby = None
-    activator._host = lambda slot: host
+    activator._making_hosts = {}
+
+    async def known(slot: int) -> SilentHost:
+        return host
+
+    activator._host = known
     return activator
 
 
