@@ -53,7 +53,7 @@ from ray.exceptions import (
 )
 
 from actors.config_ref import ConfigRef
-from actors.named import get_actor
+from actors.named import create_named, get_actor
 from actors.ray_activator import RayActivator
 from actors.wiring import open_services
 from storage.factory import open_object_store
@@ -704,12 +704,20 @@ class RayWorkRunner:
         config = ConfigRef.of_loaded(self.settings)
         for attempt in range(MAX_ATTEMPTS):
             try:
-                handle = WorkWatcher.options(  # type: ignore[attr-defined]
+                # Off the loop (a lookup, then the name's registration: GCS calls that
+                # held every session of a pool host). Past its deadline the dispatch fails
+                # with ``ClusterUnavailable``, retryable; a watcher the GCS makes after
+                # that is found by its name when the dispatch is tried again.
+                handle = await create_named(
+                    WorkWatcher,
+                    config,
+                    dict(order.as_data()),
+                    self.launch,
                     name=watcher_name(order.work_id),
                     namespace=self.settings.namespace,
                     get_if_exists=True,
                     lifetime="detached",
-                ).remote(config, dict(order.as_data()), self.launch)
+                )
                 if await handle.start.remote(order.run) == ACCEPTED:
                     return
             except _GONE:

@@ -21,11 +21,13 @@ from typing import Any
 
 import pytest
 
-from actors import named, ray_activator
+from actors import named, ray_activator, ray_work
 from actors.ray_activator import RayActivator
+from actors.ray_work import Kind, Launch
 from actors.session_actor import ACCEPTED
 from actors.standby import StandbySet
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
+from tests.unit.test_ray_work_runner import a_runner, an_order
 from torpor.errors import ClusterUnavailable
 from torpor.ports import Reason
 from torpor.ports.activation import Wanted
@@ -56,6 +58,7 @@ class Actor:
         self.retire = Method(True)
         self.listen = Method(True)
         self.where = Method("node")
+        self.start = Method(ACCEPTED)
 
 
 class SlowClass:
@@ -129,6 +132,12 @@ async def pool_warmed() -> None:
     await an_activator().warm()
 
 
+async def work_started() -> None:
+    order = an_order()
+    runner = await a_runner(Launch(Kind.TASK, fn=lambda args, ctx: None), order)
+    await runner.start(order)  # its watcher, got or made by name
+
+
 @pytest.mark.parametrize(
     "operation",
     [
@@ -138,6 +147,7 @@ async def pool_warmed() -> None:
         pooled_as_a_ray_call,
         pool_host_checked,
         pool_warmed,
+        work_started,
     ],
 )
 async def test_a_slow_gcs_does_not_stall_the_event_loop_while_an_actor_is_made(
@@ -146,6 +156,7 @@ async def test_a_slow_gcs_does_not_stall_the_event_loop_while_an_actor_is_made(
     actor_class = SlowClass(Actor())
     monkeypatch.setattr(ray_activator, "SessionActor", actor_class)
     monkeypatch.setattr(ray_activator, "PoolHost", actor_class)
+    monkeypatch.setattr(ray_work, "WorkWatcher", actor_class)
     stall = await longest_stall(operation)
     assert actor_class.calls >= 1, "the operation made no actor: this measured nothing"
     assert stall < SLOW_S / 2, f"the loop was held {stall:.2f} s by a {SLOW_S} s GCS call"
@@ -157,6 +168,7 @@ def silent_gcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[SlowClass]:
     answer = threading.Event()
     actor_class = SlowClass(Actor(), until=lambda: answer.wait(10))
     monkeypatch.setattr(ray_activator, "SessionActor", actor_class)
+    monkeypatch.setattr(ray_work, "WorkWatcher", actor_class)
     monkeypatch.setattr(named, "LOOKUP_TIMEOUT_S", 0.2)
     yield actor_class
     answer.set()  # the threads given up on end now
@@ -174,6 +186,19 @@ async def test_an_activation_whose_actor_the_gcs_does_not_make_fails_at_its_dead
     assert raised.value.retryable
     assert silent_gcs.calls == 1
     assert silent_gcs.options_asked[0]["get_if_exists"] is True
+
+
+async def test_a_work_whose_watcher_the_gcs_does_not_make_fails_its_dispatch_at_its_deadline(
+    silent_gcs: SlowClass,
+) -> None:
+    """Retryable: the outbox sends it again later, and finds the watcher by its name if
+    the GCS made it meanwhile."""
+    started = time.monotonic()
+    with pytest.raises(ClusterUnavailable) as raised:
+        await work_started()
+    assert time.monotonic() - started < 5
+    assert raised.value.retryable
+    assert silent_gcs.calls == 1
 
 
 async def test_a_standby_made_after_its_start_was_given_up_is_killed(
