@@ -37,7 +37,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from actors.config_ref import ConfigRef
-from actors.named import create_named, named_actors
+from actors.named import create_named, gcs_call, named_actors
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from actors.standby import START_TIMEOUT_S, StandbySet, ask_to_retire, left_by, standby_name
@@ -67,8 +67,20 @@ HOST_CHECK_S = 5.0
 
 
 def alive_nodes() -> int:
+    """The cluster's live nodes: one blocking GCS call (``RayActivator.made`` makes it
+    off the loop)."""
     nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
     return len([node for node in nodes if node.get("Alive")])
+
+
+def check_storage(settings: Settings, nodes: int | None) -> None:
+    """``check_embedded_allowed`` for an activator; ``nodes``: the live nodes, counted
+    already (off the loop), or None to count them here. They decide only for embedded
+    storage (memory storage is refused anywhere, and any other is shared across hosts):
+    for that storage alone is the GCS asked, on every activator made, as before."""
+    if nodes is None:
+        nodes = alive_nodes() if settings.embedded else 1  # 1: not read for that storage
+    check_embedded_allowed(settings, alive_nodes=nodes)
 
 
 def _kill(handle: Any) -> None:
@@ -139,19 +151,23 @@ class RayActivator:
         *,
         standbys: bool = True,
         holder: str | None = None,
+        nodes: int | None = None,
     ) -> None:
         """``standbys``: whether this activator keeps the standby session actors the
         settings ask for. An activator made for one request (a work outcome's delivery)
         must not: each would start processes that nobody adopts. ``holder``: a name
         that outlives this process (the reconciler's; one holder per namespace), under
         which the standbys are named: a restarted holder's ``start_standbys`` takes over
-        the free ones its predecessor left."""
+        the free ones its predecessor left. ``nodes``: the cluster's live nodes, when
+        the caller counted them already (``made``, on an event loop); counted here
+        otherwise, with a blocking GCS call, and only for embedded storage
+        (``check_storage``)."""
         self.services = services
         self.settings: Settings = services.settings
         # What the session actors are handed: never the resolved settings (see config_ref).
         self.config = config or ConfigRef.of(services.settings)
         self.namespace = self.settings.namespace
-        check_embedded_allowed(self.settings, alive_nodes=alive_nodes())
+        check_storage(self.settings, nodes)
         self._placements: OrderedDict[str, Placement] = OrderedDict()
         self._hosts: dict[int, Any] = {}
         self._making_hosts: dict[int, asyncio.Task[Any]] = {}  # slot -> its get-or-create
@@ -183,6 +199,25 @@ class RayActivator:
         self._adopted: dict[str, Any] = {}
         self._adopting: dict[str, _Turn] = {}  # a session's adoption under way
         self._watchers: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def made(
+        cls,
+        services: Services,
+        config: ConfigRef | None = None,
+        *,
+        standbys: bool = True,
+        holder: str | None = None,
+    ) -> RayActivator:
+        """As the constructor, for a caller on an event loop (a watcher delivering an
+        outcome makes one per delivery): the nodes its storage check counts are counted
+        off the loop, with the lookups' deadline (``ClusterUnavailable`` past it, as
+        retryable as the delivery). ``ray.nodes()`` blocks until the GCS answers (Ray's
+        deadline: 60 s), and the watcher's loop (its progress reports, its stop) waited."""
+        nodes = None
+        if services.settings.embedded:
+            nodes = await gcs_call(alive_nodes, "counting the cluster's nodes")
+        return cls(services, config, standbys=standbys, holder=holder, nodes=nodes)
 
     async def request(
         self,

@@ -635,8 +635,8 @@ async def deliver(
     )
     # Made for this one delivery: no standby set of its own (it would start processes
     # nobody adopts; the replicas' and the reconciler's sets serve the sessions).
-    control = SessionService(services, RayActivator(services, config, standbys=False))
-    return await control.deliver(event)
+    activator = await RayActivator.made(services, config, standbys=False)
+    return await SessionService(services, activator).deliver(event)
 
 
 # A delivery that met a passing fault (the index or the store not answering for a moment)
@@ -655,8 +655,8 @@ async def deliver_patiently(
         try:
             if await deliver(services, config, order, outcome) or attempt == 0:
                 return
-            control = SessionService(services, RayActivator(services, config, standbys=False))
-            await control.activate_for_event(order.session_id)
+            activator = await RayActivator.made(services, config, standbys=False)
+            await SessionService(services, activator).activate_for_event(order.session_id)
             return
         except Exception as exc:
             retryable = bool(getattr(exc, "retryable", False)) or transient(exc)

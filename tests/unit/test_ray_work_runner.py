@@ -253,11 +253,17 @@ class Woken:
         Woken.sessions.append(session_id)
 
 
+class NoActivator:
+    @staticmethod
+    async def made(*args: Any, **kwargs: Any) -> None:
+        return None
+
+
 @pytest.fixture
 def woken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     Woken.sessions = []
     monkeypatch.setattr(ray_work, "SessionService", Woken)
-    monkeypatch.setattr(ray_work, "RayActivator", lambda *a, **k: None)
+    monkeypatch.setattr(ray_work, "RayActivator", NoActivator)
     return Woken.sessions
 
 
