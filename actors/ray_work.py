@@ -308,6 +308,8 @@ class WorkWatcher:
                 return await self._job_run(records, run)
             try:
                 self._ref = await self._launched(ctx, run)
+                if self._ref is None:
+                    return None  # stopped while its actor was looked up: nothing started
             except (ValueError, AttributeError, TypeError) as exc:
                 # No such actor (ValueError) or method, options Ray refuses: another run
                 # would meet them again.
@@ -358,6 +360,11 @@ class WorkWatcher:
         order, launch = self._order, self._launch
         if launch.kind is Kind.ACTOR:
             handle = await get_actor(str(launch.actor), launch.actor_namespace)
+            if self._stopping:
+                # ``stop`` ran during the lookup, found nothing started to cancel, and
+                # reported the work stopped: called now, the method would run its side
+                # effects unseen (its outcome dropped as stopped).
+                return None
             return getattr(handle, str(launch.method)).remote(dict(order.request), ctx)
         options = {**launch.resources.ray_options(), "max_retries": 0}
         options["name"] = f"work:{order.work_id}:{run}"

@@ -235,3 +235,36 @@ async def test_a_work_reports_progress_to_its_watcher_without_asking_the_gcs(
     ctx.progress(0.5, "half")
     assert time.monotonic() - started < SLOW_S / 2 and gcs.calls == 0
     assert own.sent == [(0.5, "half")]
+
+
+async def test_a_work_stopped_while_its_actor_is_looked_up_calls_no_method(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watcher checks its stop before it starts the run, then looks the work's actor
+    up (off the loop now, so its ``stop`` may run meanwhile). That stop finds nothing
+    started to cancel and reports the work stopped: the method called after the lookup
+    ran its side effects unseen, its outcome dropped."""
+    called: list[object] = []
+    looked_up = threading.Event()
+    release = threading.Event()
+
+    def get_actor(name: str, namespace: str | None = None) -> Any:
+        looked_up.set()
+        release.wait(10)
+        return type("Model", (), {"embed": type("M", (), {"remote": staticmethod(called.append)})})
+
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    order = an_order()
+    launch = Launch(Kind.ACTOR, actor="model", method="embed")
+    runner = await a_runner(launch, order)
+    watcher = WorkWatcher.__ray_metadata__.modified_class(  # type: ignore[attr-defined]
+        ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch
+    )
+    run = asyncio.create_task(watcher._execute(runner.records, 1))
+    async with asyncio.timeout(10):
+        while not looked_up.is_set():
+            await asyncio.sleep(0.01)
+        await watcher.stop()  # during the lookup: nothing started yet to cancel
+        release.set()
+        assert await run is None
+    assert called == [], "the actor's method was called after the work was stopped"
