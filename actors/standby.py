@@ -330,6 +330,8 @@ async def ask_to_retire(handle: Any) -> bool:
         try:
             await asyncio.wait_for(handle.retire.remote(), timeout=RETIRE_TIMEOUT_S)
             return True
+        except ActorUnavailableError:
+            continue  # unreachable for now (a network blip), not gone: asked again
         except RayError:  # it exited under the call, as asked, or was gone already
             return True
         except TimeoutError:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ray.exceptions import ActorUnavailableError
 
 from actors import ray_activator
 from actors import standby as standby_module
@@ -136,7 +137,8 @@ async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -
     ends only once every one has answered or been asked its last time."""
     lost: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # never answered
     silent_once, quick = Actor(), Actor()
-    answers = iter([lost, True])
+    # Not answered, then unreachable for a moment (not gone), then answered.
+    answers = iter([lost, ActorUnavailableError("a network blip", None), True])
 
     def remote(*args: object) -> asyncio.Future[Any]:
         silent_once.retire.calls.append(args)
@@ -144,7 +146,10 @@ async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -
         if isinstance(answer, asyncio.Future):
             return answer
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        done.set_result(answer)
+        if isinstance(answer, Exception):
+            done.set_exception(answer)
+        else:
+            done.set_result(answer)
         return done
 
     silent_once.retire.remote = remote  # type: ignore[method-assign]
@@ -159,5 +164,5 @@ async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -
         patch.setattr(standby_module, "RETIRE_TIMEOUT_S", 0.05)
         async with asyncio.timeout(10):
             await activator._retire_left("holder")
-    assert len(silent_once.retire.calls) == 2, "asked again after no answer"
+    assert len(silent_once.retire.calls) == 3, "asked again after no answer, and unreachable"
     assert len(quick.retire.calls) == 1
