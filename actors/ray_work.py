@@ -643,7 +643,12 @@ async def deliver(
     # Made for this one delivery: no standby set of its own (it would start processes
     # nobody adopts; the replicas' and the reconciler's sets serve the sessions).
     activator = await RayActivator.made(services, config, standbys=False)
-    return await SessionService(services, activator).deliver(event)
+    try:
+        return await SessionService(services, activator).deliver(event)
+    finally:
+        # What it started behind the request (a stalled pool channel's host check) ends
+        # with it, not mid-way when the watcher exits.
+        await activator.close()
 
 
 # A delivery that met a passing fault (the index or the store not answering for a moment)
@@ -663,7 +668,10 @@ async def deliver_patiently(
             if await deliver(services, config, order, outcome) or attempt == 0:
                 return
             activator = await RayActivator.made(services, config, standbys=False)
-            await SessionService(services, activator).activate_for_event(order.session_id)
+            try:
+                await SessionService(services, activator).activate_for_event(order.session_id)
+            finally:
+                await activator.close()
             return
         except Exception as exc:
             retryable = bool(getattr(exc, "retryable", False)) or transient(exc)

@@ -254,14 +254,22 @@ class Woken:
 
 
 class NoActivator:
-    @staticmethod
-    async def made(*args: Any, **kwargs: Any) -> None:
-        return None
+    """Made for one delivery, closed after it; nothing to activate through."""
+
+    closed = 0
+
+    @classmethod
+    async def made(cls, *args: Any, **kwargs: Any) -> NoActivator:
+        return cls()
+
+    async def close(self) -> None:
+        NoActivator.closed += 1
 
 
 @pytest.fixture
 def woken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     Woken.sessions = []
+    NoActivator.closed = 0
     monkeypatch.setattr(ray_work, "SessionService", Woken)
     monkeypatch.setattr(ray_work, "RayActivator", NoActivator)
     return Woken.sessions
@@ -289,6 +297,9 @@ async def test_a_delivery_that_stored_the_event_before_it_failed_wakes_the_sessi
     with fixed(0):
         await ray_work.deliver_patiently(None, None, order, {"ok": True})  # type: ignore[arg-type]
     assert attempts.calls == 2 and woken == [order.session_id]
+    # Made for the one activation, closed after it: what it started behind the request
+    # (a stalled pool channel's host check) ends with it, not when the watcher exits.
+    assert NoActivator.closed == 1
 
 
 async def test_a_delivery_refused_for_good_is_not_tried_again(
