@@ -114,6 +114,7 @@ class Admission:
         self._clock = clock
         self._live: set[str] = set()
         self._checked_at = float("-inf")
+        self._checking = False
 
     @property
     def live(self) -> int:
@@ -124,11 +125,23 @@ class Admission:
         check that Ray does not answer in time raises ``ClusterUnavailable``."""
         if session_id in self._live:
             return True
-        if len(self._live) >= self.cap and self._clock() - self._checked_at >= self._refresh_s:
+        if (
+            len(self._live) >= self.cap
+            and not self._checking
+            and self._clock() - self._checked_at >= self._refresh_s
+        ):
             self._checked_at = self._clock()
             # Requests meanwhile count against the set as it was: deferred at the cap (a
             # RETRY timer), never admitted past it; nothing joins it until this answer.
-            self._live &= await self._alive()
+            # One check at a time: a GCS slower than ``refresh_s`` otherwise had each
+            # later request start another, each holding a lookup thread (``named``)
+            # that the pool hosts' and session actors' makes then waited for.
+            self._checking = True
+            try:
+                alive = await self._alive()
+            finally:
+                self._checking = False
+            self._live &= alive
         if len(self._live) >= self.cap:
             return False
         self._live.add(session_id)

@@ -3,6 +3,7 @@ durably as a RETRY timer instead of being dropped (pure code, no Ray started).""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +37,32 @@ async def test_admits_up_to_the_cap_then_refuses_until_an_actor_is_gone() -> Non
     assert not await admission.admit("c"), "Ray is asked at most once per refresh_s"
     clock.t = 1.0
     assert await admission.admit("c") and admission.live == 2
+
+
+async def test_one_check_against_ray_at_a_time_however_slow_it_answers() -> None:
+    """A GCS slower than ``refresh_s``: each request at the cap after that started one
+    more listing, each holding one of the few lookup threads (``actors.named``) for as
+    long as Ray took, which the hosts' and actors' makes then waited behind. Requests
+    meanwhile are deferred, as before, and ask nothing."""
+    clock, calls = Clock(), 0
+    answer: asyncio.Future[set[str]] = asyncio.get_running_loop().create_future()
+
+    async def slow_live() -> set[str]:
+        nonlocal calls
+        calls += 1
+        return await answer
+
+    admission = Admission(1, alive=slow_live, refresh_s=1.0, clock=clock)
+    assert await admission.admit("a")
+    first = asyncio.create_task(admission.admit("b"))  # at the cap: Ray is asked
+    await asyncio.sleep(0)
+    async with asyncio.timeout(5):  # a request held by the check fails here, not hangs
+        for later in range(3):
+            clock.t += 2.0  # past refresh_s, the first check still unanswered
+            assert not await admission.admit(f"c{later}"), "deferred while Ray is asked"
+    assert calls == 1
+    answer.set_result(set())  # "a" exited meanwhile
+    assert await first and admission.live == 1
 
 
 async def test_a_request_past_the_cap_leaves_a_retry_timer() -> None:
