@@ -14,10 +14,22 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 
-def watch(loop: asyncio.AbstractEventLoop, *, after_s: float = 10.0, every_s: float = 1.0) -> None:
-    """Watch ``loop`` (run on the calling thread) until the process exits."""
+def _print(report: str) -> None:
+    print(report, flush=True)
+
+
+def watch(
+    loop: asyncio.AbstractEventLoop,
+    *,
+    after_s: float = 10.0,
+    every_s: float = 1.0,
+    say: Callable[[str], None] = _print,
+) -> None:
+    """Watch ``loop`` (run on the calling thread) until the process exits; a stall is
+    handed to ``say`` (from the watchdog's thread), stdout by default."""
     owner = threading.get_ident()
     answered = [time.monotonic()]
 
@@ -41,6 +53,6 @@ def watch(loop: asyncio.AbstractEventLoop, *, after_s: float = 10.0, every_s: fl
             said = True
             frame = sys._current_frames().get(owner)
             stack = "".join(traceback.format_stack(frame)[-12:]) if frame else "(gone)\n"
-            print(f"event loop blocked {blocked:.0f}s, in:\n{stack}", flush=True)
+            say(f"event loop blocked {blocked:.0f}s, in:\n{stack}")
 
     threading.Thread(target=run, name="loop-watchdog", daemon=True).start()
