@@ -55,8 +55,9 @@ async def test_one_check_against_ray_at_a_time_however_slow_it_answers() -> None
     admission = Admission(1, alive=slow_live, refresh_s=1.0, clock=clock)
     assert await admission.admit("a")
     first = asyncio.create_task(admission.admit("b"))  # at the cap: Ray is asked
-    await asyncio.sleep(0)
     async with asyncio.timeout(5):  # a request held by the check fails here, not hangs
+        while calls == 0:
+            await asyncio.sleep(0.01)
         for later in range(3):
             clock.t += 2.0  # past refresh_s, the first check still unanswered
             assert not await admission.admit(f"c{later}"), "deferred while Ray is asked"

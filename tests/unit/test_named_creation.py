@@ -232,20 +232,22 @@ async def test_an_actor_made_after_its_caller_was_cancelled_is_handed_over() -> 
     ``abandoned``, in the thread that made it."""
     made = object()
     handed: list[Any] = []
-    started = threading.Event()
+    started, cancelled = threading.Event(), threading.Event()
 
     def slowly() -> None:
         started.set()
-        time.sleep(0.3)
+        cancelled.wait(10)  # the actor is made only once its caller has given up
 
     making = asyncio.create_task(
         named.create_named(
             SlowClass(made, until=slowly), name="x", namespace="t", abandoned=handed.append
         )
     )
-    while not started.is_set():
-        await asyncio.sleep(0.01)
+    async with asyncio.timeout(5):
+        while not started.is_set():
+            await asyncio.sleep(0.01)
     making.cancel()
+    cancelled.set()
     with pytest.raises(asyncio.CancelledError):
         await making
     async with asyncio.timeout(5):

@@ -72,7 +72,9 @@ async def test_a_request_to_a_stalled_channel_is_not_held_for_the_hosts_check(
         await activator._pooled("s_1", Reason.EVENT, 0.0)
         await activator._pooled("s_2", Reason.EVENT, 0.0)
     assert len(queue.pushed) == 2
-    await asyncio.sleep(0)  # the check starts behind the requests
+    async with asyncio.timeout(5):  # the check starts behind the requests
+        while host.asked == 0:
+            await asyncio.sleep(0.01)
     assert host.asked == 1, "one check at a time, not one per request"
     assert len(activator._host_checks) == 1
     await activator.close()
