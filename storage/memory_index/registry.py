@@ -19,6 +19,15 @@ class MemorySessionRegistry:
             return  # last generation wins: a late repair never puts an old state back
         self._sessions[session_id] = (tenant, state, generation)
 
+    async def lift_quarantine(
+        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> bool:
+        current = self._sessions.get(session_id)
+        if current is None or current[1] is not SessionState.QUARANTINED or current[2] > generation:
+            return False  # only over a QUARANTINED no newer
+        self._sessions[session_id] = (tenant, state, generation)
+        return True
+
     async def forget_session(self, *, tenant: str, session_id: str) -> None:
         self._sessions.pop(session_id, None)
 

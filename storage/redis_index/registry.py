@@ -6,15 +6,10 @@ from storage.redis_index.connection import RedisConnection, text, texts, transla
 from torpor.lifecycle import SessionState
 from torpor.ports import SessionPage
 
-# The registry is last-generation-wins: a repair that read an old header while the
-# session moved on must not put the old state back. Members score 0, so sets sort by
-# session id, which starts with the creation time: newest-first pagination for free.
-_RECORD = """
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if cur then
-  local gen = tonumber(string.match(cur, '|(%d+)$') or '-1')
-  if gen > tonumber(ARGV[2]) then return 0 end
-end
+# The state of ARGV[1] written (ARGV[3] at generation ARGV[2]), in the state hash and the
+# sets. Members score 0, so sets sort by session id, which starts with the creation time:
+# newest-first pagination for free.
+_WRITE = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. '|' .. ARGV[2])
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
 for i = 4, #ARGV do
@@ -26,6 +21,30 @@ for i = 4, #ARGV do
 end
 return 1
 """
+# The registry is last-generation-wins: a repair that read an old header while the
+# session moved on must not put the old state back.
+_RECORD = (
+    """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then
+  local gen = tonumber(string.match(cur, '|(%d+)$') or '-1')
+  if gen > tonumber(ARGV[2]) then return 0 end
+end
+"""
+    + _WRITE
+)
+# Only over a QUARANTINED no newer, checked and written in one step: a commit recorded
+# after the caller's look is never replaced by the state it found.
+_LIFT = (
+    f"""
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+if string.match(cur, '^[^|]*') ~= '{SessionState.QUARANTINED.value}' then return 0 end
+local gen = tonumber(string.match(cur, '|(%d+)$') or '-1')
+if gen > tonumber(ARGV[2]) then return 0 end
+"""
+    + _WRITE
+)
 
 
 class RedisSessionRegistry(RedisConnection):
@@ -33,16 +52,28 @@ class RedisSessionRegistry(RedisConnection):
     async def record_session(
         self, *, tenant: str, session_id: str, state: SessionState, generation: int
     ) -> None:
+        await self._record_state(_RECORD, tenant, session_id, state, generation)
+
+    @translate
+    async def lift_quarantine(
+        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> bool:
+        return bool(await self._record_state(_LIFT, tenant, session_id, state, generation))
+
+    async def _record_state(
+        self, script: str, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> int:
         # KEYS: state hash, the all-sessions set, then one set per state in ARGV order.
         keys = [
             self.keys.session_state,
             self.keys.sessions(tenant, None),
             *(self.keys.sessions(tenant, s) for s in SessionState),
         ]
-        await self.script(_RECORD)(
+        written: int = await self.script(script)(
             keys=keys,
             args=[session_id, generation, state.value, *(s.value for s in SessionState)],
         )
+        return written
 
     @translate
     async def forget_session(self, *, tenant: str, session_id: str) -> None:

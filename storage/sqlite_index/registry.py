@@ -24,6 +24,23 @@ class SqliteSessionRegistry(SqliteConnection):
             )
         )
 
+    async def lift_quarantine(
+        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> bool:
+        # One statement, so the check and the write are one step: only over a QUARANTINED
+        # no newer than ``generation``.
+        aside = SessionState.QUARANTINED.value
+        lifted = await self._run(
+            lambda c: (
+                c.execute(
+                    "UPDATE sessions SET state=?, generation=? "
+                    "WHERE session_id=? AND state=? AND generation <= ?",
+                    (state.value, generation, session_id, aside, generation),
+                ).rowcount
+            )
+        )
+        return bool(lifted)
+
     async def forget_session(self, *, tenant: str, session_id: str) -> None:
         await self._run(
             lambda c: c.execute(

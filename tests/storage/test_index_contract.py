@@ -654,6 +654,33 @@ class IndexContract:
         await record(tenant="acme", session_id="s_r", state=SessionState.COMPLETED, generation=9)
         assert await index.session_states(["s_r"]) == {"s_r": SessionState.COMPLETED}
 
+    async def test_a_quarantine_is_lifted_only_where_it_is_and_not_newer(
+        self, index: Index
+    ) -> None:
+        lift, record = index.lift_quarantine, index.record_session
+        s = SessionState
+
+        async def listed(state: SessionState) -> list[str]:
+            page = await index.list_sessions(tenant="acme", state=state, cursor=None, limit=5)
+            return page.session_ids
+
+        # Nothing recorded (a lost index: repair's to rebuild): nothing lifted.
+        assert not await lift(tenant="acme", session_id="s_q", state=s.SUSPENDED, generation=4)
+        assert await index.session_states(["s_q"]) == {}
+        await record(tenant="acme", session_id="s_q", state=s.QUARANTINED, generation=4)
+        # An older snapshot than the one found undecodable does not lift it.
+        assert not await lift(tenant="acme", session_id="s_q", state=s.SUSPENDED, generation=3)
+        assert await index.session_states(["s_q"]) == {"s_q": s.QUARANTINED}
+        # The same generation, decoding again (restored): its state, in every listing.
+        assert await lift(tenant="acme", session_id="s_q", state=s.SUSPENDED, generation=4)
+        assert await index.session_states(["s_q"]) == {"s_q": s.SUSPENDED}
+        assert await listed(s.SUSPENDED) == ["s_q"] and await listed(s.QUARANTINED) == []
+        # Not QUARANTINED any more (a commit recorded since): left as it is.
+        await record(tenant="acme", session_id="s_q", state=s.RUNNING, generation=6)
+        assert not await lift(tenant="acme", session_id="s_q", state=s.SUSPENDED, generation=7)
+        assert await index.session_states(["s_q"]) == {"s_q": s.RUNNING}
+        assert await index.session_generation("s_q") == 6
+
     async def test_integrity_marker(self, index: Index) -> None:
         assert not await index.is_intact()
         token = await index.begin_repair()

@@ -286,6 +286,15 @@ class SessionRegistry(Protocol):
         first: session ids begin with their creation time."""
         ...
 
+    async def lift_quarantine(
+        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+    ) -> bool:
+        """Record ``state`` at ``generation`` only over a QUARANTINED the registry holds
+        at a generation no newer, in one check-and-set; True if it did. For an activation
+        that found the snapshot decodes after all (restored), which the index alone said
+        it did not: any other state, or a newer generation, is left as it is."""
+        ...
+
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]: ...
 
     async def forget_session(self, *, tenant: str, session_id: str) -> None:
