@@ -8,7 +8,8 @@ timer (``quarantine.retry_armed``) or after the registry's record
 (``quarantine.retry_recorded``): no activation is ever asked. The reconciler, running
 in the test's process throughout, wakes the session by its timer, once: one activation,
 which finds the snapshot as it is now (still undecodable: set aside again, and the
-operator may retry; restored: back where it was), and a later sweep wakes nothing.
+operator may retry; restored: back where it was, in the registry too, without waiting for
+a full repair), and a later sweep wakes nothing.
 """
 
 from __future__ import annotations
@@ -100,13 +101,13 @@ async def test_a_poison_retry_killed_before_its_activation_is_woken_once_by_the_
         assert await wakes(env, sweeper) == 1
         after = SessionState.SUSPENDED if restored else SessionState.QUARANTINED
         assert (await env.control.get(sid, tenant="acme")).state is after
-        if restored and not told:
-            # The activation found the snapshot reads and had nothing to commit: the
-            # registry keeps the QUARANTINED the dead retry never replaced until the next
-            # full repair (an hour at most); the operator's retry is accepted meanwhile.
-            assert (await index.session_states([sid]))[sid] is SessionState.QUARANTINED
-        else:
-            assert (await index.session_states([sid]))[sid] is after
+        # No full repair since the retry: the activation itself put the state back. Killed
+        # at ``retry_armed`` with the snapshot restored, it found it reads and had nothing
+        # to commit; the QUARANTINED the dead retry never replaced is lifted with its
+        # lease's release, not kept for a healthy session until the next repair.
+        assert (await index.session_states([sid]))[sid] is after
+        listed = await index.list_sessions(tenant="acme", state=after, cursor=None, limit=10)
+        assert sid in listed.session_ids
         assert await wakes(env, sweeper) == 0, "woken once: the activation took its timer"
         await sweeper.repair(env.clock.now(), SweepReport())  # the periodic full repair
         assert (await index.session_states([sid]))[sid] is after

@@ -5,6 +5,7 @@ taken only if the session is still where it was when the step was called)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from actors.wiring import session_runtime
-from storage.redis_index import RedisIndex, wire
+from storage.redis_index import RedisIndex, registry, wire
 from tests.support.harness import Env, local_env
 from torpor.agent import AgentContext, AgentTurn
 from torpor.agents.plan import PlanAgent
@@ -265,3 +266,40 @@ async def test_a_resume_shares_its_index_round_trips(
     # The last of the activation: the lease (acquired earlier, released now) and the
     # wake-up's removal, together.
     assert ["ZREM wake-up", "lease"] in named_trips, named_trips
+
+
+async def test_an_activation_with_nothing_to_commit_lifts_a_quarantine_in_its_last_trip(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index says QUARANTINED (its snapshot did not decode), the snapshot reads now and
+    the activation has nothing to commit: the quarantine is lifted in the round trip that
+    releases the lease, not one of its own. Such an activation makes the two round trips
+    it made before (the lease's, then its release with the wake-up's removal)."""
+    sid = await env.submit()
+    snap = await env.load(sid)
+    index = env.services.index
+    assert isinstance(index, RedisIndex)
+    # What an activation that found it undecodable recorded, before it was restored.
+    await index.record_session(
+        tenant=snap.tenant, session_id=sid, state=S.QUARANTINED, generation=snap.generation
+    )
+    lift = hashlib.sha1(registry._LIFT.encode()).hexdigest()  # Redis names a script so
+
+    def named(command: tuple[Any, ...]) -> str:
+        if command[0] == "EVALSHA" and command[1] == lift:
+            return "lift"
+        first = str(command[3] if command[0] == "EVALSHA" else command[1])
+        return {
+            index.keys.lease(lease_name(sid)): "lease",
+            index.keys.timers(TimerKind.WAKE): f"{command[0]} wake-up",
+        }.get(first, first)
+
+    trips = record_round_trips(monkeypatch)
+    runtime = session_runtime(env.services, "test-lift")
+    result = await runtime.activate(sid, reason=Reason.EVENT)
+    assert result.outcome is ActivationOutcome.RAN and result.generation == snap.generation
+    assert [sorted(named(c) for c in trip) for trip in trips] == [
+        ["lease"],
+        ["ZREM wake-up", "lease", "lift"],
+    ]
+    assert (await index.session_states([sid]))[sid] is S.SUSPENDED

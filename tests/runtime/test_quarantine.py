@@ -23,6 +23,7 @@ from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper
 from torpor.session import ActivationOutcome
 from torpor.session.activation import Activation
+from torpor.session.heartbeat import Heartbeat
 
 S = SessionState
 PLAN = {
@@ -106,6 +107,47 @@ async def test_a_poison_retry_whose_activation_is_lost_is_activated_by_the_recon
         # Activated: its snapshot still does not decode, so it is set aside again, and
         # the operator may retry it once more.
         assert (await index.session_states([sid]))[sid] is S.QUARANTINED
+
+
+async def test_a_restored_poison_snapshots_activation_puts_its_state_back_in_the_index() -> None:
+    """The operator's retry of a snapshot that did not decode died after it armed the
+    wake-up (``quarantine.retry_armed``), before it recorded the state; the snapshot was
+    restored. The activation the wake-up asks for finds it reads and has nothing to commit:
+    the index kept QUARANTINED, for a healthy session, until the next full repair (an hour
+    at most), and the deadline loop, taking it for set aside, unbound its due wait instead
+    of timing it out. The activation lifts the quarantine; no repair runs here."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        [wait] = (await env.load(sid)).waits
+        good = await corrupt_body(env, sid)
+        await env.runtime.activate(sid, reason=Reason.EVENT)
+        index = env.services.index
+        assert (await index.session_states([sid]))[sid] is S.QUARANTINED
+        await env.services.store.put(keys.snapshot(sid), good)  # restored by the operator
+        result = await env.runtime.activate(sid, reason=Reason.EVENT)  # the wake-up's
+        assert result.outcome is ActivationOutcome.RAN and result.state is S.SUSPENDED
+        assert (await index.session_states([sid]))[sid] is S.SUSPENDED
+        env.clock.advance((wait.deadline - env.clock.now()).total_seconds() + 1)
+        assert await Sweeper(env.control).deadlines_once() == 1  # not taken for set aside
+        assert (await env.load(sid)).state is S.TIMED_OUT
+
+
+async def test_an_activation_whose_lease_lapsed_lifts_no_quarantine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past its lease, another holder may have found the snapshot undecodable (again) and
+    recorded QUARANTINED at the generation this one read: that record stands."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        good = await corrupt_body(env, sid)
+        await env.runtime.activate(sid, reason=Reason.EVENT)
+        await env.services.store.put(keys.snapshot(sid), good)
+        monkeypatch.setattr(Heartbeat, "lapsed", lambda self: True)
+        result = await env.runtime.activate(sid, reason=Reason.EVENT)
+        assert result.outcome is ActivationOutcome.RAN and result.state is S.SUSPENDED
+        assert (await env.services.index.session_states([sid]))[sid] is S.QUARANTINED
 
 
 async def test_a_repair_leaves_a_poison_quarantine_in_the_index() -> None:

@@ -82,7 +82,9 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         # wake-up timer first: once the index no longer says QUARANTINED, the operator
         # cannot retry again, and a request lost after the record (the process died, no
         # actor took it) left nothing to activate the session; it never found out
-        # whether its snapshot reads now. The activation removes the timer either way.
+        # whether its snapshot reads now. The activation removes the timer either way;
+        # dead before the record, the index still says QUARANTINED, and the activation
+        # that finds the snapshot reads lifts it (``SessionRuntime._let_go``).
         await control.arm_wake(session_id)
         crash_point(CrashPoint.QUARANTINE_RETRY_ARMED)
         await control.services.index.record_session(

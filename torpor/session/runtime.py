@@ -167,6 +167,9 @@ class SessionRuntime:
         # registry stale, told to its first next holder only: until the state is recorded
         # it is not released (it expires, and whoever recovers it is told again).
         recorded = not lease.taken_over
+        # What a drive that ran to its end left with no state recorded: the registry may
+        # still say the QUARANTINED of ``_quarantine_poison`` (``_let_go`` lifts it).
+        unrecorded: SessionSnapshot | None = None
         try:
             try:
                 snapshot = await loading
@@ -206,6 +209,10 @@ class SessionRuntime:
             await self._drive_capped(activation, reason)
             release = True
             ran = activation.snap.state is not SessionState.QUARANTINED
+            # Not past a lapsed lease: a holder since may have found the snapshot does not
+            # decode (again), and its record stands.
+            if ran and not (lease.taken_over or activation.work.recorded or heartbeat.lapsed()):
+                unrecorded = activation.snap
         except (CommitConflict, LeaseLost) as exc:
             # Someone else wrote or holds the session. If they finish its work, the retry
             # finds nothing to do; if they vanished, the retry picks it up again.
@@ -239,31 +246,67 @@ class SessionRuntime:
             self.deps.snapshots.release(session_id)
             await heartbeat.stop()
             if release:
-                await self._let_go(heartbeat, session_id, unschedule=ran)
+                await self._let_go(heartbeat, session_id, unschedule=ran, lift=unrecorded)
         assert activation is not None
         return self._result(activation, outcome, requested_at), activation.snap
 
-    async def _let_go(self, heartbeat: Heartbeat, session_id: str, *, unschedule: bool) -> None:
+    async def _let_go(
+        self,
+        heartbeat: Heartbeat,
+        session_id: str,
+        *,
+        unschedule: bool,
+        lift: SessionSnapshot | None = None,
+    ) -> None:
         """Release the lease and, after a drive that ran to its end, unschedule the
         session's wake-up: both asked for in one turn, so they leave in one pipeline (one
         round trip, not two in a row), the release first as before. A release that fails
         is let be (the lease expires by itself); a failed unschedule is raised, as it was
-        when it came second."""
-        release = self.deps.index.release_lease(heartbeat.lease)
+        when it came second.
+
+        ``lift``: the snapshot such a drive left without recording its state. The index
+        alone says QUARANTINED when a snapshot did not decode; an operator's retry that
+        died before it recorded the state back (``quarantine.retry_armed``) left it so,
+        and the activation its wake-up asked for, finding the snapshot restored, had
+        nothing to commit: the registry said QUARANTINED of a healthy session until the
+        next full repair. So the quarantine is lifted here
+        (``SessionRegistry.lift_quarantine``: only over a QUARANTINED no newer than the
+        snapshot, never over a state recorded since), in the same pipeline: no activation
+        pays a round trip for it. It goes first: it runs while the lease is held, and
+        the server took it whenever it took the unschedule. Its failure is raised as the
+        unschedule's is."""
+        index = self.deps.index
+        release = index.release_lease(heartbeat.lease)
         if not unschedule:
             with contextlib.suppress(IndexUnavailable):  # it expires by itself anyway
                 await release
             return
-        released, unscheduled = await asyncio.gather(
+        lifting = (
+            []
+            if lift is None
+            else [
+                index.lift_quarantine(
+                    tenant=lift.tenant,
+                    session_id=session_id,
+                    state=lift.state,
+                    generation=lift.generation,
+                )
+            ]
+        )
+        *lifted, released, unscheduled = await asyncio.gather(
+            *lifting,
             release,
-            self.deps.index.unschedule(kind=TimerKind.WAKE, member=session_id),
+            index.unschedule(kind=TimerKind.WAKE, member=session_id),
             return_exceptions=True,
         )
-        for outcome in (released, unscheduled):
+        for outcome in (*lifted, released, unscheduled):
             if isinstance(outcome, BaseException) and not isinstance(outcome, IndexUnavailable):
                 raise outcome
-        if isinstance(unscheduled, BaseException):
-            raise unscheduled
+        for outcome in (unscheduled, *lifted):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        if lifted == [True]:
+            log.info("session %s reads again: its quarantine in the index is lifted", session_id)
 
     async def _drive_capped(self, activation: Activation, reason: Reason) -> None:
         """Drive within the activation wall-time cap. A hung call would otherwise keep the

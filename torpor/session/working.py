@@ -105,6 +105,9 @@ class WorkingCopy:
         self.heartbeat = heartbeat
         self.stats = Stats()
         self._committed_state = snapshot.state
+        # Whether a commit recorded its state in the index's registry: if none did, the
+        # registry may still hold what the index alone said before (``SessionRuntime``).
+        self.recorded = False
         # When this activation last read the session's inbox (``time.monotonic``; never:
         # -inf): the agent loop reads it again for a cancel only once a while has passed.
         self.inbox_read_at = float("-inf")
@@ -166,6 +169,7 @@ class WorkingCopy:
             await recorded
         else:
             await _together(recorded, beside())
+        self.recorded = True
         await self.deps.observer.transitioned(self.snap, previous)
 
     def move(self, target: SessionState, reason: str = "") -> None:
