@@ -34,7 +34,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError
 
 from torpor.errors import ClusterUnavailable
 from torpor.threads import ProcessPool
@@ -49,20 +48,45 @@ LOOKUP_TIMEOUT_S = 10.0
 LOOKUPS = ProcessPool(8, "torpor-ray-lookup")
 
 
+class _Own(Exception):
+    """Carries a ``TimeoutError`` that ``fn`` raised itself out of the pool's thread, past
+    our deadline's ``except``: asyncio hands a plain one back as a new ``TimeoutError``
+    (its traceback gone), and caught there it read as our deadline passing."""
+
+    def __init__(self, error: TimeoutError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _carried(fn: Callable[[], T]) -> Callable[[], T]:
+    def call() -> T:
+        try:
+            return fn()
+        except TimeoutError as exc:
+            raise _Own(exc) from None
+
+    return call
+
+
 async def gcs_call(fn: Callable[[], T], what: str, *, timeout_s: float | None = None) -> T:
     """``fn()``, a blocking call to the GCS, in this module's threads: its answer, its
-    error, or ``ClusterUnavailable`` past ``timeout_s`` (default: ``LOOKUP_TIMEOUT_S``)."""
+    error (a ``TimeoutError`` of its own too: Ray's ``GetTimeoutError``, a socket's,
+    raised as it was), or ``ClusterUnavailable`` past ``timeout_s`` (default:
+    ``LOOKUP_TIMEOUT_S``). Every caller reads any ``TimeoutError`` as "not known gone"
+    or "try again", so the call's own needs no wrapper of ours; relabelled as our
+    deadline, it named a deadline that had not passed and hid why the call failed."""
     timeout_s = LOOKUP_TIMEOUT_S if timeout_s is None else timeout_s
     try:
         # The wait for a free thread counts too: a queued lookup given up is never made.
         async with asyncio.timeout(timeout_s):
-            return await LOOKUPS.run(fn)
-    except TimeoutError as exc:
-        if isinstance(exc, GetTimeoutError):
-            raise  # Ray's own deadline, reached first: the caller's to read as before
+            return await LOOKUPS.run(_carried(fn))
+    except _Own as own:
+        error = own.error
+    except TimeoutError:
         raise ClusterUnavailable(
             f"{what}: the GCS did not answer within {timeout_s:g} s", timeout_s=timeout_s
         ) from None
+    raise error  # out of the ``except``: no carrier in its context
 
 
 async def get_actor(name: str, namespace: str | None, *, timeout_s: float | None = None) -> Any:

@@ -203,6 +203,33 @@ def test_rays_own_deadline_reached_first_is_raised_as_ray_raised_it(
         asyncio.run(named.get_actor("work:w1", "t"))
 
 
+async def test_a_timeout_raised_by_the_call_itself_is_raised_as_itself() -> None:
+    """A ``TimeoutError`` of the call's own (a socket's inside Ray, say) is its error, not
+    our deadline: relabelled ``ClusterUnavailable``, it read as "the GCS did not answer
+    within 10 s" after a few milliseconds, and its own message was lost."""
+    own = TimeoutError("timed out reading from the GCS socket")
+
+    def call() -> Any:
+        raise own
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as raised:
+        await named.gcs_call(call, "looking up actor 'work:w1'", timeout_s=5)
+    assert raised.value is own, f"relabelled: {type(raised.value).__name__}: {raised.value}"
+    assert time.monotonic() - started < 1
+
+
+async def test_our_deadline_passing_is_cluster_unavailable_and_says_so() -> None:
+    release = threading.Event()
+    try:
+        with pytest.raises(ClusterUnavailable) as raised:
+            await named.gcs_call(lambda: release.wait(30), "looking up actor 'w'", timeout_s=0.2)
+    finally:
+        release.set()  # the thread given up on ends now
+    assert str(raised.value) == "looking up actor 'w': the GCS did not answer within 0.2 s"
+    assert raised.value.retryable
+
+
 async def test_a_work_reports_progress_to_its_watcher_without_asking_the_gcs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
