@@ -59,7 +59,7 @@ from actors.wiring import open_services
 from storage.factory import open_object_store
 from storage.work import ObjectProgress, WorkRecords
 from torpor.backoff import Backoff
-from torpor.errors import WorkStopFailed
+from torpor.errors import WorkStartUnanswered, WorkStopFailed
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import crash_point
 from torpor.ports import ObjectStore
@@ -102,6 +102,11 @@ _LOST = (
 _GONE = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError, ValueError)
 MAX_ATTEMPTS = 40
 STATE_TIMEOUT_S = 5.0
+# A watcher's ``start`` answers at once once its process runs; the first call to a new
+# one also waits for that process to start (seconds on a busy node, where Ray starts a
+# few workers at a time). Shorter than a dispatch's own deadline (the tool's, else 60 s),
+# so its caller sees why, typed and retryable (``WorkStartUnanswered``).
+WATCHER_START_TIMEOUT_S = 30.0
 # How long a watcher waits between its looks at its own job (no reconciler): 0.5 s at
 # first, so a quick job is seen quickly, then longer, to 15 s (±10%). A fixed 0.5 s for each
 # job's whole life was 200 requests a second to one dashboard for 100 long jobs. The
@@ -733,7 +738,7 @@ class RayWorkRunner:
                     get_if_exists=True,
                     lifetime="detached",
                 )
-                if await handle.start.remote(order.run) == ACCEPTED:
+                if await _start(handle, order) == ACCEPTED:
                     return
             except _GONE:
                 pass  # a watcher that was just exiting: ask a fresh one
@@ -834,6 +839,31 @@ class RayWorkRunner:
         except _GONE:
             return False
         return bool(state.get("running"))
+
+
+async def _start(watcher: Any, order: WorkOrder) -> Any:
+    """The watcher's answer to the start of ``order``'s run, or ``WorkStartUnanswered``
+    past ``WATCHER_START_TIMEOUT_S``; the call's own errors as they came.
+
+    Silence is its process not started yet on a busy node, or its node gone and not yet
+    declared dead. The order is saved first (``start``), so nothing is lost, and the
+    watcher is not killed: the start may still land and the work run. Asked again (the
+    dispatch's retry, the next poll), the runner finds the same watcher by its name, whose
+    ``start`` starts nothing a second time, or a fresh one, which starts only a run it
+    claims (create-only) and delivers an outcome already recorded. Retried in the
+    runner's own loop, a silent watcher held the caller ``MAX_ATTEMPTS`` times over."""
+    deadline = asyncio.timeout(WATCHER_START_TIMEOUT_S)
+    try:
+        async with deadline:
+            return await watcher.start.remote(order.run)
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # the call's own (Ray's ``GetTimeoutError``): the runner reads it as before
+        raise WorkStartUnanswered(
+            f"work {order.work_id}: its watcher did not answer the start of run {order.run} "
+            f"within {WATCHER_START_TIMEOUT_S:g} s",
+            timeout_s=WATCHER_START_TIMEOUT_S,
+        ) from None
 
 
 # --- public factories -------------------------------------------------------------------

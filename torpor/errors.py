@@ -265,6 +265,16 @@ class WorkStopFailed(RetryableError):
     status, title = 503, "Work stop failed"
 
 
+class WorkStartUnanswered(RetryableError, TimeoutError):
+    """A work's watcher did not answer the request to start it within its deadline. The
+    order is recorded and the start may still land: asked again, the watcher found by
+    its name starts nothing twice (one run per watcher, each run claimed create-only).
+    A ``TimeoutError``, as a call cut at its deadline is, for callers that retry those."""
+
+    code = "work_start_unanswered"
+    status, title = 503, "Work start unanswered"
+
+
 class ActivationUnavailable(RetryableError):
     """No activator took the request (its actor or host did not answer in time)."""
 

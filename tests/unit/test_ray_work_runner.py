@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -37,7 +38,12 @@ from storage.work import WorkRecords
 from tests.support.actor_globals import patch_global
 from tests.unit.test_work import order
 from torpor.backoff import fixed
-from torpor.errors import SessionNotFound, StorageUnavailable, WorkStopFailed
+from torpor.errors import (
+    SessionNotFound,
+    StorageUnavailable,
+    WorkStartUnanswered,
+    WorkStopFailed,
+)
 from torpor.settings import Settings
 from torpor.tools import ToolContext
 from torpor.work import (
@@ -102,6 +108,110 @@ async def test_a_watcher_that_cannot_be_reached_for_a_moment_is_not_a_lost_run(
     runner = await a_runner(Launch(Kind.ACTOR, actor="model", method="embed"), order)
     status = await runner.status(order.work_id)
     assert status.state is not WorkState.LOST, status
+
+
+class SilentWatcher:
+    """A watcher handle (for ``create_named`` to return) whose ``start`` is never
+    answered, as one whose process never came up (its node gone, not yet declared dead)."""
+
+    def __init__(self) -> None:
+        self.start = self
+        self.asked = 0
+
+    def remote(self, run: int) -> asyncio.Future[Any]:
+        self.asked += 1
+        return asyncio.get_running_loop().create_future()
+
+
+class LateWatcher:
+    """A real watcher (its class, in this process) behind a handle that holds the first
+    ``start`` until ``release`` is set. As with Ray, the caller giving up on the answer
+    does not take the call back: it lands later all the same."""
+
+    def __init__(self, watcher: Any) -> None:
+        self.start = self
+        self.asked = 0
+        self.release = asyncio.Event()
+        self._watcher = watcher
+        self._calls: list[asyncio.Task[Any]] = []
+
+    def remote(self, run: int) -> asyncio.Future[Any]:
+        self.asked += 1
+        first = self.asked == 1
+
+        async def call() -> Any:
+            if first:
+                await self.release.wait()
+            return await self._watcher.start(run)
+
+        self._calls.append(asyncio.create_task(call()))
+        return asyncio.shield(self._calls[-1])  # an ObjectRef's wait, not the call
+
+
+def made(handle: Any) -> Any:
+    async def create_named(*args: Any, **options: Any) -> Any:
+        return handle
+
+    return create_named
+
+
+async def test_a_watcher_that_never_answers_its_start_fails_the_start_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watcher's ``start`` had no deadline: one whose process never came up (its node
+    gone, not yet declared dead) held the dispatch, and the reconciler's poll that reruns
+    a lost work, until an outer deadline, if any. It is now a typed, retryable failure
+    within the deadline, asked once, with the order saved for the retry."""
+    monkeypatch.setattr(ray_work, "WATCHER_START_TIMEOUT_S", 0.1)
+    silent = SilentWatcher()
+    monkeypatch.setattr(ray_work, "create_named", made(silent))
+    order = an_order()
+    runner = RayWorkRunner(Launch(Kind.TASK, fn=lambda args, ctx: None))
+    runner.configure(Settings())
+    runner._records = WorkRecords(MemoryObjectStore())
+    started = time.monotonic()
+    async with asyncio.timeout(5):  # before: waited here until this deadline
+        with pytest.raises(WorkStartUnanswered) as raised:
+            await runner.start(order)
+    assert time.monotonic() - started < 2
+    assert raised.value.retryable and isinstance(raised.value, TimeoutError)
+    assert silent.asked == 1, "a silent watcher was asked again: the caller held longer"
+    saved = await runner.records.order(order.work_id)
+    assert saved is not None and saved.work_id == order.work_id, "the order was lost"
+
+
+async def test_a_start_retried_after_the_first_landed_late_starts_the_run_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The start given up at its deadline reaches the watcher later and runs the work;
+    the retry (the dispatch's) finds the same watcher by its name, and its ``start``
+    starts nothing a second time."""
+    monkeypatch.setattr(ray_work, "WATCHER_START_TIMEOUT_S", 0.1)
+    order = an_order()
+    launch = Launch(Kind.TASK, fn=lambda args, ctx: None)
+    runner = RayWorkRunner(launch)
+    runner.configure(Settings())
+    runner._records = WorkRecords(MemoryObjectStore())
+    watcher = WorkWatcher.__ray_metadata__.modified_class(  # type: ignore[attr-defined]
+        ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch
+    )
+    ran: list[int] = []
+
+    async def main(run: int) -> None:
+        ran.append(run)
+
+    watcher._main = main
+    late = LateWatcher(watcher)
+    monkeypatch.setattr(ray_work, "create_named", made(late))
+    async with asyncio.timeout(5):
+        with pytest.raises(WorkStartUnanswered):
+            await runner.start(order)
+        late.release.set()  # the first start lands now, after its caller gave up
+        while not ran:
+            await asyncio.sleep(0.01)
+        await runner.start(order)  # the retry
+    assert late.asked == 2
+    assert ran == [1], "the run was started twice"
 
 
 class Tasks:
