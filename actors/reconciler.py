@@ -56,21 +56,31 @@ class Reconciler:
         # Each step's last error and when (the console shows it), kept across sweeps
         # that succeed: an operator wants to see the failure that just went away too.
         self._step_errors: dict[str, dict[str, str]] = {}
+        self._ensuring = asyncio.Lock()
         # __init__ runs outside the actor's event loop: the loop is started by a call to
         # ourselves, which Ray runs right after __init__, on every (re)start.
         ray.get_runtime_context().current_actor.start.remote()
 
-    def _ensure(self) -> Sweeper:
-        if self._sweeper is None:
-            if self._services is None:  # kept when what follows fails: opened once
-                self._services = open_services(self._settings, observer=RayObserver())
-            # Its standbys named after it: when Ray restarts it, the new incarnation takes
-            # over the free ones the dead one kept, instead of starting a set anew.
-            self._activator = activator = RayActivator(self._services, self._config, holder=NAME)
-            activator.start_standbys()
-            control = SessionService(self._services, activator, background=True)
-            self._sweeper = Sweeper(control)
-        return self._sweeper
+    async def _ensure(self) -> Sweeper:
+        # One at a time: the sweep and the deadline loops both ask, and each would make
+        # an activator (and start a standby set) of its own.
+        async with self._ensuring:
+            if self._sweeper is None:
+                if self._services is None:  # kept when what follows fails: opened once
+                    self._services = open_services(self._settings, observer=RayObserver())
+                # ``made``: its storage check counts the cluster's nodes off the loop
+                # (embedded storage only), with the lookups' deadline. ``ray.nodes()``
+                # blocks until the GCS answers (Ray's deadline: 60 s), and made here on
+                # the loop it held the deadline loop, and ``status``, that long.
+                # Its standbys named after it: when Ray restarts it, the new incarnation
+                # takes over the free ones the dead one kept, instead of starting anew.
+                self._activator = activator = await RayActivator.made(
+                    self._services, self._config, holder=NAME
+                )
+                activator.start_standbys()
+                control = SessionService(self._services, activator, background=True)
+                self._sweeper = Sweeper(control)
+            return self._sweeper
 
     async def start(self) -> bool:
         """Start sweeping if not already; True if this call started it. The services
@@ -97,12 +107,12 @@ class Reconciler:
         while True:
             await asyncio.sleep(self._settings.reconciler.deadline_interval_s)
             try:
-                await self._ensure().deadlines_once()
+                await (await self._ensure()).deadlines_once()
             except Exception:  # the whole sweep reports failures; this loop just goes on
                 log.debug("deadline lookup failed", exc_info=True)
 
     async def sweep_once(self) -> dict[str, Any]:
-        sweeper = self._ensure()
+        sweeper = await self._ensure()
         assert self._services is not None
         # Never sweep (rewrite snapshots, bind, time out) on a store that overwrites blindly.
         await ensure_conditional_writes(self._services)
