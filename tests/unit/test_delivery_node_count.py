@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import ray
 
-from actors import ray_work
+from actors import work_delivery
 from actors.config_ref import ConfigRef
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
 from tests.unit.test_ray_work_runner import an_order
@@ -55,14 +55,14 @@ class Sessions:
 def nodes(monkeypatch: pytest.MonkeyPatch, alive: int = 1) -> SlowNodes:
     slow = SlowNodes(alive)
     monkeypatch.setattr(ray, "nodes", slow)
-    monkeypatch.setattr(ray_work, "SessionService", Sessions)
+    monkeypatch.setattr(work_delivery, "SessionService", Sessions)
     return slow
 
 
 async def delivered(settings: Settings) -> bool:
     services = SimpleNamespace(settings=settings, clock=SimpleNamespace(now=lambda: NOW))
     outcome = outcome_data(ok=True, value=1)
-    return await ray_work.deliver(services, ConfigRef.of_loaded(settings), an_order(), outcome)
+    return await work_delivery.deliver(services, ConfigRef.of_loaded(settings), an_order(), outcome)
 
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)

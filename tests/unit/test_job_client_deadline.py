@@ -15,8 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from actors import ray_work
-from actors.ray_work import Kind, Launch, _job_client
+from actors import work_jobs
+from actors.work_jobs import _job_client
+from actors.work_launch import Kind, Launch
 
 
 @pytest.fixture
@@ -48,7 +49,7 @@ def silent_dashboard() -> Iterator[str]:
 def test_a_dashboard_that_never_answers_fails_the_request_after_the_deadline(
     silent_dashboard: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ray_work, "JOB_CALL_TIMEOUT_S", 0.5, raising=False)
+    monkeypatch.setattr(work_jobs, "JOB_CALL_TIMEOUT_S", 0.5)
     outcome: list[BaseException | None] = []
 
     def connect() -> None:

@@ -22,7 +22,7 @@ import pytest
 import ray
 from ray.exceptions import GetTimeoutError
 
-from actors import named, ray_work
+from actors import named, work_watcher
 from actors.config_ref import ConfigRef
 from actors.ray_activator import Admission, RayActivator
 from actors.ray_work import Kind, Launch, WorkContext, WorkWatcher
@@ -109,7 +109,7 @@ async def actor_call_started() -> None:
 
 
 async def actor_known_dead() -> None:
-    await ray_work._actor_dead(Launch(Kind.ACTOR, actor="model", method="embed"))
+    await work_watcher._actor_dead(Launch(Kind.ACTOR, actor="model", method="embed"))
 
 
 async def admission_checked() -> None:
@@ -250,7 +250,7 @@ async def test_a_work_reports_progress_to_its_watcher_without_asking_the_gcs(
             handed.append(args[2])  # (fn, request, ctx)
             return super().remote(*args)
 
-    monkeypatch.setattr(ray_work.ray, "remote", Recorded(RuntimeError("not run here")))
+    monkeypatch.setattr(ray, "remote", Recorded(RuntimeError("not run here")))
     order = an_order()
     launch = Launch(Kind.TASK, fn=lambda args, ctx: None)
     runner = await a_runner(launch, order)

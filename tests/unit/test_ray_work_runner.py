@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
+import ray
 import requests
 from pydantic import JsonValue
 from ray.exceptions import (
@@ -23,7 +24,7 @@ from ray.exceptions import (
 )
 from ray.job_submission import JobStatus
 
-from actors import ray_work
+from actors import ray_work, work_delivery, work_jobs, work_watcher
 from actors.config_ref import ConfigRef
 from actors.ray_work import (
     Kind,
@@ -103,7 +104,7 @@ async def test_a_watcher_that_cannot_be_reached_for_a_moment_is_not_a_lost_run(
     ``work_lost`` (an actor call is never run again beside itself) while the call ran on,
     and its real answer, arriving later, found the wait already closed."""
     monkeypatch.setattr(ray_work, "STATE_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(ray_work.ray, "get_actor", lambda name, namespace=None: Watcher(answer))
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: Watcher(answer))
     order = an_order()
     runner = await a_runner(Launch(Kind.ACTOR, actor="model", method="embed"), order)
     status = await runner.status(order.work_id)
@@ -256,7 +257,7 @@ async def test_a_task_call_that_died_of_a_ray_failure_is_not_joined_again(
     process, the error pinned with it), and the same call again in that process (a
     retried activation on a pooled host) joined the dead ref and failed without running."""
     tasks = Tasks(WorkerCrashedError())
-    monkeypatch.setattr(ray_work.ray, "remote", tasks)
+    monkeypatch.setattr(ray, "remote", tasks)
     executor = RayTaskExecutor()
     execution = TaskExecution(execution="task")
     for _ in range(2):
@@ -287,10 +288,10 @@ async def test_an_actor_call_that_ray_could_not_make_is_run_again(
     def no_control_plane(name: str, namespace: str | None = None) -> Any:
         raise RaySystemError("the GCS did not answer")
 
-    monkeypatch.setattr(ray_work.ray, "get_actor", no_control_plane)
+    monkeypatch.setattr(ray, "get_actor", no_control_plane)
     with contextlib.suppress(Exception):  # as the watcher's main does: it logs and exits
         await watcher._execute(runner.records, 1)
-    monkeypatch.setattr(ray_work.ray, "get_actor", gone)  # the watcher has exited
+    monkeypatch.setattr(ray, "get_actor", gone)  # the watcher has exited
     status = await runner.status(order.work_id)
     assert status.state is WorkState.LOST
     assert after_loss(RetryPolicy(max_runs=2), status) == Rerun(run=2), status
@@ -309,10 +310,10 @@ async def test_a_task_killed_for_memory_is_lost_with_its_cause(
     watcher = WorkWatcher.__ray_metadata__.modified_class(  # type: ignore[attr-defined]
         ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch
     )
-    monkeypatch.setattr(ray_work.ray, "remote", Tasks(OutOfMemoryError("killed: node low")))
+    monkeypatch.setattr(ray, "remote", Tasks(OutOfMemoryError("killed: node low")))
     with contextlib.suppress(Exception):  # as the watcher's main does: it logs and exits
         await watcher._execute(runner.records, 1)
-    monkeypatch.setattr(ray_work.ray, "get_actor", gone)  # the watcher has exited
+    monkeypatch.setattr(ray, "get_actor", gone)  # the watcher has exited
     status = await runner.status(order.work_id)
     assert status.state is WorkState.LOST
     assert "OutOfMemoryError" in (status.cause or ""), status
@@ -380,8 +381,8 @@ class NoActivator:
 def woken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     Woken.sessions = []
     NoActivator.closed = 0
-    monkeypatch.setattr(ray_work, "SessionService", Woken)
-    monkeypatch.setattr(ray_work, "RayActivator", NoActivator)
+    monkeypatch.setattr(work_delivery, "SessionService", Woken)
+    monkeypatch.setattr(work_delivery, "RayActivator", NoActivator)
     return Woken.sessions
 
 
@@ -392,9 +393,9 @@ async def test_an_outcome_whose_delivery_met_a_passing_fault_is_delivered_again(
     waited for the reconciler's poll, at twice the work's expected duration."""
     order = an_order()
     attempts = Deliveries(StorageUnavailable("index down"), ConnectionResetError(), True)
-    monkeypatch.setattr(ray_work, "deliver", attempts)
+    monkeypatch.setattr(work_delivery, "deliver", attempts)
     with fixed(0):
-        await ray_work.deliver_patiently(None, None, order, {"ok": True})  # type: ignore[arg-type]
+        await work_delivery.deliver_patiently(None, None, order, {"ok": True})  # type: ignore[arg-type]
     assert attempts.calls == 3 and woken == []
 
 
@@ -403,9 +404,9 @@ async def test_a_delivery_that_stored_the_event_before_it_failed_wakes_the_sessi
 ) -> None:
     order = an_order()
     attempts = Deliveries(StorageUnavailable("activation failed"), False)  # stored already
-    monkeypatch.setattr(ray_work, "deliver", attempts)
+    monkeypatch.setattr(work_delivery, "deliver", attempts)
     with fixed(0):
-        await ray_work.deliver_patiently(None, None, order, {"ok": True})  # type: ignore[arg-type]
+        await work_delivery.deliver_patiently(None, None, order, {"ok": True})  # type: ignore[arg-type]
     assert attempts.calls == 2 and woken == [order.session_id]
     # Made for the one activation, closed after it: what it started behind the request
     # (a stalled pool channel's host check) ends with it, not when the watcher exits.
@@ -416,9 +417,9 @@ async def test_a_delivery_refused_for_good_is_not_tried_again(
     monkeypatch: pytest.MonkeyPatch, woken: list[str]
 ) -> None:
     attempts = Deliveries(SessionNotFound("gone"), True)
-    monkeypatch.setattr(ray_work, "deliver", attempts)
+    monkeypatch.setattr(work_delivery, "deliver", attempts)
     with fixed(0), pytest.raises(SessionNotFound):
-        await ray_work.deliver_patiently(None, None, an_order(), {"ok": True})  # type: ignore[arg-type]
+        await work_delivery.deliver_patiently(None, None, an_order(), {"ok": True})  # type: ignore[arg-type]
     assert attempts.calls == 1
 
 
@@ -434,10 +435,10 @@ def test_a_jobs_log_is_read_from_its_end_and_kept_bounded(monkeypatch: pytest.Mo
             yield f"line {i}\n"
 
     monkeypatch.setattr("ray.util.state.get_log", get_log)
-    tail = ray_work._logs_tail("job-1", "node-1")
-    assert tail.endswith("line 9999\n") and len(tail) == ray_work.LOGS_TAIL_CHARS
+    tail = work_jobs._logs_tail("job-1", "node-1")
+    assert tail.endswith("line 9999\n") and len(tail) == work_jobs.LOGS_TAIL_CHARS
     assert asked["submission_id"] == "job-1" and asked["node_id"] == "node-1"
-    assert 0 < asked["tail"] <= ray_work.LOGS_TAIL_LINES
+    assert 0 < asked["tail"] <= work_jobs.LOGS_TAIL_LINES
 
 
 class Jobs:
@@ -489,8 +490,10 @@ async def a_job(monkeypatch: Any) -> tuple[WorkOrder, RayWorkRunner, Jobs, Any]:
     runner = await a_runner(launch, order)
     jobs = Jobs()
     cls = WorkWatcher.__ray_metadata__.modified_class  # type: ignore[attr-defined]
-    patch_global(monkeypatch, cls, ray_work, "_job_client", lambda launch: jobs)
-    patch_global(monkeypatch, cls, ray_work, "_logs_tail", lambda submission_id, node_id: "")
+    # The watcher's (its run) and the runner's (its stop without a watcher).
+    patch_global(monkeypatch, cls, work_watcher, "_job_client", lambda launch: jobs)
+    monkeypatch.setattr(ray_work, "_job_client", lambda launch: jobs)
+    patch_global(monkeypatch, cls, work_watcher, "_logs_tail", lambda submission_id, node_id: "")
     watcher = cls(ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch)
     return order, runner, jobs, watcher
 
@@ -578,10 +581,10 @@ async def a_lost_actor_call(model: Model, monkeypatch: pytest.MonkeyPatch) -> An
     watcher = WorkWatcher.__ray_metadata__.modified_class(  # type: ignore[attr-defined]
         ConfigRef.of_loaded(runner.settings), dict(order.as_data()), launch
     )
-    monkeypatch.setattr(ray_work.ray, "get_actor", model.look_up)
+    monkeypatch.setattr(ray, "get_actor", model.look_up)
     assert await watcher._execute(runner.records, 1) is None
     assert model.calls == 1
-    monkeypatch.setattr(ray_work.ray, "get_actor", gone)  # the watcher has exited
+    monkeypatch.setattr(ray, "get_actor", gone)  # the watcher has exited
     return await runner.status(order.work_id)
 
 
@@ -645,7 +648,7 @@ async def test_a_stop_the_dashboard_did_not_take_is_a_retryable_torpor_error(
         await watcher.stop()
     assert raised.value.retryable
     # With no watcher, the runner stops each run's job itself, and fails alike.
-    monkeypatch.setattr(ray_work.ray, "get_actor", gone)
+    monkeypatch.setattr(ray, "get_actor", gone)
     with pytest.raises(WorkStopFailed):
         await runner.stop(order.work_id, reason="cancelled")
 
@@ -671,7 +674,7 @@ async def test_a_watchers_failed_stop_reaches_the_caller_as_a_torpor_error(
     order = an_order()
     runner = await a_runner(Launch(Kind.JOB, entrypoint=lambda args: "true"), order)
     handle = StoppingWatcher(WorkStopFailed("its job's stop failed"))
-    monkeypatch.setattr(ray_work.ray, "get_actor", lambda name, namespace=None: handle)
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: handle)
     with pytest.raises(WorkStopFailed) as raised:
         await runner.stop(order.work_id, reason="cancelled")
     assert raised.value.retryable
@@ -709,7 +712,7 @@ async def test_a_stop_that_did_not_reach_a_tasks_watcher_is_a_retryable_torpor_e
     the task ran on. Not known gone, as ``status`` reads it: ``WorkStopFailed``, which
     the compensation asks again."""
     monkeypatch.setattr(ray_work, "STATE_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(ray_work.ray, "get_actor", lookup)
+    monkeypatch.setattr(ray, "get_actor", lookup)
     order = an_order()
     runner = await a_runner(Launch(Kind.TASK, fn=lambda args, ctx: None), order)
     with pytest.raises(WorkStopFailed) as raised:
@@ -722,7 +725,7 @@ async def test_a_stop_of_a_task_whose_watcher_is_gone_is_done(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No watcher by its name: its task died with it, and there is nothing left to stop."""
-    monkeypatch.setattr(ray_work.ray, "get_actor", gone)
+    monkeypatch.setattr(ray, "get_actor", gone)
     order = an_order()
     runner = await a_runner(Launch(Kind.TASK, fn=lambda args, ctx: None), order)
     await runner.stop(order.work_id, reason="cancelled")
@@ -751,7 +754,7 @@ def test_a_progress_report_whose_watcher_cannot_be_looked_up_is_lost_not_the_wor
     watcher = Reports()
     lookups = iter([lookup, lambda name, namespace=None: watcher])
     monkeypatch.setattr(
-        ray_work.ray, "get_actor", lambda name, namespace=None: next(lookups)(name, namespace)
+        ray, "get_actor", lambda name, namespace=None: next(lookups)(name, namespace)
     )
     ctx = WorkContext(
         session_id="s1",
