@@ -37,7 +37,7 @@ from actors.work_launch import Kind, Launch, WorkContext, _spec, watcher_name
 from actors.work_watcher import ACCEPTED, CALL_CUT_OFF, WATCHER_GONE, WorkWatcher
 from storage.factory import open_object_store
 from storage.work import WorkRecords
-from torpor.errors import WorkStartUnanswered, WorkStopFailed
+from torpor.errors import WorkStartFailed, WorkStartUnanswered, WorkStopFailed
 from torpor.settings import Settings
 from torpor.work import Resources, RetryPolicy, WorkOrder, WorkState, WorkStatus, WorkTool
 
@@ -118,7 +118,7 @@ class RayWorkRunner:
             except _GONE:
                 pass  # a watcher that was just exiting: ask a fresh one
             await asyncio.sleep(min(0.5, 0.02 * 2**attempt))
-        raise RuntimeError(f"no watcher for work {order.work_id} took the order")
+        raise WorkStartFailed(f"no watcher for work {order.work_id} took the order")
 
     async def status(self, work: str) -> WorkStatus:
         records = self.records

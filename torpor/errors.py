@@ -275,6 +275,14 @@ class WorkStartUnanswered(RetryableError, TimeoutError):
     status, title = 503, "Work start unanswered"
 
 
+class WorkStartFailed(RetryableError):
+    """Every watcher asked to start a work was going (exiting, or its actor dead) when
+    asked, ``MAX_ATTEMPTS`` times in a row. The order is recorded: a later try starts it."""
+
+    code = "work_start_failed"
+    status, title = 503, "Work start failed"
+
+
 class ActivationUnavailable(RetryableError):
     """No activator took the request (its actor or host did not answer in time)."""
 

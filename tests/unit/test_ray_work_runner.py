@@ -42,6 +42,7 @@ from torpor.backoff import fixed
 from torpor.errors import (
     SessionNotFound,
     StorageUnavailable,
+    WorkStartFailed,
     WorkStartUnanswered,
     WorkStopFailed,
 )
@@ -177,6 +178,40 @@ async def test_a_watcher_that_never_answers_its_start_fails_the_start_at_its_dea
     assert time.monotonic() - started < 2
     assert raised.value.retryable and isinstance(raised.value, TimeoutError)
     assert silent.asked == 1, "a silent watcher was asked again: the caller held longer"
+    saved = await runner.records.order(order.work_id)
+    assert saved is not None and saved.work_id == order.work_id, "the order was lost"
+
+
+class ExitingWatcher:
+    """A watcher handle whose every ``start`` finds it going (Ray's "unavailable")."""
+
+    def __init__(self) -> None:
+        self.start = self
+        self.asked = 0
+
+    def remote(self, run: int) -> asyncio.Future[Any]:
+        self.asked += 1
+        going = asyncio.get_running_loop().create_future()
+        going.set_exception(ActorUnavailableError("exiting", None))
+        return going
+
+
+async def test_a_start_no_watcher_took_fails_typed_and_retryable_with_the_order_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every watcher asked was going: the caller gets torpor's typed, retryable error (a
+    503 problem at the edge, a retry in the outbox), not a bare ``RuntimeError``."""
+    monkeypatch.setattr(ray_work, "MAX_ATTEMPTS", 3)
+    exiting = ExitingWatcher()
+    monkeypatch.setattr(ray_work, "create_named", made(exiting))
+    order = an_order()
+    runner = RayWorkRunner(Launch(Kind.TASK, fn=lambda args, ctx: None))
+    runner.configure(Settings())
+    runner._records = WorkRecords(MemoryObjectStore())
+    with pytest.raises(WorkStartFailed) as raised:
+        await runner.start(order)
+    assert raised.value.retryable and raised.value.status == 503
+    assert exiting.asked == 3
     saved = await runner.records.order(order.work_id)
     assert saved is not None and saved.work_id == order.work_id, "the order was lost"
 
