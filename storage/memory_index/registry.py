@@ -20,11 +20,19 @@ class MemorySessionRegistry:
         self._sessions[session_id] = (tenant, state, generation)
 
     async def lift_quarantine(
-        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+        self,
+        *,
+        tenant: str,
+        session_id: str,
+        state: SessionState,
+        generation: int,
+        any_generation: bool = False,
     ) -> bool:
         current = self._sessions.get(session_id)
-        if current is None or current[1] is not SessionState.QUARANTINED or current[2] > generation:
-            return False  # only over a QUARANTINED no newer
+        if current is None or current[1] is not SessionState.QUARANTINED:
+            return False  # only over a QUARANTINED
+        if current[2] > generation and not any_generation:
+            return False  # ... no newer, but for the operator's retry
         self._sessions[session_id] = (tenant, state, generation)
         return True
 

@@ -6,6 +6,12 @@ from storage.redis_index.connection import RedisConnection, text, texts, transla
 from torpor.lifecycle import SessionState
 from torpor.ports import SessionPage
 
+# The entry of ARGV[1] as it stands: its state and generation (nil, nil: none).
+_CURRENT = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+local state = cur and string.match(cur, '^[^|]*')
+local gen = cur and tonumber(string.match(cur, '|(%d+)$') or '-1')
+"""
 # The state of ARGV[1] written (ARGV[3] at generation ARGV[2]), in the state hash and the
 # sets. Members score 0, so sets sort by session id, which starts with the creation time:
 # newest-first pagination for free.
@@ -24,27 +30,28 @@ return 1
 # The registry is last-generation-wins: a repair that read an old header while the
 # session moved on must not put the old state back.
 _RECORD = (
-    """
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if cur then
-  local gen = tonumber(string.match(cur, '|(%d+)$') or '-1')
-  if gen > tonumber(ARGV[2]) then return 0 end
-end
+    _CURRENT
+    + """
+if gen and gen > tonumber(ARGV[2]) then return 0 end
 """
     + _WRITE
 )
-# Only over a QUARANTINED no newer, checked and written in one step: a commit recorded
-# after the caller's look is never replaced by the state it found.
+# Only over a QUARANTINED, checked and written in one step: a commit recorded after the
+# caller's look is never replaced by the state it found.
+_OVER_QUARANTINE = f"""
+if state ~= '{SessionState.QUARANTINED.value}' then return 0 end
+"""
+# ... and no newer (an activation's lift).
 _LIFT = (
-    f"""
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return 0 end
-if string.match(cur, '^[^|]*') ~= '{SessionState.QUARANTINED.value}' then return 0 end
-local gen = tonumber(string.match(cur, '|(%d+)$') or '-1')
+    _CURRENT
+    + _OVER_QUARANTINE
+    + """
 if gen > tonumber(ARGV[2]) then return 0 end
 """
     + _WRITE
 )
+# ... of any generation (the operator's retry: ``SessionRegistry.lift_quarantine``).
+_LIFT_ANY = _CURRENT + _OVER_QUARANTINE + _WRITE
 
 
 class RedisSessionRegistry(RedisConnection):
@@ -56,9 +63,16 @@ class RedisSessionRegistry(RedisConnection):
 
     @translate
     async def lift_quarantine(
-        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+        self,
+        *,
+        tenant: str,
+        session_id: str,
+        state: SessionState,
+        generation: int,
+        any_generation: bool = False,
     ) -> bool:
-        return bool(await self._record_state(_LIFT, tenant, session_id, state, generation))
+        script = _LIFT_ANY if any_generation else _LIFT
+        return bool(await self._record_state(script, tenant, session_id, state, generation))
 
     async def _record_state(
         self, script: str, tenant: str, session_id: str, state: SessionState, generation: int

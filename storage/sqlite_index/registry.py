@@ -25,17 +25,24 @@ class SqliteSessionRegistry(SqliteConnection):
         )
 
     async def lift_quarantine(
-        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+        self,
+        *,
+        tenant: str,
+        session_id: str,
+        state: SessionState,
+        generation: int,
+        any_generation: bool = False,
     ) -> bool:
         # One statement, so the check and the write are one step: only over a QUARANTINED
-        # no newer than ``generation``.
+        # no newer than ``generation`` (of any, for the operator's retry).
         aside = SessionState.QUARANTINED.value
+        newest = None if any_generation else generation
         lifted = await self._run(
             lambda c: (
                 c.execute(
                     "UPDATE sessions SET state=?, generation=? "
-                    "WHERE session_id=? AND state=? AND generation <= ?",
-                    (state.value, generation, session_id, aside, generation),
+                    "WHERE session_id=? AND state=? AND (? IS NULL OR generation <= ?)",
+                    (state.value, generation, session_id, aside, newest, newest),
                 ).rowcount
             )
         )

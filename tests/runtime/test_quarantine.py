@@ -133,6 +133,37 @@ async def test_a_restored_poison_snapshots_activation_puts_its_state_back_in_the
         assert (await env.load(sid)).state is S.TIMED_OUT
 
 
+async def test_a_poison_snapshot_restored_from_an_older_backup_is_taken_back_by_a_retry() -> None:
+    """The operator restores a backup older than the snapshot found undecodable: the
+    index's QUARANTINED carries the newer generation its header named. The registry's
+    "newest generation wins" refused the retry's record (and the activation's lift, and
+    every repair): the retry was accepted and changed nothing, the session listed as set
+    aside for good. The retry, the operator's explicit act, takes it back."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid = await env.submit("a")
+        backup = await env.load(sid)
+        old = (await env.services.store.get(keys.snapshot(sid))).data
+        # The session moved on (two commits, recorded) before its snapshot was spoiled.
+        newer = backup.model_copy(update={"generation": backup.generation + 2})
+        await env.services.store.put(keys.snapshot(sid), SnapshotCodec().encode(newer))
+        index = env.services.index
+        await index.record_session(
+            tenant="acme", session_id=sid, state=newer.state, generation=newer.generation
+        )
+        await corrupt_body(env, sid)
+        await env.runtime.activate(sid, reason=Reason.EVENT)
+        assert (await index.session_states([sid]))[sid] is S.QUARANTINED
+        assert await index.session_generation(sid) == newer.generation
+        await env.services.store.put(keys.snapshot(sid), old)  # the older backup
+        await env.control.retry(sid, tenant="acme")  # and the activation it asks for
+        assert (await index.session_states([sid]))[sid] is S.SUSPENDED
+        assert await index.session_generation(sid) == backup.generation
+        listed = await index.list_sessions(tenant="acme", state=None, cursor=None, limit=5)
+        assert listed.session_ids == [sid]
+        assert (await env.control.get(sid)).state is S.SUSPENDED
+
+
 async def test_an_activation_whose_lease_lapsed_lifts_no_quarantine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -681,6 +681,43 @@ class IndexContract:
         assert await index.session_states(["s_q"]) == {"s_q": s.RUNNING}
         assert await index.session_generation("s_q") == 6
 
+    async def test_the_operators_retry_lifts_a_quarantine_of_any_generation_and_only_that(
+        self, index: Index
+    ) -> None:
+        """A backup restored from before the snapshot found undecodable is older than the
+        quarantine: the operator's retry lifts it all the same (``any_generation``), and
+        later commits are recorded. Nothing but a QUARANTINED is replaced so."""
+        s = SessionState
+
+        async def lift(sid: str, state: SessionState, generation: int) -> bool:
+            return await index.lift_quarantine(
+                tenant="acme",
+                session_id=sid,
+                state=state,
+                generation=generation,
+                any_generation=True,
+            )
+
+        async def listed(state: SessionState) -> list[str]:
+            page = await index.list_sessions(tenant="acme", state=state, cursor=None, limit=5)
+            return page.session_ids
+
+        await index.record_session(
+            tenant="acme", session_id="s_q", state=s.QUARANTINED, generation=7
+        )
+        assert await lift("s_q", s.SUSPENDED, 3)
+        assert await index.session_states(["s_q"]) == {"s_q": s.SUSPENDED}
+        assert await index.session_generation("s_q") == 3
+        assert await listed(s.SUSPENDED) == ["s_q"] and await listed(s.QUARANTINED) == []
+        await index.record_session(tenant="acme", session_id="s_q", state=s.RUNNING, generation=4)
+        assert await index.session_states(["s_q"]) == {"s_q": s.RUNNING}
+        # Any other state, even an older one, stands; nothing recorded, nothing lifted.
+        assert not await lift("s_q", s.SUSPENDED, 2)
+        assert await index.session_states(["s_q"]) == {"s_q": s.RUNNING}
+        assert await index.session_generation("s_q") == 4
+        assert not await lift("s_none", s.SUSPENDED, 2)
+        assert await index.session_states(["s_none"]) == {}
+
     async def test_integrity_marker(self, index: Index) -> None:
         assert not await index.is_intact()
         token = await index.begin_repair()

@@ -287,12 +287,23 @@ class SessionRegistry(Protocol):
         ...
 
     async def lift_quarantine(
-        self, *, tenant: str, session_id: str, state: SessionState, generation: int
+        self,
+        *,
+        tenant: str,
+        session_id: str,
+        state: SessionState,
+        generation: int,
+        any_generation: bool = False,
     ) -> bool:
         """Record ``state`` at ``generation`` only over a QUARANTINED the registry holds
         at a generation no newer, in one check-and-set; True if it did. For an activation
         that found the snapshot decodes after all (restored), which the index alone said
-        it did not: any other state, or a newer generation, is left as it is."""
+        it did not: any other state, or a newer generation, is left as it is.
+
+        ``any_generation``: over a QUARANTINED of any generation, for the operator's retry
+        alone (``quarantine.retry``). A poison quarantine's generation is the one its
+        undecodable snapshot's header named; a backup restored from before it is older,
+        and "newest wins" would keep it set aside for good."""
         ...
 
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]: ...

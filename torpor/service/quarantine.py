@@ -87,11 +87,19 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         # that finds the snapshot reads lifts it (``SessionRuntime._let_go``).
         await control.arm_wake(session_id)
         crash_point(CrashPoint.QUARANTINE_RETRY_ARMED)
-        await control.services.index.record_session(
+        # Over the QUARANTINED only, of any generation: it carries the generation the
+        # undecodable snapshot's header named, and a backup restored from before it is
+        # older. "Newest wins" guards a state against a late record of what an older
+        # snapshot said; here the snapshot just read is the newest there is (the one the
+        # quarantine names did not decode and is gone), and the operator's retry is the
+        # explicit act that says so. Any state recorded since the look above is kept.
+        # (The activation's lift stays no newer: dead before this, the retry is retried.)
+        await control.services.index.lift_quarantine(
             tenant=snapshot.tenant,
             session_id=session_id,
             state=aside.resume_to if poison and aside else snapshot.state,
             generation=snapshot.generation,
+            any_generation=True,
         )
         crash_point(CrashPoint.QUARANTINE_RETRY_RECORDED)
         await control.activate(session_id, reason=Reason.RETRY)
