@@ -14,9 +14,16 @@ local gen = cur and tonumber(string.match(cur, '|(%d+)$') or '-1')
 """
 # The state of ARGV[1] written (ARGV[3] at generation ARGV[2]), in the state hash and the
 # sets. Members score 0, so sets sort by session id, which starts with the creation time:
-# newest-first pagination for free.
+# newest-first pagination for free. Under a tenant, it leaves tenant ""'s sets (the last
+# two keys): only the quarantine of a snapshot whose header did not decode puts a session
+# there, and the hash does not say under which tenant an entry is listed. Unconditional,
+# two ZREMs, so that a ghost left there by an older torpor goes with the next record too.
 _WRITE = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. '|' .. ARGV[2])
+if KEYS[2] ~= KEYS[#KEYS - 1] then
+  redis.call('ZREM', KEYS[#KEYS - 1], ARGV[1])
+  redis.call('ZREM', KEYS[#KEYS], ARGV[1])
+end
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
 for i = 4, #ARGV do
   if ARGV[i] == ARGV[3] then
@@ -77,11 +84,14 @@ class RedisSessionRegistry(RedisConnection):
     async def _record_state(
         self, script: str, tenant: str, session_id: str, state: SessionState, generation: int
     ) -> int:
-        # KEYS: state hash, the all-sessions set, then one set per state in ARGV order.
+        # KEYS: state hash, the all-sessions set, one set per state in ARGV order, then
+        # tenant ""'s all-sessions and QUARANTINED sets (``_WRITE``).
         keys = [
             self.keys.session_state,
             self.keys.sessions(tenant, None),
             *(self.keys.sessions(tenant, s) for s in SessionState),
+            self.keys.sessions("", None),
+            self.keys.sessions("", SessionState.QUARANTINED),
         ]
         written: int = await self.script(script)(
             keys=keys,

@@ -15,10 +15,14 @@ class SqliteSessionRegistry(SqliteConnection):
         self, *, tenant: str, session_id: str, state: SessionState, generation: int
     ) -> None:
         # Last generation wins: an older snapshot's state never overwrites a newer one.
+        # The tenant is the one named, unless that is "" (the quarantine of a snapshot
+        # whose header did not decode, its tenant unknown), which keeps the row's: a row
+        # recorded under "" takes its tenant when the restored session is recorded.
         await self._run(
             lambda c: c.execute(
                 "INSERT INTO sessions VALUES (?,?,?,?) ON CONFLICT(session_id) "
-                "DO UPDATE SET state=excluded.state, generation=excluded.generation "
+                "DO UPDATE SET state=excluded.state, generation=excluded.generation, "
+                "tenant=COALESCE(NULLIF(excluded.tenant, ''), tenant) "
                 "WHERE excluded.generation >= sessions.generation",
                 (session_id, tenant, state.value, generation),
             )
@@ -34,15 +38,17 @@ class SqliteSessionRegistry(SqliteConnection):
         any_generation: bool = False,
     ) -> bool:
         # One statement, so the check and the write are one step: only over a QUARANTINED
-        # no newer than ``generation`` (of any, for the operator's retry).
+        # no newer than ``generation`` (of any, for the operator's retry). The tenant as
+        # ``record_session`` keeps it.
         aside = SessionState.QUARANTINED.value
         newest = None if any_generation else generation
         lifted = await self._run(
             lambda c: (
                 c.execute(
-                    "UPDATE sessions SET state=?, generation=? "
+                    "UPDATE sessions SET state=?, generation=?, "
+                    "tenant=COALESCE(NULLIF(?, ''), tenant) "
                     "WHERE session_id=? AND state=? AND (? IS NULL OR generation <= ?)",
-                    (state.value, generation, session_id, aside, newest, newest),
+                    (state.value, generation, tenant, session_id, aside, newest, newest),
                 ).rowcount
             )
         )

@@ -4,6 +4,7 @@ one written by a newer torpor is left for it, retried at the backoff's cap."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,6 +14,7 @@ from storage import keys
 from storage.codec import SnapshotCodec
 from tests.runtime.memory_env import MemEnv, memory_env, plan_agent, reset
 from tests.runtime.test_sweeper import Recording
+from tests.support.harness import local_env
 from torpor.clock import to_ms
 from torpor.errors import OutboxEntryNotSendable, PreconditionFailed, StorageUnavailable
 from torpor.lifecycle import SessionState
@@ -162,6 +164,34 @@ async def test_a_poison_snapshot_restored_from_an_older_backup_is_taken_back_by_
         listed = await index.list_sessions(tenant="acme", state=None, cursor=None, limit=5)
         assert listed.session_ids == [sid]
         assert (await env.control.get(sid)).state is S.SUSPENDED
+
+
+@pytest.mark.redis
+async def test_a_restored_snapshot_whose_header_did_not_read_leaves_no_ghost_in_redis(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Not even its header decodes, and the index lost what it knew of the session: the
+    activation quarantines it under tenant "" (its tenant unknown). Restored and retried,
+    it is recorded under its tenant, and tenant ""'s listings in Redis kept it, QUARANTINED
+    there for ever: a ghost that no get, retry or cancel under that tenant could reach."""
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        sid = await env.submit(doc="PR-G")
+        assert (await env.load(sid)).state is S.SUSPENDED
+        index, store, key = env.services.index, env.services.store, keys.snapshot(sid)
+        good = (await store.get(key)).data
+        await index.forget_session(tenant="acme", session_id=sid)  # as a lost index would
+        await store.put(key, b"\x00" * 64)  # nothing of it reads, not even the header
+        await env.control.activate(sid, reason=Reason.EVENT)
+        aside = await index.list_sessions(tenant="", state=S.QUARANTINED, cursor=None, limit=5)
+        assert aside.session_ids == [sid]
+        await store.put(key, good)  # restored by the operator, who retries
+        await env.control.retry(sid, tenant="acme")
+        assert (await index.session_states([sid]))[sid] is S.SUSPENDED
+        for state in (None, S.QUARANTINED):
+            ghost = await index.list_sessions(tenant="", state=state, cursor=None, limit=5)
+            assert ghost.session_ids == []
+        page = await index.list_sessions(tenant="acme", state=S.SUSPENDED, cursor=None, limit=5)
+        assert page.session_ids == [sid]
 
 
 async def test_an_activation_whose_lease_lapsed_lifts_no_quarantine(

@@ -718,6 +718,27 @@ class IndexContract:
         assert not await lift("s_none", s.SUSPENDED, 2)
         assert await index.session_states(["s_none"]) == {}
 
+    async def test_a_quarantine_under_no_tenant_is_listed_there_no_more_once_lifted(
+        self, index: Index
+    ) -> None:
+        """A snapshot whose header does not decode either is quarantined under tenant ""
+        (its tenant unknown, ``_quarantine_poison``). Restored, its state is recorded under
+        its tenant, by the operator's retry or the lift of the activation that reads it: no
+        listing of tenant "" shows it any more, a ghost no one could open."""
+        s = SessionState
+
+        async def listed(tenant: str, state: SessionState | None) -> list[str]:
+            page = await index.list_sessions(tenant=tenant, state=state, cursor=None, limit=5)
+            return page.session_ids
+
+        for sid, put in (("s_l", index.lift_quarantine), ("s_r", index.record_session)):
+            await index.record_session(tenant="", session_id=sid, state=s.QUARANTINED, generation=0)
+            assert sid in await listed("", s.QUARANTINED)
+            await put(tenant="acme", session_id=sid, state=s.SUSPENDED, generation=0)
+        assert await listed("", None) == [] and await listed("", s.QUARANTINED) == []
+        assert await listed("acme", s.SUSPENDED) == ["s_r", "s_l"]
+        assert await listed("acme", None) == ["s_r", "s_l"]
+
     async def test_integrity_marker(self, index: Index) -> None:
         assert not await index.is_intact()
         token = await index.begin_repair()

@@ -283,7 +283,9 @@ class SessionRegistry(Protocol):
     ) -> None:
         """Record the state of snapshot ``generation``; an older generation never
         overwrites a newer one (repair and live commits may race). Listings are newest
-        first: session ids begin with their creation time."""
+        first: session ids begin with their creation time. Recorded (or lifted) under a
+        tenant, a session is listed under tenant "" no more: the poison quarantine of a
+        snapshot whose header did not decode either put it there, its tenant unknown."""
         ...
 
     async def lift_quarantine(
