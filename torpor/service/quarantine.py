@@ -84,7 +84,7 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         # actor took it) left nothing to activate the session; it never found out
         # whether its snapshot reads now. The activation removes the timer either way;
         # dead before the record, the index still says QUARANTINED, and the activation
-        # that finds the snapshot reads lifts it (``SessionRuntime._let_go``).
+        # that finds the snapshot reads lifts it (``torpor.session.release.let_go``).
         await control.arm_wake(session_id)
         crash_point(CrashPoint.QUARANTINE_RETRY_ARMED)
         # Over the QUARANTINED only, of any generation: it carries the generation the

@@ -6,6 +6,7 @@ agent loop with its sync tool calls, then suspend or finish (bind, outbox drain)
 change reaches storage through the working copy's compare-and-swap commit.
 """
 
-from torpor.session.runtime import ActivationOutcome, ActivationResult, SessionRuntime
+from torpor.session.outcome import ActivationOutcome, ActivationResult
+from torpor.session.runtime import SessionRuntime
 
 __all__ = ["ActivationOutcome", "ActivationResult", "SessionRuntime"]

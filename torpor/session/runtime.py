@@ -19,13 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
-from enum import StrEnum
 
 from torpor import logs, tracing
 from torpor.errors import (
     CommitConflict,
-    IndexUnavailable,
     LeaseLost,
     PluginNotFound,
     SessionNotFound,
@@ -41,6 +38,8 @@ from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.session.activation import Activation
 from torpor.session.heartbeat import Heartbeat
+from torpor.session.outcome import ActivationOutcome, ActivationResult, result_of
+from torpor.session.release import let_go
 from torpor.session.retry import Retrier, retry_delay
 from torpor.session.slots import leave_slot
 from torpor.session.working import StopActivation, WorkingCopy
@@ -49,34 +48,6 @@ from torpor.transient import transient
 MAX_ROUNDS = 8
 RETRY_AT_CAP = 62  # a backoff attempt far past any cap: the capped delay, with jitter
 log = logging.getLogger(__name__)
-
-
-class ActivationOutcome(StrEnum):
-    """How one activation attempt ended, as the runtime reports it."""
-
-    RAN = "ran"  # the activation ran and committed what it did
-    BUSY = "busy"  # another activation holds the lease; it will see our events
-    CONFLICT = "conflict"  # someone else committed first; nothing was written
-    LEASE_LOST = "lease_lost"
-    MISSING = "missing"  # no such session
-    STOPPED = "stopped"  # ended early after a checkpoint (a retry is scheduled)
-    QUARANTINED = "quarantined"  # set aside for an operator (unreadable, or retries spent)
-
-
-@dataclass(frozen=True)
-class ActivationResult:
-    """The outcome of ``SessionRuntime.activate`` and what the activation did."""
-
-    session_id: str
-    outcome: ActivationOutcome
-    state: SessionState | None = None
-    generation: int | None = None
-    applied: int = 0
-    observed: int = 0
-    agent_steps: int = 0
-    drifts: int = 0
-    # Seconds from the request (caller's wall clock) to the first agent step, if any.
-    resume_latency_s: float | None = None
 
 
 def lease_name(session_id: str) -> str:
@@ -123,9 +94,9 @@ class SessionRuntime:
                 for kind in (TimerKind.WAKE, TimerKind.RETRY):
                     await self.deps.index.unschedule(kind=kind, member=session_id)
                 return result
-            # The wake-up was unscheduled with the lease's release (``_let_go``), and only
-            # now we look: an event written after our look schedules its own wake-up
-            # after our unschedule, so none is ever orphaned.
+            # The wake-up was unscheduled with the lease's release (``release.let_go``),
+            # and only now we look: an event written after our look schedules its own
+            # wake-up after our unschedule, so none is ever orphaned.
             pending = await self.deps.inbox.pending(
                 session_id, processed=set(snapshot.processed_events)
             )
@@ -168,7 +139,8 @@ class SessionRuntime:
         # it is not released (it expires, and whoever recovers it is told again).
         recorded = not lease.taken_over
         # What a drive that ran to its end left with no state recorded: the registry may
-        # still say the QUARANTINED of ``_quarantine_poison`` (``_let_go`` lifts it).
+        # still say the QUARANTINED of ``_quarantine_poison`` (``release.let_go`` lifts
+        # it).
         unrecorded: SessionSnapshot | None = None
         try:
             try:
@@ -246,67 +218,11 @@ class SessionRuntime:
             self.deps.snapshots.release(session_id)
             await heartbeat.stop()
             if release:
-                await self._let_go(heartbeat, session_id, unschedule=ran, lift=unrecorded)
-        assert activation is not None
-        return self._result(activation, outcome, requested_at), activation.snap
-
-    async def _let_go(
-        self,
-        heartbeat: Heartbeat,
-        session_id: str,
-        *,
-        unschedule: bool,
-        lift: SessionSnapshot | None = None,
-    ) -> None:
-        """Release the lease and, after a drive that ran to its end, unschedule the
-        session's wake-up: both asked for in one turn, so they leave in one pipeline (one
-        round trip, not two in a row), the release first as before. A release that fails
-        is let be (the lease expires by itself); a failed unschedule is raised, as it was
-        when it came second.
-
-        ``lift``: the snapshot such a drive left without recording its state. The index
-        alone says QUARANTINED when a snapshot did not decode; an operator's retry that
-        died before it recorded the state back (``quarantine.retry_armed``) left it so,
-        and the activation its wake-up asked for, finding the snapshot restored, had
-        nothing to commit: the registry said QUARANTINED of a healthy session until the
-        next full repair. So the quarantine is lifted here
-        (``SessionRegistry.lift_quarantine``: only over a QUARANTINED no newer than the
-        snapshot, never over a state recorded since), in the same pipeline: no activation
-        pays a round trip for it. It goes first: it runs while the lease is held, and
-        the server took it whenever it took the unschedule. Its failure is raised as the
-        unschedule's is."""
-        index = self.deps.index
-        release = index.release_lease(heartbeat.lease)
-        if not unschedule:
-            with contextlib.suppress(IndexUnavailable):  # it expires by itself anyway
-                await release
-            return
-        lifting = (
-            []
-            if lift is None
-            else [
-                index.lift_quarantine(
-                    tenant=lift.tenant,
-                    session_id=session_id,
-                    state=lift.state,
-                    generation=lift.generation,
+                await let_go(
+                    self.deps.index, heartbeat, session_id, unschedule=ran, lift=unrecorded
                 )
-            ]
-        )
-        *lifted, released, unscheduled = await asyncio.gather(
-            *lifting,
-            release,
-            index.unschedule(kind=TimerKind.WAKE, member=session_id),
-            return_exceptions=True,
-        )
-        for outcome in (*lifted, released, unscheduled):
-            if isinstance(outcome, BaseException) and not isinstance(outcome, IndexUnavailable):
-                raise outcome
-        for outcome in (unscheduled, *lifted):
-            if isinstance(outcome, BaseException):
-                raise outcome
-        if lifted == [True]:
-            log.info("session %s reads again: its quarantine in the index is lifted", session_id)
+        assert activation is not None
+        return result_of(activation, outcome, requested_at), activation.snap
 
     async def _drive_capped(self, activation: Activation, reason: Reason) -> None:
         """Drive within the activation wall-time cap. A hung call would otherwise keep the
@@ -410,26 +326,6 @@ class SessionRuntime:
             return self.plugins.agent(snapshot.agent.name)
         except PluginNotFound:
             return None
-
-    @staticmethod
-    def _result(
-        act: Activation, outcome: ActivationOutcome, requested_at: float | None
-    ) -> ActivationResult:
-        latency = None
-        first = act.stats.first_step_at
-        if requested_at is not None and first is not None:
-            latency = max(0.0, first.timestamp() - requested_at)
-        return ActivationResult(
-            session_id=act.snap.session_id,
-            outcome=outcome,
-            state=act.snap.state,
-            generation=act.snap.generation,
-            applied=act.stats.applied,
-            observed=act.stats.observed,
-            agent_steps=act.stats.agent_steps,
-            drifts=act.stats.drifts,
-            resume_latency_s=latency,
-        )
 
 
 def _passing(exc: BaseException) -> bool:
