@@ -106,6 +106,10 @@ class RedisSessionRegistry(RedisConnection):
         pipe.zrem(self.keys.sessions(tenant, None), session_id)
         for state in SessionState:
             pipe.zrem(self.keys.sessions(tenant, state), session_id)
+        # A session purged while quarantined under tenant "" (its header never read, never
+        # restored) is listed there, not under its tenant: nothing else removes it (_WRITE).
+        pipe.zrem(self.keys.sessions("", None), session_id)
+        pipe.zrem(self.keys.sessions("", SessionState.QUARANTINED), session_id)
         await pipe.execute()
 
     @translate

@@ -57,7 +57,9 @@ class SqliteSessionRegistry(SqliteConnection):
     async def forget_session(self, *, tenant: str, session_id: str) -> None:
         await self._run(
             lambda c: c.execute(
-                "DELETE FROM sessions WHERE session_id=? AND tenant=?", (session_id, tenant)
+                # Or under tenant "": a poison quarantine whose header never read.
+                "DELETE FROM sessions WHERE session_id=? AND tenant IN (?, '')",
+                (session_id, tenant),
             )
         )
 

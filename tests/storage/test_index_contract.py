@@ -739,6 +739,20 @@ class IndexContract:
         assert await listed("acme", s.SUSPENDED) == ["s_r", "s_l"]
         assert await listed("acme", None) == ["s_r", "s_l"]
 
+    async def test_a_session_forgotten_under_its_tenant_leaves_no_quarantine_under_no_tenant(
+        self, index: Index
+    ) -> None:
+        """Purged (retention) while still quarantined under tenant "" (its header never
+        read, never restored): forgetting it under its own tenant leaves no ghost in tenant
+        ""'s listings, which nothing else would ever remove."""
+        s = SessionState
+        await index.record_session(tenant="", session_id="s_g", state=s.QUARANTINED, generation=0)
+        await index.forget_session(tenant="acme", session_id="s_g")
+        for state in (None, s.QUARANTINED):
+            page = await index.list_sessions(tenant="", state=state, cursor=None, limit=5)
+            assert page.session_ids == []
+        assert await index.session_states(["s_g"]) == {}
+
     async def test_integrity_marker(self, index: Index) -> None:
         assert not await index.is_intact()
         token = await index.begin_repair()
