@@ -142,6 +142,9 @@ class StandbySet:
         self._starting = 0
         self._pending: set[Any] = set()  # spawned, not yet ready
         self._tasks: set[asyncio.Task[None]] = set()
+        # The asks to left standbys to go (``inherit``), under way: held here so none is
+        # garbage-collected mid-ask, and so ``retired`` can wait for them.
+        self._retiring: set[asyncio.Task[None]] = set()
         self._keeper: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._closing = False
@@ -263,8 +266,8 @@ class StandbySet:
         free and runs what ``settings`` and this code make (``inheritance_key``) joins
         the set, up to its size, and is kept from now on; one free past the size,
         running other settings or code, or not answering, is retired (it exits unless a
-        session reached it first). One that has a session is left to run it. Returns how
-        many joined."""
+        session reached it first), in the background: ``retired`` waits for that. One
+        that has a session is left to run it. Returns how many joined."""
         self._inheriting = True
         try:
             handles = await find()
@@ -288,12 +291,38 @@ class StandbySet:
                 # it has a session by then. One that did not answer was left to its idle
                 # time, which with ``standby_idle_s = 0`` never comes: a process for ever.
                 going.append(handle)
-        await asyncio.gather(*(ask_to_retire(h) for h in going))
+        if going and not self._closing:
+            # Behind the holder's start, not in it: a silent standby is asked for up to
+            # ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``, and the holder's first refill
+            # waited for all of it, its activations starting processes on their path.
+            task = asyncio.create_task(self._retire_all(going))
+            self._tasks.add(task)  # cancelled with the set (``close``), as its starts
+            self._retiring.add(task)
+            task.add_done_callback(self._retire_done)
         self.inherited += joined
         if joined:
             metrics.inc("standbys", {"event": "inherited"}, joined)
             self._changed.set()
         return joined
+
+    async def retired(self) -> None:
+        """Until every left standby ``inherit`` asked to go has answered, or been asked
+        its last time (or the asks were cancelled by ``close``)."""
+        while under_way := {task for task in self._retiring if not task.done()}:
+            await asyncio.wait(under_way)
+
+    @staticmethod
+    async def _retire_all(going: list[Any]) -> None:
+        answers = await asyncio.gather(*(ask_to_retire(h) for h in going), return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException):  # one failed ask does not hide the rest
+                log.warning("asking a left standby session actor to go failed", exc_info=answer)
+
+    def _retire_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._retiring.discard(task)
+        if not task.cancelled() and (failed := task.exception()) is not None:
+            log.warning("asking the left standby session actors to go failed", exc_info=failed)
 
     @staticmethod
     async def _asked(handle: Any, salt: bytes, key: str, timeout_s: float) -> Standing | None:

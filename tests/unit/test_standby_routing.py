@@ -123,10 +123,53 @@ async def test_a_left_standby_that_does_not_answer_its_new_holder_is_asked_to_go
             return [free, silent, taken]
 
         joined = await standby.inherit(left, Settings(), timeout_s=0.05)
+        await standby.retired()  # the asks to go run behind ``inherit``
     assert joined == 1 and list(standby._ready) == [free]
     assert len(silent.retire.calls) == 1, "the silent one is asked to go"
     assert not taken.retire.calls and not free.retire.calls
     await standby.close()
+
+
+async def test_a_holders_first_refill_does_not_wait_for_a_silent_left_standby_to_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restarted holder asks a left standby on other settings to go, and one that does
+    not answer is asked for up to ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``. The holder's
+    first refill waited for all of it (15 s per silent standby), its activations meanwhile
+    starting processes on their path. The asks now run behind the refill, owned by the
+    set: ``retired`` waits for them, and ``close`` ends them."""
+    context = SimpleNamespace(get_runtime_env_string=lambda: "{}")
+    monkeypatch.setattr(standby_module.ray, "get_runtime_context", lambda: context)
+    monkeypatch.setattr(standby_module, "RETIRE_TIMEOUT_S", 60.0)  # far past the test's
+    silent = left_standby(Standing.OTHER.value)
+    never: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    silent.retire = Method(never)  # asked to go, and never answers
+    spawned = asyncio.Event()
+
+    async def spawn_one() -> Actor:
+        spawned.set()
+        return Actor()
+
+    async def left_by(holder: str, namespace: str) -> list[Actor]:
+        return [silent]
+
+    monkeypatch.setattr(ray_activator, "left_by", left_by)
+    activator: Any = RayActivator.__new__(RayActivator)  # no Ray: actors are fakes
+    activator.namespace, activator._holder, activator._predecessor = "t", "holder", None
+    activator.config = SimpleNamespace(load=Settings)
+    activator.standby = standby = StandbySet(1, spawn_one)
+    activator.start_standbys()
+    async with asyncio.timeout(10):
+        await spawned.wait()  # the first refill started a standby
+    assert len(silent.retire.calls) == 1 and not never.done(), "while it was still silent"
+    retired = asyncio.create_task(standby.retired())
+    await asyncio.sleep(0)
+    assert not retired.done(), "the asks are still under way, and retired waits for them"
+    async with asyncio.timeout(10):
+        await activator._predecessor
+        await standby.close()  # ends the asks with the set
+        await retired
+    assert not standby._retiring
 
 
 async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -> None:
