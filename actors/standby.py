@@ -44,10 +44,11 @@ from ray.exceptions import (
     RayError,
 )
 
-from actors import metrics
+from actors import metrics, named
 from actors.config_ref import settings_digest
 from actors.named import get_actor, named_actors
 from torpor import __version__
+from torpor.errors import ClusterUnavailable
 from torpor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -96,16 +97,51 @@ async def inheritance_key(settings: Settings, salt: bytes) -> bytes:
     return await asyncio.to_thread(hashlib.pbkdf2_hmac, "sha256", runs, salt, KEY_ROUNDS)
 
 
-async def left_by(holder: str, namespace: str) -> list[Any]:
+async def left_by(holder: str, namespace: str, *, timeout_s: float | None = None) -> list[Any]:
     """The standbys named after ``holder`` in ``namespace`` (its predecessor's, when a
-    holder was restarted and has started none of its own yet): a few calls to the GCS,
-    once per holder's start, each off the loop with a deadline (``actors.named``: on
-    the loop, a slow GCS held the holder's every other coroutine, the reconciler's
-    sweeps among them); one past it fails the search with ``ClusterUnavailable``."""
-    found = []
-    for name in await named_actors(namespace, standby_prefix(holder)):
-        with contextlib.suppress(ValueError):  # gone since the listing
-            found.append(await get_actor(name, namespace))
+    holder was restarted and has started none of its own yet): a listing, then a lookup
+    per name, all at once, once per holder's start. Each call is off the loop with a
+    deadline (``actors.named``: on the loop, a slow GCS held the holder's every other
+    coroutine, the reconciler's sweeps among them); a listing past it fails the search
+    with ``ClusterUnavailable``. The lookups share one deadline, ``timeout_s`` (default:
+    ``named.LOOKUP_TIMEOUT_S``, each one's own): one after another, N names took up to
+    N x ``LOOKUP_TIMEOUT_S`` before the holder's first refill.
+
+    A lookup that does not answer in time is unknown, not gone, and is left out: its
+    standby (if it lives) is neither inherited nor asked to go, and goes at the end of
+    its idle time, or is found by the holder's next start (its name stays). Failing the
+    whole search for it instead left every standby that *was* found unkept as well."""
+    deadline_s = named.LOOKUP_TIMEOUT_S if timeout_s is None else timeout_s
+    names = await named_actors(namespace, standby_prefix(holder))
+    if not names:
+        return []
+    lookups = [asyncio.create_task(get_actor(name, namespace)) for name in names]
+    try:
+        await asyncio.wait(lookups, timeout=deadline_s)
+    finally:  # past the deadline, or cancelled: none is left running unread
+        for lookup in lookups:
+            lookup.cancel()  # its thread ends within Ray's own deadline (``named``)
+        await asyncio.gather(*lookups, return_exceptions=True)
+    found: list[Any] = []
+    unknown = 0
+    for lookup in lookups:  # in the listing's order
+        if lookup.cancelled():
+            unknown += 1
+            continue
+        error = lookup.exception()
+        if error is None:
+            found.append(lookup.result())
+        elif isinstance(error, ClusterUnavailable):
+            unknown += 1
+        elif not isinstance(error, ValueError):  # ValueError: gone since the listing
+            raise error
+    if unknown:
+        log.warning(
+            "%d of the %d standby session actors left by the last holder were not found"
+            " in time; they are left to their idle time",
+            unknown,
+            len(names),
+        )
     return found
 
 
