@@ -534,6 +534,13 @@ class RayActivator:
         if not making.cancelled():
             making.exception()  # its waiters' to raise; read here when none is left
 
+    def _forget_host(self, slot: int, host: Any) -> None:
+        """Drop ``host``, one that failed, from the cache, only if it is still what the
+        slot holds: another request that saw it fail may have found or made its
+        successor already, and dropping that sent the next request to the GCS again."""
+        if self._hosts.get(slot) is host:
+            del self._hosts[slot]
+
     def _host_checked_out(self, slot: int, check: asyncio.Task[None]) -> None:
         self._host_checks.pop(slot, None)
         if not check.cancelled() and (failed := check.exception()) is not None:
@@ -550,6 +557,7 @@ class RayActivator:
             return
         self._host_checked[slot] = now
         for attempt in range(MAX_ATTEMPTS):
+            host = None
             try:
                 host = await self._host(slot)  # held while it is called (ray#6265)
                 await asyncio.wait_for(host.listen.remote(), ACTIVATE_TIMEOUT_S)
@@ -557,7 +565,8 @@ class RayActivator:
             except (*_RETRYABLE, TimeoutError):
                 if attempt == 0:
                     log.warning("pool host %s does not answer; looking it up again", slot)
-                self._hosts.pop(slot, None)
+                if host is not None:
+                    self._forget_host(slot, host)
             await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
         log.error("no pool host %s answers; its requests wait for their timers", slot)
 
@@ -595,6 +604,6 @@ class RayActivator:
                 )
                 return
             except (*_RETRYABLE, TimeoutError):
-                self._hosts.pop(slot, None)  # restarting or silent: look it up again
+                self._forget_host(slot, host)  # restarting or silent: look it up again
             await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
         raise ActivationUnavailable(f"pool host {slot} did not take {session_id}")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ray.exceptions import ActorUnavailableError
 
 from actors import ray_activator
 from actors.ray_activator import RayActivator
@@ -76,3 +77,49 @@ async def test_a_pool_host_that_never_answers_fails_the_request_in_bounded_time(
         async with asyncio.timeout(5):
             await activator.request("s_1", reason=Reason.EVENT)
     assert [h.activate.calls for h in hosts] == [1, 1, 1]
+
+
+class FailingOnce:
+    """A host's ``activate``: each call answers only when the test fails or answers it."""
+
+    def __init__(self) -> None:
+        self.calls: list[asyncio.Future[Any]] = []
+
+    def remote(self, *_: object) -> asyncio.Future[Any]:
+        self.calls.append(asyncio.get_running_loop().create_future())
+        return self.calls[-1]
+
+
+async def test_a_host_found_afresh_is_not_dropped_by_a_later_failure_of_the_old_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two requests sent to one host that then died: the first to see it fail found its
+    successor and cached it; the second, failing on the old handle after that, dropped
+    whatever the slot held (the fresh one), and made or looked the host up again: a
+    second GCS call for a host already known. Only the handle that failed is dropped."""
+    old = SimpleNamespace(activate=FailingOnce())
+    made: list[Host] = []
+
+    async def create_named(*_: object, **__: object) -> Host:
+        made.append(Host("accepted"))
+        return made[-1]
+
+    monkeypatch.setattr(ray_activator, "create_named", create_named)
+    activator = pooled_activator([])
+    del activator._host  # the real cache: looked up or made through ``create_named``
+    activator.config, activator._making_hosts = object(), {}
+    activator._hosts[0] = old
+    activator._placements["s_2"] = Placement.POOLED
+    with fixed(0):
+        async with asyncio.timeout(5):
+            first = asyncio.create_task(activator.request("s_1", reason=Reason.EVENT))
+            second = asyncio.create_task(activator.request("s_2", reason=Reason.EVENT))
+            while len(old.activate.calls) < 2:  # both sent to the old host
+                await asyncio.sleep(0)
+            old.activate.calls[0].set_exception(ActorUnavailableError("restarting", None))
+            await first  # it found a fresh host, which took the request
+            assert len(made) == 1 and activator._hosts[0] is made[0]
+            old.activate.calls[1].set_exception(ActorUnavailableError("restarting", None))
+            await second
+    assert len(made) == 1, "the fresh host was kept: no second make"
+    assert made[0].activate.calls == 2

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ray.exceptions import ActorUnavailableError
 
 from actors import ray_activator
 from actors.ray_activator import RayActivator
@@ -79,3 +80,47 @@ async def test_a_request_to_a_stalled_channel_is_not_held_for_the_hosts_check(
     assert len(activator._host_checks) == 1
     await activator.close()
     assert activator._host_checks == {}
+
+
+class Listening:
+    """A host whose ``listen`` calls the test answers (or fails) one by one."""
+
+    def __init__(self) -> None:
+        self.calls: list[asyncio.Future[bool]] = []
+        self.listen = SimpleNamespace(remote=self._listen)
+
+    def _listen(self) -> asyncio.Future[bool]:
+        self.calls.append(asyncio.get_running_loop().create_future())
+        return self.calls[-1]
+
+
+async def test_a_host_check_drops_only_the_handle_that_failed_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A check whose host failed under it dropped whatever the slot held, even a fresh
+    handle a request had found meanwhile: the check then made or looked the host up
+    again, a GCS call for a host already known."""
+    made: list[Listening] = []
+
+    async def create_named(*_: object, **__: object) -> Listening:
+        made.append(Listening())
+        return made[-1]
+
+    monkeypatch.setattr(ray_activator, "create_named", create_named)
+    old, fresh = Listening(), Listening()
+    activator = pooled_activator(StalledChannel(), SilentHost())
+    del activator._host  # the real cache: looked up or made through ``create_named``
+    activator.config = object()
+    activator._hosts[0] = old
+    async with asyncio.timeout(5):
+        check = asyncio.create_task(activator._check_host(0))
+        while not old.calls:
+            await asyncio.sleep(0)
+        activator._hosts[0] = fresh  # a request found the host's successor meanwhile
+        old.calls[0].set_exception(ActorUnavailableError("restarting", None))
+        while not fresh.calls:  # the check's next attempt asks the cached one
+            await asyncio.sleep(0)
+        fresh.calls[0].set_result(True)
+        await check
+    assert made == [], "the fresh handle was kept: nothing made or looked up again"
+    assert activator._hosts[0] is fresh
