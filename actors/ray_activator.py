@@ -4,7 +4,8 @@ Dedicated: race-safe get-or-create of the session's named actor, then an activat
 request. Ray may hand back an actor that has just decided to exit (ray#44083); it answers
 ``closing`` or dies under the call, and we retry until a fresh one takes the request.
 Pooled: an activation request to the host that ``hash(session_id)`` selects, through its
-channel in the index's Redis (``actors.pool``), or as a Ray call where there is none.
+channel in the index's Redis (``actors.pool``), or as a Ray call where there is none
+(``actors.pool_hosts``).
 
 With ``runtime.standby_session_actors`` set, a dedicated activation first hands the
 session to a pre-started standby actor (``actors.standby``), which runs it and exits
@@ -24,46 +25,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
+from actors.activation_calls import (
+    ACTIVATE_TIMEOUT_S,
+    DEDICATED_BACKOFF,
+    MAX_ATTEMPTS,
+    RETRYABLE,
+)
+from actors.admission import Admission
 from actors.config_ref import ConfigRef
 from actors.named import create_named, gcs_call, named_actors
-from actors.pool import PoolHost, host_name, pool_channel
+from actors.pool_hosts import PoolHosts, pool_slot
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from actors.standby import START_TIMEOUT_S, StandbySet, ask_to_retire, left_by, standby_name
 from storage.factory import check_embedded_allowed
 from torpor import tracing
 from torpor.backoff import Backoff
 from torpor.errors import ActivationUnavailable, SessionNotFound
-from torpor.ports import Reason, TimerKind, Wanted
+from torpor.ports import Reason, TimerKind
 from torpor.ports.services import Services
 from torpor.settings import Placement, Settings
 
+# ``Admission`` and ``pool_slot`` live in modules of their own; imported from here too.
+__all__ = ["Admission", "RayActivator", "alive_nodes", "check_storage", "pool_slot"]
+
 log = logging.getLogger(__name__)
 
-_RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)
-MAX_ATTEMPTS = 40
-# Ray needs a moment to settle a dying actor or a restarting host: retry soon, then less
-# often. No jitter: one caller retries one actor, there is no fleet to spread out.
-DEDICATED_BACKOFF = Backoff(base_s=0.02, cap_s=0.5, jitter=0)
-POOLED_BACKOFF = Backoff(base_s=0.05, cap_s=1.0, jitter=0)
-ACTIVATE_TIMEOUT_S = 20.0
 # How often standbys with no idle time (``standby_idle_s = 0``) are checked for life.
 CHECK_EVERY_S = 30.0
-# A host's channel this long means the host is not taking its requests (a listening one
-# keeps it near 1): check it, at most once per HOST_CHECK_S.
-STALLED_CHANNEL = 256
-HOST_CHECK_S = 5.0
 
 
 def alive_nodes() -> int:
@@ -86,66 +83,6 @@ def check_storage(settings: Settings, nodes: int | None) -> None:
 def _kill(handle: Any) -> None:
     with contextlib.suppress(Exception):  # gone already
         ray.kill(handle, no_restart=True)
-
-
-def pool_slot(session_id: str, size: int) -> int:
-    digest = hashlib.sha256(session_id.encode()).digest()
-    return int.from_bytes(digest[:8], "big") % size
-
-
-class Admission:
-    """How many dedicated session actors this activator has alive, against a cap.
-
-    Actors exit on their own when their session sleeps, so once the cap is reached the
-    count is checked against Ray (``alive``: the session ids with a live actor, one call
-    off the loop), at most every ``refresh_s`` seconds."""
-
-    def __init__(
-        self,
-        cap: int,
-        *,
-        alive: Callable[[], Awaitable[set[str]]],
-        refresh_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.cap = cap
-        self._alive = alive
-        self._refresh_s = refresh_s
-        self._clock = clock
-        self._live: set[str] = set()
-        self._checked_at = float("-inf")
-        self._checking = False
-
-    @property
-    def live(self) -> int:
-        return len(self._live)
-
-    async def admit(self, session_id: str) -> bool:
-        """May ``session_id`` have an actor now? One that is live already always may. A
-        check that Ray does not answer in time raises ``ClusterUnavailable``."""
-        if session_id in self._live:
-            return True
-        if (
-            len(self._live) >= self.cap
-            and not self._checking
-            and self._clock() - self._checked_at >= self._refresh_s
-        ):
-            self._checked_at = self._clock()
-            # Requests meanwhile count against the set as it was: deferred at the cap (a
-            # RETRY timer), never admitted past it; nothing joins it until this answer.
-            # One check at a time: a GCS slower than ``refresh_s`` otherwise had each
-            # later request start another, each holding a lookup thread (``named``)
-            # that the pool hosts' and session actors' makes then waited for.
-            self._checking = True
-            try:
-                alive = await self._alive()
-            finally:
-                self._checking = False
-            self._live &= alive
-        if len(self._live) >= self.cap:
-            return False
-        self._live.add(session_id)
-        return True
 
 
 @dataclass
@@ -182,10 +119,12 @@ class RayActivator:
         self.namespace = self.settings.namespace
         check_storage(self.settings, nodes)
         self._placements: OrderedDict[str, Placement] = OrderedDict()
-        self._hosts: dict[int, Any] = {}
-        self._making_hosts: dict[int, asyncio.Task[Any]] = {}  # slot -> its get-or-create
-        self._host_checked: dict[int, float] = {}  # slot -> monotonic time of the last check
-        self._host_checks: dict[int, asyncio.Task[None]] = {}  # slot -> its check under way
+        self.pool_hosts = PoolHosts(
+            self.config,
+            namespace=self.namespace,
+            size=self.settings.pool.size,
+            services=services,
+        )
         self.admission = Admission(
             self.settings.runtime.max_live_session_actors, alive=self._live_sessions
         )
@@ -243,7 +182,7 @@ class RayActivator:
         requested_at = time.time() if requested_at is None else requested_at
         placement = await self._placement(session_id, agent)
         if placement is Placement.POOLED:
-            await self._pooled(session_id, reason, requested_at)
+            await self.pool_hosts.request(session_id, reason, requested_at)
         elif await self.admission.admit(session_id):
             await self._dedicated(session_id, reason, requested_at)
         else:
@@ -327,7 +266,7 @@ class RayActivator:
                 )
                 if answer == ACCEPTED:
                     return True
-            except _RETRYABLE:
+            except RETRYABLE:
                 pass  # gone or going: the session needs a new actor
             except TimeoutError:
                 # It answers at once when alive, as on the named path: silence is a node
@@ -346,7 +285,7 @@ class RayActivator:
                     ),
                     timeout=ACTIVATE_TIMEOUT_S,
                 )
-            except _RETRYABLE:
+            except RETRYABLE:
                 continue  # this standby died while it waited: the next one
             except TimeoutError:
                 ray.kill(handle, no_restart=True)
@@ -365,7 +304,7 @@ class RayActivator:
         watcher.add_done_callback(self._watchers.discard)
 
     async def _forget_when_done(self, session_id: str, handle: Any) -> None:
-        with contextlib.suppress(*_RETRYABLE):
+        with contextlib.suppress(*RETRYABLE):
             await handle.finished.remote()
         if self._adopted.get(session_id) is handle:
             del self._adopted[session_id]
@@ -425,10 +364,7 @@ class RayActivator:
             await asyncio.gather(self._predecessor, return_exceptions=True)
         for watcher in list(self._watchers):
             watcher.cancel()
-        checks = [*self._host_checks.values(), *self._making_hosts.values()]
-        for check in checks:
-            check.cancel()
-        await asyncio.gather(*checks, return_exceptions=True)
+        await self.pool_hosts.close()
         if self.standby is not None:
             await self.standby.close()
 
@@ -479,131 +415,11 @@ class RayActivator:
                         # per request for nothing.
                         self._running(session_id, handle)
                     return
-            except _RETRYABLE:
+            except RETRYABLE:
                 pass  # the actor died between lookup and call: make a new one
             await asyncio.sleep(DEDICATED_BACKOFF.delay_s(attempt))
         raise ActivationUnavailable(f"no session actor for {session_id} took the request")
 
     async def warm(self) -> None:
-        """Start every pool host and wait until each answers (it listens on its channel
-        from then on). A host's start (a process, imports, its services: seconds on a busy
-        node) is then paid here, once, instead of by every request routed to it meanwhile;
-        hosts are detached, so this is a no-op wait once they run."""
-
-        async def answered(slot: int) -> Any:
-            host = await self._host(slot)  # held while it is called (ray#6265)
-            return await host.where.remote()
-
-        slots = range(self.settings.pool.size)
-        await asyncio.wait_for(asyncio.gather(*map(answered, slots)), ACTIVATE_TIMEOUT_S)
-
-    async def _host(self, slot: int) -> Any:
-        """Pool host ``slot``'s handle, got or made by name off the loop (GCS calls,
-        ``create_named``; ``ClusterUnavailable`` past their deadline). Kept once known:
-        every pooled request passes here, and a known host costs it no thread and no
-        GCS call. Requests that find none yet share one get-or-create: a burst at a
-        cold replica sent one each to the GCS."""
-        host = self._hosts.get(slot)
-        if host is not None:
-            return host
-        making = self._making_hosts.get(slot)
-        if making is None:
-            making = asyncio.create_task(self._make_host(slot))
-            self._making_hosts[slot] = making
-            making.add_done_callback(functools.partial(self._host_made, slot))
-        # Shielded: a request cancelled while it waits does not cancel the others' make.
-        return await asyncio.shield(making)
-
-    async def _make_host(self, slot: int) -> Any:
-        host = await create_named(
-            PoolHost,
-            self.config,
-            slot,
-            name=host_name(slot),
-            namespace=self.namespace,
-            get_if_exists=True,
-            lifetime="detached",
-            scheduling_strategy="SPREAD",
-        )
-        self._hosts[slot] = host
-        return host
-
-    def _host_made(self, slot: int, making: asyncio.Task[Any]) -> None:
-        if self._making_hosts.get(slot) is making:
-            del self._making_hosts[slot]
-        if not making.cancelled():
-            making.exception()  # its waiters' to raise; read here when none is left
-
-    def _forget_host(self, slot: int, host: Any) -> None:
-        """Drop ``host``, one that failed, from the cache, only if it is still what the
-        slot holds: another request that saw it fail may have found or made its
-        successor already, and dropping that sent the next request to the GCS again."""
-        if self._hosts.get(slot) is host:
-            del self._hosts[slot]
-
-    def _host_checked_out(self, slot: int, check: asyncio.Task[None]) -> None:
-        self._host_checks.pop(slot, None)
-        if not check.cancelled() and (failed := check.exception()) is not None:
-            log.warning("checking pool host %s failed", slot, exc_info=failed)
-
-    async def _check_host(self, slot: int) -> None:
-        """Requests pile up on a host's channel: it may be gone for good (killed without
-        a restart), and a cached handle would never notice. Ask it, at most once per
-        ``HOST_CHECK_S``; one that cannot answer is looked up (or made) again until one
-        does (a lookup right after a death can still return the dead actor, ray#44083),
-        and a live one starts its listener again if that stopped."""
-        now = time.monotonic()
-        if now - self._host_checked.get(slot, 0.0) < HOST_CHECK_S:
-            return
-        self._host_checked[slot] = now
-        for attempt in range(MAX_ATTEMPTS):
-            host = None
-            try:
-                host = await self._host(slot)  # held while it is called (ray#6265)
-                await asyncio.wait_for(host.listen.remote(), ACTIVATE_TIMEOUT_S)
-                return
-            except (*_RETRYABLE, TimeoutError):
-                if attempt == 0:
-                    log.warning("pool host %s does not answer; looking it up again", slot)
-                if host is not None:
-                    self._forget_host(slot, host)
-            await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
-        log.error("no pool host %s answers; its requests wait for their timers", slot)
-
-    async def _pooled(self, session_id: str, reason: Reason, requested_at: float) -> None:
-        slot = pool_slot(session_id, self.settings.pool.size)
-        queue = self.services.activations
-        if queue is not None:
-            await self._host(slot)  # it exists: it listens from its start
-            wanted = Wanted(session_id, reason, requested_at, tracing.traceparent())
-            waiting = await queue.push(pool_channel(self.namespace, slot), wanted)
-            if waiting >= STALLED_CHANNEL and slot not in self._host_checks:
-                # Behind the request, not on its path: the request is in the channel
-                # already, and a host that does not answer is asked for up to
-                # ``MAX_ATTEMPTS`` x ``ACTIVATE_TIMEOUT_S``. Awaited here, a webhook
-                # that found the channel stalled waited for all of it before its answer.
-                check = asyncio.create_task(self._check_host(slot))
-                self._host_checks[slot] = check
-                check.add_done_callback(functools.partial(self._host_checked_out, slot))
-            return
-        for attempt in range(MAX_ATTEMPTS):
-            # A GCS that did not make or find it in time (``ClusterUnavailable``) fails
-            # the request, as on the dedicated path: its timer brings it round.
-            host = await self._host(slot)  # held while it is called (ray#6265)
-            try:
-                # A live host answers at once (it only queues the session): silence is a
-                # node gone but not yet declared dead, and without a deadline the request
-                # (and the sweep or webhook awaiting it) waited for as long as that lasted.
-                # The host is not killed, as a dedicated actor would be: it runs others'
-                # sessions. A request it takes late only runs an activation more.
-                await asyncio.wait_for(
-                    host.activate.remote(
-                        session_id, reason.value, requested_at, tracing.traceparent()
-                    ),
-                    timeout=ACTIVATE_TIMEOUT_S,
-                )
-                return
-            except (*_RETRYABLE, TimeoutError):
-                self._forget_host(slot, host)  # restarting or silent: look it up again
-            await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
-        raise ActivationUnavailable(f"pool host {slot} did not take {session_id}")
+        """Start every pool host and wait until each answers (``PoolHosts.warm``)."""
+        await self.pool_hosts.warm()

@@ -21,7 +21,7 @@ import pytest
 import ray
 import redis
 
-from actors import ray_activator
+from actors import pool_hosts, ray_activator
 from actors.config_ref import ConfigRef
 from actors.pool import PoolHost, host_name, pool_channel
 from actors.ray_activator import RayActivator, pool_slot
@@ -522,7 +522,7 @@ async def test_a_pool_host_gone_for_good_is_made_again(
             return False
 
         await eventually(gone, what="the pool host's process is gone")
-        monkeypatch.setattr(ray_activator, "STALLED_CHANNEL", 1)  # ...which the push sees
+        monkeypatch.setattr(pool_hosts, "STALLED_CHANNEL", 1)  # ...which the push sees
         await env.answer(sid, {"status": "approved"})
         await env.control.drain()
         await reach(env, sid, S.COMPLETED)

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from actors import named, ray_activator, ray_work
+from actors import named, pool_hosts, ray_activator, ray_work
+from actors.pool_hosts import PoolHosts
 from actors.ray_activator import RayActivator
 from actors.ray_work import Kind, Launch
 from actors.session_actor import ACCEPTED
@@ -99,8 +100,12 @@ def an_activator(channel: Channel | None = None) -> Any:
     activator.services = SimpleNamespace(activations=channel)
     activator.standby, activator._holder, activator._predecessor = None, None, None
     activator._adopted, activator._adopting, activator._watchers = {}, {}, set()
-    activator._hosts, activator._making_hosts = {}, {}
-    activator._host_checked, activator._host_checks = {}, {}
+    activator.pool_hosts = PoolHosts(
+        activator.config,
+        namespace="t",
+        size=activator.settings.pool.size,
+        services=activator.services,
+    )
     return activator
 
 
@@ -117,15 +122,15 @@ async def standby_started() -> None:
 
 
 async def pooled_through_its_channel() -> None:
-    await an_activator(Channel())._pooled("s_1", Reason.EVENT, 0.0)
+    await an_activator(Channel()).pool_hosts.request("s_1", Reason.EVENT, 0.0)
 
 
 async def pooled_as_a_ray_call() -> None:
-    await an_activator()._pooled("s_1", Reason.EVENT, 0.0)
+    await an_activator().pool_hosts.request("s_1", Reason.EVENT, 0.0)
 
 
 async def pool_host_checked() -> None:
-    await an_activator()._check_host(0)
+    await an_activator().pool_hosts._check_host(0)
 
 
 async def pool_warmed() -> None:
@@ -155,7 +160,7 @@ async def test_a_slow_gcs_does_not_stall_the_event_loop_while_an_actor_is_made(
 ) -> None:
     actor_class = SlowClass(Actor())
     monkeypatch.setattr(ray_activator, "SessionActor", actor_class)
-    monkeypatch.setattr(ray_activator, "PoolHost", actor_class)
+    monkeypatch.setattr(pool_hosts, "PoolHost", actor_class)
     monkeypatch.setattr(ray_work, "WorkWatcher", actor_class)
     stall = await longest_stall(operation)
     assert actor_class.calls >= 1, "the operation made no actor: this measured nothing"
@@ -262,14 +267,14 @@ async def test_a_known_pool_host_costs_a_request_no_gcs_call_and_no_thread(
     """Every pooled request (a webhook's resume) passes through its host's handle: once
     known, it is handed back without a GCS call, and without leaving the loop."""
     actor_class = SlowClass(Actor())
-    monkeypatch.setattr(ray_activator, "PoolHost", actor_class)
+    monkeypatch.setattr(pool_hosts, "PoolHost", actor_class)
     channel = Channel()
     activator = an_activator(channel)
-    slot = ray_activator.pool_slot("s_1", activator.settings.pool.size)
+    slot = pool_hosts.pool_slot("s_1", activator.settings.pool.size)
     for _ in range(3):
-        await activator._pooled("s_1", Reason.EVENT, 0.0)
+        await activator.pool_hosts.request("s_1", Reason.EVENT, 0.0)
     assert actor_class.calls == 1 and len(channel.pushed) == 3
-    known = activator._host(slot)
+    known = activator.pool_hosts._host(slot)
     with pytest.raises(StopIteration):  # done at its first step: it never suspended
         known.send(None)
 
@@ -279,10 +284,12 @@ async def test_requests_that_find_no_pool_host_yet_share_one_get_or_create(
 ) -> None:
     """A burst at a cold replica: one get-or-create for the slot, not one per request."""
     actor_class = SlowClass(Actor())
-    monkeypatch.setattr(ray_activator, "PoolHost", actor_class)
+    monkeypatch.setattr(pool_hosts, "PoolHost", actor_class)
     channel = Channel()
     activator = an_activator(channel)
     async with asyncio.timeout(5):
-        await asyncio.gather(*(activator._pooled("s_1", Reason.EVENT, 0.0) for _ in range(5)))
+        await asyncio.gather(
+            *(activator.pool_hosts.request("s_1", Reason.EVENT, 0.0) for _ in range(5))
+        )
     assert actor_class.calls == 1 and len(channel.pushed) == 5
-    assert activator._making_hosts == {}
+    assert activator.pool_hosts._making_hosts == {}

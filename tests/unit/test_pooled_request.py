@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from actors import ray_activator
+from actors import pool_hosts
+from actors.pool_hosts import PoolHosts
 from actors.ray_activator import RayActivator
 from torpor.backoff import fixed
 from torpor.errors import ActivationUnavailable
@@ -38,26 +39,26 @@ class Host:
 
 def pooled_activator(hosts: list[Host]) -> Any:
     activator: Any = RayActivator.__new__(RayActivator)  # no Ray: only the pooled path
-    activator.services = SimpleNamespace(activations=None)  # no channel: Ray calls
-    activator.settings = SimpleNamespace(pool=SimpleNamespace(size=1))
-    activator.namespace = "t"
     activator._placements = {"s_1": Placement.POOLED}
-    activator._hosts = {}
+    # No channel: Ray calls. ``object()``: a config handed to no actor (hosts are fakes).
+    activator.pool_hosts = pooled = PoolHosts(
+        object(), namespace="t", size=1, services=SimpleNamespace(activations=None)
+    )
     looked_up = iter(hosts)
 
     async def host(slot: int) -> Host:
-        if slot not in activator._hosts:
-            activator._hosts[slot] = next(looked_up)
-        return activator._hosts[slot]
+        if slot not in pooled._hosts:
+            pooled._hosts[slot] = next(looked_up)
+        return pooled._hosts[slot]
 
-    activator._host = host
+    pooled._host = host
     return activator
 
 
 async def test_a_silent_pool_host_is_given_up_on_and_looked_up_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(ray_activator, "ACTIVATE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(pool_hosts, "ACTIVATE_TIMEOUT_S", 0.05)
     silent, live = Host(None), Host("accepted")
     activator = pooled_activator([silent, live])
     with fixed(0):
@@ -69,8 +70,8 @@ async def test_a_silent_pool_host_is_given_up_on_and_looked_up_again(
 async def test_a_pool_host_that_never_answers_fails_the_request_in_bounded_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(ray_activator, "ACTIVATE_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(ray_activator, "MAX_ATTEMPTS", 3)
+    monkeypatch.setattr(pool_hosts, "ACTIVATE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(pool_hosts, "MAX_ATTEMPTS", 3)
     hosts = [Host(None) for _ in range(3)]
     activator = pooled_activator(hosts)
     with fixed(0), pytest.raises(ActivationUnavailable):
@@ -104,11 +105,10 @@ async def test_a_host_found_afresh_is_not_dropped_by_a_later_failure_of_the_old_
         made.append(Host("accepted"))
         return made[-1]
 
-    monkeypatch.setattr(ray_activator, "create_named", create_named)
+    monkeypatch.setattr(pool_hosts, "create_named", create_named)
     activator = pooled_activator([])
-    del activator._host  # the real cache: looked up or made through ``create_named``
-    activator.config, activator._making_hosts = object(), {}
-    activator._hosts[0] = old
+    del activator.pool_hosts._host  # the real cache: looked up or made by ``create_named``
+    activator.pool_hosts._hosts[0] = old
     activator._placements["s_2"] = Placement.POOLED
     with fixed(0):
         async with asyncio.timeout(5):
@@ -118,7 +118,7 @@ async def test_a_host_found_afresh_is_not_dropped_by_a_later_failure_of_the_old_
                 await asyncio.sleep(0)
             old.activate.calls[0].set_exception(ActorUnavailableError("restarting", None))
             await first  # it found a fresh host, which took the request
-            assert len(made) == 1 and activator._hosts[0] is made[0]
+            assert len(made) == 1 and activator.pool_hosts._hosts[0] is made[0]
             old.activate.calls[1].set_exception(ActorUnavailableError("restarting", None))
             await second
     assert len(made) == 1, "the fresh host was kept: no second make"

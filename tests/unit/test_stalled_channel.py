@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from actors import ray_activator
+from actors import pool_hosts
+from actors.pool_hosts import PoolHosts
 from actors.ray_activator import RayActivator
 from torpor.ports import Reason
 from torpor.ports.activation import Wanted
@@ -25,7 +26,7 @@ class StalledChannel:
 
     async def push(self, channel: str, wanted: Wanted) -> int:
         self.pushed.append(wanted)
-        return ray_activator.STALLED_CHANNEL + len(self.pushed)
+        return pool_hosts.STALLED_CHANNEL + len(self.pushed)
 
 
 class SilentHost:
@@ -42,21 +43,20 @@ class SilentHost:
 
 def pooled_activator(queue: StalledChannel, host: SilentHost) -> Any:
     activator: Any = RayActivator.__new__(RayActivator)  # no Ray: the host is a fake
-    activator.settings = Settings()
-    activator.services = SimpleNamespace(activations=queue)
-    activator.namespace = "t"
-    activator._hosts = {}
-    activator._host_checked = {}
-    activator._host_checks = {}
     activator._watchers = set()
     activator._predecessor = None
     activator.standby = None
-    activator._making_hosts = {}
+    activator.pool_hosts = PoolHosts(
+        object(),  # handed to no actor: the hosts are fakes
+        namespace="t",
+        size=Settings().pool.size,
+        services=SimpleNamespace(activations=queue),
+    )
 
     async def known(slot: int) -> SilentHost:
         return host
 
-    activator._host = known
+    activator.pool_hosts._host = known
     return activator
 
 
@@ -66,20 +66,20 @@ async def test_a_request_to_a_stalled_channel_is_not_held_for_the_hosts_check(
     """The check asks a host that does not answer for up to 40 x 20 s. Awaited on the
     request's path, a webhook whose push found the line long waited for all of it
     before its 202 (and an in-process sender's whole batch behind it)."""
-    monkeypatch.setattr(ray_activator, "ACTIVATE_TIMEOUT_S", 30.0)
+    monkeypatch.setattr(pool_hosts, "ACTIVATE_TIMEOUT_S", 30.0)
     queue, host = StalledChannel(), SilentHost()
     activator = pooled_activator(queue, host)
     async with asyncio.timeout(5):
-        await activator._pooled("s_1", Reason.EVENT, 0.0)
-        await activator._pooled("s_2", Reason.EVENT, 0.0)
+        await activator.pool_hosts.request("s_1", Reason.EVENT, 0.0)
+        await activator.pool_hosts.request("s_2", Reason.EVENT, 0.0)
     assert len(queue.pushed) == 2
     async with asyncio.timeout(5):  # the check starts behind the requests
         while host.asked == 0:
             await asyncio.sleep(0.01)
     assert host.asked == 1, "one check at a time, not one per request"
-    assert len(activator._host_checks) == 1
+    assert len(activator.pool_hosts._host_checks) == 1
     await activator.close()
-    assert activator._host_checks == {}
+    assert activator.pool_hosts._host_checks == {}
 
 
 class Listening:
@@ -106,21 +106,24 @@ async def test_a_host_check_drops_only_the_handle_that_failed_it(
         made.append(Listening())
         return made[-1]
 
-    monkeypatch.setattr(ray_activator, "create_named", create_named)
+    monkeypatch.setattr(pool_hosts, "create_named", create_named)
     old, fresh = Listening(), Listening()
-    activator = pooled_activator(StalledChannel(), SilentHost())
-    del activator._host  # the real cache: looked up or made through ``create_named``
-    activator.config = object()
-    activator._hosts[0] = old
+    hosts = PoolHosts(
+        object(),  # handed to no actor: the hosts are fakes
+        namespace="t",
+        size=1,
+        services=SimpleNamespace(activations=None),
+    )
+    hosts._hosts[0] = old
     async with asyncio.timeout(5):
-        check = asyncio.create_task(activator._check_host(0))
+        check = asyncio.create_task(hosts._check_host(0))
         while not old.calls:
             await asyncio.sleep(0)
-        activator._hosts[0] = fresh  # a request found the host's successor meanwhile
+        hosts._hosts[0] = fresh  # a request found the host's successor meanwhile
         old.calls[0].set_exception(ActorUnavailableError("restarting", None))
         while not fresh.calls:  # the check's next attempt asks the cached one
             await asyncio.sleep(0)
         fresh.calls[0].set_result(True)
         await check
     assert made == [], "the fresh handle was kept: nothing made or looked up again"
-    assert activator._hosts[0] is fresh
+    assert hosts._hosts[0] is fresh

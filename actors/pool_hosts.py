@@ -1,0 +1,195 @@
+"""The pool hosts' handles, one per slot, and a pooled session's activation request.
+
+A pooled session runs on the long-lived host ``hash(session_id)`` selects (``pool_slot``).
+Its request is pushed to that host's channel in the index's Redis (``actors.pool``), or
+sent as a Ray call where there is none. The handles are cached: every pooled request
+passes here, and a known host costs it no thread and no GCS call. A channel that grows
+long means its host may be gone for good: it is checked behind the request
+(``STALLED_CHANNEL``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import logging
+import time
+from typing import Any
+
+from actors.activation_calls import ACTIVATE_TIMEOUT_S, MAX_ATTEMPTS, POOLED_BACKOFF, RETRYABLE
+from actors.config_ref import ConfigRef
+from actors.named import create_named
+from actors.pool import PoolHost, host_name, pool_channel
+from torpor import tracing
+from torpor.errors import ActivationUnavailable
+from torpor.ports import Reason, Wanted
+from torpor.ports.services import Services
+
+log = logging.getLogger(__name__)
+
+# A host's channel this long means the host is not taking its requests (a listening one
+# keeps it near 1): check it, at most once per HOST_CHECK_S.
+STALLED_CHANNEL = 256
+HOST_CHECK_S = 5.0
+
+
+def pool_slot(session_id: str, size: int) -> int:
+    digest = hashlib.sha256(session_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % size
+
+
+class PoolHosts:
+    """The ``size`` pool hosts of ``namespace``, run on ``config``, as an activator sees
+    them: their handles (got or made by name), their checks, and the requests sent to
+    them (through their channels, ``services.activations``, when there is one)."""
+
+    def __init__(
+        self,
+        config: ConfigRef,
+        *,
+        namespace: str,
+        size: int,
+        services: Services,
+    ) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.size = size
+        self._services = services
+        self._hosts: dict[int, Any] = {}
+        self._making_hosts: dict[int, asyncio.Task[Any]] = {}  # slot -> its get-or-create
+        self._host_checked: dict[int, float] = {}  # slot -> monotonic time of the last check
+        self._host_checks: dict[int, asyncio.Task[None]] = {}  # slot -> its check under way
+
+    async def warm(self) -> None:
+        """Start every pool host and wait until each answers (it listens on its channel
+        from then on). A host's start (a process, imports, its services: seconds on a busy
+        node) is then paid here, once, instead of by every request routed to it meanwhile;
+        hosts are detached, so this is a no-op wait once they run."""
+
+        async def answered(slot: int) -> Any:
+            host = await self._host(slot)  # held while it is called (ray#6265)
+            return await host.where.remote()
+
+        slots = range(self.size)
+        await asyncio.wait_for(asyncio.gather(*map(answered, slots)), ACTIVATE_TIMEOUT_S)
+
+    async def _host(self, slot: int) -> Any:
+        """Pool host ``slot``'s handle, got or made by name off the loop (GCS calls,
+        ``create_named``; ``ClusterUnavailable`` past their deadline). Kept once known:
+        every pooled request passes here, and a known host costs it no thread and no
+        GCS call. Requests that find none yet share one get-or-create: a burst at a
+        cold replica sent one each to the GCS."""
+        host = self._hosts.get(slot)
+        if host is not None:
+            return host
+        making = self._making_hosts.get(slot)
+        if making is None:
+            making = asyncio.create_task(self._make_host(slot))
+            self._making_hosts[slot] = making
+            making.add_done_callback(functools.partial(self._host_made, slot))
+        # Shielded: a request cancelled while it waits does not cancel the others' make.
+        return await asyncio.shield(making)
+
+    async def _make_host(self, slot: int) -> Any:
+        host = await create_named(
+            PoolHost,
+            self.config,
+            slot,
+            name=host_name(slot),
+            namespace=self.namespace,
+            get_if_exists=True,
+            lifetime="detached",
+            scheduling_strategy="SPREAD",
+        )
+        self._hosts[slot] = host
+        return host
+
+    def _host_made(self, slot: int, making: asyncio.Task[Any]) -> None:
+        if self._making_hosts.get(slot) is making:
+            del self._making_hosts[slot]
+        if not making.cancelled():
+            making.exception()  # its waiters' to raise; read here when none is left
+
+    def _forget_host(self, slot: int, host: Any) -> None:
+        """Drop ``host``, one that failed, from the cache, only if it is still what the
+        slot holds: another request that saw it fail may have found or made its
+        successor already, and dropping that sent the next request to the GCS again."""
+        if self._hosts.get(slot) is host:
+            del self._hosts[slot]
+
+    def _host_checked_out(self, slot: int, check: asyncio.Task[None]) -> None:
+        self._host_checks.pop(slot, None)
+        if not check.cancelled() and (failed := check.exception()) is not None:
+            log.warning("checking pool host %s failed", slot, exc_info=failed)
+
+    async def _check_host(self, slot: int) -> None:
+        """Requests pile up on a host's channel: it may be gone for good (killed without
+        a restart), and a cached handle would never notice. Ask it, at most once per
+        ``HOST_CHECK_S``; one that cannot answer is looked up (or made) again until one
+        does (a lookup right after a death can still return the dead actor, ray#44083),
+        and a live one starts its listener again if that stopped."""
+        now = time.monotonic()
+        if now - self._host_checked.get(slot, 0.0) < HOST_CHECK_S:
+            return
+        self._host_checked[slot] = now
+        for attempt in range(MAX_ATTEMPTS):
+            host = None
+            try:
+                host = await self._host(slot)  # held while it is called (ray#6265)
+                await asyncio.wait_for(host.listen.remote(), ACTIVATE_TIMEOUT_S)
+                return
+            except (*RETRYABLE, TimeoutError):
+                if attempt == 0:
+                    log.warning("pool host %s does not answer; looking it up again", slot)
+                if host is not None:
+                    self._forget_host(slot, host)
+            await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
+        log.error("no pool host %s answers; its requests wait for their timers", slot)
+
+    async def request(self, session_id: str, reason: Reason, requested_at: float) -> None:
+        """The session's request sent to its host (``pool_slot``): pushed to the host's
+        channel, or a Ray call where there is no channel."""
+        slot = pool_slot(session_id, self.size)
+        queue = self._services.activations
+        if queue is not None:
+            await self._host(slot)  # it exists: it listens from its start
+            wanted = Wanted(session_id, reason, requested_at, tracing.traceparent())
+            waiting = await queue.push(pool_channel(self.namespace, slot), wanted)
+            if waiting >= STALLED_CHANNEL and slot not in self._host_checks:
+                # Behind the request, not on its path: the request is in the channel
+                # already, and a host that does not answer is asked for up to
+                # ``MAX_ATTEMPTS`` x ``ACTIVATE_TIMEOUT_S``. Awaited here, a webhook
+                # that found the channel stalled waited for all of it before its answer.
+                check = asyncio.create_task(self._check_host(slot))
+                self._host_checks[slot] = check
+                check.add_done_callback(functools.partial(self._host_checked_out, slot))
+            return
+        for attempt in range(MAX_ATTEMPTS):
+            # A GCS that did not make or find it in time (``ClusterUnavailable``) fails
+            # the request, as on the dedicated path: its timer brings it round.
+            host = await self._host(slot)  # held while it is called (ray#6265)
+            try:
+                # A live host answers at once (it only queues the session): silence is a
+                # node gone but not yet declared dead, and without a deadline the request
+                # (and the sweep or webhook awaiting it) waited for as long as that lasted.
+                # The host is not killed, as a dedicated actor would be: it runs others'
+                # sessions. A request it takes late only runs an activation more.
+                await asyncio.wait_for(
+                    host.activate.remote(
+                        session_id, reason.value, requested_at, tracing.traceparent()
+                    ),
+                    timeout=ACTIVATE_TIMEOUT_S,
+                )
+                return
+            except (*RETRYABLE, TimeoutError):
+                self._forget_host(slot, host)  # restarting or silent: look it up again
+            await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
+        raise ActivationUnavailable(f"pool host {slot} did not take {session_id}")
+
+    async def close(self) -> None:
+        """Stop the checks and the get-or-creates under way."""
+        checks = [*self._host_checks.values(), *self._making_hosts.values()]
+        for check in checks:
+            check.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
