@@ -45,7 +45,8 @@ from actors.config_ref import ConfigRef
 from actors.named import create_named, gcs_call, named_actors
 from actors.pool_hosts import PoolHosts, pool_slot
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
-from actors.standby import START_TIMEOUT_S, StandbySet, ask_to_retire, left_by, standby_name
+from actors.standby import START_TIMEOUT_S, StandbySet
+from actors.standby_inheritance import ask_to_retire, left_by, standby_name
 from storage.factory import check_embedded_allowed
 from torpor import tracing
 from torpor.backoff import Backoff

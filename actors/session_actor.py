@@ -99,7 +99,7 @@ class SessionActor:
         ``free`` (and kept from now on, as by ``keep``), ``taken`` (it has a session, or
         is on its way out), or ``other`` (it runs other settings or code than ``key``
         names: a holder replaced with new ones must not hand it sessions)."""
-        from actors.standby import Standing, inheritance_key
+        from actors.standby_inheritance import Standing, inheritance_key
 
         if self._session_id is not None or self._closing:
             return Standing.TAKEN.value

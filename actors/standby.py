@@ -19,20 +19,17 @@ tried each dead handle before starting a process on the request's path.
 A holder with a stable name (the reconciler, one per namespace, which Ray restarts when
 its process dies) names its standbys after itself, and a restarted holder takes over the
 free ones its predecessor left (``inherit``): no process starts, and none lingers unkept
-for its idle time, after a restart.
+for its idle time, after a restart (``actors.standby_inheritance``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
-import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from enum import StrEnum
 from typing import Any
 
 import ray
@@ -44,12 +41,32 @@ from ray.exceptions import (
     RayError,
 )
 
-from actors import metrics, named
-from actors.config_ref import settings_digest
-from actors.named import get_actor, named_actors
-from torpor import __version__
-from torpor.errors import ClusterUnavailable
+from actors import metrics
+from actors.standby_inheritance import (
+    STANDBY_PREFIX,
+    Standing,
+    ask_to_retire,
+    inheritance_key,
+    left_by,
+    standby_name,
+    standby_prefix,
+)
 from torpor.settings import Settings
+
+# What a holder finds of its predecessor's standbys lives in ``standby_inheritance``;
+# its names are imported from here too.
+__all__ = [
+    "KEEP_TIMEOUT_S",
+    "STANDBY_PREFIX",
+    "START_TIMEOUT_S",
+    "StandbySet",
+    "Standing",
+    "ask_to_retire",
+    "inheritance_key",
+    "left_by",
+    "standby_name",
+    "standby_prefix",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +74,6 @@ _DEAD = (RayActorError, ActorDiedError, ActorUnavailableError, GetTimeoutError)
 # A start is slow, not stuck, on a loaded node (Ray starts a few workers at a time and
 # queues the rest): give up only on one that is clearly never coming.
 START_TIMEOUT_S = 600.0
-STANDBY_PREFIX = "session-standby:"
 # Replacements started at once. A burst of adoptions must not start a process for each
 # at the same moment: ten ``import ray``s at once took the CPU the adopted sessions needed
 # (9.3 activations/s in a burst of ten; one start at a time leaves them the cores).
@@ -65,94 +81,6 @@ STARTS_AT_ONCE = 1
 # How long a ready standby may take to answer that it lives before it is replaced, at
 # most (and at most one keeping period: a round never waits past the next one's time).
 KEEP_TIMEOUT_S = 20.0
-# How long a left standby may take to answer that it goes, and how often it is asked.
-RETIRE_TIMEOUT_S = 5.0
-RETIRE_ATTEMPTS = 3
-
-
-# How much a guess at the settings behind an inheritance key costs: the key travels in a
-# Ray call and the settings may hold inline secrets.
-KEY_ROUNDS = 100_000
-
-
-class Standing(StrEnum):
-    """A standby's answer to a holder that would inherit it (``SessionActor.inheritable``)."""
-
-    FREE = "free"  # no session: it joins the set (and is kept from now on)
-    TAKEN = "taken"  # it runs a session, or is on its way out: left alone
-    OTHER = "other"  # it runs other settings or code: retired, never handed a session
-
-
-async def inheritance_key(settings: Settings, salt: bytes) -> bytes:
-    """What a process runs, as a key a holder and a standby compare before the standby
-    is inherited: the settings (every field, secrets as written), torpor's version and
-    the code Ray started the process with (its runtime environment string, the same in
-    an actor and the actors it starts without a ``runtime_env`` of their own). A holder
-    replaced with new settings or new code must not hand sessions to a standby running
-    the old ones. Salted per round and slow to compute (``KEY_ROUNDS``): it travels in a
-    Ray call, and must not make a weak inline secret cheap to guess. Never logged."""
-    runtime_env: str = ray.get_runtime_context().get_runtime_env_string()  # type: ignore[no-untyped-call]
-    runs = f"{settings_digest(settings)}:{__version__}:{runtime_env}".encode()
-    # The hashing leaves the loop's thread: a tenth of a second of CPU, on purpose.
-    return await asyncio.to_thread(hashlib.pbkdf2_hmac, "sha256", runs, salt, KEY_ROUNDS)
-
-
-async def left_by(holder: str, namespace: str, *, timeout_s: float | None = None) -> list[Any]:
-    """The standbys named after ``holder`` in ``namespace`` (its predecessor's, when a
-    holder was restarted and has started none of its own yet): a listing, then a lookup
-    per name, all at once, once per holder's start. Each call is off the loop with a
-    deadline (``actors.named``: on the loop, a slow GCS held the holder's every other
-    coroutine, the reconciler's sweeps among them); a listing past it fails the search
-    with ``ClusterUnavailable``. The lookups share one deadline, ``timeout_s`` (default:
-    ``named.LOOKUP_TIMEOUT_S``, each one's own): one after another, N names took up to
-    N x ``LOOKUP_TIMEOUT_S`` before the holder's first refill.
-
-    A lookup that does not answer in time is unknown, not gone, and is left out: its
-    standby (if it lives) is neither inherited nor asked to go, and goes at the end of
-    its idle time, or is found by the holder's next start (its name stays). Failing the
-    whole search for it instead left every standby that *was* found unkept as well."""
-    deadline_s = named.LOOKUP_TIMEOUT_S if timeout_s is None else timeout_s
-    names = await named_actors(namespace, standby_prefix(holder))
-    if not names:
-        return []
-    lookups = [asyncio.create_task(get_actor(name, namespace)) for name in names]
-    try:
-        await asyncio.wait(lookups, timeout=deadline_s)
-    finally:  # past the deadline, or cancelled: none is left running unread
-        for lookup in lookups:
-            lookup.cancel()  # its thread ends within Ray's own deadline (``named``)
-        await asyncio.gather(*lookups, return_exceptions=True)
-    found: list[Any] = []
-    unknown = 0
-    for lookup in lookups:  # in the listing's order
-        if lookup.cancelled():
-            unknown += 1
-            continue
-        error = lookup.exception()
-        if error is None:
-            found.append(lookup.result())
-        elif isinstance(error, ClusterUnavailable):
-            unknown += 1
-        elif not isinstance(error, ValueError):  # ValueError: gone since the listing
-            raise error
-    if unknown:
-        log.warning(
-            "%d of the %d standby session actors left by the last holder were not found"
-            " in time; they are left to their idle time",
-            unknown,
-            len(names),
-        )
-    return found
-
-
-def standby_prefix(holder: str | None = None) -> str:
-    """The names of a holder's standbys start with this (every standby's with
-    ``STANDBY_PREFIX``). A stable holder's name lets its next incarnation find them."""
-    return f"{STANDBY_PREFIX}{holder}:" if holder else STANDBY_PREFIX
-
-
-def standby_name(holder: str | None = None) -> str:
-    return f"{standby_prefix(holder)}{uuid.uuid4().hex}"
 
 
 class StandbySet:
@@ -380,29 +308,6 @@ class StandbySet:
         # by now (it runs it); one that does not answer is killed.
         ready, self._ready = list(self._ready), deque()
         await asyncio.gather(*(_retire(h) for h in ready))
-
-
-async def ask_to_retire(handle: Any) -> bool:
-    """Ask a standby another holder left to exit (it does unless it has a session), and
-    wait for its answer; asked again while it does not answer, never killed (it may be
-    running a session its dead holder handed it). True once it answered, or is gone.
-
-    Awaited, not sent and forgotten: the handle is one just looked up by name, and a
-    call on it whose reference and handle were dropped at once went unanswered under
-    load (the standby waited on for ever with ``standby_idle_s = 0``; a CI run's holder
-    with no standby set left its predecessor's running past a minute)."""
-    for _ in range(RETIRE_ATTEMPTS):
-        try:
-            await asyncio.wait_for(handle.retire.remote(), timeout=RETIRE_TIMEOUT_S)
-            return True
-        except ActorUnavailableError:
-            continue  # unreachable for now (a network blip), not gone: asked again
-        except RayError:  # it exited under the call, as asked, or was gone already
-            return True
-        except TimeoutError:
-            continue  # busy, or the request was lost: asked again
-    log.warning("a standby session actor left by the last holder did not answer its retire")
-    return False
 
 
 async def _retire(handle: Any, timeout_s: float = 5.0) -> None:

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from actors import ray_activator
-from actors import standby as standby_module
+from actors import ray_activator, standby_inheritance
 from actors.ray_activator import Admission, RayActivator
 from actors.session_actor import ACCEPTED
 from actors.standby import StandbySet, Standing
@@ -111,7 +110,7 @@ async def test_a_left_standby_that_does_not_answer_its_new_holder_is_asked_to_go
     retire (it exits unless it has a session), as one on other settings is; one that has
     a session is left to run it."""
     context = SimpleNamespace(get_runtime_env_string=lambda: "{}")
-    monkeypatch.setattr(standby_module.ray, "get_runtime_context", lambda: context)
+    monkeypatch.setattr(standby_inheritance.ray, "get_runtime_context", lambda: context)
     silent_answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     free = left_standby(Standing.FREE.value)
     silent = left_standby(silent_answer)
@@ -139,8 +138,8 @@ async def test_a_holders_first_refill_does_not_wait_for_a_silent_left_standby_to
     starting processes on their path. The asks now run behind the refill, owned by the
     set: ``retired`` waits for them, and ``close`` ends them."""
     context = SimpleNamespace(get_runtime_env_string=lambda: "{}")
-    monkeypatch.setattr(standby_module.ray, "get_runtime_context", lambda: context)
-    monkeypatch.setattr(standby_module, "RETIRE_TIMEOUT_S", 60.0)  # far past the test's
+    monkeypatch.setattr(standby_inheritance.ray, "get_runtime_context", lambda: context)
+    monkeypatch.setattr(standby_inheritance, "RETIRE_TIMEOUT_S", 60.0)  # far past the test's
     silent = left_standby(Standing.OTHER.value)
     never: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
     silent.retire = Method(never)  # asked to go, and never answers
@@ -204,7 +203,7 @@ async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ray_activator, "left_by", left_by)
-        patch.setattr(standby_module, "RETIRE_TIMEOUT_S", 0.05)
+        patch.setattr(standby_inheritance, "RETIRE_TIMEOUT_S", 0.05)
         async with asyncio.timeout(10):
             await activator._retire_left("holder")
     assert len(silent_once.retire.calls) == 3, "asked again after no answer, and unreachable"

@@ -1,4 +1,4 @@
-"""Finding the standbys a restarted holder's predecessor left (``standby.left_by``):
+"""Finding the standbys a restarted holder's predecessor left (``left_by``):
 the lookups run at once, under one deadline, and one that does not answer is left out,
 not the whole search failed (no Ray started: Ray's two GCS calls are replaced, at the
 module boundary, by fakes that answer from the lookup threads)."""
@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from actors import named
-from actors.standby import left_by, standby_prefix
+from actors.standby_inheritance import left_by, standby_prefix
 
 PREFIX = standby_prefix("holder")
 
