@@ -255,7 +255,11 @@ class StandbySet:
                 # it has a session by then. One that did not answer was left to its idle
                 # time, which with ``standby_idle_s = 0`` never comes: a process for ever.
                 going.append(handle)
-        if going and not self._closing:
+        if going and self._closing:
+            # ``close`` cancelled and awaited the set's tasks already: one made now would
+            # be neither (a task nobody ends), so these are asked here, and awaited.
+            await self._retire_all(going)
+        elif going:
             # Behind the holder's start, not in it: a silent standby is asked for up to
             # ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``, and the holder's first refill
             # waited for all of it, its activations starting processes on their path.

@@ -171,6 +171,25 @@ async def test_a_holders_first_refill_does_not_wait_for_a_silent_left_standby_to
     assert not standby._retiring
 
 
+async def test_left_standbys_found_after_the_set_closed_are_still_asked_to_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A set closed while it looked for its predecessor's standbys ends no task started
+    after that: the asks to go are then made in ``inherit`` itself, not left unmade."""
+    context = SimpleNamespace(get_runtime_env_string=lambda: "{}")
+    monkeypatch.setattr(standby_inheritance.ray, "get_runtime_context", lambda: context)
+    other = left_standby(Standing.OTHER.value)
+    standby = StandbySet(1, spawn)
+    await standby.close()
+
+    async def left() -> list[Any]:
+        return [other]
+
+    async with asyncio.timeout(10):
+        assert await standby.inherit(left, Settings(), timeout_s=0.05) == 0
+    assert len(other.retire.calls) == 1 and not standby._retiring
+
+
 async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -> None:
     """A holder that keeps no standbys asks the ones its predecessor left to go. The call
     was sent and forgotten on a handle just looked up by name: under load it went
