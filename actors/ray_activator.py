@@ -327,7 +327,8 @@ class RayActivator:
     async def _inherit_then_fill(self, standby: StandbySet) -> None:
         """A stable holder's first fill: the free standbys its predecessor left (Ray
         restarted the holder after its process died), then new ones for what is short.
-        Without it each restart started a whole set while the old one idled out."""
+        Without it each restart started a whole set while the old one idled out. The
+        left ones not taken are asked to go behind the fill (``StandbySet.retired``)."""
         assert self._holder is not None
         try:
             # What the standbys run on is what they load from ``config``, as this would.
