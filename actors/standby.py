@@ -264,7 +264,7 @@ class StandbySet:
             # ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``, and the holder's first refill
             # waited for all of it, its activations starting processes on their path.
             task = asyncio.create_task(self._retire_all(going))
-            self._tasks.add(task)  # cancelled with the set (``close``), as its starts
+            self._tasks.add(task)  # awaited by ``close``, not cancelled (see there)
             self._retiring.add(task)
             task.add_done_callback(self._retire_done)
         self.inherited += joined
@@ -275,7 +275,7 @@ class StandbySet:
 
     async def retired(self) -> None:
         """Until every left standby ``inherit`` asked to go has answered, or been asked
-        its last time (or the asks were cancelled by ``close``)."""
+        its last time."""
         while under_way := {task for task in self._retiring if not task.done()}:
             await asyncio.wait(under_way)
 
@@ -305,8 +305,11 @@ class StandbySet:
     async def close(self) -> None:
         """Stop the starts under way and the actors nobody adopted."""
         self._closing = True
-        for task in list(self._tasks):
+        for task in list(self._tasks - self._retiring):
             task.cancel()
+        # The asks to left standbys to go are let finish (each is bounded: at most
+        # ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``): cancelled, a left standby ran on to
+        # its idle time, and with ``standby_idle_s = 0`` for ever.
         await asyncio.gather(*self._tasks, return_exceptions=True)
         # Retired, not killed: a standby another holder inherited too may have a session
         # by now (it runs it); one that does not answer is killed.

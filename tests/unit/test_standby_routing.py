@@ -136,7 +136,7 @@ async def test_a_holders_first_refill_does_not_wait_for_a_silent_left_standby_to
     not answer is asked for up to ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``. The holder's
     first refill waited for all of it (15 s per silent standby), its activations meanwhile
     starting processes on their path. The asks now run behind the refill, owned by the
-    set: ``retired`` waits for them, and ``close`` ends them."""
+    set: ``retired`` waits for them, and so does ``close``."""
     context = SimpleNamespace(get_runtime_env_string=lambda: "{}")
     monkeypatch.setattr(standby_inheritance.ray, "get_runtime_context", lambda: context)
     monkeypatch.setattr(standby_inheritance, "RETIRE_TIMEOUT_S", 60.0)  # far past the test's
@@ -166,7 +166,15 @@ async def test_a_holders_first_refill_does_not_wait_for_a_silent_left_standby_to
     assert not retired.done(), "the asks are still under way, and retired waits for them"
     async with asyncio.timeout(10):
         await activator._predecessor
-        await standby.close()  # ends the asks with the set
+    closing = asyncio.create_task(standby.close())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    # Cancelled with the set, the ask left the standby running to its idle time (for
+    # ever with ``standby_idle_s = 0``): close lets it finish.
+    assert not closing.done() and not retired.done(), "close ended the ask to go"
+    never.set_result(True)  # the left standby answers, and goes
+    async with asyncio.timeout(10):
+        await closing
         await retired
     assert not standby._retiring
 
