@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torpor.lifecycle import SessionState
-from torpor.ports import SessionPage
+from torpor.ports import SessionEntry, SessionPage
 
 
 class MemorySessionRegistry:
@@ -35,6 +35,17 @@ class MemorySessionRegistry:
             return False  # ... no newer, but for the operator's retry
         self._sessions[session_id] = (tenant, state, generation)
         return True
+
+    async def record_poison(self, *, tenant: str, session_id: str, generation: int) -> int:
+        current = self._sessions.get(session_id)
+        if current is not None:
+            generation = max(generation, current[2])  # over any state, never back
+        self._sessions[session_id] = (tenant, SessionState.QUARANTINED, generation)
+        return generation
+
+    async def session_entry(self, session_id: str) -> SessionEntry | None:
+        current = self._sessions.get(session_id)
+        return None if current is None else SessionEntry(*current)
 
     async def forget_session(self, *, tenant: str, session_id: str) -> None:
         self._sessions.pop(session_id, None)

@@ -4,36 +4,44 @@ from __future__ import annotations
 
 from storage.redis_index.connection import RedisConnection, text, texts, translate
 from torpor.lifecycle import SessionState
-from torpor.ports import SessionPage
+from torpor.ports import SessionEntry, SessionPage
 
-# The entry of ARGV[1] as it stands: its state and generation (nil, nil: none).
+# The entry of ARGV[1] as it stands: its state and generation (nil, nil: none). An entry
+# reads "state|tenant|generation" ("state|generation" as an older torpor wrote it): state
+# and generation are read off its two ends, so both forms read the same, here, in
+# ``session_states`` and in an older torpor's copy of these scripts. ``at``: the
+# generation to write (ARGV[2], unless a script keeps the entry's).
 _CURRENT = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 local state = cur and string.match(cur, '^[^|]*')
 local gen = cur and tonumber(string.match(cur, '|(%d+)$') or '-1')
+local at = ARGV[2]
 """
-# The state of ARGV[1] written (ARGV[3] at generation ARGV[2]), in the state hash and the
-# sets. Members score 0, so sets sort by session id, which starts with the creation time:
-# newest-first pagination for free. Under a tenant, it leaves tenant ""'s sets (the last
-# two keys): only the quarantine of a snapshot whose header did not decode puts a session
-# there, and the hash does not say under which tenant an entry is listed. Unconditional,
-# two ZREMs, so that a ghost left there by an older torpor goes with the next record too.
+# The state of ARGV[1] written (ARGV[3] at generation ``at``, under tenant ARGV[4]), in the
+# state hash and the sets. Members score 0, so sets sort by session id, which starts with
+# the creation time: newest-first pagination for free. The hash carries the tenant: the
+# quarantine of a snapshot whose header did not decode finds the session's tenant there
+# (``RedisSessionRegistry.session_entry``), so it stays listed under it. Under a tenant,
+# it leaves tenant ""'s sets (the last two keys): only the quarantine of a snapshot whose
+# header did not decode, its tenant unknown to the index too, puts a session there.
+# Unconditional, two ZREMs, so that a ghost left there by an older torpor goes with the
+# next record too.
 _WRITE = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. '|' .. ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. '|' .. ARGV[4] .. '|' .. at)
 if KEYS[2] ~= KEYS[#KEYS - 1] then
   redis.call('ZREM', KEYS[#KEYS - 1], ARGV[1])
   redis.call('ZREM', KEYS[#KEYS], ARGV[1])
 end
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   if ARGV[i] == ARGV[3] then
-    redis.call('ZADD', KEYS[i - 1], 0, ARGV[1])
+    redis.call('ZADD', KEYS[i - 2], 0, ARGV[1])
   else
-    redis.call('ZREM', KEYS[i - 1], ARGV[1])
+    redis.call('ZREM', KEYS[i - 2], ARGV[1])
   end
 end
-return 1
 """
+_WRITTEN = _WRITE + "return 1\n"
 # The registry is last-generation-wins: a repair that read an old header while the
 # session moved on must not put the old state back.
 _RECORD = (
@@ -41,7 +49,7 @@ _RECORD = (
     + """
 if gen and gen > tonumber(ARGV[2]) then return 0 end
 """
-    + _WRITE
+    + _WRITTEN
 )
 # Only over a QUARANTINED, checked and written in one step: a commit recorded after the
 # caller's look is never replaced by the state it found.
@@ -55,10 +63,20 @@ _LIFT = (
     + """
 if gen > tonumber(ARGV[2]) then return 0 end
 """
-    + _WRITE
+    + _WRITTEN
 )
 # ... of any generation (the operator's retry: ``SessionRegistry.lift_quarantine``).
-_LIFT_ANY = _CURRENT + _OVER_QUARANTINE + _WRITE
+_LIFT_ANY = _CURRENT + _OVER_QUARANTINE + _WRITTEN
+# A poison quarantine (``SessionRegistry.record_poison``): over any state, never back in
+# generation; it returns the generation it wrote.
+_POISON = (
+    _CURRENT
+    + """
+if gen and gen > tonumber(ARGV[2]) then at = string.match(cur, '|(%d+)$') end
+"""
+    + _WRITE
+    + "return tonumber(at)\n"
+)
 
 
 class RedisSessionRegistry(RedisConnection):
@@ -81,6 +99,12 @@ class RedisSessionRegistry(RedisConnection):
         script = _LIFT_ANY if any_generation else _LIFT
         return bool(await self._record_state(script, tenant, session_id, state, generation))
 
+    @translate
+    async def record_poison(self, *, tenant: str, session_id: str, generation: int) -> int:
+        return await self._record_state(
+            _POISON, tenant, session_id, SessionState.QUARANTINED, generation
+        )
+
     async def _record_state(
         self, script: str, tenant: str, session_id: str, state: SessionState, generation: int
     ) -> int:
@@ -95,7 +119,7 @@ class RedisSessionRegistry(RedisConnection):
         ]
         written: int = await self.script(script)(
             keys=keys,
-            args=[session_id, generation, state.value, *(s.value for s in SessionState)],
+            args=[session_id, generation, state.value, tenant, *(s.value for s in SessionState)],
         )
         return written
 
@@ -122,6 +146,15 @@ class RedisSessionRegistry(RedisConnection):
             for sid, v in zip(session_ids, values, strict=True)
             if v
         }
+
+    @translate
+    async def session_entry(self, session_id: str) -> SessionEntry | None:
+        value = await self._redis.hget(self.keys.session_state, session_id)
+        if not value:
+            return None
+        state, _, rest = text(value).partition("|")
+        tenant, _, generation = rest.rpartition("|")  # "" from an older torpor's entry
+        return SessionEntry(tenant, SessionState(state), int(generation))
 
     @translate
     async def session_generation(self, session_id: str) -> int | None:

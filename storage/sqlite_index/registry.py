@@ -7,7 +7,7 @@ from typing import Any
 
 from storage.sqlite_index.connection import SqliteConnection
 from torpor.lifecycle import SessionState
-from torpor.ports import SessionPage
+from torpor.ports import SessionEntry, SessionPage
 
 
 class SqliteSessionRegistry(SqliteConnection):
@@ -53,6 +53,29 @@ class SqliteSessionRegistry(SqliteConnection):
             )
         )
         return bool(lifted)
+
+    async def record_poison(self, *, tenant: str, session_id: str, generation: int) -> int:
+        # One statement: over any state, at the newer of the two generations, the tenant
+        # as ``record_session`` keeps it; RETURNING says which generation it kept.
+        row = await self._run(
+            lambda c: c.execute(
+                "INSERT INTO sessions VALUES (?,?,?,?) ON CONFLICT(session_id) "
+                "DO UPDATE SET state=excluded.state, "
+                "generation=MAX(excluded.generation, sessions.generation), "
+                "tenant=COALESCE(NULLIF(excluded.tenant, ''), sessions.tenant) "
+                "RETURNING generation",
+                (session_id, tenant, SessionState.QUARANTINED.value, generation),
+            ).fetchone()
+        )
+        return int(row[0])
+
+    async def session_entry(self, session_id: str) -> SessionEntry | None:
+        def op(c: sqlite3.Connection) -> SessionEntry | None:
+            query = "SELECT tenant, state, generation FROM sessions WHERE session_id = ?"
+            row = c.execute(query, (session_id,)).fetchone()
+            return None if row is None else SessionEntry(row[0], SessionState(row[1]), int(row[2]))
+
+        return await self._run(op, write=False)
 
     async def forget_session(self, *, tenant: str, session_id: str) -> None:
         await self._run(

@@ -27,7 +27,7 @@ from tests.support.race import race
 from torpor.errors import IndexUnavailable
 from torpor.ids import new_correlation_id
 from torpor.lifecycle import SessionState
-from torpor.ports import ClaimIndex, Index, TimerKind, WaitBinding
+from torpor.ports import ClaimIndex, Index, SessionEntry, TimerKind, WaitBinding
 
 NOW = datetime(2020, 1, 1, tzinfo=UTC)
 GRACE = timedelta(days=1)
@@ -753,6 +753,64 @@ class IndexContract:
             assert page.session_ids == []
         assert await index.session_states(["s_g"]) == {}
 
+    async def test_a_poison_quarantine_is_recorded_over_any_state_never_back_in_generation(
+        self, index: Index
+    ) -> None:
+        """A snapshot that does not decode is quarantined over whatever the registry holds
+        (its newest snapshot is unreadable, so that state is true no more): a header that
+        did not read (generation 0) or named an older generation than the one held was
+        refused by "newest wins", and the index kept a live state for it. The generation
+        held is kept, and later commits, the activation's lift and the operator's retry
+        replace it as any quarantine."""
+        s = SessionState
+
+        async def listed(state: SessionState | None) -> list[str]:
+            page = await index.list_sessions(tenant="acme", state=state, cursor=None, limit=5)
+            return page.session_ids
+
+        await index.record_session(tenant="acme", session_id="s_p", state=s.SUSPENDED, generation=5)
+        assert await index.record_poison(tenant="acme", session_id="s_p", generation=0) == 5
+        assert await index.session_entry("s_p") == SessionEntry("acme", s.QUARANTINED, 5)
+        assert await listed(s.QUARANTINED) == ["s_p"] and await listed(s.SUSPENDED) == []
+        assert await listed(None) == ["s_p"]
+        # A header that reads and names a newer generation: that one.
+        assert await index.record_poison(tenant="acme", session_id="s_p", generation=8) == 8
+        assert await index.session_generation("s_p") == 8
+        # Restored at that generation, the activation's lift (no newer) takes it back.
+        assert await index.lift_quarantine(
+            tenant="acme", session_id="s_p", state=s.SUSPENDED, generation=8
+        )
+        assert await index.session_entry("s_p") == SessionEntry("acme", s.SUSPENDED, 8)
+        # Over a terminal state too, and a later commit replaces it.
+        await index.record_session(tenant="acme", session_id="s_p", state=s.COMPLETED, generation=9)
+        assert await index.record_poison(tenant="acme", session_id="s_p", generation=2) == 9
+        assert await index.session_states(["s_p"]) == {"s_p": s.QUARANTINED}
+        await index.record_session(tenant="acme", session_id="s_p", state=s.RUNNING, generation=10)
+        assert await index.session_entry("s_p") == SessionEntry("acme", s.RUNNING, 10)
+        # The operator's retry of a backup older than the quarantine.
+        assert await index.record_poison(tenant="acme", session_id="s_p", generation=0) == 10
+        assert await index.lift_quarantine(
+            tenant="acme", session_id="s_p", state=s.SUSPENDED, generation=4, any_generation=True
+        )
+        assert await index.session_entry("s_p") == SessionEntry("acme", s.SUSPENDED, 4)
+        assert await listed(s.SUSPENDED) == ["s_p"] and await listed(s.QUARANTINED) == []
+
+    async def test_a_poison_quarantine_of_a_session_it_never_held_is_under_no_tenant(
+        self, index: Index
+    ) -> None:
+        """A lost index, a header that did not read: its tenant is unknown, tenant "" it is
+        (``SessionEntry``), and a record under its tenant moves it there."""
+        s = SessionState
+        assert await index.session_entry("s_n") is None
+        assert await index.record_poison(tenant="", session_id="s_n", generation=0) == 0
+        assert await index.session_entry("s_n") == SessionEntry("", s.QUARANTINED, 0)
+        page = await index.list_sessions(tenant="", state=s.QUARANTINED, cursor=None, limit=5)
+        assert page.session_ids == ["s_n"]
+        await index.record_session(tenant="acme", session_id="s_n", state=s.SUSPENDED, generation=3)
+        assert await index.session_entry("s_n") == SessionEntry("acme", s.SUSPENDED, 3)
+        page = await index.list_sessions(tenant="", state=None, cursor=None, limit=5)
+        assert page.session_ids == []
+
     async def test_integrity_marker(self, index: Index) -> None:
         assert not await index.is_intact()
         token = await index.begin_repair()
@@ -962,6 +1020,24 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
             ("redis", {"url": redis_url, "prefix": redis_prefix}), op, workers=6, rounds=20
         )
         assert all(len(w) == 1 for w in winners.values()), winners
+
+    async def test_a_state_entry_carries_its_tenant_and_reads_as_an_older_torpor_wrote_it(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """The state hash carries the tenant between state and generation (a poison
+        quarantine whose header did not read finds it there). An entry an older torpor
+        wrote ("state|generation") reads with no tenant; a tenant holding "|" reads whole."""
+        s, hash_key = SessionState, redis_index.keys.session_state
+        await redis_index._redis.hset(hash_key, "s_old", "SUSPENDED|5")
+        assert await redis_index.session_entry("s_old") == SessionEntry("", s.SUSPENDED, 5)
+        assert await redis_index.session_generation("s_old") == 5
+        assert await redis_index.record_poison(tenant="", session_id="s_old", generation=0) == 5
+        await redis_index.record_session(
+            tenant="a|b", session_id="s_new", state=s.RUNNING, generation=12
+        )
+        assert await redis_index.session_entry("s_new") == SessionEntry("a|b", s.RUNNING, 12)
+        assert await redis_index.session_states(["s_new"]) == {"s_new": s.RUNNING}
+        assert await redis_index.session_generation("s_new") == 12
 
     async def test_unbind_knowing_the_deadline_is_one_script_with_no_read_first(
         self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch

@@ -80,6 +80,17 @@ class Admission:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionEntry:
+    """What the session registry holds of one session. ``tenant`` is "" where it is not
+    known: a poison quarantine whose header did not read, or (Redis) an entry an older
+    torpor recorded, before the state hash carried the tenant."""
+
+    tenant: str
+    state: SessionState
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
 class SessionPage:
     session_ids: list[str]
     next_cursor: str | None
@@ -308,7 +319,26 @@ class SessionRegistry(Protocol):
         and "newest wins" would keep it set aside for good."""
         ...
 
+    async def record_poison(self, *, tenant: str, session_id: str, generation: int) -> int:
+        """Record QUARANTINED for a snapshot that does not decode, over whatever state the
+        registry holds, in one step: at ``generation`` or the one it holds, whichever is
+        newer; returns the generation recorded. The newest snapshot is unreadable, so no
+        state the registry holds is true any more, and "newest wins" refused the record
+        whenever the snapshot's header did not read (generation 0) or named an older
+        generation than the one held (a restored backup that is spoiled too): the index
+        kept a live state for a session nothing could read, which the operator's retry
+        refused and the deadline loop asked to time out at every look. A later commit, or
+        the operator's retry (``lift_quarantine``), replaces it as any quarantine. Under
+        ``tenant`` as ``record_session`` records: a caller whose header did not say names
+        the one the registry holds (``session_entry``), so the session stays listed there."""
+        ...
+
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]: ...
+
+    async def session_entry(self, session_id: str) -> SessionEntry | None:
+        """The session's tenant, state and generation as recorded (None if unknown): what
+        the control plane shows of a quarantined session whose header does not read."""
+        ...
 
     async def forget_session(self, *, tenant: str, session_id: str) -> None:
         """Drop the session from the registry (retention deleted it). Idempotent."""
