@@ -261,18 +261,23 @@ class SessionRuntime:
         No retry timer: retrying a permanent error changes nothing until an operator acts
         (``SessionService.retry``, e.g. after restoring the object)."""
         log.error("session %s is quarantined: %s", session_id, exc)
+        index = self.deps.index
         try:
             header = await self.deps.snapshots.header(session_id)
             tenant, generation = header.tenant, header.generation
         except SnapshotError:
-            # Not even the header reads: recorded under no tenant, and only if the index
-            # holds no later generation of it (the decode error still answers every read).
-            tenant, generation = "", 0
-        await self.deps.index.record_session(
-            tenant=tenant,
-            session_id=session_id,
-            state=SessionState.QUARANTINED,
-            generation=generation,
+            # Not even the header reads: under the tenant the index holds (a session's
+            # tenant never changes, so a read before the write is as good as one in it),
+            # "" if it holds none; at the generation it holds (``record_poison``).
+            entry = await index.session_entry(session_id)
+            tenant, generation = (entry.tenant if entry else ""), 0
+        # Over whatever state the index holds, at any generation: the newest snapshot is
+        # unreadable, so that state is true no more. Refused by "newest wins" (a header
+        # that did not read, or named an older generation), the index kept a live state:
+        # the operator's retry was refused and the deadline loop asked for a timeout at
+        # every look, an activation each, failing again.
+        generation = await index.record_poison(
+            tenant=tenant, session_id=session_id, generation=generation
         )
         for kind in (TimerKind.RETRY, TimerKind.WAKE):  # nothing but an operator brings it back
             await self.deps.index.unschedule(kind=kind, member=session_id)
