@@ -1,6 +1,7 @@
 """A poison snapshot whose header does not decode either, while the index holds the
 session at a newer generation (a live session whose latest snapshot got spoiled): the
-quarantine is recorded over it, under the session's tenant."""
+quarantine is recorded over it, under the session's tenant, and the operator sees and
+retries it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 from storage import keys
 from storage.codec import SnapshotCodec
 from tests.support.harness import Env, local_env
+from torpor.api import SessionOut
+from torpor.errors import SessionNotFound
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
 from torpor.ports import Reason
@@ -89,3 +92,51 @@ async def test_an_unread_headers_due_deadline_asks_for_no_activation(
         env.clock.advance((wait.deadline - env.clock.now()).total_seconds() + 1)
         sweeper = Sweeper(env.control)
         assert [await sweeper.deadlines_once() for _ in range(3)] == [0, 0, 0]
+
+
+async def test_the_operator_sees_an_unread_header_quarantined_and_retries_it(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Fetching the session raised the decode error (a 500 on GET /v1/sessions/{id}, a
+    traceback in the CLI) and the retry, which fetches it first, raised it too. Shown as
+    QUARANTINED from what the index holds, with the decode error as the reason; once the
+    operator restores the snapshot, the retry takes it back to its state."""
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        before, good, indexed = await spoiled(env)
+        sid, index = before.session_id, env.services.index
+        await env.control.activate(sid, reason=Reason.EVENT)
+        shown = await env.control.get(sid, tenant="acme")
+        assert shown.state is S.QUARANTINED and shown.tenant == "acme"
+        assert shown.generation == indexed
+        assert shown.quarantine is not None and shown.quarantine.code == "snapshot_corrupt"
+        assert "magic" in shown.quarantine.reason  # the decode error, as every read finds it
+        body = SessionOut.of(shown).model_dump(mode="json")  # GET /v1/sessions/{id}'s answer
+        assert body["state"] == "QUARANTINED" and body["quarantine"]["code"] == "snapshot_corrupt"
+        with pytest.raises(SessionNotFound):  # another tenant's, as any other
+            await env.control.get(sid, tenant="other")
+        await env.control.retry(sid, tenant="acme")  # still unreadable: set aside again
+        assert (await index.session_states([sid]))[sid] is S.QUARANTINED
+        await env.services.store.put(keys.snapshot(sid), good)  # restored by the operator
+        await env.control.retry(sid, tenant="acme")
+        assert (await index.session_states([sid]))[sid] is S.SUSPENDED
+        assert await index.session_generation(sid) == before.generation
+        page = await index.list_sessions(tenant="acme", state=S.SUSPENDED, cursor=None, limit=5)
+        assert page.session_ids == [sid]
+        assert (await env.control.get(sid, tenant="acme")).state is S.SUSPENDED
+
+
+async def test_a_restored_unread_header_is_lifted_by_the_activation_its_wake_up_asks_for(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """The quarantine carries the index's generation, no newer than the snapshot restored
+    from before the spoiling: the activation that finds it reads, with nothing to commit,
+    lifts it (no newer) with no operator's retry and no repair."""
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        before, good, _ = await spoiled(env)
+        sid, index = before.session_id, env.services.index
+        await env.control.activate(sid, reason=Reason.EVENT)
+        assert (await index.session_states([sid]))[sid] is S.QUARANTINED
+        await env.services.store.put(keys.snapshot(sid), good)
+        await env.control.activate(sid, reason=Reason.EVENT)
+        assert (await index.session_states([sid]))[sid] is S.SUSPENDED
+        assert await index.session_generation(sid) == before.generation

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from torpor.clock import from_ms
 from torpor.errors import InvalidRequest, SnapshotCorrupt, SnapshotError
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
+from torpor.ids import session_id_ms
 from torpor.lifecycle import SessionState
 from torpor.models import AgentRef, Quarantine, SessionSnapshot
-from torpor.ports import Reason
+from torpor.ports import Reason, SessionEntry
 from torpor.ports.services import Services
 
 
@@ -44,11 +46,15 @@ POISON = frozenset({SnapshotCorrupt.code})
 async def stand_in(services: Services, session_id: str, exc: SnapshotCorrupt) -> SessionSnapshot:
     """A snapshot that does not decode, shown as what it is: QUARANTINED, with the
     decode error as the reason, built from its header (which reads on its own). If not
-    even the header reads, the error itself is the answer."""
+    even the header reads, from what the index holds of it (``_unread``); if the index
+    holds nothing either, the error itself is the answer."""
     try:
         header = await services.snapshots.header(session_id)
     except SnapshotError:
-        raise exc from None
+        entry = await services.index.session_entry(session_id)
+        if entry is None:
+            raise exc from None
+        return _unread(session_id, entry, exc)
     return SessionSnapshot(
         session_id=session_id,
         tenant=header.tenant,
@@ -62,6 +68,30 @@ async def stand_in(services: Services, session_id: str, exc: SnapshotCorrupt) ->
         ),
         created_at=header.updated_at,
         updated_at=header.updated_at,
+    )
+
+
+def _unread(session_id: str, entry: SessionEntry, exc: SnapshotCorrupt) -> SessionSnapshot:
+    """The stand-in of a snapshot whose header does not read either: its tenant and
+    generation as the index holds them, its times the id's creation time (nothing else
+    tells them). Raised instead, the decode error answered GET /v1/sessions/{id} with a
+    500 and the operator's retry (which reads the session first) with the same, so a
+    session the index had set aside could be neither seen nor taken back. Its state to
+    resume is not known: ``resume_to`` QUARANTINED says so, and the retry leaves the
+    index's quarantine for the activation to lift once the snapshot reads (``retry``)."""
+    at = from_ms(session_id_ms(session_id) or 0)
+    return SessionSnapshot(
+        session_id=session_id,
+        tenant=entry.tenant,
+        agent=AgentRef(name="", version=""),
+        state=SessionState.QUARANTINED,
+        generation=entry.generation,
+        trace_id="",
+        quarantine=Quarantine(
+            reason=str(exc), code=exc.code, at=at, resume_to=SessionState.QUARANTINED
+        ),
+        created_at=at,
+        updated_at=at,
     )
 
 
@@ -94,13 +124,18 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         # quarantine names did not decode and is gone), and the operator's retry is the
         # explicit act that says so. Any state recorded since the look above is kept.
         # (The activation's lift stays no newer: dead before this, the retry is retried.)
-        await control.services.index.lift_quarantine(
-            tenant=snapshot.tenant,
-            session_id=session_id,
-            state=aside.resume_to if poison and aside else snapshot.state,
-            generation=snapshot.generation,
-            any_generation=True,
-        )
+        resume_to = aside.resume_to if poison and aside else snapshot.state
+        if resume_to is not SessionState.QUARANTINED:
+            # QUARANTINED: a stand-in whose header did not read either, its state not
+            # known. The index keeps its quarantine (another retry stays possible), and
+            # the activation lifts it if the snapshot reads by then (``let_go``).
+            await control.services.index.lift_quarantine(
+                tenant=snapshot.tenant,
+                session_id=session_id,
+                state=resume_to,
+                generation=snapshot.generation,
+                any_generation=True,
+            )
         crash_point(CrashPoint.QUARANTINE_RETRY_RECORDED)
         await control.activate(session_id, reason=Reason.RETRY)
         return snapshot
