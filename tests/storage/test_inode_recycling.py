@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-import storage.local_store as local_store
-from storage import blanks, wal
+from storage import blanks, local_files, local_fs, wal
 from storage.local_store import INLINE_READ_BYTES, LocalObjectStore
 from tests.storage.conftest import refills_done, until
 from torpor.errors import InvalidKey
@@ -194,7 +193,7 @@ def test_a_replaced_file_past_the_byte_budget_is_freed(
 def test_where_files_cannot_be_swapped_a_replace_still_replaces(
     store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(local_store, "_no_exchange", [True])
+    monkeypatch.setattr(local_fs, "_no_exchange", [True])
     etag = asyncio.run(store.put("k", b"v1"))
     assert links_after_replacing(store, "k", etag, b"v2") == 0
     assert asyncio.run(store.get("k")).data == b"v2"
@@ -242,7 +241,7 @@ def test_a_reader_stalled_while_its_file_is_recycled_reads_the_key_again(
 
     monkeypatch.setattr(os, "open", opening)  # the module the store calls
     if not checked:
-        monkeypatch.setattr(local_store, "_unchanged", lambda opened, path: True)
+        monkeypatch.setattr(local_files, "_unchanged", lambda opened, path: True)
     got = asyncio.run(store.get("sessions/s")).data
     assert stalled
     assert got == (b"version-2" if checked else b"another object")
@@ -264,7 +263,7 @@ def test_a_large_read_off_the_loop_whose_file_is_recycled_reads_again(
             meanwhile()
         return fh
 
-    monkeypatch.setattr(local_store, "open", opening, raising=False)
+    monkeypatch.setattr(local_files, "open", opening, raising=False)
     assert store._get("big", None).data == b"2" * (INLINE_READ_BYTES + 10)
     assert stalled
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import storage.local_store as local_store
-from storage import blanks, keys, wal
+from storage import blanks, keys, local_fs, local_io, wal
 from storage.local_store import (
     INLINE_BURST_S,
     INLINE_FLUSH_BUDGET_S,
@@ -250,8 +250,8 @@ def test_a_write_alone_is_made_on_the_callers_thread(
     # ms each on a busy disk: the loop's share is another test's (the bucket's) concern,
     # and so is a slow disk's: slow fsyncs in a loaded CI run sent the next writes to a
     # worker thread, as they should (``test_a_slow_flush_sends_the_next_writes_off_...``).
-    monkeypatch.setattr(local_store, "INLINE_BURST_S", 1.0)
-    monkeypatch.setattr(local_store, "INLINE_FLUSH_BUDGET_S", 1.0)
+    monkeypatch.setattr(local_io, "INLINE_BURST_S", 1.0)
+    monkeypatch.setattr(local_io, "INLINE_FLUSH_BUDGET_S", 1.0)
     store = primed(LocalObjectStore(str(tmp_path)), flushes)
 
     async def one_of_each() -> None:
@@ -351,7 +351,7 @@ def test_writes_on_the_callers_thread_take_at_most_their_share_of_its_time(
     store = primed(LocalObjectStore(str(tmp_path)), flushes)
     threads = flushes.threads
     flush_s = flushes.slow_s = INLINE_BURST_S / 4  # inline-quick, yet long enough to count
-    monkeypatch.setattr(local_store, "INLINE_FLUSH_BUDGET_S", 1.0)
+    monkeypatch.setattr(local_io, "INLINE_FLUSH_BUDGET_S", 1.0)
 
     async def back_to_back() -> float:
         started = time.perf_counter()
@@ -373,7 +373,7 @@ def test_a_create_whose_write_fails_whole_fails_its_caller(
     """Not a hang: the caller hears of a failure of the whole write, wherever it ran."""
     store = LocalObjectStore(str(tmp_path))
     if not inline:
-        monkeypatch.setattr(local_store, "INLINE_FLUSH_BUDGET_S", -1.0)
+        monkeypatch.setattr(local_io, "INLINE_FLUSH_BUDGET_S", -1.0)
 
     def broken(items: list[tuple[str, bytes]], wait: bool = True) -> list[str | Exception]:
         raise OSError(5, "Input/output error")
@@ -390,7 +390,7 @@ def test_a_create_has_one_winner_and_leaves_no_temporary_file(
     """Whether the kernel moves the file into place with RENAME_NOREPLACE or (lacking
     it) the store links then unlinks it: create-only, and nothing left in ``.tmp``."""
     if not renameat2:
-        monkeypatch.setattr(local_store, "_libc", [None])
+        monkeypatch.setattr(local_fs, "_libc", [None])
     store = LocalObjectStore(str(tmp_path))
 
     async def creates() -> list[object]:
