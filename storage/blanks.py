@@ -37,7 +37,7 @@ could otherwise leave the old key and the new one naming the same file (the kern
 own guard against reusing a freed inode too soon is only that time window).
 And no reader may still be reading it: a reader that opened the old file before it
 was swapped out checks after its read that the key still names the same file, unchanged
-(``local_store._unchanged``), and the quarantine (``QUARANTINE_S``, far longer than a
+(``local_fs._unchanged``), and the quarantine (``QUARANTINE_S``, far longer than a
 timestamp's granularity) is what makes that check sufficient.
 
 **Kept files outlive their process** (``spare``). A store that closes (a replica or pool
@@ -76,7 +76,7 @@ FILL_WAIT_S = 10.0  # ``fill`` waits this long at most for a make already runnin
 STALE_S = 3600.0
 # An object's old file is written again at least this long after it left its key: if it
 # ever comes back to that key, its ``ctime`` has moved on, and a reader that opened it
-# before sees the change (``local_store._unchanged``) and reads the key again.
+# before sees the change (``local_fs._unchanged``) and reads the key again.
 QUARANTINE_S = 10.0
 # Old files kept to be recycled, per process, at most: more than this (a burst of
 # deletes) are handed over (``spare``) or freed. Each is an empty inode and a name in

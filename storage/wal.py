@@ -2,7 +2,7 @@
 
 Every durable write of the folder store used to flush its own file before linking it into
 place, and the directory entry itself was never flushed. Now the store renames the
-object's file into place (its bytes flushed first: ``local_store._written`` says why),
+object's file into place (its bytes flushed first: ``local_folder._written`` says why),
 and appends the change (key, whole content or removal, a timestamp) to a log of its
 process's own; one ``fdatasync`` of that log, a preallocated file whose size does not
 change, makes every record appended meanwhile durable (0.13 ms here, for all of them at
