@@ -31,6 +31,7 @@ def bare_reconciler(settings: Settings) -> Any:
     actor._loop = actor._deadline_loop = None
     actor._sweeps = actor._failures = 0
     actor._last, actor._step_errors = {}, {}
+    actor._ensuring = asyncio.Lock()
     return actor
 
 
