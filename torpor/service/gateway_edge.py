@@ -1,0 +1,86 @@
+"""The gateway's edge (``torpor.service.gateway``): the state every part of it shares,
+the source a request names, and what is counted and put on the record of a request
+refused (4xx) or failed (5xx); the trace id a request's headers carry."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from collections.abc import Mapping
+from datetime import datetime
+
+from torpor.errors import RejectReason, TorporError, WebhookRejected
+from torpor.service.replay import ReplayGuard
+from torpor.service.sessions import SessionService
+from torpor.settings import SourceConfig
+
+log = logging.getLogger(__name__)
+
+
+class GatewayEdge:
+    """What every part of the gateway shares, and its refusals and failures."""
+
+    def __init__(self, sessions: SessionService) -> None:
+        self.sessions = sessions
+        self.services = sessions.services
+        self.audit = sessions.services.audit
+        self._handled = sessions.services.observer.webhook_handled
+        self.replays = ReplayGuard(sessions.services)
+        self._receiving = 0  # webhooks in this gateway between their verify and answer
+
+    def source(self, name: str) -> SourceConfig:
+        source = self.services.settings.sources.get(name)
+        if source is None:
+            raise WebhookRejected(RejectReason.UNKNOWN_SOURCE)
+        return source
+
+    async def _failed(self, source: str, exc: Exception) -> None:
+        """A webhook the edge answers 5xx (storage down, a bug) is counted as ``error``,
+        so an alert sees senders being turned away; 4xx answers are counted where raised."""
+        status = exc.status if isinstance(exc, TorporError) else 500
+        if status >= 500:
+            with contextlib.suppress(Exception):  # the original error is what the caller gets
+                await self._handled(source, "error", type(exc).__name__)
+
+    async def refused_unread(
+        self, source: str, reason: RejectReason, headers: Mapping[str, str], *, now: datetime
+    ) -> None:
+        """A request the edge refused before it had read the whole body (too large while
+        streaming it, or a capability link whose token is refused before its body is
+        read): observed and audited like any rejection, with an empty body digest, since
+        the body was never read in full."""
+        await self._handled(source, "rejected", reason.value)
+        await self._audit_rejection(source, reason, None, headers, now)
+
+    async def _audit_rejection(
+        self,
+        source: str,
+        reason: RejectReason,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        now: datetime,
+    ) -> None:
+        """A refused request on the record: who, why and the body's digest, never the body
+        (nor a capability token); no digest (empty) for a body that was not read in full.
+        A failing audit store must not turn a 4xx into a 500: the failure shows on the
+        health route (``audit.healthy``) instead."""
+        try:
+            await self.audit.append(
+                verdict=f"rejected:{reason.value}",
+                at=now,
+                source=source[:128],  # the sender names it: bounded
+                body_sha256="" if body is None else hashlib.sha256(body).hexdigest(),
+                trace_id=_trace_id(headers),
+            )
+        except Exception:
+            log.warning("audit of a rejected %s request failed", source[:128], exc_info=True)
+
+
+def _trace_id(headers: Mapping[str, str]) -> str | None:
+    """The trace id of a W3C ``traceparent`` header, if the sender sent one."""
+    lowered = {k.lower(): v for k, v in headers.items()}
+    parts = lowered.get("traceparent", "").split("-")
+    if len(parts) == 4 and len(parts[1]) == 32 and all(c in "0123456789abcdef" for c in parts[1]):
+        return parts[1]
+    return None
