@@ -45,10 +45,10 @@ EXPORT_IN_CHILD = """
 import asyncio, json, sys
 from pathlib import Path
 from tests.support.harness import local_env
-from torpor.service import batches
+from torpor.service import batch_export, batches
 
 async def main() -> None:
-    batches.EXPORT_PAGE = int(sys.argv[5])
+    batch_export.EXPORT_PAGE = int(sys.argv[5])
     extra = json.loads(sys.argv[4])
     async with local_env(Path(sys.argv[1]), sys.argv[2], sys.argv[3], extra=extra) as env:
         await batches.BatchService(env.control).results("b_export", "jsonl")
@@ -83,7 +83,7 @@ async def test_an_export_killed_before_its_done_record_is_never_served_and_redon
     monkeypatch: pytest.MonkeyPatch,
     killed_after: int,
 ) -> None:
-    monkeypatch.setattr("torpor.service.batches.EXPORT_PAGE", PAGE)
+    monkeypatch.setattr("torpor.service.batch_export.EXPORT_PAGE", PAGE)
     async with local_env(tmp_path, redis_url, redis_prefix, extra=EXTRA) as env:
         batches = await finished_batch(env)
         run_killed_at(

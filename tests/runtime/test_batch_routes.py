@@ -85,7 +85,7 @@ async def test_a_finished_batchs_results_are_sent_a_page_of_documents_at_a_time(
 ) -> None:
     """The export was built whole and sent from one buffer: Parquet as one row group of
     every document. Each page of documents is now its own row group, encoded as sent."""
-    monkeypatch.setattr("torpor.service.batches.EXPORT_PAGE", 2)
+    monkeypatch.setattr("torpor.service.batch_export.EXPORT_PAGE", 2)
     batch = await a_batch(app, 5)
     cancel = await app.http.post(batch["links"]["cancel"], headers=app.auth())
     assert cancel.status_code == 202, cancel.text

@@ -451,7 +451,7 @@ async def test_a_results_export_is_written_and_read_a_page_of_documents_at_a_tim
     each a session's result, in memory at once), stored as one object per format, and
     read back whole before its first byte was sent. It is stored a page of lines an
     object, and streamed a page at a time: a reader holds one page of it, not the batch."""
-    monkeypatch.setattr("torpor.service.batches.EXPORT_PAGE", 2)
+    monkeypatch.setattr("torpor.service.batch_export.EXPORT_PAGE", 2)
     docs: list[Any] = [{"id": f"d{i}", "doc": i} for i in range(5)]
     bid = (await finished(world, "fin", docs)).batch_id
     jsonl = await world.batches.result_stream(bid, "jsonl")  # the export is written here
