@@ -59,7 +59,8 @@ def rows(model: type[BaseModel], path: str = "", env: str | None = ENV_PREFIX) -
         variable = f"{env}{name.upper()}" if env is not None else None
         section = _model_in(field.annotation)
         mapped = _mapped_model(field.annotation)
-        if section is not None and section.__module__ == Settings.__module__:
+        # torpor's own sections (torpor.settings and its parts, torpor.settings_*) nest.
+        if section is not None and section.__module__.startswith(Settings.__module__):
             nested = f"{variable}{ENV_NESTING}" if variable else None
             out += rows(section, f"{dotted}.", nested)
         elif mapped is not None:
