@@ -66,7 +66,8 @@ test: lint typecheck services browser promtool loadgen
 	# every CI log, so a slow hour's overrun can be told from a test that grew.
 	PYTHONFAULTHANDLER=1 $(BIN)/pytest --durations=30
 
-# The README's settings table, from the Field descriptions in torpor/settings.py.
+# The README's settings table, from the Field descriptions in torpor/settings.py and its
+# sections (torpor/settings_*.py).
 settings-table: install
 	$(BIN)/python -m tests.unit.test_settings_table
 
