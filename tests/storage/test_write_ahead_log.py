@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from storage import wal
+from storage import wal, wal_checkpoints, wal_marks, wal_segments
 from storage.local_store import LocalObjectStore
 from tests.conftest import eventually
 from tests.storage.conftest import FailingOnce
@@ -254,8 +254,8 @@ def test_records_decode_as_encoded_and_stop_at_the_preallocated_zeros() -> None:
 def test_full_segments_are_retired_and_removed_once_checkpointed(
     tmp_path: Path, boot: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(wal, "SEGMENT_MIN_BYTES", 4096)
-    monkeypatch.setattr(wal, "SEGMENT_MAX_BYTES", 8192)
+    monkeypatch.setattr(wal_segments, "SEGMENT_MIN_BYTES", 4096)
+    monkeypatch.setattr(wal_segments, "SEGMENT_MAX_BYTES", 8192)
     store = LocalObjectStore(tmp_path)
 
     async def many() -> None:
@@ -315,7 +315,7 @@ def test_a_full_segment_is_followed_by_the_spare_made_ready_in_the_background(
 ) -> None:
     """Opening a segment flushes it and its folder (a millisecond or more): a write that
     fills one switches to a spare prepared beforehand, not to one it opens itself."""
-    monkeypatch.setattr(wal, "SEGMENT_MIN_BYTES", 8192)
+    monkeypatch.setattr(wal_segments, "SEGMENT_MIN_BYTES", 8192)
     opened_by: list[int] = []
     real_open = wal.WriteAheadLog._open
 
@@ -436,19 +436,21 @@ def test_an_aged_segment_is_retired_in_the_quiet_not_by_the_next_write(
     checkpoints it and puts the next segment in place meanwhile, with no write asking."""
     monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
     flushed_by: list[int] = []
-    real_syncfs = wal.syncfs
+    real_syncfs = wal_checkpoints.syncfs
 
     def recorded(fd: int) -> None:
         flushed_by.append(threading.get_ident())
         real_syncfs(fd)
 
-    monkeypatch.setattr(wal, "syncfs", recorded)
+    monkeypatch.setattr(wal_checkpoints, "syncfs", recorded)
     monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 3600.0)  # until its path is known
+    monkeypatch.setattr(wal_segments, "CHECKPOINT_AFTER_S", 3600.0)
     store = LocalObjectStore(tmp_path)
     log = store._log
     asyncio.run(store.put("k/0", b"before the quiet"))
     (aged,) = segments(tmp_path)
     monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 0.3)
+    monkeypatch.setattr(wal_segments, "CHECKPOINT_AFTER_S", 0.3)
     wait_for(
         lambda: flushed_by and not aged.exists() and not log._checkpointing,
         "the aged segment is checkpointed and removed with no write asking",
@@ -458,6 +460,7 @@ def test_an_aged_segment_is_retired_in_the_quiet_not_by_the_next_write(
 
     # The next write: no checkpoint of its own, and durable through the new segment.
     monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 3600.0)  # no rotation of this one
+    monkeypatch.setattr(wal_segments, "CHECKPOINT_AFTER_S", 3600.0)
     retired: list[wal._Segment] = []
     real_retire = wal.WriteAheadLog._retire
 
@@ -539,6 +542,7 @@ def test_a_store_collected_on_its_logs_own_thread_is_released_without_a_deadlock
     assert ager is not None
     del store
     monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 0.0)  # the ager retires it now
+    monkeypatch.setattr(wal_segments, "CHECKPOINT_AFTER_S", 0.0)
     wait_for(lambda: log._closed and not ager.is_alive(), "released, and the ager ends")
     assert log._lock.acquire(timeout=5), "the log's lock is free"
     log._lock.release()
@@ -678,7 +682,7 @@ def test_a_record_whose_append_waited_for_the_flush_that_lost_its_base_is_refuse
     """The segment is full while a flush of it runs: the append waits for that flush (the
     log's lock let go), which fails and loses the record it rests on. The check made
     before that wait would have let it through, into a new segment that replays it."""
-    monkeypatch.setattr(wal, "SEGMENT_MIN_BYTES", 4096)
+    monkeypatch.setattr(wal_segments, "SEGMENT_MIN_BYTES", 4096)
     flaky = HeldThenFails()
     entered, release = flaky.entered, flaky.release
     log = wal.WriteAheadLog(str(tmp_path / ".wal"), flush=flaky)
@@ -788,6 +792,7 @@ def test_a_flush_the_ager_could_not_make_loses_its_records_for_good(
     staged = log.append(wal.Op.PUT, "k/staged", b"x")  # appended, its flush not awaited
     first = log._segment
     monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 0.0)
+    monkeypatch.setattr(wal_segments, "CHECKPOINT_AFTER_S", 0.0)
     wait_for(lambda: failed and log._segment is not first, "the ager failed, then retired it")
     assert not log.synced(staged)
     with pytest.raises(OSError):
@@ -817,6 +822,7 @@ def test_an_ager_on_a_disk_that_stays_broken_logs_once_and_once_when_it_heals(
     first = log._segment
     with caplog.at_level(logging.WARNING, logger="storage.wal"):
         monkeypatch.setattr(wal, "CHECKPOINT_AFTER_S", 0.0)
+        monkeypatch.setattr(wal_segments, "CHECKPOINT_AFTER_S", 0.0)
         wait_for(lambda: len(tries) >= 20, "the ager failed twenty times")
         broken.clear()
         wait_for(lambda: log._segment is not first, "the disk healed: the segment retired")
@@ -930,10 +936,13 @@ def test_a_power_cut_as_a_replay_ends_never_leaves_a_log_without_its_mark(
         if Path(path) == folder:
             flushed.append(state())
 
-    monkeypatch.setattr(wal, "fsync_dir", fsync_dir)
+    readers = (wal, wal_marks, wal_segments)  # the replay, the marks, a segment's making
+    for module in readers:
+        monkeypatch.setattr(module, "fsync_dir", fsync_dir)
     boot[0] = "boot-b"
     asyncio.run(LocalObjectStore(tmp_path).close())
-    monkeypatch.setattr(wal, "fsync_dir", real_fsync_dir)
+    for module in readers:
+        monkeypatch.setattr(module, "fsync_dir", real_fsync_dir)
     assert (objects(tmp_path) / "k").read_bytes() == b"v2"
     assert flushed, "the replay flushed the folder"
 
@@ -965,8 +974,8 @@ def test_after_a_checkpoint_whose_flush_failed_no_later_one_vouches_for_its_chan
     kept its segment, but closed it (its lock gone, it read as an exited process's),
     and the next checkpoint, of any log of the boot, removed it and set the mark past
     its records: the object, never on disk, was lost to a power cut for good."""
-    syncfs = FailingOnce(wal.syncfs)
-    monkeypatch.setattr(wal, "syncfs", syncfs)
+    syncfs = FailingOnce(wal_checkpoints.syncfs)
+    monkeypatch.setattr(wal_checkpoints, "syncfs", syncfs)
     first = LocalObjectStore(tmp_path)
     asyncio.run(first.put("k", b"acknowledged"))
     first._log.close()  # retired: a checkpoint in the background, whose flush fails
@@ -1006,17 +1015,17 @@ def test_a_log_whose_checkpoint_flush_failed_says_so_once_and_in_its_trouble(
     """Every checkpoint after a failed flush is refused until a reboot: the log grows,
     so the store's health says why (``trouble``), and the log says it once, not a
     warning with a traceback at each of the checkpoints that follow."""
-    syncfs = FailingOnce(wal.syncfs)
-    monkeypatch.setattr(wal, "syncfs", syncfs)
+    syncfs = FailingOnce(wal_checkpoints.syncfs)
+    monkeypatch.setattr(wal_checkpoints, "syncfs", syncfs)
     store = LocalObjectStore(tmp_path)
     assert store.trouble() is None
-    with caplog.at_level(logging.WARNING, logger="storage.wal"):
+    with caplog.at_level(logging.WARNING, logger="storage.wal_checkpoints"):
         for n in range(4):
             retire_and_checkpoint(store, f"k{n}")
     assert len(segments(tmp_path)) == 4, "no refused checkpoint removed a log"
     trouble = store.trouble()
     assert trouble is not None and "not checkpointing" in trouble and "Input/output" in trouble
-    (line,) = [r for r in caplog.records if r.name == "storage.wal"]
+    (line,) = [r for r in caplog.records if r.name == "storage.wal_checkpoints"]
     assert "no longer checkpoints" in line.getMessage()
     assert line.exc_info is not None  # the failed flush's own traceback, the one time
     asyncio.run(store.close())
@@ -1027,8 +1036,8 @@ def test_a_log_reports_a_checkpoint_flush_that_failed_in_another_process(
 ) -> None:
     """The other process left ``failed-<boot>``: this one's checkpoints are refused too,
     and its store says so (it would otherwise grow its log without a word)."""
-    syncfs = FailingOnce(wal.syncfs)
-    monkeypatch.setattr(wal, "syncfs", syncfs)
+    syncfs = FailingOnce(wal_checkpoints.syncfs)
+    monkeypatch.setattr(wal_checkpoints, "syncfs", syncfs)
     failed = LocalObjectStore(tmp_path)
     retire_and_checkpoint(failed, "k")
     other = LocalObjectStore(tmp_path)
@@ -1072,13 +1081,13 @@ def test_a_replay_goes_on_past_a_log_removed_while_it_reads(
 # reports): it leaves ``failed-<boot>`` beside the marks, and exits.
 _FAILING_CHECKPOINT = """
 import asyncio, errno, sys
-from storage import wal
+from storage import wal_checkpoints
 from storage.local_store import LocalObjectStore
 
 def syncfs(fd):
     raise OSError(errno.EIO, "Input/output error")
 
-wal.syncfs = syncfs
+wal_checkpoints.syncfs = syncfs
 store = LocalObjectStore(sys.argv[1])
 asyncio.run(store.put("from/child", b"child"))
 try:
@@ -1121,12 +1130,12 @@ def test_a_log_that_learned_of_another_processs_failed_checkpoint_says_so_once(
     that are refused for the same reason, and say nothing more."""
     monkeypatch.setattr(wal, "AGE_POLL_S", 0.05)
     store = LocalObjectStore(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="storage.wal"):
+    with caplog.at_level(logging.WARNING, logger="storage.wal_checkpoints"):
         fail_a_checkpoint_in_another_process(tmp_path)
         wait_for(lambda: store.trouble() is not None, "the store learns of the failure")
         for n in range(3):
             retire_and_checkpoint(store, f"k{n}")
-    (line,) = [r for r in caplog.records if r.name == "storage.wal"]
+    (line,) = [r for r in caplog.records if r.name == "storage.wal_checkpoints"]
     assert "no longer checkpoints" in line.getMessage() and not line.exc_info
     assert len(segments(tmp_path)) == 4, "the child's log and the three refused stay"
     asyncio.run(store.close())
