@@ -713,7 +713,7 @@ async def test_submit_key_records_are_read_in_one_pass_an_hour_not_at_every_swee
     """A pass pages through every record, a page a sweep, then the records are left
     alone until an hour after the pass began: a large deployment's records were read,
     a page (and a snapshot header each) every 5 s, for ever."""
-    monkeypatch.setattr("storage.retention.SUBMIT_KEYS_PER_SWEEP", 2)
+    monkeypatch.setattr("storage.retention_submit_keys.SUBMIT_KEYS_PER_SWEEP", 2)
     store = SubmitKeyReads()
     made = await ObjectSnapshots(store).create(snapshot(state=SessionState.RUNNING))
     claims = ObjectSubmitKeys(store)
@@ -769,7 +769,7 @@ async def test_a_sweep_reads_only_the_replay_markers_it_may_delete(
     for ever, though none of them could go yet: a million sleeping sessions' markers were
     read through again and again. Found through their due entries, oldest hour first, a
     sweep with none due reads none, and one past their period reads each once."""
-    monkeypatch.setattr("storage.retention.REPLAYS_PER_SWEEP", 4)
+    monkeypatch.setattr("storage.retention_replays.REPLAYS_PER_SWEEP", 4)
     store = ReplayReads()
     retention = ObjectRetention(store)
     await retention.sweep(now=NOW, keep=KEEP, windows=WINDOWS, limit=10)  # a new store's
