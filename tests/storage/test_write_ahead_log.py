@@ -324,16 +324,30 @@ def test_a_full_segment_is_followed_by_the_spare_made_ready_in_the_background(
         return real_open(log, size)
 
     monkeypatch.setattr(wal.WriteAheadLog, "_open", recorded)
+    switches: list[int] = []
+    real_next = wal.WriteAheadLog._next
+
+    def switching(log: wal.WriteAheadLog, need: int) -> object:
+        switches.append(need)
+        return real_next(log, need)
+
+    monkeypatch.setattr(wal.WriteAheadLog, "_next", switching)
     store = LocalObjectStore(tmp_path)
     asyncio.run(store.put("k/0", b"x"))
     assert opened_by[0] == threading.get_ident(), "the first segment: on the caller's thread"
     wait_for(lambda: store._log._spare is not None, "a spare is made ready")
+    first = len(switches)
 
     async def fill() -> None:
-        for i in range(20):  # about 20 KB: past the first segment
+        # Until the segment is full and the log switches (a record is a key and an op,
+        # not the object's bytes: 20 puts of 1 KB never filled 8 KB), with a bound.
+        for i in range(20_000):
+            if len(switches) > first:
+                return
             await store.put(f"k/{i}", b"y" * 1000)
 
     asyncio.run(fill())
+    assert len(switches) > first, "no segment filled: the test did not switch"
     assert opened_by.count(threading.get_ident()) == 1, "later segments: made in the background"
     assert len(opened_by) >= 2
     store._log.close()
