@@ -24,7 +24,6 @@ from actors import named
 from actors.config_ref import settings_digest
 from actors.named import get_actor, named_actors
 from torpor import __version__
-from torpor.errors import ClusterUnavailable
 from torpor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -96,7 +95,9 @@ async def left_by(holder: str, namespace: str, *, timeout_s: float | None = None
         error = lookup.exception()
         if error is None:
             found.append(lookup.result())
-        elif isinstance(error, ClusterUnavailable):
+        elif isinstance(error, TimeoutError):
+            # Ours (``ClusterUnavailable``) or the call's own (Ray's ``GetTimeoutError``,
+            # raised as itself by ``named``): unknown either way, not a failed search.
             unknown += 1
         elif not isinstance(error, ValueError):  # ValueError: gone since the listing
             raise error

@@ -81,6 +81,24 @@ async def test_a_lookup_that_does_not_answer_in_time_is_left_out_not_the_search_
     assert found == [f"handle:{PREFIX}a", f"handle:{PREFIX}b"]
 
 
+async def test_a_lookup_that_times_out_in_ray_itself_is_left_out_not_the_search_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray's own timeout inside a lookup (``GetTimeoutError``, raised as itself by
+    ``named`` since it stopped relabelling it as our deadline) is unknown too: it failed
+    the whole search, leaving the standbys that were found unkept."""
+    names = [f"{PREFIX}a", f"{PREFIX}late", f"{PREFIX}b"]
+
+    def before_answer(name: str) -> None:
+        if name.endswith("late"):
+            raise ray.exceptions.GetTimeoutError("the GCS timed out")
+
+    use(monkeypatch, Gcs(names, before_answer))
+    async with asyncio.timeout(10):
+        found = await left_by("holder", "t")
+    assert found == [f"handle:{PREFIX}a", f"handle:{PREFIX}b"]
+
+
 async def test_the_lookups_share_one_deadline(
     monkeypatch: pytest.MonkeyPatch, released: threading.Event
 ) -> None:
