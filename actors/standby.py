@@ -235,9 +235,20 @@ class StandbySet:
         self._inheriting = True
         try:
             handles = await find()
-            salt = os.urandom(16)
-            key = (await inheritance_key(settings, salt)).hex()  # slow on purpose
-            answers = await asyncio.gather(*(self._asked(h, salt, key, timeout_s) for h in handles))
+            try:
+                salt = os.urandom(16)
+                key = (await inheritance_key(settings, salt)).hex()  # slow on purpose
+                answers = await asyncio.gather(
+                    *(self._asked(h, salt, key, timeout_s) for h in handles)
+                )
+            except asyncio.CancelledError:
+                # The holder closing while it asked: none found is kept, and one left
+                # unasked runs on to its idle time (with ``standby_idle_s = 0``, for
+                # ever). Each is asked to go (one with a session runs it), shielded
+                # from a second cancel, before the cancel goes on.
+                found = [h for h in handles if h not in self._ready and h not in self._pending]
+                await asyncio.shield(self._retire_all(found))
+                raise
         finally:
             self._inheriting = False
         joined = 0

@@ -179,6 +179,34 @@ async def test_a_holders_first_refill_does_not_wait_for_a_silent_left_standby_to
     assert not standby._retiring
 
 
+async def test_left_standbys_found_before_the_holder_closed_are_asked_to_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The holder closing (its takeover cancelled) while it asked the standbys it found
+    whether they may be inherited: none is kept, and each is asked to go. Before, the
+    cancel dropped them unasked, to run on to their idle time (for ever with
+    ``standby_idle_s = 0``)."""
+    context = SimpleNamespace(get_runtime_env_string=lambda: "{}")
+    monkeypatch.setattr(standby_inheritance.ray, "get_runtime_context", lambda: context)
+    silent = left_standby(asyncio.get_running_loop().create_future())  # never answers
+    free = left_standby(Standing.FREE.value)
+    standby = StandbySet(1, spawn)
+
+    async def left() -> list[Any]:
+        return [silent, free]
+
+    taking_over = asyncio.create_task(standby.inherit(left, Settings(), timeout_s=60))
+    async with asyncio.timeout(10):
+        while not silent.inheritable.calls:  # asked, and it does not answer
+            await asyncio.sleep(0.01)
+    taking_over.cancel()
+    async with asyncio.timeout(10):
+        with pytest.raises(asyncio.CancelledError):
+            await taking_over
+    assert len(silent.retire.calls) == 1 and len(free.retire.calls) == 1
+    assert standby.inherited == 0
+
+
 async def test_left_standbys_found_after_the_set_closed_are_still_asked_to_go(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
