@@ -166,16 +166,18 @@ async def test_a_holders_first_refill_does_not_wait_for_a_silent_left_standby_to
     assert not retired.done(), "the asks are still under way, and retired waits for them"
     async with asyncio.timeout(10):
         await activator._predecessor
+    (asking,) = standby._retiring
     closing = asyncio.create_task(standby.close())
-    for _ in range(5):
-        await asyncio.sleep(0)
-    # Cancelled with the set, the ask left the standby running to its idle time (for
-    # ever with ``standby_idle_s = 0``): close lets it finish.
-    assert not closing.done() and not retired.done(), "close ended the ask to go"
-    never.set_result(True)  # the left standby answers, and goes
     async with asyncio.timeout(10):
+        while not standby._closing:  # close has begun
+            await asyncio.sleep(0.01)
+        if not never.done():  # cancelled along with the ask on the old code
+            never.set_result(True)  # the left standby answers, and goes
         await closing
         await retired
+    # Cancelled with the set, the ask left the standby running to its idle time (for
+    # ever with ``standby_idle_s = 0``): close lets it finish.
+    assert not asking.cancelled(), "close ended the ask to go"
     assert not standby._retiring
 
 
