@@ -142,6 +142,7 @@ async def test_activation_adopts_a_standby_and_the_set_is_refilled(make_env: Any
         await env.answer(sid, {"status": "approved"})
         await reach(env, sid, S.COMPLETED)
         await eventually(lambda: exited(second), what="the second actor exits")
+        await standby.filled()
         assert standby.started == SIZE + 2
 
 
@@ -274,8 +275,11 @@ async def test_a_quiet_spell_longer_than_the_idle_time_keeps_the_set_ready(
         assert await ready_pids(activator) == pids, "the same standbys, alive"
         sid = await env.submit(doc="PR-Q")
         assert activator._adopted[sid] is before[0]
-        assert standby.started == SIZE + 1  # the adopted one's replacement only
         await reach(env, sid, S.SUSPENDED)
+        # The replacement's process is made off the loop (``create_named``), so it is
+        # counted once the set is whole again, not the moment the standby is taken.
+        await standby.filled()
+        assert standby.started == SIZE + 1  # the adopted one's replacement only
         assert session_actors(env.settings.namespace) == []
 
 
