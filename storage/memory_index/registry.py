@@ -26,13 +26,15 @@ class MemorySessionRegistry:
         session_id: str,
         state: SessionState,
         generation: int,
-        any_generation: bool = False,
+        quarantined_at: int | None = None,
     ) -> bool:
         current = self._sessions.get(session_id)
         if current is None or current[1] is not SessionState.QUARANTINED:
             return False  # only over a QUARANTINED
-        if current[2] > generation and not any_generation:
-            return False  # ... no newer, but for the operator's retry
+        if quarantined_at is None and current[2] > generation:
+            return False  # ... no newer
+        if quarantined_at is not None and current[2] != quarantined_at:
+            return False  # ... or the very one the operator's retry read
         self._sessions[session_id] = (tenant, state, generation)
         return True
 

@@ -18,8 +18,9 @@ local gen = cur and tonumber(string.match(cur, '|(%d+)$') or '-1')
 local at = ARGV[2]
 """
 # The state of ARGV[1] written (ARGV[3] at generation ``at``, under tenant ARGV[4]), in the
-# state hash and the sets. Members score 0, so sets sort by session id, which starts with
-# the creation time: newest-first pagination for free. The hash carries the tenant: the
+# state hash and the sets (ARGV[5] is the script's own condition, ``_record_state``).
+# Members score 0, so sets sort by session id, which starts with the creation time:
+# newest-first pagination for free. The hash carries the tenant: the
 # quarantine of a snapshot whose header did not decode finds the session's tenant there
 # (``RedisSessionRegistry.session_entry``), so it stays listed under it. Under a tenant,
 # it leaves tenant ""'s sets (the last two keys): only the quarantine of a snapshot whose
@@ -33,11 +34,11 @@ if KEYS[2] ~= KEYS[#KEYS - 1] then
   redis.call('ZREM', KEYS[#KEYS], ARGV[1])
 end
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   if ARGV[i] == ARGV[3] then
-    redis.call('ZADD', KEYS[i - 2], 0, ARGV[1])
+    redis.call('ZADD', KEYS[i - 3], 0, ARGV[1])
   else
-    redis.call('ZREM', KEYS[i - 2], ARGV[1])
+    redis.call('ZREM', KEYS[i - 3], ARGV[1])
   end
 end
 """
@@ -65,8 +66,18 @@ if gen > tonumber(ARGV[2]) then return 0 end
 """
     + _WRITTEN
 )
-# ... of any generation (the operator's retry: ``SessionRegistry.lift_quarantine``).
-_LIFT_ANY = _CURRENT + _OVER_QUARANTINE + _WRITTEN
+# ... at exactly generation ARGV[5], the one the operator's retry read, whatever the
+# generation written (``SessionRegistry.lift_quarantine``): a backup restored from before
+# the quarantine is older, but a QUARANTINED recorded since the read (a newer snapshot
+# found undecodable) is not the one the operator took back, and stays.
+_LIFT_AT = (
+    _CURRENT
+    + _OVER_QUARANTINE
+    + """
+if gen ~= tonumber(ARGV[5]) then return 0 end
+"""
+    + _WRITTEN
+)
 # A poison quarantine (``SessionRegistry.record_poison``): over any state, never back in
 # generation; it returns the generation it wrote.
 _POISON = (
@@ -94,10 +105,15 @@ class RedisSessionRegistry(RedisConnection):
         session_id: str,
         state: SessionState,
         generation: int,
-        any_generation: bool = False,
+        quarantined_at: int | None = None,
     ) -> bool:
-        script = _LIFT_ANY if any_generation else _LIFT
-        return bool(await self._record_state(script, tenant, session_id, state, generation))
+        if quarantined_at is None:
+            lifted = await self._record_state(_LIFT, tenant, session_id, state, generation)
+        else:
+            lifted = await self._record_state(
+                _LIFT_AT, tenant, session_id, state, generation, quarantined_at
+            )
+        return bool(lifted)
 
     @translate
     async def record_poison(self, *, tenant: str, session_id: str, generation: int) -> int:
@@ -106,10 +122,17 @@ class RedisSessionRegistry(RedisConnection):
         )
 
     async def _record_state(
-        self, script: str, tenant: str, session_id: str, state: SessionState, generation: int
+        self,
+        script: str,
+        tenant: str,
+        session_id: str,
+        state: SessionState,
+        generation: int,
+        condition: str | int = "",
     ) -> int:
         # KEYS: state hash, the all-sessions set, one set per state in ARGV order, then
-        # tenant ""'s all-sessions and QUARANTINED sets (``_WRITE``).
+        # tenant ""'s all-sessions and QUARANTINED sets (``_WRITE``). ARGV: the session,
+        # generation, state, tenant, the script's own ``condition``, the states.
         keys = [
             self.keys.session_state,
             self.keys.sessions(tenant, None),
@@ -119,7 +142,14 @@ class RedisSessionRegistry(RedisConnection):
         ]
         written: int = await self.script(script)(
             keys=keys,
-            args=[session_id, generation, state.value, tenant, *(s.value for s in SessionState)],
+            args=[
+                session_id,
+                generation,
+                state.value,
+                tenant,
+                condition,
+                *(s.value for s in SessionState),
+            ],
         )
         return written
 

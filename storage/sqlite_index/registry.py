@@ -35,20 +35,30 @@ class SqliteSessionRegistry(SqliteConnection):
         session_id: str,
         state: SessionState,
         generation: int,
-        any_generation: bool = False,
+        quarantined_at: int | None = None,
     ) -> bool:
         # One statement, so the check and the write are one step: only over a QUARANTINED
-        # no newer than ``generation`` (of any, for the operator's retry). The tenant as
+        # no newer than ``generation``, or (the operator's retry) at exactly the generation
+        # it read, so that a quarantine recorded since its read stays. The tenant as
         # ``record_session`` keeps it.
         aside = SessionState.QUARANTINED.value
-        newest = None if any_generation else generation
         lifted = await self._run(
             lambda c: (
                 c.execute(
                     "UPDATE sessions SET state=?, generation=?, "
                     "tenant=COALESCE(NULLIF(?, ''), tenant) "
-                    "WHERE session_id=? AND state=? AND (? IS NULL OR generation <= ?)",
-                    (state.value, generation, tenant, session_id, aside, newest, newest),
+                    "WHERE session_id=? AND state=? "
+                    "AND (generation = ? OR (? IS NULL AND generation <= ?))",
+                    (
+                        state.value,
+                        generation,
+                        tenant,
+                        session_id,
+                        aside,
+                        quarantined_at,
+                        quarantined_at,
+                        generation,
+                    ),
                 ).rowcount
             )
         )

@@ -685,17 +685,18 @@ class IndexContract:
         self, index: Index
     ) -> None:
         """A backup restored from before the snapshot found undecodable is older than the
-        quarantine: the operator's retry lifts it all the same (``any_generation``), and
-        later commits are recorded. Nothing but a QUARANTINED is replaced so."""
+        quarantine: the operator's retry lifts it all the same (``quarantined_at``, the
+        generation it read), and later commits are recorded. Nothing but a QUARANTINED is
+        replaced so."""
         s = SessionState
 
-        async def lift(sid: str, state: SessionState, generation: int) -> bool:
+        async def lift(sid: str, state: SessionState, generation: int, read: int = 7) -> bool:
             return await index.lift_quarantine(
                 tenant="acme",
                 session_id=sid,
                 state=state,
                 generation=generation,
-                any_generation=True,
+                quarantined_at=read,
             )
 
         async def listed(state: SessionState) -> list[str]:
@@ -717,6 +718,29 @@ class IndexContract:
         assert await index.session_generation("s_q") == 4
         assert not await lift("s_none", s.SUSPENDED, 2)
         assert await index.session_states(["s_none"]) == {}
+
+    async def test_the_operators_retry_never_replaces_a_quarantine_newer_than_it_read(
+        self, index: Index
+    ) -> None:
+        """The retry read a QUARANTINED at generation 7; before its lift, a newer snapshot
+        was found undecodable and quarantined at 9. That quarantine is not the one the
+        operator took back: the lift leaves it (and its generation) as it is."""
+        s = SessionState
+        record = index.record_session
+        await record(tenant="acme", session_id="s_q", state=s.QUARANTINED, generation=7)
+        await record(tenant="acme", session_id="s_q", state=s.QUARANTINED, generation=9)
+        assert not await index.lift_quarantine(
+            tenant="acme", session_id="s_q", state=s.SUSPENDED, generation=3, quarantined_at=7
+        )
+        assert await index.session_entry("s_q") == SessionEntry("acme", s.QUARANTINED, 9)
+        page = await index.list_sessions(tenant="acme", state=s.QUARANTINED, cursor=None, limit=5)
+        assert page.session_ids == ["s_q"]
+        # Nor one older than it read (a record it could not have seen either).
+        await record(tenant="acme", session_id="s_o", state=s.QUARANTINED, generation=4)
+        assert not await index.lift_quarantine(
+            tenant="acme", session_id="s_o", state=s.SUSPENDED, generation=2, quarantined_at=7
+        )
+        assert await index.session_entry("s_o") == SessionEntry("acme", s.QUARANTINED, 4)
 
     async def test_a_quarantine_under_no_tenant_is_listed_there_no_more_once_lifted(
         self, index: Index
@@ -790,7 +814,7 @@ class IndexContract:
         # The operator's retry of a backup older than the quarantine.
         assert await index.record_poison(tenant="acme", session_id="s_p", generation=0) == 10
         assert await index.lift_quarantine(
-            tenant="acme", session_id="s_p", state=s.SUSPENDED, generation=4, any_generation=True
+            tenant="acme", session_id="s_p", state=s.SUSPENDED, generation=4, quarantined_at=10
         )
         assert await index.session_entry("s_p") == SessionEntry("acme", s.SUSPENDED, 4)
         assert await listed(s.SUSPENDED) == ["s_p"] and await listed(s.QUARANTINED) == []

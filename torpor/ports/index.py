@@ -306,17 +306,20 @@ class SessionRegistry(Protocol):
         session_id: str,
         state: SessionState,
         generation: int,
-        any_generation: bool = False,
+        quarantined_at: int | None = None,
     ) -> bool:
         """Record ``state`` at ``generation`` only over a QUARANTINED the registry holds
         at a generation no newer, in one check-and-set; True if it did. For an activation
         that found the snapshot decodes after all (restored), which the index alone said
         it did not: any other state, or a newer generation, is left as it is.
 
-        ``any_generation``: over a QUARANTINED of any generation, for the operator's retry
-        alone (``quarantine.retry``). A poison quarantine's generation is the one its
-        undecodable snapshot's header named; a backup restored from before it is older,
-        and "newest wins" would keep it set aside for good."""
+        ``quarantined_at``: over the QUARANTINED at exactly that generation instead, the
+        one the caller read (``session_entry``), whatever ``generation`` is: for the
+        operator's retry alone (``quarantine.retry``). A poison quarantine's generation
+        is the one its undecodable snapshot's header named; a backup restored from before
+        it is older, and "newest wins" would keep it set aside for good. A quarantine
+        recorded since the caller's read (a newer snapshot found undecodable) is not the
+        one the operator looked at, and is left as it is."""
         ...
 
     async def record_poison(self, *, tenant: str, session_id: str, generation: int) -> int:

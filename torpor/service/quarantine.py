@@ -104,8 +104,8 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
     aside = snapshot.quarantine
     poison = aside is not None and aside.code in POISON  # a stand-in: it does not decode
     if poison or snapshot.state is not SessionState.QUARANTINED:
-        indexed = (await control.services.index.session_states([session_id])).get(session_id)
-        if indexed is not SessionState.QUARANTINED:
+        indexed = await control.services.index.session_entry(session_id)
+        if indexed is None or indexed.state is not SessionState.QUARANTINED:
             raise InvalidRequest(f"session {session_id} is {snapshot.state}, not QUARANTINED")
         # Quarantined in the index only (its snapshot did not decode): put the state
         # the snapshot holds back in the index, and let an activation try again. The
@@ -122,7 +122,9 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         # older. "Newest wins" guards a state against a late record of what an older
         # snapshot said; here the snapshot just read is the newest there is (the one the
         # quarantine names did not decode and is gone), and the operator's retry is the
-        # explicit act that says so. Any state recorded since the look above is kept.
+        # explicit act that says so. But only over the quarantine read above, at its
+        # generation: any state recorded since the look is kept, a newer quarantine (a
+        # newer snapshot found undecodable meanwhile) too, which this look never saw.
         # (The activation's lift stays no newer: dead before this, the retry is retried.)
         resume_to = aside.resume_to if poison and aside else snapshot.state
         if resume_to is not SessionState.QUARANTINED:
@@ -134,7 +136,7 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
                 session_id=session_id,
                 state=resume_to,
                 generation=snapshot.generation,
-                any_generation=True,
+                quarantined_at=indexed.generation,
             )
         crash_point(CrashPoint.QUARANTINE_RETRY_RECORDED)
         await control.activate(session_id, reason=Reason.RETRY)
