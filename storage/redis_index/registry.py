@@ -24,12 +24,16 @@ local at = ARGV[2]
 # quarantine of a snapshot whose header did not decode finds the session's tenant there
 # (``RedisSessionRegistry.session_entry``), so it stays listed under it. Under a tenant,
 # it leaves tenant ""'s sets (the last two keys): only the quarantine of a snapshot whose
-# header did not decode, its tenant unknown to the index too, puts a session there.
-# Unconditional, two ZREMs, so that a ghost left there by an older torpor goes with the
-# next record too.
+# header did not decode, its tenant unknown to the index too, puts a session there. So
+# the two ZREMs are made only where the entry as it stands names tenant "", or no tenant
+# at all: an older torpor's "state|generation" (whose own poison quarantine may have left
+# a ghost there), or no entry (the first record of a session, or a state hash lost while
+# the sets stayed). An entry that names a real tenant was written by this code, which
+# never leaves a session under tenant "" as well: every commit's record skips them.
 _WRITE = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. '|' .. ARGV[4] .. '|' .. at)
-if KEYS[2] ~= KEYS[#KEYS - 1] then
+local was = cur and string.match(cur, '^[^|]*|(.*)|%d+$')
+if KEYS[2] ~= KEYS[#KEYS - 1] and (was == nil or was == '') then
   redis.call('ZREM', KEYS[#KEYS - 1], ARGV[1])
   redis.call('ZREM', KEYS[#KEYS], ARGV[1])
 end

@@ -1063,6 +1063,46 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         assert await redis_index.session_states(["s_new"]) == {"s_new": s.RUNNING}
         assert await redis_index.session_generation("s_new") == 12
 
+    async def test_a_record_over_an_older_torpors_entry_clears_its_ghost_under_no_tenant(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """An older torpor's poison quarantine wrote "state|generation" (no tenant) and
+        listed the session under tenant "": the next record under its tenant takes it out
+        of tenant ""'s listings, as a record over an entry under "" does (the contract's
+        ``test_a_quarantine_under_no_tenant_is_listed_there_no_more_once_lifted``)."""
+        s, keys, r = SessionState, redis_index.keys, redis_index._redis
+        await r.hset(keys.session_state, "s_g", "QUARANTINED|0")
+        for key in (keys.sessions("", None), keys.sessions("", s.QUARANTINED)):
+            await r.zadd(key, {"s_g": 0})
+        await redis_index.record_session(
+            tenant="acme", session_id="s_g", state=s.SUSPENDED, generation=1
+        )
+        for state in (None, s.QUARANTINED):
+            page = await redis_index.list_sessions(tenant="", state=state, cursor=None, limit=5)
+            assert page.session_ids == []
+        page = await redis_index.list_sessions(tenant="acme", state=None, cursor=None, limit=5)
+        assert page.session_ids == ["s_g"]
+
+    async def test_a_record_over_an_entry_that_names_its_tenant_touches_no_tenants_sets(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """A commit's record over an entry that names a real tenant makes no ZREM on
+        tenant ""'s sets (only an entry under "" or with no tenant can have left a ghost
+        there). Proved by a member planted there: a ZREM would take it out."""
+        s, keys, r = SessionState, redis_index.keys, redis_index._redis
+        await redis_index.record_session(
+            tenant="acme", session_id="s_t", state=s.SUSPENDED, generation=5
+        )
+        planted = (keys.sessions("", None), keys.sessions("", s.QUARANTINED))
+        for key in planted:
+            await r.zadd(key, {"s_t": 0})
+        await redis_index.record_session(
+            tenant="acme", session_id="s_t", state=s.RUNNING, generation=6
+        )
+        for key in planted:
+            assert await r.zscore(key, "s_t") == 0
+        assert await redis_index.session_entry("s_t") == SessionEntry("acme", s.RUNNING, 6)
+
     async def test_unbind_knowing_the_deadline_is_one_script_with_no_read_first(
         self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
     ) -> None:
