@@ -381,6 +381,9 @@ def progress(session_id: str, work_id: str) -> str:
 
 # --- Redis keys -----------------------------------------------------------------------
 
+# What a Redis MATCH pattern reads as a glob, escaped where a key's own text holds it.
+_GLOB = re.compile(r"[*?\[\]\\]")
+
 
 class RedisKeys:
     """Redis key names under one prefix (tests use a prefix of their own).
@@ -448,6 +451,16 @@ class RedisKeys:
 
     def sessions(self, tenant: str, state: SessionState | None) -> str:
         return f"{self.prefix}ss:{tenant}:{state.value if state else '*'}"
+
+    @property
+    def every_tenants_sessions(self) -> str:
+        """A ``SCAN`` pattern matching ``sessions(tenant, None)`` of every tenant (the
+        prefix's own glob characters escaped, the set's final ``*`` taken literally)."""
+        return _GLOB.sub(r"\\\g<0>", self.prefix) + "ss:*:\\*"
+
+    def tenant_of_sessions(self, key: str) -> str:
+        """The tenant whose ``sessions(tenant, None)`` ``key`` is."""
+        return key[len(self.prefix) + len("ss:") : -len(":*")]
 
     @property
     def intact(self) -> str:

@@ -42,6 +42,9 @@ class MemorySessionRegistry:
         current = self._sessions.get(session_id)
         if current is not None:
             generation = max(generation, current[2])  # over any state, never back
+            # A caller that does not know the tenant ("") leaves the one held: the
+            # session stays listed under it, and its tenant can still see it.
+            tenant = tenant or current[0]
         self._sessions[session_id] = (tenant, SessionState.QUARANTINED, generation)
         return generation
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from storage.redis_index.connection import RedisConnection, text, texts, translate
+from storage.redis_index.connection import RedisConnection, opt_text, text, texts, translate
+from torpor.errors import IndexUnavailable
 from torpor.lifecycle import SessionState
 from torpor.ports import SessionEntry, SessionPage
 
@@ -83,15 +84,24 @@ if gen ~= tonumber(ARGV[5]) then return 0 end
     + _WRITTEN
 )
 # A poison quarantine (``SessionRegistry.record_poison``): over any state, never back in
-# generation; it returns the generation it wrote.
+# generation; it returns the generation it wrote. Under a tenant the caller did not know
+# but looked up (``_listed_under``), only over the entry it looked at (ARGV[5], "=" and
+# the value, "=" alone for none; "" when the caller named the tenant): a record since
+# may name another, and the look is made again (-1).
 _POISON = (
     _CURRENT
     + """
+if ARGV[5] ~= '' and ARGV[5] ~= '=' .. (cur or '') then return -1 end
 if gen and gen > tonumber(ARGV[2]) then at = string.match(cur, '|(%d+)$') end
 """
     + _WRITE
     + "return tonumber(at)\n"
 )
+
+# A poison quarantine under a tenant looked up (``record_poison``) is written only over the
+# entry looked at; a session recorded this often meanwhile is not one whose snapshot is
+# lost, and is left to its next activation.
+_POISON_LOOKS = 5
 
 
 class RedisSessionRegistry(RedisConnection):
@@ -121,9 +131,65 @@ class RedisSessionRegistry(RedisConnection):
 
     @translate
     async def record_poison(self, *, tenant: str, session_id: str, generation: int) -> int:
-        return await self._record_state(
-            _POISON, tenant, session_id, SessionState.QUARANTINED, generation
+        aside = SessionState.QUARANTINED
+        if tenant:
+            return await self._record_state(_POISON, tenant, session_id, aside, generation)
+        # Tenant "": the caller's header did not read and the entry it read named none.
+        # Recorded under "", an entry an older torpor wrote ("state|generation", no
+        # tenant) left the session listed under its real tenant in its old state, and
+        # its tenant's GET and retry found a quarantine under "": 404. So the tenant is
+        # the one the entry names, else the one whose listing holds the session; the
+        # write is made only over the entry looked at (a compare-and-set in ``_POISON``).
+        for _ in range(_POISON_LOOKS):
+            value = opt_text(await self._redis.hget(self.keys.session_state, session_id))
+            found = await self._tenant_of(session_id, value)
+            written = await self._record_state(
+                _POISON, found, session_id, aside, generation, "=" + (value or "")
+            )
+            if written >= 0:
+                return written
+        raise IndexUnavailable(f"the entry of session {session_id} kept changing under a look")
+
+    async def _tenant_of(self, session_id: str, value: str | None) -> str:
+        """The tenant entry ``value`` names; for an older torpor's, which names none, the
+        one whose listing holds the session (``_listed_under``); "" if none does."""
+        if value is None:
+            return ""
+        rest = value.partition("|")[2]
+        if "|" in rest:
+            return rest.rpartition("|")[0]
+        return await self._listed_under(session_id)
+
+    async def _listed_under(self, session_id: str) -> str:
+        """The tenant (other than "") whose all-sessions set holds ``session_id``, "" if
+        none does. A SCAN of the keyspace, in pages, for every tenant's set: the set names
+        the tenant, and nothing else in the index does for an older torpor's entry. Only
+        a poison quarantine of such an entry, its header unread, looks: once, since its
+        record names the tenant from then on."""
+        candidates = [
+            key
+            for key in texts(
+                [
+                    k
+                    async for k in self._redis.scan_iter(
+                        match=self.keys.every_tenants_sessions, count=1000, _type="zset"
+                    )
+                ]
+            )
+            if self.keys.tenant_of_sessions(key)
+        ]
+        if not candidates:
+            return ""
+        pipe = self._redis.pipeline(transaction=False)
+        for key in candidates:
+            pipe.zscore(key, session_id)
+        scores = await pipe.execute()
+        holders = sorted(
+            self.keys.tenant_of_sessions(key)
+            for key, score in zip(candidates, scores, strict=True)
+            if score is not None
         )
+        return holders[0] if holders else ""  # a session's tenant never changes: one
 
     async def _record_state(
         self,

@@ -835,6 +835,26 @@ class IndexContract:
         page = await index.list_sessions(tenant="", state=None, cursor=None, limit=5)
         assert page.session_ids == []
 
+    async def test_a_poison_quarantine_under_no_tenant_keeps_the_tenant_held(
+        self, index: Index
+    ) -> None:
+        """A caller that does not know the tenant (its header did not read) records the
+        poison quarantine under "": the session stays listed under the tenant the
+        registry holds, quarantined there, so that tenant can still see and retry it."""
+        s = SessionState
+        await index.record_session(tenant="acme", session_id="s_k", state=s.SUSPENDED, generation=5)
+        assert await index.record_poison(tenant="", session_id="s_k", generation=0) == 5
+        assert await index.session_entry("s_k") == SessionEntry("acme", s.QUARANTINED, 5)
+        for tenant, state, listed in (
+            ("acme", s.QUARANTINED, ["s_k"]),
+            ("acme", s.SUSPENDED, []),
+            ("acme", None, ["s_k"]),
+            ("", None, []),
+            ("", s.QUARANTINED, []),
+        ):
+            page = await index.list_sessions(tenant=tenant, state=state, cursor=None, limit=5)
+            assert page.session_ids == listed, (tenant, state)
+
     async def test_integrity_marker(self, index: Index) -> None:
         assert not await index.is_intact()
         token = await index.begin_repair()
@@ -1102,6 +1122,60 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         for key in planted:
             assert await r.zscore(key, "s_t") == 0
         assert await redis_index.session_entry("s_t") == SessionEntry("acme", s.RUNNING, 6)
+
+    async def test_a_poison_quarantine_of_an_older_torpors_entry_stays_under_its_tenant(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """An older torpor wrote "state|generation" (no tenant) and listed the session
+        under its tenant. Its poison quarantine, header unread (tenant ""), finds the
+        tenant in the listings: quarantined there, in the hash and the sets, never under
+        "" (where its tenant's GET and retry would not find it)."""
+        s, keys, r = SessionState, redis_index.keys, redis_index._redis
+        await r.hset(keys.session_state, "s_o", "SUSPENDED|5")
+        for key in (keys.sessions("a:b", None), keys.sessions("a:b", s.SUSPENDED)):
+            await r.zadd(key, {"s_o": 0})
+        await redis_index.record_session(  # another tenant's session, another listing
+            tenant="beta", session_id="s_b", state=s.SUSPENDED, generation=1
+        )
+        assert await redis_index.record_poison(tenant="", session_id="s_o", generation=0) == 5
+        assert await redis_index.session_entry("s_o") == SessionEntry("a:b", s.QUARANTINED, 5)
+        for tenant, state, listed in (
+            ("a:b", s.QUARANTINED, ["s_o"]),
+            ("a:b", s.SUSPENDED, []),
+            ("a:b", None, ["s_o"]),
+            ("", None, []),
+            ("", s.QUARANTINED, []),
+            ("beta", None, ["s_b"]),
+        ):
+            page = await redis_index.list_sessions(tenant=tenant, state=state, cursor=None, limit=5)
+            assert page.session_ids == listed, (tenant, state)
+
+    async def test_a_poison_quarantine_is_written_over_the_entry_it_looked_at_only(
+        self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The tenant of an entry that names none is looked up before the write: a record
+        made between the look and the write (naming another tenant) sends it round to
+        look again, and the quarantine goes under the tenant the entry names then."""
+        s, keys, r = SessionState, redis_index.keys, redis_index._redis
+        await r.hset(keys.session_state, "s_m", "SUSPENDED|5")
+        look = redis_index._tenant_of
+        looks: list[str | None] = []
+
+        async def raced(session_id: str, value: str | None) -> str:
+            looks.append(value)
+            found = await look(session_id, value)
+            if len(looks) == 1:
+                await redis_index.record_session(
+                    tenant="acme", session_id="s_m", state=s.RUNNING, generation=6
+                )
+            return found
+
+        monkeypatch.setattr(redis_index, "_tenant_of", raced)
+        assert await redis_index.record_poison(tenant="", session_id="s_m", generation=0) == 6
+        assert looks == ["SUSPENDED|5", "RUNNING|acme|6"]
+        assert await redis_index.session_entry("s_m") == SessionEntry("acme", s.QUARANTINED, 6)
+        page = await redis_index.list_sessions(tenant="", state=None, cursor=None, limit=5)
+        assert page.session_ids == []
 
     async def test_unbind_knowing_the_deadline_is_one_script_with_no_read_first(
         self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch

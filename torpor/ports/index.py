@@ -333,7 +333,11 @@ class SessionRegistry(Protocol):
         refused and the deadline loop asked to time out at every look. A later commit, or
         the operator's retry (``lift_quarantine``), replaces it as any quarantine. Under
         ``tenant`` as ``record_session`` records: a caller whose header did not say names
-        the one the registry holds (``session_entry``), so the session stays listed there."""
+        the one the registry holds (``session_entry``), so the session stays listed there.
+        ``tenant`` "" (not known to the caller) never takes a session out of the listing
+        of the tenant the registry has it under: it is quarantined there, "" only if the
+        registry has it under none (Redis looks an older torpor's entry, which names no
+        tenant, up in its listings)."""
         ...
 
     async def session_states(self, session_ids: list[str]) -> dict[str, SessionState]: ...
