@@ -95,6 +95,20 @@ class RedisConnection:
         round trips, and redis-py's own script call costs three times the CPU."""
         return partial(self.batched_script, source)
 
+    def ordered_script(self, source: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+        """The Lua script ``source`` as a call ``(keys=..., args=...)`` that runs where it
+        stands in its batch: by its source (EVAL), in the next batch of the lean
+        connection. For a script whose caller counts on it running before the commands
+        sent after it in the same turn (``release.let_go``'s lift, before the lease's
+        release). By SHA, a server that forgot it (restarted, SCRIPT FLUSH) answers
+        NOSCRIPT, and by the time ``batched_script`` has it loaded and run, the commands
+        that followed it in the batch have run already. The source costs its bytes on
+        the wire (under a kilobyte) and a SHA1 on the server: kept to such scripts."""
+        return partial(self._evaluated, source)
+
+    async def _evaluated(self, source: str, *, keys: list[str], args: list[Any]) -> Any:
+        return await self._pipelined.call("EVAL", source, len(keys), *keys, *args)
+
     def _registered(self, source: str) -> AsyncScript:
         """The Lua script ``source``, registered on this client once (it runs by SHA)."""
         found = self._scripts.get(source)

@@ -122,7 +122,11 @@ class RedisSessionRegistry(RedisConnection):
         quarantined_at: int | None = None,
     ) -> bool:
         if quarantined_at is None:
-            lifted = await self._record_state(_LIFT, tenant, session_id, state, generation)
+            # The activation's lift runs before the lease's release sent after it
+            # (``release.let_go``), even on a server that forgot its scripts.
+            lifted = await self._record_state(
+                _LIFT, tenant, session_id, state, generation, ordered=True
+            )
         else:
             lifted = await self._record_state(
                 _LIFT_AT, tenant, session_id, state, generation, quarantined_at
@@ -199,6 +203,8 @@ class RedisSessionRegistry(RedisConnection):
         state: SessionState,
         generation: int,
         condition: str | int = "",
+        *,
+        ordered: bool = False,
     ) -> int:
         # KEYS: state hash, the all-sessions set, one set per state in ARGV order, then
         # tenant ""'s all-sessions and QUARANTINED sets (``_WRITE``). ARGV: the session,
@@ -210,7 +216,8 @@ class RedisSessionRegistry(RedisConnection):
             self.keys.sessions("", None),
             self.keys.sessions("", SessionState.QUARANTINED),
         ]
-        written: int = await self.script(script)(
+        call = self.ordered_script(script) if ordered else self.script(script)
+        written: int = await call(
             keys=keys,
             args=[
                 session_id,

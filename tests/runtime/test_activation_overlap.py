@@ -5,7 +5,6 @@ taken only if the session is still where it was when the step was called)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
@@ -283,10 +282,11 @@ async def test_an_activation_with_nothing_to_commit_lifts_a_quarantine_in_its_la
     await index.record_session(
         tenant=snap.tenant, session_id=sid, state=S.QUARANTINED, generation=snap.generation
     )
-    lift = hashlib.sha1(registry._LIFT.encode()).hexdigest()  # Redis names a script so
 
     def named(command: tuple[Any, ...]) -> str:
-        if command[0] == "EVALSHA" and command[1] == lift:
+        # By its source: where it stands in the batch, even on a server that forgot it
+        # (``RedisConnection.ordered_script``).
+        if command[0] == "EVAL" and command[1] == registry._LIFT:
             return "lift"
         first = str(command[3] if command[0] == "EVALSHA" else command[1])
         return {

@@ -18,9 +18,17 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from storage.redis_index import RedisIndex
+from storage.redis_index import leases as leases_module
 from storage.redis_index.pipelining import MAX_BATCH, Pipelined
+from tests.support.factories import snapshot
 from tests.support.s3_server import free_port
+from torpor.clock import SystemClock
 from torpor.errors import IndexUnavailable
+from torpor.lifecycle import SessionState
+from torpor.ports import SessionEntry, TimerKind
+from torpor.session.heartbeat import Heartbeat
+from torpor.session.release import let_go
+from torpor.session.runtime import lease_name
 
 pytestmark = pytest.mark.redis
 
@@ -345,3 +353,49 @@ async def test_a_script_the_server_forgot_is_loaded_again(
     await client.script_flush()  # a restarted or flushed server knows no scripts
     results = await asyncio.gather(admit("d-2"), admit("d-3"), admit("d-2"))
     assert sorted(results) == [False, True, True]  # still all-or-none claims, once each
+
+
+@pytest.mark.parametrize("reloaded", [False, True], ids=["flushed", "release-loaded-again"])
+async def test_an_activations_lift_runs_before_its_release_on_a_server_that_forgot_scripts(
+    redis_index: RedisIndex, client: aioredis.Redis, reloaded: bool
+) -> None:
+    """``let_go`` sends the lift of a quarantine first, the lease's release after it, in
+    one batch: the lift counts on running while the lease is held (a holder since may
+    have quarantined the session again). On a server that forgot its scripts (restarted,
+    SCRIPT FLUSH; the release's own script loaded again since by another activation), a
+    lift sent by SHA was answered NOSCRIPT and run again after the release. Seen in
+    MONITOR: the lift's HSET of the state hash comes before the release's DEL."""
+    s, sid, now = SessionState, "s_lift", datetime.now(UTC)
+    await redis_index.record_session(
+        tenant="acme", session_id=sid, state=s.QUARANTINED, generation=4
+    )
+    await redis_index.schedule(kind=TimerKind.WAKE, member=sid, at=now)
+    lease = await redis_index.acquire_lease(
+        name=lease_name(sid), owner="o", ttl=timedelta(minutes=1), now=now
+    )
+    assert lease is not None
+    heartbeat = Heartbeat(
+        redis_index,
+        lease,
+        clock=SystemClock(),
+        period=timedelta(seconds=10),
+        ttl=timedelta(minutes=1),
+    )
+    restored = snapshot(session_id=sid, state=s.SUSPENDED).model_copy(update={"generation": 4})
+    await client.script_flush()
+    if reloaded:
+        await client.script_load(leases_module._RELEASE)
+    state_hash, lease_key = redis_index.keys.session_state, redis_index.keys.lease(lease.name)
+    marker = f"{redis_index.keys.prefix}done"
+    seen: list[str] = []
+    async with client.monitor() as monitor:
+        await let_go(redis_index, heartbeat, sid, unschedule=True, lift=restored)
+        await client.echo(marker)
+        while not (seen and seen[-1].startswith("ECHO") and marker in seen[-1]):
+            seen.append((await asyncio.wait_for(monitor.next_command(), 5))["command"])
+    lifted = [i for i, c in enumerate(seen) if c.startswith(f"HSET {state_hash} {sid} ")]
+    released = [i for i, c in enumerate(seen) if c.startswith(f"DEL {lease_key}")]
+    assert lifted and released, seen
+    assert lifted[0] < released[0], seen
+    assert await redis_index.session_entry(sid) == SessionEntry("acme", s.SUSPENDED, 4)
+    assert await client.exists(lease_key) == 0

@@ -311,7 +311,9 @@ class SessionRegistry(Protocol):
         """Record ``state`` at ``generation`` only over a QUARANTINED the registry holds
         at a generation no newer, in one check-and-set; True if it did. For an activation
         that found the snapshot decodes after all (restored), which the index alone said
-        it did not: any other state, or a newer generation, is left as it is.
+        it did not: any other state, or a newer generation, is left as it is. It takes
+        effect before the calls asked for after it in the same turn (``let_go`` sends
+        the lease's release after it), a server that lost its scripts included.
 
         ``quarantined_at``: over the QUARANTINED at exactly that generation instead, the
         one the caller read (``session_entry``), whatever ``generation`` is: for the

@@ -38,8 +38,9 @@ async def let_go(
     (``SessionRegistry.lift_quarantine``: only over a QUARANTINED no newer than the
     snapshot, never over a state recorded since), in the same pipeline: no activation
     pays a round trip for it. It goes first: it runs while the lease is held, and
-    the server took it whenever it took the unschedule. Its failure is raised as the
-    unschedule's is."""
+    the server took it whenever it took the unschedule (an index must keep that order
+    even when its server forgot its scripts: Redis sends the lift by its source).
+    Its failure is raised as the unschedule's is."""
     release = index.release_lease(heartbeat.lease)
     if not unschedule:
         with contextlib.suppress(IndexUnavailable):  # it expires by itself anyway
