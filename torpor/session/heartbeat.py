@@ -90,6 +90,23 @@ class Heartbeat:
             self.lost = True
         return self.lost
 
+    async def confirm(self) -> bool:
+        """Renew the lease now and say whether it is still ours: for a write that no
+        fence guards (the registry's record of a poison quarantine), which a holder
+        whose lease lapsed unseen must not make. ``lapsed`` alone does not tell: a
+        process that stalled (its loop blocked, its read slow) has sent no renewal to
+        find out with. True: the lease is ours for a whole TTL from now, so no other
+        holder can have taken it when the next round trip lands, unless this process
+        stalls for that long again. ``IndexUnavailable`` is raised as it is."""
+        sent = self._elapsed()
+        renewed = await self._index.renew_lease(self.lease, ttl=self._ttl, now=self._clock.now())
+        if renewed is None:
+            self.lost = True
+            return False
+        self.lease = renewed
+        self._held_since = sent
+        return True
+
     async def refence(self, floor: int) -> None:
         """Re-take the lease under a token above ``floor`` (the fence the snapshot
         recorded): the index lost its counter, so our token may be one a holder before us

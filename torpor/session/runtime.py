@@ -159,7 +159,7 @@ class SessionRuntime:
                 return await self._leave_to_newer(session_id, exc), None
             except SnapshotCorrupt as exc:
                 release = True
-                return await self._quarantine_poison(session_id, exc), None
+                return await self._quarantine_poison(session_id, exc, heartbeat), None
             logs.update(trace_id=snapshot.trace_id)
             if lease.taken_over:
                 # Its last holder died holding the lease, perhaps between a commit and the
@@ -254,13 +254,14 @@ class SessionRuntime:
         await self.deps.index.unschedule(kind=TimerKind.WAKE, member=session_id)
         return ActivationResult(session_id, ActivationOutcome.STOPPED)
 
-    async def _quarantine_poison(self, session_id: str, exc: SnapshotCorrupt) -> ActivationResult:
+    async def _quarantine_poison(
+        self, session_id: str, exc: SnapshotCorrupt, heartbeat: Heartbeat
+    ) -> ActivationResult:
         """A snapshot that cannot be decoded cannot be rewritten either: the quarantine is
         recorded in the index's session registry (state QUARANTINED, which repair and the
         timers leave alone), and its reason is the decode error, found again on every read.
         No retry timer: retrying a permanent error changes nothing until an operator acts
         (``SessionService.retry``, e.g. after restoring the object)."""
-        log.error("session %s is quarantined: %s", session_id, exc)
         index = self.deps.index
         try:
             header = await self.deps.snapshots.header(session_id)
@@ -271,6 +272,23 @@ class SessionRuntime:
             # "" if it holds none; at the generation it holds (``record_poison``).
             entry = await index.session_entry(session_id)
             tenant, generation = (entry.tenant if entry else ""), 0
+        # Only while the lease is still ours, checked last: ``record_poison`` writes over
+        # any state, and nothing fences it. A holder whose lease lapsed while it read (a
+        # slow read, a stalled process) may hold bytes from before a restore; since then
+        # the operator took the session back and a new holder recorded a newer state,
+        # which a quarantine written now would hide (set aside again, its timers gone,
+        # its snapshot readable). A holder after us that finds it undecodable records the
+        # quarantine itself. The renewal makes the lease ours for a TTL, which the next
+        # round trip is well within; the registry cannot check the lease in the same step
+        # (``SessionRegistry`` has no record fenced by a lease).
+        if not await heartbeat.confirm():
+            log.warning(
+                "session %s did not decode, but its lease lapsed: no quarantine recorded (%s)",
+                session_id,
+                exc,
+            )
+            return ActivationResult(session_id, ActivationOutcome.LEASE_LOST)
+        log.error("session %s is quarantined: %s", session_id, exc)
         # Over whatever state the index holds, at any generation: the newest snapshot is
         # unreadable, so that state is true no more. Refused by "newest wins" (a header
         # that did not read, or named an older generation), the index kept a live state:
