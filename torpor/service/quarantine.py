@@ -14,14 +14,16 @@ from __future__ import annotations
 from typing import Protocol
 
 from torpor.clock import from_ms
-from torpor.errors import InvalidRequest, SnapshotCorrupt, SnapshotError
+from torpor.errors import InvalidRequest, PluginNotFound, SnapshotCorrupt, SnapshotError
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.ids import session_id_ms
 from torpor.lifecycle import SessionState
 from torpor.models import AgentRef, Quarantine, SessionSnapshot
-from torpor.ports import Reason, SessionEntry
+from torpor.ports import Reason, SessionEntry, TimerKind
 from torpor.ports.services import Services
+from torpor.session.suspend import poll_member
+from torpor.tools import LongRunningTool
 
 
 class _Sessions(Protocol):
@@ -115,6 +117,8 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         # whether its snapshot reads now. The activation removes the timer either way;
         # dead before the record, the index still says QUARANTINED, and the activation
         # that finds the snapshot reads lifts it (``torpor.session.release.let_go``).
+        if not poison:
+            await _arm_polls(control.services, snapshot)
         await control.arm_wake(session_id)
         crash_point(CrashPoint.QUARANTINE_RETRY_ARMED)
         # Over the QUARANTINED only, of any generation: it carries the generation the
@@ -153,3 +157,26 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         )
     )
     return snapshot
+
+
+async def _arm_polls(services: Services, snapshot: SessionSnapshot) -> None:
+    """The poll timers of a restored snapshot's waits, before anything else the retry
+    does (a retry killed later leaves them armed). The sweep drops the poll timer of a
+    session set aside because its snapshot did not decode (``Sweeper._poll``), and
+    nothing else puts it back but the periodic full repair, up to an hour on. Moved to
+    now if due later (``keep_earlier``): a sweep that leased it before the restore drops
+    it only if it is still where its lease left it."""
+    try:
+        tools = services.plugins.agent(snapshot.agent.name).tools
+    except PluginNotFound:
+        return
+    now = services.clock.now()
+    for wait in snapshot.waits:
+        tool = tools.get(wait.tool_name)
+        if isinstance(tool, LongRunningTool) and tool.can_poll:
+            await services.index.schedule(
+                kind=TimerKind.POLL,
+                member=poll_member(snapshot.session_id, wait.correlation_id),
+                at=max(now, wait.overdue_after),
+                keep_earlier=True,
+            )

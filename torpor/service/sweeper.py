@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from torpor.backoff import Backoff
-from torpor.errors import PluginNotFound, SessionNotFound, TorporError
+from torpor.errors import PluginNotFound, SessionNotFound, SnapshotCorrupt, TorporError
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
 from torpor.lifecycle import SessionState
@@ -339,21 +339,23 @@ class Sweeper:
 
         async def one(member: str) -> None:
             async with slots:
-                await self._poll_alone(member, now, report)
+                await self._poll_alone(member, now, until, report)
 
         await asyncio.gather(*(one(member) for member in due))
 
-    async def _poll_alone(self, member: str, now: datetime, report: SweepReport) -> None:
+    async def _poll_alone(
+        self, member: str, now: datetime, until: datetime, report: SweepReport
+    ) -> None:
         """One poll on its own: a snapshot that cannot be read (damaged, or a newer
         torpor's mid-upgrade) raised out of the step at every sweep, and no sweep was
         recorded complete again. It is named in the report; its timer stays due."""
         try:
-            await self._poll(member, now, report)
+            await self._poll(member, now, until, report)
         except Exception as exc:
             log.exception("poll %s failed", member)
             report.errors.append(f"poll {member}: {type(exc).__name__}: {exc}")
 
-    async def _poll(self, member: str, now: datetime, report: SweepReport) -> None:
+    async def _poll(self, member: str, now: datetime, until: datetime, report: SweepReport) -> None:
         index, settings = self.services.index, self.services.settings
         session_id, _, correlation_id = member.partition("|")
         # An entry of an older build carries a poll count other than 0 as its third
@@ -366,6 +368,18 @@ class Sweeper:
             snapshot = await self.services.snapshots.load_waiting(session_id)
         except SessionNotFound:
             await index.unschedule(kind=TimerKind.POLL, member=member)
+            return
+        except SnapshotCorrupt:
+            if not await self._set_aside(session_id):
+                raise  # not set aside yet: named in the report, and due again
+            # Set aside for an operator (its activation found it undecodable and said so):
+            # no activation runs it, so the entry came back after every lease, an error
+            # logged each time, for as long as nobody restored it. Dropped once, and put
+            # back by the operator's retry once the snapshot reads (``quarantine.retry``).
+            # Only if still leased by this sweep (``if_at``): a retry that re-armed it
+            # meanwhile moved it, and its entry stays.
+            await index.unschedule(kind=TimerKind.POLL, member=member, if_at=until)
+            log.warning("poll %s dropped: its session is set aside, undecodable", member)
             return
         wait = snapshot.wait_for(correlation_id)
         tool = self._tool(snapshot, wait.tool_name if wait else "")
@@ -456,6 +470,11 @@ class Sweeper:
                 )
             )
         await index.unschedule(kind=TimerKind.TOOL, member=member, if_at=until)
+
+    async def _set_aside(self, session_id: str) -> bool:
+        """Whether the registry holds the session QUARANTINED."""
+        states = await self.services.index.session_states([session_id])
+        return states.get(session_id) is SessionState.QUARANTINED
 
     def _tool(self, snapshot: WaitingSession, name: str) -> LongRunningTool | None:
         try:
