@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from storage import keys
+from storage.codec import SnapshotCodec
 from tests.support.crash import run_killed_at
 from tests.support.harness import Env, local_env
 from torpor.faults import CrashPoint
@@ -115,3 +116,46 @@ async def test_a_poison_retry_killed_before_its_activation_is_woken_once_by_the_
         if not restored:  # set aside again: the operator may retry once more
             await env.control.retry(sid, tenant="acme")
             assert (await index.session_states([sid]))[sid] is SessionState.QUARANTINED
+
+
+async def test_an_older_backups_retry_killed_once_armed_is_lifted_by_its_activation(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """The operator restores a backup older than the snapshot found undecodable (the
+    index's QUARANTINED carries the newer generation its header named) and retries; the
+    retry dies once it armed the wake-up, before its own lift over any generation. The
+    activation the wake-up asks for finds the backup reads and has nothing to commit: its
+    lift, "no newer", was refused by the quarantine's newer generation, and the session
+    stayed set aside in the index until the operator retried once more."""
+    async with local_env(tmp_path, redis_url, redis_prefix) as env:
+        sid = await env.submit(doc="PR-B")
+        backup = await env.load(sid)
+        store, key, index = env.services.store, keys.snapshot(sid), env.services.index
+        old = (await store.get(key)).data
+        # The session moved on (two commits, recorded) before its snapshot was spoiled.
+        newer = backup.model_copy(update={"generation": backup.generation + 2})
+        await index.record_session(
+            tenant="acme", session_id=sid, state=newer.state, generation=newer.generation
+        )
+        spoiled = SnapshotCodec().encode(newer)
+        await store.put(key, spoiled[:-16] + b"\x00" * 16)  # the body spoiled, the header whole
+        await env.control.activate(sid, reason=Reason.EVENT)
+        assert (await index.session_states([sid]))[sid] is SessionState.QUARANTINED
+        assert await index.session_generation(sid) == newer.generation
+        sweeper = Sweeper(env.control)
+        await sweeper.sweep_once()  # the reconciler's start: a full repair
+        await store.put(key, old)  # the older backup, restored by the operator, who retries
+        now = env.clock.now().isoformat()
+        point = CrashPoint.QUARANTINE_RETRY_ARMED
+        run_killed_at(point, RETRY_IN_CHILD, str(tmp_path), redis_url, redis_prefix, sid, now)
+        assert (await index.session_states([sid]))[sid] is SessionState.QUARANTINED
+
+        assert await wakes(env, sweeper) == 1
+        assert (await env.control.get(sid, tenant="acme")).state is SessionState.SUSPENDED
+        assert (await index.session_states([sid]))[sid] is SessionState.SUSPENDED
+        assert await index.session_generation(sid) == backup.generation
+        listed = await index.list_sessions(
+            tenant="acme", state=SessionState.SUSPENDED, cursor=None, limit=10
+        )
+        assert sid in listed.session_ids
+        assert await wakes(env, sweeper) == 0, "woken once: the activation took its timer"

@@ -317,7 +317,9 @@ class SessionRegistry(Protocol):
 
         ``quarantined_at``: over the QUARANTINED at exactly that generation instead, the
         one the caller read (``session_entry``), whatever ``generation`` is: for the
-        operator's retry alone (``quarantine.retry``). A poison quarantine's generation
+        operator's retry (``quarantine.retry``), and an activation that read the entry
+        while it held the lease and found the store still holds the backup it read
+        (``release._past_restore``). A poison quarantine's generation
         is the one its undecodable snapshot's header named; a backup restored from before
         it is older, and "newest wins" would keep it set aside for good. A quarantine
         recorded since the caller's read (a newer snapshot found undecodable) is not the

@@ -129,7 +129,8 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         # explicit act that says so. But only over the quarantine read above, at its
         # generation: any state recorded since the look is kept, a newer quarantine (a
         # newer snapshot found undecodable meanwhile) too, which this look never saw.
-        # (The activation's lift stays no newer: dead before this, the retry is retried.)
+        # Dead before this, the activation its wake-up asks for lifts it (``let_go``), a
+        # newer quarantine too once it sees the store still holds what it read.
         resume_to = aside.resume_to if poison and aside else snapshot.state
         if resume_to is not SessionState.QUARANTINED:
             # QUARANTINED: a stand-in whose header did not read either, its state not

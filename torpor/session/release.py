@@ -7,9 +7,10 @@ import asyncio
 import contextlib
 import logging
 
-from torpor.errors import IndexUnavailable
+from torpor.errors import IndexUnavailable, SnapshotError
+from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
-from torpor.ports import Index, TimerKind
+from torpor.ports import Index, SessionEntry, SnapshotRepository, TimerKind
 from torpor.session.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ async def let_go(
     *,
     unschedule: bool,
     lift: SessionSnapshot | None = None,
+    snapshots: SnapshotRepository | None = None,
 ) -> None:
     """Release the lease and, after a drive that ran to its end, unschedule the
     session's wake-up: both asked for in one turn, so they leave in one pipeline (one
@@ -40,7 +42,13 @@ async def let_go(
     pays a round trip for it. It goes first: it runs while the lease is held, and
     the server took it whenever it took the unschedule (an index must keep that order
     even when its server forgot its scripts: Redis sends the lift by its source).
-    Its failure is raised as the unschedule's is."""
+    Its failure is raised as the unschedule's is.
+
+    A quarantine newer than ``lift`` (a backup older than the undecodable snapshot was
+    restored, and the operator's retry died before its own lift at the quarantine's
+    generation) refuses that lift: the registry's entry, read in the same pipeline,
+    tells, and ``_past_restore`` lifts it then, in a step of its own (``snapshots``
+    reads the header it checks first)."""
     release = index.release_lease(heartbeat.lease)
     if not unschedule:
         with contextlib.suppress(IndexUnavailable):  # it expires by itself anyway
@@ -55,20 +63,66 @@ async def let_go(
                 session_id=session_id,
                 state=lift.state,
                 generation=lift.generation,
-            )
+            ),
+            # After the lift and before the release, in the same pipeline: what a refused
+            # lift found, read while the lease was still ours.
+            index.session_entry(session_id),
         ]
     )
-    *lifted, released, unscheduled = await asyncio.gather(
+    *asked, released, unscheduled = await asyncio.gather(
         *lifting,
         release,
         index.unschedule(kind=TimerKind.WAKE, member=session_id),
         return_exceptions=True,
     )
-    for outcome in (*lifted, released, unscheduled):
+    for outcome in (*asked, released, unscheduled):
         if isinstance(outcome, BaseException) and not isinstance(outcome, IndexUnavailable):
             raise outcome
-    for outcome in (unscheduled, *lifted):
+    for outcome in (unscheduled, *asked):
         if isinstance(outcome, BaseException):
             raise outcome
-    if lifted == [True]:
+    if lift is None:
+        return
+    lifted, entry = asked
+    if (
+        lifted is False
+        and released is True
+        and snapshots is not None
+        and isinstance(entry, SessionEntry)
+        and entry.state is SessionState.QUARANTINED
+        and entry.generation > lift.generation
+    ):
+        lifted = await _past_restore(index, snapshots, lift, entry)
+    if lifted is True:
         log.info("session %s reads again: its quarantine in the index is lifted", session_id)
+
+
+async def _past_restore(
+    index: Index, snapshots: SnapshotRepository, lift: SessionSnapshot, entry: SessionEntry
+) -> bool:
+    """Lift a quarantine newer than the snapshot this activation read and found readable.
+    Its generation is the one the undecodable snapshot's header named; the store holds an
+    older one now (a backup restored from before it), so that snapshot is gone and the
+    quarantine describes nothing. "No newer" guards a state against a late holder of an
+    older snapshot, which this is not: the lease was ours until the entry was read (the
+    release that followed it in the pipeline held), so no holder recorded anything since
+    our read; and the store's header, read now, still names the generation we read, so it
+    was not spoiled again since (a holder after us that finds it so records its own
+    quarantine). Over a QUARANTINED only, as the operator's retry lifts it: a state
+    recorded meanwhile stands, and only at the generation the entry read
+    (``quarantined_at``): a quarantine recorded since at a newer one stays. The window
+    left, between this header read and the lift, needs the store spoiled again and a
+    holder after us to record it, at the same generation, within it."""
+    try:
+        header = await snapshots.header(lift.session_id)
+    except SnapshotError:
+        return False  # it does not read now: the quarantine may be true again
+    if header.generation != lift.generation:
+        return False  # the store moved on since our read: the next holder judges it
+    return await index.lift_quarantine(
+        tenant=lift.tenant,
+        session_id=lift.session_id,
+        state=lift.state,
+        generation=lift.generation,
+        quarantined_at=entry.generation,
+    )

@@ -219,7 +219,12 @@ class SessionRuntime:
             await heartbeat.stop()
             if release:
                 await let_go(
-                    self.deps.index, heartbeat, session_id, unschedule=ran, lift=unrecorded
+                    self.deps.index,
+                    heartbeat,
+                    session_id,
+                    unschedule=ran,
+                    lift=unrecorded,
+                    snapshots=self.deps.snapshots,
                 )
         assert activation is not None
         return result_of(activation, outcome, requested_at), activation.snap

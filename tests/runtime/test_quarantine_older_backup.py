@@ -1,0 +1,79 @@
+"""An activation that finds a restored older backup readable lifts the quarantine whose
+generation is newer (the undecodable snapshot's), as its retry would have; and not when
+what it read may no longer be what the store holds or the lease was not its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from storage import keys
+from storage.codec import SnapshotCodec
+from tests.runtime.memory_env import MemEnv, memory_env, reset
+from tests.runtime.test_quarantine import AGENTS, corrupt_body
+from torpor.errors import SnapshotCorrupt
+from torpor.lifecycle import SessionState
+from torpor.models import SessionSnapshot
+from torpor.ports import Reason
+from torpor.session import ActivationOutcome
+
+S = SessionState
+
+
+async def older_backup_restored(env: MemEnv) -> tuple[str, SessionSnapshot, int]:
+    """A session set aside at a newer generation than the backup restored since: its id,
+    the backup, the quarantine's generation."""
+    sid = await env.submit("a")
+    backup = await env.load(sid)
+    store, key, index = env.services.store, keys.snapshot(sid), env.services.index
+    old = (await store.get(key)).data
+    newer = backup.model_copy(update={"generation": backup.generation + 2})
+    await store.put(key, SnapshotCodec().encode(newer))
+    await index.record_session(
+        tenant="acme", session_id=sid, state=newer.state, generation=newer.generation
+    )
+    await corrupt_body(env, sid)
+    await env.runtime.activate(sid, reason=Reason.EVENT)
+    assert (await index.session_states([sid]))[sid] is S.QUARANTINED
+    await store.put(key, old)  # restored; the operator's retry died before its lift
+    return sid, backup, newer.generation
+
+
+async def test_the_activation_lifts_a_newer_quarantine_over_a_restored_older_backup() -> None:
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid, backup, _ = await older_backup_restored(env)
+        result = await env.runtime.activate(sid, reason=Reason.EVENT)
+        assert result.outcome is ActivationOutcome.RAN and result.state is S.SUSPENDED
+        assert (await env.services.index.session_states([sid]))[sid] is S.SUSPENDED
+        assert await env.services.index.session_generation(sid) == backup.generation
+
+
+@pytest.mark.parametrize("doubt", ["spoiled-again", "lease-not-ours"])
+async def test_a_newer_quarantine_stands_when_the_read_may_be_stale(
+    doubt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``spoiled-again``: the store's header no longer reads once the activation ends (the
+    quarantine may be true again). ``lease-not-ours``: the release found the lease another
+    holder's (this one stalled past it unaware), who may have recorded the quarantine."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid, _, quarantined_at = await older_backup_restored(env)
+        index, snapshots = env.services.index, env.services.snapshots
+        if doubt == "spoiled-again":
+
+            async def unreadable(session_id: str) -> Any:
+                raise SnapshotCorrupt(f"header of {session_id} does not decode")
+
+            monkeypatch.setattr(snapshots, "header", unreadable)
+        else:
+
+            async def taken(lease: Any) -> bool:
+                return False
+
+            monkeypatch.setattr(index, "release_lease", taken)
+        result = await env.runtime.activate(sid, reason=Reason.EVENT)
+        assert result.outcome is ActivationOutcome.RAN
+        assert (await index.session_states([sid]))[sid] is S.QUARANTINED
+        assert await index.session_generation(sid) == quarantined_at
