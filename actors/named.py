@@ -29,13 +29,14 @@ makes that call in the same threads, with the same deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import ray
 
-from torpor.errors import ClusterUnavailable
+from torpor.errors import ClusterUnavailable, TorporError
 from torpor.threads import ProcessPool
 
 T = TypeVar("T")
@@ -87,6 +88,26 @@ async def gcs_call(fn: Callable[[], T], what: str, *, timeout_s: float | None = 
             f"{what}: the GCS did not answer within {timeout_s:g} s", timeout_s=timeout_s
         ) from None
     raise error  # out of the ``except``: no carrier in its context
+
+
+@contextlib.contextmanager
+def typed_timeouts(what: str) -> Iterator[None]:
+    """Around the ``gcs_call``s of a path whose callers read errors by their type (an
+    activation's): a ``TimeoutError`` the call raised itself (Ray's ``GetTimeoutError``,
+    a socket's) becomes ``ClusterUnavailable``, retryable (503 with Retry-After at an
+    edge), raised from it: its message and traceback stay, as the cause. Ours, and any
+    other typed error, passes as it is. The GCS did not answer either way; raised bare,
+    Ray's own was an untyped error (a 500 to any edge it reached) where ours was a
+    retryable one, and a dedicated activation read ``GetTimeoutError`` as an actor dying
+    and asked the GCS again, up to ``MAX_ATTEMPTS`` times."""
+    try:
+        yield
+    except TorporError:
+        raise
+    except TimeoutError as exc:
+        raise ClusterUnavailable(
+            f"{what}: the GCS call timed out in Ray: {type(exc).__name__}: {exc}"[:1000]
+        ) from exc
 
 
 async def get_actor(name: str, namespace: str | None, *, timeout_s: float | None = None) -> Any:

@@ -42,7 +42,7 @@ from actors.activation_calls import (
 )
 from actors.admission import Admission
 from actors.config_ref import ConfigRef
-from actors.named import create_named, gcs_call, named_actors
+from actors.named import create_named, gcs_call, named_actors, typed_timeouts
 from actors.pool_hosts import PoolHosts, pool_slot
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from actors.standby import START_TIMEOUT_S, StandbySet
@@ -201,7 +201,8 @@ class RayActivator:
 
     async def _live_sessions(self) -> set[str]:
         prefix = actor_name("")
-        named = await named_actors(self.namespace, prefix)
+        with typed_timeouts("counting the live session actors"):
+            named = await named_actors(self.namespace, prefix)
         return {name.removeprefix(prefix) for name in named} | set(self._adopted)
 
     async def _placement(self, session_id: str, agent: str | None) -> Placement:
@@ -376,21 +377,23 @@ class RayActivator:
         for attempt in range(MAX_ATTEMPTS):
             try:
                 # Off the loop (a lookup, then the name's registration: GCS calls a
-                # replica's webhooks waited behind). Past its deadline the request fails
-                # with ``ClusterUnavailable`` and its timer brings it round; an actor the
-                # GCS makes after that is found by its name then.
-                handle = await create_named(
-                    SessionActor,
-                    self.config,
-                    session_id,
-                    name=actor_name(session_id),
-                    namespace=self.namespace,
-                    get_if_exists=True,
-                    lifetime="detached",
-                    # Spread sessions over the cluster: losing a node then costs a slice
-                    # of the running sessions, not all of them.
-                    scheduling_strategy="SPREAD",
-                )
+                # replica's webhooks waited behind). Past its deadline, ours or Ray's
+                # own, the request fails with ``ClusterUnavailable`` (not retried here:
+                # ``RETRYABLE`` holds ``GetTimeoutError``) and its timer brings it
+                # round; an actor the GCS makes after that is found by its name then.
+                with typed_timeouts(f"making actor {actor_name(session_id)!r}"):
+                    handle = await create_named(
+                        SessionActor,
+                        self.config,
+                        session_id,
+                        name=actor_name(session_id),
+                        namespace=self.namespace,
+                        get_if_exists=True,
+                        lifetime="detached",
+                        # Spread sessions over the cluster: losing a node then costs a
+                        # slice of the running sessions, not all of them.
+                        scheduling_strategy="SPREAD",
+                    )
                 try:
                     # Started first, with the time a process start may take: the answer's
                     # deadline below counted it too, and a burst of starts on a busy node
