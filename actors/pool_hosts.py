@@ -19,7 +19,7 @@ from typing import Any
 
 from actors.activation_calls import ACTIVATE_TIMEOUT_S, MAX_ATTEMPTS, POOLED_BACKOFF, RETRYABLE
 from actors.config_ref import ConfigRef
-from actors.named import create_named
+from actors.named import create_named, typed_timeouts
 from actors.pool import PoolHost, host_name, pool_channel
 from torpor import tracing
 from torpor.errors import ActivationUnavailable
@@ -92,16 +92,19 @@ class PoolHosts:
         return await asyncio.shield(making)
 
     async def _make_host(self, slot: int) -> Any:
-        host = await create_named(
-            PoolHost,
-            self.config,
-            slot,
-            name=host_name(slot),
-            namespace=self.namespace,
-            get_if_exists=True,
-            lifetime="detached",
-            scheduling_strategy="SPREAD",
-        )
+        # Ray's own timeout typed as ours (``typed_timeouts``): a pooled request's caller
+        # reads the same ``ClusterUnavailable`` as a dedicated one's.
+        with typed_timeouts(f"making pool host {host_name(slot)!r}"):
+            host = await create_named(
+                PoolHost,
+                self.config,
+                slot,
+                name=host_name(slot),
+                namespace=self.namespace,
+                get_if_exists=True,
+                lifetime="detached",
+                scheduling_strategy="SPREAD",
+            )
         self._hosts[slot] = host
         return host
 

@@ -16,9 +16,9 @@ import pytest
 import ray
 from ray.exceptions import GetTimeoutError
 
-from actors import ray_activator
+from actors import pool_hosts, ray_activator
 from actors.admission import Admission
-from tests.unit.test_named_creation import Actor, SlowClass, an_activator
+from tests.unit.test_named_creation import Actor, Channel, SlowClass, an_activator
 from torpor.errors import ClusterUnavailable
 from torpor.ports import Reason
 from torpor.problems import problem_for
@@ -78,3 +78,21 @@ async def test_an_admission_check_that_times_out_in_ray_is_retryable(
         await activator.request("s_1", reason=Reason.SUBMIT, agent="")  # dedicated
     assert_typed_retryable(raised, own)
     assert listed == [True]
+
+
+@pytest.mark.parametrize("through_a_channel", [True, False], ids=["channel", "ray-call"])
+@pytest.mark.parametrize("own", ray_timeouts(), ids=type)
+async def test_a_pooled_request_whose_host_make_times_out_in_ray_is_retryable(
+    own: TimeoutError, through_a_channel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def times_out() -> None:
+        raise own
+
+    actor_class = SlowClass(Actor(), until=times_out)
+    monkeypatch.setattr(pool_hosts, "PoolHost", actor_class)
+    activator = an_activator(Channel() if through_a_channel else None)
+    with pytest.raises(ClusterUnavailable) as raised:
+        async with asyncio.timeout(5):
+            await activator.pool_hosts.request("s_1", Reason.EVENT, 0.0)
+    assert_typed_retryable(raised, own)
+    assert actor_class.calls == 1
