@@ -30,6 +30,7 @@ from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.standby import START_TIMEOUT_S
 from actors.wiring import ensure_conditional_writes, open_services
+from torpor.errors import CallTimedOut
 from torpor.ports.services import Services
 from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper
@@ -38,6 +39,9 @@ from torpor.settings import Settings
 log = logging.getLogger(__name__)
 
 NAME = "torpor-reconciler"
+# Opening the services (the store's and the index's clients, tracing, the growth of the
+# descriptor table) blocks its thread: done off the loop, and given this long.
+OPEN_TIMEOUT_S = 30.0
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -46,6 +50,7 @@ class Reconciler:
         self._config = config
         self._settings = config.load()  # here: no secret in the arguments
         self._services: Services | None = None
+        self._opening: asyncio.Future[Services] | None = None  # the open under way
         self._sweeper: Sweeper | None = None
         self._activator: RayActivator | None = None
         self._loop: asyncio.Task[None] | None = None
@@ -67,7 +72,7 @@ class Reconciler:
         async with self._ensuring:
             if self._sweeper is None:
                 if self._services is None:  # kept when what follows fails: opened once
-                    self._services = open_services(self._settings, observer=RayObserver())
+                    self._services = await self._open()
                 # ``made``: its storage check counts the cluster's nodes off the loop
                 # (embedded storage only), with the lookups' deadline. ``ray.nodes()``
                 # blocks until the GCS answers (Ray's deadline: 60 s), and made here on
@@ -81,6 +86,31 @@ class Reconciler:
                 control = SessionService(self._services, activator, background=True)
                 self._sweeper = Sweeper(control)
             return self._sweeper
+
+    async def _open(self) -> Services:
+        """The services, opened in a thread: ``open_services`` blocks (files, sockets,
+        the descriptor table's growth), and opened on the loop it held the sweep and
+        deadline loops and ``status`` for as long. Past ``OPEN_TIMEOUT_S`` this call
+        fails (``CallTimedOut``, retryable: a failed sweep) and the open goes on; the
+        next call waits for that same open instead of starting another beside it (a
+        thread cannot be stopped), and keeps it if it finished meanwhile. One that
+        failed is tried afresh by the next call."""
+        opening = self._opening
+        if opening is None:
+            opening = self._opening = asyncio.ensure_future(
+                asyncio.to_thread(open_services, self._settings, observer=RayObserver())
+            )
+        # ``wait``, not ``wait_for``: it neither cancels the open at the deadline nor
+        # reads a TimeoutError the open raised itself as the deadline passing.
+        done, _ = await asyncio.wait({opening}, timeout=OPEN_TIMEOUT_S)
+        if not done:
+            raise CallTimedOut(
+                f"opening the reconciler's services did not finish within {OPEN_TIMEOUT_S:g} s",
+                timeout_s=OPEN_TIMEOUT_S,
+            )
+        if opening.exception() is not None and self._opening is opening:
+            self._opening = None
+        return opening.result()
 
     async def start(self) -> bool:
         """Start sweeping if not already; True if this call started it. The services
