@@ -24,12 +24,18 @@ Making a named actor is a GCS call too: ``.options(name=..., get_if_exists=True)
 the name up first (``ray.get_actor``), and Ray registers a new actor's name with the GCS
 before ``.remote()`` returns (a taken name is reported there and then). ``create_named``
 makes that call in the same threads, with the same deadline.
+
+Killing an actor is one as well: ``ray.kill`` waits, in its calling thread, for the
+actor's registration with the GCS to finish, and raises Ray's errors. ``kill`` makes it
+in the same threads, with the same deadline, and never raises.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -40,6 +46,8 @@ from torpor.errors import ClusterUnavailable, TorporError
 from torpor.threads import ProcessPool
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # A lookup answers in milliseconds from a GCS that works; this is a GCS failing over or
 # swamped, well before Ray's own 60 s, and soon enough for a caller to try again.
@@ -202,3 +210,30 @@ async def create_named(
         handover.give_up()
         raise
     return handover.taken()
+
+
+def kill_now(handle: Any) -> bool:
+    """``ray.kill(handle, no_restart=True)`` in the calling thread (an ``abandoned`` of
+    ``create_named``'s, in a pool thread): True once Ray took it. An error of Ray's (the
+    actor gone already, a handle of another session, the GCS failing) is logged and
+    False: a kill frees a process or a name, and whoever asked for it goes on either way."""
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:
+        log.warning("killing an actor failed", exc_info=True)
+        return False
+    return True
+
+
+async def kill(handle: Any, what: str, *, timeout_s: float | None = None) -> bool:
+    """``kill_now(handle)`` off the loop, with a deadline (``timeout_s``, default:
+    ``LOOKUP_TIMEOUT_S``): True once Ray took it, False (logged) when it failed or the GCS
+    did not answer in time. Raises neither Ray's errors nor the deadline's: a kill is
+    the clean-up after a failure, and its own error (or a silent GCS) raised in place of
+    that failure's outcome hid it from the caller, untyped. Made on the loop, a GCS slow
+    to confirm an actor's registration stalled every other coroutine of the process."""
+    try:
+        return await gcs_call(functools.partial(kill_now, handle), what, timeout_s=timeout_s)
+    except ClusterUnavailable as exc:
+        log.warning("%s: %s", what, exc)
+        return False

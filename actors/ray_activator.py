@@ -42,7 +42,7 @@ from actors.activation_calls import (
 )
 from actors.admission import Admission
 from actors.config_ref import ConfigRef
-from actors.named import create_named, gcs_call, named_actors, typed_timeouts
+from actors.named import create_named, gcs_call, kill, kill_now, named_actors, typed_timeouts
 from actors.pool_hosts import PoolHosts, pool_slot
 from actors.session_actor import ACCEPTED, SessionActor, actor_name
 from actors.standby import START_TIMEOUT_S, StandbySet
@@ -79,11 +79,6 @@ def check_storage(settings: Settings, nodes: int | None) -> None:
     if nodes is None:
         nodes = alive_nodes() if settings.embedded else 1  # 1: not read for that storage
     check_embedded_allowed(settings, alive_nodes=nodes)
-
-
-def _kill(handle: Any) -> None:
-    with contextlib.suppress(Exception):  # gone already
-        ray.kill(handle, no_restart=True)
 
 
 @dataclass
@@ -234,7 +229,7 @@ class RayActivator:
             # Made after its start was given up (the set closed, or the GCS answered
             # late): nobody knows its random name, and with ``standby_idle_s = 0`` it
             # waited for a session for ever.
-            abandoned=_kill,
+            abandoned=kill_now,
         )
 
     async def _adopt(self, session_id: str, reason: Reason, requested_at: float) -> bool:
@@ -275,7 +270,7 @@ class RayActivator:
                 # gone but not yet declared dead, or a paused process. Killed, so it
                 # cannot wake later and run on beside the next (its lease and the
                 # generation compare-and-swap would stop it, at the cost of its work).
-                ray.kill(running, no_restart=True)
+                await kill(running, f"killing the silent actor running {session_id}")
             if self._adopted.get(session_id) is running:
                 del self._adopted[session_id]
         while (handle := self.standby.take()) is not None:
@@ -290,7 +285,7 @@ class RayActivator:
             except RETRYABLE:
                 continue  # this standby died while it waited: the next one
             except TimeoutError:
-                ray.kill(handle, no_restart=True)
+                await kill(handle, f"killing a silent standby given {session_id}")
                 continue
             if answer == ACCEPTED:
                 self._running(session_id, handle)
@@ -409,8 +404,9 @@ class RayActivator:
                     # An activation request answers at once; silence means the actor's
                     # node is gone but not yet declared dead. Free the name: the session is
                     # safe (its lease and the generation CAS), and the next attempt starts
-                    # afresh.
-                    ray.kill(handle, no_restart=True)
+                    # afresh. Off the loop, and its own failure (logged) is not the
+                    # request's: raised here, it replaced the attempts left, untyped.
+                    await kill(handle, f"killing silent actor {actor_name(session_id)!r}")
                     continue
                 if answer == ACCEPTED:
                     if self.standby is not None:
