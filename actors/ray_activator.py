@@ -369,7 +369,12 @@ class RayActivator:
     async def _dedicated(self, session_id: str, reason: Reason, requested_at: float) -> None:
         if self.standby is not None and await self._adopt(session_id, reason, requested_at):
             return
+        # Why the last attempt failed, for the error raised after it: its own error (the
+        # actor died under the call, or was silent), kept as the cause, or its answer.
+        last: Exception | None = None
+        answer: object = None
         for attempt in range(MAX_ATTEMPTS):
+            last = answer = None
             try:
                 # Off the loop (a lookup, then the name's registration: GCS calls a
                 # replica's webhooks waited behind). Past its deadline, ours or Ray's
@@ -400,7 +405,8 @@ class RayActivator:
                         handle.activate.remote(reason.value, requested_at, tracing.traceparent()),
                         timeout=ACTIVATE_TIMEOUT_S,
                     )
-                except TimeoutError:
+                except TimeoutError as silent:
+                    last = silent
                     # An activation request answers at once; silence means the actor's
                     # node is gone but not yet declared dead. Free the name: the session is
                     # safe (its lease and the generation CAS), and the next attempt starts
@@ -416,10 +422,14 @@ class RayActivator:
                         # per request for nothing.
                         self._running(session_id, handle)
                     return
-            except RETRYABLE:
-                pass  # the actor died between lookup and call: make a new one
+            except RETRYABLE as died:
+                last = died  # the actor died between lookup and call: make a new one
             await asyncio.sleep(DEDICATED_BACKOFF.delay_s(attempt))
-        raise ActivationUnavailable(f"no session actor for {session_id} took the request")
+        answered = f" (the last answered {answer!r})" if last is None else ""
+        raise ActivationUnavailable(
+            f"no session actor for {session_id} took the request in {MAX_ATTEMPTS} attempts"
+            f"{answered}"
+        ) from last
 
     async def warm(self) -> None:
         """Start every pool host and wait until each answers (``PoolHosts.warm``)."""
