@@ -168,6 +168,7 @@ class PoolHosts:
                 self._host_checks[slot] = check
                 check.add_done_callback(functools.partial(self._host_checked_out, slot))
             return
+        last: Exception | None = None  # the last attempt's error: the cause raised after it
         for attempt in range(MAX_ATTEMPTS):
             # A GCS that did not make or find it in time (``ClusterUnavailable``) fails
             # the request, as on the dedicated path: its timer brings it round.
@@ -185,10 +186,13 @@ class PoolHosts:
                     timeout=ACTIVATE_TIMEOUT_S,
                 )
                 return
-            except (*RETRYABLE, TimeoutError):
+            except (*RETRYABLE, TimeoutError) as exc:
+                last = exc
                 self._forget_host(slot, host)  # restarting or silent: look it up again
             await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
-        raise ActivationUnavailable(f"pool host {slot} did not take {session_id}")
+        raise ActivationUnavailable(
+            f"pool host {slot} did not take {session_id} in {MAX_ATTEMPTS} attempts"
+        ) from last
 
     async def close(self) -> None:
         """Stop the checks and the get-or-creates under way."""

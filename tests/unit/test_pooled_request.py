@@ -80,6 +80,36 @@ async def test_a_pool_host_that_never_answers_fails_the_request_in_bounded_time(
     assert [h.activate.calls for h in hosts] == [1, 1, 1]
 
 
+class Unreachable:
+    """A host's ``activate`` whose call fails as Ray finds the host unreachable."""
+
+    def __init__(self) -> None:
+        self.raised: list[ActorUnavailableError] = []
+
+    def remote(self, *_: object) -> asyncio.Future[Any]:
+        self.raised.append(ActorUnavailableError("the host's node is unreachable", None))
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future.set_exception(self.raised[-1])
+        return future
+
+
+async def test_a_request_no_pool_host_took_is_raised_from_why_the_last_did_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Raised without a cause, the log said no host took it, never why."""
+    monkeypatch.setattr(pool_hosts, "MAX_ATTEMPTS", 3)
+    hosts = [Host(None) for _ in range(3)]
+    for host in hosts:
+        host.activate = Unreachable()  # type: ignore[assignment]
+    activator = pooled_activator(hosts)
+    with fixed(0), pytest.raises(ActivationUnavailable) as raised:
+        async with asyncio.timeout(5):
+            await activator.request("s_1", reason=Reason.EVENT)
+    last = hosts[-1].activate.raised  # type: ignore[attr-defined]
+    assert len(last) == 1
+    assert raised.value.__cause__ is last[0], "why it failed is not in the log"
+
+
 class FailingOnce:
     """A host's ``activate``: each call answers only when the test fails or answers it."""
 
