@@ -32,7 +32,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import ray
 from ray.exceptions import (
     ActorDiedError,
     ActorUnavailableError,
@@ -42,6 +41,7 @@ from ray.exceptions import (
 )
 
 from actors import metrics
+from actors.named import kill
 from actors.standby_inheritance import (
     STANDBY_PREFIX,
     Standing,
@@ -171,13 +171,15 @@ class StandbySet:
         finally:
             if handle is not None:  # silent, dead or cancelled (close): free its process
                 self._pending.discard(handle)
-                with contextlib.suppress(Exception):
-                    ray.kill(handle, no_restart=True)
             self._starting -= 1
             self._changed.set()
             if ready and not self._closing:
                 self.refill()  # the next replacement, one at a time (a failed start waits
                 # for the next take or keeping round, not a loop of failing process starts)
+            if handle is not None:
+                # Off the loop, with a deadline (``kill``), and last: the count above is
+                # right even if this wait is cut short (a second cancel).
+                await kill(handle, "killing a standby session actor that did not start")
 
     async def _keep(self, every_s: float) -> None:
         """Tell each ready standby, every ``every_s``, that its holder lives; drop and
@@ -196,6 +198,7 @@ class StandbySet:
     async def _keep_once(self, timeout_s: float) -> None:
         handles = list(self._ready)
         answers = await asyncio.gather(*(self._kept(h, timeout_s) for h in handles))
+        silent: list[Any] = []
         for handle, answer in zip(handles, answers, strict=True):
             if answer or handle not in self._ready:
                 continue  # kept; or taken from this set meanwhile (its adopter's)
@@ -203,11 +206,14 @@ class StandbySet:
             if answer is None:  # no answer: dead, unreachable or stuck; replaced
                 self.lost += 1
                 metrics.inc("standbys", {"event": "lost"})
-                with contextlib.suppress(Exception):
-                    ray.kill(handle, no_restart=True)
+                silent.append(handle)
                 log.warning("a standby session actor stopped answering; replacing it")
             # else it has a session another holder gave it (two incarnations of a holder
             # alive at once both inherited it): it runs that session and goes, untouched.
+        # Off the loop, each with a deadline (``kill``): on it, a GCS slow to take them
+        # held every other coroutine of the holder's process (a replica's webhooks).
+        what = "killing a standby session actor that stopped answering"
+        await asyncio.gather(*(kill(handle, what) for handle in silent))
 
     @staticmethod
     async def _kept(handle: Any, timeout_s: float) -> bool | None:
@@ -335,5 +341,4 @@ async def _retire(handle: Any, timeout_s: float = 5.0) -> None:
         with contextlib.suppress(RayError):
             await asyncio.wait_for(handle.retire.remote(), timeout=timeout_s)
     except TimeoutError:
-        with contextlib.suppress(Exception):
-            ray.kill(handle, no_restart=True)
+        await kill(handle, "killing a standby session actor that did not answer its retire")
