@@ -136,19 +136,23 @@ class PoolHosts:
         if now - self._host_checked.get(slot, 0.0) < HOST_CHECK_S:
             return
         self._host_checked[slot] = now
+        last: Exception | None = None  # the last attempt's error, in the log after it
         for attempt in range(MAX_ATTEMPTS):
             host = None
             try:
                 host = await self._host(slot)  # held while it is called (ray#6265)
                 await asyncio.wait_for(host.listen.remote(), ACTIVATE_TIMEOUT_S)
                 return
-            except (*RETRYABLE, TimeoutError):
+            except (*RETRYABLE, TimeoutError) as exc:
+                last = exc
                 if attempt == 0:
                     log.warning("pool host %s does not answer; looking it up again", slot)
                 if host is not None:
                     self._forget_host(slot, host)
             await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
-        log.error("no pool host %s answers; its requests wait for their timers", slot)
+        log.error(
+            "no pool host %s answers; its requests wait for their timers", slot, exc_info=last
+        )
 
     async def request(self, session_id: str, reason: Reason, requested_at: float) -> None:
         """The session's request sent to its host (``pool_slot``): pushed to the host's

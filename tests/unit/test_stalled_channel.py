@@ -4,6 +4,7 @@ is checked behind it (pure code, no Ray started: the queue and the host are fake
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,6 +14,7 @@ from ray.exceptions import ActorUnavailableError
 from actors import pool_hosts
 from actors.pool_hosts import PoolHosts
 from actors.ray_activator import RayActivator
+from torpor.backoff import fixed
 from torpor.ports import Reason
 from torpor.ports.activation import Wanted
 from torpor.settings import Settings
@@ -127,3 +129,38 @@ async def test_a_host_check_drops_only_the_handle_that_failed_it(
         await check
     assert made == [], "the fresh handle was kept: nothing made or looked up again"
     assert hosts._hosts[0] is fresh
+
+
+class Unreachable:
+    """A host whose every ``listen`` call fails as Ray finds its node unreachable."""
+
+    def __init__(self, raised: list[ActorUnavailableError]) -> None:
+        self.raised = raised
+        self.listen = SimpleNamespace(remote=self._listen)
+
+    def _listen(self) -> asyncio.Future[bool]:
+        self.raised.append(ActorUnavailableError("the host's node is unreachable", None))
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        future.set_exception(self.raised[-1])
+        return future
+
+
+async def test_a_host_check_given_up_logs_why_the_last_attempt_failed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its requests then wait for their timers: the log said no host answered, never
+    why (unreachable, dead, silent, or a GCS that did not find it)."""
+    monkeypatch.setattr(pool_hosts, "MAX_ATTEMPTS", 2)
+    raised: list[ActorUnavailableError] = []
+
+    async def create_named(*_: object, **__: object) -> Unreachable:
+        return Unreachable(raised)
+
+    monkeypatch.setattr(pool_hosts, "create_named", create_named)
+    hosts = PoolHosts(object(), namespace="t", size=1, services=SimpleNamespace(activations=None))
+    with fixed(0), caplog.at_level(logging.ERROR, logger=pool_hosts.__name__):
+        async with asyncio.timeout(5):
+            await hosts._check_host(0)
+    assert len(raised) == 2
+    [given_up] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert given_up.exc_info is not None and given_up.exc_info[1] is raised[-1]
