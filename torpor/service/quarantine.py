@@ -22,7 +22,7 @@ from torpor.lifecycle import SessionState
 from torpor.models import AgentRef, Quarantine, SessionSnapshot
 from torpor.ports import Reason, SessionEntry, TimerKind
 from torpor.ports.services import Services
-from torpor.session.suspend import poll_member
+from torpor.session.suspend import poll_member, schedule_tool_timers
 from torpor.tools import LongRunningTool
 
 
@@ -118,7 +118,7 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
         # dead before the record, the index still says QUARANTINED, and the activation
         # that finds the snapshot reads lifts it (``torpor.session.release.let_go``).
         if not poison:
-            await _arm_polls(control.services, snapshot)
+            await _arm_timers(control.services, snapshot)
         await control.arm_wake(session_id)
         crash_point(CrashPoint.QUARANTINE_RETRY_ARMED)
         # Over the QUARANTINED only, of any generation: it carries the generation the
@@ -160,24 +160,30 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
     return snapshot
 
 
-async def _arm_polls(services: Services, snapshot: SessionSnapshot) -> None:
-    """The poll timers of a restored snapshot's waits, before anything else the retry
-    does (a retry killed later leaves them armed). The sweep drops the poll timer of a
-    session set aside because its snapshot did not decode (``Sweeper._poll``), and
-    nothing else puts it back but the periodic full repair, up to an hour on. Moved to
-    now if due later (``keep_earlier``): a sweep that leased it before the restore drops
-    it only if it is still where its lease left it."""
+async def _arm_timers(services: Services, snapshot: SessionSnapshot) -> None:
+    """The poll and tool timers (a reminder, an escalation) of a restored snapshot's
+    waits, before anything else the retry does (a retry killed later leaves them armed).
+    The sweep drops those of a session set aside because its snapshot did not decode
+    (``Sweeper._drop_set_aside``), and nothing else puts them back but the periodic full
+    repair, up to an hour on, and that one not a tool timer whose time has passed. Moved
+    earlier if due later (``keep_earlier``): a sweep that leased one before the restore
+    drops it only if it is still where its lease left it. A tool timer that had fired
+    before the session was set aside fires again and delivers nothing: its event is
+    created once, by its name (``Sweeper._tool_timer``)."""
     try:
         tools = services.plugins.agent(snapshot.agent.name).tools
     except PluginNotFound:
         return
-    now = services.clock.now()
+    now, index = services.clock.now(), services.index
     for wait in snapshot.waits:
         tool = tools.get(wait.tool_name)
-        if isinstance(tool, LongRunningTool) and tool.can_poll:
-            await services.index.schedule(
+        if not isinstance(tool, LongRunningTool):
+            continue
+        if tool.can_poll:
+            await index.schedule(
                 kind=TimerKind.POLL,
                 member=poll_member(snapshot.session_id, wait.correlation_id),
                 at=max(now, wait.overdue_after),
                 keep_earlier=True,
             )
+        await schedule_tool_timers(index, snapshot.session_id, wait, tool, keep_earlier=True)

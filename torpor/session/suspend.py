@@ -82,16 +82,26 @@ async def schedule_tool_timers(
     tool: LongRunningTool,
     *,
     if_absent: bool = False,
+    keep_earlier: bool = False,
     after: datetime | None = None,
 ) -> None:
     """The wait's tool timers; with ``if_absent`` each only where it is missing (repair:
-    one that exists may be leased, a taker at work on it); with ``after`` only those
-    due later (most earlier ones fired and were removed: put back, each fires again)."""
+    one that exists may be leased, a taker at work on it); with ``keep_earlier`` one that
+    exists is moved to its time only if that is earlier (the operator's retry: one leased
+    by a sweep is due again, and that sweep's ``if_at`` removal leaves it); with ``after``
+    only those due later (most earlier ones fired and were removed: put back, each fires
+    again)."""
     for timer in tool.timers(wait):
         if after is not None and timer.at <= after:
             continue
         member = tool_timer_member(session_id, wait.correlation_id, timer.name)
-        await index.schedule(kind=TimerKind.TOOL, member=member, at=timer.at, if_absent=if_absent)
+        await index.schedule(
+            kind=TimerKind.TOOL,
+            member=member,
+            at=timer.at,
+            if_absent=if_absent,
+            keep_earlier=keep_earlier,
+        )
 
 
 def poll_member(session_id: str, correlation_id: str) -> str:
