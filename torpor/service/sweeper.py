@@ -370,16 +370,8 @@ class Sweeper:
             await index.unschedule(kind=TimerKind.POLL, member=member)
             return
         except SnapshotCorrupt:
-            if not await self._set_aside(session_id):
+            if not await self._drop_set_aside(TimerKind.POLL, member, session_id, until):
                 raise  # not set aside yet: named in the report, and due again
-            # Set aside for an operator (its activation found it undecodable and said so):
-            # no activation runs it, so the entry came back after every lease, an error
-            # logged each time, for as long as nobody restored it. Dropped once, and put
-            # back by the operator's retry once the snapshot reads (``quarantine.retry``).
-            # Only if still leased by this sweep (``if_at``): a retry that re-armed it
-            # meanwhile moved it, and its entry stays.
-            await index.unschedule(kind=TimerKind.POLL, member=member, if_at=until)
-            log.warning("poll %s dropped: its session is set aside, undecodable", member)
             return
         wait = snapshot.wait_for(correlation_id)
         tool = self._tool(snapshot, wait.tool_name if wait else "")
@@ -437,7 +429,8 @@ class Sweeper:
             # One at a time, each on its own: a snapshot that cannot be read (damaged, or
             # a newer torpor's mid-upgrade) raised out of the loop at its member, and
             # every timer after it, leased already, was never delivered, at every sweep.
-            # It stays leased, and comes back after the lease as any unconfirmed one.
+            # It stays leased, and comes back after the lease as any unconfirmed one;
+            # unless its session is set aside undecodable (``_drop_set_aside``).
             try:
                 await self._tool_timer(member, now, until)
             except Exception as exc:
@@ -455,6 +448,10 @@ class Sweeper:
             snapshot = await self.services.snapshots.load_waiting(session_id)
         except SessionNotFound:
             snapshot = None
+        except SnapshotCorrupt:
+            if not await self._drop_set_aside(TimerKind.TOOL, member, session_id, until):
+                raise  # not set aside yet: named in the report, and due again
+            return
         wait = snapshot.wait_for(correlation_id) if snapshot is not None else None
         if snapshot is not None and wait is not None and not snapshot.terminal and name:
             await self.sessions.deliver(
@@ -471,10 +468,23 @@ class Sweeper:
             )
         await index.unschedule(kind=TimerKind.TOOL, member=member, if_at=until)
 
-    async def _set_aside(self, session_id: str) -> bool:
-        """Whether the registry holds the session QUARANTINED."""
+    async def _drop_set_aside(
+        self, kind: TimerKind, member: str, session_id: str, until: datetime
+    ) -> bool:
+        """Drop the leased timer ``member`` of a session whose snapshot does not decode,
+        if the registry holds it QUARANTINED; whether it did. Set aside for an operator
+        (its activation found it undecodable and said so), no activation runs it: the
+        entry came back after every lease, an error logged each time, for as long as
+        nobody restored it. Dropped once, with one warning, and put back by the
+        operator's retry once the snapshot reads (``quarantine.retry``). Only if still
+        leased by this sweep (``if_at``): a retry that re-armed it meanwhile moved it,
+        and its entry stays."""
         states = await self.services.index.session_states([session_id])
-        return states.get(session_id) is SessionState.QUARANTINED
+        if states.get(session_id) is not SessionState.QUARANTINED:
+            return False
+        await self.services.index.unschedule(kind=kind, member=member, if_at=until)
+        log.warning("%s timer %s dropped: its session is set aside, undecodable", kind, member)
+        return True
 
     def _tool(self, snapshot: WaitingSession, name: str) -> LongRunningTool | None:
         try:
