@@ -1,8 +1,9 @@
 """kill -9 of the process taking an operator's retry of a session quarantined because its
 snapshot does not decode (``torpor.service.quarantine.retry``).
 
-The retry arms the session's wake timer, puts the state the snapshot holds back in the
-index's registry, and asks for an activation. A real child process (``local_env``: the
+The retry arms a restored snapshot's wait timers (a sweep dropped them while the session
+was set aside) and the session's wake timer, puts the state the snapshot holds back in
+the index's registry, and asks for an activation. A real child process (``local_env``: the
 local folder store and the test Redis) takes the retry and dies by SIGKILL after the
 timer (``quarantine.retry_armed``) or after the registry's record
 (``quarantine.retry_recorded``): no activation is ever asked. The reconciler, running
@@ -27,8 +28,10 @@ from torpor.faults import CrashPoint
 from torpor.lifecycle import SessionState
 from torpor.ports import Reason, TimerKind
 from torpor.service.sweeper import Sweeper, SweepReport
+from torpor.session.suspend import poll_member
 
 pytestmark = pytest.mark.redis
+FAR = timedelta(days=365)
 
 RETRY_IN_CHILD = """
 import asyncio, sys
@@ -87,8 +90,12 @@ async def test_a_poison_retry_killed_before_its_activation_is_woken_once_by_the_
         assert [e.split(":")[0] for e in first.errors] == [f"repair {sid}"], "unreadable"
         index = env.services.index
         assert (await index.session_states([sid]))[sid] is SessionState.QUARANTINED
+        [wait] = SnapshotCodec().decode(good).waits
+        poll = poll_member(sid, wait.correlation_id)
         if restored:  # the operator restored the object, then retried
             await env.services.store.put(keys.snapshot(sid), good)
+            # As a sweep drops it while the session is set aside (``_drop_set_aside``).
+            await index.unschedule(kind=TimerKind.POLL, member=poll)
         now = env.clock.now().isoformat()
         run_killed_at(point, RETRY_IN_CHILD, str(tmp_path), redis_url, redis_prefix, sid, now)
 
@@ -98,6 +105,8 @@ async def test_a_poison_retry_killed_before_its_activation_is_woken_once_by_the_
         grace = timedelta(seconds=env.services.settings.reconciler.wake_grace_s)
         later = env.clock.now() + 2 * grace
         assert sid in await index.due(kind=TimerKind.WAKE, now=later, limit=10), "armed"
+        if restored:  # the wait's timers are armed before the wake-up, the first kill point
+            assert poll in await index.due(kind=TimerKind.POLL, now=later + FAR, limit=10)
 
         assert await wakes(env, sweeper) == 1
         after = SessionState.SUSPENDED if restored else SessionState.QUARANTINED
