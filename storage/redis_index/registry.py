@@ -256,11 +256,18 @@ class RedisSessionRegistry(RedisConnection):
 
     @translate
     async def session_entry(self, session_id: str) -> SessionEntry | None:
-        value = await self._redis.hget(self.keys.session_state, session_id)
+        value = opt_text(await self._redis.hget(self.keys.session_state, session_id))
         if not value:
             return None
-        state, _, rest = text(value).partition("|")
-        tenant, _, generation = rest.rpartition("|")  # "" from an older torpor's entry
+        state, _, rest = value.partition("|")
+        generation = rest.rpartition("|")[2]
+        # An older torpor's entry names no tenant: the one whose listing holds the session,
+        # as ``record_poison`` finds it. Read as "", the stand-in of a session whose header
+        # does not read (``quarantine.stand_in``) named tenant "", and its tenant's GET
+        # answered 404 until a record rewrote the entry. The entry is not rewritten here:
+        # named, a record would skip tenant ""'s sets (``_WRITE``) and leave a ghost an
+        # older torpor's poison quarantine put there; any record rewrites it whole.
+        tenant = await self._tenant_of(session_id, value)
         return SessionEntry(tenant, SessionState(state), int(generation))
 
     @translate

@@ -1150,6 +1150,26 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
             page = await redis_index.list_sessions(tenant=tenant, state=state, cursor=None, limit=5)
             assert page.session_ids == listed, (tenant, state)
 
+    async def test_an_older_torpors_entry_reads_under_the_tenant_whose_listing_holds_it(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """An older torpor wrote "state|generation" (no tenant) and listed the session
+        under its tenant (and, its own poison quarantine, under "" too): the entry reads
+        under the tenant whose listing holds it, not "" (the stand-in of a session whose
+        header does not read is built from it: its tenant's GET answered 404). The read
+        leaves the value as it was (``session_entry`` says why)."""
+        s, keys, r = SessionState, redis_index.keys, redis_index._redis
+        await r.hset(keys.session_state, "s_o", "QUARANTINED|0")
+        for tenant, state in (("a:b", s.SUSPENDED), ("", s.QUARANTINED)):
+            for key in (keys.sessions(tenant, None), keys.sessions(tenant, state)):
+                await r.zadd(key, {"s_o": 0})
+        await redis_index.record_session(  # another tenant's session, another listing
+            tenant="beta", session_id="s_b", state=s.SUSPENDED, generation=1
+        )
+        assert await redis_index.session_entry("s_o") == SessionEntry("a:b", s.QUARANTINED, 0)
+        assert await r.hget(keys.session_state, "s_o") == "QUARANTINED|0"
+        assert await redis_index.session_entry("s_b") == SessionEntry("beta", s.SUSPENDED, 1)
+
     async def test_a_poison_quarantine_is_written_over_the_entry_it_looked_at_only(
         self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
     ) -> None:
