@@ -15,8 +15,10 @@ class MemorySessionRegistry:
         self, *, tenant: str, session_id: str, state: SessionState, generation: int
     ) -> None:
         current = self._sessions.get(session_id)
-        if current is not None and current[2] > generation:
-            return  # last generation wins: a late repair never puts an old state back
+        if current is not None:
+            if current[2] > generation:
+                return  # last generation wins: a late repair never puts an old state back
+            tenant = tenant or current[0]  # "" (not known to the caller) keeps the one held
         self._sessions[session_id] = (tenant, state, generation)
 
     async def lift_quarantine(

@@ -48,10 +48,18 @@ for i = 6, #ARGV do
 end
 """
 _WRITTEN = _WRITE + "return 1\n"
+# Under a tenant the caller did not know but looked up (``_under_tenant_held``), only
+# over the entry it looked at (ARGV[5], "=" and the value, "=" alone for none; "" when
+# the caller named the tenant): a record since may name another, and the look is made
+# again (-1).
+_AS_LOOKED = """
+if ARGV[5] ~= '' and ARGV[5] ~= '=' .. (cur or '') then return -1 end
+"""
 # The registry is last-generation-wins: a repair that read an old header while the
 # session moved on must not put the old state back.
 _RECORD = (
     _CURRENT
+    + _AS_LOOKED
     + """
 if gen and gen > tonumber(ARGV[2]) then return 0 end
 """
@@ -84,24 +92,22 @@ if gen ~= tonumber(ARGV[5]) then return 0 end
     + _WRITTEN
 )
 # A poison quarantine (``SessionRegistry.record_poison``): over any state, never back in
-# generation; it returns the generation it wrote. Under a tenant the caller did not know
-# but looked up (``_listed_under``), only over the entry it looked at (ARGV[5], "=" and
-# the value, "=" alone for none; "" when the caller named the tenant): a record since
-# may name another, and the look is made again (-1).
+# generation; it returns the generation it wrote.
 _POISON = (
     _CURRENT
+    + _AS_LOOKED
     + """
-if ARGV[5] ~= '' and ARGV[5] ~= '=' .. (cur or '') then return -1 end
 if gen and gen > tonumber(ARGV[2]) then at = string.match(cur, '|(%d+)$') end
 """
     + _WRITE
     + "return tonumber(at)\n"
 )
 
-# A poison quarantine under a tenant looked up (``record_poison``) is written only over the
-# entry looked at; a session recorded this often meanwhile is not one whose snapshot is
-# lost, and is left to its next activation.
-_POISON_LOOKS = 5
+# A record under a tenant looked up (``_under_tenant_held``) is written only over the entry
+# looked at; a session recorded this often meanwhile is being recorded by callers that
+# know its tenant (for a poison quarantine: it is not one whose snapshot is lost, and is
+# left to its next activation).
+_LOOKS = 5
 
 
 class RedisSessionRegistry(RedisConnection):
@@ -109,7 +115,10 @@ class RedisSessionRegistry(RedisConnection):
     async def record_session(
         self, *, tenant: str, session_id: str, state: SessionState, generation: int
     ) -> None:
-        await self._record_state(_RECORD, tenant, session_id, state, generation)
+        if tenant:
+            await self._record_state(_RECORD, tenant, session_id, state, generation)
+        else:  # the entry's tenant is never lost (``SessionRegistry.record_session``)
+            await self._under_tenant_held(_RECORD, session_id, state, generation)
 
     @translate
     async def lift_quarantine(
@@ -141,14 +150,21 @@ class RedisSessionRegistry(RedisConnection):
         # Tenant "": the caller's header did not read and the entry it read named none.
         # Recorded under "", an entry an older torpor wrote ("state|generation", no
         # tenant) left the session listed under its real tenant in its old state, and
-        # its tenant's GET and retry found a quarantine under "": 404. So the tenant is
-        # the one the entry names, else the one whose listing holds the session; the
-        # write is made only over the entry looked at (a compare-and-set in ``_POISON``).
-        for _ in range(_POISON_LOOKS):
+        # its tenant's GET and retry found a quarantine under "": 404.
+        return await self._under_tenant_held(_POISON, session_id, aside, generation)
+
+    async def _under_tenant_held(
+        self, script: str, session_id: str, state: SessionState, generation: int
+    ) -> int:
+        """``script`` (``_RECORD``, ``_POISON``) for a caller that does not know the tenant:
+        under the one the entry names, else the one whose listing holds the session
+        (``_tenant_of``), "" if none does. Written only over the entry looked at (a
+        compare-and-set, ``_AS_LOOKED``): a record in between sends it round again."""
+        for _ in range(_LOOKS):
             value = opt_text(await self._redis.hget(self.keys.session_state, session_id))
             found = await self._tenant_of(session_id, value)
             written = await self._record_state(
-                _POISON, found, session_id, aside, generation, "=" + (value or "")
+                script, found, session_id, state, generation, "=" + (value or "")
             )
             if written >= 0:
                 return written

@@ -835,6 +835,27 @@ class IndexContract:
         page = await index.list_sessions(tenant="", state=None, cursor=None, limit=5)
         assert page.session_ids == []
 
+    async def test_a_record_under_no_tenant_keeps_the_tenant_held(self, index: Index) -> None:
+        """A caller that does not know the tenant ("") records the state over an entry that
+        has one: the entry keeps its tenant and the session stays listed under it, in the
+        state recorded; nothing is listed under "". A session with no entry is recorded
+        under "" (nothing held names another)."""
+        s = SessionState
+        await index.record_session(tenant="acme", session_id="s_k", state=s.SUSPENDED, generation=5)
+        await index.record_session(tenant="", session_id="s_k", state=s.RUNNING, generation=6)
+        assert await index.session_entry("s_k") == SessionEntry("acme", s.RUNNING, 6)
+        await index.record_session(tenant="", session_id="s_n", state=s.SUSPENDED, generation=1)
+        assert await index.session_entry("s_n") == SessionEntry("", s.SUSPENDED, 1)
+        for tenant, state, listed in (
+            ("acme", s.RUNNING, ["s_k"]),
+            ("acme", s.SUSPENDED, []),
+            ("acme", None, ["s_k"]),
+            ("", None, ["s_n"]),
+            ("", s.RUNNING, []),
+        ):
+            page = await index.list_sessions(tenant=tenant, state=state, cursor=None, limit=5)
+            assert page.session_ids == listed, (tenant, state)
+
     async def test_a_poison_quarantine_under_no_tenant_keeps_the_tenant_held(
         self, index: Index
     ) -> None:
@@ -1170,6 +1191,26 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         assert await r.hget(keys.session_state, "s_o") == "QUARANTINED|0"
         assert await redis_index.session_entry("s_b") == SessionEntry("beta", s.SUSPENDED, 1)
 
+    async def test_a_record_under_no_tenant_over_an_older_torpors_entry_stays_under_its_tenant(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """A record under "" over an older torpor's entry ("state|generation", no tenant)
+        is made under the tenant whose listing holds the session, as a poison quarantine's
+        is: the entry names it from then on, and nothing is listed under ""."""
+        s, keys, r = SessionState, redis_index.keys, redis_index._redis
+        await r.hset(keys.session_state, "s_o", "SUSPENDED|5")
+        for key in (keys.sessions("a:b", None), keys.sessions("a:b", s.SUSPENDED)):
+            await r.zadd(key, {"s_o": 0})
+        await redis_index.record_session(tenant="", session_id="s_o", state=s.RUNNING, generation=6)
+        assert await r.hget(keys.session_state, "s_o") == "RUNNING|a:b|6"
+        for tenant, state, listed in (
+            ("a:b", s.RUNNING, ["s_o"]),
+            ("a:b", s.SUSPENDED, []),
+            ("", None, []),
+        ):
+            page = await redis_index.list_sessions(tenant=tenant, state=state, cursor=None, limit=5)
+            assert page.session_ids == listed, (tenant, state)
+
     async def test_a_poison_quarantine_is_written_over_the_entry_it_looked_at_only(
         self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -1194,6 +1235,35 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         assert await redis_index.record_poison(tenant="", session_id="s_m", generation=0) == 6
         assert looks == ["SUSPENDED|5", "RUNNING|acme|6"]
         assert await redis_index.session_entry("s_m") == SessionEntry("acme", s.QUARANTINED, 6)
+        page = await redis_index.list_sessions(tenant="", state=None, cursor=None, limit=5)
+        assert page.session_ids == []
+
+    async def test_a_record_under_no_tenant_is_written_over_the_entry_it_looked_at_only(
+        self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """As a poison quarantine's: a record under "" made between the look for the
+        tenant and the write (naming one) sends it round to look again, and the state
+        goes under the tenant the entry names then, never under "" over it."""
+        s, keys, r = SessionState, redis_index.keys, redis_index._redis
+        await r.hset(keys.session_state, "s_m", "SUSPENDED|5")
+        look = redis_index._tenant_of
+        looks: list[str | None] = []
+
+        async def raced(session_id: str, value: str | None) -> str:
+            looks.append(value)
+            found = await look(session_id, value)
+            if len(looks) == 1:
+                await redis_index.record_session(
+                    tenant="acme", session_id="s_m", state=s.RUNNING, generation=6
+                )
+            return found
+
+        monkeypatch.setattr(redis_index, "_tenant_of", raced)
+        await redis_index.record_session(
+            tenant="", session_id="s_m", state=s.RESUMING, generation=7
+        )
+        assert looks == ["SUSPENDED|5", "RUNNING|acme|6"]
+        assert await redis_index.session_entry("s_m") == SessionEntry("acme", s.RESUMING, 7)
         page = await redis_index.list_sessions(tenant="", state=None, cursor=None, limit=5)
         assert page.session_ids == []
 

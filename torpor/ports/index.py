@@ -296,7 +296,11 @@ class SessionRegistry(Protocol):
         overwrites a newer one (repair and live commits may race). Listings are newest
         first: session ids begin with their creation time. Recorded (or lifted) under a
         tenant, a session is listed under tenant "" no more: the poison quarantine of a
-        snapshot whose header did not decode either put it there, its tenant unknown."""
+        snapshot whose header did not decode either put it there, its tenant unknown.
+        ``tenant`` "" (not known to the caller) keeps the tenant the registry holds, as
+        ``record_poison`` does: an entry's tenant is never lost, and the session stays
+        listed under it (Redis looks an older torpor's entry, which names no tenant, up
+        in its listings); "" only for an entry that has none."""
         ...
 
     async def lift_quarantine(
