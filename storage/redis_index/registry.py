@@ -111,6 +111,10 @@ _LOOKS = 5
 
 
 class RedisSessionRegistry(RedisConnection):
+    # The tenants whose listings the last SCAN found (``_listed_under``); replaced whole,
+    # never shrunk in place, so a look running meanwhile reads one set or the other.
+    _tenants_found: frozenset[str] = frozenset()
+
     @translate
     async def record_session(
         self, *, tenant: str, session_id: str, state: SessionState, generation: int
@@ -182,33 +186,45 @@ class RedisSessionRegistry(RedisConnection):
 
     async def _listed_under(self, session_id: str) -> str:
         """The tenant (other than "") whose all-sessions set holds ``session_id``, "" if
-        none does. A SCAN of the keyspace, in pages, for every tenant's set: the set names
-        the tenant, and nothing else in the index does for an older torpor's entry. Only
-        a poison quarantine of such an entry, its header unread, looks: once, since its
-        record names the tenant from then on."""
-        candidates = [
-            key
-            for key in texts(
-                [
-                    k
-                    async for k in self._redis.scan_iter(
-                        match=self.keys.every_tenants_sessions, count=1000, _type="zset"
-                    )
-                ]
+        none does: the set names the tenant, and nothing else in the index does for an
+        older torpor's entry. First among the tenants a SCAN found before, one ZSCORE
+        each in one round trip (a session's tenant never changes: a set that holds it
+        is the answer); only when none does, a SCAN of the keyspace for every tenant's
+        set, which they are refreshed from. The SCAN is linear in the keyspace (a fence
+        counter per session ever leased), so a process makes it once, and again only
+        for a session no tenant it knows of lists (a tenant new since, or none)."""
+        known = self._tenants_found
+        held = await self._holder(session_id, known)
+        if held:
+            return held
+        listed = frozenset(
+            tenant
+            for tenant in map(
+                self.keys.tenant_of_sessions,
+                texts(
+                    [
+                        k
+                        async for k in self._redis.scan_iter(
+                            match=self.keys.every_tenants_sessions, count=1000, _type="zset"
+                        )
+                    ]
+                ),
             )
-            if self.keys.tenant_of_sessions(key)
-        ]
-        if not candidates:
-            return ""
-        pipe = self._redis.pipeline(transaction=False)
-        for key in candidates:
-            pipe.zscore(key, session_id)
-        scores = await pipe.execute()
-        holders = sorted(
-            self.keys.tenant_of_sessions(key)
-            for key, score in zip(candidates, scores, strict=True)
-            if score is not None
+            if tenant
         )
+        self._tenants_found = listed
+        return await self._holder(session_id, listed - known)
+
+    async def _holder(self, session_id: str, tenants: frozenset[str]) -> str:
+        """The first of ``tenants`` whose all-sessions set holds ``session_id``, "" if none."""
+        if not tenants:
+            return ""
+        ordered = sorted(tenants)
+        pipe = self._redis.pipeline(transaction=False)
+        for tenant in ordered:
+            pipe.zscore(self.keys.sessions(tenant, None), session_id)
+        scores = await pipe.execute()
+        holders = [t for t, score in zip(ordered, scores, strict=True) if score is not None]
         return holders[0] if holders else ""  # a session's tenant never changes: one
 
     async def _record_state(

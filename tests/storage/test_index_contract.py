@@ -1211,6 +1211,34 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
             page = await redis_index.list_sessions(tenant=tenant, state=state, cursor=None, limit=5)
             assert page.session_ids == listed, (tenant, state)
 
+    async def test_an_older_torpors_entry_is_looked_for_in_the_tenants_found_before_a_scan(
+        self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The tenants a SCAN of the keyspace found are kept: an older torpor's entry of a
+        tenant found before is looked up in its listing alone, no SCAN; one no tenant
+        found before lists (a tenant new since) makes one, and is found all the same."""
+        keys, r = redis_index.keys, redis_index._redis
+        for sid, tenant in (("s_1", "acme"), ("s_2", "acme"), ("s_3", "beta")):
+            await r.hset(keys.session_state, sid, "SUSPENDED|5")
+            await r.zadd(keys.sessions(tenant, None), {sid: 0})
+        scan = r.scan_iter
+        scans: list[object] = []
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            scans.append(kwargs["match"])
+            return scan(*args, **kwargs)
+
+        monkeypatch.setattr(r, "scan_iter", counted)
+        entry = await redis_index.session_entry("s_1")
+        assert (entry and entry.tenant, len(scans)) == ("acme", 1)
+        for sid, tenant in (("s_2", "acme"), ("s_3", "beta")):
+            entry = await redis_index.session_entry(sid)
+            assert (entry and entry.tenant, len(scans)) == (tenant, 1)
+        await r.hset(keys.session_state, "s_4", "SUSPENDED|5")
+        await r.zadd(keys.sessions("gamma", None), {"s_4": 0})
+        entry = await redis_index.session_entry("s_4")
+        assert (entry and entry.tenant, len(scans)) == ("gamma", 2)
+
     async def test_a_poison_quarantine_is_written_over_the_entry_it_looked_at_only(
         self, redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch
     ) -> None:
