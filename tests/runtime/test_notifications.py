@@ -384,7 +384,15 @@ async def test_a_private_address_at_delivery_is_a_dead_letter_at_once(
         assert dead.attempts == 1 and dead.last_category == "refused_by_policy"
 
 
-_RANDOM_FIELDS = {"delivery_id", "url", "created_at", "next_attempt_at", "delivered_at", "history"}
+_RANDOM_FIELDS = {
+    "delivery_id",
+    "session_id",
+    "url",
+    "created_at",
+    "next_attempt_at",
+    "delivered_at",
+    "history",
+}
 
 
 async def test_tenants_see_a_category_operators_the_detail(
