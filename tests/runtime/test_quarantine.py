@@ -20,7 +20,7 @@ from torpor.errors import OutboxEntryNotSendable, PreconditionFailed, StorageUna
 from torpor.lifecycle import SessionState
 from torpor.models import SCHEMA_VERSION, DispatchStatus, OutboxEntry, OutboxKind
 from torpor.ports import Reason, TimerKind
-from torpor.service import sweeper as sweeper_module
+from torpor.service import sweeper_deadlines, sweeper_timers, sweeper_tools
 from torpor.service.sessions import SessionService
 from torpor.service.sweeper import Sweeper
 from torpor.session import ActivationOutcome
@@ -28,6 +28,9 @@ from torpor.session.activation import Activation
 from torpor.session.heartbeat import Heartbeat
 
 S = SessionState
+# The sweep's modules that read its BATCH, each through its own imported name: a patch of
+# one of them (or of ``torpor.service.sweeper``) leaves the others at 500.
+BATCH_READERS = (sweeper_deadlines, sweeper_timers, sweeper_tools)
 PLAN = {
     "steps": [
         {"id": "approve", "calls": [{"tool": "approve", "args": {"doc": "D-1"}}]},
@@ -431,8 +434,9 @@ async def test_set_aside_sessions_past_their_deadline_hide_no_later_deadline(
     """A set-aside session's due deadline stays first in the SLA set (its waits stay
     bound): a full batch of them (``DEADLINE_BATCH``, ``BATCH``), read first on every
     look, hid every later deadline until their grace ran out, a week later."""
-    monkeypatch.setattr(sweeper_module, "DEADLINE_BATCH", 1)
-    monkeypatch.setattr(sweeper_module, "BATCH", 1)
+    monkeypatch.setattr(sweeper_deadlines, "DEADLINE_BATCH", 1)
+    for module in BATCH_READERS:
+        monkeypatch.setattr(module, "BATCH", 1)
     async with memory_env(PER_DOC) as env:
         reset()
         aside = await env.submit("a", "D-1")
@@ -452,7 +456,8 @@ async def test_set_aside_sessions_past_their_deadline_hide_no_later_deadline(
 async def test_a_full_sweep_is_not_hidden_behind_set_aside_sessions_either(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sweeper_module, "BATCH", 1)
+    for module in BATCH_READERS:
+        monkeypatch.setattr(module, "BATCH", 1)
     async with memory_env(PER_DOC) as env:
         reset()
         aside = await env.submit("a", "D-1")

@@ -39,7 +39,7 @@ async def test_a_set_aside_sessions_poll_is_dropped_once_and_rearmed_by_the_retr
         assert member in await index.due(kind=TimerKind.POLL, now=env.clock.now(), limit=10)
 
         sweeper = Sweeper(env.control)
-        caplog.set_level(logging.WARNING, logger="torpor.service.sweeper")
+        caplog.set_level(logging.WARNING, logger="torpor.service.sweeper_tools")
         polled = []
         for _ in range(3):  # each past the poll's lease: a timer left would be due again
             report = await sweeper.sweep_once()
@@ -48,7 +48,9 @@ async def test_a_set_aside_sessions_poll_is_dropped_once_and_rearmed_by_the_retr
         assert polled == [[], [], []]
         assert await index.due(kind=TimerKind.POLL, now=env.clock.now() + FAR, limit=10) == []
         told = [
-            r for r in caplog.records if r.name == "torpor.service.sweeper" and sid in r.message
+            r
+            for r in caplog.records
+            if r.name == "torpor.service.sweeper_tools" and sid in r.message
         ]
         assert len(told) == 1, [r.message for r in told]
 

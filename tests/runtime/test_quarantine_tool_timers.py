@@ -86,7 +86,7 @@ async def test_a_set_aside_sessions_tool_timer_is_dropped_once_and_rearmed_by_th
         env, sid, member = aside.env, aside.sid, aside.member
         index = env.services.index
         sweeper = Sweeper(env.control)
-        caplog.set_level(logging.WARNING, logger="torpor.service.sweeper")
+        caplog.set_level(logging.WARNING, logger="torpor.service.sweeper_tools")
         failed = []
         for _ in range(3):  # each past the timer's lease: a timer left would be due again
             report = await sweeper.sweep_once()
@@ -95,7 +95,9 @@ async def test_a_set_aside_sessions_tool_timer_is_dropped_once_and_rearmed_by_th
         assert failed == [[], [], []]
         assert await index.due(kind=TimerKind.TOOL, now=env.clock.now() + FAR, limit=10) == []
         told = [
-            r for r in caplog.records if r.name == "torpor.service.sweeper" and sid in r.message
+            r
+            for r in caplog.records
+            if r.name == "torpor.service.sweeper_tools" and sid in r.message
         ]
         assert len(told) == 1, [r.message for r in told]
         assert member in told[0].message
