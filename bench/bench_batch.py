@@ -133,72 +133,69 @@ async def accept_only(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     namespace = f"bb{os.getpid()}"
     documents = [{"doc": f"DOC-{i:05d}", "amount": float(i % 997)} for i in range(args.n)]
     body = json.dumps({"agent": "bench", "documents": documents}).encode()
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = settings_for(Path(tmp), args.placement, args.cap, namespace)
-        services = open_services(settings)
-        control = SessionService(services, RayActivator(services), background=True)
-        batches = BatchService(control)
-        sweeper = Sweeper(control)
+    settings = settings_for(Path(tmp), args.placement, args.cap, namespace)
+    services = open_services(settings)
+    control = SessionService(services, RayActivator(services), background=True)
+    batches = BatchService(control)
+    sweeper = Sweeper(control)
 
-        # -- the 202 ----------------------------------------------------------------------
-        t0 = time.perf_counter()
-        request = BatchCreate.model_validate_json(body)
-        manifest = await batches.accept(
-            tenant="acme", agent=request.agent, documents=request.documents
-        )
-        to_202 = time.perf_counter() - t0
+    # -- the 202 ----------------------------------------------------------------------
+    t0 = time.perf_counter()
+    request = BatchCreate.model_validate_json(body)
+    manifest = await batches.accept(tenant="acme", agent=request.agent, documents=request.documents)
+    to_202 = time.perf_counter() - t0
 
-        # -- fan-out and admission until every session sleeps ------------------------------
-        t0 = time.perf_counter()
-        batches.start_fan_out(manifest.batch_id)
-        ids = manifest.sessions()
-        peak_running = peak_actors = 0
-        fanned_out_s: float | None = None
-        last_print = 0.0
-        sweeping = True
+    # -- fan-out and admission until every session sleeps ------------------------------
+    t0 = time.perf_counter()
+    batches.start_fan_out(manifest.batch_id)
+    ids = manifest.sessions()
+    peak_running = peak_actors = 0
+    fanned_out_s: float | None = None
+    last_print = 0.0
+    sweeping = True
 
-        async def sweep() -> None:
-            while sweeping:
-                await sweeper.sweep_once()
-                await asyncio.sleep(0.2)
+    async def sweep() -> None:
+        while sweeping:
+            await sweeper.sweep_once()
+            await asyncio.sleep(0.2)
 
-        sweeper_task = asyncio.create_task(sweep())
-        while True:
-            states = await services.index.session_states(ids)
-            counts: dict[str, int] = {}
-            for state in states.values():
-                counts[state.value] = counts.get(state.value, 0) + 1
-            peak_running = max(peak_running, counts.get("RUNNING", 0))
-            if args.placement == "dedicated":
-                peak_actors = max(peak_actors, live_session_actors(namespace))
-            if fanned_out_s is None and not batches._fan_outs:
-                fanned_out_s = time.perf_counter() - t0
-            now = time.perf_counter() - t0
-            if now - last_print > 10:
-                last_print = now
-                print(f"  {now:6.0f} s {counts}", flush=True)
-            if counts.get("SUSPENDED", 0) == args.n:
-                break
-            if now > args.timeout_s:
-                raise SystemExit(f"not all suspended after {args.timeout_s} s: {counts}")
-            await asyncio.sleep(0.25)
-        all_suspended = time.perf_counter() - t0
-        sweeping = False
-        await sweeper_task
-        await control.drain()
+    sweeper_task = asyncio.create_task(sweep())
+    while True:
+        states = await services.index.session_states(ids)
+        counts: dict[str, int] = {}
+        for state in states.values():
+            counts[state.value] = counts.get(state.value, 0) + 1
+        peak_running = max(peak_running, counts.get("RUNNING", 0))
+        if args.placement == "dedicated":
+            peak_actors = max(peak_actors, live_session_actors(namespace))
+        if fanned_out_s is None and not batches._fan_outs:
+            fanned_out_s = time.perf_counter() - t0
+        now = time.perf_counter() - t0
+        if now - last_print > 10:
+            last_print = now
+            print(f"  {now:6.0f} s {counts}", flush=True)
+        if counts.get("SUSPENDED", 0) == args.n:
+            break
+        if now > args.timeout_s:
+            raise SystemExit(f"not all suspended after {args.timeout_s} s: {counts}")
+        await asyncio.sleep(0.25)
+    all_suspended = time.perf_counter() - t0
+    sweeping = False
+    await sweeper_task
+    await control.drain()
 
-        # -- footprint --------------------------------------------------------------------
-        r_bytes, r_keys = redis_bytes(settings.storage.redis_prefix)
-        o_bytes, o_files = folder_bytes(LocalObjectStore.objects_in(Path(tmp) / "objects"))
-        await services.close()
-        client = redis.Redis.from_url(REDIS)
-        for key in client.scan_iter(match=settings.storage.redis_prefix + "*", count=2000):
-            client.delete(key)
-        client.close()
+    # -- footprint --------------------------------------------------------------------
+    r_bytes, r_keys = redis_bytes(settings.storage.redis_prefix)
+    o_bytes, o_files = folder_bytes(LocalObjectStore.objects_in(Path(tmp) / "objects"))
+    await services.close()
+    client = redis.Redis.from_url(REDIS)
+    for key in client.scan_iter(match=settings.storage.redis_prefix + "*", count=2000):
+        client.delete(key)
+    client.close()
     return {
         "documents": args.n,
         "placement": args.placement,
@@ -229,16 +226,20 @@ def main() -> None:
     if args.accept_only:
         print(json.dumps(asyncio.run(accept_only(args)), indent=2))
         return
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TORPOR_BENCH_REDIS": REDIS}},
-    )
-    try:
-        result = asyncio.run(run(args))
-    finally:
-        ray.shutdown()
+    # The store's folder outlives Ray: the session actors and pool hosts keep it open
+    # until ``ray.shutdown`` ends them (a store that closes moves its kept files into the
+    # folder), and a folder removed before that raced their last writes into it.
+    with tempfile.TemporaryDirectory() as tmp:
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TORPOR_BENCH_REDIS": REDIS}},
+        )
+        try:
+            result = asyncio.run(run(args, tmp))
+        finally:
+            ray.shutdown()
     print(json.dumps(result, indent=2))
 
 

@@ -125,59 +125,56 @@ async def _dispatched(services: Any, sid: str) -> bool:
     )
 
 
-async def run(sessions: int) -> dict[str, Any]:
+async def run(sessions: int, tmp: str) -> dict[str, Any]:
     r = redis.Redis.from_url(REDIS)
     for key in ("steps:ray", "steps:webhook", "done:ray"):
         r.delete(PREFIX + key)
     namespace = "bench-work-" + os.urandom(3).hex()
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = settings_for(Path(tmp), namespace)
-        services = open_services(settings)
-        control = SessionService(services, RayActivator(services))
-        gateway = WebhookGateway(control)
-        ray_lat: list[float] = []
-        hook_lat: list[float] = []
-        try:
-            for i in range(sessions):
-                # The Ray tool: submit, the work runs and answers by itself.
-                sid = (await control.submit(tenant="acme", agent="ray", input=i)).session_id
-                await until(lambda s=sid: s in stamps(r, PREFIX + "steps:ray"))
-                done = stamps(r, PREFIX + "done:ray")[sid]
-                ray_lat.append(stamps(r, PREFIX + "steps:ray")[sid] - done)
-                # The webhook: submit, wait until suspended, then answer it.
-                sid = (await control.submit(tenant="acme", agent="webhook", input=i)).session_id
+    settings = settings_for(Path(tmp), namespace)
+    services = open_services(settings)
+    control = SessionService(services, RayActivator(services))
+    gateway = WebhookGateway(control)
+    ray_lat: list[float] = []
+    hook_lat: list[float] = []
+    try:
+        for i in range(sessions):
+            # The Ray tool: submit, the work runs and answers by itself.
+            sid = (await control.submit(tenant="acme", agent="ray", input=i)).session_id
+            await until(lambda s=sid: s in stamps(r, PREFIX + "steps:ray"))
+            done = stamps(r, PREFIX + "done:ray")[sid]
+            ray_lat.append(stamps(r, PREFIX + "steps:ray")[sid] - done)
+            # The webhook: submit, wait until suspended, then answer it.
+            sid = (await control.submit(tenant="acme", agent="webhook", input=i)).session_id
 
-                await until_suspended(services, sid)
-                wait = (await services.snapshots.load(sid)).waits[0]
-                raw = json.dumps(
-                    {
-                        "eventId": f"e-{sid}",
-                        "eventType": "work.done",
-                        "correlationId": wait.correlation_id,
-                        "result": {"ok": True},
-                    }
-                ).encode()
-                completed = time.time()
-                headers = {
-                    **sign(Scheme.TORPOR, raw, SECRET, now=services.clock.now()),
-                    "Content-Type": "application/json",
+            await until_suspended(services, sid)
+            wait = (await services.snapshots.load(sid)).waits[0]
+            raw = json.dumps(
+                {
+                    "eventId": f"e-{sid}",
+                    "eventType": "work.done",
+                    "correlationId": wait.correlation_id,
+                    "result": {"ok": True},
                 }
-                answer = await gateway.receive("work", raw, headers, now=services.clock.now())
-                status = answer.status
-                assert status == 202, status
-                await until(lambda s=sid: s in stamps(r, PREFIX + "steps:webhook"))
-                hook_lat.append(stamps(r, PREFIX + "steps:webhook")[sid] - completed)
-                print(
-                    f"{i}: ray {ray_lat[-1]:.3f} s, webhook {hook_lat[-1]:.3f} s", file=sys.stderr
-                )
-        finally:
-            await control.drain()
-            await services.close()
-            # This run's index and step stamps: nothing of it stays in Redis.
-            for key in r.scan_iter(match=f"{PREFIX}{namespace}:*", count=1000):
-                r.delete(key)
-            for key in ("steps:ray", "steps:webhook", "done:ray"):
-                r.delete(PREFIX + key)
+            ).encode()
+            completed = time.time()
+            headers = {
+                **sign(Scheme.TORPOR, raw, SECRET, now=services.clock.now()),
+                "Content-Type": "application/json",
+            }
+            answer = await gateway.receive("work", raw, headers, now=services.clock.now())
+            status = answer.status
+            assert status == 202, status
+            await until(lambda s=sid: s in stamps(r, PREFIX + "steps:webhook"))
+            hook_lat.append(stamps(r, PREFIX + "steps:webhook")[sid] - completed)
+            print(f"{i}: ray {ray_lat[-1]:.3f} s, webhook {hook_lat[-1]:.3f} s", file=sys.stderr)
+    finally:
+        await control.drain()
+        await services.close()
+        # This run's index and step stamps: nothing of it stays in Redis.
+        for key in r.scan_iter(match=f"{PREFIX}{namespace}:*", count=1000):
+            r.delete(key)
+        for key in ("steps:ray", "steps:webhook", "done:ray"):
+            r.delete(PREFIX + key)
 
     def summary(values: list[float]) -> dict[str, float]:
         return {
@@ -197,16 +194,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sessions", type=int, default=40)
     args = parser.parse_args()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TORPOR_BENCH_REDIS": REDIS}},
-    )
-    try:
-        print(json.dumps(asyncio.run(run(args.sessions)), indent=2))
-    finally:
-        ray.shutdown()
+    # The store's folder outlives Ray: the pool hosts and work watchers keep it open until
+    # ``ray.shutdown`` ends them (a store that closes moves its kept files into the
+    # folder), and a folder removed before that raced their last writes into it.
+    with tempfile.TemporaryDirectory() as tmp:
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TORPOR_BENCH_REDIS": REDIS}},
+        )
+        try:
+            result = asyncio.run(run(args.sessions, tmp))
+        finally:
+            ray.shutdown()
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
