@@ -34,6 +34,7 @@ from typing import Any
 
 import ray
 
+from actors import named
 from actors.activation_calls import (
     ACTIVATE_TIMEOUT_S,
     DEDICATED_BACKOFF,
@@ -62,6 +63,16 @@ log = logging.getLogger(__name__)
 
 # How often standbys with no idle time (``standby_idle_s = 0``) are checked for life.
 CHECK_EVERY_S = 30.0
+# The whole of a dedicated activation, every attempt in it: what one attempt is given,
+# a process start on a loaded node and the answer after it. A first attempt that needs
+# all of it is not cut short (a burst of slow starts, each killed before it answered,
+# ran no session at all), and the retries after an actor that died under the call (one
+# that had just decided to exit, ray#44083) take milliseconds each and fit in what is
+# left. Past it the request fails, typed and retryable, and its caller's retry timer
+# brings it round: retrying on inside one request made it last hours (40 attempts of a
+# start, an answer and a kill each) while it held a coalescer's slot or a sweep. The
+# kill of the last silent actor keeps its own deadline after this one (see there).
+DEDICATED_DEADLINE_S = START_TIMEOUT_S + ACTIVATE_TIMEOUT_S
 
 
 def alive_nodes() -> int:
@@ -369,6 +380,8 @@ class RayActivator:
     async def _dedicated(self, session_id: str, reason: Reason, requested_at: float) -> None:
         if self.standby is not None and await self._adopt(session_id, reason, requested_at):
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEDICATED_DEADLINE_S
         # Why the last attempt failed, for the error raised after it: its own error (the
         # actor died under the call, or was silent), kept as the cause, or its answer.
         last: Exception | None = None
@@ -393,17 +406,22 @@ class RayActivator:
                         # Spread sessions over the cluster: losing a node then costs a
                         # slice of the running sessions, not all of them.
                         scheduling_strategy="SPREAD",
+                        timeout_s=min(named.LOOKUP_TIMEOUT_S, deadline - loop.time()),
                     )
                 try:
                     # Started first, with the time a process start may take: the answer's
                     # deadline below counted it too, and a burst of starts on a busy node
                     # (each longer than that) killed every actor before it answered and
                     # made it again: no session ever ran. One that runs answers at once.
-                    await asyncio.wait_for(handle.ready.remote(), timeout=START_TIMEOUT_S)
+                    # Neither wait outlasts the activation's deadline.
+                    await asyncio.wait_for(
+                        handle.ready.remote(),
+                        timeout=min(START_TIMEOUT_S, deadline - loop.time()),
+                    )
                     answer = await asyncio.wait_for(
                         # the caller's trace crosses into the actor as a traceparent
                         handle.activate.remote(reason.value, requested_at, tracing.traceparent()),
-                        timeout=ACTIVATE_TIMEOUT_S,
+                        timeout=min(ACTIVATE_TIMEOUT_S, deadline - loop.time()),
                     )
                 except TimeoutError as silent:
                     last = silent
@@ -412,7 +430,12 @@ class RayActivator:
                     # safe (its lease and the generation CAS), and the next attempt starts
                     # afresh. Off the loop, and its own failure (logged) is not the
                     # request's: raised here, it replaced the attempts left, untyped.
+                    # Its own deadline even past the activation's: a kill cut short left
+                    # the silent actor its name, and the request that the retry timer
+                    # brings round found it again and waited on it again.
                     await kill(handle, f"killing silent actor {actor_name(session_id)!r}")
+                    if loop.time() >= deadline:
+                        break
                     continue
                 if answer == ACCEPTED:
                     if self.standby is not None:
@@ -424,11 +447,14 @@ class RayActivator:
                     return
             except RETRYABLE as died:
                 last = died  # the actor died between lookup and call: make a new one
-            await asyncio.sleep(DEDICATED_BACKOFF.delay_s(attempt))
+            pause = DEDICATED_BACKOFF.delay_s(attempt)
+            if loop.time() + pause >= deadline:
+                break  # no time for another attempt: the caller's retry timer makes it
+            await asyncio.sleep(pause)
         answered = f" (the last answered {answer!r})" if last is None else ""
         raise ActivationUnavailable(
-            f"no session actor for {session_id} took the request in {MAX_ATTEMPTS} attempts"
-            f"{answered}"
+            f"no session actor for {session_id} took the request in {attempt + 1} attempts"
+            f" ({DEDICATED_DEADLINE_S:g} s at most){answered}"
         ) from last
 
     async def warm(self) -> None:

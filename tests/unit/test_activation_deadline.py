@@ -1,0 +1,88 @@
+"""A dedicated activation has one deadline for all its attempts (``DEDICATED_DEADLINE_S``):
+past it the request fails with ``ActivationUnavailable`` (typed, retryable: its timer
+brings it round) raised from why its last attempt failed, and no attempt's wait outlasts
+it. Without it, actors that never answered were waited on ``MAX_ATTEMPTS`` times, a start
+and an answer each: hours, holding a coalescer's slot or a sweep. No Ray is started: the
+actor class is replaced, at the module boundary, by one that makes fake actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import ray
+
+from actors import ray_activator
+from actors.activation_calls import MAX_ATTEMPTS
+from tests.unit.test_activation_exhausted import Dying
+from tests.unit.test_activation_kills import SilentActor
+from tests.unit.test_named_creation import Actor, SlowClass, an_activator
+from torpor.errors import ActivationUnavailable
+from torpor.ports import Reason
+
+DEADLINE_S = 0.3
+
+
+@pytest.fixture(autouse=True)
+def short_deadline(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The activation's deadline is ``DEADLINE_S``; every kill is taken (and counted)."""
+    monkeypatch.setattr(ray_activator, "DEDICATED_DEADLINE_S", DEADLINE_S)
+    killed: list[Any] = []
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle))
+    return killed
+
+
+async def given_up(actor: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Exception, float]:
+    """The error a dedicated activation whose every actor is ``actor`` ends with, and how
+    long it took to."""
+    monkeypatch.setattr(ray_activator, "SessionActor", SlowClass(actor, until=lambda: None))
+    started = time.monotonic()
+    with pytest.raises(ActivationUnavailable) as raised:
+        async with asyncio.timeout(5):
+            await an_activator()._dedicated("s_1", Reason.SUBMIT, 0.0)
+    assert raised.value.retryable
+    return raised.value, time.monotonic() - started
+
+
+async def test_silent_actors_are_tried_until_the_deadline_not_max_attempts_times(
+    short_deadline: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each attempt's actor is silent for its whole start time: the activation stops at
+    its deadline, after a few attempts, each actor killed."""
+    monkeypatch.setattr(ray_activator, "START_TIMEOUT_S", 0.05)
+    actor = SilentActor()
+    error, took = await given_up(actor, monkeypatch)
+    assert isinstance(error.__cause__, TimeoutError), "why it failed is not in the log"
+    assert actor.ready.calls <= DEADLINE_S / 0.05 + 1 < MAX_ATTEMPTS, (
+        f"{actor.ready.calls} attempts: the activation ran past its deadline"
+    )
+    assert short_deadline == [actor] * actor.ready.calls, "a silent actor was left its name"
+    assert took < DEADLINE_S + 1.0
+
+
+async def test_an_attempt_waits_for_its_actor_no_longer_than_the_deadline_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A start is given ``START_TIMEOUT_S`` (600 s) of its own, but not past the
+    activation's deadline."""
+    actor = SilentActor()
+    error, took = await given_up(actor, monkeypatch)
+    assert isinstance(error.__cause__, TimeoutError)
+    assert actor.ready.calls == 1
+    assert took < DEADLINE_S + 1.0, f"the actor's start was waited on {took:.2f} s"
+
+
+async def test_actors_dying_under_every_call_are_retried_until_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every attempt fails at once (the actor died under the call): the retries back off,
+    and stop at the deadline, raised from the last death."""
+    actor = Actor()
+    actor.ready = Dying()  # type: ignore[assignment]
+    error, took = await given_up(actor, monkeypatch)
+    assert 1 < len(actor.ready.raised) < MAX_ATTEMPTS
+    assert error.__cause__ is actor.ready.raised[-1], "why it failed is not in the log"
+    assert took < DEADLINE_S + 1.0
