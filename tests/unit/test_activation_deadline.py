@@ -80,9 +80,9 @@ async def test_actors_dying_under_every_call_are_retried_until_the_deadline(
 ) -> None:
     """Every attempt fails at once (the actor died under the call): the retries back off,
     and stop at the deadline, raised from the last death."""
-    actor = Actor()
-    actor.ready = Dying()  # type: ignore[assignment]
+    actor, dying = Actor(), Dying()
+    actor.ready = dying  # type: ignore[assignment]
     error, took = await given_up(actor, monkeypatch)
-    assert 1 < len(actor.ready.raised) < MAX_ATTEMPTS
-    assert error.__cause__ is actor.ready.raised[-1], "why it failed is not in the log"
+    assert 1 < len(dying.raised) < MAX_ATTEMPTS
+    assert error.__cause__ is dying.raised[-1], "why it failed is not in the log"
     assert took < DEADLINE_S + 1.0
