@@ -107,7 +107,10 @@ class Ingress:
         # Read here, in the replica: Serve persists constructor arguments (config_ref).
         self.settings = settings = config.load()
         self.services = open_services(settings, observer=RayObserver())
-        self.activator = activator = RayActivator(self.services, config)
+        # ``made``: embedded storage's check counts the cluster's nodes, a GCS call made
+        # off this loop with the lookups' deadline (Ray's own is 60 s), as for every
+        # other activator made on a loop.
+        self.activator = activator = await RayActivator.made(self.services, config)
         activator.start_standbys()
         self.control = SessionService(self.services, activator, background=True)
         self.batches = BatchService(self.control)

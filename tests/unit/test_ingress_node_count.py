@@ -1,0 +1,98 @@
+"""A Serve replica's ingress counts the cluster's nodes off its event loop (no Ray or
+Serve started: the deployment's own class is made here, ``ray.nodes`` is replaced, at
+the module boundary, by a slow one, and what the ingress builds around its activator
+is stand-ins).
+
+The ingress makes its activator in its async constructor, whose storage check counts
+the live nodes (embedded storage only) with ``ray.nodes()``: a GCS call that blocks its
+thread until the GCS answers (Ray's deadline: 60 s), and the replica's loop with it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import ray
+
+import serve_app
+from actors.config_ref import ConfigRef
+from tests.unit.test_delivery_node_count import CLUSTER_STORAGE, SlowNodes
+from tests.unit.test_named_lookups import SLOW_S, longest_stall
+from torpor.errors import EmbeddedBackendOnCluster
+from torpor.settings import Settings
+
+
+class StandIn:
+    """Whatever the ingress builds around its activator: takes its arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+
+async def nothing(*args: Any) -> None:
+    return None
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, alive: int = 1) -> SlowNodes:
+    """``ray.nodes`` answers after ``SLOW_S``; the ingress's services and what it builds
+    on them are stand-ins."""
+    slow = SlowNodes(alive)
+    monkeypatch.setattr(ray, "nodes", slow)
+    monkeypatch.setattr(
+        serve_app, "open_services", lambda settings, observer: SimpleNamespace(settings=settings)
+    )
+    monkeypatch.setattr(serve_app, "RayObserver", lambda: None)
+    for name in ("SessionService", "BatchService", "WebhookGateway", "SessionStreams"):
+        monkeypatch.setattr(serve_app, name, StandIn)
+    monkeypatch.setattr(serve_app, "DeliveryWorker", StandIn)
+    monkeypatch.setattr(serve_app, "HOOKS", SimpleNamespace(bind=lambda *a, **k: None))
+    monkeypatch.setattr(serve_app, "CONSOLE", SimpleNamespace(bind=lambda deps: None))
+    monkeypatch.setattr(serve_app, "warm_services", nothing)
+    monkeypatch.setattr(serve_app, "settle_heap", lambda: None)
+    return slow
+
+
+async def an_ingress(settings: Settings) -> Any:
+    """The deployment's own class (not Serve's wrapper), made as Serve makes it."""
+    ingress = serve_app.Ingress.func_or_class.__mro__[1]  # type: ignore[attr-defined]
+
+    class Made(ingress):  # type: ignore[misc,valid-type]
+        def __del__(self) -> None:
+            """Serve's shutdown (async) is not this test's: never left unawaited."""
+
+    made = Made.__new__(Made)
+    await ingress.__init__(made, ConfigRef.of_loaded(settings))
+    return made
+
+
+async def test_the_ingress_counts_the_clusters_nodes_off_its_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slow = counted(monkeypatch)
+    made: list[Any] = []
+
+    async def ingress() -> None:
+        made.append(await an_ingress(Settings()))  # embedded storage
+
+    stall = await longest_stall(ingress)
+    assert slow.calls == 1, "the nodes were not counted: this measured nothing"
+    assert made, "the ingress was not made"
+    assert stall < SLOW_S / 2, f"the loop was held {stall:.2f} s by a {SLOW_S} s GCS call"
+
+
+async def test_the_ingress_on_embedded_storage_in_a_cluster_of_several_nodes_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted off the loop, the check still reads the count."""
+    counted(monkeypatch, alive=3)
+    with pytest.raises(EmbeddedBackendOnCluster):
+        await an_ingress(Settings())
+
+
+async def test_the_ingress_on_shared_storage_asks_the_gcs_for_no_node_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slow = counted(monkeypatch)
+    await an_ingress(Settings(storage=CLUSTER_STORAGE))
+    assert slow.calls == 0
