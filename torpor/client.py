@@ -14,7 +14,8 @@
 
 It connects to Ray (``address="auto"`` when a cluster is running, else a local Ray),
 makes sure the detached reconciler is running, and talks to storage directly, so nothing
-goes through HTTP. ``AsyncClient`` is the same for asyncio code.
+goes through HTTP. ``AsyncClient`` is the same for asyncio code
+(``await AsyncClient.connect(...)`` there: the constructor blocks its caller).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import JsonValue
 
@@ -33,6 +34,10 @@ from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import ErrorInfo, SessionSnapshot
 from torpor.settings import Settings
+
+if TYPE_CHECKING:  # the actors (and Ray) are imported when a client connects
+    from actors.config_ref import ConfigRef
+    from actors.ray_activator import RayActivator
 
 T = TypeVar("T")
 # The key of a document passed by reference, in its session's input.
@@ -98,14 +103,59 @@ class AsyncClient:
         address: str | None = None,
         start_reconciler: bool = True,
     ) -> None:
+        """Connects in the calling thread, and blocks it: ``ray.init``, the count of the
+        cluster's nodes that embedded storage's check makes (``ray.nodes``, a GCS call),
+        and the reconciler's start. A constructor cannot await; from a coroutine,
+        ``await AsyncClient.connect(...)`` makes the last two off the event loop."""
+        from actors.ray_activator import RayActivator
+        from actors.reconciler import ensure_reconciler
+
+        config = self._open(settings, tenant=tenant, address=address)
+        self._use(RayActivator(self._services, config))
+        if start_reconciler:
+            ensure_reconciler(config)
+
+    @classmethod
+    async def connect(
+        cls,
+        settings: Settings | None = None,
+        *,
+        tenant: str = "default",
+        address: str | None = None,
+        start_reconciler: bool = True,
+    ) -> AsyncClient:
+        """As the constructor, for a caller on an event loop: the GCS calls it waits for
+        are made off the loop, each with its deadline (the node count's: the lookups',
+        ``ClusterUnavailable`` past it; the reconciler's start: the time a process start
+        may take). ``ray.init`` stays in the calling thread: Ray sets its SIGTERM handler
+        only when that is the main thread."""
+        from actors.ray_activator import RayActivator
+        from actors.reconciler import ensure_reconciler
+
+        client = cls.__new__(cls)
+        config = client._open(settings, tenant=tenant, address=address)
+        try:
+            activator = await RayActivator.made(client._services, config)
+        except BaseException:
+            await client._services.close()
+            raise
+        client._use(activator)
+        if start_reconciler:
+            try:
+                # Bounded by its own deadlines (``ensure_reconciler``); in asyncio's
+                # threads, not the lookups' pool, which it could hold for minutes.
+                await asyncio.to_thread(ensure_reconciler, config)
+            except BaseException:
+                await client.close()
+                raise
+        return client
+
+    def _open(self, settings: Settings | None, *, tenant: str, address: str | None) -> ConfigRef:
+        """Ray connected and the services open: the ``ConfigRef`` the actors are handed."""
         import ray
 
         from actors.config_ref import ConfigRef
-        from actors.ray_activator import RayActivator
-        from actors.reconciler import ensure_reconciler
         from actors.wiring import open_services
-        from torpor.service.batches import BatchService
-        from torpor.service.sessions import SessionService
 
         # Settings read here from the environment may hold inline secrets: the actors are
         # then pointed at the file to read them themselves (actors/config_ref.py).
@@ -115,11 +165,15 @@ class AsyncClient:
         if not ray.is_initialized():
             ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
         self._services = open_services(self.settings)
-        self._activator = RayActivator(self._services, config)
-        self._control = SessionService(self._services, self._activator)
+        return config
+
+    def _use(self, activator: RayActivator) -> None:
+        from torpor.service.batches import BatchService
+        from torpor.service.sessions import SessionService
+
+        self._activator = activator
+        self._control = SessionService(self._services, activator)
         self._batches = BatchService(self._control)
-        if start_reconciler:
-            ensure_reconciler(config)
 
     async def submit(
         self,
@@ -319,7 +373,7 @@ class Client:
         self._async: AsyncClient = self._call(self._make(settings, kwargs))
 
     async def _make(self, settings: Settings | None, kwargs: dict[str, Any]) -> AsyncClient:
-        return AsyncClient(settings, **kwargs)
+        return await AsyncClient.connect(settings, **kwargs)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)

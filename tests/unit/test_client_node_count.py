@@ -1,0 +1,107 @@
+"""An asyncio client connects with its GCS calls off its caller's event loop (no Ray
+started: ``ray.nodes`` and the reconciler's start are replaced, at the module boundary,
+by slow ones, and the services and what the client builds on them are stand-ins).
+
+The client's activator counts the live nodes for embedded storage's check
+(``ray.nodes()``), and the client makes sure the reconciler runs (a GCS call, then up
+to a process start's time): each blocks its thread. ``AsyncClient(...)`` is a
+constructor and makes them in its caller's thread; ``AsyncClient.connect`` makes them
+off the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import ray
+
+from actors import reconciler, wiring
+from tests.unit.test_delivery_node_count import CLUSTER_STORAGE, SlowNodes
+from tests.unit.test_named_lookups import SLOW_S, longest_stall
+from torpor.client import AsyncClient
+from torpor.errors import EmbeddedBackendOnCluster
+from torpor.service import batches, sessions
+from torpor.settings import Settings
+
+
+class StandIn:
+    """Whatever the client builds on its services: takes its arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+
+class Services:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class Connection:
+    """What a client connecting here met: the node count, its reconciler's starts, and
+    the services it opened."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, alive: int) -> None:
+        self.nodes = SlowNodes(alive)
+        self.started: list[Any] = []
+        self.services: list[Services] = []
+        monkeypatch.setattr(ray, "is_initialized", lambda: True)
+        monkeypatch.setattr(ray, "nodes", self.nodes)
+        monkeypatch.setattr(reconciler, "ensure_reconciler", self.start)
+        monkeypatch.setattr(wiring, "open_services", self.open)
+        monkeypatch.setattr(sessions, "SessionService", StandIn)
+        monkeypatch.setattr(batches, "BatchService", StandIn)
+
+    def start(self, config: Any) -> None:
+        self.started.append(config)
+        time.sleep(SLOW_S)
+
+    def open(self, settings: Settings) -> Services:
+        self.services.append(Services(settings))
+        return self.services[-1]
+
+
+def connection(monkeypatch: pytest.MonkeyPatch, alive: int = 1) -> Connection:
+    return Connection(monkeypatch, alive)
+
+
+async def test_an_asyncio_client_connects_off_its_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    met = connection(monkeypatch)
+    made: list[AsyncClient] = []
+
+    async def connect() -> None:
+        made.append(await AsyncClient.connect(Settings()))  # embedded storage
+
+    stall = await longest_stall(connect)
+    assert made, "no client was made"
+    assert met.nodes.calls == 1, "the nodes were not counted: this measured nothing"
+    assert len(met.started) == 1, "the reconciler was not started: this measured nothing"
+    assert stall < SLOW_S / 2, f"the loop was held {stall:.2f} s by {SLOW_S} s GCS calls"
+
+
+async def test_a_client_on_embedded_storage_in_a_cluster_of_several_nodes_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted off the loop, the check still reads the count; the services opened for
+    the client are closed, and no reconciler is started for it."""
+    met = connection(monkeypatch, alive=3)
+    with pytest.raises(EmbeddedBackendOnCluster):
+        await AsyncClient.connect(Settings())
+    assert [s.closed for s in met.services] == [True]
+    assert met.started == []
+
+
+async def test_a_client_on_shared_storage_asks_the_gcs_for_no_node_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    met = connection(monkeypatch)
+    await AsyncClient.connect(Settings(storage=CLUSTER_STORAGE), start_reconciler=False)
+    assert met.nodes.calls == 0
+    assert met.started == []
