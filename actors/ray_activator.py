@@ -243,40 +243,64 @@ class RayActivator:
             abandoned=kill_now,
         )
 
-    async def _adopt(self, session_id: str, reason: Reason, requested_at: float) -> bool:
+    async def _adopt(
+        self,
+        session_id: str,
+        reason: Reason,
+        requested_at: float,
+        *,
+        deadline: float | None = None,
+    ) -> bool:
         """The session's request taken by its adopted actor, or by a fresh standby.
         False when no standby is ready (the caller starts a named actor instead).
+        ``ActivationUnavailable`` (retryable) when ``deadline`` (loop time; default:
+        ``DEDICATED_DEADLINE_S`` from now) cut short a wait for an actor's answer.
 
         One at a time for a session: a second request while the first's adoption is
         still out (the deadline loop and a sweep ask the same activator at once) took a
         second standby, which found the session leased and exited: a process spent.
         After its turn it finds the adopted actor and hands the request to it."""
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + DEDICATED_DEADLINE_S
         turn = self._adopting.get(session_id)
         if turn is None:
             turn = self._adopting[session_id] = _Turn()
         turn.waiting += 1
         try:
             async with turn.lock:
-                return await self._adopt_now(session_id, reason, requested_at)
+                return await self._adopt_now(session_id, reason, requested_at, deadline)
         finally:
             turn.waiting -= 1
             if not turn.waiting:
                 del self._adopting[session_id]
 
-    async def _adopt_now(self, session_id: str, reason: Reason, requested_at: float) -> bool:
+    async def _adopt_now(
+        self, session_id: str, reason: Reason, requested_at: float, deadline: float
+    ) -> bool:
         assert self.standby is not None
+        loop = asyncio.get_running_loop()
         running = self._adopted.get(session_id)
         if running is not None:
+            wait_s = min(ACTIVATE_TIMEOUT_S, deadline - loop.time())
+            if wait_s <= 0:  # its turn took the time: asked when the retry timer is due
+                raise ActivationUnavailable(f"no time left to ask the actor running {session_id}")
             try:
                 answer = await asyncio.wait_for(
                     running.activate.remote(reason.value, requested_at, tracing.traceparent()),
-                    timeout=ACTIVATE_TIMEOUT_S,
+                    timeout=wait_s,
                 )
                 if answer == ACCEPTED:
                     return True
             except RETRYABLE:
                 pass  # gone or going: the session needs a new actor
-            except TimeoutError:
+            except TimeoutError as silent:
+                if wait_s < ACTIVATE_TIMEOUT_S:
+                    # Cut short by the activation's deadline, not shown silent: kept as
+                    # the session's, so the next request gives it its whole time (and no
+                    # other actor is given the session meanwhile).
+                    raise ActivationUnavailable(
+                        f"the actor running {session_id} did not answer by the deadline"
+                    ) from silent
                 # It answers at once when alive, as on the named path: silence is a node
                 # gone but not yet declared dead, or a paused process. Killed, so it
                 # cannot wake later and run on beside the next (its lease and the
@@ -284,19 +308,26 @@ class RayActivator:
                 await kill(running, f"killing the silent actor running {session_id}")
             if self._adopted.get(session_id) is running:
                 del self._adopted[session_id]
-        while (handle := self.standby.take()) is not None:
+        while loop.time() < deadline and (handle := self.standby.take()) is not None:
+            wait_s = min(ACTIVATE_TIMEOUT_S, deadline - loop.time())
             try:
                 answer = await asyncio.wait_for(
                     # the caller's trace crosses into the standby, as into a named actor
                     handle.adopt.remote(
                         session_id, reason.value, requested_at, tracing.traceparent()
                     ),
-                    timeout=ACTIVATE_TIMEOUT_S,
+                    timeout=wait_s,
                 )
             except RETRYABLE:
                 continue  # this standby died while it waited: the next one
-            except TimeoutError:
+            except TimeoutError as silent:
+                # Killed even when the deadline cut its time short: taken from the set,
+                # it is known to nobody else, and a silent one was a process for ever.
                 await kill(handle, f"killing a silent standby given {session_id}")
+                if wait_s < ACTIVATE_TIMEOUT_S:
+                    raise ActivationUnavailable(
+                        f"no standby given {session_id} answered by the deadline"
+                    ) from silent
                 continue
             if answer == ACCEPTED:
                 self._running(session_id, handle)
@@ -378,15 +409,19 @@ class RayActivator:
             await self.standby.close()
 
     async def _dedicated(self, session_id: str, reason: Reason, requested_at: float) -> None:
-        if self.standby is not None and await self._adopt(session_id, reason, requested_at):
-            return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + DEDICATED_DEADLINE_S
+        deadline = loop.time() + DEDICATED_DEADLINE_S  # the whole activation's, adoption too
+        if self.standby is not None and await self._adopt(
+            session_id, reason, requested_at, deadline=deadline
+        ):
+            return
         # Why the last attempt failed, for the error raised after it: its own error (the
         # actor died under the call, or was silent), kept as the cause, or its answer.
         last: Exception | None = None
         answer: object = None
-        for attempt in range(MAX_ATTEMPTS):
+        attempts = 0
+        while attempts < MAX_ATTEMPTS and loop.time() < deadline:
+            attempts += 1
             last = answer = None
             try:
                 # Off the loop (a lookup, then the name's registration: GCS calls a
@@ -414,17 +449,24 @@ class RayActivator:
                     # (each longer than that) killed every actor before it answered and
                     # made it again: no session ever ran. One that runs answers at once.
                     # Neither wait outlasts the activation's deadline.
-                    await asyncio.wait_for(
-                        handle.ready.remote(),
-                        timeout=min(START_TIMEOUT_S, deadline - loop.time()),
-                    )
+                    wait_s = min(START_TIMEOUT_S, deadline - loop.time())
+                    cut_short = wait_s < START_TIMEOUT_S
+                    await asyncio.wait_for(handle.ready.remote(), timeout=wait_s)
+                    wait_s = min(ACTIVATE_TIMEOUT_S, deadline - loop.time())
+                    cut_short = wait_s < ACTIVATE_TIMEOUT_S
                     answer = await asyncio.wait_for(
                         # the caller's trace crosses into the actor as a traceparent
                         handle.activate.remote(reason.value, requested_at, tracing.traceparent()),
-                        timeout=min(ACTIVATE_TIMEOUT_S, deadline - loop.time()),
+                        timeout=wait_s,
                     )
                 except TimeoutError as silent:
                     last = silent
+                    if cut_short:
+                        # The activation's deadline, not the actor's own: not shown
+                        # silent (a start on a loaded node, an answer on its way), it
+                        # keeps its name, and the request the retry timer brings round
+                        # finds it and gives it its whole time (killed then if silent).
+                        break
                     # An activation request answers at once; silence means the actor's
                     # node is gone but not yet declared dead. Free the name: the session is
                     # safe (its lease and the generation CAS), and the next attempt starts
@@ -434,8 +476,6 @@ class RayActivator:
                     # the silent actor its name, and the request that the retry timer
                     # brings round found it again and waited on it again.
                     await kill(handle, f"killing silent actor {actor_name(session_id)!r}")
-                    if loop.time() >= deadline:
-                        break
                     continue
                 if answer == ACCEPTED:
                     if self.standby is not None:
@@ -447,13 +487,17 @@ class RayActivator:
                     return
             except RETRYABLE as died:
                 last = died  # the actor died between lookup and call: make a new one
-            pause = DEDICATED_BACKOFF.delay_s(attempt)
+            pause = DEDICATED_BACKOFF.delay_s(attempts - 1)
             if loop.time() + pause >= deadline:
                 break  # no time for another attempt: the caller's retry timer makes it
             await asyncio.sleep(pause)
+        if not attempts:  # its turn at adoption took the time
+            raise ActivationUnavailable(
+                f"no time left for {session_id}'s request ({DEDICATED_DEADLINE_S:g} s at most)"
+            )
         answered = f" (the last answered {answer!r})" if last is None else ""
         raise ActivationUnavailable(
-            f"no session actor for {session_id} took the request in {attempt + 1} attempts"
+            f"no session actor for {session_id} took the request in {attempts} attempts"
             f" ({DEDICATED_DEADLINE_S:g} s at most){answered}"
         ) from last
 
