@@ -63,15 +63,17 @@ log = logging.getLogger(__name__)
 
 # How often standbys with no idle time (``standby_idle_s = 0``) are checked for life.
 CHECK_EVERY_S = 30.0
-# The whole of a dedicated activation, every attempt in it: what one attempt is given,
-# a process start on a loaded node and the answer after it. A first attempt that needs
-# all of it is not cut short (a burst of slow starts, each killed before it answered,
-# ran no session at all), and the retries after an actor that died under the call (one
-# that had just decided to exit, ray#44083) take milliseconds each and fit in what is
-# left. Past it the request fails, typed and retryable, and its caller's retry timer
-# brings it round: retrying on inside one request made it last hours (40 attempts of a
-# start, an answer and a kill each) while it held a coalescer's slot or a sweep. The
-# kill of the last silent actor keeps its own deadline after this one (see there).
+# The whole of a dedicated activation, a standby's adoption and every attempt after it:
+# what one attempt is given, a process start on a loaded node and the answer after it.
+# A first start that needs all of it is not cut short (a burst of slow starts, each
+# killed before it answered, ran no session at all), and the retries after an actor that
+# died under the call (one that had just decided to exit, ray#44083) take milliseconds
+# each and fit in what is left. Past it the request fails, typed and retryable, and its
+# caller's retry timer brings it round: retrying on inside one request made it last
+# hours (40 attempts of a start, an answer and a kill each) while it held a coalescer's
+# slot or a sweep. Not ``runtime.activation_max_s``: that bounds a session's run, which
+# starts only once an actor took the request. The kill of a silent actor keeps its own
+# deadline after this one (see there).
 DEDICATED_DEADLINE_S = START_TIMEOUT_S + ACTIVATE_TIMEOUT_S
 
 
