@@ -17,6 +17,7 @@ import ray
 
 import serve_app
 from actors.config_ref import ConfigRef
+from actors.ray_activator import RayActivator
 from tests.unit.test_delivery_node_count import CLUSTER_STORAGE, SlowNodes
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
 from torpor.errors import EmbeddedBackendOnCluster
@@ -34,28 +35,44 @@ async def nothing(*args: Any) -> None:
     return None
 
 
+def ingress_class() -> Any:
+    """The deployment's own class (not Serve's wrapper). Serve keeps a copy of it, made
+    when ``serve_app`` was imported, with globals of its own: what it is to find is set
+    there, not on the module."""
+    return serve_app.Ingress.func_or_class.__mro__[1]  # type: ignore[attr-defined]
+
+
 def counted(monkeypatch: pytest.MonkeyPatch, alive: int = 1) -> SlowNodes:
     """``ray.nodes`` answers after ``SLOW_S``; the ingress's services and what it builds
     on them are stand-ins."""
     slow = SlowNodes(alive)
     monkeypatch.setattr(ray, "nodes", slow)
-    monkeypatch.setattr(
-        serve_app, "open_services", lambda settings, observer: SimpleNamespace(settings=settings)
-    )
-    monkeypatch.setattr(serve_app, "RayObserver", lambda: None)
-    for name in ("SessionService", "BatchService", "WebhookGateway", "SessionStreams"):
-        monkeypatch.setattr(serve_app, name, StandIn)
-    monkeypatch.setattr(serve_app, "DeliveryWorker", StandIn)
-    monkeypatch.setattr(serve_app, "HOOKS", SimpleNamespace(bind=lambda *a, **k: None))
-    monkeypatch.setattr(serve_app, "CONSOLE", SimpleNamespace(bind=lambda deps: None))
-    monkeypatch.setattr(serve_app, "warm_services", nothing)
-    monkeypatch.setattr(serve_app, "settle_heap", lambda: None)
+    found = ingress_class().__init__.__globals__
+    assert found["RayActivator"] is RayActivator, "the ingress makes no RayActivator"
+    stand_ins: dict[str, Any] = {
+        "open_services": lambda settings, observer: SimpleNamespace(
+            settings=settings, clock=None, audit=None
+        ),
+        "RayObserver": lambda: None,
+        "SessionService": StandIn,
+        "BatchService": StandIn,
+        "WebhookGateway": StandIn,
+        "SessionStreams": StandIn,
+        "DeliveryWorker": StandIn,
+        "HOOKS": SimpleNamespace(bind=lambda *a, **k: None),
+        "CONSOLE": SimpleNamespace(bind=lambda deps: None),
+        "warm_services": nothing,
+        "settle_heap": lambda: None,
+    }
+    for name, stand_in in stand_ins.items():
+        assert name in found, f"the ingress no longer uses {name}: revise this test"
+        monkeypatch.setitem(found, name, stand_in)
     return slow
 
 
 async def an_ingress(settings: Settings) -> Any:
-    """The deployment's own class (not Serve's wrapper), made as Serve makes it."""
-    ingress = serve_app.Ingress.func_or_class.__mro__[1]  # type: ignore[attr-defined]
+    """The deployment's own class, made as Serve makes it."""
+    ingress = ingress_class()
 
     class Made(ingress):  # type: ignore[misc,valid-type]
         def __del__(self) -> None:
@@ -78,6 +95,7 @@ async def test_the_ingress_counts_the_clusters_nodes_off_its_event_loop(
     stall = await longest_stall(ingress)
     assert slow.calls == 1, "the nodes were not counted: this measured nothing"
     assert made, "the ingress was not made"
+    assert isinstance(made[0].services, SimpleNamespace), "the ingress opened real services"
     assert stall < SLOW_S / 2, f"the loop was held {stall:.2f} s by a {SLOW_S} s GCS call"
 
 
