@@ -54,6 +54,12 @@ class MemorySessionRegistry:
         current = self._sessions.get(session_id)
         return None if current is None else SessionEntry(*current)
 
+    async def quarantine_generation(self, session_id: str) -> int | None:
+        current = self._sessions.get(session_id)
+        if current is None or current[1] is not SessionState.QUARANTINED:
+            return None
+        return current[2]
+
     async def forget_session(self, *, tenant: str, session_id: str) -> None:
         self._sessions.pop(session_id, None)
 

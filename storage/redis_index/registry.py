@@ -303,6 +303,19 @@ class RedisSessionRegistry(RedisConnection):
         return SessionEntry(tenant, SessionState(state), int(generation))
 
     @translate
+    async def quarantine_generation(self, session_id: str) -> int | None:
+        # In the lean connection's next batch, as the lift and the release beside it are:
+        # read between them, in their order (``SessionRegistry.quarantine_generation``).
+        value = await self.batched("HGET", self.keys.session_state, session_id)
+        if not value:
+            return None
+        state, _, rest = text(value).partition("|")
+        generation = rest.rpartition("|")[2]
+        if state != SessionState.QUARANTINED.value or not generation.isdigit():
+            return None
+        return int(generation)
+
+    @translate
     async def session_generation(self, session_id: str) -> int | None:
         value = await self._redis.hget(self.keys.session_state, session_id)
         generation = text(value).rpartition("|")[2] if value else ""

@@ -87,6 +87,16 @@ class SqliteSessionRegistry(SqliteConnection):
 
         return await self._run(op, write=False)
 
+    async def quarantine_generation(self, session_id: str) -> int | None:
+        def op(c: sqlite3.Connection) -> int | None:
+            query = "SELECT generation FROM sessions WHERE session_id = ? AND state = ?"
+            row = c.execute(query, (session_id, SessionState.QUARANTINED.value)).fetchone()
+            return None if row is None else int(row[0])
+
+        # On the one writer thread, behind the calls asked for before it in this turn
+        # (``SessionRegistry.quarantine_generation``).
+        return await self._run(op, write=False)
+
     async def forget_session(self, *, tenant: str, session_id: str) -> None:
         await self._run(
             lambda c: c.execute(

@@ -272,8 +272,9 @@ async def test_an_activation_with_nothing_to_commit_lifts_a_quarantine_in_its_la
 ) -> None:
     """The index says QUARANTINED (its snapshot did not decode), the snapshot reads now and
     the activation has nothing to commit: the quarantine is lifted in the round trip that
-    releases the lease, not one of its own. Such an activation makes the two round trips
-    it made before (the lease's, then its release with the wake-up's removal)."""
+    releases the lease, not one of its own, and so is the read of what refused it, if
+    anything did (``let_go``). Such an activation makes the two round trips it made
+    before (the lease's, then its release with the wake-up's removal)."""
     sid = await env.submit()
     snap = await env.load(sid)
     index = env.services.index
@@ -292,6 +293,8 @@ async def test_an_activation_with_nothing_to_commit_lifts_a_quarantine_in_its_la
         return {
             index.keys.lease(lease_name(sid)): "lease",
             index.keys.timers(TimerKind.WAKE): f"{command[0]} wake-up",
+            # The quarantine's generation, read after the lift in case it refused it.
+            index.keys.session_state: f"{command[0]} state",
         }.get(first, first)
 
     trips = record_round_trips(monkeypatch)
@@ -300,6 +303,6 @@ async def test_an_activation_with_nothing_to_commit_lifts_a_quarantine_in_its_la
     assert result.outcome is ActivationOutcome.RAN and result.generation == snap.generation
     assert [sorted(named(c) for c in trip) for trip in trips] == [
         ["lease"],
-        ["ZREM wake-up", "lease", "lift"],
+        ["HGET state", "ZREM wake-up", "lease", "lift"],
     ]
     assert (await index.session_states([sid]))[sid] is S.SUSPENDED

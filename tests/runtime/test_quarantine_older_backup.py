@@ -4,6 +4,7 @@ what it read may no longer be what the store holds or the lease was not its own.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from storage import keys
 from storage.codec import SnapshotCodec
 from tests.runtime.memory_env import MemEnv, memory_env, reset
 from tests.runtime.test_quarantine import AGENTS, corrupt_body
-from torpor.errors import SnapshotCorrupt
+from torpor.errors import SnapshotCorrupt, StorageUnavailable
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
 from torpor.ports import Reason
@@ -50,13 +51,16 @@ async def test_the_activation_lifts_a_newer_quarantine_over_a_restored_older_bac
         assert await env.services.index.session_generation(sid) == backup.generation
 
 
-@pytest.mark.parametrize("doubt", ["spoiled-again", "lease-not-ours"])
+@pytest.mark.parametrize("doubt", ["spoiled-again", "lease-not-ours", "store-unavailable"])
 async def test_a_newer_quarantine_stands_when_the_read_may_be_stale(
     doubt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``spoiled-again``: the store's header no longer reads once the activation ends (the
     quarantine may be true again). ``lease-not-ours``: the release found the lease another
-    holder's (this one stalled past it unaware), who may have recorded the quarantine."""
+    holder's (this one stalled past it unaware), who may have recorded the quarantine.
+    ``store-unavailable``: the header's read fails, after the activation's work is done:
+    the lift is let be, never raised over the activation's outcome (it was, from the
+    ``finally`` that lets the session go)."""
     async with memory_env(AGENTS) as env:
         reset()
         sid, _, quarantined_at = await older_backup_restored(env)
@@ -67,6 +71,15 @@ async def test_a_newer_quarantine_stands_when_the_read_may_be_stale(
                 raise SnapshotCorrupt(f"header of {session_id} does not decode")
 
             monkeypatch.setattr(snapshots, "header", unreadable)
+        elif doubt == "store-unavailable":
+            real = snapshots.header
+
+            async def unavailable(session_id: str) -> Any:
+                if "_past_restore" in {f.function for f in inspect.stack()}:  # its read only
+                    raise StorageUnavailable("the object store does not answer")
+                return await real(session_id)
+
+            monkeypatch.setattr(snapshots, "header", unavailable)
         else:
 
             async def taken(lease: Any) -> bool:

@@ -742,6 +742,22 @@ class IndexContract:
         )
         assert await index.session_entry("s_o") == SessionEntry("acme", s.QUARANTINED, 4)
 
+    async def test_the_generation_of_a_quarantine_is_read_only_of_a_quarantine(
+        self, index: Index
+    ) -> None:
+        """``quarantine_generation``: what refused an activation's lift, read beside it.
+        Only a QUARANTINED has one; another state, or none, reads None."""
+        s = SessionState
+        assert await index.quarantine_generation("s_g") is None
+        await index.record_session(tenant="acme", session_id="s_g", state=s.RUNNING, generation=3)
+        assert await index.quarantine_generation("s_g") is None
+        assert await index.record_poison(tenant="acme", session_id="s_g", generation=5) == 5
+        assert await index.quarantine_generation("s_g") == 5
+        assert await index.lift_quarantine(
+            tenant="acme", session_id="s_g", state=s.SUSPENDED, generation=2, quarantined_at=5
+        )
+        assert await index.quarantine_generation("s_g") is None
+
     async def test_a_quarantine_under_no_tenant_is_listed_there_no_more_once_lifted(
         self, index: Index
     ) -> None:

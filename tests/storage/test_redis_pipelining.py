@@ -399,3 +399,49 @@ async def test_an_activations_lift_runs_before_its_release_on_a_server_that_forg
     assert lifted[0] < released[0], seen
     assert await redis_index.session_entry(sid) == SessionEntry("acme", s.SUSPENDED, 4)
     assert await client.exists(lease_key) == 0
+
+
+async def test_a_refused_lifts_read_of_the_quarantine_goes_between_it_and_the_release(
+    redis_index: RedisIndex, client: aioredis.Redis
+) -> None:
+    """A lift refused by a newer QUARANTINED (a backup older than it restored) has
+    ``let_go`` read the quarantine's generation: sent with the lift and the release, in
+    their order (after the lift, before the lease's DEL: read while the lease was ours),
+    over the same connection, and looking up no tenant (no SCAN, no ZSCORE). Read as a
+    whole entry through redis-py, it went over a connection of its own, in no order with
+    the two, and an older torpor's entry scanned the keyspace for its tenant."""
+    s, sid, now = SessionState, "s_past", datetime.now(UTC)
+    await redis_index.record_session(
+        tenant="acme", session_id=sid, state=s.QUARANTINED, generation=6
+    )
+    lease = await redis_index.acquire_lease(
+        name=lease_name(sid), owner="o", ttl=timedelta(minutes=1), now=now
+    )
+    assert lease is not None
+    heartbeat = Heartbeat(
+        redis_index,
+        lease,
+        clock=SystemClock(),
+        period=timedelta(seconds=10),
+        ttl=timedelta(minutes=1),
+    )
+    restored = snapshot(session_id=sid, state=s.SUSPENDED).model_copy(update={"generation": 4})
+    state_hash, lease_key = redis_index.keys.session_state, redis_index.keys.lease(lease.name)
+    marker = f"{redis_index.keys.prefix}done"
+    seen: list[dict[str, Any]] = []
+    async with client.monitor() as monitor:
+        await let_go(redis_index, heartbeat, sid, unschedule=True, lift=restored)
+        await client.echo(marker)
+        while not (seen and marker in seen[-1]["command"]):
+            seen.append(await asyncio.wait_for(monitor.next_command(), 5))
+    commands = [c["command"] for c in seen]
+    sent = [i for i, c in enumerate(seen) if c["client_type"] != "lua"]  # by the clients
+    lift = [i for i in sent if commands[i].startswith("EVAL ")]
+    read = [i for i in sent if commands[i] == f"HGET {state_hash} {sid}"]
+    released = [i for i, c in enumerate(commands) if c.startswith(f"DEL {lease_key}")]
+    assert lift and read and released, commands
+    assert lift[0] < read[0] < released[0], commands
+    assert seen[lift[0]]["client_port"] == seen[read[0]]["client_port"], "one connection"
+    assert not [c for c in commands if c.startswith(("SCAN", "ZSCORE"))], commands
+    # Refused (the quarantine is newer), and nothing read the store to go further.
+    assert await redis_index.session_entry(sid) == SessionEntry("acme", s.QUARANTINED, 6)

@@ -355,6 +355,15 @@ class SessionRegistry(Protocol):
         the control plane shows of a quarantined session whose header does not read."""
         ...
 
+    async def quarantine_generation(self, session_id: str) -> int | None:
+        """The generation of the QUARANTINED the registry holds for the session (None: it
+        holds another state, or none). No tenant is looked up, and it is read in order
+        with the calls asked for beside it in the same turn (one pipeline on Redis, the
+        one writer thread on SQLite): ``release.let_go`` reads it after its lift and
+        before the lease's release, and learns what refused the lift while the lease was
+        still ours, at no round trip of its own."""
+        ...
+
     async def forget_session(self, *, tenant: str, session_id: str) -> None:
         """Drop the session from the registry (retention deleted it). Idempotent."""
         ...

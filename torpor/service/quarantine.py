@@ -121,7 +121,7 @@ async def retry(control: _Sessions, session_id: str, *, tenant: str | None) -> S
             await _arm_timers(control.services, snapshot)
         await control.arm_wake(session_id)
         crash_point(CrashPoint.QUARANTINE_RETRY_ARMED)
-        # Over the QUARANTINED only, of any generation: it carries the generation the
+        # Over the QUARANTINED read above, whatever its generation: it carries the one the
         # undecodable snapshot's header named, and a backup restored from before it is
         # older. "Newest wins" guards a state against a late record of what an older
         # snapshot said; here the snapshot just read is the newest there is (the one the
