@@ -27,7 +27,7 @@ makes that call in the same threads, with the same deadline.
 
 Killing an actor is one as well: ``ray.kill`` waits, in its calling thread, for the
 actor's registration with the GCS to finish, and raises Ray's errors. ``kill`` makes it
-in the same threads, with the same deadline, and never raises.
+with the same deadline, in threads of its own (``KILLS``), and never raises.
 """
 
 from __future__ import annotations
@@ -55,6 +55,12 @@ LOOKUP_TIMEOUT_S = 10.0
 # Not asyncio's default executor (shared with sync tools and everything else): lookups
 # stuck on a GCS that does not answer hold these threads, and only these.
 LOOKUPS = ProcessPool(8, "torpor-ray-lookup")
+# Kills, apart from the lookups: a keeping round kills every silent standby at once, and
+# with a slow GCS those filled the lookups' threads; a webhook's lookup queued behind
+# them, its deadline counting the wait, and failed with ``ClusterUnavailable``. Kills
+# queue behind each other instead; one still queued at its deadline is not made (logged,
+# as one past the lookups' eight threads was).
+KILLS = ProcessPool(2, "torpor-ray-kill")
 
 
 class _Own(Exception):
@@ -77,10 +83,16 @@ def _carried(fn: Callable[[], T]) -> Callable[[], T]:
     return call
 
 
-async def gcs_call(fn: Callable[[], T], what: str, *, timeout_s: float | None = None) -> T:
-    """``fn()``, a blocking call to the GCS, in this module's threads: its answer, its
-    error (a ``TimeoutError`` of its own too: Ray's ``GetTimeoutError``, a socket's,
-    raised as it was), or ``ClusterUnavailable`` past ``timeout_s`` (default:
+async def gcs_call(
+    fn: Callable[[], T],
+    what: str,
+    *,
+    timeout_s: float | None = None,
+    pool: ProcessPool | None = None,
+) -> T:
+    """``fn()``, a blocking call to the GCS, in ``pool``'s threads (default: ``LOOKUPS``):
+    its answer, its error (a ``TimeoutError`` of its own too: Ray's ``GetTimeoutError``,
+    a socket's, raised as it was), or ``ClusterUnavailable`` past ``timeout_s`` (default:
     ``LOOKUP_TIMEOUT_S``). Every caller reads any ``TimeoutError`` as "not known gone"
     or "try again", so the call's own needs no wrapper of ours; relabelled as our
     deadline, it named a deadline that had not passed and hid why the call failed."""
@@ -88,7 +100,7 @@ async def gcs_call(fn: Callable[[], T], what: str, *, timeout_s: float | None = 
     try:
         # The wait for a free thread counts too: a queued lookup given up is never made.
         async with asyncio.timeout(timeout_s):
-            return await LOOKUPS.run(_carried(fn))
+            return await (LOOKUPS if pool is None else pool).run(_carried(fn))
     except _Own as own:
         error = own.error
     except TimeoutError:
@@ -226,14 +238,16 @@ def kill_now(handle: Any) -> bool:
 
 
 async def kill(handle: Any, what: str, *, timeout_s: float | None = None) -> bool:
-    """``kill_now(handle)`` off the loop, with a deadline (``timeout_s``, default:
+    """``kill_now(handle)`` in ``KILLS``, with a deadline (``timeout_s``, default:
     ``LOOKUP_TIMEOUT_S``): True once Ray took it, False (logged) when it failed or the GCS
     did not answer in time. Raises neither Ray's errors nor the deadline's: a kill is
     the clean-up after a failure, and its own error (or a silent GCS) raised in place of
     that failure's outcome hid it from the caller, untyped. Made on the loop, a GCS slow
     to confirm an actor's registration stalled every other coroutine of the process."""
     try:
-        return await gcs_call(functools.partial(kill_now, handle), what, timeout_s=timeout_s)
+        return await gcs_call(
+            functools.partial(kill_now, handle), what, timeout_s=timeout_s, pool=KILLS
+        )
     except ClusterUnavailable as exc:
         log.warning("%s: %s", what, exc)
         return False

@@ -7,6 +7,8 @@ replaced by one that blocks its thread as a slow GCS would.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,6 +20,14 @@ from actors import named, standby
 from actors.standby import StandbySet, _retire
 from tests.unit.test_activation_kills import SilentActor
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
+from torpor.threads import ProcessPool
+
+
+@pytest.fixture(autouse=True)
+def kill_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test its own kill threads: a kill given up at its deadline holds its thread
+    for as long as the GCS takes, and a later test's kills queued behind it."""
+    monkeypatch.setattr(named, "KILLS", ProcessPool(named.KILLS.threads, "test-kill"))
 
 
 class SilentStandby(SilentActor):
@@ -64,3 +74,39 @@ async def test_a_silent_standby_is_killed_without_stalling_the_loop(
     stall = await longest_stall(lambda: operation(handle))
     assert killed == [handle], "the silent standby was not killed: this measured nothing"
     assert stall < SLOW_S / 2, f"the loop was held {stall:.2f} s by a {SLOW_S} s kill"
+
+
+async def test_a_lookup_does_not_wait_behind_the_kills_of_a_keeping_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round kills every silent standby at once; with the GCS slow to take the kills,
+    a webhook's lookup made meanwhile still answers: it does not queue behind them for
+    a thread (its deadline counts that wait: it failed with ``ClusterUnavailable``)."""
+    taken = threading.Event()  # the GCS takes the kills once this is set
+    killing: list[Any] = []
+
+    def blocked_kill(handle: Any, no_restart: bool = True) -> None:
+        killing.append(handle)
+        taken.wait(30)
+
+    found = object()
+    monkeypatch.setattr(ray, "kill", blocked_kill)
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: found)
+    monkeypatch.setattr(named, "LOOKUP_TIMEOUT_S", 2.0)
+    silent = [SilentStandby() for _ in range(named.LOOKUPS.threads)]  # enough to fill it
+    standbys = StandbySet(len(silent), spawning(SilentStandby()))
+    standbys._ready.extend(silent)
+    round_ = asyncio.create_task(standbys._keep_once(0.05))
+    try:
+        async with asyncio.timeout(5):
+            while not killing:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # every kill that gets a thread has one
+        started = time.monotonic()
+        assert await named.get_actor("session:s_1", "t") is found
+        waited = time.monotonic() - started
+    finally:
+        taken.set()
+        await round_
+    assert waited < 1.0, f"the lookup waited {waited:.2f} s behind the kills"
+    assert sorted(map(id, killing)) == sorted(map(id, silent)), "not every silent one was killed"
