@@ -38,6 +38,7 @@ from torpor.settings import Settings
 if TYPE_CHECKING:  # the actors (and Ray) are imported when a client connects
     from actors.config_ref import ConfigRef
     from actors.ray_activator import RayActivator
+    from torpor.ports.services import Services
 
 T = TypeVar("T")
 # The key of a document passed by reference, in its session's input.
@@ -94,6 +95,33 @@ class SessionView:
         return self.state.terminal
 
 
+# Closes of services whose opener was cancelled, held until they finish.
+_CLOSING: set[asyncio.Task[None]] = set()
+
+
+async def _opened(settings: Settings) -> Services:
+    """``open_services(settings)`` in a thread: opened on the caller's loop, it held every
+    other coroutine there for as long. Cancelled while the thread opens, the services it
+    opens are closed once it is done (a thread cannot be stopped): left open, their files
+    and sockets lived as long as the process."""
+    from actors.wiring import open_services
+
+    opening = asyncio.ensure_future(asyncio.to_thread(open_services, settings))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_opened)
+        raise
+
+
+def _close_opened(opening: asyncio.Future[Services]) -> None:
+    if opening.cancelled() or opening.exception() is not None:
+        return  # nothing opened (the error was the cancelled caller's to see: it is gone)
+    closing = asyncio.ensure_future(opening.result().close())
+    _CLOSING.add(closing)
+    closing.add_done_callback(_CLOSING.discard)
+
+
 class AsyncClient:
     def __init__(
         self,
@@ -103,14 +131,17 @@ class AsyncClient:
         address: str | None = None,
         start_reconciler: bool = True,
     ) -> None:
-        """Connects in the calling thread, and blocks it: ``ray.init``, the count of the
-        cluster's nodes that embedded storage's check makes (``ray.nodes``, a GCS call),
-        and the reconciler's start. A constructor cannot await; from a coroutine,
-        ``await AsyncClient.connect(...)`` makes the last two off the event loop."""
+        """Connects in the calling thread, and blocks it: ``ray.init``, the services'
+        open, the count of the cluster's nodes that embedded storage's check makes
+        (``ray.nodes``, a GCS call), and the reconciler's start. A constructor cannot
+        await; from a coroutine, ``await AsyncClient.connect(...)`` makes the last three
+        off the event loop."""
         from actors.ray_activator import RayActivator
         from actors.reconciler import ensure_reconciler
+        from actors.wiring import open_services
 
-        config = self._open(settings, tenant=tenant, address=address)
+        config = self._connect(settings, tenant=tenant, address=address)
+        self._services = open_services(self.settings)
         self._use(RayActivator(self._services, config))
         if start_reconciler:
             ensure_reconciler(config)
@@ -124,16 +155,18 @@ class AsyncClient:
         address: str | None = None,
         start_reconciler: bool = True,
     ) -> AsyncClient:
-        """As the constructor, for a caller on an event loop: the GCS calls it waits for
-        are made off the loop, each with its deadline (the node count's: the lookups',
-        ``ClusterUnavailable`` past it; the reconciler's start: the time a process start
-        may take). ``ray.init`` stays in the calling thread: Ray sets its SIGTERM handler
-        only when that is the main thread."""
+        """As the constructor, for a caller on an event loop: the services open in a
+        thread (``open_services`` blocks: files, sockets, the descriptor table's growth),
+        and the GCS calls it waits for are made off the loop, each with its deadline (the
+        node count's: the lookups', ``ClusterUnavailable`` past it; the reconciler's
+        start: the time a process start may take). ``ray.init`` stays in the calling
+        thread: Ray sets its SIGTERM handler only when that is the main thread."""
         from actors.ray_activator import RayActivator
         from actors.reconciler import ensure_reconciler
 
         client = cls.__new__(cls)
-        config = client._open(settings, tenant=tenant, address=address)
+        config = client._connect(settings, tenant=tenant, address=address)
+        client._services = await _opened(client.settings)
         try:
             activator = await RayActivator.made(client._services, config)
         except BaseException:
@@ -150,12 +183,11 @@ class AsyncClient:
                 raise
         return client
 
-    def _open(self, settings: Settings | None, *, tenant: str, address: str | None) -> ConfigRef:
-        """Ray connected and the services open: the ``ConfigRef`` the actors are handed."""
+    def _connect(self, settings: Settings | None, *, tenant: str, address: str | None) -> ConfigRef:
+        """Ray connected: the ``ConfigRef`` the actors are handed."""
         import ray
 
         from actors.config_ref import ConfigRef
-        from actors.wiring import open_services
 
         # Settings read here from the environment may hold inline secrets: the actors are
         # then pointed at the file to read them themselves (actors/config_ref.py).
@@ -164,7 +196,6 @@ class AsyncClient:
         self.tenant = tenant
         if not ray.is_initialized():
             ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
-        self._services = open_services(self.settings)
         return config
 
     def _use(self, activator: RayActivator) -> None:

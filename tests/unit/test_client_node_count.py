@@ -2,6 +2,9 @@
 started: ``ray.nodes`` and the reconciler's start are replaced, at the module boundary,
 by slow ones, and the services and what the client builds on them are stand-ins).
 
+The services open in a thread too: ``open_services`` blocks (files, sockets, the
+descriptor table's growth).
+
 The client's activator counts the live nodes for embedded storage's check
 (``ray.nodes()``), and the client makes sure the reconciler runs (a GCS call, then up
 to a process start's time): each blocks its thread. ``AsyncClient(...)`` is a
@@ -11,6 +14,8 @@ off the loop.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from typing import Any
 
@@ -46,10 +51,12 @@ class Connection:
     """What a client connecting here met: the node count, its reconciler's starts, and
     the services it opened."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, alive: int) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, alive: int, open_s: float) -> None:
         self.nodes = SlowNodes(alive)
         self.started: list[Any] = []
         self.services: list[Services] = []
+        self.open_s = open_s
+        self.opening = threading.Event()
         monkeypatch.setattr(ray, "is_initialized", lambda: True)
         monkeypatch.setattr(ray, "nodes", self.nodes)
         monkeypatch.setattr(reconciler, "ensure_reconciler", self.start)
@@ -62,12 +69,14 @@ class Connection:
         time.sleep(SLOW_S)
 
     def open(self, settings: Settings) -> Services:
+        self.opening.set()
+        time.sleep(self.open_s)
         self.services.append(Services(settings))
         return self.services[-1]
 
 
-def connection(monkeypatch: pytest.MonkeyPatch, alive: int = 1) -> Connection:
-    return Connection(monkeypatch, alive)
+def connection(monkeypatch: pytest.MonkeyPatch, alive: int = 1, open_s: float = 0) -> Connection:
+    return Connection(monkeypatch, alive, open_s)
 
 
 async def test_an_asyncio_client_connects_off_its_event_loop(
@@ -105,3 +114,34 @@ async def test_a_client_on_shared_storage_asks_the_gcs_for_no_node_count(
     await AsyncClient.connect(Settings(storage=CLUSTER_STORAGE), start_reconciler=False)
     assert met.nodes.calls == 0
     assert met.started == []
+
+
+async def test_an_asyncio_client_opens_its_services_off_its_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    met = connection(monkeypatch, open_s=SLOW_S)
+
+    async def connect() -> None:
+        await AsyncClient.connect(Settings(storage=CLUSTER_STORAGE), start_reconciler=False)
+
+    stall = await longest_stall(connect)
+    assert len(met.services) == 1, "no services were opened: this measured nothing"
+    assert stall < SLOW_S / 2, f"the loop was held {stall:.2f} s by a {SLOW_S} s open"
+
+
+async def test_services_opened_for_a_connect_cancelled_meanwhile_are_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    met = connection(monkeypatch, open_s=0.3)
+    connecting = asyncio.create_task(
+        AsyncClient.connect(Settings(storage=CLUSTER_STORAGE), start_reconciler=False)
+    )
+    async with asyncio.timeout(5):
+        while not met.opening.is_set():
+            await asyncio.sleep(0.01)
+    connecting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await connecting
+    async with asyncio.timeout(5):
+        while not (met.services and met.services[0].closed):
+            await asyncio.sleep(0.01)
