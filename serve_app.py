@@ -110,7 +110,14 @@ class Ingress:
         # ``made``: embedded storage's check counts the cluster's nodes, a GCS call made
         # off this loop with the lookups' deadline (Ray's own is 60 s), as for every
         # other activator made on a loop.
-        self.activator = activator = await RayActivator.made(self.services, config)
+        try:
+            self.activator = activator = await RayActivator.made(self.services, config)
+        except BaseException:
+            # Refused (embedded storage on several nodes), the GCS silent
+            # (``ClusterUnavailable``) or cancelled: nothing else holds the services, and
+            # their files and sockets stayed open as long as the replica's process.
+            await self.services.close()
+            raise
         activator.start_standbys()
         self.control = SessionService(self.services, activator, background=True)
         self.batches = BatchService(self.control)

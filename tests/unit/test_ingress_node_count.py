@@ -16,11 +16,12 @@ import pytest
 import ray
 
 import serve_app
+from actors import named
 from actors.config_ref import ConfigRef
 from actors.ray_activator import RayActivator
 from tests.unit.test_delivery_node_count import CLUSTER_STORAGE, SlowNodes
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
-from torpor.errors import EmbeddedBackendOnCluster
+from torpor.errors import ClusterUnavailable, EmbeddedBackendOnCluster
 from torpor.settings import Settings
 
 
@@ -35,6 +36,18 @@ async def nothing(*args: Any) -> None:
     return None
 
 
+class Services:
+    """The ingress's services: what it reads of them, and whether they were closed."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.clock = self.audit = None
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
 def ingress_class() -> Any:
     """The deployment's own class (not Serve's wrapper). Serve keeps a copy of it, made
     when ``serve_app`` was imported, with globals of its own: what it is to find is set
@@ -42,17 +55,23 @@ def ingress_class() -> Any:
     return serve_app.Ingress.func_or_class.__mro__[1]  # type: ignore[attr-defined]
 
 
-def counted(monkeypatch: pytest.MonkeyPatch, alive: int = 1) -> SlowNodes:
-    """``ray.nodes`` answers after ``SLOW_S``; the ingress's services and what it builds
-    on them are stand-ins."""
+def counted(
+    monkeypatch: pytest.MonkeyPatch, alive: int = 1, opened: list[Services] | None = None
+) -> SlowNodes:
+    """``ray.nodes`` answers after ``SLOW_S``; the ingress's services (each added to
+    ``opened``) and what it builds on them are stand-ins."""
     slow = SlowNodes(alive)
     monkeypatch.setattr(ray, "nodes", slow)
     found = ingress_class().__init__.__globals__
     assert found["RayActivator"] is RayActivator, "the ingress makes no RayActivator"
+    opened = [] if opened is None else opened
+
+    def open_services(settings: Settings, observer: Any) -> Services:
+        opened.append(Services(settings))
+        return opened[-1]
+
     stand_ins: dict[str, Any] = {
-        "open_services": lambda settings, observer: SimpleNamespace(
-            settings=settings, clock=None, audit=None
-        ),
+        "open_services": open_services,
         "RayObserver": lambda: None,
         "SessionService": StandIn,
         "BatchService": StandIn,
@@ -95,17 +114,31 @@ async def test_the_ingress_counts_the_clusters_nodes_off_its_event_loop(
     stall = await longest_stall(ingress)
     assert slow.calls == 1, "the nodes were not counted: this measured nothing"
     assert made, "the ingress was not made"
-    assert isinstance(made[0].services, SimpleNamespace), "the ingress opened real services"
+    assert isinstance(made[0].services, Services), "the ingress opened real services"
     assert stall < SLOW_S / 2, f"the loop was held {stall:.2f} s by a {SLOW_S} s GCS call"
 
 
 async def test_the_ingress_on_embedded_storage_in_a_cluster_of_several_nodes_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Counted off the loop, the check still reads the count."""
-    counted(monkeypatch, alive=3)
+    """Counted off the loop, the check still reads the count; the services opened for
+    the ingress are closed."""
+    opened: list[Services] = []
+    counted(monkeypatch, alive=3, opened=opened)
     with pytest.raises(EmbeddedBackendOnCluster):
         await an_ingress(Settings())
+    assert [s.closed for s in opened] == [True]
+
+
+async def test_the_ingress_closes_its_services_when_the_gcs_does_not_answer_the_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opened: list[Services] = []
+    counted(monkeypatch, opened=opened)
+    monkeypatch.setattr(named, "LOOKUP_TIMEOUT_S", 0.1)  # ``ray.nodes`` takes ``SLOW_S``
+    with pytest.raises(ClusterUnavailable):
+        await an_ingress(Settings())  # embedded storage: its nodes are counted
+    assert [s.closed for s in opened] == [True]
 
 
 async def test_the_ingress_on_shared_storage_asks_the_gcs_for_no_node_count(
