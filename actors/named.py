@@ -59,8 +59,9 @@ LOOKUPS = ProcessPool(8, "torpor-ray-lookup")
 # with a slow GCS those filled the lookups' threads; a webhook's lookup queued behind
 # them, its deadline counting the wait, and failed with ``ClusterUnavailable``. Kills
 # queue behind each other instead; one still queued at its deadline is not made (logged,
-# as one past the lookups' eight threads was).
-KILLS = ProcessPool(2, "torpor-ray-kill")
+# as one past the lookups' eight threads was). Four: half the lookups' width, so a round
+# of silent standbys (a set is a few) is killed at once rather than mostly given up.
+KILLS = ProcessPool(4, "torpor-ray-kill")
 
 
 class _Own(Exception):
