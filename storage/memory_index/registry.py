@@ -13,13 +13,14 @@ class MemorySessionRegistry:
 
     async def record_session(
         self, *, tenant: str, session_id: str, state: SessionState, generation: int
-    ) -> None:
+    ) -> bool:
         current = self._sessions.get(session_id)
         if current is not None:
             if current[2] > generation:
-                return  # last generation wins: a late repair never puts an old state back
+                return False  # last generation wins: a late repair never puts an old state back
             tenant = tenant or current[0]  # "" (not known to the caller) keeps the one held
         self._sessions[session_id] = (tenant, state, generation)
+        return True
 
     async def lift_quarantine(
         self,

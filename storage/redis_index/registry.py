@@ -118,11 +118,14 @@ class RedisSessionRegistry(RedisConnection):
     @translate
     async def record_session(
         self, *, tenant: str, session_id: str, state: SessionState, generation: int
-    ) -> None:
+    ) -> bool:
+        # ``_RECORD`` answers 1 (written) or 0 (a newer generation kept); the -1 of an
+        # entry changed since its look never leaves ``_under_tenant_held``.
         if tenant:
-            await self._record_state(_RECORD, tenant, session_id, state, generation)
+            written = await self._record_state(_RECORD, tenant, session_id, state, generation)
         else:  # the entry's tenant is never lost (``SessionRegistry.record_session``)
-            await self._under_tenant_held(_RECORD, session_id, state, generation)
+            written = await self._under_tenant_held(_RECORD, session_id, state, generation)
+        return written == 1
 
     @translate
     async def lift_quarantine(

@@ -13,20 +13,24 @@ from torpor.ports import SessionEntry, SessionPage
 class SqliteSessionRegistry(SqliteConnection):
     async def record_session(
         self, *, tenant: str, session_id: str, state: SessionState, generation: int
-    ) -> None:
+    ) -> bool:
         # Last generation wins: an older snapshot's state never overwrites a newer one.
         # The tenant is the one named, unless that is "" (the quarantine of a snapshot
         # whose header did not decode, its tenant unknown), which keeps the row's: a row
-        # recorded under "" takes its tenant when the restored session is recorded.
-        await self._run(
-            lambda c: c.execute(
-                "INSERT INTO sessions VALUES (?,?,?,?) ON CONFLICT(session_id) "
-                "DO UPDATE SET state=excluded.state, generation=excluded.generation, "
-                "tenant=COALESCE(NULLIF(excluded.tenant, ''), tenant) "
-                "WHERE excluded.generation >= sessions.generation",
-                (session_id, tenant, state.value, generation),
+        # recorded under "" takes its tenant when the restored session is recorded. The
+        # row count says whether it wrote: 0 when the upsert's WHERE kept a newer row.
+        written = await self._run(
+            lambda c: (
+                c.execute(
+                    "INSERT INTO sessions VALUES (?,?,?,?) ON CONFLICT(session_id) "
+                    "DO UPDATE SET state=excluded.state, generation=excluded.generation, "
+                    "tenant=COALESCE(NULLIF(excluded.tenant, ''), tenant) "
+                    "WHERE excluded.generation >= sessions.generation",
+                    (session_id, tenant, state.value, generation),
+                ).rowcount
             )
         )
+        return bool(written)
 
     async def lift_quarantine(
         self,

@@ -654,6 +654,23 @@ class IndexContract:
         await record(tenant="acme", session_id="s_r", state=SessionState.COMPLETED, generation=9)
         assert await index.session_states(["s_r"]) == {"s_r": SessionState.COMPLETED}
 
+    async def test_a_record_says_whether_it_wrote(self, index: Index) -> None:
+        """True when the registry took the record, False when it kept a newer generation:
+        an activation whose commit's record was refused (the QUARANTINED of a snapshot an
+        older backup replaced, at that snapshot's newer generation) lifts it instead. The
+        same under tenant "" (a caller that looks the tenant up)."""
+        s, record = SessionState, index.record_session
+        assert await record(tenant="acme", session_id="s_w", state=s.PENDING, generation=1) is True
+        assert await record(tenant="acme", session_id="s_w", state=s.RUNNING, generation=1) is True
+        assert await index.record_poison(tenant="acme", session_id="s_w", generation=5) == 5
+        for tenant in ("acme", ""):
+            refused = await record(tenant=tenant, session_id="s_w", state=s.RUNNING, generation=4)
+            assert refused is False, tenant
+            assert await index.session_entry("s_w") == SessionEntry("acme", s.QUARANTINED, 5)
+        assert await record(tenant="", session_id="s_w", state=s.SUSPENDED, generation=5) is True
+        assert await record(tenant="acme", session_id="s_w", state=s.RUNNING, generation=6) is True
+        assert await index.session_entry("s_w") == SessionEntry("acme", s.RUNNING, 6)
+
     async def test_a_quarantine_is_lifted_only_where_it_is_and_not_newer(
         self, index: Index
     ) -> None:
@@ -1303,10 +1320,11 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
             return found
 
         monkeypatch.setattr(redis_index, "_tenant_of", raced)
-        await redis_index.record_session(
+        written = await redis_index.record_session(
             tenant="", session_id="s_m", state=s.RESUMING, generation=7
         )
         assert looks == ["SUSPENDED|5", "RUNNING|acme|6"]
+        assert written is True  # the look made again wrote: its -1 is no answer
         assert await redis_index.session_entry("s_m") == SessionEntry("acme", s.RESUMING, 7)
         page = await redis_index.list_sessions(tenant="", state=None, cursor=None, limit=5)
         assert page.session_ids == []

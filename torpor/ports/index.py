@@ -291,7 +291,7 @@ class SessionRegistry(Protocol):
 
     async def record_session(
         self, *, tenant: str, session_id: str, state: SessionState, generation: int
-    ) -> None:
+    ) -> bool:
         """Record the state of snapshot ``generation``; an older generation never
         overwrites a newer one (repair and live commits may race). Listings are newest
         first: session ids begin with their creation time. Recorded (or lifted) under a
@@ -300,7 +300,14 @@ class SessionRegistry(Protocol):
         ``tenant`` "" (not known to the caller) keeps the tenant the registry holds, as
         ``record_poison`` does: an entry's tenant is never lost, and the session stays
         listed under it (Redis looks an older torpor's entry, which names no tenant, up
-        in its listings); "" only for an entry that has none."""
+        in its listings); "" only for an entry that has none.
+
+        True if it wrote; False if the registry holds a newer generation, which it kept.
+        A caller that just committed ``generation`` then knows the index does not show
+        its state: the QUARANTINED of a snapshot found undecodable, over which an older
+        backup was restored, carries that snapshot's newer generation, and refuses every
+        commit's record until one passes it (the activation lifts it with its lease's
+        release instead: ``WorkingCopy.recorded``, ``release.let_go``)."""
         ...
 
     async def lift_quarantine(

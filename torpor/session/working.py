@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from pydantic import JsonValue
 
@@ -27,6 +27,8 @@ from torpor.models import SessionSnapshot
 from torpor.plugins import LoadedAgent
 from torpor.ports.services import Services
 from torpor.session.heartbeat import Heartbeat
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -89,11 +91,14 @@ def _reads_as_json(text: str) -> bool:
     return True
 
 
-async def _together(*steps: Awaitable[None]) -> None:
-    """Every step run to its end at once; then the first one's error, if any failed."""
-    for outcome in await asyncio.gather(*steps, return_exceptions=True):
-        if isinstance(outcome, BaseException):
-            raise outcome
+async def _together(step: Awaitable[T], beside: Awaitable[None]) -> T:
+    """Both run to their end at once; then the first one's error, if either failed, else
+    what ``step`` returned."""
+    outcome, other = await asyncio.gather(step, beside, return_exceptions=True)
+    for failed in (outcome, other):
+        if isinstance(failed, BaseException):
+            raise failed
+    return cast(T, outcome)
 
 
 class WorkingCopy:
@@ -159,16 +164,13 @@ class WorkingCopy:
                 await beside()
             return
         previous, self._committed_state = self._committed_state, self.snap.state
-        recorded = self.deps.index.record_session(
+        recording = self.deps.index.record_session(
             tenant=self.snap.tenant,
             session_id=self.snap.session_id,
             state=self.snap.state,
             generation=self.snap.generation,
         )
-        if beside is None:
-            await recorded
-        else:
-            await _together(recorded, beside())
+        await (recording if beside is None else _together(recording, beside()))
         self.recorded = True
         await self.deps.observer.transitioned(self.snap, previous)
 
