@@ -1,5 +1,6 @@
 """An activation that finds a restored older backup readable lifts the quarantine whose
-generation is newer (the undecodable snapshot's), as its retry would have; and not when
+generation is newer (the undecodable snapshot's), as its retry would have, whether it had
+nothing to commit or committed a state whose record that quarantine refused; and not when
 what it read may no longer be what the store holds or the lease was not its own."""
 
 from __future__ import annotations
@@ -14,22 +15,23 @@ from storage.codec import SnapshotCodec
 from tests.runtime.memory_env import MemEnv, memory_env, reset
 from tests.runtime.test_quarantine import AGENTS, corrupt_body
 from torpor.errors import SnapshotCorrupt, StorageUnavailable
+from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
-from torpor.ports import Reason
+from torpor.ports import Reason, SessionEntry
 from torpor.session import ActivationOutcome
 
 S = SessionState
 
 
-async def older_backup_restored(env: MemEnv) -> tuple[str, SessionSnapshot, int]:
-    """A session set aside at a newer generation than the backup restored since: its id,
-    the backup, the quarantine's generation."""
+async def older_backup_restored(env: MemEnv, ahead: int = 2) -> tuple[str, SessionSnapshot, int]:
+    """A session set aside at a newer generation than the backup restored since (``ahead``
+    of it): its id, the backup, the quarantine's generation."""
     sid = await env.submit("a")
     backup = await env.load(sid)
     store, key, index = env.services.store, keys.snapshot(sid), env.services.index
     old = (await store.get(key)).data
-    newer = backup.model_copy(update={"generation": backup.generation + 2})
+    newer = backup.model_copy(update={"generation": backup.generation + ahead})
     await store.put(key, SnapshotCodec().encode(newer))
     await index.record_session(
         tenant="acme", session_id=sid, state=newer.state, generation=newer.generation
@@ -49,6 +51,38 @@ async def test_the_activation_lifts_a_newer_quarantine_over_a_restored_older_bac
         assert result.outcome is ActivationOutcome.RAN and result.state is S.SUSPENDED
         assert (await env.services.index.session_states([sid]))[sid] is S.SUSPENDED
         assert await env.services.index.session_generation(sid) == backup.generation
+
+
+async def test_an_activation_committing_over_an_older_backup_lifts_a_newer_quarantine() -> None:
+    """The activation has work to do (a cancel waits in the inbox) and commits a state:
+    each commit's record, older than the quarantine's generation, is refused ("newest
+    wins"). Counted as recorded all the same, it sent no lift with the lease's release,
+    and the index listed the cancelled session QUARANTINED until its generation passed
+    the quarantine's, or the operator retried again."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid, backup, quarantined_at = await older_backup_restored(env, ahead=10)
+        index = env.services.index
+        await env.services.inbox.deliver(
+            InboxEvent.new(
+                kind=EventKind.CANCEL,
+                session_id=sid,
+                source="client",
+                event_id="cancel-1",
+                type="torpor.cancel",
+                received_at=env.clock.now(),
+            )
+        )
+        result = await env.runtime.activate(sid, reason=Reason.EVENT)
+        assert result.outcome is ActivationOutcome.RAN and result.state is S.CANCELLED
+        committed = await env.load(sid)
+        assert committed.state is S.CANCELLED
+        assert backup.generation < committed.generation < quarantined_at  # every record refused
+        assert await index.session_entry(sid) == SessionEntry(
+            "acme", S.CANCELLED, committed.generation
+        )
+        listed = await index.list_sessions(tenant="acme", state=S.CANCELLED, cursor=None, limit=5)
+        assert listed.session_ids == [sid]
 
 
 @pytest.mark.parametrize("doubt", ["spoiled-again", "lease-not-ours", "store-unavailable"])

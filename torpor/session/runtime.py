@@ -138,9 +138,10 @@ class SessionRuntime:
         # registry stale, told to its first next holder only: until the state is recorded
         # it is not released (it expires, and whoever recovers it is told again).
         recorded = not lease.taken_over
-        # What a drive that ran to its end left with no state recorded: the registry may
-        # still say the QUARANTINED of ``_quarantine_poison`` (``release.let_go`` lifts
-        # it).
+        # What a drive that ran to its end left with no state recorded (nothing to commit,
+        # or every record refused: a QUARANTINED at a newer generation, the undecodable
+        # snapshot's, over an older backup restored): the registry may still say the
+        # QUARANTINED of ``_quarantine_poison`` (``release.let_go`` lifts it).
         unrecorded: SessionSnapshot | None = None
         try:
             try:

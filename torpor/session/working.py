@@ -110,8 +110,9 @@ class WorkingCopy:
         self.heartbeat = heartbeat
         self.stats = Stats()
         self._committed_state = snapshot.state
-        # Whether a commit recorded its state in the index's registry: if none did, the
-        # registry may still hold what the index alone said before (``SessionRuntime``).
+        # Whether a commit recorded its state in the index's registry (the record was
+        # written, not refused for a newer generation): if none did, the registry may
+        # still hold what the index alone said before (``SessionRuntime``).
         self.recorded = False
         # When this activation last read the session's inbox (``time.monotonic``; never:
         # -inf): the agent loop reads it again for a cancel only once a while has passed.
@@ -170,8 +171,11 @@ class WorkingCopy:
             state=self.snap.state,
             generation=self.snap.generation,
         )
-        await (recording if beside is None else _together(recording, beside()))
-        self.recorded = True
+        written = await (recording if beside is None else _together(recording, beside()))
+        # Only a record the registry took: one it refused (it holds a newer generation:
+        # the QUARANTINED of a snapshot an older backup replaced) leaves the registry
+        # saying what it said, and the lease's release lifts that (``SessionRuntime``).
+        self.recorded = self.recorded or written
         await self.deps.observer.transitioned(self.snap, previous)
 
     def move(self, target: SessionState, reason: str = "") -> None:
