@@ -6,6 +6,7 @@ what it read may no longer be what the store holds or the lease was not its own.
 from __future__ import annotations
 
 import inspect
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -124,3 +125,40 @@ async def test_a_newer_quarantine_stands_when_the_read_may_be_stale(
         assert result.outcome is ActivationOutcome.RAN
         assert (await index.session_states([sid]))[sid] is S.QUARANTINED
         assert await index.session_generation(sid) == quarantined_at
+
+
+@pytest.mark.parametrize("cancel", [False, True], ids=["nothing-to-commit", "commits"])
+async def test_a_taken_over_lease_over_an_older_backup_lifts_a_newer_quarantine(
+    cancel: bool,
+) -> None:
+    """The holder before this activation died holding the lease (``taken_over``): its
+    record of the snapshot's state is refused by the newer quarantine, as a commit's is.
+    Counted as recorded, no lift went with the release, and the index kept the session
+    QUARANTINED at the undecodable snapshot's generation."""
+    async with memory_env(AGENTS) as env:
+        reset()
+        sid, backup, quarantined_at = await older_backup_restored(env, ahead=10)
+        index = env.services.index
+        if cancel:
+            await env.services.inbox.deliver(
+                InboxEvent.new(
+                    kind=EventKind.CANCEL,
+                    session_id=sid,
+                    source="client",
+                    event_id="cancel-1",
+                    type="torpor.cancel",
+                    received_at=env.clock.now(),
+                )
+            )
+        dead = await index.acquire_lease(
+            name=f"session:{sid}", owner="dead-host", ttl=timedelta(seconds=1), now=env.clock.now()
+        )
+        assert dead is not None
+        env.clock.advance(5)  # it expires unreleased
+        result = await env.runtime.activate(sid, reason=Reason.RECOVER)
+        assert result.outcome is ActivationOutcome.RAN
+        now = await env.load(sid)
+        assert now.generation < quarantined_at and now.state is (
+            S.CANCELLED if cancel else backup.state
+        )
+        assert await index.session_entry(sid) == SessionEntry("acme", now.state, now.generation)

@@ -143,6 +143,7 @@ class SessionRuntime:
         # snapshot's, over an older backup restored): the registry may still say the
         # QUARANTINED of ``_quarantine_poison`` (``release.let_go`` lifts it).
         unrecorded: SessionSnapshot | None = None
+        took_over_recorded = False  # the taken-over lease's record of the state, written
         try:
             try:
                 snapshot = await loading
@@ -167,7 +168,9 @@ class SessionRuntime:
                 # registry's record of the state it committed (the next round trip): the
                 # registry would show the old state until a full repair. Recorded now;
                 # the registry keeps the highest generation, so this never goes back.
-                await index.record_session(
+                # Refused, a newer generation stands (a quarantine over a restored older
+                # backup): not stale, so the lease may go, but the drive's end lifts it.
+                took_over_recorded = await index.record_session(
                     tenant=snapshot.tenant,
                     session_id=session_id,
                     state=snapshot.state,
@@ -184,7 +187,7 @@ class SessionRuntime:
             ran = activation.snap.state is not SessionState.QUARANTINED
             # Not past a lapsed lease: a holder since may have found the snapshot does not
             # decode (again), and its record stands.
-            if ran and not (lease.taken_over or activation.work.recorded or heartbeat.lapsed()):
+            if ran and not (took_over_recorded or activation.work.recorded or heartbeat.lapsed()):
                 unrecorded = activation.snap
         except (CommitConflict, LeaseLost) as exc:
             # Someone else wrote or holds the session. If they finish its work, the retry
