@@ -44,6 +44,20 @@ async def older_backup_restored(env: MemEnv, ahead: int = 2) -> tuple[str, Sessi
     return sid, backup, newer.generation
 
 
+async def cancel_waiting(env: MemEnv, sid: str) -> None:
+    """A cancel in the session's inbox: its next activation has a state to commit."""
+    await env.services.inbox.deliver(
+        InboxEvent.new(
+            kind=EventKind.CANCEL,
+            session_id=sid,
+            source="client",
+            event_id="cancel-1",
+            type="torpor.cancel",
+            received_at=env.clock.now(),
+        )
+    )
+
+
 async def test_the_activation_lifts_a_newer_quarantine_over_a_restored_older_backup() -> None:
     async with memory_env(AGENTS) as env:
         reset()
@@ -64,16 +78,7 @@ async def test_an_activation_committing_over_an_older_backup_lifts_a_newer_quara
         reset()
         sid, backup, quarantined_at = await older_backup_restored(env, ahead=10)
         index = env.services.index
-        await env.services.inbox.deliver(
-            InboxEvent.new(
-                kind=EventKind.CANCEL,
-                session_id=sid,
-                source="client",
-                event_id="cancel-1",
-                type="torpor.cancel",
-                received_at=env.clock.now(),
-            )
-        )
+        await cancel_waiting(env, sid)
         result = await env.runtime.activate(sid, reason=Reason.EVENT)
         assert result.outcome is ActivationOutcome.RAN and result.state is S.CANCELLED
         committed = await env.load(sid)
@@ -140,16 +145,7 @@ async def test_a_taken_over_lease_over_an_older_backup_lifts_a_newer_quarantine(
         sid, backup, quarantined_at = await older_backup_restored(env, ahead=10)
         index = env.services.index
         if cancel:
-            await env.services.inbox.deliver(
-                InboxEvent.new(
-                    kind=EventKind.CANCEL,
-                    session_id=sid,
-                    source="client",
-                    event_id="cancel-1",
-                    type="torpor.cancel",
-                    received_at=env.clock.now(),
-                )
-            )
+            await cancel_waiting(env, sid)
         dead = await index.acquire_lease(
             name=f"session:{sid}", owner="dead-host", ttl=timedelta(seconds=1), now=env.clock.now()
         )

@@ -355,6 +355,21 @@ async def test_a_script_the_server_forgot_is_loaded_again(
     assert sorted(results) == [False, True, True]  # still all-or-none claims, once each
 
 
+async def held(redis_index: RedisIndex, sid: str, now: datetime) -> Heartbeat:
+    """The session's lease, held by this test as an activation holds it."""
+    lease = await redis_index.acquire_lease(
+        name=lease_name(sid), owner="o", ttl=timedelta(minutes=1), now=now
+    )
+    assert lease is not None
+    return Heartbeat(
+        redis_index,
+        lease,
+        clock=SystemClock(),
+        period=timedelta(seconds=10),
+        ttl=timedelta(minutes=1),
+    )
+
+
 @pytest.mark.parametrize("reloaded", [False, True], ids=["flushed", "release-loaded-again"])
 async def test_an_activations_lift_runs_before_its_release_on_a_server_that_forgot_scripts(
     redis_index: RedisIndex, client: aioredis.Redis, reloaded: bool
@@ -370,17 +385,8 @@ async def test_an_activations_lift_runs_before_its_release_on_a_server_that_forg
         tenant="acme", session_id=sid, state=s.QUARANTINED, generation=4
     )
     await redis_index.schedule(kind=TimerKind.WAKE, member=sid, at=now)
-    lease = await redis_index.acquire_lease(
-        name=lease_name(sid), owner="o", ttl=timedelta(minutes=1), now=now
-    )
-    assert lease is not None
-    heartbeat = Heartbeat(
-        redis_index,
-        lease,
-        clock=SystemClock(),
-        period=timedelta(seconds=10),
-        ttl=timedelta(minutes=1),
-    )
+    heartbeat = await held(redis_index, sid, now)
+    lease = heartbeat.lease
     restored = snapshot(session_id=sid, state=s.SUSPENDED).model_copy(update={"generation": 4})
     await client.script_flush()
     if reloaded:
@@ -414,17 +420,8 @@ async def test_a_refused_lifts_read_of_the_quarantine_goes_between_it_and_the_re
     await redis_index.record_session(
         tenant="acme", session_id=sid, state=s.QUARANTINED, generation=6
     )
-    lease = await redis_index.acquire_lease(
-        name=lease_name(sid), owner="o", ttl=timedelta(minutes=1), now=now
-    )
-    assert lease is not None
-    heartbeat = Heartbeat(
-        redis_index,
-        lease,
-        clock=SystemClock(),
-        period=timedelta(seconds=10),
-        ttl=timedelta(minutes=1),
-    )
+    heartbeat = await held(redis_index, sid, now)
+    lease = heartbeat.lease
     restored = snapshot(session_id=sid, state=s.SUSPENDED).model_copy(update={"generation": 4})
     state_hash, lease_key = redis_index.keys.session_state, redis_index.keys.lease(lease.name)
     marker = f"{redis_index.keys.prefix}done"
