@@ -19,7 +19,7 @@ from typing import Any
 
 from actors.activation_calls import ACTIVATE_TIMEOUT_S, MAX_ATTEMPTS, POOLED_BACKOFF, RETRYABLE
 from actors.config_ref import ConfigRef
-from actors.named import create_named, typed_timeouts
+from actors.named import LOOKUP_TIMEOUT_S, create_named, typed_timeouts
 from actors.pool import PoolHost, host_name, pool_channel
 from torpor import tracing
 from torpor.errors import ActivationUnavailable
@@ -32,6 +32,22 @@ log = logging.getLogger(__name__)
 # keeps it near 1): check it, at most once per HOST_CHECK_S.
 STALLED_CHANNEL = 256
 HOST_CHECK_S = 5.0
+# The whole of a pooled request sent as a Ray call, every attempt in it: a host's make
+# or lookup (``LOOKUP_TIMEOUT_S``), its first answer, and one more whole answer after a
+# retry. A pool host is made once and runs for good, so most requests wait only for an
+# answer it gives at once (it only queues the session). The first answer may count the
+# start of a host just made: a process with ``num_cpus=0``, so it needs no free CPU and
+# is placed on any live node, and ready in seconds (not the dedicated path's
+# ``START_TIMEOUT_S`` for a start on a loaded node). The second covers a host whose node
+# went silent: Ray declares the node dead and restarts the host (``max_restarts=-1``)
+# meanwhile, and the lookup after finds it. The pauses (``POOLED_BACKOFF``, a second at
+# most) fit in what is left. A host slower than that to start on a cold cluster (a node
+# still joining, the job's runtime_env set up on it) is not lost: it is detached and
+# never killed here, so it starts on, and the request its retry timer brings round finds
+# it. Past this the request fails, typed and retryable: retrying on inside it
+# (``MAX_ATTEMPTS`` x a lookup, an answer and a pause: some 20 minutes) held a
+# coalescer's slot or a sweep all that while.
+POOLED_DEADLINE_S = LOOKUP_TIMEOUT_S + 2 * ACTIVATE_TIMEOUT_S
 
 
 def pool_slot(session_id: str, size: int) -> int:
@@ -172,11 +188,26 @@ class PoolHosts:
                 self._host_checks[slot] = check
                 check.add_done_callback(functools.partial(self._host_checked_out, slot))
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + POOLED_DEADLINE_S
         last: Exception | None = None  # the last attempt's error: the cause raised after it
-        for attempt in range(MAX_ATTEMPTS):
+        attempts = 0
+        while attempts < MAX_ATTEMPTS and loop.time() < deadline:
+            attempts += 1
             # A GCS that did not make or find it in time (``ClusterUnavailable``) fails
-            # the request, as on the dedicated path: its timer brings it round.
-            host = await self._host(slot)  # held while it is called (ray#6265)
+            # the request, as on the dedicated path: its timer brings it round. The wait
+            # for a make that others share is cut short at the deadline; the make itself
+            # goes on for them (``_host``).
+            lookup = asyncio.timeout_at(deadline)
+            try:
+                async with lookup:
+                    host = await self._host(slot)  # held while it is called (ray#6265)
+            except TimeoutError as cut:
+                if not lookup.expired():
+                    raise  # the GCS's, ``ClusterUnavailable``: not the request's deadline
+                last = cut
+                break
+            wait_s = min(ACTIVATE_TIMEOUT_S, deadline - loop.time())
             try:
                 # A live host answers at once (it only queues the session): silence is a
                 # node gone but not yet declared dead, and without a deadline the request
@@ -187,15 +218,24 @@ class PoolHosts:
                     host.activate.remote(
                         session_id, reason.value, requested_at, tracing.traceparent()
                     ),
-                    timeout=ACTIVATE_TIMEOUT_S,
+                    timeout=wait_s,
                 )
                 return
             except (*RETRYABLE, TimeoutError) as exc:
                 last = exc
+                if isinstance(exc, TimeoutError) and wait_s < ACTIVATE_TIMEOUT_S:
+                    # The request's deadline, not the host's own: not shown silent (a
+                    # host just made may still be starting), it stays known, and the
+                    # request its timer brings round gives it its whole time.
+                    break
                 self._forget_host(slot, host)  # restarting or silent: look it up again
-            await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
+            pause = POOLED_BACKOFF.delay_s(attempts - 1)
+            if loop.time() + pause >= deadline:
+                break  # no time for another attempt: the caller's retry timer makes it
+            await asyncio.sleep(pause)
         raise ActivationUnavailable(
-            f"pool host {slot} did not take {session_id} in {MAX_ATTEMPTS} attempts"
+            f"pool host {slot} did not take {session_id} in {attempts} attempts"
+            f" ({POOLED_DEADLINE_S:g} s at most)"
         ) from last
 
     async def close(self) -> None:
