@@ -47,6 +47,7 @@ HOST_CHECK_S = 5.0
 # it. Past this the request fails, typed and retryable: retrying on inside it
 # (``MAX_ATTEMPTS`` x a lookup, an answer and a pause: some 20 minutes) held a
 # coalescer's slot or a sweep all that while.
+# A host's check (``_check_host``) is given as long.
 POOLED_DEADLINE_S = LOOKUP_TIMEOUT_S + 2 * ACTIVATE_TIMEOUT_S
 
 
@@ -147,27 +148,50 @@ class PoolHosts:
         a restart), and a cached handle would never notice. Ask it, at most once per
         ``HOST_CHECK_S``; one that cannot answer is looked up (or made) again until one
         does (a lookup right after a death can still return the dead actor, ray#44083),
-        and a live one starts its listener again if that stopped."""
+        and a live one starts its listener again if that stopped. For no longer than a
+        request (``POOLED_DEADLINE_S``): it then gives up (logged), and the next push
+        that finds the channel long checks again. Run on for ``MAX_ATTEMPTS`` lookups
+        and answers (some 20 minutes), it shut every later check of the slot out."""
+        loop = asyncio.get_running_loop()
         now = time.monotonic()
         if now - self._host_checked.get(slot, 0.0) < HOST_CHECK_S:
             return
         self._host_checked[slot] = now
+        deadline = loop.time() + POOLED_DEADLINE_S
         last: Exception | None = None  # the last attempt's error, in the log after it
-        for attempt in range(MAX_ATTEMPTS):
+        attempts = 0
+        while attempts < MAX_ATTEMPTS and loop.time() < deadline:
+            attempts += 1
             host = None
+            wait_s = ACTIVATE_TIMEOUT_S
+            lookup = asyncio.timeout_at(deadline)  # a shared make goes on for the others
             try:
-                host = await self._host(slot)  # held while it is called (ray#6265)
-                await asyncio.wait_for(host.listen.remote(), ACTIVATE_TIMEOUT_S)
+                async with lookup:
+                    host = await self._host(slot)  # held while it is called (ray#6265)
+                wait_s = min(ACTIVATE_TIMEOUT_S, deadline - loop.time())
+                await asyncio.wait_for(host.listen.remote(), wait_s)
                 return
             except (*RETRYABLE, TimeoutError) as exc:
                 last = exc
-                if attempt == 0:
+                if lookup.expired() or (
+                    isinstance(exc, TimeoutError) and wait_s < ACTIVATE_TIMEOUT_S
+                ):
+                    break  # cut short by the deadline, not shown silent: the host is kept
+                if attempts == 1:
                     log.warning("pool host %s does not answer; looking it up again", slot)
                 if host is not None:
                     self._forget_host(slot, host)
-            await asyncio.sleep(POOLED_BACKOFF.delay_s(attempt))
+            pause = POOLED_BACKOFF.delay_s(attempts - 1)
+            if loop.time() + pause >= deadline:
+                break
+            await asyncio.sleep(pause)
         log.error(
-            "no pool host %s answers; its requests wait for their timers", slot, exc_info=last
+            "no pool host %s answered in %d attempts (%g s at most); its requests wait for"
+            " their timers",
+            slot,
+            attempts,
+            POOLED_DEADLINE_S,
+            exc_info=last,
         )
 
     async def request(self, session_id: str, reason: Reason, requested_at: float) -> None:
@@ -182,8 +206,8 @@ class PoolHosts:
             if waiting >= STALLED_CHANNEL and slot not in self._host_checks:
                 # Behind the request, not on its path: the request is in the channel
                 # already, and a host that does not answer is asked for up to
-                # ``MAX_ATTEMPTS`` x ``ACTIVATE_TIMEOUT_S``. Awaited here, a webhook
-                # that found the channel stalled waited for all of it before its answer.
+                # ``POOLED_DEADLINE_S``. Awaited here, a webhook that found the
+                # channel stalled waited for all of it before its answer.
                 check = asyncio.create_task(self._check_host(slot))
                 self._host_checks[slot] = check
                 check.add_done_callback(functools.partial(self._host_checked_out, slot))

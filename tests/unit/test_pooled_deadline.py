@@ -3,21 +3,27 @@
 (typed, retryable: its timer brings it round) raised from why its last attempt failed,
 and no attempt's wait (a host's lookup, its answer, the pause) outlasts it. Without it,
 hosts that never answered were asked ``MAX_ATTEMPTS`` times, a lookup, an answer and a
-pause each: some 20 minutes, holding a coalescer's slot or a sweep. No Ray is started:
-the hosts are fakes.
+pause each: some 20 minutes, holding a coalescer's slot or a sweep. A host's check (in
+the background, when its channel stalls) has the same bound. No Ray is started: the
+hosts are fakes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from actors import pool_hosts
 from actors.activation_calls import MAX_ATTEMPTS
+from actors.pool_hosts import PoolHosts
 from tests.unit.test_pooled_request import Host, Unreachable, pooled_activator
+from tests.unit.test_stalled_channel import SilentHost
 from torpor.backoff import fixed
 from torpor.errors import ActivationUnavailable
 from torpor.ports import Reason
@@ -107,3 +113,61 @@ async def test_a_host_make_that_outlasts_the_deadline_is_left_to_finish(
     async with asyncio.timeout(5):
         await making
     assert activator.pool_hosts._hosts == {0: host}
+
+
+class Listening:
+    """A host's ``listen``, silent (never answered): a node gone, not yet declared dead."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def remote(self) -> asyncio.Future[bool]:
+        self.calls += 1
+        return asyncio.get_running_loop().create_future()
+
+
+def checked_hosts(looked_up: Any) -> PoolHosts:
+    hosts = PoolHosts(object(), namespace="t", size=1, services=SimpleNamespace(activations=None))
+
+    async def host(slot: int) -> Any:
+        if slot not in hosts._hosts:
+            hosts._hosts[slot] = next(looked_up)
+        return hosts._hosts[slot]
+
+    hosts._host = host  # type: ignore[method-assign]
+    return hosts
+
+
+async def test_a_host_check_asks_silent_hosts_until_the_deadline_not_max_attempts_times(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The check behind a stalled channel gives up at the deadline too (logged, with
+    why): run on for ``MAX_ATTEMPTS`` lookups and answers, it shut every later check of
+    the slot out for some 20 minutes."""
+    monkeypatch.setattr(pool_hosts, "ACTIVATE_TIMEOUT_S", 0.05)
+    silent = [SilentHost() for _ in range(MAX_ATTEMPTS)]
+    hosts = checked_hosts(iter(silent))
+    started = time.monotonic()
+    with fixed(0), caplog.at_level(logging.ERROR, logger=pool_hosts.__name__):
+        async with asyncio.timeout(5):
+            await hosts._check_host(0)
+    asked = sum(host.asked for host in silent)
+    assert asked <= DEADLINE_S / 0.05 + 1 < MAX_ATTEMPTS, (
+        f"{asked} attempts: the check ran past its deadline"
+    )
+    assert time.monotonic() - started < DEADLINE_S + 1.0
+    [given_up] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert given_up.exc_info is not None and isinstance(given_up.exc_info[1], TimeoutError)
+
+
+async def test_a_host_check_waits_no_longer_than_the_deadline_and_keeps_the_host() -> None:
+    """``listen`` is given ``ACTIVATE_TIMEOUT_S`` (20 s) of its own, not past the check's
+    deadline; cut short, the host is not shown silent and stays known."""
+    silent = SimpleNamespace(listen=Listening())
+    hosts = checked_hosts(itertools.repeat(silent))
+    started = time.monotonic()
+    async with asyncio.timeout(5):
+        await hosts._check_host(0)
+    assert time.monotonic() - started < DEADLINE_S + 1.0
+    assert silent.listen.calls == 1
+    assert hosts._hosts == {0: silent}, "a host the deadline cut short was dropped"
