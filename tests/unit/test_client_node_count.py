@@ -23,6 +23,7 @@ import pytest
 import ray
 
 from actors import reconciler, wiring
+from tests.conftest import eventually
 from tests.unit.test_delivery_node_count import CLUSTER_STORAGE, SlowNodes
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
 from torpor.client import AsyncClient
@@ -136,12 +137,13 @@ async def test_services_opened_for_a_connect_cancelled_meanwhile_are_closed(
     connecting = asyncio.create_task(
         AsyncClient.connect(Settings(storage=CLUSTER_STORAGE), start_reconciler=False)
     )
-    async with asyncio.timeout(5):
-        while not met.opening.is_set():
-            await asyncio.sleep(0.01)
+    await eventually(met.opening.is_set, timeout_s=5, interval_s=0.01, what="the open began")
     connecting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await connecting
-    async with asyncio.timeout(5):
-        while not (met.services and met.services[0].closed):
-            await asyncio.sleep(0.01)
+    await eventually(
+        lambda: met.services and met.services[0].closed,
+        timeout_s=5,
+        interval_s=0.01,
+        what="the services opened meanwhile are closed",
+    )

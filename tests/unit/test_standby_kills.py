@@ -18,6 +18,7 @@ import ray
 
 from actors import named, standby
 from actors.standby import StandbySet, _retire
+from tests.conftest import eventually
 from tests.unit.test_activation_kills import SilentActor
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
 from torpor.threads import ProcessPool
@@ -98,10 +99,11 @@ async def test_a_lookup_does_not_wait_behind_the_kills_of_a_keeping_round(
     standbys._ready.extend(silent)
     round_ = asyncio.create_task(standbys._keep_once(0.05))
     try:
-        async with asyncio.timeout(5):
-            while not killing:
-                await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)  # every kill that gets a thread has one
+        # Every kill that gets a thread has one: the kill threads are all held.
+        busy = min(named.KILLS.threads, len(silent))
+        await eventually(
+            lambda: len(killing) >= busy, timeout_s=5, interval_s=0.01, what="the kills began"
+        )
         started = time.monotonic()
         assert await named.get_actor("session:s_1", "t") is found
         waited = time.monotonic() - started

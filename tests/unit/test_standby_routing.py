@@ -15,6 +15,7 @@ from actors import ray_activator, standby_inheritance
 from actors.ray_activator import Admission, RayActivator
 from actors.session_actor import ACCEPTED
 from actors.standby import StandbySet, Standing
+from tests.conftest import eventually
 from torpor.ports import Reason
 from torpor.settings import Placement, Settings
 
@@ -168,9 +169,10 @@ async def test_a_holders_first_refill_does_not_wait_for_a_silent_left_standby_to
         await activator._predecessor
     (asking,) = standby._retiring
     closing = asyncio.create_task(standby.close())
+    await eventually(
+        lambda: standby._closing, timeout_s=10, interval_s=0.01, what="close has begun"
+    )
     async with asyncio.timeout(10):
-        while not standby._closing:  # close has begun
-            await asyncio.sleep(0.01)
         if not never.done():  # cancelled along with the ask on the old code
             never.set_result(True)  # the left standby answers, and goes
         await closing
@@ -198,9 +200,12 @@ async def test_left_standbys_found_before_the_holder_closed_are_asked_to_go(
         return [silent, free]
 
     taking_over = asyncio.create_task(standby.inherit(left, Settings(), timeout_s=60))
-    async with asyncio.timeout(10):
-        while not silent.inheritable.calls:  # asked, and it does not answer
-            await asyncio.sleep(0.01)
+    await eventually(
+        lambda: silent.inheritable.calls,
+        timeout_s=10,
+        interval_s=0.01,
+        what="the silent standby was asked (it does not answer)",
+    )
     taking_over.cancel()
     async with asyncio.timeout(10):
         with pytest.raises(asyncio.CancelledError):
