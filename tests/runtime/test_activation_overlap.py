@@ -15,10 +15,10 @@ import pytest
 
 from actors.wiring import session_runtime
 from storage.redis_index import RedisIndex, registry, wire
-from tests.support.harness import Env, local_env
+from tests.support.harness import Env, deliver_cancel, local_env
 from torpor.agent import AgentContext, AgentTurn
 from torpor.agents.plan import PlanAgent
-from torpor.events import EventKind, InboxEvent
+from torpor.events import InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import Message, SessionSnapshot
 from torpor.ports import Reason, TimerKind
@@ -113,16 +113,7 @@ async def test_a_step_called_ahead_is_dropped_when_a_cancel_comes_first(
     ) -> SessionSnapshot:
         if is_wake_commit(snapshot):
             await asyncio.wait_for(called.wait(), timeout=10)
-            await env.services.inbox.deliver(
-                InboxEvent.new(
-                    kind=EventKind.CANCEL,
-                    session_id=sid,
-                    source="client",
-                    event_id="cancel-1",
-                    type="torpor.cancel",
-                    received_at=env.clock.now(),
-                )
-            )
+            await deliver_cancel(env.services, sid, at=env.clock.now())
         return await save(snapshot, expected_generation=expected_generation)
 
     monkeypatch.setattr(env.services.snapshots, "save", cancelled_meanwhile)

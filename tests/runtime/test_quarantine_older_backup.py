@@ -15,8 +15,8 @@ from storage import keys
 from storage.codec import SnapshotCodec
 from tests.runtime.memory_env import MemEnv, memory_env, reset
 from tests.runtime.test_quarantine import AGENTS, corrupt_body
+from tests.support.harness import deliver_cancel
 from torpor.errors import SnapshotCorrupt, StorageUnavailable
-from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import SessionSnapshot
 from torpor.ports import Reason, SessionEntry
@@ -44,20 +44,6 @@ async def older_backup_restored(env: MemEnv, ahead: int = 2) -> tuple[str, Sessi
     return sid, backup, newer.generation
 
 
-async def cancel_waiting(env: MemEnv, sid: str) -> None:
-    """A cancel in the session's inbox: its next activation has a state to commit."""
-    await env.services.inbox.deliver(
-        InboxEvent.new(
-            kind=EventKind.CANCEL,
-            session_id=sid,
-            source="client",
-            event_id="cancel-1",
-            type="torpor.cancel",
-            received_at=env.clock.now(),
-        )
-    )
-
-
 async def test_the_activation_lifts_a_newer_quarantine_over_a_restored_older_backup() -> None:
     async with memory_env(AGENTS) as env:
         reset()
@@ -78,7 +64,7 @@ async def test_an_activation_committing_over_an_older_backup_lifts_a_newer_quara
         reset()
         sid, backup, quarantined_at = await older_backup_restored(env, ahead=10)
         index = env.services.index
-        await cancel_waiting(env, sid)
+        await deliver_cancel(env.services, sid, at=env.clock.now())
         result = await env.runtime.activate(sid, reason=Reason.EVENT)
         assert result.outcome is ActivationOutcome.RAN and result.state is S.CANCELLED
         committed = await env.load(sid)
@@ -145,7 +131,7 @@ async def test_a_taken_over_lease_over_an_older_backup_lifts_a_newer_quarantine(
         sid, backup, quarantined_at = await older_backup_restored(env, ahead=10)
         index = env.services.index
         if cancel:
-            await cancel_waiting(env, sid)
+            await deliver_cancel(env.services, sid, at=env.clock.now())
         dead = await index.acquire_lease(
             name=f"session:{sid}", owner="dead-host", ttl=timedelta(seconds=1), now=env.clock.now()
         )

@@ -1105,6 +1105,27 @@ class ServerClockLeases:
         assert await index.release_lease(renewed)
 
 
+async def raced_look(redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """Session s_m with an older torpor's entry (no tenant), and a record naming tenant
+    acme made between the first look for its tenant and the write that follows it: the
+    entries each look read, in order."""
+    await redis_index._redis.hset(redis_index.keys.session_state, "s_m", "SUSPENDED|5")
+    look = redis_index._tenant_of
+    looks: list[str | None] = []
+
+    async def raced(session_id: str, value: str | None) -> str:
+        looks.append(value)
+        found = await look(session_id, value)
+        if len(looks) == 1:
+            await redis_index.record_session(
+                tenant="acme", session_id="s_m", state=SessionState.RUNNING, generation=6
+            )
+        return found
+
+    monkeypatch.setattr(redis_index, "_tenant_of", raced)
+    return looks
+
+
 class TestRedisIndex(IndexContract, ServerClockLeases):
     @pytest.fixture
     def index(self, redis_index: RedisIndex) -> Index:
@@ -1278,21 +1299,8 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         """The tenant of an entry that names none is looked up before the write: a record
         made between the look and the write (naming another tenant) sends it round to
         look again, and the quarantine goes under the tenant the entry names then."""
-        s, keys, r = SessionState, redis_index.keys, redis_index._redis
-        await r.hset(keys.session_state, "s_m", "SUSPENDED|5")
-        look = redis_index._tenant_of
-        looks: list[str | None] = []
-
-        async def raced(session_id: str, value: str | None) -> str:
-            looks.append(value)
-            found = await look(session_id, value)
-            if len(looks) == 1:
-                await redis_index.record_session(
-                    tenant="acme", session_id="s_m", state=s.RUNNING, generation=6
-                )
-            return found
-
-        monkeypatch.setattr(redis_index, "_tenant_of", raced)
+        s = SessionState
+        looks = await raced_look(redis_index, monkeypatch)
         assert await redis_index.record_poison(tenant="", session_id="s_m", generation=0) == 6
         assert looks == ["SUSPENDED|5", "RUNNING|acme|6"]
         assert await redis_index.session_entry("s_m") == SessionEntry("acme", s.QUARANTINED, 6)
@@ -1305,21 +1313,8 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         """As a poison quarantine's: a record under "" made between the look for the
         tenant and the write (naming one) sends it round to look again, and the state
         goes under the tenant the entry names then, never under "" over it."""
-        s, keys, r = SessionState, redis_index.keys, redis_index._redis
-        await r.hset(keys.session_state, "s_m", "SUSPENDED|5")
-        look = redis_index._tenant_of
-        looks: list[str | None] = []
-
-        async def raced(session_id: str, value: str | None) -> str:
-            looks.append(value)
-            found = await look(session_id, value)
-            if len(looks) == 1:
-                await redis_index.record_session(
-                    tenant="acme", session_id="s_m", state=s.RUNNING, generation=6
-                )
-            return found
-
-        monkeypatch.setattr(redis_index, "_tenant_of", raced)
+        s = SessionState
+        looks = await raced_look(redis_index, monkeypatch)
         written = await redis_index.record_session(
             tenant="", session_id="s_m", state=s.RESUMING, generation=7
         )

@@ -141,6 +141,20 @@ def keys_read(store: ObjectStore) -> list[str]:
     return read
 
 
+async def deliver_cancel(services: Services, sid: str, *, at: datetime) -> None:
+    """A cancel in the session's inbox (from its client): its next drive commits it."""
+    await services.inbox.deliver(
+        InboxEvent.new(
+            kind=EventKind.CANCEL,
+            session_id=sid,
+            source="client",
+            event_id="cancel-1",
+            type="torpor.cancel",
+            received_at=at,
+        )
+    )
+
+
 async def held_by_a_dead_holder(env: Env, sid: str) -> None:
     """The session's lease, taken by a holder that died: it expires unreleased, by the
     Redis server's clock (leases follow it, not the caller's), so this waits for that
