@@ -110,6 +110,15 @@ if gen and gen > tonumber(ARGV[2]) then at = string.match(cur, '|(%d+)$') end
 _LOOKS = 5
 
 
+def _fields(value: str) -> tuple[str, str | None, str]:
+    """An entry of the state hash as its state, tenant and generation: "state|tenant|
+    generation", or an older torpor's "state|generation", whose tenant is None (unknown,
+    not ""). A tenant may hold "|": state and generation are read off the two ends."""
+    state, _, rest = value.partition("|")
+    tenant, bar, generation = rest.rpartition("|")
+    return state, tenant if bar else None, generation
+
+
 class RedisSessionRegistry(RedisConnection):
     # The tenants whose listings the last SCAN found (``_listed_under``); replaced whole,
     # never shrunk in place, so a look running meanwhile reads one set or the other.
@@ -182,10 +191,8 @@ class RedisSessionRegistry(RedisConnection):
         one whose listing holds the session (``_listed_under``); "" if none does."""
         if value is None:
             return ""
-        rest = value.partition("|")[2]
-        if "|" in rest:
-            return rest.rpartition("|")[0]
-        return await self._listed_under(session_id)
+        named = _fields(value)[1]
+        return named if named is not None else await self._listed_under(session_id)
 
     async def _listed_under(self, session_id: str) -> str:
         """The tenant (other than "") whose all-sessions set holds ``session_id``, "" if
@@ -294,8 +301,7 @@ class RedisSessionRegistry(RedisConnection):
         value = opt_text(await self._redis.hget(self.keys.session_state, session_id))
         if not value:
             return None
-        state, _, rest = value.partition("|")
-        generation = rest.rpartition("|")[2]
+        state, _, generation = _fields(value)
         # An older torpor's entry names no tenant: the one whose listing holds the session,
         # as ``record_poison`` finds it. Read as "", the stand-in of a session whose header
         # does not read (``quarantine.stand_in``) named tenant "", and its tenant's GET
@@ -312,8 +318,7 @@ class RedisSessionRegistry(RedisConnection):
         value = await self.batched("HGET", self.keys.session_state, session_id)
         if not value:
             return None
-        state, _, rest = text(value).partition("|")
-        generation = rest.rpartition("|")[2]
+        state, _, generation = _fields(text(value))
         if state != SessionState.QUARANTINED.value or not generation.isdigit():
             return None
         return int(generation)
