@@ -43,10 +43,11 @@ from torpor.api import (
 from torpor.auth import operator_for, tenant_for
 from torpor.batches import SESSIONS_PAGE, SESSIONS_PAGE_MAX
 from torpor.deliveries import DeliveryStatus
+from torpor.entry import hooks
 from torpor.entry.batches import ResultFormat, batch_out, batch_sessions
 from torpor.entry.console import ConsoleDeps, ConsoleMount
 from torpor.entry.head import HeadAsGet
-from torpor.entry.hooks import HookFastPath, HookRoute
+from torpor.entry.hooks import HookFastPath
 from torpor.entry.http import (
     PROBLEM,
     HeldStreamingResponse,
@@ -89,20 +90,29 @@ api.mount("/console", CONSOLE)
 # which is added last and so runs first: a webhook passes nothing more.
 api.add_middleware(HeadAsGet)
 # POST /v1/hooks/{source} answered in front of FastAPI's routing (``torpor.entry.hooks``):
-# bound to the replica's gateway in its constructor; the route below until then.
-HOOKS = HookRoute()
-api.add_middleware(HookFastPath, route=HOOKS)
+# by the replica's ``hooks.ROUTE``, bound to its gateway in its constructor; the route
+# below until then. Under HAProxy, Serve's server in the replica takes it sooner
+# (``ServerHookFastPath``, the same route).
+api.add_middleware(HookFastPath)
+# Serve's default for the replica; the webhooks taken before Serve's wrappers have the
+# same bound of their own (``HookRoute.limit``).
+MAX_ONGOING_REQUESTS = 200
 
 
 @serve.deployment(
-    num_replicas=1, max_ongoing_requests=200, logging_config={"enable_access_log": False}
+    num_replicas=1,
+    max_ongoing_requests=MAX_ONGOING_REQUESTS,
+    logging_config={"enable_access_log": False},
 )
 @serve.ingress(api)
 class Ingress:
     # Async: Serve awaits the constructor (``serve.ingress`` wraps it) and routes to the
     # replica once it returns, so the store is readied before the first request.
     async def __init__(  # type: ignore[misc]
-        self, config: ConfigRef, reconciler: DeploymentHandle[Any] | None = None
+        self,
+        config: ConfigRef,
+        reconciler: DeploymentHandle[Any] | None = None,
+        route_prefix: str = "/",
     ) -> None:
         # Read here, in the replica: Serve persists constructor arguments (config_ref).
         self.settings = settings = config.load()
@@ -123,10 +133,13 @@ class Ingress:
         self.batches = BatchService(self.control)
         self.gateway = WebhookGateway(self.control)
         services = self.services
-        HOOKS.bind(
+        # Through the module, as imported in this process: Serve unpickled this class,
+        # and a route it captured by name would be a copy the middlewares do not read.
+        hooks.ROUTE.bind(
             self.gateway,
             clock=services.clock,
             prepare=lambda: ensure_conditional_writes(services),
+            prefix=route_prefix,
         )
         self.streams = SessionStreams(
             self.control, max_per_tenant=settings.security.max_streams_per_tenant
@@ -165,7 +178,10 @@ class Ingress:
 
     @api.get("/healthz", tags=["ops"])  # 503 problem+json if the index, store or sweeps fail
     async def healthz(self) -> JSONResponse:
-        return JSONResponse(**await health_answer(self.services, self.reconciler, api.version))
+        answer = await health_answer(
+            self.services, self.reconciler, api.version, ingress=hooks.ROUTE.report()
+        )
+        return JSONResponse(**answer)
 
     @api.post("/v1/noop", status_code=202, tags=["ops"])
     async def noop(self, request: Request) -> dict[str, Any]:
@@ -536,18 +552,27 @@ class AppArgs(BaseModel):
 
 
 def application(
-    settings: Settings | ConfigRef, *, start_reconciler: bool = True, replicas: int | None = None
+    settings: Settings | ConfigRef,
+    *,
+    start_reconciler: bool = True,
+    replicas: int | None = None,
+    route_prefix: str = "/",
 ) -> Application:
     """The app for ``settings``; ``start_reconciler=False`` when a test drives sweeps;
     ``replicas`` ingress replicas instead of one (a Serve config file can say it too).
+    ``route_prefix`` is where ``serve.run`` mounts it: the replica's server takes
+    webhooks before Serve routes them (``torpor.entry.hooks``), and one named under
+    another prefix goes Serve's way, as before.
 
     Replicas get a :class:`ConfigRef`, never secrets: ConfigError for inline ones."""
     if replicas is not None and replicas < 1:
         raise ConfigError(f"ingress replicas must be at least 1, not {replicas}")
+    if not route_prefix.startswith("/"):
+        raise ConfigError(f"a route prefix starts with '/', not {route_prefix!r}")
     config = ConfigRef.of(settings)
     starter = ReconcilerStarter.bind(config) if start_reconciler else None  # type: ignore[attr-defined]
     ingress: Any = Ingress if replicas is None else Ingress.options(num_replicas=replicas)  # type: ignore[attr-defined]
-    app: Application = ingress.bind(config, starter)
+    app: Application = ingress.bind(config, starter, route_prefix)
     return app
 
 

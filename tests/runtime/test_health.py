@@ -41,6 +41,15 @@ async def test_healthy_once_a_sweep_completed(services: Services) -> None:
     assert got["content"]["version"] == "9.9" and got["content"]["last_sweep_age_s"] == 0
 
 
+async def test_the_edge_says_which_way_its_webhooks_went(services: Services) -> None:
+    """What the replica's webhook route reports (``HookRoute.report``) is passed on as is:
+    an operator can see whether Serve put torpor's middleware in the replica's server."""
+    report = {"webhooks_before_serve": True, "webhooks_taken_before_serve": 3}
+    got = await health_answer(services, None, "9.9", ingress=report)
+    assert got["status_code"] == 200 and got["content"]["ingress"] == report
+    assert "ingress" not in (await answer(services, reconciler=None))["content"]
+
+
 async def test_no_sweep_yet_is_unhealthy_where_a_reconciler_runs(services: Services) -> None:
     got = await answer(services)
     assert got["status_code"] == 503 and got["media_type"] == "application/problem+json"

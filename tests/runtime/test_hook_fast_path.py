@@ -5,6 +5,7 @@ app; refusals are problem+json and audited, as the FastAPI route's are."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from storage.codec import SnapshotCodec
 from storage.snapshots import ObjectSnapshots
 from tests.runtime.test_gateway import JSON, SECRET, SOURCES, body
 from tests.support.harness import Env, local_env
-from torpor.entry.hooks import HookFastPath, HookRoute
+from torpor.entry.hooks import ASGIApp, HookFastPath, HookRoute, ServerHookFastPath
 from torpor.lifecycle import SessionState
 from torpor.models import SCHEMA_VERSION
 from torpor.service.gateway import WebhookGateway
@@ -53,8 +54,21 @@ def bound(env: Env) -> tuple[HookFastPath, Downstream, list[str]]:
     return HookFastPath(app, route=route), app, prepared
 
 
+def server_bound(
+    env: Env, *, prefix: str = "/", limit: int = 200
+) -> tuple[ServerHookFastPath, Downstream, HookRoute]:
+    """The server's fast path (before Serve's wrappers), bound as a replica binds it."""
+    route, app = HookRoute(limit=limit), Downstream()
+
+    async def prepare() -> None:
+        return None
+
+    route.bind(WebhookGateway(env.control), clock=env.clock, prepare=prepare, prefix=prefix)
+    return ServerHookFastPath(app, route=route), app, route
+
+
 async def call(
-    asgi: HookFastPath,
+    asgi: ASGIApp,
     path: str,
     *,
     chunks: list[bytes],
@@ -88,8 +102,10 @@ async def call(
     return start["status"], answer, json.loads(data) if data else None
 
 
-async def signed_answer(env: Env, event_id: str = "e1") -> tuple[str, bytes, dict[str, str]]:
-    sid = await env.submit()
+async def signed_answer(
+    env: Env, event_id: str = "e1", doc: str = "PR-1"
+) -> tuple[str, bytes, dict[str, str]]:
+    sid = await env.submit(doc)
     wait = (await env.load(sid)).waits[0]
     raw = body(wait.correlation_id, event_id)
     return sid, raw, {**sign(Scheme.TORPOR, raw, SECRET, now=env.clock.now()), "Content-Type": JSON}
@@ -211,3 +227,85 @@ async def test_a_session_a_newer_torpor_holds_is_503_and_the_webhook_may_come_ag
     status, _, data = await call(asgi, "/v1/hooks/oa", chunks=[raw], headers=headers)
     assert status == 202 and data["duplicate"] is False
     assert (await env.load(sid)).state is SessionState.COMPLETED
+
+
+async def test_before_serve_routes_it_the_app_prefix_is_in_the_path(env: Env) -> None:
+    """Serve's server sees the whole path: the app's route prefix is still in it (Serve
+    strips it later, into ``root_path``). Only a webhook under the replica's own prefix is
+    taken there; any other goes on, to be routed by Serve as before."""
+    asgi, app, _ = server_bound(env, prefix="/deferred")
+    _, raw, headers = await signed_answer(env)
+    status, _, data = await call(asgi, "/deferred/v1/hooks/oa", chunks=[raw], headers=headers)
+    assert (status, data["outcome"]) == (202, "accepted") and app.paths == []
+    for path in ["/v1/hooks/oa", "/deferredx/v1/hooks/oa", "/deferred/v1/hooks/oa/x"]:
+        assert (await call(asgi, path, chunks=[raw], headers=headers))[0] == 418, path
+    at_root, root_app, _ = server_bound(env)
+    assert (await call(at_root, "/deferred/v1/hooks/oa", chunks=[raw], headers=headers))[0] == 418
+    assert root_app.paths == ["POST /deferred/v1/hooks/oa"]
+    # The server's own root path comes first, as uvicorn puts it in both.
+    _, raw2, headers2 = await signed_answer(env, "e2", doc="PR-2")
+    status, _, _ = await call(
+        asgi, "/edge/deferred/v1/hooks/oa", chunks=[raw2], headers=headers2, root_path="/edge"
+    )
+    assert status == 202
+
+
+async def test_refusals_before_serve_are_problem_json_too(env: Env) -> None:
+    asgi, app, route = server_bound(env)
+    _, raw, headers = await signed_answer(env)
+    forged = {**headers, "X-Torpor-Signature": "0" * 64}
+    status, answer, problem = await call(asgi, "/v1/hooks/oa", chunks=[raw], headers=forged)
+    assert (status, answer["content-type"]) == (401, "application/problem+json")
+    assert problem["instance"] == "/v1/hooks/oa" and app.paths == []
+    assert route.in_flight == 0
+
+
+async def test_past_its_own_bound_a_webhook_goes_serves_way(env: Env) -> None:
+    """Serve's ``max_ongoing_requests`` does not count what the server's middleware takes,
+    so it counts its own: with ``limit`` webhooks in flight there, the next one is handed
+    to Serve (its wrappers, its bound); once one ends, the middleware takes them again."""
+    asgi, app, route = server_bound(env, limit=1)
+    _, raw, headers = await signed_answer(env)
+    _, raw2, headers2 = await signed_answer(env, "e2", doc="PR-2")
+    held, go_on = asyncio.Event(), asyncio.Event()
+    sent: list[dict[str, Any]] = []
+    parts = [raw[:5], raw[5:]]
+
+    async def receive() -> dict[str, Any]:
+        if len(parts) == 1:  # the body's first part read: hold it there
+            held.set()
+            await go_on.wait()
+        chunk = parts.pop(0)
+        return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/hooks/oa",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    first = asyncio.create_task(asgi(scope, receive, send))
+    await asyncio.wait_for(held.wait(), 5)
+    assert route.in_flight == 1
+    assert (await call(asgi, "/v1/hooks/oa", chunks=[raw2], headers=headers2))[0] == 418
+    assert app.paths == ["POST /v1/hooks/oa"]
+    go_on.set()
+    await asyncio.wait_for(first, 10)
+    assert sent[0]["status"] == 202 and route.in_flight == 0
+    assert (await call(asgi, "/v1/hooks/oa", chunks=[raw2], headers=headers2))[0] == 202
+    assert len(app.paths) == 1
+    # What /healthz says: the middleware is in this server, and took two of the three.
+    assert route.report() == {"webhooks_before_serve": True, "webhooks_taken_before_serve": 2}
+
+
+async def test_an_unbound_route_before_serve_passes_everything_on(env: Env) -> None:
+    """Serve's proxy, or another app's replica, runs the same middleware with no gateway."""
+    app = Downstream()
+    asgi = ServerHookFastPath(app, route=HookRoute())
+    assert (await call(asgi, "/v1/hooks/oa", chunks=[b"{}"]))[0] == 418
+    assert app.paths == ["POST /v1/hooks/oa"]

@@ -78,7 +78,7 @@ def counted(
         "WebhookGateway": StandIn,
         "SessionStreams": StandIn,
         "DeliveryWorker": StandIn,
-        "HOOKS": SimpleNamespace(bind=lambda *a, **k: None),
+        "hooks": SimpleNamespace(ROUTE=SimpleNamespace(bind=lambda *a, **k: None)),
         "CONSOLE": SimpleNamespace(bind=lambda deps: None),
         "warm_services": nothing,
         "settle_heap": lambda: None,

@@ -13,6 +13,25 @@ answer. Failures are the same problem+json the app's handlers write
 Anything else, and every request before the replica has bound its gateway
 (:meth:`HookRoute.bind`), goes to the app unchanged; the FastAPI route stays, for the
 OpenAPI document and as that fallback.
+
+Under Serve's HAProxy ingress the replica runs its own HTTP server, and Serve wraps every
+request it hands the app: a request id, its metadata and tracing context, a task that
+watches for the client's disconnect, the ongoing-request accounting and the request
+metrics. A trivial POST costs the replica about 0.24 ms of CPU; those wrappers about
+0.12 ms of it, a quarter of the GIL's time on a webhook. :class:`ServerHookFastPath` takes
+the webhook route *before* them: Serve applies the ASGI middlewares that
+``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names (:func:`serve_middlewares`, set by
+``torpor.entry.ingress`` with HAProxy) around its replica's server. What a webhook there
+does without, and why that is safe:
+
+- Disconnects do not cancel it: a webhook's writes are all-or-retried (a cancelled one
+  is retried by its sender), and it runs to its answer in milliseconds.
+- Serve's ``max_ongoing_requests`` does not count it: this module bounds its own
+  (``HookRoute.limit``), and past the bound a webhook goes Serve's way, counted there.
+- The drain on shutdown still waits for it: Serve stops its server with uvicorn's
+  graceful shutdown, which finishes the requests in flight.
+- Serve's request metrics and access log do not see it; torpor's own do (the gateway's
+  counters and audit record).
 """
 
 from __future__ import annotations
@@ -25,6 +44,7 @@ from datetime import datetime
 from typing import Any
 
 from starlette.datastructures import URL, Headers
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
 
 from torpor.entry.http import PROBLEM, read_limited, redact_path
@@ -56,13 +76,46 @@ class HookRoute:
     """The replica's gateway, bound after the app was built (Serve builds the app at
     import, the services in the replica's constructor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, limit: int = 200) -> None:
         self.bound: _Bound | None = None
+        # Where Serve mounted the app ("/" or "/name"): the server's middleware sees the
+        # whole path, before Serve routes it by this prefix.
+        self.prefix = "/"
+        # Webhooks in flight before Serve's wrappers (Serve does not count them); past
+        # this, they go Serve's way and its own ``max_ongoing_requests`` applies.
+        self.limit = limit
+        self.in_flight = 0
+        # For /healthz: whether Serve put the server's middleware in this process (the
+        # cluster was started with its variable), and how many webhooks it took.
+        self.before_serve = False
+        self.taken_before_serve = 0
 
     def bind(
-        self, gateway: WebhookGateway, *, clock: Clock, prepare: Callable[[], Awaitable[None]]
+        self,
+        gateway: WebhookGateway,
+        *,
+        clock: Clock,
+        prepare: Callable[[], Awaitable[None]],
+        prefix: str = "/",
     ) -> None:
+        if not prefix.startswith("/"):
+            raise ValueError(f"a route prefix starts with '/', not {prefix!r}")
+        self.prefix = prefix
         self.bound = _Bound(gateway, clock, prepare)
+
+    def report(self) -> dict[str, Any]:
+        """What ``/healthz`` says of the webhook path in this replica."""
+        return {
+            "webhooks_before_serve": self.before_serve,
+            "webhooks_taken_before_serve": self.taken_before_serve,
+        }
+
+
+# The replica's one webhook route: a Serve replica is a process of its own, and the
+# server's middleware (made by Serve from an import path) finds it here. Looked up when a
+# request comes, never held: Serve ships the app to the replica pickled, and a route the
+# app held would arrive there as a copy, bound by nobody.
+ROUTE = HookRoute()
 
 
 def source_of(scope: Scope) -> str | None:
@@ -79,51 +132,108 @@ def source_of(scope: Scope) -> str | None:
     return source if source and "/" not in source else None
 
 
+def server_source_of(scope: Scope, prefix: str) -> str | None:
+    """As :func:`source_of`, for a request Serve has not routed yet: its path still holds
+    the server's root path and the app's route ``prefix``."""
+    if scope["type"] != "http" or scope["method"] != "POST":
+        return None
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    mount = prefix.rstrip("/")
+    if mount:
+        if not path.startswith(mount):
+            return None
+        path = path[len(mount) :]
+    if not path.startswith(PREFIX):
+        return None
+    source = path[len(PREFIX) :]
+    return source if source and "/" not in source else None
+
+
 class HookFastPath:
     """ASGI middleware: the webhook route, bare; everything else to ``app``."""
 
-    def __init__(self, app: ASGIApp, *, route: HookRoute) -> None:
+    def __init__(self, app: ASGIApp, *, route: HookRoute | None = None) -> None:
         self.app = app
-        self.route = route
+        self.route = route  # None: the process's ROUTE, looked up at each request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        bound = self.route.bound
+        bound = (ROUTE if self.route is None else self.route).bound
         source = source_of(scope) if bound is not None else None
         if bound is None or source is None:
             await self.app(scope, receive, send)
             return
-        try:
-            status, body = await self._answer(bound, source, scope, receive)
-            data = _render(body)  # in here: a body that does not render is a 500 problem
-        except ClientDisconnect:
-            return  # the sender is gone: nobody to answer, nothing was stored
-        except TorporError as exc:
-            spec = problem_for(exc)
-            if spec.status >= 500:
-                log.error("request failed: %s", exc, exc_info=exc)
-            await _send_problem(spec, scope, send)
-            return
-        except Exception:
-            log.exception("unhandled error on %s", redact_path(URL(scope=scope).path))
-            await _send_problem(problem(500, "internal", "Internal error"), scope, send)
-            return
-        await _send(send, status, data)
+        await _serve(bound, source, scope, receive, send)
 
-    async def _answer(
-        self, bound: _Bound, source: str, scope: Scope, receive: Receive
-    ) -> tuple[int, dict[str, Any]]:
-        gateway = bound.gateway
-        config = gateway.source(source)
-        now = bound.clock.now()
-        # Starlette's Headers: its items() keeps every duplicate, so the verifier can
-        # refuse two conflicting signature headers instead of seeing one.
-        headers = Headers(scope=scope)
-        body = await _read_audited(
-            receive, headers, config.max_body_bytes, gateway=gateway, source=source, now=now
-        )
-        await bound.prepare()
-        result = await gateway.receive(source, body, headers, now=now)
-        return result.status, result.body
+
+class ServerHookFastPath:
+    """ASGI middleware around the replica's HTTP server: the webhook route before Serve's
+    per-request wrappers (the module's docstring says what it does without)."""
+
+    def __init__(self, app: ASGIApp, *, route: HookRoute | None = None) -> None:
+        self.app = app
+        self.route = route  # None: the process's ROUTE, looked up at each request
+        (ROUTE if route is None else route).before_serve = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = ROUTE if self.route is None else self.route
+        bound = route.bound
+        source = server_source_of(scope, route.prefix) if bound is not None else None
+        if bound is None or source is None or route.in_flight >= route.limit:
+            await self.app(scope, receive, send)
+            return
+        route.taken_before_serve += 1
+        route.in_flight += 1
+        try:
+            await _serve(bound, source, scope, receive, send)
+        finally:
+            route.in_flight -= 1
+
+
+def serve_middlewares() -> list[Middleware]:
+    """What ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names: the middlewares Serve puts
+    around the HTTP servers it starts (its proxy's and, under HAProxy, each ingress
+    replica's). In a process with no bound route (the proxy, another app's replica) the
+    middleware passes every request on."""
+    return [Middleware(ServerHookFastPath)]
+
+
+async def _serve(bound: _Bound, source: str, scope: Scope, receive: Receive, send: Send) -> None:
+    try:
+        status, body = await _answer(bound, source, scope, receive)
+        data = _render(body)  # in here: a body that does not render is a 500 problem
+    except ClientDisconnect:
+        return  # the sender is gone: nobody to answer, nothing was stored
+    except TorporError as exc:
+        spec = problem_for(exc)
+        if spec.status >= 500:
+            log.error("request failed: %s", exc, exc_info=exc)
+        await _send_problem(spec, scope, send)
+        return
+    except Exception:
+        log.exception("unhandled error on %s", redact_path(URL(scope=scope).path))
+        await _send_problem(problem(500, "internal", "Internal error"), scope, send)
+        return
+    await _send(send, status, data)
+
+
+async def _answer(
+    bound: _Bound, source: str, scope: Scope, receive: Receive
+) -> tuple[int, dict[str, Any]]:
+    gateway = bound.gateway
+    config = gateway.source(source)
+    now = bound.clock.now()
+    # Starlette's Headers: its items() keeps every duplicate, so the verifier can
+    # refuse two conflicting signature headers instead of seeing one.
+    headers = Headers(scope=scope)
+    body = await _read_audited(
+        receive, headers, config.max_body_bytes, gateway=gateway, source=source, now=now
+    )
+    await bound.prepare()
+    result = await gateway.receive(source, body, headers, now=now)
+    return result.status, result.body
 
 
 async def _read_audited(

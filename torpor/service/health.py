@@ -10,7 +10,7 @@ never a hung health check. The sweep check reads the time of the last complete s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -68,10 +68,16 @@ async def check_health(services: Services, *, now: datetime, sweeps: bool) -> He
     return Health(problems, age, warnings)
 
 
-async def health_answer(services: Services, reconciler: object, version: str) -> dict[str, Any]:
+async def health_answer(
+    services: Services,
+    reconciler: object,
+    version: str,
+    ingress: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """``/healthz`` as keyword arguments of a JSON response: 200 when healthy, else 503
     problem+json naming what is down. The sweep age counts only where this app runs a
-    reconciler (``reconciler`` is its handle, or None)."""
+    reconciler (``reconciler`` is its handle, or None). ``ingress``: what the edge says
+    of its own paths, reported as is."""
     now = services.clock.now()
     health = await check_health(services, now=now, sweeps=reconciler is not None)
     if health.ok:
@@ -84,6 +90,8 @@ async def health_answer(services: Services, reconciler: object, version: str) ->
             "audit_ok": services.audit.healthy,
             "warnings": health.warnings,
         }
+        if ingress is not None:
+            content["ingress"] = dict(ingress)
         return {"content": content, "status_code": 200}
     detail = "; ".join(health.problems + health.warnings)
     spec = ProblemSpec(503, "unhealthy", "Unhealthy", detail, UNAVAILABLE_RETRY_AFTER_S)
