@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,7 +34,7 @@ from typing import Any, BinaryIO
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from torpor.entry.ingress import USER_LOOP  # noqa: E402
+from torpor.entry.ingress import HOOKS_FIRST, SERVER_MIDDLEWARES, USER_LOOP  # noqa: E402
 
 REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 SECRET = "b" * 64
@@ -567,6 +568,7 @@ async def child(
             Settings.build({**config, "max_inflight_activations": 0}),
             start_reconciler=False,
             replicas=replicas,
+            route_prefix="/deferred",
         ),
         name="deferred",
         route_prefix="/deferred",
@@ -660,6 +662,10 @@ async def child(
     if spy is not None:
         spy.wait(timeout=60)
 
+    # Which way each app's replica took its webhooks (its /healthz says).
+    edge = {
+        app: edge_report(base + path) for app, path in (("torpor", ""), ("deferred", "/deferred"))
+    }
     await services.close()
     serve.shutdown()
     ray.shutdown()
@@ -678,7 +684,15 @@ async def child(
         "ahead": ahead,
         "sender_nice": sender_nice,
         "offcpu": recorded,
+        "edge": edge,
     }
+
+
+def edge_report(app_url: str) -> dict[str, Any]:
+    """What the app's /healthz says of its webhook path (``torpor.entry.hooks``)."""
+    with urllib.request.urlopen(app_url + "/healthz", timeout=10) as answer:
+        report: dict[str, Any] = json.loads(answer.read()).get("ingress", {})
+    return report
 
 
 def main() -> None:
@@ -694,6 +708,12 @@ def main() -> None:
         " .gil. in it: only the thread holding the GIL)",
     )
     parser.add_argument("--replicas", type=int, default=1, help="ingress replicas per app")
+    parser.add_argument(
+        "--serve-wrapped",
+        action="store_true",
+        help="webhooks through Serve's per-request wrappers, as before torpor took them"
+        " in the replica's server (HAProxy only; for a comparison)",
+    )
     parser.add_argument(
         "--settle-s",
         type=float,
@@ -744,6 +764,7 @@ def main() -> None:
         print("JSON " + json.dumps(result), flush=True)
         return
     proxies = ["default", "haproxy"] if args.proxy == "both" else [args.proxy]
+    failed = False
     if args.offcpu:
         # Before minutes of setup: perf, and the scheduler's tracepoint it records.
         events = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
@@ -759,6 +780,9 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), USER_LOOP: os.environ.get(USER_LOOP, "0")}
         if proxy == "haproxy":
             env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+            # As `torpor serve` has it (``choose_ingress``): webhooks before Serve's wrappers.
+            if not args.serve_wrapped:
+                env.setdefault(SERVER_MIDDLEWARES, HOOKS_FIRST)
         started = time.perf_counter()
         out = subprocess.run(
             [
@@ -801,6 +825,16 @@ def main() -> None:
             f"{health['rps']:.0f} req/s ({time.perf_counter() - started:.0f} s)"
         )
         print(f"  CPU ms per trivial POST by process: {noop['cpu']}")
+        taken = {app: e.get("webhooks_taken_before_serve", 0) for app, e in r["edge"].items()}
+        print(
+            "  webhooks answered before Serve's per-request wrappers: "
+            + ", ".join(f"{app} app {n}" for app, n in taken.items())
+        )
+        if proxy == "haproxy" and not args.serve_wrapped and not all(taken.values()):
+            # torpor serve's path under HAProxy: a run that did not take it measured
+            # something else (the replica lost its middleware, or the route its binding).
+            failed = True
+            print("  FAILED: an app took no webhook before Serve's wrappers", flush=True)
         targets = {"accept": 50, "full": 25} if proxy == "haproxy" else {}
         for phase, label in (
             ("accept", "webhook -> 202, activation deferred"),
@@ -864,6 +898,8 @@ def main() -> None:
                 )
         if r.get("offcpu"):
             print(f"  {r['offcpu']}", flush=True)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

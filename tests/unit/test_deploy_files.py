@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from serve_app import AppArgs
+from torpor.entry.ingress import HOOKS_FIRST, SERVER_MIDDLEWARES
 from torpor.settings import Placement, Settings, load_toml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,7 @@ def test_cluster_yaml_is_a_launcher_config_that_installs_torpor() -> None:
         # would not open the port HAProxy routes to.
         assert any("RAY_SERVE_ENABLE_HA_PROXY=1" in c for c in config[node])
         assert any("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0" in c for c in config[node])
+        assert any(f"{SERVER_MIDDLEWARES}={HOOKS_FIRST}" in c for c in config[node])
     assert any("ray start --address" in c for c in config["worker_start_ray_commands"])
     assert "." in config["file_mounts"].values()
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torpor.entry.ingress import BINARY, FLAG, USER_LOOP, choose_ingress, restore
+from torpor.entry.ingress import (
+    BINARY,
+    FLAG,
+    HOOKS_FIRST,
+    SERVER_MIDDLEWARES,
+    USER_LOOP,
+    choose_ingress,
+    restore,
+)
 
 
 def test_haproxy_is_switched_on_when_installed(tmp_path: Path) -> None:
@@ -15,6 +23,35 @@ def test_haproxy_is_switched_on_when_installed(tmp_path: Path) -> None:
     ingress = choose_ingress(env)
     assert ingress.haproxy and env[FLAG] == "1" and str(binary) in ingress.message
     assert ingress.label == "HAProxy ingress"
+    # The replicas' own servers take webhooks before Serve's wrappers (torpor.entry.hooks).
+    assert env[SERVER_MIDDLEWARES] == HOOKS_FIRST
+
+
+def test_the_server_middleware_is_named_only_for_haproxy_and_never_over_the_operators(
+    tmp_path: Path,
+) -> None:
+    without = {BINARY: str(tmp_path / "missing")}
+    choose_ingress(without, which=lambda _: None)
+    assert SERVER_MIDDLEWARES not in without
+    theirs = {FLAG: "1", SERVER_MIDDLEWARES: "their.module:middlewares"}
+    assert choose_ingress(theirs).haproxy
+    assert theirs[SERVER_MIDDLEWARES] == "their.module:middlewares"
+    chosen = {FLAG: "1"}  # HAProxy switched on by the operator: torpor's middleware still
+    assert choose_ingress(chosen).haproxy and chosen[SERVER_MIDDLEWARES] == HOOKS_FIRST
+
+
+def test_the_named_middleware_is_torpors_server_fast_path() -> None:
+    """What Serve imports from the name: a list of Starlette middlewares, as its check
+    of the callback's answer wants, whose one entry is the server's fast path."""
+    from ray.serve._private.http_util import validate_http_proxy_callback_return
+    from ray.serve._private.utils import call_function_from_import_path
+
+    from torpor.entry.hooks import ROUTE, ServerHookFastPath
+
+    (middleware,) = validate_http_proxy_callback_return(call_function_from_import_path(HOOKS_FIRST))
+    made = middleware.cls(None, *middleware.args, **middleware.kwargs)
+    # No route of its own: the process's ROUTE, which the replica's constructor binds.
+    assert isinstance(made, ServerHookFastPath) and made.route is None and ROUTE.bound is None
 
 
 def test_without_haproxy_the_default_proxy_is_said_plainly(tmp_path: Path) -> None:
@@ -49,6 +86,6 @@ def test_a_demo_run_leaves_the_environment_as_it_was(tmp_path: Path) -> None:
     env = {BINARY: str(binary)}
     before = dict(env)
     ingress = choose_ingress(env)
-    assert env[FLAG] == "1" and env[USER_LOOP] == "0"
+    assert env[FLAG] == "1" and env[USER_LOOP] == "0" and env[SERVER_MIDDLEWARES] == HOOKS_FIRST
     restore(ingress, env)
     assert env == before

@@ -17,6 +17,10 @@ and back, which cost a trivial POST 0.4 ms of the replica's CPU (0.8 → 0.4 ms;
 0.59 ms p50 one at a time, 2,812 → 3,733 req/s under load) and a webhook 0.5 ms of its
 latency. The second loop protects a replica from handlers that block; ours never do
 (storage calls that block run on worker threads, ``storage.blocking``).
+
+With HAProxy it also names torpor's middleware for the replicas' own HTTP servers
+(``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``, unless the operator named one): a
+webhook is then answered before Serve's per-request wrappers (``torpor.entry.hooks``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 _SERVE_CONSTANTS = "ray.serve._private.constants"
 BINARY = "RAY_SERVE_HAPROXY_BINARY_PATH"
 USER_LOOP = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
+SERVER_MIDDLEWARES = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+HOOKS_FIRST = "torpor.entry.hooks:serve_middlewares"
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,9 @@ def choose_ingress(
         why = "Serve was loaded before the ingress was chosen"
         return Ingress(on, f"ingress: {how} ({why})", why=why)
     ingress = _proxy(env, which)
+    if ingress.haproxy and SERVER_MIDDLEWARES not in env:  # else the operator's own
+        env[SERVER_MIDDLEWARES] = HOOKS_FIRST
+        ingress = replace(ingress, changed=((SERVER_MIDDLEWARES, None), *ingress.changed))
     if USER_LOOP in env:  # the operator's choice
         return ingress
     env[USER_LOOP] = "0"
