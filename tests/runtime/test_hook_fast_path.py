@@ -309,3 +309,28 @@ async def test_an_unbound_route_before_serve_passes_everything_on(env: Env) -> N
     asgi = ServerHookFastPath(app, route=HookRoute())
     assert (await call(asgi, "/v1/hooks/oa", chunks=[b"{}"]))[0] == 418
     assert app.paths == ["POST /v1/hooks/oa"]
+
+
+async def test_the_app_as_serve_ships_it_reads_the_route_the_replica_binds(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Serve pickles the ingress's app to the replica, and the replica's constructor binds
+    the route there. A route the app's middleware held would arrive as a copy nobody
+    binds (the first version of the server's path: every webhook went Serve's way); the
+    middleware reads the module's route instead, as the server's middleware does."""
+    from ray import cloudpickle
+
+    import serve_app
+    from torpor.entry import hooks
+
+    monkeypatch.setattr(hooks, "ROUTE", HookRoute())  # this test's replica
+    shipped = cloudpickle.loads(cloudpickle.dumps(serve_app.api))
+
+    async def prepare() -> None:
+        return None
+
+    hooks.ROUTE.bind(WebhookGateway(env.control), clock=env.clock, prepare=prepare)
+    sid, raw, headers = await signed_answer(env)
+    status, _, data = await call(shipped, "/v1/hooks/oa", chunks=[raw], headers=headers)
+    assert (status, data["outcome"]) == (202, "accepted")
+    assert (await env.load(sid)).state is SessionState.COMPLETED
