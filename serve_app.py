@@ -94,8 +94,8 @@ api.add_middleware(HeadAsGet)
 # below until then. Under HAProxy, Serve's server in the replica takes it sooner
 # (``ServerHookFastPath``, the same route).
 api.add_middleware(HookFastPath)
-# Serve's default for the replica; the webhooks taken before Serve's wrappers have the
-# same bound of their own (``HookRoute.limit``).
+# The replica's bound (a Serve config may set another); the webhooks taken before
+# Serve's wrappers have one of their own, bound to the same figure (``HookRoute.limit``).
 MAX_ONGOING_REQUESTS = 200
 
 
@@ -140,6 +140,7 @@ class Ingress:
             clock=services.clock,
             prepare=lambda: ensure_conditional_writes(services),
             prefix=route_prefix,
+            limit=MAX_ONGOING_REQUESTS,
         )
         self.streams = SessionStreams(
             self.control, max_per_tenant=settings.security.max_streams_per_tenant
@@ -549,6 +550,9 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     config: str | None = Field(None, description="TOML configuration; else $TORPOR_CONFIG")
+    route_prefix: str = Field(
+        "/", description="the application's route_prefix in the same Serve config"
+    )
 
 
 def application(
@@ -579,4 +583,4 @@ def application(
 def build_app(args: AppArgs) -> Application:
     """Serve's application builder: ``serve run serve_app:build_app config=torpor.toml``."""
     Settings.from_env(config_path=args.config)  # fail here on a bad file, not in a replica
-    return application(ConfigRef.from_file(args.config))
+    return application(ConfigRef.from_file(args.config), route_prefix=args.route_prefix)

@@ -6,6 +6,7 @@ app; refusals are problem+json and audited, as the FastAPI route's are."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -253,11 +254,45 @@ async def test_before_serve_routes_it_the_app_prefix_is_in_the_path(env: Env) ->
 async def test_refusals_before_serve_are_problem_json_too(env: Env) -> None:
     asgi, app, route = server_bound(env)
     _, raw, headers = await signed_answer(env)
-    forged = {**headers, "X-Torpor-Signature": "0" * 64}
+    forged = {**headers, "X-Torpor-Signature": "0" * 64, "X-Request-ID": "rid-1"}
     status, answer, problem = await call(asgi, "/v1/hooks/oa", chunks=[raw], headers=forged)
     assert (status, answer["content-type"]) == (401, "application/problem+json")
     assert problem["instance"] == "/v1/hooks/oa" and app.paths == []
     assert route.in_flight == 0
+    assert answer["x-request-id"] == "rid-1"
+
+
+async def test_the_answer_before_serve_carries_the_request_id_serve_would_have_set(
+    env: Env,
+) -> None:
+    """Serve's own middleware (which answers ``X-Request-ID``) runs inside the server's:
+    the webhook's answer echoes the id HAProxy set on the request, or a fresh one."""
+    asgi, _, _ = server_bound(env)
+    _, raw, headers = await signed_answer(env)
+    given = {**headers, "X-Request-ID": "from-haproxy"}
+    status, answer, _ = await call(asgi, "/v1/hooks/oa", chunks=[raw], headers=given)
+    assert (status, answer["x-request-id"]) == (202, "from-haproxy")
+    _, raw2, headers2 = await signed_answer(env, "e2", doc="PR-2")
+    status, answer, _ = await call(asgi, "/v1/hooks/oa", chunks=[raw2], headers=headers2)
+    assert status == 202 and len(answer["x-request-id"]) == 36  # a fresh uuid, as Serve's
+
+
+async def test_a_server_on_another_loop_than_the_services_hands_webhooks_to_serve(
+    env: Env,
+) -> None:
+    """With Serve's user code on a thread of its own, the replica's server runs another
+    loop than the one the services (their connections) were opened on: the middleware
+    passes the webhook on, to be handled on the services' loop by Serve's path."""
+    asgi, app, route = server_bound(env)
+    other = asyncio.new_event_loop()
+    try:
+        assert route.bound is not None
+        route.bound = dataclasses.replace(route.bound, loop=other)  # bound over there
+        _, raw, headers = await signed_answer(env)
+        assert (await call(asgi, "/v1/hooks/oa", chunks=[raw], headers=headers))[0] == 418
+        assert app.paths == ["POST /v1/hooks/oa"] and route.taken_before_serve == 0
+    finally:
+        other.close()
 
 
 async def test_past_its_own_bound_a_webhook_goes_serves_way(env: Env) -> None:
@@ -300,7 +335,11 @@ async def test_past_its_own_bound_a_webhook_goes_serves_way(env: Env) -> None:
     assert (await call(asgi, "/v1/hooks/oa", chunks=[raw2], headers=headers2))[0] == 202
     assert len(app.paths) == 1
     # What /healthz says: the middleware is in this server, and took two of the three.
-    assert route.report() == {"webhooks_before_serve": True, "webhooks_taken_before_serve": 2}
+    assert route.report() == {
+        "webhooks_before_serve": True,
+        "webhooks_taken_before_serve": 2,
+        "route_prefix": "/",
+    }
 
 
 async def test_an_unbound_route_before_serve_passes_everything_on(env: Env) -> None:

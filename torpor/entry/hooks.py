@@ -30,14 +30,26 @@ does without, and why that is safe:
   (``HookRoute.limit``), and past the bound a webhook goes Serve's way, counted there.
 - The drain on shutdown still waits for it: Serve stops its server with uvicorn's
   graceful shutdown, which finishes the requests in flight.
-- Serve's request metrics and access log do not see it; torpor's own do (the gateway's
-  counters and audit record).
+- Serve's request metrics, access log, request context (the request id on its log
+  lines) and tracing span do not see it, nor does the running-request count its
+  autoscaler reads (torpor's deployment does not autoscale); torpor's own metrics, audit
+  record and spans do. Serve's own middleware, which sets ``X-Request-ID`` on answers,
+  runs inside this one, so the answer echoes the id HAProxy set on the request.
+- It runs on the loop the replica's constructor bound it on, or not at all: with Serve's
+  user code on a thread of its own (``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`` not
+  0) the server's loop is another one, and webhooks go Serve's way.
+
+Serve imports the middleware in every process where it starts an HTTP server (its proxy,
+every app's ingress replicas), so torpor must be importable there; where no route is
+bound it passes every request on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -62,6 +74,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PREFIX = "/v1/hooks/"
+# Serve's deployment default in serve_app (MAX_ONGOING_REQUESTS), which binds its own.
+DEFAULT_LIMIT = 200
+REQUEST_ID = b"x-request-id"  # Serve's header (RequestIdMiddleware), set by its HAProxy
 
 
 @dataclass(frozen=True)
@@ -70,19 +85,22 @@ class _Bound:
     clock: Clock
     # Before the first write that relies on them: the store honours conditional writes.
     prepare: Callable[[], Awaitable[None]]
+    # The loop the services were opened on: their connections belong to it.
+    loop: asyncio.AbstractEventLoop | None = None
 
 
 class HookRoute:
     """The replica's gateway, bound after the app was built (Serve builds the app at
     import, the services in the replica's constructor)."""
 
-    def __init__(self, *, limit: int = 200) -> None:
+    def __init__(self, *, limit: int = DEFAULT_LIMIT) -> None:
         self.bound: _Bound | None = None
         # Where Serve mounted the app ("/" or "/name"): the server's middleware sees the
         # whole path, before Serve routes it by this prefix.
         self.prefix = "/"
         # Webhooks in flight before Serve's wrappers (Serve does not count them); past
-        # this, they go Serve's way and its own ``max_ongoing_requests`` applies.
+        # this, they go Serve's way and its own ``max_ongoing_requests`` applies: the
+        # replica holds at most the two bounds together.
         self.limit = limit
         self.in_flight = 0
         # For /healthz: whether Serve put the server's middleware in this process (the
@@ -97,17 +115,22 @@ class HookRoute:
         clock: Clock,
         prepare: Callable[[], Awaitable[None]],
         prefix: str = "/",
+        limit: int | None = None,
     ) -> None:
+        """Called on the loop the services run on (the replica's constructor)."""
         if not prefix.startswith("/"):
             raise ValueError(f"a route prefix starts with '/', not {prefix!r}")
         self.prefix = prefix
-        self.bound = _Bound(gateway, clock, prepare)
+        if limit is not None:
+            self.limit = limit
+        self.bound = _Bound(gateway, clock, prepare, asyncio.get_running_loop())
 
     def report(self) -> dict[str, Any]:
         """What ``/healthz`` says of the webhook path in this replica."""
         return {
             "webhooks_before_serve": self.before_serve,
             "webhooks_taken_before_serve": self.taken_before_serve,
+            "route_prefix": self.prefix,
         }
 
 
@@ -165,7 +188,7 @@ class HookFastPath:
         if bound is None or source is None:
             await self.app(scope, receive, send)
             return
-        await _serve(bound, source, scope, receive, send)
+        await _serve(bound, source, scope, receive, send, ())
 
 
 class ServerHookFastPath:
@@ -181,15 +204,29 @@ class ServerHookFastPath:
         route = ROUTE if self.route is None else self.route
         bound = route.bound
         source = server_source_of(scope, route.prefix) if bound is not None else None
-        if bound is None or source is None or route.in_flight >= route.limit:
+        if (
+            bound is None
+            or source is None
+            or route.in_flight >= route.limit
+            or bound.loop is not asyncio.get_running_loop()
+        ):
             await self.app(scope, receive, send)
             return
         route.taken_before_serve += 1
         route.in_flight += 1
         try:
-            await _serve(bound, source, scope, receive, send)
+            await _serve(bound, source, scope, receive, send, ((REQUEST_ID, _request_id(scope)),))
         finally:
             route.in_flight -= 1
+
+
+def _request_id(scope: Scope) -> bytes:
+    """The request's id, as Serve's middleware (inside this one) would answer it: the
+    one HAProxy set, else a fresh one."""
+    for name, value in scope["headers"]:
+        if name == REQUEST_ID:
+            return bytes(value)
+    return str(uuid.uuid4()).encode()
 
 
 def serve_middlewares() -> list[Middleware]:
@@ -200,7 +237,14 @@ def serve_middlewares() -> list[Middleware]:
     return [Middleware(ServerHookFastPath)]
 
 
-async def _serve(bound: _Bound, source: str, scope: Scope, receive: Receive, send: Send) -> None:
+async def _serve(
+    bound: _Bound,
+    source: str,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    extra: tuple[tuple[bytes, bytes], ...],
+) -> None:
     try:
         status, body = await _answer(bound, source, scope, receive)
         data = _render(body)  # in here: a body that does not render is a 500 problem
@@ -210,13 +254,13 @@ async def _serve(bound: _Bound, source: str, scope: Scope, receive: Receive, sen
         spec = problem_for(exc)
         if spec.status >= 500:
             log.error("request failed: %s", exc, exc_info=exc)
-        await _send_problem(spec, scope, send)
+        await _send_problem(spec, scope, send, extra)
         return
     except Exception:
         log.exception("unhandled error on %s", redact_path(URL(scope=scope).path))
-        await _send_problem(problem(500, "internal", "Internal error"), scope, send)
+        await _send_problem(problem(500, "internal", "Internal error"), scope, send, extra)
         return
-    await _send(send, status, data)
+    await _send(send, status, data, extra=extra)
 
 
 async def _answer(
@@ -274,18 +318,21 @@ async def _send(
     data: bytes,
     *,
     media_type: str = "application/json",
-    extra: list[tuple[bytes, bytes]] | None = None,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
 ) -> None:
     headers = [
         (b"content-length", str(len(data)).encode()),
         (b"content-type", media_type.encode()),
-        *(extra or []),
+        *extra,
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 
 
-async def _send_problem(spec: ProblemSpec, scope: Scope, send: Send) -> None:
-    extra = [(b"retry-after", str(spec.retry_after).encode())] if spec.retry_after else None
+async def _send_problem(
+    spec: ProblemSpec, scope: Scope, send: Send, extra: tuple[tuple[bytes, bytes], ...]
+) -> None:
+    if spec.retry_after:
+        extra = ((b"retry-after", str(spec.retry_after).encode()), *extra)
     body = _render(spec.body(redact_path(URL(scope=scope).path)))
     await _send(send, spec.status, body, media_type=PROBLEM, extra=extra)
