@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from serve_app import AppArgs
-from torpor.entry.ingress import HOOKS_FIRST, SERVER_MIDDLEWARES
+from torpor.entry.ingress import HOOKS_FIRST, SERVER_MIDDLEWARES, USER_LOOP
 from torpor.settings import Placement, Settings, load_toml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,16 @@ def test_rayservice_manifest_embeds_a_valid_serve_config() -> None:
     assert app["import_path"] == "serve_app:build_app"
     assert AppArgs.model_validate(app["args"]).config == "/etc/torpor/torpor.toml"
     cluster = service["spec"]["rayClusterConfig"]
-    assert cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    env = {
+        e["name"]: e.get("value")
+        for e in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    # HAProxy, the app on the replica's loop, and webhooks before Serve's wrappers: on
+    # every pod (the workers share the head's list).
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env[USER_LOOP] == "0"
+    assert env[SERVER_MIDDLEWARES] == HOOKS_FIRST
+    worker_env = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+    assert {e["name"]: e.get("value") for e in worker_env} == env
     assert cluster["workerGroupSpecs"][0]["maxReplicas"] >= 1
     config_map = next(d for d in docs if d["kind"] == "ConfigMap")
     import tomllib

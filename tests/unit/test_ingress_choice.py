@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from torpor.entry.ingress import (
     BINARY,
     FLAG,
@@ -38,20 +40,28 @@ def test_the_server_middleware_is_named_only_for_haproxy_and_never_over_the_oper
     assert theirs[SERVER_MIDDLEWARES] == "their.module:middlewares"
     chosen = {FLAG: "1"}  # HAProxy switched on by the operator: torpor's middleware still
     assert choose_ingress(chosen).haproxy and chosen[SERVER_MIDDLEWARES] == HOOKS_FIRST
+    # The app on a thread of its own (the operator's choice): the server's loop is not
+    # the services', so webhooks stay Serve's way and the middleware is not named.
+    threaded = {FLAG: "1", USER_LOOP: "1"}
+    assert choose_ingress(threaded).haproxy and SERVER_MIDDLEWARES not in threaded
 
 
-def test_the_named_middleware_is_torpors_server_fast_path() -> None:
+def test_the_named_middleware_is_torpors_server_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """What Serve imports from the name: a list of Starlette middlewares, as its check
     of the callback's answer wants, whose one entry is the server's fast path."""
     from ray.serve._private.http_util import validate_http_proxy_callback_return
     from ray.serve._private.utils import call_function_from_import_path
 
-    from torpor.entry.hooks import ROUTE, ServerHookFastPath
+    from torpor.entry import hooks
+    from torpor.entry.hooks import HookRoute, ServerHookFastPath
+
+    monkeypatch.setattr(hooks, "ROUTE", HookRoute())  # not the process's own, marked below
 
     (middleware,) = validate_http_proxy_callback_return(call_function_from_import_path(HOOKS_FIRST))
     made = middleware.cls(None, *middleware.args, **middleware.kwargs)
     # No route of its own: the process's ROUTE, which the replica's constructor binds.
-    assert isinstance(made, ServerHookFastPath) and made.route is None and ROUTE.bound is None
+    assert isinstance(made, ServerHookFastPath) and made.route is None
+    assert hooks.ROUTE.before_serve  # what /healthz reports: Serve made it in this process
 
 
 def test_without_haproxy_the_default_proxy_is_said_plainly(tmp_path: Path) -> None:

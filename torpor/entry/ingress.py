@@ -95,13 +95,16 @@ def choose_ingress(
         why = "Serve was loaded before the ingress was chosen"
         return Ingress(on, f"ingress: {how} ({why})", why=why)
     ingress = _proxy(env, which)
-    if ingress.haproxy and SERVER_MIDDLEWARES not in env:  # else the operator's own
+    changed = list(ingress.changed)
+    if USER_LOOP not in env:  # else the operator's choice
+        env[USER_LOOP] = "0"
+        changed.append((USER_LOOP, None))
+    # Only where the app runs on the server's loop (``torpor.entry.hooks``), and never
+    # over a callback the operator named.
+    if ingress.haproxy and env[USER_LOOP] == "0" and SERVER_MIDDLEWARES not in env:
         env[SERVER_MIDDLEWARES] = HOOKS_FIRST
-        ingress = replace(ingress, changed=((SERVER_MIDDLEWARES, None), *ingress.changed))
-    if USER_LOOP in env:  # the operator's choice
-        return ingress
-    env[USER_LOOP] = "0"
-    return replace(ingress, changed=((USER_LOOP, None), *ingress.changed))
+        changed.append((SERVER_MIDDLEWARES, None))
+    return replace(ingress, changed=tuple(changed))
 
 
 def _proxy(env: MutableMapping[str, str], which: Callable[[str], str | None]) -> Ingress:
