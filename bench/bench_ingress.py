@@ -825,16 +825,16 @@ def main() -> None:
             f"{health['rps']:.0f} req/s ({time.perf_counter() - started:.0f} s)"
         )
         print(f"  CPU ms per trivial POST by process: {noop['cpu']}")
-        taken = {app: e.get("webhooks_taken_before_serve", 0) for app, e in r["edge"].items()}
+        taking = {app: bool(e.get("webhooks_before_serve")) for app, e in r["edge"].items()}
         print(
-            "  webhooks answered before Serve's per-request wrappers: "
-            + ", ".join(f"{app} app {n}" for app, n in taken.items())
+            "  webhooks answered before Serve's per-request wrappers (each app's /healthz): "
+            + ", ".join(f"{app} app {'yes' if on else 'no'}" for app, on in taking.items())
         )
-        if proxy == "haproxy" and not args.serve_wrapped and not all(taken.values()):
+        if proxy == "haproxy" and not args.serve_wrapped and not all(taking.values()):
             # torpor serve's path under HAProxy: a run that did not take it measured
             # something else (the replica lost its middleware, or the route its binding).
             failed = True
-            print("  FAILED: an app took no webhook before Serve's wrappers", flush=True)
+            print("  FAILED: an app's server does not take webhooks before Serve", flush=True)
         targets = {"accept": 50, "full": 25} if proxy == "haproxy" else {}
         for phase, label in (
             ("accept", "webhook -> 202, activation deferred"),

@@ -44,7 +44,7 @@ async def test_healthy_once_a_sweep_completed(services: Services) -> None:
 async def test_the_edge_says_which_way_its_webhooks_went(services: Services) -> None:
     """What the replica's webhook route reports (``HookRoute.report``) is passed on as is:
     an operator can see whether Serve put torpor's middleware in the replica's server."""
-    report = {"webhooks_before_serve": True, "webhooks_taken_before_serve": 3}
+    report = {"webhooks_before_serve": True, "route_prefix": "/"}
     got = await health_answer(services, None, "9.9", ingress=report)
     assert got["status_code"] == 200 and got["content"]["ingress"] == report
     assert "ingress" not in (await answer(services, reconciler=None))["content"]
