@@ -55,16 +55,16 @@ def bound(env: Env) -> tuple[HookFastPath, Downstream, list[str]]:
     return HookFastPath(app, route=route), app, prepared
 
 
+async def ready() -> None:
+    """A store already checked for conditional writes (``HookRoute.bind``'s ``prepare``)."""
+
+
 def server_bound(
     env: Env, *, prefix: str = "/", limit: int = 200
 ) -> tuple[ServerHookFastPath, Downstream, HookRoute]:
     """The server's fast path (before Serve's wrappers), bound as a replica binds it."""
     route, app = HookRoute(limit=limit), Downstream()
-
-    async def prepare() -> None:
-        return None
-
-    route.bind(WebhookGateway(env.control), clock=env.clock, prepare=prepare, prefix=prefix)
+    route.bind(WebhookGateway(env.control), clock=env.clock, prepare=ready, prefix=prefix)
     return ServerHookFastPath(app, route=route), app, route
 
 
@@ -361,11 +361,7 @@ async def test_the_app_as_serve_ships_it_reads_the_route_the_replica_binds(
 
     monkeypatch.setattr(hooks, "ROUTE", HookRoute())  # this test's replica
     shipped = cloudpickle.loads(cloudpickle.dumps(serve_app.api))
-
-    async def prepare() -> None:
-        return None
-
-    hooks.ROUTE.bind(WebhookGateway(env.control), clock=env.clock, prepare=prepare)
+    hooks.ROUTE.bind(WebhookGateway(env.control), clock=env.clock, prepare=ready)
     sid, raw, headers = await signed_answer(env)
     status, _, data = await call(shipped, "/v1/hooks/oa", chunks=[raw], headers=headers)
     assert (status, data["outcome"]) == (202, "accepted")

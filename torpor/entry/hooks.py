@@ -142,23 +142,11 @@ class HookRoute:
 ROUTE = HookRoute()
 
 
-def source_of(scope: Scope) -> str | None:
-    """The source a ``POST /v1/hooks/{source}`` names, or None for any other request."""
-    if scope["type"] != "http" or scope["method"] != "POST":
-        return None
-    path: str = scope["path"]
-    root = scope.get("root_path", "")
-    if root and path.startswith(root):  # mounted under a prefix: as Starlette routes it
-        path = path[len(root) :]
-    if not path.startswith(PREFIX):
-        return None
-    source = path[len(PREFIX) :]
-    return source if source and "/" not in source else None
-
-
-def server_source_of(scope: Scope, prefix: str) -> str | None:
-    """As :func:`source_of`, for a request Serve has not routed yet: its path still holds
-    the server's root path and the app's route ``prefix``."""
+def source_of(scope: Scope, prefix: str = "/") -> str | None:
+    """The source a ``POST /v1/hooks/{source}`` names, or None for any other request.
+    ``prefix``: the app's route prefix while it is still in the path (a request Serve has
+    not routed yet, in its server's middleware); once routed, Serve moved it into
+    ``root_path``, which is stripped as Starlette routes it."""
     if scope["type"] != "http" or scope["method"] != "POST":
         return None
     path: str = scope["path"]
@@ -204,7 +192,7 @@ class ServerHookFastPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = ROUTE if self.route is None else self.route
         bound = route.bound
-        source = server_source_of(scope, route.prefix) if bound is not None else None
+        source = source_of(scope, route.prefix) if bound is not None else None
         if (
             bound is None
             or source is None
