@@ -181,6 +181,12 @@ class SessionActor:
         await self.retire()
 
     async def _run(self, session_id: str) -> None:
+        # Its first step runs before the answer to the ``activate`` that made it goes out
+        # (Ray sends it from a callback queued behind this task), and the imports and the
+        # services' open below hold the loop: 0.8 s on an idle machine, past a loaded
+        # one's activation deadline, and the activator took the actor for silent and
+        # killed it, again and again. One turn of the loop lets the answer go first.
+        await asyncio.sleep(0)
         from actors import metrics
         from actors.wiring import session_runtime
         from torpor import tracing
