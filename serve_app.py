@@ -128,10 +128,42 @@ class Ingress:
             # their files and sockets stayed open as long as the replica's process.
             await self.services.close()
             raise
+        try:
+            self._start(activator, reconciler)
+            # Serve routes to a replica once this returns: its first webhook finds the
+            # store ready (its files made ahead, its conditional writes checked).
+            await warm_services(self.services)
+        except BaseException:
+            # A replica that fails to start is made again by Serve: the standbys it
+            # started (detached processes) and its services' files and sockets went on
+            # for their idle time or the process's life, one set per failed start.
+            try:
+                await self.activator.close()
+            finally:
+                await self.services.close()
+            raise
+        # Last: the route the server's middleware reads and the console take nothing
+        # before the replica is whole (a failure above leaves neither bound to it).
+        self._bind(route_prefix)
+        settle_heap()  # started: what lives for the replica's life leaves the collector
+
+    def _start(
+        self,
+        activator: RayActivator,
+        reconciler: DeploymentHandle[Any] | None,
+    ) -> None:
         activator.start_standbys()
         self.control = SessionService(self.services, activator, background=True)
         self.batches = BatchService(self.control)
         self.gateway = WebhookGateway(self.control)
+        self.streams = SessionStreams(
+            self.control, max_per_tenant=self.settings.security.max_streams_per_tenant
+        )
+        self.deliveries = DeliveryWorker(self.services)
+        # Held only so Serve deploys the starter with the app.
+        self.reconciler = reconciler
+
+    def _bind(self, route_prefix: str) -> None:
         services = self.services
         # Through the module, as imported in this process: Serve unpickled this class,
         # and a route it captured by name would be a copy the middlewares do not read.
@@ -142,27 +174,17 @@ class Ingress:
             prefix=route_prefix,
             limit=MAX_ONGOING_REQUESTS,
         )
-        self.streams = SessionStreams(
-            self.control, max_per_tenant=settings.security.max_streams_per_tenant
-        )
-        self.deliveries = DeliveryWorker(self.services)
-        # Held only so Serve deploys the starter with the app.
-        self.reconciler = reconciler
-        namespace = settings.namespace
+        namespace, reconciler = self.settings.namespace, self.reconciler
         CONSOLE.bind(
             ConsoleDeps(
                 self.control,
                 self.deliveries,
-                audit=self.services.audit if isinstance(self.services.audit, ObjectAudit) else None,
+                audit=services.audit if isinstance(services.audit, ObjectAudit) else None,
                 reconciler_status=(lambda: reconciler_status(namespace))
                 if reconciler is not None
                 else None,
             )
         )
-        # Serve routes to a replica once this returns: its first webhook finds the store
-        # ready (its files made ahead, its conditional writes checked).
-        await warm_services(services)
-        settle_heap()  # started: what lives for the replica's life leaves the collector
 
     async def __del__(self) -> None:
         """Serve's graceful shutdown of this replica (a redeploy, a scale-down, a

@@ -147,3 +147,39 @@ async def test_the_ingress_on_shared_storage_asks_the_gcs_for_no_node_count(
     slow = counted(monkeypatch)
     await an_ingress(Settings(storage=CLUSTER_STORAGE))
     assert slow.calls == 0
+
+
+async def test_an_ingress_that_fails_to_warm_up_frees_what_it_started_and_binds_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Serve makes a replica whose constructor failed again: the standbys the failed one
+    started (detached processes) and its services stayed for their idle time or the
+    process's life, and the webhook route was left bound to a gateway on closed services."""
+    opened: list[Services] = []
+    counted(monkeypatch, opened=opened)
+    found = ingress_class().__init__.__globals__
+    bound: list[str] = []
+    monkeypatch.setitem(
+        found,
+        "hooks",
+        SimpleNamespace(ROUTE=SimpleNamespace(bind=lambda *a, **k: bound.append("route"))),
+    )
+    monkeypatch.setitem(
+        found, "CONSOLE", SimpleNamespace(bind=lambda deps: bound.append("console"))
+    )
+
+    async def unreachable(services: Any) -> None:
+        raise OSError("the store did not answer")
+
+    monkeypatch.setitem(found, "warm_services", unreachable)
+    closed: list[RayActivator] = []
+
+    async def close(self: RayActivator) -> None:
+        closed.append(self)
+
+    monkeypatch.setattr(RayActivator, "close", close)
+    with pytest.raises(OSError, match="did not answer"):
+        await an_ingress(Settings())
+    assert [s.closed for s in opened] == [True], "the services were left open"
+    assert len(closed) == 1, "the activator (its standbys) was not closed"
+    assert bound == [], f"bound to a replica that did not start: {bound}"
