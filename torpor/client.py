@@ -122,6 +122,14 @@ def _close_opened(opening: asyncio.Future[Services]) -> None:
     closing.add_done_callback(_CLOSING.discard)
 
 
+def _init_ray(settings: Settings, address: str | None) -> None:
+    """``ray.init`` in the calling thread, unless Ray is connected already."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=settings.namespace, log_to_driver=False)
+
+
 class AsyncClient:
     def __init__(
         self,
@@ -185,8 +193,6 @@ class AsyncClient:
 
     def _connect(self, settings: Settings | None, *, tenant: str, address: str | None) -> ConfigRef:
         """Ray connected: the ``ConfigRef`` the actors are handed."""
-        import ray
-
         from actors.config_ref import ConfigRef
 
         # Settings read here from the environment may hold inline secrets: the actors are
@@ -194,8 +200,7 @@ class AsyncClient:
         self.settings = settings or Settings.from_env()
         config = ConfigRef.of(settings) if settings else ConfigRef.of_loaded(self.settings)
         self.tenant = tenant
-        if not ray.is_initialized():
-            ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
+        _init_ray(self.settings, address)
         return config
 
     def _use(self, activator: RayActivator) -> None:
@@ -398,6 +403,12 @@ class Client:
     """Blocking facade over ``AsyncClient``; its event loop runs in a private thread."""
 
     def __init__(self, settings: Settings | None = None, **kwargs: Any) -> None:
+        # Here, not on the private loop's thread: Ray sets its SIGTERM handler (exit, so
+        # that ``ray.shutdown`` runs and a local Ray this started stops with it) only in
+        # the main thread, and warned on every Client it was not set. The settings are
+        # handed on as given: read from the environment by the client, they are passed
+        # to the actors as their file's path, not their secrets (``AsyncClient``).
+        _init_ray(settings or Settings.from_env(), kwargs.get("address"))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
