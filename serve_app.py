@@ -133,6 +133,9 @@ class Ingress:
             # Serve routes to a replica once this returns: its first webhook finds the
             # store ready (its files made ahead, its conditional writes checked).
             await warm_services(self.services)
+            # Last: the route the server's middleware reads and the console take nothing
+            # before the replica is whole (a failure above leaves neither bound to it).
+            self._bind(route_prefix)
         except BaseException:
             # A replica that fails to start is made again by Serve: the standbys it
             # started (detached processes) and its services' files and sockets went on
@@ -142,9 +145,6 @@ class Ingress:
             finally:
                 await self.services.close()
             raise
-        # Last: the route the server's middleware reads and the console take nothing
-        # before the replica is whole (a failure above leaves neither bound to it).
-        self._bind(route_prefix)
         settle_heap()  # started: what lives for the replica's life leaves the collector
 
     def _start(
@@ -190,7 +190,10 @@ class Ingress:
         """Serve's graceful shutdown of this replica (a redeploy, a scale-down, a
         delete): the activation requests still running behind answers finish, and the
         standby session actors nobody adopted go now, not after their idle time (each is
-        a process, detached so that an adopted one outlives its activator)."""
+        a process, detached so that an adopted one outlives its activator). Serve calls
+        it after a failed constructor too, which closed what it had made already."""
+        if not hasattr(self, "control"):
+            return
         await self.control.drain()
         await self.activator.close()
 

@@ -185,15 +185,16 @@ class SessionActor:
         # (Ray sends it from a callback queued behind this task), and the imports and the
         # services' open below hold the loop: 0.8 s on an idle machine, past a loaded
         # one's activation deadline, and the activator took the actor for silent and
-        # killed it, again and again. One turn of the loop lets the answer go first.
-        await asyncio.sleep(0)
-        from actors import metrics
-        from actors.wiring import session_runtime
-        from torpor import tracing
-
+        # killed it, again and again. One turn of the loop (in the ``try`` below) lets
+        # the answer go first.
         services: Services | None = None
         runtime: Any = None
         try:
+            await asyncio.sleep(0)  # inside: a cancel here still ends in ``finally``
+            from actors import metrics
+            from actors.wiring import session_runtime
+            from torpor import tracing
+
             # Inside the ``try``: a named actor opens its services only now, and one whose
             # open failed (a secret missing from its environment, a store it cannot reach)
             # must still exit. It stayed, its task dead, answering every request

@@ -21,6 +21,8 @@ goes through HTTP. ``AsyncClient`` is the same for asyncio code
 from __future__ import annotations
 
 import asyncio
+import inspect
+import signal
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
@@ -123,11 +125,17 @@ def _close_opened(opening: asyncio.Future[Services]) -> None:
 
 
 def _init_ray(settings: Settings, address: str | None) -> None:
-    """``ray.init`` in the calling thread, unless Ray is connected already."""
+    """``ray.init`` in the calling thread, unless Ray is connected already. A SIGTERM
+    handler the program set itself stays: Ray's (exit) goes in only where there was none."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=settings.namespace, log_to_driver=False)
+    if ray.is_initialized():
+        return
+    main = threading.current_thread() is threading.main_thread()
+    own = signal.getsignal(signal.SIGTERM) if main else None
+    ray.init(address=address, namespace=settings.namespace, log_to_driver=False)
+    if main and own not in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, own)
 
 
 class AsyncClient:
@@ -408,6 +416,7 @@ class Client:
         # the main thread, and warned on every Client it was not set. The settings are
         # handed on as given: read from the environment by the client, they are passed
         # to the actors as their file's path, not their secrets (``AsyncClient``).
+        inspect.signature(AsyncClient.connect).bind(settings, **kwargs)  # before Ray starts
         _init_ray(settings or Settings.from_env(), kwargs.get("address"))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)

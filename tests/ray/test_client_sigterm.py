@@ -1,10 +1,11 @@
-"""A blocking ``Client`` in a program's main thread leaves Ray's SIGTERM handler in place:
-a program stopped with SIGTERM (a container's stop, a scheduler's cancel) exits through
-``sys.exit``, so ``ray.shutdown`` runs and the local Ray it started stops with it. The
-client used to call ``ray.init`` on its private loop's thread, where Ray sets no handler
-(and warns so): SIGTERM then killed the program outright.
+"""A blocking ``Client`` made in a program's main thread gives it Ray's SIGTERM handler,
+as ``ray.init`` there would: a program stopped with SIGTERM (a container's stop, a
+scheduler's cancel) exits through ``sys.exit``, so its ``atexit`` work (``ray.shutdown``
+among it) runs. The client used to call ``ray.init`` on its private loop's thread, where
+Ray sets no handler and warns so: SIGTERM then killed the program outright. A handler the
+program set itself stays.
 
-A real program in a process of its own (its own local Ray, the machine's Redis)."""
+Real programs in processes of their own (each its own local Ray, the machine's Redis)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,46 +21,69 @@ import pytest
 from tests.ray.conftest import ROOT
 
 PROGRAM = """
-import sys, time
+import atexit, pathlib, signal, sys, time
 from torpor.client import Client
 from torpor.settings import Settings
 
-objects, redis_url, prefix = sys.argv[1:4]
+folder, redis_url, prefix, own = sys.argv[1:5]
+folder = pathlib.Path(folder)
+if own == "own":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))
+atexit.register(lambda: (folder / "atexit").write_text("ran"))
 settings = Settings.build({
     "namespace": prefix,
-    "storage": {"object_store_url": "file://" + objects, "index_url": redis_url,
-                "redis_prefix": prefix},
+    "storage": {"object_store_url": "file://" + str(folder / "objects"),
+                "index_url": redis_url, "redis_prefix": prefix},
 })
-client = Client(settings, start_reconciler=False)
-print("connected", flush=True)
+client = Client(settings, address="local", start_reconciler=False)
+(folder / "connected").write_text("yes")
 time.sleep(300)
 """
+CONNECT_S = 120.0  # a local Ray's start on a loaded 2-core machine
+
+
+def stopped(folder: Path, redis_url: str, prefix: str, own: str) -> tuple[int, str]:
+    """The program started, connected, sent SIGTERM: its exit code and its stderr."""
+    err = folder / "stderr"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with err.open("w") as sink:
+        program = subprocess.Popen(
+            [sys.executable, "-c", PROGRAM, str(folder), redis_url, prefix, own],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+        )
+        try:
+            deadline = time.monotonic() + CONNECT_S
+            while not (folder / "connected").exists():
+                assert program.poll() is None, err.read_text()[-2000:]
+                assert time.monotonic() < deadline, "the client did not connect"
+                time.sleep(0.1)  # polling a file the program writes, not a guess
+            program.send_signal(signal.SIGTERM)
+            code = program.wait(timeout=120)
+        finally:
+            if program.poll() is None:
+                program.kill()
+                program.wait()
+    return code, err.read_text()
 
 
 @pytest.mark.slow
-def test_a_program_with_a_client_stops_cleanly_on_sigterm(
+def test_a_program_with_a_client_exits_through_its_atexit_work_on_sigterm(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of its own
-    program = subprocess.Popen(
-        [sys.executable, "-c", PROGRAM, str(tmp_path / "objects"), redis_url, redis_prefix],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert program.stdout is not None
-        line = program.stdout.readline()  # blocks until connected (or the program died)
-        assert line.strip() == "connected", program.communicate(timeout=60)
-        program.send_signal(signal.SIGTERM)
-        _, err = program.communicate(timeout=120)
-    finally:
-        if program.poll() is None:
-            program.kill()
-            program.wait()
+    code, err = stopped(tmp_path, redis_url, redis_prefix, "none")
     # Ray's handler exits with the signal's number (``sys.exit(15)``); without it the
-    # signal kills the process (-15).
-    assert program.returncode == signal.SIGTERM, (program.returncode, err[-2000:])
+    # signal killed the process (-15) and nothing registered with ``atexit`` ran.
+    assert code == signal.SIGTERM, (code, err[-2000:])
+    assert (tmp_path / "atexit").exists(), "the program's atexit work did not run"
     assert "SIGTERM handler is not set" not in err
+
+
+@pytest.mark.slow
+def test_a_programs_own_sigterm_handler_stays_after_a_client_connects(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    code, err = stopped(tmp_path, redis_url, redis_prefix, "own")
+    assert code == 42, (code, err[-2000:])  # the program's handler's, not Ray's 15

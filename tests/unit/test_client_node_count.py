@@ -26,7 +26,7 @@ from actors import reconciler, wiring
 from tests.conftest import eventually
 from tests.unit.test_delivery_node_count import CLUSTER_STORAGE, SlowNodes
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
-from torpor.client import AsyncClient
+from torpor.client import AsyncClient, Client
 from torpor.errors import EmbeddedBackendOnCluster
 from torpor.service import batches, sessions
 from torpor.settings import Settings
@@ -147,3 +147,17 @@ async def test_services_opened_for_a_connect_cancelled_meanwhile_are_closed(
         interval_s=0.01,
         what="the services opened meanwhile are closed",
     )
+
+
+def test_a_client_given_an_unknown_argument_refuses_it_before_it_starts_ray(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The blocking client starts Ray in its caller's thread before its loop's work: an
+    argument ``AsyncClient.connect`` does not take is refused first, not after a local
+    Ray was started for nothing."""
+    started: list[object] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: started.append(kwargs))
+    with pytest.raises(TypeError):
+        Client(Settings(), tennant="acme")  # misspelt
+    assert started == []
