@@ -13,11 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import eventually
 from tests.ray.conftest import ROOT
 
 PROGRAM = """
@@ -42,7 +42,7 @@ time.sleep(300)
 CONNECT_S = 120.0  # a local Ray's start on a loaded 2-core machine
 
 
-def stopped(folder: Path, redis_url: str, prefix: str, own: str) -> tuple[int, str]:
+async def stopped(folder: Path, redis_url: str, prefix: str, own: str) -> tuple[int, str]:
     """The program started, connected, sent SIGTERM: its exit code and its stderr."""
     err = folder / "stderr"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -54,12 +54,13 @@ def stopped(folder: Path, redis_url: str, prefix: str, own: str) -> tuple[int, s
             stdout=subprocess.DEVNULL,
             stderr=sink,
         )
+
+        def connected() -> bool:
+            assert program.poll() is None, err.read_text()[-2000:]  # died: say why
+            return (folder / "connected").exists()
+
         try:
-            deadline = time.monotonic() + CONNECT_S
-            while not (folder / "connected").exists():
-                assert program.poll() is None, err.read_text()[-2000:]
-                assert time.monotonic() < deadline, "the client did not connect"
-                time.sleep(0.1)  # polling a file the program writes, not a guess
+            await eventually(connected, timeout_s=CONNECT_S, what="the client connected")
             program.send_signal(signal.SIGTERM)
             code = program.wait(timeout=120)
         finally:
@@ -70,10 +71,10 @@ def stopped(folder: Path, redis_url: str, prefix: str, own: str) -> tuple[int, s
 
 
 @pytest.mark.slow
-def test_a_program_with_a_client_exits_through_its_atexit_work_on_sigterm(
+async def test_a_program_with_a_client_exits_through_its_atexit_work_on_sigterm(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
-    code, err = stopped(tmp_path, redis_url, redis_prefix, "none")
+    code, err = await stopped(tmp_path, redis_url, redis_prefix, "none")
     # Ray's handler exits with the signal's number (``sys.exit(15)``); without it the
     # signal killed the process (-15) and nothing registered with ``atexit`` ran.
     assert code == signal.SIGTERM, (code, err[-2000:])
@@ -82,8 +83,8 @@ def test_a_program_with_a_client_exits_through_its_atexit_work_on_sigterm(
 
 
 @pytest.mark.slow
-def test_a_programs_own_sigterm_handler_stays_after_a_client_connects(
+async def test_a_programs_own_sigterm_handler_stays_after_a_client_connects(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
-    code, err = stopped(tmp_path, redis_url, redis_prefix, "own")
+    code, err = await stopped(tmp_path, redis_url, redis_prefix, "own")
     assert code == 42, (code, err[-2000:])  # the program's handler's, not Ray's 15
