@@ -33,12 +33,12 @@ def _probe(address: str) -> None:
 
 
 def _ray_init(**kwargs: Any) -> None:
-    import ray
+    from actors.driver import init_driver
 
     if kwargs.get("address"):
         _probe(kwargs["address"])
     try:
-        ray.init(**kwargs)
+        init_driver(**kwargs)  # a container's stop (SIGTERM) exits, not aborts
     except (ConnectionError, TimeoutError) as exc:
         where = kwargs.get("address") or "a local Ray"
         raise Unreachable(f"cannot connect to Ray at {where}: {exc}") from None

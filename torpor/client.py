@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import signal
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
@@ -126,16 +125,15 @@ def _close_opened(opening: asyncio.Future[Services]) -> None:
 
 def _init_ray(settings: Settings, address: str | None) -> None:
     """``ray.init`` in the calling thread, unless Ray is connected already. A SIGTERM
-    handler the program set itself stays: Ray's (exit) goes in only where there was none."""
+    handler the program set itself stays: Ray's (exit) goes in only where there was none
+    (actors/driver.py)."""
     import ray
+
+    from actors.driver import init_driver
 
     if ray.is_initialized():
         return
-    main = threading.current_thread() is threading.main_thread()
-    own = signal.getsignal(signal.SIGTERM) if main else None
-    ray.init(address=address, namespace=settings.namespace, log_to_driver=False)
-    if main and own not in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, own)
+    init_driver(address=address, namespace=settings.namespace, log_to_driver=False)
 
 
 class AsyncClient:

@@ -1,7 +1,9 @@
 """A blocking ``Client`` made in a program's main thread gives it Ray's SIGTERM handler,
 as ``ray.init`` there would: a program stopped with SIGTERM (a container's stop, a
 scheduler's cancel) exits through ``sys.exit``, so its ``atexit`` work (``ray.shutdown``
-among it) runs. The client used to call ``ray.init`` on its private loop's thread, where
+among it) runs, for as long as it takes: Ray's connect also put abseil's failure handler in
+front of SIGTERM, which aborted (SIGABRT, -6) any exit still running three seconds on
+(actors/driver.py). The client used to call ``ray.init`` on its private loop's thread, where
 Ray sets no handler and warns so: SIGTERM then killed the program outright. A handler the
 program set itself stays.
 
@@ -29,7 +31,8 @@ folder, redis_url, prefix, own = sys.argv[1:5]
 folder = pathlib.Path(folder)
 if own == "own":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))
-atexit.register(lambda: (folder / "atexit").write_text("ran"))
+# Longer than the three seconds abseil's SIGTERM handler gave an exit before it aborted.
+atexit.register(lambda: (time.sleep(4), (folder / "atexit").write_text("ran")))
 settings = Settings.build({
     "namespace": prefix,
     "storage": {"object_store_url": "file://" + str(folder / "objects"),
@@ -76,7 +79,8 @@ async def test_a_program_with_a_client_exits_through_its_atexit_work_on_sigterm(
 ) -> None:
     code, err = await stopped(tmp_path, redis_url, redis_prefix, "none")
     # Ray's handler exits with the signal's number (``sys.exit(15)``); without it the
-    # signal killed the process (-15) and nothing registered with ``atexit`` ran.
+    # signal killed the process (-15) and nothing registered with ``atexit`` ran; with
+    # abseil's in front, an exit longer than three seconds was aborted (-6).
     assert code == signal.SIGTERM, (code, err[-2000:])
     assert (tmp_path / "atexit").exists(), "the program's atexit work did not run"
     assert "SIGTERM handler is not set" not in err

@@ -156,6 +156,7 @@ def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
     from ray import serve
     from ray.util import list_named_actors
 
+    from actors.driver import init_driver
     from serve_app import application
 
     state = Path(opts.state_dir or tempfile.mkdtemp(prefix="torpor-demo-"))
@@ -205,7 +206,7 @@ def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
     )
     print(ingress.message, file=chatter, flush=True)
     try:
-        ray.init(
+        init_driver(  # ray.init; a SIGTERM then exits through the cleanup, not aborts
             address="local",  # the demo's own Ray, with the ingress chosen above
             namespace=settings.namespace,
             include_dashboard=False,
