@@ -5,7 +5,8 @@ among it) runs, for as long as it takes: Ray's connect also put abseil's failure
 front of SIGTERM, which aborted (SIGABRT, -6) any exit still running three seconds on
 (actors/driver.py). The client used to call ``ray.init`` on its private loop's thread, where
 Ray sets no handler and warns so: SIGTERM then killed the program outright. A handler the
-program set itself stays.
+program set itself stays. The CLI (`torpor serve`, `torpor reconcile`) connects the same
+way.
 
 Real programs in processes of their own (each its own local Ray, the machine's Redis)."""
 
@@ -27,9 +28,9 @@ import atexit, pathlib, signal, sys, time
 from torpor.client import Client
 from torpor.settings import Settings
 
-folder, redis_url, prefix, own = sys.argv[1:5]
+folder, redis_url, prefix, mode = sys.argv[1:5]
 folder = pathlib.Path(folder)
-if own == "own":
+if mode == "own":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))
 # Longer than the three seconds abseil's SIGTERM handler gave an exit before it aborted.
 atexit.register(lambda: (time.sleep(4), (folder / "atexit").write_text("ran")))
@@ -38,20 +39,24 @@ settings = Settings.build({
     "storage": {"object_store_url": "file://" + str(folder / "objects"),
                 "index_url": redis_url, "redis_prefix": prefix},
 })
-client = Client(settings, address="local", start_reconciler=False)
+if mode == "cli":  # how `torpor serve` and `torpor reconcile` connect
+    from torpor.cli_cluster import _ray_init
+    _ray_init(address="local", namespace=prefix, log_to_driver=False)
+else:
+    client = Client(settings, address="local", start_reconciler=False)
 (folder / "connected").write_text("yes")
 time.sleep(300)
 """
 CONNECT_S = 120.0  # a local Ray's start on a loaded 2-core machine
 
 
-async def stopped(folder: Path, redis_url: str, prefix: str, own: str) -> tuple[int, str]:
+async def stopped(folder: Path, redis_url: str, prefix: str, mode: str) -> tuple[int, str]:
     """The program started, connected, sent SIGTERM: its exit code and its stderr."""
     err = folder / "stderr"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with err.open("w") as sink:
         program = subprocess.Popen(
-            [sys.executable, "-c", PROGRAM, str(folder), redis_url, prefix, own],
+            [sys.executable, "-c", PROGRAM, str(folder), redis_url, prefix, mode],
             cwd=ROOT,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -74,16 +79,19 @@ async def stopped(folder: Path, redis_url: str, prefix: str, own: str) -> tuple[
 
 
 @pytest.mark.slow
-async def test_a_program_with_a_client_exits_through_its_atexit_work_on_sigterm(
-    tmp_path: Path, redis_url: str, redis_prefix: str
+@pytest.mark.parametrize("mode", ["none", "cli"], ids=["client", "cli"])
+async def test_a_connected_program_exits_through_its_atexit_work_on_sigterm(
+    tmp_path: Path, redis_url: str, redis_prefix: str, mode: str
 ) -> None:
-    code, err = await stopped(tmp_path, redis_url, redis_prefix, "none")
+    code, err = await stopped(tmp_path, redis_url, redis_prefix, mode)
     # Ray's handler exits with the signal's number (``sys.exit(15)``); without it the
     # signal killed the process (-15) and nothing registered with ``atexit`` ran; with
     # abseil's in front, an exit longer than three seconds was aborted (-6).
     assert code == signal.SIGTERM, (code, err[-2000:])
     assert (tmp_path / "atexit").exists(), "the program's atexit work did not run"
     assert "SIGTERM handler is not set" not in err
+    # abseil's handler printed a stack for the stop before it armed its abort.
+    assert "SIGTERM received" not in err, err[-2000:]
 
 
 @pytest.mark.slow
