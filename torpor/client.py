@@ -125,13 +125,14 @@ def _close_opened(opening: asyncio.Future[Services]) -> None:
 
 def _init_ray(settings: Settings, address: str | None) -> None:
     """``ray.init`` in the calling thread, unless Ray is connected already. A SIGTERM
-    handler the program set itself stays: Ray's (exit) goes in only where there was none
-    (actors/driver.py)."""
+    handler the program set itself stays: Ray's (exit) goes in only where there was none.
+    Either way abseil's three-second abort comes off SIGTERM (actors/driver.py)."""
     import ray
 
-    from actors.driver import init_driver
+    from actors.driver import init_driver, keep_sigterm_in_python
 
     if ray.is_initialized():
+        keep_sigterm_in_python()  # the program's own ``ray.init`` left abseil in front
         return
     init_driver(address=address, namespace=settings.namespace, log_to_driver=False)
 

@@ -5,8 +5,9 @@ among it) runs, for as long as it takes: Ray's connect also put abseil's failure
 front of SIGTERM, which aborted (SIGABRT, -6) any exit still running three seconds on
 (actors/driver.py). The client used to call ``ray.init`` on its private loop's thread, where
 Ray sets no handler and warns so: SIGTERM then killed the program outright. A handler the
-program set itself stays. The CLI (`torpor serve`, `torpor reconcile`) connects the same
-way.
+program set itself stays. The CLI (``torpor serve``, ``torpor reconcile``) connects the
+same way; a Client made after the program's own ``ray.init`` takes abseil off too; and a
+program disconnected with ``shutdown_driver`` (the demo's end) still exits through it.
 
 Real programs in processes of their own (each its own local Ray, the machine's Redis)."""
 
@@ -42,7 +43,14 @@ settings = Settings.build({
 if mode == "cli":  # how `torpor serve` and `torpor reconcile` connect
     from torpor.cli_cluster import _ray_init
     _ray_init(address="local", namespace=prefix, log_to_driver=False)
+elif mode == "shutdown":  # the demo's end: disconnected, the program goes on
+    from actors.driver import init_driver, shutdown_driver
+    init_driver(address="local", namespace=prefix, log_to_driver=False)
+    shutdown_driver()
 else:
+    if mode == "preconnected":  # the program's own connect, as README's scan.py has it
+        import ray
+        ray.init(address="local", namespace=prefix, log_to_driver=False)
     client = Client(settings, address="local", start_reconciler=False)
 (folder / "connected").write_text("yes")
 time.sleep(300)
@@ -79,18 +87,21 @@ async def stopped(folder: Path, redis_url: str, prefix: str, mode: str) -> tuple
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["none", "cli"], ids=["client", "cli"])
+@pytest.mark.parametrize("mode", ["client", "preconnected", "cli", "shutdown"])
 async def test_a_connected_program_exits_through_its_atexit_work_on_sigterm(
     tmp_path: Path, redis_url: str, redis_prefix: str, mode: str
 ) -> None:
     code, err = await stopped(tmp_path, redis_url, redis_prefix, mode)
     # Ray's handler exits with the signal's number (``sys.exit(15)``); without it the
-    # signal killed the process (-15) and nothing registered with ``atexit`` ran; with
-    # abseil's in front, an exit longer than three seconds was aborted (-6).
+    # signal killed the process (-15) and nothing registered with ``atexit`` ran, as it
+    # did after a ``ray.shutdown``, which set the kernel's handler back to the default;
+    # with abseil's in front, an exit longer than three seconds was aborted (-6).
     assert code == signal.SIGTERM, (code, err[-2000:])
     assert (tmp_path / "atexit").exists(), "the program's atexit work did not run"
     assert "SIGTERM handler is not set" not in err
-    # abseil's handler printed a stack for the stop before it armed its abort.
+    # abseil's handler printed a stack for the stop before it armed its abort (only the
+    # program's own: its Ray's workers, which ``ray.shutdown`` stops with SIGTERM too, do
+    # not log to this driver, ``log_to_driver=False``).
     assert "SIGTERM received" not in err, err[-2000:]
 
 

@@ -152,11 +152,10 @@ def run_demo(opts: DemoOptions) -> int:
 
 
 def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
-    import ray
     from ray import serve
     from ray.util import list_named_actors
 
-    from actors.driver import init_driver
+    from actors.driver import init_driver, shutdown_driver
     from serve_app import application
 
     state = Path(opts.state_dir or tempfile.mkdtemp(prefix="torpor-demo-"))
@@ -291,7 +290,7 @@ def _run_demo(opts: DemoOptions, ingress: Ingress) -> int:
         try:
             serve.shutdown()  # type: ignore[no-untyped-call]
         finally:
-            ray.shutdown()
+            shutdown_driver()  # a SIGTERM during the cleanup still exits through it
             sys.stdout, sys.stderr = real_out, real_err
             chatter.close()
         if not opts.keep and not opts.state_dir and ok:
