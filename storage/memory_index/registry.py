@@ -38,6 +38,8 @@ class MemorySessionRegistry:
             return False  # ... no newer
         if quarantined_at is not None and current[2] != quarantined_at:
             return False  # ... or the very one the operator's retry read
+        if current[0] and current[0] != tenant:
+            return False  # ... under the tenant it names, if it names one
         self._sessions[session_id] = (tenant, state, generation)
         return True
 

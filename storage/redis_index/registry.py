@@ -66,9 +66,13 @@ if gen and gen > tonumber(ARGV[2]) then return 0 end
     + _WRITTEN
 )
 # Only over a QUARANTINED, checked and written in one step: a commit recorded after the
-# caller's look is never replaced by the state it found.
+# caller's look is never replaced by the state it found. And only under the tenant the
+# entry names, if it names one (``SessionRegistry.lift_quarantine``): a session's tenant
+# never changes, "" (a poison quarantine's, unknown) or an older torpor's entry aside.
 _OVER_QUARANTINE = f"""
 if state ~= '{SessionState.QUARANTINED.value}' then return 0 end
+local held = string.match(cur, '^[^|]*|(.*)|%d+$')
+if held and held ~= '' and held ~= ARGV[4] then return 0 end
 """
 # ... and no newer (an activation's lift).
 _LIFT = (

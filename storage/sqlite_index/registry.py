@@ -43,15 +43,14 @@ class SqliteSessionRegistry(SqliteConnection):
     ) -> bool:
         # One statement, so the check and the write are one step: only over a QUARANTINED
         # no newer than ``generation``, or (the operator's retry) at exactly the generation
-        # it read, so that a quarantine recorded since its read stays. The tenant as
-        # ``record_session`` keeps it.
+        # it read, so that a quarantine recorded since its read stays; and only under the
+        # tenant the row names, unless that is "" (a poison quarantine's, unknown).
         aside = SessionState.QUARANTINED.value
         lifted = await self._run(
             lambda c: (
                 c.execute(
-                    "UPDATE sessions SET state=?, generation=?, "
-                    "tenant=COALESCE(NULLIF(?, ''), tenant) "
-                    "WHERE session_id=? AND state=? "
+                    "UPDATE sessions SET state=?, generation=?, tenant=? "
+                    "WHERE session_id=? AND state=? AND tenant IN (?, '') "
                     "AND (generation = ? OR (? IS NULL AND generation <= ?))",
                     (
                         state.value,
@@ -59,6 +58,7 @@ class SqliteSessionRegistry(SqliteConnection):
                         tenant,
                         session_id,
                         aside,
+                        tenant,
                         quarantined_at,
                         quarantined_at,
                         generation,

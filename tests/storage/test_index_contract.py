@@ -796,6 +796,42 @@ class IndexContract:
         assert await listed("acme", s.SUSPENDED) == ["s_r", "s_l"]
         assert await listed("acme", None) == ["s_r", "s_l"]
 
+    async def test_a_quarantine_is_lifted_only_under_the_tenant_its_entry_names(
+        self, index: Index
+    ) -> None:
+        """A session's tenant never changes: a lift naming another tenant than the entry's
+        (or "", which a lift does not take for "not known") leaves it quarantined where it
+        is, on every adapter; the activation's lift and the operator's retry alike. Under
+        its own tenant, it is lifted."""
+        s = SessionState
+
+        async def listed(tenant: str) -> list[str]:
+            page = await index.list_sessions(tenant=tenant, state=None, cursor=None, limit=5)
+            return page.session_ids
+
+        for sid, read in (("s_a", None), ("s_o", 4)):
+            await index.record_session(
+                tenant="acme", session_id=sid, state=s.QUARANTINED, generation=4
+            )
+            for other in ("", "globex"):
+                assert not await index.lift_quarantine(
+                    tenant=other,
+                    session_id=sid,
+                    state=s.SUSPENDED,
+                    generation=4,
+                    quarantined_at=read,
+                ), (sid, other)
+                assert await index.session_entry(sid) == SessionEntry("acme", s.QUARANTINED, 4)
+                assert await listed(other) == [] and sid in await listed("acme")
+            assert await index.lift_quarantine(
+                tenant="acme",
+                session_id=sid,
+                state=s.SUSPENDED,
+                generation=4,
+                quarantined_at=read,
+            )
+            assert await index.session_entry(sid) == SessionEntry("acme", s.SUSPENDED, 4)
+
     async def test_a_session_forgotten_under_its_tenant_leaves_no_quarantine_under_no_tenant(
         self, index: Index
     ) -> None:

@@ -334,7 +334,14 @@ class SessionRegistry(Protocol):
         is the one its undecodable snapshot's header named; a backup restored from before
         it is older, and "newest wins" would keep it set aside for good. A quarantine
         recorded since the caller's read (a newer snapshot found undecodable) is not the
-        one the operator looked at, and is left as it is."""
+        one the operator looked at, and is left as it is.
+
+        ``tenant``: the session's own, as the snapshot the caller decoded names it; it is
+        written as named. Unlike ``record_session``, "" is not "not known" here: a lift
+        is made only by a caller that read the snapshot. An entry that names another
+        tenant is left as it is (False): a session's tenant never changes, and a lift
+        under another would list it there. An entry under "" (a poison quarantine whose
+        header did not read) or an older torpor's entry (which names none) takes it."""
         ...
 
     async def record_poison(self, *, tenant: str, session_id: str, generation: int) -> int:
