@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
 from torpor.errors import ConfigError, WebhookSecretInvalid
+from torpor.ids import is_safe_identifier
 from torpor.settings_secrets import resolve_secret
 from torpor.settings_sections import _Section
 from torpor.webhooks.payloads import PayloadMapping
@@ -18,7 +19,10 @@ from torpor.webhooks.signing import Scheme, decode_key, signed_shape
 class SourceConfig(_Section):
     """A webhook sender: whose tenant it speaks for, and how it proves who it is."""
 
-    tenant: str = Field(description="the tenant this sender speaks for")
+    tenant: str = Field(
+        description="the tenant this sender speaks for: 1-128 of `[A-Za-z0-9_-.]`,"
+        " as tenants are named"
+    )
     scheme: Scheme = Field(
         Scheme.TORPOR, description="signature scheme: `torpor`, `standard`, `github`, `stripe`"
     )
@@ -50,6 +54,18 @@ class SourceConfig(_Section):
     receives_result: bool = Field(
         False, description="late and duplicate answers carry the session's result, not only state"
     )
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_is_a_name(cls, value: str) -> str:
+        # As the API's tenants are named (``Settings.tenants``): the tenant names objects
+        # in storage, and "" is what the session registry records for a session whose
+        # own it does not know (a snapshot whose header did not read).
+        if not is_safe_identifier(value):
+            raise ValueError(
+                f"tenant {value[:80]!r} is not 1-128 of [A-Za-z0-9_-.] (nor '.' or '..')"
+            )
+        return value
 
     @field_validator("secrets")
     @classmethod

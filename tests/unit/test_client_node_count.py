@@ -27,7 +27,7 @@ from tests.conftest import eventually
 from tests.unit.test_delivery_node_count import CLUSTER_STORAGE, SlowNodes
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
 from torpor.client import AsyncClient, Client
-from torpor.errors import EmbeddedBackendOnCluster
+from torpor.errors import EmbeddedBackendOnCluster, InvalidRequest
 from torpor.service import batches, sessions
 from torpor.settings import Settings
 
@@ -160,4 +160,25 @@ def test_a_client_given_an_unknown_argument_refuses_it_before_it_starts_ray(
     monkeypatch.setattr(ray, "init", lambda **kwargs: started.append(kwargs))
     with pytest.raises(TypeError):
         Client(Settings(), tennant="acme")  # misspelt
+    assert started == []
+
+
+@pytest.mark.parametrize("tenant", ["", "acme corp", "a/b", "..", "a" * 129])
+async def test_a_client_for_a_tenant_no_api_tenant_could_be_is_refused_before_it_starts_ray(
+    monkeypatch: pytest.MonkeyPatch, tenant: str
+) -> None:
+    """A client's tenant is named as the API's tenants are (``Settings.tenants``): the
+    tenant names objects in storage (every keyed submit of one outside that alphabet was
+    refused), and "" is the session registry's "tenant not known" (a session whose
+    snapshot's header did not read), whose listings such a client shared. Each of the
+    three ways to make a client refuses it with a typed error, before Ray starts."""
+    started: list[object] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: started.append(kwargs))
+    with pytest.raises(InvalidRequest, match="tenant"):
+        Client(Settings(), tenant=tenant)
+    with pytest.raises(InvalidRequest, match="tenant"):
+        AsyncClient(Settings(), tenant=tenant)
+    with pytest.raises(InvalidRequest, match="tenant"):
+        await AsyncClient.connect(Settings(), tenant=tenant)
     assert started == []

@@ -119,3 +119,14 @@ def test_a_tenant_name_that_cannot_name_objects_is_refused(name: str) -> None:
     # Idempotency-Key was refused (400 Invalid identifier) after its claim was taken.
     with pytest.raises(ConfigError, match="tenant name"):
         Settings.build({"tenants": {name: {"api_keys": []}}})
+
+
+@pytest.mark.parametrize("name", ["", "acme corp", "a/b", "..", "a" * 129])
+def test_a_source_speaking_for_a_tenant_no_api_tenant_could_be_is_refused(name: str) -> None:
+    # As the API's tenants are named: the tenant names objects in storage, and "" is the
+    # session registry's "tenant not known" (a session whose snapshot's header did not
+    # read). A source for "" was accepted, and its events bound to that tenant.
+    source = {"tenant": name, "secrets": ["s" * 32]}
+    with pytest.raises(ConfigError, match="tenant"):
+        Settings.build({"sources": {"erp": source}})
+    Settings.build({"sources": {"erp": {**source, "tenant": "acme"}}})
