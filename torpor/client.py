@@ -429,8 +429,9 @@ class Client:
         # the main thread, and warned on every Client it was not set. The settings are
         # handed on as given: read from the environment by the client, they are passed
         # to the actors as their file's path, not their secrets (``AsyncClient``).
-        inspect.signature(AsyncClient.connect).bind(settings, **kwargs)  # before Ray starts
-        _checked_tenant(kwargs.get("tenant", "default"))
+        given = inspect.signature(AsyncClient.connect).bind(settings, **kwargs)  # before Ray
+        given.apply_defaults()
+        _checked_tenant(given.arguments["tenant"])
         _init_ray(settings or Settings.from_env(), kwargs.get("address"))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)

@@ -7,7 +7,8 @@ from torpor.errors import IndexUnavailable
 from torpor.lifecycle import SessionState
 from torpor.ports import SessionEntry, SessionPage
 
-# The entry of ARGV[1] as it stands: its state and generation (nil, nil: none). An entry
+# The entry of ARGV[1] as it stands: its state and generation (false, false: none; Lua
+# reads a missing hash field as false, never nil, so "none" is tested with ``not``). An entry
 # reads "state|tenant|generation" ("state|generation" as an older torpor wrote it): state
 # and generation are read off its two ends, so both forms read the same, here, in
 # ``session_states`` and in an older torpor's copy of these scripts. ``at``: the
@@ -34,7 +35,7 @@ local at = ARGV[2]
 _WRITE = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. '|' .. ARGV[4] .. '|' .. at)
 local was = cur and string.match(cur, '^[^|]*|(.*)|%d+$')
-if KEYS[2] ~= KEYS[#KEYS - 1] and (was == nil or was == '') then
+if KEYS[2] ~= KEYS[#KEYS - 1] and (not was or was == '') then
   redis.call('ZREM', KEYS[#KEYS - 1], ARGV[1])
   redis.call('ZREM', KEYS[#KEYS], ARGV[1])
 end

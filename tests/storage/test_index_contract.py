@@ -1214,6 +1214,50 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         page = await redis_index.list_sessions(tenant="acme", state=None, cursor=None, limit=5)
         assert page.session_ids == ["s_g"]
 
+    async def test_a_record_with_no_entry_clears_a_ghost_under_no_tenant(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """A session listed under tenant "" whose state hash entry is gone (the sets
+        stayed): its next record under its tenant takes it out of tenant ""'s listings.
+        Lua reads a missing hash field as false, not nil: the check for "no entry" took
+        false for an entry that names a tenant, and the ghost stayed listed for good."""
+        s, keys, r = SessionState, redis_index.keys, redis_index._redis
+        for key in (keys.sessions("", None), keys.sessions("", s.QUARANTINED)):
+            await r.zadd(key, {"s_h": 0})
+        assert await r.hget(keys.session_state, "s_h") is None
+        await redis_index.record_session(
+            tenant="acme", session_id="s_h", state=s.SUSPENDED, generation=1
+        )
+        for state in (None, s.QUARANTINED):
+            page = await redis_index.list_sessions(tenant="", state=state, cursor=None, limit=5)
+            assert page.session_ids == [], state
+        page = await redis_index.list_sessions(tenant="acme", state=None, cursor=None, limit=5)
+        assert page.session_ids == ["s_h"]
+
+    async def test_a_lift_reads_the_tenant_of_every_form_of_entry(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """``lift_quarantine`` under the tenant the entry names: an older torpor's entry
+        ("state|generation") names none and takes the lift; a tenant holding "|" is read
+        whole, so "b" (its tail) or "" does not lift "a|b"'s quarantine, and "a|b" does."""
+        s, r = SessionState, redis_index._redis
+        await r.hset(redis_index.keys.session_state, "s_old", "QUARANTINED|4")
+        assert await redis_index.lift_quarantine(
+            tenant="acme", session_id="s_old", state=s.SUSPENDED, generation=4
+        )
+        assert await redis_index.session_entry("s_old") == SessionEntry("acme", s.SUSPENDED, 4)
+        await redis_index.record_session(
+            tenant="a|b", session_id="s_bar", state=s.QUARANTINED, generation=4
+        )
+        for other in ("b", "", "a"):
+            assert not await redis_index.lift_quarantine(
+                tenant=other, session_id="s_bar", state=s.SUSPENDED, generation=4
+            ), other
+        assert await redis_index.lift_quarantine(
+            tenant="a|b", session_id="s_bar", state=s.SUSPENDED, generation=4
+        )
+        assert await redis_index.session_entry("s_bar") == SessionEntry("a|b", s.SUSPENDED, 4)
+
     async def test_a_record_over_an_entry_that_names_its_tenant_touches_no_tenants_sets(
         self, redis_index: RedisIndex
     ) -> None:
