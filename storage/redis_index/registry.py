@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from storage.redis_index.connection import RedisConnection, opt_text, text, texts, translate
 from torpor.errors import IndexUnavailable
 from torpor.lifecycle import SessionState
@@ -113,6 +115,11 @@ if gen and gen > tonumber(ARGV[2]) then at = string.match(cur, '|(%d+)$') end
 # know its tenant (for a poison quarantine: it is not one whose snapshot is lost, and is
 # left to its next activation).
 _LOOKS = 5
+# A read's tenant lookup (``session_entry``) for a session a SCAN found no tenant lists
+# answers "" for this many seconds after it, without a SCAN of its own (``_listed_under``);
+# at most this many such sessions are remembered, the oldest forgotten first.
+_RESCAN_S = 60.0
+_UNLISTED_KEPT = 1024
 
 
 def _fields(value: str) -> tuple[str, str | None, str]:
@@ -128,6 +135,8 @@ class RedisSessionRegistry(RedisConnection):
     # The tenants whose listings the last SCAN found (``_listed_under``); replaced whole,
     # never shrunk in place, so a look running meanwhile reads one set or the other.
     _tenants_found: frozenset[str] = frozenset()
+    # Sessions a SCAN found no tenant lists, with when (time.monotonic()), oldest first.
+    _unlisted: dict[str, float] | None = None
 
     @translate
     async def record_session(
@@ -191,15 +200,15 @@ class RedisSessionRegistry(RedisConnection):
                 return written
         raise IndexUnavailable(f"the entry of session {session_id} kept changing under a look")
 
-    async def _tenant_of(self, session_id: str, value: str | None) -> str:
+    async def _tenant_of(self, session_id: str, value: str | None, *, read: bool = False) -> str:
         """The tenant entry ``value`` names; for an older torpor's, which names none, the
         one whose listing holds the session (``_listed_under``); "" if none does."""
         if value is None:
             return ""
         named = _fields(value)[1]
-        return named if named is not None else await self._listed_under(session_id)
+        return named if named is not None else await self._listed_under(session_id, read=read)
 
-    async def _listed_under(self, session_id: str) -> str:
+    async def _listed_under(self, session_id: str, *, read: bool = False) -> str:
         """The tenant (other than "") whose all-sessions set holds ``session_id``, "" if
         none does: the set names the tenant, and nothing else in the index does for an
         older torpor's entry. First among the tenants a SCAN found before, one ZSCORE
@@ -207,12 +216,37 @@ class RedisSessionRegistry(RedisConnection):
         is the answer); only when none does, a SCAN of the keyspace for every tenant's
         set, which they are refreshed from. The SCAN is linear in the keyspace (a fence
         counter per session ever leased), so a process makes it once, and again only
-        for a session no tenant it knows of lists (a tenant new since, or none)."""
+        for a session no tenant it knows of lists (a tenant new since, or none).
+
+        ``read``: for a read (``session_entry``) of a session a SCAN found no tenant
+        lists, that again at most once in ``_RESCAN_S``: every GET of such an entry (an
+        older torpor's poison quarantine, under no tenant) made a SCAN of its own, back
+        to back. A write (a record under the tenant held) always looks: a tenant whose
+        first session an older torpor still running listed since would otherwise lose
+        it to tenant "" for good."""
         known = self._tenants_found
         held = await self._holder(session_id, known)
         if held:
             return held
-        listed = frozenset(
+        unlisted = self._unlisted if self._unlisted is not None else {}
+        self._unlisted = unlisted
+        seen = unlisted.get(session_id)
+        if read and seen is not None and time.monotonic() - seen < _RESCAN_S:
+            return ""  # a SCAN found none lately; a tenant listing it since, at the next
+        started = time.monotonic()
+        listed = await self._every_tenant()
+        self._tenants_found = listed
+        held = await self._holder(session_id, listed - known)
+        unlisted.pop(session_id, None)
+        if not held:
+            unlisted[session_id] = started  # newest last: the oldest goes first
+            while len(unlisted) > _UNLISTED_KEPT:
+                del unlisted[next(iter(unlisted))]
+        return held
+
+    async def _every_tenant(self) -> frozenset[str]:
+        """Every tenant (other than "") an all-sessions set names: one SCAN of the keyspace."""
+        return frozenset(
             tenant
             for tenant in map(
                 self.keys.tenant_of_sessions,
@@ -227,8 +261,6 @@ class RedisSessionRegistry(RedisConnection):
             )
             if tenant
         )
-        self._tenants_found = listed
-        return await self._holder(session_id, listed - known)
 
     async def _holder(self, session_id: str, tenants: frozenset[str]) -> str:
         """The first of ``tenants`` whose all-sessions set holds ``session_id``, "" if none."""
@@ -313,7 +345,7 @@ class RedisSessionRegistry(RedisConnection):
         # answered 404 until a record rewrote the entry. The entry is not rewritten here:
         # named, a record would skip tenant ""'s sets (``_WRITE``) and leave a ghost an
         # older torpor's poison quarantine put there; any record rewrites it whole.
-        tenant = await self._tenant_of(session_id, value)
+        tenant = await self._tenant_of(session_id, value, read=True)
         return SessionEntry(tenant, SessionState(state), int(generation))
 
     @translate

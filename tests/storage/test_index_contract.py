@@ -21,6 +21,7 @@ from redis.asyncio.client import Pipeline
 from storage.memory_index import MemoryIndex
 from storage.redis_index import RedisIndex
 from storage.redis_index import leases as leases_module
+from storage.redis_index import registry as registry_module
 from storage.sqlite_index import SqliteIndex
 from tests.conftest import eventually
 from tests.support.race import race
@@ -1149,9 +1150,9 @@ async def raced_look(redis_index: RedisIndex, monkeypatch: pytest.MonkeyPatch) -
     look = redis_index._tenant_of
     looks: list[str | None] = []
 
-    async def raced(session_id: str, value: str | None) -> str:
+    async def raced(session_id: str, value: str | None, **kwargs: Any) -> str:
         looks.append(value)
-        found = await look(session_id, value)
+        found = await look(session_id, value, **kwargs)
         if len(looks) == 1:
             await redis_index.record_session(
                 tenant="acme", session_id="s_m", state=SessionState.RUNNING, generation=6
@@ -1257,6 +1258,42 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
             tenant="a|b", session_id="s_bar", state=s.SUSPENDED, generation=4
         )
         assert await redis_index.session_entry("s_bar") == SessionEntry("a|b", s.SUSPENDED, 4)
+
+    async def test_a_read_of_an_entry_no_tenant_lists_scans_the_keyspace_once_a_minute(
+        self, redis_index: RedisIndex
+    ) -> None:
+        """An older torpor's entry names no tenant, and one no tenant's set lists was
+        looked up by a SCAN of the whole keyspace at every read, back to back. A read of
+        it now SCANs at most once in ``_RESCAN_S``, and finds a tenant listing it since at
+        the next; a write under the tenant held always looks (it would lose the session
+        to tenant "" for good)."""
+        s, keys, r = SessionState, redis_index.keys, redis_index._redis
+        scans: list[object] = []
+        scan_iter = r.scan_iter
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            scans.append(kwargs.get("match"))
+            return scan_iter(*args, **kwargs)
+
+        r.scan_iter = counted  # type: ignore[method-assign]
+        await r.hset(keys.session_state, "s_x", "QUARANTINED|3")
+        for _ in range(3):
+            assert await redis_index.session_entry("s_x") == SessionEntry("", s.QUARANTINED, 3)
+        assert len(scans) == 1
+        await r.zadd(keys.sessions("acme", None), {"s_x": 0})  # a tenant new since the SCAN
+        assert await redis_index.session_entry("s_x") == SessionEntry("", s.QUARANTINED, 3)
+        assert len(scans) == 1
+        assert redis_index._unlisted is not None
+        redis_index._unlisted["s_x"] -= registry_module._RESCAN_S + 1  # the window is over
+        assert await redis_index.session_entry("s_x") == SessionEntry("acme", s.QUARANTINED, 3)
+        assert len(scans) == 2
+        # A write looks within the window: the poison quarantine of an older entry whose
+        # tenant's set is new since the last SCAN is recorded under that tenant.
+        await r.hset(keys.session_state, "s_y", "SUSPENDED|2")
+        await r.zadd(keys.sessions("globex", None), {"s_y": 0})
+        assert await redis_index.record_poison(tenant="", session_id="s_y", generation=0) == 2
+        assert len(scans) == 3
+        assert await redis_index.session_entry("s_y") == SessionEntry("globex", s.QUARANTINED, 2)
 
     async def test_a_record_over_an_entry_that_names_its_tenant_touches_no_tenants_sets(
         self, redis_index: RedisIndex
