@@ -26,7 +26,12 @@ from actors.heap import settle_heap
 from actors.observer import RayObserver
 from actors.ray_activator import RayActivator
 from actors.reconciler import ReconcilerStarter, reconciler_status
-from actors.wiring import ensure_conditional_writes, open_services, warm_services
+from actors.wiring import (
+    ensure_conditional_writes,
+    open_services,
+    opened_in_thread,
+    warm_services,
+)
 from storage.audit import ObjectAudit
 from torpor import __version__
 from torpor.api import (
@@ -116,7 +121,9 @@ class Ingress:
     ) -> None:
         # Read here, in the replica: Serve persists constructor arguments (config_ref).
         self.settings = settings = config.load()
-        self.services = open_services(settings, observer=RayObserver())
+        # In a thread: it blocks (files, sockets, the store's first reads), and the
+        # replica's loop is the one every request and Serve's own calls run on.
+        self.services = await opened_in_thread(open_services, settings, observer=RayObserver())
         # ``made``: embedded storage's check counts the cluster's nodes, a GCS call made
         # off this loop with the lookups' deadline (Ray's own is 60 s), as for every
         # other activator made on a loop.

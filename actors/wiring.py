@@ -11,6 +11,8 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable
+from typing import Any
 
 from actors.descriptors import reserve_descriptors
 from actors.telemetry import configure_tracing
@@ -46,6 +48,35 @@ def session_runtime(services: Services, owner: str | None = None) -> SessionRunt
 
 def default_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+# Closes of services whose opener was cancelled, held until they finish.
+_CLOSING: set[asyncio.Task[None]] = set()
+
+
+async def opened_in_thread(
+    open_: Callable[..., Services], settings: Settings, **kwargs: Any
+) -> Services:
+    """``open_(settings, **kwargs)`` (``open_services``) in a thread, for a caller on an
+    event loop: it blocks (files, sockets, the descriptor table's growth, the store's
+    first reads), and on the caller's loop it held every other coroutine there for as
+    long. Cancelled while the thread opens, the services it opens are closed once it is
+    done (a thread cannot be stopped): left open, their files and sockets lived as long
+    as the process."""
+    opening = asyncio.ensure_future(asyncio.to_thread(open_, settings, **kwargs))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_opened)
+        raise
+
+
+def _close_opened(opening: asyncio.Future[Services]) -> None:
+    if opening.cancelled() or opening.exception() is not None:
+        return  # nothing opened (the error was the cancelled caller's to see: it is gone)
+    closing = asyncio.ensure_future(opening.result().close())
+    _CLOSING.add(closing)
+    closing.add_done_callback(_CLOSING.discard)
 
 
 def open_services(

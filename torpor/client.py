@@ -98,31 +98,12 @@ class SessionView:
         return self.state.terminal
 
 
-# Closes of services whose opener was cancelled, held until they finish.
-_CLOSING: set[asyncio.Task[None]] = set()
-
-
 async def _opened(settings: Settings) -> Services:
-    """``open_services(settings)`` in a thread: opened on the caller's loop, it held every
-    other coroutine there for as long. Cancelled while the thread opens, the services it
-    opens are closed once it is done (a thread cannot be stopped): left open, their files
-    and sockets lived as long as the process."""
-    from actors.wiring import open_services
+    """``open_services(settings)`` in a thread (``opened_in_thread``): opened on the
+    caller's loop, it held every other coroutine there for as long."""
+    from actors.wiring import open_services, opened_in_thread
 
-    opening = asyncio.ensure_future(asyncio.to_thread(open_services, settings))
-    try:
-        return await asyncio.shield(opening)
-    except asyncio.CancelledError:
-        opening.add_done_callback(_close_opened)
-        raise
-
-
-def _close_opened(opening: asyncio.Future[Services]) -> None:
-    if opening.cancelled() or opening.exception() is not None:
-        return  # nothing opened (the error was the cancelled caller's to see: it is gone)
-    closing = asyncio.ensure_future(opening.result().close())
-    _CLOSING.add(closing)
-    closing.add_done_callback(_CLOSING.discard)
+    return await opened_in_thread(open_services, settings)
 
 
 def _init_ray(settings: Settings, address: str | None) -> None:

@@ -10,6 +10,8 @@ thread until the GCS answers (Ray's deadline: 60 s), and the replica's loop with
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +22,7 @@ import serve_app
 from actors import named
 from actors.config_ref import ConfigRef
 from actors.ray_activator import RayActivator
+from tests.conftest import eventually
 from tests.unit.test_delivery_node_count import CLUSTER_STORAGE, SlowNodes
 from tests.unit.test_named_lookups import SLOW_S, longest_stall
 from torpor.errors import ClusterUnavailable, EmbeddedBackendOnCluster
@@ -57,10 +60,15 @@ def ingress_class() -> Any:
 
 
 def counted(
-    monkeypatch: pytest.MonkeyPatch, alive: int = 1, opened: list[Services] | None = None
+    monkeypatch: pytest.MonkeyPatch,
+    alive: int = 1,
+    opened: list[Services] | None = None,
+    open_s: float = 0.0,
+    opening: threading.Event | None = None,
 ) -> SlowNodes:
     """``ray.nodes`` answers after ``SLOW_S``; the ingress's services (each added to
-    ``opened``) and what it builds on them are stand-ins."""
+    ``opened``, after ``open_s`` in the opener's thread) and what it builds on them are
+    stand-ins."""
     slow = SlowNodes(alive)
     monkeypatch.setattr(ray, "nodes", slow)
     found = ingress_class().__init__.__globals__
@@ -68,6 +76,9 @@ def counted(
     opened = [] if opened is None else opened
 
     def open_services(settings: Settings, observer: Any) -> Services:
+        if opening is not None:
+            opening.set()
+        time.sleep(open_s)  # blocking, as files, sockets and the store's reads are
         opened.append(Services(settings))
         return opened[-1]
 
@@ -184,3 +195,39 @@ async def test_an_ingress_that_fails_to_warm_up_frees_what_it_started_and_binds_
     assert [s.closed for s in opened] == [True], "the services were left open"
     assert len(closed) == 1, "the activator (its standbys) was not closed"
     assert bound == [], f"bound to a replica that did not start: {bound}"
+
+
+async def test_the_ingress_opens_its_services_off_its_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``open_services`` blocks (files, sockets, the store's first reads): made on the
+    replica's loop, it held every other coroutine there, Serve's own calls included, for
+    as long. Shared storage: no node count beside it."""
+    opened: list[Services] = []
+    counted(monkeypatch, opened=opened, open_s=SLOW_S)
+    made: list[Any] = []
+
+    async def ingress() -> None:
+        made.append(await an_ingress(Settings(storage=CLUSTER_STORAGE)))
+
+    stall = await longest_stall(ingress)
+    assert made and made[0].services is opened[0], "the ingress was not made on them"
+    assert stall < SLOW_S / 2, f"the loop was held {stall:.2f} s by a {SLOW_S} s open"
+
+
+async def test_an_ingress_cancelled_while_its_services_open_closes_them_once_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Serve stopping a replica while it starts: the thread opening the services cannot
+    be stopped, and what it opened is closed once it is done, not left open for the
+    process's life."""
+    opened: list[Services] = []
+    opening = threading.Event()
+    counted(monkeypatch, opened=opened, open_s=SLOW_S / 4, opening=opening)
+    starting = asyncio.ensure_future(an_ingress(Settings(storage=CLUSTER_STORAGE)))
+    await eventually(opening.is_set, timeout_s=10)  # the opener's thread has begun
+    assert not opened, "opened already: the cancel below would test nothing"
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    await eventually(lambda: [s.closed for s in opened] == [True], timeout_s=10)
