@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import JsonValue
 
-from torpor.errors import InvalidRequest
 from torpor.events import EventKind, InboxEvent
-from torpor.ids import is_safe_identifier
+from torpor.ids import checked_tenant
 from torpor.lifecycle import SessionState
 from torpor.models import ErrorInfo, SessionSnapshot
 from torpor.settings import Settings
@@ -120,18 +119,6 @@ def _init_ray(settings: Settings, address: str | None) -> None:
     init_driver(address=address, namespace=settings.namespace, log_to_driver=False)
 
 
-def _checked_tenant(tenant: str) -> str:
-    """``tenant``, refused before anything connects unless it is a name the API's tenants
-    may have (``Settings.tenants``): it names objects in storage (keyed submits were
-    refused), and "" is what the session registry records for a session whose tenant
-    it does not know (a snapshot whose header did not read), whose listings it shares."""
-    if not isinstance(tenant, str) or not is_safe_identifier(tenant):
-        raise InvalidRequest(
-            f"tenant {str(tenant)[:80]!r} is not 1-128 of [A-Za-z0-9_-.] (nor '.' or '..')"
-        )
-    return tenant
-
-
 class AsyncClient:
     def __init__(
         self,
@@ -199,7 +186,7 @@ class AsyncClient:
 
         # Settings read here from the environment may hold inline secrets: the actors are
         # then pointed at the file to read them themselves (actors/config_ref.py).
-        self.tenant = _checked_tenant(tenant)
+        self.tenant = checked_tenant(tenant)
         self.settings = settings or Settings.from_env()
         config = ConfigRef.of(settings) if settings else ConfigRef.of_loaded(self.settings)
         _init_ray(self.settings, address)
@@ -412,7 +399,7 @@ class Client:
         # to the actors as their file's path, not their secrets (``AsyncClient``).
         given = inspect.signature(AsyncClient.connect).bind(settings, **kwargs)  # before Ray
         given.apply_defaults()
-        _checked_tenant(given.arguments["tenant"])
+        checked_tenant(given.arguments["tenant"])
         _init_ray(settings or Settings.from_env(), kwargs.get("address"))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)

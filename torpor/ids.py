@@ -13,6 +13,8 @@ import secrets
 import time
 from functools import lru_cache
 
+from torpor.errors import InvalidRequest
+
 # What may name a thing that becomes part of an object key or Redis key: ASCII letters,
 # digits, ``_-.``, 1-128 of them, never ``.`` or ``..``. ``storage.keys.safe`` refuses any
 # other; settings hold configured names (webhook sources) to it when they load.
@@ -22,6 +24,17 @@ _SAFE_IDENTIFIER = re.compile(r"[A-Za-z0-9_\-.]{1,128}")
 def is_safe_identifier(value: str) -> bool:
     # fullmatch: ``$`` would also match before a final line feed.
     return bool(_SAFE_IDENTIFIER.fullmatch(value)) and value not in {".", ".."}
+
+
+def checked_tenant(tenant: object) -> str:
+    """``tenant`` if it is named as the API's tenants are (``Settings.tenants``), else
+    ``InvalidRequest``: the tenant names objects in storage, and "" is the session
+    registry's "tenant not known" (a session whose snapshot's header did not read)."""
+    if not isinstance(tenant, str) or not is_safe_identifier(tenant):
+        raise InvalidRequest(
+            f"tenant {str(tenant)[:80]!r} is not 1-128 of [A-Za-z0-9_-.] (nor '.' or '..')"
+        )
+    return tenant
 
 
 CORRELATION_ID_BYTES = 16

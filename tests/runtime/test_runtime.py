@@ -13,7 +13,12 @@ import pytest
 
 from actors.wiring import session_runtime
 from tests.support.harness import Env, callback, local_env
-from torpor.errors import IdempotencyInProgress, IdempotencyMismatch, UnknownAgent
+from torpor.errors import (
+    IdempotencyInProgress,
+    IdempotencyMismatch,
+    InvalidRequest,
+    UnknownAgent,
+)
 from torpor.events import EventKind, InboxEvent
 from torpor.lifecycle import SessionState
 from torpor.models import ObservationReason
@@ -371,6 +376,25 @@ async def test_dispatch_failure_reaches_the_agent(make_env: MakeEnv) -> None:
         snap = await env.load(sid)
         assert snap.state is S.COMPLETED
         assert snap.result == {"decision": "error", "doc": "PR-1"}
+
+
+@pytest.mark.parametrize("tenant", ["", "acme corp", "a/b"])
+async def test_a_submit_for_a_tenant_no_api_tenant_could_be_is_refused_storing_nothing(
+    env: Env, tenant: str
+) -> None:
+    """Below the entry points too (the API's tenants and a client's are checked there):
+    a session or a batch for "" (the session registry's "tenant not known") or a name
+    outside the storage alphabet is refused, and nothing is stored for it."""
+    with pytest.raises(InvalidRequest, match="tenant"):
+        await env.control.submit(tenant=tenant, agent="purchase", input={"doc": "X"})
+    with pytest.raises(InvalidRequest, match="tenant"):
+        await BatchService(env.control).submit(
+            tenant=tenant, agent="purchase", documents=[{"doc": "X"}]
+        )
+    page = await env.services.index.list_sessions(tenant=tenant, state=None, cursor=None, limit=5)
+    assert page.session_ids == []
+    stored = await env.services.store.list("", limit=1000)
+    assert stored.keys == [], stored.keys
 
 
 async def test_batch_progress(env: Env) -> None:

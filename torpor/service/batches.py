@@ -40,7 +40,7 @@ from torpor.errors import (
     UnknownAgent,
 )
 from torpor.faults import CrashPoint, crash_point
-from torpor.ids import batch_session_id, new_batch_id
+from torpor.ids import batch_session_id, checked_tenant, new_batch_id
 from torpor.ports import TimerKind
 from torpor.service.batch_export import BatchExport
 from torpor.service.batch_fan_out import BatchFanOut, register_slots
@@ -150,6 +150,7 @@ class BatchService(BatchExport, BatchFanOut):
         existing = await self._existing(batch_id, tenant, fp)
         if existing is not None:
             return existing
+        checked_tenant(tenant)
         # The checks after the look for the batch, before anything is stored: a retry of
         # an accepted request finds its batch, whatever changed since (a limit tightened,
         # the callback host's resolution failing now).

@@ -37,7 +37,7 @@ from torpor.errors import (
 )
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
-from torpor.ids import new_session_id, new_trace_id, session_id_ms
+from torpor.ids import checked_tenant, new_session_id, new_trace_id, session_id_ms
 from torpor.models import AgentRef, OutboxEntry, SessionSnapshot
 from torpor.plugins import LoadedAgent
 from torpor.ports import (
@@ -134,6 +134,10 @@ class SessionService:
         batch's fan-out, behind its 202). One removed since is no refusal then: the
         session is made, and its activation ends it FAILED (``plugin_not_found``) as it
         ends any session whose agent went; refused, the fan-out retried it for ever."""
+        if session_id is None:
+            # A caller's own request (the API's tenants, a client's, checked there too); a
+            # batch's fan-out was checked when its batch was accepted.
+            checked_tenant(tenant)
         try:
             loaded: LoadedAgent | None = self.services.plugins.agent(agent)
         except PluginNotFound as exc:
