@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from storage.redis_index.connection import RedisConnection, opt_text, text, texts, translate
@@ -137,6 +138,8 @@ class RedisSessionRegistry(RedisConnection):
     _tenants_found: frozenset[str] = frozenset()
     # Sessions a SCAN found no tenant lists, with when (time.monotonic()), oldest first.
     _unlisted: dict[str, float] | None = None
+    _scanning: asyncio.Future[frozenset[str]] | None = None  # a read's SCAN, shared
+    _scanned: tuple[float, frozenset[str]] | None = None  # the last one's start, its find
 
     @translate
     async def record_session(
@@ -224,7 +227,7 @@ class RedisSessionRegistry(RedisConnection):
         to back. A write (a record under the tenant held) always looks: a tenant whose
         first session an older torpor still running listed since would otherwise lose
         it to tenant "" for good."""
-        known = self._tenants_found
+        began, known = time.monotonic(), self._tenants_found
         held = await self._holder(session_id, known)
         if held:
             return held
@@ -234,7 +237,7 @@ class RedisSessionRegistry(RedisConnection):
         if read and seen is not None and time.monotonic() - seen < _RESCAN_S:
             return ""  # a SCAN found none lately; a tenant listing it since, at the next
         started = time.monotonic()
-        listed = await self._every_tenant()
+        listed = await (self._shared_scan(began) if read else self._every_tenant())
         self._tenants_found = listed
         held = await self._holder(session_id, listed - known)
         unlisted.pop(session_id, None)
@@ -243,6 +246,27 @@ class RedisSessionRegistry(RedisConnection):
             while len(unlisted) > _UNLISTED_KEPT:
                 del unlisted[next(iter(unlisted))]
         return held
+
+    async def _shared_scan(self, began: float) -> frozenset[str]:
+        """``_every_tenant`` for a read that began its look at ``began``: what a SCAN
+        that started since found (as fresh as one of its own), else the SCAN running for
+        another read, else one of its own that reads meanwhile share. Each read of an
+        unlisted session started a SCAN of its own, all at once under concurrent reads.
+        Shielded: a reader cancelled does not cancel the others' SCAN."""
+        last = self._scanned
+        if last is not None and last[0] >= began:
+            return last[1]
+        scan = self._scanning
+        if scan is None or scan.done():
+            scan = self._scanning = asyncio.ensure_future(self._scan_from(time.monotonic()))
+            # Its failure is each waiting reader's; with none left, retrieved here.
+            scan.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return await asyncio.shield(scan)
+
+    async def _scan_from(self, started: float) -> frozenset[str]:
+        listed = await self._every_tenant()
+        self._scanned = (started, listed)
+        return listed
 
     async def _every_tenant(self) -> frozenset[str]:
         """Every tenant (other than "") an all-sessions set names: one SCAN of the keyspace."""

@@ -1288,12 +1288,38 @@ class TestRedisIndex(IndexContract, ServerClockLeases):
         assert await redis_index.session_entry("s_x") == SessionEntry("acme", s.QUARANTINED, 3)
         assert len(scans) == 2
         # A write looks within the window: the poison quarantine of an older entry whose
-        # tenant's set is new since the last SCAN is recorded under that tenant.
+        # tenant's set is new since a read's SCAN found none is recorded under that tenant.
         await r.hset(keys.session_state, "s_y", "SUSPENDED|2")
+        assert await redis_index.session_entry("s_y") == SessionEntry("", s.SUSPENDED, 2)
+        assert len(scans) == 3 and "s_y" in redis_index._unlisted
         await r.zadd(keys.sessions("globex", None), {"s_y": 0})
         assert await redis_index.record_poison(tenant="", session_id="s_y", generation=0) == 2
-        assert len(scans) == 3
+        assert len(scans) == 4 and "s_y" not in redis_index._unlisted
         assert await redis_index.session_entry("s_y") == SessionEntry("globex", s.QUARANTINED, 2)
+        # Reads at once of sessions none lists share one SCAN: the first read's SCAN is
+        # held until every read has asked for one.
+        unlisted = [f"s_z{i}" for i in range(5)]
+        for sid in unlisted:
+            await r.hset(keys.session_state, sid, "SUSPENDED|1")
+        asked: list[float] = []
+        release = asyncio.Event()
+        shared_scan, every_tenant = redis_index._shared_scan, redis_index._every_tenant
+
+        async def asking(began: float) -> frozenset[str]:
+            asked.append(began)
+            return await shared_scan(began)
+
+        async def held() -> frozenset[str]:
+            await release.wait()
+            return await every_tenant()
+
+        redis_index._shared_scan = asking  # type: ignore[method-assign]
+        redis_index._every_tenant = held  # type: ignore[method-assign]
+        reads = asyncio.gather(*(redis_index.session_entry(sid) for sid in unlisted))
+        await eventually(lambda: len(asked) == len(unlisted), timeout_s=10)
+        release.set()
+        assert await reads == [SessionEntry("", s.SUSPENDED, 1)] * 5
+        assert len(scans) == 5
 
     async def test_a_record_over_an_entry_that_names_its_tenant_touches_no_tenants_sets(
         self, redis_index: RedisIndex

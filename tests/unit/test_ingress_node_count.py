@@ -65,6 +65,7 @@ def counted(
     opened: list[Services] | None = None,
     open_s: float = 0.0,
     opening: threading.Event | None = None,
+    release: threading.Event | None = None,
 ) -> SlowNodes:
     """``ray.nodes`` answers after ``SLOW_S``; the ingress's services (each added to
     ``opened``, after ``open_s`` in the opener's thread) and what it builds on them are
@@ -79,6 +80,8 @@ def counted(
         if opening is not None:
             opening.set()
         time.sleep(open_s)  # blocking, as files, sockets and the store's reads are
+        if release is not None:
+            assert release.wait(timeout=30), "never released"
         opened.append(Services(settings))
         return opened[-1]
 
@@ -222,12 +225,13 @@ async def test_an_ingress_cancelled_while_its_services_open_closes_them_once_ope
     be stopped, and what it opened is closed once it is done, not left open for the
     process's life."""
     opened: list[Services] = []
-    opening = threading.Event()
-    counted(monkeypatch, opened=opened, open_s=SLOW_S / 4, opening=opening)
+    opening, release = threading.Event(), threading.Event()
+    counted(monkeypatch, opened=opened, opening=opening, release=release)
     starting = asyncio.ensure_future(an_ingress(Settings(storage=CLUSTER_STORAGE)))
     await eventually(opening.is_set, timeout_s=10)  # the opener's thread has begun
-    assert not opened, "opened already: the cancel below would test nothing"
     starting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await starting
+    assert not opened, "opened before the cancel: it tested nothing"
+    release.set()  # the thread finishes opening after its caller is gone
     await eventually(lambda: [s.closed for s in opened] == [True], timeout_s=10)
