@@ -184,9 +184,9 @@ class AsyncClient:
         """Ray connected: the ``ConfigRef`` the actors are handed."""
         from actors.config_ref import ConfigRef
 
+        self.tenant = checked_tenant(tenant)  # before anything connects
         # Settings read here from the environment may hold inline secrets: the actors are
         # then pointed at the file to read them themselves (actors/config_ref.py).
-        self.tenant = checked_tenant(tenant)
         self.settings = settings or Settings.from_env()
         config = ConfigRef.of(settings) if settings else ConfigRef.of_loaded(self.settings)
         _init_ray(self.settings, address)

@@ -150,10 +150,10 @@ class BatchService(BatchExport, BatchFanOut):
         existing = await self._existing(batch_id, tenant, fp)
         if existing is not None:
             return existing
-        checked_tenant(tenant)
         # The checks after the look for the batch, before anything is stored: a retry of
         # an accepted request finds its batch, whatever changed since (a limit tightened,
         # the callback host's resolution failing now).
+        checked_tenant(tenant)
         self.ensure_acceptable(agent, documents, metadata)
         if callback_url is not None:  # checked once here, not once per document
             if self.services.settings.notifications.key is None:
