@@ -26,14 +26,20 @@ def is_safe_identifier(value: str) -> bool:
     return bool(_SAFE_IDENTIFIER.fullmatch(value)) and value not in {".", ".."}
 
 
-def checked_tenant(tenant: object) -> str:
+def not_a_name(what: str, value: object) -> str | None:
+    """Why ``value`` cannot be ``what`` (a tenant's or a source's name, which name objects
+    in storage), or None if it can: the one wording of the alphabet for every check."""
+    if isinstance(value, str) and is_safe_identifier(value):
+        return None
+    return f"{what} {str(value)[:80]!r} is not 1-128 of [A-Za-z0-9_-.] (nor '.' or '..')"
+
+
+def checked_tenant(tenant: str) -> str:
     """``tenant`` if it is named as the API's tenants are (``Settings.tenants``), else
     ``InvalidRequest``: the tenant names objects in storage, and "" is the session
     registry's "tenant not known" (a session whose snapshot's header did not read)."""
-    if not isinstance(tenant, str) or not is_safe_identifier(tenant):
-        raise InvalidRequest(
-            f"tenant {str(tenant)[:80]!r} is not 1-128 of [A-Za-z0-9_-.] (nor '.' or '..')"
-        )
+    if problem := not_a_name("tenant", tenant):
+        raise InvalidRequest(problem)
     return tenant
 
 

@@ -31,7 +31,7 @@ from pydantic_settings import (
 )
 
 from torpor.errors import ConfigError
-from torpor.ids import is_safe_identifier
+from torpor.ids import not_a_name
 from torpor.settings_agents import AgentConfig, Placement
 from torpor.settings_callers import SourceConfig, TenantConfig, verifying_secrets
 from torpor.settings_inputs import (
@@ -140,11 +140,8 @@ class Settings(BaseSettings):
         # A source's name is part of its replay markers' object keys: one outside their
         # alphabet was accepted here and failed every delivery once its signature passed.
         for name in value:
-            if not is_safe_identifier(name):
-                raise ValueError(
-                    f"source name {name[:80]!r} is not 1-128 of [A-Za-z0-9_-.] "
-                    "(nor '.' or '..'): it names objects in storage"
-                )
+            if problem := not_a_name("source name", name):
+                raise ValueError(problem + ": it names objects in storage")
         return value
 
     @field_validator("tenants")
@@ -157,11 +154,8 @@ class Settings(BaseSettings):
         for name, tenant in value.items():
             # Its name is part of its object keys (submit keys, deliveries): one outside
             # their alphabet was accepted, and then every keyed submit of it was refused.
-            if not is_safe_identifier(name):
-                raise ValueError(
-                    f"tenant name {name[:80]!r} is not 1-128 of [A-Za-z0-9_-.] "
-                    "(nor '.' or '..'): it names objects in storage"
-                )
+            if problem := not_a_name("tenant name", name):
+                raise ValueError(problem + ": it names objects in storage")
             for hashed in tenant.api_keys:
                 other = holder.setdefault(hashed, name)
                 if other != name:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
 from torpor.errors import ConfigError, WebhookSecretInvalid
-from torpor.ids import is_safe_identifier
+from torpor.ids import not_a_name
 from torpor.settings_secrets import resolve_secret
 from torpor.settings_sections import _Section
 from torpor.webhooks.payloads import PayloadMapping
@@ -61,10 +61,8 @@ class SourceConfig(_Section):
         # As the API's tenants are named (``Settings.tenants``): the tenant names objects
         # in storage, and "" is what the session registry records for a session whose
         # own it does not know (a snapshot whose header did not read).
-        if not is_safe_identifier(value):
-            raise ValueError(
-                f"tenant {value[:80]!r} is not 1-128 of [A-Za-z0-9_-.] (nor '.' or '..')"
-            )
+        if problem := not_a_name("tenant", value):
+            raise ValueError(problem)
         return value
 
     @field_validator("secrets")
