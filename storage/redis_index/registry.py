@@ -133,13 +133,14 @@ def _fields(value: str) -> tuple[str, str | None, str]:
 
 
 class RedisSessionRegistry(RedisConnection):
-    # The tenants whose listings the last SCAN found (``_listed_under``); replaced whole,
-    # never shrunk in place, so a look running meanwhile reads one set or the other.
+    # The tenants whose listings the SCAN that started last found (``_scan_from``), and
+    # when it started; replaced whole, never shrunk in place, so a look running meanwhile
+    # reads one set or the other.
     _tenants_found: frozenset[str] = frozenset()
+    _scanned_at = float("-inf")
     # Sessions a SCAN found no tenant lists, with when (time.monotonic()), oldest first.
     _unlisted: dict[str, float] | None = None
     _scanning: asyncio.Future[frozenset[str]] | None = None  # a read's SCAN, shared
-    _scanned: tuple[float, frozenset[str]] | None = None  # the last one's start, its find
 
     @translate
     async def record_session(
@@ -237,8 +238,7 @@ class RedisSessionRegistry(RedisConnection):
         if read and seen is not None and time.monotonic() - seen < _RESCAN_S:
             return ""  # a SCAN found none lately; a tenant listing it since, at the next
         started = time.monotonic()
-        listed = await (self._shared_scan(began) if read else self._every_tenant())
-        self._tenants_found = listed
+        listed = await (self._shared_scan(began) if read else self._scan_from(started))
         held = await self._holder(session_id, listed - known)
         unlisted.pop(session_id, None)
         if not held:
@@ -253,9 +253,8 @@ class RedisSessionRegistry(RedisConnection):
         another read, else one of its own that reads meanwhile share. Each read of an
         unlisted session started a SCAN of its own, all at once under concurrent reads.
         Shielded: a reader cancelled does not cancel the others' SCAN."""
-        last = self._scanned
-        if last is not None and last[0] >= began:
-            return last[1]
+        if self._scanned_at >= began:
+            return self._tenants_found
         scan = self._scanning
         if scan is None or scan.done():
             scan = self._scanning = asyncio.ensure_future(self._scan_from(time.monotonic()))
@@ -264,8 +263,11 @@ class RedisSessionRegistry(RedisConnection):
         return await asyncio.shield(scan)
 
     async def _scan_from(self, started: float) -> frozenset[str]:
+        """``_every_tenant``, kept as the tenants found unless a SCAN that started later
+        has been kept already (reads' and writes' SCANs overlap)."""
         listed = await self._every_tenant()
-        self._scanned = (started, listed)
+        if started >= self._scanned_at:
+            self._tenants_found, self._scanned_at = listed, started
         return listed
 
     async def _every_tenant(self) -> frozenset[str]:
