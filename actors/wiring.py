@@ -11,8 +11,9 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from actors.descriptors import reserve_descriptors
 from actors.telemetry import configure_tracing
@@ -89,41 +90,94 @@ def open_services(
     if settings.runtime.log_format == "json":  # every torpor process opens its services
         logs.configure("json")
     configure_tracing(settings)
+    # What the configuration can refuse (an ``env:`` secret not set, a key too short),
+    # before anything opens: a pool host that retries its open opened a store each time.
+    keys = settings.capability_key_bytes()
+    audit_key = resolve_secret(settings.security.audit_key) if settings.security.audit_key else None
+    config = RuntimeConfig.from_settings(settings)
     # Before the store opens its files: the table's growth waits for an RCU grace
     # period, here once instead of inside a request (``actors.descriptors``).
     reserve_descriptors()
-    store = open_object_store(settings)
-    index = open_index(settings)
-    keys = settings.capability_key_bytes()
-    router: CallbackRouter = (
-        CapabilityRouter(keys=keys, public_url=settings.public_url) if keys else BareRouter()
-    )
-    audit_key = resolve_secret(settings.security.audit_key) if settings.security.audit_key else None
-    services = Services(
-        settings=settings,
-        config=RuntimeConfig.from_settings(settings),
-        store=store,
-        index=index,
-        snapshots=ObjectSnapshots(store),
-        inbox=ObjectInbox(store),
-        correlations=ObjectCorrelations(store),
-        batches=ObjectBatches(store),
-        submit_keys=ObjectSubmitKeys(store),
-        deliveries=ObjectDeliveries(store),
-        audit=ObjectAudit(store, key=audit_key),
-        plugins=PluginResolver(settings),
-        clock=clock or SystemClock(),
-        router=router,
-        notifier=notifier,
-        observer=observer or Observer(),
-        retention=ObjectRetention(store),
-        progress=ObjectProgress(store),
-        slots=open_slots(settings, index),
-        activations=open_activation_queue(index),
-    )
-    if notifier is None:  # the notifier needs the very services it serves: set it after
-        services.notifier = DeliveryNotifier(services)
+    opened: list[_Closable] = []
+    try:
+        store = _kept(opened, open_object_store(settings))
+        index = _kept(opened, open_index(settings))
+        slots = _kept(opened, open_slots(settings, index))
+        activations = _kept(opened, open_activation_queue(index))
+        router: CallbackRouter = (
+            CapabilityRouter(keys=keys, public_url=settings.public_url) if keys else BareRouter()
+        )
+        services = Services(
+            settings=settings,
+            config=config,
+            store=store,
+            index=index,
+            snapshots=ObjectSnapshots(store),
+            inbox=ObjectInbox(store),
+            correlations=ObjectCorrelations(store),
+            batches=ObjectBatches(store),
+            submit_keys=ObjectSubmitKeys(store),
+            deliveries=ObjectDeliveries(store),
+            audit=ObjectAudit(store, key=audit_key),
+            plugins=PluginResolver(settings),
+            clock=clock or SystemClock(),
+            router=router,
+            notifier=notifier,
+            observer=observer or Observer(),
+            retention=ObjectRetention(store),
+            progress=ObjectProgress(store),
+            slots=slots,
+            activations=activations,
+        )
+        if notifier is None:  # the notifier needs the very services it serves: set it after
+            services.notifier = DeliveryNotifier(services)
+    except BaseException:
+        _discard(opened)
+        raise
     return services
+
+
+class _Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+_T = TypeVar("_T", bound=_Closable | None)
+
+# Closing what a failed open opened waits this long at most (a store that hangs).
+DISCARD_TIMEOUT_S = 10.0
+
+
+def _kept(opened: list[_Closable], part: _T) -> _T:
+    if part is not None:
+        opened.append(part)
+    return part
+
+
+def _discard(opened: list[_Closable]) -> None:
+    """Close, last opened first, what an open that failed part way had opened: its
+    files, its SQLite connection and worker thread, its sockets. The closes are
+    coroutines and the open is not (it runs in a thread, or on a loop it must not
+    re-enter), so they run on a loop of their own in a thread of their own. A close that
+    fails is logged: the open's own error is the one raised."""
+
+    async def close_all() -> None:
+        for part in reversed(opened):
+            try:
+                await part.close()
+            except Exception as exc:  # its type only: a message may carry a URL's secret
+                log.warning(
+                    "could not close %s after a failed open: %s",
+                    type(part).__name__,
+                    type(exc).__name__,
+                )
+
+    if not opened:
+        return
+    closing = threading.Thread(
+        target=asyncio.run, args=(close_all(),), name="torpor-discard", daemon=True
+    )
+    closing.start()
+    closing.join(DISCARD_TIMEOUT_S)
 
 
 _VERIFIED_STORES: set[str] = set()
