@@ -62,13 +62,14 @@ from torpor.faults import CrashPoint, crash_point
 # (``keys.replay_due``) is written with it: a row too, not a file a webhook.
 PREFIXES = ("inbox/", "replays/", "replays-due/", "audit/")
 DATABASE = "objects.db"
-# A passive checkpoint after this many of a process's commits: the log stays short
-# (a reader's lookups walk it) without a checkpoint's two flushes on every sync.
+# A checkpoint after this many of a process's flushes: the log stays short (a reader's
+# lookups walk it) without a checkpoint's two flushes on every sync.
 CHECKPOINT_EVERY = 256
-# A log past this size is emptied by the next checkpoint, which then holds writers off
-# for a moment (``_truncate_log``), for at most this long waiting for its turn.
+# A log past this size is emptied by the next checkpoint; below it, the checkpoint has
+# the next commit write the log from its start again (``_restart_log``). Either holds
+# writers off for a moment, and waits at most this long for its turn.
 LOG_LIMIT_BYTES = 32 * 1024 * 1024
-TRUNCATE_WAIT_MS = 100
+CHECKPOINT_WAIT_MS = 100
 # How long a write made off the caller's thread waits for another process's transaction,
 # counted from its call (its turn at the connection included).
 BUSY_WAIT_MS = 30_000
@@ -402,15 +403,18 @@ class SmallObjects:
         return True
 
     def checkpoint(self) -> None:
-        """Copy into the database what no reader needs from the log any more, so the log
-        stays short; waits for no reader or writer, unless the log has outgrown
-        ``LOG_LIMIT_BYTES`` (``_truncate_log``). Called in a worker thread, apart from any
-        write: it flushes twice, and a failure of it loses no commit (they are in the
-        log, durable), so no write is reported failed for it."""
+        """Copy the log into the database and have the next commit write the log from its
+        start again (``_restart_log``), or empty it once it has outgrown
+        ``LOG_LIMIT_BYTES`` (``_truncate_log``). Most of the copy is made first without
+        holding writers off. Called in a worker thread, apart from any write: it flushes
+        twice, and a failure of it loses no commit (they are in the log, durable), so no
+        write is reported failed for it."""
         with self._db(True) as db:
             db.execute("PRAGMA wal_checkpoint(PASSIVE)")
             if _size(self.path + "-wal") > LOG_LIMIT_BYTES:
                 _truncate_log(db)
+            else:
+                _restart_log(db)
             _start_log(db)
 
     def _log(self) -> int:
@@ -531,17 +535,32 @@ def _size(path: str) -> int:
         return 0
 
 
+def _restart_log(db: sqlite3.Connection) -> None:
+    """Copy the rest of the log into the database, holding writers off for as long as
+    that takes, so that the next commit writes the log from its start, over blocks the
+    file has. A passive checkpoint lets writers go on, so under writes that never pause
+    (one webhook after another, too) a commit always came in while it ran: no writer
+    ever found the log wholly copied to start it again, and every commit was appended,
+    each flush of the disk then writing the file's new size too (0.35-0.40 ms a flush
+    against 0.15-0.20 ms, docs/performance-history.md, forty-first pass), until the log
+    outgrew ``LOG_LIMIT_BYTES`` and was emptied, to grow again."""
+    _waited_checkpoint(db, "RESTART")
+
+
 def _truncate_log(db: sqlite3.Connection) -> None:
     """Copy all of the log into the database and empty it, holding writers off for as
-    long as that takes (a passive checkpoint has just copied most of it), but waiting at
-    most ``TRUNCATE_WAIT_MS`` for a reader or writer (then the next checkpoint tries
-    again). A passive checkpoint lets writers go on, so under a load that never pauses
-    a commit always came in while it ran: the log was never found wholly copied, no
-    writer restarted it, and it grew with every commit (98 MB for 5,000 webhooks'
-    events of 1.5 kB), its file never shrinking afterwards."""
-    db.execute(f"PRAGMA busy_timeout={TRUNCATE_WAIT_MS}")
+    long as that takes: a log that outgrew ``LOG_LIMIT_BYTES`` (restarts that never found
+    their turn) does not keep its size afterwards (98 MB for 5,000 webhooks' events of
+    1.5 kB, before restarts)."""
+    _waited_checkpoint(db, "TRUNCATE")
+
+
+def _waited_checkpoint(db: sqlite3.Connection, mode: str) -> None:
+    """A checkpoint that waits at most ``CHECKPOINT_WAIT_MS`` for a reader or writer (then
+    it leaves the log as it is, and the next one tries again)."""
+    db.execute(f"PRAGMA busy_timeout={CHECKPOINT_WAIT_MS}")
     try:
-        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        db.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
     finally:
         db.execute(f"PRAGMA busy_timeout={BUSY_WAIT_MS}")
 
