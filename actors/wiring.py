@@ -157,14 +157,15 @@ def _discard(opened: list[_Closable]) -> None:
     """Close, last opened first, what an open that failed part way had opened: its
     files, its SQLite connection and worker thread, its sockets. The closes are
     coroutines and the open is not (it runs in a thread, or on a loop it must not
-    re-enter), so they run on a loop of their own in a thread of their own. A close that
-    fails is logged: the open's own error is the one raised."""
+    re-enter), so they run on a loop of their own in a thread of their own. Never
+    raises: the open's own error is the one its caller sees."""
 
     async def close_all() -> None:
         for part in reversed(opened):
             try:
                 await part.close()
-            except Exception as exc:  # its type only: a message may carry a URL's secret
+            except BaseException as exc:  # this thread's own loop: the rest still close
+                # Its type only: a message may carry a URL's secret.
                 log.warning(
                     "could not close %s after a failed open: %s",
                     type(part).__name__,
@@ -173,11 +174,20 @@ def _discard(opened: list[_Closable]) -> None:
 
     if not opened:
         return
-    closing = threading.Thread(
-        target=asyncio.run, args=(close_all(),), name="torpor-discard", daemon=True
-    )
-    closing.start()
-    closing.join(DISCARD_TIMEOUT_S)
+    try:
+        closing = threading.Thread(
+            target=lambda: asyncio.run(close_all()), name="torpor-discard", daemon=True
+        )
+        closing.start()
+        closing.join(DISCARD_TIMEOUT_S)
+    except Exception as exc:  # a thread that could not start: left to the collector
+        log.warning("could not close what a failed open opened: %s", type(exc).__name__)
+        return
+    if closing.is_alive():
+        log.warning(
+            "closing what a failed open opened took more than %.0f s; left to finish",
+            DISCARD_TIMEOUT_S,
+        )
 
 
 _VERIFIED_STORES: set[str] = set()

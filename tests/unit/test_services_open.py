@@ -10,6 +10,7 @@ environment failed every retry that way.
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,14 @@ class Opened:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.parts: list[Any] = []
         self.closed: list[str] = []
-        for name in ("open_object_store", "open_index"):
+        for name in ("open_object_store", "open_index", "open_slots", "open_activation_queue"):
             monkeypatch.setattr(wiring, name, self._spied(name, getattr(wiring, name)))
 
     def _spied(self, name: str, opener: Any) -> Any:
         def open_(*args: Any) -> Any:
             part = opener(*args)
+            if part is None:  # nothing of the kind on this index (SQLite: no slots)
+                return part
             self.parts.append(part)
             close = part.close
 
@@ -90,7 +93,7 @@ class Refused(RuntimeError):
 
 
 def refuse(*_: Any) -> None:
-    raise Refused("the activation queue cannot open")
+    raise Refused("the part opened last cannot be made")
 
 
 async def test_an_open_failing_on_an_event_loop_closes_what_it_opened_last_first(
@@ -99,7 +102,7 @@ async def test_an_open_failing_on_an_event_loop_closes_what_it_opened_last_first
     """On a running loop (a pool host opens on its own): the closes are coroutines, and
     the loop they would be awaited on is the one the open is holding."""
     opened = Opened(monkeypatch)
-    monkeypatch.setattr(wiring, "open_activation_queue", refuse)
+    monkeypatch.setattr(wiring, "DeliveryNotifier", refuse)  # made after all of them
     with pytest.raises(Refused):
         wiring.open_services(local_settings(tmp_path))
     assert opened.closed == ["open_index", "open_object_store"]
@@ -110,12 +113,31 @@ async def test_an_open_failing_on_an_event_loop_closes_what_it_opened_last_first
     assert asyncio.all_tasks() == {asyncio.current_task()}
 
 
+async def test_an_open_on_redis_failing_closes_its_queue_slots_index_and_store(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The machine's Redis: the slots and the activation queue share the index's client,
+    each with a connection of its own; every one is closed, the client by the index."""
+    opened = Opened(monkeypatch)
+    monkeypatch.setattr(wiring, "DeliveryNotifier", refuse)
+    redis = {"index_url": "redis://127.0.0.1:6379/0", "redis_prefix": f"open-{os.getpid()}"}
+    with pytest.raises(Refused):
+        wiring.open_services(local_settings(tmp_path, storage=redis))
+    assert opened.closed == [
+        "open_activation_queue",
+        "open_slots",
+        "open_index",
+        "open_object_store",
+    ]
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
 async def test_an_open_failing_in_a_thread_closes_what_it_opened(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """In ``opened_in_thread``'s thread (a replica, the client): no loop runs there."""
     opened = Opened(monkeypatch)
-    monkeypatch.setattr(wiring, "open_activation_queue", refuse)
+    monkeypatch.setattr(wiring, "DeliveryNotifier", refuse)
     with pytest.raises(Refused):
         await wiring.opened_in_thread(wiring.open_services, local_settings(tmp_path))
     assert opened.closed == ["open_index", "open_object_store"]
