@@ -67,8 +67,8 @@ DATABASE = "objects.db"
 CHECKPOINT_EVERY = 256
 # A log past this size is emptied by the next checkpoint (``_truncate_log``); below it,
 # the checkpoint has the next commit write the log from its start (``_restart_log``).
-# Either holds every writer of the host off while it waits for the writers and readers
-# before it, for at most these long, and while it copies. A restart comes every
+# Either holds every writer of the host off while it copies, and while it waits for the
+# writers and readers before it (for at most the wait below). A restart comes every
 # CHECKPOINT_EVERY flushes of each process, so its wait is short: one that misses its
 # turn leaves the log to grow until the next.
 LOG_LIMIT_BYTES = 32 * 1024 * 1024
