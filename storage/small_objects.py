@@ -420,6 +420,7 @@ class SmallObjects:
                 _truncate_log(db)
             else:
                 _restart_log(db)
+                crash_point(CrashPoint.STORE_LOG_RESTARTED)
             _start_log(db)
 
     def _log(self) -> int:

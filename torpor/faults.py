@@ -81,6 +81,7 @@ class CrashPoint(StrEnum):
     STORE_AFTER_LINK = "store.after_link"  # a moved object is at both keys; unlogged
     STORE_MOVE_LOGGED = "store.move_logged"  # a move is logged and flushed; its old name left
     STORE_ROWS_COMMITTED = "store.rows_committed"  # small objects committed, not yet flushed
+    STORE_LOG_RESTARTED = "store.log_restarted"  # rows' log copied, to restart; not restarted
     STORE_REPLAY_REMOVING = "store.replay_removing"  # a replay is on disk; one log removed
     # a pool host took a request of this reason off its channel; the session not leased:
     # ``pool.taken.<reason>`` (e.g. ``pool.taken.recover``)

@@ -646,6 +646,48 @@ async def test_the_rows_log_is_written_over_from_its_start_under_writes_that_nev
     await store.close()
 
 
+_RESTARTING_CHILD = """
+import asyncio, sys
+from storage.local_store import LocalObjectStore
+
+async def main(folder):
+    store = LocalObjectStore(folder)
+    for n in range(200):  # fewer than CHECKPOINT_EVERY: no checkpoint of its own meanwhile
+        await store.put_if_absent(f"inbox/s/{n}", b"event %d" % n)
+    store._rows.checkpoint()  # dies there, the log copied and set to restart
+    print("survived", flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_writer_killed_after_the_log_is_set_to_restart_loses_no_row(tmp_path: Path) -> None:
+    """Killed between the restart's copy and the small write that starts the log again:
+    every row it acknowledged is read back, and the next writer, writing the log over
+    from its start, loses none of them either."""
+    child = subprocess.run(
+        [sys.executable, "-c", _RESTARTING_CHILD, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT), ENV: CrashPoint.STORE_LOG_RESTARTED.value},
+    )
+    assert child.returncode == -9, child.stderr.decode()[-2000:]
+    assert b"survived" not in child.stdout
+
+    async def after() -> None:
+        store = LocalObjectStore(tmp_path)
+        for n in range(200, 400):  # over the log's first frames, the dead writer's rows
+            await store.put_if_absent(f"inbox/s/{n}", b"event %d" % n)
+        await store.close()
+        store = LocalObjectStore(tmp_path)
+        for n in range(400):
+            assert (await store.get(f"inbox/s/{n}")).data == b"event %d" % n
+        await store.close()
+
+    asyncio.run(after())
+
+
 async def test_a_prefix_no_key_can_start_with_lists_no_row(tmp_path: Path) -> None:
     store = LocalObjectStore(tmp_path)
     await store.put_if_absent("inbox/s/e", b"x")

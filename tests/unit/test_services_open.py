@@ -132,6 +132,38 @@ async def test_an_open_on_redis_failing_closes_its_queue_slots_index_and_store(
     assert asyncio.all_tasks() == {asyncio.current_task()}
 
 
+async def test_a_close_that_fails_leaves_the_others_closed_and_the_opens_error_raised(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    opened = Opened(monkeypatch)
+    monkeypatch.setattr(wiring, "DeliveryNotifier", refuse)
+    real = wiring.open_index
+
+    def failing_to_close(settings: Settings) -> Any:
+        index = real(settings)  # the spy's: its close is recorded, then this one fails
+
+        async def close() -> None:
+            raise OSError("the index would not close")
+
+        spied = index.close
+        index.close = lambda: _then(spied(), close())
+        return index
+
+    monkeypatch.setattr(wiring, "open_index", failing_to_close)
+    with pytest.raises(Refused):
+        wiring.open_services(local_settings(tmp_path))
+    assert opened.closed == ["open_index", "open_object_store"]
+    assert not opened.parts[0]._finalizer.alive, "the store was left open"
+    assert "could not close SqliteIndex after a failed open: OSError" in caplog.text
+
+
+async def _then(first: Any, second: Any) -> None:
+    try:
+        await first
+    finally:
+        await second
+
+
 async def test_an_open_failing_in_a_thread_closes_what_it_opened(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
