@@ -26,7 +26,7 @@ import pytest
 from storage import small_objects, wal
 from storage.local_store import LocalObjectStore
 from tests.conftest import eventually
-from tests.storage.conftest import FailingOnce
+from tests.storage.conftest import FailingOnce, killed_child
 from tests.support.race import race
 from torpor.errors import (
     EtagMismatch,
@@ -35,7 +35,7 @@ from torpor.errors import (
     ObjectNotFound,
     StorageUnavailable,
 )
-from torpor.faults import ENV, CrashPoint
+from torpor.faults import CrashPoint
 from torpor.ports import Staged
 
 pytestmark = pytest.mark.timeout(120)
@@ -256,15 +256,7 @@ asyncio.run(main(sys.argv[1]))
 def test_a_writer_killed_after_its_commit_leaves_the_row_for_every_process(
     tmp_path: Path,
 ) -> None:
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT), ENV: CrashPoint.STORE_ROWS_COMMITTED.value},
-    )
-    assert child.returncode == -9, child.stderr.decode()[-2000:]
-    assert b"survived" not in child.stdout
+    killed_child(CHILD, str(tmp_path), at=CrashPoint.STORE_ROWS_COMMITTED)
 
     async def after() -> None:
         store = LocalObjectStore(tmp_path)
@@ -665,15 +657,7 @@ def test_a_writer_killed_after_the_log_is_set_to_restart_loses_no_row(tmp_path: 
     """Killed between the restart's copy and the small write that starts the log again:
     every row it acknowledged is read back, and the next writer, writing the log over
     from its start, loses none of them either."""
-    child = subprocess.run(
-        [sys.executable, "-c", _RESTARTING_CHILD, str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT), ENV: CrashPoint.STORE_LOG_RESTARTED.value},
-    )
-    assert child.returncode == -9, child.stderr.decode()[-2000:]
-    assert b"survived" not in child.stdout
+    killed_child(_RESTARTING_CHILD, str(tmp_path), at=CrashPoint.STORE_LOG_RESTARTED)
 
     async def after() -> None:
         store = LocalObjectStore(tmp_path)
