@@ -21,7 +21,13 @@ from storage.audit import ObjectAudit
 from storage.batches import ObjectBatches
 from storage.correlations import ObjectCorrelations
 from storage.deliveries import ObjectDeliveries
-from storage.factory import open_activation_queue, open_index, open_object_store, open_slots
+from storage.factory import (
+    index_url,
+    open_activation_queue,
+    open_index,
+    open_object_store,
+    open_slots,
+)
 from storage.inbox import ObjectInbox
 from storage.probe import verify_conditional_writes
 from storage.retention import ObjectRetention
@@ -95,13 +101,14 @@ def open_services(
     keys = settings.capability_key_bytes()
     audit_key = resolve_secret(settings.security.audit_key) if settings.security.audit_key else None
     config = RuntimeConfig.from_settings(settings)
+    index_at = index_url(settings)
     # Before the store opens its files: the table's growth waits for an RCU grace
     # period, here once instead of inside a request (``actors.descriptors``).
     reserve_descriptors()
     opened: list[_Closable] = []
     try:
         store = _kept(opened, open_object_store(settings))
-        index = _kept(opened, open_index(settings))
+        index = _kept(opened, open_index(settings, index_at))
         slots = _kept(opened, open_slots(settings, index))
         activations = _kept(opened, open_activation_queue(index))
         router: CallbackRouter = (

@@ -52,10 +52,25 @@ def open_object_store(settings: Settings) -> ObjectStore:
     raise ConfigError(f"object store URL {shown_url(url)!r}: use s3://bucket/prefix or file://path")
 
 
-def open_index(settings: Settings) -> Index:
+def index_url(settings: Settings) -> str:
+    """The index's URL, an ``env:`` one resolved, its scheme checked: what the
+    configuration can refuse about the index, known before anything opens
+    (``actors.wiring.open_services``: a pool host that retries its open opened and
+    closed a store on each attempt while the secret was missing)."""
     url = settings.storage.index_url
     if url.startswith("env:"):  # a URL with a password: resolved only where it is used
         url = resolve_secret(url)
+    if not url.startswith(_INDEX_SCHEMES):
+        raise _unknown_index(url)
+    return url
+
+
+_INDEX_SCHEMES = ("redis://", "rediss://", "unix://", "sqlite://", "memory://")
+
+
+def open_index(settings: Settings, url: str | None = None) -> Index:
+    """The index at ``url`` (``index_url``'s answer), or at the settings' own."""
+    url = index_url(settings) if url is None else url
     if url.startswith(("redis://", "rediss://", "unix://")):
         from storage.redis_index import RedisIndex
 
@@ -69,7 +84,11 @@ def open_index(settings: Settings) -> Index:
         return SqliteIndex(_local_path(url, "sqlite"))
     if url.startswith("memory://"):
         return MemoryIndex()
-    raise ConfigError(f"index URL {shown_url(url)!r}: use redis://host:port/db or sqlite://path")
+    raise _unknown_index(url)
+
+
+def _unknown_index(url: str) -> ConfigError:
+    return ConfigError(f"index URL {shown_url(url)!r}: use redis://host:port/db or sqlite://path")
 
 
 def open_slots(settings: Settings, index: Index) -> RunningSlots | None:

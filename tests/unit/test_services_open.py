@@ -60,17 +60,22 @@ class Opened:
 
 
 @pytest.mark.parametrize(
-    "security",
-    [{"capability_keys": [f"env:{UNSET}"]}, {"audit_key": f"env:{UNSET}"}],
-    ids=["capability key", "audit key"],
+    ("sections", "refused"),
+    [
+        ({"security": {"capability_keys": [f"env:{UNSET}"]}}, UNSET),
+        ({"security": {"audit_key": f"env:{UNSET}"}}, UNSET),
+        ({"storage": {"index_url": f"env:{UNSET}"}}, UNSET),
+        ({"storage": {"index_url": "reddis://127.0.0.1:6379/0"}}, "reddis://"),
+    ],
+    ids=["capability key", "audit key", "index URL's secret", "index URL's scheme"],
 )
-def test_a_secret_the_environment_lacks_is_refused_before_anything_opens(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, security: dict[str, Any]
+def test_what_the_configuration_refuses_is_refused_before_anything_opens(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sections: dict[str, Any], refused: str
 ) -> None:
     monkeypatch.delenv(UNSET, raising=False)
     opened = Opened(monkeypatch)
-    with pytest.raises(ConfigError, match=UNSET):
-        wiring.open_services(local_settings(tmp_path, security=security))
+    with pytest.raises(ConfigError, match=refused):
+        wiring.open_services(local_settings(tmp_path, **sections))
     assert opened.parts == [], "the store or the index was opened for an open bound to fail"
     assert not (tmp_path / "objects").exists()
 
@@ -78,10 +83,10 @@ def test_a_secret_the_environment_lacks_is_refused_before_anything_opens(
 def test_an_index_that_cannot_open_closes_the_store_opened_before_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.delenv(UNSET, raising=False)
     opened = Opened(monkeypatch)
-    settings = local_settings(tmp_path, storage={"index_url": f"env:{UNSET}"})
-    with pytest.raises(ConfigError, match=UNSET):
+    (tmp_path / "a-folder").mkdir()  # where the index's database file should be
+    settings = local_settings(tmp_path, storage={"index_url": f"sqlite://{tmp_path / 'a-folder'}"})
+    with pytest.raises(ConfigError, match="cannot be opened"):
         wiring.open_services(settings)
     assert len(opened.parts) == 1, "the store was not opened: this measured nothing"
     assert opened.closed == ["open_object_store"]
@@ -139,8 +144,8 @@ async def test_a_close_that_fails_leaves_the_others_closed_and_the_opens_error_r
     monkeypatch.setattr(wiring, "DeliveryNotifier", refuse)
     real = wiring.open_index
 
-    def failing_to_close(settings: Settings) -> Any:
-        index = real(settings)  # the spy's: its close is recorded, then this one fails
+    def failing_to_close(settings: Settings, url: str) -> Any:
+        index = real(settings, url)  # the spy's: its close is recorded, then this one fails
 
         async def close() -> None:
             raise OSError("the index would not close")
