@@ -136,6 +136,7 @@ async def measure(args: argparse.Namespace, prefix: str) -> None:
         await asyncio.sleep(args.attach_pause)  # time for strace/py-spy/perf to attach
         if args.concurrency > 1:  # under load: CPU per webhook, no profile
             await under_load(gateway, requests[warm:], now, args.concurrency, tmp)
+            print_upkeep(services.store)
             await services.close()
             return
         timeline.clear()
@@ -157,6 +158,7 @@ async def measure(args: argparse.Namespace, prefix: str) -> None:
             print("stages, median ms since the request came in:", *timeline.report(), sep="\n")
             print(trips.report(n))
             print("this machine's floors:", *await floors(services.index.batched, tmp), sep="\n")
+            print_upkeep(services.store)
             await services.close()
             return
         from pyinstrument import Profiler  # only the profiled pass needs it
@@ -178,6 +180,20 @@ async def measure(args: argparse.Namespace, prefix: str) -> None:
                 "CPU each)\n" + text
             )
         await services.close()
+
+
+def print_upkeep(store: object) -> None:
+    """How this process's checkpoints kept the rows' log short (a local folder store):
+    restarts that miss their turn leave every commit appended, each flush dearer."""
+    figures = getattr(store, "figures", None)
+    if figures is None:
+        return
+    f = figures()
+    print(
+        f"the rows' log: {f['rows_log_restarts']} restarts, {f['rows_log_truncations']}"
+        f" emptied, {f['rows_log_checkpoints_missed']} checkpoints missed their turn;"
+        f" {f['rows_log_bytes'] / 1e6:.1f} MB at the last checkpoint"
+    )
 
 
 def free_inodes(folder: str) -> int:

@@ -117,6 +117,12 @@ class LocalObjectStore(LocalListing, LocalRows, LocalFiles, LocalCreates):
             )
         return "; ".join(found) or None
 
+    def figures(self) -> dict[str, int]:
+        """What this process's checkpoints of the rows' log did
+        (``small_objects.LogUpkeep``; ``bench/profile_gateway.py`` prints them). No I/O.
+        Not on ``/healthz``: it is unauthenticated, and the counts follow the traffic."""
+        return self._rows.upkeep.figures()
+
     # -- async protocol -------------------------------------------------------------
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> StoredObject:

@@ -88,6 +88,40 @@ _EVERY: weakref.WeakSet[SmallObjects] = weakref.WeakSet()  # this process's (a f
 _LEAVING: dict[int, threading.Lock] = {}  # per process: a lock a parent held is no child's
 
 
+class LogUpkeep:
+    """What this process's checkpoints of the table's log did
+    (``LocalObjectStore.figures``): how large the log had grown when each came, and how
+    many started it again, emptied it, or missed their turn (writers or readers of any
+    process held it past its wait). Restarts that keep missing theirs
+    leave the log to grow, every commit appended (a flush of the disk that writes the
+    file's new size too), until it is emptied past ``LOG_LIMIT_BYTES``. Counted in the
+    worker thread of the checkpoint: a count two overlapping checkpoints lose is a
+    figure off by one, nothing more."""
+
+    def __init__(self) -> None:
+        self.log_bytes = 0  # what the log had grown to at the last checkpoint
+        self.restarts = 0
+        self.truncations = 0
+        self.missed = 0
+
+    def counted(self, grown: int, *, emptied: bool, done: bool) -> None:
+        self.log_bytes = grown
+        if not done:
+            self.missed += 1
+        elif emptied:
+            self.truncations += 1
+        else:
+            self.restarts += 1
+
+    def figures(self) -> dict[str, int]:
+        return {
+            "rows_log_bytes": self.log_bytes,
+            "rows_log_restarts": self.restarts,
+            "rows_log_truncations": self.truncations,
+            "rows_log_checkpoints_missed": self.missed,
+        }
+
+
 class Busy(Exception):
     """Another process holds the write lock (or the caller's thread's connection is in
     use): the call is made again in a worker thread, which may wait."""
@@ -143,6 +177,7 @@ class SmallObjects:
         self.committed = 0  # this process's commits, numbered: a commit's ticket
         self.synced = 0  # every commit up to this ticket is durable
         self._since_checkpoint = 0
+        self.upkeep = LogUpkeep()
         self._log_fd = -1
         self._pid = 0
         self._opening = threading.Lock()
@@ -416,11 +451,13 @@ class SmallObjects:
         failed for it."""
         with self._db(True) as db:
             db.execute("PRAGMA wal_checkpoint(PASSIVE)")
-            if _size(self.path + "-wal") > LOG_LIMIT_BYTES:
-                _truncate_log(db)
+            grown = _size(self.path + "-wal")
+            if grown > LOG_LIMIT_BYTES:
+                done = _truncate_log(db)
             else:
-                _restart_log(db)
+                done = _restart_log(db)
                 crash_point(CrashPoint.STORE_LOG_RESTARTED)
+            self.upkeep.counted(grown, emptied=grown > LOG_LIMIT_BYTES, done=done)
             _start_log(db)
 
     def _log(self) -> int:
@@ -541,7 +578,7 @@ def _size(path: str) -> int:
         return 0
 
 
-def _restart_log(db: sqlite3.Connection) -> None:
+def _restart_log(db: sqlite3.Connection) -> bool:
     """Copy the rest of the log into the database, holding writers off for as long as
     that takes, so that the next commit writes the log from its start, over blocks the
     file has. A passive checkpoint lets writers go on, so under writes that never pause
@@ -550,27 +587,29 @@ def _restart_log(db: sqlite3.Connection) -> None:
     each flush of the disk then writing the file's new size too (on this machine's disk
     four pages appended and flushed took 0.24 ms, written over 0.13 ms; a webhook's
     flush 0.39-0.40 ms, docs/performance-history.md, forty-first pass), until the log
-    outgrew ``LOG_LIMIT_BYTES`` and was emptied, to grow again."""
-    _waited_checkpoint(db, "RESTART", RESTART_WAIT_MS)
+    outgrew ``LOG_LIMIT_BYTES`` and was emptied, to grow again. Whether it was."""
+    return _waited_checkpoint(db, "RESTART", RESTART_WAIT_MS)
 
 
-def _truncate_log(db: sqlite3.Connection) -> None:
+def _truncate_log(db: sqlite3.Connection) -> bool:
     """Copy all of the log into the database and empty it, holding writers off for as
     long as that takes: a log that outgrew ``LOG_LIMIT_BYTES`` (restarts that never found
     their turn) does not keep its size afterwards (98 MB for 5,000 webhooks' events of
-    1.5 kB, before restarts)."""
-    _waited_checkpoint(db, "TRUNCATE", TRUNCATE_WAIT_MS)
+    1.5 kB, before restarts). Whether it was."""
+    return _waited_checkpoint(db, "TRUNCATE", TRUNCATE_WAIT_MS)
 
 
-def _waited_checkpoint(db: sqlite3.Connection, mode: str, wait_ms: int) -> None:
+def _waited_checkpoint(db: sqlite3.Connection, mode: str, wait_ms: int) -> bool:
     """A checkpoint that waits at most ``wait_ms`` for the writers and readers before it.
     When the wait runs out SQLite copies what it can without holding writers off (all of
     it, if only readers were in the way, but the log is not started again or emptied)
     and says busy in the pragma's row, not with an error: the next checkpoint tries
-    again."""
+    again. Whether it was not busy: the log was started again or emptied."""
     db.execute(f"PRAGMA busy_timeout={wait_ms}")
     try:
-        db.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
+        # Every row read: the statement is then done, holding nothing of the table.
+        [(busy, _, _)] = db.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
+        return not busy
     finally:
         db.execute(f"PRAGMA busy_timeout={BUSY_WAIT_MS}")
 

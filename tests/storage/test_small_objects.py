@@ -638,6 +638,55 @@ async def test_the_rows_log_is_written_over_from_its_start_under_writes_that_nev
     await store.close()
 
 
+async def test_a_restart_that_misses_its_turn_is_counted_and_the_next_one_restarts(
+    tmp_path: Path,
+) -> None:
+    """A reader in the log (another process's, here a connection of its own) holds a
+    restart off past its wait: the checkpoint says so in its figures instead of passing
+    for done, and the next one, the reader gone, starts the log again."""
+    store = LocalObjectStore(tmp_path)
+    rows = store._rows
+    for n in range(20):
+        await store.put_if_absent(f"inbox/s/{n}", b"event")
+    reader = sqlite3.connect(rows.path, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT count(*) FROM objects").fetchone() == (20,)
+        rows.checkpoint()
+        grown = rows.upkeep.log_bytes
+        assert grown > 0, "the log had grown"
+        assert (rows.upkeep.restarts, rows.upkeep.missed) == (0, 1), vars(rows.upkeep)
+        reader.execute("COMMIT")
+    finally:
+        reader.close()
+    rows.checkpoint()
+    assert (rows.upkeep.restarts, rows.upkeep.missed, rows.upkeep.truncations) == (1, 1, 0)
+    assert store.figures() == {
+        "rows_log_bytes": rows.upkeep.log_bytes,
+        "rows_log_restarts": 1,
+        "rows_log_truncations": 0,
+        "rows_log_checkpoints_missed": 1,
+    }
+    await store.put_if_absent("inbox/s/after", b"event")  # written over the log's start
+    assert os.stat(rows.path + "-wal").st_size == rows.upkeep.log_bytes >= grown
+    assert (await store.get("inbox/s/0")).data == b"event"
+    await store.close()
+
+
+async def test_a_log_past_its_limit_is_counted_emptied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalObjectStore(tmp_path)
+    for n in range(5):
+        await store.put_if_absent(f"inbox/s/{n}", b"event")
+    monkeypatch.setattr(small_objects, "LOG_LIMIT_BYTES", 1)
+    store._rows.checkpoint()
+    figures = store.figures()
+    assert figures["rows_log_truncations"] == 1 and figures["rows_log_restarts"] == 0
+    assert figures["rows_log_bytes"] > 1
+    await store.close()
+
+
 _RESTARTING_CHILD = """
 import asyncio, sys
 from storage.local_store import LocalObjectStore
