@@ -8,6 +8,7 @@ for unit tests that need neither a folder nor a service.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -53,25 +54,48 @@ def open_object_store(settings: Settings) -> ObjectStore:
 
 
 def index_url(settings: Settings) -> str:
-    """The index's URL, an ``env:`` one resolved, its scheme checked: what the
-    configuration can refuse about the index, known before anything opens
+    """The index's URL, an ``env:`` one resolved, its scheme and form checked (no I/O):
+    what the configuration can refuse about the index, known before anything opens
     (``actors.wiring.open_services``: a pool host that retries its open opened and
     closed a store on each attempt while the secret was missing)."""
-    url = settings.storage.index_url
-    if url.startswith("env:"):  # a URL with a password: resolved only where it is used
-        url = resolve_secret(url)
-    if not url.startswith(_INDEX_SCHEMES):
-        raise _unknown_index(url)
+    written = settings.storage.index_url
+    url = resolve_secret(written) if written.startswith("env:") else written
+    if url.startswith(_REDIS_SCHEMES):
+        from redis.connection import parse_url
+
+        try:
+            parse_url(url)  # type: ignore[no-untyped-call]  # redis-py's, as its client parses it
+        except ValueError:
+            raise _refused_index(written, url, "it does not parse as a Redis URL") from None
+    elif url.startswith("sqlite://"):
+        _local_path(url, "sqlite")  # one naming no path is refused, and says so
+    elif not url.startswith("memory://"):
+        raise _refused_index(
+            written, url, "use redis://host:port/db, rediss://, unix://, sqlite://path"
+        )
     return url
 
 
-_INDEX_SCHEMES = ("redis://", "rediss://", "unix://", "sqlite://", "memory://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _refused_index(written: str, url: str, why: str) -> ConfigError:
+    """The refusal of an index URL, which may hold a password: it names the variable an
+    ``env:`` one came from and the URL's scheme, never the rest (``shown_url`` hides the
+    password of a well-formed URL only, and a refused one is often malformed: a
+    variable holding the password alone, a colon missing)."""
+    head, sep, _ = url.partition("://")
+    scheme = (
+        f"{head}://" if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]{0,15}", head) else "no scheme"
+    )
+    source = f" from {written}" if written.startswith("env:") else ""
+    return ConfigError(f"index URL{source} ({scheme}): {why}")
 
 
 def open_index(settings: Settings, url: str | None = None) -> Index:
     """The index at ``url`` (``index_url``'s answer), or at the settings' own."""
     url = index_url(settings) if url is None else url
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if url.startswith(_REDIS_SCHEMES):
         from storage.redis_index import RedisIndex
 
         return RedisIndex(
@@ -82,13 +106,7 @@ def open_index(settings: Settings, url: str | None = None) -> Index:
         )
     if url.startswith("sqlite://"):
         return SqliteIndex(_local_path(url, "sqlite"))
-    if url.startswith("memory://"):
-        return MemoryIndex()
-    raise _unknown_index(url)
-
-
-def _unknown_index(url: str) -> ConfigError:
-    return ConfigError(f"index URL {shown_url(url)!r}: use redis://host:port/db or sqlite://path")
+    return MemoryIndex()  # ``index_url`` let nothing else through
 
 
 def open_slots(settings: Settings, index: Index) -> RunningSlots | None:

@@ -64,6 +64,24 @@ def test_unknown_index_scheme_does_not_show_the_resolved_password(
     assert "reddis://" in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "resolved",
+    ["hunter2-secret", "redis//:hunter2-secret@h:6379/0", "reddis:/:hunter2-secret@h/0"],
+    ids=["the password alone", "a colon missing", "a slash missing"],
+)
+def test_a_malformed_index_url_from_the_environment_shows_none_of_itself(
+    monkeypatch: pytest.MonkeyPatch, resolved: str
+) -> None:
+    """``shown_url`` hides the password of a well-formed URL only: a refused URL names
+    the variable it came from, never its value."""
+    monkeypatch.setenv("TORPOR_TEST_INDEX_URL", resolved)
+    settings = Settings.build({"storage": {"index_url": "env:TORPOR_TEST_INDEX_URL"}})
+    with pytest.raises(ConfigError) as caught:
+        open_index(settings)
+    assert "hunter2" not in str(caught.value)
+    assert "env:TORPOR_TEST_INDEX_URL" in str(caught.value)
+
+
 async def test_a_redis_index_url_shows_no_password_held_in_its_query() -> None:
     # redis-py reads ?password= as the password; the index's url (in every
     # IndexUnavailable message: logs, CLI stderr) showed it.

@@ -66,8 +66,17 @@ class Opened:
         ({"security": {"audit_key": f"env:{UNSET}"}}, UNSET),
         ({"storage": {"index_url": f"env:{UNSET}"}}, UNSET),
         ({"storage": {"index_url": "reddis://127.0.0.1:6379/0"}}, "reddis://"),
+        ({"storage": {"index_url": "redis://127.0.0.1:notaport/0"}}, "Redis URL"),
+        ({"storage": {"index_url": "sqlite://"}}, "names no path"),
     ],
-    ids=["capability key", "audit key", "index URL's secret", "index URL's scheme"],
+    ids=[
+        "capability key",
+        "audit key",
+        "index URL's secret",
+        "index URL's scheme",
+        "Redis URL's port",
+        "SQLite URL's path",
+    ],
 )
 def test_what_the_configuration_refuses_is_refused_before_anything_opens(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sections: dict[str, Any], refused: str
