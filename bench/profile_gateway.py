@@ -32,6 +32,7 @@ import redis  # noqa: E402
 
 from actors.wiring import open_services, session_runtime  # noqa: E402
 from bench.stages import RoundTrips, Timeline, floors, instrument  # noqa: E402
+from storage.small_objects import CHECKPOINT_EVERY  # noqa: E402
 from torpor.lifecycle import SessionState  # noqa: E402
 from torpor.service.activator import InlineActivator  # noqa: E402
 from torpor.service.gateway import WebhookGateway  # noqa: E402
@@ -179,6 +180,7 @@ async def measure(args: argparse.Namespace, prefix: str) -> None:
                 f"# bench/profile_gateway.py, n={n} (profiled: {wall:.2f} ms wall, {cpu:.2f} ms "
                 "CPU each)\n" + text
             )
+        print_upkeep(services.store)
         await services.close()
 
 
@@ -189,6 +191,9 @@ def print_upkeep(store: object) -> None:
     if figures is None:
         return
     f = figures()
+    if not any(f.values()):
+        print(f"the rows' log: no checkpoint yet (one every {CHECKPOINT_EVERY} flushes)")
+        return
     print(
         f"the rows' log: {f['rows_log_restarts']} restarts, {f['rows_log_truncations']}"
         f" emptied, {f['rows_log_checkpoints_missed']} checkpoints missed their turn;"

@@ -89,14 +89,13 @@ _LEAVING: dict[int, threading.Lock] = {}  # per process: a lock a parent held is
 
 
 class LogUpkeep:
-    """What this process's checkpoints of the table's log did
-    (``LocalObjectStore.figures``): how large the log had grown when each came, and how
-    many started it again, emptied it, or missed their turn (writers or readers of any
-    process held it past its wait). Restarts that keep missing theirs
-    leave the log to grow, every commit appended (a flush of the disk that writes the
-    file's new size too), until it is emptied past ``LOG_LIMIT_BYTES``. Counted in the
-    worker thread of the checkpoint: a count two overlapping checkpoints lose is a
-    figure off by one, nothing more."""
+    """What one store's checkpoints of the table's log did, in this process
+    (``LocalObjectStore.figures``; a forked child counts its own): how large the log had
+    grown when each came, and how many started it again, emptied it, or missed their
+    turn (writers or readers of any process held it past its wait). Restarts that keep
+    missing theirs leave the log to grow, every commit appended (a flush of the disk
+    that writes the file's new size too), until it is emptied past ``LOG_LIMIT_BYTES``.
+    Counted by the checkpoint, which holds the waiting connection: one at a time."""
 
     def __init__(self) -> None:
         self.log_bytes = 0  # what the log had grown to at the last checkpoint
@@ -452,12 +451,14 @@ class SmallObjects:
         with self._db(True) as db:
             db.execute("PRAGMA wal_checkpoint(PASSIVE)")
             grown = _size(self.path + "-wal")
-            if grown > LOG_LIMIT_BYTES:
+            emptying = grown > LOG_LIMIT_BYTES
+            if emptying:
                 done = _truncate_log(db)
             else:
                 done = _restart_log(db)
-                crash_point(CrashPoint.STORE_LOG_RESTARTED)
-            self.upkeep.counted(grown, emptied=grown > LOG_LIMIT_BYTES, done=done)
+                if done:
+                    crash_point(CrashPoint.STORE_LOG_RESTARTED)
+            self.upkeep.counted(grown, emptied=emptying, done=done)
             _start_log(db)
 
     def _log(self) -> int:
@@ -561,6 +562,7 @@ def _leave_the_parents() -> None:
             rows._counted, rows._flushing = threading.Lock(), threading.Lock()
             rows._opening = threading.Lock()  # a parent's thread may be reopening them
             rows._pid = pid
+            rows.upkeep = LogUpkeep()  # the parent's checkpoints are not the child's
             rows._closed = True  # its next use opens its own
 
 
@@ -607,7 +609,7 @@ def _waited_checkpoint(db: sqlite3.Connection, mode: str, wait_ms: int) -> bool:
     again. Whether it was not busy: the log was started again or emptied."""
     db.execute(f"PRAGMA busy_timeout={wait_ms}")
     try:
-        # Every row read: the statement is then done, holding nothing of the table.
+        # The row says whether it was busy: (busy, frames in the log, frames copied).
         [(busy, _, _)] = db.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
         return not busy
     finally:

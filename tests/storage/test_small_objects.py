@@ -673,17 +673,34 @@ async def test_a_restart_that_misses_its_turn_is_counted_and_the_next_one_restar
     await store.close()
 
 
-async def test_a_log_past_its_limit_is_counted_emptied(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("reader", [False, True], ids=["alone", "a-reader-in-the-log"])
+async def test_a_log_past_its_limit_is_emptied_and_counted_so_unless_it_misses_its_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: bool
 ) -> None:
+    """Past ``LOG_LIMIT_BYTES`` the checkpoint empties the log, and counts a truncation;
+    held off past its wait by a reader, it counts a missed turn and the log keeps its
+    size."""
     store = LocalObjectStore(tmp_path)
+    rows = store._rows
     for n in range(5):
         await store.put_if_absent(f"inbox/s/{n}", b"event")
     monkeypatch.setattr(small_objects, "LOG_LIMIT_BYTES", 1)
-    store._rows.checkpoint()
+    other = sqlite3.connect(rows.path, isolation_level=None)
+    try:
+        if reader:
+            other.execute("BEGIN")
+            assert other.execute("SELECT count(*) FROM objects").fetchone() == (5,)
+        rows.checkpoint()
+    finally:
+        other.close()
     figures = store.figures()
-    assert figures["rows_log_truncations"] == 1 and figures["rows_log_restarts"] == 0
-    assert figures["rows_log_bytes"] > 1
+    grown = figures["rows_log_bytes"]
+    assert grown > 1
+    counted = (figures["rows_log_truncations"], figures["rows_log_checkpoints_missed"])
+    assert counted == ((0, 1) if reader else (1, 0)), figures
+    assert figures["rows_log_restarts"] == 0
+    emptied = os.stat(rows.path + "-wal").st_size < grown  # one frame: the log's start
+    assert emptied is not reader
     await store.close()
 
 
