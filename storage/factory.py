@@ -142,8 +142,11 @@ def check_embedded_allowed(settings: Settings, *, alive_nodes: int) -> None:
     storage by nobody, so never under Ray, which runs torpor in several processes."""
     in_memory = [
         u
-        for u in (settings.storage.object_store_url, settings.storage.index_url)
-        if u.startswith("memory:")
+        for u, scheme in (
+            (settings.storage.object_store_url, settings.storage.object_store_url.split(":")[0]),
+            (settings.storage.index_url, settings.index_scheme()),
+        )
+        if scheme == "memory"
     ]
     if in_memory:
         raise ConfigError(

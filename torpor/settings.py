@@ -255,6 +255,20 @@ class Settings(BaseSettings):
 
     @property
     def embedded(self) -> bool:
-        return self.storage.object_store_url.startswith(
-            "file:"
-        ) or self.storage.index_url.startswith("sqlite:")
+        return self.storage.object_store_url.startswith("file:") or self.index_scheme() == "sqlite"
+
+    def index_scheme(self) -> str | None:
+        """The scheme of the index's URL (``"redis"``, ``"sqlite"``, ...), an ``env:`` one
+        read from its variable: an ``env:`` URL naming SQLite or memory storage was let
+        through the refusals for one host (``storage.factory.check_embedded_allowed``).
+        None where the variable is not set in this process: the process that opens the
+        index resolves it, and refuses it then. The scheme only: the rest may hold a
+        password."""
+        url = self.storage.index_url
+        if url.startswith("env:"):
+            try:
+                url = resolve_secret(url)
+            except ConfigError:
+                return None
+        scheme, colon, _ = url.partition(":")
+        return scheme if colon else None

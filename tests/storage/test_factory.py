@@ -34,6 +34,28 @@ def test_memory_storage_is_refused_under_ray() -> None:
         check_embedded_allowed(index_only, alive_nodes=1)
 
 
+@pytest.mark.parametrize(
+    ("resolved", "refused"),
+    [("sqlite:///tmp/index.db", "only works on one host"), ("memory://", "one process")],
+    ids=["sqlite", "memory"],
+)
+def test_an_index_url_from_the_environment_is_refused_for_one_host_as_written_would_be(
+    monkeypatch: pytest.MonkeyPatch, resolved: str, refused: str
+) -> None:
+    """``env:`` was read as a scheme of its own: SQLite or memory storage named through
+    a variable passed the refusals, and a cluster of several nodes ran an index each."""
+    monkeypatch.setenv("TORPOR_TEST_INDEX_URL", resolved)
+    settings = Settings.build(
+        {"storage": {"object_store_url": "s3://b/p", "index_url": "env:TORPOR_TEST_INDEX_URL"}}
+    )
+    assert settings.embedded is (resolved.startswith("sqlite"))
+    with pytest.raises(ConfigError, match=refused):
+        check_embedded_allowed(settings, alive_nodes=3)
+    monkeypatch.delenv("TORPOR_TEST_INDEX_URL")  # not set here: the opening process refuses
+    check_embedded_allowed(settings, alive_nodes=3)
+    assert not settings.embedded and settings.index_scheme() is None
+
+
 def test_embedded_refusal_does_not_show_the_index_password() -> None:
     # A file:// object store beside a Redis index with a password is still "embedded":
     # the refusal named both URLs as written, the password with them.
