@@ -70,13 +70,12 @@ def index_url(settings: Settings) -> str:
     elif url.startswith("sqlite://"):
         _local_path(url, "sqlite")  # one naming no path is refused, and says so
     elif not url.startswith("memory://"):
-        raise _refused_index(
-            written, url, "use redis://host:port/db, rediss://, unix://, sqlite://path"
-        )
+        raise _refused_index(written, url, _SCHEMES_ACCEPTED)
     return url
 
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_SCHEMES_ACCEPTED = "use redis://host:port/db, rediss://, unix://, sqlite://path or memory://"
 
 
 def _refused_index(written: str, url: str, why: str) -> ConfigError:
@@ -106,7 +105,9 @@ def open_index(settings: Settings, url: str | None = None) -> Index:
         )
     if url.startswith("sqlite://"):
         return SqliteIndex(_local_path(url, "sqlite"))
-    return MemoryIndex()  # ``index_url`` let nothing else through
+    if url.startswith("memory://"):
+        return MemoryIndex()
+    raise _refused_index(url, url, _SCHEMES_ACCEPTED)  # a URL given that did not come from there
 
 
 def open_slots(settings: Settings, index: Index) -> RunningSlots | None:
