@@ -61,12 +61,16 @@ def index_url(settings: Settings) -> str:
     written = settings.storage.index_url
     url = resolve_secret(written) if written.startswith("env:") else written
     if url.startswith(_REDIS_SCHEMES):
-        from redis.connection import parse_url
+        # The parser the index's client uses (``redis.asyncio.Redis.from_url``).
+        from redis.asyncio.connection import parse_url
 
         try:
-            parse_url(url)  # type: ignore[no-untyped-call]  # redis-py's, as its client parses it
-        except ValueError:
-            raise _refused_index(written, url, "it does not parse as a Redis URL") from None
+            parse_url(url)
+            parsed = True
+        except ValueError:  # its message may quote a part of the URL: the password
+            parsed = False
+        if not parsed:  # raised here, so no error carrying the URL travels with it
+            raise _refused_index(written, url, "it does not parse as a Redis URL")
     elif url.startswith("sqlite://"):
         _local_path(url, "sqlite")  # one naming no path is refused, and says so
     elif not url.startswith("memory://"):
@@ -150,8 +154,9 @@ def check_embedded_allowed(settings: Settings, *, alive_nodes: int) -> None:
         if scheme == "memory"
     ]
     if in_memory:
+        named = "" if in_memory[0].startswith("memory:") else f" (from {in_memory[0]})"
         raise ConfigError(
-            f"{in_memory[0]} storage lives in one process and Ray runs several: "
+            f"memory:// storage{named} lives in one process and Ray runs several: "
             "use it only in tests that run torpor in-process"
         )
     if alive_nodes > 1 and settings.embedded:

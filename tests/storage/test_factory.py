@@ -88,8 +88,13 @@ def test_unknown_index_scheme_does_not_show_the_resolved_password(
 
 @pytest.mark.parametrize(
     "resolved",
-    ["hunter2-secret", "redis//:hunter2-secret@h:6379/0", "reddis:/:hunter2-secret@h/0"],
-    ids=["the password alone", "a colon missing", "a slash missing"],
+    [
+        "hunter2-secret",
+        "redis//:hunter2-secret@h:6379/0",
+        "reddis:/:hunter2-secret@h/0",
+        "redis://:hunter2-secret",
+    ],
+    ids=["the password alone", "a colon missing", "a slash missing", "the host missing"],
 )
 def test_a_malformed_index_url_from_the_environment_shows_none_of_itself(
     monkeypatch: pytest.MonkeyPatch, resolved: str
@@ -102,6 +107,9 @@ def test_a_malformed_index_url_from_the_environment_shows_none_of_itself(
         open_index(settings)
     assert "hunter2" not in str(caught.value)
     assert "env:TORPOR_TEST_INDEX_URL" in str(caught.value)
+    # Nor in an error it carries: the parser's said "Port could not be cast to integer
+    # value as 'hunter2-secret'" (a traceback hides it; a walk of the chain does not).
+    assert caught.value.__context__ is None and caught.value.__cause__ is None
 
 
 async def test_a_redis_index_url_shows_no_password_held_in_its_query() -> None:
