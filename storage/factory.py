@@ -145,16 +145,11 @@ def open_activation_queue(index: Index) -> ActivationQueue | None:
 def check_embedded_allowed(settings: Settings, *, alive_nodes: int) -> None:
     """The local folder and SQLite are only shared by processes on one host; memory
     storage by nobody, so never under Ray, which runs torpor in several processes."""
-    in_memory = [
-        u
-        for u, scheme in (
-            (settings.storage.object_store_url, settings.storage.object_store_url.split(":")[0]),
-            (settings.storage.index_url, settings.index_scheme()),
-        )
-        if scheme == "memory"
-    ]
-    if in_memory:
-        named = "" if in_memory[0].startswith("memory:") else f" (from {in_memory[0]})"
+    index = settings.storage.index_url
+    index_in_memory = settings.index_scheme() == "memory"
+    if settings.storage.object_store_url.startswith("memory:") or index_in_memory:
+        # An index URL resolved from its variable is named as written: ``env:NAME``.
+        named = f" (from {index})" if index_in_memory and index.startswith("env:") else ""
         raise ConfigError(
             f"memory:// storage{named} lives in one process and Ray runs several: "
             "use it only in tests that run torpor in-process"
