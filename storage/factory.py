@@ -18,7 +18,7 @@ from storage.memory_store import MemoryObjectStore
 from storage.sqlite_index import SqliteIndex
 from torpor.errors import ConfigError, EmbeddedBackendOnCluster
 from torpor.ports import ActivationQueue, Index, ObjectStore, RunningSlots
-from torpor.settings import Settings, resolve_secret, shown_url
+from torpor.settings import Settings, resolve_secret, scheme_lowered, shown_url
 
 
 def _local_path(url: str, scheme: str) -> Path:
@@ -59,7 +59,7 @@ def index_url(settings: Settings) -> str:
     (``actors.wiring.open_services``: a pool host that retries its open opened and
     closed a store on each attempt while the secret was missing)."""
     written = settings.storage.index_url
-    url = resolve_secret(written) if written.startswith("env:") else written
+    url = scheme_lowered(resolve_secret(written)) if written.startswith("env:") else written
     if url.startswith(_REDIS_SCHEMES):
         # The parser the index's client uses (``redis.asyncio.Redis.from_url``).
         from redis.asyncio.connection import parse_url

@@ -45,7 +45,7 @@ from torpor.settings_inputs import (
     _TomlFile,
     load_toml,
 )
-from torpor.settings_secrets import resolve_secret, shown_url
+from torpor.settings_secrets import resolve_secret, scheme_lowered, shown_url
 from torpor.settings_sections import (
     CONSOLE_KEY_MIN_BYTES,
     BatchSettings,
@@ -83,6 +83,7 @@ __all__ = [
     "TenantConfig",
     "load_toml",
     "resolve_secret",
+    "scheme_lowered",
     "shown_url",
     "verifying_secrets",
 ]
@@ -271,4 +272,4 @@ class Settings(BaseSettings):
             except ConfigError:
                 return None
         scheme, colon, _ = url.partition(":")
-        return scheme if colon else None
+        return scheme.lower() if colon else None

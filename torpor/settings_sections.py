@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from torpor.errors import ConfigError, WebhookSecretInvalid
-from torpor.settings_secrets import shown_url
+from torpor.settings_secrets import scheme_lowered, shown_url
 from torpor.webhooks.capability import check_key
 
 
@@ -80,6 +80,12 @@ class StorageSettings(_Section):
             if name in ("index_url", "object_store_url") and isinstance(value, str):
                 value = shown_url(value)
             yield name, value
+
+    @field_validator("index_url", "object_store_url")
+    @classmethod
+    def _scheme_in_lower_case(cls, value: str) -> str:
+        # The adapters are chosen by the scheme as lower-case text (``storage.factory``).
+        return scheme_lowered(value)
 
     @field_validator("retention_s")
     @classmethod

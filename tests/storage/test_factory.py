@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from storage.factory import check_embedded_allowed, open_index, open_object_store
+from storage.factory import check_embedded_allowed, index_url, open_index, open_object_store
+from storage.local_store import LocalObjectStore
 from storage.memory_index import MemoryIndex
 from storage.memory_store import MemoryObjectStore
 from torpor.errors import ConfigError, ObjectNotFound
@@ -124,3 +127,41 @@ async def test_a_redis_index_url_shows_no_password_held_in_its_query() -> None:
         assert index.url.startswith("redis://127.0.0.1:6379/0")
     finally:
         await index.close()
+
+
+@pytest.mark.parametrize(
+    ("written", "kind"),
+    [("REDIS://127.0.0.1:6379/0", "RedisIndex"), ("SQLite://{tmp}/i.db", "SqliteIndex")],
+    ids=["redis", "sqlite"],
+)
+async def test_an_index_url_whose_scheme_is_in_capitals_opens_as_in_lower_case(
+    written: str, kind: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Schemes are case-insensitive (RFC 3986) and redis-py reads ``REDIS://`` as its
+    own; the rest of the URL (a path, a password) is kept as written."""
+    url = written.format(tmp=tmp_path)
+    s3 = {"object_store_url": "s3://b/p"}
+    written_in_settings = Settings.build({"storage": {**s3, "index_url": url}})
+    monkeypatch.setenv("TORPOR_TEST_INDEX", url)
+    from_env = Settings.build({"storage": {**s3, "index_url": "env:TORPOR_TEST_INDEX"}})
+    for settings in (written_in_settings, from_env):
+        lowered = index_url(settings)
+        assert lowered.split("://")[1] == url.split("://")[1]
+        index = open_index(settings, lowered)
+        assert type(index).__name__ == kind
+        await index.close()
+        assert settings.index_scheme() == kind.removesuffix("Index").lower()
+        assert settings.embedded is (kind == "SqliteIndex")
+
+
+async def test_an_object_store_url_whose_scheme_is_in_capitals_is_not_taken_for_a_path(
+    tmp_path: Any,
+) -> None:
+    """``FILE://`` was a bare path (a folder named ``FILE:``), ``S3://`` refused."""
+    settings = Settings.build({"storage": {"object_store_url": f"FILE://{tmp_path}/objects"}})
+    store = open_object_store(settings)
+    assert isinstance(store, LocalObjectStore) and store.root == tmp_path / "objects"
+    await store.close()
+    assert settings.embedded
+    s3 = Settings.build({"storage": {"object_store_url": "S3://b/p"}})
+    assert s3.storage.object_store_url == "s3://b/p"
