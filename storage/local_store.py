@@ -121,7 +121,7 @@ class LocalObjectStore(LocalListing, LocalRows, LocalFiles, LocalCreates):
         """What this process's checkpoints of the rows' log did
         (``small_objects.LogUpkeep``; ``bench/profile_gateway.py`` prints them). No I/O.
         Not on ``/healthz``: it is unauthenticated, and the counts follow the traffic."""
-        return self._rows.upkeep.figures()
+        return self._rows.figures()
 
     # -- async protocol -------------------------------------------------------------
 

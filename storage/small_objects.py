@@ -238,6 +238,14 @@ class SmallObjects:
         self._pid = os.getpid()
         self._closed = False
 
+    def figures(self) -> dict[str, int]:
+        """``upkeep``'s figures, this process's own: a forked child that has not used the
+        store yet still holds its parent's counts (its first use resets them,
+        ``_leave_the_parents``), and none of those are its checkpoints."""
+        if self._pid not in (0, os.getpid()):
+            return LogUpkeep().figures()
+        return self.upkeep.figures()
+
     # -- connections ------------------------------------------------------------------
 
     @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import multiprocessing
 import os
 import signal
@@ -670,6 +671,35 @@ async def test_a_restart_that_misses_its_turn_is_counted_and_the_next_one_restar
     await store.put_if_absent("inbox/s/after", b"event")  # written over the log's start
     assert os.stat(rows.path + "-wal").st_size == rows.upkeep.log_bytes >= grown
     assert (await store.get("inbox/s/0")).data == b"event"
+    await store.close()
+
+
+async def test_a_forked_child_counts_only_its_own_checkpoints(tmp_path: Path) -> None:
+    """A child forked after its parent's checkpoints reports none of them, before its
+    first use of the store (its counts were still the parent's) and after it."""
+    store = LocalObjectStore(tmp_path)
+    await store.put_if_absent("inbox/s/parent", b"p")
+    store._rows.checkpoint()
+    assert store.figures()["rows_log_restarts"] == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            before = store.figures()
+            asyncio.run(store.put_if_absent("inbox/s/child", b"c"))
+            after = store.figures()
+            os.write(write, json.dumps([before, after]).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with os.fdopen(read, "rb") as answer:
+        before, after = json.loads(answer.read())
+    assert before["rows_log_restarts"] == after["rows_log_restarts"] == 0, (before, after)
+    assert store.figures()["rows_log_restarts"] == 1  # the parent's own, kept
     await store.close()
 
 
