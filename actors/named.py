@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -58,9 +57,9 @@ LOOKUPS = ProcessPool(8, "torpor-ray-lookup")
 # Kills, apart from the lookups: a keeping round kills every silent standby at once, and
 # with a slow GCS those filled the lookups' threads; a webhook's lookup queued behind
 # them, its deadline counting the wait, and failed with ``ClusterUnavailable``. Kills
-# queue behind each other instead; one still queued at its deadline is not made (logged,
-# as one past the lookups' eight threads was). Four: half the lookups' width, so a round
-# of silent standbys (a set is a few) is killed at once rather than mostly given up.
+# queue behind each other instead, and one still queued at its caller's deadline is
+# made when a thread frees (``kill``). Four: half the lookups' width, so a round of
+# silent standbys (a set is a few) is killed at once rather than mostly queued.
 KILLS = ProcessPool(4, "torpor-ray-kill")
 
 
@@ -240,15 +239,24 @@ def kill_now(handle: Any) -> bool:
 
 async def kill(handle: Any, what: str, *, timeout_s: float | None = None) -> bool:
     """``kill_now(handle)`` in ``KILLS``, with a deadline (``timeout_s``, default:
-    ``LOOKUP_TIMEOUT_S``): True once Ray took it, False (logged) when it failed or the GCS
-    did not answer in time. Raises neither Ray's errors nor the deadline's: a kill is
-    the clean-up after a failure, and its own error (or a silent GCS) raised in place of
-    that failure's outcome hid it from the caller, untyped. Made on the loop, a GCS slow
-    to confirm an actor's registration stalled every other coroutine of the process."""
+    ``LOOKUP_TIMEOUT_S``) on the wait for it: True once Ray took it, False (logged) when
+    it failed or the GCS did not answer in time (it is still made). Raises neither Ray's
+    errors nor the deadline's: a kill is the clean-up after a failure, and its own error
+    (or a silent GCS) raised in place of that failure's outcome hid it from the caller,
+    untyped. Made on the loop, a GCS slow to confirm an actor's registration stalled
+    every other coroutine of the process."""
+    timeout_s = LOOKUP_TIMEOUT_S if timeout_s is None else timeout_s
+    # Submitted, not run: one still queued behind other kills when its caller gives up
+    # (its deadline, or cancelled) is made all the same once a thread frees. Dropped,
+    # as ``gcs_call`` drops a queued lookup, the silent actor it was for lived on: a
+    # standby until its idle time, a session's actor until an activation found it under
+    # the session's name, waited out its silence and asked for its kill again.
+    made = asyncio.wrap_future(KILLS.submit(kill_now, handle))
     try:
-        return await gcs_call(
-            functools.partial(kill_now, handle), what, timeout_s=timeout_s, pool=KILLS
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(made)
+    except TimeoutError:
+        log.warning(
+            "%s: the GCS did not answer within %g s (the kill is still made)", what, timeout_s
         )
-    except ClusterUnavailable as exc:
-        log.warning("%s: %s", what, exc)
         return False

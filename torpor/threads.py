@@ -16,7 +16,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
 P = ParamSpec("P")
@@ -54,3 +54,11 @@ class ProcessPool:
         and trace), as ``asyncio.to_thread`` would."""
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self.executor(), call)
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        """``fn(*args, **kwargs)`` in the pool, in the caller's context, made even if
+        nobody waits for it any more: for work that must be done once asked for (a kill
+        of a silent actor), where ``run``'s is dropped while it still waits for a thread
+        if its caller is cancelled or gives up."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        return self.executor().submit(call)

@@ -112,3 +112,28 @@ async def test_a_lookup_does_not_wait_behind_the_kills_of_a_keeping_round(
         await round_
     assert waited < 1.0, f"the lookup waited {waited:.2f} s behind the kills"
     assert sorted(map(id, killing)) == sorted(map(id, silent)), "not every silent one was killed"
+
+
+async def test_a_kill_still_queued_at_its_deadline_is_made_once_a_thread_frees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kill threads all held by kills the GCS is slow to take: a kill queued behind
+    them is given up by its caller at its deadline (False, the caller goes on), and is
+    still made when a thread frees. Dropped, its silent actor lived on."""
+    monkeypatch.setattr(named, "KILLS", ProcessPool(1, "test-kill-one"))
+    taken = threading.Event()
+    killed: list[Any] = []
+
+    def slow_kill(handle: Any, no_restart: bool = True) -> None:
+        killed.append(handle)
+        taken.wait(30)
+
+    monkeypatch.setattr(ray, "kill", slow_kill)
+    first, queued = SilentStandby(), SilentStandby()
+    held = asyncio.create_task(named.kill(first, "the first", timeout_s=30))
+    await eventually(lambda: killed == [first], timeout_s=5, interval_s=0.01, what="it began")
+    assert await named.kill(queued, "the queued one", timeout_s=0.05) is False
+    assert killed == [first], "the queued kill ran before a thread was free"
+    taken.set()
+    assert await held is True
+    await eventually(lambda: killed == [first, queued], timeout_s=5, interval_s=0.01, what="made")
