@@ -135,7 +135,9 @@ async def ask_to_retire(handle: Any) -> bool:
             await asyncio.wait_for(handle.retire.remote(), timeout=RETIRE_TIMEOUT_S)
             return True
         except ActorUnavailableError:
-            continue  # unreachable for now (a network blip), not gone: asked again
+            # Unreachable for now (a network blip), or exiting while calls it runs hold
+            # it (Ray says so at once; it ends within ``actor_exit_grace_s``): asked again.
+            continue
         except RayError:  # it exited under the call, as asked, or was gone already
             return True
         except TimeoutError:

@@ -284,6 +284,16 @@ class RuntimeSettings(_Section):
         "kept it (every quarter of it while the activator lives), unless it was adopted; "
         "0: never",
     )
+    # Ray lets an async actor go only once every call it is running has ended: one that
+    # never ends (a loop held by a blocking call, a call awaiting what will not come) kept
+    # an exiting session actor alive, answering nothing, under its session's name.
+    actor_exit_grace_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="a session actor (or standby) that is exiting ends its process this long "
+        "after, if calls still running hold it",
+    )
 
     @model_validator(mode="after")
     def _cap_is_not_below_base(self) -> RuntimeSettings:

@@ -27,7 +27,9 @@ from actors.config_ref import ConfigRef
 from actors.ray_activator import RayActivator
 from actors.reconciler import NAME as RECONCILER
 from actors.reconciler import ensure_reconciler
+from actors.session_actor import SessionActor
 from actors.standby import StandbySet, standby_prefix
+from actors.standby_inheritance import ask_to_retire, standby_name
 from actors.wiring import open_services
 from tests.conftest import eventually
 from tests.ray.conftest import RayEnv, ray_settings, session_actors
@@ -425,6 +427,34 @@ async def test_a_restarted_holder_takes_over_the_free_standbys_its_predecessor_l
             all_left_exited, timeout_s=60, what="a holder with no set stops what it finds"
         )
         assert named_standbys(env.settings.namespace, holder.name) == []
+
+
+async def test_a_retired_standby_held_by_a_call_that_never_ends_still_exits(
+    make_env: Any,
+) -> None:
+    """Ray lets an async actor that called ``exit_actor`` go only once every call it runs
+    has ended, and answers none meanwhile: a retired standby with a call that never ends
+    (here ``finished``, which waits for a session it was never handed) stayed alive and
+    silent for ever, and its retire was "not answered" (a CI run's holder saw this). Its
+    process now ends ``runtime.actor_exit_grace_s`` after its exit."""
+    async with make_env() as env:
+        runtime = env.settings.runtime.model_copy(update={"actor_exit_grace_s": 1.0})
+        settings = env.settings.model_copy(update={"runtime": runtime})
+        handle = SessionActor.options(  # type: ignore[attr-defined]
+            name=standby_name(f"t-held-{uuid.uuid4().hex[:8]}"),
+            namespace=settings.namespace,
+            lifetime="detached",
+        ).remote(ConfigRef.of(settings), None, 0)
+        try:
+            await asyncio.wait_for(handle.ready.remote(), timeout=60)
+            never = handle.finished.remote()  # runs until a session it never gets ends
+            assert await ask_to_retire(handle) is True, "the retire was not answered"
+            await eventually(lambda: exited(handle), timeout_s=30, what="the standby exits")
+            with pytest.raises(RayActorError):
+                await never
+        finally:
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
 
 
 async def test_a_restarted_holder_leaves_a_standby_with_a_session_to_run_it(
