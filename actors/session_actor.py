@@ -262,8 +262,8 @@ def _end_by(grace_s: float) -> None:
     not a task: it ends the process when the loop itself is held. Nothing is lost by it:
     the session is in storage, and the exit under way would have ended the process."""
     global _ending
-    if _ending is not None:
-        return
+    if _ending is not None or ray.get_runtime_context().get_actor_id() is None:
+        return  # armed already, or not an actor's process (nothing of Ray's to wait for)
     _ending = threading.Timer(grace_s, _ended, args=(grace_s,))
     _ending.daemon = True
     _ending.start()
