@@ -614,14 +614,17 @@ def _waited_checkpoint(db: sqlite3.Connection, mode: str, wait_ms: int) -> bool:
     When the wait runs out SQLite copies what it can without holding writers off (all of
     it, if only readers were in the way, but the log is not started again or emptied)
     and says busy in the pragma's row, not with an error: the next checkpoint tries
-    again. Whether it was not busy: the log was started again or emptied."""
+    again. Whether it was not busy: the log was started again or emptied. The
+    connection's own wait is given back after: what was left of its caller's deadline
+    (``_waited_for``), not a fresh ``BUSY_WAIT_MS``."""
+    [(before,)] = db.execute("PRAGMA busy_timeout").fetchall()
     db.execute(f"PRAGMA busy_timeout={wait_ms}")
     try:
         # The row says whether it was busy: (busy, frames in the log, frames copied).
         [(busy, _, _)] = db.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
         return not busy
     finally:
-        db.execute(f"PRAGMA busy_timeout={BUSY_WAIT_MS}")
+        db.execute(f"PRAGMA busy_timeout={int(before)}")
 
 
 def _start_log(db: sqlite3.Connection) -> None:

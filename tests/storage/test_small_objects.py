@@ -674,6 +674,21 @@ async def test_a_restart_that_misses_its_turn_is_counted_and_the_next_one_restar
     await store.close()
 
 
+@pytest.mark.parametrize("mode", ["RESTART", "TRUNCATE"])
+def test_a_checkpoint_gives_its_connection_back_the_wait_it_had(tmp_path: Path, mode: str) -> None:
+    """The checkpoint's short wait is set on the connection of a call whose wait counts
+    from the call (``_waited_for``): what was left of it is what the rest of the call
+    waits, not a fresh ``BUSY_WAIT_MS`` (30 s) past its deadline."""
+    db = sqlite3.connect(tmp_path / "t.db", isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA busy_timeout=1234")
+        assert small_objects._waited_checkpoint(db, mode, 10) is True
+        assert db.execute("PRAGMA busy_timeout").fetchone() == (1234,)
+    finally:
+        db.close()
+
+
 async def test_a_forked_child_counts_only_its_own_checkpoints(tmp_path: Path) -> None:
     """A child forked after its parent's checkpoints reports none of them, before its
     first use of the store (its counts were still the parent's) and after it."""
