@@ -18,7 +18,6 @@ import gc
 import hmac
 import logging
 import os
-import threading
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -238,45 +237,12 @@ class SessionActor:
             self._exit()
 
     def _exit(self) -> None:
-        from actors import metrics
+        from actors import exit_deadline, metrics
 
         # First, so that a flush or a call that blocks from here on cannot hold it back.
-        _end_by(self._settings.runtime.actor_exit_grace_s)
+        exit_deadline.end_by(self._settings.runtime.actor_exit_grace_s, "session actor")
         metrics.flush()  # the counters summed since the last hand-over go with it
         # The exit is scheduled before the exception is raised; suppressing it only
         # keeps "Task exception was never retrieved" out of the logs.
         with contextlib.suppress(AsyncioActorExit):
             ray.actor.exit_actor()  # type: ignore[no-untyped-call]
-
-
-_ending: threading.Timer | None = None
-
-
-def _end_by(grace_s: float) -> None:
-    """The process ends ``grace_s`` from now if it is still here. Ray lets an async
-    actor that called ``exit_actor`` go only once every call it is running has ended,
-    and answers none of those that come meanwhile: a call that never ends (a ``finished``
-    asked of a standby no session reached, a loop held by a call that blocks) kept the
-    process for ever. A retired standby stayed alive past a minute in a CI run, silent
-    to three asks; a session's actor would hold the session's name as long. A thread,
-    not a task: it ends the process when the loop itself is held. Nothing is lost by it:
-    the session is in storage, and the exit under way would have ended the process."""
-    global _ending
-    if _ending is not None or ray.get_runtime_context().get_actor_id() is None:
-        return  # armed already, or not an actor's process (nothing of Ray's to wait for)
-    _ending = threading.Timer(grace_s, _ended, args=(grace_s,))
-    _ending.daemon = True
-    _ending.start()
-
-
-def _ended(grace_s: float) -> None:
-    log.warning(
-        "session actor %d still running %g s after its exit: calls still running held it;"
-        " its process ends now",
-        os.getpid(),
-        grace_s,
-    )
-    for handler in logging.getLogger().handlers:
-        with contextlib.suppress(Exception):
-            handler.flush()
-    os._exit(0)

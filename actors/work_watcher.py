@@ -37,6 +37,7 @@ from ray.exceptions import (
     WorkerCrashedError,
 )
 
+from actors import exit_deadline
 from actors.config_ref import ConfigRef
 from actors.named import get_actor
 from actors.wiring import open_services
@@ -191,6 +192,8 @@ class WorkWatcher:
             self._closing = True
             with contextlib.suppress(Exception):
                 await services.close()
+            # Its name must come free for the work's next run, whatever call holds it.
+            exit_deadline.end_by(self._settings.runtime.actor_exit_grace_s, "work watcher")
             with contextlib.suppress(AsyncioActorExit):
                 ray.actor.exit_actor()  # type: ignore[no-untyped-call]
 

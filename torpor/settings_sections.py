@@ -287,12 +287,13 @@ class RuntimeSettings(_Section):
     # Ray lets an async actor go only once every call it is running has ended: one that
     # never ends (a loop held by a blocking call, a call awaiting what will not come) kept
     # an exiting session actor alive, answering nothing, under its session's name.
+    # At least a second: the exit's own last answers (``finished``, ``retire``) go first.
     actor_exit_grace_s: float = Field(
         10.0,
-        gt=0,
+        ge=1,
         le=3600,
-        description="a session actor (or standby) that is exiting ends its process this long "
-        "after, if calls still running hold it",
+        description="a session actor, standby or work watcher that is exiting ends its "
+        "process this long after, if calls still running hold it (1-3,600)",
     )
 
     @model_validator(mode="after")
