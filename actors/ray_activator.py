@@ -389,7 +389,8 @@ class RayActivator:
             left = await left_by(holder, self.namespace)
             # Asked, never killed (as ``StandbySet.inherit``): one running a session
             # declines and runs it, and one too busy to answer is asked again.
-            answered = await asyncio.gather(*(ask_to_retire(h) for h in left))
+            grace_s = self.settings.runtime.actor_exit_grace_s
+            answered = await asyncio.gather(*(ask_to_retire(h, grace_s=grace_s) for h in left))
             if left:
                 log.info(
                     "asked %d standby session actors left by the last holder to go (%d answered)",

@@ -238,6 +238,7 @@ class StandbySet:
         running other settings or code, or not answering, is retired (it exits unless a
         session reached it first), in the background: ``retired`` waits for that. One
         that has a session is left to run it. Returns how many joined."""
+        grace_s = settings.runtime.actor_exit_grace_s
         self._inheriting = True
         try:
             handles = await find()
@@ -253,7 +254,7 @@ class StandbySet:
                 # ever). Each is asked to go (one with a session runs it), shielded
                 # from a second cancel, before the cancel goes on.
                 found = [h for h in handles if h not in self._ready and h not in self._pending]
-                await asyncio.shield(self._retire_all(found))
+                await asyncio.shield(self._retire_all(found, grace_s))
                 raise
         finally:
             self._inheriting = False
@@ -275,12 +276,13 @@ class StandbySet:
         if going and self._closing:
             # ``close`` cancelled and awaited the set's tasks already: one made now would
             # be neither (a task nobody ends), so these are asked here, and awaited.
-            await self._retire_all(going)
+            await self._retire_all(going, grace_s)
         elif going:
             # Behind the holder's start, not in it: a silent standby is asked for up to
-            # ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``, and the holder's first refill
-            # waited for all of it, its activations starting processes on their path.
-            task = asyncio.create_task(self._retire_all(going))
+            # ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S`` (or its exit's grace), and the
+            # holder's first refill waited for all of it, its activations starting
+            # processes on their path.
+            task = asyncio.create_task(self._retire_all(going, grace_s))
             self._tasks.add(task)  # awaited by ``close``, not cancelled (see there)
             self._retiring.add(task)
             task.add_done_callback(self._retire_done)
@@ -297,8 +299,10 @@ class StandbySet:
             await asyncio.wait(under_way)
 
     @staticmethod
-    async def _retire_all(going: list[Any]) -> None:
-        answers = await asyncio.gather(*(ask_to_retire(h) for h in going), return_exceptions=True)
+    async def _retire_all(going: list[Any], grace_s: float) -> None:
+        answers = await asyncio.gather(
+            *(ask_to_retire(h, grace_s=grace_s) for h in going), return_exceptions=True
+        )
         for answer in answers:
             if isinstance(answer, BaseException):  # one failed ask does not hide the rest
                 log.warning("asking a left standby session actor to go failed", exc_info=answer)

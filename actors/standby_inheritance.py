@@ -29,9 +29,12 @@ from torpor.settings import Settings
 log = logging.getLogger(__name__)
 
 STANDBY_PREFIX = "session-standby:"
-# How long a left standby may take to answer that it goes, and how often it is asked.
+# How long a left standby may take to answer that it goes, and how often it is asked (at
+# the least: asked on until its exit's grace has passed, ``ask_to_retire``).
 RETIRE_TIMEOUT_S = 5.0
 RETIRE_ATTEMPTS = 3
+# The pause before asking again one that Ray said is unavailable (it may say so at once).
+RETIRE_PAUSE_S = 1.0
 
 
 # How much a guess at the settings behind an inheritance key costs: the key travels in a
@@ -121,23 +124,29 @@ def standby_name(holder: str | None = None) -> str:
     return f"{standby_prefix(holder)}{uuid.uuid4().hex}"
 
 
-async def ask_to_retire(handle: Any) -> bool:
+async def ask_to_retire(handle: Any, *, grace_s: float) -> bool:
     """Ask a standby another holder left to exit (it does unless it has a session), and
     wait for its answer; asked again while it does not answer, never killed (it may be
     running a session its dead holder handed it). True once it answered, or is gone.
+
+    Asked for ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``, and at least until ``grace_s``
+    (its ``runtime.actor_exit_grace_s``) has passed: a standby exiting while calls it runs
+    hold it answers nothing until its grace ends its process (``actors.exit_deadline``).
 
     Awaited, not sent and forgotten: the handle is one just looked up by name, and a
     call on it whose reference and handle were dropped at once went unanswered under
     load (the standby waited on for ever with ``standby_idle_s = 0``; a CI run's holder
     with no standby set left its predecessor's running past a minute)."""
-    for _ in range(RETIRE_ATTEMPTS):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(RETIRE_ATTEMPTS * RETIRE_TIMEOUT_S, grace_s + RETIRE_TIMEOUT_S)
+    while (left := deadline - loop.time()) > 0:
         try:
-            await asyncio.wait_for(handle.retire.remote(), timeout=RETIRE_TIMEOUT_S)
+            await asyncio.wait_for(handle.retire.remote(), timeout=min(RETIRE_TIMEOUT_S, left))
             return True
         except ActorUnavailableError:
             # Unreachable for now (a network blip), or exiting while calls it runs hold
-            # it (Ray says so at once; it ends within ``actor_exit_grace_s``): asked again.
-            continue
+            # it: asked again after a pause (Ray may say so at once, every time).
+            await asyncio.sleep(min(RETIRE_PAUSE_S, max(0.0, deadline - loop.time())))
         except RayError:  # it exited under the call, as asked, or was gone already
             return True
         except TimeoutError:
