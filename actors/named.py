@@ -15,7 +15,9 @@ starts its controller from ``asyncio.to_thread`` for that reason), both calls le
 the GIL while they wait for the GCS, and an async actor's loop already runs on a thread
 that is not its process's main one. The one hazard is a thread still inside a Ray call
 when its process tears Ray down (ray#47864): the pool's threads are joined at exit
-before Ray's own exit hook runs, and only a lookup given up at its deadline is left.
+before Ray's own exit hook runs. A lookup given up at its deadline was never started;
+a kill given up is still made, so a process exiting with kills queued makes them first
+(each bounded by Ray's own deadline; one per actor, ``_killing``).
 
 ``list_named_actors`` has no namespace-and-prefix query of its own: it lists every named
 actor the GCS knows, and ``named_actors`` filters here.
@@ -27,16 +29,20 @@ makes that call in the same threads, with the same deadline.
 
 Killing an actor is one as well: ``ray.kill`` waits, in its calling thread, for the
 actor's registration with the GCS to finish, and raises Ray's errors. ``kill`` makes it
-with the same deadline, in threads of its own (``KILLS``), and never raises.
+in threads of its own (``KILLS``), waits for it with the same deadline, and never
+raises; a kill not made by then is made later, not dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import ray
@@ -240,23 +246,61 @@ def kill_now(handle: Any) -> bool:
 async def kill(handle: Any, what: str, *, timeout_s: float | None = None) -> bool:
     """``kill_now(handle)`` in ``KILLS``, with a deadline (``timeout_s``, default:
     ``LOOKUP_TIMEOUT_S``) on the wait for it: True once Ray took it, False (logged) when
-    it failed or the GCS did not answer in time (it is still made). Raises neither Ray's
-    errors nor the deadline's: a kill is the clean-up after a failure, and its own error
-    (or a silent GCS) raised in place of that failure's outcome hid it from the caller,
-    untyped. Made on the loop, a GCS slow to confirm an actor's registration stalled
-    every other coroutine of the process."""
+    it failed, or was not made in time (queued behind other kills, or the GCS slow): it
+    is still made then. Raises neither Ray's errors nor the deadline's: a kill is the
+    clean-up after a failure, and its own error (or a silent GCS) raised in place of
+    that failure's outcome hid it from the caller, untyped. Made on the loop, a GCS slow
+    to confirm an actor's registration stalled every other coroutine of the process."""
     timeout_s = LOOKUP_TIMEOUT_S if timeout_s is None else timeout_s
-    # Submitted, not run: one still queued behind other kills when its caller gives up
-    # (its deadline, or cancelled) is made all the same once a thread frees. Dropped,
-    # as ``gcs_call`` drops a queued lookup, the silent actor it was for lived on: a
-    # standby until its idle time, a session's actor until an activation found it under
-    # the session's name, waited out its silence and asked for its kill again.
-    made = asyncio.wrap_future(KILLS.submit(kill_now, handle))
+    made = asyncio.wrap_future(_killing(handle))
     try:
         async with asyncio.timeout(timeout_s):
+            # Shielded: the caller giving up (its deadline, or cancelled) leaves the kill
+            # to be made. Dropped, as ``gcs_call`` drops a queued lookup, the silent actor
+            # it was for lived on: a standby until its idle time, a session's actor until
+            # an activation found it, waited out its silence and asked for its kill again.
             return await asyncio.shield(made)
     except TimeoutError:
         log.warning(
-            "%s: the GCS did not answer within %g s (the kill is still made)", what, timeout_s
+            "%s: not made within %g s (queued behind other kills, or the GCS is slow);"
+            " it is still made",
+            what,
+            timeout_s,
         )
         return False
+
+
+# The kills queued or under way, by actor (a handle hashes and compares by its actor's
+# id): asked again for one while it waits (an activation retried while the GCS is
+# down), the actor is killed once, not queued again behind its own kill each time.
+_KILLING: dict[Any, Future[bool]] = {}
+_KILLING_LOCK = threading.Lock()
+
+
+def _killing(handle: Any) -> Future[bool]:
+    with _KILLING_LOCK:
+        made = _KILLING.get(handle)
+        if made is None:
+            made = _KILLING[handle] = KILLS.submit(kill_now, handle)
+            fresh = True
+        else:
+            fresh = False
+    if fresh:  # outside the lock: a kill done already calls back in this thread
+        made.add_done_callback(functools.partial(_killed, handle))
+    return made
+
+
+def _killed(handle: Any, made: Future[bool]) -> None:
+    with _KILLING_LOCK:
+        if _KILLING.get(handle) is made:
+            del _KILLING[handle]
+
+
+def _forked() -> None:
+    # A child's kill threads are its own (``ProcessPool``): the parent's queue is not.
+    global _KILLING_LOCK
+    _KILLING_LOCK = threading.Lock()
+    _KILLING.clear()
+
+
+os.register_at_fork(after_in_child=_forked)

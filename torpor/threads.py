@@ -59,6 +59,8 @@ class ProcessPool:
         """``fn(*args, **kwargs)`` in the pool, in the caller's context, made even if
         nobody waits for it any more: for work that must be done once asked for (a kill
         of a silent actor), where ``run``'s is dropped while it still waits for a thread
-        if its caller is cancelled or gives up."""
+        if its caller is cancelled or gives up. A caller that awaits it through
+        ``asyncio.wrap_future`` must ``shield`` that: cancelling the wrapper cancels the
+        call while it is still queued."""
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         return self.executor().submit(call)

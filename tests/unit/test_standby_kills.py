@@ -29,6 +29,7 @@ def kill_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test its own kill threads: a kill given up at its deadline holds its thread
     for as long as the GCS takes, and a later test's kills queued behind it."""
     monkeypatch.setattr(named, "KILLS", ProcessPool(named.KILLS.threads, "test-kill"))
+    monkeypatch.setattr(named, "_KILLING", {}, raising=False)  # its own record of kills under way
 
 
 class SilentStandby(SilentActor):
@@ -114,12 +115,14 @@ async def test_a_lookup_does_not_wait_behind_the_kills_of_a_keeping_round(
     assert sorted(map(id, killing)) == sorted(map(id, silent)), "not every silent one was killed"
 
 
-async def test_a_kill_still_queued_at_its_deadline_is_made_once_a_thread_frees(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("given_up", ["deadline", "cancelled"])
+async def test_a_kill_still_queued_when_its_caller_gives_up_is_made_once_a_thread_frees(
+    monkeypatch: pytest.MonkeyPatch, given_up: str
 ) -> None:
     """The kill threads all held by kills the GCS is slow to take: a kill queued behind
-    them is given up by its caller at its deadline (False, the caller goes on), and is
-    still made when a thread frees. Dropped, its silent actor lived on."""
+    them is given up by its caller (at its deadline: False, the caller goes on; or
+    cancelled), and is still made when a thread frees. Dropped, its silent actor lived
+    on. Asked again for the same actor meanwhile, it is made once."""
     monkeypatch.setattr(named, "KILLS", ProcessPool(1, "test-kill-one"))
     taken = threading.Event()
     killed: list[Any] = []
@@ -131,9 +134,23 @@ async def test_a_kill_still_queued_at_its_deadline_is_made_once_a_thread_frees(
     monkeypatch.setattr(ray, "kill", slow_kill)
     first, queued = SilentStandby(), SilentStandby()
     held = asyncio.create_task(named.kill(first, "the first", timeout_s=30))
-    await eventually(lambda: killed == [first], timeout_s=5, interval_s=0.01, what="it began")
-    assert await named.kill(queued, "the queued one", timeout_s=0.05) is False
-    assert killed == [first], "the queued kill ran before a thread was free"
-    taken.set()
+    try:
+        await eventually(lambda: killed == [first], timeout_s=5, interval_s=0.01, what="began")
+        if given_up == "deadline":
+            assert await named.kill(queued, "the queued one", timeout_s=0.05) is False
+        else:
+            asking = asyncio.create_task(named.kill(queued, "the queued one", timeout_s=30))
+            await asyncio.sleep(0.05)  # queued behind the first by now: nothing to wait for
+            asking.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asking
+        again = asyncio.create_task(named.kill(queued, "asked again", timeout_s=30))
+        await asyncio.sleep(0)  # asked while the first kill of it is still queued
+        assert len(named._KILLING) == 2, "asked again, the actor's kill was queued twice"
+        assert killed == [first], "the queued kill ran before a thread was free"
+    finally:
+        taken.set()
     assert await held is True
+    assert await again is True
     await eventually(lambda: killed == [first, queued], timeout_s=5, interval_s=0.01, what="made")
+    assert named._KILLING == {}, "a kill made is forgotten"
