@@ -18,11 +18,12 @@ from storage.memory_store import MemoryObjectStore
 from storage.sqlite_index import SqliteIndex
 from torpor.errors import ConfigError, EmbeddedBackendOnCluster
 from torpor.ports import ActivationQueue, Index, ObjectStore, RunningSlots
-from torpor.settings import Settings, resolve_secret, scheme_lowered, shown_url
+from torpor.settings import Settings, resolve_secret, shown_url
+from torpor.storage_urls import local_folder, scheme_lowered
 
 
 def _local_path(url: str, scheme: str) -> Path:
-    # file:///abs/path, file://relative/path and a bare path all mean a folder here.
+    # sqlite:///abs/path, sqlite://relative/path and a bare path all mean a file here.
     rest = url[len(scheme) + 3 :] if url.startswith(f"{scheme}://") else url
     if not rest:
         raise ConfigError(f"{scheme} URL {url!r} names no path")
@@ -46,10 +47,13 @@ def open_object_store(settings: Settings) -> ObjectStore:
             access_key_id=s3.access_key_id,
             secret_access_key=secret,
         )
-    if url.startswith("file://") or "://" not in url:
-        return LocalObjectStore(_local_path(url, "file"))
     if url.startswith("memory://"):
         return MemoryObjectStore()
+    folder = local_folder(url)
+    if folder is not None:
+        if not folder:
+            raise ConfigError(f"object store URL {shown_url(url)!r} names no path")
+        return LocalObjectStore(Path(folder))
     raise ConfigError(f"object store URL {shown_url(url)!r}: use s3://bucket/prefix or file://path")
 
 

@@ -45,7 +45,7 @@ from torpor.settings_inputs import (
     _TomlFile,
     load_toml,
 )
-from torpor.settings_secrets import resolve_secret, scheme_lowered, shown_url
+from torpor.settings_secrets import resolve_secret, shown_url
 from torpor.settings_sections import (
     CONSOLE_KEY_MIN_BYTES,
     BatchSettings,
@@ -59,6 +59,7 @@ from torpor.settings_sections import (
     StorageSettings,
     _check_console_key,
 )
+from torpor.storage_urls import local_folder
 from torpor.webhooks.capability import check_key
 from torpor.webhooks.signing import decode_key, signed_shape
 
@@ -83,7 +84,6 @@ __all__ = [
     "TenantConfig",
     "load_toml",
     "resolve_secret",
-    "scheme_lowered",
     "shown_url",
     "verifying_secrets",
 ]
@@ -256,7 +256,8 @@ class Settings(BaseSettings):
 
     @property
     def embedded(self) -> bool:
-        return self.storage.object_store_url.startswith("file:") or self.index_scheme() == "sqlite"
+        object_store = self.storage.object_store_url
+        return local_folder(object_store) is not None or self.index_scheme() == "sqlite"
 
     def index_scheme(self) -> str | None:
         """The scheme of the index's URL (``"redis"``, ``"sqlite"``, ...), an ``env:`` one

@@ -4,7 +4,6 @@ use time, and URLs shown without the credentials they may carry."""
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
@@ -43,17 +42,3 @@ def shown_url(url: str) -> str:
     if parts.query:
         parts = parts._replace(query="[redacted]")
     return parts.geturl()
-
-
-_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
-
-
-def scheme_lowered(url: str) -> str:
-    """``url`` with its scheme in lower case and the rest as written (a path, a password).
-    Schemes are case-insensitive (RFC 3986, 3.1), and redis-py reads ``REDIS://`` as
-    ``redis://``; every check and adapter here matches the scheme as lower-case text, so
-    ``REDIS://`` was refused as an unknown scheme and ``FILE://`` taken for a bare path."""
-    head, sep, rest = url.partition("://")
-    if not sep or not _SCHEME.fullmatch(head) or head.islower():
-        return url
-    return f"{head.lower()}{sep}{rest}"

@@ -17,7 +17,8 @@ from pydantic import (
 )
 
 from torpor.errors import ConfigError, WebhookSecretInvalid
-from torpor.settings_secrets import scheme_lowered, shown_url
+from torpor.settings_secrets import shown_url
+from torpor.storage_urls import scheme_lowered
 from torpor.webhooks.capability import check_key
 
 

@@ -165,3 +165,38 @@ async def test_an_object_store_url_whose_scheme_is_in_capitals_is_not_taken_for_
     assert settings.embedded
     s3 = Settings.build({"storage": {"object_store_url": "S3://b/p"}})
     assert s3.storage.object_store_url == "s3://b/p"
+
+
+@pytest.mark.parametrize(
+    "written",
+    ["file://{tmp}/objects", "file:{tmp}/objects", "FILE:{tmp}/objects", "{tmp}/objects"],
+    ids=["file-slashes", "file-no-slashes", "file-capitals", "bare-path"],
+)
+async def test_every_local_object_store_url_is_one_folder_and_counted_as_embedded(
+    written: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settings counted only ``file:`` URLs as embedded and the factory opened bare
+    paths too: a bare path beside a Redis index passed the refusal on a cluster of
+    several nodes. ``file:/abs`` was opened as a folder named ``file:`` here."""
+    monkeypatch.chdir(tmp_path)  # a URL misread as a relative folder lands here
+    url = written.format(tmp=tmp_path)
+    settings = Settings.build(
+        {"storage": {"object_store_url": url, "index_url": "redis://127.0.0.1:6379/0"}}
+    )
+    assert settings.embedded
+    with pytest.raises(ConfigError, match="only works on one host"):
+        check_embedded_allowed(settings, alive_nodes=3)
+    store = open_object_store(settings)
+    assert isinstance(store, LocalObjectStore) and store.root == tmp_path / "objects"
+    await store.close()
+
+
+def test_an_object_store_url_of_no_local_folder_is_not_embedded() -> None:
+    for url in ("s3://b/p", "memory://"):
+        settings = Settings.build({"storage": {"object_store_url": url, "index_url": "memory://"}})
+        assert settings.storage.object_store_url == url
+        assert not Settings.build(
+            {"storage": {"object_store_url": url, "index_url": "redis://h:6379/0"}}
+        ).embedded
+    with pytest.raises(ConfigError, match="names no path"):
+        open_object_store(Settings.build({"storage": {"object_store_url": "file://"}}))

@@ -1,0 +1,39 @@
+"""Storage URLs read one way everywhere: by the settings' checks (``Settings.embedded``,
+``storage.factory.check_embedded_allowed``) and by the factory that opens the adapters."""
+
+from __future__ import annotations
+
+import re
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+
+
+def scheme_lowered(url: str) -> str:
+    """``url`` with its scheme in lower case and the rest as written (a path, a password).
+    Schemes are case-insensitive (RFC 3986, 3.1), and redis-py reads ``REDIS://`` as
+    ``redis://``; every check and adapter here matches the scheme as lower-case text, so
+    ``REDIS://`` was refused as an unknown scheme and ``FILE://`` taken for a bare path.
+    ``file:`` without ``//`` too (RFC 8089); ``env:NAME`` is left as written."""
+    head, sep, rest = url.partition("://")
+    if not sep:
+        head, sep, rest = url.partition(":")
+        if head.lower() != "file":
+            return url
+    if not _SCHEME.fullmatch(head) or head.islower():
+        return url
+    return f"{head.lower()}{sep}{rest}"
+
+
+def local_folder(url: str) -> str | None:
+    """The folder an object store URL names on this host: a ``file:`` URL's path
+    (``file:///abs``, ``file:/abs``, ``file://relative``, ``file:relative``) or a bare
+    path (no ``://``); None for any other scheme. The one reading of it: the settings
+    counted ``file:`` URLs as embedded storage and the factory opened bare paths too,
+    so a bare path beside a Redis index passed the refusal on a cluster of several
+    nodes, and ``file:/abs`` was opened as a folder named ``file:`` under the working one."""
+    if url.startswith("file:"):
+        rest = url[len("file:") :]
+        return rest[2:] if rest.startswith("//") else rest
+    if "://" in url:
+        return None
+    return url
