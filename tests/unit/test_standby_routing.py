@@ -258,7 +258,7 @@ async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -
 
     silent_once.retire.remote = remote  # type: ignore[method-assign]
     activator: Any = RayActivator.__new__(RayActivator)
-    activator.namespace = "t"
+    activator.namespace, activator.settings = "t", Settings.build({})
 
     async def left_by(holder: str, namespace: str) -> list[Actor]:
         return [silent_once, quick]
@@ -266,6 +266,7 @@ async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ray_activator, "left_by", left_by)
         patch.setattr(standby_inheritance, "RETIRE_TIMEOUT_S", 0.05)
+        patch.setattr(standby_inheritance, "RETIRE_PAUSE_S", 0.01)
         async with asyncio.timeout(10):
             await activator._retire_left("holder")
     assert len(silent_once.retire.calls) == 3, "asked again after no answer, and unreachable"
