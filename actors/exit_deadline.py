@@ -7,13 +7,17 @@ call that blocks, an ``atexit`` hook stuck on a silent GCS) kept the process for
 retired standby stayed alive past a minute in a CI run, silent to three asks, and a
 session's actor or a work's watcher would hold its name as long. ``end_by`` is armed
 by an actor that has decided to exit, once what it must do first is done (its session
-in storage, its services closed): nothing is lost by ending it sooner than Ray would.
+or its work's outcome in storage and delivered): what the grace cuts short is a close of
+connections, a call whose caller gave up, or a kill still queued (``actors.named``; the
+actor it was for is found silent and killed again by whoever looks for it next).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
 
 import ray
@@ -49,4 +53,11 @@ def _ended(grace_s: float, what: str) -> None:
         os.getpid(),
         grace_s,
     )
+    # ``os._exit`` flushes nothing: what is buffered for Ray's log files goes first.
+    for stream in [h for lg in (log, logging.getLogger()) for h in lg.handlers]:
+        with contextlib.suppress(Exception):
+            stream.flush()
+    for out in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            out.flush()
     os._exit(0)

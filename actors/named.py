@@ -15,9 +15,10 @@ starts its controller from ``asyncio.to_thread`` for that reason), both calls le
 the GIL while they wait for the GCS, and an async actor's loop already runs on a thread
 that is not its process's main one. The one hazard is a thread still inside a Ray call
 when its process tears Ray down (ray#47864): the pool's threads are joined at exit
-before Ray's own exit hook runs. A lookup given up at its deadline was never started;
-a kill given up is still made, so a process exiting with kills queued makes them first
-(each bounded by Ray's own deadline; one per actor, ``_killing``).
+before Ray's own exit hook runs. A lookup given up while still queued is never made,
+and one given up during its call ends within Ray's deadline; a kill given up is still
+made, so a process exiting with kills queued makes them first (each bounded by Ray's
+own deadline; one per actor, ``_killing``).
 
 ``list_named_actors`` has no namespace-and-prefix query of its own: it lists every named
 actor the GCS knows, and ``named_actors`` filters here.

@@ -329,8 +329,9 @@ class StandbySet:
         for task in list(self._tasks - self._retiring):
             task.cancel()
         # The asks to left standbys to go are let finish (each is bounded: at most
-        # ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``): cancelled, a left standby ran on to
-        # its idle time, and with ``standby_idle_s = 0`` for ever.
+        # ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``, or the exit's grace, at most a
+        # minute, and that timeout): cancelled, a left standby ran on to its idle time,
+        # and with ``standby_idle_s = 0`` for ever.
         await asyncio.gather(*self._tasks, return_exceptions=True)
         # Retired, not killed: a standby another holder inherited too may have a session
         # by now (it runs it); one that does not answer is killed.

@@ -130,8 +130,9 @@ async def ask_to_retire(handle: Any, *, grace_s: float) -> bool:
     running a session its dead holder handed it). True once it answered, or is gone.
 
     Asked for ``RETIRE_ATTEMPTS`` x ``RETIRE_TIMEOUT_S``, and at least until ``grace_s``
-    (its ``runtime.actor_exit_grace_s``) has passed: a standby exiting while calls it runs
-    hold it answers nothing until its grace ends its process (``actors.exit_deadline``).
+    has passed (the asking holder's ``runtime.actor_exit_grace_s``, a standby's own when
+    it runs the same settings): a standby exiting while calls it runs hold it answers
+    nothing until its grace ends its process (``actors.exit_deadline``).
 
     Awaited, not sent and forgotten: the handle is one just looked up by name, and a
     call on it whose reference and handle were dropped at once went unanswered under

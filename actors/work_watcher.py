@@ -190,10 +190,11 @@ class WorkWatcher:
             log.exception("work %s failed in its watcher", work)
         finally:
             self._closing = True
+            # Its name must come free for the work's next run, whatever holds it: a call
+            # still running, or the close below (it has no deadline of its own).
+            exit_deadline.end_by(self._settings.runtime.actor_exit_grace_s, "work watcher")
             with contextlib.suppress(Exception):
                 await services.close()
-            # Its name must come free for the work's next run, whatever call holds it.
-            exit_deadline.end_by(self._settings.runtime.actor_exit_grace_s, "work watcher")
             with contextlib.suppress(AsyncioActorExit):
                 ray.actor.exit_actor()  # type: ignore[no-untyped-call]
 

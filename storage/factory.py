@@ -23,7 +23,7 @@ from torpor.storage_urls import local_folder, scheme_lowered
 
 
 def _local_path(url: str, scheme: str) -> Path:
-    # sqlite:///abs/path, sqlite://relative/path and a bare path all mean a file here.
+    # sqlite:///abs/path and sqlite://relative/path (object stores: ``local_folder``).
     rest = url[len(scheme) + 3 :] if url.startswith(f"{scheme}://") else url
     if not rest:
         raise ConfigError(f"{scheme} URL {url!r} names no path")

@@ -615,8 +615,8 @@ def _waited_checkpoint(db: sqlite3.Connection, mode: str, wait_ms: int) -> bool:
     it, if only readers were in the way, but the log is not started again or emptied)
     and says busy in the pragma's row, not with an error: the next checkpoint tries
     again. Whether it was not busy: the log was started again or emptied. The
-    connection's own wait is given back after: what was left of its caller's deadline
-    (``_waited_for``), not a fresh ``BUSY_WAIT_MS``."""
+    connection's own wait is given back after: the one it was taken with, what was left
+    of its caller's deadline then (``_waited_for``), not a fresh ``BUSY_WAIT_MS``."""
     [(before,)] = db.execute("PRAGMA busy_timeout").fetchall()
     db.execute(f"PRAGMA busy_timeout={wait_ms}")
     try:

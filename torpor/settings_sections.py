@@ -289,12 +289,14 @@ class RuntimeSettings(_Section):
     # never ends (a loop held by a blocking call, a call awaiting what will not come) kept
     # an exiting session actor alive, answering nothing, under its session's name.
     # At least a second: the exit's own last answers (``finished``, ``retire``) go first.
+    # At most a minute: a holder asks a left standby to go for as long, and its close
+    # (a Serve replica's, within Serve's graceful shutdown) waits for those asks.
     actor_exit_grace_s: float = Field(
         10.0,
         ge=1,
-        le=3600,
+        le=60,
         description="a session actor, standby or work watcher that is exiting ends its "
-        "process this long after, if calls still running hold it (1-3,600)",
+        "process this long after, if calls still running hold it (1-60)",
     )
 
     @model_validator(mode="after")

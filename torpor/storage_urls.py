@@ -1,5 +1,6 @@
-"""Storage URLs read one way everywhere: by the settings' checks (``Settings.embedded``,
-``storage.factory.check_embedded_allowed``) and by the factory that opens the adapters."""
+"""Storage URLs read one way everywhere: by the settings (``Settings.embedded``, which
+the refusal of embedded storage on a cluster reads) and by the factory that opens the
+adapters (``storage.factory``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def local_folder(url: str) -> str | None:
     if url.startswith("file:"):
         rest = url[len("file:") :]
         return rest[2:] if rest.startswith("//") else rest
-    if "://" in url:
-        return None
+    head, colon, _ = url.partition(":")
+    if "://" in url or (colon and len(head) > 1 and _SCHEME.fullmatch(head)):
+        return None  # another scheme (``memory:``, ``env:NAME``, ``s3:bucket``): not a path
     return url

@@ -12,6 +12,7 @@ from storage.memory_index import MemoryIndex
 from storage.memory_store import MemoryObjectStore
 from torpor.errors import ConfigError, ObjectNotFound
 from torpor.settings import Settings
+from torpor.storage_urls import local_folder
 
 MEMORY = Settings.build({"storage": {"object_store_url": "memory://", "index_url": "memory://"}})
 
@@ -200,3 +201,17 @@ def test_an_object_store_url_of_no_local_folder_is_not_embedded() -> None:
         ).embedded
     with pytest.raises(ConfigError, match="names no path"):
         open_object_store(Settings.build({"storage": {"object_store_url": "file://"}}))
+
+
+@pytest.mark.parametrize("url", ["memory:", "env:OBJECTS", "s3:bucket", "gs://b/p"])
+def test_an_object_store_url_of_another_scheme_is_refused_not_opened_as_a_folder(
+    url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read as a relative folder (``./env:OBJECTS``), such a URL opened an empty store in
+    the working folder and counted as embedded storage."""
+    monkeypatch.chdir(tmp_path)
+    settings = Settings.build({"storage": {"object_store_url": url, "index_url": "memory://"}})
+    assert local_folder(url) is None
+    with pytest.raises(ConfigError, match="use s3://bucket/prefix or file://path"):
+        open_object_store(settings)
+    assert list(tmp_path.iterdir()) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -26,12 +27,17 @@ class Ended:
 
 
 @pytest.fixture
-def ended(monkeypatch: pytest.MonkeyPatch) -> Ended:
+def ended(monkeypatch: pytest.MonkeyPatch) -> Iterator[Ended]:
     monkeypatch.setattr(exit_deadline, "_ending", None)
     monkeypatch.setattr(exit_deadline.ray, "is_initialized", lambda: True)
     stand_in = Ended()
     monkeypatch.setattr(exit_deadline.os, "_exit", stand_in)
-    return stand_in
+    yield stand_in
+    # Before the real ``os._exit`` is put back: a timer a failed test left armed would
+    # end the whole run, with exit code 0.
+    if exit_deadline._ending is not None:
+        exit_deadline._ending.cancel()
+        exit_deadline._ending.join(5)
 
 
 def in_actor(monkeypatch: pytest.MonkeyPatch, actor_id: str | None) -> None:
@@ -57,7 +63,8 @@ def test_the_process_ends_after_the_grace_and_the_deadline_is_armed_once(
 def test_no_deadline_outside_an_actor_process(
     monkeypatch: pytest.MonkeyPatch, ended: Ended, where: str
 ) -> None:
-    in_actor(monkeypatch, None)
+    # Not connected to Ray, it is asked nothing of Ray (a call would start a Ray).
+    in_actor(monkeypatch, None if where == "driver" else "a" * 32)
     if where == "no-ray":
         monkeypatch.setattr(exit_deadline.ray, "is_initialized", lambda: False)
     exit_deadline.end_by(0.01, "session actor")

@@ -140,13 +140,16 @@ async def test_a_kill_still_queued_when_its_caller_gives_up_is_made_once_a_threa
             assert await named.kill(queued, "the queued one", timeout_s=0.05) is False
         else:
             asking = asyncio.create_task(named.kill(queued, "the queued one", timeout_s=30))
-            await asyncio.sleep(0.05)  # queued behind the first by now: nothing to wait for
+            await asyncio.sleep(0)  # it runs to its wait for the kill, queued behind the first
+            assert queued in named._KILLING
             asking.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await asking
+        made = named._KILLING.get(queued)
+        assert made is not None and not made.cancelled(), "the kill given up was dropped"
         again = asyncio.create_task(named.kill(queued, "asked again", timeout_s=30))
         await asyncio.sleep(0)  # asked while the first kill of it is still queued
-        assert len(named._KILLING) == 2, "asked again, the actor's kill was queued twice"
+        assert named._KILLING.get(queued) is made, "asked again, its kill was queued again"
         assert killed == [first], "the queued kill ran before a thread was free"
     finally:
         taken.set()

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from actors import ray_activator, standby_inheritance
 from actors.ray_activator import Admission, RayActivator
@@ -271,3 +271,37 @@ async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -
             await activator._retire_left("holder")
     assert len(silent_once.retire.calls) == 3, "asked again after no answer, and unreachable"
     assert len(quick.retire.calls) == 1
+
+
+@pytest.mark.parametrize("gone_after", [None, 5])
+async def test_a_left_standby_said_unavailable_is_asked_until_its_exit_grace_has_passed(
+    monkeypatch: pytest.MonkeyPatch, gone_after: int | None
+) -> None:
+    """Ray says at once that an actor exiting while calls it runs hold it is unavailable;
+    its grace then ends it (``actors.exit_deadline``). Asked ``RETIRE_ATTEMPTS`` times in
+    a row, the asks were spent before that and the standby counted as silent. It is now
+    asked until its grace and one more timeout have passed, with a pause between asks
+    (no tight loop), and is gone once Ray says it died."""
+    monkeypatch.setattr(standby_inheritance, "RETIRE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(standby_inheritance, "RETIRE_PAUSE_S", 0.05)
+    loop = asyncio.get_running_loop()
+    exiting = Actor()
+
+    def remote(*args: object) -> asyncio.Future[Any]:
+        exiting.retire.calls.append(args)
+        answer: asyncio.Future[Any] = loop.create_future()
+        if gone_after is not None and len(exiting.retire.calls) > gone_after:
+            answer.set_exception(ActorDiedError())
+        else:
+            answer.set_exception(ActorUnavailableError("exiting", None))
+        return answer
+
+    exiting.retire.remote = remote  # type: ignore[method-assign]
+    started = loop.time()
+    answered = await standby_inheritance.ask_to_retire(exiting, grace_s=0.5)
+    took = loop.time() - started
+    if gone_after is None:
+        assert answered is False and took >= 0.5
+        assert 3 < len(exiting.retire.calls) <= 0.55 / 0.05 + 1, "asked in a tight loop"
+    else:
+        assert answered is True and len(exiting.retire.calls) == gone_after + 1
