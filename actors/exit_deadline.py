@@ -47,8 +47,8 @@ def end_by(grace_s: float, what: str) -> None:
 
 def _ended(grace_s: float, what: str) -> None:
     log.warning(
-        "%s (pid %d) still running %g s after its exit: calls still running held it;"
-        " its process ends now",
+        "%s (pid %d) still running %g s after it began to exit (a call it runs, or its"
+        " close, held it): its process ends now",
         what,
         os.getpid(),
         grace_s,

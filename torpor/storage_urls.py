@@ -28,7 +28,7 @@ def scheme_lowered(url: str) -> str:
 def local_folder(url: str) -> str | None:
     """The folder an object store URL names on this host: a ``file:`` URL's path
     (``file:///abs``, ``file:/abs``, ``file://relative``, ``file:relative``) or a bare
-    path (no ``://``); None for any other scheme. The one reading of it: the settings
+    path (no scheme); None for any other scheme. The one reading of it: the settings
     counted ``file:`` URLs as embedded storage and the factory opened bare paths too,
     so a bare path beside a Redis index passed the refusal on a cluster of several
     nodes, and ``file:/abs`` was opened as a folder named ``file:`` under the working one."""
