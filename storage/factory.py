@@ -22,11 +22,12 @@ from torpor.settings import Settings, resolve_secret, shown_url
 from torpor.storage_urls import local_folder, scheme_lowered
 
 
-def _local_path(url: str, scheme: str) -> Path:
-    # sqlite:///abs/path and sqlite://relative/path (object stores: ``local_folder``).
-    rest = url[len(scheme) + 3 :] if url.startswith(f"{scheme}://") else url
+def _sqlite_path(url: str) -> Path:
+    # sqlite:///abs/path and sqlite://relative/path; called only on a ``sqlite://`` URL
+    # (an object store's folder is ``storage_urls.local_folder``'s to read).
+    rest = url.removeprefix("sqlite://")
     if not rest:
-        raise ConfigError(f"{scheme} URL {url!r} names no path")
+        raise ConfigError(f"sqlite URL {url!r} names no path")
     return Path(rest)
 
 
@@ -76,7 +77,7 @@ def index_url(settings: Settings) -> str:
         if not parsed:  # raised here, so no error carrying the URL travels with it
             raise _refused_index(written, url, "it does not parse as a Redis URL")
     elif url.startswith("sqlite://"):
-        _local_path(url, "sqlite")  # one naming no path is refused, and says so
+        _sqlite_path(url)  # one naming no path is refused, and says so
     elif not url.startswith("memory://"):
         raise _refused_index(written, url, _SCHEMES_ACCEPTED)
     return url
@@ -112,7 +113,7 @@ def open_index(settings: Settings, url: str | None = None) -> Index:
             deadline_shards=settings.storage.index_deadline_shards,
         )
     if url.startswith("sqlite://"):
-        return SqliteIndex(_local_path(url, "sqlite"))
+        return SqliteIndex(_sqlite_path(url))
     if url.startswith("memory://"):
         return MemoryIndex()
     raise _refused_index(url, url, _SCHEMES_ACCEPTED)  # a URL given that did not come from there
