@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -32,12 +33,21 @@ def ended(monkeypatch: pytest.MonkeyPatch) -> Iterator[Ended]:
     monkeypatch.setattr(exit_deadline.ray, "is_initialized", lambda: True)
     stand_in = Ended()
     monkeypatch.setattr(exit_deadline.os, "_exit", stand_in)
+    armed: list[threading.Timer] = []
+
+    class Recorded(threading.Timer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            armed.append(self)
+
+    monkeypatch.setattr(exit_deadline.threading, "Timer", Recorded)
     yield stand_in
-    # Before the real ``os._exit`` is put back: a timer a failed test left armed would
-    # end the whole run, with exit code 0.
-    if exit_deadline._ending is not None:
-        exit_deadline._ending.cancel()
-        exit_deadline._ending.join(5)
+    # Every timer made, the module's or not (one armed twice), stopped before the real
+    # ``os._exit`` is put back: one left armed would end the whole run, with exit code 0.
+    for timer in armed:
+        timer.cancel()
+        if timer.ident is not None:  # started
+            timer.join(5)
 
 
 def in_actor(monkeypatch: pytest.MonkeyPatch, actor_id: str | None) -> None:

@@ -154,6 +154,6 @@ async def test_a_kill_still_queued_when_its_caller_gives_up_is_made_once_a_threa
     finally:
         taken.set()
     assert await held is True
-    assert await again is True
-    await eventually(lambda: killed == [first, queued], timeout_s=5, interval_s=0.01, what="made")
+    assert await again is True  # the kill given up, asked again: done once this is
+    assert killed == [first, queued], "the kill given up was not made, or made twice"
     assert named._KILLING == {}, "a kill made is forgotten"

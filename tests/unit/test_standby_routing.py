@@ -233,6 +233,16 @@ async def test_left_standbys_found_after_the_set_closed_are_still_asked_to_go(
     assert len(other.retire.calls) == 1 and not standby._retiring
 
 
+def settled(answer: object) -> asyncio.Future[Any]:
+    """A Ray call's answer, already there: ``answer`` returned, or raised if an error."""
+    done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    if isinstance(answer, BaseException):
+        done.set_exception(answer)
+    else:
+        done.set_result(answer)
+    return done
+
+
 async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -> None:
     """A holder that keeps no standbys asks the ones its predecessor left to go. The call
     was sent and forgotten on a handle just looked up by name: under load it went
@@ -247,14 +257,7 @@ async def test_a_left_standby_that_does_not_answer_its_retire_is_asked_again() -
     def remote(*args: object) -> asyncio.Future[Any]:
         silent_once.retire.calls.append(args)
         answer = next(answers)
-        if isinstance(answer, asyncio.Future):
-            return answer
-        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        if isinstance(answer, Exception):
-            done.set_exception(answer)
-        else:
-            done.set_result(answer)
-        return done
+        return answer if isinstance(answer, asyncio.Future) else settled(answer)
 
     silent_once.retire.remote = remote  # type: ignore[method-assign]
     activator: Any = RayActivator.__new__(RayActivator)
@@ -289,12 +292,9 @@ async def test_a_left_standby_said_unavailable_is_asked_until_its_exit_grace_has
 
     def remote(*args: object) -> asyncio.Future[Any]:
         exiting.retire.calls.append(args)
-        answer: asyncio.Future[Any] = loop.create_future()
         if gone_after is not None and len(exiting.retire.calls) > gone_after:
-            answer.set_exception(ActorDiedError())
-        else:
-            answer.set_exception(ActorUnavailableError("exiting", None))
-        return answer
+            return settled(ActorDiedError())
+        return settled(ActorUnavailableError("exiting", None))
 
     exiting.retire.remote = remote  # type: ignore[method-assign]
     started = loop.time()
