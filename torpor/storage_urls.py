@@ -27,14 +27,22 @@ def scheme_lowered(url: str) -> str:
 
 def local_folder(url: str) -> str | None:
     """The folder an object store URL names on this host: a ``file:`` URL's path
-    (``file:///abs``, ``file:/abs``, ``file://relative``, ``file:relative``) or a bare
-    path (no scheme); None for any other scheme. The one reading of it: the settings
-    counted ``file:`` URLs as embedded storage and the factory opened bare paths too,
-    so a bare path beside a Redis index passed the refusal on a cluster of several
-    nodes, and ``file:/abs`` was opened as a folder named ``file:`` under the working one."""
+    (``file:///abs``, ``file://localhost/abs``, ``file:/abs``, ``file://relative``,
+    ``file:relative``) or a bare path (no scheme); None for any other scheme. The one
+    reading of it: the settings counted ``file:`` URLs as embedded storage and the
+    factory opened bare paths too, so a bare path beside a Redis index passed the refusal
+    on a cluster of several nodes, and ``file:/abs`` was opened as a folder named
+    ``file:`` under the working one."""
     if url.startswith("file:"):
         rest = url[len("file:") :]
-        return rest[2:] if rest.startswith("//") else rest
+        if not rest.startswith("//"):
+            return rest
+        rest = rest[2:]
+        # ``localhost`` is this host (RFC 8089, 2): ``file://localhost/abs`` is ``/abs``,
+        # not a folder named ``localhost`` under the working one. Any other first part
+        # stays this project's relative form (``file://relative``).
+        host, slash, path = rest.partition("/")
+        return slash + path if slash and host.lower() == "localhost" else rest
     head, colon, _ = url.partition(":")
     if "://" in url or (colon and len(head) > 1 and _SCHEME.fullmatch(head)):
         return None  # another scheme (``memory:``, ``env:NAME``, ``s3:bucket``): not a path

@@ -170,15 +170,23 @@ async def test_an_object_store_url_whose_scheme_is_in_capitals_is_not_taken_for_
 
 @pytest.mark.parametrize(
     "written",
-    ["file://{tmp}/objects", "file:{tmp}/objects", "FILE:{tmp}/objects", "{tmp}/objects"],
-    ids=["file-slashes", "file-no-slashes", "file-capitals", "bare-path"],
+    [
+        "file://{tmp}/objects",
+        "file:{tmp}/objects",
+        "FILE:{tmp}/objects",
+        "{tmp}/objects",
+        "file://localhost{tmp}/objects",
+        "file://LocalHost{tmp}/objects",
+    ],
+    ids=["file-slashes", "file-no-slashes", "file-capitals", "bare-path", "localhost", "Localhost"],
 )
 async def test_every_local_object_store_url_is_one_folder_and_counted_as_embedded(
     written: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The settings counted only ``file:`` URLs as embedded and the factory opened bare
     paths too: a bare path beside a Redis index passed the refusal on a cluster of
-    several nodes. ``file:/abs`` was opened as a folder named ``file:`` here."""
+    several nodes. ``file:/abs`` was opened as a folder named ``file:`` here, and
+    ``file://localhost/abs`` as a folder named ``localhost`` (RFC 8089: this host)."""
     monkeypatch.chdir(tmp_path)  # a URL misread as a relative folder lands here
     url = written.format(tmp=tmp_path)
     settings = Settings.build(
