@@ -63,4 +63,21 @@ class ProcessPool:
         ``asyncio.wrap_future`` must ``shield`` that: cancelling the wrapper cancels the
         call while it is still queued."""
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-        return self.executor().submit(call)
+        try:
+            return self.executor().submit(call)
+        except RuntimeError:
+            # The interpreter is shutting down (``concurrent.futures`` takes no new work
+            # once its exit hook has run, and said so with this error, out of ``kill``,
+            # which promises to raise nothing): the call is made here, in the caller's
+            # thread, as nobody would make it later.
+            return _made_here(call)
+
+
+def _made_here(call: Callable[[], T]) -> Future[T]:
+    """``call()`` made in this thread, as a done future: its result or its error."""
+    made: Future[T] = Future()
+    try:
+        made.set_result(call())
+    except BaseException as error:  # the caller's own future reports it, as a pool's would
+        made.set_exception(error)
+    return made

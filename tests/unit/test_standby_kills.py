@@ -8,9 +8,13 @@ replaced by one that blocks its thread as a slow GCS would.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -157,3 +161,42 @@ async def test_a_kill_still_queued_when_its_caller_gives_up_is_made_once_a_threa
     assert await again is True  # the kill given up, asked again: done once this is
     assert killed == [first, queued], "the kill given up was not made, or made twice"
     assert named._KILLING == {}, "a kill made is forgotten"
+
+
+def test_a_kill_asked_while_the_interpreter_exits_is_made_not_raised(tmp_path: Any) -> None:
+    """A real interpreter's exit: once ``concurrent.futures``' exit hook has run, a pool
+    takes no new work, and ``kill`` (which promises to raise nothing: it is a clean-up)
+    raised ``RuntimeError`` from an exit handler instead of making the kill."""
+    script = tmp_path / "kill_at_exit.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import asyncio, atexit
+            import ray
+            from actors import named
+
+            killed = []
+            ray.kill = lambda handle, no_restart=True: killed.append(handle)
+
+            def at_exit():
+                try:
+                    made = asyncio.run(named.kill("actor-1", "a kill at exit"))
+                except BaseException as error:
+                    print("raised", type(error).__name__, error, flush=True)
+                    return
+                print("made", made, killed, flush=True)
+
+            atexit.register(at_exit)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "made True ['actor-1']", done.stdout + done.stderr[-2000:]

@@ -34,6 +34,29 @@ def test_a_forked_child_runs_calls_in_a_pool_of_its_own() -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_a_call_submitted_to_a_pool_that_takes_no_more_work_is_made_in_the_callers_thread() -> None:
+    """``submit`` is for work that must be made once asked for. A pool shut down (as
+    ``concurrent.futures`` shuts every pool once the interpreter begins to exit) raised
+    ``RuntimeError`` instead, out of callers that promise to raise nothing."""
+    pool = ProcessPool(1, "test-shut")
+    pool.executor().shutdown()
+    ran_in: list[int] = []
+
+    def call(x: int) -> int:
+        ran_in.append(threading.get_ident())
+        return x + 1
+
+    made = pool.submit(call, 41)
+    assert made.done() and made.result() == 42
+    assert ran_in == [threading.get_ident()]
+
+    def failing() -> None:
+        raise ValueError("its own error")
+
+    with pytest.raises(ValueError, match="its own error"):
+        pool.submit(failing).result()
+
+
 def answering_after(seconds: float) -> ssrf.Resolver:
     def resolve(*_: object, **__: object) -> list[tuple[object, ...]]:
         time.sleep(seconds)
