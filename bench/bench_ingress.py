@@ -369,6 +369,54 @@ def cpu_share(
 SETTLE_S = 60.0  # ``--settle-s``
 
 
+EDGE = ("haproxy", "ServeReplica")  # the processes a webhook's 202 waits for
+SESSIONS = ("PoolHost",)  # the processes that run the sessions it resumes
+
+
+def pin_apart(*, edge: bool) -> dict[int, set[int]]:
+    """``--pin``: the pool hosts on CPU 1 and, with ``edge`` (``--pin apart``), the edge
+    (HAProxy, the apps' replicas) on CPU 0, for the one-at-a-time passes: a 202 then never
+    waits for a core while the session before it commits. Without ``edge`` (``--pin
+    pool``) the edge may run on either CPU, and finds CPU 0 free of sessions. Every thread
+    of each process is pinned (Linux's affinity is per thread; threads made later inherit
+    their maker's). Returns each thread's affinity before, for ``unpin``."""
+    before: dict[int, set[int]] = {}
+    for pid, (name, _) in processes().items():
+        on_edge = edge and any(e in name for e in EDGE)
+        cpu = 0 if on_edge else 1 if any(s in name for s in SESSIONS) else None
+        if cpu is None:
+            continue
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                before[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, {cpu})
+            except OSError:  # the thread ended meanwhile
+                continue
+    return before
+
+
+def unpin(before: dict[int, set[int]]) -> None:
+    """Each thread ``pin_apart`` pinned back on the CPUs it had (threads started while
+    pinned: on every CPU), before the throughput phases."""
+    every = os.sched_getaffinity(0)
+    for pid, (name, _) in processes().items():
+        if not any(e in name for e in EDGE + SESSIONS):
+            continue
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, before.get(tid, every))
+            except OSError:
+                continue
+
+
 def settle(timeout_s: float | None = None) -> None:
     """Until Ray's processes are quiet (under 5 % of a core for a second): a redeployed
     app's controller spends seconds of CPU after ``serve.run`` returns (health checks,
@@ -498,6 +546,7 @@ async def child(
     sender_nice: int | None = None,
     samples: str | None = None,
     offcpu: str | None = None,
+    pin: str | None = None,
 ) -> dict[str, Any]:
     import ray
     import redis
@@ -607,6 +656,7 @@ async def child(
     recording = OffCpuRecording(offcpu) if offcpu and seq_n else None
     if recording is not None:
         recording.start()
+    pinned = pin_apart(edge=pin == "apart") if pin else None
     if seq_n:
         pairs = list(zip(seq_ids, seq_cids, strict=True))
         others = cids[sessions:]  # the deferring app's sessions: one webhook each here
@@ -629,6 +679,8 @@ async def child(
         except PermissionError:  # raising a thread's priority needs CAP_SYS_NICE
             ahead = {"refused": True}
     recorded = recording.stop() if recording is not None else None
+    if pinned is not None:
+        unpin(pinned)
 
     lua = tmp / "bench.lua"
     lua.write_text(WRK_LUA)
@@ -685,6 +737,7 @@ async def child(
         "sender_nice": sender_nice,
         "offcpu": recorded,
         "edge": edge,
+        "pinned_threads": None if pinned is None else len(pinned),
     }
 
 
@@ -743,6 +796,12 @@ def main() -> None:
         help="record every context switch with its stack (perf) while the one-at-a-time"
         " passes run, into this file; bench/offcpu.py reads it (needs perf and tracefs)",
     )
+    parser.add_argument(
+        "--pin",
+        choices=["apart", "pool"],
+        help="for the one-at-a-time passes, the pool hosts on CPU 1 and (apart) the edge"
+        " (HAProxy, replicas) on CPU 0 (an experiment: does the 202 wait for a core?)",
+    )
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     SETTLE_S = args.settle_s
@@ -759,6 +818,7 @@ def main() -> None:
                 args.sender_nice,
                 args.samples,
                 args.offcpu,
+                args.pin,
             )
         )
         print("JSON " + json.dumps(result), flush=True)
@@ -807,6 +867,7 @@ def main() -> None:
                 *(["--sender-nice", str(args.sender_nice)] if args.sender_nice is not None else []),
                 *(["--samples", str(Path(args.samples).resolve())] if args.samples else []),
                 *(["--offcpu", offcpu_file(args.offcpu, proxy, proxies)] if args.offcpu else []),
+                *(["--pin", args.pin] if args.pin else []),
             ],
             capture_output=True,
             text=True,
@@ -896,6 +957,14 @@ def main() -> None:
                     f" it): p50 {q['alone_p50']:.1f} ms, p99 {q['alone_p99']:.1f} ms",
                     flush=True,
                 )
+        if r.get("pinned_threads") is not None:
+            print(
+                f"  the one-at-a-time passes ran pinned ({args.pin}): {r['pinned_threads']}"
+                " threads"
+                + (" of the edge on CPU 0," if args.pin == "apart" else "")
+                + " of the pool hosts on CPU 1",
+                flush=True,
+            )
         if r.get("offcpu"):
             print(f"  {r['offcpu']}", flush=True)
     if failed:
