@@ -251,7 +251,9 @@ async def kill(handle: Any, what: str, *, timeout_s: float | None = None) -> boo
     is still made then. Raises neither Ray's errors nor the deadline's: a kill is the
     clean-up after a failure, and its own error (or a silent GCS) raised in place of
     that failure's outcome hid it from the caller, untyped. Made on the loop, a GCS slow
-    to confirm an actor's registration stalled every other coroutine of the process."""
+    to confirm an actor's registration stalled every other coroutine of the process;
+    it is made there only once the interpreter is exiting (the threads take no more
+    work), bounded by Ray's own deadline, not ``timeout_s``."""
     timeout_s = LOOKUP_TIMEOUT_S if timeout_s is None else timeout_s
     made = asyncio.wrap_future(_killing(handle))
     try:
@@ -281,14 +283,31 @@ _KILLING_LOCK = threading.Lock()
 def _killing(handle: Any) -> Future[bool]:
     with _KILLING_LOCK:
         made = _KILLING.get(handle)
-        if made is None:
-            made = _KILLING[handle] = KILLS.submit(kill_now, handle)
-            fresh = True
-        else:
-            fresh = False
-    if fresh:  # outside the lock: a kill done already calls back in this thread
-        made.add_done_callback(functools.partial(_killed, handle))
+        if made is not None:
+            return made
+        made = _KILLING[handle] = Future()
+    # Outside the lock: a kill done already calls back in this thread, and one made in
+    # this thread (the interpreter exiting, ``ProcessPool.submit``) waits for the GCS.
+    made.add_done_callback(functools.partial(_killed, handle))
+    try:
+        queued = KILLS.submit(kill_now, handle)
+    except Exception:  # no thread could start: reported as a kill not made, not raised
+        log.warning("a kill could not be queued", exc_info=True)
+        made.set_result(False)
+        return made
+    queued.add_done_callback(functools.partial(_settle, made))
     return made
+
+
+def _settle(made: Future[bool], queued: Future[bool]) -> None:
+    """``made`` settled as the kill ``queued`` was (``kill_now`` raises nothing of its own)."""
+    if made.done():  # cancelled by a caller that awaited it unshielded
+        return
+    error = None if queued.cancelled() else queued.exception()
+    if error is not None:
+        made.set_exception(error)
+    else:
+        made.set_result(False if queued.cancelled() else queued.result())
 
 
 def _killed(handle: Any, made: Future[bool]) -> None:

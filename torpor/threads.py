@@ -65,12 +65,23 @@ class ProcessPool:
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         try:
             return self.executor().submit(call)
-        except RuntimeError:
-            # The interpreter is shutting down (``concurrent.futures`` takes no new work
-            # once its exit hook has run, and said so with this error, out of ``kill``,
-            # which promises to raise nothing): the call is made here, in the caller's
-            # thread, as nobody would make it later.
-            return _made_here(call)
+        except RuntimeError as error:
+            # Only the pool's refusal of new work: its own ("after shutdown") or the
+            # interpreter's, once ``concurrent.futures``' exit hook has run. Any other
+            # (a thread that could not start) comes after the call was queued, which
+            # would then be made twice.
+            if not str(error).startswith(REFUSED):
+                raise
+        # Nobody would make it later: it is made here, in the caller's thread, with no
+        # deadline but its own (``kill`` promises to raise nothing; it raised this error
+        # from an exit handler). Outside the ``except``: the call's own error is not
+        # chained to the pool's refusal.
+        return _made_here(call)
+
+
+# ``ThreadPoolExecutor.submit``'s refusals: "cannot schedule new futures after shutdown"
+# and "... after interpreter shutdown" (CPython 3.9 to 3.14).
+REFUSED = "cannot schedule new futures after"
 
 
 def _made_here(call: Callable[[], T]) -> Future[T]:

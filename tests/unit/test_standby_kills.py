@@ -8,6 +8,7 @@ replaced by one that blocks its thread as a slow GCS would.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -190,13 +191,56 @@ def test_a_kill_asked_while_the_interpreter_exits_is_made_not_raised(tmp_path: A
             """
         )
     )
-    done = subprocess.run(
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(  # this checkout's code, not whatever the venv installed
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "made True ['actor-1']", done.stdout + done.stderr[-2000:]
+
+
+async def test_a_kill_made_in_the_askers_thread_holds_no_lock_other_kills_need(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once the kill threads take no more work (the interpreter exiting), a kill is made
+    in the thread that asked, for as long as the GCS takes: not under the lock every
+    other kill (another actor's, from another thread) must take first."""
+    pool = ProcessPool(1, "test-kill-shut")
+    pool.executor().shutdown()
+    monkeypatch.setattr(named, "KILLS", pool)
+    held: list[bool] = []
+
+    def kill_checking(handle: Any, no_restart: bool = True) -> None:
+        held.append(named._KILLING_LOCK.locked())
+
+    monkeypatch.setattr(ray, "kill", kill_checking)
+    assert await named.kill(SilentStandby(), "made here") is True
+    assert held == [False], "the kill was made holding the kill record's lock"
+    assert named._KILLING == {}
+
+
+async def test_a_kill_no_thread_can_start_for_is_not_made_and_not_raised(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A thread that cannot start (a container's limit on threads) is the one refusal
+    made after the call was queued: the kill is reported not made (False, logged), not
+    raised and not made a second time here, and a later ask queues it afresh."""
+
+    def no_thread(self: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(named, "KILLS", ProcessPool(1, "test-kill-nothread"))
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    killed: list[Any] = []
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle))
+    handle = SilentStandby()
+    assert await named.kill(handle, "no thread") is False
+    assert killed == [], "made here too, while it waits in the pool's queue"
+    assert "could not be queued" in caplog.text
+    assert named._KILLING == {}, "a kill never made stays on record: every later ask waits on it"

@@ -7,6 +7,7 @@ import asyncio
 import os
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -53,8 +54,27 @@ def test_a_call_submitted_to_a_pool_that_takes_no_more_work_is_made_in_the_calle
     def failing() -> None:
         raise ValueError("its own error")
 
-    with pytest.raises(ValueError, match="its own error"):
+    with pytest.raises(ValueError, match="its own error") as raised:
         pool.submit(failing).result()
+    assert raised.value.__cause__ is None and raised.value.__context__ is None
+
+
+def test_a_thread_that_cannot_start_is_raised_not_made_in_the_callers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ThreadPoolExecutor.submit`` queues the call before it starts a thread: a thread
+    that cannot start leaves it queued, for a thread already there to make. Made here as
+    well, it was made twice."""
+    pool = ProcessPool(1, "test-nothread")
+
+    def no_thread(self: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    made: list[int] = []
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        pool.submit(made.append, 1)
+    assert made == []
 
 
 def answering_after(seconds: float) -> ssrf.Resolver:
