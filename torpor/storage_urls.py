@@ -39,10 +39,13 @@ def local_folder(url: str) -> str | None:
             return rest
         rest = rest[2:]
         # ``localhost`` is this host (RFC 8089, 2): ``file://localhost/abs`` is ``/abs``,
-        # not a folder named ``localhost`` under the working one. Any other first part
-        # stays this project's relative form (``file://relative``).
+        # not a folder named ``localhost`` under the working one; ``file://localhost``
+        # alone names no path, as ``file://`` does. Any other first part stays this
+        # project's relative form (``file://relative``).
         host, slash, path = rest.partition("/")
-        return slash + path if slash and host.lower() == "localhost" else rest
+        if host.lower() != "localhost":
+            return rest
+        return slash + path  # ``file://localhost`` alone names no path: ""
     head, colon, _ = url.partition(":")
     if "://" in url or (colon and len(head) > 1 and _SCHEME.fullmatch(head)):
         return None  # another scheme (``memory:``, ``env:NAME``, ``s3:bucket``): not a path
