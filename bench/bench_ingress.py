@@ -369,7 +369,8 @@ def cpu_share(
 SETTLE_S = 60.0  # ``--settle-s``
 
 
-EDGE = ("haproxy", "ServeReplica")  # the processes a webhook's 202 waits for
+# The processes a webhook's 202 waits for (Serve's own proxy, under ``--proxy default``).
+EDGE = ("haproxy", "ProxyActor", "ServeReplica")
 SESSIONS = ("PoolHost",)  # the processes that run the sessions it resumes
 
 
@@ -380,6 +381,8 @@ def pin_apart(*, edge: bool) -> dict[int, set[int]]:
     pool``) the edge may run on either CPU, and finds CPU 0 free of sessions. Every thread
     of each process is pinned (Linux's affinity is per thread; threads made later inherit
     their maker's). Returns each thread's affinity before, for ``unpin``."""
+    if not {0, 1} <= os.sched_getaffinity(0):
+        sys.exit(f"--pin needs CPUs 0 and 1; this process may use {os.sched_getaffinity(0)}")
     before: dict[int, set[int]] = {}
     for pid, (name, _) in processes().items():
         on_edge = edge and any(e in name for e in EDGE)
@@ -392,10 +395,11 @@ def pin_apart(*, edge: bool) -> dict[int, set[int]]:
             continue
         for tid in tids:
             try:
-                before[tid] = os.sched_getaffinity(tid)
+                had = os.sched_getaffinity(tid)
                 os.sched_setaffinity(tid, {cpu})
-            except OSError:  # the thread ended meanwhile
+            except ProcessLookupError:  # the thread ended meanwhile
                 continue
+            before[tid] = had
     return before
 
 
@@ -657,30 +661,32 @@ async def child(
     if recording is not None:
         recording.start()
     pinned = pin_apart(edge=pin == "apart") if pin else None
-    if seq_n:
-        pairs = list(zip(seq_ids, seq_cids, strict=True))
-        others = cids[sessions:]  # the deferring app's sessions: one webhook each here
-        seq = sequential(base, pairs[:seq_n], deferred=others[:seq_n], samples=samples)
-        state_key = services.index.keys.session_state  # type: ignore[attr-defined]
-        idle = sequential(base, pairs[seq_n : 2 * seq_n], state_key=state_key, samples=samples)
-        try:
-            ahead = (
-                None
-                if sender_nice is None
-                else sequential(
-                    base,
-                    pairs[2 * seq_n :],
-                    deferred=others[seq_n : 2 * seq_n],
-                    state_key=state_key,
-                    sender_nice=sender_nice,
-                    samples=samples,
+    try:
+        if seq_n:
+            pairs = list(zip(seq_ids, seq_cids, strict=True))
+            others = cids[sessions:]  # the deferring app's sessions: one webhook each here
+            seq = sequential(base, pairs[:seq_n], deferred=others[:seq_n], samples=samples)
+            state_key = services.index.keys.session_state  # type: ignore[attr-defined]
+            idle = sequential(base, pairs[seq_n : 2 * seq_n], state_key=state_key, samples=samples)
+            try:
+                ahead = (
+                    None
+                    if sender_nice is None
+                    else sequential(
+                        base,
+                        pairs[2 * seq_n :],
+                        deferred=others[seq_n : 2 * seq_n],
+                        state_key=state_key,
+                        sender_nice=sender_nice,
+                        samples=samples,
+                    )
                 )
-            )
-        except PermissionError:  # raising a thread's priority needs CAP_SYS_NICE
-            ahead = {"refused": True}
+            except PermissionError:  # raising a thread's priority needs CAP_SYS_NICE
+                ahead = {"refused": True}
+    finally:
+        if pinned is not None:
+            unpin(pinned)
     recorded = recording.stop() if recording is not None else None
-    if pinned is not None:
-        unpin(pinned)
 
     lua = tmp / "bench.lua"
     lua.write_text(WRK_LUA)
