@@ -44,13 +44,14 @@ browser:
 	@test -x /usr/bin/chromium
 
 # The ingress bench (run small in the suite, tests/ray/test_benches_with_ray.py) puts
-# Serve behind Debian's HAProxy and loads it with wrk.
+# Serve behind Debian's HAProxy and loads it with wrk; the gateway's profile counts its
+# instructions with valgrind's callgrind (tests/storage/test_benches_run.py).
 loadgen:
-	@command -v haproxy >/dev/null && command -v wrk >/dev/null || { \
-	  echo "installing haproxy and wrk (apt-get)"; \
-	  apt-get install -y haproxy wrk >/dev/null 2>&1 || \
-	    { apt-get update >/dev/null && apt-get install -y haproxy wrk >/dev/null; }; }
-	@command -v haproxy >/dev/null && command -v wrk >/dev/null
+	@command -v haproxy >/dev/null && command -v wrk >/dev/null && command -v valgrind >/dev/null || { \
+	  echo "installing haproxy, wrk and valgrind (apt-get)"; \
+	  apt-get install -y haproxy wrk valgrind >/dev/null 2>&1 || \
+	    { apt-get update >/dev/null && apt-get install -y haproxy wrk valgrind >/dev/null; }; }
+	@command -v haproxy >/dev/null && command -v wrk >/dev/null && command -v valgrind >/dev/null
 
 # The alert and recording rules in deploy/prometheus are checked by Prometheus's promtool.
 promtool:

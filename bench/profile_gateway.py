@@ -8,7 +8,10 @@ activations deferred to the reconciler as in the ingress bench's accept phase, o
 figures are the Python work of the path and the storage round trips alone. Prints wall
 and CPU time per webhook and writes pyinstrument's call tree as text; with ``--timeline``
 instead, when each stage of the path is reached (``bench/stages.py``) and how many round
-trips to the index each webhook made (counted, not timed). With ``--resume``
+trips to the index each webhook made (counted, not timed); with ``--instructions``,
+the machine instructions this process ran per webhook, counted by valgrind's callgrind
+(repeatable where times are not: the same count whatever else the machine does, so a
+cut of a few per cent shows on a noisy day). With ``--resume``
 the activation shares this process's event loop with the gateway (a pool host is another
 process), so the 202 comes later than it would: read the resume's marks from there.
 """
@@ -19,6 +22,9 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -142,11 +148,18 @@ async def measure(args: argparse.Namespace, prefix: str) -> None:
             return
         timeline.clear()
         trips.clear()
+        if args.under_callgrind:
+            await callgrind("on")
         wall0, times0, free0 = time.perf_counter(), os.times(), free_inodes(tmp)
         for body, headers in requests[warm:half]:
             result = await gateway.receive("bench", body, headers, now=now)
             assert result.status == 202, result
         n = half - warm
+        if args.under_callgrind:
+            await callgrind("off")
+            print(f"COUNTED {n}", flush=True)
+            await services.close()
+            return
         wall = (time.perf_counter() - wall0) / n * 1000
         times1, made = os.times(), (free0 - free_inodes(tmp)) / n
         user = (times1.user - times0.user) / n * 1000
@@ -235,6 +248,61 @@ async def under_load(
     )
 
 
+async def callgrind(switch: str) -> None:
+    """This process's instruction counting turned ``on`` or ``off`` (it runs under
+    ``valgrind --tool=callgrind --instr-atstart=no``). Awaited, not waited for in a
+    blocking call: valgrind takes the command from this process's own next steps, so the
+    loop must keep running until ``callgrind_control`` is answered."""
+    control = await asyncio.create_subprocess_exec(
+        "callgrind_control", "-i", switch, str(os.getpid()), stdout=asyncio.subprocess.DEVNULL
+    )
+    try:
+        code = await asyncio.wait_for(control.wait(), 120)
+    except TimeoutError:
+        control.kill()
+        raise RuntimeError(f"callgrind_control -i {switch} was not answered") from None
+    if code != 0:
+        raise RuntimeError(f"callgrind_control -i {switch} failed ({code})")
+
+
+def count_instructions(n: int) -> None:
+    """``--instructions``: this script again under callgrind, counting only its one-at-a-
+    time pass; prints the instructions per webhook (this process's threads, not Redis's)."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        sys.exit("--instructions needs valgrind (apt-get install valgrind)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        started = time.perf_counter()
+        done = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                __file__,
+                "--under-callgrind",
+                "--n",
+                str(n),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        counted = re.search(r"^COUNTED (\d+)$", done.stdout, re.MULTILINE)
+        written = out.read_text() if out.exists() else ""
+        # "totals": the events counted while on ("summary" may say 0 when toggled).
+        totals = re.search(r"^totals: (\d+)", written, re.MULTILINE)
+        if done.returncode != 0 or counted is None or totals is None or totals.group(1) == "0":
+            sys.exit(f"the counted run failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    webhooks = int(counted.group(1))
+    print(
+        f"signed webhook -> 202 in process: {int(totals.group(1)) / webhooks / 1e6:.3f} M"
+        f" instructions each (callgrind, n={webhooks}, one at a time;"
+        f" {time.perf_counter() - started:.0f} s)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=1000)
@@ -252,8 +320,18 @@ def main() -> None:
         action="store_true",
         help="print when each stage of the path is reached (bench/stages.py), no profile",
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count the instructions per webhook under valgrind's callgrind (one at a time)",
+    )
+    parser.add_argument("--under-callgrind", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "bench" / "profiles" / "gateway.txt"))
-    asyncio.run(run(parser.parse_args()))
+    args = parser.parse_args()
+    if args.instructions:
+        count_instructions(args.n)
+        return
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":

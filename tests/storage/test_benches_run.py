@@ -39,6 +39,7 @@ BENCHES = [
     (["bench_round_trips.py", "--n", "30"], "CPU per lone round trip"),
     (["bench_batch.py", "--accept-only", "--n", "30", "--rounds", "1"], "to_202_s_max"),
     (["profile_gateway.py", "--n", "60", "--timeline"], "answered (202)"),
+    (["profile_gateway.py", "--n", "40", "--instructions"], "M instructions each"),
 ]
 
 
