@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -384,22 +384,17 @@ def pin_apart(*, edge: bool) -> dict[int, set[int]]:
     if not {0, 1} <= os.sched_getaffinity(0):
         sys.exit(f"--pin needs CPUs 0 and 1; this process may use {os.sched_getaffinity(0)}")
     before: dict[int, set[int]] = {}
-    for pid, (name, _) in processes().items():
+    for name, tid in threads_of(EDGE + SESSIONS):
         on_edge = edge and any(e in name for e in EDGE)
         cpu = 0 if on_edge else 1 if any(s in name for s in SESSIONS) else None
         if cpu is None:
             continue
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
+            had = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, {cpu})
+        except ProcessLookupError:  # the thread ended meanwhile
             continue
-        for tid in tids:
-            try:
-                had = os.sched_getaffinity(tid)
-                os.sched_setaffinity(tid, {cpu})
-            except ProcessLookupError:  # the thread ended meanwhile
-                continue
-            before[tid] = had
+        before[tid] = had
     return before
 
 
@@ -407,18 +402,23 @@ def unpin(before: dict[int, set[int]]) -> None:
     """Each thread ``pin_apart`` pinned back on the CPUs it had (threads started while
     pinned: on every CPU), before the throughput phases."""
     every = os.sched_getaffinity(0)
+    for _, tid in threads_of(EDGE + SESSIONS):
+        try:
+            os.sched_setaffinity(tid, before.get(tid, every))
+        except ProcessLookupError:
+            continue
+
+
+def threads_of(names: tuple[str, ...]) -> Iterator[tuple[str, int]]:
+    """Each thread (its process's short name, its id) of the processes named ``names``."""
     for pid, (name, _) in processes().items():
-        if not any(e in name for e in EDGE + SESSIONS):
+        if not any(n in name for n in names):
             continue
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # the process ended meanwhile
             continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, before.get(tid, every))
-            except OSError:
-                continue
+        yield from ((name, int(tid)) for tid in tids)
 
 
 def settle(timeout_s: float | None = None) -> None:
