@@ -286,14 +286,22 @@ def _killing(handle: Any) -> Future[bool]:
         if made is not None:
             return made
         made = _KILLING[handle] = Future()
+        # Running: nobody can cancel it (a kill once asked is made), so it is settled
+        # only by ``_settle`` or below, and its record is dropped only when it is.
+        made.set_running_or_notify_cancel()
     # Outside the lock: a kill done already calls back in this thread, and one made in
     # this thread (the interpreter exiting, ``ProcessPool.submit``) waits for the GCS.
     made.add_done_callback(functools.partial(_killed, handle))
     try:
         queued = KILLS.submit(kill_now, handle)
-    except Exception:  # no thread could start: reported as a kill not made, not raised
-        log.warning("a kill could not be queued", exc_info=True)
+    except BaseException as error:
+        # No thread could start (or an interrupt came while one started): reported as a
+        # kill not made, and forgotten, so a later ask queues it again. Left unsettled,
+        # every later ask for this actor waited on it and none was made.
         made.set_result(False)
+        if not isinstance(error, Exception):
+            raise
+        log.warning("a kill could not be queued (it may still be made)", exc_info=True)
         return made
     queued.add_done_callback(functools.partial(_settle, made))
     return made
@@ -301,8 +309,6 @@ def _killing(handle: Any) -> Future[bool]:
 
 def _settle(made: Future[bool], queued: Future[bool]) -> None:
     """``made`` settled as the kill ``queued`` was (``kill_now`` raises nothing of its own)."""
-    if made.done():  # cancelled by a caller that awaited it unshielded
-        return
     error = None if queued.cancelled() else queued.exception()
     if error is not None:
         made.set_exception(error)

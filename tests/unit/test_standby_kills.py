@@ -244,3 +244,50 @@ async def test_a_kill_no_thread_can_start_for_is_not_made_and_not_raised(
     assert killed == [], "made here too, while it waits in the pool's queue"
     assert "could not be queued" in caplog.text
     assert named._KILLING == {}, "a kill never made stays on record: every later ask waits on it"
+
+
+async def test_a_kill_interrupted_while_its_thread_starts_is_forgotten_not_waited_on_for_ever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupt (Ctrl-C) while the kill's thread starts is raised, and the kill is
+    settled as not made: left pending on record, every later ask for the same actor
+    waited on it to its deadline, and none was made."""
+    monkeypatch.setattr(named, "KILLS", ProcessPool(1, "test-kill-interrupted"))
+    start = threading.Thread.start
+
+    def interrupted(self: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    handle = SilentStandby()
+    with pytest.raises(KeyboardInterrupt):
+        named._killing(handle)
+    assert named._KILLING == {}, "the interrupted kill stays on record, never settled"
+    monkeypatch.setattr(threading.Thread, "start", start)
+    killed: list[Any] = []
+    monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: killed.append(h))
+    # The first pool's queue still holds the interrupted one: a pool of its own here.
+    monkeypatch.setattr(named, "KILLS", ProcessPool(1, "test-kill-after"))
+    assert await named.kill(handle, "asked again", timeout_s=5) is True
+    assert killed == [handle]
+
+
+async def test_a_kill_on_record_cannot_be_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kill once asked is made: its record's future refuses a cancel (one that took
+    dropped the record while the kill still waited, and a later ask queued it again)."""
+    release = threading.Event()
+    monkeypatch.setattr(named, "KILLS", ProcessPool(1, "test-kill-uncancellable"))
+    killed: list[Any] = []
+    monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: killed.append(h))
+    held = named.KILLS.submit(release.wait, 5)  # the one thread busy: the kill waits
+    handle = SilentStandby()
+    made = named._killing(handle)
+    try:
+        assert made.cancel() is False and not made.cancelled()
+        assert named._killing(handle) is made
+    finally:
+        release.set()
+    held.result(5)
+    assert made.result(5) is True and killed == [handle]
+    # Its record is dropped by a callback the pool's thread runs after the result is set.
+    await eventually(lambda: named._KILLING == {}, timeout_s=5, what="the record dropped")
