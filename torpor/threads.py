@@ -80,7 +80,7 @@ class ProcessPool:
 
 
 # ``ThreadPoolExecutor.submit``'s refusals: "cannot schedule new futures after shutdown"
-# and "... after interpreter shutdown" (CPython 3.9 to 3.14).
+# and "... after interpreter shutdown" (the same text in CPython 3.9 to 3.13, read here).
 REFUSED = "cannot schedule new futures after"
 
 
