@@ -384,11 +384,8 @@ def pin_apart(*, edge: bool) -> dict[int, set[int]]:
     if not {0, 1} <= os.sched_getaffinity(0):
         sys.exit(f"--pin needs CPUs 0 and 1; this process may use {os.sched_getaffinity(0)}")
     before: dict[int, set[int]] = {}
-    for name, tid in threads_of(EDGE + SESSIONS):
-        on_edge = edge and any(e in name for e in EDGE)
-        cpu = 0 if on_edge else 1 if any(s in name for s in SESSIONS) else None
-        if cpu is None:
-            continue
+    for name, tid in threads_of(EDGE + SESSIONS if edge else SESSIONS):
+        cpu = 0 if any(e in name for e in EDGE) else 1
         try:
             had = os.sched_getaffinity(tid)
             os.sched_setaffinity(tid, {cpu})
