@@ -14,6 +14,10 @@ the machine instructions this process ran per webhook, counted by valgrind's cal
 cut of a few per cent shows on a noisy day). With ``--resume``
 the activation shares this process's event loop with the gateway (a pool host is another
 process), so the 202 comes later than it would: read the resume's marks from there.
+
+The loop is uvloop, as in Serve's replicas (a Ray worker installs it, and ``ray[serve]``
+brings it through uvicorn's standard extra); ``--loop asyncio`` for the standard
+library's, whose scheduling is Python code and a third of the instructions counted.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
+import uvloop  # noqa: E402
 
 from actors.wiring import open_services, session_runtime  # noqa: E402
 from bench.stages import RoundTrips, Timeline, floors, instrument  # noqa: E402
@@ -55,6 +60,7 @@ class Deferred:
 
 
 REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 SECRET = "b" * 64
 
 
@@ -287,7 +293,7 @@ async def vgdb(*command: str) -> str:
     return out.decode(errors="replace")
 
 
-def count_instructions(n: int) -> None:
+def count_instructions(n: int, loop: str) -> None:
     """``--instructions``: this script again under callgrind, counting only its one-at-a-
     time pass; prints the instructions per webhook (this process's threads, not Redis's)."""
     if shutil.which("valgrind") is None or shutil.which("vgdb") is None:
@@ -307,6 +313,8 @@ def count_instructions(n: int) -> None:
                     "--under-callgrind",
                     "--n",
                     str(n),
+                    "--loop",
+                    loop,
                 ],
                 capture_output=True,
                 text=True,
@@ -324,7 +332,7 @@ def count_instructions(n: int) -> None:
     webhooks = int(counted.group(1))
     print(
         f"signed webhook -> 202 in process: {int(totals.group(1)) / webhooks / 1e6:.3f} M"
-        f" instructions each (callgrind, n={webhooks}, one at a time;"
+        f" instructions each (callgrind, n={webhooks}, one at a time, {loop};"
         f" {time.perf_counter() - started:.0f} s)"
     )
 
@@ -351,13 +359,20 @@ def main() -> None:
         action="store_true",
         help="count the instructions per webhook under valgrind's callgrind (one at a time)",
     )
+    parser.add_argument(
+        "--loop",
+        choices=LOOPS,
+        default="uvloop",
+        help="the event loop: uvloop, Serve's (default), or the standard library's",
+    )
     parser.add_argument("--under-callgrind", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "bench" / "profiles" / "gateway.txt"))
     args = parser.parse_args()
     if args.instructions:
-        count_instructions(args.n)
+        count_instructions(args.n, args.loop)
         return
-    asyncio.run(run(args))
+    with asyncio.Runner(loop_factory=LOOPS[args.loop]) as runner:
+        runner.run(run(args))
 
 
 if __name__ == "__main__":
