@@ -14,8 +14,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
@@ -27,14 +26,21 @@ _HANDLER_NAME = "torpor-json"
 LOGGERS = ("torpor", "actors", "storage")
 
 
-@contextmanager
-def bind(**fields: str | None) -> Iterator[None]:
-    """Attribute every line logged inside to these ids (``None`` values are left out)."""
-    token = _CONTEXT.set({**_CONTEXT.get(), **{k: v for k, v in fields.items() if v}})
-    try:
-        yield
-    finally:
-        _CONTEXT.reset(token)
+class bind:  # lower case: used as the function it was, ``with logs.bind(...)``
+    """Attribute every line logged inside to these ids (``None`` values are left out).
+    A class, not a generator: one a webhook, some 70 interpreted instructions fewer."""
+
+    __slots__ = ("_fields", "_token")
+
+    def __init__(self, **fields: str | None) -> None:
+        self._fields = fields
+
+    def __enter__(self) -> None:
+        added = {k: v for k, v in self._fields.items() if v}
+        self._token = _CONTEXT.set({**_CONTEXT.get(), **added})
+
+    def __exit__(self, *_: object) -> None:
+        _CONTEXT.reset(self._token)
 
 
 def update(**fields: str | None) -> None:

@@ -10,8 +10,8 @@ boundary (a Ray actor call) the context travels as a ``traceparent`` string
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -20,6 +20,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 TRACER_NAME = "torpor"
+_TRACE_HEADERS = frozenset(("traceparent", "tracestate"))
 
 
 def _tracer() -> trace.Tracer:
@@ -28,29 +29,62 @@ def _tracer() -> trace.Tracer:
 
 
 def _context_of(headers: Mapping[str, str]) -> otel_context.Context:
-    lowered = {
-        k.lower(): v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")
-    }
-    return _PROPAGATOR.extract(lowered)
+    return _PROPAGATOR.extract(carried(headers))
 
 
-@contextmanager
-def continued(carrier: Mapping[str, str] | str | None) -> Iterator[None]:
+def carried(headers: Mapping[str, str]) -> dict[str, str]:
+    """The W3C trace headers among ``headers``, whatever their case, by lower-case name:
+    all :func:`continued` and a log line's trace id read, found in one pass over a
+    webhook's headers."""
+    return {k.lower(): v for k, v in headers.items() if k.lower() in _TRACE_HEADERS}
+
+
+def continued(carrier: Mapping[str, str] | str | None) -> AbstractContextManager[None]:
     """Make the trace in ``carrier`` (headers, or a bare ``traceparent``) the current
-    context inside; without a valid one, the current context stays."""
+    context inside; without a valid one, the current context stays. Read when called."""
     if not carrier:
-        yield
-        return
+        return _STAYS
     headers = {"traceparent": carrier} if isinstance(carrier, str) else carrier
     ctx = _context_of(headers)
     if not trace.get_current_span(ctx).get_span_context().is_valid:
-        yield
-        return
-    token = otel_context.attach(ctx)
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
+        return _STAYS
+    return _Attached(ctx)
+
+
+# Context managers as classes, not generators: a webhook enters three of these, and a
+# generator's costs some 70 interpreted instructions more each (``bench/profile_gateway.py
+# --instructions``).
+class _Attached:
+    """``ctx`` current inside the block; the context before it current again after."""
+
+    __slots__ = ("_ctx", "_token")
+
+    def __init__(self, ctx: otel_context.Context) -> None:
+        self._ctx = ctx
+
+    def __enter__(self) -> None:
+        self._token = otel_context.attach(self._ctx)
+
+    def __exit__(self, *_: object) -> None:
+        otel_context.detach(self._token)
+
+
+class _CurrentSpan:
+    """What the API's no-op span would be, without making and attaching it (about 12 us
+    a span, three a webhook): it carries the current context, which stays current, so
+    trace_id() and traceparent() inside answer the same."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> trace.Span:
+        return trace.get_current_span()
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+
+_STAYS = nullcontext()
+_CURRENT = _CurrentSpan()
 
 
 def recording() -> bool:
@@ -60,18 +94,13 @@ def recording() -> bool:
     return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
-@contextmanager
-def span(name: str, **attributes: Any) -> Iterator[trace.Span]:
-    """A span, child of the current context, with ``None`` attributes left out."""
+def span(name: str, **attributes: Any) -> AbstractContextManager[trace.Span]:
+    """A span, child of the current context, with ``None`` attributes left out; the
+    current span when no SDK records (asked when called: one may be set at any time)."""
     if not recording():
-        # What the API's no-op span would be, without making and attaching it (about
-        # 12 us a span, three a webhook): it carries the current context, which stays
-        # current, so trace_id() and traceparent() inside answer the same.
-        yield trace.get_current_span()
-        return
+        return _CURRENT
     clean = {k: v for k, v in attributes.items() if v is not None}
-    with _tracer().start_as_current_span(name, attributes=clean) as current:
-        yield current
+    return _tracer().start_as_current_span(name, attributes=clean)
 
 
 def traceparent() -> str | None:

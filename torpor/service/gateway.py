@@ -85,10 +85,11 @@ class WebhookGateway(GatewayCapability):
     ) -> HookResult:
         try:
             # The sender's traceparent continues here; lines logged inside carry the ids.
+            carried = tracing.carried(headers)
             with (
-                tracing.continued(headers),
+                tracing.continued(carried),
                 tracing.span("torpor.webhook", **{"torpor.source": source_name}),
-                logs.bind(trace_id=_trace_id(headers)),
+                logs.bind(trace_id=_trace_id(carried)),
             ):
                 self._receiving += 1
                 try:

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Mapping
 from datetime import datetime
 
+from torpor import tracing
 from torpor.errors import RejectReason, TorporError, WebhookRejected
 from torpor.service.replay import ReplayGuard
 from torpor.service.sessions import SessionService
@@ -79,8 +80,7 @@ class GatewayEdge:
 
 def _trace_id(headers: Mapping[str, str]) -> str | None:
     """The trace id of a W3C ``traceparent`` header, if the sender sent one."""
-    lowered = {k.lower(): v for k, v in headers.items()}
-    parts = lowered.get("traceparent", "").split("-")
+    parts = tracing.carried(headers).get("traceparent", "").split("-")
     if len(parts) == 4 and len(parts[1]) == 32 and all(c in "0123456789abcdef" for c in parts[1]):
         return parts[1]
     return None
