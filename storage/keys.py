@@ -19,6 +19,7 @@ _KEY = re.compile(r"[A-Za-z0-9_\-.=/]{1,1024}")
 # The longest file name a folder holds (NAME_MAX): the local store keeps a key's parts as
 # folder and file names, and a key every store holds alike is one it can hold too.
 _PART_MAX = 255
+_NOT_PARTS = frozenset(("", ".", ".."))  # a folder's own names, or nothing between slashes
 
 
 def safe(value: str, what: str = "identifier") -> str:
@@ -29,8 +30,12 @@ def safe(value: str, what: str = "identifier") -> str:
 
 def check_object_key(key: str) -> str:
     """Refuse keys a local folder or S3 would interpret differently."""
-    parts = key.split("/")
-    if not _KEY.fullmatch(key) or any(p in {"", ".", ".."} or len(p) > _PART_MAX for p in parts):
+    parts = key.split("/")  # checked by C-level calls: four keys a webhook
+    if (
+        not _KEY.fullmatch(key)
+        or not _NOT_PARTS.isdisjoint(parts)
+        or max(map(len, parts)) > _PART_MAX
+    ):
         raise InvalidKey(f"object key {key[:120]!r} is not a valid relative key")
     return key
 

@@ -248,11 +248,15 @@ class SmallObjects:
 
     # -- connections ------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _db(self, wait: bool) -> Iterator[sqlite3.Connection]:
-        """A connection of this process's: the caller's thread's never waits (``Busy``),
-        the worker threads' waits up to ``BUSY_WAIT_MS`` from the call for another
-        process (``StorageUnavailable`` then)."""
+    def _db(self, wait: bool) -> _Turn:
+        """A connection of this process's, held for the ``with`` block: the caller's
+        thread's never waits (``Busy``), the worker threads' waits up to
+        ``BUSY_WAIT_MS`` from the call for another process (``StorageUnavailable``
+        then); SQLite's errors inside are those two as well."""
+        return _Turn(self, wait)
+
+    def _taken(self, wait: bool) -> tuple[threading.Lock, sqlite3.Connection]:
+        """``_Turn``'s start: the connection for ``wait``, its lock acquired."""
         if self._pid != os.getpid():
             _leave_the_parents()  # a forked child: every store's, then opened anew
         if self._closed:  # used again after ``close``: open again, as the store's files do
@@ -262,19 +266,8 @@ class SmallObjects:
         if not wait:
             if not self._quick_lock.acquire(blocking=False):
                 raise Busy
-            lock, db = self._quick_lock, self._quick
-        else:
-            lock, db = self._waiting_lock, self._waited_for(time.monotonic() + BUSY_WAIT_MS / 1000)
-        try:
-            yield db
-        except sqlite3.OperationalError as exc:
-            if not wait and _locked(exc):
-                raise Busy from exc
-            raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
-        except sqlite3.DatabaseError as exc:  # a damaged file: unavailable, not a bug here
-            raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
-        finally:
-            lock.release()
+            return self._quick_lock, self._quick
+        return self._waiting_lock, self._waited_for(time.monotonic() + BUSY_WAIT_MS / 1000)
 
     def _waited_for(self, deadline: float) -> sqlite3.Connection:
         """The waiting connection, its lock held, given what is left until ``deadline``
@@ -293,11 +286,6 @@ class SmallObjects:
             self._waiting_lock.release()
             raise StorageUnavailable(f"small objects at {self.path}: {exc}") from exc
         return self._waiting
-
-    @contextlib.contextmanager
-    def _transaction(self, wait: bool) -> Iterator[sqlite3.Connection]:
-        with self._db(wait) as db, _immediate(db):
-            yield db
 
     def _ticket(self) -> int:
         with self._counted:
@@ -331,7 +319,7 @@ class SmallObjects:
         """Each ``(key, data, etag)`` created unless its key exists, in one transaction:
         whether each was, and the commit's ticket."""
         made = []
-        with self._transaction(wait) as db:
+        with self._db(wait) as db, _Immediate(db):
             for key, data, etag in items:
                 try:
                     db.execute("INSERT INTO objects VALUES (?, ?, ?)", (key, etag, data))
@@ -344,7 +332,7 @@ class SmallObjects:
     def replace(self, key: str, data: bytes, etag: str, *, expect: str | None, wait: bool) -> int:
         """The object at ``key`` replaced, or created; only if its etag is ``expect``,
         when given (``EtagMismatch`` otherwise, and nothing written)."""
-        with self._transaction(wait) as db:
+        with self._db(wait) as db, _Immediate(db):
             if expect is None:
                 db.execute("INSERT OR REPLACE INTO objects VALUES (?, ?, ?)", (key, etag, data))
             else:
@@ -357,7 +345,7 @@ class SmallObjects:
         return self._ticket()
 
     def remove(self, key: str, *, wait: bool) -> int:
-        with self._transaction(wait) as db:
+        with self._db(wait) as db, _Immediate(db):
             db.execute("DELETE FROM objects WHERE key = ?", (key,))
         return self._ticket()
 
@@ -365,7 +353,7 @@ class SmallObjects:
         """The row at ``key`` removed only if its etag is ``etag``: the commit's ticket,
         or None, and nothing removed, if it changed or is gone. One statement compares
         and removes, so a replace commits wholly before it or finds no row."""
-        with self._transaction(wait) as db:
+        with self._db(wait) as db, _Immediate(db):
             removed = db.execute(
                 "DELETE FROM objects WHERE key = ? AND trim(etag, '\"') = ?",
                 (key, etag.strip('"')),
@@ -376,7 +364,7 @@ class SmallObjects:
     def rename(self, key: str, to: str, *, wait: bool) -> int | None:
         """The row at ``key`` moved to ``to`` (replacing it) in one transaction; None,
         and nothing changed, if there is none."""
-        with self._transaction(wait) as db:
+        with self._db(wait) as db, _Immediate(db):
             moved = db.execute(
                 "INSERT OR REPLACE INTO objects SELECT ?, etag, data FROM objects WHERE key = ?",
                 (to, key),
@@ -632,23 +620,64 @@ def _start_log(db: sqlite3.Connection) -> None:
     event loop's thread: SQLite flushes a new log's header (and, a connection's first
     time, the folder) in the commit that writes its first frame, whatever ``synchronous``
     says. Called at open and after each checkpoint, which may have emptied the log."""
-    with _immediate(db):
+    with _Immediate(db):
         db.execute("INSERT OR REPLACE INTO log_starts VALUES (1, 1)")
 
 
-@contextlib.contextmanager
-def _immediate(db: sqlite3.Connection) -> Iterator[None]:
+# The two context managers of every write are classes, not generators: a webhook's
+# inbox event and audit block each take a transaction, and a generator's manager costs
+# some 70 interpreted instructions more (``bench/profile_gateway.py --instructions``).
+class _Turn:
+    """The store's connection for the block (``SmallObjects._db``), its lock released
+    after; SQLite's errors inside it raised as the store's."""
+
+    __slots__ = ("_lock", "_objects", "_wait")
+
+    def __init__(self, objects: SmallObjects, wait: bool) -> None:
+        self._objects, self._wait = objects, wait
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._lock, db = self._objects._taken(self._wait)
+        return db
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        try:
+            if isinstance(exc, sqlite3.OperationalError):
+                if not self._wait and _locked(exc):
+                    raise Busy from exc
+                raise StorageUnavailable(f"small objects at {self._objects.path}: {exc}") from exc
+            if isinstance(exc, sqlite3.DatabaseError):  # a damaged file: not a bug here
+                raise StorageUnavailable(f"small objects at {self._objects.path}: {exc}") from exc
+        finally:
+            self._lock.release()
+
+
+class _Immediate:
     """A write transaction on ``db``: committed if the block ends, rolled back if it
     raises (a failed ``BEGIN`` or ``COMMIT`` included, so the connection is never left
     inside one)."""
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-        db.execute("COMMIT")
-    except BaseException:
+
+    __slots__ = ("_db",)
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._roll_back()
+                raise
+            return
+        self._roll_back()
+
+    def _roll_back(self) -> None:
         with contextlib.suppress(sqlite3.Error):
-            db.execute("ROLLBACK")
-        raise
+            self._db.execute("ROLLBACK")
 
 
 def _locked(exc: sqlite3.OperationalError) -> bool:

@@ -340,6 +340,64 @@ async def test_a_table_another_process_holds_does_not_stall_the_event_loop(
     await store.close()
 
 
+def test_a_callers_thread_write_behind_another_process_is_busy_and_leaves_its_connection_free(
+    tmp_path: Path,
+) -> None:
+    """The caller's thread never waits: another process's transaction is ``Busy`` (SQLite's
+    error as its cause), with the quick connection's lock released and no transaction
+    left open on it, so the next write from that thread goes through once the other
+    process is done."""
+    rows = small_objects.SmallObjects(str(tmp_path))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys\n"
+            "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "db.execute('BEGIN IMMEDIATE')\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "db.execute('ROLLBACK')\n"
+            "print('done', flush=True)\n",
+            rows.path,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        with pytest.raises(small_objects.Busy) as busy:
+            rows.create([("inbox/s/first", b"x", '"e"')], wait=False)
+        assert isinstance(busy.value.__cause__, sqlite3.OperationalError)
+        assert holder.stdin is not None
+        holder.stdin.write(b"go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == b"done\n"
+        made, _ = rows.create([("inbox/s/first", b"x", '"e"')], wait=False)
+        assert made == [True]
+        assert rows.get("inbox/s/first", wait=False) == (b"x", '"e"')
+    finally:
+        holder.kill()
+        holder.communicate()
+        rows.close()
+
+
+def test_a_write_that_fails_inside_its_transaction_is_rolled_back_whole(tmp_path: Path) -> None:
+    """A write that fails part-way leaves none of its rows and no transaction open: the
+    same connection's next write commits on its own."""
+    rows = small_objects.SmallObjects(str(tmp_path))
+    try:
+        with pytest.raises(StorageUnavailable), rows._db(False) as db, small_objects._Immediate(db):
+            db.execute("INSERT INTO objects VALUES (?, ?, ?)", ("inbox/s/a", '"e"', b"x"))
+            db.execute("INSERT INTO no_such_table VALUES (1)")
+        assert rows.get("inbox/s/a", wait=False) is None
+        made, _ = rows.create([("inbox/s/b", b"y", '"e"')], wait=False)
+        assert made == [True]
+        assert rows.get("inbox/s/b", wait=False) == (b"y", '"e"')
+    finally:
+        rows.close()
+
+
 def test_writes_queued_behind_another_process_transaction_each_give_up_at_their_own_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
