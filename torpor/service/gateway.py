@@ -46,6 +46,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from torpor import logs, tracing
+from torpor.awaiting import settled
 from torpor.errors import (
     AmbiguousEvent,
     RejectReason,
@@ -233,17 +234,13 @@ class WebhookGateway(GatewayCapability):
             if remember is not None
             else []
         )
-        results = await asyncio.gather(*pending, *marker, return_exceptions=True)
+        results = await settled(*pending, *marker)
         failed = [r for r in results if isinstance(r, BaseException)]
         if not failed:
             # The stored events on disk too: after the audit records, whose flush of the
             # disk covered them in the usual case (then this costs nothing).
             stored = [r.durable() for r in routed if r.durable is not None]
-            failed = [
-                r
-                for r in await asyncio.gather(*stored, return_exceptions=True)
-                if isinstance(r, BaseException)
-            ]
+            failed = [r for r in await settled(*stored) if isinstance(r, BaseException)]
         if not failed:
             return
         # Only a marker this request created: one found there is another request's, which

@@ -1,0 +1,77 @@
+"""``settled``: what ``asyncio.gather(..., return_exceptions=True)`` answers, in the
+caller's task."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from torpor.awaiting import settled
+
+
+async def value(v: object, gate: asyncio.Event | None = None) -> object:
+    if gate is not None:
+        await gate.wait()
+    return v
+
+
+async def failing(exc: BaseException) -> object:
+    await asyncio.sleep(0)
+    raise exc
+
+
+@pytest.mark.asyncio
+async def test_each_outcome_comes_back_in_order_errors_as_values() -> None:
+    error = ValueError("no")
+    running = asyncio.ensure_future(value("task"))
+    outcomes = await settled(running, failing(error), value(3))
+    assert outcomes == ["task", error, 3]
+    assert await settled() == []
+
+
+@pytest.mark.asyncio
+async def test_the_last_coroutine_runs_in_the_callers_task_and_the_others_at_once() -> None:
+    seen: list[asyncio.Task[object] | None] = []
+    gate = asyncio.Event()
+
+    async def opens() -> str:
+        seen.append(asyncio.current_task())
+        gate.set()  # the first one waits on this: both run at once, or this never comes
+        return "opened"
+
+    async def caller() -> list[object]:
+        seen.append(asyncio.current_task())
+        return await settled(value("waited", gate), opens())
+
+    assert await asyncio.wait_for(caller(), timeout=10) == ["waited", "opened"]
+    assert seen[0] is seen[1]
+
+
+@pytest.mark.asyncio
+async def test_a_child_cancelled_on_its_own_is_its_cancelled_error() -> None:
+    never = asyncio.Event()
+    alone = asyncio.ensure_future(value("x", never))
+    asyncio.get_running_loop().call_soon(alone.cancel)
+    outcomes = await settled(alone, value(2))
+    assert isinstance(outcomes[0], asyncio.CancelledError)
+    assert outcomes[1] == 2
+
+
+@pytest.mark.asyncio
+async def test_the_caller_cancelled_cancels_every_child_and_raises() -> None:
+    never = asyncio.Event()
+    started = asyncio.Event()
+    child = asyncio.ensure_future(value("x", never))
+
+    async def last() -> object:
+        started.set()
+        await never.wait()
+        return None
+
+    waiting = asyncio.ensure_future(settled(child, last()))
+    await started.wait()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert child.cancelled()
