@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 import uvloop  # noqa: E402
+from starlette.datastructures import Headers  # noqa: E402
 
 from actors.wiring import open_services, session_runtime  # noqa: E402
 from bench.stages import RoundTrips, Timeline, floors, instrument  # noqa: E402
@@ -62,6 +63,15 @@ class Deferred:
 REDIS = os.environ.get("TORPOR_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 SECRET = "b" * 64
+
+
+def as_served(body: bytes, signed: dict[str, str]) -> Headers:
+    """The headers as a Serve replica hands them to the gateway: Starlette's ``Headers``
+    over the raw request's (wrk's own two, then the signed request's), each decoded
+    again whenever they are read."""
+    sent = {"host": "127.0.0.1:8000", "content-length": str(len(body)), **signed}
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in sent.items()]
+    return Headers(raw=raw)
 
 
 def settings_for(tmp: Path, prefix: str, deferred: bool) -> Settings:
@@ -140,7 +150,7 @@ async def measure(args: argparse.Namespace, prefix: str) -> None:
             body = json.dumps({"id": f"e-{cid}", "correlationId": cid}).encode()
             headers = sign(Scheme.TORPOR, body, SECRET, now=now)
             headers["Content-Type"] = "application/json"
-            requests.append((body, headers))
+            requests.append((body, as_served(body, headers)))
         warm = args.n // 10
         for body, headers in requests[:warm]:
             await gateway.receive("bench", body, headers, now=now)
