@@ -20,7 +20,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 TRACER_NAME = "torpor"
-_TRACE_HEADERS = frozenset(("traceparent", "tracestate"))
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C Trace Context's two
 
 
 def _tracer() -> trace.Tracer:
@@ -36,7 +36,7 @@ def carried(headers: Mapping[str, str]) -> dict[str, str]:
     """The W3C trace headers among ``headers``, whatever their case, by lower-case name:
     all :func:`continued` and a log line's trace id read, found in one pass over a
     webhook's headers."""
-    return {k.lower(): v for k, v in headers.items() if k.lower() in _TRACE_HEADERS}
+    return {k.lower(): v for k, v in headers.items() if k.lower() in TRACE_HEADERS}
 
 
 def continued(carrier: Mapping[str, str] | str | None) -> AbstractContextManager[None]:

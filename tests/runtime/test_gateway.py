@@ -8,6 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from starlette.datastructures import Headers
 from starlette.requests import Request
 
 from storage import keys
@@ -16,7 +17,7 @@ from storage.codec import SnapshotCodec
 from tests.storage.test_history_chunks import age
 from tests.support.harness import keys_read, local_env
 from torpor.entry.http import read_audited_body
-from torpor.errors import UnknownCorrelation, WebhookRejected, WebhookSecretInvalid
+from torpor.errors import RejectReason, UnknownCorrelation, WebhookRejected, WebhookSecretInvalid
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.ports import Observer
@@ -492,3 +493,66 @@ async def test_a_resent_answer_to_a_long_session_reads_only_its_processed_ids(
         env.control.activate_for_event = woken  # type: ignore[method-assign]
         chunks = [k.removeprefix(keys.chunk_prefix(sid)) for k in read if "chunks/" in k]
         assert chunks and all(k.startswith("processed_events/") for k in chunks)
+
+
+class CountedHeaders(Headers):
+    """Starlette's headers, as a Serve replica hands them to the gateway, counting the
+    passes made over them whole (each decodes every raw header again)."""
+
+    passes = 0
+
+    def items(self) -> list[tuple[str, str]]:  # type: ignore[override]
+        type(self).passes += 1
+        return super().items()
+
+    def keys(self) -> list[str]:  # type: ignore[override]
+        type(self).passes += 1
+        return super().keys()
+
+
+async def test_a_webhooks_headers_are_read_once_for_the_verifier_the_parser_and_the_trace(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit()
+        now = env.clock.now()
+        raw = body((await env.load(sid)).waits[0].correlation_id, "e1")
+        sender = "ab" * 16
+        sent = {
+            **sign(Scheme.TORPOR, raw, SECRET, now=now),
+            "Content-Type": JSON,
+            "Traceparent": f" 00-{sender}-{'cd' * 8}-01",  # any case, padded: still read
+        }
+        headers = CountedHeaders(raw=[(k.lower().encode(), v.encode()) for k, v in sent.items()])
+        CountedHeaders.passes = 0
+        assert (await gateway.receive("oa", raw, headers, now=now)).status == 202
+        assert CountedHeaders.passes == 1
+        await env.services.audit.close()
+        [key] = (await env.services.store.list("audit/")).keys
+        [record] = [json.loads(x) for x in (await env.services.store.get(key)).data.splitlines()]
+        assert record["trace_id"] == sender
+
+
+async def test_two_spellings_of_a_signature_header_with_different_values_are_refused(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Read once for every reader, a header sent twice with two values is still refused
+    (Starlette's headers keep both): the verifier and the parser could read different
+    ones."""
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit()
+        now = env.clock.now()
+        raw = body((await env.load(sid)).waits[0].correlation_id, "e1")
+        sent = [
+            (k.lower().encode(), v.encode())
+            for k, v in {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}.items()
+        ]
+        other = sign(Scheme.TORPOR, b"{}", SECRET, now=now)
+        [(name, value)] = [(k, v) for k, v in other.items() if "signature" in k.lower()]
+        headers = Headers(raw=[*sent, (name.upper().encode(), value.encode())])
+        with pytest.raises(WebhookRejected) as refused:
+            await gateway.receive("oa", raw, headers, now=now)
+        assert refused.value.reason is RejectReason.MALFORMED_SIGNATURE
+        assert (await env.load(sid)).state is SessionState.SUSPENDED  # still waiting

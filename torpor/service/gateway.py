@@ -61,6 +61,7 @@ from torpor.service.gateway_outcomes import HookResult, Outcome, Routed, _Resolv
 from torpor.service.replay import ReplayClaims, replay_claims
 from torpor.settings import SourceConfig, verifying_secrets
 from torpor.webhooks.cloudevents import is_batch, parse_http
+from torpor.webhooks.headers import RequestHeaders
 from torpor.webhooks.rejections import ensure_body_size
 from torpor.webhooks.signing import Scheme, verify
 
@@ -85,16 +86,19 @@ class WebhookGateway(GatewayCapability):
         self, source_name: str, body: bytes, headers: Mapping[str, str], *, now: datetime
     ) -> HookResult:
         try:
+            # Read once, for the verifier, the parser and the trace alike.
+            read = RequestHeaders.of(headers)
             # The sender's traceparent continues here; lines logged inside carry the ids.
-            carried = tracing.carried(headers)
+            carried = read.only(tracing.TRACE_HEADERS)
+            trace = _trace_id(carried)
             with (
                 tracing.continued(carried),
                 tracing.span("torpor.webhook", **{"torpor.source": source_name}),
-                logs.bind(trace_id=_trace_id(carried)),
+                logs.bind(trace_id=trace),
             ):
                 self._receiving += 1
                 try:
-                    return await self._receive(source_name, body, headers, now)
+                    return await self._receive(source_name, body, read, now, trace)
                 finally:
                     self._receiving -= 1
         except WebhookRejected as exc:
@@ -106,7 +110,12 @@ class WebhookGateway(GatewayCapability):
             raise
 
     async def _receive(
-        self, source_name: str, body: bytes, headers: Mapping[str, str], now: datetime
+        self,
+        source_name: str,
+        body: bytes,
+        headers: RequestHeaders,
+        now: datetime,
+        trace: str | None,
     ) -> HookResult:
         source = self.source(source_name)
         ensure_body_size(len(body), limit=source.max_body_bytes)
@@ -164,7 +173,6 @@ class WebhookGateway(GatewayCapability):
             if not owned:
                 owned = await self.replays.held(claims, now=now)
             crash_point(CrashPoint.GATEWAY_AFTER_CLAIM)
-            trace = _trace_id(headers)
             body_sha = hashlib.sha256(body).hexdigest()
             for i, event in enumerate(events):
                 # A batch's events in the order sent: the inbox applies what it holds by

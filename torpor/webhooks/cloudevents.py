@@ -21,6 +21,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 from pydantic import JsonValue
 
 from torpor.errors import RejectReason, WebhookRejected
+from torpor.webhooks.headers import RequestHeaders
 from torpor.webhooks.payloads import (
     MAX_TEXT_CHARS,
     InboundEvent,
@@ -249,17 +250,13 @@ def _from_batch(body: bytes, now: datetime) -> list[InboundEvent]:
 
 
 def _normalise(headers: Mapping[str, str]) -> dict[str, str]:
-    result: dict[str, str] = {}
-    for name, value in headers.items():
-        key = name.strip().lower()
-        value = value.strip()
-        if key in result and result[key] != value:
-            if key == "content-type":
-                raise WebhookRejected(_R.UNSUPPORTED_MEDIA_TYPE)
-            if key.startswith("ce-"):
-                raise WebhookRejected(_R.INVALID_CLOUDEVENT, "conflicting duplicate ce- headers")
-        result[key] = value
-    return result
+    read = RequestHeaders.of(headers)
+    if read.conflicts:
+        if "content-type" in read.conflicts:
+            raise WebhookRejected(_R.UNSUPPORTED_MEDIA_TYPE)
+        if any(name.startswith("ce-") for name in read.conflicts):
+            raise WebhookRejected(_R.INVALID_CLOUDEVENT, "conflicting duplicate ce- headers")
+    return read.by_name
 
 
 def is_batch(headers: Mapping[str, str]) -> bool:

@@ -34,6 +34,7 @@ from enum import StrEnum
 from typing import Final, NamedTuple
 
 from torpor.errors import RejectReason, WebhookRejected, WebhookSecretInvalid
+from torpor.webhooks.headers import RequestHeaders
 
 _R = RejectReason
 
@@ -89,15 +90,8 @@ class _Headers:
     """Case-insensitive view of request headers that refuses ambiguous duplicates."""
 
     def __init__(self, raw: Mapping[str, str]) -> None:
-        self._values: dict[str, str] = {}
-        self._conflicts: set[str] = set()
-        for name, value in raw.items():
-            key = name.strip().lower()
-            # Two spellings of one header with different values could make the verifier
-            # and a later parser read different things: refuse instead of picking one.
-            if key in self._values and self._values[key] != value:
-                self._conflicts.add(key)
-            self._values[key] = value
+        read = RequestHeaders.of(raw)
+        self._values, self._conflicts = read.by_name, read.conflicts
 
     def get(
         self,
