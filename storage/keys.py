@@ -390,6 +390,11 @@ def progress(session_id: str, work_id: str) -> str:
 _GLOB = re.compile(r"[*?\[\]\\]")
 
 
+# Tenants whose state sets' names are kept (``every_states_sessions``): more than any
+# deployment's settings name; past it, names are made at each call, as before.
+_TENANTS_REMEMBERED = 1024
+
+
 class RedisKeys:
     """Redis key names under one prefix (tests use a prefix of their own).
 
@@ -404,6 +409,7 @@ class RedisKeys:
         self.prefix = prefix
         self.buckets = buckets
         self.deadline_shards = deadline_shards
+        self._state_sets: dict[str, tuple[str, ...]] = {}
 
     def _bucket(self, value: str, of: int) -> int:
         return zlib.crc32(value.encode()) % of
@@ -456,6 +462,17 @@ class RedisKeys:
 
     def sessions(self, tenant: str, state: SessionState | None) -> str:
         return f"{self.prefix}ss:{tenant}:{state.value if state else '*'}"
+
+    def every_states_sessions(self, tenant: str) -> tuple[str, ...]:
+        """``sessions(tenant, s)`` for every state, in ``SessionState``'s order: named in
+        each of a session's commits (eighteen names and enum reads a resume, made once
+        a tenant; a process serves the few its settings name)."""
+        named = self._state_sets.get(tenant)
+        if named is None:
+            named = tuple(self.sessions(tenant, s) for s in SessionState)
+            if len(self._state_sets) < _TENANTS_REMEMBERED:
+                self._state_sets[tenant] = named
+        return named
 
     @property
     def every_tenants_sessions(self) -> str:

@@ -50,6 +50,11 @@ class ObjectSnapshots:
     def __init__(self, store: ObjectStore, codec: SnapshotCodec | None = None) -> None:
         self.store = store
         self.codec = codec or SnapshotCodec()
+        # What the store can do, asked once, as the inbox does: an ``isinstance`` against
+        # a runtime-checkable protocol walks its members each time (some 230 interpreted
+        # instructions, twice in a session's last commit).
+        self._stages = store if isinstance(store, StagesReplaces) else None
+        self._moves = store if isinstance(store, MovesObjects) else None
         # session id → (generation, etag, state) of the last object read or written
         self._etags: OrderedDict[str, tuple[int, str, SessionState]] = OrderedDict()
         self._markers_complete = False
@@ -165,8 +170,8 @@ class ObjectSnapshots:
         # retention (both read the snapshot's state, not the marker).
         staged = None
         try:
-            if ending and isinstance(self.store, StagesReplaces):
-                staged = await self.store.stage_if_match(key, data, etag=etag)
+            if ending and self._stages is not None:
+                staged = await self._stages.stage_if_match(key, data, etag=etag)
                 new_etag = staged.etag
             else:
                 new_etag = await self.store.put_if_match(key, data, etag=etag)
@@ -194,10 +199,10 @@ class ObjectSnapshots:
         ``after``: the staged terminal snapshot, which the live marker must not outlive
         (``MovesObjects.move``)."""
         ended, live = keys.ended(ended_day(at), session_id), keys.live(session_id)
-        if isinstance(self.store, MovesObjects):
+        if self._moves is not None:
             # The marker renamed, one flush: a put and a delete in a row, two flushes,
             # were a third of a session's final commit on the local folder (README).
-            if not await self.store.move(live, ended, after=after):
+            if not await self._moves.move(live, ended, after=after):
                 await self.store.put(ended, b"")  # no live marker (moved already)
             return
         await self.store.put(ended, b"")
@@ -272,13 +277,13 @@ class ObjectSnapshots:
         (the same bytes: one more record in its log) and the move rests on it: if the log
         lost the snapshot's own record (a flush that failed, in this boot), its file may
         be on disk as it was before, and the live marker must not go before it is."""
-        if not isinstance(self.store, StagesReplaces):
+        if self._stages is None:
             await self.mark_ended(sid, at)
             return
         key = keys.snapshot(sid)
         try:
             current = await self.store.get(key)
-            staged = await self.store.stage_if_match(key, current.data, etag=current.etag)
+            staged = await self._stages.stage_if_match(key, current.data, etag=current.etag)
         except (ObjectNotFound, EtagMismatch):
             return  # changed or gone meanwhile: its writer or the next walk moves it
         try:

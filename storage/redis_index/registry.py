@@ -10,6 +10,8 @@ from torpor.errors import IndexUnavailable
 from torpor.lifecycle import SessionState
 from torpor.ports import SessionEntry, SessionPage
 
+_STATE_VALUES = tuple(s.value for s in SessionState)  # a commit's script's ARGV, in order
+
 # The entry of ARGV[1] as it stands: its state and generation (false, false: none; Lua
 # reads a missing hash field as false, never nil, so "none" is tested with ``not``). An entry
 # reads "state|tenant|generation" ("state|generation" as an older torpor wrote it): state
@@ -317,7 +319,7 @@ class RedisSessionRegistry(RedisConnection):
         keys = [
             self.keys.session_state,
             self.keys.sessions(tenant, None),
-            *(self.keys.sessions(tenant, s) for s in SessionState),
+            *self.keys.every_states_sessions(tenant),
             self.keys.sessions("", None),
             self.keys.sessions("", SessionState.QUARANTINED),
         ]
@@ -330,7 +332,7 @@ class RedisSessionRegistry(RedisConnection):
                 state.value,
                 tenant,
                 condition,
-                *(s.value for s in SessionState),
+                *_STATE_VALUES,
             ],
         )
         return written
