@@ -187,6 +187,10 @@ class _Replies(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail(RedisConnectionError(f"connection to Redis lost ({exc or 'closed'})"))
 
+    def timed_out(self, after_s: float) -> None:
+        """A batch's deadline passed with a reply still out: the connection is done."""
+        self.fail(RedisTimeoutError(f"no reply from Redis within {after_s} s"))
+
     def fail(self, error: Exception) -> None:
         """Every command still waiting fails with ``error``; the connection is done."""
         if self.lost is None:
@@ -276,10 +280,9 @@ class WireConnection:
         replies.waiting.extend(answers)
         replies.batches.append([len(answers), finished])
         replies.transport.write(b"".join(p for p in packed if isinstance(p, bytes)))
+        # The error made only if the deadline passes: a batch's is rarely needed.
         stalled = loop.call_later(
-            self.settings.reply_timeout_s,
-            replies.fail,
-            RedisTimeoutError(f"no reply from Redis within {self.settings.reply_timeout_s} s"),
+            self.settings.reply_timeout_s, replies.timed_out, self.settings.reply_timeout_s
         )
         return Written(packed, answers, finished, stalled)
 
