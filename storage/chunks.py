@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from storage import keys
+from torpor.awaiting import gathered
 from torpor.errors import ObjectExists, ObjectNotFound, SnapshotCorrupt
 from torpor.models import HistoryChunks, Message, SessionSnapshot, ToolLogEntry
 from torpor.ports import ObjectStore
@@ -114,7 +115,7 @@ async def write(store: ObjectStore, sealed: list[SealedChunk]) -> None:
         with contextlib.suppress(ObjectExists):
             await store.put_if_absent(chunk.key, chunk.data)
 
-    await asyncio.gather(*(one(c) for c in sealed))
+    await gathered(*(one(c) for c in sealed))
 
 
 async def restore(

@@ -14,7 +14,6 @@ first, never the ones not yet due. One that an event names goes with its session
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Collection
 from datetime import UTC, datetime
@@ -22,6 +21,7 @@ from datetime import UTC, datetime
 from pydantic import ValidationError
 
 from storage import keys
+from torpor.awaiting import gathered
 from torpor.errors import ObjectExists, ObjectNotFound
 from torpor.events import InboxEvent
 from torpor.faults import CrashPoint, crash_point
@@ -68,7 +68,7 @@ class ObjectInbox:
             if page.next_token is None:
                 break
             token = page.next_token
-        events = await asyncio.gather(*(self._read(name) for name in names))
+        events = await gathered(*(self._read(name) for name in names))
         found = [e for e in events if e is not None]
         return sorted(found, key=lambda e: (e.received_at, e.key))
 

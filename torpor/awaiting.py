@@ -5,7 +5,12 @@ coroutine and a callback per child, and answers a turn of the loop after the las
 A webhook awaits two such groups of one or two writes, most of them already running as
 tasks: :func:`settled` awaits them in the caller's task instead (one coroutine run there,
 any other started as a task), for the same answer (about 3 % of a webhook's
-instructions, ``bench/profile_gateway.py --instructions``).
+instructions, ``bench/profile_gateway.py --instructions``). :func:`gathered` is
+``gather`` itself, but for one awaitable or none: a session's resume reads its inbox and
+writes its sealed chunks so, most often with one or none to wait for.
+
+Neither is for awaitables whose first steps must come in their order (two index calls
+meant to share one round trip): the one run in the caller's task starts first.
 """
 
 from __future__ import annotations
@@ -48,3 +53,13 @@ async def _outcome(aw: Awaitable[Any]) -> Any:
         return exc  # the child alone was
     except Exception as exc:
         return exc
+
+
+async def gathered(*aws: Awaitable[Any]) -> list[Any]:
+    """``asyncio.gather(*aws)``: each result in order, the first error raised; a lone
+    awaitable awaited in the caller's task, and none answered at once."""
+    if not aws:
+        return []
+    if len(aws) == 1:
+        return [await aws[0]]
+    return await asyncio.gather(*aws)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from torpor.awaiting import settled
+from torpor.awaiting import gathered, settled
 
 
 async def value(v: object, gate: asyncio.Event | None = None) -> object:
@@ -75,3 +75,27 @@ async def test_the_caller_cancelled_cancels_every_child_and_raises() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert child.cancelled()
+
+
+async def test_gathered_answers_none_at_once_and_one_in_the_callers_task() -> None:
+    assert await gathered() == []
+    seen: list[asyncio.Task[object] | None] = []
+
+    async def where() -> str:
+        seen.append(asyncio.current_task())
+        return "here"
+
+    async def caller() -> list[object]:
+        seen.append(asyncio.current_task())
+        return await gathered(where())
+
+    assert await asyncio.wait_for(caller(), timeout=10) == ["here"]
+    assert seen[0] is seen[1]
+
+
+async def test_gathered_raises_the_error_and_gathers_several_as_gather_does() -> None:
+    with pytest.raises(ValueError, match="alone"):
+        await gathered(failing(ValueError("alone")))
+    assert await gathered(value(1), value(2), value(3)) == [1, 2, 3]
+    with pytest.raises(KeyError):
+        await gathered(value(1), failing(KeyError("k")))
