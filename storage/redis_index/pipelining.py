@@ -50,6 +50,20 @@ _Queued = tuple[tuple[Any, ...], dict[str, Any], "asyncio.Future[Any]"]
 _Sent = tuple[list[_Queued], WireConnection, Written]
 
 
+class _Loop:
+    """One event loop's part of a client: its queue, its sender task, its lean
+    connection (a socket belongs to the loop it was made on) and the batches written
+    from callers' frames that the sender has not read yet (None: none)."""
+
+    __slots__ = ("queue", "sender", "wire", "written")
+
+    def __init__(self) -> None:
+        self.queue: list[_Queued] = []
+        self.sender: asyncio.Task[None] | None = None
+        self.wire: WireConnection | None = None
+        self.written: list[_Sent] | None = None
+
+
 class Pipelined:
     """``execute_command`` through a queue: commands that arrive while a batch is out are
     sent as the next batch, in the order they arrived."""
@@ -58,34 +72,26 @@ class Pipelined:
         self._client = client
         # A queue and a sender per event loop: a future is only ever resolved on its own
         # loop (a client used from one loop only, as redis-py's are, has one of each).
-        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Queued]] = (
+        # All a loop's parts in one entry: one lookup a call, not four (a resumed
+        # webhook makes sixteen calls; ``bench/profile_gateway.py --instructions``).
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Loop] = (
             weakref.WeakKeyDictionary()
         )
-        self._senders: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]] = (
-            weakref.WeakKeyDictionary()
-        )
-        # The lean connection, one per loop too (a socket belongs to the loop it was made
-        # on); none where the client's settings need redis-py (``wire.settings_of``).
+        # None where the client's settings need redis-py (``wire.settings_of``).
         self._wire_settings = settings_of(client)
-        self._wires: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, WireConnection] = (
-            weakref.WeakKeyDictionary()
-        )
-        # Batches written from their callers' frames that the sender has not read yet.
-        self._written: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Sent]] = (
-            weakref.WeakKeyDictionary()
-        )
         self._closed = False  # a sender still draining must not connect again
 
     async def call(self, *args: Any, **options: Any) -> Any:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.create_future()
-        queue = self._queues.get(loop)
-        if queue is None:
-            queue = self._queues[loop] = []
+        parts = self._loops.get(loop)
+        if parts is None:
+            parts = self._loops[loop] = _Loop()
+        queue = parts.queue
         queue.append((args, options, done))
-        sender = self._senders.get(loop)
+        sender = parts.sender
         idle = sender is None or sender.done()
-        written = self._written.get(loop)
+        written = parts.written
         if idle or written is not None:
             # Nothing out, or only what this turn of the loop wrote: the command leaves
             # now, from the caller's own frame, not from the sender task a turn later,
@@ -95,21 +101,21 @@ class Pipelined:
             # before any reply is read. The task reads the replies. A lone round trip:
             # one turn of the loop fewer (epoll_wait 4.0 -> 3.2 a call, strace), 0.21-0.23
             # -> 0.16-0.19 ms p50 in quiet spells here (``bench/bench_round_trips.py``).
-            sent = self._write_now(loop, queue)
+            sent = self._write_now(parts)
             if sent is not None and written is not None:
                 written.append(sent)
             elif sent is not None:
-                self._written[loop] = [sent]
+                parts.written = [sent]
         if idle:
-            self._senders[loop] = task = loop.create_task(self._send(queue))
-            if loop in self._written:  # batches it must read, even if cancelled unrun
-                task.add_done_callback(functools.partial(self._abandon, loop))
+            parts.sender = task = loop.create_task(self._send(parts))
+            if parts.written is not None:  # batches it must read, even if cancelled unrun
+                task.add_done_callback(functools.partial(self._abandon, parts))
         return await done
 
-    def _write_now(self, loop: asyncio.AbstractEventLoop, queue: list[_Queued]) -> _Sent | None:
+    def _write_now(self, parts: _Loop) -> _Sent | None:
         """The queue's next batch written on the lean connection at once, if it is up
         (else None: the sender connects, or takes redis-py's path, as before)."""
-        wire = self._wires.get(loop)
+        wire, queue = parts.wire, parts.queue
         if self._closed or wire is None or not wire.usable:
             return None
         batch = [q for q in queue[:MAX_BATCH] if not q[2].done()]
@@ -122,9 +128,10 @@ class Pipelined:
         del queue[:MAX_BATCH]
         return batch, wire, written
 
-    async def _send(self, queue: list[_Queued]) -> None:
+    async def _send(self, parts: _Loop) -> None:
         # What callers wrote before this first step: from now on, commands queue.
-        sent = self._written.pop(asyncio.get_running_loop(), [])
+        sent, parts.written = parts.written or [], None
+        queue = parts.queue
         try:
             while sent:
                 # Its own connection: ``close`` may have dropped this loop's meanwhile
@@ -140,13 +147,14 @@ class Pipelined:
             batch = [q for q in queue[:MAX_BATCH] if not q[2].done()]
             del queue[:MAX_BATCH]
             if batch:
-                await self._settle(batch, self._execute(batch), queue)
+                await self._settle(batch, self._execute(batch, parts), queue)
 
-    def _abandon(self, loop: asyncio.AbstractEventLoop, sender: asyncio.Task[None]) -> None:
+    def _abandon(self, parts: _Loop, sender: asyncio.Task[None]) -> None:
         """A sender cancelled before its first step (its loop is closing) never reads the
         batches written for it; a newer sender, if one started meanwhile, reads them."""
-        if sender.cancelled() and self._senders.get(loop) is sender:
-            _drop(self._written.pop(loop, []))
+        if sender.cancelled() and parts.sender is sender:
+            sent, parts.written = parts.written or [], None
+            _drop(sent)
 
     @staticmethod
     async def _settle(
@@ -177,14 +185,13 @@ class Pipelined:
             else:
                 done.set_result(result)
 
-    async def _execute(self, batch: list[_Queued]) -> list[Any]:
+    async def _execute(self, batch: list[_Queued], parts: _Loop) -> list[Any]:
         if self._wire_settings is not None and not any(options for _, options, _ in batch):
             if self._closed:
                 raise RedisConnectionError("the index's connection is closed")
-            loop = asyncio.get_running_loop()
-            wire = self._wires.get(loop)
+            wire = parts.wire
             if wire is None:
-                wire = self._wires[loop] = WireConnection(self._wire_settings)
+                wire = parts.wire = WireConnection(self._wire_settings)
             return await wire.execute(
                 [args for args, _, _ in batch], [done for _, _, done in batch]
             )
@@ -203,9 +210,10 @@ class Pipelined:
     def close(self) -> None:
         """Close the lean connections (the client itself is its owner's to close)."""
         self._closed = True
-        for wire in list(self._wires.values()):
-            wire.close()
-        self._wires.clear()
+        for parts in list(self._loops.values()):
+            if parts.wire is not None:
+                parts.wire.close()
+                parts.wire = None
 
 
 def _drop(sent: list[_Sent]) -> None:

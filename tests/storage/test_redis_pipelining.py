@@ -40,12 +40,12 @@ class Recorded(Pipelined):
         super().__init__(client)
         self.batches: list[int] = []
 
-    async def _execute(self, batch: list[Any]) -> list[Any]:
+    async def _execute(self, batch: list[Any], parts: Any) -> list[Any]:
         self.batches.append(len(batch))
-        return await super()._execute(batch)
+        return await super()._execute(batch, parts)
 
-    def _write_now(self, loop: asyncio.AbstractEventLoop, queue: list[Any]) -> Any:
-        first = super()._write_now(loop, queue)
+    def _write_now(self, parts: Any) -> Any:
+        first = super()._write_now(parts)
         if first is not None:
             self.batches.append(len(first[0]))
         return first
@@ -185,7 +185,7 @@ async def test_commands_of_one_turn_all_leave_before_any_reply_is_read(
 
 def _reader_noted(pipelined: Pipelined, order: list[str]) -> None:
     """Note in ``order`` each time the task that collects a batch's replies has them."""
-    wire = pipelined._wires[asyncio.get_running_loop()]
+    wire = pipelined._loops[asyncio.get_running_loop()].wire
     collect = wire.collect
 
     async def noted(written: Any) -> list[Any]:
@@ -206,7 +206,7 @@ async def test_a_reply_reaches_its_caller_before_the_task_that_reads_it_runs(
     _reader_noted(pipelined, order)
     assert await pipelined.call("PING") == "PONG"
     order.append("caller")
-    await pipelined._senders[asyncio.get_running_loop()]  # the reader is done too
+    await pipelined._loops[asyncio.get_running_loop()].sender  # the reader is done too
     assert order == ["caller", "reader"]
 
 
@@ -223,10 +223,10 @@ async def test_a_reply_to_a_queued_batch_reaches_its_caller_before_its_reader_ru
     loop = asyncio.get_running_loop()
     for _ in range(10):  # on the wire, and its reader has started (it took the batch)
         await asyncio.sleep(0)
-        if pipelined.batches[-1:] == [1] and loop not in pipelined._written:
+        if pipelined.batches[-1:] == [1] and pipelined._loops[loop].written is None:
             break
-    assert loop not in pipelined._written
-    sender = pipelined._senders[loop]
+    assert pipelined._loops[loop].written is None
+    sender = pipelined._loops[loop].sender
 
     async def caller() -> Any:
         got = await pipelined.call("INCR", key)
@@ -239,7 +239,7 @@ async def test_a_reply_to_a_queued_batch_reaches_its_caller_before_its_reader_ru
     assert not sender.done() and pipelined.batches[-1:] == [1] and len(pipelined.batches) == 2
     assert await second == 1
     assert await first is None
-    await pipelined._senders[asyncio.get_running_loop()]  # the reader is done too
+    await pipelined._loops[asyncio.get_running_loop()].sender  # the reader is done too
     assert pipelined.batches[-2:] == [1, 1]
     assert order == ["reader", "caller", "reader"]
 
@@ -259,12 +259,12 @@ async def test_a_sender_cancelled_before_it_ran_leaves_no_caller_waiting_and_no_
         key = f"{redis_prefix}abandoned"
         await pipelined.call("PING")  # the lean connection is up: the next call leaves at once
         loop = asyncio.get_running_loop()
-        wire = pipelined._wires[loop]
+        wire = pipelined._loops[loop].wire
         call = asyncio.ensure_future(pipelined.call("INCR", key))
         await asyncio.sleep(0)  # written from its caller's frame; its reader not yet run
-        [(_, _, written)] = pipelined._written[loop]
+        [(_, _, written)] = pipelined._loops[loop].written
         assert written.stalled is not None  # its deadline, armed by the write
-        pipelined._senders[loop].cancel()  # as the loop's shutdown does
+        pipelined._loops[loop].sender.cancel()  # as the loop's shutdown does
         # The reply, if it was read before the cancel, or the cancel: never a wait for ever.
         with contextlib.suppress(asyncio.CancelledError):
             assert await asyncio.wait_for(call, 5) == 1
@@ -273,7 +273,7 @@ async def test_a_sender_cancelled_before_it_ran_leaves_no_caller_waiting_and_no_
                 break
             await asyncio.sleep(0)
         assert written.stalled.cancelled(), "the abandoned batch's deadline is still armed"
-        assert wire.usable and pipelined._wires[loop] is wire  # not dropped by it
+        assert wire.usable and pipelined._loops[loop].wire is wire  # not dropped by it
         assert await asyncio.wait_for(pipelined.call("GET", key), 5) == "1"  # it ran; in step
     finally:
         pipelined.close()
