@@ -10,7 +10,9 @@ instructions, ``bench/profile_gateway.py --instructions``). :func:`gathered` is
 writes its sealed chunks so, most often with one or none to wait for.
 
 Neither is for awaitables whose first steps must come in their order (two index calls
-meant to share one round trip): the one run in the caller's task starts first.
+meant to share one round trip): the one run in the caller's task starts first. That one
+also shares the caller's context (a ``logs.update`` in it reaches the caller), where a
+task has a copy of its own.
 """
 
 from __future__ import annotations
@@ -24,35 +26,44 @@ async def settled(*aws: Awaitable[Any]) -> list[Any]:
     """Each awaitable's result, or the exception it raised, in order, all run at once.
 
     As ``gather`` with ``return_exceptions=True``: a child cancelled on its own gives its
-    ``CancelledError``; the caller cancelled cancels every child not done and raises.
+    ``CancelledError``; the caller cancelled cancels every child, waits for them all to
+    finish and raises ``CancelledError``, even where a child absorbed the cancel. Unlike
+    ``gather``'s, the one run in the caller's task shares the caller's context.
     """
+    task = asyncio.current_task()
+    # Cancels asked of the caller before this: only one asked since is the caller's now.
+    before = task.cancelling() if task is not None else 0
     running = [asyncio.ensure_future(aw) for aw in aws[:-1]]
     last = aws[-1] if aws else None
     outcomes: list[Any] = []
     try:
         if last is not None:  # the last one in this task: no task, no turn of the loop
-            outcome = await _outcome(last)
+            outcome = await _outcome(last, task, before)
         for child in running:
-            outcomes.append(await _outcome(child))
-    except BaseException:  # the caller cancelled (or interrupted): every child goes with it
+            outcomes.append(await _outcome(child, task, before))
+    except BaseException:
+        # The caller cancelled (or interrupted): every child goes with it, and has ended
+        # before this raises, so none outlives the request that started it.
         for child in running:
             child.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
         raise
     if last is not None:
         outcomes.append(outcome)
     return outcomes
 
 
-async def _outcome(aw: Awaitable[Any]) -> Any:
+async def _outcome(aw: Awaitable[Any], task: asyncio.Task[Any] | None, before: int) -> Any:
+    """What ``aw`` returned or raised; ``CancelledError`` raised if the caller was asked
+    to cancel meanwhile, whatever the child made of it."""
+    outcome: Any
     try:
-        return await aw
-    except asyncio.CancelledError as exc:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():  # the caller was cancelled
-            raise
-        return exc  # the child alone was
-    except Exception as exc:
-        return exc
+        outcome = await aw
+    except (asyncio.CancelledError, Exception) as exc:  # the child's own cancel: a value
+        outcome = exc
+    if task is not None and task.cancelling() > before:
+        raise asyncio.CancelledError
+    return outcome
 
 
 async def gathered(*aws: Awaitable[Any]) -> list[Any]:

@@ -99,3 +99,65 @@ async def test_gathered_raises_the_error_and_gathers_several_as_gather_does() ->
     assert await gathered(value(1), value(2), value(3)) == [1, 2, 3]
     with pytest.raises(KeyError):
         await gathered(value(1), failing(KeyError("k")))
+
+
+async def test_the_callers_cancel_is_raised_though_a_child_absorbed_it() -> None:
+    """As gather's: a child that catches the cancel and returns does not swallow the
+    caller's cancel."""
+    started = asyncio.Event()
+
+    async def absorbing() -> str:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "absorbed"
+        return "never"
+
+    waiting = asyncio.ensure_future(settled(absorbing(), value(2)))
+    await started.wait()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+
+async def test_every_child_has_ended_when_the_callers_cancel_is_raised() -> None:
+    """No child outlives the caller: each is cancelled and waited for (its clean-up
+    runs to its end) before the cancel reaches the caller."""
+    started, cleaned = asyncio.Event(), asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow_to_end() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await release.wait()  # its clean-up takes a while
+            cleaned.set()
+
+    child = asyncio.ensure_future(slow_to_end())
+    waiting = asyncio.ensure_future(settled(child, asyncio.Event().wait()))
+    await started.wait()
+    waiting.cancel()
+    await asyncio.sleep(0)
+    assert not waiting.done()  # still waiting for the child's clean-up
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert child.done() and cleaned.is_set()
+
+
+async def test_a_cancel_asked_of_the_caller_before_is_not_taken_for_a_childs() -> None:
+    """A caller that caught an earlier cancel (without ``uncancel``) still gets a child's
+    own cancel as that child's outcome."""
+    task = asyncio.current_task()
+    assert task is not None
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.sleep(1)
+    never = asyncio.Event()
+    alone = asyncio.ensure_future(value("x", never))
+    asyncio.get_running_loop().call_soon(alone.cancel)
+    outcomes = await settled(alone, value(2))
+    task.uncancel()
+    assert isinstance(outcomes[0], asyncio.CancelledError) and outcomes[1] == 2

@@ -484,6 +484,16 @@ def test_conflicting_content_types() -> None:
     assert rejected(event(), headers).reason is R.UNSUPPORTED_MEDIA_TYPE
 
 
+def test_content_types_differing_only_in_padding_are_one_content_type() -> None:
+    headers = {
+        "Content-Type": "application/cloudevents+json",
+        "content-type": " application/cloudevents+json",
+    }
+    body = json.dumps(event()).encode()
+    [parsed] = parse_http(body, headers, mapping=None, source_name="s", now=NOW)
+    assert parsed.event_id == event()["id"]
+
+
 def test_body_too_large() -> None:
     body = json.dumps(event(data={"pad": "x" * 200})).encode()
     with pytest.raises(WebhookRejected) as info:

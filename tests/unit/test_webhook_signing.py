@@ -28,6 +28,7 @@ from torpor.webhooks import (
     sign,
     verify,
 )
+from torpor.webhooks.headers import RequestHeaders
 from torpor.webhooks.signing import signed_shape
 
 R = RejectReason
@@ -370,6 +371,23 @@ def test_conflicting_duplicate_headers_are_refused() -> None:
     assert rejected(Scheme.TORPOR, headers).reason is R.MALFORMED_SIGNATURE
     headers["x-torpor-signature"] = headers["X-Torpor-Signature"]
     verify(Scheme.TORPOR, BODY, headers, [SECRETS[Scheme.TORPOR]], now=NOW)
+
+
+def test_duplicate_signature_headers_differing_only_in_padding_are_refused_read_once_or_not() -> (
+    None
+):
+    """Two spellings of the signature header whose values differ at all are refused, as
+    they always were, also when the gateway hands the verifier its one reading of the
+    request's headers (``RequestHeaders``), which compares stripped values for the
+    CloudEvents parser."""
+    headers = signed(Scheme.TORPOR)
+    headers["x-torpor-signature"] = headers["X-Torpor-Signature"] + " "
+    assert rejected(Scheme.TORPOR, headers).reason is R.MALFORMED_SIGNATURE
+    read = RequestHeaders(headers)
+    assert read.conflicts == {"x-torpor-signature"} and not read.differing
+    with pytest.raises(WebhookRejected) as refused:
+        verify(Scheme.TORPOR, BODY, read, [SECRETS[Scheme.TORPOR]], now=NOW)
+    assert refused.value.reason is R.MALFORMED_SIGNATURE
 
 
 def test_standard_accepts_several_signatures_and_unknown_versions() -> None:

@@ -206,7 +206,7 @@ def _percent_decode(name: str, value: str) -> str:
         raise _invalid(name, "header is not percent-encoded UTF-8") from None
 
 
-def _from_binary(body: bytes, headers: dict[str, str], now: datetime) -> InboundEvent:
+def _from_binary(body: bytes, headers: Mapping[str, str], now: datetime) -> InboundEvent:
     if "ce-datacontenttype" in headers:
         raise WebhookRejected(
             _R.INVALID_CLOUDEVENT, "the ce-datacontenttype header is not allowed; use Content-Type"
@@ -249,12 +249,12 @@ def _from_batch(body: bytes, now: datetime) -> list[InboundEvent]:
     return events
 
 
-def _normalise(headers: Mapping[str, str]) -> dict[str, str]:
+def _normalise(headers: Mapping[str, str]) -> Mapping[str, str]:
     read = RequestHeaders.of(headers)
-    if read.conflicts:
-        if "content-type" in read.conflicts:
+    if read.differing:
+        if "content-type" in read.differing:
             raise WebhookRejected(_R.UNSUPPORTED_MEDIA_TYPE)
-        if any(name.startswith("ce-") for name in read.conflicts):
+        if any(name.startswith("ce-") for name in read.differing):
             raise WebhookRejected(_R.INVALID_CLOUDEVENT, "conflicting duplicate ce- headers")
     return read.by_name
 

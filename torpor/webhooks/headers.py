@@ -13,21 +13,29 @@ from collections.abc import Iterable, Iterator, Mapping
 
 class RequestHeaders(Mapping[str, str]):
     """Headers by stripped lower-case name, values stripped; the last of two spellings
-    of one name wins, and a name whose spellings held different values is in
-    ``conflicts``: a reader refuses it rather than pick one (the verifier and a later
-    parser could otherwise read different things)."""
+    of one name wins. A reader refuses a name sent twice with two values rather than
+    pick one (the verifier and a later parser could otherwise read different things):
+    ``conflicts`` names those whose spellings' values differ at all, as the verifier
+    has always compared them, ``differing`` those whose values differ once stripped, as
+    the CloudEvents parser has (a subset)."""
 
-    __slots__ = ("by_name", "conflicts")
+    __slots__ = ("by_name", "conflicts", "differing")
 
     def __init__(self, raw: Mapping[str, str]) -> None:
         values: dict[str, str] = {}
+        sent: dict[str, str] = {}  # as sent, for ``conflicts``
         conflicts: set[str] = set()
+        differing: set[str] = set()
         for name, value in raw.items():
-            key, value = name.strip().lower(), value.strip()
-            if values.get(key, value) != value:
+            key = name.strip().lower()
+            if sent.get(key, value) != value:
                 conflicts.add(key)
-            values[key] = value
-        self.by_name, self.conflicts = values, conflicts
+                if values[key] != value.strip():
+                    differing.add(key)
+            sent[key] = value
+            values[key] = value.strip()
+        self.by_name: Mapping[str, str] = values
+        self.conflicts, self.differing = conflicts, differing
 
     @classmethod
     def of(cls, headers: Mapping[str, str]) -> RequestHeaders:
