@@ -145,12 +145,12 @@ async def measure(args: argparse.Namespace, prefix: str) -> None:
         control = SessionService(services, activator)
         gateway = WebhookGateway(control)
         now = datetime.now(UTC)
-        requests = []
+        requests: list[tuple[bytes, Headers]] = []
         for cid in cids:
             body = json.dumps({"id": f"e-{cid}", "correlationId": cid}).encode()
-            headers = sign(Scheme.TORPOR, body, SECRET, now=now)
-            headers["Content-Type"] = "application/json"
-            requests.append((body, as_served(body, headers)))
+            signed = sign(Scheme.TORPOR, body, SECRET, now=now)
+            signed["Content-Type"] = "application/json"
+            requests.append((body, as_served(body, signed)))
         warm = args.n // 10
         for body, headers in requests[:warm]:
             await gateway.receive("bench", body, headers, now=now)
@@ -238,7 +238,7 @@ def free_inodes(folder: str) -> int:
 
 async def under_load(
     gateway: WebhookGateway,
-    requests: list[tuple[bytes, dict[str, str]]],
+    requests: list[tuple[bytes, Headers]],
     now: datetime,
     concurrency: int,
     tmp: str,
