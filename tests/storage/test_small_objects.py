@@ -340,15 +340,11 @@ async def test_a_table_another_process_holds_does_not_stall_the_event_loop(
     await store.close()
 
 
-def test_a_callers_thread_write_behind_another_process_is_busy_and_leaves_its_connection_free(
-    tmp_path: Path,
-) -> None:
-    """The caller's thread never waits: another process's transaction is ``Busy`` (SQLite's
-    error as its cause), with the quick connection's lock released and no transaction
-    left open on it, so the next write from that thread goes through once the other
-    process is done."""
-    rows = small_objects.SmallObjects(str(tmp_path))
-    holder = subprocess.Popen(
+def holding_the_write_lock(path: str) -> subprocess.Popen[bytes]:
+    """Another process in a write transaction on the table at ``path``: it prints
+    ``held`` once it holds the lock, and ``done`` once a line (or the end) on its stdin
+    has it roll back."""
+    return subprocess.Popen(
         [
             sys.executable,
             "-c",
@@ -359,11 +355,22 @@ def test_a_callers_thread_write_behind_another_process_is_busy_and_leaves_its_co
             "sys.stdin.readline()\n"
             "db.execute('ROLLBACK')\n"
             "print('done', flush=True)\n",
-            rows.path,
+            path,
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
+
+
+def test_a_callers_thread_write_behind_another_process_is_busy_and_leaves_its_connection_free(
+    tmp_path: Path,
+) -> None:
+    """The caller's thread never waits: another process's transaction is ``Busy`` (SQLite's
+    error as its cause), with the quick connection's lock released and no transaction
+    left open on it, so the next write from that thread goes through once the other
+    process is done."""
+    rows = small_objects.SmallObjects(str(tmp_path))
+    holder = holding_the_write_lock(rows.path)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
         with pytest.raises(small_objects.Busy) as busy:
@@ -406,20 +413,7 @@ def test_writes_queued_behind_another_process_transaction_each_give_up_at_their_
     whole timeout of its own, so the n-th write of a burst answered after n of them."""
     monkeypatch.setattr(small_objects, "BUSY_WAIT_MS", 500)
     rows = small_objects.SmallObjects(str(tmp_path))
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sqlite3, sys\n"
-            "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
-            "db.execute('BEGIN IMMEDIATE')\n"
-            "print('held', flush=True)\n"
-            "sys.stdin.read()\n",
-            rows.path,
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
+    holder = holding_the_write_lock(rows.path)
 
     def waited(n: int) -> float:
         called = time.monotonic()
