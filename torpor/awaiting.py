@@ -41,12 +41,16 @@ async def settled(*aws: Awaitable[Any]) -> list[Any]:
             outcome = await _outcome(last, task, before)
         for child in running:
             outcomes.append(await _outcome(child, task, before))
-    except BaseException:
-        # The caller cancelled (or interrupted): every child goes with it, and has ended
-        # before this raises, so none outlives the request that started it.
+    except asyncio.CancelledError:
+        # The caller cancelled: every child goes with it, and has ended before this
+        # raises, so none outlives the request that started it.
         for child in running:
             child.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+        raise
+    except BaseException:  # interrupted, or closed: the children are cancelled, not waited for
+        for child in running:
+            child.cancel()
         raise
     if last is not None:
         outcomes.append(outcome)
@@ -59,7 +63,18 @@ async def _outcome(aw: Awaitable[Any], task: asyncio.Task[Any] | None, before: i
     outcome: Any
     try:
         outcome = await aw
-    except (asyncio.CancelledError, Exception) as exc:  # the child's own cancel: a value
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # a value, as gather's, a child's own cancel included
+        if isinstance(exc, asyncio.CancelledError):
+            if asyncio.isfuture(aw):
+                if not aw.done():
+                    raise  # the cancel came to the caller while it waited (``aw`` runs on)
+            elif task is not None and task.cancelling():
+                # Run in the caller's task, its cancel and the child's own look alike; a
+                # cancel asked before the call, still to be delivered, is among them.
+                # Taken for the caller's: a cancel raised too often beats one lost.
+                raise
         outcome = exc
     if task is not None and task.cancelling() > before:
         raise asyncio.CancelledError

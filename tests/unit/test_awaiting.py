@@ -161,3 +161,52 @@ async def test_a_cancel_asked_of_the_caller_before_is_not_taken_for_a_childs() -
     outcomes = await settled(alone, value(2))
     task.uncancel()
     assert isinstance(outcomes[0], asyncio.CancelledError) and outcomes[1] == 2
+
+
+class Unusual(BaseException):
+    """A BaseException that is neither an interrupt nor a cancel."""
+
+
+async def test_a_child_raising_another_base_exception_is_its_outcome() -> None:
+    unusual = Unusual()
+    running = asyncio.ensure_future(failing(unusual))
+    assert await settled(running, value(2)) == [unusual, 2]
+
+
+async def test_an_interrupt_in_the_callers_task_is_raised_without_waiting_for_the_children() -> (
+    None
+):
+    """Ctrl-C is not held back behind the children's clean-up (gather's would not be):
+    they are cancelled and left to end."""
+    never = asyncio.Event()
+    held = asyncio.Event()
+
+    async def slow_to_end() -> None:
+        try:
+            await never.wait()
+        finally:
+            await held.wait()  # a clean-up that waits
+
+    child = asyncio.ensure_future(slow_to_end())
+    await asyncio.sleep(0)  # the child is waiting
+    with pytest.raises(KeyboardInterrupt):
+        await settled(child, failing(KeyboardInterrupt()))
+    assert child.cancelling() and not child.done()
+    held.set()
+    with pytest.raises(asyncio.CancelledError):
+        await child
+
+
+async def test_a_cancel_asked_just_before_the_call_is_the_callers() -> None:
+    """The caller cancelled in the step that calls: the cancel lands in the child run in
+    its task, and is raised as the caller's, not kept as that child's outcome."""
+    child = asyncio.ensure_future(value("x"))
+
+    async def caller() -> list[object]:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # delivered at the first wait inside
+        return await settled(child, value("y", asyncio.Event()))
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.ensure_future(caller())

@@ -494,6 +494,23 @@ def test_content_types_differing_only_in_padding_are_one_content_type() -> None:
     assert parsed.event_id == event()["id"]
 
 
+@pytest.mark.parametrize(
+    ("first", "reason"),
+    [("ce-type", R.INVALID_CLOUDEVENT), ("content-type", R.UNSUPPORTED_MEDIA_TYPE)],
+)
+def test_of_two_conflicting_headers_the_first_in_the_request_decides(first: str, reason: R) -> None:
+    conflicting = {
+        "ce-type": ("ce-type", "Ce-Type", "a", "b"),
+        "content-type": ("content-type", "Content-Type", "application/json", "text/plain"),
+    }
+    order = [first, *(name for name in conflicting if name != first)]
+    headers: dict[str, str] = {}
+    for name in order:
+        lower, title, one, other = conflicting[name]
+        headers[lower], headers[title] = one, other
+    assert rejected(event(), headers).reason is reason
+
+
 def test_body_too_large() -> None:
     body = json.dumps(event(data={"pad": "x" * 200})).encode()
     with pytest.raises(WebhookRejected) as info:

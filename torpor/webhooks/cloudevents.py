@@ -251,10 +251,10 @@ def _from_batch(body: bytes, now: datetime) -> list[InboundEvent]:
 
 def _normalise(headers: Mapping[str, str]) -> Mapping[str, str]:
     read = RequestHeaders.of(headers)
-    if read.differing:
-        if "content-type" in read.differing:
+    for name in read.differing:  # in the request's order: the first such decides
+        if name == "content-type":
             raise WebhookRejected(_R.UNSUPPORTED_MEDIA_TYPE)
-        if any(name.startswith("ce-") for name in read.differing):
+        if name.startswith("ce-"):
             raise WebhookRejected(_R.INVALID_CLOUDEVENT, "conflicting duplicate ce- headers")
     return read.by_name
 

@@ -25,13 +25,13 @@ class RequestHeaders(Mapping[str, str]):
         values: dict[str, str] = {}
         sent: dict[str, str] = {}  # as sent, for ``conflicts``
         conflicts: set[str] = set()
-        differing: set[str] = set()
+        differing: dict[str, None] = {}  # in the request's order: the first decides
         for name, value in raw.items():
             key = name.strip().lower()
             if sent.get(key, value) != value:
                 conflicts.add(key)
                 if values[key] != value.strip():
-                    differing.add(key)
+                    differing[key] = None
             sent[key] = value
             values[key] = value.strip()
         self.by_name: Mapping[str, str] = values
