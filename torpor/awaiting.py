@@ -41,16 +41,14 @@ async def settled(*aws: Awaitable[Any]) -> list[Any]:
             outcome = await _outcome(last, task, before)
         for child in running:
             outcomes.append(await _outcome(child, task, before))
-    except asyncio.CancelledError:
-        # The caller cancelled: every child goes with it, and has ended before this
-        # raises, so none outlives the request that started it.
+    except BaseException as exc:
         for child in running:
             child.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
-        raise
-    except BaseException:  # interrupted, or closed: the children are cancelled, not waited for
-        for child in running:
-            child.cancel()
+        if isinstance(exc, asyncio.CancelledError):
+            # The caller cancelled: every child has ended before this raises, so none
+            # outlives the request that started it. Interrupted or closed, the children
+            # are not waited for (an interrupt is not held behind their clean-up).
+            await asyncio.gather(*running, return_exceptions=True)
         raise
     if last is not None:
         outcomes.append(outcome)

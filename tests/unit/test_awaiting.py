@@ -17,11 +17,10 @@ async def value(v: object, gate: asyncio.Event | None = None) -> object:
 
 
 async def failing(exc: BaseException) -> object:
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop first: it fails once started, as a write would
     raise exc
 
 
-@pytest.mark.asyncio
 async def test_each_outcome_comes_back_in_order_errors_as_values() -> None:
     error = ValueError("no")
     running = asyncio.ensure_future(value("task"))
@@ -30,7 +29,6 @@ async def test_each_outcome_comes_back_in_order_errors_as_values() -> None:
     assert await settled() == []
 
 
-@pytest.mark.asyncio
 async def test_the_last_coroutine_runs_in_the_callers_task_and_the_others_at_once() -> None:
     seen: list[asyncio.Task[object] | None] = []
     gate = asyncio.Event()
@@ -48,7 +46,6 @@ async def test_the_last_coroutine_runs_in_the_callers_task_and_the_others_at_onc
     assert seen[0] is seen[1]
 
 
-@pytest.mark.asyncio
 async def test_a_child_cancelled_on_its_own_is_its_cancelled_error() -> None:
     never = asyncio.Event()
     alone = asyncio.ensure_future(value("x", never))
@@ -58,7 +55,6 @@ async def test_a_child_cancelled_on_its_own_is_its_cancelled_error() -> None:
     assert outcomes[1] == 2
 
 
-@pytest.mark.asyncio
 async def test_the_caller_cancelled_cancels_every_child_and_raises() -> None:
     never = asyncio.Event()
     started = asyncio.Event()
@@ -124,7 +120,7 @@ async def test_the_callers_cancel_is_raised_though_a_child_absorbed_it() -> None
 async def test_every_child_has_ended_when_the_callers_cancel_is_raised() -> None:
     """No child outlives the caller: each is cancelled and waited for (its clean-up
     runs to its end) before the cancel reaches the caller."""
-    started, cleaned = asyncio.Event(), asyncio.Event()
+    started, cleaning, cleaned = asyncio.Event(), asyncio.Event(), asyncio.Event()
     release = asyncio.Event()
 
     async def slow_to_end() -> None:
@@ -132,6 +128,7 @@ async def test_every_child_has_ended_when_the_callers_cancel_is_raised() -> None
         try:
             await asyncio.Event().wait()
         finally:
+            cleaning.set()
             await release.wait()  # its clean-up takes a while
             cleaned.set()
 
@@ -139,7 +136,7 @@ async def test_every_child_has_ended_when_the_callers_cancel_is_raised() -> None
     waiting = asyncio.ensure_future(settled(child, asyncio.Event().wait()))
     await started.wait()
     waiting.cancel()
-    await asyncio.sleep(0)
+    await cleaning.wait()  # the child was cancelled: its clean-up is under way
     assert not waiting.done()  # still waiting for the child's clean-up
     release.set()
     with pytest.raises(asyncio.CancelledError):
@@ -154,7 +151,7 @@ async def test_a_cancel_asked_of_the_caller_before_is_not_taken_for_a_childs() -
     assert task is not None
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await asyncio.sleep(1)
+        await asyncio.Event().wait()  # the cancel lands here
     never = asyncio.Event()
     alone = asyncio.ensure_future(value("x", never))
     asyncio.get_running_loop().call_soon(alone.cancel)
@@ -178,17 +175,17 @@ async def test_an_interrupt_in_the_callers_task_is_raised_without_waiting_for_th
 ):
     """Ctrl-C is not held back behind the children's clean-up (gather's would not be):
     they are cancelled and left to end."""
-    never = asyncio.Event()
-    held = asyncio.Event()
+    never, waiting, held = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def slow_to_end() -> None:
         try:
+            waiting.set()
             await never.wait()
         finally:
             await held.wait()  # a clean-up that waits
 
     child = asyncio.ensure_future(slow_to_end())
-    await asyncio.sleep(0)  # the child is waiting
+    await waiting.wait()
     with pytest.raises(KeyboardInterrupt):
         await settled(child, failing(KeyboardInterrupt()))
     assert child.cancelling() and not child.done()
