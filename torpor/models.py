@@ -8,9 +8,10 @@ generation, processed deliveries). Nothing in here refers to a process or a conn
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -32,10 +33,36 @@ from torpor.lifecycle import MAX_HISTORY, HistoryEntry, SessionState
 # and quarantining a healthy session in the middle of a rolling upgrade.
 SCHEMA_VERSION = 2
 MAX_OBSERVATIONS = 128
+_new_instance = object.__new__
+_set_slot = object.__setattr__  # past BaseModel.__setattr__, as pydantic's own copy does
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """pydantic's copy, without its generic steps: a resume copies its snapshot some 16
+        times (each move, update, commit and chunk seal), and pydantic's shallow copy runs
+        ``__copy__`` and ``copy.copy`` three times, ~160 bytecodes, where this is ~25.
+
+        The same result for these models: no extra fields (``extra="forbid"``) and no
+        private attributes, so a shallow copy is the field values and the set of fields
+        given, both updated from ``update`` without validation, as pydantic's own does.
+        Anything else (a deep copy, a private value) goes to pydantic's."""
+        if deep or self.__pydantic_extra__ is not None or self.__pydantic_private__ is not None:
+            return super().model_copy(update=update, deep=deep)
+        values = self.__dict__.copy()
+        if update:
+            values.update(update)
+            given = self.__pydantic_fields_set__ | update.keys()
+        else:
+            given = set(self.__pydantic_fields_set__)
+        copied = _new_instance(type(self))
+        _set_slot(copied, "__dict__", values)
+        _set_slot(copied, "__pydantic_extra__", None)
+        _set_slot(copied, "__pydantic_fields_set__", given)
+        _set_slot(copied, "__pydantic_private__", None)
+        return copied
 
 
 # --- conversation (OpenAI chat format) ---------------------------------------------
