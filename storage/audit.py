@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from storage import audit_archive, keys
 from storage.listing import all_keys
-from torpor.errors import ObjectExists, ObjectNotFound
+from torpor.errors import ObjectExists, ObjectNotFound, StorageUnavailable
 from torpor.ports import ObjectStore
 
 GENESIS = "0" * 64
@@ -216,6 +216,7 @@ class ObjectAudit:
         self._stream = writer
         self._queue: list[tuple[dict[str, Any], asyncio.Future[AuditRecord]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._writing: list[tuple[dict[str, Any], asyncio.Future[AuditRecord]]] = []  # a block
         self._seq, self._block, self._prev = 0, 0, GENESIS
         self.healthy = True  # False from a failed block write until the next one lands
         self.last_error: str | None = None
@@ -264,8 +265,20 @@ class ObjectAudit:
         return await future
 
     async def _flush(self) -> None:
+        try:
+            await self._write_queued()
+        except asyncio.CancelledError:
+            # Cancelled under a write (the loop or the store closing): every caller still
+            # waiting is answered, not left on a future no flush would settle. What was
+            # written is unknown, as after any failed write: the next one finds out.
+            waiting, self._writing, self._queue = [*self._writing, *self._queue], [], []
+            self._failed(waiting, StorageUnavailable("the audit write was cancelled"))
+            raise
+
+    async def _write_queued(self) -> None:
         while self._queue:
             batch, self._queue = self._queue[:MAX_BLOCK_RECORDS], self._queue[MAX_BLOCK_RECORDS:]
+            self._writing = batch
             seq, prev, records = self._seq, self._prev, []
             for fields, _ in batch:
                 seq += 1

@@ -116,6 +116,62 @@ async def test_a_block_whose_answer_was_lost_does_not_wedge_the_writer(
     assert check.ok and check.records == 5
 
 
+class CancelledUnder:
+    """A store whose next create-only write of ``key`` is cancelled under its caller
+    (its own call's task cancelled as the store closes), the caller not asked to stop.
+    ``held``: the write waits there first, until the test lets it go on."""
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store, self.key = store, key
+        self.reached, self.held = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    async def put_if_absent(self, key: str, data: bytes, *, durable: bool = True) -> str:
+        if key == self.key:
+            self.key = ""
+            self.reached.set()
+            await self.held.wait()
+            raise asyncio.CancelledError
+        return await self.store.put_if_absent(key, data, durable=durable)
+
+
+async def test_a_write_cancelled_under_the_writer_answers_every_waiter(
+    store: ObjectStore,
+) -> None:
+    cancelling = CancelledUnder(store, keys.audit_record("w8", 2))
+    log = ObjectAudit(cancelling, writer="w8")  # type: ignore[arg-type]
+    await log.append(**fields(0))
+    first = asyncio.create_task(log.append(**fields(1)))
+    await cancelling.reached.wait()
+    queued = asyncio.create_task(log.append(**fields(2)))  # behind the write in flight
+    cancelling.held.set()
+    # A deadline, not a pause: before, both waited on futures nothing would settle.
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(first, queued, return_exceptions=True), timeout=10
+    )
+    assert all(isinstance(o, StorageUnavailable) for o in outcomes), outcomes
+    assert not log.healthy
+    record = await log.append(**fields(3))  # a new flush writes on
+    assert record.seq == 2 and log.healthy
+    check = await log.verify()
+    assert check.ok and check.records == 2
+
+
+async def test_a_flush_cancelled_itself_answers_its_waiters(store: ObjectStore) -> None:
+    """The flusher's own task cancelled (the loop closing under it): its waiters hear
+    503, not nothing."""
+    held = CancelledUnder(store, keys.audit_record("w9", 1))
+    log = ObjectAudit(held, writer="w9")  # type: ignore[arg-type]
+    waiter = asyncio.create_task(log.append(**fields(0)))
+    await held.reached.wait()
+    assert log._flusher is not None
+    log._flusher.cancel()
+    with pytest.raises(StorageUnavailable):
+        await asyncio.wait_for(waiter, timeout=10)
+
+
 async def test_a_foreign_block_is_left_visible_and_the_writer_moves_past_it(
     store: ObjectStore,
 ) -> None:
