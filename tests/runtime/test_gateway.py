@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from datetime import timedelta
@@ -17,7 +18,13 @@ from storage.codec import SnapshotCodec
 from tests.storage.test_history_chunks import age
 from tests.support.harness import keys_read, local_env
 from torpor.entry.http import read_audited_body
-from torpor.errors import RejectReason, UnknownCorrelation, WebhookRejected, WebhookSecretInvalid
+from torpor.errors import (
+    RejectReason,
+    StorageUnavailable,
+    UnknownCorrelation,
+    WebhookRejected,
+    WebhookSecretInvalid,
+)
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.ports import Observer
@@ -97,6 +104,42 @@ async def test_outcomes_are_observed_and_audited(
         await env.services.audit.close()
         checks = await ObjectAudit(env.services.store).verify_all()
         assert [c.records for c in checks.values()] == [4] and all(c.ok for c in checks.values())
+
+
+async def test_a_durable_write_cancelled_on_its_own_is_a_503_the_sender_may_send_again(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The audit record's write cancelled under the request (its store closing), the
+    request itself not cancelled: a typed 503, counted as an error, and the replay marker
+    taken back, so the sender's retry is let through. Before, the write's own
+    ``CancelledError`` was raised from the gateway and passed every handler as a cancel
+    of the request: no answer, nothing counted."""
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        observer = Handled()
+        env.services.observer = observer
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit()
+        wait = (await env.load(sid)).waits[0]
+        now = env.clock.now()
+        raw = body(wait.correlation_id, "e1")
+
+        async def cancelled_under(**fields: object) -> None:
+            raise asyncio.CancelledError  # as the store's own call, cancelled, raises
+
+        with monkeypatch.context() as patched:
+            patched.setattr(env.services.audit, "append", cancelled_under)
+            headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
+            with pytest.raises(StorageUnavailable) as refused:
+                await gateway.receive("oa", raw, headers, now=now)
+        assert problem_for(refused.value).status == 503
+        # Counted as stored when it was (the inbox holds it), then as the error answered.
+        assert observer.seen == [("oa", "accepted", ""), ("oa", "error", "StorageUnavailable")]
+
+        later = now + timedelta(seconds=1)  # the sender's retry, signed afresh
+        headers = {**sign(Scheme.TORPOR, raw, SECRET, now=later), "Content-Type": JSON}
+        retried = await gateway.receive("oa", raw, headers, now=later)
+        assert retried.status in (200, 202)
+        assert (await env.load(sid)).state is SessionState.COMPLETED
 
 
 async def test_rejected_requests_are_audited_by_digest_never_by_body(

@@ -51,6 +51,7 @@ from torpor.errors import (
     AmbiguousEvent,
     RejectReason,
     SourceNotAllowed,
+    StorageUnavailable,
     UnknownCorrelation,
     WebhookRejected,
 )
@@ -75,6 +76,17 @@ __all__ = [
     "Routed",
     "WebhookGateway",
 ]
+
+
+def _failure(outcome: BaseException) -> BaseException:
+    """What a durable write that did not finish means to the request. One cancelled on
+    its own (its store's call cancelled under it as the service closes; the request's
+    own cancel is raised by ``settled`` instead) is a storage failure: the sender is
+    answered 503 and sends again, where a ``CancelledError`` raised from here would pass
+    every handler as a cancel of the request and reach it as no answer at all."""
+    if isinstance(outcome, asyncio.CancelledError):
+        return StorageUnavailable("a durable write of this webhook was cancelled; send it again")
+    return outcome
 
 
 class WebhookGateway(GatewayCapability):
@@ -243,12 +255,12 @@ class WebhookGateway(GatewayCapability):
             else []
         )
         results = await settled(*pending, *marker)
-        failed = [r for r in results if isinstance(r, BaseException)]
+        failed = [_failure(r) for r in results if isinstance(r, BaseException)]
         if not failed:
             # The stored events on disk too: after the audit records, whose flush of the
             # disk covered them in the usual case (then this costs nothing).
             stored = [r.durable() for r in routed if r.durable is not None]
-            failed = [r for r in await settled(*stored) if isinstance(r, BaseException)]
+            failed = [_failure(r) for r in await settled(*stored) if isinstance(r, BaseException)]
         if not failed:
             return
         # Only a marker this request created: one found there is another request's, which
