@@ -99,6 +99,40 @@ def test_arguments_are_encoded_as_redis_py_encodes_them() -> None:
         pack(("SET", "k", True))
 
 
+def test_every_kind_of_argument_packs_as_redis_pys_own_packer() -> None:
+    """Text of every sort (an enum member, a str subclass, non-ASCII), bytes, integers
+    of any size and sign, floats: byte for byte what redis-py would send."""
+    from redis.connection import Encoder, PythonRespSerializer
+
+    from torpor.lifecycle import SessionState
+
+    class Name(str):
+        pass
+
+    args = (
+        "EVALSHA",
+        "é€",
+        SessionState.RUNNING,
+        Name("sub"),
+        b"",
+        b"\xff\x00",
+        0,
+        -7,
+        2**70,
+        0.1,
+        -1e300,
+        "",
+    )
+    ours = pack(args)
+    theirs = b"".join(
+        PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode).pack(*args)
+    )
+    assert ours == theirs
+    for refused in (True, None, [1], 1 + 2j):
+        with pytest.raises(DataError, match="invalid Redis argument"):
+            pack(("SET", "k", refused))
+
+
 async def test_the_database_named_in_the_url_is_the_one_written(
     redis_url: str, redis_prefix: str
 ) -> None:
