@@ -217,6 +217,9 @@ class ObjectAudit:
         self._queue: list[tuple[dict[str, Any], asyncio.Future[AuditRecord]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._writing: list[tuple[dict[str, Any], asyncio.Future[AuditRecord]]] = []  # a block
+        # The block written whose callers are not told yet (a checkpoint is due first).
+        self._landed: list[tuple[tuple[dict[str, Any], asyncio.Future[AuditRecord]], AuditRecord]]
+        self._landed = []
         self._seq, self._block, self._prev = 0, 0, GENESIS
         self.healthy = True  # False from a failed block write until the next one lands
         self.last_error: str | None = None
@@ -269,10 +272,17 @@ class ObjectAudit:
             await self._write_queued()
         except asyncio.CancelledError:
             # Cancelled under a write (the loop or the store closing): every caller still
-            # waiting is answered, not left on a future no flush would settle. What was
-            # written is unknown, as after any failed write: the next one finds out.
+            # waiting is answered, not left on a future no flush would settle. A block
+            # already written answers its callers with their records (a checkpoint after
+            # it was cancelled); one in flight is unknown, as after any failed write (the
+            # next write finds out), and those queued behind it were never tried.
+            for (_, future), record in self._landed:
+                if not future.done():
+                    future.set_result(record)
             waiting, self._writing, self._queue = [*self._writing, *self._queue], [], []
-            self._failed(waiting, StorageUnavailable("the audit write was cancelled"))
+            self._landed = []
+            if waiting:
+                self._failed(waiting, StorageUnavailable("the audit write was cancelled"))
             raise
 
     async def _write_queued(self) -> None:
@@ -305,13 +315,15 @@ class ObjectAudit:
                 continue
             self._block, self._seq, self._prev = self._block + 1, seq, prev
             self.healthy, self.last_error = True, None
+            self._writing, self._landed = [], list(zip(batch, records, strict=True))
             if self._block - self._checkpointed >= self._checkpoint_every:
                 # Before the callers hear back: a block whose append returned is vouched
                 # for whenever a checkpoint was due (one more write every N blocks).
                 await self._checkpoint()
-            for (_, future), record in zip(batch, records, strict=True):
+            for (_, future), record in self._landed:
                 if not future.done():
                     future.set_result(record)
+            self._landed = []
 
     async def _manifest(self) -> None:
         """Name the stream before its first block, so deleting it whole shows."""
@@ -367,8 +379,12 @@ class ObjectAudit:
 
     async def close(self) -> None:
         if self._flusher is not None:
-            with contextlib.suppress(Exception):
-                await self._flusher
+            # Waited for, not awaited: a flush that failed or was cancelled has answered
+            # its callers (``_flush``), and its end is no error of the closing caller's;
+            # a cancel of the caller itself still comes through ``wait``.
+            await asyncio.wait([self._flusher])
+            if not self._flusher.cancelled():
+                self._flusher.exception()  # seen: its callers were answered with it
         if self._stream is not None:
             await self._checkpoint()
 

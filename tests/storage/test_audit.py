@@ -159,6 +159,23 @@ async def test_a_write_cancelled_under_the_writer_answers_every_waiter(
     assert check.ok and check.records == 2
 
 
+async def test_a_checkpoint_cancelled_after_its_block_landed_answers_with_the_records(
+    store: ObjectStore,
+) -> None:
+    """The block is written; the checkpoint due after it is cancelled under the writer:
+    its callers hear their records (they are durable), not a 503 that would have the
+    sender deliver it again; closing after that raises nothing and checkpoints."""
+    cancelling = CancelledUnder(store, checkpoint_key("w10", 1))
+    cancelling.held.set()
+    log = ObjectAudit(cancelling, writer="w10", checkpoint_every=1)  # type: ignore[arg-type]
+    record = await asyncio.wait_for(log.append(**fields(0)), timeout=10)
+    assert record.seq == 1 and log.healthy
+    await log.close()  # the flusher ended cancelled: no CancelledError for the closer
+    check = await log.verify()
+    assert check.ok and check.records == 1
+    assert (await store.get(checkpoint_key("w10", 1))).data  # written by close
+
+
 async def test_a_flush_cancelled_itself_answers_its_waiters(store: ObjectStore) -> None:
     """The flusher's own task cancelled (the loop closing under it): its waiters hear
     503, not nothing."""
