@@ -106,12 +106,17 @@ async def test_outcomes_are_observed_and_audited(
         assert [c.records for c in checks.values()] == [4] and all(c.ok for c in checks.values())
 
 
+@pytest.mark.parametrize("cancelled", ["audit record", "replay marker"])
 async def test_a_durable_write_cancelled_on_its_own_is_a_503_the_sender_may_send_again(
-    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    redis_url: str,
+    redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    cancelled: str,
 ) -> None:
-    """The audit record's write cancelled under the request (its store closing), the
-    request itself not cancelled: a typed 503, counted as an error, and the replay marker
-    taken back, so the sender's retry is let through. Before, the write's own
+    """A durable write of the request cancelled under it (its store's call cancelled as
+    the store closes), the request itself not cancelled: a typed 503, counted as an
+    error, and the sender's retry let through. Before, the write's own
     ``CancelledError`` was raised from the gateway and passed every handler as a cancel
     of the request: no answer, nothing counted."""
     async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
@@ -123,11 +128,14 @@ async def test_a_durable_write_cancelled_on_its_own_is_a_503_the_sender_may_send
         now = env.clock.now()
         raw = body(wait.correlation_id, "e1")
 
-        async def cancelled_under(**fields: object) -> None:
+        async def cancelled_under(*args: object, **fields: object) -> None:
             raise asyncio.CancelledError  # as the store's own call, cancelled, raises
 
         with monkeypatch.context() as patched:
-            patched.setattr(env.services.audit, "append", cancelled_under)
+            if cancelled == "audit record":
+                patched.setattr(env.services.audit, "append", cancelled_under)
+            else:
+                patched.setattr(gateway.replays, "remember", cancelled_under)
             headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
             with pytest.raises(StorageUnavailable) as refused:
                 await gateway.receive("oa", raw, headers, now=now)
@@ -140,6 +148,36 @@ async def test_a_durable_write_cancelled_on_its_own_is_a_503_the_sender_may_send
         retried = await gateway.receive("oa", raw, headers, now=later)
         assert retried.status in (200, 202)
         assert (await env.load(sid)).state is SessionState.COMPLETED
+
+
+async def test_the_requests_own_cancel_stays_a_cancel(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender gone while the replay marker is written (the event stored, its wake
+    armed, its audit record on the way): the request is cancelled, and the gateway raises
+    the cancel, not a 503 nobody is left to read."""
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        observer = Handled()
+        env.services.observer = observer
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit()
+        wait = (await env.load(sid)).waits[0]
+        now = env.clock.now()
+        raw = body(wait.correlation_id, "e1")
+        reached, never = asyncio.Event(), asyncio.Event()
+
+        async def held(*args: object, **fields: object) -> None:
+            reached.set()
+            await never.wait()
+
+        monkeypatch.setattr(gateway.replays, "remember", held)
+        headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
+        request = asyncio.create_task(gateway.receive("oa", raw, headers, now=now))
+        await asyncio.wait_for(reached.wait(), 5)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(request, 5)
+        assert ("oa", "error", "StorageUnavailable") not in observer.seen
 
 
 async def test_rejected_requests_are_audited_by_digest_never_by_body(

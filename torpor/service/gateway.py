@@ -78,17 +78,6 @@ __all__ = [
 ]
 
 
-def _failure(outcome: BaseException) -> BaseException:
-    """What a durable write that did not finish means to the request. One cancelled on
-    its own (its store's call cancelled under it as the service closes; the request's
-    own cancel is raised by ``settled`` instead) is a storage failure: the sender is
-    answered 503 and sends again, where a ``CancelledError`` raised from here would pass
-    every handler as a cancel of the request and reach it as no answer at all."""
-    if isinstance(outcome, asyncio.CancelledError):
-        return StorageUnavailable("a durable write of this webhook was cancelled; send it again")
-    return outcome
-
-
 class WebhookGateway(GatewayCapability):
     """Inbound webhooks and capability callbacks, in the order the module describes."""
 
@@ -97,6 +86,7 @@ class WebhookGateway(GatewayCapability):
     async def receive(
         self, source_name: str, body: bytes, headers: Mapping[str, str], *, now: datetime
     ) -> HookResult:
+        task = asyncio.current_task()
         try:
             # Read once, for the verifier, the parser and the trace alike.
             read = RequestHeaders.of(headers)
@@ -117,6 +107,17 @@ class WebhookGateway(GatewayCapability):
             await self._handled(source_name, "rejected", exc.reason.value)
             await self._audit_rejection(source_name, exc.reason, body, headers, now)
             raise
+        except asyncio.CancelledError as exc:
+            if task is None or task.cancelling():
+                # The request's own cancel (its sender gone, the replica stopping), or one
+                # that may be: a cancel raised too often beats one lost (``settled``).
+                raise
+            # A call of its own cancelled under it (a store's call as the store closes)
+            # and raised through: a storage failure, answered 503 for the sender to send
+            # again, where the cancel would pass every handler and answer nothing.
+            failure = StorageUnavailable("a call this webhook made was cancelled; send it again")
+            await self._failed(source_name, failure)
+            raise failure from exc
         except Exception as exc:
             await self._failed(source_name, exc)
             raise
@@ -255,12 +256,12 @@ class WebhookGateway(GatewayCapability):
             else []
         )
         results = await settled(*pending, *marker)
-        failed = [_failure(r) for r in results if isinstance(r, BaseException)]
+        failed = [r for r in results if isinstance(r, BaseException)]
         if not failed:
             # The stored events on disk too: after the audit records, whose flush of the
             # disk covered them in the usual case (then this costs nothing).
             stored = [r.durable() for r in routed if r.durable is not None]
-            failed = [_failure(r) for r in await settled(*stored) if isinstance(r, BaseException)]
+            failed = [r for r in await settled(*stored) if isinstance(r, BaseException)]
         if not failed:
             return
         # Only a marker this request created: one found there is another request's, which
