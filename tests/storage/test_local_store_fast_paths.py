@@ -742,3 +742,41 @@ def test_the_loops_a_store_outlived_are_not_held(
         gc.collect()
         time.sleep(0.01)
     assert [ref() for ref in loops] == [None, None, None]
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 70_000, 300_000])
+def test_a_files_contents_are_read_whole(tmp_path: Path, size: int) -> None:
+    from storage.local_files import _contents
+
+    path = tmp_path / "object"
+    path.write_bytes(os.urandom(size))
+    assert _contents(str(path)) == path.read_bytes()
+
+
+def test_a_file_that_grew_since_its_size_was_read_is_read_to_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The size read first is a hint: bytes past it (the file grew in between) are read on
+    to the end, not cut off at the size seen."""
+    from storage import local_files
+
+    path = tmp_path / "object"
+    data = os.urandom(200_000)
+    path.write_bytes(data)
+    fstat = os.fstat
+
+    class Smaller:
+        def __init__(self, fd: int) -> None:
+            self.st_size = fstat(fd).st_size // 3  # as it was before it grew
+
+    monkeypatch.setattr(local_files.os, "fstat", Smaller)
+    assert local_files._contents(str(path)) == data
+
+
+def test_a_folder_or_nothing_where_a_file_was_is_no_object(tmp_path: Path) -> None:
+    from storage.local_files import _contents
+    from storage.local_fs import _NO_OBJECT
+
+    for where in (tmp_path, tmp_path / "gone", tmp_path / "gone" / "deeper"):
+        with pytest.raises(_NO_OBJECT):
+            _contents(str(where))
