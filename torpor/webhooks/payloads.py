@@ -23,6 +23,9 @@ _MAX_JSON_DEPTH: Final = 64
 # Ids and attributes end up in storage keys and logs; nothing legitimate is this long.
 MAX_TEXT_CHARS: Final = 2048
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
+# Where a lone surrogate can come from in text that decoded as strict UTF-8: a ``\u``
+# escape of one (an escaped backslash before "ud800" matches too: the walk then says no).
+_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
 _RFC3339: Final = re.compile(
     r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})"
     r"(?:\.([0-9]{1,18}))?([Zz]|[+-][0-9]{2}:[0-9]{2})"
@@ -131,6 +134,17 @@ def _reject_constant(_: str) -> Any:
     raise ValueError("NaN and Infinity are not JSON")
 
 
+class _OutOfRange(ValueError):
+    """A number past a 64-bit float's range (``1e400`` parses as infinity)."""
+
+
+def _finite(literal: str) -> float:
+    number = float(literal)
+    if not math.isfinite(number):
+        raise _OutOfRange(literal[:40])
+    return number
+
+
 def _has_surrogate(text: str) -> bool:
     return _SURROGATE.search(text) is not None
 
@@ -160,18 +174,32 @@ def _tree_problem(value: Any) -> str | None:
 
 
 def loads_json(raw: bytes) -> Any:
-    """Strict UTF-8 JSON: any problem is a ``malformed_body`` rejection."""
+    """Strict UTF-8 JSON: any problem is a ``malformed_body`` rejection.
+
+    A number out of range is refused as it is parsed. The walk of the parsed tree for
+    the rest (``_tree_problem``: some 300 interpreted instructions a webhook) is made
+    only for text that could hold a problem: more opening brackets than the depth
+    allowed (each level of nesting takes one, so fewer cannot nest too deep), or a
+    ``\\u`` escape of a surrogate (strict UTF-8 decoding refuses every other way in)."""
     try:
+        text = raw.decode("utf-8")
         value = json.loads(
-            raw.decode("utf-8"),
+            text,
             object_pairs_hook=unique_names,
             parse_constant=_reject_constant,
+            parse_float=_finite,
         )
+    except _OutOfRange:
+        raise malformed("the JSON document holds a number out of range") from None
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise malformed() from None
-    why = _tree_problem(value)
-    if why is not None:
-        raise malformed(why)
+    if (
+        text.count("{") + text.count("[") > _MAX_JSON_DEPTH
+        or _SURROGATE_ESCAPE.search(text) is not None
+    ):
+        why = _tree_problem(value)
+        if why is not None:
+            raise malformed(why)
     return value
 
 
