@@ -161,6 +161,35 @@ async def test_a_used_capability_link_whose_wake_was_lost_is_woken_by_the_retry(
     assert refused.value.reason is RejectReason.TOKEN_USED
 
 
+async def test_a_capability_answer_whose_wake_was_cancelled_under_it_is_a_503_and_retried(
+    env: Env,
+) -> None:
+    """A call of the request's own cancelled under it (the index's call, as the index
+    closes), the request not cancelled: 503, the sender's retry wakes the session.
+    Before, the cancel passed every handler as the request's: no answer at all."""
+    gateway = WebhookGateway(env.control)
+    sid = await env.submit()
+    wait = (await env.load(sid)).waits[0]
+    token = mint(
+        key=CAPABILITY_KEY.encode(),
+        tenant="acme",
+        session_id=sid,
+        wait_id=wait.wait_id,
+        correlation_id=wait.correlation_id,
+        epoch=wait.epoch,
+        expires_at=wait.deadline,
+    )
+    raw = json.dumps({"status": "approved"}).encode()
+    headers = {"Content-Type": JSON}
+    fail_once(env.control, "activate_for_event", after=False, error=asyncio.CancelledError())
+    with pytest.raises(StorageUnavailable):
+        await gateway.capability(token, raw, headers, now=env.clock.now())
+    assert await state(env, sid) is SessionState.SUSPENDED
+    result = await gateway.capability(token, raw, headers, now=env.clock.now())
+    assert result.status == 200 and result.body["duplicate"] is True
+    assert await state(env, sid) is SessionState.COMPLETED
+
+
 async def test_a_replay_after_the_index_was_flushed_is_still_refused(
     env: Env, redis_url: str, redis_prefix: str
 ) -> None:

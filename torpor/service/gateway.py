@@ -51,13 +51,12 @@ from torpor.errors import (
     AmbiguousEvent,
     RejectReason,
     SourceNotAllowed,
-    StorageUnavailable,
     UnknownCorrelation,
     WebhookRejected,
 )
 from torpor.faults import CrashPoint, crash_point
 from torpor.service.gateway_capability import CAPABILITY_SOURCE, GatewayCapability
-from torpor.service.gateway_edge import _trace_id
+from torpor.service.gateway_edge import _trace_id, own_call_cancelled
 from torpor.service.gateway_outcomes import HookResult, Outcome, Routed, _Resolved
 from torpor.service.replay import ReplayClaims, replay_claims
 from torpor.settings import SourceConfig, verifying_secrets
@@ -108,16 +107,9 @@ class WebhookGateway(GatewayCapability):
             await self._audit_rejection(source_name, exc.reason, body, headers, now)
             raise
         except asyncio.CancelledError as exc:
-            if task is None or task.cancelling():
-                # The request's own cancel (its sender gone, the replica stopping), or one
-                # that may be: a cancel raised too often beats one lost (``settled``).
+            if not own_call_cancelled(task):
                 raise
-            # A call of its own cancelled under it (a store's call as the store closes)
-            # and raised through: a storage failure, answered 503 for the sender to send
-            # again, where the cancel would pass every handler and answer nothing.
-            failure = StorageUnavailable("a call this webhook made was cancelled; send it again")
-            await self._failed(source_name, failure)
-            raise failure from exc
+            raise await self._call_cancelled(source_name) from exc
         except Exception as exc:
             await self._failed(source_name, exc)
             raise

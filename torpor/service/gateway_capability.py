@@ -4,6 +4,7 @@ inbox and woken; the same answer again is settled, a different one refused."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Mapping
 from datetime import datetime
@@ -11,7 +12,7 @@ from datetime import datetime
 from torpor.errors import RejectReason, WebhookRejected
 from torpor.events import EventKind, InboxEvent
 from torpor.faults import CrashPoint, crash_point
-from torpor.service.gateway_edge import _trace_id
+from torpor.service.gateway_edge import _trace_id, own_call_cancelled
 from torpor.service.gateway_inbox import GatewayInbox
 from torpor.service.gateway_outcomes import HookResult
 from torpor.webhooks.capability import open_token
@@ -29,6 +30,7 @@ class GatewayCapability(GatewayInbox):
     async def capability(
         self, token: str, body: bytes, headers: Mapping[str, str], *, now: datetime
     ) -> HookResult:
+        task = asyncio.current_task()
         try:
             return await self._capability(token, body, headers, now)
         except WebhookRejected as exc:
@@ -36,6 +38,10 @@ class GatewayCapability(GatewayInbox):
             if exc.reason is not RejectReason.TOKEN_USED:  # that one is on the record already
                 await self._audit_rejection(CAPABILITY_SOURCE, exc.reason, body, headers, now)
             raise
+        except asyncio.CancelledError as exc:
+            if not own_call_cancelled(task):
+                raise
+            raise await self._call_cancelled(CAPABILITY_SOURCE) from exc
         except Exception as exc:
             await self._failed(CAPABILITY_SOURCE, exc)
             raise

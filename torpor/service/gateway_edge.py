@@ -4,19 +4,31 @@ refused (4xx) or failed (5xx); the trace id a request's headers carry."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
 from collections.abc import Mapping
 from datetime import datetime
+from typing import Any
 
 from torpor import tracing
-from torpor.errors import RejectReason, TorporError, WebhookRejected
+from torpor.errors import RejectReason, StorageUnavailable, TorporError, WebhookRejected
 from torpor.service.replay import ReplayGuard
 from torpor.service.sessions import SessionService
 from torpor.settings import SourceConfig
 
 log = logging.getLogger(__name__)
+
+
+def own_call_cancelled(task: asyncio.Task[Any] | None) -> bool:
+    """Whether a ``CancelledError`` that reached a request's handler is a call of its own
+    cancelled under it (a store's call as the store closes), not the request's cancel:
+    the request was not asked to cancel. That is a storage failure, for the sender to
+    send again (503), where the cancel would pass every handler and answer nothing. A
+    request that was asked (its sender gone, the replica stopping), or may have been,
+    raises the cancel: a cancel raised too often beats one lost (``awaiting.settled``)."""
+    return task is not None and not task.cancelling()
 
 
 class GatewayEdge:
@@ -43,6 +55,13 @@ class GatewayEdge:
         if status >= 500:
             with contextlib.suppress(Exception):  # the original error is what the caller gets
                 await self._handled(source, "error", type(exc).__name__)
+
+    async def _call_cancelled(self, source: str) -> StorageUnavailable:
+        """What a call of the request's own cancelled under it (``own_call_cancelled``)
+        is answered with, counted as the 5xx it is."""
+        failure = StorageUnavailable("a call this webhook made was cancelled; send it again")
+        await self._failed(source, failure)
+        return failure
 
     async def refused_unread(
         self, source: str, reason: RejectReason, headers: Mapping[str, str], *, now: datetime
