@@ -224,14 +224,16 @@ def _contents(path: str) -> bytes:
     """The file's bytes, as ``Path.read_bytes`` reads them, in four system calls: open,
     fstat, read, close. ``open()`` makes nine (its buffer asks whether the file is a
     terminal and where it stands, and reads on to an empty read), three times a
-    session's resume. A read shorter than asked for is the end of a regular file; one
-    that fills the size the file had plus a byte (it grew) reads on to the end. A
-    directory, as with ``open()``, is ``IsADirectoryError`` (from the read here)."""
+    session's resume. The one read is asked for a byte more than the file holds: all of
+    it and no more is its end. Anything else reads on to an empty read, as ``open()``
+    does: a file grown since (more), one cut short, or a read the kernel capped (fewer:
+    Linux returns at most 2 GiB less a page a call). A directory, as with ``open()``,
+    is ``IsADirectoryError`` (from the read here)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         data = os.read(fd, size + 1)
-        if len(data) <= size:
+        if len(data) == size:
             return data
         parts = [data]
         while chunk := os.read(fd, 1 << 16):

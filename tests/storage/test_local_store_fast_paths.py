@@ -780,3 +780,18 @@ def test_a_folder_or_nothing_where_a_file_was_is_no_object(tmp_path: Path) -> No
     for where in (tmp_path, tmp_path / "gone", tmp_path / "gone" / "deeper"):
         with pytest.raises(_NO_OBJECT):
             _contents(str(where))
+
+
+def test_a_read_the_kernel_cut_short_is_read_on_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux returns at most 2 GiB less a page from one read: a bigger object comes back
+    in parts, and every part is read (here the cap is made 4 KiB)."""
+    from storage import local_files
+
+    path = tmp_path / "object"
+    data = os.urandom(50_000)
+    path.write_bytes(data)
+    read = os.read
+    monkeypatch.setattr(local_files.os, "read", lambda fd, n: read(fd, min(n, 4096)))
+    assert local_files._contents(str(path)) == data

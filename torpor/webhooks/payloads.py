@@ -24,8 +24,10 @@ _MAX_JSON_DEPTH: Final = 64
 MAX_TEXT_CHARS: Final = 2048
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 # Where a lone surrogate can come from in text that decoded as strict UTF-8: a ``\u``
-# escape of one (an escaped backslash before "ud800" matches too: the walk then says no).
-_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
+# escape of one. Any ``\ud`` is looked at, wider than the surrogates' ``\ud800``-``\udfff``:
+# a scanner that read other digits than ASCII's would find no way past (an escaped
+# backslash before "ud800" matches too: the walk then says no).
+_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD]")
 _RFC3339: Final = re.compile(
     r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})"
     r"(?:\.([0-9]{1,18}))?([Zz]|[+-][0-9]{2}:[0-9]{2})"
