@@ -71,11 +71,16 @@ def settings_of(client: aioredis.Redis) -> WireSettings | None:
 def pack(args: tuple[Any, ...]) -> bytes:
     """One command in RESP2, its arguments encoded as redis-py's encoder does."""
     out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        # Text first, tested by its exact type: most arguments are (a commit's script
-        # takes some thirty), and this is one test, where the chain below is up to four.
-        data = arg.encode() if type(arg) is str else _encoded(arg)
-        out.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    try:
+        for arg in args:
+            # Text first, tested by its exact type: most arguments are (a commit's script
+            # takes some thirty), and this is one test, where the chain below is up to four.
+            data = arg.encode() if type(arg) is str else _encoded(arg)
+            out.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    except ValueError as exc:
+        # Text that is not UTF-8 (a lone surrogate), an int past Python's digit limit:
+        # this command's error alone (``write``), not one that fails its whole batch.
+        raise DataError(f"invalid Redis argument: {exc}"[:200]) from None
     return b"".join(out)
 
 

@@ -267,13 +267,20 @@ def test_it_runs_on_uvloop_as_in_a_serve_replica(redis_url: str, redis_prefix: s
     assert uvloop.run(round_trip()) == ["OK", 2]
 
 
+@pytest.mark.parametrize(
+    "unencodable",
+    [object(), "lone \udc80 surrogate", 10**5000],
+    ids=["object", "surrogate", "int-past-digit-limit"],
+)
 async def test_a_command_that_cannot_be_encoded_fails_alone(
-    pipelined_client: Pipelined, redis_prefix: str
+    pipelined_client: Pipelined, redis_prefix: str, unencodable: object
 ) -> None:
+    """Not an object Redis takes, text that is not UTF-8, an int Python will not print:
+    that command's caller alone gets a ``DataError``; the batch's others are answered."""
     key = f"{redis_prefix}enc"
     good, bad, other = await asyncio.gather(
         pipelined_client.call("INCR", key),
-        pipelined_client.call("SET", key, object()),
+        pipelined_client.call("SET", key, unencodable),
         pipelined_client.call("INCR", key),
         return_exceptions=True,
     )
