@@ -16,11 +16,10 @@ import pytest
 
 from storage.audit import ObjectAudit
 from tests.support.fault_proxy import FaultProxy, path_contains
-from tests.support.harness import CAPABILITY_KEY, Env, local_env
+from tests.support.harness import Env, local_env
 from tests.support.s3_server import S3TestServer
 from torpor.lifecycle import SessionState
 from torpor.service.gateway import WebhookGateway
-from torpor.webhooks.capability import mint
 from torpor.webhooks.signing import Scheme, generate_secret, sign
 
 pytestmark = pytest.mark.s3
@@ -89,16 +88,7 @@ async def test_a_capability_links_first_use_with_an_ambiguous_write_is_accepted(
 ) -> None:
     gateway = WebhookGateway(env.control)
     sid = await env.submit()
-    wait = (await env.load(sid)).waits[0]
-    token = mint(
-        key=CAPABILITY_KEY.encode(),
-        tenant="acme",
-        session_id=sid,
-        wait_id=wait.wait_id,
-        correlation_id=wait.correlation_id,
-        epoch=wait.epoch,
-        expires_at=wait.deadline,
-    )
+    token = await env.capability_link(sid)
     s3_proxy.reset_after_commit(match=path_contains("/inbox/", "PUT"))
     result = await gateway.capability(
         token, b'{"status": "approved"}', {"Content-Type": JSON}, now=env.clock.now()

@@ -20,7 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 
 import storage.local_store as local_store
-from tests.support.harness import CAPABILITY_KEY, Env, local_env
+from tests.support.harness import Env, local_env
 from torpor.errors import (
     AmbiguousEvent,
     IndexUnavailable,
@@ -32,7 +32,6 @@ from torpor.lifecycle import SessionState
 from torpor.ports import Stored
 from torpor.service.gateway import WebhookGateway
 from torpor.service.replay import ReplayGuard, replay_claims
-from torpor.webhooks.capability import mint
 from torpor.webhooks.signing import Scheme, generate_secret, sign, verify
 
 SECRET = generate_secret(Scheme.TORPOR)
@@ -135,16 +134,7 @@ async def test_a_used_capability_link_whose_wake_was_lost_is_woken_by_the_retry(
 ) -> None:
     gateway = WebhookGateway(env.control)
     sid = await env.submit()
-    wait = (await env.load(sid)).waits[0]
-    token = mint(
-        key=CAPABILITY_KEY.encode(),
-        tenant="acme",
-        session_id=sid,
-        wait_id=wait.wait_id,
-        correlation_id=wait.correlation_id,
-        epoch=wait.epoch,
-        expires_at=wait.deadline,
-    )
+    token = await env.capability_link(sid)
     raw = json.dumps({"status": "approved"}).encode()
     headers = {"Content-Type": JSON}
     fail_once(env.control, "activate_for_event", after=False)
@@ -169,16 +159,7 @@ async def test_a_capability_answer_whose_wake_was_cancelled_under_it_is_a_503_an
     Before, the cancel passed every handler as the request's: no answer at all."""
     gateway = WebhookGateway(env.control)
     sid = await env.submit()
-    wait = (await env.load(sid)).waits[0]
-    token = mint(
-        key=CAPABILITY_KEY.encode(),
-        tenant="acme",
-        session_id=sid,
-        wait_id=wait.wait_id,
-        correlation_id=wait.correlation_id,
-        epoch=wait.epoch,
-        expires_at=wait.deadline,
-    )
+    token = await env.capability_link(sid)
     raw = json.dumps({"status": "approved"}).encode()
     headers = {"Content-Type": JSON}
     fail_once(env.control, "activate_for_event", after=False, error=asyncio.CancelledError())

@@ -22,13 +22,12 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import CAPABILITY_KEY, Env, local_env
+from tests.support.harness import Env, local_env
 from torpor.errors import RejectReason, WebhookRejected
 from torpor.ids import event_key
 from torpor.lifecycle import SessionState
 from torpor.ports import TimerKind
 from torpor.service.gateway import WebhookGateway
-from torpor.webhooks.capability import mint
 from torpor.webhooks.signing import Scheme, generate_secret, sign
 
 pytestmark = pytest.mark.slow
@@ -155,16 +154,7 @@ async def test_a_replica_killed_mid_capability_callback_loses_nothing(
     env: Env, tmp_path: Path, redis_url: str, redis_prefix: str, point: str
 ) -> None:
     sid = await env.submit()
-    wait = (await env.load(sid)).waits[0]
-    token = mint(
-        key=CAPABILITY_KEY.encode(),
-        tenant="acme",
-        session_id=sid,
-        wait_id=wait.wait_id,
-        correlation_id=wait.correlation_id,
-        epoch=wait.epoch,
-        expires_at=wait.deadline,
-    )
+    token = await env.capability_link(sid)
     raw, headers = b'{"status": "approved"}', {"Content-Type": JSON}
     done = kill_replica_at(point, env, tmp_path, redis_url, redis_prefix, raw, headers, token=token)
     assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]

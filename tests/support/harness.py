@@ -20,6 +20,7 @@ from torpor.ports.services import Services
 from torpor.service.activator import InlineActivator
 from torpor.service.sessions import SessionService
 from torpor.settings import Settings
+from torpor.webhooks.capability import mint
 
 CAPABILITY_KEY = "test-capability-key-0123456789abcdef"
 
@@ -92,6 +93,20 @@ class Env:
 
     async def load(self, session_id: str) -> SessionSnapshot:
         return await self.services.snapshots.load(session_id)
+
+    async def capability_link(self, session_id: str) -> str:
+        """The token of a capability link for the session's (first) open wait, minted
+        with the test deployment's key, valid until the wait's deadline."""
+        wait = (await self.load(session_id)).waits[0]
+        return mint(
+            key=CAPABILITY_KEY.encode(),
+            tenant="acme",
+            session_id=session_id,
+            wait_id=wait.wait_id,
+            correlation_id=wait.correlation_id,
+            epoch=wait.epoch,
+            expires_at=wait.deadline,
+        )
 
     async def answer(
         self,
