@@ -17,7 +17,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import DataError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.keys import RedisKeys
@@ -35,7 +35,8 @@ T = TypeVar("T")
 def translate(
     fn: Callable[P, Coroutine[Any, Any, T]],
 ) -> Callable[P, Coroutine[Any, Any, T]]:
-    """Turn redis-py's connection errors into the domain's typed IndexUnavailable."""
+    """Turn redis-py's connection and server errors into the domain's typed
+    IndexUnavailable; an argument Redis cannot be sent stays redis-py's ``DataError``."""
 
     @wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -46,6 +47,10 @@ def translate(
             raise IndexUnavailable(
                 f"Redis index at {self.url} is not reachable ({type(exc).__name__})"
             ) from exc
+        except DataError:
+            # An argument no Redis takes (not text, bytes or a number; text that is not
+            # UTF-8): the caller's bug, raised as it is (a 500), not an outage to retry.
+            raise
         except RedisError as exc:
             raise IndexUnavailable(f"Redis index at {self.url} failed: {exc}") from exc
 

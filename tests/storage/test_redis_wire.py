@@ -297,3 +297,27 @@ async def test_a_reply_that_is_not_utf8_fails_only_its_command(
         pipelined_client.call("GET", key), pipelined_client.call("INCR", f"{redis_prefix}n")
     )
     assert got.encode(errors="surrogateescape") == b"\xff\xfe" and after == 1
+
+
+async def test_an_argument_redis_cannot_take_is_the_callers_error_not_an_outage() -> None:
+    """The index's calls (``translate``): a lost connection is ``IndexUnavailable`` (503,
+    retried), a ``DataError`` stays itself (a 500, counted as the bug it is): no retry
+    of a command that can never be sent."""
+    from storage.redis_index.connection import translate
+    from torpor.errors import IndexUnavailable
+
+    class Index:
+        url = "redis://127.0.0.1:6379/0"
+
+        @translate
+        async def unsendable(self) -> None:
+            raise DataError("invalid Redis argument: 'utf-8' codec can't encode")
+
+        @translate
+        async def unreachable(self) -> None:
+            raise RedisConnectionError("connection refused")
+
+    with pytest.raises(DataError):
+        await Index().unsendable()
+    with pytest.raises(IndexUnavailable):
+        await Index().unreachable()
