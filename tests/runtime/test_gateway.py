@@ -150,6 +150,24 @@ async def test_a_durable_write_cancelled_on_its_own_is_a_503_the_sender_may_send
         assert (await env.load(sid)).state is SessionState.COMPLETED
 
 
+async def test_a_refusal_whose_audit_write_is_cancelled_under_it_is_still_the_refusal(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unsigned request, its audit record's write cancelled under it (the request not
+    cancelled): still the 401 it was, not a cancel that answers nothing."""
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        gateway = WebhookGateway(env.control)
+
+        async def cancelled_under(*args: object, **fields: object) -> None:
+            raise asyncio.CancelledError
+
+        monkeypatch.setattr(env.services.audit, "append", cancelled_under)
+        raw = body("Q" * 22, "e1")
+        with pytest.raises(WebhookRejected) as refused:
+            await gateway.receive("oa", raw, {"Content-Type": JSON}, now=env.clock.now())
+        assert refused.value.reason is RejectReason.MISSING_SIGNATURE
+
+
 async def test_the_requests_own_cancel_stays_a_cancel(
     tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

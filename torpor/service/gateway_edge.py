@@ -95,6 +95,12 @@ class GatewayEdge:
             )
         except Exception:
             log.warning("audit of a rejected %s request failed", source[:128], exc_info=True)
+        except asyncio.CancelledError:
+            if not own_call_cancelled(asyncio.current_task()):
+                raise
+            # The audit's own write cancelled under it (the store closing): the 4xx
+            # stands, as for any other failure of the audit.
+            log.warning("audit of a rejected %s request was cancelled", source[:128])
 
 
 def _trace_id(headers: Mapping[str, str]) -> str | None:
