@@ -378,13 +378,16 @@ class ObjectAudit:
         return True
 
     async def close(self) -> None:
-        if self._flusher is not None:
+        flusher = self._flusher
+        # A flush begun on another loop (services closed on a loop of their own) cannot
+        # be waited for from this one, and is not, as before.
+        if flusher is not None and flusher.get_loop() is asyncio.get_running_loop():
             # Waited for, not awaited: a flush that failed or was cancelled has answered
             # its callers (``_flush``), and its end is no error of the closing caller's;
             # a cancel of the caller itself still comes through ``wait``.
-            await asyncio.wait([self._flusher])
-            if not self._flusher.cancelled():
-                self._flusher.exception()  # seen: its callers were answered with it
+            await asyncio.wait([flusher])
+            if not flusher.cancelled():
+                flusher.exception()  # seen: its callers were answered with it
         if self._stream is not None:
             await self._checkpoint()
 

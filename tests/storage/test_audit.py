@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -251,3 +252,17 @@ async def test_without_a_key_checkpoints_say_they_are_unsigned(store: ObjectStor
     assert check.ok and check.checkpoints == "unsigned (no audit key)"
     await store.delete(keys.audit_record("w10", 1))
     assert not (await log.verify()).ok
+
+
+def test_closing_on_another_loop_than_the_flushs_raises_nothing(tmp_path: Path) -> None:
+    """Services opened on one loop and closed on another: the flush, begun on the first,
+    is not waited for from the second (it cannot be), and the close still checkpoints."""
+    from storage.local_store import LocalObjectStore
+
+    store = LocalObjectStore(tmp_path / "objects")
+    log = ObjectAudit(store, writer="w11")
+    asyncio.run(log.append(**fields(0)))  # its flush began, and ended, on that loop
+    asyncio.run(log.close())
+    check = asyncio.run(log.verify())
+    asyncio.run(store.close())
+    assert check.ok and check.records == 1
