@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -59,6 +59,16 @@ class Handled(Observer):
         self.seen.append((source, outcome, reason))
 
 
+def signed(raw: bytes, at: datetime) -> dict[str, str]:
+    """The headers of ``raw`` signed for source ``oa`` at ``at``, as JSON."""
+    return {**sign(Scheme.TORPOR, raw, SECRET, now=at), "Content-Type": JSON}
+
+
+async def cancelled_under(*args: object, **fields: object) -> None:
+    """A store's call cancelled under its caller (the store closing), the caller not."""
+    raise asyncio.CancelledError
+
+
 def body(correlation_id: str, event_id: str) -> bytes:
     return json.dumps(
         {
@@ -83,7 +93,7 @@ async def test_outcomes_are_observed_and_audited(
 
         async def post(raw: bytes, *, later_s: int = 0) -> int:
             at = now + timedelta(seconds=later_s)  # a retry is signed afresh
-            headers = {**sign(Scheme.TORPOR, raw, SECRET, now=at), "Content-Type": JSON}
+            headers = signed(raw, at)
             return (await gateway.receive("oa", raw, headers, now=now)).status
 
         assert await post(body(wait.correlation_id, "e1")) == 202
@@ -128,15 +138,12 @@ async def test_a_durable_write_cancelled_on_its_own_is_a_503_the_sender_may_send
         now = env.clock.now()
         raw = body(wait.correlation_id, "e1")
 
-        async def cancelled_under(*args: object, **fields: object) -> None:
-            raise asyncio.CancelledError  # as the store's own call, cancelled, raises
-
         with monkeypatch.context() as patched:
             if cancelled == "audit record":
                 patched.setattr(env.services.audit, "append", cancelled_under)
             else:
                 patched.setattr(gateway.replays, "remember", cancelled_under)
-            headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
+            headers = signed(raw, now)
             with pytest.raises(StorageUnavailable) as refused:
                 await gateway.receive("oa", raw, headers, now=now)
         assert problem_for(refused.value).status == 503
@@ -144,7 +151,7 @@ async def test_a_durable_write_cancelled_on_its_own_is_a_503_the_sender_may_send
         assert observer.seen == [("oa", "accepted", ""), ("oa", "error", "StorageUnavailable")]
 
         later = now + timedelta(seconds=1)  # the sender's retry, signed afresh
-        headers = {**sign(Scheme.TORPOR, raw, SECRET, now=later), "Content-Type": JSON}
+        headers = signed(raw, later)
         retried = await gateway.receive("oa", raw, headers, now=later)
         assert retried.status in (200, 202)
         assert (await env.load(sid)).state is SessionState.COMPLETED
@@ -157,9 +164,6 @@ async def test_a_refusal_whose_audit_write_is_cancelled_under_it_is_still_the_re
     cancelled): still the 401 it was, not a cancel that answers nothing."""
     async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
         gateway = WebhookGateway(env.control)
-
-        async def cancelled_under(*args: object, **fields: object) -> None:
-            raise asyncio.CancelledError
 
         monkeypatch.setattr(env.services.audit, "append", cancelled_under)
         raw = body("Q" * 22, "e1")
@@ -189,7 +193,7 @@ async def test_the_requests_own_cancel_stays_a_cancel(
             await never.wait()
 
         monkeypatch.setattr(gateway.replays, "remember", held)
-        headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
+        headers = signed(raw, now)
         request = asyncio.create_task(gateway.receive("oa", raw, headers, now=now))
         await asyncio.wait_for(reached.wait(), 5)
         request.cancel()
@@ -401,7 +405,7 @@ async def test_a_resent_answer_to_a_session_that_does_not_decode_is_a_duplicate(
         raw = body(cid, "evt-1")
         for status in (202, 200):
             now = env.clock.now()
-            headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
+            headers = signed(raw, now)
             result = await gateway.receive("oa", raw, headers, now=now)
             assert result.status == status and result.body["duplicate"] is (status == 200)
             env.clock.advance(1)
@@ -570,7 +574,7 @@ async def test_a_resent_answer_to_a_long_session_reads_only_its_processed_ids(
 
         async def deliver(status: int) -> None:
             now = env.clock.now()
-            headers = {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}
+            headers = signed(raw, now)
             result = await gateway.receive("oa", raw, headers, now=now)
             assert result.status == status and result.body["duplicate"] is (status == 200)
             env.clock.advance(1)
@@ -644,10 +648,7 @@ async def test_two_spellings_of_a_signature_header_with_different_values_are_ref
         sid = await env.submit()
         now = env.clock.now()
         raw = body((await env.load(sid)).waits[0].correlation_id, "e1")
-        sent = [
-            (k.lower().encode(), v.encode())
-            for k, v in {**sign(Scheme.TORPOR, raw, SECRET, now=now), "Content-Type": JSON}.items()
-        ]
+        sent = [(k.lower().encode(), v.encode()) for k, v in signed(raw, now).items()]
         other = sign(Scheme.TORPOR, b"{}", SECRET, now=now)
         [(name, value)] = [(k, v) for k, v in other.items() if "signature" in k.lower()]
         headers = Headers(raw=[*sent, (name.upper().encode(), value.encode())])
