@@ -357,7 +357,7 @@ def count_instructions(n: int, loop: str, resume: bool) -> None:
         # "totals": the events counted while on ("summary" may say 0 when toggled).
         by_thread = {
             path.name.rsplit("-", 1)[-1]: int(found.group(1))
-            for path in Path(tmp).glob("callgrind.out-*")
+            for path in out.parent.glob(f"{out.name}-*")
             if (found := re.search(r"^totals: (\d+)", path.read_text(), re.MULTILINE))
         }
         loop_thread = by_thread.get("01", 0)
