@@ -32,7 +32,7 @@ from tests.support.harness import settings_for
 from tests.support.s3_server import free_port
 from tests.support.tools import agent_config
 from torpor.auth import new_api_key
-from torpor.entry.console import ConsoleDeps, ConsoleMount
+from torpor.entry.console import ConsoleDeps, ConsoleMount, ConsoleSlot
 from torpor.ports.services import Services
 from torpor.service.activator import InlineActivator
 from torpor.service.deliveries import DeliveryWorker
@@ -60,7 +60,7 @@ def _serve(
     stop: list[Any],
     reconciler: dict[str, Any],
 ) -> None:
-    mount = ConsoleMount()
+    mount = ConsoleMount(ConsoleSlot())  # its own: a server thread beside the tests
 
     async def status() -> dict[str, Any]:
         return reconciler

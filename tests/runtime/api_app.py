@@ -110,4 +110,4 @@ async def api_app(
             await ingress.batches.drain()
             await ingress.control.drain()
         finally:
-            serve_app.CONSOLE._app = None  # unbound again: the module outlives this app
+            serve_app.CONSOLE.unbind()  # unbound again: the module outlives this app

@@ -366,3 +366,29 @@ async def test_the_app_as_serve_ships_it_reads_the_route_the_replica_binds(
     status, _, data = await call(shipped, "/v1/hooks/oa", chunks=[raw], headers=headers)
     assert (status, data["outcome"]) == (202, "accepted")
     assert (await env.load(sid)).state is SessionState.COMPLETED
+
+
+async def test_the_console_of_the_app_as_serve_ships_it_is_the_one_the_replica_binds(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Serve freezes a copy of the ingress's app when the class is decorated, and pickles
+    it again to the replica, whose constructor binds ``serve_app.CONSOLE``: the mount the
+    app serves is a copy of it. A mount holding its own binding stayed unbound, a console
+    at 503 "starting" for good, whenever the copies parted (a driver that had pickled the
+    app once before, as the test above does, deployed one). Every copy now reads the
+    process's slot, as the webhook route does."""
+    import httpx
+    from ray import cloudpickle
+
+    import serve_app
+    from torpor.entry.console import ConsoleDeps, mount
+    from torpor.service.deliveries import DeliveryWorker
+
+    monkeypatch.setattr(mount, "SLOT", mount.ConsoleSlot())  # this test's replica
+    shipped = cloudpickle.loads(cloudpickle.dumps(serve_app.api))  # as Serve freezes it
+    serve_app.CONSOLE.bind(ConsoleDeps(env.control, DeliveryWorker(env.services)))
+    transport = httpx.ASGITransport(app=shipped)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        login = await http.get("/console/login")
+    assert login.status_code == 200, login.text
+    assert "text/html" in login.headers["content-type"]

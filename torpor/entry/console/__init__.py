@@ -1,6 +1,6 @@
 """The operator console: server-rendered pages at ``/console`` (see ``app``)."""
 
 from torpor.entry.console.app import ConsoleDeps, console_app
-from torpor.entry.console.mount import ConsoleMount
+from torpor.entry.console.mount import ConsoleMount, ConsoleSlot
 
-__all__ = ["ConsoleDeps", "ConsoleMount", "console_app"]
+__all__ = ["ConsoleDeps", "ConsoleMount", "ConsoleSlot", "console_app"]

@@ -9,24 +9,47 @@ from fastapi.responses import Response
 from torpor.entry.console.app import ConsoleDeps, console_app
 
 
+class ConsoleSlot:
+    """Where a console app is bound once its services exist."""
+
+    def __init__(self) -> None:
+        self.app: FastAPI | None = None
+
+
+# The process's slot. Serve pickles the ingress's app to the replica (and freezes a copy
+# of it when the class is decorated), so the mount the replica serves is a copy of the
+# module's ``CONSOLE``: a slot the mount held would be a copy too, and which copy the
+# replica's constructor bound depended on what the driver had pickled before (a driver
+# that pickled the app once more, as a test did, served a console stuck at 503). Every
+# copy of a mount without a slot of its own reads this module's, found by import.
+SLOT = ConsoleSlot()
+
+
 class ConsoleMount:
     """An ASGI app to mount before the services exist (at import time, as the Serve app
     does), bound to them later: answers 503 until :meth:`bind`."""
 
-    def __init__(self) -> None:
-        self._app: FastAPI | None = None
+    def __init__(self, slot: ConsoleSlot | None = None) -> None:
+        self.slot = slot  # None: the process's SLOT, looked up at each request
+
+    def _slot(self) -> ConsoleSlot:
+        return SLOT if self.slot is None else self.slot
 
     def bind(self, deps: ConsoleDeps) -> None:
-        self._app = console_app(deps)
+        self._slot().app = console_app(deps)
+
+    def unbind(self) -> None:
+        self._slot().app = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             send = _no_sniffing(send)
-        if self._app is None:
+        app = self._slot().app
+        if app is None:
             response = Response("the console is starting", status_code=503)
             await response(scope, receive, send)
             return
-        await self._app(scope, receive, send)
+        await app(scope, receive, send)
 
 
 def _no_sniffing(send: Any) -> Any:
