@@ -38,8 +38,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import DataError
 
-from storage.redis_index.wire import WireConnection, Written, settings_of
+from storage.redis_index.wire import WireConnection, Written, pack, settings_of
 
 # A pipeline's replies are read one after the other: past a few dozen commands a batch
 # only delays the first caller's answer (the next batch forms meanwhile anyway).
@@ -195,6 +196,18 @@ class Pipelined:
             return await wire.execute(
                 [args for args, _, _ in batch], [done for _, _, done in batch]
             )
+        # An argument redis-py cannot encode (text that is not UTF-8, an int past the
+        # digit limit) raised while the whole pipeline was packed, failing every command
+        # of the batch, and a lone call's as a ``UnicodeEncodeError`` its caller's
+        # ``translate`` took for an outage to retry: refused here, that command alone, as
+        # the lean wire refuses it (its packing is byte for byte redis-py's).
+        refused = [_refusal(args) for args, _, _ in batch]
+        sendable = [q for q, error in zip(batch, refused, strict=True) if error is None]
+        sent = iter(await self._redis_py(sendable) if sendable else [])
+        return [next(sent) if error is None else error for error in refused]
+
+    async def _redis_py(self, batch: list[_Queued]) -> list[Any]:
+        """``batch`` through redis-py (TLS, a unix socket, or options it must handle)."""
         if len(batch) == 1:
             [(args, options, _)] = batch
             try:
@@ -214,6 +227,15 @@ class Pipelined:
             if parts.wire is not None:
                 parts.wire.close()
                 parts.wire = None
+
+
+def _refusal(args: tuple[Any, ...]) -> DataError | None:
+    """The ``DataError`` of a command whose arguments cannot be sent, else None."""
+    try:
+        pack(args)
+    except DataError as exc:
+        return exc
+    return None
 
 
 def _drop(sent: list[_Sent]) -> None:

@@ -267,25 +267,39 @@ def test_it_runs_on_uvloop_as_in_a_serve_replica(redis_url: str, redis_prefix: s
     assert uvloop.run(round_trip()) == ["OK", 2]
 
 
+@pytest.mark.parametrize("path", ["lean wire", "redis-py"])
 @pytest.mark.parametrize(
     "unencodable",
     [object(), "lone \udc80 surrogate", 10**5000],
     ids=["object", "surrogate", "int-past-digit-limit"],
 )
 async def test_a_command_that_cannot_be_encoded_fails_alone(
-    pipelined_client: Pipelined, redis_prefix: str, unencodable: object
+    client: aioredis.Redis, redis_prefix: str, unencodable: object, path: str
 ) -> None:
     """Not an object Redis takes, text that is not UTF-8, an int Python will not print:
-    that command's caller alone gets a ``DataError``; the batch's others are answered."""
+    that command's caller alone gets a ``DataError``; the batch's others are answered,
+    and so is a batch where it goes out alone. On either path: redis-py's is a client
+    the lean wire cannot stand in for (TLS, a unix socket), taken here over this
+    machine's Redis by a client whose wire settings are none."""
+    pipelined = Pipelined(client)
+    if path == "redis-py":
+        pipelined._wire_settings = None
     key = f"{redis_prefix}enc"
-    good, bad, other = await asyncio.gather(
-        pipelined_client.call("INCR", key),
-        pipelined_client.call("SET", key, unencodable),
-        pipelined_client.call("INCR", key),
-        return_exceptions=True,
-    )
+    try:
+        good, bad, other = await asyncio.gather(
+            pipelined.call("INCR", key),
+            pipelined.call("SET", key, unencodable),
+            pipelined.call("INCR", key),
+            return_exceptions=True,
+        )
+        alone = await asyncio.gather(
+            pipelined.call("SET", key, unencodable), return_exceptions=True
+        )
+    finally:
+        pipelined.close()
     assert (good, other) == (1, 2)
     assert isinstance(bad, DataError)
+    assert isinstance(alone[0], DataError), alone
 
 
 async def test_a_reply_that_is_not_utf8_fails_only_its_command(
