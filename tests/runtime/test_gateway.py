@@ -147,8 +147,8 @@ async def test_a_durable_write_cancelled_on_its_own_is_a_503_the_sender_may_send
             with pytest.raises(StorageUnavailable) as refused:
                 await gateway.receive("oa", raw, headers, now=now)
         assert problem_for(refused.value).status == 503
-        # Counted as stored when it was (the inbox holds it), then as the error answered.
-        assert observer.seen == [("oa", "accepted", ""), ("oa", "error", "StorageUnavailable")]
+        # Counted once, as the error answered: stored, but not durably acknowledged.
+        assert observer.seen == [("oa", "error", "StorageUnavailable")]
 
         later = now + timedelta(seconds=1)  # the sender's retry, signed afresh
         headers = signed(raw, later)

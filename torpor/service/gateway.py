@@ -200,7 +200,7 @@ class WebhookGateway(GatewayCapability):
             if any(r.replayed for r in routed):  # woken if need be; still a replay
                 await self._audited(routed, remember=None, at=now)
                 await self._activate(routed)
-                raise WebhookRejected(RejectReason.REPLAYED)
+                raise WebhookRejected(RejectReason.REPLAYED)  # counted as that alone
             # A batch of one is answered as a batch: its sender reads ``events``.
             result = await self._answer(routed, batch=is_batch(headers), source=source)
             # A webhook alone in an HTTP handler asks for its activation (which runs
@@ -215,6 +215,9 @@ class WebhookGateway(GatewayCapability):
                 await self._activate(routed)
             # Remembered only by a request that did all of it (a 2xx answer).
             await self._audited(routed, remember=claims if result.status < 300 else None, at=now)
+            for r in routed:  # what it stored, counted now that it is on disk
+                if r.duplicate or r.activate is not None:
+                    await self._handled(source_name, r.outcome.value)
             if not early:
                 await self._activate(routed)
             return result

@@ -92,7 +92,8 @@ class GatewayInbox(GatewayVerdicts):
         new = written_in.new
         verdict = outcome.value if new else Outcome.DUPLICATE.value
         audit["correlation_id"] = binding.correlation_id
-        await self._handled(source_name, verdict)
+        # Counted by the request once its durable writes are done (``_receive``): one
+        # whose writes then failed was counted "accepted", then "error", one webhook twice.
         record = self.audit.append(verdict=verdict, session_id=binding.session_id, **audit)
         if new:
             # The audit record is written while the wake timer is armed and then beside
