@@ -33,14 +33,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 
-from storage.redis_index.wire import WireConnection, Written, pack, settings_of
+from storage.redis_index.wire import WireConnection, Written, settings_of
 
 # A pipeline's replies are read one after the other: past a few dozen commands a batch
 # only delays the first caller's answer (the next batch forms meanwhile anyway).
@@ -196,12 +196,13 @@ class Pipelined:
             return await wire.execute(
                 [args for args, _, _ in batch], [done for _, _, done in batch]
             )
-        # An argument redis-py cannot encode (text that is not UTF-8, an int past the
-        # digit limit) raised while the whole pipeline was packed, failing every command
-        # of the batch, and a lone call's as a ``UnicodeEncodeError`` its caller's
-        # ``translate`` took for an outage to retry: refused here, that command alone, as
-        # the lean wire refuses it (its packing is byte for byte redis-py's).
-        refused = [_refusal(args) for args, _, _ in batch]
+        # An argument redis-py cannot encode (text its encoding cannot take, an int past
+        # the digit limit) raised while the whole pipeline was packed, failing every
+        # command of the batch, and a lone call's as a ``UnicodeEncodeError`` its caller's
+        # ``translate`` took for an outage to retry: refused here by the client's own
+        # encoder, that command alone, as the lean wire refuses it.
+        encode = self._client.get_encoder().encode  # type: ignore[no-untyped-call]
+        refused = [_refusal(args, encode) for args, _, _ in batch]
         sendable = [q for q, error in zip(batch, refused, strict=True) if error is None]
         sent = iter(await self._redis_py(sendable) if sendable else [])
         return [next(sent) if error is None else error for error in refused]
@@ -229,12 +230,15 @@ class Pipelined:
                 parts.wire = None
 
 
-def _refusal(args: tuple[Any, ...]) -> DataError | None:
-    """The ``DataError`` of a command whose arguments cannot be sent, else None."""
+def _refusal(args: tuple[Any, ...], encode: Callable[[Any], Any]) -> DataError | None:
+    """The ``DataError`` of a command whose arguments ``encode`` cannot take, else None."""
     try:
-        pack(args)
+        for arg in args:
+            encode(arg)
     except DataError as exc:
         return exc
+    except ValueError as exc:
+        return DataError(f"invalid Redis argument: {exc}"[:200])
     return None
 
 
