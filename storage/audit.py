@@ -264,8 +264,19 @@ class ObjectAudit:
         future: asyncio.Future[AuditRecord] = asyncio.get_running_loop().create_future()
         self._queue.append((fields, future))
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush())
+            self._flusher = flusher = asyncio.create_task(self._flush())
+            flusher.add_done_callback(self._flusher_ended)
         return await future
+
+    def _flusher_ended(self, flusher: asyncio.Task[None]) -> None:
+        """A flusher cancelled before its first step (its loop shutting down) ran none of
+        ``_flush``'s own answer to a cancel: its waiters are answered here. Only while no
+        newer flusher has started, which writes what is queued itself."""
+        if not flusher.cancelled() or flusher is not self._flusher:
+            return
+        waiting, self._writing, self._queue = [*self._writing, *self._queue], [], []
+        if waiting:
+            self._failed(waiting, StorageUnavailable("the audit write was cancelled"))
 
     async def _flush(self) -> None:
         try:

@@ -190,6 +190,22 @@ async def test_a_flush_cancelled_itself_answers_its_waiters(store: ObjectStore) 
         await asyncio.wait_for(waiter, timeout=10)
 
 
+async def test_a_flush_cancelled_before_its_first_step_answers_its_waiters(
+    store: ObjectStore,
+) -> None:
+    """Cancelled before it ran at all (the loop shutting down as the first record came):
+    none of the flusher's own handling ran, and its waiter was left on a future nobody
+    would settle."""
+    log = ObjectAudit(store, writer="w11")
+    waiter = asyncio.create_task(log.append(**fields(0)))
+    await asyncio.sleep(0)  # one turn: the record queued, its flusher made, not yet run
+    assert log._flusher is not None and not log._flusher.done()
+    log._flusher.cancel()
+    with pytest.raises(StorageUnavailable):
+        await asyncio.wait_for(waiter, timeout=10)
+    assert (await log.append(**fields(1))).seq == 1  # the next record writes as the first
+
+
 async def test_a_foreign_block_is_left_visible_and_the_writer_moves_past_it(
     store: ObjectStore,
 ) -> None:
