@@ -295,6 +295,68 @@ async def test_a_body_refused_while_streamed_is_audited_without_a_digest(
         assert record["body_sha256"] == ""  # never read in full: no digest
 
 
+async def test_each_request_is_counted_once_as_what_it_did(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The observer's count (``torpor_webhooks_total``): a replay, the exact request sent
+    again, is its rejection alone; a batch counts each of its events once, one that names
+    no wait with the rest, once the writes are done; a batch whose writes then fail is
+    the error it is answered with, alone (it counted its events as they were routed,
+    then the error)."""
+    secret = generate_secret(Scheme.STANDARD)
+    sources = {**SOURCES, "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]}}
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
+        observer = Handled()
+        env.services.observer = observer
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit(doc="PR-1")
+        now = env.clock.now()
+        raw = body((await env.load(sid)).waits[0].correlation_id, "e1")
+        headers = signed(raw, now)
+        assert (await gateway.receive("oa", raw, headers, now=now)).status == 202
+        with pytest.raises(WebhookRejected) as replayed:
+            await gateway.receive("oa", raw, headers, now=now)  # the same request again
+        assert replayed.value.reason is RejectReason.REPLAYED
+        other = await env.submit(doc="PR-2")
+        base = {"specversion": "1.0", "source": "erp", "type": "oa.approval.decided"}
+        batch = [
+            {
+                **base,
+                "id": "ok-1",
+                "correlationid": (await env.load(other)).waits[0].correlation_id,
+            },
+            {**base, "id": "bad-2", "correlationid": "not/a-valid-id"},
+        ]
+        raw = json.dumps([{**e, "data": {"status": "approved"}} for e in batch]).encode()
+        headers = {
+            **sign(Scheme.STANDARD, raw, secret, now=now),
+            "Content-Type": "application/cloudevents-batch+json",
+        }
+        assert (await gateway.receive("ce", raw, headers, now=now)).status == 202
+        assert observer.seen == [
+            ("oa", "accepted", ""),
+            ("oa", "rejected", "replayed"),
+            ("ce", "accepted", ""),
+            ("ce", "unknown", ""),
+        ]
+        observer.seen.clear()
+        third = await env.submit(doc="PR-3")
+        batch[0]["correlationid"] = (await env.load(third)).waits[0].correlation_id
+        raw = json.dumps([{**e, "id": f"{e['id']}-b", "data": {}} for e in batch]).encode()
+        headers = {
+            **sign(Scheme.STANDARD, raw, secret, now=now),
+            "Content-Type": "application/cloudevents-batch+json",
+        }
+
+        async def down(*_: object, **__: object) -> None:
+            raise StorageUnavailable("the object store does not answer")
+
+        monkeypatch.setattr(env.services.audit, "append", down)
+        with pytest.raises(StorageUnavailable):
+            await gateway.receive("ce", raw, headers, now=now)
+        assert observer.seen == [("ce", "error", "StorageUnavailable")]
+
+
 async def test_a_batch_event_that_names_no_wait_is_its_own_outcome_not_the_requests(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:

@@ -155,6 +155,8 @@ async def test_a_stored_webhook_whose_durable_writes_fail_is_counted_once_as_the
     monkeypatch.setattr(env.services.audit, "append", down)
     with metrics.tap() as read, pytest.raises(StorageUnavailable):
         await gateway.receive("oa", raw, headers, now=env.clock.now())
+    stored = await env.services.inbox.pending(sid, processed=())
+    assert [e.event_id for e in stored] == ["e1"]  # the inbox took it
     assert read.counter("torpor_webhooks_total", outcome="accepted") == 0
     assert read.counter("torpor_webhooks_total", outcome="error", reason="StorageUnavailable") == 1
 

@@ -50,7 +50,9 @@ from torpor.awaiting import settled
 from torpor.errors import (
     AmbiguousEvent,
     RejectReason,
+    SessionNotFound,
     SourceNotAllowed,
+    TorporError,
     UnknownCorrelation,
     WebhookRejected,
 )
@@ -202,7 +204,14 @@ class WebhookGateway(GatewayCapability):
                 await self._activate(routed)
                 raise WebhookRejected(RejectReason.REPLAYED)  # counted as that alone
             # A batch of one is answered as a batch: its sender reads ``events``.
-            result = await self._answer(routed, batch=is_batch(headers), source=source)
+            try:
+                result = await self._answer(routed, batch=is_batch(headers), source=source)
+            except TorporError as exc:
+                # The event alone names no wait it may answer (404, 403, 409): stored
+                # nothing, counted as what it was, once.
+                if exc.status < 500:
+                    await self._counted(source_name, routed)
+                raise
             # A webhook alone in an HTTP handler asks for its activation (which runs
             # behind the answer) before the audit record and the replay marker are
             # awaited: the wake timers are armed already, and the session's load overlaps
@@ -215,9 +224,7 @@ class WebhookGateway(GatewayCapability):
                 await self._activate(routed)
             # Remembered only by a request that did all of it (a 2xx answer).
             await self._audited(routed, remember=claims if result.status < 300 else None, at=now)
-            for r in routed:  # what it stored, counted now that it is on disk
-                if r.duplicate or r.activate is not None:
-                    await self._handled(source_name, r.outcome.value)
+            await self._counted(source_name, routed)  # what it stored is on disk now
             if not early:
                 await self._activate(routed)
             return result
@@ -229,6 +236,13 @@ class WebhookGateway(GatewayCapability):
             if owned:
                 await self.replays.release(claims)
             raise
+
+    async def _counted(self, source_name: str, routed: list[Routed]) -> None:
+        """Each event's outcome, counted once the request's writes are done: an event the
+        inbox took whose audit record then failed is the request's ``error`` alone, not an
+        ``accepted`` too, and a replay is its ``rejected`` alone."""
+        for r in routed:
+            await self._handled(source_name, r.outcome.value)
 
     async def _audited(
         self, routed: list[Routed], *, remember: ReplayClaims | None, at: datetime
@@ -297,7 +311,10 @@ class WebhookGateway(GatewayCapability):
             )
         body = {"event_id": one.event_id, "duplicate": one.duplicate, "outcome": one.outcome}
         if one.outcome is not Outcome.ACCEPTED and one.session_id:
-            body["session"] = await self.outcome(one.session_id, source)
+            # A session removed since its event was routed (retention) has no state to
+            # tell: the event's own outcome stands, not a 404 for a request that stored.
+            with contextlib.suppress(SessionNotFound):
+                body["session"] = await self.outcome(one.session_id, source)
         return HookResult(one.outcome.status, body)
 
     async def outcome(self, session_id: str, source: SourceConfig) -> dict[str, Any]:

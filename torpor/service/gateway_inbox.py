@@ -52,8 +52,7 @@ class GatewayInbox(GatewayVerdicts):
             # name: nothing stored, and on the record.
             sid = binding.session_id if binding else None
             await self.audit.append(verdict=outcome.value, session_id=sid, **audit)
-            await self._handled(source_name, outcome.value)
-            return Routed(event.event_id, sid, outcome)
+            return Routed(event.event_id, sid, outcome)  # counted by the request
         data: Any = event.data
         if event.status is not None and isinstance(data, dict) and "status" not in data:
             data = {**data, "status": event.status}
@@ -92,8 +91,7 @@ class GatewayInbox(GatewayVerdicts):
         new = written_in.new
         verdict = outcome.value if new else Outcome.DUPLICATE.value
         audit["correlation_id"] = binding.correlation_id
-        # Counted by the request once its durable writes are done (``_receive``): one
-        # whose writes then failed was counted "accepted", then "error", one webhook twice.
+        # Counted by the request once its writes are done (``_counted``).
         record = self.audit.append(verdict=verdict, session_id=binding.session_id, **audit)
         if new:
             # The audit record is written while the wake timer is armed and then beside
