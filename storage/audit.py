@@ -270,31 +270,38 @@ class ObjectAudit:
 
     def _flusher_ended(self, flusher: asyncio.Task[None]) -> None:
         """A flusher cancelled before its first step (its loop shutting down) ran none of
-        ``_flush``'s own answer to a cancel: its waiters are answered here. Only while no
+        ``_flush``'s own answer to a cancel, and one that raised (a bug: store failures
+        are each batch's own) left its callers too: they are answered here. Only while no
         newer flusher has started, which writes what is queued itself."""
-        if not flusher.cancelled() or flusher is not self._flusher:
+        if flusher is not self._flusher:
             return
-        waiting, self._writing, self._queue = [*self._writing, *self._queue], [], []
-        if waiting:
-            self._failed(waiting, StorageUnavailable("the audit write was cancelled"))
+        if flusher.cancelled():
+            self._answer_all(StorageUnavailable("the audit write was cancelled"))
+        elif (raised := flusher.exception()) is not None:
+            failure = raised if isinstance(raised, Exception) else RuntimeError(repr(raised))
+            self._answer_all(failure)
 
     async def _flush(self) -> None:
         try:
             await self._write_queued()
         except asyncio.CancelledError:
             # Cancelled under a write (the loop or the store closing): every caller still
-            # waiting is answered, not left on a future no flush would settle. A block
-            # already written answers its callers with their records (a checkpoint after
-            # it was cancelled); one in flight is unknown, as after any failed write (the
-            # next write finds out), and those queued behind it were never tried.
-            for (_, future), record in self._landed:
-                if not future.done():
-                    future.set_result(record)
-            waiting, self._writing, self._queue = [*self._writing, *self._queue], [], []
-            self._landed = []
-            if waiting:
-                self._failed(waiting, StorageUnavailable("the audit write was cancelled"))
+            # waiting is answered, not left on a future no flush would settle.
+            self._answer_all(StorageUnavailable("the audit write was cancelled"))
             raise
+
+    def _answer_all(self, failure: Exception) -> None:
+        """Every caller of a flush that ends early. A block already written answers its
+        callers with their records (a checkpoint after it was cancelled); one in flight
+        is unknown, as after any failed write (the next write finds out), and those
+        queued behind it were never tried: both get ``failure``."""
+        for (_, future), record in self._landed:
+            if not future.done():
+                future.set_result(record)
+        waiting, self._writing, self._queue = [*self._writing, *self._queue], [], []
+        self._landed = []
+        if waiting:
+            self._failed(waiting, failure)
 
     async def _write_queued(self) -> None:
         while self._queue:

@@ -206,6 +206,21 @@ async def test_a_flush_cancelled_before_its_first_step_answers_its_waiters(
     assert (await log.append(**fields(1))).seq == 1  # the next record writes as the first
 
 
+async def test_a_flush_that_raises_answers_its_waiters_with_the_error(
+    store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flush ended by an error its store calls did not raise (a record that cannot be
+    hashed: a bug) left its waiter on a future nobody would settle."""
+    log = ObjectAudit(store, writer="w12")
+
+    def broken(self: object) -> str:
+        raise RuntimeError("a record that cannot be hashed")
+
+    monkeypatch.setattr("storage.audit.AuditRecord.digest", broken)
+    with pytest.raises(RuntimeError, match="cannot be hashed"):
+        await asyncio.wait_for(log.append(**fields(0)), timeout=10)
+
+
 async def test_a_foreign_block_is_left_visible_and_the_writer_moves_past_it(
     store: ObjectStore,
 ) -> None:
