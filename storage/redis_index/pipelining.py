@@ -198,9 +198,9 @@ class Pipelined:
             )
         # An argument redis-py cannot encode (text its encoding cannot take, an int past
         # the digit limit) raised while the whole pipeline was packed, failing every
-        # command of the batch, and a lone call's as a ``UnicodeEncodeError`` its caller's
-        # ``translate`` took for an outage to retry: refused here by the client's own
-        # encoder, that command alone, as the lean wire refuses it.
+        # command of the batch, and a lone call's came out as a bare ``UnicodeEncodeError``
+        # or ``ValueError``: refused here by the client's own encoder, that command alone,
+        # as the ``DataError`` the lean wire refuses it with.
         encode = self._client.get_encoder().encode  # type: ignore[no-untyped-call]
         refused = [_refusal(args, encode) for args, _, _ in batch]
         sendable = [q for q, error in zip(batch, refused, strict=True) if error is None]

@@ -282,6 +282,7 @@ async def test_a_command_that_cannot_be_encoded_fails_alone(
     the lean wire cannot stand in for (TLS, a unix socket), taken here over this
     machine's Redis by a client whose wire settings are none."""
     pipelined = Pipelined(client)
+    assert pipelined._wire_settings is not None  # a plain redis:// URL: the lean wire's
     if path == "redis-py":
         pipelined._wire_settings = None
     key = f"{redis_prefix}enc"

@@ -27,7 +27,9 @@ SLOT = ConsoleSlot()
 
 class ConsoleMount:
     """An ASGI app to mount before the services exist (at import time, as the Serve app
-    does), bound to them later: answers 503 until :meth:`bind`."""
+    does), bound to them later: answers 503 until :meth:`bind`. Mounts without a slot of
+    their own share the process's one console: two apps in one process (Serve's local
+    testing mode) serve the one bound last, as they share the webhook route."""
 
     def __init__(self, slot: ConsoleSlot | None = None) -> None:
         self.slot = slot  # None: the process's SLOT, looked up at each request
