@@ -501,9 +501,43 @@ class OffCpuRecording:
 
 
 def offcpu_file(path: str, proxy: str, proxies: list[str]) -> str:
-    """The recording of ``proxy``'s run: ``path``, or with both proxies one file each."""
+    """The recording of ``proxy``'s run: ``path``, or with both proxies one file each
+    (``--offcpu``, ``--profile-pool``)."""
     resolved = str(Path(path).resolve())
     return f"{resolved}.{proxy}" if len(proxies) > 1 else resolved
+
+
+def profile_pool(out: str, duration_s: int) -> list[subprocess.Popen[bytes]]:
+    """py-spy on every pool host for the resuming phase, collapsed stacks each
+    (``<out>.<pid>.txt``): where a resume's CPU goes, the store's worker threads included
+    (``bench/spy_shares.py`` sums them). py-spy takes CPU from the phase it samples: the
+    figures of a profiled run are not compared with an unprofiled one's."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True)
+    pids = [line.split()[0] for line in ps.stdout.splitlines() if "ray::PoolHost" in line]
+    if not pids:
+        print("  --profile-pool: no pool host process found, nothing sampled", flush=True)
+    return [
+        subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("py-spy")),
+                "record",
+                "-p",
+                pid,
+                "-d",
+                str(duration_s),
+                "-r",
+                "200",
+                "-f",
+                "raw",
+                "-o",
+                f"{out}.{pid}.txt",
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for pid in pids
+    ]
 
 
 def profile_replica(out: str, duration_s: int, name: str) -> subprocess.Popen[bytes]:
@@ -548,6 +582,7 @@ async def child(
     samples: str | None = None,
     offcpu: str | None = None,
     pin: str | None = None,
+    profile_pool_out: str | None = None,
 ) -> dict[str, Any]:
     import ray
     import redis
@@ -697,12 +732,18 @@ async def child(
     # 2-core machine (pool hosts share the CPUs with the proxy and the replica).
     first = tmp / "first.tsv"
     write_requests(first, cids[:sessions])
+    spies = profile_pool(profile_pool_out, min(duration_s, resume_s)) if profile_pool_out else []
     cpu0 = cpu_by_process()
     # Each webhook resumes its session once: a second round of the same requests would
     # be cheap 409 replays, so this phase is kept short enough not to run out of unique
     # ones (its figure is flagged invalid if it did: non-2xx above 0).
     full = wrk(base + "/v1/hooks/bench", lua, min(duration_s, resume_s), first)
     full["cpu"] = cpu_share(cpu0, cpu_by_process(), full["requests"])
+    for spy_on_pool in spies:
+        try:
+            spy_on_pool.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            spy_on_pool.kill()  # its samples are lost; the run's figures are not
 
     # Phase 2: activation deferred: what the verify → dedupe → inbox → 202 path costs
     # alone. Several distinct events per session, so a fast proxy cannot run out of
@@ -805,6 +846,12 @@ def main() -> None:
         help="for the one-at-a-time passes, the pool hosts on CPU 1 and (apart) the edge"
         " (HAProxy, replicas) on CPU 0 (an experiment: does the 202 wait for a core?)",
     )
+    parser.add_argument(
+        "--profile-pool",
+        help="py-spy every pool host in the resuming phase: collapsed stacks into"
+        " <this>.<pid>.txt each (bench/spy_shares.py reads them); the phase's figures"
+        " then pay for the sampling",
+    )
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     SETTLE_S = args.settle_s
@@ -822,6 +869,7 @@ def main() -> None:
                 args.samples,
                 args.offcpu,
                 args.pin,
+                args.profile_pool,
             )
         )
         print("JSON " + json.dumps(result), flush=True)
@@ -871,6 +919,11 @@ def main() -> None:
                 *(["--samples", str(Path(args.samples).resolve())] if args.samples else []),
                 *(["--offcpu", offcpu_file(args.offcpu, proxy, proxies)] if args.offcpu else []),
                 *(["--pin", args.pin] if args.pin else []),
+                *(
+                    ["--profile-pool", offcpu_file(args.profile_pool, proxy, proxies)]
+                    if args.profile_pool
+                    else []
+                ),
             ],
             capture_output=True,
             text=True,
