@@ -20,6 +20,7 @@ from tests.support.harness import keys_read, local_env
 from torpor.entry.http import read_audited_body
 from torpor.errors import (
     RejectReason,
+    SessionNotFound,
     StorageUnavailable,
     UnknownCorrelation,
     WebhookRejected,
@@ -355,6 +356,35 @@ async def test_each_request_is_counted_once_as_what_it_did(
         with pytest.raises(StorageUnavailable):
             await gateway.receive("ce", raw, headers, now=now)
         assert observer.seen == [("ce", "error", "StorageUnavailable")]
+
+
+async def test_a_duplicate_whose_session_goes_before_its_answer_is_still_its_200(
+    tmp_path: Path, redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A duplicate is answered with its session's state; a session removed between the
+    routing and the answer (retention) made the request a 404, counted nowhere, for an
+    event the inbox holds. Now its 200 without the state, counted as the duplicate."""
+    async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": SOURCES}) as env:
+        observer = Handled()
+        env.services.observer = observer
+        gateway = WebhookGateway(env.control)
+        sid = await env.submit()
+        now = env.clock.now()
+        raw = body((await env.load(sid)).waits[0].correlation_id, "e1")
+        assert (await gateway.receive("oa", raw, signed(raw, now), now=now)).status == 202
+
+        async def gone(session_id: str, **_: object) -> None:
+            raise SessionNotFound(f"no session {session_id}", session_id=session_id)
+
+        monkeypatch.setattr(gateway.sessions, "get", gone)
+        later = now + timedelta(seconds=1)  # the sender's retry, signed afresh
+        again = await gateway.receive("oa", raw, signed(raw, later), now=later)
+        assert (again.status, again.body["outcome"], "session" in again.body) == (
+            200,
+            "duplicate",
+            False,
+        )
+        assert observer.seen == [("oa", "accepted", ""), ("oa", "duplicate", "")]
 
 
 async def test_a_batch_event_that_names_no_wait_is_its_own_outcome_not_the_requests(
