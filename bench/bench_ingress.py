@@ -516,38 +516,13 @@ def profile_pool(out: str, duration_s: int) -> list[subprocess.Popen[bytes]]:
     pids = [line.split()[0] for line in ps.stdout.splitlines() if "ray::PoolHost" in line]
     if not pids:
         print("  --profile-pool: no pool host process found, nothing sampled", flush=True)
-    return [
-        subprocess.Popen(
-            [
-                str(Path(sys.executable).with_name("py-spy")),
-                "record",
-                "-p",
-                pid,
-                "-d",
-                str(duration_s),
-                "-r",
-                "200",
-                "-f",
-                "raw",
-                "-o",
-                f"{out}.{pid}.txt",
-                "--nonblocking",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for pid in pids
-    ]
+    return [py_spy(pid, f"{out}.{pid}.txt", duration_s, "raw") for pid in pids]
 
 
-def profile_replica(out: str, duration_s: int, name: str) -> subprocess.Popen[bytes]:
-    """py-spy on the Serve replica for the accept phase: a flame graph (``.svg``) or
-    collapsed stacks (``.txt``), native frames left out (Python's own work is the point).
-    A name with ``.gil.`` in it samples only the thread that holds the GIL: the replica's
-    I/O threads blocked in a system call are then not counted as work."""
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True)
-    pid = next(line.split()[0] for line in ps.stdout.splitlines() if name in line)
-    fmt = "raw" if out.endswith(".txt") else "flamegraph"
+def py_spy(
+    pid: str, out: str, duration_s: int, fmt: str, *, gil: bool = False
+) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` for ``duration_s`` into ``out`` (busy threads only)."""
     return subprocess.Popen(
         [
             str(Path(sys.executable).with_name("py-spy")),
@@ -563,11 +538,22 @@ def profile_replica(out: str, duration_s: int, name: str) -> subprocess.Popen[by
             "-o",
             out,
             "--nonblocking",
-            *(["--gil"] if ".gil." in Path(out).name else []),
+            *(["--gil"] if gil else []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def profile_replica(out: str, duration_s: int, name: str) -> subprocess.Popen[bytes]:
+    """py-spy on the Serve replica for the accept phase: a flame graph (``.svg``) or
+    collapsed stacks (``.txt``), native frames left out (Python's own work is the point).
+    A name with ``.gil.`` in it samples only the thread that holds the GIL: the replica's
+    I/O threads blocked in a system call are then not counted as work."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True)
+    pid = next(line.split()[0] for line in ps.stdout.splitlines() if name in line)
+    fmt = "raw" if out.endswith(".txt") else "flamegraph"
+    return py_spy(pid, out, duration_s, fmt, gil=".gil." in Path(out).name)
 
 
 async def child(
