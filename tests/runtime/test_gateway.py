@@ -65,6 +65,23 @@ def signed(raw: bytes, at: datetime) -> dict[str, str]:
     return {**sign(Scheme.TORPOR, raw, SECRET, now=at), "Content-Type": JSON}
 
 
+def ce_source() -> tuple[str, dict[str, object]]:
+    """A secret, and this module's sources with a CloudEvents source ``ce`` signed by it."""
+    secret = generate_secret(Scheme.STANDARD)
+    return secret, {
+        **SOURCES,
+        "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]},
+    }
+
+
+def ce_batch(raw: bytes, secret: str, at: datetime) -> dict[str, str]:
+    """The headers of a CloudEvents batch ``raw`` signed for source ``ce`` at ``at``."""
+    return {
+        **sign(Scheme.STANDARD, raw, secret, now=at),
+        "Content-Type": "application/cloudevents-batch+json",
+    }
+
+
 async def cancelled_under(*args: object, **fields: object) -> None:
     """A store's call cancelled under its caller (the store closing), the caller not."""
     raise asyncio.CancelledError
@@ -304,8 +321,7 @@ async def test_each_request_is_counted_once_as_what_it_did(
     no wait with the rest, once the writes are done; a batch whose writes then fail is
     the error it is answered with, alone (it counted its events as they were routed,
     then the error)."""
-    secret = generate_secret(Scheme.STANDARD)
-    sources = {**SOURCES, "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]}}
+    secret, sources = ce_source()
     async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
         observer = Handled()
         env.services.observer = observer
@@ -329,10 +345,7 @@ async def test_each_request_is_counted_once_as_what_it_did(
             {**base, "id": "bad-2", "correlationid": "not/a-valid-id"},
         ]
         raw = json.dumps([{**e, "data": {"status": "approved"}} for e in batch]).encode()
-        headers = {
-            **sign(Scheme.STANDARD, raw, secret, now=now),
-            "Content-Type": "application/cloudevents-batch+json",
-        }
+        headers = ce_batch(raw, secret, now)
         assert (await gateway.receive("ce", raw, headers, now=now)).status == 202
         assert observer.seen == [
             ("oa", "accepted", ""),
@@ -344,10 +357,7 @@ async def test_each_request_is_counted_once_as_what_it_did(
         third = await env.submit(doc="PR-3")
         batch[0]["correlationid"] = (await env.load(third)).waits[0].correlation_id
         raw = json.dumps([{**e, "id": f"{e['id']}-b", "data": {}} for e in batch]).encode()
-        headers = {
-            **sign(Scheme.STANDARD, raw, secret, now=now),
-            "Content-Type": "application/cloudevents-batch+json",
-        }
+        headers = ce_batch(raw, secret, now)
 
         async def down(*_: object, **__: object) -> None:
             raise StorageUnavailable("the object store does not answer")
@@ -394,8 +404,7 @@ async def test_a_batch_event_that_names_no_wait_is_its_own_outcome_not_the_reque
     session is gone made the whole request 400 or 404 after the batch's earlier events
     were stored and woken: the sender was told it failed while it changed a session.
     Each is its event's outcome now (unknown, audited), as an unknown id always was."""
-    secret = generate_secret(Scheme.STANDARD)
-    sources = {**SOURCES, "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]}}
+    secret, sources = ce_source()
     async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
         gateway = WebhookGateway(env.control)
         sid = await env.submit(doc="PR-1")
@@ -415,10 +424,7 @@ async def test_a_batch_event_that_names_no_wait_is_its_own_outcome_not_the_reque
         ]
         raw = json.dumps(batch).encode()
         now = env.clock.now()
-        headers = {
-            **sign(Scheme.STANDARD, raw, secret, now=now),
-            "Content-Type": "application/cloudevents-batch+json",
-        }
+        headers = ce_batch(raw, secret, now)
         result = await gateway.receive("ce", raw, headers, now=now)
         assert result.status == 202
         assert [(e["event_id"], e["outcome"]) for e in result.body["events"]] == [
@@ -451,8 +457,7 @@ async def test_a_batchs_answers_to_one_wait_are_applied_in_the_order_sent(
     """Every event of a batch was stamped with one time received, and the inbox applies
     what it holds by that time, then by key (a hash of source and id): [rejected,
     approved] for one wait ended approved whenever the second id hashed first."""
-    secret = generate_secret(Scheme.STANDARD)
-    sources = {**SOURCES, "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]}}
+    secret, sources = ce_source()
     first, second = next(
         (f"evt-{i}-a", f"evt-{i}-b")
         for i in range(1000)
@@ -470,10 +475,7 @@ async def test_a_batchs_answers_to_one_wait_are_applied_in_the_order_sent(
         ]
         raw = json.dumps(batch).encode()
         now = env.clock.now()
-        headers = {
-            **sign(Scheme.STANDARD, raw, secret, now=now),
-            "Content-Type": "application/cloudevents-batch+json",
-        }
+        headers = ce_batch(raw, secret, now)
         assert (await gateway.receive("ce", raw, headers, now=now)).status == 202
         applied = await env.load(sid)
         assert applied.state is SessionState.COMPLETED
@@ -512,8 +514,7 @@ async def test_one_cloudevent_id_from_two_producers_is_two_events(
     """A CloudEvent's id is unique only within its ``source``: a relay forwarding two
     vendors through one torpor source may carry id "1" from each. The second was
     answered "duplicate" and never stored, as if the first vendor had sent it again."""
-    secret = generate_secret(Scheme.STANDARD)
-    sources = {**SOURCES, "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]}}
+    secret, sources = ce_source()
     async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
         gateway = WebhookGateway(env.control)
         sid = await env.submit(doc="PR-1")
@@ -556,8 +557,7 @@ async def test_a_batch_of_one_is_answered_as_a_batch(
     """The answer followed the number of events, not the mode: a batch holding one event
     got a single event's answer (no ``events``), and one naming no wait failed the
     request with 404 where a longer batch reports it as that event's outcome."""
-    secret = generate_secret(Scheme.STANDARD)
-    sources = {**SOURCES, "ce": {"tenant": "acme", "scheme": "standard", "secrets": [secret]}}
+    secret, sources = ce_source()
     async with local_env(tmp_path, redis_url, redis_prefix, extra={"sources": sources}) as env:
         gateway = WebhookGateway(env.control)
         sid = await env.submit()
@@ -576,10 +576,7 @@ async def test_a_batch_of_one_is_answered_as_a_batch(
                 }
             ]
             raw = json.dumps(batch).encode()
-            headers = {
-                **sign(Scheme.STANDARD, raw, secret, now=now),
-                "Content-Type": "application/cloudevents-batch+json",
-            }
+            headers = ce_batch(raw, secret, now)
             result = await gateway.receive("ce", raw, headers, now=now)
             return result.status, result.body.get("events")
 
